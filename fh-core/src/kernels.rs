@@ -1,0 +1,343 @@
+//! Host reduction kernels for every dtype × operator.
+//!
+//! The entry points work on raw little-endian byte buffers tagged with a [`DType`], because the
+//! engine and the transports move untyped bytes. When a buffer is suitably aligned it is viewed
+//! as a typed slice and reduced with a tight loop the compiler vectorizes; otherwise an
+//! unaligned fallback is used. `f16`/`bf16` are widened to `f32` for every operation, so each
+//! pairwise step rounds once.
+//!
+//! `Average` reduces as `Sum` ([`ReduceOp::combining`]); the division by the number of
+//! contributors is a separate step ([`divide`]), done once at the end of a collective.
+
+use half::{bf16, f16};
+
+use crate::{CoreError, DType, ReduceOp};
+
+fn check_pair(dtype: DType, acc: &[u8], src: &[u8]) -> Result<(), CoreError> {
+    if acc.len() != src.len() {
+        return Err(CoreError::LengthMismatch {
+            what: "reduction operands",
+            expected: acc.len(),
+            actual: src.len(),
+        });
+    }
+    dtype.elements_in(acc.len())?;
+    Ok(())
+}
+
+/// Whether `op` can be applied to `dtype`.
+pub fn supports(dtype: DType, op: ReduceOp) -> bool {
+    match (dtype, op) {
+        (DType::Bool, ReduceOp::Average) => false,
+        (d, ReduceOp::BitAnd | ReduceOp::BitOr) => !d.is_float(),
+        _ => true,
+    }
+}
+
+fn unsupported(dtype: DType, op: ReduceOp) -> CoreError {
+    CoreError::UnsupportedOp { op, dtype }
+}
+
+macro_rules! int_loop {
+    ($t:ty, $op:expr, $a:expr, $s:expr) => {{
+        let (a, s): (&mut [$t], &[$t]) = ($a, $s);
+        match $op {
+            ReduceOp::Sum | ReduceOp::Average => a
+                .iter_mut()
+                .zip(s)
+                .for_each(|(x, y)| *x = x.wrapping_add(*y)),
+            ReduceOp::Product => a
+                .iter_mut()
+                .zip(s)
+                .for_each(|(x, y)| *x = x.wrapping_mul(*y)),
+            ReduceOp::Min => a.iter_mut().zip(s).for_each(|(x, y)| *x = (*x).min(*y)),
+            ReduceOp::Max => a.iter_mut().zip(s).for_each(|(x, y)| *x = (*x).max(*y)),
+            ReduceOp::BitAnd => a.iter_mut().zip(s).for_each(|(x, y)| *x &= *y),
+            ReduceOp::BitOr => a.iter_mut().zip(s).for_each(|(x, y)| *x |= *y),
+        }
+    }};
+}
+
+macro_rules! float_loop {
+    ($t:ty, $op:expr, $a:expr, $s:expr) => {{
+        let (a, s): (&mut [$t], &[$t]) = ($a, $s);
+        match $op {
+            ReduceOp::Sum | ReduceOp::Average => a.iter_mut().zip(s).for_each(|(x, y)| *x += *y),
+            ReduceOp::Product => a.iter_mut().zip(s).for_each(|(x, y)| *x *= *y),
+            ReduceOp::Min => a
+                .iter_mut()
+                .zip(s)
+                .for_each(|(x, y)| *x = if *y < *x { *y } else { *x }),
+            ReduceOp::Max => a
+                .iter_mut()
+                .zip(s)
+                .for_each(|(x, y)| *x = if *y > *x { *y } else { *x }),
+            ReduceOp::BitAnd | ReduceOp::BitOr => unreachable!("checked by supports()"),
+        }
+    }};
+}
+
+macro_rules! half_loop {
+    ($t:ty, $op:expr, $a:expr, $s:expr) => {{
+        let (a, s): (&mut [$t], &[$t]) = ($a, $s);
+        let f: fn(f32, f32) -> f32 = match $op {
+            ReduceOp::Sum | ReduceOp::Average => |x, y| x + y,
+            ReduceOp::Product => |x, y| x * y,
+            ReduceOp::Min => |x, y| if y < x { y } else { x },
+            ReduceOp::Max => |x, y| if y > x { y } else { x },
+            ReduceOp::BitAnd | ReduceOp::BitOr => unreachable!("checked by supports()"),
+        };
+        a.iter_mut()
+            .zip(s)
+            .for_each(|(x, y)| *x = <$t>::from_f32(f(x.to_f32(), y.to_f32())));
+    }};
+}
+
+fn reduce_bool(op: ReduceOp, a: &mut [u8], s: &[u8]) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Max | ReduceOp::BitOr => a
+            .iter_mut()
+            .zip(s)
+            .for_each(|(x, y)| *x = ((*x != 0) | (*y != 0)) as u8),
+        ReduceOp::Product | ReduceOp::Min | ReduceOp::BitAnd => a
+            .iter_mut()
+            .zip(s)
+            .for_each(|(x, y)| *x = ((*x != 0) & (*y != 0)) as u8),
+        ReduceOp::Average => unreachable!("checked by supports()"),
+    }
+}
+
+/// Reduce typed slices in place: `acc[i] = op(acc[i], src[i])`.
+fn reduce_aligned(dtype: DType, op: ReduceOp, acc: &mut [u8], src: &[u8]) -> bool {
+    use bytemuck::{try_cast_slice, try_cast_slice_mut};
+    macro_rules! typed {
+        ($t:ty, $mac:ident) => {{
+            match (
+                try_cast_slice_mut::<u8, $t>(acc),
+                try_cast_slice::<u8, $t>(src),
+            ) {
+                (Ok(a), Ok(s)) => {
+                    $mac!($t, op, a, s);
+                    true
+                }
+                _ => false,
+            }
+        }};
+    }
+    match dtype {
+        DType::U8 => {
+            int_loop!(u8, op, acc, src);
+            true
+        }
+        DType::I8 => typed!(i8, int_loop),
+        DType::I32 => typed!(i32, int_loop),
+        DType::I64 => typed!(i64, int_loop),
+        DType::F16 => typed!(f16, half_loop),
+        DType::BF16 => typed!(bf16, half_loop),
+        DType::F32 => typed!(f32, float_loop),
+        DType::F64 => typed!(f64, float_loop),
+        DType::Bool => {
+            reduce_bool(op, acc, src);
+            true
+        }
+    }
+}
+
+/// Reduce `src` into `acc` element-wise: `acc[i] = op(acc[i], src[i])`.
+///
+/// Both buffers hold `dtype` elements in native byte order and must have the same length.
+/// `Average` accumulates as `Sum`; call [`divide`] once all contributions are in.
+pub fn reduce(dtype: DType, op: ReduceOp, acc: &mut [u8], src: &[u8]) -> Result<(), CoreError> {
+    check_pair(dtype, acc, src)?;
+    if !supports(dtype, op) {
+        return Err(unsupported(dtype, op));
+    }
+    if reduce_aligned(dtype, op, acc, src) {
+        return Ok(());
+    }
+    // Unaligned fallback: reduce through aligned scratch blocks.
+    const BLOCK: usize = 4096;
+    let mut a_tmp = vec![0u64; BLOCK / 8];
+    let mut s_tmp = vec![0u64; BLOCK / 8];
+    for (a, s) in acc.chunks_mut(BLOCK).zip(src.chunks(BLOCK)) {
+        let ab = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut a_tmp)[..a.len()];
+        ab.copy_from_slice(a);
+        let sb = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut s_tmp)[..s.len()];
+        sb.copy_from_slice(s);
+        let ok = reduce_aligned(dtype, op, ab, sb);
+        debug_assert!(ok, "scratch blocks are 8-byte aligned");
+        a.copy_from_slice(ab);
+    }
+    Ok(())
+}
+
+macro_rules! map_elems {
+    ($dtype:expr, $buf:expr, |$x:ident : f64| $body:expr) => {{
+        fn apply<T: bytemuck::Pod>(buf: &mut [u8], f: impl Fn(T) -> T) {
+            match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
+                Ok(s) => s.iter_mut().for_each(|v| *v = f(*v)),
+                Err(_) => {
+                    for chunk in buf.chunks_exact_mut(std::mem::size_of::<T>()) {
+                        let v: T = bytemuck::pod_read_unaligned(chunk);
+                        chunk.copy_from_slice(bytemuck::bytes_of(&f(v)));
+                    }
+                }
+            }
+        }
+        let buf: &mut [u8] = $buf;
+        match $dtype {
+            DType::U8 => apply::<u8>(buf, |v| {
+                let $x = v as f64;
+                sat_u8($body)
+            }),
+            DType::I8 => apply::<i8>(buf, |v| {
+                let $x = v as f64;
+                sat_i8($body)
+            }),
+            DType::I32 => apply::<i32>(buf, |v| {
+                let $x = v as f64;
+                ($body) as i32
+            }),
+            DType::I64 => apply::<i64>(buf, |v| {
+                let $x = v as f64;
+                ($body) as i64
+            }),
+            DType::F16 => apply::<f16>(buf, |v| {
+                let $x = v.to_f64();
+                f16::from_f64($body)
+            }),
+            DType::BF16 => apply::<bf16>(buf, |v| {
+                let $x = v.to_f64();
+                bf16::from_f64($body)
+            }),
+            DType::F32 => apply::<f32>(buf, |v| {
+                let $x = v as f64;
+                ($body) as f32
+            }),
+            DType::F64 => apply::<f64>(buf, |v| {
+                let $x = v;
+                $body
+            }),
+            DType::Bool => {}
+        }
+    }};
+}
+
+fn sat_u8(v: f64) -> u8 {
+    v as u8
+}
+
+fn sat_i8(v: f64) -> i8 {
+    v as i8
+}
+
+/// Multiply every element by `factor` (pre/post scaling). Integers are scaled through `f64`
+/// and truncated toward zero (saturating at the type's range). A factor of exactly 1 is a no-op.
+pub fn scale(dtype: DType, buf: &mut [u8], factor: f64) -> Result<(), CoreError> {
+    dtype.elements_in(buf.len())?;
+    if factor == 1.0 {
+        return Ok(());
+    }
+    if dtype == DType::Bool {
+        return Err(CoreError::InvalidArgument(format!(
+            "cannot scale a bool tensor by {factor}"
+        )));
+    }
+    if dtype == DType::F32 {
+        // Hot path: keep it in f32 so it vectorizes.
+        let f = factor as f32;
+        if let Ok(s) = bytemuck::try_cast_slice_mut::<u8, f32>(buf) {
+            s.iter_mut().for_each(|v| *v *= f);
+            return Ok(());
+        }
+    }
+    map_elems!(dtype, buf, |x: f64| x * factor);
+    Ok(())
+}
+
+/// Divide every element by `n` (the `Average` finalisation). Integers use integer division,
+/// truncating toward zero like Horovod; floats divide exactly in their own precision
+/// (`f16`/`bf16` through `f32`).
+pub fn divide(dtype: DType, buf: &mut [u8], n: usize) -> Result<(), CoreError> {
+    dtype.elements_in(buf.len())?;
+    if n == 0 {
+        return Err(CoreError::InvalidArgument(
+            "cannot average over zero contributors".into(),
+        ));
+    }
+    if n == 1 {
+        return Ok(());
+    }
+    fn int_div<T: bytemuck::Pod>(buf: &mut [u8], f: impl Fn(T) -> T) {
+        match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
+            Ok(s) => s.iter_mut().for_each(|v| *v = f(*v)),
+            Err(_) => {
+                for chunk in buf.chunks_exact_mut(std::mem::size_of::<T>()) {
+                    let v: T = bytemuck::pod_read_unaligned(chunk);
+                    chunk.copy_from_slice(bytemuck::bytes_of(&f(v)));
+                }
+            }
+        }
+    }
+    match dtype {
+        DType::U8 => int_div::<u8>(buf, |v| (v as usize / n) as u8),
+        DType::I8 => int_div::<i8>(buf, |v| (v as i64 / n as i64) as i8),
+        DType::I32 => int_div::<i32>(buf, |v| (v as i64 / n as i64) as i32),
+        DType::I64 => int_div::<i64>(buf, |v| v / n as i64),
+        DType::F16 => int_div::<f16>(buf, |v| f16::from_f32(v.to_f32() / n as f32)),
+        DType::BF16 => int_div::<bf16>(buf, |v| bf16::from_f32(v.to_f32() / n as f32)),
+        DType::F32 => int_div::<f32>(buf, |v| v / n as f32),
+        DType::F64 => int_div::<f64>(buf, |v| v / n as f64),
+        DType::Bool => return Err(unsupported(DType::Bool, ReduceOp::Average)),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f32_sum_and_average() {
+        let mut a: Vec<u8> = bytemuck::cast_slice(&[1.0f32, 2.0, 3.0]).to_vec();
+        let b: Vec<u8> = bytemuck::cast_slice(&[4.0f32, 5.0, 6.0]).to_vec();
+        reduce(DType::F32, ReduceOp::Average, &mut a, &b).unwrap();
+        divide(DType::F32, &mut a, 2).unwrap();
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&a), &[2.5, 3.5, 4.5]);
+    }
+
+    #[test]
+    fn integer_average_truncates_toward_zero() {
+        let mut a: Vec<u8> = bytemuck::cast_slice(&[-7i32, 7]).to_vec();
+        divide(DType::I32, &mut a, 2).unwrap();
+        assert_eq!(bytemuck::cast_slice::<u8, i32>(&a), &[-3, 3]);
+    }
+
+    #[test]
+    fn unaligned_buffers_are_reduced() {
+        let mut a = vec![0u8; 13];
+        let mut b = vec![0u8; 13];
+        a[1..13].copy_from_slice(bytemuck::cast_slice(&[1.0f32, 2.0, 3.0]));
+        b[1..13].copy_from_slice(bytemuck::cast_slice(&[1.0f32, 1.0, 1.0]));
+        reduce(DType::F32, ReduceOp::Max, &mut a[1..13], &b[1..13]).unwrap();
+        let out: Vec<f32> = a[1..13]
+            .chunks_exact(4)
+            .map(bytemuck::pod_read_unaligned)
+            .collect();
+        assert_eq!(out, vec![1.0, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn bad_arguments_are_errors() {
+        let mut a = vec![0u8; 6];
+        assert!(matches!(
+            reduce(DType::F32, ReduceOp::Sum, &mut a, &[0u8; 6]),
+            Err(CoreError::Misaligned { .. })
+        ));
+        assert!(matches!(
+            reduce(DType::F32, ReduceOp::BitAnd, &mut [0u8; 4], &[0u8; 4]),
+            Err(CoreError::UnsupportedOp { .. })
+        ));
+        assert!(reduce(DType::U8, ReduceOp::Sum, &mut a, &[0u8; 5]).is_err());
+    }
+}

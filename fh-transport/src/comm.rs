@@ -1,0 +1,228 @@
+//! The communicator and transport traits.
+
+use fh_core::{kernels, DType, Element, ReduceOp};
+
+use crate::{algorithms, Result, TransportError};
+
+/// Where a rank sits: its global rank and size, and its place among the ranks of its host
+/// (`local_*`) and among the hosts (`cross_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Topology {
+    /// Global rank, `0..size`.
+    pub rank: usize,
+    /// Number of ranks in the world.
+    pub size: usize,
+    /// Rank among the ranks of this host.
+    pub local_rank: usize,
+    /// Number of ranks on this host.
+    pub local_size: usize,
+    /// Index of this host among the hosts (rank among the ranks with the same `local_rank`).
+    pub cross_rank: usize,
+    /// Number of hosts.
+    pub cross_size: usize,
+}
+
+impl Topology {
+    /// The topology of `size` ranks all on one host.
+    pub fn single_host(rank: usize, size: usize) -> Self {
+        Topology {
+            rank,
+            size,
+            local_rank: rank,
+            local_size: size,
+            cross_rank: 0,
+            cross_size: 1,
+        }
+    }
+
+    /// Whether every host runs the same number of ranks.
+    pub fn is_homogeneous(&self) -> bool {
+        self.local_size * self.cross_size == self.size
+    }
+}
+
+/// A world of ranks, able to open independent communicators.
+///
+/// Opening is collective: every rank must call [`Transport::open`] the same number of times, in
+/// the same order; the n-th communicator opened on every rank are connected to each other.
+/// Communicators opened from one transport never see each other's messages.
+pub trait Transport: Send {
+    /// The backend's name (`"local"`, `"tcp"`, `"shm"`, `"mpi"`, ...).
+    fn backend(&self) -> &'static str;
+    /// This rank's place in the world.
+    fn topology(&self) -> Topology;
+    /// Collectively open a new communicator over all ranks. `label` is used in logs and errors.
+    fn open(&mut self, label: &str) -> Result<Box<dyn Communicator>>;
+
+    /// This rank.
+    fn rank(&self) -> usize {
+        self.topology().rank
+    }
+    /// Number of ranks.
+    fn size(&self) -> usize {
+        self.topology().size
+    }
+}
+
+/// Point-to-point messaging among a fixed group of ranks, and collectives on top of it.
+///
+/// Messages between a pair of ranks arrive in the order they were sent. A receive names its
+/// source and the exact number of bytes expected; a message of another length is a protocol
+/// error, never a silent truncation. Every wait is bounded by the backend's timeout, and a peer
+/// that disappears is reported as [`TransportError::PeerLost`] naming its rank.
+///
+/// The collective methods have default implementations in [`algorithms`] written against the
+/// point-to-point methods; a backend overrides them only when it has something faster. All
+/// collectives must be called by every rank of the communicator, in the same order, with
+/// compatible arguments. Buffers hold elements in native byte order.
+///
+/// Dropping a communicator closes its connections; peers then see `PeerLost`.
+pub trait Communicator: Send {
+    /// The backend's name.
+    fn backend(&self) -> &'static str;
+    /// This rank within the communicator.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the communicator.
+    fn size(&self) -> usize;
+
+    /// Send one message to `peer`. Returns once the bytes are handed to the backend (they may
+    /// still be in flight). May block while the backend's buffers are full.
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<()>;
+
+    /// Receive one message of exactly `buf.len()` bytes from `peer`.
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()>;
+
+    /// Send `send` to `to` while receiving `recv.len()` bytes from `from`, without deadlocking
+    /// when the peers do the same at once with messages larger than any buffer.
+    fn send_recv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()>;
+
+    /// Reduce `buf` element-wise across all ranks; every rank ends with the result.
+    /// `Average` divides the sum by [`Communicator::size`].
+    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        algorithms::allreduce(self, buf, dtype, op)
+    }
+
+    /// Gather every rank's `send` into `recv`, rank by rank; `counts[r]` is rank r's length in
+    /// bytes and `recv.len()` must be their sum.
+    fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
+        algorithms::allgatherv(self, send, recv, counts)
+    }
+
+    /// Copy `root`'s `buf` into every rank's `buf`.
+    fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
+        algorithms::broadcast(self, buf, root)
+    }
+
+    /// Personalised all-to-all: the `send_counts[r]` bytes of `send` at offset
+    /// `sum(send_counts[..r])` go to rank r; `recv` receives `recv_counts[r]` bytes from rank r.
+    fn alltoallv(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        algorithms::alltoallv(self, send, send_counts, recv, recv_counts)
+    }
+
+    /// Reduce `send` (the whole vector, identical length on every rank) element-wise and leave
+    /// block r of the result on rank r; `counts[r]` is the number of *elements* in block r and
+    /// `recv` must hold `counts[rank]` elements. `Average` divides by the size.
+    fn reduce_scatter(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        algorithms::reduce_scatter(self, send, recv, counts, dtype, op)
+    }
+
+    /// Return once every rank has entered the barrier.
+    fn barrier(&mut self) -> Result<()> {
+        algorithms::barrier(self)
+    }
+}
+
+/// Convenience forms of the collectives, available on every [`Communicator`]
+/// (including `dyn Communicator`).
+pub trait CollectivesExt: Communicator {
+    /// Allreduce with pre- and post-scaling: every input is multiplied by `prescale` before the
+    /// reduction and the result by `postscale` after it (Horovod's `prescale_factor` /
+    /// `postscale_factor`).
+    fn allreduce_scaled(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        prescale: f64,
+        postscale: f64,
+    ) -> Result<()> {
+        kernels::scale(dtype, buf, prescale)?;
+        self.allreduce(buf, dtype, op)?;
+        kernels::scale(dtype, buf, postscale)?;
+        Ok(())
+    }
+
+    /// Allreduce `send` into `recv`, leaving `send` untouched.
+    fn allreduce_into(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        if send.len() != recv.len() {
+            return Err(TransportError::InvalidArgument(format!(
+                "allreduce_into: send has {} bytes but recv has {}",
+                send.len(),
+                recv.len()
+            )));
+        }
+        recv.copy_from_slice(send);
+        self.allreduce(recv, dtype, op)
+    }
+
+    /// Typed in-place allreduce.
+    fn allreduce_typed<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.allreduce(bytemuck::cast_slice_mut(buf), T::DTYPE, op)
+    }
+
+    /// Allgather with the same length on every rank: `recv.len()` must be
+    /// `send.len() * size`.
+    fn allgather(&mut self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        let counts = vec![send.len(); self.size()];
+        self.allgatherv(send, recv, &counts)
+    }
+
+    /// Alltoall with equal blocks: `send` and `recv` are split into `size` equal blocks.
+    fn alltoall(&mut self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        let n = self.size();
+        if send.len() % n != 0 || recv.len() != send.len() {
+            return Err(TransportError::InvalidArgument(format!(
+                "alltoall: {} bytes cannot be split into {n} equal blocks (recv has {} bytes)",
+                send.len(),
+                recv.len()
+            )));
+        }
+        let counts = vec![send.len() / n; n];
+        self.alltoallv(send, &counts, recv, &counts)
+    }
+}
+
+impl<C: Communicator + ?Sized> CollectivesExt for C {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn communicator_is_object_safe_and_send() {
+        fn takes(_: &mut dyn Communicator) {}
+        fn is_send<T: Send>() {}
+        is_send::<Box<dyn Communicator>>();
+        is_send::<Box<dyn Transport>>();
+        let _ = takes;
+    }
+}
