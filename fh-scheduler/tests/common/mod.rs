@@ -1,0 +1,75 @@
+//! Helpers shared by the multi-rank tests.
+#![allow(dead_code)]
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use fh_scheduler::{Config, Engine, Preset};
+use fh_transport::local::LocalWorld;
+
+/// Every wait in the tests is bounded by this.
+pub const LIMIT: Duration = Duration::from_secs(30);
+
+/// Run `f` on `n` in-process ranks, each with its own engine, and return the results in rank
+/// order. Panics (failing the test) if any rank panics or the whole run exceeds [`LIMIT`].
+pub fn run_world<T, F>(n: usize, config: Config, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(&Engine, usize) -> T + Send + Sync + 'static,
+{
+    let f = std::sync::Arc::new(f);
+    let (tx, rx) = mpsc::channel();
+    let mut threads = Vec::new();
+    for t in LocalWorld::with_timeout(n, Duration::from_secs(20)) {
+        let (f, tx, config) = (f.clone(), tx.clone(), config.clone());
+        threads.push(std::thread::spawn(move || {
+            let engine = Engine::start(Box::new(t), config).expect("engine starts");
+            let rank = engine.rank();
+            let out = f(&engine, rank);
+            engine.shutdown().expect("clean shutdown");
+            let _ = tx.send((rank, out));
+        }));
+    }
+    drop(tx);
+    let mut results: Vec<Option<T>> = (0..n).map(|_| None).collect();
+    let deadline = std::time::Instant::now() + LIMIT;
+    for _ in 0..n {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok((r, v)) => results[r] = Some(v),
+            Err(_) => {
+                // A rank panicked (its sender dropped) or we ran out of time.
+                for t in threads {
+                    if t.is_finished() {
+                        if let Err(p) = t.join() {
+                            std::panic::resume_unwind(p);
+                        }
+                    }
+                }
+                panic!("ranks did not finish within {LIMIT:?} (deadlock?)");
+            }
+        }
+    }
+    for t in threads {
+        t.join().expect("rank thread");
+    }
+    results
+        .into_iter()
+        .map(|r| r.expect("every rank reported"))
+        .collect()
+}
+
+/// The configurations every multi-rank test covers.
+pub fn configs() -> Vec<(String, Config)> {
+    let mut v = vec![("horovod".to_string(), Config::preset(Preset::Horovod))];
+    for k in [1, 2, 4] {
+        v.push((
+            format!("fasthorovod-k{k}"),
+            Config::preset(Preset::FastHorovod)
+                .channels(k)
+                .fusion_threshold(4096)
+                .partition_bytes(1024),
+        ));
+    }
+    v
+}
