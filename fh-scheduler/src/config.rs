@@ -106,6 +106,9 @@ pub struct Config {
     /// this often, so that a peer waiting for it neither times out nor goes unreported by the
     /// stall inspector. Must be well below the transport timeout.
     pub idle_heartbeat: Duration,
+    /// Keep a log of every fused group dispatched (see `Engine::group_log`); a diagnostic for
+    /// tests and tools, off by default.
+    pub record_groups: bool,
 }
 
 impl Default for Config {
@@ -130,6 +133,7 @@ impl Config {
             stall_check: Some(Duration::from_secs(60)),
             stall_shutdown: None,
             idle_heartbeat: Duration::from_secs(1),
+            record_groups: false,
         };
         match p {
             Preset::FastHorovod => base,
@@ -302,6 +306,11 @@ impl Config {
     /// Set the stall-shutdown time (`None`: never).
     pub fn stall_shutdown(mut self, d: Option<Duration>) -> Self {
         self.stall_shutdown = d;
+        self
+    }
+    /// Keep a log of the fused groups (diagnostic).
+    pub fn record_groups(mut self, on: bool) -> Self {
+        self.record_groups = on;
         self
     }
     /// Set the idle heartbeat.

@@ -25,7 +25,7 @@ use fh_transport::{CollectivesExt, Communicator};
 use crate::engine::{Entry, Inner, Msg};
 use crate::exec::{Executor, Job, Op, OpState};
 use crate::handle::Completion;
-use crate::stats::{Counters, StallReport};
+use crate::stats::{Counters, GroupRecord, StallReport};
 use crate::{Preset, Priority, SchedulerError, Tensor};
 
 /// Longest back-off between rounds while every rank waits on another.
@@ -759,7 +759,23 @@ impl Control {
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
+        let round = self
+            .inner
+            .counters
+            .rounds
+            .load(std::sync::atomic::Ordering::Relaxed);
         for g in groups {
+            if self.inner.config.record_groups {
+                self.inner.record_group(GroupRecord {
+                    round,
+                    channel: g.channel,
+                    parts: g
+                        .parts
+                        .iter()
+                        .map(|p| (ops[p.item].name.clone(), p.offset, p.len))
+                        .collect(),
+                });
+            }
             let job = Job {
                 parts: g
                     .parts

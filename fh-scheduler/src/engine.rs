@@ -13,7 +13,7 @@ use fh_transport::Transport;
 
 use crate::control::Control;
 use crate::handle::{Completion, GroupHandle, Handle, OpResult};
-use crate::stats::{Counters, EngineStats, StallReport};
+use crate::stats::{Counters, EngineStats, GroupRecord, StallReport};
 use crate::timeline::Timeline;
 use crate::{Config, Preset, SchedulerError, Tensor};
 
@@ -110,6 +110,7 @@ pub(crate) struct Inner {
     pub counters: Counters,
     stalls: Mutex<Vec<StallReport>>,
     barrier_seq: AtomicU64,
+    groups: Mutex<Vec<GroupRecord>>,
     pub timeline: Option<Timeline>,
 }
 
@@ -143,6 +144,10 @@ impl Inner {
     pub(crate) fn record_stall(&self, r: StallReport) {
         Counters::add(&self.counters.stall_warnings, 1);
         lock(&self.stalls).push(r);
+    }
+
+    pub(crate) fn record_group(&self, g: GroupRecord) {
+        lock(&self.groups).push(g);
     }
 
     fn submit(&self, entry: Entry) -> Result<(), SchedulerError> {
@@ -260,6 +265,7 @@ impl Engine {
             counters: Counters::default(),
             stalls: Mutex::new(Vec::new()),
             barrier_seq: AtomicU64::new(0),
+            groups: Mutex::new(Vec::new()),
             timeline,
         });
         let ctl = Control::new(Arc::clone(&inner), control, data, rx)?;
@@ -308,6 +314,12 @@ impl Engine {
     }
 
     #[allow(clippy::too_many_arguments)]
+    /// The fused groups dispatched so far, in dispatch order (empty unless
+    /// `Config::record_groups` is on). Identical on every rank.
+    pub fn group_log(&self) -> Vec<GroupRecord> {
+        lock(&self.inner.groups).clone()
+    }
+
     fn entry(
         &self,
         name: &str,

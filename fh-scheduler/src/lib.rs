@@ -34,5 +34,5 @@ pub use error::SchedulerError;
 pub use fh_core::message::Device;
 pub use fh_core::{DType, ReduceOp};
 pub use handle::{GroupHandle, Handle, OpResult};
-pub use stats::{EngineStats, StallReport};
+pub use stats::{EngineStats, GroupRecord, StallReport};
 pub use tensor::Tensor;

@@ -79,3 +79,14 @@ pub struct StallReport {
     /// How long the oldest stalled name has waited (on the rank that waited longest).
     pub waited: Duration,
 }
+
+/// One dispatched fused group, as recorded when `Config::record_groups` is on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupRecord {
+    /// The negotiation round (on this rank) that produced it.
+    pub round: u64,
+    /// The channel it ran on.
+    pub channel: usize,
+    /// Its parts: name, byte offset, byte length.
+    pub parts: Vec<(String, u64, u64)>,
+}
