@@ -308,6 +308,11 @@ impl Engine {
         self.inner.counters.snapshot()
     }
 
+    /// Why the engine has stopped (shutdown, lost rank, stall), or `None` while it runs.
+    pub fn stopped(&self) -> Option<SchedulerError> {
+        self.inner.failure()
+    }
+
     /// The stall inspector's reports so far.
     pub fn stall_reports(&self) -> Vec<StallReport> {
         lock(&self.inner.stalls).clone()

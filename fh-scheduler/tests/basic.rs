@@ -84,3 +84,78 @@ fn other_collectives() {
         }
     }
 }
+
+#[test]
+fn completion_callbacks_and_grouped_allreduce() {
+    let out = run_world(2, fh_scheduler::Config::default().channels(2), |e, r| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        e.allreduce(
+            "cb",
+            Tensor::from_slice(&[r as i64 + 1]),
+            AllreduceOptions::with_op(ReduceOp::Sum),
+        )
+        .unwrap()
+        .on_complete(move |res| {
+            let _ = tx.send(res.map(|t| t.to_vec::<i64>().unwrap()));
+        });
+        let g = e
+            .grouped_allreduce(
+                "grp",
+                vec![
+                    Tensor::from_slice(&[1.0f32; 3]),
+                    Tensor::from_slice(&[2.0f32; 1000]),
+                ],
+                AllreduceOptions::with_op(ReduceOp::Sum).postscale(0.5),
+            )
+            .unwrap()
+            .wait_timeout(LIMIT)
+            .unwrap();
+        let cb = rx.recv_timeout(LIMIT).unwrap().unwrap();
+        (
+            cb,
+            g[0].to_vec::<f32>().unwrap(),
+            g[1].to_vec::<f32>().unwrap(),
+        )
+    });
+    for (cb, a, b) in out {
+        assert_eq!(cb, [3]);
+        assert_eq!(a, [1.0; 3]);
+        assert_eq!(b, [2.0; 1000]);
+    }
+}
+
+#[test]
+fn timeline_is_valid_json_with_channel_lanes() {
+    let path = std::env::temp_dir().join(format!("fh-timeline-test-{}.json", std::process::id()));
+    let cfg = fh_scheduler::Config::default()
+        .channels(2)
+        .fusion_threshold(64)
+        .timeline(&path);
+    run_world(2, cfg, |e, r| {
+        let hs: Vec<_> = (0..6)
+            .map(|i| {
+                e.allreduce(
+                    &format!("t{i}"),
+                    Tensor::from_slice(&[r as f32; 64]),
+                    AllreduceOptions::default(),
+                )
+                .unwrap()
+            })
+            .collect();
+        for h in hs {
+            h.wait_timeout(LIMIT).unwrap();
+        }
+    });
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    let v: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+    let events = v.as_array().unwrap();
+    let lanes: std::collections::BTreeSet<u64> = events
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| e["tid"].as_u64().unwrap())
+        .collect();
+    assert!(lanes.contains(&0), "negotiation lane: {lanes:?}");
+    assert!(lanes.iter().any(|&l| l >= 1), "channel lanes: {lanes:?}");
+    assert!(events.iter().any(|e| e["args"]["name"] == "channel 1"));
+}

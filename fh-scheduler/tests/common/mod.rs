@@ -4,7 +4,7 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use fh_scheduler::{Config, Engine, Preset};
+use fh_scheduler::{Config, Engine, Preset, SchedulerError};
 use fh_transport::local::LocalWorld;
 
 /// Every wait in the tests is bounded by this.
@@ -13,6 +13,21 @@ pub const LIMIT: Duration = Duration::from_secs(30);
 /// Run `f` on `n` in-process ranks, each with its own engine, and return the results in rank
 /// order. Panics (failing the test) if any rank panics or the whole run exceeds [`LIMIT`].
 pub fn run_world<T, F>(n: usize, config: Config, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(&Engine, usize) -> T + Send + Sync + 'static,
+{
+    run_world_with(n, config, f)
+        .into_iter()
+        .map(|(v, shut)| {
+            shut.expect("clean shutdown");
+            v
+        })
+        .collect()
+}
+
+/// Like [`run_world`], also returning each rank's `shutdown()` result.
+pub fn run_world_with<T, F>(n: usize, config: Config, f: F) -> Vec<(T, Result<(), SchedulerError>)>
 where
     T: Send + 'static,
     F: Fn(&Engine, usize) -> T + Send + Sync + 'static,
@@ -26,12 +41,12 @@ where
             let engine = Engine::start(Box::new(t), config).expect("engine starts");
             let rank = engine.rank();
             let out = f(&engine, rank);
-            engine.shutdown().expect("clean shutdown");
-            let _ = tx.send((rank, out));
+            let shut = engine.shutdown();
+            let _ = tx.send((rank, (out, shut)));
         }));
     }
     drop(tx);
-    let mut results: Vec<Option<T>> = (0..n).map(|_| None).collect();
+    let mut results: Vec<Option<(T, Result<(), SchedulerError>)>> = (0..n).map(|_| None).collect();
     let deadline = std::time::Instant::now() + LIMIT;
     for _ in 0..n {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
