@@ -325,6 +325,7 @@ impl Engine {
         lock(&self.inner.groups).clone()
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn entry(
         &self,
         name: &str,
