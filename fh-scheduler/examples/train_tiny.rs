@@ -44,8 +44,11 @@ fn shard(rank: usize) -> Vec<(Vec<f64>, f64)> {
         .collect()
 }
 
+/// What one rank ends with: weights (w..., b), first and last global loss.
+pub type Outcome = Result<(Vec<f64>, f64, f64), String>;
+
 /// Train on one rank; returns the final weights (w..., b) and the first and last global loss.
-pub fn train_rank(engine: &Engine, steps: usize) -> Result<(Vec<f64>, f64, f64), String> {
+pub fn train_rank(engine: &Engine, steps: usize) -> Outcome {
     let rank = engine.rank();
     let data = shard(rank);
     // Rank 0 initialises; everyone starts from its weights.
