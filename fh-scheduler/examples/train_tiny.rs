@@ -98,11 +98,7 @@ pub fn train_rank(engine: &Engine, steps: usize) -> Outcome {
 }
 
 /// Train on `ranks` in-process ranks; returns each rank's result.
-pub fn train(
-    ranks: usize,
-    steps: usize,
-    config: Config,
-) -> Vec<Result<(Vec<f64>, f64, f64), String>> {
+pub fn train(ranks: usize, steps: usize, config: Config) -> Vec<Outcome> {
     let threads: Vec<_> = LocalWorld::new(ranks)
         .into_iter()
         .map(|t| {
