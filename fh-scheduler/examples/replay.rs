@@ -1,0 +1,237 @@
+//! Quick measurements (a report, not a test): workload replay and negotiation cost, in process.
+//!
+//! ```text
+//! cargo run --release -p fh-scheduler --example replay -- replay fh-bench/workloads/resnet50.json [ranks] [backward_ms] [steps]
+//! cargo run --release -p fh-scheduler --example replay -- negotiation [ranks]
+//! cargo run --release -p fh-scheduler --example replay -- latency [ranks]
+//! ```
+//!
+//! Replay: each step releases the workload's gradients (backward order) over an emulated
+//! backward pass of B ms — gradient i at B × (share₀ + … + shareᵢ), as fixed deadlines — and
+//! measures the step time (backward start to last gradient reduced) and the exposed
+//! communication (step − B), for `horovod` and `fasthorovod` with K = 1, 2, 4 channels.
+//! The polished version of this lives in fh-bench.
+
+use std::time::{Duration, Instant};
+
+use fh_scheduler::{AllreduceOptions, Config, Engine, Preset, ReduceOp, Tensor};
+use fh_transport::local::LocalWorld;
+
+struct Grad {
+    name: String,
+    elements: usize,
+    share: f64,
+}
+
+fn load(path: &str) -> Vec<Grad> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let v: serde_json::Value = serde_json::from_str(&text).expect("workload JSON");
+    v["tensors"]
+        .as_array()
+        .expect("tensors")
+        .iter()
+        .map(|t| Grad {
+            name: t["name"].as_str().unwrap_or("?").to_string(),
+            elements: t["elements"].as_u64().unwrap_or(0) as usize,
+            share: t["compute_share"].as_f64().unwrap_or(0.0),
+        })
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn replay(
+    grads: &[Grad],
+    ranks: usize,
+    backward: Duration,
+    steps: usize,
+    cfg: Config,
+) -> (f64, f64) {
+    let total_share: f64 = grads.iter().map(|g| g.share).sum();
+    let deadlines: Vec<Duration> = grads
+        .iter()
+        .scan(0.0, |acc, g| {
+            *acc += g.share / total_share;
+            Some(backward.mul_f64(*acc))
+        })
+        .collect();
+    let shared: std::sync::Arc<Vec<(String, usize, Duration)>> = std::sync::Arc::new(
+        grads
+            .iter()
+            .zip(&deadlines)
+            .map(|(g, d)| (g.name.clone(), g.elements, *d))
+            .collect(),
+    );
+    let threads: Vec<_> = LocalWorld::new(ranks)
+        .into_iter()
+        .map(|t| {
+            let (cfg, shared) = (cfg.clone(), shared.clone());
+            std::thread::spawn(move || {
+                let engine = Engine::start(Box::new(t), cfg).expect("start");
+                let mut bufs: Vec<Option<Tensor>> = shared
+                    .iter()
+                    .map(|(_, n, _)| Some(Tensor::from_slice(&vec![1.0f32; *n])))
+                    .collect();
+                let mut times = Vec::new();
+                for step in 0..steps + 1 {
+                    // Align the ranks' backward starts.
+                    engine.barrier().unwrap().wait().unwrap();
+                    let start = Instant::now();
+                    let mut handles = Vec::with_capacity(shared.len());
+                    for (i, (name, _, at)) in shared.iter().enumerate() {
+                        let now = start.elapsed();
+                        if *at > now {
+                            std::thread::sleep(*at - now);
+                        }
+                        let t = bufs[i].take().expect("buffer");
+                        let opts = AllreduceOptions::with_op(ReduceOp::Average).priority(i as i64);
+                        handles.push(engine.allreduce(name, t, opts).unwrap());
+                    }
+                    for (i, h) in handles.into_iter().enumerate() {
+                        bufs[i] = Some(h.wait().unwrap());
+                    }
+                    if step > 0 {
+                        times.push(start.elapsed().as_secs_f64() * 1e3);
+                    }
+                }
+                engine.shutdown().unwrap();
+                times
+            })
+        })
+        .collect();
+    let per_rank: Vec<Vec<f64>> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    // A step ends when the slowest rank has everything.
+    let steps_ms: Vec<f64> = (0..steps)
+        .map(|s| per_rank.iter().map(|v| v[s]).fold(0.0, f64::max))
+        .collect();
+    let m = median(steps_ms);
+    (m, m - backward.as_secs_f64() * 1e3)
+}
+
+fn negotiation(ranks: usize) {
+    println!("negotiation cost, np={ranks}, tiny tensors all submitted at once, 20 steps after a warm-up");
+    println!(
+        "{:>8} {:>12} {:>14} {:>16} {:>18}",
+        "tensors", "mode", "rounds/step", "bytes/round", "neg. µs/round"
+    );
+    for &n in &[16usize, 256, 1024] {
+        for (mode, cap) in [("coordinator", 0usize), ("bit-vector", 1024)] {
+            let cfg = Config::preset(Preset::FastHorovod)
+                .cache_capacity(cap)
+                .batching_window(Duration::from_millis(2));
+            let threads: Vec<_> = LocalWorld::new(ranks)
+                .into_iter()
+                .map(|t| {
+                    let cfg = cfg.clone();
+                    std::thread::spawn(move || {
+                        let engine = Engine::start(Box::new(t), cfg).expect("start");
+                        let step = |_: usize| {
+                            let hs: Vec<_> = (0..n)
+                                .map(|i| {
+                                    engine
+                                        .allreduce(
+                                            &format!("t{i}"),
+                                            Tensor::from_slice(&[1.0f32]),
+                                            AllreduceOptions::default(),
+                                        )
+                                        .unwrap()
+                                })
+                                .collect();
+                            for h in hs {
+                                h.wait().unwrap();
+                            }
+                        };
+                        step(0);
+                        let before = engine.stats();
+                        for s in 0..20 {
+                            step(s);
+                        }
+                        let after = engine.stats();
+                        engine.shutdown().unwrap();
+                        (before, after)
+                    })
+                })
+                .collect();
+            let res: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+            // Rank 1 (a non-coordinator) and rank 0 differ in bytes; report rank 0 (the larger).
+            let (b, a) = &res[0];
+            let rounds = (a.rounds - b.rounds).max(1);
+            let bytes = a.negotiation_bytes_sent - b.negotiation_bytes_sent;
+            let nt = (a.negotiation_time - b.negotiation_time).as_secs_f64() * 1e6;
+            println!(
+                "{:>8} {:>12} {:>14.1} {:>16.0} {:>18.1}",
+                n,
+                mode,
+                rounds as f64 / 20.0,
+                bytes as f64 / rounds as f64,
+                nt / rounds as f64
+            );
+        }
+    }
+}
+
+fn latency(ranks: usize, preset: Preset) {
+    let threads: Vec<_> = LocalWorld::new(ranks)
+        .into_iter()
+        .map(|t| {
+            std::thread::spawn(move || {
+                let engine = Engine::start(Box::new(t), Config::preset(preset)).expect("start");
+                let mut v = Tensor::from_slice(&[1.0f64]);
+                let mut lat = Vec::new();
+                for i in 0..2000 {
+                    let start = Instant::now();
+                    v = engine
+                        .allreduce("x", v, AllreduceOptions::with_op(ReduceOp::Sum))
+                        .unwrap()
+                        .wait()
+                        .unwrap();
+                    if i >= 100 {
+                        lat.push(start.elapsed().as_secs_f64() * 1e6);
+                    }
+                }
+                engine.shutdown().unwrap();
+                median(lat)
+            })
+        })
+        .collect();
+    let m: Vec<f64> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    println!(
+        "named 8-byte allreduce, np={ranks}, {}: median {:.1} µs (rank 0)",
+        preset.name(),
+        m[0]
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("latency") => {
+            let n = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(2);
+            latency(n, Preset::FastHorovod);
+            latency(n, Preset::Horovod);
+        }
+        Some("negotiation") => negotiation(args.get(2).and_then(|s| s.parse().ok()).unwrap_or(4)),
+        Some("replay") => {
+            let path = args.get(2).expect("workload path");
+            let ranks = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(4);
+            let b = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(100u64);
+            let steps = args.get(5).and_then(|s| s.parse().ok()).unwrap_or(5);
+            let grads = load(path);
+            let backward = Duration::from_millis(b);
+            println!("replay {path}: {} tensors, np={ranks}, backward {b} ms, median of {steps} steps", grads.len());
+            println!("{:>22} {:>12} {:>14}", "schedule", "step ms", "exposed ms");
+            let mut cfgs = vec![("horovod".to_string(), Config::preset(Preset::Horovod))];
+            for k in [1, 2, 4] {
+                cfgs.push((format!("fasthorovod K={k}"), Config::preset(Preset::FastHorovod).channels(k)));
+            }
+            for (label, cfg) in cfgs {
+                let (step, exposed) = replay(&grads, ranks, backward, steps, cfg);
+                println!("{label:>22} {step:>12.1} {exposed:>14.1}");
+            }
+        }
+        _ => eprintln!("usage: replay (replay WORKLOAD [ranks] [backward_ms] [steps] | negotiation [ranks] | latency [ranks])"),
+    }
+}
