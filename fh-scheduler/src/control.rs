@@ -52,6 +52,15 @@ enum Dispatch {
     Inline(Box<Executor>),
 }
 
+/// An id for a tensor's timeline track (stable per submission).
+fn e_id(name: &str, submitted: Instant) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    name.hash(&mut h);
+    submitted.hash(&mut h);
+    h.finish() >> 11
+}
+
 /// Rank 0's table of uncached requests.
 #[derive(Default)]
 struct Table {
@@ -146,6 +155,7 @@ impl Control {
                 buf: Vec::new(),
                 channel,
                 inner: Arc::clone(&inner),
+                phases: None,
             })
             .collect();
         let dispatch = match cfg.preset {
@@ -714,6 +724,15 @@ impl Control {
                 .remove(&r.name)
                 .and_then(|seq| self.pending.remove(&seq))
                 .map(|p| p.entry);
+            if let (Some(tl), Some(e)) = (&self.inner.timeline, &entry) {
+                tl.tensor_span(
+                    e_id(&r.name, e.submitted),
+                    &r.name,
+                    "queued",
+                    e.submitted,
+                    Instant::now(),
+                );
+            }
             let op = match entry {
                 Some(e) => Op {
                     name: r.name.clone(),

@@ -76,6 +76,8 @@ pub(crate) struct Executor {
     pub buf: Vec<u8>,
     pub channel: usize,
     pub inner: Arc<Inner>,
+    /// When packing and the collective ended, for the timeline (fused groups only).
+    pub phases: Option<(Instant, Instant)>,
 }
 
 fn reduce_in_place(
@@ -120,9 +122,16 @@ impl Executor {
         let begin = Instant::now();
         let span = tracing::debug_span!("group", channel = self.channel, parts = job.parts.len());
         let _g = span.enter();
+        self.phases = None;
         let result = self.execute(&job);
         let end = Instant::now();
         if let Some(tl) = &self.inner.timeline {
+            if let Some((packed, reduced)) = self.phases {
+                let lane = self.channel + 1;
+                tl.span(lane, "pack", begin, packed, &[]);
+                tl.span(lane, "collective", packed, reduced, &[]);
+                tl.span(lane, "unpack", reduced, end, &[]);
+            }
             let first = &job.parts[0].0;
             let names: Vec<&str> = job.parts.iter().map(|(o, _, _)| o.name.as_str()).collect();
             let bytes: usize = job.parts.iter().map(|p| p.2).sum();
@@ -182,7 +191,9 @@ impl Executor {
                         "internal error: a fused tensor went missing".into(),
                     ));
                 }
+                let packed = Instant::now();
                 reduce_in_place(self.comm.as_mut(), &mut self.buf, &sig, job.active)?;
+                self.phases = Some((packed, Instant::now()));
                 let mut pos = 0;
                 for (op, off, len) in &job.parts {
                     let mut st = op.lock();

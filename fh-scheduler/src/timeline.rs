@@ -94,6 +94,27 @@ impl Timeline {
         self.write(&ev);
     }
 
+    /// An asynchronous span of one tensor (e.g. its time queued before dispatch), shown as a
+    /// track of its own.
+    pub(crate) fn tensor_span(
+        &self,
+        id: u64,
+        name: &str,
+        phase: &str,
+        begin: Instant,
+        end: Instant,
+    ) {
+        let (n, p) = (escape(name), escape(phase));
+        self.write(&format!(
+            r#"{{"name":"{p}","cat":"tensor","ph":"b","id":{id},"pid":0,"tid":0,"ts":{:.3},"args":{{"tensor":"{n}"}}}}"#,
+            self.us(begin)
+        ));
+        self.write(&format!(
+            r#"{{"name":"{p}","cat":"tensor","ph":"e","id":{id},"pid":0,"tid":0,"ts":{:.3}}}"#,
+            self.us(end).max(self.us(begin))
+        ));
+    }
+
     fn write(&self, event: &str) {
         let mut s = self.sink.lock().unwrap_or_else(|p| p.into_inner());
         if s.broken {

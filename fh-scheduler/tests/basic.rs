@@ -158,4 +158,6 @@ fn timeline_is_valid_json_with_channel_lanes() {
     assert!(lanes.contains(&0), "negotiation lane: {lanes:?}");
     assert!(lanes.iter().any(|&l| l >= 1), "channel lanes: {lanes:?}");
     assert!(events.iter().any(|e| e["args"]["name"] == "channel 1"));
+    let queued = events.iter().filter(|e| e["name"] == "queued").count();
+    assert_eq!(queued, 2 * 6, "a begin and an end per tensor on rank 0");
 }
