@@ -4,6 +4,7 @@
 //! cargo run --release -p fh-scheduler --example replay -- replay fh-bench/workloads/resnet50.json [ranks] [backward_ms] [steps]
 //! cargo run --release -p fh-scheduler --example replay -- negotiation [ranks]
 //! cargo run --release -p fh-scheduler --example replay -- latency [ranks]
+//! cargo run --release -p fh-scheduler --example replay -- idle [ranks]
 //! ```
 //!
 //! Replay: each step releases the workload's gradients (backward order) over an emulated
@@ -173,6 +174,52 @@ fn negotiation(ranks: usize) {
     }
 }
 
+/// CPU time of this process (user + system), from /proc (Linux).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|x| x.1).unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
+    // Fields 14 and 15 of stat (utime, stime) are at 11 and 12 after the command name.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+fn idle(ranks: usize, preset: Preset, secs: u64) {
+    let threads: Vec<_> = LocalWorld::new(ranks)
+        .into_iter()
+        .map(|t| {
+            std::thread::spawn(move || {
+                let engine = Engine::start(Box::new(t), Config::preset(preset)).expect("start");
+                engine
+                    .allreduce(
+                        "warm",
+                        Tensor::from_slice(&[1.0f32]),
+                        AllreduceOptions::default(),
+                    )
+                    .unwrap()
+                    .wait()
+                    .unwrap();
+                std::thread::sleep(Duration::from_secs(secs) + Duration::from_millis(500));
+                engine
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let c0 = cpu_seconds();
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs(secs));
+    let used = cpu_seconds() - c0;
+    let wall = t0.elapsed().as_secs_f64();
+    for t in threads {
+        let _ = t.join().unwrap().shutdown();
+    }
+    println!(
+        "idle engine, np={ranks} in one process, {}: {:.2} % of a core per rank over {wall:.0} s",
+        preset.name(),
+        100.0 * used / wall / ranks as f64
+    );
+}
+
 fn latency(ranks: usize, preset: Preset) {
     let threads: Vec<_> = LocalWorld::new(ranks)
         .into_iter()
@@ -208,6 +255,11 @@ fn latency(ranks: usize, preset: Preset) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
+        Some("idle") => {
+            let n = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(2);
+            idle(n, Preset::FastHorovod, 5);
+            idle(n, Preset::Horovod, 5);
+        }
         Some("latency") => {
             let n = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(2);
             latency(n, Preset::FastHorovod);
@@ -232,6 +284,6 @@ fn main() {
                 println!("{label:>22} {step:>12.1} {exposed:>14.1}");
             }
         }
-        _ => eprintln!("usage: replay (replay WORKLOAD [ranks] [backward_ms] [steps] | negotiation [ranks] | latency [ranks])"),
+        _ => eprintln!("usage: replay (replay WORKLOAD [ranks] [backward_ms] [steps] | negotiation [ranks] | latency [ranks] | idle [ranks])"),
     }
 }

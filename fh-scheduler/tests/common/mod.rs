@@ -86,5 +86,16 @@ pub fn configs() -> Vec<(String, Config)> {
                 .partition_bytes(1024),
         ));
     }
+    // A tiny cache (eviction at capacity every step) and no cache (coordinator every round).
+    for cap in [3, 0] {
+        v.push((
+            format!("fasthorovod-k2-cache{cap}"),
+            Config::preset(Preset::FastHorovod)
+                .channels(2)
+                .cache_capacity(cap)
+                .fusion_threshold(4096)
+                .partition_bytes(1024),
+        ));
+    }
     v
 }
