@@ -14,6 +14,45 @@
 //!   communicator and fusion buffer. The `horovod` preset instead runs Horovod 0.28's schedule
 //!   (one thread, 1 ms cycle, one channel) for comparison.
 //!
+//! ## Configuration
+//!
+//! [`Config::from_env`] reads these variables (a bad value is an error naming the variable and
+//! the accepted values); the builder methods of [`Config`] set the same knobs in code.
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `FH_SCHEDULE` | preset: `fasthorovod` or `horovod` | `fasthorovod` |
+//! | `FH_CHANNELS` | data channels, 1–64 (`horovod`: always 1) | 4 |
+//! | `FH_FUSION_THRESHOLD` | bytes per fused group (`64MiB`, `1048576`, ...) | 64 MiB (`horovod`: 128 MiB) |
+//! | `FH_PARTITION_BYTES` | allreduce tensors above this are split across channels | 16 MiB (`horovod`: never) |
+//! | `FH_CYCLE_TIME_MS` | 0 = wake on submission; > 0 = fixed polling cycle | 0 (`horovod`: 1) |
+//! | `FH_BATCHING_WINDOW_MS` | after waking on a submission, wait this long for more | 0 |
+//! | `FH_CACHE_CAPACITY` | response-cache slots (0 = coordinator every round) | 1024 |
+//! | `FH_PRIORITY` | `ready` or `forward` (lower caller priority first) | `ready` |
+//! | `FH_TIMELINE` | path of rank 0's Chrome-trace timeline | off |
+//! | `FH_STALL_CHECK_SECONDS` | warn about names some ranks lack for this long (0 = off) | 60 |
+//! | `FH_STALL_SHUTDOWN_SECONDS` | shut down when a stall lasts this long (0 = never) | 0 |
+//! | `FH_LOG_LEVEL` | validated here; the application installs the `tracing` subscriber | — |
+//!
+//! Every rank must use the same schedule, channel count, cache capacity, fusion threshold and
+//! partition size; [`Engine::start`] checks this and refuses to start otherwise.
+//!
+//! ## Idle behaviour
+//!
+//! With `FH_CYCLE_TIME_MS=0` the control thread sleeps on its submission queue. While anything
+//! is pending it sits in the next negotiation round (a blocking collective), so a peer's
+//! submission completes the round at once. When nothing is pending anywhere it wakes only for
+//! a heartbeat round ([`Config::idle_heartbeat`], 1 s) so that a waiting peer never hits the
+//! transport timeout and the stall inspector can run: an idle engine uses practically no CPU.
+//!
+//! ## Limits
+//!
+//! - A grouped allreduce submits its members as individual names (`name[i]`); they are fused
+//!   like any tensors ready in the same round, not guaranteed to share one collective.
+//! - While a rank has joined, only allreduce proceeds (other collectives fail with a clear
+//!   error when negotiated through the coordinator); joined ranks contribute zeros, which is
+//!   exact for `Sum`/`Average` only.
+//!
 //! **Invariant:** it reaches the network only through `fh-transport`'s traits and knows nothing
 //! of Python.
 #![deny(missing_docs)]
