@@ -154,6 +154,7 @@ mod tests {
                 postscale: 1.0,
             },
             priority: 0,
+            group: None,
             error: None,
         }
     }

@@ -34,6 +34,9 @@ pub struct PlanItem {
     pub elem: u64,
     /// Caller priority (lower first under [`PlanOptions::by_priority`]).
     pub priority: i64,
+    /// Members of one grouped submission share an id; in fast mode they form one fused group
+    /// of their own when they share a key and fit under the fusion threshold.
+    pub group: Option<u32>,
 }
 
 impl PlanItem {
@@ -51,6 +54,7 @@ impl PlanItem {
             bytes: r.sig.bytes(),
             elem: r.sig.dtype.size() as u64,
             priority: r.priority,
+            group: None,
         }
     }
 
@@ -206,8 +210,35 @@ fn plan_fast(
     let partition = opts.partition_bytes.max(1);
     let mut groups: Vec<Group> = Vec::new();
     let mut open: Vec<(FusionKey, usize, u64)> = Vec::new(); // key, group index, bytes
+    let mut done = vec![false; items.len()];
     for &i in order {
+        if done[i] {
+            continue;
+        }
         let it = &items[i];
+        if let Some(gid) = it.group {
+            // A grouped submission: all its members in one group of their own, if they can.
+            let members: Vec<usize> = order
+                .iter()
+                .copied()
+                .filter(|&j| items[j].group == Some(gid))
+                .collect();
+            let bytes: u64 = members.iter().map(|&j| items[j].bytes).sum();
+            if it.fusable()
+                && members.iter().all(|&j| items[j].key == it.key)
+                && bytes <= opts.fusion_threshold
+            {
+                open.retain(|(k, _, _)| *k != it.key);
+                groups.push(Group {
+                    channel: 0,
+                    parts: members.iter().map(|&j| whole(j, &items[j])).collect(),
+                });
+                for j in members {
+                    done[j] = true;
+                }
+                continue;
+            }
+        }
         if it.fusable() && it.bytes > partition {
             // Later tensors of this key must not join a group placed before these chunks.
             open.retain(|(k, _, _)| *k != it.key);
@@ -287,6 +318,7 @@ mod tests {
                 bytes: n * dtype.size() as u64,
                 elem: dtype.size() as u64,
                 priority: p,
+                group: None,
             }
         })
     }
@@ -375,6 +407,7 @@ mod tests {
             bytes: b,
             elem: 4,
             priority: 0,
+            group: None,
         };
         let items = [it(f, 8), it(d, 8), it(f, 8)];
         let opts = PlanOptions {
@@ -394,6 +427,46 @@ mod tests {
     }
 
     #[test]
+    fn grouped_members_share_one_collective_when_they_fit() {
+        let f = key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce);
+        let it = |group| PlanItem {
+            key: f,
+            bytes: 40_000,
+            elem: 4,
+            priority: 0,
+            group,
+        };
+        // Without the group the 4-channel cap (total / 4, at least 64 KiB) would split them.
+        let items = [
+            it(None),
+            it(Some(7)),
+            it(None),
+            it(Some(7)),
+            it(Some(7)),
+            it(None),
+        ];
+        let opts = PlanOptions {
+            mode: PlanMode::Fast,
+            fusion_threshold: 1 << 20,
+            partition_bytes: 1 << 20,
+            channels: 4,
+            by_priority: false,
+        };
+        let g = plan(&items, &opts);
+        let grouped: Vec<&Group> = g
+            .iter()
+            .filter(|g| g.parts.iter().any(|p| items[p.item].group.is_some()))
+            .collect();
+        assert_eq!(grouped.len(), 1);
+        assert_eq!(
+            grouped[0].parts.iter().map(|p| p.item).collect::<Vec<_>>(),
+            [1, 3, 4]
+        );
+        let total: usize = g.iter().map(|g| g.parts.len()).sum();
+        assert_eq!(total, items.len());
+    }
+
+    #[test]
     fn fast_splits_large_tensors_over_channels() {
         let f = key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce);
         let items = [PlanItem {
@@ -401,6 +474,7 @@ mod tests {
             bytes: 400,
             elem: 4,
             priority: 0,
+            group: None,
         }];
         let opts = PlanOptions {
             mode: PlanMode::Fast,

@@ -152,6 +152,18 @@ impl Signature {
     }
 }
 
+/// Membership of a grouped submission: the members are released together, once all are ready,
+/// and fused into one collective when they fit.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct GroupTag {
+    /// The group's name.
+    pub name: String,
+    /// This member's index, `0..size`.
+    pub index: u32,
+    /// Number of members.
+    pub size: u32,
+}
+
 /// One rank's announcement that a named tensor is ready locally.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Request {
@@ -163,6 +175,8 @@ pub struct Request {
     pub sig: Signature,
     /// Caller-supplied priority (lower goes first under forward priority ordering).
     pub priority: i64,
+    /// Set for the members of a grouped submission.
+    pub group: Option<GroupTag>,
 }
 
 /// A field on which ranks disagreed.
@@ -270,6 +284,8 @@ pub struct Response {
     pub sig: Signature,
     /// The agreed priority (the lowest rank's).
     pub priority: i64,
+    /// The group membership (the lowest rank's).
+    pub group: Option<GroupTag>,
     /// Set when validation failed: the name fails on every rank with this error.
     pub error: Option<NegotiationError>,
 }
@@ -381,6 +397,7 @@ pub fn validate(requests: &[Request]) -> Option<Response> {
         name: first.name.clone(),
         sig: first.sig.clone(),
         priority: first.priority,
+        group: first.group.clone(),
         error,
     })
 }
@@ -408,6 +425,7 @@ mod tests {
             rank,
             sig: s,
             priority: 0,
+            group: None,
         }
     }
 

@@ -9,7 +9,7 @@
 use bytes::BufMut;
 
 use crate::message::{
-    CollectiveKind, Device, MismatchField, NegotiationError, Request, Response, Signature,
+    CollectiveKind, Device, GroupTag, MismatchField, NegotiationError, Request, Response, Signature,
 };
 use crate::{CoreError, DType, ReduceOp};
 
@@ -44,6 +44,18 @@ fn put_sig(out: &mut Vec<u8>, s: &Signature) {
     out.put_f64_le(s.postscale);
 }
 
+fn put_group(out: &mut Vec<u8>, g: &Option<GroupTag>) {
+    match g {
+        None => out.put_u8(0),
+        Some(g) => {
+            out.put_u8(1);
+            put_str(out, &g.name);
+            out.put_u32_le(g.index);
+            out.put_u32_le(g.size);
+        }
+    }
+}
+
 fn header(out: &mut Vec<u8>, magic: &[u8; 3], count: usize) {
     out.put_slice(magic);
     out.put_u8(VERSION);
@@ -59,6 +71,7 @@ pub fn encode_requests(reqs: &[Request]) -> Vec<u8> {
         out.put_u32_le(r.rank);
         put_sig(&mut out, &r.sig);
         out.put_i64_le(r.priority);
+        put_group(&mut out, &r.group);
     }
     out
 }
@@ -71,6 +84,7 @@ pub fn encode_responses(resps: &[Response]) -> Vec<u8> {
         put_str(&mut out, &r.name);
         put_sig(&mut out, &r.sig);
         out.put_i64_le(r.priority);
+        put_group(&mut out, &r.group);
         match &r.error {
             None => out.put_u8(0),
             Some(NegotiationError::Mismatch {
@@ -222,6 +236,22 @@ impl<'a> Reader<'a> {
         })
     }
 
+    fn group(&mut self) -> Result<Option<GroupTag>, CoreError> {
+        match self.u8()? {
+            0 => Ok(None),
+            1 => {
+                let name = self.string()?;
+                let index = self.u32()?;
+                let size = self.u32()?;
+                if index >= size {
+                    return Err(self.err(format!("group member {index} of {size}")));
+                }
+                Ok(Some(GroupTag { name, index, size }))
+            }
+            t => Err(self.err(format!("unknown group tag {t}"))),
+        }
+    }
+
     fn finish(&self) -> Result<(), CoreError> {
         if !self.buf.is_empty() {
             return Err(self.err(format!("{} trailing bytes", self.buf.len())));
@@ -240,18 +270,20 @@ pub fn decode_requests(bytes: &[u8]) -> Result<Vec<Request>, CoreError> {
         what: "request list",
     };
     r.header(REQUESTS)?;
-    let n = r.count(4 + 4 + MIN_SIG + 8)?;
+    let n = r.count(4 + 4 + MIN_SIG + 8 + 1)?;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let name = r.string()?;
         let rank = r.u32()?;
         let sig = r.sig()?;
         let priority = r.i64()?;
+        let group = r.group()?;
         out.push(Request {
             name,
             rank,
             sig,
             priority,
+            group,
         });
     }
     r.finish()?;
@@ -265,12 +297,13 @@ pub fn decode_responses(bytes: &[u8]) -> Result<Vec<Response>, CoreError> {
         what: "response list",
     };
     r.header(RESPONSES)?;
-    let n = r.count(4 + MIN_SIG + 8 + 1)?;
+    let n = r.count(4 + MIN_SIG + 8 + 1 + 1)?;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let name = r.string()?;
         let sig = r.sig()?;
         let priority = r.i64()?;
+        let group = r.group()?;
         let error = match r.u8()? {
             0 => None,
             1 => {
@@ -296,6 +329,7 @@ pub fn decode_responses(bytes: &[u8]) -> Result<Vec<Response>, CoreError> {
             name,
             sig,
             priority,
+            group,
             error,
         });
     }
@@ -351,15 +385,34 @@ mod tests {
             )
     }
 
+    fn arb_group() -> impl Strategy<Value = Option<GroupTag>> {
+        prop_oneof![
+            Just(None),
+            (".{0,6}", 1u32..5).prop_flat_map(|(name, size)| (0..size).prop_map(move |index| {
+                Some(GroupTag {
+                    name: name.clone(),
+                    index,
+                    size,
+                })
+            })),
+        ]
+    }
+
     fn arb_request() -> impl Strategy<Value = Request> {
-        ("[a-z./0-9]{0,12}", any::<u32>(), arb_sig(), any::<i64>()).prop_map(
-            |(name, rank, sig, priority)| Request {
+        (
+            "[a-z./0-9]{0,12}",
+            any::<u32>(),
+            arb_sig(),
+            any::<i64>(),
+            arb_group(),
+        )
+            .prop_map(|(name, rank, sig, priority, group)| Request {
                 name,
                 rank,
                 sig,
                 priority,
-            },
-        )
+                group,
+            })
     }
 
     fn arb_error() -> impl Strategy<Value = Option<NegotiationError>> {
@@ -378,18 +431,28 @@ mod tests {
     }
 
     fn arb_response() -> impl Strategy<Value = Response> {
-        ("[a-z./0-9]{0,12}", arb_sig(), any::<i64>(), arb_error()).prop_map(
-            |(name, sig, priority, error)| Response {
+        (
+            "[a-z./0-9]{0,12}",
+            arb_sig(),
+            any::<i64>(),
+            arb_error(),
+            arb_group(),
+        )
+            .prop_map(|(name, sig, priority, error, group)| Response {
                 name,
                 sig,
                 priority,
+                group,
                 error,
-            },
-        )
+            })
     }
 
     fn same_req(a: &Request, b: &Request) -> bool {
-        a.name == b.name && a.rank == b.rank && a.priority == b.priority && a.sig.same_as(&b.sig)
+        a.name == b.name
+            && a.rank == b.rank
+            && a.priority == b.priority
+            && a.group == b.group
+            && a.sig.same_as(&b.sig)
     }
 
     proptest! {
@@ -412,6 +475,7 @@ mod tests {
                 prop_assert_eq!(&a.name, &b.name);
                 prop_assert!(a.sig.same_as(&b.sig));
                 prop_assert_eq!(a.priority, b.priority);
+                prop_assert_eq!(&a.group, &b.group);
                 prop_assert_eq!(&a.error, &b.error);
             }
         }

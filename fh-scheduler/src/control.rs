@@ -18,7 +18,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use fh_core::bitvec::{BitVec, NegotiationVec, Status};
 use fh_core::cache::{Lookup, ResponseCache};
 use fh_core::fusion::{plan, PlanItem, PlanMode, PlanOptions};
-use fh_core::message::{validate, CollectiveKind, NegotiationError, Request, Response};
+use fh_core::message::{validate, CollectiveKind, GroupTag, NegotiationError, Request, Response};
 use fh_core::{wire, DType, ReduceOp};
 use fh_transport::{CollectivesExt, Communicator};
 
@@ -37,6 +37,8 @@ enum Announce {
     New,
     /// Sent to the coordinator; waiting for the response.
     Sent,
+    /// Ready everywhere, held until the rest of its group is ready.
+    Held,
 }
 
 struct Pending {
@@ -137,6 +139,10 @@ pub(crate) struct Control {
     last_round: Instant,
     last_stall_check: Instant,
     plan_opts: PlanOptions,
+    /// Members of grouped submissions ready everywhere, waiting for the rest of their group.
+    held: BTreeMap<String, Vec<Response>>,
+    /// Groups with a failed member: the error and the members still to come.
+    failed_groups: HashMap<String, (SchedulerError, u32)>,
 }
 
 impl Control {
@@ -218,6 +224,8 @@ impl Control {
             last_round: now,
             last_stall_check: now,
             plan_opts,
+            held: BTreeMap::new(),
+            failed_groups: HashMap::new(),
         })
     }
 
@@ -291,7 +299,7 @@ impl Control {
                 self.pending.insert(
                     self.seq,
                     Pending {
-                        entry,
+                        entry: *entry,
                         state: Announce::New,
                     },
                 );
@@ -396,6 +404,9 @@ impl Control {
         let mut oldest = Duration::ZERO;
         for p in self.pending.values() {
             oldest = oldest.max(start.saturating_duration_since(p.entry.submitted));
+            if p.state == Announce::Held {
+                continue;
+            }
             match self.cache.lookup(&p.entry.req.name, &p.entry.req.sig) {
                 Lookup::Hit(slot) => vec.set_slot(slot, true),
                 Lookup::Changed(slot) => invalid.push(slot),
@@ -513,11 +524,10 @@ impl Control {
             );
             for r in responses {
                 if let Some(e) = &r.error {
-                    if let Some(seq) = self.by_name.remove(&r.name) {
-                        if let Some(p) = self.pending.remove(&seq) {
-                            let err = SchedulerError::from_negotiation(&r.name, e);
-                            self.inner.finish(&r.name, &p.entry.cell, Err(err));
-                        }
+                    let err = SchedulerError::from_negotiation(&r.name, e);
+                    self.fail_name(&r.name, err.clone());
+                    if let Some(g) = &r.group {
+                        self.fail_group(g, err);
                     }
                     continue;
                 }
@@ -562,12 +572,96 @@ impl Control {
             }
         }
 
-        // 9. Plan and dispatch.
+        // 9. Grouped members wait for the rest of their group; plan and dispatch.
         self.last_progress = !ready.is_empty();
+        let ready = self.release_groups(ready);
         if !ready.is_empty() {
             self.dispatch(ready);
         }
         Ok(None)
+    }
+
+    fn fail_name(&mut self, name: &str, err: SchedulerError) {
+        if let Some(p) = self
+            .by_name
+            .remove(name)
+            .and_then(|seq| self.pending.remove(&seq))
+        {
+            self.inner.finish(name, &p.entry.cell, Err(err));
+        }
+    }
+
+    /// A member of `g` failed: fail the members already held, and remember the group so that
+    /// the members still to come fail too.
+    fn fail_group(&mut self, g: &GroupTag, err: SchedulerError) {
+        let held = self.held.remove(&g.name).unwrap_or_default();
+        let seen = match self.failed_groups.get(&g.name) {
+            Some(_) => 0,
+            None => 1 + held.len() as u32,
+        };
+        let reason = format!("another member of group '{}' failed: {err}", g.name);
+        for r in held {
+            self.fail_name(
+                &r.name,
+                SchedulerError::Negotiation {
+                    name: r.name.clone(),
+                    reason: reason.clone(),
+                },
+            );
+        }
+        let entry = self
+            .failed_groups
+            .entry(g.name.clone())
+            .or_insert((err, g.size));
+        entry.1 = entry.1.saturating_sub(seen.max(1));
+        if entry.1 == 0 {
+            self.failed_groups.remove(&g.name);
+        }
+    }
+
+    /// Hold grouped members until their whole group is ready; release complete groups in
+    /// member order. Deterministic: the same on every rank.
+    fn release_groups(&mut self, ready: Vec<Response>) -> Vec<Response> {
+        let mut out = Vec::with_capacity(ready.len());
+        for r in ready {
+            let Some(g) = r.group.clone() else {
+                out.push(r);
+                continue;
+            };
+            if let Some((err, left)) = self.failed_groups.get_mut(&g.name) {
+                let reason = format!("another member of group '{}' failed: {err}", g.name);
+                *left = left.saturating_sub(1);
+                if *left == 0 {
+                    self.failed_groups.remove(&g.name);
+                }
+                self.fail_name(
+                    &r.name,
+                    SchedulerError::Negotiation {
+                        name: r.name.clone(),
+                        reason,
+                    },
+                );
+                continue;
+            }
+            if let Some(p) = self
+                .by_name
+                .get(&r.name)
+                .and_then(|s| self.pending.get_mut(s))
+            {
+                p.state = Announce::Held;
+            }
+            let members = self.held.entry(g.name.clone()).or_default();
+            if members.iter().any(|m| m.name == r.name) {
+                continue;
+            }
+            members.push(r);
+            if members.len() as u32 >= g.size {
+                let mut members = self.held.remove(&g.name).unwrap_or_default();
+                members.sort_by_key(|m| m.group.as_ref().map_or(0, |t| t.index));
+                out.extend(members);
+            }
+        }
+        out
     }
 
     /// The coordinator step: every rank's new requests reach rank 0, which answers with the
@@ -718,6 +812,7 @@ impl Control {
         let active = self.joined_set.iter().filter(|j| !**j).count();
         let mut ops: Vec<Arc<Op>> = Vec::with_capacity(ready.len());
         let mut items: Vec<PlanItem> = Vec::with_capacity(ready.len());
+        let mut group_ids: HashMap<String, u32> = HashMap::new();
         for r in ready {
             let entry = self
                 .by_name
@@ -767,7 +862,12 @@ impl Control {
                     continue;
                 }
             };
-            items.push(PlanItem::from_response(&r));
+            let mut item = PlanItem::from_response(&r);
+            if let Some(g) = &r.group {
+                let next = group_ids.len() as u32;
+                item.group = Some(*group_ids.entry(g.name.clone()).or_insert(next));
+            }
+            items.push(item);
             ops.push(Arc::new(op));
         }
         let groups = plan(&items, &self.plan_opts);

@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Sender};
-use fh_core::message::{CollectiveKind, Device, Request, Signature};
+use fh_core::message::{CollectiveKind, Device, GroupTag, Request, Signature};
 use fh_core::{kernels, DType, ReduceOp};
 use fh_transport::Transport;
 
@@ -89,7 +89,7 @@ pub(crate) struct Entry {
 }
 
 pub(crate) enum Msg {
-    Submit(Entry),
+    Submit(Box<Entry>),
     Join(Arc<Completion>),
     Shutdown,
     Wake,
@@ -159,7 +159,7 @@ impl Inner {
         if !lock(&self.in_flight).insert(name.clone()) {
             return Err(SchedulerError::DuplicateName { name });
         }
-        if g.tx.send(Msg::Submit(entry)).is_err() {
+        if g.tx.send(Msg::Submit(Box::new(entry))).is_err() {
             lock(&self.in_flight).remove(&name);
             return Err(SchedulerError::ShutDown {
                 reason: "the control thread is gone".into(),
@@ -336,6 +336,21 @@ impl Engine {
         opts: &AllreduceOptions,
         splits: Option<Vec<usize>>,
     ) -> Result<Handle, SchedulerError> {
+        self.entry_in_group(name, tensor, kind, op, root, opts, splits, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn entry_in_group(
+        &self,
+        name: &str,
+        tensor: Tensor,
+        kind: CollectiveKind,
+        op: ReduceOp,
+        root: usize,
+        opts: &AllreduceOptions,
+        splits: Option<Vec<usize>>,
+        group: Option<GroupTag>,
+    ) -> Result<Handle, SchedulerError> {
         if name.is_empty() {
             return Err(SchedulerError::InvalidArgument(
                 "a collective needs a non-empty name".into(),
@@ -384,6 +399,7 @@ impl Engine {
                 postscale: opts.postscale,
             },
             priority: opts.priority,
+            group,
         };
         self.inner.submit(Entry {
             req,
@@ -414,17 +430,34 @@ impl Engine {
         )
     }
 
-    /// Allreduce several tensors as one submission; member `i` is named `name[i]`. All members
-    /// are submitted before this returns (none if one is refused).
+    /// Allreduce several tensors as one group; member `i` is named `name[i]`. The members are
+    /// released together once all are ready on every rank, and reduced in one fused collective
+    /// when they share a dtype and fit under the fusion threshold. If one member fails
+    /// negotiation, every member fails.
     pub fn grouped_allreduce(
         &self,
         name: &str,
         tensors: Vec<Tensor>,
         opts: AllreduceOptions,
     ) -> Result<GroupHandle, SchedulerError> {
+        let size = tensors.len() as u32;
         let mut handles = Vec::with_capacity(tensors.len());
         for (i, t) in tensors.into_iter().enumerate() {
-            handles.push(self.allreduce(&format!("{name}[{i}]"), t, opts)?);
+            let tag = GroupTag {
+                name: name.to_string(),
+                index: i as u32,
+                size,
+            };
+            handles.push(self.entry_in_group(
+                &format!("{name}[{i}]"),
+                t,
+                CollectiveKind::Allreduce,
+                opts.op,
+                0,
+                &opts,
+                None,
+                Some(tag),
+            )?);
         }
         Ok(GroupHandle::new(handles))
     }

@@ -47,8 +47,9 @@
 //!
 //! ## Limits
 //!
-//! - A grouped allreduce submits its members as individual names (`name[i]`); they are fused
-//!   like any tensors ready in the same round, not guaranteed to share one collective.
+//! - A grouped allreduce shares one collective when its members have one dtype and fit under
+//!   the fusion threshold (FastHorovod preset); otherwise they are released together but
+//!   reduced in several collectives.
 //! - While a rank has joined, only allreduce proceeds (other collectives fail with a clear
 //!   error when negotiated through the coordinator); joined ranks contribute zeros, which is
 //!   exact for `Sum`/`Average` only.

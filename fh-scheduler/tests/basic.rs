@@ -161,3 +161,82 @@ fn timeline_is_valid_json_with_channel_lanes() {
     let queued = events.iter().filter(|e| e["name"] == "queued").count();
     assert_eq!(queued, 2 * 6, "a begin and an end per tensor on rank 0");
 }
+
+#[test]
+fn grouped_members_are_reduced_in_one_collective_and_fail_together() {
+    let cfg = fh_scheduler::Config::default()
+        .channels(4)
+        .record_groups(true);
+    let out = run_world(3, cfg, |e, r| {
+        // Submit an unrelated tensor between rounds so members are likely ready in different
+        // rounds on different ranks.
+        let lone = e
+            .allreduce(
+                "lone",
+                Tensor::from_slice(&[1.0f32; 50_000]),
+                AllreduceOptions::with_op(ReduceOp::Sum),
+            )
+            .unwrap();
+        let g = e
+            .grouped_allreduce(
+                "g",
+                vec![
+                    Tensor::from_slice(&[r as f32; 30_000]),
+                    Tensor::from_slice(&[1.0f32; 20_000]),
+                    Tensor::from_slice(&[2.0f32; 10]),
+                ],
+                AllreduceOptions::with_op(ReduceOp::Sum),
+            )
+            .unwrap()
+            .wait_timeout(LIMIT)
+            .unwrap();
+        lone.wait_timeout(LIMIT).unwrap();
+        // A group whose second member disagrees in shape fails as a whole, on every rank.
+        let len = if r == 1 { 4 } else { 3 };
+        let bad = e
+            .grouped_allreduce(
+                "bad",
+                vec![
+                    Tensor::from_slice(&[1.0f32; 2]),
+                    Tensor::from_slice(&vec![1.0f32; len]),
+                    Tensor::from_slice(&[1.0f32]),
+                ],
+                AllreduceOptions::with_op(ReduceOp::Sum),
+            )
+            .unwrap()
+            .into_handles()
+            .into_iter()
+            .map(|h| h.wait_timeout(LIMIT).unwrap_err().to_string())
+            .collect::<Vec<_>>();
+        (
+            g.iter()
+                .map(|t| t.to_vec::<f32>().unwrap()[0])
+                .collect::<Vec<_>>(),
+            e.group_log(),
+            bad,
+        )
+    });
+    for (vals, log, bad) in &out {
+        assert_eq!(vals, &[3.0, 3.0, 6.0]);
+        let with_members: Vec<_> = log
+            .iter()
+            .filter(|g| g.parts.iter().any(|p| p.0.starts_with("g[")))
+            .collect();
+        assert_eq!(with_members.len(), 1, "{log:?}");
+        let names: Vec<&str> = with_members[0].parts.iter().map(|p| p.0.as_str()).collect();
+        assert_eq!(names, ["g[0]", "g[1]", "g[2]"]);
+        assert_eq!(log, &out[0].1);
+        assert!(
+            bad[1].contains("Mismatched allreduce tensor shapes"),
+            "{bad:?}"
+        );
+        assert!(
+            bad[0].contains("another member of group 'bad' failed"),
+            "{bad:?}"
+        );
+        assert!(
+            bad[2].contains("another member of group 'bad' failed"),
+            "{bad:?}"
+        );
+    }
+}
