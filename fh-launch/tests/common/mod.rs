@@ -1,0 +1,211 @@
+//! Helpers shared by fhrun's integration tests: bounded runs, a guard that kills and reaps
+//! fhrun, temporary directories, process liveness.
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub const FHRUN: &str = env!("CARGO_BIN_EXE_fhrun");
+
+/// A running fhrun whose output is collected; killed (SIGKILL) and reaped on drop. Its ranks
+/// die with it (PR_SET_PDEATHSIG).
+pub struct Running {
+    child: Option<Child>,
+    out: Option<JoinHandle<String>>,
+    err: Option<JoinHandle<String>>,
+}
+
+/// What a finished fhrun left.
+#[derive(Debug)]
+pub struct Finished {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Finished {
+    pub fn code(&self) -> Option<i32> {
+        self.status.code()
+    }
+}
+
+fn collect(mut r: impl Read + Send + 'static) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = r.read_to_end(&mut v);
+        String::from_utf8_lossy(&v).into_owned()
+    })
+}
+
+impl Running {
+    pub fn start(args: &[&str]) -> Self {
+        Self::start_cmd(Command::new(FHRUN).args(args))
+    }
+
+    pub fn start_cmd(cmd: &mut Command) -> Self {
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start fhrun");
+        let out = collect(child.stdout.take().unwrap());
+        let err = collect(child.stderr.take().unwrap());
+        Running {
+            child: Some(child),
+            out: Some(out),
+            err: Some(err),
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: plain kill(2) on our own child.
+        unsafe {
+            libc::kill(self.pid(), sig);
+        }
+    }
+
+    /// Waits at most `limit` for fhrun to end; panics (after killing it) if it does not.
+    pub fn wait(mut self, limit: Duration) -> Finished {
+        let deadline = Instant::now() + limit;
+        let status = loop {
+            if let Some(s) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.as_mut().unwrap().kill();
+                let _ = self.child.as_mut().unwrap().wait();
+                panic!("fhrun did not finish within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        self.child = None;
+        let stdout = join_bounded(self.out.take().unwrap(), deadline);
+        let stderr = join_bounded(self.err.take().unwrap(), deadline);
+        Finished {
+            status,
+            stdout,
+            stderr,
+        }
+    }
+}
+
+fn join_bounded(h: JoinHandle<String>, deadline: Instant) -> String {
+    // fhrun has exited; its pipes close unless a leftover process holds them. Give that case a
+    // bounded grace, then report it as a test failure.
+    let until = deadline.max(Instant::now() + Duration::from_secs(5));
+    while !h.is_finished() {
+        assert!(
+            Instant::now() < until,
+            "fhrun's output pipe is still held open after fhrun exited: a rank survived"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    h.join().unwrap()
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Runs fhrun to completion, at most `limit`.
+pub fn fhrun(args: &[&str], limit: Duration) -> Finished {
+    Running::start(args).wait(limit)
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "fhrun-test-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+    pub fn str(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// True when `pid` exists and is not a zombie.
+pub fn alive(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 only checks existence.
+    if unsafe { libc::kill(pid, 0) } != 0 {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state is the first field after the parenthesized command name.
+        Ok(s) => s
+            .rsplit_once(") ")
+            .map(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X'))
+            .unwrap_or(true),
+        Err(_) => false,
+    }
+}
+
+/// Waits (bounded) until every pid is gone; returns the survivors.
+pub fn survivors_after(pids: &[i32], limit: Duration) -> Vec<i32> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left: Vec<i32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+        if left.is_empty() || Instant::now() >= deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Kills leftover pids (so a failing test does not leak processes).
+pub fn kill_all(pids: &[i32]) {
+    for &p in pids {
+        // SAFETY: plain kill(2).
+        unsafe {
+            libc::kill(p, libc::SIGKILL);
+        }
+    }
+}
+
+/// Waits (bounded) for `dir/name` files to exist and returns the pid each holds.
+pub fn read_pids(dir: &Path, names: &[String], limit: Duration) -> Vec<i32> {
+    let deadline = Instant::now() + limit;
+    names
+        .iter()
+        .map(|n| loop {
+            if let Ok(s) = std::fs::read_to_string(dir.join(n)) {
+                if let Ok(p) = s.trim().parse() {
+                    break p;
+                }
+            }
+            assert!(Instant::now() < deadline, "{n} did not appear in {limit:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        })
+        .collect()
+}
