@@ -6,6 +6,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,8 @@ pub struct Running {
     child: Option<Child>,
     out: Option<JoinHandle<String>>,
     err: Option<JoinHandle<String>>,
+    out_now: Shared,
+    err_now: Shared,
 }
 
 /// What a finished fhrun left.
@@ -33,10 +36,18 @@ impl Finished {
     }
 }
 
-fn collect(mut r: impl Read + Send + 'static) -> JoinHandle<String> {
+type Shared = Arc<Mutex<Vec<u8>>>;
+
+fn collect(mut r: impl Read + Send + 'static, into: Shared) -> JoinHandle<String> {
     std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = r.read_to_end(&mut v);
+        let mut buf = [0u8; 4096];
+        loop {
+            match r.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => into.lock().unwrap().extend_from_slice(&buf[..n]),
+            }
+        }
+        let v = into.lock().unwrap();
         String::from_utf8_lossy(&v).into_owned()
     })
 }
@@ -53,12 +64,40 @@ impl Running {
             .stderr(Stdio::piped())
             .spawn()
             .expect("start fhrun");
-        let out = collect(child.stdout.take().unwrap());
-        let err = collect(child.stderr.take().unwrap());
+        let out_now = Shared::default();
+        let err_now = Shared::default();
+        let out = collect(child.stdout.take().unwrap(), out_now.clone());
+        let err = collect(child.stderr.take().unwrap(), err_now.clone());
         Running {
             child: Some(child),
             out: Some(out),
             err: Some(err),
+            out_now,
+            err_now,
+        }
+    }
+
+    /// fhrun's stderr so far.
+    pub fn stderr_now(&self) -> String {
+        String::from_utf8_lossy(&self.err_now.lock().unwrap()).into_owned()
+    }
+
+    /// Waits (bounded) until `cond(stdout, stderr)` holds on the output so far; panics with the
+    /// output if it does not within `limit` or if fhrun ends first.
+    pub fn wait_for(&mut self, limit: Duration, cond: impl Fn(&str, &str) -> bool) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let out = String::from_utf8_lossy(&self.out_now.lock().unwrap()).into_owned();
+            let err = String::from_utf8_lossy(&self.err_now.lock().unwrap()).into_owned();
+            if cond(&out, &err) {
+                return;
+            }
+            let ended = self.child.as_mut().unwrap().try_wait().unwrap().is_some();
+            assert!(
+                !ended && Instant::now() < deadline,
+                "condition not met (fhrun ended: {ended})\nstdout:\n{out}\nstderr:\n{err}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
