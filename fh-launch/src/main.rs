@@ -150,6 +150,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             np: cli.num_proc,
             hosts: &host_list,
             local_only: remote.is_empty(),
+            tag_output: !cli.no_prefix,
             as_root: sys::is_root(),
             env,
             pass_through,

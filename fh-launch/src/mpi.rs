@@ -24,6 +24,8 @@ pub struct MpiJob<'a> {
     pub hosts: &'a [Host],
     /// All hosts are this machine.
     pub local_only: bool,
+    /// Prefix output lines with the rank (`--tag-output`).
+    pub tag_output: bool,
     /// Running as root.
     pub as_root: bool,
     /// Variables for every rank.
@@ -57,6 +59,9 @@ pub fn build(job: &MpiJob<'_>) -> MpiCommand {
     argv.extend(["--bind-to", "none", "--map-by", "slot"].map(String::from));
     if job.local_only {
         argv.push("--oversubscribe".into());
+    }
+    if job.tag_output {
+        argv.push("--tag-output".into());
     }
     let mut names: Vec<&str> = job.env.iter().map(|(k, _)| k.as_str()).collect();
     names.extend(job.pass_through.iter().map(String::as_str));
@@ -187,6 +192,7 @@ mod tests {
             np: 4,
             hosts: &hosts,
             local_only: false,
+            tag_output: true,
             as_root: true,
             env: vec![
                 ("FH_RENDEZVOUS_ADDR".into(), "node1:29500".into()),
@@ -200,7 +206,7 @@ mod tests {
         assert_eq!(
             cmd.argv.join(" "),
             "mpirun --allow-run-as-root -np 4 -H node1:2,node2:2 --bind-to none --map-by slot \
-             -x FH_RENDEZVOUS_ADDR -x FH_JOB_TOKEN -x FH_CHANNELS -x PATH --mca btl ^openib \
+             --tag-output -x FH_RENDEZVOUS_ADDR -x FH_JOB_TOKEN -x FH_CHANNELS -x PATH --mca btl ^openib \
              python train.py"
         );
         assert_eq!(cmd.env.len(), 3);
@@ -213,6 +219,7 @@ mod tests {
             np: 2,
             hosts: &[],
             local_only: true,
+            tag_output: false,
             as_root: false,
             env: vec![],
             pass_through: vec![],

@@ -387,7 +387,7 @@ fn mpi_dry_run_builds_the_mpirun_command() {
     assert!(token.len() >= 32 && token.chars().all(|c| c.is_ascii_hexdigit()));
     let root = unsafe { libc::geteuid() } == 0;
     let expected = format!(
-        "{}-np 4 -H fh-node-a:2,fh-node-b:2 --bind-to none --map-by slot \
+        "{}-np 4 -H fh-node-a:2,fh-node-b:2 --bind-to none --map-by slot --tag-output \
          -x FH_RENDEZVOUS_ADDR -x FH_JOB_TOKEN -x FH_CHANNELS -x FOO -x HOME \
          --mca btl_tcp_if_include eth0 python train.py --epochs 3",
         if root { "--allow-run-as-root " } else { "" }
@@ -453,4 +453,55 @@ fn local_dry_run_lists_every_rank() {
             "{l}"
         );
     }
+}
+
+fn mpirun_on_path() -> bool {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("mpirun").is_file()))
+        .unwrap_or(false)
+}
+
+#[test]
+fn mpi_mode_runs_through_a_real_mpirun() {
+    if !mpirun_on_path() {
+        eprintln!("skipped: mpirun is not on PATH (Debian: apt-get install openmpi-bin)");
+        return;
+    }
+    let out = fhrun(
+        &[
+            "-np",
+            "2",
+            "--mpi",
+            "--channels",
+            "3",
+            "-x",
+            "MY_VAR=abc",
+            "--",
+            "sh",
+            "-c",
+            "echo \"$OMPI_COMM_WORLD_RANK $OMPI_COMM_WORLD_SIZE $FH_RENDEZVOUS_ADDR \
+             $FH_JOB_TOKEN $FH_CHANNELS $MY_VAR\"",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    // mpirun --tag-output writes `[jobid,rank]<stdout>:`.
+    let mut seen = BTreeSet::new();
+    let mut tokens = BTreeSet::new();
+    for line in out.stdout.lines() {
+        let Some((tag, rest)) = line.split_once("]<stdout>:") else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split(' ').collect();
+        assert_eq!(f.len(), 6, "{line}");
+        assert!(tag.ends_with(&format!(",{}", f[0])), "{line}");
+        assert_eq!(f[1], "2");
+        assert!(f[2].starts_with("127.0.0.1:"), "{line}");
+        assert!(f[3].len() >= 32, "{line}");
+        assert_eq!((f[4], f[5]), ("3", "abc"));
+        seen.insert(f[0].to_string());
+        tokens.insert(f[3].to_string());
+    }
+    assert_eq!(seen, ["0", "1"].map(String::from).into(), "{out:?}");
+    assert_eq!(tokens.len(), 1);
 }
