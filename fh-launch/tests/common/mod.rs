@@ -152,8 +152,18 @@ fn join_bounded(h: JoinHandle<String>, deadline: Instant) -> String {
 }
 
 impl Drop for Running {
+    /// A test that fails midway: SIGTERM fhrun (it stops its ranks' process groups, grandchildren
+    /// included), SIGKILL it if it is not gone in 5 s (its ranks then die by PDEATHSIG), reap.
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
+            // SAFETY: plain kill(2) on our own, not yet reaped, child.
+            unsafe {
+                libc::kill(c.id() as i32, libc::SIGTERM);
+            }
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while matches!(c.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             let _ = c.kill();
             let _ = c.wait();
         }
