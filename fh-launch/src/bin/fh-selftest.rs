@@ -111,17 +111,27 @@ fn expected(size: usize, i: usize) -> f32 {
     ((i % 97 + 1) * size * (size + 1) / 2) as f32
 }
 
+/// Fills `buf` with this rank's values, allreduces it (Sum) and checks every element; returns
+/// the time spent in the allreduce alone. With `sync`, a barrier separates filling from the
+/// timed allreduce, so that every rank starts it together.
 fn verified_allreduce(
     comm: &mut dyn Communicator,
     buf: &mut [f32],
     what: &str,
-) -> Result<(), Failure> {
+    sync: bool,
+) -> Result<Duration, Failure> {
     let (rank, size) = (comm.rank(), comm.size());
     for (i, x) in buf.iter_mut().enumerate() {
         *x = value(rank, i);
     }
+    if sync {
+        comm.barrier()
+            .map_err(|e| format!("{what}: barrier: {e}"))?;
+    }
+    let t0 = Instant::now();
     comm.allreduce(bytemuck::cast_slice_mut(buf), DType::F32, ReduceOp::Sum)
         .map_err(|e| format!("{what}: {e}"))?;
+    let spent = t0.elapsed();
     if let Some((i, got)) = buf
         .iter()
         .enumerate()
@@ -132,7 +142,7 @@ fn verified_allreduce(
             expected(size, i)
         ));
     }
-    Ok(())
+    Ok(spent)
 }
 
 fn run(args: &Args, terminated: &AtomicBool) -> Result<(), Failure> {
@@ -159,7 +169,7 @@ fn run(args: &Args, terminated: &AtomicBool) -> Result<(), Failure> {
     // Correctness on awkward lengths.
     for n in [0usize, 1, 3, 1000, 4097] {
         let mut buf = vec![0f32; n];
-        verified_allreduce(comm, &mut buf, &format!("allreduce of {n} f32"))?;
+        verified_allreduce(comm, &mut buf, &format!("allreduce of {n} f32"), false)?;
     }
     // Integer allreduce: every rank's rank, summed and maxed.
     let mut r = [t.rank as i64];
@@ -185,17 +195,17 @@ fn run(args: &Args, terminated: &AtomicBool) -> Result<(), Failure> {
     // Bandwidth.
     let n = (args.bytes / 4) as usize;
     let mut buf = vec![0f32; n];
-    verified_allreduce(comm, &mut buf, "warm-up allreduce")?;
-    comm.barrier().map_err(|e| format!("barrier: {e}"))?;
-    let t0 = Instant::now();
+    verified_allreduce(comm, &mut buf, "warm-up allreduce", true)?;
+    let mut spent = Duration::ZERO;
     for it in 0..args.iters {
-        verified_allreduce(
+        spent += verified_allreduce(
             comm,
             &mut buf,
             &format!("allreduce {it} of {} bytes", n * 4),
+            true,
         )?;
     }
-    let secs = t0.elapsed().as_secs_f64().max(1e-9);
+    let secs = spent.as_secs_f64().max(1e-9);
     if t.rank == 0 {
         let algbw = (n * 4) as f64 * args.iters as f64 / secs;
         let busbw = algbw * 2.0 * (t.size as f64 - 1.0) / t.size as f64;
@@ -217,7 +227,7 @@ fn run(args: &Args, terminated: &AtomicBool) -> Result<(), Failure> {
             if terminated.load(Ordering::SeqCst) {
                 return Err(String::new());
             }
-            verified_allreduce(comm, &mut buf, &format!("loop allreduce {count}"))?;
+            verified_allreduce(comm, &mut buf, &format!("loop allreduce {count}"), false)?;
             count += 1;
             if last.elapsed() >= Duration::from_secs(5) {
                 println!("fh-selftest: rank {}: {count} allreduces", t.rank);
