@@ -168,11 +168,7 @@ pub fn this_hostname() -> String {
 /// True when `name` denotes this machine.
 pub fn is_local(name: &str, hostname: &str) -> bool {
     let name = name.trim();
-    if name.eq_ignore_ascii_case("localhost")
-        || name == "::1"
-        || name.starts_with("127.")
-        || name.eq_ignore_ascii_case("localhost.localdomain")
-    {
+    if is_loopback(name) {
         return true;
     }
     if hostname.is_empty() {
@@ -184,6 +180,29 @@ pub fn is_local(name: &str, hostname: &str) -> bool {
     // Short name vs fully qualified name of this host.
     let short = |s: &str| s.split('.').next().unwrap_or("").to_ascii_lowercase();
     (name.contains('.') != hostname.contains('.')) && short(name) == short(hostname)
+}
+
+/// True for loopback names (`localhost`, `127.x.x.x`, `::1`), which other hosts cannot use to
+/// reach this machine.
+pub fn is_loopback(name: &str) -> bool {
+    let name = name.trim();
+    name.eq_ignore_ascii_case("localhost")
+        || name.eq_ignore_ascii_case("localhost.localdomain")
+        || name == "::1"
+        || name.starts_with("127.")
+}
+
+/// The host where rank 0 runs under `mpirun --map-by slot` (the first host), as the other ranks
+/// should address it: loopback when every host is this machine, else a name the other hosts can
+/// resolve (this machine's host name instead of `localhost`).
+pub fn rendezvous_host(hosts: &[Host], hostname: &str) -> String {
+    let all_local = hosts.iter().all(|h| is_local(&h.name, hostname));
+    match hosts.first() {
+        None => "127.0.0.1".into(),
+        Some(_) if all_local => "127.0.0.1".into(),
+        Some(h) if is_loopback(&h.name) && !hostname.is_empty() => hostname.to_string(),
+        Some(h) => h.name.clone(),
+    }
 }
 
 #[cfg(test)]
@@ -260,6 +279,19 @@ node4 slots=2 max_slots=8
     #[test]
     fn totals() {
         assert_eq!(total_slots(&parse_host_list("a:2,b:3").unwrap()), 5);
+    }
+
+    #[test]
+    fn rendezvous_host_is_reachable_from_the_other_hosts() {
+        let list = |s: &str| parse_host_list(s).unwrap();
+        assert_eq!(rendezvous_host(&[], "box"), "127.0.0.1");
+        assert_eq!(
+            rendezvous_host(&list("localhost:2,box:2"), "box"),
+            "127.0.0.1"
+        );
+        assert_eq!(rendezvous_host(&list("node1:2,node2:2"), "box"), "node1");
+        assert_eq!(rendezvous_host(&list("localhost:2,node2:2"), "box"), "box");
+        assert_eq!(rendezvous_host(&list("box:2,node2:2"), "box"), "box");
     }
 
     #[test]

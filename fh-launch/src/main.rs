@@ -127,14 +127,11 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         let host_list = hosts.clone().unwrap_or_default();
         let rendezvous = match &cli.rendezvous_addr {
             Some(a) => a.clone(),
-            None => {
-                let host = host_list
-                    .first()
-                    .filter(|h| !hosts::is_local(&h.name, &hostname))
-                    .map(|h| h.name.clone())
-                    .unwrap_or_else(|| "127.0.0.1".into());
-                format!("{host}:{}", free_local_port()?)
-            }
+            None => format!(
+                "{}:{}",
+                hosts::rendezvous_host(&host_list, &hostname),
+                free_local_port()?
+            ),
         };
         let mut env = vec![
             ("FH_RENDEZVOUS_ADDR".to_string(), rendezvous),
