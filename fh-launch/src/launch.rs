@@ -188,10 +188,13 @@ pub fn run(job: &LocalJob) -> i32 {
                 Ok(Some(status)) => status,
                 Ok(None) => continue,
                 Err(e) => {
+                    // Not expected (only fhrun reaps its children); do not spin on it.
                     eprintln!(
-                        "fhrun: cannot wait for rank {} (pid {}): {e}",
+                        "fhrun: cannot wait for rank {} (pid {}): {e}; no longer watching it",
                         r.rank, r.pid
                     );
+                    r.child = None;
+                    sys::kill_group(r.pid, libc::SIGKILL);
                     continue;
                 }
             };
