@@ -505,3 +505,39 @@ fn mpi_mode_runs_through_a_real_mpirun() {
     assert_eq!(seen, ["0", "1"].map(String::from).into(), "{out:?}");
     assert_eq!(tokens.len(), 1);
 }
+
+#[test]
+fn x_name_passes_fhruns_value_and_refuses_an_unset_one() {
+    let out = Running::start_cmd(
+        std::process::Command::new(FHRUN)
+            .env("FH_TEST_PASSED", "from fhrun")
+            .env_remove("FH_TEST_UNSET")
+            .args([
+                "-np",
+                "2",
+                "-x",
+                "FH_TEST_PASSED",
+                "sh",
+                "-c",
+                "echo \"$FH_TEST_PASSED\"",
+            ]),
+    )
+    .wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    let lines = prefixed(&out.stdout, "stdout");
+    assert_eq!(lines.len(), 2);
+    assert!(lines.iter().all(|(_, l)| *l == "from fhrun"), "{out:?}");
+
+    let out = Running::start_cmd(
+        std::process::Command::new(FHRUN)
+            .env_remove("FH_TEST_UNSET")
+            .args(["-np", "1", "-x", "FH_TEST_UNSET", "true"]),
+    )
+    .wait(LIMIT);
+    assert_eq!(out.code(), Some(2), "{out:?}");
+    assert!(
+        out.stderr.contains("FH_TEST_UNSET is not set"),
+        "{}",
+        out.stderr
+    );
+}
