@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --release -p fh-scheduler --example replay -- replay fh-bench/workloads/resnet50.json [ranks] [backward_ms] [steps]
 //! cargo run --release -p fh-scheduler --example replay -- negotiation [ranks]
+//! cargo run --release -p fh-scheduler --example replay -- mechanics [ranks]
 //! cargo run --release -p fh-scheduler --example replay -- latency [ranks]
 //! cargo run --release -p fh-scheduler --example replay -- idle [ranks]
 //! ```
@@ -113,7 +114,7 @@ fn replay(
 }
 
 fn negotiation(ranks: usize) {
-    println!("negotiation cost, np={ranks}, tiny tensors all submitted at once, 20 steps after a warm-up");
+    println!("negotiation cost, np={ranks}, tiny tensors all submitted at once (20 ms batching window so a round sees them all), 20 steps after a warm-up");
     println!(
         "{:>8} {:>12} {:>14} {:>16} {:>18}",
         "tensors", "mode", "rounds/step", "bytes/round", "neg. µs/round"
@@ -122,7 +123,7 @@ fn negotiation(ranks: usize) {
         for (mode, cap) in [("coordinator", 0usize), ("bit-vector", 1024)] {
             let cfg = Config::preset(Preset::FastHorovod)
                 .cache_capacity(cap)
-                .batching_window(Duration::from_millis(2));
+                .batching_window(Duration::from_millis(20));
             let threads: Vec<_> = LocalWorld::new(ranks)
                 .into_iter()
                 .map(|t| {
@@ -252,6 +253,121 @@ fn latency(ranks: usize, preset: Preset) {
     );
 }
 
+/// The negotiation mechanics alone, on in-process communicators: a bit-vector round (build the
+/// vector from the cache, one AND allreduce, rebuild the ready list) against a coordinator round
+/// (encode requests, gather them, validate on rank 0, broadcast and decode the responses).
+fn negotiation_mechanics(ranks: usize) {
+    use fh_core::bitvec::NegotiationVec;
+    use fh_core::cache::{Lookup, ResponseCache};
+    use fh_core::message::{validate, CollectiveKind, Device, Request, Signature};
+    use fh_core::{wire, DType};
+    use fh_transport::{CollectivesExt, Transport};
+    println!("negotiation mechanics alone, np={ranks}, median of 200 rounds (rank 0)");
+    println!(
+        "{:>8} {:>12} {:>16} {:>14}",
+        "tensors", "mode", "bytes/round", "µs/round"
+    );
+    for &n in &[16usize, 256, 1024] {
+        for mode in ["coordinator", "bit-vector"] {
+            let threads: Vec<_> = LocalWorld::new(ranks)
+                .into_iter()
+                .map(|mut t| {
+                    std::thread::spawn(move || {
+                        let mut comm = t.open("neg").unwrap();
+                        let (rank, size) = (t.rank(), t.size());
+                        let reqs: Vec<Request> = (0..n)
+                            .map(|i| Request {
+                                name: format!("layer{i}.weight"),
+                                rank: rank as u32,
+                                sig: Signature {
+                                    kind: CollectiveKind::Allreduce,
+                                    dtype: DType::F32,
+                                    shape: vec![256, 256],
+                                    device: Device::Cpu,
+                                    op: ReduceOp::Average,
+                                    root: 0,
+                                    prescale: 1.0,
+                                    postscale: 1.0,
+                                },
+                                priority: i as i64,
+                                group: None,
+                            })
+                            .collect();
+                        let mut cache = ResponseCache::new(1024);
+                        for r in &reqs {
+                            cache.insert(&validate(std::slice::from_ref(r)).unwrap());
+                        }
+                        let mut times = Vec::new();
+                        let mut bytes = 0usize;
+                        for it in 0..220 {
+                            comm.barrier().unwrap();
+                            let start = Instant::now();
+                            let ready = if mode == "bit-vector" {
+                                let mut v = NegotiationVec::new(cache.capacity());
+                                for r in &reqs {
+                                    if let Lookup::Hit(s) = cache.lookup(&r.name, &r.sig) {
+                                        v.set_slot(s, true);
+                                    }
+                                }
+                                let mut b = v.to_bytes();
+                                bytes = b.len();
+                                comm.allreduce(&mut b, DType::U8, ReduceOp::BitAnd).unwrap();
+                                let agreed =
+                                    NegotiationVec::from_bytes(&b, cache.capacity()).unwrap();
+                                let slots: Vec<usize> = agreed.pending_slots().collect();
+                                slots.iter().filter_map(|&s| cache.get(s).cloned()).count()
+                            } else {
+                                let enc = wire::encode_requests(&reqs);
+                                let mut lens = vec![0u8; 8 * size];
+                                comm.allgather(&(enc.len() as u64).to_le_bytes(), &mut lens)
+                                    .unwrap();
+                                let counts: Vec<usize> = lens
+                                    .chunks_exact(8)
+                                    .map(|c| u64::from_le_bytes(c.try_into().unwrap()) as usize)
+                                    .collect();
+                                let mut all = vec![0u8; counts.iter().sum()];
+                                comm.allgatherv(&enc, &mut all, &counts).unwrap();
+                                let mut out = Vec::new();
+                                bytes = enc.len() + 8;
+                                if rank == 0 {
+                                    let mut table: std::collections::HashMap<String, Vec<Request>> =
+                                        Default::default();
+                                    let mut off = 0;
+                                    for &c in &counts {
+                                        for q in wire::decode_requests(&all[off..off + c]).unwrap()
+                                        {
+                                            table.entry(q.name.clone()).or_default().push(q);
+                                        }
+                                        off += c;
+                                    }
+                                    let resps: Vec<_> = reqs
+                                        .iter()
+                                        .filter_map(|r| validate(&table[&r.name]))
+                                        .collect();
+                                    out = wire::encode_responses(&resps);
+                                    bytes += out.len() + 8;
+                                }
+                                let mut len = (out.len() as u64).to_le_bytes();
+                                comm.broadcast(&mut len, 0).unwrap();
+                                out.resize(u64::from_le_bytes(len) as usize, 0);
+                                comm.broadcast(&mut out, 0).unwrap();
+                                wire::decode_responses(&out).unwrap().len()
+                            };
+                            assert_eq!(ready, n);
+                            if it >= 20 {
+                                times.push(start.elapsed().as_secs_f64() * 1e6);
+                            }
+                        }
+                        (median(times), bytes)
+                    })
+                })
+                .collect();
+            let res: Vec<(f64, usize)> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+            println!("{:>8} {:>12} {:>16} {:>14.1}", n, mode, res[0].1, res[0].0);
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
@@ -264,6 +380,9 @@ fn main() {
             let n = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(2);
             latency(n, Preset::FastHorovod);
             latency(n, Preset::Horovod);
+        }
+        Some("mechanics") => {
+            negotiation_mechanics(args.get(2).and_then(|s| s.parse().ok()).unwrap_or(4))
         }
         Some("negotiation") => negotiation(args.get(2).and_then(|s| s.parse().ok()).unwrap_or(4)),
         Some("replay") => {
@@ -284,6 +403,6 @@ fn main() {
                 println!("{label:>22} {step:>12.1} {exposed:>14.1}");
             }
         }
-        _ => eprintln!("usage: replay (replay WORKLOAD [ranks] [backward_ms] [steps] | negotiation [ranks] | latency [ranks] | idle [ranks])"),
+        _ => eprintln!("usage: replay (replay WORKLOAD [ranks] [backward_ms] [steps] | negotiation [ranks] | mechanics [ranks] | latency [ranks] | idle [ranks])"),
     }
 }
