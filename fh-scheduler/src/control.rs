@@ -54,6 +54,21 @@ enum Dispatch {
     Inline(Box<Executor>),
 }
 
+/// Most bytes a control-plane message may announce (a sanity bound on lengths from peers).
+const MAX_CONTROL_BYTES: usize = 1 << 30;
+
+/// The sum of message lengths announced by peers, refused when absurd.
+fn checked_total(counts: &[usize]) -> Result<usize, SchedulerError> {
+    counts
+        .iter()
+        .try_fold(0usize, |a, &c| a.checked_add(c))
+        .filter(|&t| t <= MAX_CONTROL_BYTES)
+        .ok_or_else(|| SchedulerError::Transport {
+            lost_rank: None,
+            message: format!("a peer announced control messages of {counts:?} bytes; refusing"),
+        })
+}
+
 /// An id for a tensor's timeline track (stable per submission).
 fn e_id(name: &str, submitted: Instant) -> u64 {
     use std::hash::{Hash, Hasher};
@@ -88,12 +103,14 @@ impl Table {
         let mut out = Vec::new();
         let mut keep = Vec::new();
         for name in std::mem::take(&mut self.order) {
-            let complete = self.reqs.get(&name).is_some_and(|v| {
-                v.iter()
-                    .filter(|r| !joined.get(r.rank as usize).copied().unwrap_or(false))
-                    .count()
-                    >= needed
-            });
+            // With every rank joined nobody would run the collective: keep waiting.
+            let complete = needed > 0
+                && self.reqs.get(&name).is_some_and(|v| {
+                    v.iter()
+                        .filter(|r| !joined.get(r.rank as usize).copied().unwrap_or(false))
+                        .count()
+                        >= needed
+                });
             if !complete {
                 keep.push(name);
                 continue;
@@ -681,7 +698,7 @@ impl Control {
                 u64::from_le_bytes(a) as usize
             })
             .collect();
-        let mut all = vec![0u8; counts.iter().sum()];
+        let mut all = vec![0u8; checked_total(&counts)?];
         self.comm.allgatherv(&bytes, &mut all, &counts)?;
         let mut out = Vec::new();
         if self.inner.rank == 0 {
@@ -705,7 +722,7 @@ impl Control {
         }
         let mut len = (out.len() as u64).to_le_bytes();
         self.comm.broadcast(&mut len, 0)?;
-        let n = u64::from_le_bytes(len) as usize;
+        let n = checked_total(&[u64::from_le_bytes(len) as usize])?;
         out.resize(n, 0);
         if n > 0 {
             self.comm.broadcast(&mut out, 0)?;
@@ -742,7 +759,7 @@ impl Control {
                 u64::from_le_bytes(a) as usize
             })
             .collect();
-        let mut all = vec![0u8; counts.iter().sum()];
+        let mut all = vec![0u8; checked_total(&counts)?];
         self.comm.allgatherv(&bytes, &mut all, &counts)?;
         let mut have: BTreeMap<String, (Vec<bool>, u64)> = BTreeMap::new();
         let mut off = 0;
