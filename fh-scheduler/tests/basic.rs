@@ -240,3 +240,40 @@ fn grouped_members_are_reduced_in_one_collective_and_fail_together() {
         );
     }
 }
+
+#[test]
+fn forward_priority_orders_the_groups_of_a_round() {
+    use fh_scheduler::Priority;
+    let cfg = fh_scheduler::Config::default()
+        .channels(1)
+        .fusion_threshold(8)
+        .priority(Priority::Forward)
+        .batching_window(std::time::Duration::from_millis(50))
+        .record_groups(true);
+    let out = run_world(2, cfg, |e, _| {
+        // Submitted in backward order (last layer first), as a backward pass would.
+        let hs: Vec<_> = (0..5)
+            .rev()
+            .map(|layer| {
+                e.allreduce(
+                    &format!("layer{layer}"),
+                    Tensor::from_slice(&[1.0f32, 2.0]),
+                    AllreduceOptions::default().priority(layer),
+                )
+                .unwrap()
+            })
+            .collect();
+        for h in hs {
+            h.wait_timeout(LIMIT).unwrap();
+        }
+        e.group_log()
+    });
+    for log in &out {
+        let names: Vec<&str> = log.iter().map(|g| g.parts[0].0.as_str()).collect();
+        assert_eq!(
+            names,
+            ["layer0", "layer1", "layer2", "layer3", "layer4"],
+            "{log:?}"
+        );
+    }
+}
