@@ -277,3 +277,30 @@ fn forward_priority_orders_the_groups_of_a_round() {
         );
     }
 }
+
+#[test]
+fn an_idle_engine_does_not_poll_but_the_horovod_preset_does() {
+    use fh_scheduler::{Config, Preset};
+    for (preset, busy) in [(Preset::FastHorovod, false), (Preset::Horovod, true)] {
+        let out = run_world(2, Config::preset(preset), |e, _| {
+            e.allreduce(
+                "warm",
+                Tensor::from_slice(&[1.0f32]),
+                AllreduceOptions::default(),
+            )
+            .unwrap()
+            .wait_timeout(LIMIT)
+            .unwrap();
+            let before = e.stats().rounds;
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            e.stats().rounds - before
+        });
+        for rounds in out {
+            if busy {
+                assert!(rounds >= 10, "{preset:?}: {rounds} rounds while idle");
+            } else {
+                assert!(rounds <= 1, "{preset:?}: {rounds} rounds while idle");
+            }
+        }
+    }
+}
