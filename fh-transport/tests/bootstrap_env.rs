@@ -308,7 +308,8 @@ fn bad_values_name_the_variable_and_what_is_expected() {
         vars.extend(over.iter().filter(|(_, v)| !v.is_empty()));
         vars
     };
-    let cases: &[(&[(&str, &str)], &str, &str)] = &[
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a str, &'a str);
+    let cases: &[Case<'_>] = &[
         (&[("FH_RANK", "abc")], "FH_RANK", "non-negative integer"),
         (&[("FH_SIZE", "-1")], "FH_SIZE", "non-negative integer"),
         (&[("FH_RANK", "4")], "FH_RANK", "not below the world size"),
