@@ -48,6 +48,8 @@ pub const DEFAULT_MAX_FRAME: usize = 16 << 30;
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Most handshakes served at once; further connections are dropped until some finish.
 const MAX_PENDING_HANDSHAKES: usize = 64;
+/// Refusals queued for the transport beyond which further ones are only logged.
+const MAX_QUEUED_REFUSALS: usize = 256;
 /// How often acceptor threads check whether they should stop.
 const ACCEPT_POLL: Duration = Duration::from_millis(100);
 
@@ -235,6 +237,11 @@ fn accept_loop(
                         }
                     };
                     pending2.fetch_sub(1, Ordering::Relaxed);
+                    // Under a flood of strangers, keep memory bounded: refusals are only
+                    // explanations (and were logged), so drop them when nobody is reading.
+                    if matches!(msg, Incoming::Refused { .. }) && tx.len() >= MAX_QUEUED_REFUSALS {
+                        return;
+                    }
                     // The transport may be gone already; then nobody needs the connection.
                     let _ = tx.send(msg);
                 });
