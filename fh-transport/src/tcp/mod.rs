@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -105,6 +105,63 @@ struct AcceptRules {
     size: usize,
     rank: usize,
     handshake_timeout: Duration,
+    board: Arc<AbortBoard>,
+}
+
+/// Abort notices received out of band: communicator sequence number → (reporting rank, lost
+/// rank). Only authenticated peers write here, at most one entry per communicator.
+#[derive(Debug, Default)]
+pub(crate) struct AbortBoard {
+    notices: Mutex<HashMap<u64, (usize, usize)>>,
+}
+
+impl AbortBoard {
+    fn post(&self, seq: u64, from: usize, lost: usize) {
+        if let Ok(mut n) = self.notices.lock() {
+            n.entry(seq).or_insert((from, lost));
+        }
+    }
+
+    /// The notice about communicator `seq`, if one arrived.
+    pub(crate) fn get(&self, seq: u64) -> Option<(usize, usize)> {
+        self.notices.lock().ok().and_then(|n| n.get(&seq).copied())
+    }
+}
+
+/// What a communicator needs to reach its peers outside its own connections.
+#[derive(Debug)]
+pub(crate) struct Link {
+    pub(crate) book: Vec<SocketAddr>,
+    pub(crate) token: Vec<u8>,
+    pub(crate) board: Arc<AbortBoard>,
+    pub(crate) handshake_timeout: Duration,
+}
+
+impl Link {
+    /// Tell `peer`, over a fresh connection, that this rank gave up on communicator `seq`
+    /// because it lost rank `lost`. Best effort, bounded by the handshake timeout.
+    pub(crate) fn send_abort(&self, rank: usize, peer: usize, seq: u64, lost: usize) {
+        let Some(addr) = self.book.get(peer) else {
+            return;
+        };
+        let timeout = self.handshake_timeout.min(Duration::from_secs(2));
+        let Ok(mut s) = TcpStream::connect_timeout(addr, timeout) else {
+            return;
+        };
+        let hello = Hello {
+            version: wire::PROTOCOL_VERSION,
+            kind: ConnKind::Abort,
+            size: self.book.len() as u32,
+            rank: rank as u32,
+            seq,
+            port: 0,
+            lost: lost as u32,
+            token: self.token.clone(),
+        };
+        if let Err(e) = client_handshake(&mut s, &hello, &format!("rank {peer}"), timeout) {
+            tracing::debug!(peer, error = %e, "could not deliver an abort notice");
+        }
+    }
 }
 
 /// A background thread serving one listener.
@@ -126,7 +183,7 @@ impl Acceptor {
         let stop2 = Arc::clone(&stop);
         let name = match rules.kind {
             ConnKind::Rendezvous => "fh-tcp-rendezvous",
-            ConnKind::Data => "fh-tcp-accept",
+            ConnKind::Data | ConnKind::Abort => "fh-tcp-accept",
         };
         let thread = std::thread::Builder::new()
             .name(name.into())
@@ -221,6 +278,19 @@ fn accept_loop(
                 .name("fh-tcp-handshake".into())
                 .spawn(move || {
                     let msg = match serve_handshake(stream, &rules) {
+                        Ok((hello, _)) if hello.kind == ConnKind::Abort => {
+                            tracing::warn!(
+                                from = hello.rank,
+                                lost = hello.lost,
+                                seq = hello.seq,
+                                "a peer gave up on a communicator"
+                            );
+                            rules
+                                .board
+                                .post(hello.seq, hello.rank as usize, hello.lost as usize);
+                            pending2.fetch_sub(1, Ordering::Relaxed);
+                            return;
+                        }
                         Ok((hello, stream)) => Incoming::Accepted {
                             hello,
                             stream,
@@ -318,7 +388,8 @@ fn check_hello(hello: &Hello, rules: &AcceptRules) -> Option<String> {
                 .into(),
         );
     }
-    if hello.kind != rules.kind {
+    let abort_at_data = hello.kind == ConnKind::Abort && rules.kind == ConnKind::Data;
+    if hello.kind != rules.kind && !abort_at_data {
         return Some(format!(
             "a {:?} handshake arrived at the {:?} listener",
             hello.kind, rules.kind
@@ -333,7 +404,9 @@ fn check_hello(hello: &Hello, rules: &AcceptRules) -> Option<String> {
     let rank = hello.rank as usize;
     let ok_rank = match rules.kind {
         ConnKind::Rendezvous => rank != 0 && rank < rules.size,
+        ConnKind::Data if abort_at_data => rank != rules.rank && rank < rules.size,
         ConnKind::Data => rank > rules.rank && rank < rules.size,
+        ConnKind::Abort => false,
     };
     if !ok_rank {
         return Some(format!(
@@ -458,6 +531,8 @@ pub struct TcpTransport {
     acceptor: Option<Acceptor>,
     /// Connections that arrived for communicators not opened yet: (seq, rank) → stream.
     stash: HashMap<(u64, usize), TcpStream>,
+    board: Arc<AbortBoard>,
+    link: Option<Arc<Link>>,
 }
 
 impl std::fmt::Debug for TcpTransport {
@@ -483,6 +558,8 @@ impl TcpTransport {
             next_seq: 0,
             acceptor: None,
             stash: HashMap::new(),
+            board: Arc::new(AbortBoard::default()),
+            link: None,
         };
         if info.size == 1 {
             return Ok(t);
@@ -511,6 +588,12 @@ impl TcpTransport {
         } else {
             t.rendezvous_member(&addrs, rdv)?;
         }
+        t.link = Some(Arc::new(Link {
+            book: t.book.clone(),
+            token: t.token.clone(),
+            board: Arc::clone(&t.board),
+            handshake_timeout: t.opts.handshake_timeout,
+        }));
         tracing::debug!(rank = info.rank, book = ?t.book, "TCP rendezvous complete");
         Ok(t)
     }
@@ -527,6 +610,7 @@ impl TcpTransport {
             size: self.topology.size,
             rank: self.topology.rank,
             handshake_timeout: self.opts.handshake_timeout,
+            board: Arc::clone(&self.board),
         }
     }
 
@@ -641,6 +725,7 @@ impl TcpTransport {
             rank: rank as u32,
             seq: 0,
             port,
+            lost: 0,
             token: self.token.clone(),
         };
         let peer = format!("rank 0 (rendezvous at {rdv})");
@@ -732,6 +817,7 @@ impl TcpTransport {
                 rank: rank as u32,
                 seq,
                 port: 0,
+                lost: 0,
                 token: self.token.clone(),
             };
             client_handshake(
@@ -808,8 +894,8 @@ impl Transport for TcpTransport {
             rank,
             size,
             peers,
-            self.opts.timeout,
-            self.opts.max_frame,
+            &self.opts,
+            self.link.clone(),
         )))
     }
 }
