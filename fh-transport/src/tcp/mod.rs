@@ -335,10 +335,20 @@ fn serve_handshake(
     }
     let mut buf = [0u8; wire::MAX_HELLO_LEN];
     let mut got = 0usize;
+    // The whole handshake, not each read, is bounded: a stranger dripping a byte at a time
+    // does not hold a thread for long.
+    let deadline = Instant::now() + rules.handshake_timeout;
     let hello = loop {
         match Hello::decode(&buf[..got]) {
             Ok((hello, _)) => break hello,
             Err(DecodeError::NeedMore(n)) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
+                    return Err(format!(
+                        "no complete handshake within {:?} (a slow or silent connection)",
+                        rules.handshake_timeout
+                    ));
+                }
                 let n = n.min(buf.len());
                 match stream.read(&mut buf[got..n]) {
                     Ok(0) => {
