@@ -11,7 +11,7 @@ use super::wire::{self, Header};
 use super::{sys, Link, TcpOptions};
 use crate::{Communicator, Result, TransportError};
 
-/// A communicator of the TCP backend (see [`super::TcpTransport::open`]).
+/// A communicator of the TCP backend (see [`Transport::open`](crate::Transport::open) on a [`super::TcpTransport`]).
 ///
 /// Every operation waits at most the configured timeout *without progress*: a large transfer
 /// that keeps moving is never cut short, a silent peer is reported after the timeout, and a
@@ -97,7 +97,7 @@ impl TcpComm {
         }
     }
 
-    /// The label given to [`super::TcpTransport::open`].
+    /// The label given to [`Transport::open`](crate::Transport::open) on a [`super::TcpTransport`].
     pub fn label(&self) -> &str {
         &self.label
     }
