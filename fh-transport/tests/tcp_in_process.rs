@@ -259,3 +259,18 @@ fn messages_of_every_shape() {
         h.join().unwrap();
     }
 }
+
+#[test]
+fn opening_with_a_departed_rank_fails_naming_it() {
+    // A long timeout: the refused connection must be recognised, not waited out.
+    let mut w = world(2, "600", Duration::from_secs(5));
+    let mut t1 = w.pop().unwrap();
+    drop(w); // rank 0's process "exits": its listener closes
+    let Err(err) = t1.open("late") else {
+        panic!("opening with a departed rank must fail")
+    };
+    assert!(
+        matches!(err, TransportError::PeerLost { rank: 0, .. }),
+        "{err}"
+    );
+}

@@ -819,7 +819,25 @@ impl TcpTransport {
         // Connect to every lower rank.
         for (r, slot) in peers.iter_mut().enumerate().take(rank) {
             let what = format!("rank {r} (communicator '{label}')");
-            let mut s = connect_retry(&[self.book[r]], deadline, &what)?;
+            // Every data listener has been up since the rendezvous: a refused connection
+            // means that rank's process is gone, not that it is late.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut s =
+                match TcpStream::connect_timeout(&self.book[r], left.max(Duration::from_millis(1)))
+                {
+                    Ok(s) => s,
+                    Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                        return Err(TransportError::PeerLost {
+                            rank: r,
+                            detail: format!(
+                                "its listener at {} refused the connection for communicator \
+                             '{label}' (the process is gone)",
+                                self.book[r]
+                            ),
+                        })
+                    }
+                    Err(_) => connect_retry(&[self.book[r]], deadline, &what)?,
+                };
             let hello = Hello {
                 version: wire::PROTOCOL_VERSION,
                 kind: ConnKind::Data,
