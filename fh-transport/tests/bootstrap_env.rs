@@ -229,6 +229,36 @@ fn slurm_variables() {
 }
 
 #[test]
+fn slurm_step_variables_win_over_the_allocation() {
+    // `srun -n 3` inside an allocation of 8 tasks on 4 nodes.
+    let info = parse(&[
+        ("SLURM_PROCID", "2"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_NNODES", "4"),
+        ("SLURM_TASKS_PER_NODE", "2(x4)"),
+        ("SLURM_STEP_ID", "1"),
+        ("SLURM_STEP_NUM_TASKS", "3"),
+        ("SLURM_STEP_NUM_NODES", "2"),
+        ("SLURM_STEP_TASKS_PER_NODE", "2,1"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_LOCALID", "0"),
+        ("FH_RENDEZVOUS_ADDR", "n1:29400"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (
+            info.rank,
+            info.size,
+            info.local_rank,
+            info.local_size,
+            info.cross_rank,
+            info.cross_size
+        ),
+        (2, 3, 0, 1, 1, 2)
+    );
+}
+
+#[test]
 fn slurm_batch_script_is_not_a_job_step() {
     // sbatch sets SLURM_PROCID=0 in the batch script itself; only srun steps are ranks.
     let info = parse(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "8")]).unwrap();
