@@ -11,6 +11,22 @@
 //! [`algorithms`], against that interface. Backends with faster native collectives override the
 //! trait's default methods.
 //!
+//! A launched process joins its job with [`from_env`]: [`bootstrap::LaunchInfo`] reads where it
+//! sits from whichever launcher started it (`fhrun`, `mpirun`, `srun`, `torchrun`), and
+//! `FH_TRANSPORT` picks the backend — by default [`tcp`], which meets the other ranks at rank 0's
+//! rendezvous address and authenticates every connection with the job token.
+//!
+//! ```no_run
+//! use fh_core::ReduceOp;
+//! use fh_transport::CollectivesExt;
+//!
+//! let mut world = fh_transport::from_env()?;
+//! let mut comm = world.open("data")?;
+//! let mut grads = vec![world.rank() as f32; 1024];
+//! comm.allreduce_typed(&mut grads, ReduceOp::Average)?;
+//! # Ok::<(), fh_transport::TransportError>(())
+//! ```
+//!
 //! **Invariant:** this is the only crate that talks to sockets, MPI or NCCL. It knows nothing of
 //! tensor names, fusion, scheduling or Python.
 #![deny(missing_docs)]
