@@ -19,6 +19,8 @@ pub mod algorithms;
 pub mod comm;
 pub mod error;
 pub mod local;
+#[cfg(target_os = "linux")]
+pub mod shm;
 
 pub use comm::{CollectivesExt, Communicator, Topology, Transport};
 pub use error::TransportError;
