@@ -19,6 +19,14 @@ const RANK: &str = "FH_SHM_TEST_RANK";
 const SIZE: &str = "FH_SHM_TEST_SIZE";
 const TOKEN: &str = "FH_SHM_TEST_TOKEN";
 
+/// The tests of this file run one at a time: a child's `join` removes stale segments, which
+/// would race with the test that leaves one behind on purpose.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Kills and reaps the children it holds when dropped.
 struct Children(Vec<Child>);
 
@@ -168,6 +176,7 @@ fn child() {
 
 #[test]
 fn suite_on_2_3_and_4_processes() {
+    let _serial = serial();
     for n in 2..=4 {
         let tok = token();
         let mut kids = Children::spawn(n, "suite", &tok);
@@ -179,6 +188,7 @@ fn suite_on_2_3_and_4_processes() {
 
 #[test]
 fn killed_rank_is_named_without_a_hang() {
+    let _serial = serial();
     let tok = token();
     let mut kids = Children::spawn(3, "kill", &tok);
     let st = kids.wait_all(Duration::from_secs(60));
@@ -189,6 +199,7 @@ fn killed_rank_is_named_without_a_hang() {
 
 #[test]
 fn waiting_ranks_sleep() {
+    let _serial = serial();
     let tok = token();
     let mut kids = Children::spawn(2, "idle", &tok);
     let st = kids.wait_all(Duration::from_secs(60));
@@ -197,6 +208,7 @@ fn waiting_ranks_sleep() {
 
 #[test]
 fn sigkill_of_every_rank_is_cleaned_up_at_next_start() {
+    let _serial = serial();
     let tok = token();
     let prefix = shm::segment_prefix(&tok);
     let mut kids = Children::spawn(2, "stall", &tok);

@@ -96,6 +96,31 @@ fn mismatched_calls_are_reported_not_hung() {
 }
 
 #[test]
+fn ranks_with_different_algorithm_thresholds_fail_cleanly() {
+    let tok = token();
+    let handles: Vec<_> = (0..2)
+        .map(|r| {
+            let tok = tok.clone();
+            std::thread::spawn(move || {
+                let opts = ShmOptions {
+                    small_allreduce_bytes: if r == 0 { 0 } else { 1 << 20 },
+                    ..small_opts()
+                };
+                let mut c = ShmTransport::join(&tok, r, 2, opts)
+                    .unwrap()
+                    .open_shm("x")
+                    .unwrap();
+                let mut buf = vec![1u8; 4096];
+                c.allreduce(&mut buf, DType::U8, ReduceOp::Sum)
+            })
+        })
+        .collect();
+    for h in handles {
+        assert!(h.join().unwrap().is_err());
+    }
+}
+
+#[test]
 fn dropped_peer_is_reported_by_rank() {
     let out = world(3, small_opts(), |r, mut t| {
         let mut c = t.open("drop").unwrap();

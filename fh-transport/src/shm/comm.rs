@@ -644,7 +644,9 @@ impl ShmComm {
         let combine = op.combining();
         let total = buf.len();
         let direct = total <= self.small;
-        let tag = reduce_tag(TAG_ALLREDUCE, dtype, op);
+        // The algorithm is part of the tag: ranks configured with different thresholds must
+        // fail, not read each other's half-reduced slots.
+        let tag = reduce_tag(TAG_ALLREDUCE, dtype, op) | (u64::from(direct) << 24);
         for chunk in buf.chunks_mut(self.seg.layout.slot_bytes) {
             let s = chunk.len();
             let (k, b) = self.begin_round("allreduce")?;
