@@ -178,6 +178,12 @@ fn live_segments_are_not_cleaned_up() {
         1,
         "rank 0 should have created the segment"
     );
+    let name = leftovers(&prefix).remove(0);
+    assert!(!name.contains(&tok), "the job token leaks into {name}");
+    let mode = std::fs::metadata(format!("/dev/shm/{name}"))
+        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777)
+        .unwrap();
+    assert_eq!(mode, 0o600, "segment {name} has mode {mode:o}");
     let removed = shm::cleanup_stale_segments();
     assert!(
         !removed.iter().any(|n| n.starts_with(&prefix)),

@@ -649,30 +649,36 @@ impl ShmComm {
         let tag = reduce_tag(TAG_ALLREDUCE, dtype, op) | (u64::from(direct) << 24);
         for chunk in buf.chunks_mut(self.seg.layout.slot_bytes) {
             let s = chunk.len();
+            // Share r of the chunk is reduced by rank r (reduce-scatter mode).
+            let e = dtype.size();
+            let share = ((s / e).div_ceil(n) * e).div_ceil(64) * 64;
+            let range = |r: usize| ((r * share).min(s), ((r + 1) * share).min(s));
+            let (lo, hi) = if direct { (0, 0) } else { range(me) };
             let (k, b) = self.begin_round("allreduce")?;
+            let slot = self.seg.slot(me, b);
+            // Publish the input, except our own share, which we reduce from private memory.
             // SAFETY: our own slot, not read by anyone before we post round k (begin_round
             // ensured everyone finished with this buffer); `s <= slot_bytes`.
-            unsafe { put(self.seg.slot(me, b), chunk) };
+            unsafe {
+                put(slot, &chunk[..lo]);
+                put(slot.add(hi), &chunk[hi..]);
+            }
             let meta = [tag, total as u64, s as u64];
             self.post(k, b, &meta);
             self.for_each_posted("allreduce", k, |j| self.check_meta(j, b, &meta))?;
             if direct {
                 // Every rank folds every slot in rank order, so all get identical bits.
-                // SAFETY: all slots of round k are posted and nobody writes them until everyone
-                // (including us) has consumed round k.
-                unsafe { get(chunk, self.seg.slot(0, b)) };
+                if me != 0 {
+                    // SAFETY: all slots of round k are posted and nobody writes them until
+                    // everyone (including us) has consumed round k.
+                    unsafe { get(chunk, self.seg.slot(0, b)) };
+                }
                 let srcs: Vec<&[u8]> = (1..n)
                     // SAFETY: as above.
                     .map(|j| unsafe { view(self.seg.slot(j, b), s) })
                     .collect();
                 reduce_blocked(dtype, combine, chunk, &srcs)?;
             } else {
-                // Reduce-scatter in place: share r of the chunk is reduced into rank r's slot.
-                let e = dtype.size();
-                let share = (s / e).div_ceil(n) * e;
-                let share = share.div_ceil(64) * 64;
-                let range = |r: usize| ((r * share).min(s), ((r + 1) * share).min(s));
-                let (lo, hi) = range(me);
                 if hi > lo {
                     let srcs: Vec<&[u8]> = (0..n)
                         .filter(|&j| j != me)
@@ -680,12 +686,11 @@ impl ShmComm {
                         // round k (each rank writes only its own share of its own slot).
                         .map(|j| unsafe { view(self.seg.slot(j, b).add(lo), hi - lo) })
                         .collect();
-                    // SAFETY: [lo, hi) of our own slot is written only by us in this phase and
-                    // read by peers only after we publish `reduced`.
-                    let acc = unsafe {
-                        std::slice::from_raw_parts_mut(self.seg.slot(me, b).add(lo), hi - lo)
-                    };
+                    let acc = &mut chunk[lo..hi];
                     reduce_blocked(dtype, combine, acc, &srcs)?;
+                    // SAFETY: [lo, hi) of our own slot is written only by us, and read by peers
+                    // only after we publish `reduced`.
+                    unsafe { put(slot.add(lo), acc) };
                 }
                 self.seg
                     .ctl(me)
@@ -694,7 +699,9 @@ impl ShmComm {
                     .store(k.wrapping_add(1), Release);
                 self.notify_others();
                 // Gather the reduced shares, each as soon as it is ready.
-                let mut pending: Vec<usize> = (0..n).filter(|&r| range(r).1 > range(r).0).collect();
+                let mut pending: Vec<usize> = (0..n)
+                    .filter(|&r| r != me && range(r).1 > range(r).0)
+                    .collect();
                 let ready = |r: usize| {
                     reached(
                         self.seg.ctl(r).reduced.word.load(Acquire),
