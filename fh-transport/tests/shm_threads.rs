@@ -223,6 +223,37 @@ fn bad_arguments_are_rejected() {
     });
 }
 
+#[test]
+fn options_from_environment() {
+    let env = |pairs: &'static [(&'static str, &'static str)]| {
+        move |k: &str| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    };
+    let o = ShmOptions::from_lookup(env(&[
+        ("FH_TIMEOUT_SECONDS", "2.5"),
+        ("FH_SHM_SLOT_BYTES", "65536"),
+    ]))
+    .unwrap();
+    assert_eq!(o.timeout, Duration::from_millis(2500));
+    assert_eq!(o.slot_bytes, 65536);
+    assert_eq!(
+        ShmOptions::from_lookup(env(&[])).unwrap(),
+        ShmOptions::default()
+    );
+    for bad in [
+        &[("FH_TIMEOUT_SECONDS", "soon")][..],
+        &[("FH_TIMEOUT_SECONDS", "-1")][..],
+        &[("FH_SHM_SLOT_BYTES", "big")][..],
+    ] {
+        let err = ShmOptions::from_lookup(env(bad)).unwrap_err();
+        assert!(matches!(err, TransportError::Config { .. }), "{err}");
+    }
+}
+
 fn dtype_op() -> impl Strategy<Value = (DType, ReduceOp)> {
     proptest::sample::select(pairs())
 }

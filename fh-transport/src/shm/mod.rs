@@ -115,6 +115,37 @@ impl ShmOptions {
         }
     }
 
+    /// Default options adjusted by the environment: `FH_TIMEOUT_SECONDS` (the wait timeout,
+    /// seconds, may be fractional) and `FH_SHM_SLOT_BYTES` (the slot size).
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|var| std::env::var(var).ok())
+    }
+
+    /// As [`ShmOptions::from_env`], reading variables through `get` (for tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let mut o = ShmOptions::default();
+        if let Some(v) = get("FH_TIMEOUT_SECONDS") {
+            let secs: f64 = v.trim().parse().map_err(|_| TransportError::Config {
+                var: "FH_TIMEOUT_SECONDS".into(),
+                reason: format!("'{v}' is not a number of seconds"),
+            })?;
+            if !(secs > 0.0 && secs < 1e9) {
+                return Err(TransportError::Config {
+                    var: "FH_TIMEOUT_SECONDS".into(),
+                    reason: format!("{secs} is not a positive number of seconds"),
+                });
+            }
+            o.timeout = Duration::from_secs_f64(secs);
+        }
+        if let Some(v) = get("FH_SHM_SLOT_BYTES") {
+            o.slot_bytes = v.trim().parse().map_err(|_| TransportError::Config {
+                var: "FH_SHM_SLOT_BYTES".into(),
+                reason: format!("'{v}' is not a number of bytes"),
+            })?;
+        }
+        Ok(o)
+    }
+
     fn layout(&self, size: usize) -> Result<Layout> {
         let bad = |reason: String| TransportError::Config {
             var: "ShmOptions".into(),
