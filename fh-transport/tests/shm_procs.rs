@@ -41,6 +41,15 @@ impl Drop for Children {
 
 impl Children {
     fn spawn(n: usize, role: &str, token: &str) -> Children {
+        Self::spawn_with(n, role, token, |_| Vec::new())
+    }
+
+    fn spawn_with(
+        n: usize,
+        role: &str,
+        token: &str,
+        env: impl Fn(usize) -> Vec<(&'static str, String)>,
+    ) -> Children {
         let exe = std::env::current_exe().expect("test binary path");
         let mut kids = Children(Vec::new());
         for r in 0..n {
@@ -50,6 +59,7 @@ impl Children {
                 .env(RANK, r.to_string())
                 .env(SIZE, n.to_string())
                 .env(TOKEN, token)
+                .envs(env(r))
                 .stdout(Stdio::null())
                 .spawn()
                 .expect("spawn a rank");
@@ -170,6 +180,13 @@ fn child() {
                 );
             }
         }
+        "env" => {
+            let mut t = fh_transport::from_env().unwrap();
+            assert_eq!(t.backend(), "shm");
+            assert_eq!((t.rank(), t.size()), (rank, size));
+            let mut c = t.open("env").unwrap();
+            suite_others(&mut *c, 5);
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -182,6 +199,32 @@ fn suite_on_2_3_and_4_processes() {
         let mut kids = Children::spawn(n, "suite", &tok);
         let st = kids.wait_all(Duration::from_secs(240));
         assert!(st.iter().all(ExitStatus::success), "np {n}: {st:?}");
+        assert_eq!(leftovers(&shm::segment_prefix(&tok)), Vec::<String>::new());
+    }
+}
+
+#[test]
+fn from_env_builds_a_shm_world() {
+    let _serial = serial();
+    for choice in ["shm", "auto"] {
+        let tok = format!(
+            "{:032x}",
+            std::process::id() as u128 * 7919 + choice.len() as u128
+        );
+        let mut kids = Children::spawn_with(3, "env", &tok, |r| {
+            vec![
+                ("FH_TRANSPORT", choice.to_string()),
+                ("FH_RANK", r.to_string()),
+                ("FH_SIZE", "3".into()),
+                ("FH_LOCAL_RANK", r.to_string()),
+                ("FH_LOCAL_SIZE", "3".into()),
+                ("FH_RENDEZVOUS_ADDR", "127.0.0.1:9".into()),
+                ("FH_JOB_TOKEN", tok.clone()),
+                ("FH_TIMEOUT_SECONDS", "20".into()),
+            ]
+        });
+        let st = kids.wait_all(Duration::from_secs(120));
+        assert!(st.iter().all(ExitStatus::success), "{choice}: {st:?}");
         assert_eq!(leftovers(&shm::segment_prefix(&tok)), Vec::<String>::new());
     }
 }

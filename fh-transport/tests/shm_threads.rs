@@ -7,8 +7,9 @@ mod shm_common;
 use std::time::{Duration, Instant};
 
 use fh_core::{DType, ReduceOp};
+use fh_transport::bootstrap::{LaunchInfo, Launcher};
 use fh_transport::shm::{self, ShmOptions, ShmTransport};
-use fh_transport::{Communicator, Transport, TransportError};
+use fh_transport::{CollectivesExt, Communicator, Topology, Transport, TransportError};
 use proptest::prelude::*;
 use shm_common::*;
 
@@ -251,6 +252,56 @@ fn options_from_environment() {
     ] {
         let err = ShmOptions::from_lookup(env(bad)).unwrap_err();
         assert!(matches!(err, TransportError::Config { .. }), "{err}");
+    }
+}
+
+fn launch(rank: usize, size: usize, hosts: usize, token: &str) -> LaunchInfo {
+    let mut info = LaunchInfo::single();
+    info.rank = rank;
+    info.size = size;
+    info.local_rank = rank % (size / hosts);
+    info.local_size = size / hosts;
+    info.cross_rank = rank / (size / hosts);
+    info.cross_size = hosts;
+    info.rendezvous = Some("127.0.0.1:9".into());
+    info.token = Some(token.into());
+    info.launcher = Launcher::Fhrun;
+    info.timeout = Duration::from_secs(20);
+    info
+}
+
+#[test]
+fn transport_choice_selects_shm_on_one_host() {
+    for choice in ["shm", "auto"] {
+        let tok = token();
+        let handles: Vec<_> = (0..3)
+            .map(|r| {
+                let tok = tok.clone();
+                std::thread::spawn(move || {
+                    let mut t =
+                        fh_transport::world_for(&launch(r, 3, 1, &tok), Some(choice)).unwrap();
+                    assert_eq!(t.backend(), "shm", "FH_TRANSPORT={choice}");
+                    assert_eq!(t.topology(), Topology::single_host(r, 3));
+                    let mut c = t.open("env").unwrap();
+                    let mut v = [r as i64; 3];
+                    c.allreduce_typed(&mut v, ReduceOp::Sum).unwrap();
+                    v
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), [3; 3]);
+        }
+    }
+    // A job spread over two hosts cannot use shared memory alone.
+    let two_hosts = launch(0, 4, 2, &token());
+    assert!(!shm::suits(&two_hosts));
+    match fh_transport::world_for(&two_hosts, Some("shm")) {
+        Err(TransportError::Config { var, reason }) => {
+            assert_eq!(var, "FH_TRANSPORT");
+            assert!(reason.contains("2 hosts"), "{reason}");
+        }
+        other => panic!("{:?}", other.map(|t| t.backend())),
     }
 }
 

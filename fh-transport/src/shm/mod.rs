@@ -65,6 +65,7 @@ use std::time::{Duration, Instant};
 
 pub use comm::ShmComm;
 
+use crate::bootstrap::LaunchInfo;
 use crate::{Communicator, Result, Topology, Transport, TransportError};
 use segment::{Layout, Segment, NAME_PREFIX};
 
@@ -203,6 +204,19 @@ pub fn cleanup_stale_segments() -> Vec<String> {
     segment::cleanup_stale()
 }
 
+/// Whether `FH_TRANSPORT=auto` should use shared memory for this launch: several ranks, all on
+/// this host, and room in `/dev/shm` for a few communicators.
+pub fn suits(info: &LaunchInfo) -> bool {
+    if info.size < 2 || info.cross_size != 1 || info.local_size != info.size {
+        return false;
+    }
+    let Ok(layout) = ShmOptions::default().layout(info.size) else {
+        return false;
+    };
+    // Room for the control channel and a handful of data channels.
+    sys::available_bytes(sys::SHM_DIR).is_some_and(|free| free >= 16 * layout.total as u64)
+}
+
 /// One rank's handle on a shared-memory world: the ranks of one host that share a job token.
 #[derive(Debug)]
 pub struct ShmTransport {
@@ -256,6 +270,31 @@ impl ShmTransport {
             layout,
             next: 0,
         })
+    }
+
+    /// Join the world described by a launch (`FH_TRANSPORT=shm`): its rank, size, job token and
+    /// timeout, with the default sizes. Every rank must run on this host.
+    pub fn from_info(info: &LaunchInfo) -> Result<Self> {
+        if info.cross_size != 1 || info.local_size != info.size {
+            return Err(TransportError::Config {
+                var: "FH_TRANSPORT".into(),
+                reason: format!(
+                    "'shm' needs every rank on one host, but this job has {} ranks on {} hosts \
+                     ({} here); use 'auto' or 'tcp'",
+                    info.size, info.cross_size, info.local_size
+                ),
+            });
+        }
+        // A single process has no token; any name private to it will do.
+        let token = info
+            .token
+            .clone()
+            .unwrap_or_else(|| format!("single-process-{}-{}", sys::pid(), sys::self_start_time()));
+        let opts = ShmOptions {
+            timeout: info.timeout,
+            ..ShmOptions::default()
+        };
+        Self::join(&token, info.rank, info.size, opts)
     }
 
     /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.

@@ -207,6 +207,20 @@ pub(crate) fn futex_wake_all(word: &AtomicU32) {
     }
 }
 
+/// Bytes available to unprivileged users in the file system holding `path`.
+pub(crate) fn available_bytes(path: &str) -> Option<u64> {
+    let c = cname(path).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `c` is a valid path and `st` writable memory of the right type.
+    if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so the structure is initialised.
+    let st = unsafe { st.assume_init() };
+    #[allow(clippy::unnecessary_cast)] // the field types differ between targets
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
 /// This process's id.
 pub(crate) fn pid() -> u32 {
     std::process::id()
