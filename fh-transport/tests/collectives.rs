@@ -607,23 +607,49 @@ fn bad_arguments_are_errors_not_panics() {
     assert!(out[0].iter().any(|m| m.contains("root 3")), "{:?}", out[0]);
 }
 
-/// Rank `dead` drops its communicator; the others run `op` and must fail promptly, and the
-/// ranks that talk to the dead one directly must name it.
+/// Rank `dead` drops its communicator before the others start `op`; they must fail promptly,
+/// and the ranks that talk to the dead one directly must name it.
 fn lost_peer(
     n: usize,
     dead: usize,
     op: fn(&mut dyn Communicator) -> Result<(), TransportError>,
 ) -> Vec<Option<TransportError>> {
-    world(n, Duration::from_secs(1), move |comm| {
-        if comm.rank() == dead {
-            return None;
-        }
-        let err = op(comm).err();
-        // Keep this communicator open until the others are done, so they blame the dead rank
-        // rather than a rank that merely gave up.
-        std::thread::sleep(Duration::from_millis(1500));
-        err
-    })
+    let gone = Arc::new(std::sync::Barrier::new(n));
+    let (tx, rx) = mpsc::channel();
+    let handles: Vec<_> = LocalWorld::with_timeout(n, Duration::from_secs(1))
+        .into_iter()
+        .map(|mut t| {
+            let (gone, tx) = (Arc::clone(&gone), tx.clone());
+            std::thread::spawn(move || {
+                let rank = t.rank();
+                let mut comm = t.open("test").expect("open");
+                if rank == dead {
+                    drop(comm);
+                    gone.wait();
+                    let _ = tx.send((rank, None));
+                    return;
+                }
+                gone.wait();
+                let err = op(&mut *comm).err();
+                let _ = tx.send((rank, err));
+                // Keep this communicator open until the others are done, so they blame the
+                // dead rank rather than a rank that merely gave up.
+                std::thread::sleep(Duration::from_millis(1500));
+            })
+        })
+        .collect();
+    drop(tx);
+    let mut out: Vec<Option<TransportError>> = (0..n).map(|_| None).collect();
+    for _ in 0..n {
+        let (rank, err) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("every rank reports within 30 s");
+        out[rank] = err;
+    }
+    for h in handles {
+        h.join().expect("rank thread");
+    }
+    out
 }
 
 #[test]

@@ -214,3 +214,44 @@ fn ring_allreduce<C: Communicator + ?Sized>(
     }
     ring::allgather_in_place(comm, buf, rank, pieces, esz, block)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_switches_to_ring_at_the_threshold() {
+        let t = ALLREDUCE_RING_THRESHOLD_BYTES;
+        let auto = AllreduceAlgorithm::Auto;
+        assert_eq!(
+            auto.resolve(t - 4, (t - 4) / 4, 4),
+            AllreduceAlgorithm::RecursiveDoubling
+        );
+        assert_eq!(auto.resolve(t, t / 4, 4), AllreduceAlgorithm::Ring);
+        // Fewer elements than ranks: the ring would leave blocks empty.
+        assert_eq!(auto.resolve(t, 3, 4), AllreduceAlgorithm::RecursiveDoubling);
+        for forced in [
+            AllreduceAlgorithm::Ring,
+            AllreduceAlgorithm::RecursiveDoubling,
+        ] {
+            assert_eq!(forced.resolve(0, 0, 8), forced);
+            assert_eq!(forced.resolve(1 << 30, 1 << 28, 8), forced);
+        }
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for a in [
+            AllreduceAlgorithm::Auto,
+            AllreduceAlgorithm::RecursiveDoubling,
+            AllreduceAlgorithm::Ring,
+        ] {
+            assert_eq!(a.to_string().parse::<AllreduceAlgorithm>().unwrap(), a);
+        }
+        let err = "tree"
+            .parse::<AllreduceAlgorithm>()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tree") && err.contains("ring"), "{err}");
+    }
+}

@@ -17,8 +17,10 @@
 //! Every function validates its arguments before sending anything and returns
 //! [`TransportError::InvalidArgument`] naming the problem rather than panicking. The choice of
 //! algorithm depends only on arguments that must agree on every rank (lengths, counts, root),
-//! so all ranks always run the same schedule. Reductions are performed so that every rank ends
-//! with bitwise identical results.
+//! so all ranks always run the same schedule. Every rank ends with bitwise identical results:
+//! the ring reduces each block once, in one order, and then copies it; recursive doubling
+//! relies on the operators being commutative, which holds bit for bit except for which NaN
+//! `Min`/`Max` keep.
 
 mod allreduce;
 mod broadcast;
