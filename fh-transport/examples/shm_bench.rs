@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --release -p fh-transport --example shm_bench -- [--np 2,4] [--sizes 4K,1M,64M,256M]
-//!     [--slot BYTES] [--secs 1.0]
+//!     [--slot BYTES] [--secs 1.0] [--spin-us 50]
 //! ```
 //!
 //! The example re-runs itself once per rank. Bus bandwidth is `bytes / time * 2 (n - 1) / n`,
@@ -40,6 +40,7 @@ struct Args {
     sizes: Vec<usize>,
     slot: usize,
     secs: f64,
+    spin_us: u64,
 }
 
 fn args() -> Args {
@@ -51,6 +52,7 @@ fn args() -> Args {
             .collect(),
         slot: ShmOptions::default().slot_bytes,
         secs: 1.0,
+        spin_us: ShmOptions::default().spin.as_micros() as u64,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -61,6 +63,7 @@ fn args() -> Args {
             "--sizes" => a.sizes = v.split(',').map(parse_size).collect(),
             "--slot" => a.slot = parse_size(&v),
             "--secs" => a.secs = v.parse().expect("secs"),
+            "--spin-us" => a.spin_us = v.parse().expect("spin-us"),
             other => panic!("unknown argument {other}"),
         }
         i += 2;
@@ -85,6 +88,7 @@ fn memcpy_bw(size: usize, secs: f64) -> f64 {
 fn rank_main(rank: usize, np: usize, token: &str, a: &Args) {
     let opts = ShmOptions {
         slot_bytes: a.slot,
+        spin: Duration::from_micros(a.spin_us),
         timeout: Duration::from_secs(120),
         ..ShmOptions::default()
     };

@@ -241,9 +241,10 @@ impl ShmComm {
             return Ok(());
         }
         let start = Instant::now();
-        // Spin briefly: the peer is usually about to publish.
+        // Spin briefly (the peer is usually about to publish), yielding the core between
+        // checks so that a peer waiting for a CPU can run.
         let mut spins = 0u32;
-        loop {
+        while !self.spin.is_zero() {
             std::hint::spin_loop();
             spins += 1;
             if spins % 64 == 0 {
@@ -253,6 +254,8 @@ impl ShmComm {
                 if start.elapsed() >= self.spin {
                     break;
                 }
+                // On a busy machine the peer may be waiting for our core.
+                std::thread::yield_now();
             }
         }
         let bell = &self.seg.ctl(self.rank).bell;

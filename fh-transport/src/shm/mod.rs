@@ -48,7 +48,8 @@
 //!
 //! # Failures
 //!
-//! Waits spin briefly, then sleep on a futex in slices of [`ShmOptions::liveness_interval`];
+//! Waits poll briefly (yielding the core between polls, which matters when ranks outnumber
+//! cores), then sleep on a futex in slices of [`ShmOptions::liveness_interval`];
 //! between slices a rank checks its peers: a peer that gave up after an error or closed its
 //! communicator while being waited for, or whose process is gone (or a zombie), is reported as
 //! [`TransportError::PeerLost`] naming its rank; after [`ShmOptions::timeout`] without progress
@@ -84,7 +85,8 @@ pub struct ShmOptions {
     /// Capacity of each point-to-point ring (per directed pair), a power of two; 0 picks one
     /// from the world size (256 KiB for small worlds, less for large ones).
     pub ring_bytes: usize,
-    /// How long a waiting rank spins before sleeping on a futex.
+    /// How long a waiting rank polls (yielding the core between polls) before sleeping on a
+    /// futex. Zero sleeps at once.
     pub spin: Duration,
     /// How often a sleeping rank wakes to check its peers' liveness and its deadline.
     pub liveness_interval: Duration,
