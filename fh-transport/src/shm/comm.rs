@@ -849,7 +849,6 @@ impl ShmComm {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn reduce_scatter_inner(
         &mut self,
         send: &[u8],
