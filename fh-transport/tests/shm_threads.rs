@@ -141,6 +141,54 @@ fn dropped_peer_is_reported_by_rank() {
 }
 
 #[test]
+fn a_silent_peer_times_out_by_name() {
+    let opts = ShmOptions {
+        timeout: Duration::from_millis(400),
+        ..small_opts()
+    };
+    let out = world(3, opts, |r, mut t| {
+        let mut c = t.open("silent").unwrap();
+        c.barrier().unwrap();
+        if r == 1 {
+            // Alive but absent: never enters the collective, stays until the others gave up.
+            std::thread::sleep(Duration::from_millis(1500));
+            return None;
+        }
+        let mut buf = vec![0u8; 100_000];
+        Some(c.allreduce(&mut buf, DType::U8, ReduceOp::Max).unwrap_err())
+    });
+    for e in out.into_iter().flatten() {
+        assert!(
+            matches!(e, TransportError::Timeout { rank: 1, .. }),
+            "expected a timeout naming rank 1, got {e}"
+        );
+    }
+}
+
+#[test]
+fn ranks_disagreeing_on_the_world_size_are_refused() {
+    let tok = token();
+    let opts = ShmOptions::with_timeout(Duration::from_secs(1));
+    let h = std::thread::spawn({
+        let (tok, opts) = (tok.clone(), opts.clone());
+        move || {
+            ShmTransport::join(&tok, 0, 2, opts)
+                .unwrap()
+                .open_shm("x")
+                .map(|_| ())
+        }
+    });
+    let res = ShmTransport::join(&tok, 1, 3, opts).unwrap().open_shm("x");
+    match res {
+        Err(TransportError::Handshake { reason, .. }) => {
+            assert!(reason.contains("same world size"), "{reason}")
+        }
+        other => panic!("expected a handshake error, got {:?}", other.map(|_| ())),
+    }
+    assert!(h.join().unwrap().is_err(), "rank 0 must not complete alone");
+}
+
+#[test]
 fn open_fails_after_timeout_and_leaves_nothing() {
     let tok = token();
     let opts = ShmOptions::with_timeout(Duration::from_millis(300));

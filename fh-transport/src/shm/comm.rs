@@ -42,6 +42,11 @@ const TAG_ALLTOALL: u64 = 4;
 const TAG_REDUCE_SCATTER: u64 = 5;
 const TAG_BARRIER: u64 = 6;
 
+/// Low bits of a rank's `blame` word: 1 + the rank it blamed.
+const BLAME_RANK: u32 = 0x00ff_ffff;
+/// Flag in a rank's `blame` word: it gave up on a timeout.
+const BLAME_TIMEOUT: u32 = 1 << 24;
+
 fn tag_name(tag: u64) -> &'static str {
     match tag & 0xff {
         TAG_ALLREDUCE => "allreduce",
@@ -298,13 +303,22 @@ impl ShmComm {
         for r in (0..self.size).filter(|&r| r != self.rank) {
             let info = self.seg.info(r);
             if info.state.load(Acquire) == ST_ABORTED {
-                // Report the root cause: the rank the aborted one blamed, if any.
-                let blamed = info.blame.load(Relaxed) as usize;
+                // Report the root cause: the rank the aborted one blamed, if any, with the
+                // same kind of error (a timeout stays a timeout).
+                let word = info.blame.load(Relaxed);
+                let blamed = (word & BLAME_RANK) as usize;
                 let rank = if blamed == 0 || blamed - 1 == self.rank {
                     r
                 } else {
                     blamed - 1
                 };
+                if rank != r && word & BLAME_TIMEOUT != 0 {
+                    return Err(TransportError::Timeout {
+                        rank,
+                        op: "a collective (another rank gave up waiting for it first)",
+                        after: self.timeout,
+                    });
+                }
                 return Err(TransportError::PeerLost {
                     rank,
                     detail: format!(
@@ -365,7 +379,12 @@ impl ShmComm {
                 self.broken = Some(e.to_string());
                 let info = self.seg.info(self.rank);
                 if let Some(r) = e.blamed_rank() {
-                    info.blame.store(r as u32 + 1, Relaxed);
+                    let kind = if matches!(e, TransportError::Timeout { .. }) {
+                        BLAME_TIMEOUT
+                    } else {
+                        0
+                    };
+                    info.blame.store((r as u32 + 1) | kind, Relaxed);
                 }
                 info.state.store(ST_ABORTED, Release);
                 self.notify_others();

@@ -249,7 +249,7 @@ impl ShmTransport {
                 "shm join: rank {rank} is not in 0..{size}"
             )));
         }
-        if size > u32::MAX as usize / 2 {
+        if size >= 1 << 20 {
             return Err(TransportError::InvalidArgument(format!(
                 "shm join: {size} ranks are too many"
             )));

@@ -326,12 +326,17 @@ impl Segment {
             Err(e) => return Err(io_err(name, "shm_open", e)),
         };
         let (len, _, _) = fd.stat().map_err(|e| io_err(name, "fstat", e))?;
-        if len < layout.total as u64 {
+        // Look at the header and the creator's entry first: the layout is checked before the
+        // length, so that a rank expecting another world size fails instead of waiting.
+        let first = layout.info_off + std::mem::size_of::<RankInfo>();
+        if len < first as u64 {
             return Ok(None); // rank 0 has not sized it yet
         }
-        let map = Mapping::new(&fd, layout.total, true).map_err(|e| io_err(name, "mmap", e))?;
-        let seg = Segment { map, layout };
-        let h = seg.header();
+        let head = Segment {
+            map: Mapping::new(&fd, first, true).map_err(|e| io_err(name, "mmap", e))?,
+            layout,
+        };
+        let h = head.header();
         if h.magic.load(Ordering::Acquire) != MAGIC {
             return Ok(None); // not initialised yet
         }
@@ -345,7 +350,7 @@ impl Segment {
                 ),
             });
         }
-        let creator = seg.info(0);
+        let creator = head.info(0);
         if !sys::process_alive(
             creator.pid.load(Ordering::Acquire),
             creator.start_time.load(Ordering::Relaxed),
@@ -374,6 +379,13 @@ impl Segment {
                 ),
             });
         }
+        if len < layout.total as u64 {
+            return Ok(None);
+        }
+        let seg = Segment {
+            map: Mapping::new(&fd, layout.total, true).map_err(|e| io_err(name, "mmap", e))?,
+            layout,
+        };
         Ok(Some(seg))
     }
 }
