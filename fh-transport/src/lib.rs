@@ -37,9 +37,8 @@ pub const TRANSPORT_CHOICES: &str = "auto, tcp, shm, mpi, local";
 /// and the backend chosen by `FH_TRANSPORT` (`auto` — the default — or `tcp`, `shm`, `mpi`,
 /// `local`), and connect.
 ///
-/// `auto` is shared memory when every rank runs on this host (and `/dev/shm` has room),
-/// otherwise TCP. `local` is only valid for a single process. `shm` needs every rank on one
-/// host (Linux). `mpi` reports [`TransportError::BackendUnavailable`] until that backend is
+/// `auto` is TCP for now ([`shm::suits`] tells when shared memory would serve a launch).
+/// `local` is only valid for a single process. `shm` needs every rank on one host (Linux). `mpi` reports [`TransportError::BackendUnavailable`] until that backend is
 /// built in.
 pub fn from_env() -> Result<Box<dyn Transport>> {
     let info = bootstrap::LaunchInfo::from_env()?;
@@ -55,8 +54,6 @@ pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<B
         .filter(|c| !c.is_empty())
         .unwrap_or("auto");
     match choice.to_ascii_lowercase().as_str() {
-        #[cfg(target_os = "linux")]
-        "auto" if shm::suits(info) => Ok(Box::new(shm::ShmTransport::from_info(info)?)),
         "auto" | "tcp" => {
             let opts = tcp::TcpOptions::from_info(info);
             Ok(Box::new(tcp::TcpTransport::connect(info, opts)?))

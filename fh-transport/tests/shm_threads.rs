@@ -319,8 +319,9 @@ fn launch(rank: usize, size: usize, hosts: usize, token: &str) -> LaunchInfo {
 }
 
 #[test]
-fn transport_choice_selects_shm_on_one_host() {
-    for choice in ["shm", "auto"] {
+fn fh_transport_shm_builds_a_shm_world_on_one_host() {
+    {
+        let choice = "shm";
         let tok = token();
         let handles: Vec<_> = (0..3)
             .map(|r| {
@@ -341,6 +342,7 @@ fn transport_choice_selects_shm_on_one_host() {
             assert_eq!(h.join().unwrap(), [3; 3]);
         }
     }
+    assert!(shm::suits(&launch(0, 3, 1, "t")));
     // A job spread over two hosts cannot use shared memory alone.
     let two_hosts = launch(0, 4, 2, &token());
     assert!(!shm::suits(&two_hosts));
