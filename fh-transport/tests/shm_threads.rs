@@ -122,6 +122,31 @@ fn ranks_with_different_algorithm_thresholds_fail_cleanly() {
 }
 
 #[test]
+fn a_message_of_the_wrong_length_is_a_protocol_error() {
+    let out = world(2, small_opts(), |r, mut t| {
+        let mut c = t.open("p2p").unwrap();
+        if r == 0 {
+            c.send(1, &[7u8; 5000]).map_err(|e| e.to_string())
+        } else {
+            let mut buf = [0u8; 4000];
+            let first = c.recv(0, &mut buf).unwrap_err();
+            assert!(
+                matches!(first, TransportError::Protocol { rank: 0, .. }),
+                "{first}"
+            );
+            // The stream is out of step now: the communicator refuses further use.
+            let again = c.recv(0, &mut buf).unwrap_err();
+            assert!(matches!(again, TransportError::Closed(_)), "{again}");
+            Ok(())
+        }
+    });
+    // The sender either finished (the message fit) or learnt that rank 1 gave up.
+    if let Err(e) = &out[0] {
+        assert!(e.contains("rank 1"), "{e}");
+    }
+}
+
+#[test]
 fn dropped_peer_is_reported_by_rank() {
     let out = world(3, small_opts(), |r, mut t| {
         let mut c = t.open("drop").unwrap();

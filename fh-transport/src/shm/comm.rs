@@ -10,8 +10,17 @@
 //! Before writing buffer `b` again in round `k`, a rank waits until every rank has consumed
 //! round `k - nbuf`, so with two buffers a fast rank may run one round ahead.
 //!
+//! Allreduce of up to `small_allreduce_bytes`: every rank publishes its input, then folds all
+//! slots in rank order (one synchronisation; identical bits everywhere). Larger: each round is
+//! split into `n` shares; rank `r` publishes its input except share `r`, reduces share `r` from
+//! its private buffer and the peers' slots (in cache-sized blocks), publishes the result in its
+//! slot and bumps `reduced`; every rank copies the other shares out as each becomes ready. Per
+//! input byte a rank thus copies `(n-1)/n` in, reduces `1/n` from `n` sources, publishes `1/n`
+//! and copies `(n-1)/n` out. Each share is computed once, so all ranks get identical bits.
+//!
 //! Counters are published with release stores and read with acquire loads, which orders the
-//! plain copies into and out of the slots. Waiting is a short spin, then `FUTEX_WAIT` on the
+//! plain copies into and out of the slots. Waiting is a short poll (yielding the core between
+//! checks), then `FUTEX_WAIT` on the
 //! waiter's *doorbell* in slices of at most the liveness interval; whoever publishes something
 //! increments the doorbells of the ranks that may wait for it and `FUTEX_WAKE`s those that
 //! flagged themselves as sleeping. Between slices the waiter checks its peers (state words,
