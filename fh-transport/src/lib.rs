@@ -36,6 +36,8 @@ pub mod bootstrap;
 pub mod comm;
 pub mod error;
 pub mod local;
+#[cfg(target_os = "linux")]
+pub mod shm;
 pub mod tcp;
 
 pub use comm::{CollectivesExt, Communicator, Topology, Transport};
@@ -51,8 +53,9 @@ pub const TRANSPORT_CHOICES: &str = "auto, tcp, shm, mpi, local";
 /// and the backend chosen by `FH_TRANSPORT` (`auto` — the default — or `tcp`, `shm`, `mpi`,
 /// `local`), and connect.
 ///
-/// `auto` is TCP for now. `local` is only valid for a single process. `shm` and `mpi` report
-/// [`TransportError::BackendUnavailable`] until those backends are built in.
+/// `auto` is TCP for now ([`shm::suits`] tells when shared memory would serve a launch).
+/// `local` is only valid for a single process. `shm` needs every rank on one host (Linux). `mpi` reports [`TransportError::BackendUnavailable`] until that backend is
+/// built in.
 pub fn from_env() -> Result<Box<dyn Transport>> {
     let info = bootstrap::LaunchInfo::from_env()?;
     let choice = std::env::var("FH_TRANSPORT").ok();
@@ -89,11 +92,12 @@ pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<B
                 .map(|t| Box::new(t) as Box<dyn Transport>)
                 .ok_or_else(|| TransportError::Closed("empty in-process world".into()))
         }
+        #[cfg(target_os = "linux")]
+        "shm" => Ok(Box::new(shm::ShmTransport::from_info(info)?)),
+        #[cfg(not(target_os = "linux"))]
         "shm" => Err(TransportError::BackendUnavailable {
             backend: "shm",
-            reason: "the shared-memory backend is not part of this build yet; use \
-                     FH_TRANSPORT=tcp (or auto)"
-                .into(),
+            reason: "the shared-memory backend needs Linux; use FH_TRANSPORT=tcp (or auto)".into(),
         }),
         "mpi" => Err(TransportError::BackendUnavailable {
             backend: "mpi",
