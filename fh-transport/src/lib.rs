@@ -19,6 +19,7 @@ pub mod algorithms;
 pub mod comm;
 pub mod error;
 pub mod local;
+pub mod mpi;
 
 pub use comm::{CollectivesExt, Communicator, Topology, Transport};
 pub use error::TransportError;
