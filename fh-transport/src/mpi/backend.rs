@@ -545,6 +545,28 @@ fn chunk_ranges(len: usize, max: usize) -> impl Iterator<Item = (Range<usize>, b
     })
 }
 
+/// Where empty buffers point instead of their own (dangling) address: an empty Rust slice of
+/// bytes points at address 1, which is `MPI_IN_PLACE` in Open MPI.
+static EMPTY: [u64; 1] = [0];
+
+/// The address MPI gets for `buf`: never a dangling one (see [`EMPTY`]).
+fn send_ptr(buf: &[u8]) -> *const c_void {
+    if buf.is_empty() {
+        EMPTY.as_ptr().cast()
+    } else {
+        buf.as_ptr().cast()
+    }
+}
+
+/// The address MPI gets for an output buffer; with a count of 0 MPI never writes to it.
+fn recv_ptr(buf: &mut [u8]) -> *mut c_void {
+    if buf.is_empty() {
+        EMPTY.as_ptr().cast_mut().cast()
+    } else {
+        buf.as_mut_ptr().cast()
+    }
+}
+
 fn to_int(n: usize) -> Option<c_int> {
     c_int::try_from(n).ok()
 }
@@ -1019,7 +1041,7 @@ impl MpiComm {
                 // SAFETY: `part` stays borrowed until the request is waited by the caller.
                 unsafe {
                     ffi::MPI_Isend(
-                        part.as_ptr().cast(),
+                        send_ptr(part),
                         part.len() as c_int,
                         bytes_type(),
                         peer,
@@ -1107,7 +1129,7 @@ impl MpiComm {
                 // SAFETY: `msg` was matched by MPI_Mprobe and holds exactly `count` bytes.
                 let rc = unsafe {
                     ffi::MPI_Mrecv(
-                        buf.as_mut_ptr().cast(),
+                        recv_ptr(buf),
                         count,
                         bytes_type(),
                         msg,
@@ -1123,7 +1145,7 @@ impl MpiComm {
                     let _guard = self.rt().lock();
                     // SAFETY: as above; `buf` stays borrowed until the request is waited.
                     unsafe {
-                        ffi::MPI_Imrecv(buf.as_mut_ptr().cast(), count, bytes_type(), msg, &mut req)
+                        ffi::MPI_Imrecv(recv_ptr(buf), count, bytes_type(), msg, &mut req)
                     }
                 };
                 self.check(rc, "MPI_Imrecv", Some(peer as usize))?;
@@ -1215,7 +1237,7 @@ impl Communicator for MpiComm {
                     // SAFETY: `part` is valid for reads of its length during the call.
                     let rc = unsafe {
                         ffi::MPI_Send(
-                            part.as_ptr().cast(),
+                            send_ptr(part),
                             part.len() as c_int,
                             bytes_type(),
                             peer,
@@ -1272,7 +1294,7 @@ impl Communicator for MpiComm {
                         copy.as_ptr().cast()
                     }
                 };
-                let recv: *mut c_void = chunk.as_mut_ptr().cast();
+                let recv: *mut c_void = recv_ptr(chunk);
                 self.run(
                     "MPI_Allreduce",
                     // SAFETY: `send` is MPI_IN_PLACE or a copy of `chunk`, `recv` is `chunk`;
@@ -1306,8 +1328,8 @@ impl Communicator for MpiComm {
             return algorithms::allgatherv(self, send, recv, counts);
         };
         let comm = self.handle.raw;
-        let (sp, sn) = (send.as_ptr().cast::<c_void>(), send.len() as c_int);
-        let rp = recv.as_mut_ptr().cast::<c_void>();
+        let (sp, sn) = (send_ptr(send), send.len() as c_int);
+        let rp = recv_ptr(recv);
         let bt = bytes_type();
         self.run(
             "MPI_Allgatherv",
@@ -1336,7 +1358,7 @@ impl Communicator for MpiComm {
         let comm = self.handle.raw;
         let bt = bytes_type();
         for chunk in buf.chunks_mut(self.max_count) {
-            let (p, n) = (chunk.as_mut_ptr().cast::<c_void>(), chunk.len() as c_int);
+            let (p, n) = (recv_ptr(chunk), chunk.len() as c_int);
             self.run(
                 "MPI_Bcast",
                 // SAFETY: `chunk` holds `n` bytes and outlives the call.
@@ -1371,15 +1393,16 @@ impl Communicator for MpiComm {
                 send_counts[rank], recv_counts[rank]
             )));
         }
-        let (Some((sc, sd)), Some((rc, rd))) = (
-            int_counts(send_counts, self.max_count),
-            int_counts(recv_counts, self.max_count),
-        ) else {
+        let native = int_counts(send_counts, self.max_count).zip(int_counts(recv_counts, self.max_count));
+        // Only this rank knows whether its counts fit MPI's `int`s: agree on the path first.
+        let mut all_native = [u8::from(native.is_some())];
+        self.allreduce(&mut all_native, DType::Bool, ReduceOp::BitAnd)?;
+        let Some(((sc, sd), (rc, rd))) = native.filter(|_| all_native[0] != 0) else {
             return algorithms::alltoallv(self, send, send_counts, recv, recv_counts);
         };
         let comm = self.handle.raw;
-        let sp = send.as_ptr().cast::<c_void>();
-        let rp = recv.as_mut_ptr().cast::<c_void>();
+        let sp = send_ptr(send);
+        let rp = recv_ptr(recv);
         let bt = bytes_type();
         self.run(
             "MPI_Alltoallv",
@@ -1449,8 +1472,8 @@ impl Communicator for MpiComm {
             .native(dtype, op)
             .ok_or(CoreError::UnsupportedOp { op, dtype })?;
         let comm = self.handle.raw;
-        let sp = send.as_ptr().cast::<c_void>();
-        let rp = recv.as_mut_ptr().cast::<c_void>();
+        let sp = send_ptr(send);
+        let rp = recv_ptr(recv);
         if cs.iter().all(|&c| c == cs[0]) {
             let n = cs[0];
             self.run(
