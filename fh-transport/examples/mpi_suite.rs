@@ -42,7 +42,10 @@ fn main() -> ExitCode {
             }
         }
         Err(e) => {
-            eprintln!("mpi_suite rank {}: FATAL {e}", fh_transport::Transport::rank(&world));
+            eprintln!(
+                "mpi_suite rank {}: FATAL {e}",
+                fh_transport::Transport::rank(&world)
+            );
             // Do not finalize: the other ranks may be blocked; mpirun ends the job.
             std::process::exit(1);
         }

@@ -1127,15 +1127,8 @@ impl MpiComm {
             ThreadMode::Multiple => {
                 let mut status = empty_status();
                 // SAFETY: `msg` was matched by MPI_Mprobe and holds exactly `count` bytes.
-                let rc = unsafe {
-                    ffi::MPI_Mrecv(
-                        recv_ptr(buf),
-                        count,
-                        bytes_type(),
-                        msg,
-                        &mut status,
-                    )
-                };
+                let rc =
+                    unsafe { ffi::MPI_Mrecv(recv_ptr(buf), count, bytes_type(), msg, &mut status) };
                 self.check(rc, "MPI_Mrecv", Some(peer as usize))
             }
             ThreadMode::Serialized => {
@@ -1144,9 +1137,7 @@ impl MpiComm {
                 let rc = {
                     let _guard = self.rt().lock();
                     // SAFETY: as above; `buf` stays borrowed until the request is waited.
-                    unsafe {
-                        ffi::MPI_Imrecv(recv_ptr(buf), count, bytes_type(), msg, &mut req)
-                    }
+                    unsafe { ffi::MPI_Imrecv(recv_ptr(buf), count, bytes_type(), msg, &mut req) }
                 };
                 self.check(rc, "MPI_Imrecv", Some(peer as usize))?;
                 self.wait(&mut req, "MPI_Imrecv", Some(peer as usize))
@@ -1393,7 +1384,8 @@ impl Communicator for MpiComm {
                 send_counts[rank], recv_counts[rank]
             )));
         }
-        let native = int_counts(send_counts, self.max_count).zip(int_counts(recv_counts, self.max_count));
+        let native =
+            int_counts(send_counts, self.max_count).zip(int_counts(recv_counts, self.max_count));
         // Only this rank knows whether its counts fit MPI's `int`s: agree on the path first.
         let mut all_native = [u8::from(native.is_some())];
         self.allreduce(&mut all_native, DType::Bool, ReduceOp::BitAnd)?;
