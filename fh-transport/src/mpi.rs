@@ -85,7 +85,7 @@ pub fn world() -> Result<Box<dyn Transport>> {
             reason: "this build does not include the MPI backend; rebuild with \
                      `cargo build --features fh-transport/mpi` (needs an MPI library with headers, \
                      e.g. Debian `libopenmpi-dev`, and `libclang-dev`) and start the ranks with \
-                     `mpirun`, or choose another FH_TRANSPORT (tcp, shm, local)"
+                     `mpirun`; or use FH_TRANSPORT=tcp (or auto)"
                 .into(),
         })
     }
