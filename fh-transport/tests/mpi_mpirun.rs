@@ -166,7 +166,11 @@ fn main() -> ExitCode {
     let runs: Vec<Run<'_>> = vec![
         ("np=2", Some(2), vec![]),
         ("np=3", Some(3), vec![]),
-        ("np=4", Some(4), vec![]),
+        (
+            "np=4 FH_TRANSPORT=mpi",
+            Some(4),
+            vec![("FH_TRANSPORT", "mpi")],
+        ),
         (
             "np=3 serialized",
             Some(3),

@@ -39,7 +39,7 @@ EXE="$("$CARGO" metadata --format-version 1 --no-deps |
 
 FLAGS=()
 if mpirun --version 2>/dev/null | grep -q "Open MPI"; then
-    FLAGS+=(--oversubscribe --bind-to none -x FH_MPI_THREAD_LEVEL -x FH_MPI_SUITE_VERBOSE)
+    FLAGS+=(--oversubscribe --bind-to none -x FH_MPI_THREAD_LEVEL -x FH_MPI_SUITE_VERBOSE -x FH_TRANSPORT)
     [ "$(id -u)" = 0 ] && FLAGS+=(--allow-run-as-root)
 fi
 export FH_MPI_SUITE_VERBOSE="${FH_MPI_SUITE_VERBOSE:-}"
@@ -56,9 +56,12 @@ run() { # name, then the command
     fi
 }
 
-for np in 2 3 4; do
+export FH_TRANSPORT="${FH_TRANSPORT:-}"
+for np in 2 3; do
     FH_MPI_THREAD_LEVEL=multiple run "np=$np" mpirun -np "$np" "${FLAGS[@]}" "$EXE"
 done
+# Also through fh_transport::from_env().
+FH_TRANSPORT=mpi FH_MPI_THREAD_LEVEL=multiple run "np=4 FH_TRANSPORT=mpi" mpirun -np 4 "${FLAGS[@]}" "$EXE"
 FH_MPI_THREAD_LEVEL=serialized run "np=3 serialized" mpirun -np 3 "${FLAGS[@]}" "$EXE"
 FH_MPI_THREAD_LEVEL=multiple run "singleton" "$EXE"
 

@@ -569,6 +569,31 @@ fn check_topology(
     Ok(())
 }
 
+/// `FH_TRANSPORT=mpi` makes `fh_transport::from_env()` build the MPI world (sharing this
+/// process's MPI with `world`).
+fn check_from_env(world: &MpiTransport, rep: &mut Report) -> Result<(), Fatal> {
+    let mut t = fh_transport::from_env().map_err(|e| fatal("from_env with FH_TRANSPORT=mpi", e))?;
+    rep.check(
+        t.backend() == "mpi" && t.topology() == world.topology(),
+        || {
+            format!(
+                "from_env: backend {} topology {:?}, expected mpi {:?}",
+                t.backend(),
+                t.topology(),
+                world.topology()
+            )
+        },
+    );
+    let mut comm = t.open("from-env").map_err(|e| fatal("from_env open", e))?;
+    let mut v = [1i32; 3];
+    comm.allreduce_typed(&mut v, ReduceOp::Sum)
+        .map_err(|e| fatal("from_env allreduce", e))?;
+    rep.check(v == [world.size() as i32; 3], || {
+        format!("from_env allreduce got {v:?}")
+    });
+    Ok(())
+}
+
 /// Run the whole suite on this rank. `Err` is an unexpected transport error: the job should be
 /// aborted (other ranks may be blocked in a collective).
 pub fn run(world: &mut MpiTransport) -> Result<Report, Fatal> {
@@ -594,6 +619,10 @@ pub fn run(world: &mut MpiTransport) -> Result<Report, Fatal> {
         }
     };
     check_topology(world, control.as_mut(), &mut rep)?;
+    if std::env::var("FH_TRANSPORT").is_ok_and(|v| v.trim() == "mpi") {
+        stage("from_env");
+        check_from_env(world, &mut rep)?;
+    }
     let tag = format!("[{mode}]");
     stage("allreduce");
     check_allreduce(data.as_mut(), &mut rep, &tag, &DTYPES, &OPS, &LENGTHS)?;
