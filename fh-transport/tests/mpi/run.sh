@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the MPI transport's collective suite under mpirun with 2, 3 and 4 ranks, once more in the
-# serialized fallback mode, and as an MPI singleton.
+# serialized fallback mode, through `fhrun --mpi`, and as an MPI singleton.
 #
 #   fh-transport/tests/mpi/run.sh            # from anywhere inside the repository
 #
@@ -34,8 +34,11 @@ fi
 
 # The test profile (opt-level 1): the local reference computations are slow unoptimised.
 "$CARGO" build -q --profile test -p fh-transport --features mpi --example mpi_suite
-EXE="$("$CARGO" metadata --format-version 1 --no-deps |
-    sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug/examples/mpi_suite"
+"$CARGO" build -q --profile test -p fh-launch --bin fhrun
+TARGET="$("$CARGO" metadata --format-version 1 --no-deps |
+    sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')"
+EXE="$TARGET/debug/examples/mpi_suite"
+FHRUN="$TARGET/debug/fhrun"
 
 FLAGS=()
 if mpirun --version 2>/dev/null | grep -q "Open MPI"; then
@@ -63,6 +66,8 @@ done
 # Also through fh_transport::from_env().
 FH_TRANSPORT=mpi FH_MPI_THREAD_LEVEL=multiple run "np=4 FH_TRANSPORT=mpi" mpirun -np 4 "${FLAGS[@]}" "$EXE"
 FH_MPI_THREAD_LEVEL=serialized run "np=3 serialized" mpirun -np 3 "${FLAGS[@]}" "$EXE"
+# fhrun --mpi hands the job to mpirun; --transport mpi selects this backend in from_env().
+FH_MPI_THREAD_LEVEL=multiple run "fhrun --mpi np=3" "$FHRUN" -np 3 --mpi --transport mpi -- "$EXE"
 FH_MPI_THREAD_LEVEL=multiple run "singleton" "$EXE"
 
 if [ "$failed" != 0 ]; then
