@@ -151,9 +151,14 @@ impl TcpComm {
                     link.send_abort(self.rank, p, self.seq, blamed.unwrap_or(self.rank));
                 }
             } else if Some(p) != blamed {
-                // Best effort: a full socket buffer means that peer is not reading from us
-                // anyway and will learn of the failure from someone else or from the EOF.
-                let _ = sys::send2(stream.as_raw_fd(), &notice, &[]);
+                // In band when the socket buffer has room; otherwise (that peer is not
+                // reading from us right now) out of band, so that its view stays right.
+                let sent = sys::send2(stream.as_raw_fd(), &notice, &[]).unwrap_or(0);
+                if sent != notice.len() {
+                    if let Some(link) = &self.link {
+                        link.send_abort(self.rank, p, self.seq, blamed.unwrap_or(self.rank));
+                    }
+                }
             }
             let _ = stream.shutdown(Shutdown::Both);
         }
