@@ -110,14 +110,38 @@ fn run_case(
         let mut rng = Lcg(seed ^ (rank as u64 + 1).wrapping_mul(0x9E3779B97F4A7C15));
         let mut results = Vec::new();
         for step in 0..steps {
-            let mut order: Vec<usize> = (0..specs2.len()).collect();
+            // Every allreduce, plus a broadcast and an allgather, in a random order.
+            let nt = specs2.len();
+            let mut order: Vec<usize> = (0..nt + 2).collect();
             for i in (1..order.len()).rev() {
                 order.swap(i, rng.next() as usize % (i + 1));
             }
             let mut handles = Vec::new();
+            let mut others = Vec::new();
+            let n = e.size();
             for &t in &order {
                 if max_delay_us > 0 {
                     std::thread::sleep(Duration::from_micros(rng.next() % max_delay_us));
+                }
+                if t == nt {
+                    let root = step % n;
+                    let h = e
+                        .broadcast("bc", Tensor::from_slice(&[rank as f64; 3]), root)
+                        .unwrap();
+                    others.push((h, Tensor::from_slice(&[root as f64; 3])));
+                    continue;
+                }
+                if t == nt + 1 {
+                    let rows = (rank + step) % 3;
+                    let mine =
+                        Tensor::from_vec(vec![rows, 2], vec![rank as i32; rows * 2]).unwrap();
+                    let want: Vec<i32> = (0..n)
+                        .flat_map(|r| vec![r as i32; ((r + step) % 3) * 2])
+                        .collect();
+                    let total: usize = (0..n).map(|r| (r + step) % 3).sum();
+                    let h = e.allgather("ag", mine).unwrap();
+                    others.push((h, Tensor::from_vec(vec![total, 2], want).unwrap()));
+                    continue;
                 }
                 let h = e
                     .allreduce(
@@ -131,6 +155,11 @@ fn run_case(
             let mut got = vec![Vec::new(); specs2.len()];
             for (t, h) in handles {
                 got[t] = as_f64(&h.wait_timeout(LIMIT).expect("completes"));
+            }
+            for (h, want) in others {
+                let name = h.name().to_string();
+                let out = h.wait_timeout(LIMIT).expect("completes");
+                assert_eq!(out, want, "{name} on rank {rank}, step {step}");
             }
             results.push(got);
         }
@@ -157,7 +186,12 @@ fn run_case(
         );
     }
     // Every tensor of every step went through exactly the bytes it has.
-    let total: u64 = log0.iter().flat_map(|g| g.parts.iter()).map(|p| p.2).sum();
+    let total: u64 = log0
+        .iter()
+        .flat_map(|g| g.parts.iter())
+        .filter(|p| p.0.starts_with('t'))
+        .map(|p| p.2)
+        .sum();
     let want: u64 = specs
         .iter()
         .map(|s| (s.len * s.dtype.size()) as u64)
