@@ -104,7 +104,8 @@ pub struct Config {
     pub stall_shutdown: Option<Duration>,
     /// While nothing is pending, an idle engine still takes part in one tiny negotiation round
     /// this often, so that a peer waiting for it neither times out nor goes unreported by the
-    /// stall inspector. Must be well below the transport timeout.
+    /// stall inspector. Must be well below the transport timeout; [`Config::from_env`] caps it
+    /// at a quarter of `FH_TIMEOUT_SECONDS`.
     pub idle_heartbeat: Duration,
     /// Keep a log of every fused group dispatched (see `Engine::group_log`); a diagnostic for
     /// tests and tools, off by default.
@@ -210,6 +211,13 @@ impl Config {
         if let Some(v) = get("FH_STALL_SHUTDOWN_SECONDS") {
             let d = parse_seconds("FH_STALL_SHUTDOWN_SECONDS", &v, 1.0)?;
             c.stall_shutdown = (!d.is_zero()).then_some(d);
+        }
+        // Keep the idle heartbeat well inside the transport's receive timeout, so that a rank
+        // waiting in a round for an idle peer never times out.
+        if let Some(t) = get("FH_TIMEOUT_SECONDS").and_then(|v| v.trim().parse::<f64>().ok()) {
+            if t.is_finite() && t > 0.0 {
+                c.idle_heartbeat = c.idle_heartbeat.min(Duration::from_secs_f64(t / 4.0));
+            }
         }
         if let Some(v) = get("FH_LOG_LEVEL") {
             let ok = ["trace", "debug", "info", "warn", "warning", "error", "off"];
@@ -416,6 +424,8 @@ mod tests {
         assert_eq!(c.timeline, Some(PathBuf::from("/tmp/t.json")));
         assert_eq!(c.stall_check, None);
         assert_eq!(c.stall_shutdown, Some(Duration::from_secs(5)));
+        let short = Config::from_lookup(env(&[("FH_TIMEOUT_SECONDS", "2")])).unwrap();
+        assert_eq!(short.idle_heartbeat, Duration::from_millis(500));
     }
 
     #[test]
