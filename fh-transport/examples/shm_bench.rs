@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --release -p fh-transport --example shm_bench -- [--np 2,4] [--sizes 4K,1M,64M,256M]
-//!     [--slot BYTES] [--secs 1.0] [--spin-us 50]
+//!     [--slot BYTES] [--secs 1.0] [--spin-us 50] [--buffers 2]
 //! ```
 //!
 //! The example re-runs itself once per rank. Bus bandwidth is `bytes / time * 2 (n - 1) / n`,
@@ -43,6 +43,7 @@ struct Args {
     slot: usize,
     secs: f64,
     spin_us: u64,
+    buffers: usize,
 }
 
 fn args() -> Args {
@@ -55,6 +56,7 @@ fn args() -> Args {
         slot: ShmOptions::default().slot_bytes,
         secs: 1.0,
         spin_us: ShmOptions::default().spin.as_micros() as u64,
+        buffers: ShmOptions::default().buffers,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -66,6 +68,7 @@ fn args() -> Args {
             "--slot" => a.slot = parse_size(&v),
             "--secs" => a.secs = v.parse().expect("secs"),
             "--spin-us" => a.spin_us = v.parse().expect("spin-us"),
+            "--buffers" => a.buffers = v.parse().expect("buffers"),
             other => panic!("unknown argument {other}"),
         }
         i += 2;
@@ -110,6 +113,7 @@ fn rank_main(rank: usize, np: usize, token: &str, a: &Args) {
     let opts = ShmOptions {
         slot_bytes: a.slot,
         spin: Duration::from_micros(a.spin_us),
+        buffers: a.buffers,
         timeout: Duration::from_secs(120),
         ..ShmOptions::default()
     };
