@@ -193,7 +193,8 @@ pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
 
 /// Wake every waiter sleeping on `word`.
 pub(crate) fn futex_wake_all(word: &AtomicU32) {
-    // SAFETY: `word` is a valid, aligned 32-bit word; FUTEX_WAKE only reads its address.
+    // SAFETY: `word` is a valid, aligned 32-bit word; FUTEX_WAKE only reads its address. Its
+    // result (how many sleepers woke) is not needed, and it cannot fail on a valid word.
     unsafe {
         libc::syscall(
             libc::SYS_futex,
