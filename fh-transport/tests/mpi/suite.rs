@@ -603,6 +603,9 @@ fn check_random(comm: &mut dyn Communicator, rep: &mut Report, tag: &str) -> Res
     comm.broadcast(&mut seed_bytes, 0)
         .map_err(|e| fatal("random: seed broadcast", e))?;
     let seed = u64::from_ne_bytes(seed_bytes);
+    if rank == 0 {
+        eprintln!("mpi_suite: {tag} random cases with FH_MPI_SUITE_SEED={seed}");
+    }
     let mut st = seed;
     for case in 0..150usize {
         let dtype = DTYPES[(splitmix(&mut st) % DTYPES.len() as u64) as usize];
@@ -623,6 +626,14 @@ fn check_random(comm: &mut dyn Communicator, rep: &mut Report, tag: &str) -> Res
         let what = format!(
             "{tag} seed={seed} (FH_MPI_SUITE_SEED) case {case}: kind {kind} {dtype} {op:?} n={n} counts={counts:?}"
         );
+        if std::env::var_os("FH_MPI_SUITE_TRACE").is_some() && rank == 0 {
+            eprintln!("{what}");
+        }
+        if let Ok(only) = std::env::var("FH_MPI_SUITE_CASES") {
+            if !only.split(',').any(|c| c.trim() == case.to_string()) {
+                continue;
+            }
+        }
         let esz = dtype.size();
         match kind {
             0 => {
