@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the MPI transport's collective suite under mpirun with 2, 3 and 4 ranks, once more in the
-# serialized fallback mode, through `fhrun --mpi`, and as an MPI singleton.
+# serialized fallback mode, through `fhrun --mpi`, and as an MPI singleton; then the scheduler
+# (fh-scheduler/examples/train_env.rs) over MPI with both presets.
 #
 #   fh-transport/tests/mpi/run.sh            # from anywhere inside the repository
 #
@@ -35,14 +36,16 @@ fi
 # The test profile (opt-level 1): the local reference computations are slow unoptimised.
 "$CARGO" build -q --profile test -p fh-transport --features mpi --example mpi_suite
 "$CARGO" build -q --profile test -p fh-launch --bin fhrun
+"$CARGO" build -q --profile test -p fh-scheduler --example train_env --features fh-transport/mpi
 TARGET="$("$CARGO" metadata --format-version 1 --no-deps |
     sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')"
 EXE="$TARGET/debug/examples/mpi_suite"
 FHRUN="$TARGET/debug/fhrun"
+TRAIN="$TARGET/debug/examples/train_env"
 
 FLAGS=()
 if mpirun --version 2>/dev/null | grep -q "Open MPI"; then
-    FLAGS+=(--oversubscribe --bind-to none -x FH_MPI_THREAD_LEVEL -x FH_MPI_SUITE_VERBOSE -x FH_TRANSPORT)
+    FLAGS+=(--oversubscribe --bind-to none -x FH_MPI_THREAD_LEVEL -x FH_MPI_SUITE_VERBOSE -x FH_TRANSPORT -x FH_SCHEDULE -x FH_CHANNELS)
     [ "$(id -u)" = 0 ] && FLAGS+=(--allow-run-as-root)
 fi
 export FH_MPI_SUITE_VERBOSE="${FH_MPI_SUITE_VERBOSE:-}"
@@ -59,7 +62,7 @@ run() { # name, then the command
     fi
 }
 
-export FH_TRANSPORT="${FH_TRANSPORT:-}"
+export FH_TRANSPORT="${FH_TRANSPORT:-}" FH_SCHEDULE="${FH_SCHEDULE:-}" FH_CHANNELS="${FH_CHANNELS:-}"
 for np in 2 3; do
     FH_MPI_THREAD_LEVEL=multiple run "np=$np" mpirun -np "$np" "${FLAGS[@]}" "$EXE"
 done
@@ -69,6 +72,14 @@ FH_MPI_THREAD_LEVEL=serialized run "np=3 serialized" mpirun -np 3 "${FLAGS[@]}" 
 # fhrun --mpi hands the job to mpirun; --transport mpi selects this backend in from_env().
 FH_MPI_THREAD_LEVEL=multiple run "fhrun --mpi np=3" "$FHRUN" -np 3 --mpi --transport mpi -- "$EXE"
 FH_MPI_THREAD_LEVEL=multiple run "singleton" "$EXE"
+
+# Scheduler smoke over MPI: train_tiny through the engine, both presets, 3 channels.
+for sch in fasthorovod horovod; do
+    FH_TRANSPORT=mpi FH_SCHEDULE=$sch FH_CHANNELS=3 FH_MPI_THREAD_LEVEL=multiple \
+        run "scheduler $sch np=3" mpirun -np 3 "${FLAGS[@]}" "$TRAIN" 100
+done
+FH_TRANSPORT=mpi FH_SCHEDULE=fasthorovod FH_CHANNELS=3 FH_MPI_THREAD_LEVEL=serialized \
+    run "scheduler fasthorovod np=4 serialized" mpirun -np 4 "${FLAGS[@]}" "$TRAIN" 100
 
 if [ "$failed" != 0 ]; then
     echo "mpi: FAILED" >&2
