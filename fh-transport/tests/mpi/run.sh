@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the MPI transport's collective suite under mpirun with 2, 3 and 4 ranks, once more in the
 # serialized fallback mode, through `fhrun --mpi`, and as an MPI singleton; then the scheduler
-# (fh-scheduler/examples/train_env.rs) over MPI with both presets.
+# (fh-scheduler/examples/train_env.rs) over MPI with both presets, and mixed with TCP
+# (FH_TRANSPORT=mpi+tcp and tcp+mpi).
 #
 #   fh-transport/tests/mpi/run.sh            # from anywhere inside the repository
 #
@@ -80,6 +81,21 @@ for sch in fasthorovod horovod; do
 done
 FH_TRANSPORT=mpi FH_SCHEDULE=fasthorovod FH_CHANNELS=3 FH_MPI_THREAD_LEVEL=serialized \
     run "scheduler fasthorovod np=4 serialized" mpirun -np 4 "${FLAGS[@]}" "$TRAIN" 100
+
+# Engine mixing: control plane over MPI and data over TCP, and the reverse (TCP needs a
+# rendezvous address and a token: a free local port and a fixed test token).
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+export FH_RENDEZVOUS_ADDR="${FH_RENDEZVOUS_ADDR:-}" FH_JOB_TOKEN="${FH_JOB_TOKEN:-}"
+if [ ${#FLAGS[@]} -gt 0 ]; then FLAGS+=(-x FH_RENDEZVOUS_ADDR -x FH_JOB_TOKEN); fi
+mixes="mpi+tcp tcp+mpi"
+command -v python3 >/dev/null 2>&1 || { echo "mpi: engine mixing SKIPPED (needs python3 to pick a free port)"; mixes=""; }
+for mix in $mixes; do
+    for sch in fasthorovod horovod; do
+        FH_RENDEZVOUS_ADDR="127.0.0.1:$(free_port)" FH_JOB_TOKEN=6d70692d6d6978696e672d7465737421 \
+            FH_TRANSPORT=$mix FH_SCHEDULE=$sch FH_CHANNELS=2 FH_MPI_THREAD_LEVEL=multiple \
+            run "scheduler $sch np=3 FH_TRANSPORT=$mix" mpirun -np 3 "${FLAGS[@]}" "$TRAIN" 100
+    done
+done
 
 if [ "$failed" != 0 ]; then
     echo "mpi: FAILED" >&2
