@@ -117,8 +117,7 @@ mod tests {
         let mut a = LocalWorld::new(2).into_iter();
         let b = LocalWorld::new(3).into_iter().next().expect("rank");
         let err = SplitTransport::new(Box::new(a.next().expect("rank")), Box::new(b))
-            .err()
-            .expect("sizes differ");
+            .expect_err("sizes differ");
         assert!(matches!(err, TransportError::Config { .. }), "{err}");
         assert!(is_control_label("fh-control") && !is_control_label("fh-channel-3"));
     }
