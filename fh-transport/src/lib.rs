@@ -56,8 +56,8 @@ pub const TRANSPORT_CHOICES: &str =
 /// and the backend chosen by `FH_TRANSPORT` (`auto` — the default — or `tcp`, `shm`, `mpi`,
 /// `local`), and connect.
 ///
-/// `auto` is TCP for now ([`shm::suits`] tells when shared memory would serve a launch).
-/// `local` is only valid for a single process. `shm` needs every rank on one host (Linux).
+/// `auto` picks shared memory when every rank is on this host and `/dev/shm` has room
+/// ([`shm::suits`]), and TCP otherwise. `local` is only valid for a single process. `shm` needs every rank on one host (Linux).
 /// `mpi` needs the `mpi` Cargo feature (else [`TransportError::BackendUnavailable`] says how to
 /// build it) and ranks started by `mpirun`. `CONTROL+DATA` (e.g. `mpi+tcp`) opens control
 /// communicators on the first backend and data communicators on the second
@@ -90,6 +90,8 @@ pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<B
         return Ok(Box::new(split::SplitTransport::new(control, data)?));
     }
     match choice.to_ascii_lowercase().as_str() {
+        #[cfg(target_os = "linux")]
+        "auto" if shm::suits(info) => Ok(Box::new(shm::ShmTransport::from_info(info)?)),
         "auto" | "tcp" => {
             let opts = tcp::TcpOptions::from_info(info);
             Ok(Box::new(tcp::TcpTransport::connect(info, opts)?))
