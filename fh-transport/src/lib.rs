@@ -35,6 +35,8 @@ pub mod algorithms;
 pub mod bootstrap;
 pub mod comm;
 pub mod error;
+#[cfg(target_os = "linux")]
+pub mod hier;
 pub mod local;
 pub mod mpi;
 #[cfg(target_os = "linux")]
@@ -50,7 +52,7 @@ pub type Result<T, E = TransportError> = std::result::Result<T, E>;
 
 /// The values `FH_TRANSPORT` accepts.
 pub const TRANSPORT_CHOICES: &str =
-    "auto, tcp, shm, mpi, local, or CONTROL+DATA to mix two (e.g. mpi+tcp)";
+    "auto, tcp, shm, hier, mpi, local, or CONTROL+DATA to mix two (e.g. mpi+tcp)";
 
 /// Build the world this process was launched into: read [`bootstrap::LaunchInfo::from_env`]
 /// and the backend chosen by `FH_TRANSPORT` (`auto` — the default — or `tcp`, `shm`, `mpi`,
@@ -92,6 +94,8 @@ pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<B
     match choice.to_ascii_lowercase().as_str() {
         #[cfg(target_os = "linux")]
         "auto" if shm::suits(info) => Ok(Box::new(shm::ShmTransport::from_info(info)?)),
+        #[cfg(target_os = "linux")]
+        "auto" if hier::suits(info) => hier::connect_auto(info),
         "auto" | "tcp" => {
             let opts = tcp::TcpOptions::from_info(info);
             Ok(Box::new(tcp::TcpTransport::connect(info, opts)?))
@@ -116,6 +120,13 @@ pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<B
         }
         #[cfg(target_os = "linux")]
         "shm" => Ok(Box::new(shm::ShmTransport::from_info(info)?)),
+        #[cfg(target_os = "linux")]
+        "hier" => Ok(Box::new(hier::HierTransport::connect(info)?)),
+        #[cfg(not(target_os = "linux"))]
+        "hier" => Err(TransportError::BackendUnavailable {
+            backend: "hier",
+            reason: "the hierarchical backend needs Linux; use FH_TRANSPORT=tcp (or auto)".into(),
+        }),
         #[cfg(not(target_os = "linux"))]
         "shm" => Err(TransportError::BackendUnavailable {
             backend: "shm",

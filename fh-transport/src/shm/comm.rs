@@ -55,6 +55,10 @@ const TAG_BARRIER: u64 = 6;
 const BLAME_RANK: u32 = 0x00ff_ffff;
 /// Flag in a rank's `blame` word: it gave up on a timeout.
 const BLAME_TIMEOUT: u32 = 1 << 24;
+/// Flag in a rank's `blame` word: the blamed rank is not a rank of this communicator but a
+/// rank of an enclosing world (see [`ShmComm::give_up`]); peers then blame the aborted rank
+/// itself and an enclosing communicator reads the rank with [`ShmComm::external_blame`].
+const BLAME_EXTERNAL: u32 = 1 << 25;
 
 fn tag_name(tag: u64) -> &'static str {
     match tag & 0xff {
@@ -315,7 +319,11 @@ impl ShmComm {
                 // Report the root cause: the rank the aborted one blamed, if any, with the
                 // same kind of error (a timeout stays a timeout).
                 let word = info.blame.load(Relaxed);
-                let blamed = (word & BLAME_RANK) as usize;
+                let blamed = if word & BLAME_EXTERNAL != 0 {
+                    0
+                } else {
+                    (word & BLAME_RANK) as usize
+                };
                 let rank = if blamed == 0 || blamed - 1 == self.rank {
                     r
                 } else {
@@ -366,6 +374,44 @@ impl ShmComm {
             }
         }
         Ok(())
+    }
+
+    /// Give up on this communicator because of a failure found outside it (by an enclosing
+    /// communicator that uses this one): mark this rank aborted so that peers waiting for it
+    /// fail at once, blaming `external` — a rank numbered in the enclosing world, if any —
+    /// which they can read back with [`ShmComm::external_blame`]. Does nothing if the
+    /// communicator is unusable already.
+    pub(crate) fn give_up(&mut self, external: Option<usize>, timeout: bool, why: &str) {
+        if self.broken.is_some() {
+            return;
+        }
+        self.broken = Some(why.to_owned());
+        let info = self.seg.info(self.rank);
+        if let Some(r) = external.filter(|&r| (r as u32) < BLAME_RANK) {
+            let kind = if timeout { BLAME_TIMEOUT } else { 0 };
+            info.blame
+                .store((r as u32 + 1) | BLAME_EXTERNAL | kind, Relaxed);
+        }
+        info.state.store(ST_ABORTED, Release);
+        self.notify_others();
+    }
+
+    /// The enclosing-world rank blamed by a peer that gave up through [`ShmComm::give_up`],
+    /// and whether it gave up on a timeout; `None` if no peer did.
+    pub(crate) fn external_blame(&self) -> Option<(usize, bool)> {
+        (0..self.size).filter(|&r| r != self.rank).find_map(|r| {
+            let info = self.seg.info(r);
+            let word = info.blame.load(Relaxed);
+            (info.state.load(Acquire) == ST_ABORTED
+                && word & BLAME_EXTERNAL != 0
+                && word & BLAME_RANK != 0)
+                .then(|| {
+                    (
+                        ((word & BLAME_RANK) - 1) as usize,
+                        word & BLAME_TIMEOUT != 0,
+                    )
+                })
+        })
     }
 
     /// Run `f`; on failure (other than a rejected argument, which is detected before any shared

@@ -217,10 +217,15 @@ pub fn suits(info: &LaunchInfo) -> bool {
     if info.size < 2 || info.cross_size != 1 || info.local_size != info.size {
         return false;
     }
-    let Ok(layout) = ShmOptions::default().layout(info.size) else {
+    // Room for the control channel and a handful of data channels.
+    has_room(info.size)
+}
+
+/// Whether `/dev/shm` has room for a few communicators of `size` ranks with the default sizes.
+pub(crate) fn has_room(size: usize) -> bool {
+    let Ok(layout) = ShmOptions::default().layout(size) else {
         return false;
     };
-    // Room for the control channel and a handful of data channels.
     sys::available_bytes(sys::SHM_DIR).is_some_and(|free| free >= 16 * layout.total as u64)
 }
 

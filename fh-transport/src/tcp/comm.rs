@@ -172,6 +172,24 @@ impl TcpComm {
         err
     }
 
+    /// Give up on this communicator because of `cause`, found outside it (e.g. by a
+    /// shared-memory communicator it works with): tell every peer which rank to blame and shut
+    /// the connections down, as after a failure of its own. Call it only between operations
+    /// (no frame half sent). Does nothing if the communicator failed already.
+    pub(crate) fn give_up(&mut self, cause: &TransportError) {
+        if self.failed.is_some() {
+            return;
+        }
+        let err = match cause.blamed_rank() {
+            Some(rank) if rank != self.rank && rank < self.size => TransportError::PeerLost {
+                rank,
+                detail: cause.to_string(),
+            },
+            _ => TransportError::Closed(cause.to_string()),
+        };
+        let _ = self.fail(err, None);
+    }
+
     fn lost(&self, peer: usize, what: &str, e: Option<io::Error>) -> TransportError {
         // The peer may have hung up on purpose after losing another rank, in the middle of a
         // frame to us; then its notice comes out of band, shortly. Wait for it briefly.

@@ -907,6 +907,13 @@ impl Transport for TcpTransport {
     }
 
     fn open(&mut self, label: &str) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(self.open_tcp(label)?))
+    }
+}
+
+impl TcpTransport {
+    /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.
+    pub fn open_tcp(&mut self, label: &str) -> Result<TcpComm> {
         let seq = self.next_seq;
         self.next_seq += 1;
         let (rank, size) = (self.topology.rank, self.topology.size);
@@ -916,7 +923,7 @@ impl Transport for TcpTransport {
             self.open_mesh(label, seq)?
         };
         tracing::debug!(rank, seq, label, "TCP communicator open");
-        Ok(Box::new(TcpComm::new(
+        Ok(TcpComm::new(
             label.to_owned(),
             seq,
             rank,
@@ -924,6 +931,6 @@ impl Transport for TcpTransport {
             peers,
             &self.opts,
             self.link.clone(),
-        )))
+        ))
     }
 }

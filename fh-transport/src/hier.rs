@@ -1,0 +1,638 @@
+//! The hierarchical backend (Linux) for jobs on several hosts: shared memory among the ranks
+//! of a host, TCP between hosts.
+//!
+//! A [`HierTransport`] holds a full-world [`TcpTransport`] and a [`ShmTransport`] among the
+//! ranks of this host (joined with a token derived from the job token and the host index, so
+//! that hosts simulated on one machine never share a segment). Each communicator it opens
+//! combines a full-world TCP communicator and a shared-memory communicator of this host:
+//!
+//! - **Allreduce** (the hot path). When every host runs the same number `L` of ranks, the
+//!   vector is split into `L` blocks: a shared-memory reduce-scatter leaves block `i` of the
+//!   host's sum on local rank `i`; the local ranks `i` of all hosts ("lane" `i`) allreduce
+//!   their block over TCP, all lanes at once; a shared-memory allgather reassembles the vector.
+//!   Every byte crosses the network once per host instead of once per rank, and every rank
+//!   drives a share of the traffic. When hosts differ in size, the host reduces over shared
+//!   memory, the host leaders (local rank 0) allreduce over TCP, and each leader broadcasts
+//!   the result over shared memory. Either way `Average` sums and divides by the world size
+//!   exactly once.
+//! - **Everything else** (point-to-point, broadcast, allgather(v), alltoall(v),
+//!   reduce-scatter, barrier) runs on the full-world TCP communicator, with the generic
+//!   [`algorithms`](crate::algorithms).
+//!
+//! The cross-host steps run over *views* of the full-world TCP communicator restricted to the
+//! lane or the leaders, so no extra connections are made.
+//!
+//! # Layout
+//!
+//! `FH_CROSS_RANK` must be the index of the rank's host (`0..FH_CROSS_SIZE`, the number of
+//! hosts) and `FH_LOCAL_RANK`/`FH_LOCAL_SIZE` its place among the ranks of its host, as `fhrun`
+//! and [`LaunchInfo`] set them. [`HierTransport::connect`] checks this on every rank (one
+//! allgather over TCP) and fails with [`TransportError::Config`] if the ranks disagree;
+//! `FH_TRANSPORT=auto` ([`connect_auto`]) then falls back to plain TCP instead, as it does when
+//! every host runs a single rank or `/dev/shm` lacks room somewhere.
+//!
+//! # Failures
+//!
+//! A failure anywhere is propagated both ways: an error on the TCP side makes the rank give up
+//! its shared-memory communicator (its local peers stop waiting and report the rank the error
+//! blamed), and an error on the shared-memory side makes it give up its TCP communicator (the
+//! other hosts are told which rank to blame). Every error names global ranks.
+
+use std::sync::Arc;
+
+use fh_core::{kernels, CoreError, DType, ReduceOp};
+
+use crate::bootstrap::LaunchInfo;
+use crate::shm::{ShmComm, ShmOptions, ShmTransport};
+use crate::tcp::{TcpComm, TcpOptions, TcpTransport};
+use crate::{algorithms, Communicator, Result, Topology, Transport, TransportError};
+
+/// Where every rank sits: the global ranks of each host, by local rank.
+#[derive(Debug)]
+struct HostLayout {
+    hosts: Vec<Vec<usize>>,
+}
+
+impl HostLayout {
+    /// Check what every rank reported (`[cross_rank, local_rank, local_size, cross_size]`,
+    /// by global rank) and build the layout.
+    fn build(records: &[[u64; 4]]) -> std::result::Result<HostLayout, String> {
+        let n_hosts = records.first().map_or(0, |r| r[3]) as usize;
+        if n_hosts == 0 || n_hosts > records.len() {
+            return Err(format!(
+                "rank 0 reports {n_hosts} hosts for {} ranks",
+                records.len()
+            ));
+        }
+        let mut hosts: Vec<Vec<Option<usize>>> = vec![Vec::new(); n_hosts];
+        for (rank, &[cross_rank, local_rank, local_size, cross_size]) in records.iter().enumerate()
+        {
+            let (host, local, local_size) = (
+                cross_rank as usize,
+                local_rank as usize,
+                local_size as usize,
+            );
+            if cross_size as usize != n_hosts || host >= n_hosts {
+                return Err(format!(
+                    "rank {rank} says it is on host {host} of {cross_size} but rank 0 counts \
+                     {n_hosts} hosts"
+                ));
+            }
+            let slots = &mut hosts[host];
+            if slots.is_empty() {
+                slots.resize(local_size, None);
+            }
+            if slots.len() != local_size || local >= local_size {
+                return Err(format!(
+                    "rank {rank} says it is local rank {local} of {local_size} on host {host}, \
+                     but another rank of that host counts {} local ranks",
+                    slots.len()
+                ));
+            }
+            if let Some(other) = slots[local] {
+                return Err(format!(
+                    "ranks {other} and {rank} both claim local rank {local} on host {host}"
+                ));
+            }
+            slots[local] = Some(rank);
+        }
+        let mut out = Vec::with_capacity(n_hosts);
+        for (h, slots) in hosts.into_iter().enumerate() {
+            if slots.is_empty() {
+                return Err(format!("no rank is on host {h}"));
+            }
+            let ranks: Option<Vec<usize>> = slots.into_iter().collect();
+            out.push(ranks.ok_or_else(|| format!("host {h} misses some of its local ranks"))?);
+        }
+        Ok(HostLayout { hosts: out })
+    }
+
+    fn homogeneous(&self) -> bool {
+        self.hosts.windows(2).all(|w| w[0].len() == w[1].len())
+    }
+
+    /// Whether a hierarchy helps: several hosts, and some host with several ranks.
+    fn worth_it(&self) -> bool {
+        self.hosts.len() > 1 && self.hosts.iter().any(|h| h.len() > 1)
+    }
+}
+
+/// Whether `FH_TRANSPORT=auto` should consider the hierarchical backend: several ranks on
+/// several hosts. The final choice is made collectively by [`connect_auto`].
+pub fn suits(info: &LaunchInfo) -> bool {
+    info.size > 1 && info.cross_size > 1
+}
+
+/// Connect the world for `FH_TRANSPORT=auto` on several hosts: the hierarchical backend when
+/// the layout is consistent, some host runs several ranks and every host has room in
+/// `/dev/shm`; plain TCP otherwise. Every rank reaches the same decision (it is taken from one
+/// allgather).
+pub fn connect_auto(info: &LaunchInfo) -> Result<Box<dyn Transport>> {
+    match HierTransport::setup(info, false)? {
+        Setup::Hier(t) => Ok(t),
+        Setup::Tcp(t, why) => {
+            tracing::info!(reason = %why, "FH_TRANSPORT=auto: using plain TCP between all ranks");
+            Ok(t)
+        }
+    }
+}
+
+enum Setup {
+    Hier(Box<HierTransport>),
+    Tcp(Box<TcpTransport>, String),
+}
+
+/// One rank's handle on a hierarchical world (see the [module documentation](self)).
+#[derive(Debug)]
+pub struct HierTransport {
+    tcp: TcpTransport,
+    shm: ShmTransport,
+    layout: Arc<HostLayout>,
+    topology: Topology,
+}
+
+impl HierTransport {
+    /// Connect the world described by a launch (`FH_TRANSPORT=hier`): the full-world TCP
+    /// rendezvous, a check of the host layout on every rank, and this host's shared-memory
+    /// world. Fails with [`TransportError::Config`] when the ranks' `FH_CROSS_*`/`FH_LOCAL_*`
+    /// do not describe a consistent layout.
+    pub fn connect(info: &LaunchInfo) -> Result<HierTransport> {
+        match Self::setup(info, true)? {
+            Setup::Hier(t) => Ok(*t),
+            Setup::Tcp(_, why) => Err(TransportError::Config {
+                var: "FH_TRANSPORT".into(),
+                reason: format!("'hier' cannot be used: {why}; use 'tcp' or 'auto'"),
+            }),
+        }
+    }
+
+    fn setup(info: &LaunchInfo, explicit: bool) -> Result<Setup> {
+        let mut tcp = TcpTransport::connect(info, TcpOptions::from_info(info))?;
+        let room = crate::shm::has_room(info.local_size);
+        let mine = [
+            info.cross_rank as u64,
+            info.local_rank as u64,
+            info.local_size as u64,
+            info.cross_size as u64,
+            u64::from(room),
+        ];
+        let mut all = vec![0u8; 40 * info.size];
+        {
+            let mut setup = tcp.open_tcp("hier-setup")?;
+            let send: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let counts = vec![send.len(); info.size];
+            setup.allgatherv(&send, &mut all, &counts)?;
+        }
+        let word = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&all[8 * i..8 * i + 8]);
+            u64::from_le_bytes(b)
+        };
+        let records: Vec<[u64; 4]> = (0..info.size)
+            .map(|r| {
+                [
+                    word(5 * r),
+                    word(5 * r + 1),
+                    word(5 * r + 2),
+                    word(5 * r + 3),
+                ]
+            })
+            .collect();
+        let layout = match HostLayout::build(&records) {
+            Ok(l) => l,
+            Err(e) => {
+                let why = format!(
+                    "the ranks do not describe a consistent host layout ({e}); FH_CROSS_RANK \
+                     must be the index of the rank's host, FH_CROSS_SIZE the number of hosts \
+                     and FH_LOCAL_RANK/FH_LOCAL_SIZE the rank's place on its host"
+                );
+                return Ok(Setup::Tcp(Box::new(tcp), why));
+            }
+        };
+        if let Some(r) = (0..info.size).find(|&r| word(5 * r + 4) == 0) {
+            let why = format!("rank {r} has too little room in /dev/shm for shared memory");
+            return Ok(Setup::Tcp(Box::new(tcp), why));
+        }
+        // Asked for explicitly, a degenerate hierarchy (one host, or one rank per host) still
+        // works; only `auto` skips it.
+        if !explicit && !layout.worth_it() {
+            let why = format!(
+                "{} ranks on {} hosts: no host runs several ranks",
+                info.size,
+                layout.hosts.len()
+            );
+            return Ok(Setup::Tcp(Box::new(tcp), why));
+        }
+        let host_token = match &info.token {
+            Some(t) => format!("{t}/hier-host-{}", info.cross_rank),
+            None => format!("hier-single-{}", std::process::id()),
+        };
+        let opts = ShmOptions {
+            timeout: info.timeout,
+            ..ShmOptions::default()
+        };
+        let shm = ShmTransport::join(&host_token, info.local_rank, info.local_size, opts)?;
+        let topology = Topology {
+            rank: info.rank,
+            size: info.size,
+            local_rank: info.local_rank,
+            local_size: info.local_size,
+            cross_rank: info.cross_rank,
+            cross_size: layout.hosts.len(),
+        };
+        tracing::debug!(rank = info.rank, hosts = ?layout.hosts, "hierarchical world ready");
+        Ok(Setup::Hier(Box::new(HierTransport {
+            tcp,
+            shm,
+            layout: Arc::new(layout),
+            topology,
+        })))
+    }
+
+    /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.
+    pub fn open_hier(&mut self, label: &str) -> Result<HierComm> {
+        let tcp = self.tcp.open_tcp(label)?;
+        let shm = self.shm.open_shm(label)?;
+        let t = self.topology;
+        let hosts = &self.layout.hosts;
+        let group = if self.layout.homogeneous() {
+            hosts.iter().map(|h| h[t.local_rank]).collect()
+        } else if t.local_rank == 0 {
+            hosts.iter().map(|h| h[0]).collect()
+        } else {
+            Vec::new()
+        };
+        Ok(HierComm {
+            label: label.to_owned(),
+            tcp,
+            shm,
+            layout: Arc::clone(&self.layout),
+            topology: t,
+            homogeneous: self.layout.homogeneous(),
+            group_rank: t.cross_rank,
+            group,
+            scratch: Vec::new(),
+            broken: None,
+        })
+    }
+}
+
+impl Transport for HierTransport {
+    fn backend(&self) -> &'static str {
+        "hier"
+    }
+
+    fn topology(&self) -> Topology {
+        self.topology
+    }
+
+    fn open(&mut self, label: &str) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(self.open_hier(label)?))
+    }
+}
+
+/// A communicator of the hierarchical backend (see the [module documentation](self)).
+#[derive(Debug)]
+pub struct HierComm {
+    label: String,
+    tcp: TcpComm,
+    shm: ShmComm,
+    layout: Arc<HostLayout>,
+    topology: Topology,
+    homogeneous: bool,
+    /// The global ranks this rank allreduces with across hosts (its lane, or the leaders when
+    /// hosts differ in size; empty for a non-leader then), and its index among them.
+    group: Vec<usize>,
+    group_rank: usize,
+    scratch: Vec<u8>,
+    broken: Option<String>,
+}
+
+/// Which part of the communicator failed.
+enum Side {
+    Shm,
+    Tcp,
+}
+
+type Step<T> = std::result::Result<T, (Side, TransportError)>;
+
+fn on_shm<T>(r: Result<T>) -> Step<T> {
+    r.map_err(|e| (Side::Shm, e))
+}
+
+fn on_tcp<T>(r: Result<T>) -> Step<T> {
+    r.map_err(|e| (Side::Tcp, e))
+}
+
+impl HierComm {
+    /// The label given to [`Transport::open`].
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// Run `f`; on failure give up both halves (see *Failures* in the
+    /// [module documentation](self)) and make every later call fail.
+    fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Step<T>) -> Result<T> {
+        if let Some(why) = &self.broken {
+            return Err(TransportError::Closed(format!(
+                "hierarchical communicator '{}' is unusable after an earlier error: {why}",
+                self.label
+            )));
+        }
+        match f(self) {
+            Ok(v) => Ok(v),
+            Err((side, err)) => Err(self.fail(side, err)),
+        }
+    }
+
+    fn fail(&mut self, side: Side, err: TransportError) -> TransportError {
+        let err = match side {
+            Side::Shm => {
+                let err = self.shm_error_to_global(err);
+                self.shm.give_up(None, false, &err.to_string());
+                self.tcp.give_up(&err);
+                err
+            }
+            Side::Tcp => {
+                let timeout = matches!(err, TransportError::Timeout { .. });
+                self.shm
+                    .give_up(err.blamed_rank(), timeout, &err.to_string());
+                self.tcp.give_up(&err);
+                err
+            }
+        };
+        tracing::error!(
+            communicator = %self.label,
+            rank = self.topology.rank,
+            error = %err,
+            "hierarchical communicator failed"
+        );
+        self.broken = Some(err.to_string());
+        err
+    }
+
+    /// Rewrite an error of the shared-memory communicator (local ranks) in global ranks,
+    /// preferring the root cause a local peer recorded when it gave up.
+    fn shm_error_to_global(&self, err: TransportError) -> TransportError {
+        if let Some((rank, timeout)) = self.shm.external_blame() {
+            return if timeout {
+                TransportError::Timeout {
+                    rank,
+                    op: "a collective (another rank gave up waiting for it first)",
+                    after: std::time::Duration::ZERO,
+                }
+            } else {
+                TransportError::PeerLost {
+                    rank,
+                    detail: format!(
+                        "a rank of this host gave up on communicator '{}' after losing rank \
+                         {rank} ({err})",
+                        self.label
+                    ),
+                }
+            };
+        }
+        let host = &self.layout.hosts[self.topology.cross_rank];
+        let global = |r: usize| host.get(r).copied().unwrap_or(r);
+        match err {
+            TransportError::PeerLost { rank, detail } => TransportError::PeerLost {
+                rank: global(rank),
+                detail: format!(
+                    "{detail} (local rank {rank} of host {})",
+                    self.topology.cross_rank
+                ),
+            },
+            TransportError::Timeout { rank, op, after } => TransportError::Timeout {
+                rank: global(rank),
+                op,
+                after,
+            },
+            TransportError::Protocol { rank, detail } => TransportError::Protocol {
+                rank: global(rank),
+                detail,
+            },
+            other => other,
+        }
+    }
+
+    /// Lanes: shared-memory reduce-scatter, cross-host allreduce per lane, shared-memory
+    /// allgather.
+    fn allreduce_lanes(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        elements: usize,
+    ) -> Step<()> {
+        let (l, me) = (self.topology.local_size, self.topology.local_rank);
+        let esz = dtype.size();
+        let counts: Vec<usize> = (0..l)
+            .map(|i| elements / l + usize::from(i < elements % l))
+            .collect();
+        let mut block = std::mem::take(&mut self.scratch);
+        block.clear();
+        block.resize(counts[me] * esz, 0);
+        let res = (|| {
+            on_shm(
+                self.shm
+                    .reduce_scatter(buf, &mut block, &counts, dtype, op.combining()),
+            )?;
+            let mut view = Group {
+                inner: &mut self.tcp,
+                members: &self.group,
+                rank: self.group_rank,
+            };
+            on_tcp(algorithms::allreduce(
+                &mut view,
+                &mut block,
+                dtype,
+                op.combining(),
+            ))?;
+            if op == ReduceOp::Average {
+                on_tcp(kernels::divide(dtype, &mut block, self.topology.size).map_err(Into::into))?;
+            }
+            let bytes: Vec<usize> = counts.iter().map(|c| c * esz).collect();
+            on_shm(self.shm.allgatherv(&block, buf, &bytes))
+        })();
+        self.scratch = block;
+        res
+    }
+
+    /// Leaders: shared-memory allreduce, cross-host allreduce among the leaders, shared-memory
+    /// broadcast from the leader.
+    fn allreduce_leaders(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Step<()> {
+        on_shm(self.shm.allreduce(buf, dtype, op.combining()))?;
+        if self.topology.local_rank == 0 {
+            let mut view = Group {
+                inner: &mut self.tcp,
+                members: &self.group,
+                rank: self.group_rank,
+            };
+            on_tcp(algorithms::allreduce(&mut view, buf, dtype, op.combining()))?;
+            if op == ReduceOp::Average {
+                on_tcp(kernels::divide(dtype, buf, self.topology.size).map_err(Into::into))?;
+            }
+        }
+        on_shm(self.shm.broadcast(buf, 0))
+    }
+}
+
+impl Communicator for HierComm {
+    fn backend(&self) -> &'static str {
+        "hier"
+    }
+
+    fn rank(&self) -> usize {
+        self.topology.rank
+    }
+
+    fn size(&self) -> usize {
+        self.topology.size
+    }
+
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
+        self.guarded(|c| on_tcp(c.tcp.send(peer, data)))
+    }
+
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
+        self.guarded(|c| on_tcp(c.tcp.recv(peer, buf)))
+    }
+
+    fn send_recv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
+        self.guarded(|c| on_tcp(c.tcp.send_recv(to, send, from, recv)))
+    }
+
+    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        // Check everything up front: past this point an argument error on one rank would
+        // leave the others waiting.
+        let elements = dtype.elements_in(buf.len())?;
+        if !kernels::supports(dtype, op) {
+            return Err(CoreError::UnsupportedOp { op, dtype }.into());
+        }
+        if self.topology.size == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        self.guarded(|c| {
+            if c.homogeneous {
+                c.allreduce_lanes(buf, dtype, op, elements)
+            } else {
+                c.allreduce_leaders(buf, dtype, op)
+            }
+        })
+    }
+
+    fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
+        self.guarded(|c| on_tcp(c.tcp.allgatherv(send, recv, counts)))
+    }
+
+    fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
+        self.guarded(|c| on_tcp(c.tcp.broadcast(buf, root)))
+    }
+
+    fn alltoallv(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.guarded(|c| on_tcp(c.tcp.alltoallv(send, send_counts, recv, recv_counts)))
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.guarded(|c| on_tcp(c.tcp.reduce_scatter(send, recv, counts, dtype, op)))
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        self.guarded(|c| on_tcp(c.tcp.barrier()))
+    }
+}
+
+/// A view of a communicator restricted to some of its ranks: peer `i` of the view is rank
+/// `members[i]` of the inner communicator. Errors name the inner communicator's ranks.
+struct Group<'a> {
+    inner: &'a mut TcpComm,
+    members: &'a [usize],
+    rank: usize,
+}
+
+impl Group<'_> {
+    fn member(&self, peer: usize) -> Result<usize> {
+        self.members.get(peer).copied().ok_or_else(|| {
+            TransportError::InvalidArgument(format!(
+                "peer {peer} out of range 0..{} of a group",
+                self.members.len()
+            ))
+        })
+    }
+}
+
+impl Communicator for Group<'_> {
+    fn backend(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
+        let p = self.member(peer)?;
+        self.inner.send(p, data)
+    }
+
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
+        let p = self.member(peer)?;
+        self.inner.recv(p, buf)
+    }
+
+    fn send_recv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
+        let (t, f) = (self.member(to)?, self.member(from)?);
+        self.inner.send_recv(t, send, f, recv)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(host: u64, local: u64, local_size: u64, hosts: u64) -> [u64; 4] {
+        [host, local, local_size, hosts]
+    }
+
+    #[test]
+    fn layouts_are_checked() {
+        let l = HostLayout::build(&[
+            rec(0, 0, 2, 2),
+            rec(0, 1, 2, 2),
+            rec(1, 1, 2, 2),
+            rec(1, 0, 2, 2),
+        ])
+        .unwrap();
+        assert_eq!(l.hosts, vec![vec![0, 1], vec![3, 2]]);
+        assert!(l.homogeneous() && l.worth_it());
+        let l = HostLayout::build(&[rec(0, 0, 2, 2), rec(0, 1, 2, 2), rec(1, 0, 1, 2)]).unwrap();
+        assert_eq!(l.hosts, vec![vec![0, 1], vec![2]]);
+        assert!(!l.homogeneous() && l.worth_it());
+        let l = HostLayout::build(&[rec(0, 0, 1, 2), rec(1, 0, 1, 2)]).unwrap();
+        assert!(!l.worth_it());
+        // Horovod-style cross ranks of an inhomogeneous job are not host indices.
+        assert!(HostLayout::build(&[rec(0, 0, 2, 2), rec(0, 1, 2, 1), rec(1, 0, 1, 2)]).is_err());
+        // A duplicate local rank, a missing one, a host out of range, an empty host.
+        assert!(HostLayout::build(&[rec(0, 0, 2, 1), rec(0, 0, 2, 1)]).is_err());
+        assert!(HostLayout::build(&[rec(0, 0, 3, 1), rec(0, 1, 3, 1)]).is_err());
+        assert!(HostLayout::build(&[rec(0, 0, 1, 1), rec(1, 0, 1, 1)]).is_err());
+        assert!(HostLayout::build(&[rec(0, 0, 2, 3), rec(0, 1, 2, 3), rec(2, 0, 1, 3)]).is_err());
+    }
+}

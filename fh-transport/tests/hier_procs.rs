@@ -1,0 +1,327 @@
+//! The hierarchical backend with one process per rank, several hosts simulated on this machine:
+//! this test binary re-runs itself as the ranks (`child` below) with the `FH_*` environment a
+//! launcher would set for the given host layout, over 127.0.0.1. A guard kills and reaps every
+//! child, also when an assertion fails, and every wait is bounded.
+#![cfg(target_os = "linux")]
+
+mod shm_common;
+
+use std::net::TcpListener;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use fh_core::{DType, ReduceOp};
+use fh_transport::{shm, CollectivesExt, Communicator, TransportError};
+use shm_common::*;
+
+const ROLE: &str = "FH_HIER_TEST_ROLE";
+const VICTIM: &str = "FH_HIER_TEST_VICTIM";
+const HOSTS: &str = "FH_HIER_TEST_HOSTS";
+
+/// One test at a time: each runs several processes on a small machine.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Kills and reaps the children it holds when dropped.
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `hosts[h]` lists the global ranks on simulated host `h`, by local rank.
+fn layout_string(hosts: &[Vec<usize>]) -> String {
+    hosts
+        .iter()
+        .map(|h| h.iter().map(usize::to_string).collect::<Vec<_>>().join(","))
+        .collect::<Vec<_>>()
+        .join(";")
+}
+
+fn parse_layout(s: &str) -> Vec<Vec<usize>> {
+    s.split(';')
+        .map(|h| h.split(',').map(|r| r.parse().unwrap()).collect())
+        .collect()
+}
+
+/// Where one rank sits: (rank, local rank, local size, cross rank, cross size).
+type Place = (usize, usize, usize, usize, usize);
+
+impl Children {
+    fn spawn(
+        hosts: &[Vec<usize>],
+        transport: &str,
+        role: &str,
+        token: &str,
+        extra: &[(&str, String)],
+    ) -> Children {
+        let mut places = Vec::new();
+        for (h, ranks) in hosts.iter().enumerate() {
+            for (l, &r) in ranks.iter().enumerate() {
+                places.push((r, l, ranks.len(), h, hosts.len()));
+            }
+        }
+        places.sort();
+        Self::spawn_places(&places, hosts, transport, role, token, extra)
+    }
+
+    /// Spawn one rank per place (in that order).
+    fn spawn_places(
+        places: &[Place],
+        hosts: &[Vec<usize>],
+        transport: &str,
+        role: &str,
+        token: &str,
+        extra: &[(&str, String)],
+    ) -> Children {
+        let exe = std::env::current_exe().expect("test binary path");
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let mut kids = Children(Vec::new());
+        for &(r, l, ls, h, hs) in places {
+            let child = Command::new(&exe)
+                .args(["child", "--exact", "--nocapture", "--test-threads=1"])
+                .env(ROLE, role)
+                .env(HOSTS, layout_string(hosts))
+                .env("FH_TRANSPORT", transport)
+                .env("FH_RANK", r.to_string())
+                .env("FH_SIZE", places.len().to_string())
+                .env("FH_LOCAL_RANK", l.to_string())
+                .env("FH_LOCAL_SIZE", ls.to_string())
+                .env("FH_CROSS_RANK", h.to_string())
+                .env("FH_CROSS_SIZE", hs.to_string())
+                .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
+                .env("FH_JOB_TOKEN", token)
+                .env("FH_TIMEOUT_SECONDS", "15")
+                .envs(extra.iter().map(|(k, v)| (*k, v.as_str())))
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("spawn a rank");
+            kids.0.push(child);
+        }
+        kids
+    }
+
+    /// Wait for every child to exit, at most `limit`; statuses by spawn order.
+    fn wait_all(&mut self, limit: Duration) -> Vec<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        let mut done: Vec<Option<ExitStatus>> = vec![None; self.0.len()];
+        while done.iter().any(Option::is_none) {
+            for (c, d) in self.0.iter_mut().zip(done.iter_mut()) {
+                if d.is_none() {
+                    *d = c.try_wait().expect("try_wait");
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "ranks still running after {limit:?}: {done:?}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        done.into_iter().flatten().collect()
+    }
+}
+
+fn hier_token() -> String {
+    token()
+}
+
+/// Segments of every simulated host of the job with this token left in /dev/shm.
+fn host_leftovers(tok: &str, hosts: usize) -> Vec<String> {
+    (0..hosts)
+        .flat_map(|h| leftovers(&shm::segment_prefix(&format!("{tok}/hier-host-{h}"))))
+        .collect()
+}
+
+/// Allreduce of long vectors (primes, past a slot and the ring threshold) against the
+/// sequential reference.
+fn long_allreduces(c: &mut dyn Communicator) {
+    let (n, me) = (c.size(), c.rank());
+    for (i, (d, o, len)) in [
+        (DType::F32, ReduceOp::Sum, (1usize << 20) + 3),
+        (DType::F32, ReduceOp::Average, 65_537),
+        (DType::I32, ReduceOp::Max, 100_003),
+        (DType::BF16, ReduceOp::Sum, 40_009),
+        (DType::I64, ReduceOp::Average, 30_011),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let inputs: Vec<_> = (0..n).map(|r| values(d, 77, i as u64, r, len)).collect();
+        let mut buf = inputs[me].clone();
+        c.allreduce(&mut buf, d, o).unwrap();
+        assert!(
+            buf == reference(d, o, &inputs),
+            "allreduce {d} {o:?} of {len} elements differs from the reference"
+        );
+    }
+}
+
+/// The body of a rank; does nothing when run as an ordinary test.
+#[test]
+fn child() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let hosts = parse_layout(&std::env::var(HOSTS).expect("layout"));
+    let size: usize = hosts.iter().map(Vec::len).sum();
+    match role.as_str() {
+        "suite" => {
+            let mut world = fh_transport::from_env().unwrap();
+            assert_eq!(world.backend(), "hier");
+            let t = world.topology();
+            assert_eq!((t.size, t.cross_size), (size, hosts.len()));
+            assert_eq!(hosts[t.cross_rank][t.local_rank], t.rank);
+            let mut c = world.open("suite").unwrap();
+            let mut d = world.open("second").unwrap();
+            suite_allreduce(&mut *c, 4242 + size as u64);
+            long_allreduces(&mut *c);
+            suite_others(&mut *c, 17);
+            suite_p2p(&mut *c, 18);
+            // A second communicator works independently of the first.
+            suite_allreduce(&mut *d, 99);
+            c.barrier().unwrap();
+            d.barrier().unwrap();
+        }
+        "fallback" => {
+            let mut world = fh_transport::from_env().unwrap();
+            assert_eq!(world.backend(), "tcp", "one rank per host: no hierarchy");
+            let mut c = world.open("fallback").unwrap();
+            let mut v = vec![1.0f32 + c.rank() as f32; 1000];
+            c.allreduce_typed(&mut v, ReduceOp::Sum).unwrap();
+            let want = (size * (size + 1) / 2) as f32;
+            assert!(v.iter().all(|&x| x == want));
+        }
+        "bad_layout" => {
+            let err = match fh_transport::from_env() {
+                Ok(_) => panic!("a hierarchical world from an inconsistent layout"),
+                Err(e) => e,
+            };
+            assert!(
+                matches!(&err, TransportError::Config { reason, .. } if reason.contains("host layout")),
+                "unexpected error: {err}"
+            );
+        }
+        "kill" => {
+            let victim: usize = std::env::var(VICTIM).unwrap().parse().unwrap();
+            let mut world = fh_transport::from_env().unwrap();
+            let mut c = world.open("victim").unwrap();
+            let mut buf = vec![1.0f32; 50_000];
+            for _ in 0..5 {
+                c.allreduce_typed(&mut buf, ReduceOp::Sum).unwrap();
+            }
+            if c.rank() == victim {
+                // SAFETY: sending a signal to ourselves.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                unreachable!("SIGKILL did not kill the process");
+            }
+            let start = Instant::now();
+            let err = loop {
+                if let Err(e) = c.allreduce_typed(&mut buf, ReduceOp::Sum) {
+                    break e;
+                }
+            };
+            assert!(
+                matches!(err, TransportError::PeerLost { rank, .. } if rank == victim),
+                "rank {}: expected PeerLost naming rank {victim}, got {err}",
+                c.rank()
+            );
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the loss was only noticed after {:?}",
+                start.elapsed()
+            );
+            // Later calls fail at once.
+            assert!(c.allreduce_typed(&mut buf, ReduceOp::Sum).is_err());
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn run_suite(hosts: &[Vec<usize>], transport: &str) {
+    let tok = hier_token();
+    let mut kids = Children::spawn(hosts, transport, "suite", &tok, &[]);
+    let st = kids.wait_all(Duration::from_secs(120));
+    assert!(st.iter().all(ExitStatus::success), "{hosts:?}: {st:?}");
+    assert_eq!(host_leftovers(&tok, hosts.len()), Vec::<String>::new());
+}
+
+#[test]
+fn auto_picks_hier_for_two_hosts_of_two() {
+    let _s = serial();
+    // Hosts hold non-consecutive ranks on purpose.
+    run_suite(&[vec![0, 3], vec![1, 2]], "auto");
+}
+
+#[test]
+fn inhomogeneous_hosts() {
+    let _s = serial();
+    run_suite(&[vec![0, 1], vec![2], vec![3, 4]], "hier");
+}
+
+#[test]
+fn auto_uses_tcp_with_one_rank_per_host() {
+    let _s = serial();
+    let tok = hier_token();
+    let hosts = [vec![0], vec![1], vec![2]];
+    let mut kids = Children::spawn(&hosts, "auto", "fallback", &tok, &[]);
+    let st = kids.wait_all(Duration::from_secs(60));
+    assert!(st.iter().all(ExitStatus::success), "{st:?}");
+}
+
+#[test]
+fn inconsistent_layout_is_a_config_error() {
+    let _s = serial();
+    let tok = hier_token();
+    let hosts = [vec![0, 1], vec![2]];
+    // Rank 2 counts three hosts where the others count two.
+    let places = [(0, 0, 2, 0, 2), (1, 1, 2, 0, 2), (2, 0, 1, 1, 3)];
+    let mut kids = Children::spawn_places(&places, &hosts, "hier", "bad_layout", &tok, &[]);
+    let st = kids.wait_all(Duration::from_secs(60));
+    assert!(st.iter().all(ExitStatus::success), "{st:?}");
+}
+
+fn kill_test(hosts: &[Vec<usize>], victim: usize) {
+    let tok = hier_token();
+    let mut kids = Children::spawn(hosts, "hier", "kill", &tok, &[(VICTIM, victim.to_string())]);
+    let st = kids.wait_all(Duration::from_secs(60));
+    for (r, s) in st.iter().enumerate() {
+        if r == victim {
+            assert_eq!(s.signal(), Some(libc::SIGKILL), "victim: {s:?}");
+        } else {
+            assert!(s.success(), "survivor {r}: {s:?}");
+        }
+    }
+    assert_eq!(host_leftovers(&tok, hosts.len()), Vec::<String>::new());
+}
+
+#[test]
+fn killed_non_leader_is_named_by_every_survivor() {
+    let _s = serial();
+    kill_test(&[vec![0, 1], vec![2, 3]], 1);
+}
+
+#[test]
+fn killed_leader_is_named_by_every_survivor() {
+    let _s = serial();
+    kill_test(&[vec![0, 1], vec![2, 3]], 2);
+}
+
+#[test]
+fn killed_remote_host_is_named_by_the_ranks_waiting_for_their_leader() {
+    let _s = serial();
+    // Hosts of different sizes: rank 1 waits in shared memory for its leader, which learns
+    // of the loss over TCP and must pass the name on.
+    kill_test(&[vec![0, 1], vec![2]], 2);
+}
