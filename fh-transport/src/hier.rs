@@ -39,6 +39,7 @@
 //! other hosts are told which rank to blame). Every error names global ranks.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use fh_core::{kernels, CoreError, DType, ReduceOp};
 
@@ -149,6 +150,7 @@ pub struct HierTransport {
     shm: ShmTransport,
     layout: Arc<HostLayout>,
     topology: Topology,
+    timeout: Duration,
 }
 
 impl HierTransport {
@@ -227,9 +229,10 @@ impl HierTransport {
             Some(t) => format!("{t}/hier-host-{}", info.cross_rank),
             None => format!("hier-single-{}", std::process::id()),
         };
+        // Sizes from the environment (`FH_SHM_SLOT_BYTES`), the launch's timeout.
         let opts = ShmOptions {
             timeout: info.timeout,
-            ..ShmOptions::default()
+            ..ShmOptions::from_env()?
         };
         let shm = ShmTransport::join(&host_token, info.local_rank, info.local_size, opts)?;
         let topology = Topology {
@@ -246,6 +249,7 @@ impl HierTransport {
             shm,
             layout: Arc::new(layout),
             topology,
+            timeout: info.timeout,
         })))
     }
 
@@ -273,6 +277,7 @@ impl HierTransport {
             group,
             scratch: Vec::new(),
             broken: None,
+            timeout: self.timeout,
         })
     }
 }
@@ -306,6 +311,7 @@ pub struct HierComm {
     group_rank: usize,
     scratch: Vec<u8>,
     broken: Option<String>,
+    timeout: Duration,
 }
 
 /// Which part of the communicator failed.
@@ -341,6 +347,12 @@ impl HierComm {
         }
         match f(self) {
             Ok(v) => Ok(v),
+            // Rejected arguments are detected before anything is sent: nothing to undo.
+            Err((
+                _,
+                err @ (TransportError::InvalidArgument(_)
+                | TransportError::Core(CoreError::UnsupportedOp { .. })),
+            )) => Err(err),
             Err((side, err)) => Err(self.fail(side, err)),
         }
     }
@@ -379,7 +391,7 @@ impl HierComm {
                 TransportError::Timeout {
                     rank,
                     op: "a collective (another rank gave up waiting for it first)",
-                    after: std::time::Duration::ZERO,
+                    after: self.timeout,
                 }
             } else {
                 TransportError::PeerLost {
@@ -425,37 +437,55 @@ impl HierComm {
         elements: usize,
     ) -> Step<()> {
         let (l, me) = (self.topology.local_size, self.topology.local_rank);
+        if l == 1 {
+            // One rank per host: nothing to do in shared memory.
+            return self.allreduce_across(buf, dtype, op);
+        }
         let esz = dtype.size();
         let counts: Vec<usize> = (0..l)
             .map(|i| elements / l + usize::from(i < elements % l))
             .collect();
-        let mut block = std::mem::take(&mut self.scratch);
-        block.clear();
-        block.resize(counts[me] * esz, 0);
-        let res = (|| {
-            on_shm(
-                self.shm
-                    .reduce_scatter(buf, &mut block, &counts, dtype, op.combining()),
-            )?;
-            let mut view = Group {
-                inner: &mut self.tcp,
-                members: &self.group,
-                rank: self.group_rank,
-            };
-            on_tcp(algorithms::allreduce(
-                &mut view,
-                &mut block,
-                dtype,
-                op.combining(),
-            ))?;
-            if op == ReduceOp::Average {
-                on_tcp(kernels::divide(dtype, &mut block, self.topology.size).map_err(Into::into))?;
-            }
-            let bytes: Vec<usize> = counts.iter().map(|c| c * esz).collect();
-            on_shm(self.shm.allgatherv(&block, buf, &bytes))
-        })();
-        self.scratch = block;
+        let need = counts[me] * esz;
+        let mut scratch = std::mem::take(&mut self.scratch);
+        if scratch.len() < need {
+            // Its contents are overwritten by the reduce-scatter: no need to clear it.
+            scratch.resize(need, 0);
+        }
+        let res = self.lanes_with(buf, &mut scratch[..need], &counts, dtype, op);
+        self.scratch = scratch;
         res
+    }
+
+    fn lanes_with(
+        &mut self,
+        buf: &mut [u8],
+        block: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Step<()> {
+        on_shm(
+            self.shm
+                .reduce_scatter(buf, block, counts, dtype, op.combining()),
+        )?;
+        self.allreduce_across(block, dtype, op)?;
+        let bytes: Vec<usize> = counts.iter().map(|c| c * dtype.size()).collect();
+        on_shm(self.shm.allgatherv(block, buf, &bytes))
+    }
+
+    /// Allreduce `buf` with this rank's cross-host group (its lane, or the leaders) over TCP,
+    /// dividing by the world size for `Average`.
+    fn allreduce_across(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Step<()> {
+        let mut view = Group {
+            inner: &mut self.tcp,
+            members: &self.group,
+            rank: self.group_rank,
+        };
+        on_tcp(algorithms::allreduce(&mut view, buf, dtype, op.combining()))?;
+        if op == ReduceOp::Average {
+            on_tcp(kernels::divide(dtype, buf, self.topology.size).map_err(Into::into))?;
+        }
+        Ok(())
     }
 
     /// Leaders: shared-memory allreduce, cross-host allreduce among the leaders, shared-memory
@@ -463,15 +493,7 @@ impl HierComm {
     fn allreduce_leaders(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Step<()> {
         on_shm(self.shm.allreduce(buf, dtype, op.combining()))?;
         if self.topology.local_rank == 0 {
-            let mut view = Group {
-                inner: &mut self.tcp,
-                members: &self.group,
-                rank: self.group_rank,
-            };
-            on_tcp(algorithms::allreduce(&mut view, buf, dtype, op.combining()))?;
-            if op == ReduceOp::Average {
-                on_tcp(kernels::divide(dtype, buf, self.topology.size).map_err(Into::into))?;
-            }
+            self.allreduce_across(buf, dtype, op)?;
         }
         on_shm(self.shm.broadcast(buf, 0))
     }

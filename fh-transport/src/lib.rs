@@ -13,8 +13,10 @@
 //!
 //! A launched process joins its job with [`from_env`]: [`bootstrap::LaunchInfo`] reads where it
 //! sits from whichever launcher started it (`fhrun`, `mpirun`, `srun`, `torchrun`), and
-//! `FH_TRANSPORT` picks the backend — by default [`tcp`], which meets the other ranks at rank 0's
-//! rendezvous address and authenticates every connection with the job token.
+//! `FH_TRANSPORT` picks the backend — by default `auto`: [`shm`] when every rank is on one
+//! host, [`hier`] (shared memory within hosts, TCP between them) on several hosts, else [`tcp`],
+//! which meets the other ranks at rank 0's rendezvous address and authenticates every
+//! connection with the job token.
 //!
 //! ```no_run
 //! use fh_core::ReduceOp;
@@ -55,11 +57,16 @@ pub const TRANSPORT_CHOICES: &str =
     "auto, tcp, shm, hier, mpi, local, or CONTROL+DATA to mix two (e.g. mpi+tcp)";
 
 /// Build the world this process was launched into: read [`bootstrap::LaunchInfo::from_env`]
-/// and the backend chosen by `FH_TRANSPORT` (`auto` — the default — or `tcp`, `shm`, `mpi`,
-/// `local`), and connect.
+/// and the backend chosen by `FH_TRANSPORT` (`auto` — the default — or `tcp`, `shm`, `hier`,
+/// `mpi`, `local`), and connect.
 ///
 /// `auto` picks shared memory when every rank is on this host and `/dev/shm` has room
-/// ([`shm::suits`]), and TCP otherwise. `local` is only valid for a single process. `shm` needs every rank on one host (Linux).
+/// ([`shm::suits`]); on several hosts ([`hier::suits`]) the hierarchical backend — shared
+/// memory within each host, TCP between hosts — when some host runs several ranks and the
+/// ranks agree on the host layout ([`hier::connect_auto`] decides on every rank alike); TCP
+/// otherwise. `hier` asks for the hierarchical backend explicitly (Linux; `FH_CROSS_RANK` must
+/// be the host index). `local` is only valid for a single process. `shm` needs every rank on
+/// one host (Linux).
 /// `mpi` needs the `mpi` Cargo feature (else [`TransportError::BackendUnavailable`] says how to
 /// build it) and ranks started by `mpirun`. `CONTROL+DATA` (e.g. `mpi+tcp`) opens control
 /// communicators on the first backend and data communicators on the second

@@ -189,6 +189,14 @@ fn child() {
             long_allreduces(&mut *c);
             suite_others(&mut *c, 17);
             suite_p2p(&mut *c, 18);
+            // Rejected arguments leave the communicator usable.
+            let mut odd = [0u8; 7];
+            assert!(c.allreduce(&mut odd, DType::F32, ReduceOp::Sum).is_err());
+            assert!(c.allreduce(&mut odd, DType::U8, ReduceOp::Average).is_ok());
+            assert!(c.broadcast(&mut odd, size).is_err());
+            let mut v = [1i64; 3];
+            c.allreduce_typed(&mut v, ReduceOp::Sum).unwrap();
+            assert_eq!(v, [size as i64; 3]);
             // A second communicator works independently of the first.
             suite_allreduce(&mut *d, 99);
             c.barrier().unwrap();
