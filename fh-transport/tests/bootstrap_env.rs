@@ -457,6 +457,17 @@ fn transport_choice() {
     }
     let solo_shm = fh_transport::world_for(&single, Some("shm")).unwrap();
     assert_eq!(solo_shm.backend(), "shm");
+    #[cfg(target_os = "linux")]
+    {
+        use fh_core::ReduceOp;
+        use fh_transport::CollectivesExt;
+        let mut solo_hier = fh_transport::world_for(&single, Some("hier")).unwrap();
+        assert_eq!(solo_hier.backend(), "hier");
+        let mut c = solo_hier.open("solo").unwrap();
+        let mut v = [1.5f32, 2.0];
+        c.allreduce_typed(&mut v, ReduceOp::Average).unwrap();
+        assert_eq!(v, [1.5, 2.0]);
+    }
     // With the `mpi` feature, "mpi" would initialise MPI here: tests/mpi_mpirun.rs covers it.
     if !cfg!(feature = "mpi") {
         match fh_transport::world_for(&single, Some("mpi")) {
@@ -470,7 +481,10 @@ fn transport_choice() {
     match fh_transport::world_for(&single, Some("carrier-pigeon")) {
         Err(TransportError::Config { var, reason }) => {
             assert_eq!(var, "FH_TRANSPORT");
-            assert!(reason.contains("auto, tcp, shm, mpi, local"), "{reason}");
+            assert!(
+                reason.contains("auto, tcp, shm, hier, mpi, local"),
+                "{reason}"
+            );
         }
         other => panic!("{:?}", other.map(|t| t.backend())),
     }
