@@ -17,7 +17,7 @@
 //!   exactly once.
 //! - **Everything else** (point-to-point, broadcast, allgather(v), alltoall(v),
 //!   reduce-scatter, barrier) runs on the full-world TCP communicator, with the generic
-//!   [`algorithms`](crate::algorithms).
+//!   [`crate::algorithms`].
 //!
 //! The cross-host steps run over *views* of the full-world TCP communicator restricted to the
 //! lane or the leaders, so no extra connections are made.
