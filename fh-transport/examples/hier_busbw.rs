@@ -113,7 +113,7 @@ mod imp {
                 t.size / t.cross_size.max(1),
                 bytes,
                 iters,
-                secs * 1e3,
+                secs * 1e6,
                 busbw
             );
         }
@@ -134,7 +134,7 @@ mod imp {
         let per_host = flag(&args, "--per-host", 2);
         println!(
             "{:>5} {:>6} {:>9} {:>12} {:>6} {:>10} {:>11}",
-            "back", "hosts", "per_host", "bytes", "iters", "time_ms", "busbw_GB/s"
+            "back", "hosts", "per_host", "bytes", "iters", "time_us", "busbw_GB/s"
         );
         for transport in ["hier", "tcp"] {
             if !launch(transport, hosts, per_host, bytes) {
