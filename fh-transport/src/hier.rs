@@ -15,9 +15,11 @@
 //!   memory, the host leaders (local rank 0) allreduce over TCP, and each leader broadcasts
 //!   the result over shared memory. Either way `Average` sums and divides by the world size
 //!   exactly once.
-//! - **Everything else** (point-to-point, broadcast, allgather(v), alltoall(v),
-//!   reduce-scatter, barrier) runs on the full-world TCP communicator, with the generic
-//!   [`crate::algorithms`].
+//! - **Broadcast** and **barrier** are hierarchical too: shared memory on the root's host, TCP
+//!   among the leaders, shared memory on the other hosts (a barrier: shared memory, leaders,
+//!   shared memory).
+//! - **Everything else** (point-to-point, allgather(v), alltoall(v), reduce-scatter) runs on
+//!   the full-world TCP communicator, with the generic [`crate::algorithms`].
 //!
 //! The cross-host steps run over *views* of the full-world TCP communicator restricted to the
 //! lane or the leaders, so no extra connections are made.
@@ -275,6 +277,7 @@ impl HierTransport {
             homogeneous: self.layout.homogeneous(),
             group_rank: t.cross_rank,
             group,
+            leaders: hosts.iter().map(|h| h[0]).collect(),
             scratch: Vec::new(),
             broken: None,
             timeout: self.timeout,
@@ -309,6 +312,8 @@ pub struct HierComm {
     /// hosts differ in size; empty for a non-leader then), and its index among them.
     group: Vec<usize>,
     group_rank: usize,
+    /// The host leaders' global ranks, by host.
+    leaders: Vec<usize>,
     scratch: Vec<u8>,
     broken: Option<String>,
     timeout: Duration,
@@ -499,6 +504,56 @@ impl HierComm {
     }
 }
 
+impl HierComm {
+    /// Run `f` over the host leaders' view of the TCP communicator (leaders only).
+    fn on_leaders<T>(&mut self, f: impl FnOnce(&mut Group<'_>) -> Result<T>) -> Step<T> {
+        let mut view = Group {
+            inner: &mut self.tcp,
+            members: &self.leaders,
+            rank: self.topology.cross_rank,
+        };
+        on_tcp(f(&mut view))
+    }
+
+    /// Shared-memory broadcast on the root's host, TCP broadcast among the leaders from the
+    /// root's host, shared-memory broadcast from the leader on the other hosts.
+    fn broadcast_hier(&mut self, buf: &mut [u8], root: usize) -> Step<()> {
+        let t = self.topology;
+        let (root_host, root_local) = self
+            .layout
+            .hosts
+            .iter()
+            .enumerate()
+            .find_map(|(h, ranks)| ranks.iter().position(|&r| r == root).map(|l| (h, l)))
+            .ok_or_else(|| {
+                (
+                    Side::Tcp,
+                    TransportError::InvalidArgument(format!("broadcast root {root} is on no host")),
+                )
+            })?;
+        if t.cross_rank == root_host {
+            on_shm(self.shm.broadcast(buf, root_local))?;
+        }
+        if t.local_rank == 0 && self.leaders.len() > 1 {
+            self.on_leaders(|g| algorithms::broadcast(g, buf, root_host))?;
+        }
+        if t.cross_rank != root_host {
+            on_shm(self.shm.broadcast(buf, 0))?;
+        }
+        Ok(())
+    }
+
+    /// Shared-memory barrier, TCP barrier among the leaders, shared-memory barrier: nobody
+    /// leaves before every rank of every host has entered.
+    fn barrier_hier(&mut self) -> Step<()> {
+        on_shm(self.shm.barrier())?;
+        if self.topology.local_rank == 0 && self.leaders.len() > 1 {
+            self.on_leaders(|g| algorithms::barrier(g))?;
+        }
+        on_shm(self.shm.barrier())
+    }
+}
+
 impl Communicator for HierComm {
     fn backend(&self) -> &'static str {
         "hier"
@@ -548,7 +603,16 @@ impl Communicator for HierComm {
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
-        self.guarded(|c| on_tcp(c.tcp.broadcast(buf, root)))
+        if root >= self.topology.size {
+            return Err(TransportError::InvalidArgument(format!(
+                "broadcast root {root} out of range 0..{}",
+                self.topology.size
+            )));
+        }
+        if buf.is_empty() {
+            return Ok(());
+        }
+        self.guarded(|c| c.broadcast_hier(buf, root))
     }
 
     fn alltoallv(
@@ -573,7 +637,7 @@ impl Communicator for HierComm {
     }
 
     fn barrier(&mut self) -> Result<()> {
-        self.guarded(|c| on_tcp(c.tcp.barrier()))
+        self.guarded(|c| c.barrier_hier())
     }
 }
 
