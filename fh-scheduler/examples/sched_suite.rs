@@ -402,7 +402,9 @@ fn run_config(
     ));
 
     // Every rank formed the same groups, counted the same, and saw the same mismatch message.
-    // (Round counts and negotiation bytes/time legitimately differ with timing and role.)
+    // Round counts and negotiation bytes/time legitimately differ with timing and role (a
+    // faster rank's next submission can start a round that a slower rank counts before its
+    // snapshot); the counters hashed here change only when every rank has submitted a name.
     let s = e.stats();
     let log = e.group_log();
     let key = format!(
