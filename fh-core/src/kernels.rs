@@ -77,20 +77,71 @@ macro_rules! float_loop {
     }};
 }
 
-macro_rules! half_loop {
-    ($t:ty, $op:expr, $a:expr, $s:expr) => {{
-        let (a, s): (&mut [$t], &[$t]) = ($a, $s);
-        let f: fn(f32, f32) -> f32 = match $op {
-            ReduceOp::Sum | ReduceOp::Average => |x, y| x + y,
-            ReduceOp::Product => |x, y| x * y,
-            ReduceOp::Min => |x, y| if y < x { y } else { x },
-            ReduceOp::Max => |x, y| if y > x { y } else { x },
-            ReduceOp::BitAnd | ReduceOp::BitOr => unreachable!("checked by supports()"),
-        };
-        a.iter_mut()
-            .zip(s)
-            .for_each(|(x, y)| *x = <$t>::from_f32(f(x.to_f32(), y.to_f32())));
-    }};
+/// Elements of `f16`/`bf16` widened to `f32` at a time: small enough for two stack blocks to
+/// stay in L1, large enough to amortise the conversion routines' dispatch.
+const HALF_BLOCK: usize = 512;
+
+/// A 16-bit float type that is reduced through `f32`, a block at a time.
+trait HalfFloat: bytemuck::Pod {
+    fn widen(src: &[Self], dst: &mut [f32]);
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl HalfFloat for f16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        // Uses the F16C instructions when the CPU has them.
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
+    }
+}
+
+impl HalfFloat for bf16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, s)| *d = f32::from_bits(u32::from(s.to_bits()) << 16));
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        // Round to nearest, ties to even, NaNs stay NaN (quiet bit set): bit for bit what
+        // `bf16::from_f32` does, written without branches so that it vectorizes.
+        dst.iter_mut().zip(src).for_each(|(d, s)| {
+            let x = s.to_bits();
+            let is_nan = (x & 0x7fff_ffff) > 0x7f80_0000;
+            let round_up = u32::from((x & 0x8000) != 0 && (x & 0x1_7fff) != 0);
+            let bits = if is_nan {
+                (x >> 16) | 0x0040
+            } else {
+                (x >> 16) + round_up
+            };
+            *d = bf16::from_bits(bits as u16);
+        });
+    }
+}
+
+/// Apply `f` to `buf` widened to `f32`, a block at a time, and narrow the result back.
+fn half_map<T: HalfFloat>(buf: &mut [T], mut f: impl FnMut(&mut [f32])) {
+    let mut wide = [0f32; HALF_BLOCK];
+    for blk in buf.chunks_mut(HALF_BLOCK) {
+        let w = &mut wide[..blk.len()];
+        T::widen(blk, w);
+        f(w);
+        T::narrow(w, blk);
+    }
+}
+
+/// `acc = op(acc, src)` for 16-bit floats: both widened to `f32`, combined, rounded once.
+fn half_reduce<T: HalfFloat>(op: ReduceOp, acc: &mut [T], src: &[T]) {
+    let mut wide_src = [0f32; HALF_BLOCK];
+    let mut blocks = src.chunks(HALF_BLOCK);
+    half_map(acc, |a| {
+        let s = &mut wide_src[..a.len()];
+        if let Some(blk) = blocks.next() {
+            T::widen(blk, s);
+        }
+        float_loop!(f32, op, a, &*s);
+    });
 }
 
 fn reduce_bool(op: ReduceOp, a: &mut [u8], s: &[u8]) {
@@ -105,6 +156,12 @@ fn reduce_bool(op: ReduceOp, a: &mut [u8], s: &[u8]) {
             .for_each(|(x, y)| *x = ((*x != 0) & (*y != 0)) as u8),
         ReduceOp::Average => unreachable!("checked by supports()"),
     }
+}
+
+macro_rules! half_reduce_loop {
+    ($t:ty, $op:expr, $a:expr, $s:expr) => {
+        half_reduce::<$t>($op, $a, $s)
+    };
 }
 
 /// Reduce typed slices in place: `acc[i] = op(acc[i], src[i])`.
@@ -132,13 +189,30 @@ fn reduce_aligned(dtype: DType, op: ReduceOp, acc: &mut [u8], src: &[u8]) -> boo
         DType::I8 => typed!(i8, int_loop),
         DType::I32 => typed!(i32, int_loop),
         DType::I64 => typed!(i64, int_loop),
-        DType::F16 => typed!(f16, half_loop),
-        DType::BF16 => typed!(bf16, half_loop),
+        DType::F16 => typed!(f16, half_reduce_loop),
+        DType::BF16 => typed!(bf16, half_reduce_loop),
         DType::F32 => typed!(f32, float_loop),
         DType::F64 => typed!(f64, float_loop),
         DType::Bool => {
             reduce_bool(op, acc, src);
             true
+        }
+    }
+}
+
+/// Apply `f` to every element of a 16-bit float buffer, computing in `f32`.
+fn half_apply<T: HalfFloat>(buf: &mut [u8], f: impl Fn(f32) -> f32) {
+    match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
+        Ok(s) => half_map(s, |w| w.iter_mut().for_each(|x| *x = f(*x))),
+        Err(_) => {
+            for chunk in buf.chunks_exact_mut(2) {
+                let mut v: [T; 1] = [bytemuck::pod_read_unaligned(chunk)];
+                let mut w = [0f32];
+                T::widen(&v, &mut w);
+                w[0] = f(w[0]);
+                T::narrow(&w, &mut v);
+                chunk.copy_from_slice(bytemuck::bytes_of(&v[0]));
+            }
         }
     }
 }
@@ -157,8 +231,8 @@ pub fn reduce(dtype: DType, op: ReduceOp, acc: &mut [u8], src: &[u8]) -> Result<
     }
     // Unaligned fallback: reduce through aligned scratch blocks.
     const BLOCK: usize = 4096;
-    let mut a_tmp = vec![0u64; BLOCK / 8];
-    let mut s_tmp = vec![0u64; BLOCK / 8];
+    let mut a_tmp = [0u64; BLOCK / 8];
+    let mut s_tmp = [0u64; BLOCK / 8];
     for (a, s) in acc.chunks_mut(BLOCK).zip(src.chunks(BLOCK)) {
         let ab = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut a_tmp)[..a.len()];
         ab.copy_from_slice(a);
@@ -202,23 +276,12 @@ macro_rules! map_elems {
                 let $x = v as f64;
                 ($body) as i64
             }),
-            DType::F16 => apply::<f16>(buf, |v| {
-                let $x = v.to_f64();
-                f16::from_f64($body)
-            }),
-            DType::BF16 => apply::<bf16>(buf, |v| {
-                let $x = v.to_f64();
-                bf16::from_f64($body)
-            }),
-            DType::F32 => apply::<f32>(buf, |v| {
-                let $x = v as f64;
-                ($body) as f32
-            }),
             DType::F64 => apply::<f64>(buf, |v| {
                 let $x = v;
                 $body
             }),
-            DType::Bool => {}
+            // Computed in f32 by the caller; bool cannot be scaled.
+            DType::F16 | DType::BF16 | DType::F32 | DType::Bool => {}
         }
     }};
 }
@@ -232,7 +295,9 @@ fn sat_i8(v: f64) -> i8 {
 }
 
 /// Multiply every element by `factor` (pre/post scaling). Integers are scaled through `f64`
-/// and truncated toward zero (saturating at the type's range). A factor of exactly 1 is a no-op.
+/// and truncated toward zero (saturating at the type's range); `f32`, `f16` and `bf16` are
+/// multiplied in `f32` by `factor as f32` (as Horovod does), `f64` in `f64`. A factor of
+/// exactly 1 is a no-op; bool tensors cannot be scaled.
 pub fn scale(dtype: DType, buf: &mut [u8], factor: f64) -> Result<(), CoreError> {
     dtype.elements_in(buf.len())?;
     if factor == 1.0 {
@@ -243,13 +308,30 @@ pub fn scale(dtype: DType, buf: &mut [u8], factor: f64) -> Result<(), CoreError>
             "cannot scale a bool tensor by {factor}"
         )));
     }
-    if dtype == DType::F32 {
-        // Hot path: keep it in f32 so it vectorizes.
-        let f = factor as f32;
-        if let Ok(s) = bytemuck::try_cast_slice_mut::<u8, f32>(buf) {
-            s.iter_mut().for_each(|v| *v *= f);
+    let f = factor as f32;
+    match dtype {
+        DType::F32 => {
+            // Hot path: keep it in f32 so it vectorizes; the unaligned path computes the same.
+            match bytemuck::try_cast_slice_mut::<u8, f32>(buf) {
+                Ok(s) => s.iter_mut().for_each(|v| *v *= f),
+                Err(_) => {
+                    for chunk in buf.chunks_exact_mut(4) {
+                        let v: f32 = bytemuck::pod_read_unaligned(chunk);
+                        chunk.copy_from_slice(&(v * f).to_ne_bytes());
+                    }
+                }
+            }
             return Ok(());
         }
+        DType::F16 => {
+            half_apply::<f16>(buf, |v| v * f);
+            return Ok(());
+        }
+        DType::BF16 => {
+            half_apply::<bf16>(buf, |v| v * f);
+            return Ok(());
+        }
+        _ => {}
     }
     map_elems!(dtype, buf, |x: f64| x * factor);
     Ok(())
@@ -284,8 +366,8 @@ pub fn divide(dtype: DType, buf: &mut [u8], n: usize) -> Result<(), CoreError> {
         DType::I8 => int_div::<i8>(buf, |v| (v as i64 / n as i64) as i8),
         DType::I32 => int_div::<i32>(buf, |v| (v as i64 / n as i64) as i32),
         DType::I64 => int_div::<i64>(buf, |v| v / n as i64),
-        DType::F16 => int_div::<f16>(buf, |v| f16::from_f32(v.to_f32() / n as f32)),
-        DType::BF16 => int_div::<bf16>(buf, |v| bf16::from_f32(v.to_f32() / n as f32)),
+        DType::F16 => half_apply::<f16>(buf, |v| v / n as f32),
+        DType::BF16 => half_apply::<bf16>(buf, |v| v / n as f32),
         DType::F32 => int_div::<f32>(buf, |v| v / n as f32),
         DType::F64 => int_div::<f64>(buf, |v| v / n as f64),
         DType::Bool => return Err(unsupported(DType::Bool, ReduceOp::Average)),
@@ -315,8 +397,8 @@ mod tests {
 
     #[test]
     fn unaligned_buffers_are_reduced() {
-        let mut a = vec![0u8; 13];
-        let mut b = vec![0u8; 13];
+        let mut a = [0u8; 13];
+        let mut b = [0u8; 13];
         a[1..13].copy_from_slice(bytemuck::cast_slice(&[1.0f32, 2.0, 3.0]));
         b[1..13].copy_from_slice(bytemuck::cast_slice(&[1.0f32, 1.0, 1.0]));
         reduce(DType::F32, ReduceOp::Max, &mut a[1..13], &b[1..13]).unwrap();

@@ -16,12 +16,78 @@
 #![deny(missing_docs)]
 
 pub mod algorithms;
+pub mod bootstrap;
 pub mod comm;
 pub mod error;
 pub mod local;
+pub mod tcp;
 
 pub use comm::{CollectivesExt, Communicator, Topology, Transport};
 pub use error::TransportError;
 
 /// Result type of this crate.
 pub type Result<T, E = TransportError> = std::result::Result<T, E>;
+
+/// The values `FH_TRANSPORT` accepts.
+pub const TRANSPORT_CHOICES: &str = "auto, tcp, shm, mpi, local";
+
+/// Build the world this process was launched into: read [`bootstrap::LaunchInfo::from_env`]
+/// and the backend chosen by `FH_TRANSPORT` (`auto` — the default — or `tcp`, `shm`, `mpi`,
+/// `local`), and connect.
+///
+/// `auto` is TCP for now. `local` is only valid for a single process. `shm` and `mpi` report
+/// [`TransportError::BackendUnavailable`] until those backends are built in.
+pub fn from_env() -> Result<Box<dyn Transport>> {
+    let info = bootstrap::LaunchInfo::from_env()?;
+    let choice = std::env::var("FH_TRANSPORT").ok();
+    world_for(&info, choice.as_deref())
+}
+
+/// Build the world for `info` with the backend named `choice` (the value of `FH_TRANSPORT`;
+/// `None` means `auto`). This is [`from_env`] without reading the environment.
+pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<Box<dyn Transport>> {
+    let choice = choice
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .unwrap_or("auto");
+    match choice.to_ascii_lowercase().as_str() {
+        "auto" | "tcp" => {
+            let opts = tcp::TcpOptions::from_info(info);
+            Ok(Box::new(tcp::TcpTransport::connect(info, opts)?))
+        }
+        "local" => {
+            if info.size != 1 {
+                return Err(TransportError::Config {
+                    var: "FH_TRANSPORT".into(),
+                    reason: format!(
+                        "'local' runs everything in one process, but this job has {} ranks \
+                         (from {}); use 'tcp' or 'auto'",
+                        info.size, info.launcher
+                    ),
+                });
+            }
+            let world = local::LocalWorld::with_timeout(1, info.timeout);
+            world
+                .into_iter()
+                .next()
+                .map(|t| Box::new(t) as Box<dyn Transport>)
+                .ok_or_else(|| TransportError::Closed("empty in-process world".into()))
+        }
+        "shm" => Err(TransportError::BackendUnavailable {
+            backend: "shm",
+            reason: "the shared-memory backend is not part of this build yet; use \
+                     FH_TRANSPORT=tcp (or auto)"
+                .into(),
+        }),
+        "mpi" => Err(TransportError::BackendUnavailable {
+            backend: "mpi",
+            reason: "the MPI backend is not part of this build (it needs the `mpi` feature of \
+                     fh-transport); use FH_TRANSPORT=tcp (or auto)"
+                .into(),
+        }),
+        other => Err(TransportError::Config {
+            var: "FH_TRANSPORT".into(),
+            reason: format!("unknown transport {other:?}; expected one of: {TRANSPORT_CHOICES}"),
+        }),
+    }
+}

@@ -1,12 +1,43 @@
 //! Collectives written once against point-to-point messaging.
 //!
-//! These are the default implementations behind [`Communicator`]'s collective methods.
-//! Every function validates its arguments first and returns
-//! [`TransportError::InvalidArgument`] rather than panicking.
+//! These are the default implementations behind [`Communicator`]'s collective methods. They
+//! use only [`Communicator::send`], [`Communicator::recv`] and [`Communicator::send_recv`];
+//! wherever two ranks exchange data in the same step they use `send_recv`, because a plain
+//! `send` may block (on TCP, once the kernel's buffers are full) until the peer receives.
+//!
+//! | collective | algorithm |
+//! |---|---|
+//! | [`allreduce`] | recursive doubling below [`ALLREDUCE_RING_THRESHOLD_BYTES`] (extra ranks of a non-power-of-two world fold into a partner first), ring reduce-scatter + ring allgather above it, in pieces of at most [`RING_CHUNK_BYTES`]; [`allreduce_with`] forces one |
+//! | [`reduce_scatter`] | ring, uneven blocks, in pieces of at most [`RING_CHUNK_BYTES`] |
+//! | [`allgatherv`] | ring, uneven and zero counts |
+//! | [`broadcast`] | binomial tree below [`BROADCAST_SCATTER_THRESHOLD_BYTES`], binomial scatter + ring allgather above it |
+//! | [`alltoallv`] | pairwise exchange |
+//! | [`barrier`] | dissemination with empty messages |
+//!
+//! Every function validates its arguments before sending anything and returns
+//! [`TransportError::InvalidArgument`] naming the problem rather than panicking. The choice of
+//! algorithm depends only on arguments that must agree on every rank (lengths, counts, root),
+//! so all ranks always run the same schedule. Every rank ends with bitwise identical results:
+//! the ring reduces each block once, in one order, and then copies it; recursive doubling
+//! relies on the operators being commutative, which holds bit for bit except for which NaN
+//! `Min`/`Max` keep.
+
+mod allreduce;
+mod broadcast;
+mod ring;
+
+use std::cell::RefCell;
+use std::ops::Range;
 
 use fh_core::{kernels, DType, ReduceOp};
 
 use crate::{Communicator, Result, TransportError};
+
+pub use allreduce::{
+    allreduce, allreduce_with, AllreduceAlgorithm, ALLREDUCE_RING_THRESHOLD_BYTES, RING_CHUNK_BYTES,
+};
+pub use broadcast::{broadcast, BROADCAST_SCATTER_THRESHOLD_BYTES};
+pub use ring::{allgatherv, reduce_scatter};
 
 fn invalid(msg: String) -> TransportError {
     TransportError::InvalidArgument(msg)
@@ -16,7 +47,7 @@ fn invalid(msg: String) -> TransportError {
 pub(crate) fn offsets(counts: &[usize], size: usize, what: &str) -> Result<(Vec<usize>, usize)> {
     if counts.len() != size {
         return Err(invalid(format!(
-            "{what}: {} counts given for {size} ranks",
+            "{what}: {} counts given for {size} ranks; pass exactly one count per rank",
             counts.len()
         )));
     }
@@ -26,92 +57,92 @@ pub(crate) fn offsets(counts: &[usize], size: usize, what: &str) -> Result<(Vec<
         offs.push(total);
         total = total
             .checked_add(c)
-            .ok_or_else(|| invalid(format!("{what}: counts overflow")))?;
+            .ok_or_else(|| invalid(format!("{what}: counts {counts:?} overflow usize")))?;
     }
     Ok((offs, total))
 }
 
-/// Allreduce: reduce to rank 0, then broadcast. Correct for every size; replaced by faster
-/// algorithms where they apply.
-pub fn allreduce<C: Communicator + ?Sized>(
-    comm: &mut C,
-    buf: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
-) -> Result<()> {
-    dtype.elements_in(buf.len())?;
+/// Check that `op` applies to `dtype` and that `len` bytes are whole elements; returns the
+/// number of elements.
+fn check_reduction(what: &str, dtype: DType, op: ReduceOp, len: usize) -> Result<usize> {
     if !kernels::supports(dtype, op) {
-        return Err(fh_core::CoreError::UnsupportedOp { op, dtype }.into());
-    }
-    let (rank, size) = (comm.rank(), comm.size());
-    if size > 1 {
-        if rank == 0 {
-            let mut tmp = vec![0u8; buf.len()];
-            for peer in 1..size {
-                comm.recv(peer, &mut tmp)?;
-                kernels::reduce(dtype, op.combining(), buf, &tmp)?;
-            }
-        } else {
-            comm.send(0, buf)?;
-        }
-        broadcast(comm, buf, 0)?;
-    }
-    if op == ReduceOp::Average {
-        kernels::divide(dtype, buf, size)?;
-    }
-    Ok(())
-}
-
-/// Broadcast from `root` by direct sends.
-pub fn broadcast<C: Communicator + ?Sized>(
-    comm: &mut C,
-    buf: &mut [u8],
-    root: usize,
-) -> Result<()> {
-    let (rank, size) = (comm.rank(), comm.size());
-    if root >= size {
         return Err(invalid(format!(
-            "broadcast root {root} out of range 0..{size}"
+            "{what}: reduce op {op} is not defined for dtype {dtype}"
         )));
     }
-    if rank == root {
-        for peer in (0..size).filter(|&p| p != root) {
-            comm.send(peer, buf)?;
-        }
+    dtype
+        .elements_in(len)
+        .map_err(|e| invalid(format!("{what}: {e}")))
+}
+
+/// Element range of block `i` when `total` items are split into `n` nearly equal blocks
+/// (the first `total % n` blocks get one more).
+fn even_block(total: usize, n: usize, i: usize) -> Range<usize> {
+    let (q, r) = (total / n, total % n);
+    let start = i * q + i.min(r);
+    start..start + q + usize::from(i < r)
+}
+
+/// Piece `k` of `pieces` of the byte range `block`, split on `unit`-byte boundaries.
+fn piece(block: &Range<usize>, pieces: usize, k: usize, unit: usize) -> Range<usize> {
+    let units = even_block(block.len() / unit, pieces, k);
+    block.start + units.start * unit..block.start + units.end * unit
+}
+
+/// Borrow `src` immutably and `dst` mutably from one buffer; the ranges must not overlap.
+fn split_pair(buf: &mut [u8], src: Range<usize>, dst: Range<usize>) -> Result<(&[u8], &mut [u8])> {
+    if src.end > buf.len() || dst.end > buf.len() {
+        return Err(invalid(format!(
+            "internal: ranges {src:?} and {dst:?} exceed a buffer of {} bytes",
+            buf.len()
+        )));
+    }
+    if src.is_empty() {
+        return Ok((&[], &mut buf[dst]));
+    }
+    if dst.is_empty() {
+        return Ok((&buf[src], &mut []));
+    }
+    if src.end <= dst.start {
+        let (lo, hi) = buf.split_at_mut(dst.start);
+        Ok((&lo[src], &mut hi[..dst.len()]))
+    } else if dst.end <= src.start {
+        let (lo, hi) = buf.split_at_mut(src.start);
+        Ok((&hi[..src.len()], &mut lo[dst]))
     } else {
-        comm.recv(root, buf)?;
+        Err(invalid(format!(
+            "internal: overlapping ranges {src:?} and {dst:?}"
+        )))
     }
-    Ok(())
 }
 
-/// Allgatherv by pairwise exchange.
-pub fn allgatherv<C: Communicator + ?Sized>(
-    comm: &mut C,
-    send: &[u8],
-    recv: &mut [u8],
-    counts: &[usize],
-) -> Result<()> {
-    let (rank, size) = (comm.rank(), comm.size());
-    let (offs, total) = offsets(counts, size, "allgatherv")?;
-    if recv.len() != total || send.len() != counts[rank] {
-        return Err(invalid(format!(
-            "allgatherv: send has {} bytes (count says {}), recv has {} bytes (counts sum to {total})",
-            send.len(),
-            counts[rank],
-            recv.len()
-        )));
-    }
-    recv[offs[rank]..offs[rank] + counts[rank]].copy_from_slice(send);
-    for step in 1..size {
-        let to = (rank + step) % size;
-        let from = (rank + size - step) % size;
-        let dst = &mut recv[offs[from]..offs[from] + counts[from]];
-        comm.send_recv(to, send, from, dst)?;
-    }
-    Ok(())
+/// Largest scratch buffer kept per thread between calls; larger requests allocate.
+const SCRATCH_KEEP_BYTES: usize = 4 << 20;
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Alltoallv by pairwise exchange.
+/// Run `f` with an 8-byte aligned scratch buffer of `len` bytes (contents unspecified),
+/// reusing a per-thread allocation when possible so hot paths do not allocate per call.
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    let words = len.div_ceil(8);
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut v) if len <= SCRATCH_KEEP_BYTES => {
+            if v.len() < words {
+                v.resize(words, 0);
+            }
+            f(&mut bytemuck::cast_slice_mut::<u64, u8>(&mut v[..words])[..len])
+        }
+        _ => {
+            let mut v = vec![0u64; words];
+            f(&mut bytemuck::cast_slice_mut::<u64, u8>(&mut v)[..len])
+        }
+    })
+}
+
+/// Alltoallv by pairwise exchange: in step `s` every rank sends to `rank + s` and receives
+/// from `rank - s`, so each pair exchanges exactly once and no rank waits on two peers.
 pub fn alltoallv<C: Communicator + ?Sized>(
     comm: &mut C,
     send: &[u8],
@@ -120,11 +151,11 @@ pub fn alltoallv<C: Communicator + ?Sized>(
     recv_counts: &[usize],
 ) -> Result<()> {
     let (rank, size) = (comm.rank(), comm.size());
-    let (soffs, stotal) = offsets(send_counts, size, "alltoallv send")?;
-    let (roffs, rtotal) = offsets(recv_counts, size, "alltoallv recv")?;
+    let (soffs, stotal) = offsets(send_counts, size, "alltoallv send_counts")?;
+    let (roffs, rtotal) = offsets(recv_counts, size, "alltoallv recv_counts")?;
     if send.len() != stotal || recv.len() != rtotal {
         return Err(invalid(format!(
-            "alltoallv: send has {} bytes (counts sum to {stotal}), recv has {} bytes (counts sum to {rtotal})",
+            "alltoallv: send has {} bytes (send_counts sum to {stotal}), recv has {} bytes (recv_counts sum to {rtotal})",
             send.len(),
             recv.len()
         )));
@@ -150,34 +181,72 @@ pub fn alltoallv<C: Communicator + ?Sized>(
     Ok(())
 }
 
-/// Reduce-scatter: allreduce of a copy, then keep this rank's block.
-pub fn reduce_scatter<C: Communicator + ?Sized>(
-    comm: &mut C,
-    send: &[u8],
-    recv: &mut [u8],
-    counts: &[usize],
-    dtype: DType,
-    op: ReduceOp,
-) -> Result<()> {
+/// Dissemination barrier: in round `k` every rank signals `rank + 2^k` and waits for
+/// `rank - 2^k` with an empty message; after `ceil(log2 size)` rounds every rank has
+/// (transitively) heard from all others.
+pub fn barrier<C: Communicator + ?Sized>(comm: &mut C) -> Result<()> {
     let (rank, size) = (comm.rank(), comm.size());
-    let (offs, total) = offsets(counts, size, "reduce_scatter")?;
-    let esz = dtype.size();
-    if send.len() != total * esz || recv.len() != counts[rank] * esz {
-        return Err(invalid(format!(
-            "reduce_scatter: send has {} bytes (counts sum to {total} {dtype} elements), recv has {} bytes (expected {} elements)",
-            send.len(),
-            recv.len(),
-            counts[rank]
-        )));
+    let mut dist = 1;
+    while dist < size {
+        let to = (rank + dist) % size;
+        let from = (rank + size - dist) % size;
+        comm.send_recv(to, &[], from, &mut [])?;
+        dist <<= 1;
     }
-    let mut tmp = send.to_vec();
-    allreduce(comm, &mut tmp, dtype, op)?;
-    recv.copy_from_slice(&tmp[offs[rank] * esz..(offs[rank] + counts[rank]) * esz]);
     Ok(())
 }
 
-/// Barrier: a one-byte allreduce.
-pub fn barrier<C: Communicator + ?Sized>(comm: &mut C) -> Result<()> {
-    let mut b = [0u8; 1];
-    allreduce(comm, &mut b, DType::U8, ReduceOp::BitOr)
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_blocks_tile_the_range() {
+        for total in [0usize, 1, 5, 17, 100] {
+            for n in 1..9 {
+                let mut next = 0;
+                for i in 0..n {
+                    let b = even_block(total, n, i);
+                    assert_eq!(b.start, next);
+                    assert!(b.len() == total / n || b.len() == total / n + 1);
+                    next = b.end;
+                }
+                assert_eq!(next, total);
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_respect_units() {
+        let block = 8..8 + 4 * 11;
+        let mut next = block.start;
+        for k in 0..3 {
+            let p = piece(&block, 3, k, 4);
+            assert_eq!(p.start, next);
+            assert_eq!(p.len() % 4, 0);
+            next = p.end;
+        }
+        assert_eq!(next, block.end);
+    }
+
+    #[test]
+    fn split_pair_rejects_overlap() {
+        let mut buf = [0u8; 10];
+        assert!(split_pair(&mut buf, 0..4, 2..6).is_err());
+        assert!(split_pair(&mut buf, 0..4, 8..12).is_err());
+        let (a, b) = split_pair(&mut buf, 6..10, 0..3).unwrap();
+        assert_eq!((a.len(), b.len()), (4, 3));
+    }
+
+    #[test]
+    fn scratch_is_reentrant() {
+        let inner = with_scratch(16, |a| {
+            a.fill(1);
+            with_scratch(16, |b| {
+                b.fill(2);
+                b.len()
+            }) + a.iter().map(|&x| x as usize).sum::<usize>()
+        });
+        assert_eq!(inner, 32);
+    }
 }

@@ -1,0 +1,616 @@
+//! Where this process sits in the job, read from the environment its launcher left.
+//!
+//! [`LaunchInfo::from_env`] understands, in this order of precedence:
+//!
+//! | launcher | variables |
+//! |---|---|
+//! | `fhrun` | `FH_RANK`, `FH_SIZE`, `FH_LOCAL_RANK`, `FH_LOCAL_SIZE`, `FH_CROSS_RANK`, `FH_CROSS_SIZE`, `FH_RENDEZVOUS_ADDR`, `FH_JOB_TOKEN` |
+//! | OpenMPI `mpirun` | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE` |
+//! | MPICH / Hydra (PMI) | `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` |
+//! | Slurm `srun` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` or `SLURM_TASKS_PER_NODE`, `SLURM_NODEID`, `SLURM_NNODES` (only inside a job step, i.e. when `SLURM_STEP_ID` is set) |
+//! | `torchrun` | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`, `MASTER_PORT` |
+//! | none | a single process: rank 0 of 1 |
+//!
+//! Whatever the launcher, `FH_RENDEZVOUS_ADDR` (`host:port` where rank 0 listens) and
+//! `FH_JOB_TOKEN` win when set; otherwise the rendezvous is `MASTER_ADDR:MASTER_PORT`. Under
+//! `torchrun`, whose agent already holds `MASTER_PORT`, rank 0 listens on `MASTER_PORT + 1`.
+//! Without `FH_JOB_TOKEN` a token is derived from what all ranks share (rendezvous address,
+//! size, job id), which keeps other jobs out but is no secret: set `FH_JOB_TOKEN` to
+//! authenticate.
+//!
+//! Every bad value is a [`TransportError::Config`] naming the variable and what is expected.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::{Result, Topology, TransportError};
+
+/// Default for `FH_TIMEOUT_SECONDS`.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Which launcher started this process (whose variables were read).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Launcher {
+    /// FastHorovod's own `fhrun` (the `FH_*` variables).
+    Fhrun,
+    /// OpenMPI's `mpirun`/`mpiexec`.
+    OpenMpi,
+    /// MPICH/Hydra or another PMI launcher.
+    Mpich,
+    /// Slurm's `srun`.
+    Slurm,
+    /// PyTorch's `torchrun`.
+    Torchrun,
+    /// No launcher: a single process.
+    Single,
+}
+
+impl Launcher {
+    /// A short human-readable name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Launcher::Fhrun => "fhrun",
+            Launcher::OpenMpi => "OpenMPI",
+            Launcher::Mpich => "MPICH/PMI",
+            Launcher::Slurm => "Slurm",
+            Launcher::Torchrun => "torchrun",
+            Launcher::Single => "single process",
+        }
+    }
+}
+
+impl fmt::Display for Launcher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// This process's place in the job and how to reach the others.
+#[derive(Clone, PartialEq, Eq)]
+pub struct LaunchInfo {
+    /// Global rank, `0..size`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub size: usize,
+    /// Rank among the ranks of this host.
+    pub local_rank: usize,
+    /// Number of ranks on this host.
+    pub local_size: usize,
+    /// Index of this host.
+    pub cross_rank: usize,
+    /// Number of hosts.
+    pub cross_size: usize,
+    /// `host:port` where rank 0 listens for the rendezvous (`None` for a single process).
+    pub rendezvous: Option<String>,
+    /// The job token every connection must present (`None` for a single process).
+    pub token: Option<String>,
+    /// Whether [`LaunchInfo::token`] was derived from shared job facts rather than given in
+    /// `FH_JOB_TOKEN` (then it authenticates nothing; it only keeps other jobs out).
+    pub token_derived: bool,
+    /// Which launcher's variables were used.
+    pub launcher: Launcher,
+    /// How long to wait for a peer before giving up (`FH_TIMEOUT_SECONDS`).
+    pub timeout: Duration,
+}
+
+impl fmt::Debug for LaunchInfo {
+    // The token is a secret: never print it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LaunchInfo")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("local_rank", &self.local_rank)
+            .field("local_size", &self.local_size)
+            .field("cross_rank", &self.cross_rank)
+            .field("cross_size", &self.cross_size)
+            .field("rendezvous", &self.rendezvous)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("token_derived", &self.token_derived)
+            .field("launcher", &self.launcher)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl LaunchInfo {
+    /// A single process: rank 0 of 1, no rendezvous.
+    pub fn single() -> Self {
+        LaunchInfo {
+            rank: 0,
+            size: 1,
+            local_rank: 0,
+            local_size: 1,
+            cross_rank: 0,
+            cross_size: 1,
+            rendezvous: None,
+            token: None,
+            token_derived: false,
+            launcher: Launcher::Single,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// Read the process environment (see the [module documentation](self)).
+    pub fn from_env() -> Result<Self> {
+        let info = Self::from_vars(|name| std::env::var(name).ok())?;
+        if info.token_derived {
+            tracing::warn!(
+                launcher = %info.launcher,
+                "FH_JOB_TOKEN is not set: using a token derived from the rendezvous address and \
+                 job id, which keeps other jobs out but authenticates nothing; set FH_JOB_TOKEN \
+                 to a random secret (e.g. `openssl rand -hex 16`) in every rank's environment"
+            );
+        }
+        Ok(info)
+    }
+
+    /// Parse from any variable source; `var(name)` returns the value of `name` if set.
+    /// Pure: this is what [`LaunchInfo::from_env`] calls with the process environment.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        // Treat empty values as unset: launchers and shells often export empty variables.
+        let get = |name: &str| var(name).filter(|v| !v.trim().is_empty());
+        let timeout = parse_timeout(&get)?;
+
+        let mut info = if get("FH_RANK").is_some() || get("FH_SIZE").is_some() {
+            from_fhrun(&get)?
+        } else if get("OMPI_COMM_WORLD_RANK").is_some() || get("OMPI_COMM_WORLD_SIZE").is_some() {
+            from_openmpi(&get)?
+        } else if get("PMI_RANK").is_some() || get("PMI_SIZE").is_some() {
+            from_mpich(&get)?
+        } else if get("SLURM_PROCID").is_some()
+            && (get("SLURM_STEP_ID").is_some() || get("SLURM_STEPID").is_some())
+        {
+            from_slurm(&get)?
+        } else if get("RANK").is_some() && get("WORLD_SIZE").is_some() {
+            from_torchrun(&get)?
+        } else {
+            LaunchInfo::single()
+        };
+        info.timeout = timeout;
+        info.check_topology()?;
+        if info.size > 1 {
+            info.rendezvous = Some(rendezvous(&get, info.launcher)?);
+            match get("FH_JOB_TOKEN") {
+                Some(token) => {
+                    check_token(&token)?;
+                    info.token = Some(token.trim().to_owned());
+                }
+                None => {
+                    info.token = Some(derive_token(&get, &info));
+                    info.token_derived = true;
+                }
+            }
+        } else if let Some(token) = get("FH_JOB_TOKEN") {
+            check_token(&token)?;
+            info.token = Some(token.trim().to_owned());
+        }
+        Ok(info)
+    }
+
+    /// The topology described by this launch.
+    pub fn topology(&self) -> Topology {
+        Topology {
+            rank: self.rank,
+            size: self.size,
+            local_rank: self.local_rank,
+            local_size: self.local_size,
+            cross_rank: self.cross_rank,
+            cross_size: self.cross_size,
+        }
+    }
+
+    fn check_topology(&self) -> Result<()> {
+        let (prefix, rank_var, size_var) = match self.launcher {
+            Launcher::Fhrun => ("FH_", "FH_RANK", "FH_SIZE"),
+            Launcher::OpenMpi => (
+                "OMPI_COMM_WORLD_",
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+            ),
+            Launcher::Mpich => ("MPI_", "PMI_RANK", "PMI_SIZE"),
+            Launcher::Slurm => ("SLURM_", "SLURM_PROCID", "SLURM_NTASKS"),
+            Launcher::Torchrun => ("", "RANK", "WORLD_SIZE"),
+            Launcher::Single => ("", "rank", "size"),
+        };
+        if self.size == 0 {
+            return Err(config(size_var, "the world size must be at least 1"));
+        }
+        if self.rank >= self.size {
+            return Err(config(
+                rank_var,
+                format!(
+                    "rank {} is not below the world size {} ({size_var}); ranks are 0..{}",
+                    self.rank,
+                    self.size,
+                    self.size - 1
+                ),
+            ));
+        }
+        if self.local_size == 0 || self.local_size > self.size {
+            return Err(config(
+                format!("{prefix}LOCAL_SIZE"),
+                format!(
+                    "local size {} must be between 1 and the world size {}",
+                    self.local_size, self.size
+                ),
+            ));
+        }
+        if self.local_rank >= self.local_size {
+            return Err(config(
+                format!("{prefix}LOCAL_RANK"),
+                format!(
+                    "local rank {} is not below the local size {}",
+                    self.local_rank, self.local_size
+                ),
+            ));
+        }
+        if self.cross_size == 0 || self.cross_size > self.size {
+            return Err(config(
+                format!("{prefix}CROSS_SIZE"),
+                format!(
+                    "cross size (number of hosts) {} must be between 1 and the world size {}",
+                    self.cross_size, self.size
+                ),
+            ));
+        }
+        if self.cross_rank >= self.cross_size {
+            return Err(config(
+                format!("{prefix}CROSS_RANK"),
+                format!(
+                    "cross rank (host index) {} is not below the cross size {}",
+                    self.cross_rank, self.cross_size
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn config(var: impl Into<String>, reason: impl Into<String>) -> TransportError {
+    TransportError::Config {
+        var: var.into(),
+        reason: reason.into(),
+    }
+}
+
+type Get<'a> = dyn Fn(&str) -> Option<String> + 'a;
+
+fn parse_usize(get: &Get<'_>, name: &str) -> Result<Option<usize>> {
+    match get(name) {
+        None => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse::<usize>()
+            .map(Some)
+            .map_err(|_| config(name, format!("expected a non-negative integer, got {v:?}"))),
+    }
+}
+
+fn require_usize(get: &Get<'_>, name: &str, launcher: Launcher, other: &str) -> Result<usize> {
+    parse_usize(get, name)?.ok_or_else(|| {
+        config(
+            name,
+            format!("{other} is set (a {launcher} launch) but {name} is missing"),
+        )
+    })
+}
+
+fn parse_timeout(get: &Get<'_>) -> Result<Duration> {
+    let Some(v) = get("FH_TIMEOUT_SECONDS") else {
+        return Ok(DEFAULT_TIMEOUT);
+    };
+    let secs: f64 = v.trim().parse().map_err(|_| {
+        config(
+            "FH_TIMEOUT_SECONDS",
+            format!("expected a positive number of seconds, got {v:?}"),
+        )
+    })?;
+    if !(secs.is_finite() && secs > 0.0 && secs <= 86_400.0 * 365.0) {
+        return Err(config(
+            "FH_TIMEOUT_SECONDS",
+            format!("expected a positive number of seconds (at most a year), got {v:?}"),
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Fill in what a launcher left out: without local information every rank is assumed on one
+/// host; without cross information hosts are assumed to hold `local_size` consecutive ranks.
+fn derive_rest(
+    launcher: Launcher,
+    rank: usize,
+    size: usize,
+    local: Option<(usize, usize)>,
+    cross: (Option<usize>, Option<usize>),
+) -> LaunchInfo {
+    let (local_rank, local_size) = local.unwrap_or((rank, size));
+    let ls = local_size.max(1);
+    let cross_rank = cross.0.unwrap_or(rank / ls);
+    let cross_size = cross.1.unwrap_or(size.div_ceil(ls));
+    LaunchInfo {
+        rank,
+        size,
+        local_rank,
+        local_size,
+        cross_rank,
+        cross_size,
+        rendezvous: None,
+        token: None,
+        token_derived: false,
+        launcher,
+        timeout: DEFAULT_TIMEOUT,
+    }
+}
+
+fn local_pair(get: &Get<'_>, rank_var: &str, size_var: &str) -> Result<Option<(usize, usize)>> {
+    match (parse_usize(get, rank_var)?, parse_usize(get, size_var)?) {
+        (Some(r), Some(s)) => Ok(Some((r, s))),
+        (None, None) => Ok(None),
+        (Some(_), None) => Err(config(
+            size_var,
+            format!("{rank_var} is set but {size_var} is missing; set both or neither"),
+        )),
+        (None, Some(_)) => Err(config(
+            rank_var,
+            format!("{size_var} is set but {rank_var} is missing; set both or neither"),
+        )),
+    }
+}
+
+fn from_fhrun(get: &Get<'_>) -> Result<LaunchInfo> {
+    let l = Launcher::Fhrun;
+    let rank = require_usize(get, "FH_RANK", l, "FH_SIZE")?;
+    let size = require_usize(get, "FH_SIZE", l, "FH_RANK")?;
+    let local = local_pair(get, "FH_LOCAL_RANK", "FH_LOCAL_SIZE")?;
+    let cross = (
+        parse_usize(get, "FH_CROSS_RANK")?,
+        parse_usize(get, "FH_CROSS_SIZE")?,
+    );
+    Ok(derive_rest(l, rank, size, local, cross))
+}
+
+fn from_openmpi(get: &Get<'_>) -> Result<LaunchInfo> {
+    let l = Launcher::OpenMpi;
+    let rank = require_usize(get, "OMPI_COMM_WORLD_RANK", l, "OMPI_COMM_WORLD_SIZE")?;
+    let size = require_usize(get, "OMPI_COMM_WORLD_SIZE", l, "OMPI_COMM_WORLD_RANK")?;
+    let local = local_pair(
+        get,
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    )?;
+    Ok(derive_rest(l, rank, size, local, (None, None)))
+}
+
+fn from_mpich(get: &Get<'_>) -> Result<LaunchInfo> {
+    let l = Launcher::Mpich;
+    let rank = require_usize(get, "PMI_RANK", l, "PMI_SIZE")?;
+    let size = require_usize(get, "PMI_SIZE", l, "PMI_RANK")?;
+    let local = local_pair(get, "MPI_LOCALRANKID", "MPI_LOCALNRANKS")?;
+    Ok(derive_rest(l, rank, size, local, (None, None)))
+}
+
+/// Parse Slurm's `SLURM_TASKS_PER_NODE` (`"2(x3),1"`) and return the count of node `node`.
+fn slurm_tasks_on_node(spec: &str, node: usize) -> Option<usize> {
+    let mut seen = 0usize;
+    for part in spec.split(',') {
+        let part = part.trim();
+        let (count, repeat) = match part.split_once("(x") {
+            Some((c, rest)) => (c.parse().ok()?, rest.strip_suffix(')')?.parse().ok()?),
+            None => (part.parse().ok()?, 1usize),
+        };
+        seen = seen.checked_add(repeat)?;
+        if node < seen {
+            return Some(count);
+        }
+    }
+    None
+}
+
+fn from_slurm(get: &Get<'_>) -> Result<LaunchInfo> {
+    let l = Launcher::Slurm;
+    let rank = require_usize(get, "SLURM_PROCID", l, "SLURM_PROCID")?;
+    let size = match parse_usize(get, "SLURM_NTASKS")? {
+        Some(n) => n,
+        None => require_usize(get, "SLURM_NPROCS", l, "SLURM_PROCID").map_err(|_| {
+            config(
+                "SLURM_NTASKS",
+                "SLURM_PROCID is set (a Slurm job step) but neither SLURM_NTASKS nor SLURM_NPROCS is",
+            )
+        })?,
+    };
+    let node = parse_usize(get, "SLURM_NODEID")?;
+    let local_rank = parse_usize(get, "SLURM_LOCALID")?;
+    let local_size = match parse_usize(get, "SLURM_NTASKS_PER_NODE") {
+        Ok(Some(n)) => Some(n),
+        // SLURM_NTASKS_PER_NODE may also use the compressed list syntax.
+        _ => match (get("SLURM_NTASKS_PER_NODE").or_else(|| get("SLURM_TASKS_PER_NODE")), node) {
+            (Some(spec), node) => Some(slurm_tasks_on_node(&spec, node.unwrap_or(0)).ok_or_else(
+                || {
+                    config(
+                        "SLURM_TASKS_PER_NODE",
+                        format!(
+                            "expected a task count list like \"2(x3),1\" covering node {}, got {spec:?}",
+                            node.unwrap_or(0)
+                        ),
+                    )
+                },
+            )?),
+            (None, _) => None,
+        },
+    };
+    let local = match (local_rank, local_size) {
+        (Some(r), Some(s)) => Some((r, s)),
+        (None, None) => None,
+        (Some(_), None) => return Err(config(
+            "SLURM_TASKS_PER_NODE",
+            "SLURM_LOCALID is set but neither SLURM_NTASKS_PER_NODE nor SLURM_TASKS_PER_NODE is",
+        )),
+        (None, Some(_)) => {
+            return Err(config(
+                "SLURM_LOCALID",
+                "the tasks per node are set but SLURM_LOCALID is missing",
+            ))
+        }
+    };
+    let cross = (node, parse_usize(get, "SLURM_NNODES")?);
+    Ok(derive_rest(l, rank, size, local, cross))
+}
+
+fn from_torchrun(get: &Get<'_>) -> Result<LaunchInfo> {
+    let l = Launcher::Torchrun;
+    let rank = require_usize(get, "RANK", l, "WORLD_SIZE")?;
+    let size = require_usize(get, "WORLD_SIZE", l, "RANK")?;
+    let local = local_pair(get, "LOCAL_RANK", "LOCAL_WORLD_SIZE")?;
+    let cross = (
+        parse_usize(get, "GROUP_RANK")?,
+        parse_usize(get, "GROUP_WORLD_SIZE")?,
+    );
+    Ok(derive_rest(l, rank, size, local, cross))
+}
+
+fn check_addr(var: &str, addr: &str) -> Result<()> {
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(config(
+            var,
+            format!("expected host:port (e.g. 10.0.0.1:29400), got {addr:?}"),
+        ));
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(config(
+            var,
+            format!("the host part of {addr:?} is empty; expected host:port"),
+        ));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(()),
+        _ => Err(config(
+            var,
+            format!("the port of {addr:?} must be an integer in 1..=65535"),
+        )),
+    }
+}
+
+fn rendezvous(get: &Get<'_>, launcher: Launcher) -> Result<String> {
+    if let Some(addr) = get("FH_RENDEZVOUS_ADDR") {
+        let addr = addr.trim().to_owned();
+        check_addr("FH_RENDEZVOUS_ADDR", &addr)?;
+        return Ok(addr);
+    }
+    match (get("MASTER_ADDR"), get("MASTER_PORT")) {
+        (Some(host), Some(port)) => {
+            let mut port: u16 = port.trim().parse().ok().filter(|&p| p > 0).ok_or_else(|| {
+                config(
+                    "MASTER_PORT",
+                    format!("expected a port number in 1..=65535, got {port:?}"),
+                )
+            })?;
+            // torchrun's agent serves its own store on MASTER_PORT; use the next port.
+            if launcher == Launcher::Torchrun
+                && get("TORCHELASTIC_USE_AGENT_STORE")
+                    .is_some_and(|v| v.eq_ignore_ascii_case("true"))
+            {
+                port = port.checked_add(1).ok_or_else(|| {
+                    config(
+                        "MASTER_PORT",
+                        "the torchrun agent holds MASTER_PORT and MASTER_PORT + 1 overflows; \
+                         set FH_RENDEZVOUS_ADDR",
+                    )
+                })?;
+            }
+            let host = host.trim();
+            let addr = if host.contains(':') && !host.starts_with('[') {
+                format!("[{host}]:{port}")
+            } else {
+                format!("{host}:{port}")
+            };
+            check_addr("MASTER_ADDR", &addr)?;
+            Ok(addr)
+        }
+        (Some(_), None) => Err(config(
+            "MASTER_PORT",
+            "MASTER_ADDR is set but MASTER_PORT is missing",
+        )),
+        (None, Some(_)) => Err(config(
+            "MASTER_ADDR",
+            "MASTER_PORT is set but MASTER_ADDR is missing",
+        )),
+        (None, None) => Err(config(
+            "FH_RENDEZVOUS_ADDR",
+            format!(
+                "this is a job of several ranks (started by {launcher}) but no rendezvous address \
+                 is set: launch with fhrun, or set FH_RENDEZVOUS_ADDR=host:port (where rank 0 will \
+                 listen), or MASTER_ADDR and MASTER_PORT, in every rank's environment"
+            ),
+        )),
+    }
+}
+
+fn check_token(token: &str) -> Result<()> {
+    let t = token.trim();
+    if t.len() > crate::tcp::wire::MAX_TOKEN_LEN {
+        return Err(config(
+            "FH_JOB_TOKEN",
+            format!(
+                "the token is {} bytes long; at most {} are allowed (32 hex digits is plenty)",
+                t.len(),
+                crate::tcp::wire::MAX_TOKEN_LEN
+            ),
+        ));
+    }
+    if !t.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(config(
+            "FH_JOB_TOKEN",
+            "the token must be printable ASCII without spaces (e.g. hex digits)",
+        ));
+    }
+    Ok(())
+}
+
+/// 64-bit FNV-1a, for deriving a stable (not secret) token.
+fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
+    let mut h = seed;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+fn derive_token(get: &Get<'_>, info: &LaunchInfo) -> String {
+    let job_id = [
+        "SLURM_JOB_ID",
+        "SLURM_STEP_ID",
+        "OMPI_MCA_ess_base_jobid",
+        "OMPI_MCA_orte_ess_jobid",
+        "PMI_JOBID",
+        "PMIX_NAMESPACE",
+        "TORCHELASTIC_RUN_ID",
+    ]
+    .iter()
+    .map(|v| format!("{v}={};", get(v).unwrap_or_default()))
+    .collect::<String>();
+    let facts = format!(
+        "fasthorovod-derived-token;{};size={};{job_id}",
+        info.rendezvous.as_deref().unwrap_or(""),
+        info.size
+    );
+    let a = fnv1a(0xcbf2_9ce4_8422_2325, facts.as_bytes());
+    let b = fnv1a(0x6c62_272e_07bb_0142, facts.as_bytes());
+    format!("derived-{a:016x}{b:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tasks_per_node_syntax() {
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 0), Some(2));
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 2), Some(2));
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 3), Some(1));
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 4), None);
+        assert_eq!(slurm_tasks_on_node("4", 0), Some(4));
+        assert_eq!(slurm_tasks_on_node("x", 0), None);
+    }
+}

@@ -1,0 +1,477 @@
+//! A TCP communicator: one nonblocking connection per peer, frames moved with poll(2).
+
+use std::collections::VecDeque;
+use std::io;
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use super::sys;
+use super::wire::{self, Header};
+use crate::{Communicator, Result, TransportError};
+
+/// A communicator of the TCP backend (see [`super::TcpTransport::open`]).
+///
+/// Every operation waits at most the configured timeout *without progress*: a large transfer
+/// that keeps moving is never cut short, a silent peer is reported after the timeout, and a
+/// peer whose connection closes or resets is reported at once as
+/// [`TransportError::PeerLost`]. After a peer failure the communicator is unusable: it tells
+/// the other peers which rank was lost (so that they report the same rank) and every later
+/// call fails.
+#[derive(Debug)]
+pub struct TcpComm {
+    label: String,
+    seq: u64,
+    rank: usize,
+    size: usize,
+    peers: Vec<Option<TcpStream>>,
+    loopback: VecDeque<Vec<u8>>,
+    timeout: Duration,
+    max_frame: usize,
+    failed: Option<(Option<usize>, String)>,
+}
+
+/// The send half of a transfer in progress.
+struct SendState<'a> {
+    peer: usize,
+    header: [u8; 8],
+    data: &'a [u8],
+    done: usize,
+}
+
+impl SendState<'_> {
+    fn total(&self) -> usize {
+        8 + self.data.len()
+    }
+    fn finished(&self) -> bool {
+        self.done == self.total()
+    }
+}
+
+/// The receive half of a transfer in progress.
+struct RecvState<'a> {
+    peer: usize,
+    header: [u8; 8],
+    buf: &'a mut [u8],
+    done: usize,
+    checked: bool,
+}
+
+impl RecvState<'_> {
+    fn finished(&self) -> bool {
+        self.checked && self.done == 8 + self.buf.len()
+    }
+}
+
+fn would_block(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::WouldBlock
+}
+
+impl TcpComm {
+    pub(super) fn new(
+        label: String,
+        seq: u64,
+        rank: usize,
+        size: usize,
+        peers: Vec<Option<TcpStream>>,
+        timeout: Duration,
+        max_frame: usize,
+    ) -> Self {
+        TcpComm {
+            label,
+            seq,
+            rank,
+            size,
+            peers,
+            loopback: VecDeque::new(),
+            timeout,
+            max_frame,
+            failed: None,
+        }
+    }
+
+    /// The label given to [`super::TcpTransport::open`].
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// The communicator's sequence number (the n-th communicator opened from its transport).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.failed {
+            None => Ok(()),
+            Some((Some(rank), why)) => Err(TransportError::PeerLost {
+                rank: *rank,
+                detail: format!("communicator '{}' failed earlier: {why}", self.label),
+            }),
+            Some((None, why)) => Err(TransportError::Closed(format!(
+                "communicator '{}' failed earlier: {why}",
+                self.label
+            ))),
+        }
+    }
+
+    fn check_peer(&self, peer: usize, len: usize) -> Result<()> {
+        if peer >= self.size {
+            return Err(TransportError::InvalidArgument(format!(
+                "peer {peer} out of range 0..{} on communicator '{}'",
+                self.size, self.label
+            )));
+        }
+        if len > self.max_frame {
+            return Err(TransportError::InvalidArgument(format!(
+                "a message of {len} bytes exceeds the TCP backend's maximum frame of {} bytes",
+                self.max_frame
+            )));
+        }
+        Ok(())
+    }
+
+    /// Record a failure: tell every other peer which rank is to blame (unless a frame to it is
+    /// half sent, where a notice would corrupt the stream), and shut the connections down so
+    /// that peers blocked on us are released. The error is returned for the caller.
+    fn fail(&mut self, err: TransportError, half_sent_to: Option<usize>) -> TransportError {
+        let blamed = err.blamed_rank();
+        let notice = wire::abort_header(blamed.unwrap_or(self.rank) as u32);
+        for (p, stream) in self.peers.iter().enumerate() {
+            let Some(stream) = stream else { continue };
+            if Some(p) != half_sent_to && Some(p) != blamed {
+                // Best effort: a full socket buffer means that peer is not reading from us
+                // anyway and will learn of the failure from someone else or from the EOF.
+                let _ = sys::send2(stream.as_raw_fd(), &notice, &[]);
+            }
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        tracing::error!(
+            communicator = %self.label,
+            rank = self.rank,
+            error = %err,
+            "TCP communicator failed; peers were told"
+        );
+        self.failed = Some((blamed, err.to_string()));
+        err
+    }
+
+    fn lost(&self, peer: usize, what: &str, e: Option<io::Error>) -> TransportError {
+        TransportError::PeerLost {
+            rank: peer,
+            detail: match e {
+                Some(e) => format!(
+                    "{what} on communicator '{}' failed: {e} (the process probably died)",
+                    self.label
+                ),
+                None => format!(
+                    "rank {peer} closed its connection during {what} on communicator '{}' \
+                     (the process probably died or gave up)",
+                    self.label
+                ),
+            },
+        }
+    }
+
+    fn abort_error(&self, from: usize, lost: u32) -> TransportError {
+        let lost = lost as usize;
+        if lost == self.rank || lost >= self.size {
+            TransportError::PeerLost {
+                rank: from,
+                detail: format!(
+                    "rank {from} gave up on communicator '{}' (it blamed this rank or failed itself)",
+                    self.label
+                ),
+            }
+        } else {
+            TransportError::PeerLost {
+                rank: lost,
+                detail: format!(
+                    "rank {from} reported that it lost rank {lost} on communicator '{}'",
+                    self.label
+                ),
+            }
+        }
+    }
+
+    fn fd(&self, peer: usize) -> Result<i32> {
+        match &self.peers[peer] {
+            Some(s) => Ok(s.as_raw_fd()),
+            None => Err(TransportError::Closed(format!(
+                "no connection to rank {peer} on communicator '{}'",
+                self.label
+            ))),
+        }
+    }
+
+    /// Move one frame to `send.0` and/or one frame from `recv.0`, interleaving both so that
+    /// neither direction can block the other.
+    fn transfer(
+        &mut self,
+        op: &'static str,
+        send: Option<(usize, &[u8])>,
+        recv: Option<(usize, &mut [u8])>,
+    ) -> Result<()> {
+        self.check_usable()?;
+        if let Some((p, d)) = &send {
+            self.check_peer(*p, d.len())?;
+        }
+        if let Some((p, b)) = &recv {
+            self.check_peer(*p, b.len())?;
+        }
+        // Messages to oneself go through an in-memory queue.
+        let send = match send {
+            Some((p, d)) if p == self.rank => {
+                self.loopback.push_back(d.to_vec());
+                None
+            }
+            other => other,
+        };
+        let recv = match recv {
+            Some((p, b)) if p == self.rank => {
+                if send.is_some() {
+                    // Send to the peer first, then take our own message.
+                    self.transfer(op, send, None)?;
+                }
+                let msg = self.loopback.pop_front().ok_or_else(|| {
+                    TransportError::InvalidArgument(format!(
+                        "{op}: receiving from oneself (rank {}) with no message sent to oneself",
+                        self.rank
+                    ))
+                })?;
+                if msg.len() != b.len() {
+                    return Err(TransportError::InvalidArgument(format!(
+                        "{op}: this rank sent itself {} bytes but receives {}",
+                        msg.len(),
+                        b.len()
+                    )));
+                }
+                b.copy_from_slice(&msg);
+                return Ok(());
+            }
+            other => other,
+        };
+
+        let mut tx = send.map(|(peer, data)| SendState {
+            peer,
+            header: wire::data_header(data.len() as u64),
+            data,
+            done: 0,
+        });
+        let mut rx = recv.map(|(peer, buf)| RecvState {
+            peer,
+            header: [0; 8],
+            buf,
+            done: 0,
+            checked: false,
+        });
+        let tx_fd = match &tx {
+            Some(t) => Some(self.fd(t.peer)?),
+            None => None,
+        };
+        let rx_fd = match &rx {
+            Some(r) => Some(self.fd(r.peer)?),
+            None => None,
+        };
+        // While only sending to a peer, watch its incoming side for an abort notice.
+        let mut watch_tx_in = match (&tx, &rx) {
+            (Some(t), Some(r)) => t.peer != r.peer,
+            (Some(_), None) => true,
+            _ => false,
+        };
+        let mut last_progress = Instant::now();
+        loop {
+            let mut progressed = false;
+            if let (Some(t), Some(fd)) = (tx.as_mut(), tx_fd) {
+                if !t.finished() {
+                    let res = if t.done < 8 {
+                        sys::send2(fd, &t.header[t.done..], t.data)
+                    } else {
+                        sys::send2(fd, &[], &t.data[t.done - 8..])
+                    };
+                    match res {
+                        Ok(n) => {
+                            t.done += n;
+                            progressed |= n > 0;
+                        }
+                        Err(e) if would_block(&e) => {}
+                        Err(e) => {
+                            let peer = t.peer;
+                            let half = (t.done > 0).then_some(peer);
+                            let err = self.lost(peer, op, Some(e));
+                            return Err(self.fail(err, half));
+                        }
+                    }
+                }
+            }
+            if let (Some(r), Some(fd)) = (rx.as_mut(), rx_fd) {
+                if !r.finished() {
+                    let res = if r.done < 8 {
+                        let (h, b) = (&mut r.header[r.done..], &mut *r.buf);
+                        sys::recv2(fd, h, b)
+                    } else {
+                        let off = r.done - 8;
+                        sys::recv2(fd, &mut [], &mut r.buf[off..])
+                    };
+                    match res {
+                        // Nothing left to ask for is never the case here, so 0 means EOF.
+                        Ok(0) => {
+                            let peer = r.peer;
+                            let half = tx.as_ref().filter(|t| t.done > 0).map(|t| t.peer);
+                            let err = self.lost(peer, op, None);
+                            return Err(self.fail(err, half));
+                        }
+                        Ok(n) => {
+                            r.done += n;
+                            progressed |= n > 0;
+                        }
+                        Err(e) if would_block(&e) => {}
+                        Err(e) => {
+                            let peer = r.peer;
+                            let half = tx.as_ref().filter(|t| t.done > 0).map(|t| t.peer);
+                            let err = self.lost(peer, op, Some(e));
+                            return Err(self.fail(err, half));
+                        }
+                    }
+                    if r.done >= 8 && !r.checked {
+                        let peer = r.peer;
+                        let problem =
+                            match wire::decode_header(r.header) {
+                                Header::Data(len) => wire::check_data_len(len, r.buf.len())
+                                    .err()
+                                    .map(|detail| TransportError::Protocol {
+                                        rank: peer,
+                                        detail: format!(
+                                            "{op} on communicator '{}': {detail}",
+                                            self.label
+                                        ),
+                                    }),
+                                Header::Abort { lost } => Some(self.abort_error(peer, lost)),
+                                Header::Unknown(v) => Some(TransportError::Protocol {
+                                    rank: peer,
+                                    detail: format!("unknown control frame {v:#x}"),
+                                }),
+                            };
+                        if let Some(err) = problem {
+                            let half = tx.as_ref().filter(|t| t.done > 0).map(|t| t.peer);
+                            return Err(self.fail(err, half));
+                        }
+                        r.checked = true;
+                    }
+                }
+            }
+            let tx_done = tx.as_ref().is_none_or(SendState::finished);
+            let rx_done = rx.as_ref().is_none_or(RecvState::finished);
+            if tx_done && rx_done {
+                return Ok(());
+            }
+            if progressed {
+                last_progress = Instant::now();
+                continue;
+            }
+
+            let waited = last_progress.elapsed();
+            if waited >= self.timeout {
+                let peer = match (&rx, &tx) {
+                    (Some(r), _) if !rx_done => r.peer,
+                    (_, Some(t)) => t.peer,
+                    (Some(r), None) => r.peer,
+                    (None, None) => self.rank,
+                };
+                let half = tx
+                    .as_ref()
+                    .filter(|t| t.done > 0 && !t.finished())
+                    .map(|t| t.peer);
+                let err = TransportError::Timeout {
+                    rank: peer,
+                    op,
+                    after: self.timeout,
+                };
+                return Err(self.fail(err, half));
+            }
+            let mut fds = [sys::pollfd(-1, 0), sys::pollfd(-1, 0)];
+            let mut n = 0;
+            let mut tx_slot = None;
+            if let (Some(fd), false) = (tx_fd, tx_done) {
+                let mut ev = sys::POLLOUT;
+                if watch_tx_in {
+                    ev |= sys::POLLIN;
+                }
+                fds[n] = sys::pollfd(fd, ev);
+                tx_slot = Some(n);
+                n += 1;
+            }
+            if let (Some(fd), false) = (rx_fd, rx_done) {
+                if tx_slot.is_some() && tx_fd == Some(fd) {
+                    fds[0].events |= sys::POLLIN;
+                } else {
+                    fds[n] = sys::pollfd(fd, sys::POLLIN);
+                    n += 1;
+                }
+            }
+            if n == 0 {
+                // Only possible when the send is done and we are watching nothing: finished.
+                return Ok(());
+            }
+            let ready = sys::poll(&mut fds[..n], self.timeout - waited).map_err(|e| {
+                TransportError::io(format!("poll during {op} on '{}'", self.label), e)
+            })?;
+            if ready == 0 {
+                continue;
+            }
+            if let (Some(slot), Some(t)) = (tx_slot, tx.as_ref()) {
+                let same_fd = rx_fd == tx_fd && !rx_done;
+                if watch_tx_in && !same_fd && fds[slot].revents & sys::POLLIN != 0 {
+                    let peer = t.peer;
+                    let half = (t.done > 0).then_some(peer);
+                    let mut peekbuf = [0u8; 8];
+                    match sys::peek(fds[slot].fd, &mut peekbuf) {
+                        Ok(0) => {
+                            let err = self.lost(peer, op, None);
+                            return Err(self.fail(err, half));
+                        }
+                        Ok(8) => match wire::decode_header(peekbuf) {
+                            Header::Abort { lost } => {
+                                let err = self.abort_error(peer, lost);
+                                return Err(self.fail(err, half));
+                            }
+                            // Ordinary data for a later receive: stop watching.
+                            _ => watch_tx_in = false,
+                        },
+                        Ok(_) => watch_tx_in = false,
+                        Err(e) if would_block(&e) => {}
+                        Err(e) => {
+                            let err = self.lost(peer, op, Some(e));
+                            return Err(self.fail(err, half));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Communicator for TcpComm {
+    fn backend(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
+        self.transfer("send", Some((peer, data)), None)
+    }
+
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
+        self.transfer("recv", None, Some((peer, buf)))
+    }
+
+    fn send_recv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
+        self.transfer("send_recv", Some((to, send)), Some((from, recv)))
+    }
+}

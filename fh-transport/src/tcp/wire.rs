@@ -1,0 +1,426 @@
+//! The TCP backend's wire format: handshake, refusal/acceptance reply, address book and frame
+//! headers. Every decoder here works on bounded buffers, checks every length before using it,
+//! and returns an error (never panics) on any input.
+//!
+//! ## Handshake (connector → acceptor)
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 4 | magic `FHTP` |
+//! | 2 | protocol version, little endian |
+//! | 1 | kind: 0 rendezvous, 1 data connection |
+//! | 1 | token length `t` (≤ [`MAX_TOKEN_LEN`]) |
+//! | 4 | world size |
+//! | 4 | rank of the connector |
+//! | 8 | communicator sequence number |
+//! | 2 | data-listener port (rendezvous only; else 0) |
+//! | `t` | token |
+//!
+//! ## Reply (acceptor → connector)
+//!
+//! magic `FHTR`, status (0 accepted, 1 refused), a 2-byte reason length (≤ [`MAX_REASON_LEN`])
+//! and the UTF-8 reason. A refusal is followed by closing the connection.
+//!
+//! ## Frames (on data connections)
+//!
+//! An 8-byte little-endian header followed by the payload. A header below [`CONTROL_BIT`] is a
+//! payload length; with the bit set it is a control frame without payload: an *abort notice*
+//! carrying the rank whose loss made the sender give up.
+
+use std::fmt;
+
+/// Magic opening every handshake.
+pub const HELLO_MAGIC: [u8; 4] = *b"FHTP";
+/// Magic opening every reply.
+pub const REPLY_MAGIC: [u8; 4] = *b"FHTR";
+/// Protocol version spoken by this build.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Longest job token accepted.
+pub const MAX_TOKEN_LEN: usize = 255;
+/// Longest refusal reason sent or accepted.
+pub const MAX_REASON_LEN: usize = 1024;
+/// Size of the fixed part of a handshake.
+pub const HELLO_FIXED_LEN: usize = 26;
+/// Largest possible handshake.
+pub const MAX_HELLO_LEN: usize = HELLO_FIXED_LEN + MAX_TOKEN_LEN;
+/// Size of the fixed part of a reply.
+pub const REPLY_FIXED_LEN: usize = 7;
+/// Headers with this bit set are control frames.
+pub const CONTROL_BIT: u64 = 1 << 63;
+/// Control kind (bits 56..63) of an abort notice.
+const CONTROL_ABORT: u64 = 1;
+
+/// What a connection is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnKind {
+    /// A rank's connection to rank 0's rendezvous listener.
+    Rendezvous,
+    /// A data connection of communicator `seq`.
+    Data,
+}
+
+/// A decoded handshake.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// Protocol version.
+    pub version: u16,
+    /// What the connection is for.
+    pub kind: ConnKind,
+    /// World size as the connector knows it.
+    pub size: u32,
+    /// The connector's rank.
+    pub rank: u32,
+    /// Communicator sequence number (0 for the rendezvous).
+    pub seq: u64,
+    /// The connector's data-listener port (rendezvous only).
+    pub port: u16,
+    /// The job token presented.
+    pub token: Vec<u8>,
+}
+
+impl fmt::Debug for Hello {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Hello")
+            .field("version", &self.version)
+            .field("kind", &self.kind)
+            .field("size", &self.size)
+            .field("rank", &self.rank)
+            .field("seq", &self.seq)
+            .field("port", &self.port)
+            .field("token", &"<redacted>")
+            .finish()
+    }
+}
+
+/// Why bytes could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecodeError {
+    /// More bytes are needed: at least this many in total.
+    NeedMore(usize),
+    /// The bytes are not valid; the reason says why.
+    Invalid(String),
+    /// A well-formed handshake of another protocol version.
+    Version(u16),
+}
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DecodeError::NeedMore(n) => write!(f, "truncated: need {n} bytes"),
+            DecodeError::Invalid(why) => f.write_str(why),
+            DecodeError::Version(v) => write!(
+                f,
+                "peer speaks protocol version {v}, this build speaks {PROTOCOL_VERSION} \
+                 (run the same FastHorovod version on every rank)"
+            ),
+        }
+    }
+}
+
+impl Hello {
+    /// Encode; the token must be at most [`MAX_TOKEN_LEN`] bytes (longer tokens are cut, which
+    /// makes them fail authentication rather than overflow).
+    pub fn encode(&self) -> Vec<u8> {
+        let token = &self.token[..self.token.len().min(MAX_TOKEN_LEN)];
+        let mut out = Vec::with_capacity(HELLO_FIXED_LEN + token.len());
+        out.extend_from_slice(&HELLO_MAGIC);
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.push(match self.kind {
+            ConnKind::Rendezvous => 0,
+            ConnKind::Data => 1,
+        });
+        out.push(token.len() as u8);
+        out.extend_from_slice(&self.size.to_le_bytes());
+        out.extend_from_slice(&self.rank.to_le_bytes());
+        out.extend_from_slice(&self.seq.to_le_bytes());
+        out.extend_from_slice(&self.port.to_le_bytes());
+        out.extend_from_slice(token);
+        out
+    }
+
+    /// Decode from the start of `buf`; returns the handshake and the bytes it used.
+    /// Checks the magic and the version as soon as their bytes are present, so garbage and
+    /// other versions are refused without waiting for more.
+    pub fn decode(buf: &[u8]) -> Result<(Hello, usize), DecodeError> {
+        let magic_len = buf.len().min(4);
+        if buf[..magic_len] != HELLO_MAGIC[..magic_len] {
+            return Err(DecodeError::Invalid(
+                "not a FastHorovod handshake (bad magic)".into(),
+            ));
+        }
+        if buf.len() < 6 {
+            return Err(DecodeError::NeedMore(6));
+        }
+        let version = u16::from_le_bytes([buf[4], buf[5]]);
+        if version != PROTOCOL_VERSION {
+            return Err(DecodeError::Version(version));
+        }
+        if buf.len() < HELLO_FIXED_LEN {
+            return Err(DecodeError::NeedMore(HELLO_FIXED_LEN));
+        }
+        let kind = match buf[6] {
+            0 => ConnKind::Rendezvous,
+            1 => ConnKind::Data,
+            k => return Err(DecodeError::Invalid(format!("unknown connection kind {k}"))),
+        };
+        let token_len = usize::from(buf[7]);
+        let total = HELLO_FIXED_LEN + token_len;
+        if buf.len() < total {
+            return Err(DecodeError::NeedMore(total));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
+        let mut seq = [0u8; 8];
+        seq.copy_from_slice(&buf[16..24]);
+        Ok((
+            Hello {
+                version,
+                kind,
+                size: u32_at(8),
+                rank: u32_at(12),
+                seq: u64::from_le_bytes(seq),
+                port: u16::from_le_bytes([buf[24], buf[25]]),
+                token: buf[HELLO_FIXED_LEN..total].to_vec(),
+            },
+            total,
+        ))
+    }
+}
+
+/// The acceptor's answer to a handshake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// Accepted.
+    Accept,
+    /// Refused, with the reason (at most [`MAX_REASON_LEN`] bytes).
+    Refuse(String),
+}
+
+impl Reply {
+    /// Encode (reasons are cut to [`MAX_REASON_LEN`] bytes at a character boundary).
+    pub fn encode(&self) -> Vec<u8> {
+        let (status, reason) = match self {
+            Reply::Accept => (0u8, ""),
+            Reply::Refuse(r) => {
+                let mut end = r.len().min(MAX_REASON_LEN);
+                while !r.is_char_boundary(end) {
+                    end -= 1;
+                }
+                (1u8, &r[..end])
+            }
+        };
+        let mut out = Vec::with_capacity(REPLY_FIXED_LEN + reason.len());
+        out.extend_from_slice(&REPLY_MAGIC);
+        out.push(status);
+        out.extend_from_slice(&(reason.len() as u16).to_le_bytes());
+        out.extend_from_slice(reason.as_bytes());
+        out
+    }
+
+    /// Decode from the start of `buf`; returns the reply and the bytes it used.
+    pub fn decode(buf: &[u8]) -> Result<(Reply, usize), DecodeError> {
+        let magic_len = buf.len().min(4);
+        if buf[..magic_len] != REPLY_MAGIC[..magic_len] {
+            return Err(DecodeError::Invalid(
+                "the peer did not answer with a FastHorovod reply (bad magic); is something \
+                 else listening on that port?"
+                    .into(),
+            ));
+        }
+        if buf.len() < REPLY_FIXED_LEN {
+            return Err(DecodeError::NeedMore(REPLY_FIXED_LEN));
+        }
+        let len = usize::from(u16::from_le_bytes([buf[5], buf[6]]));
+        if len > MAX_REASON_LEN {
+            return Err(DecodeError::Invalid(format!(
+                "reply reason of {len} bytes exceeds the maximum of {MAX_REASON_LEN}"
+            )));
+        }
+        let total = REPLY_FIXED_LEN + len;
+        match buf[4] {
+            0 if len == 0 => Ok((Reply::Accept, REPLY_FIXED_LEN)),
+            0 => Err(DecodeError::Invalid(
+                "an acceptance carrying a reason".into(),
+            )),
+            1 => {
+                if buf.len() < total {
+                    return Err(DecodeError::NeedMore(total));
+                }
+                let reason = String::from_utf8_lossy(&buf[REPLY_FIXED_LEN..total]).into_owned();
+                Ok((Reply::Refuse(reason), total))
+            }
+            s => Err(DecodeError::Invalid(format!("unknown reply status {s}"))),
+        }
+    }
+}
+
+/// Encode the address book rank 0 sends after the rendezvous: every rank's data-listener
+/// address (`ip:port` strings; rank 0's entry carries only its port, prefixed by `:`).
+pub fn encode_book(addrs: &[String]) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&(addrs.len() as u32).to_le_bytes());
+    for a in addrs {
+        let a = &a.as_bytes()[..a.len().min(255)];
+        out.push(a.len() as u8);
+        out.extend_from_slice(a);
+    }
+    out
+}
+
+/// Longest encoded address book for `size` ranks.
+pub fn max_book_len(size: usize) -> usize {
+    4 + size.saturating_mul(256)
+}
+
+/// Decode an address book that must hold exactly `size` entries.
+pub fn decode_book(buf: &[u8], size: usize) -> Result<(Vec<String>, usize), DecodeError> {
+    if buf.len() < 4 {
+        return Err(DecodeError::NeedMore(4));
+    }
+    let n = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+    if n != size {
+        return Err(DecodeError::Invalid(format!(
+            "address book lists {n} ranks, expected {size}"
+        )));
+    }
+    let mut pos = 4usize;
+    let mut out = Vec::with_capacity(n.min(buf.len()));
+    for _ in 0..n {
+        let Some(&len) = buf.get(pos) else {
+            return Err(DecodeError::NeedMore(pos + 1));
+        };
+        let end = pos + 1 + usize::from(len);
+        let Some(bytes) = buf.get(pos + 1..end) else {
+            return Err(DecodeError::NeedMore(end));
+        };
+        let s = std::str::from_utf8(bytes)
+            .map_err(|_| DecodeError::Invalid("address book entry is not UTF-8".into()))?;
+        out.push(s.to_owned());
+        pos = end;
+    }
+    Ok((out, pos))
+}
+
+/// A decoded frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Header {
+    /// A payload of this many bytes follows.
+    Data(u64),
+    /// The sender gave up because it lost this rank; no payload follows.
+    Abort {
+        /// The rank whose loss made the sender give up.
+        lost: u32,
+    },
+    /// A control frame this build does not know.
+    Unknown(u64),
+}
+
+/// Encode a data header for a payload of `len` bytes.
+pub fn data_header(len: u64) -> [u8; 8] {
+    len.to_le_bytes()
+}
+
+/// Encode an abort notice naming the lost rank.
+pub fn abort_header(lost: u32) -> [u8; 8] {
+    (CONTROL_BIT | (CONTROL_ABORT << 56) | u64::from(lost)).to_le_bytes()
+}
+
+/// Decode a frame header.
+pub fn decode_header(bytes: [u8; 8]) -> Header {
+    let v = u64::from_le_bytes(bytes);
+    if v & CONTROL_BIT == 0 {
+        Header::Data(v)
+    } else if (v >> 56) & 0x7f == CONTROL_ABORT {
+        Header::Abort {
+            lost: (v & 0xffff_ffff) as u32,
+        }
+    } else {
+        Header::Unknown(v)
+    }
+}
+
+/// Check a data header against the length the receiver expects, before touching the payload:
+/// a frame of any other length (in particular a larger one) is an error, never an allocation.
+pub fn check_data_len(header: u64, expected: usize) -> Result<(), String> {
+    if header != expected as u64 {
+        return Err(format!(
+            "expected a message of {expected} bytes, the peer announced {header} bytes \
+             (mismatched collective calls on different ranks?)"
+        ));
+    }
+    Ok(())
+}
+
+/// Compare two byte strings in time that depends only on their lengths.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut diff = 0u8;
+    for (x, y) in a.iter().zip(b) {
+        diff |= x ^ y;
+    }
+    // Keep the compiler from short-circuiting the loop.
+    std::hint::black_box(diff) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trip() {
+        let h = Hello {
+            version: PROTOCOL_VERSION,
+            kind: ConnKind::Data,
+            size: 4,
+            rank: 3,
+            seq: 77,
+            port: 4242,
+            token: b"secret".to_vec(),
+        };
+        let bytes = h.encode();
+        assert_eq!(Hello::decode(&bytes), Ok((h, bytes.len())));
+        for cut in 0..bytes.len() {
+            assert!(matches!(
+                Hello::decode(&bytes[..cut]),
+                Err(DecodeError::NeedMore(n)) if n > cut
+            ));
+        }
+    }
+
+    #[test]
+    fn garbage_and_versions_refused_early() {
+        assert!(matches!(
+            Hello::decode(b"GET /"),
+            Err(DecodeError::Invalid(_))
+        ));
+        assert!(matches!(Hello::decode(b"X"), Err(DecodeError::Invalid(_))));
+        let mut b = HELLO_MAGIC.to_vec();
+        b.extend_from_slice(&9u16.to_le_bytes());
+        assert_eq!(Hello::decode(&b), Err(DecodeError::Version(9)));
+    }
+
+    #[test]
+    fn reply_and_book_round_trip() {
+        for r in [Reply::Accept, Reply::Refuse("wrong job token".into())] {
+            let b = r.encode();
+            assert_eq!(Reply::decode(&b), Ok((r, b.len())));
+        }
+        let book = vec![":1".to_string(), "127.0.0.1:2".into(), "10.0.0.2:3".into()];
+        let b = encode_book(&book);
+        assert_eq!(decode_book(&b, 3), Ok((book, b.len())));
+        assert!(decode_book(&b, 4).is_err());
+    }
+
+    #[test]
+    fn headers() {
+        assert_eq!(decode_header(data_header(0)), Header::Data(0));
+        assert_eq!(decode_header(data_header(12345)), Header::Data(12345));
+        assert_eq!(decode_header(abort_header(7)), Header::Abort { lost: 7 });
+        assert!(check_data_len(5, 5).is_ok());
+        assert!(check_data_len(u64::MAX >> 1, 5).is_err());
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+}

@@ -1,0 +1,461 @@
+//! The environment parser, for every launcher style and for bad values (pure: no process
+//! environment is touched).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use fh_transport::bootstrap::{LaunchInfo, Launcher};
+use fh_transport::TransportError;
+
+fn parse(vars: &[(&str, &str)]) -> Result<LaunchInfo, TransportError> {
+    let map: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    LaunchInfo::from_vars(|name| map.get(name).cloned())
+}
+
+/// The variable named by a configuration error, and its reason.
+fn config_err(vars: &[(&str, &str)]) -> (String, String) {
+    match parse(vars) {
+        Err(TransportError::Config { var, reason }) => (var, reason),
+        other => panic!("expected a configuration error for {vars:?}, got {other:?}"),
+    }
+}
+
+const FHRUN: &[(&str, &str)] = &[
+    ("FH_RANK", "3"),
+    ("FH_SIZE", "4"),
+    ("FH_LOCAL_RANK", "1"),
+    ("FH_LOCAL_SIZE", "2"),
+    ("FH_CROSS_RANK", "1"),
+    ("FH_CROSS_SIZE", "2"),
+    ("FH_RENDEZVOUS_ADDR", "10.0.0.1:29400"),
+    ("FH_JOB_TOKEN", "0123456789abcdef0123456789abcdef"),
+];
+
+#[test]
+fn no_launcher_is_a_single_process() {
+    let info = parse(&[]).unwrap();
+    assert_eq!(info, LaunchInfo::single());
+    assert_eq!(
+        (info.rank, info.size, info.launcher),
+        (0, 1, Launcher::Single)
+    );
+    assert_eq!(info.rendezvous, None);
+    assert_eq!(info.timeout, Duration::from_secs(30));
+}
+
+#[test]
+fn fhrun_variables() {
+    let info = parse(FHRUN).unwrap();
+    assert_eq!(info.launcher, Launcher::Fhrun);
+    assert_eq!(
+        (
+            info.rank,
+            info.size,
+            info.local_rank,
+            info.local_size,
+            info.cross_rank,
+            info.cross_size
+        ),
+        (3, 4, 1, 2, 1, 2)
+    );
+    assert_eq!(info.rendezvous.as_deref(), Some("10.0.0.1:29400"));
+    assert_eq!(
+        info.token.as_deref(),
+        Some("0123456789abcdef0123456789abcdef")
+    );
+    assert!(!info.token_derived);
+    // The token never appears in debug output.
+    assert!(!format!("{info:?}").contains("0123456789abcdef"));
+}
+
+#[test]
+fn fhrun_wins_over_other_launchers() {
+    let mut vars = FHRUN.to_vec();
+    vars.extend([
+        ("OMPI_COMM_WORLD_RANK", "0"),
+        ("OMPI_COMM_WORLD_SIZE", "8"),
+        ("SLURM_PROCID", "5"),
+        ("SLURM_STEP_ID", "0"),
+        ("RANK", "2"),
+        ("WORLD_SIZE", "9"),
+    ]);
+    let info = parse(&vars).unwrap();
+    assert_eq!(
+        (info.launcher, info.rank, info.size),
+        (Launcher::Fhrun, 3, 4)
+    );
+}
+
+#[test]
+fn fhrun_without_local_or_cross_assumes_one_host() {
+    let info = parse(&[
+        ("FH_RANK", "2"),
+        ("FH_SIZE", "3"),
+        ("FH_RENDEZVOUS_ADDR", "127.0.0.1:5000"),
+        ("FH_JOB_TOKEN", "abc"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (
+            info.local_rank,
+            info.local_size,
+            info.cross_rank,
+            info.cross_size
+        ),
+        (2, 3, 0, 1)
+    );
+}
+
+#[test]
+fn openmpi_variables() {
+    let info = parse(&[
+        ("OMPI_COMM_WORLD_RANK", "5"),
+        ("OMPI_COMM_WORLD_SIZE", "8"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+        ("FH_RENDEZVOUS_ADDR", "node0:29400"),
+        ("OMPI_MCA_ess_base_jobid", "1234"),
+    ])
+    .unwrap();
+    assert_eq!(info.launcher, Launcher::OpenMpi);
+    assert_eq!(
+        (
+            info.rank,
+            info.size,
+            info.local_rank,
+            info.local_size,
+            info.cross_rank,
+            info.cross_size
+        ),
+        (5, 8, 1, 4, 1, 2)
+    );
+    assert_eq!(info.rendezvous.as_deref(), Some("node0:29400"));
+    // No FH_JOB_TOKEN: derived, flagged, deterministic, and different for another job.
+    assert!(info.token_derived);
+    let again = parse(&[
+        ("OMPI_COMM_WORLD_RANK", "0"),
+        ("OMPI_COMM_WORLD_SIZE", "8"),
+        ("FH_RENDEZVOUS_ADDR", "node0:29400"),
+        ("OMPI_MCA_ess_base_jobid", "1234"),
+    ])
+    .unwrap();
+    assert_eq!(
+        info.token, again.token,
+        "every rank must derive the same token"
+    );
+    let other_job = parse(&[
+        ("OMPI_COMM_WORLD_RANK", "0"),
+        ("OMPI_COMM_WORLD_SIZE", "8"),
+        ("FH_RENDEZVOUS_ADDR", "node0:29400"),
+        ("OMPI_MCA_ess_base_jobid", "1235"),
+    ])
+    .unwrap();
+    assert_ne!(info.token, other_job.token);
+}
+
+#[test]
+fn mpich_variables() {
+    let info = parse(&[
+        ("PMI_RANK", "3"),
+        ("PMI_SIZE", "6"),
+        ("MPI_LOCALRANKID", "0"),
+        ("MPI_LOCALNRANKS", "3"),
+        ("MASTER_ADDR", "10.1.1.1"),
+        ("MASTER_PORT", "4000"),
+    ])
+    .unwrap();
+    assert_eq!(info.launcher, Launcher::Mpich);
+    assert_eq!(
+        (
+            info.rank,
+            info.size,
+            info.local_rank,
+            info.local_size,
+            info.cross_rank,
+            info.cross_size
+        ),
+        (3, 6, 0, 3, 1, 2)
+    );
+    assert_eq!(info.rendezvous.as_deref(), Some("10.1.1.1:4000"));
+}
+
+#[test]
+fn slurm_variables() {
+    let info = parse(&[
+        ("SLURM_PROCID", "4"),
+        ("SLURM_NTASKS", "5"),
+        ("SLURM_LOCALID", "0"),
+        ("SLURM_TASKS_PER_NODE", "2(x2),1"),
+        ("SLURM_NODEID", "2"),
+        ("SLURM_NNODES", "3"),
+        ("SLURM_STEP_ID", "0"),
+        ("SLURM_JOB_ID", "777"),
+        ("FH_RENDEZVOUS_ADDR", "n1:29400"),
+    ])
+    .unwrap();
+    assert_eq!(info.launcher, Launcher::Slurm);
+    assert_eq!(
+        (
+            info.rank,
+            info.size,
+            info.local_rank,
+            info.local_size,
+            info.cross_rank,
+            info.cross_size
+        ),
+        (4, 5, 0, 1, 2, 3)
+    );
+    let with_ntasks_per_node = parse(&[
+        ("SLURM_PROCID", "3"),
+        ("SLURM_NTASKS", "4"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NTASKS_PER_NODE", "2"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_NNODES", "2"),
+        ("SLURM_STEP_ID", "0"),
+        ("FH_RENDEZVOUS_ADDR", "n1:29400"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (
+            with_ntasks_per_node.local_rank,
+            with_ntasks_per_node.local_size
+        ),
+        (1, 2)
+    );
+}
+
+#[test]
+fn slurm_batch_script_is_not_a_job_step() {
+    // sbatch sets SLURM_PROCID=0 in the batch script itself; only srun steps are ranks.
+    let info = parse(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "8")]).unwrap();
+    assert_eq!(info.launcher, Launcher::Single);
+}
+
+#[test]
+fn torchrun_variables() {
+    let info = parse(&[
+        ("RANK", "5"),
+        ("WORLD_SIZE", "8"),
+        ("LOCAL_RANK", "1"),
+        ("LOCAL_WORLD_SIZE", "4"),
+        ("GROUP_RANK", "1"),
+        ("MASTER_ADDR", "10.0.0.7"),
+        ("MASTER_PORT", "29500"),
+        ("TORCHELASTIC_RUN_ID", "abc"),
+    ])
+    .unwrap();
+    assert_eq!(info.launcher, Launcher::Torchrun);
+    assert_eq!(
+        (
+            info.rank,
+            info.size,
+            info.local_rank,
+            info.local_size,
+            info.cross_rank,
+            info.cross_size
+        ),
+        (5, 8, 1, 4, 1, 2)
+    );
+    assert_eq!(info.rendezvous.as_deref(), Some("10.0.0.7:29500"));
+    // When torchrun's agent holds MASTER_PORT, rank 0 listens on the next one.
+    let agent = parse(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "10.0.0.7"),
+        ("MASTER_PORT", "29500"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+    ])
+    .unwrap();
+    assert_eq!(agent.rendezvous.as_deref(), Some("10.0.0.7:29501"));
+    // FH_RENDEZVOUS_ADDR wins over MASTER_*.
+    let explicit = parse(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "10.0.0.7"),
+        ("MASTER_PORT", "29500"),
+        ("FH_RENDEZVOUS_ADDR", "10.0.0.7:31000"),
+    ])
+    .unwrap();
+    assert_eq!(explicit.rendezvous.as_deref(), Some("10.0.0.7:31000"));
+}
+
+#[test]
+fn timeout_variable() {
+    let mut vars = FHRUN.to_vec();
+    vars.push(("FH_TIMEOUT_SECONDS", "2.5"));
+    assert_eq!(parse(&vars).unwrap().timeout, Duration::from_millis(2500));
+    for bad in ["abc", "0", "-3", "inf", "NaN"] {
+        let mut vars = FHRUN.to_vec();
+        vars.push(("FH_TIMEOUT_SECONDS", bad));
+        let (var, reason) = config_err(&vars);
+        assert_eq!(var, "FH_TIMEOUT_SECONDS", "{bad}");
+        assert!(reason.contains("positive number of seconds"), "{reason}");
+    }
+}
+
+#[test]
+fn bad_values_name_the_variable_and_what_is_expected() {
+    let with = |over: &[(&'static str, &'static str)]| {
+        let mut vars: Vec<(&str, &str)> = FHRUN
+            .iter()
+            .filter(|(k, _)| !over.iter().any(|(o, _)| o == k))
+            .copied()
+            .collect();
+        vars.extend(over.iter().filter(|(_, v)| !v.is_empty()));
+        vars
+    };
+    let cases: &[(&[(&str, &str)], &str, &str)] = &[
+        (&[("FH_RANK", "abc")], "FH_RANK", "non-negative integer"),
+        (&[("FH_SIZE", "-1")], "FH_SIZE", "non-negative integer"),
+        (&[("FH_RANK", "4")], "FH_RANK", "not below the world size"),
+        (
+            &[("FH_SIZE", "0"), ("FH_RANK", "0")],
+            "FH_SIZE",
+            "at least 1",
+        ),
+        (&[("FH_SIZE", "")], "FH_SIZE", "missing"),
+        (
+            &[("FH_LOCAL_RANK", "2")],
+            "FH_LOCAL_RANK",
+            "not below the local size",
+        ),
+        (
+            &[("FH_LOCAL_SIZE", "")],
+            "FH_LOCAL_SIZE",
+            "set both or neither",
+        ),
+        (
+            &[("FH_CROSS_RANK", "2")],
+            "FH_CROSS_RANK",
+            "not below the cross size",
+        ),
+        (
+            &[("FH_RENDEZVOUS_ADDR", "10.0.0.1")],
+            "FH_RENDEZVOUS_ADDR",
+            "host:port",
+        ),
+        (
+            &[("FH_RENDEZVOUS_ADDR", "10.0.0.1:0")],
+            "FH_RENDEZVOUS_ADDR",
+            "1..=65535",
+        ),
+        (
+            &[("FH_RENDEZVOUS_ADDR", "10.0.0.1:99999")],
+            "FH_RENDEZVOUS_ADDR",
+            "1..=65535",
+        ),
+        (
+            &[("FH_RENDEZVOUS_ADDR", ":80")],
+            "FH_RENDEZVOUS_ADDR",
+            "empty",
+        ),
+        (
+            &[("FH_JOB_TOKEN", "has space")],
+            "FH_JOB_TOKEN",
+            "printable ASCII",
+        ),
+    ];
+    for (over, var, needle) in cases {
+        let (got_var, reason) = config_err(&with(over));
+        assert_eq!(&got_var, var, "for {over:?}: {reason}");
+        assert!(
+            reason.contains(needle),
+            "for {over:?}: {reason:?} lacks {needle:?}"
+        );
+    }
+    let long = "x".repeat(300);
+    let mut vars = FHRUN.to_vec();
+    vars.retain(|(k, _)| *k != "FH_JOB_TOKEN");
+    vars.push(("FH_JOB_TOKEN", &long));
+    assert_eq!(config_err(&vars).0, "FH_JOB_TOKEN");
+}
+
+#[test]
+fn missing_rendezvous_tells_how_to_launch() {
+    let (var, reason) = config_err(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")]);
+    assert_eq!(var, "FH_RENDEZVOUS_ADDR");
+    assert!(reason.contains("fhrun"), "{reason}");
+    assert!(reason.contains("MASTER_ADDR"), "{reason}");
+    assert!(reason.contains("OpenMPI"), "{reason}");
+    let (var, _) = config_err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")]);
+    assert_eq!(var, "MASTER_PORT");
+    let (var, _) = config_err(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "h"),
+        ("MASTER_PORT", "http"),
+    ]);
+    assert_eq!(var, "MASTER_PORT");
+}
+
+#[test]
+fn partial_launcher_variables_are_errors() {
+    assert_eq!(
+        config_err(&[("OMPI_COMM_WORLD_RANK", "0")]).0,
+        "OMPI_COMM_WORLD_SIZE"
+    );
+    assert_eq!(config_err(&[("PMI_SIZE", "4")]).0, "PMI_RANK");
+    let (var, _) = config_err(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_STEP_ID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_LOCALID", "0"),
+        ("SLURM_TASKS_PER_NODE", "two"),
+        ("FH_RENDEZVOUS_ADDR", "h:1"),
+    ]);
+    assert_eq!(var, "SLURM_TASKS_PER_NODE");
+    let (var, reason) = config_err(&[
+        ("PMI_RANK", "9"),
+        ("PMI_SIZE", "4"),
+        ("FH_RENDEZVOUS_ADDR", "h:1"),
+    ]);
+    assert_eq!(var, "PMI_RANK");
+    assert!(reason.contains("not below the world size 4"), "{reason}");
+}
+
+#[test]
+fn transport_choice() {
+    let single = LaunchInfo::single();
+    for ok in [None, Some("auto"), Some("tcp"), Some("TCP"), Some("local")] {
+        let t = fh_transport::world_for(&single, ok).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+        assert_eq!(t.size(), 1);
+    }
+    for (choice, backend) in [("shm", "shm"), ("mpi", "mpi")] {
+        match fh_transport::world_for(&single, Some(choice)) {
+            Err(TransportError::BackendUnavailable { backend: b, reason }) => {
+                assert_eq!(b, backend);
+                assert!(reason.contains("FH_TRANSPORT=tcp"), "{reason}");
+            }
+            other => panic!("{choice}: {:?}", other.map(|t| t.backend())),
+        }
+    }
+    match fh_transport::world_for(&single, Some("carrier-pigeon")) {
+        Err(TransportError::Config { var, reason }) => {
+            assert_eq!(var, "FH_TRANSPORT");
+            assert!(reason.contains("auto, tcp, shm, mpi, local"), "{reason}");
+        }
+        other => panic!("{:?}", other.map(|t| t.backend())),
+    }
+    let two = parse(FHRUN).unwrap();
+    match fh_transport::world_for(&two, Some("local")) {
+        Err(TransportError::Config { var, .. }) => assert_eq!(var, "FH_TRANSPORT"),
+        other => panic!("{:?}", other.map(|t| t.backend())),
+    }
+}
+
+#[test]
+fn single_process_tcp_world_works_without_network() {
+    use fh_core::ReduceOp;
+    use fh_transport::CollectivesExt;
+    let mut t = fh_transport::world_for(&LaunchInfo::single(), Some("tcp")).unwrap();
+    assert_eq!(t.backend(), "tcp");
+    let mut c = t.open("solo").unwrap();
+    let mut v = [1.5f32, 2.0];
+    c.allreduce_typed(&mut v, ReduceOp::Average).unwrap();
+    assert_eq!(v, [1.5, 2.0]);
+    c.barrier().unwrap();
+}

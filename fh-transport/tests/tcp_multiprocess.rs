@@ -1,0 +1,654 @@
+//! Multi-process tests of the TCP backend on 127.0.0.1.
+//!
+//! Each test spawns this very test binary once per rank, running only the ignored test
+//! `child_rank` with the `FH_*` environment `fhrun` would set and `FH_TEST_SCENARIO` naming what
+//! to do. A guard kills and reaps every child when the test ends, also on failure, and every
+//! wait is bounded.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{unbounded, Receiver};
+use fh_core::{kernels, DType, ReduceOp};
+use fh_transport::bootstrap::LaunchInfo;
+use fh_transport::tcp::{wire, TcpOptions, TcpTransport};
+use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
+
+const SCENARIO: &str = "FH_TEST_SCENARIO";
+/// Upper bound for a whole world to finish (generous: the machine may be busy compiling).
+const WORLD_DEADLINE: Duration = Duration::from_secs(180);
+
+// ---------------------------------------------------------------------------------------------
+// Parent side
+// ---------------------------------------------------------------------------------------------
+
+/// The children of one test; killed and reaped on drop.
+struct World {
+    children: Vec<Child>,
+    stdout: Vec<Arc<Mutex<String>>>,
+    stderr: Vec<Arc<Mutex<String>>>,
+    lines: Receiver<(usize, String)>,
+    lines_tx: crossbeam_channel::Sender<(usize, String)>,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("local addr").port()
+}
+
+struct Job {
+    size: usize,
+    port: u16,
+    token: String,
+    scenario: &'static str,
+    timeout_s: u32,
+}
+
+impl Job {
+    fn new(size: usize, scenario: &'static str) -> Self {
+        Job {
+            size,
+            port: free_port(),
+            token: format!(
+                "{:032x}",
+                u128::from(std::process::id()) << 64 | u128::from(free_port())
+            ),
+            scenario,
+            timeout_s: 30,
+        }
+    }
+    fn rdv(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+impl World {
+    fn new() -> Self {
+        let (lines_tx, lines) = unbounded();
+        World {
+            children: Vec::new(),
+            stdout: Vec::new(),
+            stderr: Vec::new(),
+            lines,
+            lines_tx,
+        }
+    }
+
+    /// Start rank `rank` of `job`, with `extra` environment on top.
+    fn spawn(&mut self, job: &Job, rank: usize, extra: &[(&str, String)]) {
+        let exe = std::env::current_exe().expect("current exe");
+        let mut cmd = Command::new(exe);
+        cmd.args([
+            "child_rank",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(SCENARIO, job.scenario)
+        .env("FH_RANK", rank.to_string())
+        .env("FH_SIZE", job.size.to_string())
+        .env("FH_LOCAL_RANK", rank.to_string())
+        .env("FH_LOCAL_SIZE", job.size.to_string())
+        .env("FH_CROSS_RANK", "0")
+        .env("FH_CROSS_SIZE", "1")
+        .env("FH_RENDEZVOUS_ADDR", job.rdv())
+        .env("FH_JOB_TOKEN", &job.token)
+        .env("FH_TIMEOUT_SECONDS", job.timeout_s.to_string())
+        .env("FH_TRANSPORT", "tcp")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn a child rank");
+        let out = Arc::new(Mutex::new(String::new()));
+        let err = Arc::new(Mutex::new(String::new()));
+        let stdout = child.stdout.take().expect("piped stdout");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let (out2, tx) = (Arc::clone(&out), self.lines_tx.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                out2.lock().unwrap().push_str(&format!("{line}\n"));
+                let _ = tx.send((rank, line));
+            }
+        });
+        let err2 = Arc::clone(&err);
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = BufReader::new(stderr).read_to_string(&mut s);
+            err2.lock().unwrap().push_str(&s);
+        });
+        self.children.push(child);
+        self.stdout.push(out);
+        self.stderr.push(err);
+    }
+
+    fn spawn_all(&mut self, job: &Job) {
+        for r in 0..job.size {
+            self.spawn(job, r, &[]);
+        }
+    }
+
+    fn output(&self, i: usize) -> String {
+        format!(
+            "--- child {i} stdout ---\n{}--- child {i} stderr ---\n{}",
+            self.stdout[i].lock().unwrap(),
+            self.stderr[i].lock().unwrap()
+        )
+    }
+
+    fn all_output(&self) -> String {
+        (0..self.children.len()).map(|i| self.output(i)).collect()
+    }
+
+    /// Wait (bounded) for the children in `which` to exit; returns their success flags.
+    fn wait(&mut self, which: &[usize], within: Duration) -> Vec<bool> {
+        let deadline = Instant::now() + within;
+        let mut status = vec![None; self.children.len()];
+        loop {
+            for &i in which {
+                if status[i].is_none() {
+                    if let Some(s) = self.children[i].try_wait().expect("try_wait") {
+                        status[i] = Some(s.success());
+                    }
+                }
+            }
+            if which.iter().all(|&i| status[i].is_some()) {
+                // Let the reader threads drain the pipes.
+                std::thread::sleep(Duration::from_millis(50));
+                return which.iter().map(|&i| status[i] == Some(true)).collect();
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "children {which:?} did not finish within {within:?}\n{}",
+                    self.all_output()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn wait_all_ok(&mut self) {
+        let all: Vec<usize> = (0..self.children.len()).collect();
+        let ok = self.wait(&all, WORLD_DEADLINE);
+        assert!(
+            ok.iter().all(|&b| b),
+            "a child failed: {ok:?}\n{}",
+            self.all_output()
+        );
+        // A child that skipped its work would still pass: insist on its report.
+        for i in all {
+            assert!(
+                self.stdout[i].lock().unwrap().contains("CHILD DONE"),
+                "child {i} did not report completion\n{}",
+                self.all_output()
+            );
+        }
+    }
+
+    /// Wait (bounded) until every rank in `ranks` has printed a line starting with `prefix`.
+    fn wait_lines(&self, ranks: &[usize], prefix: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        let mut seen = vec![false; self.children.len()];
+        while !ranks.iter().all(|&r| seen[r]) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok((r, line)) if line.contains(prefix) => seen[r] = true,
+                Ok(_) => {}
+                Err(_) => panic!(
+                    "ranks {ranks:?} did not print {prefix:?} within {within:?}\n{}",
+                    self.all_output()
+                ),
+            }
+        }
+    }
+}
+
+fn run_world(size: usize, scenario: &'static str) {
+    let job = Job::new(size, scenario);
+    let mut world = World::new();
+    world.spawn_all(&job);
+    world.wait_all_ok();
+}
+
+#[test]
+fn collectives_np2() {
+    run_world(2, "collectives");
+}
+
+#[test]
+fn collectives_np3() {
+    run_world(3, "collectives");
+}
+
+#[test]
+fn collectives_np4() {
+    run_world(4, "collectives");
+}
+
+#[test]
+fn channels_in_flight_at_once_np3() {
+    run_world(3, "channels");
+}
+
+#[test]
+fn channels_in_flight_at_once_np4() {
+    run_world(4, "channels");
+}
+
+#[test]
+fn wrong_token_is_refused_with_a_clear_error_on_both_sides() {
+    let mut job = Job::new(2, "wrong_token");
+    job.timeout_s = 4;
+    let mut world = World::new();
+    world.spawn(&job, 0, &[]);
+    world.spawn(&job, 1, &[("FH_JOB_TOKEN", "not-the-job-token".into())]);
+    world.wait_all_ok();
+    for r in 0..2 {
+        let out = world.stdout[r].lock().unwrap().clone();
+        assert!(
+            out.contains("SETUP FAILED") && out.contains("wrong job token"),
+            "rank {r} should fail naming the wrong token\n{}",
+            world.all_output()
+        );
+    }
+    // The refused side learned it from the refusal; the accepting side names what it refused.
+    assert!(world.stdout[1].lock().unwrap().contains("refused"));
+    assert!(world.stdout[0].lock().unwrap().contains("rank(s) [1]"));
+    // Shown with --nocapture.
+    eprintln!("{}", world.all_output());
+}
+
+fn killed_peer(size: usize, victim: usize) {
+    let mut job = Job::new(size, "killed_peer");
+    // Far longer than the test waits: survivors must notice the loss, not time out.
+    job.timeout_s = 600;
+    let mut world = World::new();
+    for r in 0..size {
+        world.spawn(&job, r, &[("FH_TEST_VICTIM", victim.to_string())]);
+    }
+    let all: Vec<usize> = (0..size).collect();
+    world.wait_lines(&all, "ITER", WORLD_DEADLINE);
+    world.children[victim].kill().expect("SIGKILL the victim");
+    let survivors: Vec<usize> = all.iter().copied().filter(|&r| r != victim).collect();
+    let ok = world.wait(&survivors, Duration::from_secs(60));
+    assert!(
+        ok.iter().all(|&b| b),
+        "survivors must report the lost rank {victim}: {ok:?}\n{}",
+        world.all_output()
+    );
+    for &r in &survivors {
+        let out = world.stdout[r].lock().unwrap().clone();
+        assert!(
+            out.contains(&format!("LOST rank={victim} ")),
+            "rank {r} did not name rank {victim}\n{}",
+            world.all_output()
+        );
+    }
+    // Shown with --nocapture.
+    eprintln!("{}", world.all_output());
+}
+
+#[test]
+fn killed_peer_is_reported_by_rank_np2() {
+    killed_peer(2, 1);
+}
+
+#[test]
+fn killed_peer_is_reported_by_rank_np3() {
+    killed_peer(3, 1);
+}
+
+#[test]
+fn killed_peer_is_reported_by_rank_np4() {
+    killed_peer(4, 3);
+}
+
+#[test]
+fn strangers_at_the_rendezvous_do_not_disturb_the_job() {
+    let job = Job::new(3, "strangers");
+    let mut world = World::new();
+    world.spawn(&job, 0, &[]);
+    // Wait (bounded) for rank 0 to listen, then misbehave at its door.
+    let deadline = Instant::now() + WORLD_DEADLINE;
+    let connect = || loop {
+        match TcpStream::connect(job.rdv()) {
+            Ok(s) => return s,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("rank 0 never listened: {e}\n{}", world.all_output()),
+        }
+    };
+    let mut garbage = connect();
+    garbage
+        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("send garbage");
+    let mut impostor = connect();
+    let hello = wire::Hello {
+        version: wire::PROTOCOL_VERSION,
+        kind: wire::ConnKind::Rendezvous,
+        size: 3,
+        rank: 1,
+        seq: 0,
+        port: 1,
+        token: b"guessed-token".to_vec(),
+    };
+    impostor.write_all(&hello.encode()).expect("send hello");
+    let half_open = connect();
+    // The impostor is told why it is refused.
+    impostor
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut reply = Vec::new();
+    let _ = impostor.read_to_end(&mut reply);
+    let (r, _) = wire::Reply::decode(&reply).expect("a reply");
+    assert!(
+        matches!(&r, wire::Reply::Refuse(why) if why.contains("wrong job token")),
+        "{r:?}"
+    );
+    world.spawn(&job, 1, &[]);
+    world.spawn(&job, 2, &[]);
+    world.wait_all_ok();
+    drop(half_open);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child side
+// ---------------------------------------------------------------------------------------------
+
+/// One rank of a multi-process test; does nothing unless started by a parent test.
+#[test]
+#[ignore = "a child rank of the multi-process tests; started by them"]
+fn child_rank() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    match scenario.as_str() {
+        "collectives" => child_collectives(),
+        "channels" => child_channels(),
+        "wrong_token" => child_wrong_token(),
+        "killed_peer" => child_killed_peer(),
+        "strangers" => child_strangers(),
+        other => panic!("unknown scenario {other}"),
+    }
+    println!("CHILD DONE");
+}
+
+fn world() -> Box<dyn Transport> {
+    fh_transport::from_env().unwrap_or_else(|e| panic!("setting up the world failed: {e}"))
+}
+
+/// Encode small integers as elements of `dtype`.
+fn encode(dtype: DType, vals: impl Iterator<Item = i64>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for v in vals {
+        match dtype {
+            DType::U8 => out.push(v as u8),
+            DType::I8 => out.push(v as i8 as u8),
+            DType::I32 => out.extend_from_slice(&(v as i32).to_ne_bytes()),
+            DType::I64 => out.extend_from_slice(&v.to_ne_bytes()),
+            DType::F16 => out.extend_from_slice(&half::f16::from_f64(v as f64).to_ne_bytes()),
+            DType::BF16 => out.extend_from_slice(&half::bf16::from_f64(v as f64).to_ne_bytes()),
+            DType::F32 => out.extend_from_slice(&(v as f32).to_ne_bytes()),
+            DType::F64 => out.extend_from_slice(&(v as f64).to_ne_bytes()),
+            DType::Bool => out.push(u8::from(v != 0)),
+        }
+    }
+    out
+}
+
+fn decode_f64(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    bytes
+        .chunks_exact(dtype.size())
+        .map(|c| match dtype {
+            DType::F16 => half::f16::from_ne_bytes([c[0], c[1]]).to_f64(),
+            DType::BF16 => half::bf16::from_ne_bytes([c[0], c[1]]).to_f64(),
+            DType::F32 => f64::from(f32::from_ne_bytes(c.try_into().unwrap())),
+            DType::F64 => f64::from_ne_bytes(c.try_into().unwrap()),
+            _ => unreachable!("floats only"),
+        })
+        .collect()
+}
+
+/// Rank `rank`'s input: small values whose sums and products are exact in every dtype.
+fn input(dtype: DType, op: ReduceOp, rank: usize, len: usize) -> Vec<u8> {
+    let vals = (0..len).map(move |i| {
+        if op == ReduceOp::Product {
+            1 + ((rank + i) % 2) as i64
+        } else {
+            ((rank * 7 + i * 3) % 5) as i64
+        }
+    });
+    encode(dtype, vals)
+}
+
+fn child_collectives() {
+    let mut t = world();
+    let (rank, size) = (t.rank(), t.size());
+    let mut c = t.open("collectives").expect("open");
+    assert_eq!((c.rank(), c.size()), (rank, size));
+
+    // Allreduce: every dtype, every supported op, several lengths, against a sequential
+    // reference built from every rank's (deterministic) input.
+    for dtype in DType::ALL {
+        for op in ReduceOp::ALL {
+            if !kernels::supports(dtype, op) {
+                continue;
+            }
+            for len in [0usize, 1, 7, 1000, 65_537] {
+                let mut buf = input(dtype, op, rank, len);
+                let mut want = input(dtype, op, 0, len);
+                for r in 1..size {
+                    kernels::reduce(dtype, op.combining(), &mut want, &input(dtype, op, r, len))
+                        .unwrap();
+                }
+                if op == ReduceOp::Average {
+                    kernels::divide(dtype, &mut want, size).unwrap();
+                }
+                c.allreduce(&mut buf, dtype, op)
+                    .unwrap_or_else(|e| panic!("allreduce {dtype:?} {op:?} len {len}: {e}"));
+                if op == ReduceOp::Average && dtype.is_float() {
+                    let (got, exp) = (decode_f64(dtype, &buf), decode_f64(dtype, &want));
+                    for (g, e) in got.iter().zip(&exp) {
+                        assert!(
+                            (g - e).abs() <= 1e-2 * e.abs().max(1.0),
+                            "{dtype:?} {op:?} len {len}: {g} vs {e}"
+                        );
+                    }
+                } else {
+                    assert!(buf == want, "allreduce {dtype:?} {op:?} len {len} differs");
+                }
+            }
+        }
+    }
+    println!("allreduce of every dtype and op ok");
+
+    // allgatherv with uneven (and zero) counts.
+    let counts: Vec<usize> = (0..size).map(|r| (r * 37) % 101).collect();
+    let mine: Vec<u8> = (0..counts[rank]).map(|i| (rank * 31 + i) as u8).collect();
+    let mut all = vec![0u8; counts.iter().sum()];
+    c.allgatherv(&mine, &mut all, &counts).expect("allgatherv");
+    let want: Vec<u8> = (0..size)
+        .flat_map(|r| (0..counts[r]).map(move |i| (r * 31 + i) as u8))
+        .collect();
+    assert_eq!(all, want, "allgatherv");
+
+    // broadcast from the last rank, 1 MiB.
+    let root = size - 1;
+    let mut b: Vec<u8> = if rank == root {
+        (0..1 << 20).map(|i| (i % 251) as u8).collect()
+    } else {
+        vec![0; 1 << 20]
+    };
+    c.broadcast(&mut b, root).expect("broadcast");
+    assert!(
+        b.iter().enumerate().all(|(i, &x)| x == (i % 251) as u8),
+        "broadcast"
+    );
+
+    // alltoallv: rank r sends (r + d) % 5 * 1000 bytes to rank d, valued r * 16 + d.
+    let send_counts: Vec<usize> = (0..size).map(|d| (rank + d) % 5 * 1000).collect();
+    let recv_counts: Vec<usize> = (0..size).map(|s| (s + rank) % 5 * 1000).collect();
+    let send: Vec<u8> = (0..size)
+        .flat_map(|d| std::iter::repeat_n((rank * 16 + d) as u8, send_counts[d]))
+        .collect();
+    let mut recv = vec![0u8; recv_counts.iter().sum()];
+    c.alltoallv(&send, &send_counts, &mut recv, &recv_counts)
+        .expect("alltoallv");
+    let want: Vec<u8> = (0..size)
+        .flat_map(|s| std::iter::repeat_n((s * 16 + rank) as u8, recv_counts[s]))
+        .collect();
+    assert_eq!(recv, want, "alltoallv");
+
+    // Big messages in both directions at once around a ring: must not deadlock.
+    let next = (rank + 1) % size;
+    let prev = (rank + size - 1) % size;
+    let big: Vec<u8> = (0..16 << 20)
+        .map(|i| (i as usize * 7 + rank) as u8)
+        .collect();
+    let mut got = vec![0u8; 16 << 20];
+    c.send_recv(next, &big, prev, &mut got).expect("send_recv");
+    assert!(got
+        .iter()
+        .enumerate()
+        .all(|(i, &x)| x == (i * 7 + prev) as u8));
+
+    // Zero-length messages and messages to oneself.
+    c.send_recv(next, &[], prev, &mut []).expect("zero-length");
+    let mut me = [0u8; 3];
+    c.send_recv(rank, &[1, 2, 3], rank, &mut me).expect("self");
+    assert_eq!(me, [1, 2, 3]);
+
+    // A receive of the wrong length is a protocol error, not a truncation or an allocation.
+    if rank == 0 {
+        c.send(1, &[9u8; 64]).expect("send 64");
+    } else if rank == 1 {
+        let mut small = [0u8; 8];
+        let err = c.recv(0, &mut small).expect_err("a length mismatch");
+        assert!(
+            matches!(err, TransportError::Protocol { rank: 0, .. }),
+            "{err}"
+        );
+    }
+    println!("collectives ok");
+    // The mismatch above broke that communicator on rank 1; a fresh one works.
+    let mut c2 = t.open("after").expect("open again");
+    c2.barrier().expect("barrier");
+    let mut v = [rank as f64 + 1.0; 3];
+    c2.allreduce_typed(&mut v, ReduceOp::Sum)
+        .expect("allreduce");
+    let s = (size * (size + 1) / 2) as f64;
+    assert_eq!(v, [s; 3]);
+}
+
+fn child_channels() {
+    let mut t = world();
+    let (rank, size) = (t.rank(), t.size());
+    let comms: Vec<Box<dyn Communicator>> = (0..4)
+        .map(|ch| t.open(&format!("channel-{ch}")).expect("open"))
+        .collect();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(ch, mut c)| {
+            std::thread::spawn(move || {
+                for it in 0..20usize {
+                    let len = 1000 * (ch + 1) * (1 + it % 3) + it;
+                    let mut v: Vec<f64> = (0..len)
+                        .map(|i| ((rank + 1) * (ch + 1) + i % 7 + it) as f64)
+                        .collect();
+                    c.allreduce_typed(&mut v, ReduceOp::Sum)
+                        .unwrap_or_else(|e| panic!("channel {ch} iteration {it}: {e}"));
+                    for (i, x) in v.iter().enumerate() {
+                        let want: usize = (0..size).map(|r| (r + 1) * (ch + 1) + i % 7 + it).sum();
+                        assert_eq!(*x, want as f64, "channel {ch} iteration {it} element {i}");
+                    }
+                    // Interleave another collective on the same channel.
+                    let mut b = vec![(rank * 10 + ch) as u8; 100 + it];
+                    c.broadcast(&mut b, it % size).expect("broadcast");
+                    assert!(b.iter().all(|&x| x == ((it % size) * 10 + ch) as u8));
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("a channel thread panicked");
+    }
+    println!("four channels in parallel ok");
+}
+
+fn child_wrong_token() {
+    match fh_transport::from_env() {
+        Ok(_) => panic!("the job must not form with a wrong token"),
+        Err(e) => println!("SETUP FAILED: {e}"),
+    }
+}
+
+fn child_killed_peer() {
+    let victim: usize = std::env::var("FH_TEST_VICTIM").unwrap().parse().unwrap();
+    let mut t = world();
+    let rank = t.rank();
+    let mut c = t.open("data").expect("open");
+    let mut buf = vec![1.0f32; 1 << 20];
+    let started = Instant::now();
+    for it in 0.. {
+        match c.allreduce_typed(&mut buf, ReduceOp::Average) {
+            Ok(()) => {
+                if it == 0 {
+                    println!("ITER {it}");
+                }
+            }
+            Err(e) => {
+                assert_ne!(rank, victim, "the victim itself failed: {e}");
+                assert!(e.is_peer_failure(), "unexpected error kind: {e}");
+                let blamed = e.blamed_rank().map_or("none".into(), |r| r.to_string());
+                println!("LOST rank={blamed} after {:?}: {e}", started.elapsed());
+                return;
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "no failure observed"
+        );
+    }
+}
+
+fn child_strangers() {
+    let info = LaunchInfo::from_env().expect("environment");
+    let mut t = TcpTransport::connect(&info, TcpOptions::from_info(&info)).expect("connect");
+    let (rank, size) = (t.rank(), t.size());
+    if rank == 0 {
+        // Knock on rank 1's data listener too: garbage, and a connection that never speaks
+        // (kept open while the job runs).
+        let rank1 = t.peer_addresses()[1];
+        let mut g = TcpStream::connect(rank1).expect("connect to rank 1");
+        g.write_all(&[0xff; 100]).expect("garbage");
+        let _silent = TcpStream::connect(rank1).expect("connect to rank 1");
+        let mut c = t.open("data").expect("open despite strangers");
+        check_strangers_allreduce(&mut *c, rank, size);
+    } else {
+        let mut c = t.open("data").expect("open despite strangers");
+        check_strangers_allreduce(&mut *c, rank, size);
+    }
+    println!("job unaffected by strangers");
+}
+
+fn check_strangers_allreduce(c: &mut dyn Communicator, rank: usize, size: usize) {
+    let mut v = vec![rank as i64; 1000];
+    c.allreduce_typed(&mut v, ReduceOp::Sum).expect("allreduce");
+    assert!(v.iter().all(|&x| x == (size * (size - 1) / 2) as i64));
+}
