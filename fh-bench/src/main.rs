@@ -126,6 +126,10 @@ struct SuiteArgs {
     /// full 8 B × 4^k … 256 MiB).
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     sizes: Vec<usize>,
+    /// Tensor counts of the negotiation measurement (default: quick 16,256,4096; full
+    /// 16,64,256,1024,4096).
+    #[arg(long, value_delimiter = ',')]
+    tensor_counts: Vec<usize>,
     /// Transports of the collectives sweep (tcp: processes over loopback; local: threads).
     #[arg(long, value_delimiter = ',', default_value = "tcp,local")]
     transports: Vec<String>,
@@ -231,11 +235,26 @@ fn run_suite(a: SuiteArgs, only: Option<&str>) -> Result<(), String> {
         repeats: a.repeats.unwrap_or(if a.quick { 5 } else { 10 }),
         sizes: a.sizes.clone(),
         transports: a.transports.clone(),
+        tensor_counts: if a.tensor_counts.is_empty() {
+            if a.quick {
+                vec![16, 256, 4096]
+            } else {
+                vec![16, 64, 256, 1024, 4096]
+            }
+        } else {
+            a.tensor_counts.clone()
+        },
         no_peers: a.no_peers,
         calibration: a.calibration.clone(),
         job_timeout: Duration::from_secs(a.job_timeout),
+        rendezvous_host: a.rendezvous_host.clone().unwrap_or_else(|| {
+            a.hosts
+                .as_deref()
+                .and_then(|h| h.split(',').next())
+                .map(|h| h.split(':').next().unwrap_or(h).to_string())
+                .unwrap_or_else(|| "127.0.0.1".into())
+        }),
     };
-    let _ = a.rendezvous_host;
     let exe = std::env::current_exe().map_err(|e| format!("locating fh-bench itself: {e}"))?;
     eprintln!(
         "fh-bench: {} on {} ranks ({}), output in {}",

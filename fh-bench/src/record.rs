@@ -79,6 +79,9 @@ pub struct RunConfig {
     pub workloads_dir: String,
     /// Workloads replayed.
     pub workloads: Vec<String>,
+    /// Tensor counts of the negotiation measurement.
+    #[serde(default)]
+    pub tensor_counts: Vec<usize>,
 }
 
 /// One collectives case.

@@ -129,7 +129,6 @@ impl Runner {
                 .arg(&prefix)
                 .env("FH_JOB_TOKEN", &token)
                 .env("FH_TRANSPORT", "tcp")
-                .env("FH_SIZE", self.np.to_string())
                 .stdin(Stdio::null());
         };
         let mut children = Children::default();
@@ -139,6 +138,7 @@ impl Runner {
                     let mut c = Command::new(&self.exe);
                     worker_args(&mut c);
                     c.env("FH_RANK", rank.to_string())
+                        .env("FH_SIZE", self.np.to_string())
                         .env("FH_LOCAL_RANK", rank.to_string())
                         .env("FH_LOCAL_SIZE", self.np.to_string())
                         .env("FH_CROSS_RANK", "0")

@@ -40,6 +40,8 @@ pub struct Options {
     pub repeats: usize,
     /// Collective sizes (bytes); empty → the default for quick/full.
     pub sizes: Vec<usize>,
+    /// Tensor counts of the negotiation measurement.
+    pub tensor_counts: Vec<usize>,
     /// Transports for the collectives sweep (`tcp`, `local`).
     pub transports: Vec<String>,
     /// Skip the OpenMPI peer.
@@ -48,6 +50,8 @@ pub struct Options {
     pub calibration: Option<PathBuf>,
     /// Longest one job may take.
     pub job_timeout: Duration,
+    /// Rank 0's host for the TCP rendezvous under mpirun/srun.
+    pub rendezvous_host: String,
 }
 
 /// Default sizes of the sweep: quick → 8 B, 4 KiB, 1 MiB, 16 MiB (+64 MiB for allreduce);
@@ -108,6 +112,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             steps: opts.steps,
             workloads_dir: opts.workloads_dir.display().to_string(),
             workloads: workloads.iter().map(|w| w.model.clone()).collect(),
+            tensor_counts: opts.tensor_counts.clone(),
         },
         collectives: vec![],
         replay: vec![],
@@ -152,7 +157,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 exe: exe.clone(),
                 work_dir: work_dir.clone(),
                 timeout: opts.job_timeout,
-                rendezvous_host: "127.0.0.1".into(),
+                rendezvous_host: opts.rendezvous_host.clone(),
             },
         ));
     }
