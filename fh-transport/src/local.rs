@@ -41,6 +41,7 @@ pub struct LocalWorld;
 
 impl LocalWorld {
     /// Create `size` connected transports, one per rank, with the default timeout.
+    #[allow(clippy::new_ret_no_self)] // a factory: one transport per rank
     pub fn new(size: usize) -> Vec<LocalTransport> {
         Self::with_timeout(size, DEFAULT_TIMEOUT)
     }
