@@ -8,8 +8,13 @@ use crate::{cargo, tidy};
 
 /// Debian packages the suites need. `openmpi-bin libopenmpi-dev libclang-dev`: the MPI suite
 /// (the `mpi` crate builds its bindings with libclang against `mpicc`) and fh-bench's OpenMPI
-/// peer (`mpicc`, `mpirun`).
-pub(crate) const BASE_PACKAGES: &[&str] = &["openmpi-bin", "libopenmpi-dev", "libclang-dev"];
+/// peer (`mpicc`, `mpirun`); `fonts-dejavu-core`: the font fh-bench's PNG plots use.
+pub(crate) const BASE_PACKAGES: &[&str] = &[
+    "openmpi-bin",
+    "libopenmpi-dev",
+    "libclang-dev",
+    "fonts-dejavu-core",
+];
 
 /// A suite run after `cargo test --workspace`, needing system packages.
 pub(crate) struct ExtraSuite {
