@@ -1,0 +1,334 @@
+//! Running a job's ranks on this machine: spawn, prefix output, watch, fail fast, forward
+//! signals, reap everything.
+
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::output::{pump, Sink};
+use crate::sys;
+
+/// Exit status of fhrun when the job ran past `--timeout`.
+pub const EXIT_TIMEOUT: i32 = 124;
+
+/// One rank to start.
+#[derive(Debug, Clone)]
+pub struct RankSpec {
+    /// The rank.
+    pub rank: usize,
+    /// Variables set for it (on top of fhrun's environment).
+    pub env: Vec<(String, String)>,
+}
+
+/// A local job.
+#[derive(Debug, Clone)]
+pub struct LocalJob {
+    /// The command and its arguments (the same for every rank).
+    pub command: Vec<String>,
+    /// The ranks.
+    pub ranks: Vec<RankSpec>,
+    /// Prefix output lines with the rank.
+    pub prefix: bool,
+    /// Time between SIGTERM and SIGKILL.
+    pub kill_grace: Duration,
+    /// Kill the job after this long.
+    pub timeout: Option<Duration>,
+    /// Say more.
+    pub verbose: bool,
+}
+
+/// Why fhrun is stopping the job.
+#[derive(Debug, Clone, Copy)]
+enum StopReason {
+    /// A rank failed (its exit status becomes fhrun's).
+    RankFailed(i32),
+    /// fhrun got this signal.
+    Signal(i32),
+    /// `--timeout` expired.
+    Timeout,
+}
+
+struct Stopping {
+    reason: StopReason,
+    kill_at: Instant,
+    killed: bool,
+}
+
+struct Rank {
+    rank: usize,
+    pid: u32,
+    child: Option<Child>,
+}
+
+/// fhrun's exit code for a rank's exit status.
+fn status_code(status: ExitStatus) -> i32 {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => c,
+        (None, Some(s)) => 128 + s,
+        _ => 1,
+    }
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with code {c}"),
+        (None, Some(s)) => format!("was killed by signal {s} ({})", sys::signal_name(s)),
+        _ => format!("ended with status {status}"),
+    }
+}
+
+fn spawn_rank(job: &LocalJob, spec: &RankSpec) -> std::io::Result<Child> {
+    let mut cmd = Command::new(&job.command[0]);
+    cmd.args(&job.command[1..])
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .process_group(0);
+    if job.prefix {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    }
+    let parent = sys::getpid();
+    // SAFETY: child_setup only makes async-signal-safe calls.
+    unsafe {
+        cmd.pre_exec(move || sys::child_setup(parent));
+    }
+    cmd.spawn()
+}
+
+/// Runs the job to completion and returns fhrun's exit status.
+pub fn run(job: &LocalJob) -> i32 {
+    if let Err(e) = sys::block_handled_signals() {
+        eprintln!("fhrun: cannot set up signal handling: {e}");
+        return 1;
+    }
+    let started = Instant::now();
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let mut pumps = 0usize;
+    let mut ranks: Vec<Rank> = Vec::with_capacity(job.ranks.len());
+    let mut stopping: Option<Stopping> = None;
+    let mut exit_code = 0;
+
+    for spec in &job.ranks {
+        match spawn_rank(job, spec) {
+            Ok(mut child) => {
+                let pid = child.id();
+                if job.verbose {
+                    eprintln!("fhrun: started rank {} (pid {pid})", spec.rank);
+                }
+                let streams = [
+                    child.stdout.take().map(|s| {
+                        (
+                            Box::new(s) as Box<dyn std::io::Read + Send>,
+                            Sink::Stdout,
+                            "stdout",
+                        )
+                    }),
+                    child.stderr.take().map(|s| {
+                        (
+                            Box::new(s) as Box<dyn std::io::Read + Send>,
+                            Sink::Stderr,
+                            "stderr",
+                        )
+                    }),
+                ];
+                for (src, sink, name) in streams.into_iter().flatten() {
+                    let prefix = format!("[{}]<{name}>:", spec.rank);
+                    let tx = done_tx.clone();
+                    let spawned = std::thread::Builder::new()
+                        .name(format!("rank{}-{name}", spec.rank))
+                        .spawn(move || {
+                            pump(src, sink, prefix);
+                            let _ = tx.send(());
+                        });
+                    match spawned {
+                        Ok(_) => pumps += 1,
+                        Err(e) => eprintln!(
+                            "fhrun: cannot start the output thread of rank {}: {e}",
+                            spec.rank
+                        ),
+                    }
+                }
+                ranks.push(Rank {
+                    rank: spec.rank,
+                    pid,
+                    child: Some(child),
+                });
+            }
+            Err(e) => {
+                eprintln!(
+                    "fhrun: cannot start rank {} (`{}`): {e}",
+                    spec.rank, job.command[0]
+                );
+                exit_code = match e.kind() {
+                    std::io::ErrorKind::NotFound => 127,
+                    std::io::ErrorKind::PermissionDenied => 126,
+                    _ => 1,
+                };
+                stopping = Some(begin_stop(
+                    &ranks,
+                    libc::SIGTERM,
+                    StopReason::RankFailed(exit_code),
+                    job.kill_grace,
+                ));
+                break;
+            }
+        }
+    }
+    drop(done_tx);
+
+    let deadline = job.timeout.map(|t| started + t);
+    loop {
+        // Reap whatever has ended.
+        for i in 0..ranks.len() {
+            let r = &mut ranks[i];
+            let Some(child) = r.child.as_mut() else {
+                continue;
+            };
+            let status = match child.try_wait() {
+                Ok(Some(status)) => status,
+                Ok(None) => continue,
+                Err(e) => {
+                    // Not expected (only fhrun reaps its children); do not spin on it.
+                    eprintln!(
+                        "fhrun: cannot wait for rank {} (pid {}): {e}; no longer watching it",
+                        r.rank, r.pid
+                    );
+                    r.child = None;
+                    sys::kill_group(r.pid, libc::SIGKILL);
+                    continue;
+                }
+            };
+            r.child = None;
+            // Whatever the rank left running in its process group goes with it.
+            sys::kill_group(r.pid, libc::SIGKILL);
+            let blame = !status.success() && stopping.is_none();
+            if job.verbose && !blame {
+                eprintln!(
+                    "fhrun: rank {} (pid {}) {}",
+                    r.rank,
+                    r.pid,
+                    describe(status)
+                );
+            }
+            if blame {
+                eprintln!(
+                    "fhrun: rank {} (pid {}) {}; stopping the other ranks",
+                    r.rank,
+                    r.pid,
+                    describe(status)
+                );
+                exit_code = status_code(status);
+                stopping = Some(begin_stop(
+                    &ranks,
+                    libc::SIGTERM,
+                    StopReason::RankFailed(exit_code),
+                    job.kill_grace,
+                ));
+            }
+        }
+        if ranks.iter().all(|r| r.child.is_none()) {
+            break;
+        }
+
+        let now = Instant::now();
+        if let Some(s) = stopping.as_mut() {
+            if !s.killed && now >= s.kill_at {
+                for r in ranks.iter().filter(|r| r.child.is_some()) {
+                    if job.verbose {
+                        eprintln!(
+                            "fhrun: rank {} (pid {}) still running after {:?}; sending SIGKILL",
+                            r.rank, r.pid, job.kill_grace
+                        );
+                    }
+                    sys::kill_group(r.pid, libc::SIGKILL);
+                }
+                s.killed = true;
+            }
+        } else if let Some(d) = deadline {
+            if now >= d {
+                eprintln!(
+                    "fhrun: the job timed out after {:.1} s (--timeout); stopping all ranks",
+                    started.elapsed().as_secs_f64()
+                );
+                exit_code = EXIT_TIMEOUT;
+                stopping = Some(begin_stop(
+                    &ranks,
+                    libc::SIGTERM,
+                    StopReason::Timeout,
+                    job.kill_grace,
+                ));
+            }
+        }
+
+        // Sleep until a signal (a child ended, or the user's Ctrl-C) or the next deadline.
+        let mut wait = Duration::from_millis(200);
+        if let Some(s) = &stopping {
+            if !s.killed {
+                wait = wait.min(s.kill_at.saturating_duration_since(now));
+            }
+        } else if let Some(d) = deadline {
+            wait = wait.min(d.saturating_duration_since(now));
+        }
+        if let Some(sig @ (libc::SIGINT | libc::SIGTERM | libc::SIGHUP)) =
+            sys::wait_signal(wait.max(Duration::from_millis(1)))
+        {
+            match stopping.as_mut() {
+                None => {
+                    eprintln!(
+                        "fhrun: received {}; stopping all ranks",
+                        sys::signal_name(sig)
+                    );
+                    exit_code = 128 + sig;
+                    stopping = Some(begin_stop(
+                        &ranks,
+                        sig,
+                        StopReason::Signal(sig),
+                        job.kill_grace,
+                    ));
+                }
+                Some(s) => {
+                    // A second request: no more patience.
+                    if !s.killed {
+                        eprintln!(
+                            "fhrun: received {} again; killing all ranks",
+                            sys::signal_name(sig)
+                        );
+                        s.kill_at = Instant::now();
+                    }
+                }
+            }
+        }
+    }
+
+    // Let the output threads drain what the ranks wrote; bounded, in case some process outside
+    // the ranks' process groups still holds a pipe open.
+    let drain_deadline = Instant::now() + Duration::from_secs(2);
+    for _ in 0..pumps {
+        let left = drain_deadline.saturating_duration_since(Instant::now());
+        if done_rx.recv_timeout(left).is_err() {
+            break;
+        }
+    }
+    if let Some(s) = &stopping {
+        if job.verbose {
+            let why = match s.reason {
+                StopReason::RankFailed(code) => format!("a rank failed; exit status {code}"),
+                StopReason::Signal(sig) => format!("fhrun received {}", sys::signal_name(sig)),
+                StopReason::Timeout => "timed out".to_string(),
+            };
+            eprintln!("fhrun: all ranks stopped ({why})");
+        }
+    }
+    exit_code
+}
+
+fn begin_stop(ranks: &[Rank], sig: i32, reason: StopReason, grace: Duration) -> Stopping {
+    for r in ranks.iter().filter(|r| r.child.is_some()) {
+        sys::kill_group(r.pid, sig);
+    }
+    Stopping {
+        reason,
+        kill_at: Instant::now() + grace,
+        killed: false,
+    }
+}

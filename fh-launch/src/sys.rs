@@ -1,0 +1,157 @@
+//! The few raw libc calls fhrun makes: signal masks, signal waiting, process-group kills.
+
+use std::io;
+use std::time::Duration;
+
+/// The signals fhrun handles itself (blocked in every thread and taken with `sigtimedwait`).
+pub const HANDLED: [libc::c_int; 4] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGCHLD];
+
+fn handled_set() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset initializes it before use.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid sigset_t; the signal numbers are valid.
+    unsafe {
+        libc::sigemptyset(&mut set);
+        for s in HANDLED {
+            libc::sigaddset(&mut set, s);
+        }
+    }
+    set
+}
+
+/// Blocks the handled signals in the calling thread (and every thread it creates afterwards), so
+/// that they stay pending until [`wait_signal`] takes them. Call before spawning any thread.
+pub fn block_handled_signals() -> io::Result<()> {
+    let set = handled_set();
+    // SAFETY: `set` is a valid, initialized sigset_t; the old mask is not needed.
+    let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+    if rc != 0 {
+        return Err(io::Error::from_raw_os_error(rc));
+    }
+    Ok(())
+}
+
+/// Waits up to `timeout` for one of the handled signals; `None` on timeout or interruption.
+pub fn wait_signal(timeout: Duration) -> Option<libc::c_int> {
+    let set = handled_set();
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `set` and `ts` are valid for the call; a null siginfo pointer is allowed.
+    let rc = unsafe { libc::sigtimedwait(&set, std::ptr::null_mut(), &ts) };
+    (rc > 0).then_some(rc)
+}
+
+/// Sends `sig` to the process group `pgid`. A group that no longer exists is not an error.
+pub fn kill_group(pgid: u32, sig: libc::c_int) {
+    if pgid == 0 || pgid > i32::MAX as u32 {
+        return;
+    }
+    // SAFETY: kill has no memory-safety preconditions; a negative pid addresses a group.
+    unsafe {
+        libc::kill(-(pgid as libc::pid_t), sig);
+    }
+}
+
+/// Code run in the forked child before `exec` (must stay async-signal-safe): die with SIGKILL
+/// when fhrun dies, and start with an empty signal mask.
+///
+/// # Safety
+/// Only call between fork and exec (from `CommandExt::pre_exec`).
+pub unsafe fn child_setup(parent: libc::pid_t) -> io::Result<()> {
+    // SAFETY: prctl/getppid/sigprocmask/_exit are async-signal-safe; pointers are valid.
+    unsafe {
+        if libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGKILL as libc::c_ulong,
+            0,
+            0,
+            0,
+        ) != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+        // fhrun died between fork and prctl: the death signal will never come, so go now.
+        if libc::getppid() != parent {
+            libc::_exit(1);
+        }
+        let mut empty: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut empty);
+        libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+    }
+    Ok(())
+}
+
+/// This process's id.
+pub fn getpid() -> libc::pid_t {
+    // SAFETY: getpid cannot fail.
+    unsafe { libc::getpid() }
+}
+
+/// True when running as root (mpirun then needs --allow-run-as-root).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The conventional name of a signal (`SIGKILL`), or `signal N`.
+pub fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGCHLD => "SIGCHLD",
+        libc::SIGCONT => "SIGCONT",
+        libc::SIGSTOP => "SIGSTOP",
+        libc::SIGTSTP => "SIGTSTP",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGSYS => "SIGSYS",
+        _ => return format!("signal {sig}"),
+    };
+    name.to_string()
+}
+
+/// Reads `n` random bytes from the kernel and returns them as lowercase hex.
+pub fn random_hex(n: usize) -> io::Result<String> {
+    use std::io::Read;
+    let mut buf = vec![0u8; n];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_fresh_hex() {
+        let a = random_hex(32).unwrap();
+        let b = random_hex(32).unwrap();
+        assert_eq!(a.len(), 64);
+        assert!(a
+            .chars()
+            .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(signal_name(9), "SIGKILL");
+        assert_eq!(signal_name(15), "SIGTERM");
+        assert_eq!(signal_name(63), "signal 63");
+    }
+}
