@@ -431,20 +431,26 @@ pub fn efficiency(backward_s: f64, step_s: f64) -> f64 {
     (f + backward_s) / (f + step_s)
 }
 
-/// Least-squares fit of `t = a + b·m` to (bytes, seconds) points; `None` with fewer than two
-/// distinct sizes.
+/// Fit of `t = a + b·m` to (bytes, seconds) points minimising the *relative* squared error
+/// (weights 1/t²), so that small messages (which set α) count as much as large ones (which set
+/// β). `None` with fewer than two distinct sizes.
 pub fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
-    let n = points.len() as f64;
-    if points.len() < 2 {
+    let pts: Vec<(f64, f64, f64)> = points
+        .iter()
+        .filter(|p| p.1 > 0.0 && p.0.is_finite() && p.1.is_finite())
+        .map(|&(x, y)| (x, y, 1.0 / (y * y)))
+        .collect();
+    if pts.len() < 2 {
         return None;
     }
-    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
-    let my = points.iter().map(|p| p.1).sum::<f64>() / n;
-    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sw: f64 = pts.iter().map(|p| p.2).sum();
+    let mx = pts.iter().map(|p| p.2 * p.0).sum::<f64>() / sw;
+    let my = pts.iter().map(|p| p.2 * p.1).sum::<f64>() / sw;
+    let sxx: f64 = pts.iter().map(|p| p.2 * (p.0 - mx).powi(2)).sum();
     if sxx <= 0.0 {
         return None;
     }
-    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let sxy: f64 = pts.iter().map(|p| p.2 * (p.0 - mx) * (p.1 - my)).sum();
     let b = sxy / sxx;
     Some((my - b * mx, b))
 }
@@ -649,6 +655,11 @@ mod tests {
         assert!(close(l.alpha_s, alpha), "{l:?}");
         assert!(close(l.bandwidth_bps, 2e9), "{l:?}");
         assert!(calibrate_link("x", p, &points[..1]).is_none());
+        // Noisy large sizes must not swamp α: 10 % error on the largest point only.
+        let mut noisy = points.clone();
+        noisy[4].1 *= 1.1;
+        let l = calibrate_link("loopback", p, &noisy).unwrap();
+        assert!((l.alpha_s - alpha).abs() < 0.1 * alpha, "{l:?}");
     }
 
     #[test]

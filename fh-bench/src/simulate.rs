@@ -8,7 +8,8 @@ use crate::workload::Workload;
 
 /// What the simulation is, said in every report.
 pub const NOTE: &str = "MODEL, not a measurement: a discrete-event simulation of both schedules \
-(negotiation rounds, fusion, K channels sharing the link, ring-allreduce alpha-beta costs), fed by \
+(negotiation rounds, fusion, K channels sharing the link, alpha-beta costs of ring or \
+recursive-doubling allreduce), fed by \
 the workloads' gradient sizes and release times. Step time = backward start to last gradient \
 reduced; efficiency = (F + B) / (F + step) with a forward pass F = B/2.";
 
@@ -75,7 +76,13 @@ pub fn calibrate(
         .iter()
         .filter(|r| r.mode == "bit-vector" && r.round_latency.median.is_finite())
         .collect();
-    if let Some(r) = bitvec.iter().max_by_key(|r| r.tensors) {
+    // The fewest tensors: a round's fixed cost, not the per-tensor bookkeeping.
+    let largest_np = bitvec.iter().map(|r| r.np).max();
+    if let Some(r) = bitvec
+        .iter()
+        .filter(|r| Some(r.np) == largest_np)
+        .min_by_key(|r| r.tensors)
+    {
         let alpha = link.as_ref().map_or(0.0, |(l, _)| l.alpha_s);
         let steps = (r.np as f64).log2().ceil();
         overheads.round_s = (r.round_latency.median * 1e-6 - steps * alpha).max(1e-6);
