@@ -164,6 +164,7 @@ fn strangers_on_the_rendezvous_port_do_not_break_the_job() {
                         rank: 1,
                         seq: 0,
                         port: 1,
+                        lost: 0,
                         token: vec![b'0'; 64],
                     };
                     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));

@@ -7,7 +7,7 @@
 //! | `fhrun` | `FH_RANK`, `FH_SIZE`, `FH_LOCAL_RANK`, `FH_LOCAL_SIZE`, `FH_CROSS_RANK`, `FH_CROSS_SIZE`, `FH_RENDEZVOUS_ADDR`, `FH_JOB_TOKEN` |
 //! | OpenMPI `mpirun` | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE` |
 //! | MPICH / Hydra (PMI) | `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` |
-//! | Slurm `srun` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` or `SLURM_TASKS_PER_NODE`, `SLURM_NODEID`, `SLURM_NNODES` (only inside a job step, i.e. when `SLURM_STEP_ID` is set) |
+//! | Slurm `srun` | `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` or `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_STEP_TASKS_PER_NODE` or `SLURM_NTASKS_PER_NODE` or `SLURM_TASKS_PER_NODE`, `SLURM_NODEID`, `SLURM_STEP_NUM_NODES` or `SLURM_NNODES` (only inside a job step, i.e. when `SLURM_STEP_ID` is set: a batch script is one process) |
 //! | `torchrun` | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`, `MASTER_PORT` |
 //! | none | a single process: rank 0 of 1 |
 //!
@@ -158,7 +158,11 @@ impl LaunchInfo {
         } else if get("PMI_RANK").is_some() || get("PMI_SIZE").is_some() {
             from_mpich(&get)?
         } else if get("SLURM_PROCID").is_some()
-            && (get("SLURM_STEP_ID").is_some() || get("SLURM_STEPID").is_some())
+            && first_set(
+                &get,
+                &["SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS"],
+            )
+            .is_some()
         {
             from_slurm(&get)?
         } else if get("RANK").is_some() && get("WORLD_SIZE").is_some() {
@@ -390,7 +394,11 @@ fn from_mpich(get: &Get<'_>) -> Result<LaunchInfo> {
 }
 
 /// Parse Slurm's `SLURM_TASKS_PER_NODE` (`"2(x3),1"`) and return the count of node `node`.
+/// A plain number (`SLURM_NTASKS_PER_NODE=2`) applies to every node.
 fn slurm_tasks_on_node(spec: &str, node: usize) -> Option<usize> {
+    if let Ok(n) = spec.trim().parse::<usize>() {
+        return Some(n);
+    }
     let mut seen = 0usize;
     for part in spec.split(',') {
         let part = part.trim();
@@ -406,45 +414,63 @@ fn slurm_tasks_on_node(spec: &str, node: usize) -> Option<usize> {
     None
 }
 
+/// The first of `names` that is set, with its name.
+fn first_set(get: &Get<'_>, names: &[&'static str]) -> Option<(&'static str, String)> {
+    names.iter().find_map(|&n| get(n).map(|v| (n, v)))
+}
+
 fn from_slurm(get: &Get<'_>) -> Result<LaunchInfo> {
     let l = Launcher::Slurm;
     let rank = require_usize(get, "SLURM_PROCID", l, "SLURM_PROCID")?;
-    let size = match parse_usize(get, "SLURM_NTASKS")? {
-        Some(n) => n,
-        None => require_usize(get, "SLURM_NPROCS", l, "SLURM_PROCID").map_err(|_| {
-            config(
+    // A job step may use fewer tasks and nodes than the allocation: prefer the step's view.
+    let size = match first_set(
+        get,
+        &["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"],
+    ) {
+        Some((name, _)) => require_usize(get, name, l, "SLURM_PROCID")?,
+        None => {
+            return Err(config(
                 "SLURM_NTASKS",
-                "SLURM_PROCID is set (a Slurm job step) but neither SLURM_NTASKS nor SLURM_NPROCS is",
-            )
-        })?,
+                "SLURM_PROCID is set (a Slurm job step) but none of SLURM_STEP_NUM_TASKS, \
+                 SLURM_NTASKS and SLURM_NPROCS is",
+            ))
+        }
     };
     let node = parse_usize(get, "SLURM_NODEID")?;
     let local_rank = parse_usize(get, "SLURM_LOCALID")?;
-    let local_size = match parse_usize(get, "SLURM_NTASKS_PER_NODE") {
-        Ok(Some(n)) => Some(n),
-        // SLURM_NTASKS_PER_NODE may also use the compressed list syntax.
-        _ => match (get("SLURM_NTASKS_PER_NODE").or_else(|| get("SLURM_TASKS_PER_NODE")), node) {
-            (Some(spec), node) => Some(slurm_tasks_on_node(&spec, node.unwrap_or(0)).ok_or_else(
-                || {
-                    config(
-                        "SLURM_TASKS_PER_NODE",
-                        format!(
-                            "expected a task count list like \"2(x3),1\" covering node {}, got {spec:?}",
-                            node.unwrap_or(0)
-                        ),
-                    )
-                },
-            )?),
-            (None, _) => None,
-        },
+    let spec = first_set(
+        get,
+        &[
+            "SLURM_STEP_TASKS_PER_NODE",
+            "SLURM_NTASKS_PER_NODE",
+            "SLURM_TASKS_PER_NODE",
+        ],
+    );
+    let local_size = match spec {
+        None => None,
+        Some((name, spec)) => {
+            let node = node.unwrap_or(0);
+            Some(slurm_tasks_on_node(&spec, node).ok_or_else(|| {
+                config(
+                    name,
+                    format!(
+                        "expected a task count or a list like \"2(x3),1\" covering node {node}, \
+                         got {spec:?}"
+                    ),
+                )
+            })?)
+        }
     };
     let local = match (local_rank, local_size) {
         (Some(r), Some(s)) => Some((r, s)),
         (None, None) => None,
-        (Some(_), None) => return Err(config(
-            "SLURM_TASKS_PER_NODE",
-            "SLURM_LOCALID is set but neither SLURM_NTASKS_PER_NODE nor SLURM_TASKS_PER_NODE is",
-        )),
+        (Some(_), None) => {
+            return Err(config(
+                "SLURM_TASKS_PER_NODE",
+                "SLURM_LOCALID is set but none of SLURM_STEP_TASKS_PER_NODE, \
+                 SLURM_NTASKS_PER_NODE and SLURM_TASKS_PER_NODE is",
+            ))
+        }
         (None, Some(_)) => {
             return Err(config(
                 "SLURM_LOCALID",
@@ -452,8 +478,11 @@ fn from_slurm(get: &Get<'_>) -> Result<LaunchInfo> {
             ))
         }
     };
-    let cross = (node, parse_usize(get, "SLURM_NNODES")?);
-    Ok(derive_rest(l, rank, size, local, cross))
+    let nodes = match first_set(get, &["SLURM_STEP_NUM_NODES", "SLURM_NNODES"]) {
+        Some((name, _)) => parse_usize(get, name)?,
+        None => None,
+    };
+    Ok(derive_rest(l, rank, size, local, (node, nodes)))
 }
 
 fn from_torchrun(get: &Get<'_>) -> Result<LaunchInfo> {
@@ -611,6 +640,7 @@ mod tests {
         assert_eq!(slurm_tasks_on_node("2(x3),1", 3), Some(1));
         assert_eq!(slurm_tasks_on_node("2(x3),1", 4), None);
         assert_eq!(slurm_tasks_on_node("4", 0), Some(4));
+        assert_eq!(slurm_tasks_on_node("4", 3), Some(4));
         assert_eq!(slurm_tasks_on_node("x", 0), None);
     }
 }

@@ -11,6 +11,22 @@
 //! [`algorithms`], against that interface. Backends with faster native collectives override the
 //! trait's default methods.
 //!
+//! A launched process joins its job with [`from_env`]: [`bootstrap::LaunchInfo`] reads where it
+//! sits from whichever launcher started it (`fhrun`, `mpirun`, `srun`, `torchrun`), and
+//! `FH_TRANSPORT` picks the backend — by default [`tcp`], which meets the other ranks at rank 0's
+//! rendezvous address and authenticates every connection with the job token.
+//!
+//! ```no_run
+//! use fh_core::ReduceOp;
+//! use fh_transport::CollectivesExt;
+//!
+//! let mut world = fh_transport::from_env()?;
+//! let mut comm = world.open("data")?;
+//! let mut grads = vec![world.rank() as f32; 1024];
+//! comm.allreduce_typed(&mut grads, ReduceOp::Average)?;
+//! # Ok::<(), fh_transport::TransportError>(())
+//! ```
+//!
 //! **Invariant:** this is the only crate that talks to sockets, MPI or NCCL. It knows nothing of
 //! tensor names, fusion, scheduling or Python.
 #![deny(missing_docs)]
@@ -20,6 +36,9 @@ pub mod bootstrap;
 pub mod comm;
 pub mod error;
 pub mod local;
+pub mod mpi;
+#[cfg(target_os = "linux")]
+pub mod shm;
 pub mod tcp;
 
 pub use comm::{CollectivesExt, Communicator, Topology, Transport};
@@ -35,11 +54,21 @@ pub const TRANSPORT_CHOICES: &str = "auto, tcp, shm, mpi, local";
 /// and the backend chosen by `FH_TRANSPORT` (`auto` — the default — or `tcp`, `shm`, `mpi`,
 /// `local`), and connect.
 ///
-/// `auto` is TCP for now. `local` is only valid for a single process. `shm` and `mpi` report
-/// [`TransportError::BackendUnavailable`] until those backends are built in.
+/// `auto` is TCP for now ([`shm::suits`] tells when shared memory would serve a launch).
+/// `local` is only valid for a single process. `shm` needs every rank on one host (Linux).
+/// `mpi` needs the `mpi` Cargo feature (else [`TransportError::BackendUnavailable`] says how to
+/// build it) and ranks started by `mpirun`.
 pub fn from_env() -> Result<Box<dyn Transport>> {
-    let info = bootstrap::LaunchInfo::from_env()?;
     let choice = std::env::var("FH_TRANSPORT").ok();
+    // MPI learns its world from the MPI runtime (plain `mpirun -np N` sets no rendezvous
+    // variables), so it needs nothing from the launch environment.
+    if choice
+        .as_deref()
+        .is_some_and(|c| c.trim().eq_ignore_ascii_case("mpi"))
+    {
+        return mpi::world();
+    }
+    let info = bootstrap::LaunchInfo::from_env()?;
     world_for(&info, choice.as_deref())
 }
 
@@ -73,18 +102,15 @@ pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<B
                 .map(|t| Box::new(t) as Box<dyn Transport>)
                 .ok_or_else(|| TransportError::Closed("empty in-process world".into()))
         }
+        #[cfg(target_os = "linux")]
+        "shm" => Ok(Box::new(shm::ShmTransport::from_info(info)?)),
+        #[cfg(not(target_os = "linux"))]
         "shm" => Err(TransportError::BackendUnavailable {
             backend: "shm",
-            reason: "the shared-memory backend is not part of this build yet; use \
-                     FH_TRANSPORT=tcp (or auto)"
-                .into(),
+            reason: "the shared-memory backend needs Linux; use FH_TRANSPORT=tcp (or auto)".into(),
         }),
-        "mpi" => Err(TransportError::BackendUnavailable {
-            backend: "mpi",
-            reason: "the MPI backend is not part of this build (it needs the `mpi` feature of \
-                     fh-transport); use FH_TRANSPORT=tcp (or auto)"
-                .into(),
-        }),
+        // The MPI world comes from the MPI runtime; `info` is not needed (see `mpi::world`).
+        "mpi" => mpi::world(),
         other => Err(TransportError::Config {
             var: "FH_TRANSPORT".into(),
             reason: format!("unknown transport {other:?}; expected one of: {TRANSPORT_CHOICES}"),

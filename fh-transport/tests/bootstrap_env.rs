@@ -229,6 +229,36 @@ fn slurm_variables() {
 }
 
 #[test]
+fn slurm_step_variables_win_over_the_allocation() {
+    // `srun -n 3` inside an allocation of 8 tasks on 4 nodes.
+    let info = parse(&[
+        ("SLURM_PROCID", "2"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_NNODES", "4"),
+        ("SLURM_TASKS_PER_NODE", "2(x4)"),
+        ("SLURM_STEP_ID", "1"),
+        ("SLURM_STEP_NUM_TASKS", "3"),
+        ("SLURM_STEP_NUM_NODES", "2"),
+        ("SLURM_STEP_TASKS_PER_NODE", "2,1"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_LOCALID", "0"),
+        ("FH_RENDEZVOUS_ADDR", "n1:29400"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (
+            info.rank,
+            info.size,
+            info.local_rank,
+            info.local_size,
+            info.cross_rank,
+            info.cross_size
+        ),
+        (2, 3, 0, 1, 1, 2)
+    );
+}
+
+#[test]
 fn slurm_batch_script_is_not_a_job_step() {
     // sbatch sets SLURM_PROCID=0 in the batch script itself; only srun steps are ranks.
     let info = parse(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "8")]).unwrap();
@@ -308,7 +338,8 @@ fn bad_values_name_the_variable_and_what_is_expected() {
         vars.extend(over.iter().filter(|(_, v)| !v.is_empty()));
         vars
     };
-    let cases: &[(&[(&str, &str)], &str, &str)] = &[
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a str, &'a str);
+    let cases: &[Case<'_>] = &[
         (&[("FH_RANK", "abc")], "FH_RANK", "non-negative integer"),
         (&[("FH_SIZE", "-1")], "FH_SIZE", "non-negative integer"),
         (&[("FH_RANK", "4")], "FH_RANK", "not below the world size"),
@@ -424,13 +455,16 @@ fn transport_choice() {
         let t = fh_transport::world_for(&single, ok).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
         assert_eq!(t.size(), 1);
     }
-    for (choice, backend) in [("shm", "shm"), ("mpi", "mpi")] {
-        match fh_transport::world_for(&single, Some(choice)) {
-            Err(TransportError::BackendUnavailable { backend: b, reason }) => {
-                assert_eq!(b, backend);
+    let solo_shm = fh_transport::world_for(&single, Some("shm")).unwrap();
+    assert_eq!(solo_shm.backend(), "shm");
+    // With the `mpi` feature, "mpi" would initialise MPI here: tests/mpi_mpirun.rs covers it.
+    if !cfg!(feature = "mpi") {
+        match fh_transport::world_for(&single, Some("mpi")) {
+            Err(TransportError::BackendUnavailable { backend, reason }) => {
+                assert_eq!(backend, "mpi");
                 assert!(reason.contains("FH_TRANSPORT=tcp"), "{reason}");
             }
-            other => panic!("{choice}: {:?}", other.map(|t| t.backend())),
+            other => panic!("mpi: {:?}", other.map(|t| t.backend())),
         }
     }
     match fh_transport::world_for(&single, Some("carrier-pigeon")) {

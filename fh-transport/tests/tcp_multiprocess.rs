@@ -345,6 +345,7 @@ fn strangers_at_the_rendezvous_do_not_disturb_the_job() {
         rank: 1,
         seq: 0,
         port: 1,
+        lost: 0,
         token: b"guessed-token".to_vec(),
     };
     impostor.write_all(&hello.encode()).expect("send hello");

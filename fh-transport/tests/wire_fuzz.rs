@@ -6,24 +6,22 @@ use proptest::prelude::*;
 
 fn hello_strategy() -> impl Strategy<Value = Hello> {
     (
-        any::<bool>(),
+        0u8..3,
         any::<u32>(),
         any::<u32>(),
         any::<u64>(),
         any::<u16>(),
+        any::<u32>(),
         proptest::collection::vec(any::<u8>(), 0..=wire::MAX_TOKEN_LEN),
     )
-        .prop_map(|(data, size, rank, seq, port, token)| Hello {
+        .prop_map(|(kind, size, rank, seq, port, lost, token)| Hello {
             version: wire::PROTOCOL_VERSION,
-            kind: if data {
-                ConnKind::Data
-            } else {
-                ConnKind::Rendezvous
-            },
+            kind: [ConnKind::Rendezvous, ConnKind::Data, ConnKind::Abort][usize::from(kind)],
             size,
             rank,
             seq,
             port,
+            lost,
             token,
         })
 }

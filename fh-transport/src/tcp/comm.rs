@@ -4,13 +4,14 @@ use std::collections::VecDeque;
 use std::io;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::sys;
 use super::wire::{self, Header};
+use super::{sys, Link, TcpOptions};
 use crate::{Communicator, Result, TransportError};
 
-/// A communicator of the TCP backend (see [`super::TcpTransport::open`]).
+/// A communicator of the TCP backend (see [`Transport::open`](crate::Transport::open) on a [`super::TcpTransport`]).
 ///
 /// Every operation waits at most the configured timeout *without progress*: a large transfer
 /// that keeps moving is never cut short, a silent peer is reported after the timeout, and a
@@ -29,7 +30,12 @@ pub struct TcpComm {
     timeout: Duration,
     max_frame: usize,
     failed: Option<(Option<usize>, String)>,
+    link: Option<Arc<Link>>,
 }
+
+/// How long a rank that sees a peer's connection close waits for that peer's out-of-band
+/// abort notice (which names the rank really lost) before blaming the peer itself.
+const BLAME_GRACE: Duration = Duration::from_millis(500);
 
 /// The send half of a transfer in progress.
 struct SendState<'a> {
@@ -74,8 +80,8 @@ impl TcpComm {
         rank: usize,
         size: usize,
         peers: Vec<Option<TcpStream>>,
-        timeout: Duration,
-        max_frame: usize,
+        opts: &TcpOptions,
+        link: Option<Arc<Link>>,
     ) -> Self {
         TcpComm {
             label,
@@ -84,13 +90,14 @@ impl TcpComm {
             size,
             peers,
             loopback: VecDeque::new(),
-            timeout,
-            max_frame,
+            timeout: opts.timeout,
+            max_frame: opts.max_frame,
             failed: None,
+            link,
         }
     }
 
-    /// The label given to [`super::TcpTransport::open`].
+    /// The label given to [`Transport::open`](crate::Transport::open) on a [`super::TcpTransport`].
     pub fn label(&self) -> &str {
         &self.label
     }
@@ -138,10 +145,20 @@ impl TcpComm {
         let notice = wire::abort_header(blamed.unwrap_or(self.rank) as u32);
         for (p, stream) in self.peers.iter().enumerate() {
             let Some(stream) = stream else { continue };
-            if Some(p) != half_sent_to && Some(p) != blamed {
-                // Best effort: a full socket buffer means that peer is not reading from us
-                // anyway and will learn of the failure from someone else or from the EOF.
-                let _ = sys::send2(stream.as_raw_fd(), &notice, &[]);
+            if Some(p) == half_sent_to && Some(p) != blamed {
+                // A notice now would be read as payload: deliver it out of band.
+                if let Some(link) = &self.link {
+                    link.send_abort(self.rank, p, self.seq, blamed.unwrap_or(self.rank));
+                }
+            } else if Some(p) != blamed {
+                // In band when the socket buffer has room; otherwise (that peer is not
+                // reading from us right now) out of band, so that its view stays right.
+                let sent = sys::send2(stream.as_raw_fd(), &notice, &[]).unwrap_or(0);
+                if sent != notice.len() {
+                    if let Some(link) = &self.link {
+                        link.send_abort(self.rank, p, self.seq, blamed.unwrap_or(self.rank));
+                    }
+                }
             }
             let _ = stream.shutdown(Shutdown::Both);
         }
@@ -156,6 +173,20 @@ impl TcpComm {
     }
 
     fn lost(&self, peer: usize, what: &str, e: Option<io::Error>) -> TransportError {
+        // The peer may have hung up on purpose after losing another rank, in the middle of a
+        // frame to us; then its notice comes out of band, shortly. Wait for it briefly.
+        if let Some(link) = &self.link {
+            let deadline = Instant::now() + BLAME_GRACE;
+            loop {
+                if let Some((from, lost)) = link.board.get(self.seq) {
+                    return self.abort_error(from, lost as u32);
+                }
+                if Instant::now() >= deadline {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
         TransportError::PeerLost {
             rank: peer,
             detail: match e {

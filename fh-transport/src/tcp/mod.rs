@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -48,6 +48,8 @@ pub const DEFAULT_MAX_FRAME: usize = 16 << 30;
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Most handshakes served at once; further connections are dropped until some finish.
 const MAX_PENDING_HANDSHAKES: usize = 64;
+/// Refusals queued for the transport beyond which further ones are only logged.
+const MAX_QUEUED_REFUSALS: usize = 256;
 /// How often acceptor threads check whether they should stop.
 const ACCEPT_POLL: Duration = Duration::from_millis(100);
 
@@ -103,6 +105,63 @@ struct AcceptRules {
     size: usize,
     rank: usize,
     handshake_timeout: Duration,
+    board: Arc<AbortBoard>,
+}
+
+/// Abort notices received out of band: communicator sequence number → (reporting rank, lost
+/// rank). Only authenticated peers write here, at most one entry per communicator.
+#[derive(Debug, Default)]
+pub(crate) struct AbortBoard {
+    notices: Mutex<HashMap<u64, (usize, usize)>>,
+}
+
+impl AbortBoard {
+    fn post(&self, seq: u64, from: usize, lost: usize) {
+        if let Ok(mut n) = self.notices.lock() {
+            n.entry(seq).or_insert((from, lost));
+        }
+    }
+
+    /// The notice about communicator `seq`, if one arrived.
+    pub(crate) fn get(&self, seq: u64) -> Option<(usize, usize)> {
+        self.notices.lock().ok().and_then(|n| n.get(&seq).copied())
+    }
+}
+
+/// What a communicator needs to reach its peers outside its own connections.
+#[derive(Debug)]
+pub(crate) struct Link {
+    pub(crate) book: Vec<SocketAddr>,
+    pub(crate) token: Vec<u8>,
+    pub(crate) board: Arc<AbortBoard>,
+    pub(crate) handshake_timeout: Duration,
+}
+
+impl Link {
+    /// Tell `peer`, over a fresh connection, that this rank gave up on communicator `seq`
+    /// because it lost rank `lost`. Best effort, bounded by the handshake timeout.
+    pub(crate) fn send_abort(&self, rank: usize, peer: usize, seq: u64, lost: usize) {
+        let Some(addr) = self.book.get(peer) else {
+            return;
+        };
+        let timeout = self.handshake_timeout.min(Duration::from_secs(2));
+        let Ok(mut s) = TcpStream::connect_timeout(addr, timeout) else {
+            return;
+        };
+        let hello = Hello {
+            version: wire::PROTOCOL_VERSION,
+            kind: ConnKind::Abort,
+            size: self.book.len() as u32,
+            rank: rank as u32,
+            seq,
+            port: 0,
+            lost: lost as u32,
+            token: self.token.clone(),
+        };
+        if let Err(e) = client_handshake(&mut s, &hello, &format!("rank {peer}"), timeout) {
+            tracing::debug!(peer, error = %e, "could not deliver an abort notice");
+        }
+    }
 }
 
 /// A background thread serving one listener.
@@ -124,7 +183,7 @@ impl Acceptor {
         let stop2 = Arc::clone(&stop);
         let name = match rules.kind {
             ConnKind::Rendezvous => "fh-tcp-rendezvous",
-            ConnKind::Data => "fh-tcp-accept",
+            ConnKind::Data | ConnKind::Abort => "fh-tcp-accept",
         };
         let thread = std::thread::Builder::new()
             .name(name.into())
@@ -219,6 +278,19 @@ fn accept_loop(
                 .name("fh-tcp-handshake".into())
                 .spawn(move || {
                     let msg = match serve_handshake(stream, &rules) {
+                        Ok((hello, _)) if hello.kind == ConnKind::Abort => {
+                            tracing::warn!(
+                                from = hello.rank,
+                                lost = hello.lost,
+                                seq = hello.seq,
+                                "a peer gave up on a communicator"
+                            );
+                            rules
+                                .board
+                                .post(hello.seq, hello.rank as usize, hello.lost as usize);
+                            pending2.fetch_sub(1, Ordering::Relaxed);
+                            return;
+                        }
                         Ok((hello, stream)) => Incoming::Accepted {
                             hello,
                             stream,
@@ -235,6 +307,11 @@ fn accept_loop(
                         }
                     };
                     pending2.fetch_sub(1, Ordering::Relaxed);
+                    // Under a flood of strangers, keep memory bounded: refusals are only
+                    // explanations (and were logged), so drop them when nobody is reading.
+                    if matches!(msg, Incoming::Refused { .. }) && tx.len() >= MAX_QUEUED_REFUSALS {
+                        return;
+                    }
                     // The transport may be gone already; then nobody needs the connection.
                     let _ = tx.send(msg);
                 });
@@ -258,10 +335,20 @@ fn serve_handshake(
     }
     let mut buf = [0u8; wire::MAX_HELLO_LEN];
     let mut got = 0usize;
+    // The whole handshake, not each read, is bounded: a stranger dripping a byte at a time
+    // does not hold a thread for long.
+    let deadline = Instant::now() + rules.handshake_timeout;
     let hello = loop {
         match Hello::decode(&buf[..got]) {
             Ok((hello, _)) => break hello,
             Err(DecodeError::NeedMore(n)) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
+                    return Err(format!(
+                        "no complete handshake within {:?} (a slow or silent connection)",
+                        rules.handshake_timeout
+                    ));
+                }
                 let n = n.min(buf.len());
                 match stream.read(&mut buf[got..n]) {
                     Ok(0) => {
@@ -311,7 +398,8 @@ fn check_hello(hello: &Hello, rules: &AcceptRules) -> Option<String> {
                 .into(),
         );
     }
-    if hello.kind != rules.kind {
+    let abort_at_data = hello.kind == ConnKind::Abort && rules.kind == ConnKind::Data;
+    if hello.kind != rules.kind && !abort_at_data {
         return Some(format!(
             "a {:?} handshake arrived at the {:?} listener",
             hello.kind, rules.kind
@@ -326,7 +414,9 @@ fn check_hello(hello: &Hello, rules: &AcceptRules) -> Option<String> {
     let rank = hello.rank as usize;
     let ok_rank = match rules.kind {
         ConnKind::Rendezvous => rank != 0 && rank < rules.size,
+        ConnKind::Data if abort_at_data => rank != rules.rank && rank < rules.size,
         ConnKind::Data => rank > rules.rank && rank < rules.size,
+        ConnKind::Abort => false,
     };
     if !ok_rank {
         return Some(format!(
@@ -451,6 +541,8 @@ pub struct TcpTransport {
     acceptor: Option<Acceptor>,
     /// Connections that arrived for communicators not opened yet: (seq, rank) → stream.
     stash: HashMap<(u64, usize), TcpStream>,
+    board: Arc<AbortBoard>,
+    link: Option<Arc<Link>>,
 }
 
 impl std::fmt::Debug for TcpTransport {
@@ -476,6 +568,8 @@ impl TcpTransport {
             next_seq: 0,
             acceptor: None,
             stash: HashMap::new(),
+            board: Arc::new(AbortBoard::default()),
+            link: None,
         };
         if info.size == 1 {
             return Ok(t);
@@ -504,6 +598,12 @@ impl TcpTransport {
         } else {
             t.rendezvous_member(&addrs, rdv)?;
         }
+        t.link = Some(Arc::new(Link {
+            book: t.book.clone(),
+            token: t.token.clone(),
+            board: Arc::clone(&t.board),
+            handshake_timeout: t.opts.handshake_timeout,
+        }));
         tracing::debug!(rank = info.rank, book = ?t.book, "TCP rendezvous complete");
         Ok(t)
     }
@@ -520,6 +620,7 @@ impl TcpTransport {
             size: self.topology.size,
             rank: self.topology.rank,
             handshake_timeout: self.opts.handshake_timeout,
+            board: Arc::clone(&self.board),
         }
     }
 
@@ -634,6 +735,7 @@ impl TcpTransport {
             rank: rank as u32,
             seq: 0,
             port,
+            lost: 0,
             token: self.token.clone(),
         };
         let peer = format!("rank 0 (rendezvous at {rdv})");
@@ -717,7 +819,25 @@ impl TcpTransport {
         // Connect to every lower rank.
         for (r, slot) in peers.iter_mut().enumerate().take(rank) {
             let what = format!("rank {r} (communicator '{label}')");
-            let mut s = connect_retry(&[self.book[r]], deadline, &what)?;
+            // Every data listener has been up since the rendezvous: a refused connection
+            // means that rank's process is gone, not that it is late.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut s =
+                match TcpStream::connect_timeout(&self.book[r], left.max(Duration::from_millis(1)))
+                {
+                    Ok(s) => s,
+                    Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                        return Err(TransportError::PeerLost {
+                            rank: r,
+                            detail: format!(
+                                "its listener at {} refused the connection for communicator \
+                             '{label}' (the process is gone)",
+                                self.book[r]
+                            ),
+                        })
+                    }
+                    Err(_) => connect_retry(&[self.book[r]], deadline, &what)?,
+                };
             let hello = Hello {
                 version: wire::PROTOCOL_VERSION,
                 kind: ConnKind::Data,
@@ -725,6 +845,7 @@ impl TcpTransport {
                 rank: rank as u32,
                 seq,
                 port: 0,
+                lost: 0,
                 token: self.token.clone(),
             };
             client_handshake(
@@ -801,8 +922,8 @@ impl Transport for TcpTransport {
             rank,
             size,
             peers,
-            self.opts.timeout,
-            self.opts.max_frame,
+            &self.opts,
+            self.link.clone(),
         )))
     }
 }

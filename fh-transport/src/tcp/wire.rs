@@ -8,12 +8,13 @@
 //! |---|---|
 //! | 4 | magic `FHTP` |
 //! | 2 | protocol version, little endian |
-//! | 1 | kind: 0 rendezvous, 1 data connection |
+//! | 1 | kind: 0 rendezvous, 1 data connection, 2 abort notice |
 //! | 1 | token length `t` (≤ [`MAX_TOKEN_LEN`]) |
 //! | 4 | world size |
 //! | 4 | rank of the connector |
 //! | 8 | communicator sequence number |
 //! | 2 | data-listener port (rendezvous only; else 0) |
+//! | 4 | the lost rank (abort notices only; else 0) |
 //! | `t` | token |
 //!
 //! ## Reply (acceptor → connector)
@@ -25,7 +26,9 @@
 //!
 //! An 8-byte little-endian header followed by the payload. A header below [`CONTROL_BIT`] is a
 //! payload length; with the bit set it is a control frame without payload: an *abort notice*
-//! carrying the rank whose loss made the sender give up.
+//! carrying the rank whose loss made the sender give up. When a sender gives up in the middle
+//! of a frame, where a notice would be taken for payload, it delivers the notice over a fresh
+//! connection of kind *abort notice* instead.
 
 use std::fmt;
 
@@ -40,7 +43,7 @@ pub const MAX_TOKEN_LEN: usize = 255;
 /// Longest refusal reason sent or accepted.
 pub const MAX_REASON_LEN: usize = 1024;
 /// Size of the fixed part of a handshake.
-pub const HELLO_FIXED_LEN: usize = 26;
+pub const HELLO_FIXED_LEN: usize = 30;
 /// Largest possible handshake.
 pub const MAX_HELLO_LEN: usize = HELLO_FIXED_LEN + MAX_TOKEN_LEN;
 /// Size of the fixed part of a reply.
@@ -57,6 +60,9 @@ pub enum ConnKind {
     Rendezvous,
     /// A data connection of communicator `seq`.
     Data,
+    /// A one-shot notice that the connector gave up on communicator `seq` because it lost
+    /// rank `lost`, sent when the notice cannot travel on the data connection itself.
+    Abort,
 }
 
 /// A decoded handshake.
@@ -74,6 +80,8 @@ pub struct Hello {
     pub seq: u64,
     /// The connector's data-listener port (rendezvous only).
     pub port: u16,
+    /// The rank whose loss made the connector give up (abort notices only).
+    pub lost: u32,
     /// The job token presented.
     pub token: Vec<u8>,
 }
@@ -87,6 +95,7 @@ impl fmt::Debug for Hello {
             .field("rank", &self.rank)
             .field("seq", &self.seq)
             .field("port", &self.port)
+            .field("lost", &self.lost)
             .field("token", &"<redacted>")
             .finish()
     }
@@ -128,12 +137,14 @@ impl Hello {
         out.push(match self.kind {
             ConnKind::Rendezvous => 0,
             ConnKind::Data => 1,
+            ConnKind::Abort => 2,
         });
         out.push(token.len() as u8);
         out.extend_from_slice(&self.size.to_le_bytes());
         out.extend_from_slice(&self.rank.to_le_bytes());
         out.extend_from_slice(&self.seq.to_le_bytes());
         out.extend_from_slice(&self.port.to_le_bytes());
+        out.extend_from_slice(&self.lost.to_le_bytes());
         out.extend_from_slice(token);
         out
     }
@@ -161,6 +172,7 @@ impl Hello {
         let kind = match buf[6] {
             0 => ConnKind::Rendezvous,
             1 => ConnKind::Data,
+            2 => ConnKind::Abort,
             k => return Err(DecodeError::Invalid(format!("unknown connection kind {k}"))),
         };
         let token_len = usize::from(buf[7]);
@@ -179,6 +191,7 @@ impl Hello {
                 rank: u32_at(12),
                 seq: u64::from_le_bytes(seq),
                 port: u16::from_le_bytes([buf[24], buf[25]]),
+                lost: u32_at(26),
                 token: buf[HELLO_FIXED_LEN..total].to_vec(),
             },
             total,
@@ -376,6 +389,7 @@ mod tests {
             rank: 3,
             seq: 77,
             port: 4242,
+            lost: 9,
             token: b"secret".to_vec(),
         };
         let bytes = h.encode();

@@ -1,0 +1,1081 @@
+//! The shared-memory communicator: waiting, point-to-point rings and native collectives.
+//!
+//! # Protocol
+//!
+//! Every rank `r` owns, per buffer `b` (`nbuf` of them, used round-robin), a *slot* of
+//! `slot_bytes` that only `r` writes, a few metadata words, and three round counters:
+//! `posted[r]` (its slot holds the data of round `k` when `posted >= k + 1`), `reduced[r]`
+//! (its share of round `k` is reduced) and `consumed[r]` (it has finished reading round `k`).
+//! Every collective is cut into rounds that each fit a slot; all ranks number rounds alike.
+//! Before writing buffer `b` again in round `k`, a rank waits until every rank has consumed
+//! round `k - nbuf`, so with two buffers a fast rank may run one round ahead.
+//!
+//! Allreduce of up to `small_allreduce_bytes`: every rank publishes its input, then folds all
+//! slots in rank order (one synchronisation; identical bits everywhere). Larger: each round is
+//! split into `n` shares; rank `r` publishes its input except share `r`, reduces share `r` from
+//! its private buffer and the peers' slots (in cache-sized blocks), publishes the result in its
+//! slot and bumps `reduced`; every rank copies the other shares out as each becomes ready. Per
+//! input byte a rank thus copies `(n-1)/n` in, reduces `1/n` from `n` sources, publishes `1/n`
+//! and copies `(n-1)/n` out. Each share is computed once, so all ranks get identical bits.
+//!
+//! Counters are published with release stores and read with acquire loads, which orders the
+//! plain copies into and out of the slots. Waiting is a short poll (yielding the core between
+//! checks), then `FUTEX_WAIT` on the
+//! waiter's *doorbell* in slices of at most the liveness interval; whoever publishes something
+//! increments the doorbells of the ranks that may wait for it and `FUTEX_WAKE`s those that
+//! flagged themselves as sleeping. Between slices the waiter checks its peers (state words,
+//! then process liveness) and its deadline, so no wait is unbounded.
+//!
+//! Point-to-point messages go through one single-producer single-consumer ring per directed
+//! pair, each message framed by its 8-byte length.
+
+use std::cell::Cell;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
+use std::time::{Duration, Instant};
+
+use fh_core::{kernels, CoreError, DType, ReduceOp};
+
+use super::segment::{Segment, ST_ABORTED, ST_CLOSED};
+use super::sys;
+use super::ShmOptions;
+use crate::algorithms::offsets;
+use crate::{Communicator, Result, TransportError};
+
+/// Reduction block: the accumulator stays in cache while every peer's block is folded in.
+const BLOCK: usize = 64 * 1024;
+
+const TAG_ALLREDUCE: u64 = 1;
+const TAG_BROADCAST: u64 = 2;
+const TAG_ALLGATHER: u64 = 3;
+const TAG_ALLTOALL: u64 = 4;
+const TAG_REDUCE_SCATTER: u64 = 5;
+const TAG_BARRIER: u64 = 6;
+
+/// Low bits of a rank's `blame` word: 1 + the rank it blamed.
+const BLAME_RANK: u32 = 0x00ff_ffff;
+/// Flag in a rank's `blame` word: it gave up on a timeout.
+const BLAME_TIMEOUT: u32 = 1 << 24;
+
+fn tag_name(tag: u64) -> &'static str {
+    match tag & 0xff {
+        TAG_ALLREDUCE => "allreduce",
+        TAG_BROADCAST => "broadcast",
+        TAG_ALLGATHER => "allgatherv",
+        TAG_ALLTOALL => "alltoallv",
+        TAG_REDUCE_SCATTER => "reduce_scatter",
+        TAG_BARRIER => "barrier",
+        _ => "an unknown operation",
+    }
+}
+
+fn reduce_tag(base: u64, dtype: DType, op: ReduceOp) -> u64 {
+    base | (u64::from(dtype.code()) << 8) | (u64::from(op.code()) << 16)
+}
+
+/// `v` has reached `target` (wrapping 32-bit counters).
+fn reached(v: u32, target: u32) -> bool {
+    (v.wrapping_sub(target) as i32) >= 0
+}
+
+fn invalid(msg: String) -> TransportError {
+    TransportError::InvalidArgument(msg)
+}
+
+/// Part of `[0, total)` in round `k` of `chunk`-sized rounds: `(start, len)`.
+fn piece(total: usize, k: usize, chunk: usize) -> (usize, usize) {
+    let start = (k * chunk).min(total);
+    (start, (total - start).min(chunk))
+}
+
+/// Copy `src` to `dst` in shared memory.
+///
+/// # Safety
+/// `dst..dst + src.len()` must lie in the mapping and be written by no one else, and read by no
+/// one else until published, per the protocol.
+unsafe fn put(dst: *mut u8, src: &[u8]) {
+    // SAFETY: guaranteed by the caller; the regions cannot overlap (one is private memory).
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
+}
+
+/// Copy shared memory at `src` into `dst`.
+///
+/// # Safety
+/// `src..src + dst.len()` must lie in the mapping and not be written by anyone during the call.
+unsafe fn get(dst: &mut [u8], src: *const u8) {
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) }
+}
+
+/// A read-only view of shared memory.
+///
+/// # Safety
+/// As for [`get`], for as long as the slice lives.
+unsafe fn view<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+/// `acc = acc (op) src_j` for every `j` in order, block by block.
+fn reduce_blocked(dtype: DType, op: ReduceOp, acc: &mut [u8], srcs: &[&[u8]]) -> Result<()> {
+    let blk = BLOCK / dtype.size() * dtype.size();
+    let mut off = 0;
+    while off < acc.len() {
+        let end = (off + blk).min(acc.len());
+        for s in srcs {
+            kernels::reduce(dtype, op, &mut acc[off..end], &s[off..end])?;
+        }
+        off = end;
+    }
+    Ok(())
+}
+
+/// Progress of one framed outgoing message.
+struct Outgoing<'a> {
+    header: [u8; 8],
+    data: &'a [u8],
+    done: usize,
+}
+
+impl<'a> Outgoing<'a> {
+    fn new(data: &'a [u8]) -> Self {
+        Outgoing {
+            header: (data.len() as u64).to_le_bytes(),
+            data,
+            done: 0,
+        }
+    }
+    fn total(&self) -> usize {
+        8 + self.data.len()
+    }
+    fn finished(&self) -> bool {
+        self.done == self.total()
+    }
+}
+
+/// Progress of one framed incoming message.
+struct Incoming<'a> {
+    header: [u8; 8],
+    data: &'a mut [u8],
+    done: usize,
+}
+
+impl<'a> Incoming<'a> {
+    fn new(data: &'a mut [u8]) -> Self {
+        Incoming {
+            header: [0; 8],
+            data,
+            done: 0,
+        }
+    }
+    fn finished(&self) -> bool {
+        self.done == 8 + self.data.len()
+    }
+}
+
+/// A communicator of the shared-memory backend. Created by
+/// [`ShmTransport::open`](super::ShmTransport); see the [module documentation](super).
+#[derive(Debug)]
+pub struct ShmComm {
+    seg: Segment,
+    rank: usize,
+    size: usize,
+    label: String,
+    timeout: Duration,
+    spin: Duration,
+    liveness: Duration,
+    small: usize,
+    /// Number of collective rounds done (identical on every rank between collectives).
+    round: u32,
+    /// Set after a failure that left the shared state inconsistent.
+    broken: Option<String>,
+    last_check: Cell<Instant>,
+}
+
+impl ShmComm {
+    pub(super) fn new(seg: Segment, rank: usize, label: &str, opts: &ShmOptions) -> ShmComm {
+        ShmComm {
+            size: seg.layout.size,
+            seg,
+            rank,
+            label: label.to_string(),
+            timeout: opts.timeout,
+            spin: opts.spin,
+            liveness: opts.liveness_interval,
+            small: opts.small_allreduce_bytes,
+            round: 0,
+            broken: None,
+            last_check: Cell::new(Instant::now()),
+        }
+    }
+
+    /// Announce this rank in the freshly mapped segment and wait until every rank has.
+    pub(super) fn opened(&self, name: &str) -> Result<()> {
+        self.notify_others();
+        let res = self.wait(
+            "shm open (waiting for every rank to map the segment)",
+            || (0..self.size).find(|&r| self.seg.info(r).pid.load(Acquire) == 0),
+        );
+        if let Err(e) = &res {
+            tracing::warn!(segment = name, error = %e, "opening shm communicator failed");
+            self.seg.info(self.rank).state.store(ST_ABORTED, Release);
+            self.notify_others();
+        }
+        res
+    }
+
+    /// The communicator's label, as given to `open`.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    // ----- waiting and waking -----
+
+    fn notify(&self, r: usize) {
+        let bell = &self.seg.ctl(r).bell;
+        bell.word.fetch_add(1, SeqCst);
+        if bell.aux.load(SeqCst) != 0 {
+            sys::futex_wake_all(&bell.word);
+        }
+    }
+
+    fn notify_others(&self) {
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            self.notify(r);
+        }
+    }
+
+    /// Wait until `blocker()` returns `None`. While it returns `Some(rank)`, that rank is the
+    /// one being waited for (blamed on timeout or if it is gone).
+    pub(super) fn wait(
+        &self,
+        op: &'static str,
+        mut blocker: impl FnMut() -> Option<usize>,
+    ) -> Result<()> {
+        if blocker().is_none() {
+            return Ok(());
+        }
+        let start = Instant::now();
+        // Spin briefly (the peer is usually about to publish), yielding the core between
+        // checks so that a peer waiting for a CPU can run.
+        let mut spins = 0u32;
+        while !self.spin.is_zero() {
+            std::hint::spin_loop();
+            spins += 1;
+            if spins % 64 == 0 {
+                if blocker().is_none() {
+                    return Ok(());
+                }
+                if start.elapsed() >= self.spin {
+                    break;
+                }
+                // On a busy machine the peer may be waiting for our core.
+                std::thread::yield_now();
+            }
+        }
+        let bell = &self.seg.ctl(self.rank).bell;
+        let deadline = start + self.timeout;
+        loop {
+            let seen = bell.word.load(SeqCst);
+            bell.aux.store(1, SeqCst);
+            let Some(who) = blocker() else {
+                bell.aux.store(0, Relaxed);
+                return Ok(());
+            };
+            let checked = self.check_peers(who);
+            let now = Instant::now();
+            if checked.is_err() || now >= deadline {
+                bell.aux.store(0, Relaxed);
+                checked?;
+                return Err(TransportError::Timeout {
+                    rank: who,
+                    op,
+                    after: self.timeout,
+                });
+            }
+            sys::futex_wait(&bell.word, seen, self.liveness.min(deadline - now));
+            bell.aux.store(0, Relaxed);
+        }
+    }
+
+    /// Fail if a peer aborted, if `who` (the rank waited for) closed its communicator, or (at
+    /// most once per liveness interval) if a peer's process is gone.
+    fn check_peers(&self, who: usize) -> Result<()> {
+        if who != self.rank && self.seg.info(who).state.load(Acquire) == ST_CLOSED {
+            return Err(TransportError::PeerLost {
+                rank: who,
+                detail: format!(
+                    "it closed shared-memory communicator '{}' while this rank waited for it",
+                    self.label
+                ),
+            });
+        }
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            let info = self.seg.info(r);
+            if info.state.load(Acquire) == ST_ABORTED {
+                // Report the root cause: the rank the aborted one blamed, if any, with the
+                // same kind of error (a timeout stays a timeout).
+                let word = info.blame.load(Relaxed);
+                let blamed = (word & BLAME_RANK) as usize;
+                let rank = if blamed == 0 || blamed - 1 == self.rank {
+                    r
+                } else {
+                    blamed - 1
+                };
+                if rank != r && word & BLAME_TIMEOUT != 0 {
+                    return Err(TransportError::Timeout {
+                        rank,
+                        op: "a collective (another rank gave up waiting for it first)",
+                        after: self.timeout,
+                    });
+                }
+                return Err(TransportError::PeerLost {
+                    rank,
+                    detail: format!(
+                        "rank {r} gave up on shared-memory communicator '{}' after an error{}",
+                        self.label,
+                        if rank == r {
+                            String::new()
+                        } else {
+                            format!(" caused by rank {rank}")
+                        }
+                    ),
+                });
+            }
+        }
+        let now = Instant::now();
+        if now.duration_since(self.last_check.get()) < self.liveness {
+            return Ok(());
+        }
+        self.last_check.set(now);
+        let me = sys::pid();
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            let info = self.seg.info(r);
+            let pid = info.pid.load(Acquire);
+            // pid 0: not attached yet (only while opening; bounded by the deadline).
+            if pid == 0 || pid == me || info.state.load(Acquire) == ST_CLOSED {
+                continue;
+            }
+            if !sys::process_alive(pid, info.start_time.load(Relaxed)) {
+                return Err(TransportError::PeerLost {
+                    rank: r,
+                    detail: format!(
+                        "its process {pid} died (shared-memory communicator '{}')",
+                        self.label
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Run `f`; on failure (other than a rejected argument, which is detected before any shared
+    /// state changes) mark this communicator and this rank's slot as unusable so that the peers
+    /// stop waiting for it.
+    fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if let Some(why) = &self.broken {
+            return Err(TransportError::Closed(format!(
+                "shared-memory communicator '{}' is unusable after an earlier error: {why}",
+                self.label
+            )));
+        }
+        let res = f(self);
+        if let Err(e) = &res {
+            if !matches!(
+                e,
+                TransportError::InvalidArgument(_)
+                    | TransportError::Core(CoreError::UnsupportedOp { .. })
+            ) {
+                self.broken = Some(e.to_string());
+                let info = self.seg.info(self.rank);
+                if let Some(r) = e.blamed_rank() {
+                    let kind = if matches!(e, TransportError::Timeout { .. }) {
+                        BLAME_TIMEOUT
+                    } else {
+                        0
+                    };
+                    info.blame.store((r as u32 + 1) | kind, Relaxed);
+                }
+                info.state.store(ST_ABORTED, Release);
+                self.notify_others();
+            }
+        }
+        res
+    }
+
+    // ----- rounds -----
+
+    /// Start a round in which this rank writes its slot: wait until every rank has consumed
+    /// the round that last used the same buffer. Returns (round, buffer).
+    fn begin_round(&self, op: &'static str) -> Result<(u32, usize)> {
+        let k = self.round;
+        let nbuf = self.seg.layout.nbuf;
+        let target = k.wrapping_add(1).wrapping_sub(nbuf as u32);
+        self.wait(op, || {
+            (0..self.size).find(|&j| !reached(self.seg.ctl(j).consumed.word.load(Acquire), target))
+        })?;
+        Ok((k, k as usize % nbuf))
+    }
+
+    fn post(&self, k: u32, b: usize, meta: &[u64]) {
+        for (w, &v) in meta.iter().enumerate() {
+            self.seg.meta(self.rank, b, w).store(v, Relaxed);
+        }
+        self.seg
+            .ctl(self.rank)
+            .posted
+            .word
+            .store(k.wrapping_add(1), Release);
+        self.notify_others();
+    }
+
+    fn finish_round(&mut self, k: u32) {
+        self.seg
+            .ctl(self.rank)
+            .consumed
+            .word
+            .store(k.wrapping_add(1), Release);
+        self.notify_others();
+        self.round = k.wrapping_add(1);
+    }
+
+    fn is_posted(&self, j: usize, k: u32) -> bool {
+        reached(self.seg.ctl(j).posted.word.load(Acquire), k.wrapping_add(1))
+    }
+
+    /// Compare the first `meta.len()` metadata words of rank `j` (posted) with ours.
+    fn check_meta(&self, j: usize, b: usize, meta: &[u64]) -> Result<()> {
+        for (w, &mine) in meta.iter().enumerate() {
+            let theirs = self.seg.meta(j, b, w).load(Relaxed);
+            if theirs != mine {
+                let detail = if w == 0 {
+                    format!(
+                        "rank {j} entered {} while rank {} entered {} (or with another dtype or \
+                         operator) on communicator '{}': collectives must be called in the same \
+                         order with compatible arguments",
+                        tag_name(theirs),
+                        self.rank,
+                        tag_name(mine),
+                        self.label
+                    )
+                } else {
+                    format!(
+                        "rank {j} passed size word {w} = {theirs} to {} but rank {} passed {mine} \
+                         on communicator '{}'",
+                        tag_name(meta[0]),
+                        self.rank,
+                        self.label
+                    )
+                };
+                return Err(TransportError::Protocol { rank: j, detail });
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait for every other rank's post of round `k`, calling `each(j)` for each as soon as it
+    /// is there (in whatever order they arrive).
+    fn for_each_posted(
+        &self,
+        op: &'static str,
+        k: u32,
+        mut each: impl FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        let mut pending: Vec<usize> = (0..self.size).filter(|&j| j != self.rank).collect();
+        loop {
+            let mut i = 0;
+            while i < pending.len() {
+                if self.is_posted(pending[i], k) {
+                    each(pending.swap_remove(i))?;
+                } else {
+                    i += 1;
+                }
+            }
+            if pending.is_empty() {
+                return Ok(());
+            }
+            self.wait(op, || {
+                pending.iter().copied().find(|&j| !self.is_posted(j, k))
+            })?;
+        }
+    }
+
+    // ----- point to point -----
+
+    fn check_peer(&self, peer: usize) -> Result<()> {
+        if peer >= self.size {
+            return Err(invalid(format!(
+                "peer {peer} out of range 0..{} on shared-memory communicator '{}'",
+                self.size, self.label
+            )));
+        }
+        Ok(())
+    }
+
+    /// Push as much of `msg` into ring `self -> to` as fits. Returns whether anything moved.
+    fn push(&self, to: usize, msg: &mut Outgoing<'_>) -> bool {
+        let ctl = self.seg.ring_ctl(self.rank, to);
+        let cap = self.seg.layout.ring_bytes;
+        let head = ctl.head.word.load(Relaxed);
+        let tail = ctl.tail.word.load(Acquire);
+        let free = cap - head.wrapping_sub(tail) as usize;
+        let n = free.min(msg.total() - msg.done);
+        if n == 0 {
+            return false;
+        }
+        let base = self.seg.ring_data(self.rank, to);
+        let mut pos = head as usize % cap;
+        let mut left = n;
+        while left > 0 {
+            let run = left.min(cap - pos);
+            let src: &[u8] = if msg.done < 8 {
+                let m = (8 - msg.done).min(run);
+                &msg.header[msg.done..msg.done + m]
+            } else {
+                let d = msg.done - 8;
+                &msg.data[d..d + run]
+            };
+            // SAFETY: `pos + src.len() <= cap`, inside ring (self -> to); the bytes between
+            // head and tail + cap belong to the producer (us) until head is published.
+            unsafe { put(base.add(pos), src) };
+            msg.done += src.len();
+            left -= src.len();
+            pos = (pos + src.len()) % cap;
+        }
+        ctl.head.word.store(head.wrapping_add(n as u32), Release);
+        self.notify(to);
+        true
+    }
+
+    /// Pull what is available of `msg` from ring `from -> self`. Returns whether anything
+    /// moved, or a protocol error if the framed length differs from the expected one.
+    fn pull(&self, from: usize, msg: &mut Incoming<'_>) -> Result<bool> {
+        let ctl = self.seg.ring_ctl(from, self.rank);
+        let cap = self.seg.layout.ring_bytes;
+        let tail = ctl.tail.word.load(Relaxed);
+        let head = ctl.head.word.load(Acquire);
+        let avail = head.wrapping_sub(tail) as usize;
+        let n = avail.min(8 + msg.data.len() - msg.done);
+        if n == 0 {
+            return Ok(false);
+        }
+        let base = self.seg.ring_data(from, self.rank);
+        let mut pos = tail as usize % cap;
+        let mut left = n;
+        while left > 0 {
+            let run = left.min(cap - pos);
+            let got = if msg.done < 8 {
+                let m = (8 - msg.done).min(run);
+                // SAFETY: `pos + m <= cap`; bytes between tail and head are published by the
+                // producer and not rewritten until we advance tail.
+                unsafe { get(&mut msg.header[msg.done..msg.done + m], base.add(pos)) };
+                if msg.done + m == 8 {
+                    let len = u64::from_le_bytes(msg.header);
+                    if len != msg.data.len() as u64 {
+                        return Err(TransportError::Protocol {
+                            rank: from,
+                            detail: format!(
+                                "expected a message of {} bytes, received {len} on shared-memory \
+                                 communicator '{}'",
+                                msg.data.len(),
+                                self.label
+                            ),
+                        });
+                    }
+                }
+                m
+            } else {
+                let d = msg.done - 8;
+                // SAFETY: as above.
+                unsafe { get(&mut msg.data[d..d + run], base.add(pos)) };
+                run
+            };
+            msg.done += got;
+            left -= got;
+            pos = (pos + got) % cap;
+        }
+        ctl.tail.word.store(tail.wrapping_add(n as u32), Release);
+        self.notify(from);
+        Ok(true)
+    }
+
+    fn ring_has_space(&self, to: usize) -> bool {
+        let ctl = self.seg.ring_ctl(self.rank, to);
+        let used = ctl
+            .head
+            .word
+            .load(Relaxed)
+            .wrapping_sub(ctl.tail.word.load(Acquire));
+        (used as usize) < self.seg.layout.ring_bytes
+    }
+
+    fn ring_has_data(&self, from: usize) -> bool {
+        let ctl = self.seg.ring_ctl(from, self.rank);
+        ctl.head.word.load(Acquire) != ctl.tail.word.load(Relaxed)
+    }
+
+    fn send_inner(&mut self, to: usize, data: &[u8]) -> Result<()> {
+        let mut out = Outgoing::new(data);
+        while !out.finished() {
+            if !self.push(to, &mut out) {
+                self.wait("send", || (!self.ring_has_space(to)).then_some(to))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn recv_inner(&mut self, from: usize, buf: &mut [u8]) -> Result<()> {
+        let mut inc = Incoming::new(buf);
+        while !inc.finished() {
+            if !self.pull(from, &mut inc)? {
+                self.wait("recv", || (!self.ring_has_data(from)).then_some(from))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn send_recv_inner(
+        &mut self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv: &mut [u8],
+    ) -> Result<()> {
+        let mut out = Outgoing::new(send);
+        let mut inc = Incoming::new(recv);
+        while !(out.finished() && inc.finished()) {
+            let mut moved = false;
+            if !out.finished() {
+                moved |= self.push(to, &mut out);
+            }
+            if !inc.finished() {
+                moved |= self.pull(from, &mut inc)?;
+            }
+            if !moved {
+                let (sf, rf) = (out.finished(), inc.finished());
+                self.wait("send_recv", || {
+                    let can_send = !sf && self.ring_has_space(to);
+                    let can_recv = !rf && self.ring_has_data(from);
+                    if can_send || can_recv {
+                        None
+                    } else if !rf {
+                        Some(from)
+                    } else {
+                        Some(to)
+                    }
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    // ----- collectives -----
+
+    fn allreduce_inner(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let combine = op.combining();
+        let total = buf.len();
+        let direct = total <= self.small;
+        // The algorithm is part of the tag: ranks configured with different thresholds must
+        // fail, not read each other's half-reduced slots.
+        let tag = reduce_tag(TAG_ALLREDUCE, dtype, op) | (u64::from(direct) << 24);
+        for chunk in buf.chunks_mut(self.seg.layout.slot_bytes) {
+            let s = chunk.len();
+            // Share r of the chunk is reduced by rank r (reduce-scatter mode).
+            let e = dtype.size();
+            let share = ((s / e).div_ceil(n) * e).div_ceil(64) * 64;
+            let range = |r: usize| ((r * share).min(s), ((r + 1) * share).min(s));
+            let (lo, hi) = if direct { (0, 0) } else { range(me) };
+            let (k, b) = self.begin_round("allreduce")?;
+            let slot = self.seg.slot(me, b);
+            // Publish the input, except our own share, which we reduce from private memory.
+            // SAFETY: our own slot, not read by anyone before we post round k (begin_round
+            // ensured everyone finished with this buffer); `s <= slot_bytes`.
+            unsafe {
+                put(slot, &chunk[..lo]);
+                put(slot.add(hi), &chunk[hi..]);
+            }
+            let meta = [tag, total as u64, s as u64];
+            self.post(k, b, &meta);
+            self.for_each_posted("allreduce", k, |j| self.check_meta(j, b, &meta))?;
+            if direct {
+                // Every rank folds every slot in rank order, so all get identical bits.
+                if me != 0 {
+                    // SAFETY: all slots of round k are posted and nobody writes them until
+                    // everyone (including us) has consumed round k.
+                    unsafe { get(chunk, self.seg.slot(0, b)) };
+                }
+                let srcs: Vec<&[u8]> = (1..n)
+                    // SAFETY: as above.
+                    .map(|j| unsafe { view(self.seg.slot(j, b), s) })
+                    .collect();
+                reduce_blocked(dtype, combine, chunk, &srcs)?;
+            } else {
+                if hi > lo {
+                    let srcs: Vec<&[u8]> = (0..n)
+                        .filter(|&j| j != me)
+                        // SAFETY: peers' slots are posted; nobody writes [lo, hi) of them in
+                        // round k (each rank writes only its own share of its own slot).
+                        .map(|j| unsafe { view(self.seg.slot(j, b).add(lo), hi - lo) })
+                        .collect();
+                    let acc = &mut chunk[lo..hi];
+                    reduce_blocked(dtype, combine, acc, &srcs)?;
+                    // SAFETY: [lo, hi) of our own slot is written only by us, and read by peers
+                    // only after we publish `reduced`.
+                    unsafe { put(slot.add(lo), acc) };
+                }
+                self.seg
+                    .ctl(me)
+                    .reduced
+                    .word
+                    .store(k.wrapping_add(1), Release);
+                self.notify_others();
+                // Gather the reduced shares, each as soon as it is ready.
+                let mut pending: Vec<usize> = (0..n)
+                    .filter(|&r| r != me && range(r).1 > range(r).0)
+                    .collect();
+                let ready = |r: usize| {
+                    reached(
+                        self.seg.ctl(r).reduced.word.load(Acquire),
+                        k.wrapping_add(1),
+                    )
+                };
+                loop {
+                    let mut i = 0;
+                    while i < pending.len() {
+                        let r = pending[i];
+                        if ready(r) {
+                            let (a, z) = range(r);
+                            // SAFETY: share r of rank r's slot is final for round k.
+                            unsafe { get(&mut chunk[a..z], self.seg.slot(r, b).add(a)) };
+                            pending.swap_remove(i);
+                        } else {
+                            i += 1;
+                        }
+                    }
+                    if pending.is_empty() {
+                        break;
+                    }
+                    self.wait("allreduce", || pending.iter().copied().find(|&r| !ready(r)))?;
+                }
+            }
+            self.finish_round(k);
+        }
+        if op == ReduceOp::Average {
+            kernels::divide(dtype, buf, n)?;
+        }
+        Ok(())
+    }
+
+    fn broadcast_inner(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
+        let total = buf.len() as u64;
+        for chunk in buf.chunks_mut(self.seg.layout.slot_bytes) {
+            let meta = [
+                TAG_BROADCAST | ((root as u64) << 8),
+                total,
+                chunk.len() as u64,
+            ];
+            if self.rank == root {
+                let (k, b) = self.begin_round("broadcast")?;
+                // SAFETY: our own slot, free for round k (begin_round).
+                unsafe { put(self.seg.slot(root, b), chunk) };
+                self.post(k, b, &meta);
+                self.finish_round(k);
+            } else {
+                let k = self.round;
+                let b = k as usize % self.seg.layout.nbuf;
+                self.wait("broadcast", || (!self.is_posted(root, k)).then_some(root))?;
+                self.check_meta(root, b, &meta)?;
+                // SAFETY: the root posted round k and will not rewrite it before we consume it.
+                unsafe { get(chunk, self.seg.slot(root, b)) };
+                self.finish_round(k);
+            }
+        }
+        Ok(())
+    }
+
+    fn allgatherv_inner(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
+        let (offs, total) = offsets(counts, self.size, "allgatherv")?;
+        let me = self.rank;
+        recv[offs[me]..offs[me] + counts[me]].copy_from_slice(send);
+        let c = self.seg.layout.slot_bytes;
+        let rounds = counts.iter().map(|&x| x.div_ceil(c)).max().unwrap_or(0);
+        for i in 0..rounds {
+            let (k, b) = self.begin_round("allgatherv")?;
+            let (a, len) = piece(send.len(), i, c);
+            // SAFETY: our own slot, free for round k.
+            unsafe { put(self.seg.slot(me, b), &send[a..a + len]) };
+            self.post(k, b, &[TAG_ALLGATHER, total as u64, len as u64]);
+            self.for_each_posted("allgatherv", k, |j| {
+                let (a, len) = piece(counts[j], i, c);
+                self.check_meta(j, b, &[TAG_ALLGATHER, total as u64, len as u64])?;
+                let at = offs[j] + a;
+                // SAFETY: rank j posted round k; its slot is stable until we consume it.
+                unsafe { get(&mut recv[at..at + len], self.seg.slot(j, b)) };
+                Ok(())
+            })?;
+            self.finish_round(k);
+        }
+        Ok(())
+    }
+
+    fn alltoallv_inner(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let (soffs, _) = offsets(send_counts, n, "alltoallv send")?;
+        let (roffs, _) = offsets(recv_counts, n, "alltoallv recv")?;
+        recv[roffs[me]..roffs[me] + recv_counts[me]]
+            .copy_from_slice(&send[soffs[me]..soffs[me] + send_counts[me]]);
+        // Each round carries up to `part` bytes from every rank to every other rank.
+        let part = self.seg.layout.slot_bytes / n / 64 * 64;
+        let mut i = 0usize;
+        loop {
+            let (k, b) = self.begin_round("alltoallv")?;
+            let mut meta = vec![0u64; 2 + n];
+            meta[0] = TAG_ALLTOALL;
+            let mut more = false;
+            for j in (0..n).filter(|&j| j != me) {
+                let (a, len) = piece(send_counts[j], i, part);
+                let at = soffs[j] + a;
+                // SAFETY: our own slot, free for round k; `j * part + len <= slot_bytes`.
+                unsafe { put(self.seg.slot(me, b).add(j * part), &send[at..at + len]) };
+                meta[2 + j] = len as u64;
+                more |= send_counts[j] > (i + 1) * part || recv_counts[j] > (i + 1) * part;
+            }
+            meta[1] = u64::from(more);
+            self.post(k, b, &meta);
+            self.for_each_posted("alltoallv", k, |j| {
+                self.check_meta(j, b, &[TAG_ALLTOALL])?;
+                more |= self.seg.meta(j, b, 1).load(Relaxed) != 0;
+                let (a, len) = piece(recv_counts[j], i, part);
+                let sent = self.seg.meta(j, b, 2 + me).load(Relaxed);
+                if sent != len as u64 {
+                    return Err(TransportError::Protocol {
+                        rank: j,
+                        detail: format!(
+                            "alltoallv: rank {j} sends {sent} bytes in round {i} but rank {me} \
+                             expects {len} (send and receive counts disagree) on communicator \
+                             '{}'",
+                            self.label
+                        ),
+                    });
+                }
+                let at = roffs[j] + a;
+                // SAFETY: rank j posted round k; its slot is stable until we consume it.
+                unsafe { get(&mut recv[at..at + len], self.seg.slot(j, b).add(me * part)) };
+                Ok(())
+            })?;
+            self.finish_round(k);
+            i += 1;
+            if !more {
+                return Ok(());
+            }
+        }
+    }
+
+    fn reduce_scatter_inner(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let (offs, _) = offsets(counts, n, "reduce_scatter")?;
+        let e = dtype.size();
+        let (lo, hi) = (offs[me] * e, (offs[me] + counts[me]) * e);
+        let total = send.len();
+        let c = self.seg.layout.slot_bytes;
+        let tag = reduce_tag(TAG_REDUCE_SCATTER, dtype, op);
+        for i in 0..total.div_ceil(c) {
+            let (k, b) = self.begin_round("reduce_scatter")?;
+            let (a, len) = piece(total, i, c);
+            let z = a + len;
+            let slot = self.seg.slot(me, b);
+            // Our own block is reduced from private memory; publish only the rest.
+            let (mlo, mhi) = (lo.clamp(a, z), hi.clamp(a, z));
+            // SAFETY: our own slot, free for round k; offsets are within `len <= slot_bytes`.
+            unsafe {
+                put(slot, &send[a..mlo]);
+                put(slot.add(mhi - a), &send[mhi..z]);
+            }
+            let meta = [tag, total as u64, len as u64];
+            self.post(k, b, &meta);
+            if mhi > mlo {
+                self.for_each_posted("reduce_scatter", k, |j| self.check_meta(j, b, &meta))?;
+                let dst = &mut recv[mlo - lo..mhi - lo];
+                dst.copy_from_slice(&send[mlo..mhi]);
+                let srcs: Vec<&[u8]> = (0..n)
+                    .filter(|&j| j != me)
+                    // SAFETY: posted; [mlo, mhi) of peers' slots is not written in round k.
+                    .map(|j| unsafe { view(self.seg.slot(j, b).add(mlo - a), mhi - mlo) })
+                    .collect();
+                reduce_blocked(dtype, op.combining(), dst, &srcs)?;
+            }
+            self.finish_round(k);
+        }
+        if op == ReduceOp::Average {
+            kernels::divide(dtype, recv, n)?;
+        }
+        Ok(())
+    }
+
+    fn barrier_inner(&mut self) -> Result<()> {
+        let (k, b) = self.begin_round("barrier")?;
+        self.post(k, b, &[TAG_BARRIER]);
+        self.for_each_posted("barrier", k, |j| self.check_meta(j, b, &[TAG_BARRIER]))?;
+        self.finish_round(k);
+        Ok(())
+    }
+}
+
+impl Drop for ShmComm {
+    fn drop(&mut self) {
+        let info = self.seg.info(self.rank);
+        if info.state.load(Relaxed) != ST_ABORTED {
+            info.state.store(ST_CLOSED, Release);
+        }
+        self.notify_others();
+    }
+}
+
+impl Communicator for ShmComm {
+    fn backend(&self) -> &'static str {
+        "shm"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
+        self.check_peer(peer)?;
+        self.guarded(|c| c.send_inner(peer, data))
+    }
+
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
+        self.check_peer(peer)?;
+        self.guarded(|c| c.recv_inner(peer, buf))
+    }
+
+    fn send_recv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
+        self.check_peer(to)?;
+        self.check_peer(from)?;
+        self.guarded(|c| c.send_recv_inner(to, send, from, recv))
+    }
+
+    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        dtype.elements_in(buf.len())?;
+        if !kernels::supports(dtype, op) {
+            return Err(CoreError::UnsupportedOp { op, dtype }.into());
+        }
+        if self.size == 1 || buf.is_empty() {
+            return Ok(()); // Average over one rank is the identity.
+        }
+        self.guarded(|c| c.allreduce_inner(buf, dtype, op))
+    }
+
+    fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
+        let (_, total) = offsets(counts, self.size, "allgatherv")?;
+        if recv.len() != total || send.len() != counts[self.rank] {
+            return Err(invalid(format!(
+                "allgatherv: send has {} bytes (count says {}), recv has {} bytes (counts sum to {total})",
+                send.len(),
+                counts[self.rank],
+                recv.len()
+            )));
+        }
+        self.guarded(|c| c.allgatherv_inner(send, recv, counts))
+    }
+
+    fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
+        if root >= self.size {
+            return Err(invalid(format!(
+                "broadcast root {root} out of range 0..{}",
+                self.size
+            )));
+        }
+        if self.size == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        self.guarded(|c| c.broadcast_inner(buf, root))
+    }
+
+    fn alltoallv(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let (_, stotal) = offsets(send_counts, n, "alltoallv send")?;
+        let (_, rtotal) = offsets(recv_counts, n, "alltoallv recv")?;
+        if send.len() != stotal || recv.len() != rtotal {
+            return Err(invalid(format!(
+                "alltoallv: send has {} bytes (counts sum to {stotal}), recv has {} bytes (counts sum to {rtotal})",
+                send.len(),
+                recv.len()
+            )));
+        }
+        if send_counts[me] != recv_counts[me] {
+            return Err(invalid(format!(
+                "alltoallv: rank {me} sends itself {} bytes but expects {}",
+                send_counts[me], recv_counts[me]
+            )));
+        }
+        if n == 1 {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        self.guarded(|c| c.alltoallv_inner(send, send_counts, recv, recv_counts))
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let (_, total) = offsets(counts, n, "reduce_scatter")?;
+        let esz = dtype.size();
+        if send.len() != total * esz || recv.len() != counts[me] * esz {
+            return Err(invalid(format!(
+                "reduce_scatter: send has {} bytes (counts sum to {total} {dtype} elements), recv has {} bytes (expected {} elements)",
+                send.len(),
+                recv.len(),
+                counts[me]
+            )));
+        }
+        if !kernels::supports(dtype, op) {
+            return Err(CoreError::UnsupportedOp { op, dtype }.into());
+        }
+        if n == 1 {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        if send.is_empty() {
+            return Ok(());
+        }
+        self.guarded(|c| c.reduce_scatter_inner(send, recv, counts, dtype, op))
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        self.guarded(|c| c.barrier_inner())
+    }
+}

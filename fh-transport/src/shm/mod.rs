@@ -1,0 +1,340 @@
+//! The shared-memory backend (Linux): ranks of one host exchange data through a segment in
+//! `/dev/shm` at memory speed, without the kernel's network stack.
+//!
+//! ```no_run
+//! use fh_transport::shm::{ShmOptions, ShmTransport};
+//! use fh_transport::{CollectivesExt, Transport};
+//! use fh_core::ReduceOp;
+//!
+//! # fn main() -> fh_transport::Result<()> {
+//! // In each of the `size` processes of the job (same token, distinct ranks):
+//! let (token, rank, size) = ("5f1d0c3a9e8b7a6d5c4b3a2918070605", 0, 2);
+//! let mut world = ShmTransport::join(token, rank, size, ShmOptions::default())?;
+//! let mut data = world.open("data")?;
+//! let mut v = vec![1.0f32; 1 << 20];
+//! data.allreduce_typed(&mut v, ReduceOp::Sum)?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Segments
+//!
+//! Each communicator ([`Transport::open`]) gets its own segment, named
+//! `/dev/shm/fh-<hash>-<seq>`: `<hash>` is 48 bits of a hash of the job token (the token itself
+//! never appears in a file name) and `<seq>` the communicator's sequence number. Rank 0 creates
+//! it exclusively with mode `0600`, reserves its memory (so a full `/dev/shm` is an error at
+//! open, not a `SIGBUS` later), fills in a header and publishes a magic number and layout
+//! version last; the other ranks wait (bounded by [`ShmOptions::timeout`]) for a valid header,
+//! check that the layout matches theirs, map the segment and record their pid and process start
+//! time.
+//!
+//! Inside a segment every rank owns slots for the native collectives (see `comm.rs`, *Protocol*)
+//! and there is a ring buffer per directed pair of ranks for point-to-point messages, so the
+//! generic algorithms work too.
+//!
+//! # Clean-up
+//!
+//! - **As soon as every rank has mapped a segment, its name is unlinked** (by the rank that
+//!   completes the set). From then on the memory lives only in the ranks' mappings and the
+//!   kernel frees it when the last of them unmaps it or exits, however it exits: a crash or a
+//!   `SIGKILL` after `open` leaves nothing behind.
+//! - If `open` fails (a rank never arrives, a layout mismatch), the ranks that got as far as
+//!   the segment unlink its name before returning the error.
+//! - The only window in which a name can be left behind is inside `open`, if *every* rank that
+//!   had the segment is killed before the set is complete. For that case rank 0 of every new
+//!   world ([`ShmTransport::join`]) scans `/dev/shm` for `fh-*` segments of the same user whose
+//!   recorded processes are all dead (pid and start time, so a reused pid is not mistaken for
+//!   the owner) — or that never got a header and are older than a minute — and removes them;
+//!   [`cleanup_stale_segments`] does the same on demand.
+//!
+//! # Failures
+//!
+//! Waits poll briefly (yielding the core between polls, which matters when ranks outnumber
+//! cores), then sleep on a futex in slices of [`ShmOptions::liveness_interval`];
+//! between slices a rank checks its peers: a peer that gave up after an error or closed its
+//! communicator while being waited for, or whose process is gone (or a zombie), is reported as
+//! [`TransportError::PeerLost`] naming its rank; after [`ShmOptions::timeout`] without progress
+//! the wait fails with [`TransportError::Timeout`]. A rank that fails marks itself aborted in
+//! the segment so that its peers fail at once instead of timing out. Peers are recognised by
+//! pid, so all ranks must share a pid namespace (they do when they share `/dev/shm` on one
+//! host, except across containers with private pid namespaces).
+
+mod comm;
+mod segment;
+mod sys;
+
+use std::time::{Duration, Instant};
+
+pub use comm::ShmComm;
+
+use crate::bootstrap::LaunchInfo;
+use crate::{Communicator, Result, Topology, Transport, TransportError};
+use segment::{Layout, Segment, NAME_PREFIX};
+
+/// Settings of a shared-memory world. Every rank must use the same sizes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShmOptions {
+    /// How long any wait (opening, a receive, a collective step) may last without progress.
+    pub timeout: Duration,
+    /// Bytes of one collective slot (per rank and buffer); collectives larger than this are
+    /// pipelined through the slots in rounds. Rounded up to a multiple of 4096 and to at least
+    /// 64 bytes per rank.
+    pub slot_bytes: usize,
+    /// Number of slot buffers per rank (1..=8); with 2 or more a rank may fill the next round
+    /// while its peers still read the previous one.
+    pub buffers: usize,
+    /// Capacity of each point-to-point ring (per directed pair), a power of two; 0 picks one
+    /// from the world size (256 KiB for small worlds, less for large ones).
+    pub ring_bytes: usize,
+    /// How long a waiting rank polls (yielding the core between polls) before sleeping on a
+    /// futex. Zero sleeps at once.
+    pub spin: Duration,
+    /// How often a sleeping rank wakes to check its peers' liveness and its deadline.
+    pub liveness_interval: Duration,
+    /// Allreduces up to this many bytes are reduced whole by every rank (one synchronisation
+    /// instead of two); larger ones are reduce-scattered in shared memory.
+    pub small_allreduce_bytes: usize,
+}
+
+impl Default for ShmOptions {
+    fn default() -> Self {
+        ShmOptions {
+            timeout: Duration::from_secs(30),
+            slot_bytes: 1 << 20,
+            buffers: 2,
+            ring_bytes: 0,
+            spin: Duration::from_micros(50),
+            liveness_interval: Duration::from_millis(100),
+            small_allreduce_bytes: 32 << 10,
+        }
+    }
+}
+
+impl ShmOptions {
+    /// Default options with another timeout.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        ShmOptions {
+            timeout,
+            ..Self::default()
+        }
+    }
+
+    /// Default options adjusted by the environment: `FH_TIMEOUT_SECONDS` (the wait timeout,
+    /// seconds, may be fractional) and `FH_SHM_SLOT_BYTES` (the slot size).
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|var| std::env::var(var).ok())
+    }
+
+    /// As [`ShmOptions::from_env`], reading variables through `get` (for tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let mut o = ShmOptions::default();
+        if let Some(v) = get("FH_TIMEOUT_SECONDS") {
+            let secs: f64 = v.trim().parse().map_err(|_| TransportError::Config {
+                var: "FH_TIMEOUT_SECONDS".into(),
+                reason: format!("'{v}' is not a number of seconds"),
+            })?;
+            if !(secs > 0.0 && secs < 1e9) {
+                return Err(TransportError::Config {
+                    var: "FH_TIMEOUT_SECONDS".into(),
+                    reason: format!("{secs} is not a positive number of seconds"),
+                });
+            }
+            o.timeout = Duration::from_secs_f64(secs);
+        }
+        if let Some(v) = get("FH_SHM_SLOT_BYTES") {
+            o.slot_bytes = v.trim().parse().map_err(|_| TransportError::Config {
+                var: "FH_SHM_SLOT_BYTES".into(),
+                reason: format!("'{v}' is not a number of bytes"),
+            })?;
+        }
+        Ok(o)
+    }
+
+    fn layout(&self, size: usize) -> Result<Layout> {
+        let bad = |reason: String| TransportError::Config {
+            var: "ShmOptions".into(),
+            reason,
+        };
+        if self.timeout.is_zero() || self.liveness_interval.is_zero() {
+            return Err(bad(
+                "timeout and liveness_interval must be positive (set FH_TIMEOUT_SECONDS > 0)"
+                    .into(),
+            ));
+        }
+        if !(1..=8).contains(&self.buffers) {
+            return Err(bad(format!("buffers = {} is not in 1..=8", self.buffers)));
+        }
+        if self.slot_bytes == 0 || self.slot_bytes > 1 << 30 {
+            return Err(bad(format!(
+                "slot_bytes = {} is not in 1..=1 GiB",
+                self.slot_bytes
+            )));
+        }
+        let slot = self.slot_bytes.max(64 * size).div_ceil(4096) * 4096;
+        let ring = if self.ring_bytes == 0 {
+            ((32usize << 20) / (size * size))
+                .clamp(4096, 256 << 10)
+                .next_power_of_two()
+                .min(256 << 10)
+        } else if self.ring_bytes.is_power_of_two() && (64..=1 << 30).contains(&self.ring_bytes) {
+            self.ring_bytes
+        } else {
+            return Err(bad(format!(
+                "ring_bytes = {} is not a power of two in 64..=1 GiB",
+                self.ring_bytes
+            )));
+        };
+        Ok(Layout::new(size, slot, self.buffers, ring))
+    }
+}
+
+/// The `/dev/shm` name prefix (`fh-<hash>-`) of the segments of the job with this token.
+/// Useful to check that nothing is left behind.
+pub fn segment_prefix(job_token: &str) -> String {
+    // FNV-1a, 64 bits, over a domain tag and the token; 48 bits are kept.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &byte in b"fasthorovod-shm-v1\0".iter().chain(job_token.as_bytes()) {
+        h ^= u64::from(byte);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{NAME_PREFIX}{:012x}-", h >> 16)
+}
+
+/// Remove segments left in `/dev/shm` by jobs whose every process died (see *Clean-up* in the
+/// [module documentation](self)); returns the file names removed. Rank 0 does this in
+/// [`ShmTransport::join`]. Segments of live processes and of other users are never touched.
+pub fn cleanup_stale_segments() -> Vec<String> {
+    segment::cleanup_stale()
+}
+
+/// Whether `FH_TRANSPORT=auto` should use shared memory for this launch: several ranks, all on
+/// this host, and room in `/dev/shm` for a few communicators.
+pub fn suits(info: &LaunchInfo) -> bool {
+    if info.size < 2 || info.cross_size != 1 || info.local_size != info.size {
+        return false;
+    }
+    let Ok(layout) = ShmOptions::default().layout(info.size) else {
+        return false;
+    };
+    // Room for the control channel and a handful of data channels.
+    sys::available_bytes(sys::SHM_DIR).is_some_and(|free| free >= 16 * layout.total as u64)
+}
+
+/// One rank's handle on a shared-memory world: the ranks of one host that share a job token.
+#[derive(Debug)]
+pub struct ShmTransport {
+    prefix: String,
+    rank: usize,
+    size: usize,
+    opts: ShmOptions,
+    layout: Layout,
+    next: u64,
+}
+
+impl ShmTransport {
+    /// Join the world of `size` ranks on this host identified by `job_token`, as `rank`.
+    ///
+    /// Nothing is mapped until [`Transport::open`]; rank 0 first removes stale segments of
+    /// dead jobs. Every rank must pass the same token, size and options.
+    pub fn join(job_token: &str, rank: usize, size: usize, opts: ShmOptions) -> Result<Self> {
+        if job_token.is_empty() {
+            return Err(TransportError::Config {
+                var: "FH_JOB_TOKEN".into(),
+                reason: "the shared-memory backend needs a non-empty job token shared by all \
+                         ranks (fhrun sets one)"
+                    .into(),
+            });
+        }
+        if size == 0 || rank >= size {
+            return Err(TransportError::InvalidArgument(format!(
+                "shm join: rank {rank} is not in 0..{size}"
+            )));
+        }
+        if size >= 1 << 20 {
+            return Err(TransportError::InvalidArgument(format!(
+                "shm join: {size} ranks are too many"
+            )));
+        }
+        let layout = opts.layout(size)?;
+        if rank == 0 {
+            let removed = cleanup_stale_segments();
+            if !removed.is_empty() {
+                tracing::info!(
+                    ?removed,
+                    "removed stale shared-memory segments of dead jobs"
+                );
+            }
+        }
+        Ok(ShmTransport {
+            prefix: segment_prefix(job_token),
+            rank,
+            size,
+            opts,
+            layout,
+            next: 0,
+        })
+    }
+
+    /// Join the world described by a launch (`FH_TRANSPORT=shm`): its rank, size, job token and
+    /// timeout, with the default sizes. Every rank must run on this host.
+    pub fn from_info(info: &LaunchInfo) -> Result<Self> {
+        if info.cross_size != 1 || info.local_size != info.size {
+            return Err(TransportError::Config {
+                var: "FH_TRANSPORT".into(),
+                reason: format!(
+                    "'shm' needs every rank on one host, but this job has {} ranks on {} hosts \
+                     ({} here); use 'auto' or 'tcp'",
+                    info.size, info.cross_size, info.local_size
+                ),
+            });
+        }
+        // A single process has no token; any name private to it will do.
+        let token = info
+            .token
+            .clone()
+            .unwrap_or_else(|| format!("single-process-{}-{}", sys::pid(), sys::self_start_time()));
+        let opts = ShmOptions {
+            timeout: info.timeout,
+            ..ShmOptions::default()
+        };
+        Self::join(&token, info.rank, info.size, opts)
+    }
+
+    /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.
+    pub fn open_shm(&mut self, label: &str) -> Result<ShmComm> {
+        let seq = self.next;
+        self.next += 1;
+        let name = format!("/{}{seq}", self.prefix);
+        let start = Instant::now();
+        let deadline = start + self.opts.timeout;
+        let seg = if self.rank == 0 {
+            let seg = Segment::create(&name, self.layout)?;
+            if self.size == 1 {
+                sys::shm_unlink(&name)
+                    .map_err(|e| TransportError::io(format!("shm_unlink of {name}"), e))?;
+            }
+            seg
+        } else {
+            Segment::attach(&name, self.rank, self.layout, deadline, self.opts.timeout)?
+        };
+        let comm = ShmComm::new(seg, self.rank, label, &self.opts);
+        comm.opened(&name).inspect_err(|_| {
+            let _ = sys::shm_unlink(&name);
+        })?;
+        tracing::debug!(label, segment = %name, rank = self.rank, "opened shm communicator");
+        Ok(comm)
+    }
+}
+
+impl Transport for ShmTransport {
+    fn backend(&self) -> &'static str {
+        "shm"
+    }
+
+    fn topology(&self) -> Topology {
+        Topology::single_host(self.rank, self.size)
+    }
+
+    fn open(&mut self, label: &str) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(self.open_shm(label)?))
+    }
+}

@@ -1,0 +1,292 @@
+//! Shared-memory backend with one process per rank: this test binary re-runs itself as the
+//! ranks (`child` below, selected by environment variables); a guard kills and reaps every
+//! child, also when an assertion fails.
+#![cfg(target_os = "linux")]
+
+mod shm_common;
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use fh_core::{DType, ReduceOp};
+use fh_transport::shm::{self, ShmOptions, ShmTransport};
+use fh_transport::{CollectivesExt, Transport, TransportError};
+use shm_common::*;
+
+const ROLE: &str = "FH_SHM_TEST_ROLE";
+const RANK: &str = "FH_SHM_TEST_RANK";
+const SIZE: &str = "FH_SHM_TEST_SIZE";
+const TOKEN: &str = "FH_SHM_TEST_TOKEN";
+
+/// The tests of this file run one at a time: a child's `join` removes stale segments, which
+/// would race with the test that leaves one behind on purpose.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Kills and reaps the children it holds when dropped.
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Children {
+    fn spawn(n: usize, role: &str, token: &str) -> Children {
+        Self::spawn_with(n, role, token, |_| Vec::new())
+    }
+
+    fn spawn_with(
+        n: usize,
+        role: &str,
+        token: &str,
+        env: impl Fn(usize) -> Vec<(&'static str, String)>,
+    ) -> Children {
+        let exe = std::env::current_exe().expect("test binary path");
+        let mut kids = Children(Vec::new());
+        for r in 0..n {
+            let child = Command::new(&exe)
+                .args(["child", "--exact", "--nocapture", "--test-threads=1"])
+                .env(ROLE, role)
+                .env(RANK, r.to_string())
+                .env(SIZE, n.to_string())
+                .env(TOKEN, token)
+                .envs(env(r))
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("spawn a rank");
+            kids.0.push(child);
+        }
+        kids
+    }
+
+    /// Wait for every child to exit, at most `limit`.
+    fn wait_all(&mut self, limit: Duration) -> Vec<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        let mut done: Vec<Option<ExitStatus>> = vec![None; self.0.len()];
+        while done.iter().any(Option::is_none) {
+            for (c, d) in self.0.iter_mut().zip(done.iter_mut()) {
+                if d.is_none() {
+                    *d = c.try_wait().expect("try_wait");
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "ranks still running after {limit:?}: {done:?}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        done.into_iter().flatten().collect()
+    }
+}
+
+fn env_usize(var: &str) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{var} not set"))
+}
+
+/// CPU time (user + system) this process has used.
+fn cpu_time() -> Duration {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the structure it is given.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
+    assert_eq!(rc, 0);
+    // SAFETY: initialised by the successful call above.
+    let ru = unsafe { ru.assume_init() };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// The body of a rank; does nothing when run as an ordinary test.
+#[test]
+fn child() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let (rank, size) = (env_usize(RANK), env_usize(SIZE));
+    let token = std::env::var(TOKEN).expect("token");
+    match role.as_str() {
+        "suite" => {
+            let mut t = ShmTransport::join(&token, rank, size, small_opts()).unwrap();
+            let mut c = t.open("suite").unwrap();
+            suite(&mut *c, 1234 + size as u64);
+            // A second world on the same token (as after a re-init), with the default sizes.
+            let mut t2 = ShmTransport::join(&token, rank, size, ShmOptions::default()).unwrap();
+            let mut d = t2.open("default").unwrap();
+            suite_allreduce(&mut *d, 99);
+        }
+        "kill" => {
+            let mut t = ShmTransport::join(&token, rank, size, small_opts()).unwrap();
+            let mut c = t.open("victim").unwrap();
+            let mut buf = vec![1.0f32; 5000];
+            for _ in 0..5 {
+                c.allreduce_typed(&mut buf, ReduceOp::Sum).unwrap();
+            }
+            if rank == size - 1 {
+                // SAFETY: sending a signal to ourselves.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                unreachable!("SIGKILL did not kill the process");
+            }
+            let start = Instant::now();
+            let err = loop {
+                if let Err(e) = c.allreduce_typed(&mut buf, ReduceOp::Sum) {
+                    break e;
+                }
+            };
+            assert!(
+                matches!(err, TransportError::PeerLost { rank: r, .. } if r == size - 1),
+                "rank {rank}: expected PeerLost naming rank {}, got {err}",
+                size - 1
+            );
+            assert!(
+                start.elapsed() < small_opts().timeout,
+                "the loss was only noticed at the timeout"
+            );
+        }
+        "stall" => {
+            // Rank 0 creates the segment and waits for a rank 1 that never comes.
+            if rank == 0 {
+                let opts = ShmOptions::with_timeout(Duration::from_secs(60));
+                let mut t = ShmTransport::join(&token, rank, size, opts).unwrap();
+                let _ = t.open("stalled");
+            }
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        "idle" => {
+            let mut t = ShmTransport::join(&token, rank, size, small_opts()).unwrap();
+            let mut c = t.open("idle").unwrap();
+            c.barrier().unwrap();
+            if rank == 1 {
+                std::thread::sleep(Duration::from_millis(1500));
+                c.barrier().unwrap();
+            } else {
+                let (cpu0, wall0) = (cpu_time(), Instant::now());
+                c.barrier().unwrap();
+                let (cpu, wall) = (cpu_time() - cpu0, wall0.elapsed());
+                assert!(wall >= Duration::from_millis(1000), "barrier did not wait");
+                assert!(
+                    cpu < wall / 4,
+                    "waiting {wall:?} in a barrier used {cpu:?} of CPU: it should sleep"
+                );
+            }
+        }
+        "env" => {
+            let mut t = fh_transport::from_env().unwrap();
+            assert_eq!(t.backend(), "shm");
+            assert_eq!((t.rank(), t.size()), (rank, size));
+            let mut c = t.open("env").unwrap();
+            suite_others(&mut *c, 5);
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+#[test]
+fn suite_on_2_3_and_4_processes() {
+    let _serial = serial();
+    for n in 2..=4 {
+        let tok = token();
+        let mut kids = Children::spawn(n, "suite", &tok);
+        let st = kids.wait_all(Duration::from_secs(240));
+        assert!(st.iter().all(ExitStatus::success), "np {n}: {st:?}");
+        assert_eq!(leftovers(&shm::segment_prefix(&tok)), Vec::<String>::new());
+    }
+}
+
+#[test]
+fn from_env_builds_a_shm_world() {
+    let _serial = serial();
+    {
+        let choice = "shm";
+        let tok = format!(
+            "{:032x}",
+            std::process::id() as u128 * 7919 + choice.len() as u128
+        );
+        let mut kids = Children::spawn_with(3, "env", &tok, |r| {
+            vec![
+                ("FH_TRANSPORT", choice.to_string()),
+                ("FH_RANK", r.to_string()),
+                ("FH_SIZE", "3".into()),
+                ("FH_LOCAL_RANK", r.to_string()),
+                ("FH_LOCAL_SIZE", "3".into()),
+                ("FH_RENDEZVOUS_ADDR", "127.0.0.1:9".into()),
+                ("FH_JOB_TOKEN", tok.clone()),
+                ("FH_TIMEOUT_SECONDS", "20".into()),
+            ]
+        });
+        let st = kids.wait_all(Duration::from_secs(120));
+        assert!(st.iter().all(ExitStatus::success), "{choice}: {st:?}");
+        assert_eq!(leftovers(&shm::segment_prefix(&tok)), Vec::<String>::new());
+    }
+}
+
+#[test]
+fn killed_rank_is_named_without_a_hang() {
+    let _serial = serial();
+    let tok = token();
+    let mut kids = Children::spawn(3, "kill", &tok);
+    let st = kids.wait_all(Duration::from_secs(60));
+    assert!(st[0].success() && st[1].success(), "survivors: {st:?}");
+    assert_eq!(st[2].signal(), Some(libc::SIGKILL), "victim: {:?}", st[2]);
+    assert_eq!(leftovers(&shm::segment_prefix(&tok)), Vec::<String>::new());
+}
+
+#[test]
+fn waiting_ranks_sleep() {
+    let _serial = serial();
+    let tok = token();
+    let mut kids = Children::spawn(2, "idle", &tok);
+    let st = kids.wait_all(Duration::from_secs(60));
+    assert!(st.iter().all(ExitStatus::success), "{st:?}");
+}
+
+#[test]
+fn sigkill_of_every_rank_is_cleaned_up_at_next_start() {
+    let _serial = serial();
+    let tok = token();
+    let prefix = shm::segment_prefix(&tok);
+    let mut kids = Children::spawn(2, "stall", &tok);
+    let start = Instant::now();
+    // Wait until rank 0 has created the segment and recorded itself in it (a header word
+    // and the first rank's pid are non-zero).
+    let recorded = || {
+        leftovers(&prefix).first().is_some_and(|name| {
+            let bytes = std::fs::read(format!("/dev/shm/{name}")).unwrap_or_default();
+            bytes.len() > 64 && bytes[64..68] != [0; 4]
+        })
+    };
+    while !recorded() {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no segment appeared"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for c in &mut kids.0 {
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+    let left = leftovers(&prefix);
+    assert_eq!(
+        left.len(),
+        1,
+        "the half-opened segment should remain: {left:?}"
+    );
+    // The next job's rank 0 removes it when it joins.
+    let mut next = ShmTransport::join(&token(), 0, 1, ShmOptions::default()).unwrap();
+    assert_eq!(leftovers(&prefix), Vec::<String>::new());
+    let mut c = next.open("fresh").unwrap();
+    let mut v = [3u8; 2];
+    c.allreduce(&mut v, DType::U8, ReduceOp::Sum).unwrap();
+    assert_eq!(v, [3, 3]);
+}

@@ -1,0 +1,276 @@
+//! The TCP backend with every rank as a thread of this process (on 127.0.0.1): the door's
+//! refusals as the stranger sees them, timeouts, and peers that go away.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use fh_core::ReduceOp;
+use fh_transport::bootstrap::LaunchInfo;
+use fh_transport::tcp::{wire, TcpOptions, TcpTransport};
+use fh_transport::{CollectivesExt, Transport, TransportError};
+
+fn info(rank: usize, size: usize, port: u16, timeout_s: &str) -> LaunchInfo {
+    let vars = [
+        ("FH_RANK", rank.to_string()),
+        ("FH_SIZE", size.to_string()),
+        ("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}")),
+        ("FH_JOB_TOKEN", "in-process-test-token".to_string()),
+        ("FH_TIMEOUT_SECONDS", timeout_s.to_string()),
+    ];
+    LaunchInfo::from_vars(|name| {
+        vars.iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.clone())
+    })
+    .expect("valid test environment")
+}
+
+/// A world of `size` TCP transports, one per thread, joined here.
+fn world(size: usize, timeout_s: &str, handshake: Duration) -> Vec<TcpTransport> {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let handles: Vec<_> = (0..size)
+        .map(|rank| {
+            let info = info(rank, size, port, timeout_s);
+            std::thread::spawn(move || {
+                let mut opts = TcpOptions::from_info(&info);
+                opts.handshake_timeout = handshake;
+                TcpTransport::connect(&info, opts)
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("thread").expect("connect"))
+        .collect()
+}
+
+fn refusal(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(bytes).unwrap();
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply);
+    match wire::Reply::decode(&reply) {
+        Ok((wire::Reply::Refuse(why), _)) => why,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+fn hello(version: u16, size: u32, rank: u32, token: &[u8]) -> wire::Hello {
+    wire::Hello {
+        version,
+        kind: wire::ConnKind::Data,
+        size,
+        rank,
+        seq: 0,
+        port: 0,
+        lost: 0,
+        token: token.to_vec(),
+    }
+}
+
+#[test]
+fn the_door_says_why_it_refuses() {
+    let w = world(2, "30", Duration::from_secs(5));
+    let rank0 = w[0].peer_addresses()[0];
+    let token = b"in-process-test-token";
+
+    let mut other_version = hello(wire::PROTOCOL_VERSION, 2, 1, token).encode();
+    other_version[4..6].copy_from_slice(&7u16.to_le_bytes());
+    let why = refusal(rank0, &other_version);
+    assert!(why.contains("protocol version 7"), "{why}");
+
+    let why = refusal(rank0, &hello(wire::PROTOCOL_VERSION, 3, 1, token).encode());
+    assert!(why.contains("world size mismatch"), "{why}");
+
+    let why = refusal(
+        rank0,
+        &hello(wire::PROTOCOL_VERSION, 2, 1, b"nope").encode(),
+    );
+    assert!(why.contains("wrong job token"), "{why}");
+
+    let why = refusal(rank0, &hello(wire::PROTOCOL_VERSION, 2, 0, token).encode());
+    assert!(why.contains("may not connect"), "{why}");
+
+    let why = refusal(rank0, b"SSH-2.0-OpenSSH_9.6\r\n");
+    assert!(why.contains("bad magic"), "{why}");
+
+    // After all that, the world still works.
+    let handles: Vec<_> = w
+        .into_iter()
+        .map(|mut t| {
+            std::thread::spawn(move || {
+                let mut c = t.open("after strangers").unwrap();
+                let mut v = [t.rank() as i32 + 1; 5];
+                c.allreduce_typed(&mut v, ReduceOp::Sum).unwrap();
+                v
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), [3; 5]);
+    }
+}
+
+#[test]
+fn a_slow_or_silent_stranger_is_cut_off() {
+    let w = world(2, "30", Duration::from_millis(500));
+    let rank1 = w[1].peer_addresses()[1];
+    let mut drip = TcpStream::connect(rank1).unwrap();
+    drip.set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    let start = Instant::now();
+    // A well-formed beginning with the longest token, one byte at a time: with a per-read
+    // timeout only, this would be served for as long as the stranger likes.
+    let bytes = hello(wire::PROTOCOL_VERSION, 2, 1, &[b'x'; wire::MAX_TOKEN_LEN]).encode();
+    let mut closed = false;
+    let mut sent = 0;
+    for b in &bytes {
+        if drip.write_all(&[*b]).is_err() {
+            closed = true;
+            break;
+        }
+        let mut one = [0u8; 1];
+        match drip.read(&mut one) {
+            Ok(0) => {
+                closed = true;
+                break;
+            }
+            Ok(_) => {}
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(_) => {
+                closed = true;
+                break;
+            }
+        }
+        sent += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(closed, "a dripping connection was never cut off");
+    assert!(
+        sent < bytes.len(),
+        "the whole handshake got through ({sent} bytes)"
+    );
+    assert!(start.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn a_silent_peer_times_out_naming_it() {
+    let mut w = world(2, "1", Duration::from_secs(1));
+    let mut t1 = w.pop().unwrap();
+    let mut t0 = w.pop().unwrap();
+    let h = std::thread::spawn(move || {
+        let c = t0.open("c").unwrap();
+        // Hold the communicator open without sending anything.
+        std::thread::sleep(Duration::from_secs(3));
+        drop(c);
+    });
+    let mut c1 = t1.open("c").unwrap();
+    let mut buf = [0u8; 16];
+    let err = c1.recv(0, &mut buf).unwrap_err();
+    assert!(
+        matches!(err, TransportError::Timeout { rank: 0, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("FH_TIMEOUT_SECONDS"), "{err}");
+    // The communicator is unusable afterwards, and says so.
+    assert!(c1.recv(0, &mut buf).is_err());
+    h.join().unwrap();
+}
+
+#[test]
+fn a_departed_peer_is_reported_at_once() {
+    // A long timeout: the loss must be noticed from the closed connection, not by waiting.
+    let mut w = world(3, "600", Duration::from_secs(5));
+    let mut t2 = w.pop().unwrap();
+    let mut t1 = w.pop().unwrap();
+    let mut t0 = w.pop().unwrap();
+    let h0 = std::thread::spawn(move || {
+        let c = t0.open("c").unwrap();
+        drop(c); // rank 0 leaves
+    });
+    let h2 = std::thread::spawn(move || {
+        let mut c = t2.open("c").unwrap();
+        let mut big = vec![0u8; 32 << 20];
+        // Rank 1 waits for this, then for rank 0, which is gone.
+        c.send(1, &big[..1024]).unwrap();
+        let err = c.recv(0, &mut big).unwrap_err();
+        (err.blamed_rank(), err.to_string())
+    });
+    let start = Instant::now();
+    let mut c1 = t1.open("c").unwrap();
+    let mut small = [0u8; 1024];
+    c1.recv(2, &mut small).unwrap();
+    let err = c1.recv(0, &mut small).unwrap_err();
+    assert_eq!(err.blamed_rank(), Some(0), "{err}");
+    assert!(matches!(err, TransportError::PeerLost { .. }), "{err}");
+    let (blamed, text) = h2.join().unwrap();
+    assert_eq!(blamed, Some(0), "{text}");
+    assert!(start.elapsed() < Duration::from_secs(60));
+    h0.join().unwrap();
+}
+
+#[test]
+fn messages_of_every_shape() {
+    let w = world(2, "30", Duration::from_secs(5));
+    let handles: Vec<_> = w
+        .into_iter()
+        .map(|mut t| {
+            std::thread::spawn(move || {
+                let r = t.rank();
+                let other = 1 - r;
+                let mut c = t.open("shapes").unwrap();
+                // Zero-length messages.
+                c.send(other, &[]).unwrap();
+                c.recv(other, &mut []).unwrap();
+                // Many small messages in a row, then big ones both ways at once.
+                for i in 0..100u32 {
+                    c.send(other, &i.to_le_bytes()).unwrap();
+                }
+                for i in 0..100u32 {
+                    let mut b = [0u8; 4];
+                    c.recv(other, &mut b).unwrap();
+                    assert_eq!(u32::from_le_bytes(b), i);
+                }
+                let out: Vec<u8> = (0..24 << 20).map(|i| (i % 253) as u8 ^ r as u8).collect();
+                let mut inp = vec![0u8; 24 << 20];
+                c.send_recv(other, &out, other, &mut inp).unwrap();
+                assert!(inp
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &x)| x == (i % 253) as u8 ^ other as u8));
+                // Out-of-range peers and oversized lengths are argument errors, not I/O.
+                assert!(matches!(
+                    c.send(5, &[1]),
+                    Err(TransportError::InvalidArgument(_))
+                ));
+                c.barrier().unwrap();
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+#[test]
+fn opening_with_a_departed_rank_fails_naming_it() {
+    // A long timeout: the refused connection must be recognised, not waited out.
+    let mut w = world(2, "600", Duration::from_secs(5));
+    let mut t1 = w.pop().unwrap();
+    drop(w); // rank 0's process "exits": its listener closes
+    let Err(err) = t1.open("late") else {
+        panic!("opening with a departed rank must fail")
+    };
+    assert!(
+        matches!(err, TransportError::PeerLost { rank: 0, .. }),
+        "{err}"
+    );
+}
