@@ -130,8 +130,9 @@ struct SuiteArgs {
     /// 16,64,256,1024,4096).
     #[arg(long, value_delimiter = ',')]
     tensor_counts: Vec<usize>,
-    /// Transports of the collectives sweep (tcp: processes over loopback; local: threads).
-    #[arg(long, value_delimiter = ',', default_value = "tcp,local")]
+    /// Transports of the collectives sweep (tcp: processes over loopback; shm: processes over
+    /// shared memory; local: threads). The replay and negotiation run over the first.
+    #[arg(long, value_delimiter = ',', default_value = "tcp,shm,local")]
     transports: Vec<String>,
     /// Do not run the OpenMPI peer.
     #[arg(long)]

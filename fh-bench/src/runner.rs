@@ -1,5 +1,6 @@
 //! Running a job on N ranks: threads over the in-process backend, N worker processes of this
-//! binary on 127.0.0.1 (TCP), or under an external launcher (`mpirun`, `srun`).
+//! binary on 127.0.0.1 (TCP or shared memory), or under an external launcher (`mpirun`,
+//! `srun`).
 //!
 //! Worker processes get the `FH_*` environment (rank, size, local/cross ranks, rendezvous
 //! address where rank 0 listens, a random job token), read the job from a JSON file and write
@@ -98,6 +99,8 @@ pub struct Runner {
     pub timeout: Duration,
     /// Rendezvous host for external launchers (rank 0's host).
     pub rendezvous_host: String,
+    /// `FH_TRANSPORT` of the worker processes (`tcp`, `shm`, ...).
+    pub transport: String,
 }
 
 impl Runner {
@@ -128,7 +131,7 @@ impl Runner {
                 .arg("--out")
                 .arg(&prefix)
                 .env("FH_JOB_TOKEN", &token)
-                .env("FH_TRANSPORT", "tcp")
+                .env("FH_TRANSPORT", &self.transport)
                 .stdin(Stdio::null());
         };
         let mut children = Children::default();

@@ -42,7 +42,8 @@ pub struct Options {
     pub sizes: Vec<usize>,
     /// Tensor counts of the negotiation measurement.
     pub tensor_counts: Vec<usize>,
-    /// Transports for the collectives sweep (`tcp`, `local`).
+    /// Transports for the collectives sweep (`tcp`, `shm`, `local`); the engine suites use the
+    /// first.
     pub transports: Vec<String>,
     /// Skip the OpenMPI peer.
     pub no_peers: bool,
@@ -129,7 +130,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     for t in &opts.transports {
         let launch = match t.as_str() {
             "local" => Launch::Threads,
-            "tcp" => {
+            "tcp" | "shm" => {
                 if let Err(why) = world::tcp_available() {
                     record.skipped.push(Skipped {
                         suite: "all".into(),
@@ -144,7 +145,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 record.skipped.push(Skipped {
                     suite: "all".into(),
                     what: format!("{other} transport"),
-                    reason: "not supported by fh-bench yet (use tcp or local)".into(),
+                    reason: "not supported by fh-bench yet (use tcp, shm or local)".into(),
                 });
                 continue;
             }
@@ -158,6 +159,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 work_dir: work_dir.clone(),
                 timeout: opts.job_timeout,
                 rendezvous_host: opts.rendezvous_host.clone(),
+                transport: t.clone(),
             },
         ));
     }

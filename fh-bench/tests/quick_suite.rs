@@ -83,9 +83,10 @@ fn quick_suite_end_to_end_on_two_ranks() {
     assert_eq!(run["config"]["np"], 2);
     assert_ne!(run["git_revision"], "");
 
-    // Collectives: every collective at both sizes over TCP processes and in-process threads.
+    // Collectives: every collective at both sizes over TCP and shared-memory processes and
+    // in-process threads.
     let rows = run["collectives"].as_array().unwrap();
-    for transport in ["tcp", "local"] {
+    for transport in ["tcp", "shm", "local"] {
         for c in [
             "allreduce",
             "allgather",
