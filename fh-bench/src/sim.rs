@@ -16,8 +16,9 @@
 //!   negotiates the tensors ready at its start, then executes the fused groups one after
 //!   another itself; tensors that become ready meanwhile wait for the next loop.
 //! - **`fasthorovod` K**: negotiation wakes when a tensor is ready and never waits for
-//!   execution (with back-pressure: a new round starts only while some channel has nothing
-//!   queued, so tensors ready meanwhile fuse together); each round's tensors (tensors larger than the partition size split into chunks)
+//!   execution, as implemented (optionally, `+bp`, with back-pressure: a new round starts only
+//!   while some channel has nothing queued, so tensors ready meanwhile fuse together — a
+//!   variant the model evaluates, not the engine's behaviour); each round's tensors (tensors larger than the partition size split into chunks)
 //!   are fused up to the fusion threshold and the groups go to K channels (least queued bytes
 //!   first), which execute concurrently.
 //!
@@ -98,17 +99,21 @@ pub struct Schedule {
     pub fusion_bytes: usize,
     /// Tensors larger than this are split into chunks across channels (`fasthorovod`).
     pub partition_bytes: usize,
+    /// `fasthorovod`: start a round only while some channel has nothing queued.
+    #[serde(default)]
+    pub back_pressure: bool,
 }
 
 impl Schedule {
-    /// The `horovod` preset: 1 ms cycle, one thread, 64 MiB fusion.
+    /// The `horovod` preset: 1 ms cycle, one thread, 128 MiB fusion (Horovod 0.28's).
     pub fn horovod() -> Self {
         Schedule {
             kind: ScheduleKind::Horovod,
             channels: 1,
             cycle_s: 1e-3,
-            fusion_bytes: 64 << 20,
+            fusion_bytes: 128 << 20,
             partition_bytes: usize::MAX,
+            back_pressure: false,
         }
     }
 
@@ -120,13 +125,23 @@ impl Schedule {
             cycle_s: 0.0,
             fusion_bytes: 64 << 20,
             partition_bytes: 16 << 20,
+            back_pressure: false,
         }
+    }
+
+    /// The same schedule with back-pressure on negotiation (`fasthorovod` only).
+    pub fn with_back_pressure(mut self) -> Self {
+        self.back_pressure = true;
+        self
     }
 
     /// `horovod` or `fasthorovod K=k`.
     pub fn label(&self) -> String {
         match self.kind {
             ScheduleKind::Horovod => "horovod".into(),
+            ScheduleKind::FastHorovod if self.back_pressure => {
+                format!("fasthorovod K={} +bp", self.channels)
+            }
             ScheduleKind::FastHorovod => format!("fasthorovod K={}", self.channels),
         }
     }
@@ -294,9 +309,11 @@ pub fn simulate_step(
         // Start a negotiation round.
         if negotiating.is_none() && !pending.is_empty() {
             let may_start = match sched.kind {
-                // Back-pressure: a new round only while some channel has nothing queued, so
-                // that tensors ready meanwhile are fused together.
-                ScheduleKind::FastHorovod => queues.iter().map(|q| q.len()).sum::<usize>() < k,
+                // With back-pressure, a new round only while some channel has nothing queued,
+                // so that tensors ready meanwhile are fused together.
+                ScheduleKind::FastHorovod => {
+                    !sched.back_pressure || queues.iter().map(|q| q.len()).sum::<usize>() < k
+                }
                 ScheduleKind::Horovod => !in_loop && tick_at(next_tick, now) <= now + 1e-12,
             };
             if may_start {
@@ -610,6 +627,10 @@ mod tests {
         let l = link(1e-5, 1e9, None);
         let sizes = [1_000_000, 1000, 1000, 1000];
         let ready = [0.0, 1e-4, 2e-4, 3e-4];
+        let bp = Schedule::fasthorovod(1).with_back_pressure();
+        let m = simulate_step(&sizes, &ready, 2, &l, &bp, &NO_OVERHEAD);
+        assert_eq!(m.collectives, 3, "{m:?}");
+        // Without back-pressure every small tensor gets its own round and collective.
         let m = simulate_step(
             &sizes,
             &ready,
@@ -618,7 +639,7 @@ mod tests {
             &Schedule::fasthorovod(1),
             &NO_OVERHEAD,
         );
-        assert_eq!(m.collectives, 3, "{m:?}");
+        assert_eq!(m.collectives, 4, "{m:?}");
     }
 
     #[test]
@@ -642,6 +663,10 @@ mod tests {
         let sizes = [40 << 20, 1 << 20];
         let h = Schedule::horovod();
         assert_eq!(fuse(&[0, 1], &sizes, &h, 1), [(41 << 20)]);
+        assert_eq!(
+            fuse(&[0, 0, 0, 0], &[40 << 20], &h, 1),
+            [(120 << 20), (40 << 20)]
+        );
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub fn schedules() -> Vec<Schedule> {
         Schedule::fasthorovod(1),
         Schedule::fasthorovod(2),
         Schedule::fasthorovod(4),
+        Schedule::fasthorovod(4).with_back_pressure(),
     ]
 }
 

@@ -118,7 +118,7 @@ fn quick_suite_end_to_end_on_two_ranks() {
     // The simulation projects every schedule, link and rank count, and says it is a model.
     let sim = &run["simulation"];
     assert!(sim["note"].as_str().unwrap().contains("MODEL"));
-    assert_eq!(sim["rows"].as_array().unwrap().len(), 4 * 4 * 8);
+    assert_eq!(sim["rows"].as_array().unwrap().len(), 4 * 5 * 8);
 
     // The report links its plots, which exist.
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
