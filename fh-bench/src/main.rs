@@ -9,6 +9,7 @@ mod collectives;
 mod mpi_peer;
 mod plots;
 mod record;
+mod replay;
 mod report;
 mod runner;
 mod sim;

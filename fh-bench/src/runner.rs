@@ -17,6 +17,7 @@ use fh_transport::Transport;
 use serde::{Deserialize, Serialize};
 
 use crate::collectives::{self, Case, CaseTimes};
+use crate::replay::{self, NegotiationJob, NegotiationStep, ReplayJob};
 
 /// A unit of work run by every rank.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -30,6 +31,10 @@ pub enum Job {
         /// Timed runs per case.
         repeats: usize,
     },
+    /// A workload replay through the engine.
+    Replay(ReplayJob),
+    /// A negotiation-cost measurement through the engine.
+    Negotiation(NegotiationJob),
 }
 
 /// What one rank returns.
@@ -37,6 +42,10 @@ pub enum Job {
 pub enum RankOutput {
     /// Per case timings.
     Collectives(Vec<CaseTimes>),
+    /// Per timed replay step, seconds.
+    Replay(Vec<f64>),
+    /// Per timed negotiation step.
+    Negotiation(Vec<NegotiationStep>),
 }
 
 /// Runs `job` on this rank's transport.
@@ -53,6 +62,8 @@ pub fn execute(job: &Job, mut transport: Box<dyn Transport>) -> Result<RankOutpu
             let out = collectives::run_cases(comm.as_mut(), cases, *warmup, *repeats, |_| {})?;
             Ok(RankOutput::Collectives(out))
         }
+        Job::Replay(j) => replay::run_replay(j, transport).map(RankOutput::Replay),
+        Job::Negotiation(j) => replay::run_negotiation(j, transport).map(RankOutput::Negotiation),
     }
 }
 
@@ -395,7 +406,9 @@ mod tests {
         };
         let out = run_threads(2, &job, Duration::from_secs(30)).unwrap();
         assert_eq!(out.len(), 2);
-        let RankOutput::Collectives(c) = &out[1];
+        let RankOutput::Collectives(c) = &out[1] else {
+            panic!("not a collectives result");
+        };
         assert_eq!(c[0].seconds.len(), 3);
     }
 

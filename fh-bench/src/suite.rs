@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::collectives::{algbw_gbps, busbw_gbps, Case, Collective};
-use crate::record::{CollRow, Host, RunConfig, RunRecord, Skipped, SCHEMA};
+use crate::record::{CollRow, Host, NegRow, ReplayRow, RunConfig, RunRecord, Skipped, SCHEMA};
+use crate::replay::{NegotiationJob, ReplayJob, ScheduleSpec};
 use crate::runner::{Job, Launch, RankOutput, Runner};
 use crate::stats::Quantity;
 use crate::workload::Workload;
@@ -172,6 +173,17 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     if wants("simulate") {
         total += 1;
     }
+    let neg_nps: Vec<usize> = if opts.quick || opts.np <= 2 {
+        vec![opts.np]
+    } else {
+        vec![2, opts.np]
+    };
+    if wants("replay") {
+        total += (workloads.len() * ScheduleSpec::all().len()) as u64;
+    }
+    if wants("negotiation") {
+        total += (neg_nps.len() * 2 * opts.tensor_counts.len()) as u64;
+    }
     let bar = ProgressBar::new(total.max(1));
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
@@ -266,19 +278,79 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
         }
     }
 
-    if wants("replay") {
-        record.skipped.push(Skipped {
-            suite: "replay".into(),
-            what: "all presets".into(),
-            reason: "the scheduler (fh-scheduler Engine) is not on this branch yet".into(),
-        });
+    // The engine runs over the first transport (tcp unless --transports says otherwise).
+    let engine_runner = runners.first().map(|(t, r)| (t.clone(), r.clone()));
+    if wants("replay") || wants("negotiation") {
+        if engine_runner.is_none() {
+            record.skipped.push(Skipped {
+                suite: "replay, negotiation".into(),
+                what: "everything".into(),
+                reason: "no usable transport (see --transports)".into(),
+            });
+        }
     }
-    if wants("negotiation") {
-        record.skipped.push(Skipped {
-            suite: "negotiation".into(),
-            what: "all modes".into(),
-            reason: "the scheduler (fh-scheduler Engine) is not on this branch yet".into(),
-        });
+    if let (true, Some((tname, runner))) = (wants("replay"), &engine_runner) {
+        let backward = Duration::from_secs_f64(opts.backward_ms / 1e3);
+        for w in &workloads {
+            let mut rows: Vec<ReplayRow> = Vec::new();
+            for s in ScheduleSpec::all() {
+                bar.set_message(format!("replay: {} {} over {tname}", w.model, s.label()));
+                let job = Job::Replay(ReplayJob::new(w, backward, s.clone(), 1, opts.steps));
+                let name = format!("replay-{}-{}", w.model, s.label().replace([' ', '='], ""));
+                match runner.run(&name, &job) {
+                    Ok(outs) => rows.push(replay_row(w, &s, opts.np, opts.backward_ms, &outs)),
+                    Err(e) => record.skipped.push(Skipped {
+                        suite: "replay".into(),
+                        what: format!("{} {}", w.model, s.label()),
+                        reason: format!("failed: {e}"),
+                    }),
+                }
+                bar.inc(1);
+            }
+            let base = rows
+                .iter()
+                .find(|r| r.schedule == "horovod")
+                .map(|r| (r.step.median, r.exposed.median));
+            if let Some((step, exposed)) = base {
+                for r in &mut rows {
+                    r.step_ratio_to_horovod = Some(r.step.median / step);
+                    r.exposed_ratio_to_horovod =
+                        (exposed > 0.0).then(|| r.exposed.median / exposed);
+                }
+            }
+            record.replay.extend(rows);
+        }
+    }
+    if let (true, Some((tname, runner))) = (wants("negotiation"), &engine_runner) {
+        let steps = if opts.quick { 3 } else { 10 };
+        for &np in &neg_nps {
+            let mut runner = runner.clone();
+            runner.np = np;
+            for mode in ["coordinator", "bit-vector"] {
+                for &tensors in &opts.tensor_counts {
+                    bar.set_message(format!(
+                        "negotiation: {mode}, {tensors} tensors, np {np} over {tname}"
+                    ));
+                    let job = Job::Negotiation(NegotiationJob {
+                        mode: mode.into(),
+                        tensors,
+                        warmup: 1,
+                        steps,
+                    });
+                    match runner.run(&format!("negotiation-{mode}-{tensors}-np{np}"), &job) {
+                        Ok(outs) => record
+                            .negotiation
+                            .push(negotiation_row(mode, np, tensors, &outs)),
+                        Err(e) => record.skipped.push(Skipped {
+                            suite: "negotiation".into(),
+                            what: format!("{mode}, {tensors} tensors, np {np}"),
+                            reason: format!("failed: {e}"),
+                        }),
+                    }
+                    bar.inc(1);
+                }
+            }
+        }
     }
     for (peer, module) in [
         ("PyTorch DDP (Gloo)", "torch"),
@@ -347,8 +419,9 @@ pub fn coll_row(transport: &str, c: Collective, np: usize, bytes: usize, secs: &
 pub fn aggregate_collectives(transport: &str, np: usize, outs: &[RankOutput]) -> Vec<CollRow> {
     let per_rank: Vec<&Vec<crate::collectives::CaseTimes>> = outs
         .iter()
-        .map(|o| match o {
-            RankOutput::Collectives(c) => c,
+        .filter_map(|o| match o {
+            RankOutput::Collectives(c) => Some(c),
+            _ => None,
         })
         .collect();
     let Some(first) = per_rank.first() else {
@@ -369,6 +442,85 @@ pub fn aggregate_collectives(transport: &str, np: usize, outs: &[RankOutput]) ->
             coll_row(transport, case.case.collective, np, case.bytes, &secs)
         })
         .collect()
+}
+
+/// Per step, the slowest rank's time; then the replay figures.
+pub fn replay_row(
+    w: &Workload,
+    s: &ScheduleSpec,
+    np: usize,
+    backward_ms: f64,
+    outs: &[RankOutput],
+) -> ReplayRow {
+    let per_rank: Vec<&Vec<f64>> = outs
+        .iter()
+        .filter_map(|o| match o {
+            RankOutput::Replay(v) => Some(v),
+            _ => None,
+        })
+        .collect();
+    let steps = per_rank.first().map_or(0, |v| v.len());
+    let step_ms: Vec<f64> = (0..steps)
+        .map(|i| {
+            per_rank
+                .iter()
+                .filter_map(|v| v.get(i))
+                .fold(0.0f64, |a, b| a.max(*b))
+                * 1e3
+        })
+        .collect();
+    let exposed: Vec<f64> = step_ms.iter().map(|s| s - backward_ms).collect();
+    let thr: Vec<f64> = step_ms.iter().map(|s| 1e3 / s).collect();
+    ReplayRow {
+        workload: w.model.clone(),
+        schedule: s.label(),
+        np,
+        tensors: w.tensors.len(),
+        bytes: w.total_bytes(),
+        backward: Quantity::exact(backward_ms, "ms"),
+        step: Quantity::from_samples(&step_ms, "ms"),
+        exposed: Quantity::from_samples(&exposed, "ms"),
+        throughput: Quantity::from_samples(&thr, "1/s"),
+        step_ratio_to_horovod: None,
+        exposed_ratio_to_horovod: None,
+    }
+}
+
+/// Per step, the slowest rank's latency; rounds, bytes and time per round from the rank that
+/// sent the most negotiation bytes (rank 0 in coordinator rounds).
+pub fn negotiation_row(mode: &str, np: usize, tensors: usize, outs: &[RankOutput]) -> NegRow {
+    let per_rank: Vec<&Vec<crate::replay::NegotiationStep>> = outs
+        .iter()
+        .filter_map(|o| match o {
+            RankOutput::Negotiation(v) => Some(v),
+            _ => None,
+        })
+        .collect();
+    let steps = per_rank.first().map_or(0, |v| v.len());
+    let mut lat = Vec::new();
+    let mut rounds = Vec::new();
+    let mut per_round = Vec::new();
+    let mut bytes = Vec::new();
+    for i in 0..steps {
+        let at: Vec<&crate::replay::NegotiationStep> =
+            per_rank.iter().filter_map(|v| v.get(i)).collect();
+        lat.push(at.iter().map(|s| s.seconds).fold(0.0, f64::max) * 1e6);
+        if let Some(top) = at.iter().max_by_key(|s| s.bytes) {
+            let r = top.rounds.max(1) as f64;
+            rounds.push(top.rounds as f64);
+            per_round.push(top.negotiation_s / r * 1e6);
+            bytes.push(top.bytes as f64 / r);
+        }
+    }
+    NegRow {
+        mode: mode.to_string(),
+        np,
+        tensors,
+        step_latency: Quantity::from_samples(&lat, "us"),
+        rounds_per_step: Quantity::from_samples(&rounds, "rounds"),
+        round_latency: Quantity::from_samples(&per_round, "us"),
+        bytes_per_round: Quantity::from_samples(&bytes, "B"),
+    }
 }
 
 fn python_imports(module: &str) -> bool {

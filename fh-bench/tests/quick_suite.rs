@@ -78,6 +78,7 @@ fn quick_suite_end_to_end_on_two_ranks() {
         .unwrap();
     assert!(status.success(), "fh-bench failed: {stderr}\n{stdout}");
 
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     let run: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
     assert_eq!(run["config"]["np"], 2);
@@ -115,13 +116,52 @@ fn quick_suite_end_to_end_on_two_ranks() {
         "OpenMPI neither measured nor skipped: {run:#}"
     );
 
+    // The replay ran every preset on the workload, with ratios to `horovod`.
+    let replay = run["replay"].as_array().unwrap();
+    let schedules: Vec<&str> = replay
+        .iter()
+        .map(|r| r["schedule"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        schedules,
+        [
+            "horovod",
+            "fasthorovod K=1",
+            "fasthorovod K=2",
+            "fasthorovod K=4"
+        ],
+        "{run:#}"
+    );
+    for r in replay {
+        assert_eq!(r["workload"], "resnet50");
+        assert_eq!(r["step"]["unit"], "ms");
+        assert!(
+            r["step"]["median"].as_f64().unwrap() >= 20.0,
+            "a step lasts at least the backward"
+        );
+        assert!(r["step_ratio_to_horovod"].as_f64().unwrap() > 0.0);
+    }
+    // Negotiation: both modes, with rounds and bytes from the engine's counters.
+    let neg = run["negotiation"].as_array().unwrap();
+    assert_eq!(neg.len(), 2, "{neg:#?}");
+    for r in neg {
+        assert!(
+            r["rounds_per_step"]["median"].as_f64().unwrap() >= 1.0,
+            "{r:#}"
+        );
+        assert!(
+            r["bytes_per_round"]["median"].as_f64().unwrap() > 0.0,
+            "{r:#}"
+        );
+    }
+    assert!(md.contains("(replay-exposed.png)"));
+
     // The simulation projects every schedule, link and rank count, and says it is a model.
     let sim = &run["simulation"];
     assert!(sim["note"].as_str().unwrap().contains("MODEL"));
     assert_eq!(sim["rows"].as_array().unwrap().len(), 4 * 5 * 8);
 
     // The report links its plots, which exist.
-    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     for stem in [
         "collectives-allreduce",
         "collectives-tcp",

@@ -1,16 +1,24 @@
 //! # fh-core
 //!
 //! The pure heart of FastHorovod: element types ([`DType`]), reduction operators
-//! ([`ReduceOp`]), host reduction kernels ([`kernels`]) and the error type ([`CoreError`]).
+//! ([`ReduceOp`]), host reduction kernels ([`kernels`]), the error type ([`CoreError`]), the
+//! negotiation messages ([`message`]) and their wire encoding ([`wire`]), the bit vectors of
+//! the readiness negotiation ([`bitvec`]), the response cache ([`cache`]) and the fusion
+//! planner ([`fusion`]).
 //!
 //! **Invariant:** this crate performs no I/O, spawns no threads and knows nothing about
 //! sockets, MPI, CUDA or Python. Everything here is deterministic and unit-testable.
 #![deny(missing_docs)]
 
+pub mod bitvec;
+pub mod cache;
 pub mod dtype;
 pub mod error;
+pub mod fusion;
 pub mod kernels;
+pub mod message;
 pub mod op;
+pub mod wire;
 
 pub use dtype::{DType, Element};
 pub use error::CoreError;

@@ -1,8 +1,78 @@
 //! # fh-scheduler
 //!
-//! The FastHorovod engine (work in progress: see the scheduler issue). It will own the enqueue
-//! API and handles, readiness negotiation, fusion and parallel dispatch over channels.
+//! The FastHorovod engine: named, asynchronous collectives (allreduce, allgather, broadcast,
+//! alltoall, reduce-scatter, barrier, join) negotiated across ranks and executed as fused
+//! groups over parallel channels.
+//!
+//! - [`Engine::start`] takes a world ([`fh_transport::Transport`]) and a [`Config`]; every rank
+//!   starts one.
+//! - Submissions move a [`Tensor`] into the engine and return a [`Handle`]; the handle gives the
+//!   tensor back, holding the result (see [`tensor`] for the ownership contract).
+//! - A control thread negotiates readiness on its own communicator: a bitwise-AND allreduce over
+//!   the response cache's slots in steady state, the coordinator (rank 0) for names not cached.
+//! - Ready names are fused by [`fh_core::fusion`] and run on K channel threads, each with its own
+//!   communicator and fusion buffer. The `horovod` preset instead runs Horovod 0.28's schedule
+//!   (one thread, 1 ms cycle, one channel) for comparison.
+//!
+//! ## Configuration
+//!
+//! [`Config::from_env`] reads these variables (a bad value is an error naming the variable and
+//! the accepted values); the builder methods of [`Config`] set the same knobs in code.
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `FH_SCHEDULE` | preset: `fasthorovod` or `horovod` | `fasthorovod` |
+//! | `FH_CHANNELS` | data channels, 1–64 (`horovod`: always 1) | 4 |
+//! | `FH_FUSION_THRESHOLD` | bytes per fused group (`64MiB`, `1048576`, ...) | 64 MiB (`horovod`: 128 MiB) |
+//! | `FH_PARTITION_BYTES` | allreduce tensors above this are split across channels | 16 MiB (`horovod`: never) |
+//! | `FH_CYCLE_TIME_MS` | 0 = wake on submission; > 0 = fixed polling cycle | 0 (`horovod`: 1) |
+//! | `FH_BATCHING_WINDOW_MS` | after waking on a submission, wait this long for more | 0 |
+//! | `FH_CACHE_CAPACITY` | response-cache slots (0 = coordinator every round) | 1024 |
+//! | `FH_PRIORITY` | `ready` or `forward` (lower caller priority first) | `ready` |
+//! | `FH_TIMELINE` | path of rank 0's Chrome-trace timeline | off |
+//! | `FH_STALL_CHECK_SECONDS` | warn about names some ranks lack for this long (0 = off) | 60 |
+//! | `FH_STALL_SHUTDOWN_SECONDS` | shut down when a stall lasts this long (0 = never) | 0 |
+//! | `FH_LOG_LEVEL` | validated here; the application installs the `tracing` subscriber | — |
+//!
+//! Every rank must use the same schedule, channel count, cache capacity, fusion threshold and
+//! partition size; [`Engine::start`] checks this and refuses to start otherwise.
+//!
+//! ## Idle behaviour
+//!
+//! With `FH_CYCLE_TIME_MS=0` the control thread sleeps on its submission queue. While anything
+//! is pending it sits in the next negotiation round (a blocking collective), so a peer's
+//! submission completes the round at once. When nothing is pending anywhere it wakes only for
+//! a heartbeat round ([`Config::idle_heartbeat`], 1 s) so that a waiting peer never hits the
+//! transport timeout and the stall inspector can run: an idle engine uses practically no CPU.
+//!
+//! ## Limits
+//!
+//! - A grouped allreduce shares one collective when its members have one dtype and fit under
+//!   the fusion threshold (FastHorovod preset); otherwise they are released together but
+//!   reduced in several collectives.
+//! - While a rank has joined, only allreduce proceeds (other collectives fail with a clear
+//!   error when negotiated through the coordinator); joined ranks contribute zeros, which is
+//!   exact for `Sum`/`Average` only.
 //!
 //! **Invariant:** it reaches the network only through `fh-transport`'s traits and knows nothing
 //! of Python.
 #![deny(missing_docs)]
+
+pub mod config;
+mod control;
+mod engine;
+pub mod error;
+mod exec;
+pub mod handle;
+pub mod stats;
+pub mod tensor;
+mod timeline;
+
+pub use config::{Config, Preset, Priority};
+pub use engine::{AllreduceOptions, Engine};
+pub use error::SchedulerError;
+pub use fh_core::message::Device;
+pub use fh_core::{DType, ReduceOp};
+pub use handle::{GroupHandle, Handle, OpResult};
+pub use stats::{EngineStats, GroupRecord, StallReport};
+pub use tensor::Tensor;

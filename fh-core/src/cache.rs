@@ -1,0 +1,223 @@
+//! The response cache: negotiated responses kept under slot indices that are identical on
+//! every rank.
+//!
+//! The cache is deterministic: its state depends only on the sequence of calls, and the engine
+//! makes the same calls on every rank (insertions in the order of the broadcast response list,
+//! uses in slot order of the agreed ready set). Hence slot numbers agree everywhere without
+//! ever being exchanged.
+
+use std::collections::HashMap;
+
+use crate::message::{Response, Signature};
+
+/// The outcome of looking up a name before a negotiation round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// Cached with the same signature: negotiate through the bit vector.
+    Hit(usize),
+    /// Cached under another signature: the slot must be invalidated everywhere.
+    Changed(usize),
+    /// Not cached: negotiate through the coordinator.
+    Miss,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    response: Response,
+    last_used: u64,
+}
+
+/// A bounded map from names to negotiated responses with stable slot indices.
+#[derive(Debug, Clone)]
+pub struct ResponseCache {
+    slots: Vec<Option<Entry>>,
+    by_name: HashMap<String, usize>,
+    clock: u64,
+}
+
+impl ResponseCache {
+    /// An empty cache with `capacity` slots (0 disables caching).
+    pub fn new(capacity: usize) -> Self {
+        ResponseCache {
+            slots: vec![None; capacity],
+            by_name: HashMap::new(),
+            clock: 0,
+        }
+    }
+
+    /// Number of slots.
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Number of occupied slots.
+    pub fn len(&self) -> usize {
+        self.by_name.len()
+    }
+
+    /// Whether no slot is occupied.
+    pub fn is_empty(&self) -> bool {
+        self.by_name.is_empty()
+    }
+
+    /// Classify a pending request.
+    pub fn lookup(&self, name: &str, sig: &Signature) -> Lookup {
+        match self.by_name.get(name) {
+            None => Lookup::Miss,
+            Some(&slot) => match &self.slots[slot] {
+                Some(e) if e.response.sig.same_as(sig) => Lookup::Hit(slot),
+                _ => Lookup::Changed(slot),
+            },
+        }
+    }
+
+    /// The slot of a name, if cached.
+    pub fn slot_of(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+
+    /// The response cached in a slot.
+    pub fn get(&self, slot: usize) -> Option<&Response> {
+        self.slots.get(slot)?.as_ref().map(|e| &e.response)
+    }
+
+    /// Record that a slot was used in a round (for least-recently-used eviction).
+    pub fn touch(&mut self, slot: usize) {
+        self.clock += 1;
+        let now = self.clock;
+        if let Some(Some(e)) = self.slots.get_mut(slot) {
+            e.last_used = now;
+        }
+    }
+
+    /// Drop a slot.
+    pub fn evict(&mut self, slot: usize) -> Option<Response> {
+        let e = self.slots.get_mut(slot)?.take()?;
+        self.by_name.remove(&e.response.name);
+        Some(e.response)
+    }
+
+    /// Cache a successful response and return its slot, or `None` when the cache is disabled or
+    /// the response is an error. A name already cached keeps its slot; otherwise the lowest free
+    /// slot is used, or the least recently used one is evicted (lowest index on ties). The
+    /// evicted name, if any, is returned too.
+    pub fn insert(&mut self, response: &Response) -> Option<(usize, Option<String>)> {
+        if self.slots.is_empty() || response.error.is_some() {
+            return None;
+        }
+        self.clock += 1;
+        let entry = Entry {
+            response: response.clone(),
+            last_used: self.clock,
+        };
+        if let Some(&slot) = self.by_name.get(&response.name) {
+            self.slots[slot] = Some(entry);
+            return Some((slot, None));
+        }
+        let (slot, evicted) = match self.slots.iter().position(Option::is_none) {
+            Some(free) => (free, None),
+            None => {
+                let victim = self
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(i, e)| (e.as_ref().map_or(0, |e| e.last_used), *i))
+                    .map(|(i, _)| i)?;
+                let old = self.evict(victim).map(|r| r.name);
+                (victim, old)
+            }
+        };
+        self.by_name.insert(response.name.clone(), slot);
+        self.slots[slot] = Some(entry);
+        Some((slot, evicted))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::{CollectiveKind, Device};
+    use crate::{DType, ReduceOp};
+    use proptest::prelude::*;
+
+    fn resp(name: &str, len: u64) -> Response {
+        Response {
+            name: name.into(),
+            sig: Signature {
+                kind: CollectiveKind::Allreduce,
+                dtype: DType::F32,
+                shape: vec![len],
+                device: Device::Cpu,
+                op: ReduceOp::Sum,
+                root: 0,
+                prescale: 1.0,
+                postscale: 1.0,
+            },
+            priority: 0,
+            group: None,
+            error: None,
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(u8, u8),
+        Touch(u8),
+        Evict(u8),
+    }
+
+    fn arb_op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u8..24, 1u8..3).prop_map(|(n, l)| Op::Insert(n, l)),
+            any::<u8>().prop_map(Op::Touch),
+            any::<u8>().prop_map(Op::Evict),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn slots_are_consistent_and_deterministic(cap in 0usize..8, ops in proptest::collection::vec(arb_op(), 0..60)) {
+            let mut a = ResponseCache::new(cap);
+            let mut b = ResponseCache::new(cap);
+            for op in &ops {
+                match *op {
+                    Op::Insert(n, l) => {
+                        let r = resp(&format!("t{n}"), l as u64);
+                        let sa = a.insert(&r);
+                        prop_assert_eq!(sa.clone(), b.insert(&r));
+                        if let Some((slot, _)) = sa {
+                            prop_assert!(slot < cap);
+                            prop_assert_eq!(a.lookup(&r.name, &r.sig), Lookup::Hit(slot));
+                            let other = resp(&r.name, l as u64 + 7);
+                            prop_assert_eq!(a.lookup(&r.name, &other.sig), Lookup::Changed(slot));
+                        } else {
+                            prop_assert_eq!(cap, 0);
+                        }
+                    }
+                    Op::Touch(s) => { a.touch(s as usize); b.touch(s as usize); }
+                    Op::Evict(s) => { prop_assert_eq!(a.evict(s as usize), b.evict(s as usize)); }
+                }
+                prop_assert!(a.len() <= cap);
+                // Every named slot holds that name.
+                for (name, &slot) in &a.by_name {
+                    prop_assert_eq!(&a.get(slot).unwrap().name, name);
+                }
+                prop_assert_eq!(a.slots.iter().filter(|s| s.is_some()).count(), a.len());
+            }
+        }
+    }
+
+    #[test]
+    fn evicts_least_recently_used() {
+        let mut c = ResponseCache::new(2);
+        let (s0, _) = c.insert(&resp("a", 1)).unwrap();
+        let (s1, _) = c.insert(&resp("b", 1)).unwrap();
+        c.touch(s0);
+        let (s2, evicted) = c.insert(&resp("c", 1)).unwrap();
+        assert_eq!(s2, s1);
+        assert_eq!(evicted.as_deref(), Some("b"));
+        assert_eq!(c.lookup("b", &resp("b", 1).sig), Lookup::Miss);
+    }
+}

@@ -1,0 +1,492 @@
+//! The fusion planner: turns a round's ready responses into fused groups assigned to channels.
+//!
+//! Pure and deterministic: the same input gives the same plan on every rank, which is what
+//! lets the ranks run the groups on their channels without further agreement.
+
+use crate::message::{CollectiveKind, Device, Response};
+use crate::{DType, ReduceOp};
+
+/// What must be equal for two tensors to share a fused buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FusionKey {
+    /// The collective.
+    pub kind: CollectiveKind,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduce operator.
+    pub op: ReduceOp,
+    /// Device.
+    pub device: Device,
+    /// Prescale factor, as bits.
+    pub prescale: u64,
+    /// Postscale factor, as bits.
+    pub postscale: u64,
+}
+
+/// One ready tensor as the planner sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanItem {
+    /// Fusion compatibility.
+    pub key: FusionKey,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// Element size in bytes (chunks are cut at element boundaries).
+    pub elem: u64,
+    /// Caller priority (lower first under [`PlanOptions::by_priority`]).
+    pub priority: i64,
+    /// Members of one grouped submission share an id; in fast mode they form one fused group
+    /// of their own when they share a key and fit under the fusion threshold.
+    pub group: Option<u32>,
+}
+
+impl PlanItem {
+    /// The planner's view of a (successful) response.
+    pub fn from_response(r: &Response) -> Self {
+        PlanItem {
+            key: FusionKey {
+                kind: r.sig.kind,
+                dtype: r.sig.dtype,
+                op: r.sig.op,
+                device: r.sig.device,
+                prescale: r.sig.prescale.to_bits(),
+                postscale: r.sig.postscale.to_bits(),
+            },
+            bytes: r.sig.bytes(),
+            elem: r.sig.dtype.size() as u64,
+            priority: r.priority,
+            group: None,
+        }
+    }
+
+    fn fusable(&self) -> bool {
+        self.key.kind == CollectiveKind::Allreduce
+    }
+}
+
+/// Which fusion rules to apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanMode {
+    /// FastHorovod: per-key open groups, large tensors split, groups spread over channels.
+    Fast,
+    /// Horovod 0.28: greedy from the front with bounded look-ahead, one channel, no splitting.
+    Horovod,
+}
+
+/// Planner settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Fusion rules.
+    pub mode: PlanMode,
+    /// Most bytes in one fused group.
+    pub fusion_threshold: u64,
+    /// Allreduce tensors above this size are split into chunks of at most this size (fast mode).
+    pub partition_bytes: u64,
+    /// Number of channels (at least 1).
+    pub channels: usize,
+    /// Order by ascending priority (stable) before fusing.
+    pub by_priority: bool,
+}
+
+/// A byte range of one input item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    /// Index of the item in the planner's input.
+    pub item: usize,
+    /// Offset in bytes within the item.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// A fused group: parts that go through one collective on one channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Group {
+    /// The channel that runs it.
+    pub channel: usize,
+    /// The parts, in buffer order.
+    pub parts: Vec<Part>,
+}
+
+impl Group {
+    /// Total bytes of the group.
+    pub fn bytes(&self) -> u64 {
+        self.parts.iter().map(|p| p.len).sum()
+    }
+}
+
+/// Plan a round. Every byte of every item lands in exactly one part; groups only combine
+/// allreduce items with equal [`FusionKey`]s; a group of several parts stays within the fusion
+/// threshold; groups are listed in execution order, and each channel runs its groups in that
+/// order.
+pub fn plan(items: &[PlanItem], opts: &PlanOptions) -> Vec<Group> {
+    let channels = opts.channels.max(1);
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    if opts.by_priority {
+        order.sort_by_key(|&i| items[i].priority);
+    }
+    let mut groups = match opts.mode {
+        PlanMode::Horovod => plan_horovod(items, &order, opts.fusion_threshold),
+        PlanMode::Fast => plan_fast(items, &order, opts, channels),
+    };
+    match opts.mode {
+        PlanMode::Horovod => groups.iter_mut().for_each(|g| g.channel = 0),
+        PlanMode::Fast => {
+            // Least-loaded channel first (lowest index on ties): balances bytes, deterministic.
+            let mut load = vec![0u64; channels];
+            for g in &mut groups {
+                let (c, _) = load
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(i, l)| (**l, *i))
+                    .unwrap_or((0, &0));
+                g.channel = c;
+                load[c] += g.bytes().max(1);
+            }
+        }
+    }
+    groups
+}
+
+fn whole(i: usize, it: &PlanItem) -> Part {
+    Part {
+        item: i,
+        offset: 0,
+        len: it.bytes,
+    }
+}
+
+fn plan_horovod(items: &[PlanItem], order: &[usize], threshold: u64) -> Vec<Group> {
+    let mut queue: std::collections::VecDeque<usize> = order.iter().copied().collect();
+    let mut groups = Vec::new();
+    while let Some(first) = queue.pop_front() {
+        let head = &items[first];
+        let mut parts = vec![whole(first, head)];
+        if head.fusable() {
+            let mut size = head.bytes;
+            let mut skipped = Vec::new();
+            let mut skipped_size = 0u64;
+            while let Some(&next) = queue.front() {
+                let it = &items[next];
+                if it.key == head.key && size.saturating_add(it.bytes) <= threshold {
+                    size += it.bytes;
+                    parts.push(whole(next, it));
+                    queue.pop_front();
+                } else {
+                    // Look past a non-matching response only while the skipped bytes would
+                    // still fit under the threshold.
+                    skipped_size = skipped_size.saturating_add(it.bytes);
+                    if size.saturating_add(skipped_size) <= threshold {
+                        skipped.push(next);
+                        queue.pop_front();
+                    } else {
+                        break;
+                    }
+                }
+            }
+            for s in skipped.into_iter().rev() {
+                queue.push_front(s);
+            }
+        }
+        groups.push(Group { channel: 0, parts });
+    }
+    groups
+}
+
+fn plan_fast(
+    items: &[PlanItem],
+    order: &[usize],
+    opts: &PlanOptions,
+    channels: usize,
+) -> Vec<Group> {
+    // With several channels, cap groups near an equal share of the round so that every channel
+    // gets work, but never above the threshold nor below 64 KiB (tiny groups cost latency).
+    let total: u64 = order.iter().map(|&i| items[i].bytes).sum();
+    let cap = if channels > 1 {
+        opts.fusion_threshold
+            .min(total.div_ceil(channels as u64).max(64 * 1024))
+    } else {
+        opts.fusion_threshold
+    };
+    let partition = opts.partition_bytes.max(1);
+    let mut groups: Vec<Group> = Vec::new();
+    let mut open: Vec<(FusionKey, usize, u64)> = Vec::new(); // key, group index, bytes
+    let mut done = vec![false; items.len()];
+    for &i in order {
+        if done[i] {
+            continue;
+        }
+        let it = &items[i];
+        if let Some(gid) = it.group {
+            // A grouped submission: all its members in one group of their own, if they can.
+            let members: Vec<usize> = order
+                .iter()
+                .copied()
+                .filter(|&j| items[j].group == Some(gid))
+                .collect();
+            let bytes: u64 = members.iter().map(|&j| items[j].bytes).sum();
+            if it.fusable()
+                && members.iter().all(|&j| items[j].key == it.key)
+                && bytes <= opts.fusion_threshold
+            {
+                open.retain(|(k, _, _)| *k != it.key);
+                groups.push(Group {
+                    channel: 0,
+                    parts: members.iter().map(|&j| whole(j, &items[j])).collect(),
+                });
+                for j in members {
+                    done[j] = true;
+                }
+                continue;
+            }
+        }
+        if it.fusable() && it.bytes > partition {
+            // Later tensors of this key must not join a group placed before these chunks.
+            open.retain(|(k, _, _)| *k != it.key);
+            let elem = it.elem.max(1);
+            let chunk = (partition / elem).max(1) * elem;
+            let mut off = 0;
+            while off < it.bytes {
+                let len = chunk.min(it.bytes - off);
+                groups.push(Group {
+                    channel: 0,
+                    parts: vec![Part {
+                        item: i,
+                        offset: off,
+                        len,
+                    }],
+                });
+                off += len;
+            }
+            continue;
+        }
+        if !it.fusable() {
+            groups.push(Group {
+                channel: 0,
+                parts: vec![whole(i, it)],
+            });
+            continue;
+        }
+        match open.iter_mut().find(|(k, _, _)| *k == it.key) {
+            Some((_, g, bytes)) if bytes.saturating_add(it.bytes) <= cap => {
+                groups[*g].parts.push(whole(i, it));
+                *bytes += it.bytes;
+            }
+            slot => {
+                groups.push(Group {
+                    channel: 0,
+                    parts: vec![whole(i, it)],
+                });
+                let g = groups.len() - 1;
+                match slot {
+                    Some(s) => *s = (it.key, g, it.bytes),
+                    None => open.push((it.key, g, it.bytes)),
+                }
+            }
+        }
+    }
+    groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn key(dtype: DType, op: ReduceOp, kind: CollectiveKind) -> FusionKey {
+        FusionKey {
+            kind,
+            dtype,
+            op,
+            device: Device::Cpu,
+            prescale: 1f64.to_bits(),
+            postscale: 1f64.to_bits(),
+        }
+    }
+
+    fn arb_item() -> impl Strategy<Value = PlanItem> {
+        (0usize..3, 0usize..2, 0usize..4, 0u64..400, -3i64..3).prop_map(|(d, o, k, n, p)| {
+            let dtype = [DType::F32, DType::F64, DType::I32][d];
+            let op = [ReduceOp::Sum, ReduceOp::Average][o];
+            let kind = [
+                CollectiveKind::Allreduce,
+                CollectiveKind::Allreduce,
+                CollectiveKind::Allreduce,
+                CollectiveKind::Broadcast,
+            ][k];
+            PlanItem {
+                key: key(dtype, op, kind),
+                bytes: n * dtype.size() as u64,
+                elem: dtype.size() as u64,
+                priority: p,
+                group: None,
+            }
+        })
+    }
+
+    fn arb_opts() -> impl Strategy<Value = PlanOptions> {
+        (
+            any::<bool>(),
+            1u64..2000,
+            1u64..1000,
+            1usize..5,
+            any::<bool>(),
+        )
+            .prop_map(|(h, t, p, c, pr)| PlanOptions {
+                mode: if h { PlanMode::Horovod } else { PlanMode::Fast },
+                fusion_threshold: t,
+                partition_bytes: p,
+                channels: c,
+                by_priority: pr,
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn planner_invariants(items in proptest::collection::vec(arb_item(), 0..30), opts in arb_opts()) {
+            let groups = plan(&items, &opts);
+            // Deterministic.
+            prop_assert_eq!(&groups, &plan(&items, &opts));
+            // Every byte of every item covered exactly once, by contiguous ascending parts.
+            let mut covered = vec![0u64; items.len()];
+            let mut chunked = vec![0usize; items.len()];
+            for g in &groups {
+                prop_assert!(g.channel < opts.channels.max(1));
+                prop_assert!(!g.parts.is_empty());
+                let k = items[g.parts[0].item].key;
+                for p in &g.parts {
+                    prop_assert_eq!(items[p.item].key, k, "group mixes keys");
+                    prop_assert_eq!(p.offset, covered[p.item], "parts out of order");
+                    prop_assert_eq!(p.len % items[p.item].elem, 0);
+                    covered[p.item] += p.len;
+                    chunked[p.item] += 1;
+                }
+                if g.parts.len() > 1 {
+                    prop_assert_eq!(k.kind, CollectiveKind::Allreduce);
+                    prop_assert!(g.bytes() <= opts.fusion_threshold, "cap exceeded");
+                }
+                if opts.mode == PlanMode::Horovod {
+                    prop_assert_eq!(g.channel, 0);
+                }
+            }
+            for (i, it) in items.iter().enumerate() {
+                prop_assert_eq!(covered[i], it.bytes);
+                prop_assert!(chunked[i] >= 1, "item {} missing", i);
+                if chunked[i] > 1 {
+                    prop_assert_eq!(opts.mode, PlanMode::Fast);
+                    prop_assert!(it.bytes > opts.partition_bytes);
+                }
+            }
+            // Order kept: in the effective order, the first part of each item appears no
+            // earlier than that of the items before it that share its key.
+            let mut eff: Vec<usize> = (0..items.len()).collect();
+            if opts.by_priority { eff.sort_by_key(|&i| items[i].priority); }
+            let rank_of: Vec<usize> = {
+                let mut r = vec![0; items.len()];
+                for (pos, &i) in eff.iter().enumerate() { r[i] = pos; }
+                r
+            };
+            let mut first_pos = vec![usize::MAX; items.len()];
+            let mut pos = 0;
+            for g in &groups { for p in &g.parts { if first_pos[p.item] == usize::MAX { first_pos[p.item] = pos; } pos += 1; } }
+            for a in 0..items.len() { for b in 0..items.len() {
+                if items[a].key == items[b].key && rank_of[a] < rank_of[b] {
+                    prop_assert!(first_pos[a] < first_pos[b], "order of {} and {} not kept", a, b);
+                }
+            }}
+        }
+    }
+
+    #[test]
+    fn horovod_looks_ahead_past_other_dtypes() {
+        let f = key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce);
+        let d = key(DType::F64, ReduceOp::Sum, CollectiveKind::Allreduce);
+        let it = |k, b| PlanItem {
+            key: k,
+            bytes: b,
+            elem: 4,
+            priority: 0,
+            group: None,
+        };
+        let items = [it(f, 8), it(d, 8), it(f, 8)];
+        let opts = PlanOptions {
+            mode: PlanMode::Horovod,
+            fusion_threshold: 1 << 20,
+            partition_bytes: 1,
+            channels: 4,
+            by_priority: false,
+        };
+        let g = plan(&items, &opts);
+        assert_eq!(g.len(), 2);
+        assert_eq!(
+            g[0].parts.iter().map(|p| p.item).collect::<Vec<_>>(),
+            [0, 2]
+        );
+        assert_eq!(g[1].parts[0].item, 1);
+    }
+
+    #[test]
+    fn grouped_members_share_one_collective_when_they_fit() {
+        let f = key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce);
+        let it = |group| PlanItem {
+            key: f,
+            bytes: 40_000,
+            elem: 4,
+            priority: 0,
+            group,
+        };
+        // Without the group the 4-channel cap (total / 4, at least 64 KiB) would split them.
+        let items = [
+            it(None),
+            it(Some(7)),
+            it(None),
+            it(Some(7)),
+            it(Some(7)),
+            it(None),
+        ];
+        let opts = PlanOptions {
+            mode: PlanMode::Fast,
+            fusion_threshold: 1 << 20,
+            partition_bytes: 1 << 20,
+            channels: 4,
+            by_priority: false,
+        };
+        let g = plan(&items, &opts);
+        let grouped: Vec<&Group> = g
+            .iter()
+            .filter(|g| g.parts.iter().any(|p| items[p.item].group.is_some()))
+            .collect();
+        assert_eq!(grouped.len(), 1);
+        assert_eq!(
+            grouped[0].parts.iter().map(|p| p.item).collect::<Vec<_>>(),
+            [1, 3, 4]
+        );
+        let total: usize = g.iter().map(|g| g.parts.len()).sum();
+        assert_eq!(total, items.len());
+    }
+
+    #[test]
+    fn fast_splits_large_tensors_over_channels() {
+        let f = key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce);
+        let items = [PlanItem {
+            key: f,
+            bytes: 400,
+            elem: 4,
+            priority: 0,
+            group: None,
+        }];
+        let opts = PlanOptions {
+            mode: PlanMode::Fast,
+            fusion_threshold: 1 << 20,
+            partition_bytes: 100,
+            channels: 4,
+            by_priority: false,
+        };
+        let g = plan(&items, &opts);
+        assert_eq!(g.len(), 4);
+        let mut chans: Vec<usize> = g.iter().map(|g| g.channel).collect();
+        chans.sort();
+        assert_eq!(chans, [0, 1, 2, 3]);
+    }
+}

@@ -1,0 +1,527 @@
+//! Compact binary encoding of negotiation messages.
+//!
+//! Every message starts with a three-byte magic (`FHq` for a request list, `FHr` for a
+//! response list, `FHn` for a name list) and a version byte ([`VERSION`]). Integers are little
+//! endian; strings and sequences are prefixed by a `u32` length. The decoders check every
+//! length against the bytes actually present before allocating, so arbitrary input yields
+//! [`CoreError::Decode`], never a panic or a huge allocation.
+
+use bytes::BufMut;
+
+use crate::message::{
+    CollectiveKind, Device, GroupTag, MismatchField, NegotiationError, Request, Response, Signature,
+};
+use crate::{CoreError, DType, ReduceOp};
+
+/// Version of the wire format; decoders refuse any other.
+pub const VERSION: u8 = 1;
+
+const REQUESTS: &[u8; 3] = b"FHq";
+const RESPONSES: &[u8; 3] = b"FHr";
+const NAMES: &[u8; 3] = b"FHn";
+
+/// Longest name accepted (bytes).
+pub const MAX_NAME: usize = 64 * 1024;
+/// Most dimensions accepted in a shape.
+pub const MAX_DIMS: usize = 64;
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.put_u32_le(s.len() as u32);
+    out.put_slice(s.as_bytes());
+}
+
+fn put_sig(out: &mut Vec<u8>, s: &Signature) {
+    out.put_u8(s.kind.code());
+    out.put_u8(s.dtype.code());
+    out.put_u32_le(s.shape.len() as u32);
+    for &d in &s.shape {
+        out.put_u64_le(d);
+    }
+    out.put_i64_le(s.device.code());
+    out.put_u8(s.op.code());
+    out.put_u32_le(s.root);
+    out.put_f64_le(s.prescale);
+    out.put_f64_le(s.postscale);
+}
+
+fn put_group(out: &mut Vec<u8>, g: &Option<GroupTag>) {
+    match g {
+        None => out.put_u8(0),
+        Some(g) => {
+            out.put_u8(1);
+            put_str(out, &g.name);
+            out.put_u32_le(g.index);
+            out.put_u32_le(g.size);
+        }
+    }
+}
+
+fn header(out: &mut Vec<u8>, magic: &[u8; 3], count: usize) {
+    out.put_slice(magic);
+    out.put_u8(VERSION);
+    out.put_u32_le(count as u32);
+}
+
+/// Encode a list of requests.
+pub fn encode_requests(reqs: &[Request]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + reqs.len() * 64);
+    header(&mut out, REQUESTS, reqs.len());
+    for r in reqs {
+        put_str(&mut out, &r.name);
+        out.put_u32_le(r.rank);
+        put_sig(&mut out, &r.sig);
+        out.put_i64_le(r.priority);
+        put_group(&mut out, &r.group);
+    }
+    out
+}
+
+/// Encode a list of responses.
+pub fn encode_responses(resps: &[Response]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + resps.len() * 64);
+    header(&mut out, RESPONSES, resps.len());
+    for r in resps {
+        put_str(&mut out, &r.name);
+        put_sig(&mut out, &r.sig);
+        out.put_i64_le(r.priority);
+        put_group(&mut out, &r.group);
+        match &r.error {
+            None => out.put_u8(0),
+            Some(NegotiationError::Mismatch {
+                kind,
+                field,
+                first,
+                second,
+            }) => {
+                out.put_u8(1);
+                out.put_u8(kind.code());
+                out.put_u8(field.code());
+                put_str(&mut out, first);
+                put_str(&mut out, second);
+            }
+            Some(NegotiationError::Other(s)) => {
+                out.put_u8(2);
+                put_str(&mut out, s);
+            }
+        }
+    }
+    out
+}
+
+/// Encode a list of (name, number) pairs (used to compare pending names across ranks).
+pub fn encode_names(items: &[(String, u64)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + items.len() * 24);
+    header(&mut out, NAMES, items.len());
+    for (n, v) in items {
+        put_str(&mut out, n);
+        out.put_u64_le(*v);
+    }
+    out
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    fn err(&self, detail: impl Into<String>) -> CoreError {
+        CoreError::Decode {
+            what: self.what,
+            detail: detail.into(),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], CoreError> {
+        if self.buf.len() < n {
+            return Err(self.err(format!(
+                "truncated: needed {n} more bytes, {} left",
+                self.buf.len()
+            )));
+        }
+        let (head, rest) = self.buf.split_at(n);
+        self.buf = rest;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], CoreError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u8(&mut self) -> Result<u8, CoreError> {
+        Ok(self.array::<1>()?[0])
+    }
+    fn u32(&mut self) -> Result<u32, CoreError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64, CoreError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    fn i64(&mut self) -> Result<i64, CoreError> {
+        Ok(i64::from_le_bytes(self.array()?))
+    }
+    fn f64(&mut self) -> Result<f64, CoreError> {
+        Ok(f64::from_le_bytes(self.array()?))
+    }
+
+    fn string(&mut self) -> Result<String, CoreError> {
+        let len = self.u32()? as usize;
+        if len > MAX_NAME {
+            return Err(self.err(format!("string of {len} bytes exceeds {MAX_NAME}")));
+        }
+        let bytes = self.take(len)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| self.err("string is not UTF-8"))
+    }
+
+    /// Read a count and check that `count * min_item` bytes could follow.
+    fn count(&mut self, min_item: usize) -> Result<usize, CoreError> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(min_item) > self.buf.len() {
+            return Err(self.err(format!(
+                "count {n} cannot fit in the {} remaining bytes",
+                self.buf.len()
+            )));
+        }
+        Ok(n)
+    }
+
+    fn header(&mut self, magic: &[u8; 3]) -> Result<(), CoreError> {
+        let m = self.take(3)?;
+        if m != magic {
+            return Err(self.err(format!("bad magic {m:?}")));
+        }
+        let v = self.u8()?;
+        if v != VERSION {
+            return Err(self.err(format!(
+                "wire version {v}, this build speaks {VERSION}; run the same FastHorovod version on every rank"
+            )));
+        }
+        Ok(())
+    }
+
+    fn sig(&mut self) -> Result<Signature, CoreError> {
+        let kc = self.u8()?;
+        let kind = CollectiveKind::from_code(kc)
+            .ok_or_else(|| self.err(format!("unknown collective kind {kc}")))?;
+        let dtype = DType::from_code(self.u8()?)?;
+        let ndims = self.u32()? as usize;
+        if ndims > MAX_DIMS {
+            return Err(self.err(format!("{ndims} dimensions exceed {MAX_DIMS}")));
+        }
+        if ndims.saturating_mul(8) > self.buf.len() {
+            return Err(self.err("shape truncated"));
+        }
+        let mut shape = Vec::with_capacity(ndims);
+        for _ in 0..ndims {
+            shape.push(self.u64()?);
+        }
+        let dc = self.i64()?;
+        let device =
+            Device::from_code(dc).ok_or_else(|| self.err(format!("bad device code {dc}")))?;
+        let op = ReduceOp::from_code(self.u8()?)?;
+        let root = self.u32()?;
+        let prescale = self.f64()?;
+        let postscale = self.f64()?;
+        Ok(Signature {
+            kind,
+            dtype,
+            shape,
+            device,
+            op,
+            root,
+            prescale,
+            postscale,
+        })
+    }
+
+    fn group(&mut self) -> Result<Option<GroupTag>, CoreError> {
+        match self.u8()? {
+            0 => Ok(None),
+            1 => {
+                let name = self.string()?;
+                let index = self.u32()?;
+                let size = self.u32()?;
+                if index >= size {
+                    return Err(self.err(format!("group member {index} of {size}")));
+                }
+                Ok(Some(GroupTag { name, index, size }))
+            }
+            t => Err(self.err(format!("unknown group tag {t}"))),
+        }
+    }
+
+    fn finish(&self) -> Result<(), CoreError> {
+        if !self.buf.is_empty() {
+            return Err(self.err(format!("{} trailing bytes", self.buf.len())));
+        }
+        Ok(())
+    }
+}
+
+/// Smallest possible encoded signature: kind, dtype, ndims, device, op, root, two scales.
+const MIN_SIG: usize = 1 + 1 + 4 + 8 + 1 + 4 + 8 + 8;
+
+/// Decode a list of requests.
+pub fn decode_requests(bytes: &[u8]) -> Result<Vec<Request>, CoreError> {
+    let mut r = Reader {
+        buf: bytes,
+        what: "request list",
+    };
+    r.header(REQUESTS)?;
+    let n = r.count(4 + 4 + MIN_SIG + 8 + 1)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let name = r.string()?;
+        let rank = r.u32()?;
+        let sig = r.sig()?;
+        let priority = r.i64()?;
+        let group = r.group()?;
+        out.push(Request {
+            name,
+            rank,
+            sig,
+            priority,
+            group,
+        });
+    }
+    r.finish()?;
+    Ok(out)
+}
+
+/// Decode a list of responses.
+pub fn decode_responses(bytes: &[u8]) -> Result<Vec<Response>, CoreError> {
+    let mut r = Reader {
+        buf: bytes,
+        what: "response list",
+    };
+    r.header(RESPONSES)?;
+    let n = r.count(4 + MIN_SIG + 8 + 1 + 1)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let name = r.string()?;
+        let sig = r.sig()?;
+        let priority = r.i64()?;
+        let group = r.group()?;
+        let error = match r.u8()? {
+            0 => None,
+            1 => {
+                let kc = r.u8()?;
+                let kind = CollectiveKind::from_code(kc)
+                    .ok_or_else(|| r.err(format!("unknown collective kind {kc}")))?;
+                let fc = r.u8()?;
+                let field = MismatchField::from_code(fc)
+                    .ok_or_else(|| r.err(format!("unknown mismatch field {fc}")))?;
+                let first = r.string()?;
+                let second = r.string()?;
+                Some(NegotiationError::Mismatch {
+                    kind,
+                    field,
+                    first,
+                    second,
+                })
+            }
+            2 => Some(NegotiationError::Other(r.string()?)),
+            t => return Err(r.err(format!("unknown error tag {t}"))),
+        };
+        out.push(Response {
+            name,
+            sig,
+            priority,
+            group,
+            error,
+        });
+    }
+    r.finish()?;
+    Ok(out)
+}
+
+/// Decode a list of (name, number) pairs.
+pub fn decode_names(bytes: &[u8]) -> Result<Vec<(String, u64)>, CoreError> {
+    let mut r = Reader {
+        buf: bytes,
+        what: "name list",
+    };
+    r.header(NAMES)?;
+    let n = r.count(4 + 8)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let name = r.string()?;
+        let v = r.u64()?;
+        out.push((name, v));
+    }
+    r.finish()?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_sig() -> impl Strategy<Value = Signature> {
+        (
+            0u8..7,
+            0u8..9,
+            proptest::collection::vec(any::<u64>(), 0..5),
+            prop_oneof![Just(Device::Cpu), any::<u32>().prop_map(Device::Gpu)],
+            0u8..7,
+            any::<u32>(),
+            any::<f64>(),
+            any::<f64>(),
+        )
+            .prop_map(
+                |(k, d, shape, device, op, root, prescale, postscale)| Signature {
+                    kind: CollectiveKind::from_code(k).unwrap(),
+                    dtype: DType::from_code(d).unwrap(),
+                    shape,
+                    device,
+                    op: ReduceOp::from_code(op).unwrap(),
+                    root,
+                    prescale,
+                    postscale,
+                },
+            )
+    }
+
+    fn arb_group() -> impl Strategy<Value = Option<GroupTag>> {
+        prop_oneof![
+            Just(None),
+            (".{0,6}", 1u32..5).prop_flat_map(|(name, size)| (0..size).prop_map(move |index| {
+                Some(GroupTag {
+                    name: name.clone(),
+                    index,
+                    size,
+                })
+            })),
+        ]
+    }
+
+    fn arb_request() -> impl Strategy<Value = Request> {
+        (
+            "[a-z./0-9]{0,12}",
+            any::<u32>(),
+            arb_sig(),
+            any::<i64>(),
+            arb_group(),
+        )
+            .prop_map(|(name, rank, sig, priority, group)| Request {
+                name,
+                rank,
+                sig,
+                priority,
+                group,
+            })
+    }
+
+    fn arb_error() -> impl Strategy<Value = Option<NegotiationError>> {
+        prop_oneof![
+            Just(None),
+            (0u8..7, 0u8..8, ".{0,8}", ".{0,8}").prop_map(|(k, f, a, b)| Some(
+                NegotiationError::Mismatch {
+                    kind: CollectiveKind::from_code(k).unwrap(),
+                    field: MismatchField::from_code(f).unwrap(),
+                    first: a,
+                    second: b,
+                }
+            )),
+            ".{0,16}".prop_map(|s| Some(NegotiationError::Other(s))),
+        ]
+    }
+
+    fn arb_response() -> impl Strategy<Value = Response> {
+        (
+            "[a-z./0-9]{0,12}",
+            arb_sig(),
+            any::<i64>(),
+            arb_error(),
+            arb_group(),
+        )
+            .prop_map(|(name, sig, priority, error, group)| Response {
+                name,
+                sig,
+                priority,
+                group,
+                error,
+            })
+    }
+
+    fn same_req(a: &Request, b: &Request) -> bool {
+        a.name == b.name
+            && a.rank == b.rank
+            && a.priority == b.priority
+            && a.group == b.group
+            && a.sig.same_as(&b.sig)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        #[test]
+        fn requests_round_trip(reqs in proptest::collection::vec(arb_request(), 0..8)) {
+            let back = decode_requests(&encode_requests(&reqs)).unwrap();
+            prop_assert_eq!(back.len(), reqs.len());
+            for (a, b) in reqs.iter().zip(&back) {
+                prop_assert!(same_req(a, b), "{:?} != {:?}", a, b);
+            }
+        }
+
+        #[test]
+        fn responses_round_trip(resps in proptest::collection::vec(arb_response(), 0..8)) {
+            let back = decode_responses(&encode_responses(&resps)).unwrap();
+            prop_assert_eq!(back.len(), resps.len());
+            for (a, b) in resps.iter().zip(&back) {
+                prop_assert_eq!(&a.name, &b.name);
+                prop_assert!(a.sig.same_as(&b.sig));
+                prop_assert_eq!(a.priority, b.priority);
+                prop_assert_eq!(&a.group, &b.group);
+                prop_assert_eq!(&a.error, &b.error);
+            }
+        }
+
+        #[test]
+        fn names_round_trip(items in proptest::collection::vec((".{0,10}", any::<u64>()), 0..8)) {
+            prop_assert_eq!(decode_names(&encode_names(&items)).unwrap(), items);
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode_requests(&bytes);
+            let _ = decode_responses(&bytes);
+            let _ = decode_names(&bytes);
+        }
+
+        #[test]
+        fn corrupted_messages_never_panic(
+            reqs in proptest::collection::vec(arb_request(), 1..4),
+            pos in any::<prop::sample::Index>(),
+            val in any::<u8>(),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let mut bytes = encode_requests(&reqs);
+            let i = pos.index(bytes.len());
+            bytes[i] = val;
+            let _ = decode_requests(&bytes);
+            let c = cut.index(bytes.len());
+            prop_assert!(decode_requests(&encode_requests(&reqs)[..c]).is_err());
+        }
+    }
+
+    #[test]
+    fn huge_counts_are_refused_without_allocating() {
+        let mut bytes = b"FHq".to_vec();
+        bytes.push(VERSION);
+        bytes.extend_from_slice(&u32::MAX.to_le_bytes());
+        let err = decode_requests(&bytes).unwrap_err().to_string();
+        assert!(err.contains("count"), "{err}");
+    }
+
+    #[test]
+    fn wrong_version_is_named() {
+        let mut bytes = encode_requests(&[]);
+        bytes[3] = 9;
+        let err = decode_requests(&bytes).unwrap_err().to_string();
+        assert!(err.contains("version 9"), "{err}");
+    }
+}

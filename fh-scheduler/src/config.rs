@@ -1,0 +1,452 @@
+//! Engine configuration: presets, a builder, and the `FH_*` environment variables.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::SchedulerError;
+
+const MIB: u64 = 1024 * 1024;
+
+/// A schedule preset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Preset {
+    /// The FastHorovod schedule: negotiation on its own thread, woken by submissions, the
+    /// bit-vector cache, parallel fused dispatch over several channels.
+    FastHorovod,
+    /// Horovod 0.28's schedule, as a yardstick: one background thread that wakes every 1 ms,
+    /// negotiates (response cache + coordinator on misses) and then executes each fused
+    /// response itself on one channel, with a 128 MiB fusion threshold and Horovod's fusion
+    /// rules.
+    Horovod,
+}
+
+impl Preset {
+    /// The name used by `FH_SCHEDULE`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Preset::FastHorovod => "fasthorovod",
+            Preset::Horovod => "horovod",
+        }
+    }
+}
+
+impl std::str::FromStr for Preset {
+    type Err = SchedulerError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "fasthorovod" | "fast" => Ok(Preset::FastHorovod),
+            "horovod" => Ok(Preset::Horovod),
+            _ => Err(SchedulerError::config(
+                "FH_SCHEDULE",
+                format!("'{s}' is not a schedule; accepted values: fasthorovod, horovod"),
+            )),
+        }
+    }
+}
+
+/// How the groups of a round are ordered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Priority {
+    /// In the order the names became ready (the negotiated order).
+    Ready,
+    /// By ascending caller-supplied priority (e.g. the layer index, so that the layers the
+    /// next forward pass needs first go first).
+    Forward,
+}
+
+impl std::str::FromStr for Priority {
+    type Err = SchedulerError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "ready" => Ok(Priority::Ready),
+            "forward" => Ok(Priority::Forward),
+            _ => Err(SchedulerError::config(
+                "FH_PRIORITY",
+                format!("'{s}' is not a priority order; accepted values: ready, forward"),
+            )),
+        }
+    }
+}
+
+/// Engine configuration. Start from [`Config::preset`] (or [`Config::default`], the
+/// FastHorovod preset) or [`Config::from_env`], then adjust with the builder methods.
+///
+/// ```
+/// use fh_scheduler::{Config, Preset};
+/// let c = Config::preset(Preset::FastHorovod).channels(2).fusion_threshold(1 << 20);
+/// assert_eq!(c.channels, 2);
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The schedule.
+    pub preset: Preset,
+    /// Data channels (the `horovod` preset always uses one).
+    pub channels: usize,
+    /// Most bytes per fused group.
+    pub fusion_threshold: u64,
+    /// Allreduce tensors above this size are split into chunks across the channels
+    /// (FastHorovod only).
+    pub partition_bytes: u64,
+    /// Zero: negotiation wakes on submission. Above zero: a fixed polling cycle.
+    pub cycle_time: Duration,
+    /// After waking on a submission while idle, wait this long to batch more submissions into
+    /// the same round (zero: no wait).
+    pub batching_window: Duration,
+    /// Response-cache slots (0: the coordinator negotiates every name every time).
+    pub cache_capacity: usize,
+    /// Group ordering.
+    pub priority: Priority,
+    /// Where rank 0 writes a Chrome-trace timeline, if anywhere.
+    pub timeline: Option<PathBuf>,
+    /// Warn about names submitted by some ranks but not others for this long (`None`: off).
+    pub stall_check: Option<Duration>,
+    /// Shut down when a stall lasts this long (`None`: never).
+    pub stall_shutdown: Option<Duration>,
+    /// While nothing is pending, an idle engine still takes part in one tiny negotiation round
+    /// this often, so that a peer waiting for it neither times out nor goes unreported by the
+    /// stall inspector. Must be well below the transport timeout; [`Config::from_env`] caps it
+    /// at a quarter of `FH_TIMEOUT_SECONDS`.
+    pub idle_heartbeat: Duration,
+    /// Keep a log of every fused group dispatched (see `Engine::group_log`); a diagnostic for
+    /// tests and tools, off by default.
+    pub record_groups: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::preset(Preset::FastHorovod)
+    }
+}
+
+impl Config {
+    /// The defaults of a preset.
+    pub fn preset(p: Preset) -> Self {
+        let base = Config {
+            preset: p,
+            channels: 4,
+            fusion_threshold: 64 * MIB,
+            partition_bytes: 16 * MIB,
+            cycle_time: Duration::ZERO,
+            batching_window: Duration::ZERO,
+            cache_capacity: 1024,
+            priority: Priority::Ready,
+            timeline: None,
+            stall_check: Some(Duration::from_secs(60)),
+            stall_shutdown: None,
+            idle_heartbeat: Duration::from_secs(1),
+            record_groups: false,
+        };
+        match p {
+            Preset::FastHorovod => base,
+            Preset::Horovod => Config {
+                channels: 1,
+                fusion_threshold: 128 * MIB,
+                partition_bytes: u64::MAX,
+                cycle_time: Duration::from_millis(1),
+                ..base
+            },
+        }
+    }
+
+    /// The configuration the `FH_*` environment variables describe (see the README's table);
+    /// unset variables keep the preset's defaults. A bad value is an error naming the variable
+    /// and the accepted values.
+    pub fn from_env() -> Result<Self, SchedulerError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Like [`Config::from_env`], reading variables through `get` (handy for tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, SchedulerError> {
+        let preset = match get("FH_SCHEDULE") {
+            Some(s) if !s.trim().is_empty() => s.parse()?,
+            _ => Preset::FastHorovod,
+        };
+        let mut c = Config::preset(preset);
+        if let Some(v) = get("FH_CHANNELS") {
+            let n = parse_u64("FH_CHANNELS", &v)?;
+            if !(1..=64).contains(&n) {
+                return Err(SchedulerError::config(
+                    "FH_CHANNELS",
+                    format!("'{v}' is out of range; accepted values: 1 to 64"),
+                ));
+            }
+            c.channels = n as usize;
+        }
+        if let Some(v) = get("FH_FUSION_THRESHOLD") {
+            c.fusion_threshold = parse_bytes("FH_FUSION_THRESHOLD", &v)?;
+        }
+        if let Some(v) = get("FH_PARTITION_BYTES") {
+            let b = parse_bytes("FH_PARTITION_BYTES", &v)?;
+            if b == 0 {
+                return Err(SchedulerError::config(
+                    "FH_PARTITION_BYTES",
+                    "must be at least 1 byte (e.g. 16MiB)",
+                ));
+            }
+            c.partition_bytes = b;
+        }
+        if let Some(v) = get("FH_CYCLE_TIME_MS") {
+            c.cycle_time = parse_seconds("FH_CYCLE_TIME_MS", &v, 1e-3)?;
+        }
+        if let Some(v) = get("FH_BATCHING_WINDOW_MS") {
+            c.batching_window = parse_seconds("FH_BATCHING_WINDOW_MS", &v, 1e-3)?;
+        }
+        if let Some(v) = get("FH_CACHE_CAPACITY") {
+            c.cache_capacity = parse_u64("FH_CACHE_CAPACITY", &v)? as usize;
+        }
+        if let Some(v) = get("FH_PRIORITY") {
+            c.priority = v.parse()?;
+        }
+        if let Some(v) = get("FH_TIMELINE") {
+            c.timeline = if v.trim().is_empty() {
+                None
+            } else {
+                Some(PathBuf::from(v))
+            };
+        }
+        if let Some(v) = get("FH_STALL_CHECK_SECONDS") {
+            let d = parse_seconds("FH_STALL_CHECK_SECONDS", &v, 1.0)?;
+            c.stall_check = (!d.is_zero()).then_some(d);
+        }
+        if let Some(v) = get("FH_STALL_SHUTDOWN_SECONDS") {
+            let d = parse_seconds("FH_STALL_SHUTDOWN_SECONDS", &v, 1.0)?;
+            c.stall_shutdown = (!d.is_zero()).then_some(d);
+        }
+        // Keep the idle heartbeat well inside the transport's receive timeout, so that a rank
+        // waiting in a round for an idle peer never times out.
+        if let Some(t) = get("FH_TIMEOUT_SECONDS").and_then(|v| v.trim().parse::<f64>().ok()) {
+            if t.is_finite() && t > 0.0 {
+                c.idle_heartbeat = c.idle_heartbeat.min(Duration::from_secs_f64(t / 4.0));
+            }
+        }
+        if let Some(v) = get("FH_LOG_LEVEL") {
+            let ok = ["trace", "debug", "info", "warn", "warning", "error", "off"];
+            if !ok.contains(&v.trim().to_ascii_lowercase().as_str()) {
+                return Err(SchedulerError::config(
+                    "FH_LOG_LEVEL",
+                    format!("'{v}' is not a log level; accepted values: trace, debug, info, warn, error, off"),
+                ));
+            }
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Check the values for consistency.
+    pub fn validate(&self) -> Result<(), SchedulerError> {
+        if self.channels == 0 || self.channels > 64 {
+            return Err(SchedulerError::config(
+                "channels",
+                format!(
+                    "{} is out of range; accepted values: 1 to 64",
+                    self.channels
+                ),
+            ));
+        }
+        if self.partition_bytes == 0 {
+            return Err(SchedulerError::config(
+                "partition_bytes",
+                "must be at least 1",
+            ));
+        }
+        if self.idle_heartbeat.is_zero() {
+            return Err(SchedulerError::config(
+                "idle_heartbeat",
+                "must be above zero",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Number of data channels the engine opens (one under the `horovod` preset).
+    pub fn effective_channels(&self) -> usize {
+        match self.preset {
+            Preset::Horovod => 1,
+            Preset::FastHorovod => self.channels.max(1),
+        }
+    }
+
+    /// Set the number of data channels.
+    pub fn channels(mut self, k: usize) -> Self {
+        self.channels = k;
+        self
+    }
+    /// Set the fusion threshold in bytes.
+    pub fn fusion_threshold(mut self, bytes: u64) -> Self {
+        self.fusion_threshold = bytes;
+        self
+    }
+    /// Set the partition size in bytes.
+    pub fn partition_bytes(mut self, bytes: u64) -> Self {
+        self.partition_bytes = bytes;
+        self
+    }
+    /// Set the polling cycle (zero: wake on submission).
+    pub fn cycle_time(mut self, d: Duration) -> Self {
+        self.cycle_time = d;
+        self
+    }
+    /// Set the batching window.
+    pub fn batching_window(mut self, d: Duration) -> Self {
+        self.batching_window = d;
+        self
+    }
+    /// Set the response-cache capacity in slots.
+    pub fn cache_capacity(mut self, slots: usize) -> Self {
+        self.cache_capacity = slots;
+        self
+    }
+    /// Set the group ordering.
+    pub fn priority(mut self, p: Priority) -> Self {
+        self.priority = p;
+        self
+    }
+    /// Write a timeline (rank 0).
+    pub fn timeline(mut self, path: impl Into<PathBuf>) -> Self {
+        self.timeline = Some(path.into());
+        self
+    }
+    /// Set the stall-check time (`None`: off).
+    pub fn stall_check(mut self, d: Option<Duration>) -> Self {
+        self.stall_check = d;
+        self
+    }
+    /// Set the stall-shutdown time (`None`: never).
+    pub fn stall_shutdown(mut self, d: Option<Duration>) -> Self {
+        self.stall_shutdown = d;
+        self
+    }
+    /// Keep a log of the fused groups (diagnostic).
+    pub fn record_groups(mut self, on: bool) -> Self {
+        self.record_groups = on;
+        self
+    }
+    /// Set the idle heartbeat.
+    pub fn idle_heartbeat(mut self, d: Duration) -> Self {
+        self.idle_heartbeat = d;
+        self
+    }
+}
+
+fn parse_u64(var: &str, v: &str) -> Result<u64, SchedulerError> {
+    v.trim()
+        .parse::<u64>()
+        .map_err(|_| SchedulerError::config(var, format!("'{v}' is not a non-negative integer")))
+}
+
+fn parse_seconds(var: &str, v: &str, unit: f64) -> Result<Duration, SchedulerError> {
+    match v.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 && x * unit < 1e9 => {
+            Ok(Duration::from_secs_f64(x * unit))
+        }
+        _ => Err(SchedulerError::config(
+            var,
+            format!("'{v}' is not a non-negative number"),
+        )),
+    }
+}
+
+/// Parse a byte size: a plain integer, or one with a suffix K/KB/KiB, M/MB/MiB, G/GB/GiB
+/// (all binary multiples).
+fn parse_bytes(var: &str, v: &str) -> Result<u64, SchedulerError> {
+    let s = v.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, suffix) = s.split_at(split);
+    let mult = match suffix.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1024,
+        "m" | "mb" | "mib" => MIB,
+        "g" | "gb" | "gib" => 1024 * MIB,
+        _ => 0,
+    };
+    num.parse::<u64>()
+        .ok()
+        .filter(|_| mult > 0)
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| {
+            SchedulerError::config(
+                var,
+                format!("'{v}' is not a byte size; accepted: an integer with an optional suffix K, M or G (e.g. 67108864, 64MiB)"),
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn defaults_match_the_design_table() {
+        let c = Config::from_lookup(env(&[])).unwrap();
+        assert_eq!(c.preset, Preset::FastHorovod);
+        assert_eq!(c.channels, 4);
+        assert_eq!(c.fusion_threshold, 64 * MIB);
+        assert_eq!(c.partition_bytes, 16 * MIB);
+        assert_eq!(c.cycle_time, Duration::ZERO);
+        assert_eq!(c.cache_capacity, 1024);
+        assert_eq!(c.stall_check, Some(Duration::from_secs(60)));
+        assert_eq!(c.stall_shutdown, None);
+        let h = Config::from_lookup(env(&[("FH_SCHEDULE", "horovod")])).unwrap();
+        assert_eq!(h.cycle_time, Duration::from_millis(1));
+        assert_eq!(h.fusion_threshold, 128 * MIB);
+        assert_eq!(h.effective_channels(), 1);
+    }
+
+    #[test]
+    fn variables_are_read() {
+        let c = Config::from_lookup(env(&[
+            ("FH_CHANNELS", "2"),
+            ("FH_FUSION_THRESHOLD", "1MiB"),
+            ("FH_PARTITION_BYTES", "4096"),
+            ("FH_CYCLE_TIME_MS", "2.5"),
+            ("FH_CACHE_CAPACITY", "0"),
+            ("FH_PRIORITY", "forward"),
+            ("FH_TIMELINE", "/tmp/t.json"),
+            ("FH_STALL_CHECK_SECONDS", "0"),
+            ("FH_STALL_SHUTDOWN_SECONDS", "5"),
+        ]))
+        .unwrap();
+        assert_eq!(c.channels, 2);
+        assert_eq!(c.fusion_threshold, MIB);
+        assert_eq!(c.partition_bytes, 4096);
+        assert_eq!(c.cycle_time, Duration::from_micros(2500));
+        assert_eq!(c.cache_capacity, 0);
+        assert_eq!(c.priority, Priority::Forward);
+        assert_eq!(c.timeline, Some(PathBuf::from("/tmp/t.json")));
+        assert_eq!(c.stall_check, None);
+        assert_eq!(c.stall_shutdown, Some(Duration::from_secs(5)));
+        let short = Config::from_lookup(env(&[("FH_TIMEOUT_SECONDS", "2")])).unwrap();
+        assert_eq!(short.idle_heartbeat, Duration::from_millis(500));
+    }
+
+    #[test]
+    fn bad_values_name_the_variable_and_accepted_values() {
+        for (var, val, expect) in [
+            ("FH_SCHEDULE", "fast-ish", "fasthorovod, horovod"),
+            ("FH_CHANNELS", "0", "1 to 64"),
+            ("FH_CHANNELS", "four", "integer"),
+            ("FH_FUSION_THRESHOLD", "64XB", "suffix"),
+            ("FH_CYCLE_TIME_MS", "-1", "non-negative"),
+            ("FH_PRIORITY", "backward", "ready, forward"),
+            ("FH_STALL_CHECK_SECONDS", "soon", "non-negative"),
+            ("FH_LOG_LEVEL", "loud", "info"),
+        ] {
+            let err = Config::from_lookup(env(&[(var, val)]))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(var) && err.contains(expect),
+                "{var}={val}: {err}"
+            );
+        }
+    }
+}

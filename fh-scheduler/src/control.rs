@@ -1,0 +1,943 @@
+//! The control thread: readiness negotiation (bit vector + coordinator), the stall
+//! inspector, join, and dispatch of fused groups to the channels.
+//!
+//! Every rank runs the same sequence of negotiation rounds on the control communicator. A
+//! round is: one bitwise-AND allreduce of the negotiation vector (status flags + cached slots
+//! pending here), then, only when a flag asks for it, the optional steps in a fixed order —
+//! joined-rank exchange, slot invalidation, coordinator step, stall report — and finally the
+//! agreed ready list is planned and dispatched. Because every decision is a function of the
+//! round's collective results, every rank takes the same steps and forms the same groups.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use fh_core::bitvec::{BitVec, NegotiationVec, Status};
+use fh_core::cache::{Lookup, ResponseCache};
+use fh_core::fusion::{plan, PlanItem, PlanMode, PlanOptions};
+use fh_core::message::{validate, CollectiveKind, GroupTag, NegotiationError, Request, Response};
+use fh_core::{wire, DType, ReduceOp};
+use fh_transport::{CollectivesExt, Communicator};
+
+use crate::engine::{Entry, Inner, Msg};
+use crate::exec::{Executor, Job, Op, OpState};
+use crate::handle::Completion;
+use crate::stats::{Counters, GroupRecord, StallReport};
+use crate::{Preset, Priority, SchedulerError, Tensor};
+
+/// Longest back-off between rounds while every rank waits on another.
+const MAX_BACKOFF: Duration = Duration::from_micros(500);
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Announce {
+    /// Not yet sent to the coordinator.
+    New,
+    /// Sent to the coordinator; waiting for the response.
+    Sent,
+    /// Ready everywhere, held until the rest of its group is ready.
+    Held,
+}
+
+struct Pending {
+    entry: Entry,
+    state: Announce,
+}
+
+enum Dispatch {
+    Workers {
+        queues: Vec<Sender<Job>>,
+        threads: Vec<JoinHandle<()>>,
+    },
+    Inline(Box<Executor>),
+}
+
+/// Most bytes a control-plane message may announce (a sanity bound on lengths from peers).
+const MAX_CONTROL_BYTES: usize = 1 << 30;
+
+/// The sum of message lengths announced by peers, refused when absurd.
+fn checked_total(counts: &[usize]) -> Result<usize, SchedulerError> {
+    counts
+        .iter()
+        .try_fold(0usize, |a, &c| a.checked_add(c))
+        .filter(|&t| t <= MAX_CONTROL_BYTES)
+        .ok_or_else(|| SchedulerError::Transport {
+            lost_rank: None,
+            message: format!("a peer announced control messages of {counts:?} bytes; refusing"),
+        })
+}
+
+/// An id for a tensor's timeline track (stable per submission).
+fn e_id(name: &str, submitted: Instant) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    name.hash(&mut h);
+    submitted.hash(&mut h);
+    h.finish() >> 11
+}
+
+/// Rank 0's table of uncached requests.
+#[derive(Default)]
+struct Table {
+    order: Vec<String>,
+    reqs: HashMap<String, Vec<Request>>,
+}
+
+impl Table {
+    fn add(&mut self, r: Request) {
+        let v = self.reqs.entry(r.name.clone()).or_default();
+        if v.is_empty() {
+            self.order.push(r.name.clone());
+        }
+        if !v.iter().any(|x| x.rank == r.rank) {
+            v.push(r);
+        }
+    }
+
+    /// Responses for every name all non-joined ranks have requested, in first-seen order.
+    fn take_ready(&mut self, joined: &[bool]) -> Vec<Response> {
+        let needed = joined.iter().filter(|j| !**j).count();
+        let joined_ranks: Vec<usize> = (0..joined.len()).filter(|&r| joined[r]).collect();
+        let mut out = Vec::new();
+        let mut keep = Vec::new();
+        for name in std::mem::take(&mut self.order) {
+            // With every rank joined nobody would run the collective: keep waiting.
+            let complete = needed > 0
+                && self.reqs.get(&name).is_some_and(|v| {
+                    v.iter()
+                        .filter(|r| !joined.get(r.rank as usize).copied().unwrap_or(false))
+                        .count()
+                        >= needed
+                });
+            if !complete {
+                keep.push(name);
+                continue;
+            }
+            let Some(reqs) = self.reqs.remove(&name) else {
+                continue;
+            };
+            if let Some(mut resp) = validate(&reqs) {
+                if resp.error.is_none()
+                    && !joined_ranks.is_empty()
+                    && resp.sig.kind != CollectiveKind::Allreduce
+                {
+                    resp.error = Some(NegotiationError::Other(format!(
+                        "{} is not supported while ranks {joined_ranks:?} have joined",
+                        resp.sig.kind
+                    )));
+                }
+                out.push(resp);
+            }
+        }
+        self.order = keep;
+        out
+    }
+}
+
+pub(crate) struct Control {
+    inner: Arc<Inner>,
+    comm: Box<dyn Communicator>,
+    rx: Receiver<Msg>,
+    cache: ResponseCache,
+    pending: BTreeMap<u64, Pending>,
+    by_name: HashMap<String, u64>,
+    seq: u64,
+    table: Table,
+    dispatch: Dispatch,
+    local_shutdown: bool,
+    join_cells: Vec<Arc<Completion>>,
+    joined: bool,
+    joined_set: Vec<bool>,
+    fresh: bool,
+    last_progress: bool,
+    backoff: Duration,
+    last_round: Instant,
+    last_stall_check: Instant,
+    plan_opts: PlanOptions,
+    /// Members of grouped submissions ready everywhere, waiting for the rest of their group.
+    held: BTreeMap<String, Vec<Response>>,
+    /// Groups with a failed member: the error and the members still to come.
+    failed_groups: HashMap<String, (SchedulerError, u32)>,
+}
+
+impl Control {
+    pub(crate) fn new(
+        inner: Arc<Inner>,
+        comm: Box<dyn Communicator>,
+        data: Vec<Box<dyn Communicator>>,
+        rx: Receiver<Msg>,
+    ) -> Result<Self, SchedulerError> {
+        let cfg = inner.config.clone();
+        let executors: Vec<Executor> = data
+            .into_iter()
+            .enumerate()
+            .map(|(channel, comm)| Executor {
+                comm,
+                buf: Vec::new(),
+                channel,
+                inner: Arc::clone(&inner),
+                phases: None,
+            })
+            .collect();
+        let dispatch = match cfg.preset {
+            Preset::Horovod => {
+                let ex = executors.into_iter().next().ok_or_else(|| {
+                    SchedulerError::InvalidArgument("no data channel was opened".into())
+                })?;
+                Dispatch::Inline(Box::new(ex))
+            }
+            Preset::FastHorovod => {
+                let mut queues = Vec::new();
+                let mut threads = Vec::new();
+                for mut ex in executors {
+                    let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+                    let name = format!("fh-channel-{}-{}", inner.rank, ex.channel);
+                    let t = std::thread::Builder::new()
+                        .name(name)
+                        .spawn(move || {
+                            while let Ok(job) = rx.recv() {
+                                ex.run(job);
+                            }
+                        })
+                        .map_err(|e| {
+                            SchedulerError::InvalidArgument(format!("cannot spawn a thread: {e}"))
+                        })?;
+                    queues.push(tx);
+                    threads.push(t);
+                }
+                Dispatch::Workers { queues, threads }
+            }
+        };
+        let plan_opts = PlanOptions {
+            mode: match cfg.preset {
+                Preset::Horovod => PlanMode::Horovod,
+                Preset::FastHorovod => PlanMode::Fast,
+            },
+            fusion_threshold: cfg.fusion_threshold,
+            partition_bytes: cfg.partition_bytes,
+            channels: cfg.effective_channels(),
+            by_priority: cfg.priority == Priority::Forward,
+        };
+        let now = Instant::now();
+        Ok(Control {
+            cache: ResponseCache::new(cfg.cache_capacity),
+            joined_set: vec![false; inner.size],
+            inner,
+            comm,
+            rx,
+            pending: BTreeMap::new(),
+            by_name: HashMap::new(),
+            seq: 0,
+            table: Table::default(),
+            dispatch,
+            local_shutdown: false,
+            join_cells: Vec::new(),
+            joined: false,
+            fresh: false,
+            last_progress: false,
+            backoff: Duration::from_micros(10),
+            last_round: now,
+            last_stall_check: now,
+            plan_opts,
+            held: BTreeMap::new(),
+            failed_groups: HashMap::new(),
+        })
+    }
+
+    /// The thread body.
+    pub(crate) fn run(mut self) {
+        let outcome = self.main_loop();
+        let err = match outcome {
+            Ok(reason) => SchedulerError::ShutDown { reason },
+            Err(e) => {
+                if !e.is_shutdown() {
+                    tracing::error!(rank = self.inner.rank, error = %e, "engine stopped");
+                }
+                e
+            }
+        };
+        self.inner.close(err.clone());
+        // Whatever was submitted and not negotiated fails now, including submissions that
+        // raced with the close.
+        for (_, p) in std::mem::take(&mut self.pending) {
+            self.inner
+                .finish(&p.entry.req.name, &p.entry.cell, Err(err.clone()));
+        }
+        while let Ok(msg) = self.rx.try_recv() {
+            match msg {
+                Msg::Submit(e) => self.inner.finish(&e.req.name, &e.cell, Err(err.clone())),
+                Msg::Join(c) => c.complete(Err(err.clone())),
+                Msg::Shutdown | Msg::Wake => {}
+            }
+        }
+        for c in self.join_cells.drain(..) {
+            c.complete(Err(err.clone()));
+        }
+        // Let the channels finish what every rank dispatched, then stop them.
+        if let Dispatch::Workers { queues, threads } = std::mem::replace(
+            &mut self.dispatch,
+            Dispatch::Workers {
+                queues: Vec::new(),
+                threads: Vec::new(),
+            },
+        ) {
+            drop(queues);
+            for t in threads {
+                if t.join().is_err() {
+                    tracing::error!(rank = self.inner.rank, "a channel thread panicked");
+                }
+            }
+        }
+        tracing::debug!(rank = self.inner.rank, "control thread stopped");
+    }
+
+    fn main_loop(&mut self) -> Result<String, SchedulerError> {
+        loop {
+            if let Some(e) = self.inner.failure() {
+                return Err(e);
+            }
+            self.wait();
+            if let Some(e) = self.inner.failure() {
+                return Err(e);
+            }
+            if let Some(reason) = self.round()? {
+                return Ok(reason);
+            }
+        }
+    }
+
+    fn accept(&mut self, msg: Msg) {
+        match msg {
+            Msg::Submit(entry) => {
+                self.seq += 1;
+                self.by_name.insert(entry.req.name.clone(), self.seq);
+                self.pending.insert(
+                    self.seq,
+                    Pending {
+                        entry: *entry,
+                        state: Announce::New,
+                    },
+                );
+                self.fresh = true;
+            }
+            Msg::Join(cell) => {
+                self.joined = true;
+                self.join_cells.push(cell);
+                self.fresh = true;
+            }
+            Msg::Shutdown => {
+                self.local_shutdown = true;
+                self.fresh = true;
+            }
+            Msg::Wake => {}
+        }
+    }
+
+    fn drain(&mut self) {
+        while let Ok(m) = self.rx.try_recv() {
+            self.accept(m);
+        }
+    }
+
+    fn recv_until(&mut self, deadline: Instant) -> bool {
+        let now = Instant::now();
+        let timeout = deadline.saturating_duration_since(now);
+        match self.rx.recv_timeout(timeout) {
+            Ok(m) => {
+                self.accept(m);
+                self.drain();
+                true
+            }
+            Err(RecvTimeoutError::Timeout) => false,
+            Err(RecvTimeoutError::Disconnected) => {
+                self.local_shutdown = true;
+                true
+            }
+        }
+    }
+
+    /// Decide when to run the next round.
+    fn wait(&mut self) {
+        let cfg = &self.inner.config;
+        let cycle = cfg.cycle_time;
+        let window = cfg.batching_window;
+        let heartbeat = cfg.idle_heartbeat;
+        self.drain();
+        if !cycle.is_zero() {
+            // Fixed polling cycle (the Horovod schedule): a round every cycle, busy or not.
+            let deadline = self.last_round + cycle;
+            while Instant::now() < deadline && !self.local_shutdown {
+                if !self.recv_until(deadline) {
+                    break;
+                }
+            }
+            return;
+        }
+        if self.fresh {
+            if !window.is_zero() {
+                let deadline = Instant::now() + window;
+                while Instant::now() < deadline && self.recv_until(deadline) {}
+            }
+            return;
+        }
+        if !self.pending.is_empty() || self.joined {
+            // Announced work is pending here. Sit in the next round (a blocking collective)
+            // so that a peer's submission completes it at once; back off briefly only while
+            // rounds make no progress, so ranks waiting on each other do not spin.
+            if self.last_progress {
+                self.backoff = Duration::from_micros(10);
+                return;
+            }
+            let deadline = Instant::now() + self.backoff;
+            self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+            self.recv_until(deadline);
+            return;
+        }
+        // Idle: sleep until a submission, or the heartbeat.
+        let deadline = Instant::now() + heartbeat;
+        self.recv_until(deadline);
+    }
+
+    fn add_bytes(&self, n: usize) {
+        Counters::add(&self.inner.counters.negotiation_bytes_sent, n as u64);
+    }
+
+    /// One negotiation round. Returns `Some(reason)` when the job shuts down.
+    fn round(&mut self) -> Result<Option<String>, SchedulerError> {
+        let start = Instant::now();
+        self.last_round = start;
+        self.fresh = false;
+        let size = self.inner.size;
+        let span = tracing::trace_span!("round", rank = self.inner.rank);
+        let _g = span.enter();
+
+        // 1. Classify what is pending here.
+        let cap = self.cache.capacity();
+        let mut vec = NegotiationVec::new(cap);
+        let mut uncached = false;
+        let mut invalid = Vec::new();
+        let mut oldest = Duration::ZERO;
+        for p in self.pending.values() {
+            oldest = oldest.max(start.saturating_duration_since(p.entry.submitted));
+            if p.state == Announce::Held {
+                continue;
+            }
+            match self.cache.lookup(&p.entry.req.name, &p.entry.req.sig) {
+                Lookup::Hit(slot) => vec.set_slot(slot, true),
+                Lookup::Changed(slot) => invalid.push(slot),
+                Lookup::Miss => uncached |= p.state == Announce::New,
+            }
+        }
+        if self.joined {
+            // A joined rank is ready for every cached allreduce.
+            for slot in 0..cap {
+                if self
+                    .cache
+                    .get(slot)
+                    .is_some_and(|r| r.sig.kind == CollectiveKind::Allreduce)
+                {
+                    vec.set_slot(slot, true);
+                }
+            }
+        }
+        let stall_due = self.inner.config.stall_check.is_some_and(|d| {
+            oldest >= d && start.saturating_duration_since(self.last_stall_check) >= d
+        });
+        vec.set_status(Status::Shutdown, self.local_shutdown);
+        vec.set_status(Status::Uncached, uncached);
+        vec.set_status(Status::Invalidated, !invalid.is_empty());
+        vec.set_status(Status::Stalled, stall_due);
+        vec.set_status(Status::Joined, self.joined);
+        vec.set_status(Status::Pending, !self.pending.is_empty());
+
+        // 2. The bit-vector allreduce.
+        let mut bytes = vec.to_bytes();
+        self.add_bytes(bytes.len());
+        self.comm
+            .allreduce(&mut bytes, DType::U8, ReduceOp::BitAnd)?;
+        let agreed = NegotiationVec::from_bytes(&bytes, cap).ok_or_else(|| {
+            SchedulerError::InvalidArgument("internal error: negotiation vector length".into())
+        })?;
+        Counters::add(&self.inner.counters.rounds, 1);
+        if agreed.status(Status::Shutdown) {
+            return Ok(Some(if self.local_shutdown {
+                "shutdown requested on this rank".into()
+            } else {
+                "shutdown requested by another rank".into()
+            }));
+        }
+
+        // 3. Joined ranks.
+        let previous_joined = self.joined_set.clone();
+        if agreed.status(Status::Joined) {
+            let mut jv = BitVec::zeros(size);
+            jv.set(self.inner.rank, self.joined);
+            let mut b = jv.to_bytes();
+            self.add_bytes(b.len());
+            self.comm.allreduce(&mut b, DType::U8, ReduceOp::BitOr)?;
+            let jv = BitVec::from_bytes(&b, size).ok_or_else(|| {
+                SchedulerError::InvalidArgument("internal error: joined vector length".into())
+            })?;
+            self.joined_set = (0..size).map(|r| jv.get(r)).collect();
+        } else {
+            self.joined_set = vec![false; size];
+        }
+        let all_joined = self.joined_set.iter().all(|&j| j);
+        let joined_changed = previous_joined != self.joined_set;
+
+        // 4. Invalidated slots: dropped on every rank.
+        let mut evicted = Vec::new();
+        if agreed.status(Status::Invalidated) {
+            let mut iv = BitVec::zeros(cap);
+            for &s in &invalid {
+                iv.set(s, true);
+            }
+            let mut b = iv.to_bytes();
+            self.add_bytes(b.len());
+            self.comm.allreduce(&mut b, DType::U8, ReduceOp::BitOr)?;
+            let iv = BitVec::from_bytes(&b, cap).ok_or_else(|| {
+                SchedulerError::InvalidArgument("internal error: invalidation vector length".into())
+            })?;
+            for s in iv.ones() {
+                self.cache.evict(s);
+                evicted.push(s);
+            }
+        }
+
+        // 5. Ready from the cache, in slot order.
+        let mut ready: Vec<Response> = Vec::new();
+        if !all_joined {
+            for slot in agreed.pending_slots() {
+                if evicted.contains(&slot) {
+                    continue;
+                }
+                if let Some(r) = self.cache.get(slot) {
+                    ready.push(r.clone());
+                    self.cache.touch(slot);
+                }
+            }
+        }
+        Counters::add(&self.inner.counters.cache_hits, ready.len() as u64);
+
+        // 6. The coordinator, when some rank has uncached names (or the joined set changed).
+        let coordinate = agreed.status(Status::Uncached) || !evicted.is_empty() || joined_changed;
+        if coordinate {
+            Counters::add(&self.inner.counters.coordinator_rounds, 1);
+            let mut mine = Vec::new();
+            for p in self.pending.values_mut() {
+                if p.state == Announce::New
+                    && self.cache.lookup(&p.entry.req.name, &p.entry.req.sig) == Lookup::Miss
+                {
+                    mine.push(p.entry.req.clone());
+                    p.state = Announce::Sent;
+                }
+            }
+            let responses = self.coordinate(&mine)?;
+            Counters::add(
+                &self.inner.counters.coordinator_responses,
+                responses.len() as u64,
+            );
+            for r in responses {
+                if let Some(e) = &r.error {
+                    let err = SchedulerError::from_negotiation(&r.name, e);
+                    self.fail_name(&r.name, err.clone());
+                    if let Some(g) = &r.group {
+                        self.fail_group(g, err);
+                    }
+                    continue;
+                }
+                self.cache.insert(&r);
+                ready.push(r);
+            }
+        } else {
+            Counters::add(&self.inner.counters.bitvector_rounds, 1);
+        }
+
+        // 7. Stall inspector.
+        if agreed.status(Status::Stalled) {
+            self.inspect_stall(start)?;
+        }
+
+        // 8. Join completes once everybody has joined.
+        if all_joined {
+            for c in self.join_cells.drain(..) {
+                c.complete(Ok(Tensor::from_parts(DType::U8, vec![0], Vec::new())));
+            }
+            self.joined = false;
+        }
+
+        let neg_end = Instant::now();
+        Counters::add(
+            &self.inner.counters.negotiation_nanos,
+            neg_end.duration_since(start).as_nanos() as u64,
+        );
+        if let Some(tl) = &self.inner.timeline {
+            if !ready.is_empty() || coordinate {
+                tl.span(
+                    0,
+                    if coordinate {
+                        "negotiate (coordinator)"
+                    } else {
+                        "negotiate"
+                    },
+                    start,
+                    neg_end,
+                    &[("ready", ready.len().to_string())],
+                );
+            }
+        }
+
+        // 9. Grouped members wait for the rest of their group; plan and dispatch.
+        self.last_progress = !ready.is_empty();
+        let ready = self.release_groups(ready);
+        if !ready.is_empty() {
+            self.dispatch(ready);
+        }
+        Ok(None)
+    }
+
+    fn fail_name(&mut self, name: &str, err: SchedulerError) {
+        if let Some(p) = self
+            .by_name
+            .remove(name)
+            .and_then(|seq| self.pending.remove(&seq))
+        {
+            self.inner.finish(name, &p.entry.cell, Err(err));
+        }
+    }
+
+    /// A member of `g` failed: fail the members already held, and remember the group so that
+    /// the members still to come fail too.
+    fn fail_group(&mut self, g: &GroupTag, err: SchedulerError) {
+        let held = self.held.remove(&g.name).unwrap_or_default();
+        let seen = match self.failed_groups.get(&g.name) {
+            Some(_) => 0,
+            None => 1 + held.len() as u32,
+        };
+        let reason = format!("another member of group '{}' failed: {err}", g.name);
+        for r in held {
+            self.fail_name(
+                &r.name,
+                SchedulerError::Negotiation {
+                    name: r.name.clone(),
+                    reason: reason.clone(),
+                },
+            );
+        }
+        let entry = self
+            .failed_groups
+            .entry(g.name.clone())
+            .or_insert((err, g.size));
+        entry.1 = entry.1.saturating_sub(seen.max(1));
+        if entry.1 == 0 {
+            self.failed_groups.remove(&g.name);
+        }
+    }
+
+    /// Hold grouped members until their whole group is ready; release complete groups in
+    /// member order. Deterministic: the same on every rank.
+    fn release_groups(&mut self, ready: Vec<Response>) -> Vec<Response> {
+        let mut out = Vec::with_capacity(ready.len());
+        for r in ready {
+            let Some(g) = r.group.clone() else {
+                out.push(r);
+                continue;
+            };
+            if let Some((err, left)) = self.failed_groups.get_mut(&g.name) {
+                let reason = format!("another member of group '{}' failed: {err}", g.name);
+                *left = left.saturating_sub(1);
+                if *left == 0 {
+                    self.failed_groups.remove(&g.name);
+                }
+                self.fail_name(
+                    &r.name,
+                    SchedulerError::Negotiation {
+                        name: r.name.clone(),
+                        reason,
+                    },
+                );
+                continue;
+            }
+            if let Some(p) = self
+                .by_name
+                .get(&r.name)
+                .and_then(|s| self.pending.get_mut(s))
+            {
+                p.state = Announce::Held;
+            }
+            let members = self.held.entry(g.name.clone()).or_default();
+            if members.iter().any(|m| m.name == r.name) {
+                continue;
+            }
+            members.push(r);
+            if members.len() as u32 >= g.size {
+                let mut members = self.held.remove(&g.name).unwrap_or_default();
+                members.sort_by_key(|m| m.group.as_ref().map_or(0, |t| t.index));
+                out.extend(members);
+            }
+        }
+        out
+    }
+
+    /// The coordinator step: every rank's new requests reach rank 0, which answers with the
+    /// responses of the names now complete.
+    fn coordinate(&mut self, mine: &[Request]) -> Result<Vec<Response>, SchedulerError> {
+        let size = self.inner.size;
+        let bytes = wire::encode_requests(mine);
+        self.add_bytes(bytes.len() + 8);
+        let mut lens = vec![0u8; 8 * size];
+        self.comm
+            .allgather(&(bytes.len() as u64).to_le_bytes(), &mut lens)?;
+        let counts: Vec<usize> = lens
+            .chunks_exact(8)
+            .map(|c| {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(c);
+                u64::from_le_bytes(a) as usize
+            })
+            .collect();
+        let mut all = vec![0u8; checked_total(&counts)?];
+        self.comm.allgatherv(&bytes, &mut all, &counts)?;
+        let mut out = Vec::new();
+        if self.inner.rank == 0 {
+            let mut off = 0;
+            for (r, &n) in counts.iter().enumerate() {
+                let reqs = wire::decode_requests(&all[off..off + n]).map_err(|e| {
+                    SchedulerError::Transport {
+                        lost_rank: Some(r),
+                        message: format!("rank {r} sent a malformed request list: {e}"),
+                    }
+                })?;
+                for mut q in reqs {
+                    q.rank = r as u32;
+                    self.table.add(q);
+                }
+                off += n;
+            }
+            let responses = self.table.take_ready(&self.joined_set);
+            out = wire::encode_responses(&responses);
+            self.add_bytes(out.len() + 8);
+        }
+        let mut len = (out.len() as u64).to_le_bytes();
+        self.comm.broadcast(&mut len, 0)?;
+        let n = checked_total(&[u64::from_le_bytes(len) as usize])?;
+        out.resize(n, 0);
+        if n > 0 {
+            self.comm.broadcast(&mut out, 0)?;
+        }
+        wire::decode_responses(&out).map_err(|e| SchedulerError::Transport {
+            lost_rank: Some(0),
+            message: format!("rank 0 sent a malformed response list: {e}"),
+        })
+    }
+
+    /// Compare pending names across ranks and report those some ranks lack.
+    fn inspect_stall(&mut self, now: Instant) -> Result<(), SchedulerError> {
+        let size = self.inner.size;
+        let mine: Vec<(String, u64)> = self
+            .pending
+            .values()
+            .map(|p| {
+                (
+                    p.entry.req.name.clone(),
+                    now.saturating_duration_since(p.entry.submitted).as_millis() as u64,
+                )
+            })
+            .collect();
+        let bytes = wire::encode_names(&mine);
+        self.add_bytes(bytes.len() + 8);
+        let mut lens = vec![0u8; 8 * size];
+        self.comm
+            .allgather(&(bytes.len() as u64).to_le_bytes(), &mut lens)?;
+        let counts: Vec<usize> = lens
+            .chunks_exact(8)
+            .map(|c| {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(c);
+                u64::from_le_bytes(a) as usize
+            })
+            .collect();
+        let mut all = vec![0u8; checked_total(&counts)?];
+        self.comm.allgatherv(&bytes, &mut all, &counts)?;
+        let mut have: BTreeMap<String, (Vec<bool>, u64)> = BTreeMap::new();
+        let mut off = 0;
+        for (r, &n) in counts.iter().enumerate() {
+            let list =
+                wire::decode_names(&all[off..off + n]).map_err(|e| SchedulerError::Transport {
+                    lost_rank: Some(r),
+                    message: format!("rank {r} sent a malformed name list: {e}"),
+                })?;
+            for (name, age) in list {
+                let e = have.entry(name).or_insert_with(|| (vec![false; size], 0));
+                e.0[r] = true;
+                e.1 = e.1.max(age);
+            }
+            off += n;
+        }
+        self.last_stall_check = now;
+        let threshold = self.inner.config.stall_check.unwrap_or(Duration::ZERO);
+        let mut names = Vec::new();
+        let mut missing = vec![false; size];
+        let mut waited = 0u64;
+        for (name, (ranks, age)) in &have {
+            let lacking: Vec<usize> = (0..size)
+                .filter(|&r| !ranks[r] && !self.joined_set[r])
+                .collect();
+            if lacking.is_empty() || Duration::from_millis(*age) < threshold {
+                continue;
+            }
+            names.push(name.clone());
+            waited = waited.max(*age);
+            for r in lacking {
+                missing[r] = true;
+            }
+        }
+        if names.is_empty() {
+            return Ok(());
+        }
+        let missing_ranks: Vec<usize> = (0..size).filter(|&r| missing[r]).collect();
+        let waited = Duration::from_millis(waited);
+        if self.inner.rank == 0 {
+            tracing::warn!(
+                missing_ranks = ?missing_ranks,
+                names = ?names,
+                waited = ?waited,
+                "stall: ranks {missing_ranks:?} have not submitted {names:?} that other ranks submitted {waited:?} ago"
+            );
+        }
+        self.inner.record_stall(StallReport {
+            names: names.clone(),
+            missing_ranks: missing_ranks.clone(),
+            waited,
+        });
+        if let Some(limit) = self.inner.config.stall_shutdown {
+            if waited >= limit {
+                return Err(SchedulerError::Stalled {
+                    names,
+                    missing: missing_ranks,
+                    after: waited,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Plan the round's ready responses into groups and hand them to the channels.
+    fn dispatch(&mut self, ready: Vec<Response>) {
+        let active = self.joined_set.iter().filter(|j| !**j).count();
+        let mut ops: Vec<Arc<Op>> = Vec::with_capacity(ready.len());
+        let mut items: Vec<PlanItem> = Vec::with_capacity(ready.len());
+        let mut group_ids: HashMap<String, u32> = HashMap::new();
+        for r in ready {
+            let entry = self
+                .by_name
+                .remove(&r.name)
+                .and_then(|seq| self.pending.remove(&seq))
+                .map(|p| p.entry);
+            if let (Some(tl), Some(e)) = (&self.inner.timeline, &entry) {
+                tl.tensor_span(
+                    e_id(&r.name, e.submitted),
+                    &r.name,
+                    "queued",
+                    e.submitted,
+                    Instant::now(),
+                );
+            }
+            let op = match entry {
+                Some(e) => Op {
+                    name: r.name.clone(),
+                    sig: r.sig.clone(),
+                    state: Mutex::new(OpState {
+                        tensor: Some(e.tensor),
+                        splits: e.splits,
+                        error: None,
+                    }),
+                    remaining: AtomicUsize::new(0),
+                    cell: Some(e.cell),
+                },
+                None if self.joined && r.sig.kind == CollectiveKind::Allreduce => {
+                    let shape: Vec<usize> = r.sig.shape.iter().map(|&d| d as usize).collect();
+                    let Ok(t) = Tensor::zeros(r.sig.dtype, shape) else {
+                        continue;
+                    };
+                    Op {
+                        name: r.name.clone(),
+                        sig: r.sig.clone(),
+                        state: Mutex::new(OpState {
+                            tensor: Some(t),
+                            splits: None,
+                            error: None,
+                        }),
+                        remaining: AtomicUsize::new(0),
+                        cell: None,
+                    }
+                }
+                None => {
+                    tracing::error!(name = %r.name, "internal error: a name was negotiated that this rank never submitted");
+                    continue;
+                }
+            };
+            let mut item = PlanItem::from_response(&r);
+            if let Some(g) = &r.group {
+                let next = group_ids.len() as u32;
+                item.group = Some(*group_ids.entry(g.name.clone()).or_insert(next));
+            }
+            items.push(item);
+            ops.push(Arc::new(op));
+        }
+        let groups = plan(&items, &self.plan_opts);
+        for g in &groups {
+            for p in &g.parts {
+                ops[p.item]
+                    .remaining
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let round = self
+            .inner
+            .counters
+            .rounds
+            .load(std::sync::atomic::Ordering::Relaxed);
+        for g in groups {
+            if self.inner.config.record_groups {
+                self.inner.record_group(GroupRecord {
+                    round,
+                    channel: g.channel,
+                    parts: g
+                        .parts
+                        .iter()
+                        .map(|p| (ops[p.item].name.clone(), p.offset, p.len))
+                        .collect(),
+                });
+            }
+            let job = Job {
+                parts: g
+                    .parts
+                    .iter()
+                    .map(|p| (Arc::clone(&ops[p.item]), p.offset as usize, p.len as usize))
+                    .collect(),
+                active,
+            };
+            match &mut self.dispatch {
+                Dispatch::Inline(ex) => ex.run(job),
+                Dispatch::Workers { queues, .. } => {
+                    if let Some(q) = queues.get(g.channel) {
+                        if let Err(e) = q.send(job) {
+                            // The worker is gone: fail its parts.
+                            for (op, _, _) in e.0.parts {
+                                op.part_done(
+                                    &self.inner,
+                                    Some(SchedulerError::ShutDown {
+                                        reason: "a channel thread stopped".into(),
+                                    }),
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,671 @@
+//! The engine: public submission API and the state shared by its threads.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::{unbounded, Sender};
+use fh_core::message::{CollectiveKind, Device, GroupTag, Request, Signature};
+use fh_core::{kernels, DType, ReduceOp};
+use fh_transport::Transport;
+
+use crate::control::Control;
+use crate::handle::{Completion, GroupHandle, Handle, OpResult};
+use crate::stats::{Counters, EngineStats, GroupRecord, StallReport};
+use crate::timeline::Timeline;
+use crate::{Config, Preset, SchedulerError, Tensor};
+
+/// Options of an allreduce (and of each member of a grouped allreduce).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AllreduceOptions {
+    /// The reduction (default `Average`, as in Horovod).
+    pub op: ReduceOp,
+    /// Factor applied to the input before the reduction.
+    pub prescale: f64,
+    /// Factor applied to the result.
+    pub postscale: f64,
+    /// Priority under `FH_PRIORITY=forward` (lower first, e.g. the layer index).
+    pub priority: i64,
+    /// Where the tensor lives (part of the negotiated signature).
+    pub device: Device,
+}
+
+impl Default for AllreduceOptions {
+    fn default() -> Self {
+        AllreduceOptions {
+            op: ReduceOp::Average,
+            prescale: 1.0,
+            postscale: 1.0,
+            priority: 0,
+            device: Device::Cpu,
+        }
+    }
+}
+
+impl AllreduceOptions {
+    /// Default options with another reduce op.
+    pub fn with_op(op: ReduceOp) -> Self {
+        AllreduceOptions {
+            op,
+            ..Self::default()
+        }
+    }
+    /// Set the reduce op.
+    pub fn op(mut self, op: ReduceOp) -> Self {
+        self.op = op;
+        self
+    }
+    /// Set the prescale factor.
+    pub fn prescale(mut self, f: f64) -> Self {
+        self.prescale = f;
+        self
+    }
+    /// Set the postscale factor.
+    pub fn postscale(mut self, f: f64) -> Self {
+        self.postscale = f;
+        self
+    }
+    /// Set the priority.
+    pub fn priority(mut self, p: i64) -> Self {
+        self.priority = p;
+        self
+    }
+    /// Set the device.
+    pub fn device(mut self, d: Device) -> Self {
+        self.device = d;
+        self
+    }
+}
+
+/// A submitted operation before negotiation.
+pub(crate) struct Entry {
+    pub req: Request,
+    pub tensor: Tensor,
+    pub splits: Option<Vec<usize>>,
+    pub cell: Arc<Completion>,
+    pub submitted: Instant,
+}
+
+pub(crate) enum Msg {
+    Submit(Box<Entry>),
+    Join(Arc<Completion>),
+    Shutdown,
+    Wake,
+}
+
+struct Gate {
+    closed: Option<SchedulerError>,
+    tx: Sender<Msg>,
+}
+
+/// State shared by the public API, the control thread and the channel workers.
+pub(crate) struct Inner {
+    pub rank: usize,
+    pub size: usize,
+    pub config: Config,
+    gate: Mutex<Gate>,
+    in_flight: Mutex<HashSet<String>>,
+    pub counters: Counters,
+    stalls: Mutex<Vec<StallReport>>,
+    barrier_seq: AtomicU64,
+    groups: Mutex<Vec<GroupRecord>>,
+    pub timeline: Option<Timeline>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Inner {
+    /// The reason the engine stopped, if it has.
+    pub(crate) fn failure(&self) -> Option<SchedulerError> {
+        lock(&self.gate).closed.clone()
+    }
+
+    /// Stop the engine with `err` (first reason wins) and wake the control thread.
+    pub(crate) fn fail(&self, err: SchedulerError) {
+        let mut g = lock(&self.gate);
+        if g.closed.is_none() {
+            g.closed = Some(err);
+        }
+        let _ = g.tx.send(Msg::Wake);
+    }
+
+    /// Deliver a result: the name leaves the in-flight set first, so that it can be submitted
+    /// again as soon as the caller has the result.
+    pub(crate) fn finish(&self, name: &str, cell: &Completion, result: OpResult) {
+        lock(&self.in_flight).remove(name);
+        Counters::add(&self.counters.completed, 1);
+        cell.complete(result);
+    }
+
+    pub(crate) fn record_stall(&self, r: StallReport) {
+        Counters::add(&self.counters.stall_warnings, 1);
+        lock(&self.stalls).push(r);
+    }
+
+    pub(crate) fn record_group(&self, g: GroupRecord) {
+        lock(&self.groups).push(g);
+    }
+
+    fn submit(&self, entry: Entry) -> Result<(), SchedulerError> {
+        let g = lock(&self.gate);
+        if let Some(e) = &g.closed {
+            return Err(e.clone());
+        }
+        let name = entry.req.name.clone();
+        if !lock(&self.in_flight).insert(name.clone()) {
+            return Err(SchedulerError::DuplicateName { name });
+        }
+        if g.tx.send(Msg::Submit(Box::new(entry))).is_err() {
+            lock(&self.in_flight).remove(&name);
+            return Err(SchedulerError::ShutDown {
+                reason: "the control thread is gone".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn send(&self, msg: Msg) -> Result<(), SchedulerError> {
+        let g = lock(&self.gate);
+        if let Some(e) = &g.closed {
+            return Err(e.clone());
+        }
+        g.tx.send(msg).map_err(|_| SchedulerError::ShutDown {
+            reason: "the control thread is gone".into(),
+        })
+    }
+
+    /// Close the gate (no more submissions) and return whether it was open.
+    pub(crate) fn close(&self, err: SchedulerError) {
+        let mut g = lock(&self.gate);
+        if g.closed.is_none() {
+            g.closed = Some(err);
+        }
+    }
+}
+
+/// The FastHorovod engine of one rank: submit named collectives, get handles.
+///
+/// `Engine` is `Send + Sync`; share it by reference (or in an `Arc`) between the threads
+/// that submit. Every rank of the world must start an engine with a compatible configuration;
+/// the engine negotiates which names are ready everywhere and runs the collectives.
+///
+/// ```
+/// use fh_scheduler::{AllreduceOptions, Config, Engine, Tensor};
+/// use fh_core::ReduceOp;
+/// use fh_transport::local::LocalWorld;
+///
+/// let threads: Vec<_> = LocalWorld::new(2).into_iter().map(|t| std::thread::spawn(move || {
+///     let engine = Engine::start(Box::new(t), Config::default().channels(2)).unwrap();
+///     let x = Tensor::from_slice(&[engine.rank() as f32 + 1.0; 3]);
+///     let h = engine.allreduce("x", x, AllreduceOptions::with_op(ReduceOp::Sum)).unwrap();
+///     let y = h.wait().unwrap().to_vec::<f32>().unwrap();
+///     engine.shutdown().unwrap();
+///     y
+/// })).collect();
+/// for t in threads {
+///     assert_eq!(t.join().unwrap(), [3.0; 3]);
+/// }
+/// ```
+pub struct Engine {
+    inner: Arc<Inner>,
+    control: Mutex<Option<JoinHandle<()>>>,
+    transport: Mutex<Option<Box<dyn Transport>>>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("rank", &self.inner.rank)
+            .field("size", &self.inner.size)
+            .field("preset", &self.inner.config.preset)
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Start an engine on a world. Collective: every rank must call it (it opens the control
+    /// communicator and one communicator per data channel, and checks that the ranks'
+    /// configurations agree).
+    pub fn start(
+        mut transport: Box<dyn Transport>,
+        config: Config,
+    ) -> Result<Engine, SchedulerError> {
+        config.validate()?;
+        let topo = transport.topology();
+        let mut control = transport.open("fh-control")?;
+        agree_on_config(control.as_mut(), &config)?;
+        let k = config.effective_channels();
+        let mut data = Vec::with_capacity(k);
+        for c in 0..k {
+            data.push(transport.open(&format!("fh-channel-{c}"))?);
+        }
+        let timeline = match (&config.timeline, topo.rank) {
+            (Some(path), 0) => match Timeline::create(path, k) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    return Err(SchedulerError::config(
+                        "FH_TIMELINE",
+                        format!("cannot create {}: {e}", path.display()),
+                    ))
+                }
+            },
+            _ => None,
+        };
+        let (tx, rx) = unbounded();
+        let inner = Arc::new(Inner {
+            rank: topo.rank,
+            size: topo.size,
+            config: config.clone(),
+            gate: Mutex::new(Gate { closed: None, tx }),
+            in_flight: Mutex::new(HashSet::new()),
+            counters: Counters::default(),
+            stalls: Mutex::new(Vec::new()),
+            barrier_seq: AtomicU64::new(0),
+            groups: Mutex::new(Vec::new()),
+            timeline,
+        });
+        let ctl = Control::new(Arc::clone(&inner), control, data, rx)?;
+        let handle = std::thread::Builder::new()
+            .name(format!("fh-control-{}", topo.rank))
+            .spawn(move || ctl.run())
+            .map_err(|e| SchedulerError::InvalidArgument(format!("cannot spawn a thread: {e}")))?;
+        tracing::debug!(
+            rank = topo.rank,
+            size = topo.size,
+            preset = config.preset.name(),
+            channels = k,
+            backend = transport.backend(),
+            "engine started"
+        );
+        Ok(Engine {
+            inner,
+            control: Mutex::new(Some(handle)),
+            transport: Mutex::new(Some(transport)),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// The configuration the engine runs with.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// A snapshot of this rank's counters.
+    pub fn stats(&self) -> EngineStats {
+        self.inner.counters.snapshot()
+    }
+
+    /// Why the engine has stopped (shutdown, lost rank, stall), or `None` while it runs.
+    pub fn stopped(&self) -> Option<SchedulerError> {
+        self.inner.failure()
+    }
+
+    /// The stall inspector's reports so far.
+    pub fn stall_reports(&self) -> Vec<StallReport> {
+        lock(&self.inner.stalls).clone()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    /// The fused groups dispatched so far, in dispatch order (empty unless
+    /// `Config::record_groups` is on). Identical on every rank.
+    pub fn group_log(&self) -> Vec<GroupRecord> {
+        lock(&self.inner.groups).clone()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn entry(
+        &self,
+        name: &str,
+        tensor: Tensor,
+        kind: CollectiveKind,
+        op: ReduceOp,
+        root: usize,
+        opts: &AllreduceOptions,
+        splits: Option<Vec<usize>>,
+    ) -> Result<Handle, SchedulerError> {
+        self.entry_in_group(name, tensor, kind, op, root, opts, splits, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn entry_in_group(
+        &self,
+        name: &str,
+        tensor: Tensor,
+        kind: CollectiveKind,
+        op: ReduceOp,
+        root: usize,
+        opts: &AllreduceOptions,
+        splits: Option<Vec<usize>>,
+        group: Option<GroupTag>,
+    ) -> Result<Handle, SchedulerError> {
+        if name.is_empty() {
+            return Err(SchedulerError::InvalidArgument(
+                "a collective needs a non-empty name".into(),
+            ));
+        }
+        if name.len() > fh_core::wire::MAX_NAME {
+            return Err(SchedulerError::InvalidArgument(format!(
+                "name of {} bytes is longer than {}",
+                name.len(),
+                fh_core::wire::MAX_NAME
+            )));
+        }
+        if tensor.shape().len() > fh_core::wire::MAX_DIMS {
+            return Err(SchedulerError::InvalidArgument(format!(
+                "tensors have at most {} dimensions",
+                fh_core::wire::MAX_DIMS
+            )));
+        }
+        if matches!(
+            kind,
+            CollectiveKind::Allreduce | CollectiveKind::ReduceScatter
+        ) && !kernels::supports(tensor.dtype(), op)
+        {
+            return Err(SchedulerError::InvalidArgument(format!(
+                "reduce op {op} is not supported for {} tensors",
+                tensor.dtype()
+            )));
+        }
+        if tensor.dtype() == DType::Bool && (opts.prescale != 1.0 || opts.postscale != 1.0) {
+            return Err(SchedulerError::InvalidArgument(
+                "bool tensors cannot be scaled".into(),
+            ));
+        }
+        let cell = Completion::new();
+        let req = Request {
+            name: name.to_string(),
+            rank: self.inner.rank as u32,
+            sig: Signature {
+                kind,
+                dtype: tensor.dtype(),
+                shape: tensor.shape().iter().map(|&d| d as u64).collect(),
+                device: opts.device,
+                op,
+                root: root as u32,
+                prescale: opts.prescale,
+                postscale: opts.postscale,
+            },
+            priority: opts.priority,
+            group,
+        };
+        self.inner.submit(Entry {
+            req,
+            tensor,
+            splits,
+            cell: Arc::clone(&cell),
+            submitted: Instant::now(),
+        })?;
+        Ok(Handle::new(name.to_string(), cell))
+    }
+
+    /// Allreduce `tensor` across all ranks under `name`; the handle gives back the tensor
+    /// holding the result.
+    pub fn allreduce(
+        &self,
+        name: &str,
+        tensor: Tensor,
+        opts: AllreduceOptions,
+    ) -> Result<Handle, SchedulerError> {
+        self.entry(
+            name,
+            tensor,
+            CollectiveKind::Allreduce,
+            opts.op,
+            0,
+            &opts,
+            None,
+        )
+    }
+
+    /// Allreduce several tensors as one group; member `i` is named `name[i]`. The members are
+    /// released together once all are ready on every rank, and reduced in one fused collective
+    /// when they share a dtype and fit under the fusion threshold. If one member fails
+    /// negotiation, every member fails.
+    pub fn grouped_allreduce(
+        &self,
+        name: &str,
+        tensors: Vec<Tensor>,
+        opts: AllreduceOptions,
+    ) -> Result<GroupHandle, SchedulerError> {
+        let size = tensors.len() as u32;
+        let mut handles = Vec::with_capacity(tensors.len());
+        for (i, t) in tensors.into_iter().enumerate() {
+            let tag = GroupTag {
+                name: name.to_string(),
+                index: i as u32,
+                size,
+            };
+            handles.push(self.entry_in_group(
+                &format!("{name}[{i}]"),
+                t,
+                CollectiveKind::Allreduce,
+                opts.op,
+                0,
+                &opts,
+                None,
+                Some(tag),
+            )?);
+        }
+        Ok(GroupHandle::new(handles))
+    }
+
+    /// Concatenate every rank's `tensor` along the first dimension (which may differ per
+    /// rank; the others must agree).
+    pub fn allgather(&self, name: &str, tensor: Tensor) -> Result<Handle, SchedulerError> {
+        let opts = AllreduceOptions::with_op(ReduceOp::Sum);
+        self.entry(
+            name,
+            tensor,
+            CollectiveKind::Allgather,
+            ReduceOp::Sum,
+            0,
+            &opts,
+            None,
+        )
+    }
+
+    /// Copy `root`'s tensor into every rank's tensor (same shape everywhere).
+    pub fn broadcast(
+        &self,
+        name: &str,
+        tensor: Tensor,
+        root: usize,
+    ) -> Result<Handle, SchedulerError> {
+        if root >= self.inner.size {
+            return Err(SchedulerError::InvalidArgument(format!(
+                "broadcast root {root} is out of range 0..{}",
+                self.inner.size
+            )));
+        }
+        let opts = AllreduceOptions::with_op(ReduceOp::Sum);
+        self.entry(
+            name,
+            tensor,
+            CollectiveKind::Broadcast,
+            ReduceOp::Sum,
+            root,
+            &opts,
+            None,
+        )
+    }
+
+    /// Send `splits[r]` first-dimension rows of `tensor` (in order) to rank r and receive the
+    /// rows the other ranks send here, concatenated by source rank. Without splits the first
+    /// dimension must divide evenly by the number of ranks.
+    pub fn alltoall(
+        &self,
+        name: &str,
+        tensor: Tensor,
+        splits: Option<Vec<usize>>,
+    ) -> Result<Handle, SchedulerError> {
+        let n = self.inner.size;
+        let dim0 = tensor.shape().first().copied().unwrap_or(1);
+        match &splits {
+            Some(s) if s.len() != n || s.iter().sum::<usize>() != dim0 => {
+                return Err(SchedulerError::InvalidArgument(format!(
+                    "alltoall splits {s:?} must have {n} entries summing to the first dimension {dim0}"
+                )))
+            }
+            None if dim0 % n != 0 => {
+                return Err(SchedulerError::InvalidArgument(format!(
+                    "alltoall without splits needs a first dimension divisible by {n}, got {dim0}"
+                )))
+            }
+            _ => {}
+        }
+        let opts = AllreduceOptions::with_op(ReduceOp::Sum);
+        self.entry(
+            name,
+            tensor,
+            CollectiveKind::Alltoall,
+            ReduceOp::Sum,
+            0,
+            &opts,
+            splits,
+        )
+    }
+
+    /// Reduce `tensor` across ranks and leave this rank's slice of the first dimension (rank r
+    /// gets `d/n` rows, plus one if `r < d % n`).
+    pub fn reducescatter(
+        &self,
+        name: &str,
+        tensor: Tensor,
+        op: ReduceOp,
+    ) -> Result<Handle, SchedulerError> {
+        let opts = AllreduceOptions::with_op(op);
+        self.entry(
+            name,
+            tensor,
+            CollectiveKind::ReduceScatter,
+            op,
+            0,
+            &opts,
+            None,
+        )
+    }
+
+    /// A barrier over all ranks (each rank's n-th barrier meets the others' n-th).
+    pub fn barrier(&self) -> Result<Handle, SchedulerError> {
+        let n = self.inner.barrier_seq.fetch_add(1, Ordering::Relaxed);
+        let opts = AllreduceOptions::with_op(ReduceOp::Sum);
+        self.entry(
+            &format!("__barrier.{n}"),
+            Tensor::from_parts(DType::U8, vec![0], Vec::new()),
+            CollectiveKind::Barrier,
+            ReduceOp::Sum,
+            0,
+            &opts,
+            None,
+        )
+    }
+
+    /// Declare that this rank has run out of data. Until every rank has joined, the other
+    /// ranks' allreduces proceed with this rank contributing zeros (`Average` divides by the
+    /// number of ranks that have not joined); other collectives fail while a rank is joined.
+    /// The handle completes (with an empty tensor) once every rank has joined. Do not submit
+    /// on this rank until then.
+    pub fn join(&self) -> Result<Handle, SchedulerError> {
+        let cell = Completion::new();
+        self.inner.send(Msg::Join(Arc::clone(&cell)))?;
+        Ok(Handle::new("__join".into(), cell))
+    }
+
+    /// Shut the engine down: every rank's engine stops (a shutdown on one rank is agreed with
+    /// the others in the next negotiation round), pending operations fail with
+    /// [`SchedulerError::ShutDown`], the threads are joined. Returns the communication error
+    /// that stopped the engine, if one did.
+    pub fn shutdown(self) -> Result<(), SchedulerError> {
+        self.stop()
+    }
+
+    fn stop(&self) -> Result<(), SchedulerError> {
+        let _ = self.inner.send(Msg::Shutdown);
+        let handle = lock(&self.control).take();
+        if let Some(h) = handle {
+            if h.join().is_err() {
+                tracing::error!(rank = self.inner.rank, "the control thread panicked");
+            }
+            drop(lock(&self.transport).take());
+        }
+        match self.inner.failure() {
+            Some(SchedulerError::ShutDown { .. }) | None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+fn agree_on_config(
+    comm: &mut dyn fh_transport::Communicator,
+    c: &Config,
+) -> Result<(), SchedulerError> {
+    let clamp = |x: u64| x.min(i64::MAX as u64) as i64;
+    let fields: [(&str, i64); 5] = [
+        (
+            "FH_SCHEDULE",
+            match c.preset {
+                Preset::FastHorovod => 0,
+                Preset::Horovod => 1,
+            },
+        ),
+        ("FH_CHANNELS", c.effective_channels() as i64),
+        ("FH_CACHE_CAPACITY", clamp(c.cache_capacity as u64)),
+        ("FH_FUSION_THRESHOLD", clamp(c.fusion_threshold)),
+        ("FH_PARTITION_BYTES", clamp(c.partition_bytes)),
+    ];
+    let vals: Vec<i64> = fields.iter().map(|f| f.1).collect();
+    let mut lo: Vec<u8> = bytemuck::cast_slice(&vals).to_vec();
+    let mut hi = lo.clone();
+    comm.allreduce(&mut lo, DType::I64, ReduceOp::Min)?;
+    comm.allreduce(&mut hi, DType::I64, ReduceOp::Max)?;
+    let lo: Vec<i64> = crate::tensor::read_vec(&lo);
+    let hi: Vec<i64> = crate::tensor::read_vec(&hi);
+    for (i, (var, _)) in fields.iter().enumerate() {
+        if lo[i] != hi[i] {
+            return Err(SchedulerError::config(
+                var,
+                format!(
+                    "ranks disagree (one has {}, another {}); every rank must use the same setting",
+                    lo[i], hi[i]
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn public_types_are_send_and_sync() {
+        fn send_sync<T: Send + Sync>() {}
+        fn send<T: Send>() {}
+        send_sync::<Engine>();
+        send_sync::<Config>();
+        send_sync::<Tensor>();
+        send_sync::<SchedulerError>();
+        send::<Handle>();
+        send::<GroupHandle>();
+    }
+}

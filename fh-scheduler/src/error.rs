@@ -1,0 +1,187 @@
+//! The error type of `fh-scheduler`.
+
+use std::time::Duration;
+
+use fh_core::message::{CollectiveKind, MismatchField, NegotiationError};
+use fh_core::CoreError;
+use fh_transport::TransportError;
+
+/// Everything a submission, a handle or the engine can report.
+///
+/// Errors are `Clone` because one failure (a lost peer, a shutdown) is delivered to every
+/// pending handle.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SchedulerError {
+    /// Ranks submitted the same name with different values of one field; the name failed on
+    /// every rank with this same error.
+    #[error("tensor '{name}': Mismatched {kind} {}: one rank sent {first}, another sent {second}", field.describe())]
+    Mismatch {
+        /// The tensor name.
+        name: String,
+        /// The collective (as the lowest rank submitted it).
+        kind: CollectiveKind,
+        /// What differed.
+        field: MismatchField,
+        /// One rank's value.
+        first: String,
+        /// Another rank's value.
+        second: String,
+    },
+    /// Negotiation refused the name for another reason (same text on every rank).
+    #[error("tensor '{name}': {reason}")]
+    Negotiation {
+        /// The tensor name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+    /// The name is already in flight on this rank.
+    #[error("a collective named '{name}' is already in flight on this rank; wait for its handle before submitting the name again, or use another name")]
+    DuplicateName {
+        /// The tensor name.
+        name: String,
+    },
+    /// The engine has shut down (or is shutting down); the operation was not (or will not be)
+    /// performed.
+    #[error("the FastHorovod engine has shut down ({reason}); operations can no longer be submitted or completed")]
+    ShutDown {
+        /// Why the engine shut down.
+        reason: String,
+    },
+    /// Communication failed; every pending operation of the engine fails with this error.
+    #[error("communication failed{}: {message}", lost_rank.map(|r| format!(" (rank {r} lost)")).unwrap_or_default())]
+    Transport {
+        /// The rank that was lost or timed out, if known.
+        lost_rank: Option<usize>,
+        /// The transport's message.
+        message: String,
+    },
+    /// The stall inspector shut the engine down: some ranks never submitted these names.
+    #[error("stalled for {after:?}: ranks {missing:?} never submitted {names:?} (FH_STALL_SHUTDOWN_SECONDS)")]
+    Stalled {
+        /// The stalled names.
+        names: Vec<String>,
+        /// The ranks that did not submit them.
+        missing: Vec<usize>,
+        /// How long the oldest waited.
+        after: Duration,
+    },
+    /// `Handle::wait_timeout` gave up; the operation itself goes on in the background.
+    #[error("timed out after {after:?} waiting for '{name}'; the operation is still in flight")]
+    WaitTimeout {
+        /// The tensor name.
+        name: String,
+        /// How long was waited.
+        after: Duration,
+    },
+    /// A bad argument at submission (buffer length, root out of range, unsupported op, ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// Bad configuration (usually an environment variable).
+    #[error("invalid configuration {var}: {reason}")]
+    Config {
+        /// The variable or setting.
+        var: String,
+        /// What was wrong and what is accepted.
+        reason: String,
+    },
+    /// A pure-logic error from `fh-core`.
+    #[error(transparent)]
+    Core(#[from] CoreError),
+}
+
+impl SchedulerError {
+    /// The error a name gets when negotiation refused it.
+    pub fn from_negotiation(name: &str, e: &NegotiationError) -> Self {
+        match e {
+            NegotiationError::Mismatch {
+                kind,
+                field,
+                first,
+                second,
+            } => SchedulerError::Mismatch {
+                name: name.to_string(),
+                kind: *kind,
+                field: *field,
+                first: first.clone(),
+                second: second.clone(),
+            },
+            NegotiationError::Other(reason) => SchedulerError::Negotiation {
+                name: name.to_string(),
+                reason: reason.clone(),
+            },
+        }
+    }
+
+    /// The error every pending operation gets when the transport fails.
+    pub fn from_transport(e: &TransportError) -> Self {
+        SchedulerError::Transport {
+            lost_rank: e.blamed_rank(),
+            message: e.to_string(),
+        }
+    }
+
+    /// Whether ranks disagreed on this name.
+    pub fn is_mismatch(&self) -> bool {
+        matches!(self, SchedulerError::Mismatch { .. })
+    }
+
+    /// Whether the engine had shut down.
+    pub fn is_shutdown(&self) -> bool {
+        matches!(self, SchedulerError::ShutDown { .. })
+    }
+
+    /// The rank blamed for a communication failure, if any.
+    pub fn lost_rank(&self) -> Option<usize> {
+        match self {
+            SchedulerError::Transport { lost_rank, .. } => *lost_rank,
+            _ => None,
+        }
+    }
+
+    pub(crate) fn config(var: &str, reason: impl Into<String>) -> Self {
+        SchedulerError::Config {
+            var: var.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl From<TransportError> for SchedulerError {
+    fn from(e: TransportError) -> Self {
+        SchedulerError::from_transport(&e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mismatch_message_states_both_values() {
+        let e = SchedulerError::from_negotiation(
+            "w",
+            &NegotiationError::Mismatch {
+                kind: CollectiveKind::Allreduce,
+                field: MismatchField::Shape,
+                first: "[17, 17]".into(),
+                second: "[18, 18]".into(),
+            },
+        );
+        assert!(e.is_mismatch());
+        assert!(e.to_string().ends_with(
+            "Mismatched allreduce tensor shapes: one rank sent [17, 17], another sent [18, 18]"
+        ));
+    }
+
+    #[test]
+    fn transport_errors_name_the_rank() {
+        let e = SchedulerError::from(TransportError::PeerLost {
+            rank: 3,
+            detail: "EOF".into(),
+        });
+        assert_eq!(e.lost_rank(), Some(3));
+        assert!(e.to_string().contains("rank 3 lost"), "{e}");
+    }
+}

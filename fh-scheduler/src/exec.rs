@@ -1,0 +1,304 @@
+//! Execution of fused groups on a channel: packing into the channel's fusion buffer, the
+//! collective, unpacking, completion.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use fh_core::kernels;
+use fh_core::message::{CollectiveKind, Signature};
+use fh_core::ReduceOp;
+use fh_transport::{CollectivesExt, Communicator, TransportError};
+
+use crate::engine::Inner;
+use crate::handle::Completion;
+use crate::stats::Counters;
+use crate::{SchedulerError, Tensor};
+
+pub(crate) struct OpState {
+    pub tensor: Option<Tensor>,
+    pub splits: Option<Vec<usize>>,
+    pub error: Option<SchedulerError>,
+}
+
+/// One negotiated operation on its way through a channel (possibly split over several).
+pub(crate) struct Op {
+    pub name: String,
+    pub sig: Signature,
+    pub state: Mutex<OpState>,
+    /// Parts (chunks) not yet done.
+    pub remaining: AtomicUsize,
+    /// `None` for the zero tensors a joined rank contributes.
+    pub cell: Option<Arc<Completion>>,
+}
+
+impl Op {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, OpState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// One part finished; the last one completes the operation.
+    pub(crate) fn part_done(&self, inner: &Inner, err: Option<SchedulerError>) {
+        if let Some(e) = err {
+            let mut st = self.lock();
+            if st.error.is_none() {
+                st.error = Some(e);
+            }
+        }
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let mut st = self.lock();
+            let result = match (st.error.take(), st.tensor.take()) {
+                (Some(e), _) => Err(e),
+                (None, Some(t)) => Ok(t),
+                (None, None) => Err(SchedulerError::InvalidArgument(format!(
+                    "internal error: '{}' lost its tensor",
+                    self.name
+                ))),
+            };
+            drop(st);
+            if let Some(cell) = &self.cell {
+                inner.finish(&self.name, cell, result);
+            }
+        }
+    }
+}
+
+/// A fused group for one channel.
+pub(crate) struct Job {
+    pub parts: Vec<(Arc<Op>, usize, usize)>,
+    /// Ranks contributing (not joined): the `Average` divisor.
+    pub active: usize,
+}
+
+/// A channel: its communicator and its fusion buffer, reused across steps.
+pub(crate) struct Executor {
+    pub comm: Box<dyn Communicator>,
+    pub buf: Vec<u8>,
+    pub channel: usize,
+    pub inner: Arc<Inner>,
+    /// When packing and the collective ended, for the timeline (fused groups only).
+    pub phases: Option<(Instant, Instant)>,
+}
+
+fn reduce_in_place(
+    comm: &mut dyn Communicator,
+    buf: &mut [u8],
+    sig: &Signature,
+    active: usize,
+) -> Result<(), TransportError> {
+    kernels::scale(sig.dtype, buf, sig.prescale)?;
+    comm.allreduce(buf, sig.dtype, sig.op.combining())?;
+    if sig.op == ReduceOp::Average {
+        kernels::divide(sig.dtype, buf, active.max(1))?;
+    }
+    kernels::scale(sig.dtype, buf, sig.postscale)?;
+    Ok(())
+}
+
+fn u64s(v: &[usize]) -> Vec<u8> {
+    v.iter().flat_map(|&x| (x as u64).to_le_bytes()).collect()
+}
+
+fn from_u64s(b: &[u8]) -> Vec<usize> {
+    b.chunks_exact(8)
+        .map(|c| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(c);
+            u64::from_le_bytes(a) as usize
+        })
+        .collect()
+}
+
+impl Executor {
+    /// Run one job; failures are delivered to its operations, and a communication failure
+    /// also stops the engine.
+    pub(crate) fn run(&mut self, job: Job) {
+        if let Some(e) = self.inner.failure() {
+            for (op, _, _) in &job.parts {
+                op.part_done(&self.inner, Some(e.clone()));
+            }
+            return;
+        }
+        let begin = Instant::now();
+        let span = tracing::debug_span!("group", channel = self.channel, parts = job.parts.len());
+        let _g = span.enter();
+        self.phases = None;
+        let result = self.execute(&job);
+        let end = Instant::now();
+        if let Some(tl) = &self.inner.timeline {
+            if let Some((packed, reduced)) = self.phases {
+                let lane = self.channel + 1;
+                tl.span(lane, "pack", begin, packed, &[]);
+                tl.span(lane, "collective", packed, reduced, &[]);
+                tl.span(lane, "unpack", reduced, end, &[]);
+            }
+            let first = &job.parts[0].0;
+            let names: Vec<&str> = job.parts.iter().map(|(o, _, _)| o.name.as_str()).collect();
+            let bytes: usize = job.parts.iter().map(|p| p.2).sum();
+            tl.span(
+                self.channel + 1,
+                &format!("{} x{}", first.sig.kind, job.parts.len()),
+                begin,
+                end,
+                &[("names", names.join(",")), ("bytes", bytes.to_string())],
+            );
+        }
+        let err = match result {
+            Ok(()) => None,
+            Err(e) => {
+                let se = SchedulerError::from_transport(&e);
+                tracing::error!(channel = self.channel, error = %e, "collective failed; shutting the engine down");
+                self.inner.fail(se.clone());
+                Some(se)
+            }
+        };
+        for (op, _, _) in &job.parts {
+            op.part_done(&self.inner, err.clone());
+        }
+    }
+
+    fn execute(&mut self, job: &Job) -> Result<(), TransportError> {
+        let (first, off0, len0) = &job.parts[0];
+        let sig = first.sig.clone();
+        let bytes: usize = job.parts.iter().map(|p| p.2).sum();
+        Counters::add(&self.inner.counters.fused_groups, 1);
+        Counters::add(&self.inner.counters.data_bytes, bytes as u64);
+        let comm = self.comm.as_mut();
+        match sig.kind {
+            CollectiveKind::Allreduce => {
+                let whole = job.parts.len() == 1
+                    && *off0 == 0
+                    && first.lock().tensor.as_ref().map(|t| t.data().len()) == Some(*len0);
+                if whole {
+                    // Single tensor: reduce in place, no copy.
+                    let mut t = first.lock().tensor.take();
+                    let r = match &mut t {
+                        Some(t) => reduce_in_place(comm, t.data_mut(), &sig, job.active),
+                        None => Ok(()),
+                    };
+                    first.lock().tensor = t;
+                    return r;
+                }
+                self.buf.clear();
+                for (op, off, len) in &job.parts {
+                    let st = op.lock();
+                    if let Some(t) = &st.tensor {
+                        self.buf.extend_from_slice(&t.data()[*off..*off + *len]);
+                    }
+                }
+                if self.buf.len() != bytes {
+                    return Err(TransportError::InvalidArgument(
+                        "internal error: a fused tensor went missing".into(),
+                    ));
+                }
+                let packed = Instant::now();
+                reduce_in_place(self.comm.as_mut(), &mut self.buf, &sig, job.active)?;
+                self.phases = Some((packed, Instant::now()));
+                let mut pos = 0;
+                for (op, off, len) in &job.parts {
+                    let mut st = op.lock();
+                    if let Some(t) = &mut st.tensor {
+                        t.data_mut()[*off..*off + *len].copy_from_slice(&self.buf[pos..pos + *len]);
+                    }
+                    pos += *len;
+                }
+                Ok(())
+            }
+            CollectiveKind::Broadcast => {
+                let mut st = first.lock();
+                if let Some(t) = &mut st.tensor {
+                    comm.broadcast(t.data_mut(), sig.root as usize)?;
+                }
+                Ok(())
+            }
+            CollectiveKind::Barrier | CollectiveKind::Join => comm.barrier(),
+            CollectiveKind::Allgather => {
+                let mut st = first.lock();
+                let Some(t) = st.tensor.take() else {
+                    return Ok(());
+                };
+                let n = comm.size();
+                let row = row_bytes(&t);
+                let mut dims = vec![0u8; 8 * n];
+                comm.allgather(&u64s(&[t.shape().first().copied().unwrap_or(1)]), &mut dims)?;
+                let dims = from_u64s(&dims);
+                let counts: Vec<usize> = dims.iter().map(|d| d * row).collect();
+                let mut out = vec![0u8; counts.iter().sum()];
+                let r = comm.allgatherv(t.data(), &mut out, &counts);
+                let mut shape = t.shape().to_vec();
+                if shape.is_empty() {
+                    shape.push(n);
+                } else {
+                    shape[0] = dims.iter().sum();
+                }
+                st.tensor = Some(Tensor::from_parts(t.dtype(), shape, out));
+                if r.is_err() {
+                    st.tensor = Some(t);
+                }
+                r
+            }
+            CollectiveKind::Alltoall => {
+                let mut st = first.lock();
+                let Some(t) = st.tensor.take() else {
+                    return Ok(());
+                };
+                let n = comm.size();
+                let row = row_bytes(&t);
+                let dim0 = t.shape().first().copied().unwrap_or(1);
+                let splits = st
+                    .splits
+                    .clone()
+                    .unwrap_or_else(|| vec![dim0 / n.max(1); n]);
+                let mut recv_splits = vec![0u8; 8 * n];
+                comm.alltoall(&u64s(&splits), &mut recv_splits)?;
+                let recv_splits = from_u64s(&recv_splits);
+                let send_counts: Vec<usize> = splits.iter().map(|s| s * row).collect();
+                let recv_counts: Vec<usize> = recv_splits.iter().map(|s| s * row).collect();
+                let mut out = vec![0u8; recv_counts.iter().sum()];
+                comm.alltoallv(t.data(), &send_counts, &mut out, &recv_counts)?;
+                let mut shape = t.shape().to_vec();
+                if shape.is_empty() {
+                    shape.push(0);
+                }
+                shape[0] = recv_splits.iter().sum();
+                st.tensor = Some(Tensor::from_parts(t.dtype(), shape, out));
+                Ok(())
+            }
+            CollectiveKind::ReduceScatter => {
+                let mut st = first.lock();
+                let Some(mut t) = st.tensor.take() else {
+                    return Ok(());
+                };
+                let n = comm.size();
+                let me = comm.rank();
+                let dim0 = t.shape().first().copied().unwrap_or(1);
+                let row_elems = t.numel() / dim0.max(1);
+                let rows: Vec<usize> = (0..n)
+                    .map(|r| dim0 / n + usize::from(r < dim0 % n))
+                    .collect();
+                let counts: Vec<usize> = rows.iter().map(|r| r * row_elems).collect();
+                let mut out = vec![0u8; counts[me] * sig.dtype.size()];
+                kernels::scale(sig.dtype, t.data_mut(), sig.prescale)?;
+                comm.reduce_scatter(t.data(), &mut out, &counts, sig.dtype, sig.op.combining())?;
+                if sig.op == ReduceOp::Average {
+                    kernels::divide(sig.dtype, &mut out, job.active.max(1))?;
+                }
+                kernels::scale(sig.dtype, &mut out, sig.postscale)?;
+                let mut shape = t.shape().to_vec();
+                if shape.is_empty() {
+                    shape.push(rows[me]);
+                } else {
+                    shape[0] = rows[me];
+                }
+                st.tensor = Some(Tensor::from_parts(t.dtype(), shape, out));
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Bytes per first-dimension row.
+fn row_bytes(t: &Tensor) -> usize {
+    let rest: usize = t.shape().iter().skip(1).product();
+    rest * t.dtype().size()
+}

@@ -1,0 +1,203 @@
+//! Handles: the caller's side of a submitted operation.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::{SchedulerError, Tensor};
+
+/// The result an operation completes with.
+pub type OpResult = Result<Tensor, SchedulerError>;
+
+type Callback = Box<dyn FnOnce(OpResult) + Send + 'static>;
+
+enum State {
+    Pending(Option<Callback>),
+    Done(OpResult),
+    Taken,
+}
+
+/// Shared completion cell between a handle and the engine.
+pub(crate) struct Completion {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Completion {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Completion {
+            state: Mutex::new(State::Pending(None)),
+            cv: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding this lock cannot leave the state inconsistent (every update is
+        // a single assignment), so recover from poisoning.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Deliver the result (first call wins).
+    pub(crate) fn complete(&self, result: OpResult) {
+        let mut st = self.lock();
+        match std::mem::replace(&mut *st, State::Taken) {
+            State::Pending(Some(cb)) => {
+                drop(st);
+                cb(result);
+            }
+            State::Pending(None) => {
+                *st = State::Done(result);
+                drop(st);
+                self.cv.notify_all();
+            }
+            other => *st = other,
+        }
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        !matches!(*self.lock(), State::Pending(_))
+    }
+}
+
+/// A pending operation. Obtain its result with [`Handle::wait`] (blocking, without spinning),
+/// [`Handle::wait_timeout`], or [`Handle::on_complete`]; check it with [`Handle::poll`].
+///
+/// Dropping a handle does not cancel the operation (the other ranks rely on it); its result is
+/// dropped when it completes.
+#[must_use = "an operation's result is only available through its handle"]
+pub struct Handle {
+    name: String,
+    cell: Arc<Completion>,
+}
+
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handle")
+            .field("name", &self.name)
+            .field("done", &self.poll())
+            .finish()
+    }
+}
+
+impl Handle {
+    pub(crate) fn new(name: String, cell: Arc<Completion>) -> Self {
+        Handle { name, cell }
+    }
+
+    /// The operation's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether the operation has completed (successfully or not).
+    pub fn poll(&self) -> bool {
+        self.cell.is_done()
+    }
+
+    /// Block until the operation completes; return the result tensor (the submitted buffer,
+    /// now holding the result) or the error.
+    pub fn wait(self) -> OpResult {
+        let mut st = self.cell.lock();
+        loop {
+            match std::mem::replace(&mut *st, State::Taken) {
+                State::Done(r) => return r,
+                pending @ State::Pending(_) => {
+                    *st = pending;
+                    st = self.cell.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+                State::Taken => {
+                    return Err(SchedulerError::InvalidArgument(format!(
+                        "the result of '{}' was already taken",
+                        self.name
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Block until the operation completes or `timeout` passes; on timeout the operation goes
+    /// on in the background and [`SchedulerError::WaitTimeout`] is returned.
+    pub fn wait_timeout(self, timeout: Duration) -> OpResult {
+        if self.wait_for(timeout) {
+            self.wait()
+        } else {
+            Err(SchedulerError::WaitTimeout {
+                name: self.name,
+                after: timeout,
+            })
+        }
+    }
+
+    /// Block until the operation completes or `timeout` passes, without taking the result;
+    /// returns whether it completed.
+    pub fn wait_for(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.cell.lock();
+        while matches!(*st, State::Pending(_)) {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            st = self
+                .cell
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+
+    /// Run `f` with the result when the operation completes: on the engine's thread that
+    /// completes it, or right now on this thread if it already has. `f` should be quick.
+    pub fn on_complete(self, f: impl FnOnce(OpResult) + Send + 'static) {
+        let mut st = self.cell.lock();
+        match std::mem::replace(&mut *st, State::Taken) {
+            State::Pending(_) => *st = State::Pending(Some(Box::new(f))),
+            State::Done(r) => {
+                drop(st);
+                f(r);
+            }
+            State::Taken => {}
+        }
+    }
+}
+
+/// The handles of a grouped submission.
+#[derive(Debug)]
+#[must_use = "an operation's result is only available through its handle"]
+pub struct GroupHandle {
+    handles: Vec<Handle>,
+}
+
+impl GroupHandle {
+    pub(crate) fn new(handles: Vec<Handle>) -> Self {
+        GroupHandle { handles }
+    }
+
+    /// Whether every member has completed.
+    pub fn poll(&self) -> bool {
+        self.handles.iter().all(Handle::poll)
+    }
+
+    /// Wait for every member; the first error wins.
+    pub fn wait(self) -> Result<Vec<Tensor>, SchedulerError> {
+        let results: Vec<OpResult> = self.handles.into_iter().map(Handle::wait).collect();
+        results.into_iter().collect()
+    }
+
+    /// Wait for every member, at most `timeout` in all.
+    pub fn wait_timeout(self, timeout: Duration) -> Result<Vec<Tensor>, SchedulerError> {
+        let deadline = Instant::now() + timeout;
+        let results: Vec<OpResult> = self
+            .handles
+            .into_iter()
+            .map(|h| h.wait_timeout(deadline.saturating_duration_since(Instant::now())))
+            .collect();
+        results.into_iter().collect()
+    }
+
+    /// The member handles.
+    pub fn into_handles(self) -> Vec<Handle> {
+        self.handles
+    }
+}

@@ -1,0 +1,92 @@
+//! Counters the engine keeps, and the stall inspector's reports.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// A snapshot of an engine's counters (this rank).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Negotiation rounds run.
+    pub rounds: u64,
+    /// Rounds settled by the bit vector alone (no coordinator step).
+    pub bitvector_rounds: u64,
+    /// Rounds that needed the coordinator (names not in the cache).
+    pub coordinator_rounds: u64,
+    /// Bytes this rank contributed to negotiation collectives (bit vectors, request lists,
+    /// and on rank 0 the broadcast response lists).
+    pub negotiation_bytes_sent: u64,
+    /// Time spent in negotiation rounds.
+    pub negotiation_time: Duration,
+    /// Names that became ready through the response cache.
+    pub cache_hits: u64,
+    /// Names that became ready through the coordinator.
+    pub coordinator_responses: u64,
+    /// Operations completed on this rank (successfully or not).
+    pub completed: u64,
+    /// Fused groups (collectives) executed.
+    pub fused_groups: u64,
+    /// Payload bytes through data-channel collectives.
+    pub data_bytes: u64,
+    /// Stall warnings raised.
+    pub stall_warnings: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub rounds: AtomicU64,
+    pub bitvector_rounds: AtomicU64,
+    pub coordinator_rounds: AtomicU64,
+    pub negotiation_bytes_sent: AtomicU64,
+    pub negotiation_nanos: AtomicU64,
+    pub cache_hits: AtomicU64,
+    pub coordinator_responses: AtomicU64,
+    pub completed: AtomicU64,
+    pub fused_groups: AtomicU64,
+    pub data_bytes: AtomicU64,
+    pub stall_warnings: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self) -> EngineStats {
+        EngineStats {
+            rounds: self.rounds.load(Relaxed),
+            bitvector_rounds: self.bitvector_rounds.load(Relaxed),
+            coordinator_rounds: self.coordinator_rounds.load(Relaxed),
+            negotiation_bytes_sent: self.negotiation_bytes_sent.load(Relaxed),
+            negotiation_time: Duration::from_nanos(self.negotiation_nanos.load(Relaxed)),
+            cache_hits: self.cache_hits.load(Relaxed),
+            coordinator_responses: self.coordinator_responses.load(Relaxed),
+            completed: self.completed.load(Relaxed),
+            fused_groups: self.fused_groups.load(Relaxed),
+            data_bytes: self.data_bytes.load(Relaxed),
+            stall_warnings: self.stall_warnings.load(Relaxed),
+        }
+    }
+}
+
+/// What the stall inspector found: names some ranks submitted and others did not, for at
+/// least the stall-check time. Every rank records the same report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StallReport {
+    /// The stalled names, sorted.
+    pub names: Vec<String>,
+    /// The ranks that have not submitted (some of) them, ascending.
+    pub missing_ranks: Vec<usize>,
+    /// How long the oldest stalled name has waited (on the rank that waited longest).
+    pub waited: Duration,
+}
+
+/// One dispatched fused group, as recorded when `Config::record_groups` is on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupRecord {
+    /// The negotiation round (on this rank) that produced it.
+    pub round: u64,
+    /// The channel it ran on.
+    pub channel: usize,
+    /// Its parts: name, byte offset, byte length.
+    pub parts: Vec<(String, u64, u64)>,
+}

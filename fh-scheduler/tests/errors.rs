@@ -1,0 +1,364 @@
+//! Error paths: disagreements between ranks, duplicate names, shutdown, stalls, lost ranks,
+//! join, and configuration disagreements.
+
+mod common;
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use common::{configs, run_world, run_world_with, LIMIT};
+use fh_core::message::MismatchField;
+use fh_scheduler::{AllreduceOptions, Config, DType, Engine, ReduceOp, SchedulerError, Tensor};
+use fh_transport::local::LocalWorld;
+use fh_transport::Transport;
+
+fn sum() -> AllreduceOptions {
+    AllreduceOptions::with_op(ReduceOp::Sum)
+}
+
+#[test]
+fn mismatched_shapes_fail_that_name_on_every_rank_and_others_proceed() {
+    for (label, cfg) in configs() {
+        let out = run_world(2, cfg, |e, r| {
+            // Once with an uncached name, once after the name was cached (invalidation path).
+            let side = r + 17;
+            let bad = e
+                .allreduce(
+                    "w",
+                    Tensor::zeros(DType::F32, vec![side, side]).unwrap(),
+                    sum(),
+                )
+                .unwrap();
+            let ok = e
+                .allreduce("ok", Tensor::from_slice(&[1.0f32; 3]), sum())
+                .unwrap();
+            let first = bad.wait_timeout(LIMIT).unwrap_err();
+            assert_eq!(
+                ok.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap(),
+                [2.0; 3]
+            );
+            // Cache "c" with an agreed shape, then change it on rank 1 only.
+            let c = e
+                .allreduce("c", Tensor::from_slice(&[1i32; 4]), sum())
+                .unwrap();
+            c.wait_timeout(LIMIT).unwrap();
+            let len = if r == 1 { 5 } else { 4 };
+            let c = e
+                .allreduce("c", Tensor::from_slice(&vec![1i32; len]), sum())
+                .unwrap();
+            let ok = e
+                .allreduce("ok", Tensor::from_slice(&[1.0f32; 3]), sum())
+                .unwrap();
+            let second = c.wait_timeout(LIMIT).unwrap_err();
+            ok.wait_timeout(LIMIT).unwrap();
+            // And the name works again once the ranks agree.
+            let c = e
+                .allreduce("c", Tensor::from_slice(&[2i32; 4]), sum())
+                .unwrap();
+            let again = c.wait_timeout(LIMIT).unwrap().to_vec::<i32>().unwrap();
+            (first, second, again)
+        });
+        for (first, second, again) in &out {
+            assert_eq!(first, &out[0].0, "{label}: same error on every rank");
+            assert!(
+                first.to_string().ends_with(
+                    "Mismatched allreduce tensor shapes: one rank sent [17, 17], another sent [18, 18]"
+                ),
+                "{label}: {first}"
+            );
+            assert!(
+                matches!(
+                    second,
+                    SchedulerError::Mismatch {
+                        field: MismatchField::Shape,
+                        ..
+                    }
+                ),
+                "{label}: {second}"
+            );
+            assert!(second.to_string().contains("[4]") && second.to_string().contains("[5]"));
+            assert_eq!(again, &[4; 4], "{label}");
+        }
+    }
+}
+
+#[test]
+fn mismatched_dtype_op_and_root() {
+    let out = run_world(2, Config::default().channels(2), |e, r| {
+        let d = if r == 0 {
+            e.allreduce("d", Tensor::from_slice(&[1.0f32]), sum())
+        } else {
+            e.allreduce("d", Tensor::from_slice(&[1.0f64]), sum())
+        }
+        .unwrap();
+        let op = if r == 0 { ReduceOp::Sum } else { ReduceOp::Max };
+        let o = e
+            .allreduce(
+                "o",
+                Tensor::from_slice(&[1.0f32]),
+                AllreduceOptions::with_op(op),
+            )
+            .unwrap();
+        let b = e.broadcast("b", Tensor::from_slice(&[1u8]), r).unwrap();
+        (
+            d.wait_timeout(LIMIT).unwrap_err(),
+            o.wait_timeout(LIMIT).unwrap_err(),
+            b.wait_timeout(LIMIT).unwrap_err(),
+        )
+    });
+    for (d, o, b) in &out {
+        assert_eq!(d, &out[0].0);
+        assert_eq!(
+            d.to_string(),
+            "tensor 'd': Mismatched allreduce data types: one rank sent f32, another sent f64"
+        );
+        assert!(
+            o.to_string()
+                .contains("reduce ops: one rank sent sum, another sent max"),
+            "{o}"
+        );
+        assert!(
+            b.to_string()
+                .contains("root ranks: one rank sent 0, another sent 1"),
+            "{b}"
+        );
+    }
+}
+
+#[test]
+fn duplicate_in_flight_name_is_refused() {
+    let gate = Arc::new(Barrier::new(2));
+    let out = run_world(2, Config::default(), move |e, r| {
+        let mut dup = None;
+        let h = if r == 0 {
+            let h = e
+                .allreduce("x", Tensor::from_slice(&[1.0f32]), sum())
+                .unwrap();
+            dup = Some(
+                e.allreduce("x", Tensor::from_slice(&[1.0f32]), sum())
+                    .unwrap_err(),
+            );
+            gate.wait();
+            h
+        } else {
+            gate.wait(); // rank 0 has tried the duplicate: "x" cannot have completed yet
+            e.allreduce("x", Tensor::from_slice(&[1.0f32]), sum())
+                .unwrap()
+        };
+        let v = h.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap();
+        // Once completed, the name can be used again.
+        let again = e
+            .allreduce("x", Tensor::from_slice(&[1.0f32]), sum())
+            .unwrap();
+        again.wait_timeout(LIMIT).unwrap();
+        (dup, v)
+    });
+    let dup = out[0].0.clone().unwrap();
+    assert_eq!(dup, SchedulerError::DuplicateName { name: "x".into() });
+    assert!(dup.to_string().contains("already in flight"));
+    assert_eq!(out[1].1, [2.0]);
+}
+
+#[test]
+fn shutdown_fails_pending_and_later_submissions() {
+    let gate = Arc::new(Barrier::new(2));
+    let out = run_world(
+        2,
+        Config::default().idle_heartbeat(Duration::from_millis(20)),
+        move |e, r| {
+            if r == 0 {
+                gate.wait();
+                return None; // run_world shuts rank 0 down now
+            }
+            let lonely = e
+                .allreduce("lonely", Tensor::from_slice(&[1.0f32]), sum())
+                .unwrap();
+            gate.wait();
+            let pending = lonely.wait_timeout(LIMIT).unwrap_err();
+            let start = Instant::now();
+            let later = loop {
+                match e.allreduce("later", Tensor::from_slice(&[1.0f32]), sum()) {
+                    Err(e) => break e,
+                    Ok(h) => {
+                        let _ = h.wait_timeout(LIMIT);
+                    }
+                }
+                assert!(start.elapsed() < LIMIT);
+            };
+            Some((pending, later))
+        },
+    );
+    let (pending, later) = out[1].clone().unwrap();
+    assert!(pending.is_shutdown(), "{pending}");
+    assert!(later.is_shutdown(), "{later}");
+    assert!(later.to_string().contains("shut down"), "{later}");
+}
+
+#[test]
+fn a_rank_that_stops_submitting_is_named_by_the_stall_inspector() {
+    let gate = Arc::new(Barrier::new(2));
+    let cfg = Config::default()
+        .stall_check(Some(Duration::from_millis(200)))
+        .idle_heartbeat(Duration::from_millis(20));
+    let out = run_world(2, cfg, move |e, r| {
+        let x = e
+            .allreduce("x", Tensor::from_slice(&[1.0f32]), sum())
+            .unwrap();
+        let late = if r == 0 {
+            let late = e
+                .allreduce("late", Tensor::from_slice(&[1.0f32]), sum())
+                .unwrap();
+            let start = Instant::now();
+            while e.stall_reports().is_empty() {
+                assert!(start.elapsed() < LIMIT, "no stall report");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            gate.wait();
+            late
+        } else {
+            gate.wait();
+            e.allreduce("late", Tensor::from_slice(&[1.0f32]), sum())
+                .unwrap()
+        };
+        x.wait_timeout(LIMIT).unwrap();
+        late.wait_timeout(LIMIT).unwrap();
+        (e.stall_reports(), e.stats().stall_warnings)
+    });
+    let (reports, warnings) = &out[0];
+    assert!(*warnings >= 1);
+    assert_eq!(reports[0].names, ["late"]);
+    assert_eq!(reports[0].missing_ranks, [1]);
+    assert!(reports[0].waited >= Duration::from_millis(200));
+    // Every rank records the same finding.
+    assert_eq!(out[1].0[0], reports[0]);
+}
+
+#[test]
+fn stall_shutdown_stops_every_rank_naming_the_silent_one() {
+    let cfg = Config::default()
+        .stall_check(Some(Duration::from_millis(100)))
+        .stall_shutdown(Some(Duration::from_millis(300)))
+        .idle_heartbeat(Duration::from_millis(20));
+    let out = run_world_with(2, cfg, |e, r| {
+        if r == 0 {
+            let h = e
+                .allreduce("late", Tensor::from_slice(&[1.0f32]), sum())
+                .unwrap();
+            Some(h.wait_timeout(LIMIT).unwrap_err())
+        } else {
+            // Wait (bounded) until the engine is stopped by the stall inspector.
+            let start = Instant::now();
+            loop {
+                if let Some(err) = e.stopped() {
+                    assert!(e.barrier().is_err());
+                    return Some(err);
+                }
+                assert!(start.elapsed() < LIMIT);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    });
+    for (err, shut) in out {
+        let err = err.unwrap();
+        assert!(
+            matches!(err, SchedulerError::Stalled { ref missing, .. } if missing == &[1]),
+            "{err}"
+        );
+        assert!(matches!(shut, Err(SchedulerError::Stalled { .. })));
+    }
+}
+
+#[test]
+fn a_lost_rank_fails_pending_handles_naming_it() {
+    let mut world = LocalWorld::with_timeout(2, Duration::from_secs(20)).into_iter();
+    let t0 = world.next().unwrap();
+    let mut t1 = world.next().unwrap();
+    let cfg = Config::default().channels(2);
+    let c2 = cfg.clone();
+    // Rank 1 plays the engine's start-up protocol by hand, then vanishes.
+    let ghost = std::thread::spawn(move || {
+        let mut control = t1.open("fh-control").unwrap();
+        let vals: [i64; 5] = [
+            0,
+            2,
+            c2.cache_capacity as i64,
+            c2.fusion_threshold as i64,
+            c2.partition_bytes as i64,
+        ];
+        let mut b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        control
+            .allreduce(&mut b, DType::I64, ReduceOp::Min)
+            .unwrap();
+        control
+            .allreduce(&mut b, DType::I64, ReduceOp::Max)
+            .unwrap();
+        let data: Vec<_> = (0..2)
+            .map(|c| t1.open(&format!("fh-channel-{c}")).unwrap())
+            .collect();
+        drop((control, data, t1));
+    });
+    let engine = Engine::start(Box::new(t0), cfg).unwrap();
+    ghost.join().unwrap();
+    let h = engine
+        .allreduce("x", Tensor::from_slice(&[1.0f32]), sum())
+        .unwrap();
+    let err = h.wait_timeout(LIMIT).unwrap_err();
+    assert_eq!(err.lost_rank(), Some(1), "{err}");
+    assert!(err.to_string().contains("rank 1"), "{err}");
+    let later = engine
+        .allreduce("y", Tensor::from_slice(&[1.0f32]), sum())
+        .unwrap_err();
+    assert_eq!(later.lost_rank(), Some(1));
+    assert!(engine.shutdown().is_err());
+}
+
+#[test]
+fn joined_rank_contributes_zeros_and_average_divides_by_the_others() {
+    for (label, cfg) in configs() {
+        let out = run_world(3, cfg, |e, r| {
+            if r == 2 {
+                e.join().unwrap().wait_timeout(LIMIT).unwrap();
+                return None;
+            }
+            let a = e
+                .allreduce(
+                    "a",
+                    Tensor::from_slice(&[r as f32 + 1.0; 4]),
+                    AllreduceOptions::default(),
+                )
+                .unwrap();
+            let s = e
+                .allreduce("s", Tensor::from_slice(&[r as f64 + 1.0; 2]), sum())
+                .unwrap();
+            let a = a.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap();
+            let s = s.wait_timeout(LIMIT).unwrap().to_vec::<f64>().unwrap();
+            e.join().unwrap().wait_timeout(LIMIT).unwrap();
+            Some((a, s))
+        });
+        for v in out.into_iter().take(2) {
+            let (a, s) = v.unwrap();
+            assert_eq!(a, [1.5; 4], "{label}");
+            assert_eq!(s, [3.0; 2], "{label}");
+        }
+    }
+}
+
+#[test]
+fn ranks_with_different_channel_counts_refuse_to_start() {
+    let threads: Vec<_> = LocalWorld::with_timeout(2, Duration::from_secs(20))
+        .into_iter()
+        .map(|t| {
+            std::thread::spawn(move || {
+                let k = 1 + t.rank();
+                Engine::start(Box::new(t), Config::default().channels(k)).unwrap_err()
+            })
+        })
+        .collect();
+    for t in threads {
+        let err = t.join().unwrap().to_string();
+        assert!(
+            err.contains("FH_CHANNELS") && err.contains("disagree"),
+            "{err}"
+        );
+    }
+}

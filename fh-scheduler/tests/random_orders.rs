@@ -1,0 +1,265 @@
+//! Multi-rank property tests: random per-rank submission orders and delays, every preset and
+//! channel count. Every handle must complete with the reference result, every rank must form
+//! the same groups, and nothing may deadlock (every wait is bounded).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{configs, run_world, LIMIT};
+use fh_scheduler::{AllreduceOptions, DType, ReduceOp, Tensor};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone, Copy)]
+struct Spec {
+    len: usize,
+    dtype: DType,
+    op: ReduceOp,
+}
+
+fn arb_spec() -> impl Strategy<Value = Spec> {
+    (0usize..400, 0usize..3, 0usize..4).prop_map(|(len, d, o)| Spec {
+        len,
+        dtype: [DType::F32, DType::F64, DType::I32][d],
+        op: [
+            ReduceOp::Sum,
+            ReduceOp::Average,
+            ReduceOp::Max,
+            ReduceOp::Min,
+        ][o],
+    })
+}
+
+/// Small integers so that float sums are exact.
+fn value(rank: usize, step: usize, t: usize, i: usize) -> i64 {
+    ((rank * 7 + step * 3 + t * 5 + i) % 23) as i64 - 11
+}
+
+fn make(spec: Spec, rank: usize, step: usize, t: usize) -> Tensor {
+    let vals: Vec<i64> = (0..spec.len).map(|i| value(rank, step, t, i)).collect();
+    match spec.dtype {
+        DType::F32 => Tensor::from_slice(&vals.iter().map(|&v| v as f32).collect::<Vec<_>>()),
+        DType::F64 => Tensor::from_slice(&vals.iter().map(|&v| v as f64).collect::<Vec<_>>()),
+        _ => Tensor::from_slice(&vals.iter().map(|&v| v as i32).collect::<Vec<_>>()),
+    }
+}
+
+fn reference(spec: Spec, n: usize, step: usize, t: usize) -> Vec<f64> {
+    (0..spec.len)
+        .map(|i| {
+            let vs: Vec<i64> = (0..n).map(|r| value(r, step, t, i)).collect();
+            match spec.op {
+                ReduceOp::Sum => vs.iter().sum::<i64>() as f64,
+                ReduceOp::Average => {
+                    let s = vs.iter().sum::<i64>();
+                    match spec.dtype {
+                        DType::I32 => (s / n as i64) as f64, // truncates toward zero
+                        DType::F32 => f64::from(s as f32 / n as f32),
+                        _ => s as f64 / n as f64,
+                    }
+                }
+                ReduceOp::Max => *vs.iter().max().unwrap() as f64,
+                _ => *vs.iter().min().unwrap() as f64,
+            }
+        })
+        .collect()
+}
+
+fn as_f64(t: &Tensor) -> Vec<f64> {
+    match t.dtype() {
+        DType::F32 => t
+            .to_vec::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+        DType::F64 => t.to_vec::<f64>().unwrap(),
+        _ => t
+            .to_vec::<i32>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+    }
+}
+
+/// A tiny deterministic generator (no extra dependency).
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+}
+
+fn run_case(
+    n: usize,
+    cfg_idx: usize,
+    specs: Vec<Spec>,
+    seed: u64,
+    steps: usize,
+    max_delay_us: u64,
+) {
+    let (label, cfg) = configs().swap_remove(cfg_idx);
+    let cfg = cfg.record_groups(true);
+    let specs2 = specs.clone();
+    let out = run_world(n, cfg, move |e, rank| {
+        let mut rng = Lcg(seed ^ (rank as u64 + 1).wrapping_mul(0x9E3779B97F4A7C15));
+        let mut results = Vec::new();
+        for step in 0..steps {
+            // Every allreduce, plus a broadcast and an allgather, in a random order.
+            let nt = specs2.len();
+            let mut order: Vec<usize> = (0..nt + 2).collect();
+            for i in (1..order.len()).rev() {
+                order.swap(i, rng.next() as usize % (i + 1));
+            }
+            let mut handles = Vec::new();
+            let mut others = Vec::new();
+            let n = e.size();
+            for &t in &order {
+                if max_delay_us > 0 {
+                    std::thread::sleep(Duration::from_micros(rng.next() % max_delay_us));
+                }
+                if t == nt {
+                    let root = step % n;
+                    let h = e
+                        .broadcast("bc", Tensor::from_slice(&[rank as f64; 3]), root)
+                        .unwrap();
+                    others.push((h, Tensor::from_slice(&[root as f64; 3])));
+                    continue;
+                }
+                if t == nt + 1 {
+                    let rows = (rank + step) % 3;
+                    let mine =
+                        Tensor::from_vec(vec![rows, 2], vec![rank as i32; rows * 2]).unwrap();
+                    let want: Vec<i32> = (0..n)
+                        .flat_map(|r| vec![r as i32; ((r + step) % 3) * 2])
+                        .collect();
+                    let total: usize = (0..n).map(|r| (r + step) % 3).sum();
+                    let h = e.allgather("ag", mine).unwrap();
+                    others.push((h, Tensor::from_vec(vec![total, 2], want).unwrap()));
+                    continue;
+                }
+                let h = e
+                    .allreduce(
+                        &format!("t{t}"),
+                        make(specs2[t], rank, step, t),
+                        AllreduceOptions::with_op(specs2[t].op),
+                    )
+                    .unwrap();
+                handles.push((t, h));
+            }
+            let mut got = vec![Vec::new(); specs2.len()];
+            for (t, h) in handles {
+                got[t] = as_f64(&h.wait_timeout(LIMIT).expect("completes"));
+            }
+            for (h, want) in others {
+                let name = h.name().to_string();
+                let out = h.wait_timeout(LIMIT).expect("completes");
+                assert_eq!(out, want, "{name} on rank {rank}, step {step}");
+            }
+            results.push(got);
+        }
+        (results, e.group_log(), e.stats())
+    });
+    for (rank, (results, _, _)) in out.iter().enumerate() {
+        for (step, got) in results.iter().enumerate() {
+            for (t, v) in got.iter().enumerate() {
+                let want = reference(specs[t], n, step, t);
+                if let Some(i) = (0..want.len().max(v.len())).find(|&i| v.get(i) != want.get(i)) {
+                    panic!(
+                        "{label}: rank {rank} step {step} tensor t{t} {:?}: element {i} is {:?}, expected {:?} (lengths {} / {})",
+                        specs[t], v.get(i), want.get(i), v.len(), want.len()
+                    );
+                }
+            }
+        }
+    }
+    let log0 = &out[0].1;
+    for (rank, (_, log, _)) in out.iter().enumerate() {
+        assert_eq!(
+            log, log0,
+            "{label}: rank {rank} formed other groups than rank 0"
+        );
+    }
+    // Every tensor of every step went through exactly the bytes it has.
+    let total: u64 = log0
+        .iter()
+        .flat_map(|g| g.parts.iter())
+        .filter(|p| p.0.starts_with('t'))
+        .map(|p| p.2)
+        .sum();
+    let want: u64 = specs
+        .iter()
+        .map(|s| (s.len * s.dtype.size()) as u64)
+        .sum::<u64>()
+        * steps as u64;
+    assert_eq!(total, want, "{label}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_orders_and_delays(
+        n in 2usize..5,
+        cfg_idx in 0usize..6,
+        specs in proptest::collection::vec(arb_spec(), 1..10),
+        seed in any::<u64>(),
+    ) {
+        run_case(n, cfg_idx, specs, seed, 2, 300);
+    }
+}
+
+#[test]
+fn every_preset_and_channel_count_with_repeated_steps() {
+    let specs: Vec<Spec> = (0..12)
+        .map(|i| Spec {
+            len: [1, 0, 700, 33, 256, 5000][i % 6],
+            dtype: [DType::F32, DType::F64, DType::I32][i % 3],
+            op: [ReduceOp::Sum, ReduceOp::Average][i % 2],
+        })
+        .collect();
+    for cfg_idx in 0..6 {
+        run_case(4, cfg_idx, specs.clone(), 42 + cfg_idx as u64, 3, 0);
+    }
+}
+
+#[test]
+fn steady_state_uses_the_bit_vector_only() {
+    let (_, cfg) = configs().swap_remove(3);
+    let out = run_world(3, cfg, |e, r| {
+        let step = |s: usize| {
+            let hs: Vec<_> = (0..20)
+                .map(|t| {
+                    e.allreduce(
+                        &format!("g{t}"),
+                        Tensor::from_slice(&[(r + s) as f32; 8]),
+                        AllreduceOptions::with_op(ReduceOp::Sum),
+                    )
+                    .unwrap()
+                })
+                .collect();
+            for h in hs {
+                h.wait_timeout(LIMIT).unwrap();
+            }
+        };
+        step(0);
+        let after_first = e.stats();
+        for s in 1..5 {
+            step(s);
+        }
+        (after_first, e.stats())
+    });
+    for (first, last) in out {
+        assert!(first.coordinator_rounds >= 1);
+        assert_eq!(
+            last.coordinator_rounds, first.coordinator_rounds,
+            "cached names must not go back to the coordinator"
+        );
+        assert!(last.cache_hits >= 80, "{last:?}");
+    }
+}

@@ -1,0 +1,259 @@
+//! The engine over the TCP backend, one process per rank on 127.0.0.1 (a representative
+//! subset of the in-process suite).
+//!
+//! Each test spawns this test binary once per rank, running only the ignored test
+//! `child_rank` with the environment `fhrun` would set (`FH_RANK`, `FH_SIZE`,
+//! `FH_RENDEZVOUS_ADDR`, `FH_JOB_TOKEN`, ...) plus `FH_TEST_SCENARIO`. The child builds its
+//! world with `fh_transport::from_env()` and its engine with `Config::from_env()`, and prints
+//! one `RESULT` line. A guard kills and reaps the children when the test ends, also on failure;
+//! every wait is bounded.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fh_scheduler::{AllreduceOptions, Config, Engine, ReduceOp, Tensor};
+
+const SCENARIO: &str = "FH_TEST_SCENARIO";
+const DEADLINE: Duration = Duration::from_secs(120);
+const WAIT: Duration = Duration::from_secs(60);
+
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("an ephemeral port")
+}
+
+/// Run `size` ranks of `scenario` with `extra` environment; returns each rank's exit success
+/// and output.
+fn run(size: usize, scenario: &str, extra: &[(&str, &str)]) -> Vec<(bool, String)> {
+    let port = free_port();
+    let token = format!(
+        "{:032x}",
+        (u128::from(std::process::id()) << 64) | u128::from(port) << 16 | 0xbeef
+    );
+    let exe = std::env::current_exe().expect("current exe");
+    let mut kids = Children(Vec::new());
+    for rank in 0..size {
+        let mut cmd = Command::new(&exe);
+        cmd.args([
+            "child_rank",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(SCENARIO, scenario)
+        .env("FH_RANK", rank.to_string())
+        .env("FH_SIZE", size.to_string())
+        .env("FH_LOCAL_RANK", rank.to_string())
+        .env("FH_LOCAL_SIZE", size.to_string())
+        .env("FH_CROSS_RANK", "0")
+        .env("FH_CROSS_SIZE", "1")
+        .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
+        .env("FH_JOB_TOKEN", &token)
+        .env("FH_TIMEOUT_SECONDS", "20")
+        .env("FH_TRANSPORT", "tcp")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        kids.0.push(cmd.spawn().expect("spawn a rank"));
+    }
+    let start = Instant::now();
+    let mut status = vec![None; size];
+    while status.iter().any(Option::is_none) {
+        for (i, c) in kids.0.iter_mut().enumerate() {
+            if status[i].is_none() {
+                if let Ok(Some(s)) = c.try_wait() {
+                    status[i] = Some(s.success());
+                }
+            }
+        }
+        if start.elapsed() > DEADLINE {
+            panic!("ranks did not finish within {DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    kids.0
+        .iter_mut()
+        .zip(status)
+        .map(|(c, ok)| {
+            let mut out = String::new();
+            if let Some(mut s) = c.stdout.take() {
+                let _ = s.read_to_string(&mut out);
+            }
+            if let Some(mut s) = c.stderr.take() {
+                let _ = s.read_to_string(&mut out);
+            }
+            (ok.unwrap_or(false), out)
+        })
+        .collect()
+}
+
+fn result_line(out: &str) -> &str {
+    out.lines()
+        .find_map(|l| l.find("RESULT ").map(|i| &l[i + 7..]))
+        .unwrap_or_else(|| panic!("no RESULT line in:\n{out}"))
+}
+
+#[test]
+fn random_order_allreduces_over_tcp_both_presets() {
+    for (schedule, channels) in [("fasthorovod", "2"), ("horovod", "1")] {
+        let out = run(
+            3,
+            "steps",
+            &[
+                ("FH_SCHEDULE", schedule),
+                ("FH_CHANNELS", channels),
+                ("FH_PARTITION_BYTES", "4096"),
+            ],
+        );
+        for (ok, text) in &out {
+            assert!(ok, "{schedule}: a rank failed:\n{text}");
+            assert_eq!(result_line(text), "ok", "{schedule}:\n{text}");
+        }
+    }
+}
+
+#[test]
+fn mismatch_over_tcp_fails_the_name_on_every_rank() {
+    let out = run(2, "mismatch", &[]);
+    for (ok, text) in &out {
+        assert!(ok, "{text}");
+        assert_eq!(
+            result_line(text),
+            "tensor 'w': Mismatched allreduce tensor shapes: one rank sent [17, 17], another sent [18, 18]"
+        );
+    }
+}
+
+#[test]
+fn a_killed_rank_is_named_by_the_survivors() {
+    let out = run(3, "killed", &[]);
+    assert!(!out[2].0, "rank 2 exits abruptly");
+    for (ok, text) in &out[..2] {
+        assert!(ok, "{text}");
+        assert_eq!(result_line(text), "lost 2", "{text}");
+    }
+}
+
+/// The body of one rank (run only as a child of the tests above).
+#[test]
+#[ignore = "run by the multi-process tests as a child rank"]
+fn child_rank() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    let world = fh_transport::from_env().expect("world from the environment");
+    let engine = Engine::start(world, Config::from_env().expect("config")).expect("engine");
+    let rank = engine.rank();
+    let size = engine.size();
+    let sum = AllreduceOptions::with_op(ReduceOp::Sum);
+    let result = match scenario.as_str() {
+        "steps" => {
+            let mut ok = true;
+            for step in 0..3usize {
+                // A rank-dependent order.
+                let mut order: Vec<usize> = (0..12).collect();
+                order.rotate_left((rank * 5 + step) % 12);
+                if rank % 2 == 1 {
+                    order.reverse();
+                }
+                let handles: Vec<_> = order
+                    .iter()
+                    .map(|&t| {
+                        let len = 1 + t * 500;
+                        let v = vec![(rank + t + step) as f32; len];
+                        (
+                            t,
+                            engine
+                                .allreduce(&format!("g{t}"), Tensor::from_slice(&v), sum)
+                                .unwrap(),
+                        )
+                    })
+                    .collect();
+                for (t, h) in handles {
+                    let got = h.wait_timeout(WAIT).unwrap().to_vec::<f32>().unwrap();
+                    let want = (0..size).map(|r| (r + t + step) as f32).sum::<f32>();
+                    ok &= got.len() == 1 + t * 500 && got.iter().all(|&x| x == want);
+                }
+            }
+            let g = engine
+                .allgather("ag", Tensor::from_slice(&vec![rank as i64; rank + 1]))
+                .unwrap()
+                .wait_timeout(WAIT)
+                .unwrap()
+                .to_vec::<i64>()
+                .unwrap();
+            let want: Vec<i64> = (0..size).flat_map(|r| vec![r as i64; r + 1]).collect();
+            ok &= g == want;
+            let b = engine
+                .broadcast("bc", Tensor::from_slice(&[rank as i32; 3]), size - 1)
+                .unwrap()
+                .wait_timeout(WAIT)
+                .unwrap()
+                .to_vec::<i32>()
+                .unwrap();
+            ok &= b == [size as i32 - 1; 3];
+            if ok {
+                "ok".to_string()
+            } else {
+                "wrong result".to_string()
+            }
+        }
+        "mismatch" => {
+            let side = 17 + rank;
+            let h = engine
+                .allreduce(
+                    "w",
+                    Tensor::zeros(fh_scheduler::DType::F32, vec![side, side]).unwrap(),
+                    sum,
+                )
+                .unwrap();
+            let ok = engine
+                .allreduce("ok", Tensor::from_slice(&[1.0f32]), sum)
+                .unwrap();
+            ok.wait_timeout(WAIT).unwrap();
+            h.wait_timeout(WAIT).unwrap_err().to_string()
+        }
+        "killed" => {
+            engine
+                .allreduce("first", Tensor::from_slice(&[1.0f32; 1000]), sum)
+                .unwrap()
+                .wait_timeout(WAIT)
+                .unwrap();
+            if rank == 2 {
+                // Vanish without shutting down.
+                std::process::exit(3);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            let err = engine
+                .allreduce("second", Tensor::from_slice(&[1.0f32; 1000]), sum)
+                .and_then(|h| h.wait_timeout(WAIT))
+                .unwrap_err();
+            match err.lost_rank() {
+                Some(r) => format!("lost {r}"),
+                None => format!("unexpected error: {err}"),
+            }
+        }
+        other => format!("unknown scenario {other}"),
+    };
+    println!("RESULT {result}");
+    let _ = engine.shutdown();
+}
