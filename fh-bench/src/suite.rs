@@ -280,14 +280,12 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
 
     // The engine runs over the first transport (tcp unless --transports says otherwise).
     let engine_runner = runners.first().map(|(t, r)| (t.clone(), r.clone()));
-    if wants("replay") || wants("negotiation") {
-        if engine_runner.is_none() {
-            record.skipped.push(Skipped {
-                suite: "replay, negotiation".into(),
-                what: "everything".into(),
-                reason: "no usable transport (see --transports)".into(),
-            });
-        }
+    if (wants("replay") || wants("negotiation")) && engine_runner.is_none() {
+        record.skipped.push(Skipped {
+            suite: "replay, negotiation".into(),
+            what: "everything".into(),
+            reason: "no usable transport (see --transports)".into(),
+        });
     }
     if let (true, Some((tname, runner))) = (wants("replay"), &engine_runner) {
         let backward = Duration::from_secs_f64(opts.backward_ms / 1e3);
