@@ -448,43 +448,33 @@ pub fn efficiency(backward_s: f64, step_s: f64) -> f64 {
     (f + backward_s) / (f + step_s)
 }
 
-/// Fit of `t = a + b·m` to (bytes, seconds) points minimising the *relative* squared error
-/// (weights 1/t²), so that small messages (which set α) count as much as large ones (which set
-/// β). `None` with fewer than two distinct sizes.
-pub fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
-    let pts: Vec<(f64, f64, f64)> = points
-        .iter()
-        .filter(|p| p.1 > 0.0 && p.0.is_finite() && p.1.is_finite())
-        .map(|&(x, y)| (x, y, 1.0 / (y * y)))
-        .collect();
-    if pts.len() < 2 {
-        return None;
-    }
-    let sw: f64 = pts.iter().map(|p| p.2).sum();
-    let mx = pts.iter().map(|p| p.2 * p.0).sum::<f64>() / sw;
-    let my = pts.iter().map(|p| p.2 * p.1).sum::<f64>() / sw;
-    let sxx: f64 = pts.iter().map(|p| p.2 * (p.0 - mx).powi(2)).sum();
-    if sxx <= 0.0 {
-        return None;
-    }
-    let sxy: f64 = pts.iter().map(|p| p.2 * (p.0 - mx) * (p.1 - my)).sum();
-    let b = sxy / sxx;
-    Some((my - b * mx, b))
-}
-
-/// α and bandwidth of a link fitted to measured ring-allreduce times on `p` ranks:
-/// `t = 2(p−1)α + 2(p−1)/p·m·β`. Returns `None` when the fit is not physical.
+/// α and bandwidth of a link fitted to measured allreduce times on `p` ranks, against
+/// `t = 2(p−1)α + 2(p−1)/p·m·β`: β from the slope between the two largest sizes (the regime
+/// fused groups live in), α from the smallest size less its bandwidth term; with fewer than two
+/// sizes or a non-positive slope, `None`.
 pub fn calibrate_link(name: &str, p: usize, points: &[(f64, f64)]) -> Option<Link> {
     if p < 2 {
         return None;
     }
-    let (a, b) = fit_line(points)?;
+    let mut pts: Vec<(f64, f64)> = points
+        .iter()
+        .copied()
+        .filter(|q| q.0.is_finite() && q.1.is_finite() && q.1 > 0.0)
+        .collect();
+    pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    pts.dedup_by(|a, b| a.0 == b.0);
+    if pts.len() < 2 {
+        return None;
+    }
     let pf = p as f64;
-    let alpha = (a / (2.0 * (pf - 1.0))).max(1e-7);
-    let beta = b / (2.0 * (pf - 1.0) / pf);
+    let (hi, lo) = (pts[pts.len() - 1], pts[pts.len() - 2]);
+    let slope = (hi.1 - lo.1) / (hi.0 - lo.0);
+    let beta = slope / (2.0 * (pf - 1.0) / pf);
     if beta <= 0.0 || !beta.is_finite() {
         return None;
     }
+    let small = pts[0];
+    let alpha = ((small.1 - slope * small.0) / (2.0 * (pf - 1.0))).max(1e-7);
     Some(Link {
         name: name.to_string(),
         alpha_s: alpha,

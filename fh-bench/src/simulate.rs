@@ -56,8 +56,9 @@ pub fn calibrate(
         if let Some(l) = sim::calibrate_link(&format!("measured {transport} loopback"), np, &points)
         {
             notes.push(format!(
-                "alpha = {:.1} us, bandwidth = {:.2} GB/s: least-squares fit of the {transport} \
-                 allreduce sweep at np = {np} ({} sizes) from {source}",
+                "alpha = {:.1} us, bandwidth = {:.2} GB/s: fitted to the {transport} \
+                 allreduce sweep at np = {np} ({} sizes; beta from the two largest, alpha \
+                 from the smallest) from {source}",
                 l.alpha_s * 1e6,
                 l.bandwidth_bps / 1e9,
                 points.len()
