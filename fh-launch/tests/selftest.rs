@@ -24,12 +24,21 @@ fn lines_of<'a>(text: &'a str, rank: usize, stream: &str) -> Vec<&'a str> {
 
 #[test]
 fn selftest_passes_under_fhrun_with_2_to_4_ranks() {
+    // `auto` must pick shared memory for a job on one host; `tcp` is forced explicitly.
+    for (transport, backend) in [("auto", "shm"), ("tcp", "tcp")] {
+        selftest_passes(transport, backend);
+    }
+}
+
+fn selftest_passes(transport: &str, backend: &str) {
     for np in 2..=4usize {
         let nps = np.to_string();
         let out = fhrun(
             &[
                 "-np",
                 &nps,
+                "--transport",
+                transport,
                 "--timeout-seconds",
                 "20",
                 SELFTEST,
@@ -45,8 +54,10 @@ fn selftest_passes_under_fhrun_with_2_to_4_ranks() {
             let lines = lines_of(&out.stdout, r, "stdout");
             let header = format!("fh-selftest: rank {r} of {np} (local {r}/{np}, cross 0/1)");
             assert!(
-                lines.iter().any(|l| l.starts_with(&header)),
-                "np={np} rank {r}: {out:?}"
+                lines
+                    .iter()
+                    .any(|l| l.starts_with(&header) && l.contains(&format!("backend {backend},"))),
+                "np={np} rank {r} ({transport} -> {backend}): {out:?}"
             );
             assert!(
                 lines.contains(&format!("fh-selftest: rank {r}: PASSED").as_str()),
@@ -196,6 +207,9 @@ fn strangers_on_the_rendezvous_port_do_not_break_the_job() {
             "3",
             "--rendezvous-addr",
             &addr,
+            // The strangers knock on the TCP rendezvous: force TCP (auto would pick shm).
+            "--transport",
+            "tcp",
             "--timeout-seconds",
             "20",
             "sh",

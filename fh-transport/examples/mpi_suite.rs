@@ -6,6 +6,12 @@
 //! FH_MPI_THREAD_LEVEL=serialized mpirun -np 3 --oversubscribe target/debug/examples/mpi_suite
 //! ```
 //!
+//! Knobs: `FH_MPI_SUITE_VERBOSE=1` (rank 0 prints each stage), `FH_MPI_SUITE_SEED=N` (replay
+//! the random cases of a failed run; the seed is printed), `FH_MPI_SUITE_TRACE=1` (print every
+//! random case), `FH_MPI_SUITE_CASES=3,17` (run only those random cases), and
+//! `FH_MPI_THREAD_LEVEL=serialized` (the fallback mode). With Open MPI pass them to the ranks
+//! with `-x NAME`.
+//!
 //! Every rank exits 0 when every check passed on every rank, 1 otherwise (with the failures on
 //! stderr). On an unexpected transport error a rank exits at once without finalizing MPI, so
 //! that `mpirun` ends the job instead of leaving the others blocked in a collective.

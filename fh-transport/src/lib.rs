@@ -39,6 +39,7 @@ pub mod local;
 pub mod mpi;
 #[cfg(target_os = "linux")]
 pub mod shm;
+pub mod split;
 pub mod tcp;
 
 pub use comm::{CollectivesExt, Communicator, Topology, Transport};
@@ -48,16 +49,19 @@ pub use error::TransportError;
 pub type Result<T, E = TransportError> = std::result::Result<T, E>;
 
 /// The values `FH_TRANSPORT` accepts.
-pub const TRANSPORT_CHOICES: &str = "auto, tcp, shm, mpi, local";
+pub const TRANSPORT_CHOICES: &str =
+    "auto, tcp, shm, mpi, local, or CONTROL+DATA to mix two (e.g. mpi+tcp)";
 
 /// Build the world this process was launched into: read [`bootstrap::LaunchInfo::from_env`]
 /// and the backend chosen by `FH_TRANSPORT` (`auto` — the default — or `tcp`, `shm`, `mpi`,
 /// `local`), and connect.
 ///
-/// `auto` is TCP for now ([`shm::suits`] tells when shared memory would serve a launch).
-/// `local` is only valid for a single process. `shm` needs every rank on one host (Linux).
+/// `auto` picks shared memory when every rank is on this host and `/dev/shm` has room
+/// ([`shm::suits`]), and TCP otherwise. `local` is only valid for a single process. `shm` needs every rank on one host (Linux).
 /// `mpi` needs the `mpi` Cargo feature (else [`TransportError::BackendUnavailable`] says how to
-/// build it) and ranks started by `mpirun`.
+/// build it) and ranks started by `mpirun`. `CONTROL+DATA` (e.g. `mpi+tcp`) opens control
+/// communicators on the first backend and data communicators on the second
+/// ([`split::SplitTransport`]).
 pub fn from_env() -> Result<Box<dyn Transport>> {
     let choice = std::env::var("FH_TRANSPORT").ok();
     // MPI learns its world from the MPI runtime (plain `mpirun -np N` sets no rendezvous
@@ -79,7 +83,15 @@ pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<B
         .map(str::trim)
         .filter(|c| !c.is_empty())
         .unwrap_or("auto");
+    if let Some((control, data)) = choice.split_once('+') {
+        // Built in this order on every rank: both constructions are collective.
+        let control = world_for(info, Some(control))?;
+        let data = world_for(info, Some(data))?;
+        return Ok(Box::new(split::SplitTransport::new(control, data)?));
+    }
     match choice.to_ascii_lowercase().as_str() {
+        #[cfg(target_os = "linux")]
+        "auto" if shm::suits(info) => Ok(Box::new(shm::ShmTransport::from_info(info)?)),
         "auto" | "tcp" => {
             let opts = tcp::TcpOptions::from_info(info);
             Ok(Box::new(tcp::TcpTransport::connect(info, opts)?))

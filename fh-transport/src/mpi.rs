@@ -57,7 +57,9 @@
 //! - `fh-transport/tests/mpi/run.sh` runs the collective suite (`examples/mpi_suite.rs`, every
 //!   collective × dtype × operator, lengths 0, 1, primes and large, uneven v-splits, split
 //!   messages, concurrent channels, checked bit for bit against a local sequential reference)
-//!   under `mpirun` with 2, 3 and 4 ranks, in serialized mode, and as a singleton.
+//!   under `mpirun` with 2, 3 and 4 ranks, in serialized mode, through `fhrun --mpi`, and as a
+//!   singleton; then the scheduler (`fh-scheduler/examples/train_env.rs`) over MPI with both
+//!   presets, and mixed with TCP (`FH_TRANSPORT=mpi+tcp` / `tcp+mpi`, see [`crate::split`]).
 //! - `cargo test -p fh-transport --features mpi --test mpi_mpirun` does the same from Rust and
 //!   skips (with a message) when `mpirun` is missing.
 //! - `examples/mpi_busbw.rs` measures allreduce bus bandwidth of this backend and of the TCP

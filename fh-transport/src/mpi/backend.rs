@@ -1384,6 +1384,12 @@ impl Communicator for MpiComm {
                 send_counts[rank], recv_counts[rank]
             )));
         }
+        if self.rt().mode == ThreadMode::Serialized {
+            // Open MPI 4.1's MPI_Ialltoallv (libnbc) was seen to leave the communicator unable
+            // to complete the next nonblocking collective; a pairwise exchange over MPI
+            // point-to-point is what it would do anyway.
+            return algorithms::alltoallv(self, send, send_counts, recv, recv_counts);
+        }
         let native =
             int_counts(send_counts, self.max_count).zip(int_counts(recv_counts, self.max_count));
         // Only this rank knows whether its counts fit MPI's `int`s: agree on the path first.

@@ -31,6 +31,10 @@
 //! and there is a ring buffer per directed pair of ranks for point-to-point messages, so the
 //! generic algorithms work too.
 //!
+//! Names repeat when a job re-joins with the same token (sequence numbers restart at 0), which
+//! is fine one world after another; two worlds with the same token must not open
+//! communicators at the same time on one host.
+//!
 //! # Clean-up
 //!
 //! - **As soon as every rank has mapped a segment, its name is unlinked** (by the rank that
@@ -43,7 +47,8 @@
 //!   had the segment is killed before the set is complete. For that case rank 0 of every new
 //!   world ([`ShmTransport::join`]) scans `/dev/shm` for `fh-*` segments of the same user whose
 //!   recorded processes are all dead (pid and start time, so a reused pid is not mistaken for
-//!   the owner) — or that never got a header and are older than a minute — and removes them;
+//!   the owner; the creator records itself before anything else) — or that are older than a
+//!   minute without even a creator recorded — and removes them;
 //!   [`cleanup_stale_segments`] does the same on demand.
 //!
 //! # Failures

@@ -20,10 +20,10 @@ pub(crate) struct Fd(libc::c_int);
 
 impl Drop for Fd {
     fn drop(&mut self) {
-        // SAFETY: we own this descriptor and close it exactly once; a failing close of a
-        // shared-memory descriptor loses no data.
-        unsafe {
-            libc::close(self.0);
+        // SAFETY: we own this descriptor and close it exactly once.
+        if unsafe { libc::close(self.0) } != 0 {
+            // Nothing to recover (no data is buffered in a shared-memory descriptor).
+            tracing::debug!(error = %io::Error::last_os_error(), "close of a shm descriptor failed");
         }
     }
 }
@@ -162,8 +162,8 @@ impl Drop for Mapping {
         // SAFETY: `ptr`/`len` describe a mapping we created and unmap exactly once; no
         // reference into it outlives `self` (references are created only for the duration of
         // a copy or reduction by the owner of this mapping).
-        unsafe {
-            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        if unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) } != 0 {
+            tracing::warn!(error = %io::Error::last_os_error(), "munmap of a shm segment failed");
         }
     }
 }
@@ -193,7 +193,8 @@ pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
 
 /// Wake every waiter sleeping on `word`.
 pub(crate) fn futex_wake_all(word: &AtomicU32) {
-    // SAFETY: `word` is a valid, aligned 32-bit word; FUTEX_WAKE only reads its address.
+    // SAFETY: `word` is a valid, aligned 32-bit word; FUTEX_WAKE only reads its address. Its
+    // result (how many sleepers woke) is not needed, and it cannot fail on a valid word.
     unsafe {
         libc::syscall(
             libc::SYS_futex,

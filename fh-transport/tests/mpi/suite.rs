@@ -569,6 +569,162 @@ fn check_topology(
     Ok(())
 }
 
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A length: mostly small, sometimes up to 100k.
+fn random_len(state: &mut u64) -> usize {
+    match splitmix(state) % 4 {
+        0 => (splitmix(state) % 100_000) as usize,
+        1 => (splitmix(state) % 2_000) as usize,
+        _ => (splitmix(state) % 40) as usize,
+    }
+}
+
+/// Random cases with a seed every rank shares (rank 0's, broadcast; `FH_MPI_SUITE_SEED` fixes
+/// it to reproduce a failure): collective, dtype, operator, lengths and v-splits all drawn.
+fn check_random(comm: &mut dyn Communicator, rep: &mut Report, tag: &str) -> Result<(), Fatal> {
+    let (rank, size) = (comm.rank(), comm.size());
+    let mut seed_bytes = std::env::var("FH_MPI_SUITE_SEED")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(7)
+        })
+        .to_ne_bytes();
+    comm.broadcast(&mut seed_bytes, 0)
+        .map_err(|e| fatal("random: seed broadcast", e))?;
+    let seed = u64::from_ne_bytes(seed_bytes);
+    if rank == 0 {
+        eprintln!("mpi_suite: {tag} random cases with FH_MPI_SUITE_SEED={seed}");
+    }
+    let mut st = seed;
+    for case in 0..150usize {
+        let dtype = DTYPES[(splitmix(&mut st) % DTYPES.len() as u64) as usize];
+        let op = OPS[(splitmix(&mut st) % OPS.len() as u64) as usize];
+        let kind = splitmix(&mut st) % 5;
+        let counts: Vec<usize> = (0..size)
+            .map(|_| {
+                if splitmix(&mut st) % 4 == 0 {
+                    0
+                } else {
+                    random_len(&mut st)
+                }
+            })
+            .collect();
+        let n = random_len(&mut st);
+        let root = (splitmix(&mut st) % size as u64) as usize;
+        let salt = 1000 + case;
+        let what = format!(
+            "{tag} seed={seed} (FH_MPI_SUITE_SEED) case {case}: kind {kind} {dtype} {op:?} n={n} counts={counts:?}"
+        );
+        if std::env::var_os("FH_MPI_SUITE_TRACE").is_some() && rank == 0 {
+            eprintln!("{what}");
+        }
+        if let Ok(only) = std::env::var("FH_MPI_SUITE_CASES") {
+            if !only.split(',').any(|c| c.trim() == case.to_string()) {
+                continue;
+            }
+        }
+        let esz = dtype.size();
+        match kind {
+            0 => {
+                let mut buf = input(dtype, rank, n, salt);
+                let res = comm.allreduce(&mut buf, dtype, op);
+                if !kernels::supports(dtype, op) {
+                    rep.check(matches!(res, Err(TransportError::Core(_))), || {
+                        format!("{what}: should be refused, got {res:?}")
+                    });
+                    continue;
+                }
+                res.map_err(|e| fatal(&what, e))?;
+                let want = reference(dtype, op, size, n, salt);
+                rep.check(buf == want, || {
+                    format!("{what}: {}", first_diff(&buf, &want))
+                });
+            }
+            1 => {
+                let total: usize = counts.iter().sum();
+                let send = input(dtype, rank, total, salt);
+                let mut recv = vec![0xA5u8; counts[rank] * esz];
+                let res = comm.reduce_scatter(&send, &mut recv, &counts, dtype, op);
+                if !kernels::supports(dtype, op) {
+                    rep.check(matches!(res, Err(TransportError::Core(_))), || {
+                        format!("{what}: should be refused, got {res:?}")
+                    });
+                    continue;
+                }
+                res.map_err(|e| fatal(&what, e))?;
+                let full = reference(dtype, op, size, total, salt);
+                let off: usize = counts[..rank].iter().sum();
+                let want = &full[off * esz..(off + counts[rank]) * esz];
+                rep.check(recv == want, || {
+                    format!("{what}: {}", first_diff(&recv, want))
+                });
+            }
+            2 => {
+                let send: Vec<u8> = (0..counts[rank]).map(|j| byte(rank, 0, j, salt)).collect();
+                let mut recv = vec![0xA5u8; counts.iter().sum()];
+                comm.allgatherv(&send, &mut recv, &counts)
+                    .map_err(|e| fatal(&what, e))?;
+                let want: Vec<u8> = (0..size)
+                    .flat_map(|r| (0..counts[r]).map(move |j| byte(r, 0, j, salt)))
+                    .collect();
+                rep.check(recv == want, || {
+                    format!("{what}: {}", first_diff(&recv, &want))
+                });
+            }
+            3 => {
+                // Counts from rank r to rank s: a function both sides can evaluate.
+                let c = |r: usize, s: usize| {
+                    let mut x = seed ^ ((case * 131 + r * 17 + s) as u64);
+                    if splitmix(&mut x) % 3 == 0 {
+                        0
+                    } else {
+                        random_len(&mut x) % 5_000
+                    }
+                };
+                let send_counts: Vec<usize> = (0..size).map(|s| c(rank, s)).collect();
+                let recv_counts: Vec<usize> = (0..size).map(|r| c(r, rank)).collect();
+                let send: Vec<u8> = (0..size)
+                    .flat_map(|s| (0..c(rank, s)).map(move |j| byte(rank, s, j, salt)))
+                    .collect();
+                let want: Vec<u8> = (0..size)
+                    .flat_map(|r| (0..c(r, rank)).map(move |j| byte(r, rank, j, salt)))
+                    .collect();
+                let mut recv = vec![0xA5u8; want.len()];
+                comm.alltoallv(&send, &send_counts, &mut recv, &recv_counts)
+                    .map_err(|e| fatal(&what, e))?;
+                rep.check(recv == want, || {
+                    format!("{what}: {}", first_diff(&recv, &want))
+                });
+            }
+            _ => {
+                let want: Vec<u8> = (0..n).map(|j| byte(root, 1, j, salt)).collect();
+                let mut buf = if rank == root {
+                    want.clone()
+                } else {
+                    vec![0xA5; n]
+                };
+                comm.broadcast(&mut buf, root)
+                    .map_err(|e| fatal(&format!("{what} root={root}"), e))?;
+                rep.check(buf == want, || {
+                    format!("{what} root={root}: {}", first_diff(&buf, &want))
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `FH_TRANSPORT=mpi` makes `fh_transport::from_env()` build the MPI world (sharing this
 /// process's MPI with `world`).
 fn check_from_env(world: &MpiTransport, rep: &mut Report) -> Result<(), Fatal> {
@@ -647,6 +803,8 @@ pub fn run(world: &mut MpiTransport) -> Result<Report, Fatal> {
     check_invalid_arguments(data.as_mut(), &mut rep, &tag)?;
     stage("extension methods");
     check_ext(control.as_mut(), &mut rep, &tag)?;
+    stage("random cases");
+    check_random(data.as_mut(), &mut rep, &tag)?;
 
     // Small per-call limits: MPI messages are split, and the v-collectives whose totals exceed
     // the limit go through the generic algorithms over MPI point-to-point.
@@ -681,6 +839,8 @@ pub fn run(world: &mut MpiTransport) -> Result<Report, Fatal> {
     check_broadcast(&mut chunked, &mut rep, &tag, false)?;
     check_alltoallv(&mut chunked, &mut rep, &tag, false)?;
     check_p2p(&mut chunked, &mut rep, &tag, false)?;
+    chunked.set_max_count(3_000);
+    check_random(&mut chunked, &mut rep, &format!("[{mode} chunked 3000]"))?;
 
     stage("concurrent channels");
     check_concurrent_channels(world, &mut rep, &format!("[{mode} concurrent]"))?;
