@@ -45,7 +45,17 @@ pub(crate) struct ExtraSuite {
 /// }
 /// ```
 pub(crate) fn extra_suites() -> Vec<ExtraSuite> {
-    vec![]
+    vec![ExtraSuite {
+        name: "mpi suite (mpirun np 2-4, fhrun --mpi, scheduler over MPI)",
+        packages: &["openmpi-bin", "libopenmpi-dev", "libclang-dev"],
+        commands: |root| {
+            let mut c = Command::new("bash");
+            c.current_dir(root)
+                .arg("fh-transport/tests/mpi/run.sh")
+                .env("CARGO", cargo());
+            vec![c]
+        },
+    }]
 }
 
 #[derive(Debug)]
