@@ -16,6 +16,7 @@ mod sim;
 mod simulate;
 mod stats;
 mod suite;
+mod torch_peer;
 mod workload;
 mod world;
 
@@ -135,7 +136,7 @@ struct SuiteArgs {
     /// shared memory; local: threads). The replay and negotiation run over the first.
     #[arg(long, value_delimiter = ',', default_value = "tcp,shm,local")]
     transports: Vec<String>,
-    /// Do not run the OpenMPI peer.
+    /// Do not run the peers (OpenMPI, PyTorch DDP, Horovod).
     #[arg(long)]
     no_peers: bool,
     /// A run.json whose measurements calibrate the simulation (default: this run's).

@@ -108,7 +108,7 @@ pub struct CollRow {
 pub struct ReplayRow {
     /// Workload (model).
     pub workload: String,
-    /// Schedule preset or peer (`horovod`, `fasthorovod K=2`, `torch-ddp-gloo`, ...).
+    /// Schedule preset or peer (`horovod`, `fasthorovod K=2`, peers `ddp-gloo`, `horovod-torch`).
     pub schedule: String,
     /// Ranks.
     pub np: usize,

@@ -11,7 +11,7 @@ use crate::replay::{NegotiationJob, ReplayJob, ScheduleSpec};
 use crate::runner::{Job, Launch, RankOutput, Runner};
 use crate::stats::Quantity;
 use crate::workload::Workload;
-use crate::{mpi_peer, simulate, world};
+use crate::{mpi_peer, simulate, torch_peer, world};
 
 /// The suites, in run order.
 pub const SUITES: [&str; 4] = ["collectives", "replay", "negotiation", "simulate"];
@@ -46,7 +46,7 @@ pub struct Options {
     /// Transports for the collectives sweep (`tcp`, `shm`, `local`); the engine suites use the
     /// first.
     pub transports: Vec<String>,
-    /// Skip the OpenMPI peer.
+    /// Skip the peers (OpenMPI, PyTorch DDP, Horovod).
     pub no_peers: bool,
     /// A previous `run.json` to calibrate the simulation from (else this run's figures).
     pub calibration: Option<PathBuf>,
@@ -178,8 +178,28 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     } else {
         vec![2, opts.np]
     };
+    // The Python peers of the replay: those whose module imports, unless --no-peers.
+    let python = torch_peer::python();
+    let mut peers = Vec::new();
     if wants("replay") {
-        total += (workloads.len() * ScheduleSpec::all().len()) as u64;
+        for peer in torch_peer::PEERS {
+            let reason = if opts.no_peers {
+                Some("skipped: --no-peers".to_string())
+            } else if !torch_peer::imports(&python, peer.module, Duration::from_secs(120)) {
+                Some(peer.not_installed(&python))
+            } else {
+                None
+            };
+            match reason {
+                None => peers.push(peer),
+                Some(reason) => record.skipped.push(Skipped {
+                    suite: "replay".into(),
+                    what: peer.what.into(),
+                    reason,
+                }),
+            }
+        }
+        total += (workloads.len() * (ScheduleSpec::all().len() + peers.len())) as u64;
     }
     if wants("negotiation") {
         total += (neg_nps.len() * 2 * opts.tensor_counts.len()) as u64;
@@ -305,6 +325,48 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 }
                 bar.inc(1);
             }
+            let script = if peers.is_empty() {
+                None
+            } else {
+                match torch_peer::write_script(&opts.out.join("peers")) {
+                    Ok(p) => Some(p),
+                    Err(e) => {
+                        record.skipped.push(Skipped {
+                            suite: "replay".into(),
+                            what: "Python peers".into(),
+                            reason: format!("failed: {e}"),
+                        });
+                        None
+                    }
+                }
+            };
+            for peer in peers.iter().filter(|_| script.is_some()) {
+                let Some(script) = script.as_deref() else {
+                    continue;
+                };
+                bar.set_message(format!("replay: {} {}", w.model, peer.label));
+                let run = torch_peer::PeerRun {
+                    peer: *peer,
+                    python: &python,
+                    script,
+                    workload: &w.path,
+                    np: opts.np,
+                    backward_ms: opts.backward_ms,
+                    warmup: 1,
+                    steps: opts.steps,
+                    log_dir: &work_dir,
+                    timeout: opts.job_timeout,
+                };
+                match run.run(&format!("replay-{}-{}", w.model, peer.label)) {
+                    Ok(r) => rows.push(peer_row(w, &r, opts.backward_ms)),
+                    Err(e) => record.skipped.push(Skipped {
+                        suite: "replay".into(),
+                        what: format!("{} {}", w.model, peer.what),
+                        reason: format!("failed: {e}"),
+                    }),
+                }
+                bar.inc(1);
+            }
             let base = rows
                 .iter()
                 .find(|r| r.schedule == "horovod")
@@ -348,23 +410,6 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                     bar.inc(1);
                 }
             }
-        }
-    }
-    for (peer, module) in [
-        ("PyTorch DDP (Gloo)", "torch"),
-        ("Horovod", "horovod.torch"),
-    ] {
-        if wants("replay") {
-            let reason = if python_imports(module) {
-                "installed, but the replay adapter for it is not written yet".to_string()
-            } else {
-                format!("skipped: not installed (python3 -c \"import {module}\" fails)")
-            };
-            record.skipped.push(Skipped {
-                suite: "replay".into(),
-                what: peer.into(),
-                reason,
-            });
         }
     }
 
@@ -457,6 +502,18 @@ pub fn replay_row(
             _ => None,
         })
         .collect();
+    replay_row_labelled(w, &s.label(), np, backward_ms, &per_rank)
+}
+
+/// A replay row from per-rank step times (seconds; the slowest rank per step counts), labelled
+/// with a preset or a peer (`ddp-gloo`, `horovod-torch`).
+pub fn replay_row_labelled(
+    w: &Workload,
+    label: &str,
+    np: usize,
+    backward_ms: f64,
+    per_rank: &[&Vec<f64>],
+) -> ReplayRow {
     let steps = per_rank.first().map_or(0, |v| v.len());
     let step_ms: Vec<f64> = (0..steps)
         .map(|i| {
@@ -471,7 +528,7 @@ pub fn replay_row(
     let thr: Vec<f64> = step_ms.iter().map(|s| 1e3 / s).collect();
     ReplayRow {
         workload: w.model.clone(),
-        schedule: s.label(),
+        schedule: label.to_string(),
         np,
         tensors: w.tensors.len(),
         bytes: w.total_bytes(),
@@ -482,6 +539,11 @@ pub fn replay_row(
         step_ratio_to_horovod: None,
         exposed_ratio_to_horovod: None,
     }
+}
+
+/// The replay row of a Python peer's result (already the slowest rank per step).
+pub fn peer_row(w: &Workload, r: &torch_peer::PeerResult, backward_ms: f64) -> ReplayRow {
+    replay_row_labelled(w, &r.peer, r.np, backward_ms, &[&r.step_seconds])
 }
 
 /// Per step, the slowest rank's latency; rounds, bytes and time per round from the rank that
@@ -519,13 +581,6 @@ pub fn negotiation_row(mode: &str, np: usize, tensors: usize, outs: &[RankOutput
         round_latency: Quantity::from_samples(&per_round, "us"),
         bytes_per_round: Quantity::from_samples(&bytes, "B"),
     }
-}
-
-fn python_imports(module: &str) -> bool {
-    std::process::Command::new("python3")
-        .args(["-c", &format!("import {module}")])
-        .output()
-        .is_ok_and(|o| o.status.success())
 }
 
 /// `git describe --always --dirty`, or `unknown`.
@@ -597,6 +652,22 @@ mod tests {
         assert_eq!(civil_utc(0), (1970, 1, 1, 0, 0, 0));
         assert_eq!(civil_utc(951_782_400), (2000, 2, 29, 0, 0, 0));
         assert_eq!(civil_utc(1_700_000_000), (2023, 11, 14, 22, 13, 20));
+    }
+
+    #[test]
+    fn a_peer_result_becomes_a_replay_row() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads");
+        let w = Workload::load(&dir.join("resnet50.json")).unwrap();
+        let line = r#"{"peer": "ddp-gloo", "workload": "resnet50", "np": 4, "backward_ms": 100.0, "warmup": 1, "steps": 3, "step_seconds": [0.25, 0.2, 0.3], "tensors": 161, "bytes": 102228128, "version": "torch 2.15.0", "checked": true}"#;
+        let r = torch_peer::parse_output(&format!("warning\n{line}\n")).unwrap();
+        let row = peer_row(&w, &r, 100.0);
+        assert_eq!(row.schedule, "ddp-gloo");
+        assert_eq!((row.np, row.tensors), (4, w.tensors.len()));
+        assert_eq!(row.step.unit, "ms");
+        assert!((row.step.median - 250.0).abs() < 1e-9, "{row:?}");
+        assert!((row.step.min - 200.0).abs() < 1e-9 && (row.step.max - 300.0).abs() < 1e-9);
+        assert!((row.exposed.median - 150.0).abs() < 1e-9, "{row:?}");
+        assert!((row.throughput.median - 4.0).abs() < 1e-9, "{row:?}");
     }
 
     #[test]

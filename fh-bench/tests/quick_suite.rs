@@ -118,9 +118,23 @@ fn quick_suite_end_to_end_on_two_ranks() {
 
     // The replay ran every preset on the workload, with ratios to `horovod`.
     let replay = run["replay"].as_array().unwrap();
+    // The Python peers (DDP, Horovod) add rows when importable, else they are listed as
+    // skipped: one or the other, never both or neither.
+    for (label, what) in [
+        ("ddp-gloo", "PyTorch DDP (Gloo)"),
+        ("horovod-torch", "Horovod"),
+    ] {
+        let measured = replay.iter().any(|r| r["schedule"] == label);
+        let skipped_peer = skipped.iter().any(|s| s["what"] == what);
+        assert!(
+            measured != skipped_peer,
+            "{what}: measured {measured}, skipped {skipped_peer}: {run:#}"
+        );
+    }
     let schedules: Vec<&str> = replay
         .iter()
         .map(|r| r["schedule"].as_str().unwrap())
+        .filter(|s| !["ddp-gloo", "horovod-torch"].contains(s))
         .collect();
     assert_eq!(
         schedules,
