@@ -1,6 +1,325 @@
-//! fh-bench: the benchmark suite (work in progress).
+//! fh-bench: FastHorovod's benchmark suite (`cargo xtask bench`).
+//!
+//! Subcommands: `suite` (everything selected, the default of `cargo xtask bench`),
+//! `collectives`, `replay`, `negotiation`, `simulate` (one suite each, same options), `report`
+//! (re-generate the report of a recorded `run.json`) and `worker` (internal: one rank of a job).
+//! Output goes to `target/fh-bench/<timestamp>/`: `run.json`, PNG/SVG plots and `report.md`.
 
-fn main() {
-    eprintln!("fh-bench: not implemented yet");
-    std::process::exit(2);
+mod collectives;
+mod mpi_peer;
+mod plots;
+mod record;
+mod replay;
+mod report;
+mod runner;
+mod sim;
+mod simulate;
+mod stats;
+mod suite;
+mod torch_peer;
+mod workload;
+mod world;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::runner::Launch;
+
+#[derive(Parser)]
+#[command(
+    name = "fh-bench",
+    version,
+    about = "FastHorovod benchmarks: workload replay, collectives, negotiation, scale simulation"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the selected suites (all by default): what `cargo xtask bench` runs.
+    Suite(SuiteArgs),
+    /// Collectives sweep only.
+    Collectives(SuiteArgs),
+    /// Workload replay only (the headline).
+    Replay(SuiteArgs),
+    /// Negotiation cost only.
+    Negotiation(SuiteArgs),
+    /// Scale simulation only (a model; calibrated with --calibration RUN_JSON when given).
+    Simulate(SuiteArgs),
+    /// Re-generate report.md and the plots from a recorded run.json.
+    Report {
+        /// The recorded run.
+        run_json: PathBuf,
+        /// Output directory (default: the run.json's directory).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Internal: one rank of a job (started by the driver or by mpirun/srun).
+    #[command(hide = true)]
+    Worker {
+        /// The job file.
+        #[arg(long)]
+        job: PathBuf,
+        /// Result prefix: this rank writes `<out>.rank<R>.json`.
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LauncherArg {
+    /// N processes of fh-bench on this host (TCP loopback).
+    Local,
+    /// One thread per rank, in-process backend.
+    Threads,
+    /// OpenMPI's mpirun.
+    Mpirun,
+    /// Slurm's srun.
+    Srun,
+}
+
+#[derive(Args, Clone)]
+struct SuiteArgs {
+    /// Suites to run (collectives, replay, negotiation, simulate); default: all.
+    #[arg(value_name = "SUITE")]
+    suites: Vec<String>,
+    /// Few sizes, few repeats, the headline workloads (ResNet-50, BERT-base): a few minutes.
+    #[arg(long)]
+    quick: bool,
+    /// Ranks.
+    #[arg(long, default_value_t = 4)]
+    np: usize,
+    /// Hosts for mpirun (comma-separated, `host:slots` allowed); implies --launcher mpirun.
+    #[arg(long)]
+    hosts: Option<String>,
+    /// How ranks are started.
+    #[arg(long, value_enum, default_value = "local")]
+    launcher: LauncherArg,
+    /// Rank 0's host for the TCP rendezvous under mpirun/srun (default: first of --hosts, else
+    /// 127.0.0.1).
+    #[arg(long)]
+    rendezvous_host: Option<String>,
+    /// Output directory (default: target/fh-bench/<timestamp>).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Workloads directory.
+    #[arg(long, env = "FH_BENCH_WORKLOADS")]
+    workloads: Option<PathBuf>,
+    /// Workloads to replay and simulate (model names); default: all (quick: resnet50,
+    /// bert-base).
+    #[arg(long, value_delimiter = ',')]
+    models: Vec<String>,
+    /// Emulated backward pass, ms (default 100: a fast GPU's backward for these models, as in
+    /// DESIGN.md's targets, so that communication matters).
+    #[arg(long, default_value_t = 100.0)]
+    backward_ms: f64,
+    /// Measured replay steps, after one warm-up step (default: 3 quick, 10 full).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Timed repeats per collective case (default: 5 quick, 10 full).
+    #[arg(long)]
+    repeats: Option<usize>,
+    /// Collective sizes in bytes, comma-separated (default: quick 8,4K,1M,16M (+64M allreduce);
+    /// full 8 B × 4^k … 256 MiB).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    sizes: Vec<usize>,
+    /// Tensor counts of the negotiation measurement (default: quick 16,256,4096; full
+    /// 16,64,256,1024,4096).
+    #[arg(long, value_delimiter = ',')]
+    tensor_counts: Vec<usize>,
+    /// Transports of the collectives sweep (tcp: processes over loopback; shm: processes over
+    /// shared memory; local: threads). The replay and negotiation run over the first.
+    #[arg(long, value_delimiter = ',', default_value = "tcp,shm,local")]
+    transports: Vec<String>,
+    /// Do not run the peers (OpenMPI, PyTorch DDP, Horovod).
+    #[arg(long)]
+    no_peers: bool,
+    /// A run.json whose measurements calibrate the simulation (default: this run's).
+    #[arg(long)]
+    calibration: Option<PathBuf>,
+    /// Longest one job (one collective over one transport, one replay configuration) may take,
+    /// seconds.
+    #[arg(long, default_value_t = 300)]
+    job_timeout: u64,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
+        Some((i, _)) => {
+            let m = match s[i..].to_ascii_lowercase().as_str() {
+                "b" => 1,
+                "k" | "kib" | "kb" => 1 << 10,
+                "m" | "mib" | "mb" => 1 << 20,
+                "g" | "gib" | "gb" => 1 << 30,
+                other => return Err(format!("unknown size unit '{other}' (use B, K, M or G)")),
+            };
+            (&s[..i], m)
+        }
+        None => (s, 1),
+    };
+    num.trim()
+        .parse::<usize>()
+        .map(|n| n * mult)
+        .map_err(|e| format!("bad size '{s}': {e}"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Suite(a) => run_suite(a, None),
+        Cmd::Collectives(a) => run_suite(a, Some("collectives")),
+        Cmd::Replay(a) => run_suite(a, Some("replay")),
+        Cmd::Negotiation(a) => run_suite(a, Some("negotiation")),
+        Cmd::Simulate(a) => run_suite(a, Some("simulate")),
+        Cmd::Report { run_json, out } => regenerate(run_json, out),
+        Cmd::Worker { job, out } => worker(job, out),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fh-bench: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_suite(a: SuiteArgs, only: Option<&str>) -> Result<(), String> {
+    let mut suites: Vec<String> = match only {
+        Some(s) => vec![s.to_string()],
+        None if a.suites.is_empty() => suite::SUITES.iter().map(|s| s.to_string()).collect(),
+        None => a.suites.clone(),
+    };
+    for s in &suites {
+        if !suite::SUITES.contains(&s.as_str()) {
+            return Err(format!(
+                "unknown suite '{s}' (use {})",
+                suite::SUITES.join(", ")
+            ));
+        }
+    }
+    suites.sort_by_key(|s| suite::SUITES.iter().position(|x| x == s));
+    suites.dedup();
+    if a.np == 0 {
+        return Err("--np must be at least 1".into());
+    }
+    let launch = match (a.launcher, &a.hosts) {
+        (_, Some(h)) => Launch::Mpirun {
+            hosts: Some(h.clone()),
+        },
+        (LauncherArg::Local, None) => Launch::Local,
+        (LauncherArg::Threads, None) => Launch::Threads,
+        (LauncherArg::Mpirun, None) => Launch::Mpirun { hosts: None },
+        (LauncherArg::Srun, None) => Launch::Srun,
+    };
+    let target = std::env::var_os("FH_BENCH_TARGET_DIR")
+        .or_else(|| std::env::var_os("CARGO_TARGET_DIR"))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("target"));
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| target.join("fh-bench").join(suite::timestamp()));
+    let opts = suite::Options {
+        quick: a.quick,
+        np: a.np,
+        launch,
+        out: out.clone(),
+        suites,
+        workloads_dir: a.workloads.clone().unwrap_or_else(workload::default_dir),
+        workloads: a.models.clone(),
+        backward_ms: a.backward_ms,
+        steps: a.steps.unwrap_or(if a.quick { 3 } else { 10 }),
+        repeats: a.repeats.unwrap_or(if a.quick { 5 } else { 10 }),
+        sizes: a.sizes.clone(),
+        transports: a.transports.clone(),
+        tensor_counts: if a.tensor_counts.is_empty() {
+            if a.quick {
+                vec![16, 256, 4096]
+            } else {
+                vec![16, 64, 256, 1024, 4096]
+            }
+        } else {
+            a.tensor_counts.clone()
+        },
+        no_peers: a.no_peers,
+        calibration: a.calibration.clone(),
+        job_timeout: Duration::from_secs(a.job_timeout),
+        rendezvous_host: a.rendezvous_host.clone().unwrap_or_else(|| {
+            a.hosts
+                .as_deref()
+                .and_then(|h| h.split(',').next())
+                .map(|h| h.split(':').next().unwrap_or(h).to_string())
+                .unwrap_or_else(|| "127.0.0.1".into())
+        }),
+    };
+    let exe = std::env::current_exe().map_err(|e| format!("locating fh-bench itself: {e}"))?;
+    eprintln!(
+        "fh-bench: {} on {} ranks ({}), output in {}",
+        opts.suites.join(", "),
+        opts.np,
+        opts.launch.name(),
+        out.display()
+    );
+    let record = suite::run(&opts, exe)?;
+    let written = report::write_all(&record, &out)?;
+    println!("{}", report::summary(&record));
+    for e in &written.plot_errors {
+        eprintln!("fh-bench: plot not drawn: {e}");
+    }
+    println!(
+        "report: {} ({} plot files)",
+        written.report.display(),
+        written.plots.len()
+    );
+    println!("json:   {}", written.json.display());
+    Ok(())
+}
+
+fn regenerate(run_json: PathBuf, out: Option<PathBuf>) -> Result<(), String> {
+    let text = std::fs::read_to_string(&run_json)
+        .map_err(|e| format!("reading {}: {e}", run_json.display()))?;
+    let record: record::RunRecord = serde_json::from_str(&text)
+        .map_err(|e| format!("{} is not an fh-bench run.json: {e}", run_json.display()))?;
+    let dir = out.unwrap_or_else(|| {
+        run_json
+            .parent()
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("."))
+    });
+    let written = report::write_all(&record, &dir)?;
+    println!("{}", report::summary(&record));
+    println!("report: {}", written.report.display());
+    Ok(())
+}
+
+fn worker(job: PathBuf, out: PathBuf) -> Result<(), String> {
+    let text =
+        std::fs::read_to_string(&job).map_err(|e| format!("reading job {}: {e}", job.display()))?;
+    let job: runner::Job =
+        serde_json::from_str(&text).map_err(|e| format!("bad job file {}: {e}", job.display()))?;
+    let transport = world::transport_from_env()?;
+    let rank = transport.rank();
+    let result = runner::execute(&job, transport).map_err(|e| format!("rank {rank}: {e}"))?;
+    let path = runner::result_path(&out, rank);
+    let text = serde_json::to_string(&result).map_err(|e| e.to_string())?;
+    std::fs::write(&path, text).map_err(|e| format!("writing {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("8"), Ok(8));
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("16MiB"), Ok(16 << 20));
+        assert!(parse_size("3X").unwrap_err().contains("unknown size unit"));
+    }
 }

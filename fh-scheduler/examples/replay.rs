@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! cargo run --release -p fh-scheduler --example replay -- replay fh-bench/workloads/resnet50.json [ranks] [backward_ms] [steps]
+//! FH_TRANSPORT=mpi mpirun -np 4 -x FH_TRANSPORT target/release/examples/replay replay-env fh-bench/workloads/resnet50.json [backward_ms] [steps]
 //! cargo run --release -p fh-scheduler --example replay -- negotiation [ranks]
 //! cargo run --release -p fh-scheduler --example replay -- mechanics [ranks]
 //! cargo run --release -p fh-scheduler --example replay -- latency [ranks]
@@ -12,12 +13,19 @@
 //! backward pass of B ms — gradient i at B × (share₀ + … + shareᵢ), as fixed deadlines — and
 //! measures the step time (backward start to last gradient reduced) and the exposed
 //! communication (step − B), for `horovod` and `fasthorovod` with K = 1, 2, 4 channels.
-//! The polished version of this lives in fh-bench.
+//! `replay-env` runs the same replay with one process per rank, the world from
+//! `fh_transport::from_env()` (any launcher: `mpirun` with `FH_TRANSPORT=mpi`, `fhrun`); build
+//! with `--features fh-transport/mpi` for MPI. The polished version of this lives in fh-bench.
 
 use std::time::{Duration, Instant};
 
 use fh_scheduler::{AllreduceOptions, Config, Engine, Preset, ReduceOp, Tensor};
 use fh_transport::local::LocalWorld;
+use fh_transport::Transport;
+
+#[path = "common/world.rs"]
+#[allow(dead_code)]
+mod world;
 
 struct Grad {
     name: String,
@@ -45,6 +53,51 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The gradients' names, element counts and release deadlines within a backward pass of
+/// `backward`.
+fn schedule(grads: &[Grad], backward: Duration) -> Vec<(String, usize, Duration)> {
+    let total_share: f64 = grads.iter().map(|g| g.share).sum();
+    grads
+        .iter()
+        .scan(0.0, |acc, g| {
+            *acc += g.share / total_share;
+            Some((g.name.clone(), g.elements, backward.mul_f64(*acc)))
+        })
+        .collect()
+}
+
+/// One rank's replay: `steps` timed steps (after an untimed warm-up), each released on the
+/// schedule; returns this rank's step times in ms.
+fn replay_rank(engine: &Engine, shared: &[(String, usize, Duration)], steps: usize) -> Vec<f64> {
+    let mut bufs: Vec<Option<Tensor>> = shared
+        .iter()
+        .map(|(_, n, _)| Some(Tensor::from_slice(&vec![1.0f32; *n])))
+        .collect();
+    let mut times = Vec::new();
+    for step in 0..steps + 1 {
+        // Align the ranks' backward starts.
+        engine.barrier().unwrap().wait().unwrap();
+        let start = Instant::now();
+        let mut handles = Vec::with_capacity(shared.len());
+        for (i, (name, _, at)) in shared.iter().enumerate() {
+            let now = start.elapsed();
+            if *at > now {
+                std::thread::sleep(*at - now);
+            }
+            let t = bufs[i].take().expect("buffer");
+            let opts = AllreduceOptions::with_op(ReduceOp::Average).priority(i as i64);
+            handles.push(engine.allreduce(name, t, opts).unwrap());
+        }
+        for (i, h) in handles.into_iter().enumerate() {
+            bufs[i] = Some(h.wait().unwrap());
+        }
+        if step > 0 {
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    times
+}
+
 fn replay(
     grads: &[Grad],
     ranks: usize,
@@ -52,53 +105,14 @@ fn replay(
     steps: usize,
     cfg: Config,
 ) -> (f64, f64) {
-    let total_share: f64 = grads.iter().map(|g| g.share).sum();
-    let deadlines: Vec<Duration> = grads
-        .iter()
-        .scan(0.0, |acc, g| {
-            *acc += g.share / total_share;
-            Some(backward.mul_f64(*acc))
-        })
-        .collect();
-    let shared: std::sync::Arc<Vec<(String, usize, Duration)>> = std::sync::Arc::new(
-        grads
-            .iter()
-            .zip(&deadlines)
-            .map(|(g, d)| (g.name.clone(), g.elements, *d))
-            .collect(),
-    );
+    let shared = std::sync::Arc::new(schedule(grads, backward));
     let threads: Vec<_> = LocalWorld::new(ranks)
         .into_iter()
         .map(|t| {
             let (cfg, shared) = (cfg.clone(), shared.clone());
             std::thread::spawn(move || {
                 let engine = Engine::start(Box::new(t), cfg).expect("start");
-                let mut bufs: Vec<Option<Tensor>> = shared
-                    .iter()
-                    .map(|(_, n, _)| Some(Tensor::from_slice(&vec![1.0f32; *n])))
-                    .collect();
-                let mut times = Vec::new();
-                for step in 0..steps + 1 {
-                    // Align the ranks' backward starts.
-                    engine.barrier().unwrap().wait().unwrap();
-                    let start = Instant::now();
-                    let mut handles = Vec::with_capacity(shared.len());
-                    for (i, (name, _, at)) in shared.iter().enumerate() {
-                        let now = start.elapsed();
-                        if *at > now {
-                            std::thread::sleep(*at - now);
-                        }
-                        let t = bufs[i].take().expect("buffer");
-                        let opts = AllreduceOptions::with_op(ReduceOp::Average).priority(i as i64);
-                        handles.push(engine.allreduce(name, t, opts).unwrap());
-                    }
-                    for (i, h) in handles.into_iter().enumerate() {
-                        bufs[i] = Some(h.wait().unwrap());
-                    }
-                    if step > 0 {
-                        times.push(start.elapsed().as_secs_f64() * 1e3);
-                    }
-                }
+                let times = replay_rank(&engine, &shared, steps);
                 engine.shutdown().unwrap();
                 times
             })
@@ -111,6 +125,59 @@ fn replay(
         .collect();
     let m = median(steps_ms);
     (m, m - backward.as_secs_f64() * 1e3)
+}
+
+/// The replay across processes: the world from `fh_transport::from_env()` (one process per
+/// rank, e.g. under `mpirun` with `FH_TRANSPORT=mpi`), every configuration in turn on it. The
+/// ranks' step times are allgathered; rank 0 prints the table.
+fn replay_env(path: &str, backward: Duration, steps: usize) {
+    let grads = load(path);
+    let world =
+        world::SharedWorld::new(fh_transport::from_env().expect("transport from the environment"));
+    let (rank, ranks, backend) = (
+        world.topology_rank(),
+        world.topology().size,
+        world.backend_name(),
+    );
+    let shared = schedule(&grads, backward);
+    if rank == 0 {
+        println!(
+            "replay {path} over {backend}: {} tensors, np={ranks}, backward {} ms, median of {steps} steps",
+            grads.len(),
+            backward.as_millis()
+        );
+        println!("{:>22} {:>12} {:>14}", "schedule", "step ms", "exposed ms");
+    }
+    for (label, cfg) in replay_configs() {
+        let engine = Engine::start(world.handle(), cfg).expect("start");
+        let times = replay_rank(&engine, &shared, steps);
+        let all = engine
+            .allgather("replay.times", Tensor::from_slice(&times))
+            .and_then(|h| h.wait_timeout(Duration::from_secs(60)))
+            .and_then(|t| t.to_vec::<f64>())
+            .expect("allgather of the step times");
+        engine.shutdown().expect("shutdown");
+        // A step ends when the slowest rank has everything.
+        let steps_ms: Vec<f64> = (0..steps)
+            .map(|s| (0..ranks).map(|r| all[r * steps + s]).fold(0.0, f64::max))
+            .collect();
+        let m = median(steps_ms);
+        if rank == 0 {
+            let exposed = m - backward.as_secs_f64() * 1e3;
+            println!("{label:>22} {m:>12.1} {exposed:>14.1}");
+        }
+    }
+}
+
+fn replay_configs() -> Vec<(String, Config)> {
+    let mut cfgs = vec![("horovod".to_string(), Config::preset(Preset::Horovod))];
+    for k in [1, 2, 4] {
+        cfgs.push((
+            format!("fasthorovod K={k}"),
+            Config::preset(Preset::FastHorovod).channels(k),
+        ));
+    }
+    cfgs
 }
 
 fn negotiation(ranks: usize) {
@@ -385,6 +452,12 @@ fn main() {
             negotiation_mechanics(args.get(2).and_then(|s| s.parse().ok()).unwrap_or(4))
         }
         Some("negotiation") => negotiation(args.get(2).and_then(|s| s.parse().ok()).unwrap_or(4)),
+        Some("replay-env") => {
+            let path = args.get(2).expect("workload path");
+            let b = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(100u64);
+            let steps = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(5);
+            replay_env(path, Duration::from_millis(b), steps);
+        }
         Some("replay") => {
             let path = args.get(2).expect("workload path");
             let ranks = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(4);
@@ -394,15 +467,11 @@ fn main() {
             let backward = Duration::from_millis(b);
             println!("replay {path}: {} tensors, np={ranks}, backward {b} ms, median of {steps} steps", grads.len());
             println!("{:>22} {:>12} {:>14}", "schedule", "step ms", "exposed ms");
-            let mut cfgs = vec![("horovod".to_string(), Config::preset(Preset::Horovod))];
-            for k in [1, 2, 4] {
-                cfgs.push((format!("fasthorovod K={k}"), Config::preset(Preset::FastHorovod).channels(k)));
-            }
-            for (label, cfg) in cfgs {
+            for (label, cfg) in replay_configs() {
                 let (step, exposed) = replay(&grads, ranks, backward, steps, cfg);
                 println!("{label:>22} {step:>12.1} {exposed:>14.1}");
             }
         }
-        _ => eprintln!("usage: replay (replay WORKLOAD [ranks] [backward_ms] [steps] | negotiation [ranks] | mechanics [ranks] | latency [ranks] | idle [ranks])"),
+        _ => eprintln!("usage: replay (replay WORKLOAD [ranks] [backward_ms] [steps] | replay-env WORKLOAD [backward_ms] [steps] | negotiation [ranks] | mechanics [ranks] | latency [ranks] | idle [ranks])"),
     }
 }

@@ -6,93 +6,17 @@ mod common;
 
 use std::time::Duration;
 
+use common::cases::{as_f64, first_difference, make, reference, Lcg, Spec, DTYPES, OPS};
 use common::{configs, run_world, LIMIT};
 use fh_scheduler::{AllreduceOptions, DType, ReduceOp, Tensor};
 use proptest::prelude::*;
 
-#[derive(Debug, Clone, Copy)]
-struct Spec {
-    len: usize,
-    dtype: DType,
-    op: ReduceOp,
-}
-
 fn arb_spec() -> impl Strategy<Value = Spec> {
     (0usize..400, 0usize..3, 0usize..4).prop_map(|(len, d, o)| Spec {
         len,
-        dtype: [DType::F32, DType::F64, DType::I32][d],
-        op: [
-            ReduceOp::Sum,
-            ReduceOp::Average,
-            ReduceOp::Max,
-            ReduceOp::Min,
-        ][o],
+        dtype: DTYPES[d],
+        op: OPS[o],
     })
-}
-
-/// Small integers so that float sums are exact.
-fn value(rank: usize, step: usize, t: usize, i: usize) -> i64 {
-    ((rank * 7 + step * 3 + t * 5 + i) % 23) as i64 - 11
-}
-
-fn make(spec: Spec, rank: usize, step: usize, t: usize) -> Tensor {
-    let vals: Vec<i64> = (0..spec.len).map(|i| value(rank, step, t, i)).collect();
-    match spec.dtype {
-        DType::F32 => Tensor::from_slice(&vals.iter().map(|&v| v as f32).collect::<Vec<_>>()),
-        DType::F64 => Tensor::from_slice(&vals.iter().map(|&v| v as f64).collect::<Vec<_>>()),
-        _ => Tensor::from_slice(&vals.iter().map(|&v| v as i32).collect::<Vec<_>>()),
-    }
-}
-
-fn reference(spec: Spec, n: usize, step: usize, t: usize) -> Vec<f64> {
-    (0..spec.len)
-        .map(|i| {
-            let vs: Vec<i64> = (0..n).map(|r| value(r, step, t, i)).collect();
-            match spec.op {
-                ReduceOp::Sum => vs.iter().sum::<i64>() as f64,
-                ReduceOp::Average => {
-                    let s = vs.iter().sum::<i64>();
-                    match spec.dtype {
-                        DType::I32 => (s / n as i64) as f64, // truncates toward zero
-                        DType::F32 => f64::from(s as f32 / n as f32),
-                        _ => s as f64 / n as f64,
-                    }
-                }
-                ReduceOp::Max => *vs.iter().max().unwrap() as f64,
-                _ => *vs.iter().min().unwrap() as f64,
-            }
-        })
-        .collect()
-}
-
-fn as_f64(t: &Tensor) -> Vec<f64> {
-    match t.dtype() {
-        DType::F32 => t
-            .to_vec::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect(),
-        DType::F64 => t.to_vec::<f64>().unwrap(),
-        _ => t
-            .to_vec::<i32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect(),
-    }
-}
-
-/// A tiny deterministic generator (no extra dependency).
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
 }
 
 fn run_case(
@@ -107,15 +31,12 @@ fn run_case(
     let cfg = cfg.record_groups(true);
     let specs2 = specs.clone();
     let out = run_world(n, cfg, move |e, rank| {
-        let mut rng = Lcg(seed ^ (rank as u64 + 1).wrapping_mul(0x9E3779B97F4A7C15));
+        let mut rng = Lcg::for_rank(seed, rank);
         let mut results = Vec::new();
         for step in 0..steps {
             // Every allreduce, plus a broadcast and an allgather, in a random order.
             let nt = specs2.len();
-            let mut order: Vec<usize> = (0..nt + 2).collect();
-            for i in (1..order.len()).rev() {
-                order.swap(i, rng.next() as usize % (i + 1));
-            }
+            let order = rng.permutation(nt + 2);
             let mut handles = Vec::new();
             let mut others = Vec::new();
             let n = e.size();
@@ -169,7 +90,7 @@ fn run_case(
         for (step, got) in results.iter().enumerate() {
             for (t, v) in got.iter().enumerate() {
                 let want = reference(specs[t], n, step, t);
-                if let Some(i) = (0..want.len().max(v.len())).find(|&i| v.get(i) != want.get(i)) {
+                if let Some(i) = first_difference(v, &want) {
                     panic!(
                         "{label}: rank {rank} step {step} tensor t{t} {:?}: element {i} is {:?}, expected {:?} (lengths {} / {})",
                         specs[t], v.get(i), want.get(i), v.len(), want.len()

@@ -1,21 +1,78 @@
-//! Project automation (work in progress).
+//! Project automation, run as `cargo xtask <task>` (see `.cargo/config.toml`).
+//!
+//! - `cargo xtask test`: the whole test suite (prerequisites, format, tidy, `cargo test`, extra
+//!   suites); ends with `N passed, M failed[, K skipped]` and a non-zero exit on any failure.
+//! - `cargo xtask ci`: what `.ci/run` runs (the same as `test`).
+//! - `cargo xtask tidy`: the repository's structural checks (also run as `#[test]`s).
+//! - `cargo xtask bench [--quick] [--np N] [--hosts H,..|--launcher mpirun|srun] [--out DIR]
+//!   [suite..]`: builds `fh-bench` in release mode and runs it.
+//!
+//! Dependency-free on purpose: `cargo xtask` must build in seconds on a fresh machine.
 
-use std::process::{exit, Command};
+mod bench;
+mod test;
+mod tidy;
 
-fn main() {
-    let task = std::env::args().nth(1).unwrap_or_default();
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+const USAGE: &str = "\
+usage: cargo xtask <task> [args]
+
+tasks:
+  test     run the whole test suite (installs missing Debian packages when root)
+  ci       what .ci/run runs (= test)
+  tidy     structural checks: layering, docs, README, .ci/run, ARCHITECTURE.md
+  bench    build fh-bench in release mode and run it:
+           cargo xtask bench [--quick] [--np N] [--hosts H1,H2|--launcher mpirun|srun]
+                             [--out DIR] [SUITE..]   (suites: collectives replay negotiation simulate)
+           anything else after `bench` is passed to `fh-bench suite` (see `fh-bench suite --help`)
+";
+
+fn main() -> ExitCode {
+    let mut args = std::env::args().skip(1);
+    let task = args.next().unwrap_or_default();
+    let rest: Vec<String> = args.collect();
+    let root = project_root();
     match task.as_str() {
-        "test" => {
-            let ok = Command::new(env!("CARGO"))
-                .args(["test", "--workspace"])
-                .status()
-                .map(|s| s.success())
-                .unwrap_or(false);
-            exit(if ok { 0 } else { 1 });
+        "test" | "ci" => test::run(&root, &rest),
+        "tidy" => {
+            let failures = tidy::run_all(&root);
+            if failures.is_empty() {
+                eprintln!("tidy: all checks passed");
+                ExitCode::SUCCESS
+            } else {
+                for f in &failures {
+                    eprintln!("tidy: {f}");
+                }
+                eprintln!("tidy: {} check(s) failed", failures.len());
+                ExitCode::FAILURE
+            }
         }
-        _ => {
-            eprintln!("usage: cargo xtask test");
-            exit(2);
+        "bench" => bench::run(&root, &rest),
+        "" | "help" | "-h" | "--help" => {
+            eprint!("{USAGE}");
+            if task.is_empty() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        other => {
+            eprintln!("xtask: unknown task `{other}`\n");
+            eprint!("{USAGE}");
+            ExitCode::from(2)
         }
     }
+}
+
+/// The workspace root: the parent of this crate's manifest directory.
+pub(crate) fn project_root() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    dir.parent().unwrap_or(dir).to_path_buf()
+}
+
+/// The `cargo` that runs us (cargo sets `CARGO` for `cargo run`), else `cargo` from PATH.
+pub(crate) fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string())
 }

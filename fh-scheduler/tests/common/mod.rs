@@ -1,6 +1,8 @@
 //! Helpers shared by the multi-rank tests.
 #![allow(dead_code)]
 
+pub mod cases;
+
 use std::sync::mpsc;
 use std::time::Duration;
 

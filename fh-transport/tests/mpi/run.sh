@@ -2,7 +2,7 @@
 # Run the MPI transport's collective suite under mpirun with 2, 3 and 4 ranks, once more in the
 # serialized fallback mode, through `fhrun --mpi`, and as an MPI singleton; then the scheduler
 # (fh-scheduler/examples/train_env.rs) over MPI with both presets, and mixed with TCP
-# (FH_TRANSPORT=mpi+tcp and tcp+mpi).
+# (FH_TRANSPORT=mpi+tcp and tcp+mpi); last the scheduler's multi-rank suite (sched_suite.sh).
 #
 #   fh-transport/tests/mpi/run.sh            # from anywhere inside the repository
 #
@@ -96,6 +96,10 @@ for mix in $mixes; do
             run "scheduler $sch np=3 FH_TRANSPORT=$mix" mpirun -np 3 "${FLAGS[@]}" "$TRAIN" 100
     done
 done
+
+# The scheduler's multi-rank suite: MPI at 2, 3 and 4 ranks with both presets, and TCP (its own
+# script, also runnable alone).
+run "scheduler multi-rank suite" fh-transport/tests/mpi/sched_suite.sh
 
 if [ "$failed" != 0 ]; then
     echo "mpi: FAILED" >&2

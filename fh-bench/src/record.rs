@@ -1,0 +1,215 @@
+//! The machine-readable record of a run (`run.json`): the configuration, the git revision and
+//! every figure with its unit.
+
+use serde::{Deserialize, Serialize};
+
+use crate::sim::{Link, Overheads};
+use crate::stats::Quantity;
+
+/// Version of the `run.json` layout.
+pub const SCHEMA: u32 = 1;
+
+/// Everything one `fh-bench` run measured and modelled.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// Layout version ([`SCHEMA`]).
+    pub schema: u32,
+    /// `fh-bench <version>`.
+    pub tool: String,
+    /// When the run started, UTC (`YYYY-MM-DDTHH:MM:SSZ`).
+    pub started_utc: String,
+    /// `git describe --always --dirty` of the repository, or `unknown`.
+    pub git_revision: String,
+    /// The machine.
+    pub host: Host,
+    /// The configuration.
+    pub config: RunConfig,
+    /// Collectives sweep.
+    #[serde(default)]
+    pub collectives: Vec<CollRow>,
+    /// Workload replay (the headline).
+    #[serde(default)]
+    pub replay: Vec<ReplayRow>,
+    /// Negotiation cost.
+    #[serde(default)]
+    pub negotiation: Vec<NegRow>,
+    /// Scale simulation (a model).
+    #[serde(default)]
+    pub simulation: Option<SimResult>,
+    /// What was not run, and why.
+    #[serde(default)]
+    pub skipped: Vec<Skipped>,
+    /// Wall time of the whole run.
+    pub wall: Quantity,
+}
+
+/// The machine the run was on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Host {
+    /// Host name.
+    pub hostname: String,
+    /// Logical CPUs.
+    pub cpus: usize,
+    /// `std::env::consts::OS`/`ARCH`.
+    pub os: String,
+}
+
+/// The configuration of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunConfig {
+    /// `--quick`.
+    pub quick: bool,
+    /// Ranks.
+    pub np: usize,
+    /// How ranks were started (`local` processes, `threads`, `mpirun`, `srun`).
+    pub launcher: String,
+    /// Hosts (`--hosts`), if any.
+    pub hosts: Option<String>,
+    /// The suites run.
+    pub suites: Vec<String>,
+    /// Collective sizes, bytes.
+    pub sizes: Vec<usize>,
+    /// Timed repeats per collective case.
+    pub repeats: usize,
+    /// Emulated backward pass of the replay, ms.
+    pub backward_ms: f64,
+    /// Measured replay steps (after one warm-up step).
+    pub steps: usize,
+    /// Workloads directory.
+    pub workloads_dir: String,
+    /// Workloads replayed.
+    pub workloads: Vec<String>,
+    /// Tensor counts of the negotiation measurement.
+    #[serde(default)]
+    pub tensor_counts: Vec<usize>,
+}
+
+/// One collectives case.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CollRow {
+    /// Transport (`tcp`, `local`, `openmpi`, ...).
+    pub transport: String,
+    /// Collective name.
+    pub collective: String,
+    /// Ranks.
+    pub np: usize,
+    /// Size in bytes (nccl-tests' definition).
+    pub bytes: usize,
+    /// Time of one collective (slowest rank per repeat), µs.
+    pub time: Quantity,
+    /// Algorithm bandwidth, GB/s.
+    pub algbw: Quantity,
+    /// Bus bandwidth, GB/s.
+    pub busbw: Quantity,
+}
+
+/// One replay configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReplayRow {
+    /// Workload (model).
+    pub workload: String,
+    /// Schedule preset or peer (`horovod`, `fasthorovod K=2`, peers `ddp-gloo`, `horovod-torch`).
+    pub schedule: String,
+    /// Ranks.
+    pub np: usize,
+    /// Gradient tensors per step.
+    pub tensors: usize,
+    /// Gradient bytes per step.
+    pub bytes: u64,
+    /// Emulated backward pass, ms.
+    pub backward: Quantity,
+    /// Step time (backward start to last gradient reduced; slowest rank), ms.
+    pub step: Quantity,
+    /// Exposed communication (step − backward), ms.
+    pub exposed: Quantity,
+    /// Steps per second.
+    pub throughput: Quantity,
+    /// Median step time ÷ the `horovod` preset's (same workload).
+    pub step_ratio_to_horovod: Option<f64>,
+    /// Median exposed communication ÷ the `horovod` preset's.
+    pub exposed_ratio_to_horovod: Option<f64>,
+}
+
+/// One negotiation configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NegRow {
+    /// `coordinator` (cache capacity 0) or `bit-vector`.
+    pub mode: String,
+    /// Ranks.
+    pub np: usize,
+    /// Tensors submitted per step.
+    pub tensors: usize,
+    /// Step latency: submit all tensors (1 element each), wait all, µs.
+    pub step_latency: Quantity,
+    /// Negotiation rounds per step.
+    pub rounds_per_step: Quantity,
+    /// Latency per negotiation round, µs.
+    pub round_latency: Quantity,
+    /// Negotiation bytes sent per round by one rank, B.
+    pub bytes_per_round: Quantity,
+}
+
+/// The scale simulation's output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SimResult {
+    /// What the model is and is not.
+    pub note: String,
+    /// Emulated backward per step, ms.
+    pub backward_ms: f64,
+    /// Link classes modelled.
+    pub links: Vec<Link>,
+    /// Software overheads used.
+    pub overheads: Overheads,
+    /// Where α, β and the overheads came from.
+    pub calibration: Vec<String>,
+    /// Projections.
+    pub rows: Vec<SimRow>,
+    /// The model at the measured rank count on the calibrated link, beside the measured replay.
+    #[serde(default)]
+    pub check: Vec<SimCheck>,
+}
+
+/// One projection.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SimRow {
+    /// Workload.
+    pub workload: String,
+    /// Link class.
+    pub link: String,
+    /// Schedule.
+    pub schedule: String,
+    /// Ranks.
+    pub ranks: usize,
+    /// Simulated step time, ms.
+    pub step: Quantity,
+    /// Simulated exposed communication, ms.
+    pub exposed: Quantity,
+    /// Scaling efficiency (ratio).
+    pub efficiency: Quantity,
+}
+
+/// Model against measurement.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SimCheck {
+    /// Workload.
+    pub workload: String,
+    /// Schedule.
+    pub schedule: String,
+    /// Ranks.
+    pub ranks: usize,
+    /// Measured median step, ms.
+    pub measured_ms: f64,
+    /// Simulated step on the calibrated link, ms.
+    pub simulated_ms: f64,
+}
+
+/// Something not run, with the reason.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Skipped {
+    /// Suite.
+    pub suite: String,
+    /// What was skipped.
+    pub what: String,
+    /// Why (and how to enable it).
+    pub reason: String,
+}

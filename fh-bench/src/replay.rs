@@ -1,0 +1,252 @@
+//! The workload replay (headline) and the negotiation-cost measurement, run by every rank
+//! through the engine (`fh-scheduler`).
+
+use std::time::{Duration, Instant};
+
+use fh_core::{DType, ReduceOp};
+use fh_scheduler::{AllreduceOptions, Config, Engine, Preset, Tensor};
+use fh_transport::Transport;
+use serde::{Deserialize, Serialize};
+
+use crate::workload::Workload;
+
+/// A schedule preset as the replay runs it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScheduleSpec {
+    /// `horovod` or `fasthorovod`.
+    pub preset: String,
+    /// Data channels (`fasthorovod` only).
+    pub channels: Option<usize>,
+}
+
+impl ScheduleSpec {
+    /// The presets compared: `horovod`, `fasthorovod` with K = 1, 2, 4.
+    pub fn all() -> Vec<ScheduleSpec> {
+        let mut v = vec![ScheduleSpec {
+            preset: "horovod".into(),
+            channels: None,
+        }];
+        for k in [1, 2, 4] {
+            v.push(ScheduleSpec {
+                preset: "fasthorovod".into(),
+                channels: Some(k),
+            });
+        }
+        v
+    }
+
+    /// `horovod` or `fasthorovod K=k` (the labels the simulation uses too).
+    pub fn label(&self) -> String {
+        match self.channels {
+            Some(k) => format!("{} K={k}", self.preset),
+            None => self.preset.clone(),
+        }
+    }
+
+    fn config(&self) -> Result<Config, String> {
+        let preset: Preset = self.preset.parse().map_err(|e| format!("{e}"))?;
+        let c = Config::preset(preset);
+        Ok(match self.channels {
+            Some(k) => c.channels(k),
+            None => c,
+        })
+    }
+}
+
+/// One replay configuration, as sent to every rank.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReplayJob {
+    /// Model name.
+    pub model: String,
+    /// (name, elements) of each gradient in release order (f32).
+    pub tensors: Vec<(String, usize)>,
+    /// When each becomes ready after the backward starts, seconds.
+    pub deadlines_s: Vec<f64>,
+    /// The schedule.
+    pub schedule: ScheduleSpec,
+    /// Untimed steps first.
+    pub warmup: usize,
+    /// Timed steps.
+    pub steps: usize,
+}
+
+impl ReplayJob {
+    /// The job for a workload.
+    pub fn new(
+        w: &Workload,
+        backward: Duration,
+        schedule: ScheduleSpec,
+        warmup: usize,
+        steps: usize,
+    ) -> Self {
+        ReplayJob {
+            model: w.model.clone(),
+            tensors: w
+                .tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.elements))
+                .collect(),
+            deadlines_s: w
+                .deadlines(backward)
+                .iter()
+                .map(|d| d.as_secs_f64())
+                .collect(),
+            schedule,
+            warmup,
+            steps,
+        }
+    }
+}
+
+/// Per timed step, seconds from backward start to the last gradient reduced (this rank).
+pub fn run_replay(job: &ReplayJob, transport: Box<dyn Transport>) -> Result<Vec<f64>, String> {
+    let engine = Engine::start(transport, job.schedule.config()?)
+        .map_err(|e| format!("starting the engine ({}): {e}", job.schedule.label()))?;
+    let result = replay_steps(&engine, job);
+    let stop = engine.shutdown();
+    let times = result?;
+    stop.map_err(|e| format!("engine shutdown: {e}"))?;
+    Ok(times)
+}
+
+fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<Vec<f64>, String> {
+    let err = |e: fh_scheduler::SchedulerError| e.to_string();
+    let mut tensors: Vec<Option<Tensor>> = job
+        .tensors
+        .iter()
+        .map(|(_, n)| Some(Tensor::from_slice(&vec![1.0f32; *n])))
+        .collect();
+    let mut times = Vec::with_capacity(job.steps);
+    for step in 0..job.warmup + job.steps {
+        engine.barrier().map_err(err)?.wait().map_err(err)?;
+        let t0 = Instant::now();
+        let mut handles = Vec::with_capacity(tensors.len());
+        for (i, (name, _)) in job.tensors.iter().enumerate() {
+            let due = t0 + Duration::from_secs_f64(job.deadlines_s[i]);
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            let t = tensors[i]
+                .take()
+                .ok_or_else(|| format!("tensor {name} missing"))?;
+            handles.push(
+                engine
+                    .allreduce(name, t, AllreduceOptions::with_op(ReduceOp::Average))
+                    .map_err(err)?,
+            );
+        }
+        for (i, h) in handles.into_iter().enumerate() {
+            tensors[i] = Some(h.wait().map_err(err)?);
+        }
+        let elapsed = t0.elapsed().as_secs_f64();
+        if step >= job.warmup {
+            times.push(elapsed);
+        }
+    }
+    // The average of ones is one: check the first element of every gradient.
+    for (i, t) in tensors.iter().enumerate() {
+        let t = t.as_ref().ok_or("tensor missing after the replay")?;
+        if t.dtype() != DType::F32 || t.data().len() < 4 || t.data()[..4] != 1.0f32.to_ne_bytes() {
+            return Err(format!(
+                "wrong result for {}: the average of ones is not one",
+                job.tensors[i].0
+            ));
+        }
+    }
+    Ok(times)
+}
+
+/// One negotiation measurement, as sent to every rank.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NegotiationJob {
+    /// `coordinator` (cache capacity 0: the coordinator every round) or `bit-vector` (a cache
+    /// with room for every name).
+    pub mode: String,
+    /// Tensors per step (one f32 each).
+    pub tensors: usize,
+    /// Untimed steps first (the first one fills the cache).
+    pub warmup: usize,
+    /// Timed steps.
+    pub steps: usize,
+}
+
+/// What a rank measured per timed step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NegotiationStep {
+    /// Submit all, wait all, seconds.
+    pub seconds: f64,
+    /// Negotiation rounds during the step.
+    pub rounds: u64,
+    /// Negotiation bytes this rank sent during the step.
+    pub bytes: u64,
+    /// Time spent in negotiation rounds during the step, seconds.
+    pub negotiation_s: f64,
+}
+
+/// Runs a negotiation job on this rank.
+pub fn run_negotiation(
+    job: &NegotiationJob,
+    transport: Box<dyn Transport>,
+) -> Result<Vec<NegotiationStep>, String> {
+    let config = Config::preset(Preset::FastHorovod).channels(1);
+    // Coordinator: no cache, every round goes through rank 0. Bit-vector: a cache large
+    // enough for every name, so that steady-state rounds are bit vectors only.
+    let config = if job.mode == "coordinator" {
+        config.cache_capacity(0)
+    } else {
+        let slots = config.cache_capacity.max(job.tensors + 16);
+        config.cache_capacity(slots)
+    };
+    let engine =
+        Engine::start(transport, config).map_err(|e| format!("starting the engine: {e}"))?;
+    let result = negotiation_steps(&engine, job);
+    let stop = engine.shutdown();
+    let out = result?;
+    stop.map_err(|e| format!("engine shutdown: {e}"))?;
+    Ok(out)
+}
+
+fn negotiation_steps(
+    engine: &Engine,
+    job: &NegotiationJob,
+) -> Result<Vec<NegotiationStep>, String> {
+    let err = |e: fh_scheduler::SchedulerError| e.to_string();
+    let names: Vec<String> = (0..job.tensors).map(|i| format!("neg.{i}")).collect();
+    let mut out = Vec::with_capacity(job.steps);
+    for step in 0..job.warmup + job.steps {
+        engine.barrier().map_err(err)?.wait().map_err(err)?;
+        let s0 = engine.stats();
+        let t0 = Instant::now();
+        let handles = names
+            .iter()
+            .map(|n| {
+                engine.allreduce(
+                    n,
+                    Tensor::from_slice(&[1.0f32]),
+                    AllreduceOptions::with_op(ReduceOp::Sum),
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(err)?;
+        for h in handles {
+            h.wait().map_err(err)?;
+        }
+        let seconds = t0.elapsed().as_secs_f64();
+        let s1 = engine.stats();
+        if step >= job.warmup {
+            out.push(NegotiationStep {
+                seconds,
+                rounds: s1.rounds.saturating_sub(s0.rounds),
+                bytes: s1
+                    .negotiation_bytes_sent
+                    .saturating_sub(s0.negotiation_bytes_sent),
+                negotiation_s: s1
+                    .negotiation_time
+                    .saturating_sub(s0.negotiation_time)
+                    .as_secs_f64(),
+            });
+        }
+    }
+    Ok(out)
+}

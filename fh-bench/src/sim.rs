@@ -1,0 +1,685 @@
+//! The scale simulation: a discrete-event **model** (not a measurement) of the two schedules,
+//! replaying a workload's gradient release times against α–β network costs.
+//!
+//! Model, per step (one emulated backward pass of `B` seconds, gradient i ready at
+//! `B × (share₀ + … + shareᵢ)`):
+//!
+//! - **Collective cost.** A fused group of `m` bytes is one allreduce on `p` ranks, ring or
+//!   recursive doubling, whichever is cheaper alone (as the transport picks by size). Ring: a
+//!   latency part `2(p−1)·α + o` (o: per-collective software overhead) and a bandwidth part of
+//!   `2(p−1)/p · m` bytes per rank; recursive doubling: `⌈log₂ p⌉·α + o` and `⌈log₂ p⌉·m`. Bandwidth parts in flight at the same time
+//!   share the link fairly (processor sharing), each at most `stream_cap` (a single TCP stream
+//!   rarely fills a fast link; NVLink-class links have no such cap).
+//! - **Negotiation round.** Costs `r + ⌈log₂ p⌉·α` (a small recursive-doubling allreduce of
+//!   the bit vector plus the software overhead `r`).
+//! - **`horovod`** (one background thread): a loop that starts at most every `cycle` seconds,
+//!   negotiates the tensors ready at its start, then executes the fused groups one after
+//!   another itself; tensors that become ready meanwhile wait for the next loop.
+//! - **`fasthorovod` K**: negotiation wakes when a tensor is ready and never waits for
+//!   execution, as implemented (optionally, `+bp`, with back-pressure: a new round starts only
+//!   while some channel has nothing queued, so tensors ready meanwhile fuse together — a
+//!   variant the model evaluates, not the engine's behaviour); each round's tensors (tensors larger than the partition size split into chunks)
+//!   are fused up to the fusion threshold and the groups go to K channels (least queued bytes
+//!   first), which execute concurrently.
+//!
+//! Step time = time the last group completes; exposed communication = step − B; scaling
+//! efficiency = (F + B) / (F + step) with a forward pass F = B/2 that is not overlapped.
+
+use serde::{Deserialize, Serialize};
+
+use crate::workload::Workload;
+
+/// A network link class.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Link {
+    /// Name (`25 Gb/s`, `NVLink-class`, ...).
+    pub name: String,
+    /// Per-message latency α, seconds.
+    pub alpha_s: f64,
+    /// Link bandwidth per rank and direction, bytes per second (1/β).
+    pub bandwidth_bps: f64,
+    /// Most one stream (one channel) reaches, bytes per second; `None` = the link's.
+    pub stream_cap_bps: Option<f64>,
+}
+
+impl Link {
+    /// The documented default link classes: 25/100/400 Gb/s Ethernet-class (TCP; a single
+    /// stream assumed to reach at most 25, 40 and 50 Gb/s) and NVLink-class (300 GB/s, no cap).
+    pub fn defaults() -> Vec<Link> {
+        let gbit = |g: f64| g * 1e9 / 8.0;
+        vec![
+            Link {
+                name: "25 Gb/s".into(),
+                alpha_s: 10e-6,
+                bandwidth_bps: gbit(25.0),
+                stream_cap_bps: None,
+            },
+            Link {
+                name: "100 Gb/s".into(),
+                alpha_s: 8e-6,
+                bandwidth_bps: gbit(100.0),
+                stream_cap_bps: Some(gbit(40.0)),
+            },
+            Link {
+                name: "400 Gb/s".into(),
+                alpha_s: 5e-6,
+                bandwidth_bps: gbit(400.0),
+                stream_cap_bps: Some(gbit(50.0)),
+            },
+            Link {
+                name: "NVLink-class".into(),
+                alpha_s: 2e-6,
+                bandwidth_bps: 300e9,
+                stream_cap_bps: None,
+            },
+        ]
+    }
+}
+
+/// Which schedule is modelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScheduleKind {
+    /// Horovod's cycle loop: negotiation and execution on one thread.
+    Horovod,
+    /// Pipelined negotiation and K channels.
+    FastHorovod,
+}
+
+/// A schedule's parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Schedule {
+    /// The kind.
+    pub kind: ScheduleKind,
+    /// Data channels (1 for `horovod`).
+    pub channels: usize,
+    /// Loop period of `horovod`, seconds.
+    pub cycle_s: f64,
+    /// Fusion threshold, bytes.
+    pub fusion_bytes: usize,
+    /// Tensors larger than this are split into chunks across channels (`fasthorovod`).
+    pub partition_bytes: usize,
+    /// `fasthorovod`: start a round only while some channel has nothing queued.
+    #[serde(default)]
+    pub back_pressure: bool,
+}
+
+impl Schedule {
+    /// The `horovod` preset: 1 ms cycle, one thread, 128 MiB fusion (Horovod 0.28's).
+    pub fn horovod() -> Self {
+        Schedule {
+            kind: ScheduleKind::Horovod,
+            channels: 1,
+            cycle_s: 1e-3,
+            fusion_bytes: 128 << 20,
+            partition_bytes: usize::MAX,
+            back_pressure: false,
+        }
+    }
+
+    /// The `fasthorovod` preset with `k` channels: 64 MiB fusion, 16 MiB partitions.
+    pub fn fasthorovod(k: usize) -> Self {
+        Schedule {
+            kind: ScheduleKind::FastHorovod,
+            channels: k.max(1),
+            cycle_s: 0.0,
+            fusion_bytes: 64 << 20,
+            partition_bytes: 16 << 20,
+            back_pressure: false,
+        }
+    }
+
+    /// The same schedule with back-pressure on negotiation (`fasthorovod` only).
+    pub fn with_back_pressure(mut self) -> Self {
+        self.back_pressure = true;
+        self
+    }
+
+    /// `horovod` or `fasthorovod K=k`.
+    pub fn label(&self) -> String {
+        match self.kind {
+            ScheduleKind::Horovod => "horovod".into(),
+            ScheduleKind::FastHorovod if self.back_pressure => {
+                format!("fasthorovod K={} +bp", self.channels)
+            }
+            ScheduleKind::FastHorovod => format!("fasthorovod K={}", self.channels),
+        }
+    }
+}
+
+/// Software costs, seconds (calibrated from measurements when available).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Overheads {
+    /// Per negotiation round, besides the network latency.
+    pub round_s: f64,
+    /// Per collective (pack, launch, unpack), besides the network costs.
+    pub per_collective_s: f64,
+}
+
+impl Default for Overheads {
+    /// Documented defaults: 30 µs per round, 20 µs per collective.
+    fn default() -> Self {
+        Overheads {
+            round_s: 30e-6,
+            per_collective_s: 20e-6,
+        }
+    }
+}
+
+/// Time of one ring allreduce of `bytes` on `p` ranks without contention:
+/// `2(p−1)·α + 2(p−1)/p · bytes · β` (0 for one rank). The reference formula the simulator's
+/// uncontended transfers must reproduce (checked in the tests).
+#[cfg_attr(not(test), allow(dead_code))]
+pub fn ring_allreduce_time(bytes: f64, p: usize, alpha: f64, beta: f64) -> f64 {
+    if p <= 1 {
+        return 0.0;
+    }
+    let pf = p as f64;
+    2.0 * (pf - 1.0) * alpha + 2.0 * (pf - 1.0) / pf * bytes * beta
+}
+
+/// Cost of one negotiation round on `p` ranks.
+pub fn round_time(p: usize, link: &Link, o: &Overheads) -> f64 {
+    let steps = if p <= 1 {
+        0.0
+    } else {
+        (p as f64).log2().ceil()
+    };
+    o.round_s + steps * link.alpha_s
+}
+
+/// A simulated step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepModel {
+    /// Seconds from backward start to the last gradient reduced.
+    pub step_s: f64,
+    /// Negotiation rounds.
+    pub rounds: usize,
+    /// Fused collectives executed.
+    pub collectives: usize,
+}
+
+struct Transfer {
+    latency_end: f64,
+    remaining: f64,
+}
+
+/// Simulates one step of `sizes` (bytes, in release order) released at `ready` (seconds).
+pub fn simulate_step(
+    sizes: &[usize],
+    ready: &[f64],
+    p: usize,
+    link: &Link,
+    sched: &Schedule,
+    o: &Overheads,
+) -> StepModel {
+    assert_eq!(sizes.len(), ready.len(), "one ready time per tensor");
+    let k = match sched.kind {
+        ScheduleKind::Horovod => 1,
+        ScheduleKind::FastHorovod => sched.channels.max(1),
+    };
+    let cap = link.stream_cap_bps.unwrap_or(f64::INFINITY);
+    // Per group: (latency part, wire bytes) of the cheaper algorithm, ring or recursive
+    // doubling, as the transport picks by size.
+    let cost = |m: usize| -> (f64, f64) {
+        if p <= 1 {
+            return (o.per_collective_s, 0.0);
+        }
+        let (ring_l, ring_w) = (
+            2.0 * (p as f64 - 1.0) * link.alpha_s,
+            2.0 * (p as f64 - 1.0) / p as f64 * m as f64,
+        );
+        let steps = (p as f64).log2().ceil();
+        let (rd_l, rd_w) = (steps * link.alpha_s, steps * m as f64);
+        let bw = link.bandwidth_bps.min(cap);
+        if rd_l + rd_w / bw < ring_l + ring_w / bw {
+            (rd_l + o.per_collective_s, rd_w)
+        } else {
+            (ring_l + o.per_collective_s, ring_w)
+        }
+    };
+    let round = round_time(p, link, o);
+
+    let mut now = 0.0f64;
+    let mut next_tensor = 0usize; // next tensor to become ready
+    let mut pending: Vec<usize> = Vec::new(); // ready, not yet negotiated
+    let mut negotiating: Option<(f64, Vec<usize>)> = None; // (end, tensors)
+    let mut queues: Vec<std::collections::VecDeque<usize>> = vec![Default::default(); k]; // group bytes
+    let mut queued_bytes = vec![0usize; k];
+    let mut active: Vec<Option<Transfer>> = (0..k).map(|_| None).collect();
+    let mut loop_start = 0.0f64; // horovod: start of the current loop
+    let mut in_loop = false; // horovod: a loop is negotiating or executing
+    let mut next_tick = 0.0f64; // horovod: when the next loop may start (then every cycle)
+    let cycle = sched.cycle_s.max(1e-12);
+    let tick_at = |next_tick: f64, now: f64| {
+        let j = ((now - next_tick) / cycle - 1e-9).ceil().max(0.0);
+        next_tick + j * cycle
+    };
+    let mut rounds = 0;
+    let mut collectives = 0;
+    let mut done_tensors = 0usize; // tensors whose negotiation finished
+    let mut last_completion = 0.0f64;
+    let total = sizes.len();
+
+    let mut guard = 0u64;
+    loop {
+        guard += 1;
+        if guard > 50_000_000 {
+            debug_assert!(false, "the simulation did not converge");
+            break;
+        }
+        // Admit ready tensors.
+        while next_tensor < total && ready[next_tensor] <= now + 1e-15 {
+            pending.push(next_tensor);
+            next_tensor += 1;
+        }
+        // Finish a negotiation round whose time has come.
+        if let Some((end, _)) = &negotiating {
+            if *end <= now + 1e-15 {
+                let (_, tensors) = negotiating.take().unwrap_or_default();
+                done_tensors += tensors.len();
+                let groups = fuse(&tensors, sizes, sched, k);
+                for g in groups {
+                    let c = (0..k).min_by_key(|&c| (queued_bytes[c], c)).unwrap_or(0);
+                    queues[c].push_back(g);
+                    queued_bytes[c] += g;
+                }
+            }
+        }
+        // Start transfers on idle channels.
+        for c in 0..k {
+            if active[c].is_none() {
+                if let Some(g) = queues[c].pop_front() {
+                    queued_bytes[c] -= g;
+                    collectives += 1;
+                    let (latency, wire) = cost(g);
+                    active[c] = Some(Transfer {
+                        latency_end: now + latency,
+                        remaining: wire,
+                    });
+                }
+            }
+        }
+        let channels_idle =
+            active.iter().all(Option::is_none) && queues.iter().all(|q| q.is_empty());
+        if in_loop && negotiating.is_none() && channels_idle {
+            in_loop = false;
+            next_tick = (loop_start + cycle).max(now);
+        }
+        // Start a negotiation round.
+        if negotiating.is_none() && !pending.is_empty() {
+            let may_start = match sched.kind {
+                // With back-pressure, a new round only while some channel has nothing queued,
+                // so that tensors ready meanwhile are fused together.
+                ScheduleKind::FastHorovod => {
+                    !sched.back_pressure || queues.iter().map(|q| q.len()).sum::<usize>() < k
+                }
+                ScheduleKind::Horovod => !in_loop && tick_at(next_tick, now) <= now + 1e-12,
+            };
+            if may_start {
+                if sched.kind == ScheduleKind::Horovod {
+                    loop_start = now;
+                    in_loop = true;
+                }
+                rounds += 1;
+                negotiating = Some((now + round, std::mem::take(&mut pending)));
+            }
+        }
+        if done_tensors == total && channels_idle && negotiating.is_none() {
+            break;
+        }
+        // Next event.
+        let in_bw = active
+            .iter()
+            .filter(|t| matches!(t, Some(t) if t.latency_end <= now + 1e-15))
+            .count();
+        let rate = if in_bw == 0 {
+            0.0
+        } else {
+            (link.bandwidth_bps / in_bw as f64).min(cap)
+        };
+        let mut next = f64::INFINITY;
+        if next_tensor < total {
+            next = next.min(ready[next_tensor]);
+        }
+        if let Some((end, _)) = &negotiating {
+            next = next.min(*end);
+        }
+        let mut finish = vec![f64::INFINITY; k];
+        for (c, t) in active.iter().enumerate() {
+            if let Some(t) = t {
+                if t.latency_end > now + 1e-15 {
+                    next = next.min(t.latency_end);
+                } else if rate > 0.0 {
+                    finish[c] = now + t.remaining / rate;
+                    next = next.min(finish[c]);
+                } else {
+                    finish[c] = now; // nothing left to send
+                    next = now;
+                }
+            }
+        }
+        if sched.kind == ScheduleKind::Horovod && !in_loop && !pending.is_empty() {
+            next = next.min(tick_at(next_tick, now));
+        }
+        if !next.is_finite() {
+            break; // nothing left that can happen
+        }
+        let dt = (next - now).max(0.0);
+        // Progress the bandwidth parts; complete the transfers that finish now (decided by
+        // their finish time, so that rounding cannot leave a sliver that never ends).
+        for (c, slot) in active.iter_mut().enumerate() {
+            if let Some(t) = slot {
+                if finish[c] <= next + 1e-12 * next.abs().max(1e-9) {
+                    *slot = None;
+                    last_completion = next;
+                } else if t.latency_end <= now + 1e-15 {
+                    t.remaining = (t.remaining - rate * dt).max(0.0);
+                }
+            }
+        }
+        now = next;
+    }
+    StepModel {
+        step_s: last_completion.max(ready.last().copied().unwrap_or(0.0)),
+        rounds,
+        collectives,
+    }
+}
+
+/// Fuses one round's tensors into groups (byte sizes), in order. `fasthorovod` splits tensors
+/// above the partition size into at least `k` chunks, each its own group, so that they spread
+/// over the channels; the other tensors are fused up to the fusion threshold (a single tensor
+/// above it forms its own group).
+fn fuse(tensors: &[usize], sizes: &[usize], sched: &Schedule, k: usize) -> Vec<usize> {
+    let mut groups = Vec::new();
+    let mut cur = 0usize;
+    for &t in tensors {
+        let m = sizes[t];
+        if sched.kind == ScheduleKind::FastHorovod && m > sched.partition_bytes && k > 1 {
+            if cur > 0 {
+                groups.push(cur);
+                cur = 0;
+            }
+            let chunks = m.div_ceil(sched.partition_bytes).max(k);
+            let base = m / chunks;
+            for i in 0..chunks {
+                groups.push(if i + 1 == chunks {
+                    m - base * (chunks - 1)
+                } else {
+                    base
+                });
+            }
+            continue;
+        }
+        if cur > 0 && cur + m > sched.fusion_bytes {
+            groups.push(cur);
+            cur = 0;
+        }
+        cur += m;
+    }
+    if cur > 0 {
+        groups.push(cur);
+    }
+    groups
+}
+
+/// A workload's step under a schedule, link and rank count.
+pub fn simulate_workload(
+    w: &Workload,
+    backward_s: f64,
+    p: usize,
+    link: &Link,
+    sched: &Schedule,
+    o: &Overheads,
+) -> StepModel {
+    let sizes: Vec<usize> = (0..w.tensors.len()).map(|i| w.bytes(i)).collect();
+    let ready: Vec<f64> = w
+        .deadlines(std::time::Duration::from_secs_f64(backward_s))
+        .iter()
+        .map(|d| d.as_secs_f64())
+        .collect();
+    simulate_step(&sizes, &ready, p, link, sched, o)
+}
+
+/// Scaling efficiency with a non-overlapped forward pass of half the backward.
+pub fn efficiency(backward_s: f64, step_s: f64) -> f64 {
+    let f = backward_s / 2.0;
+    (f + backward_s) / (f + step_s)
+}
+
+/// α and bandwidth of a link fitted to measured allreduce times on `p` ranks, against
+/// `t = 2(p−1)α + 2(p−1)/p·m·β`: β from the slope between the two largest sizes (the regime
+/// fused groups live in), α from the smallest size less its bandwidth term; with fewer than two
+/// sizes or a non-positive slope, `None`.
+pub fn calibrate_link(name: &str, p: usize, points: &[(f64, f64)]) -> Option<Link> {
+    if p < 2 {
+        return None;
+    }
+    let mut pts: Vec<(f64, f64)> = points
+        .iter()
+        .copied()
+        .filter(|q| q.0.is_finite() && q.1.is_finite() && q.1 > 0.0)
+        .collect();
+    pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    pts.dedup_by(|a, b| a.0 == b.0);
+    if pts.len() < 2 {
+        return None;
+    }
+    let pf = p as f64;
+    let (hi, lo) = (pts[pts.len() - 1], pts[pts.len() - 2]);
+    let slope = (hi.1 - lo.1) / (hi.0 - lo.0);
+    let beta = slope / (2.0 * (pf - 1.0) / pf);
+    if beta <= 0.0 || !beta.is_finite() {
+        return None;
+    }
+    let small = pts[0];
+    let alpha = ((small.1 - slope * small.0) / (2.0 * (pf - 1.0))).max(1e-7);
+    Some(Link {
+        name: name.to_string(),
+        alpha_s: alpha,
+        bandwidth_bps: 1.0 / beta,
+        stream_cap_bps: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-9 * b.abs().max(1e-6)
+    }
+
+    fn link(alpha: f64, bw: f64, cap: Option<f64>) -> Link {
+        Link {
+            name: "test".into(),
+            alpha_s: alpha,
+            bandwidth_bps: bw,
+            stream_cap_bps: cap,
+        }
+    }
+
+    const NO_OVERHEAD: Overheads = Overheads {
+        round_s: 0.0,
+        per_collective_s: 0.0,
+    };
+
+    #[test]
+    fn ring_allreduce_by_hand() {
+        // 2·3·10 µs + 1.5 · 1 MB · 1 ns = 60 µs + 1.5 ms.
+        assert!(close(ring_allreduce_time(1e6, 4, 1e-5, 1e-9), 1.56e-3));
+        assert!(close(ring_allreduce_time(1e6, 2, 1e-5, 1e-9), 2e-5 + 1e-3));
+        assert_eq!(ring_allreduce_time(1e9, 1, 1.0, 1.0), 0.0);
+        // 1024 ranks: 2·1023·5 µs + 2·1023/1024 · 100 MB / 50 GB/s.
+        let t = ring_allreduce_time(100e6, 1024, 5e-6, 1.0 / 50e9);
+        assert!(close(
+            t,
+            2.0 * 1023.0 * 5e-6 + 2.0 * 1023.0 / 1024.0 * 100e6 / 50e9
+        ));
+    }
+
+    #[test]
+    fn one_tensor_fasthorovod_by_hand() {
+        // Ready at 10 ms; round = 30 µs + log2(4)·10 µs = 50 µs; collective = 20 µs + 60 µs
+        // + 1.5 ms → step = 10 ms + 50 µs + 1.58 ms.
+        let l = link(1e-5, 1e9, None);
+        let o = Overheads::default();
+        let m = simulate_step(&[1_000_000], &[0.010], 4, &l, &Schedule::fasthorovod(1), &o);
+        assert!(close(m.step_s, 0.010 + 50e-6 + 20e-6 + 1.56e-3), "{m:?}");
+        assert_eq!((m.rounds, m.collectives), (1, 1));
+    }
+
+    #[test]
+    fn horovod_waits_for_its_cycle_and_its_own_execution() {
+        let l = link(1e-5, 1e9, None);
+        let coll = 1.56e-3;
+        // Loops tick at 0, 1 ms, 2 ms, ... while idle: the tensor ready at 0.5 ms is negotiated
+        // at 1 ms (round: log2(4)·α = 20 µs), then reduced.
+        let h = Schedule::horovod();
+        let m = simulate_step(&[1_000_000], &[0.0005], 4, &l, &h, &NO_OVERHEAD);
+        assert!(close(m.step_s, 0.001 + 2e-5 + coll), "{m:?}");
+        // At 1.0 ms exactly it goes at once.
+        let m = simulate_step(&[1_000_000], &[0.001], 4, &l, &h, &NO_OVERHEAD);
+        assert!(close(m.step_s, 0.001 + 2e-5 + coll), "{m:?}");
+        // Two tensors: the second becomes ready while the first executes; it waits for the
+        // loop to finish (execution) and for the next cycle tick 1 ms after the first start.
+        let m = simulate_step(
+            &[1_000_000, 1_000_000],
+            &[0.0, 0.0002],
+            4,
+            &l,
+            &h,
+            &NO_OVERHEAD,
+        );
+        let first_end = 2e-5 + coll; // 1.58 ms > 1 ms cycle: the next loop starts at once
+        assert!(close(m.step_s, first_end + 2e-5 + coll), "{m:?}");
+        assert_eq!(m.rounds, 2);
+        // With fasthorovod K=1, the second round overlaps the first collective.
+        let m = simulate_step(
+            &[1_000_000, 1_000_000],
+            &[0.0, 0.0002],
+            4,
+            &l,
+            &Schedule::fasthorovod(1),
+            &NO_OVERHEAD,
+        );
+        assert!(close(m.step_s, 2e-5 + coll + coll), "{m:?}");
+    }
+
+    #[test]
+    fn channels_share_bandwidth_and_overlap_latency() {
+        // Two 1 MB tensors ready at 0, 2 ranks: one round of α = 10 µs, then per tensor
+        // (recursive doubling = ring's bytes on 2 ranks, half its latency) α = 10 µs and 1 MB
+        // at 1 GB/s. K=1: 10 + 1000 + 10 + 1000 µs. K=2: both latencies together, then 2 MB
+        // at 1 GB/s shared: 10 µs + 2 ms.
+        let l = link(1e-5, 1e9, None);
+        let sizes = [1_000_000, 1_000_000];
+        let mut s1 = Schedule::fasthorovod(1);
+        s1.fusion_bytes = 1; // no fusion: one collective per tensor
+        let mut s2 = s1.clone();
+        s2.channels = 2;
+        let m1 = simulate_step(&sizes, &[0.0, 0.0], 2, &l, &s1, &NO_OVERHEAD);
+        let m2 = simulate_step(&sizes, &[0.0, 0.0], 2, &l, &s2, &NO_OVERHEAD);
+        assert!(close(m1.step_s, 1e-5 + 2.0 * (1e-5 + 1e-3)), "{m1:?}");
+        assert!(close(m2.step_s, 1e-5 + 1e-5 + 2e-3), "{m2:?}");
+        // A stream cap of half the link: one channel reaches only 0.5 GB/s; two fill the link.
+        let capped = link(1e-5, 1e9, Some(0.5e9));
+        let m1 = simulate_step(&sizes, &[0.0, 0.0], 2, &capped, &s1, &NO_OVERHEAD);
+        let m2 = simulate_step(&sizes, &[0.0, 0.0], 2, &capped, &s2, &NO_OVERHEAD);
+        assert!(close(m1.step_s, 1e-5 + 2.0 * (1e-5 + 2e-3)), "{m1:?}");
+        assert!(close(m2.step_s, 1e-5 + 1e-5 + 2e-3), "{m2:?}");
+    }
+
+    #[test]
+    fn small_messages_use_recursive_doubling_at_scale() {
+        // 1 KB on 1024 ranks: ring latency 2·1023·α ≫ recursive doubling 10·(α + 1 KB·β).
+        let l = link(1e-5, 1e9, None);
+        let m = simulate_step(
+            &[1000],
+            &[0.0],
+            1024,
+            &l,
+            &Schedule::fasthorovod(1),
+            &NO_OVERHEAD,
+        );
+        // round: 10 α; collective: 10 α + 10 KB at 1 GB/s.
+        assert!(
+            close(m.step_s, 10.0 * 1e-5 + 10.0 * 1e-5 + 1e4 / 1e9),
+            "{m:?}"
+        );
+    }
+
+    #[test]
+    fn back_pressure_fuses_what_becomes_ready_meanwhile() {
+        // K=1: the first tensor runs for ~1 ms; the 3 tensors ready meanwhile are negotiated
+        // in one round (one queued group), then a later round: 3 collectives in all, not 4.
+        let l = link(1e-5, 1e9, None);
+        let sizes = [1_000_000, 1000, 1000, 1000];
+        let ready = [0.0, 1e-4, 2e-4, 3e-4];
+        let bp = Schedule::fasthorovod(1).with_back_pressure();
+        let m = simulate_step(&sizes, &ready, 2, &l, &bp, &NO_OVERHEAD);
+        assert_eq!(m.collectives, 3, "{m:?}");
+        // Without back-pressure every small tensor gets its own round and collective.
+        let m = simulate_step(
+            &sizes,
+            &ready,
+            2,
+            &l,
+            &Schedule::fasthorovod(1),
+            &NO_OVERHEAD,
+        );
+        assert_eq!(m.collectives, 4, "{m:?}");
+    }
+
+    #[test]
+    fn fusion_and_partition() {
+        let f = Schedule::fasthorovod(4);
+        // 40 MiB splits into 4 chunks of 10 MiB (16 MiB partitions would give 3; at least K),
+        // each its own group; small tensors around it fuse with each other.
+        let sizes = [1 << 20, 40 << 20, 1 << 20, 2 << 20];
+        let g = fuse(&[0, 1, 2, 3], &sizes, &f, 4);
+        assert_eq!(
+            g,
+            [1 << 20, 10 << 20, 10 << 20, 10 << 20, 10 << 20, 3 << 20]
+        );
+        // 100 MiB: 7 chunks (ceil(100/16)), the last one takes the remainder.
+        let g = fuse(&[0], &[100 << 20], &f, 4);
+        assert_eq!(g.len(), 7);
+        assert_eq!(g.iter().sum::<usize>(), 100 << 20);
+        let mut f1 = f.clone();
+        f1.fusion_bytes = 2 << 20;
+        assert_eq!(fuse(&[0, 2, 3], &sizes, &f1, 4), [2 << 20, 2 << 20]);
+        let sizes = [40 << 20, 1 << 20];
+        let h = Schedule::horovod();
+        assert_eq!(fuse(&[0, 1], &sizes, &h, 1), [(41 << 20)]);
+        assert_eq!(
+            fuse(&[0, 0, 0, 0], &[40 << 20], &h, 1),
+            [(120 << 20), (40 << 20)]
+        );
+    }
+
+    #[test]
+    fn calibration_recovers_alpha_and_beta() {
+        let (alpha, beta, p) = (20e-6, 1.0 / 2e9, 4usize);
+        let points: Vec<(f64, f64)> = [1e3, 1e5, 1e6, 1e7, 6e7]
+            .iter()
+            .map(|&m| (m, ring_allreduce_time(m, p, alpha, beta)))
+            .collect();
+        let l = calibrate_link("loopback", p, &points).unwrap();
+        assert!(close(l.alpha_s, alpha), "{l:?}");
+        assert!(close(l.bandwidth_bps, 2e9), "{l:?}");
+        assert!(calibrate_link("x", p, &points[..1]).is_none());
+        // Noisy large sizes must not swamp α: 10 % error on the largest point only.
+        let mut noisy = points.clone();
+        noisy[4].1 *= 1.1;
+        let l = calibrate_link("loopback", p, &noisy).unwrap();
+        assert!((l.alpha_s - alpha).abs() < 0.1 * alpha, "{l:?}");
+    }
+
+    #[test]
+    fn efficiency_definition() {
+        assert_eq!(efficiency(0.1, 0.1), 1.0);
+        assert!(close(efficiency(0.1, 0.2), 0.15 / 0.25));
+    }
+}

@@ -1,0 +1,171 @@
+//! The `simulate` suite: calibrates the model from measured figures, projects step time and
+//! scaling efficiency for 8 … 1024 ranks, and checks the model against the measured replay.
+
+use crate::record::{RunRecord, SimCheck, SimResult, SimRow};
+use crate::sim::{self, Link, Overheads, Schedule};
+use crate::stats::Quantity;
+use crate::workload::Workload;
+
+/// What the simulation is, said in every report.
+pub const NOTE: &str = "MODEL, not a measurement: a discrete-event simulation of both schedules \
+(negotiation rounds, fusion, K channels sharing the link, alpha-beta costs of ring or \
+recursive-doubling allreduce), fed by \
+the workloads' gradient sizes and release times. Step time = backward start to last gradient \
+reduced; efficiency = (F + B) / (F + step) with a forward pass F = B/2.";
+
+/// Rank counts projected.
+pub fn ranks(quick: bool) -> Vec<usize> {
+    let _ = quick;
+    (3..=10).map(|k| 1usize << k).collect()
+}
+
+/// The schedules compared.
+pub fn schedules() -> Vec<Schedule> {
+    vec![
+        Schedule::horovod(),
+        Schedule::fasthorovod(1),
+        Schedule::fasthorovod(2),
+        Schedule::fasthorovod(4),
+        Schedule::fasthorovod(4).with_back_pressure(),
+    ]
+}
+
+/// Calibration from a run's figures: a loopback link fitted to the allreduce sweep (TCP, else
+/// the in-process transport) and the per-round overhead from the negotiation measurements.
+pub fn calibrate(
+    record: &RunRecord,
+    source: &str,
+) -> (Option<(Link, usize)>, Overheads, Vec<String>) {
+    let mut notes = Vec::new();
+    let mut overheads = Overheads::default();
+    let mut link = None;
+    for transport in ["tcp", "local"] {
+        let rows: Vec<_> = record
+            .collectives
+            .iter()
+            .filter(|r| r.transport == transport && r.collective == "allreduce")
+            .collect();
+        let Some(np) = rows.first().map(|r| r.np) else {
+            continue;
+        };
+        let points: Vec<(f64, f64)> = rows
+            .iter()
+            .filter(|r| r.np == np && r.time.median.is_finite())
+            .map(|r| (r.bytes as f64, r.time.median * 1e-6))
+            .collect();
+        if let Some(l) = sim::calibrate_link(&format!("measured {transport} loopback"), np, &points)
+        {
+            notes.push(format!(
+                "alpha = {:.1} us, bandwidth = {:.2} GB/s: fitted to the {transport} \
+                 allreduce sweep at np = {np} ({} sizes; beta from the two largest, alpha \
+                 from the smallest) from {source}",
+                l.alpha_s * 1e6,
+                l.bandwidth_bps / 1e9,
+                points.len()
+            ));
+            link = Some((l, np));
+            break;
+        }
+    }
+    if link.is_none() {
+        notes.push(format!(
+            "no allreduce sweep in {source}: the loopback check is skipped; link classes use \
+             documented defaults"
+        ));
+    }
+    let bitvec: Vec<_> = record
+        .negotiation
+        .iter()
+        .filter(|r| r.mode == "bit-vector" && r.round_latency.median.is_finite())
+        .collect();
+    // The fewest tensors: a round's fixed cost, not the per-tensor bookkeeping.
+    let largest_np = bitvec.iter().map(|r| r.np).max();
+    if let Some(r) = bitvec
+        .iter()
+        .filter(|r| Some(r.np) == largest_np)
+        .min_by_key(|r| r.tensors)
+    {
+        let alpha = link.as_ref().map_or(0.0, |(l, _)| l.alpha_s);
+        let steps = (r.np as f64).log2().ceil();
+        overheads.round_s = (r.round_latency.median * 1e-6 - steps * alpha).max(1e-6);
+        notes.push(format!(
+            "per-round overhead = {:.1} us: measured bit-vector round latency at np = {}, {} \
+             tensors, less the network latency",
+            overheads.round_s * 1e6,
+            r.np,
+            r.tensors
+        ));
+    } else {
+        notes.push(format!(
+            "per-round overhead = {:.0} us, per-collective overhead = {:.0} us: documented \
+             defaults (no negotiation measurement)",
+            overheads.round_s * 1e6,
+            overheads.per_collective_s * 1e6
+        ));
+    }
+    (link, overheads, notes)
+}
+
+/// Runs the projections.
+pub fn run(
+    workloads: &[Workload],
+    backward_ms: f64,
+    source: &str,
+    record: &RunRecord,
+    quick: bool,
+) -> SimResult {
+    let b = backward_ms / 1e3;
+    let (measured, overheads, calibration) = calibrate(record, source);
+    let links = Link::defaults();
+    let mut rows = Vec::new();
+    for w in workloads {
+        for link in &links {
+            for s in schedules() {
+                for p in ranks(quick) {
+                    let m = sim::simulate_workload(w, b, p, link, &s, &overheads);
+                    rows.push(SimRow {
+                        workload: w.model.clone(),
+                        link: link.name.clone(),
+                        schedule: s.label(),
+                        ranks: p,
+                        step: Quantity::exact(m.step_s * 1e3, "ms"),
+                        exposed: Quantity::exact((m.step_s - b).max(0.0) * 1e3, "ms"),
+                        efficiency: Quantity::exact(sim::efficiency(b, m.step_s), "ratio"),
+                    });
+                }
+            }
+        }
+    }
+    let mut check = Vec::new();
+    if let Some((link, np)) = &measured {
+        for r in &record.replay {
+            let Some(w) = workloads.iter().find(|w| w.model == r.workload) else {
+                continue;
+            };
+            let Some(s) = schedules().into_iter().find(|s| s.label() == r.schedule) else {
+                continue;
+            };
+            let m = sim::simulate_workload(w, r.backward.median / 1e3, *np, link, &s, &overheads);
+            check.push(SimCheck {
+                workload: r.workload.clone(),
+                schedule: r.schedule.clone(),
+                ranks: *np,
+                measured_ms: r.step.median,
+                simulated_ms: m.step_s * 1e3,
+            });
+        }
+    }
+    let mut all_links = links;
+    if let Some((l, _)) = measured {
+        all_links.push(l);
+    }
+    SimResult {
+        note: NOTE.to_string(),
+        backward_ms,
+        links: all_links,
+        overheads,
+        calibration,
+        rows,
+        check,
+    }
+}

@@ -1,0 +1,350 @@
+//! The Python peers of the replay: PyTorch DDP on Gloo and Horovod, replaying the same
+//! workload through their own APIs (`peers/torch_replay.py`, written next to the run at bench
+//! time and run with `$FH_BENCH_PYTHON`, else `python3`).
+//!
+//! DDP: N Python processes on 127.0.0.1 with the torchrun environment (`RANK`, `WORLD_SIZE`,
+//! `MASTER_ADDR`, `MASTER_PORT`, ...). Horovod: `horovodrun -np N -H localhost:N`. Rank 0 prints
+//! one JSON line with the slowest rank's time per step; every wait is bounded and every child is
+//! killed and reaped on failure.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+
+use crate::runner::Children;
+
+/// The adapter's source, embedded so that the binary can write it wherever it runs.
+pub const SOURCE: &str = include_str!("../peers/torch_replay.py");
+
+/// Environment variable naming the Python interpreter of the peers (default `python3`).
+pub const PYTHON_ENV: &str = "FH_BENCH_PYTHON";
+
+/// One Python peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    /// Name in the "not measured" list.
+    pub what: &'static str,
+    /// The `schedule` label of its replay rows.
+    pub label: &'static str,
+    /// The module that must import.
+    pub module: &'static str,
+    /// `--mode` of the adapter.
+    pub mode: &'static str,
+    /// How to install it.
+    pub install: &'static str,
+}
+
+/// The peers, in report order.
+pub const PEERS: [Peer; 2] = [
+    Peer {
+        what: "PyTorch DDP (Gloo)",
+        label: "ddp-gloo",
+        module: "torch",
+        mode: "ddp",
+        install: "pip install torch",
+    },
+    Peer {
+        what: "Horovod",
+        label: "horovod-torch",
+        module: "horovod.torch",
+        mode: "horovod",
+        install: "pip install horovod[pytorch]",
+    },
+];
+
+impl Peer {
+    /// The reason recorded when the module does not import with `python`.
+    pub fn not_installed(&self, python: &str) -> String {
+        format!(
+            "skipped: not installed ({}; `{python} -c \"import {}\"` fails; another \
+             interpreter: {PYTHON_ENV})",
+            self.install, self.module
+        )
+    }
+}
+
+/// The interpreter: `$FH_BENCH_PYTHON`, else `python3`.
+pub fn python() -> String {
+    std::env::var(PYTHON_ENV)
+        .ok()
+        .filter(|s| !s.trim().is_empty())
+        .unwrap_or_else(|| "python3".into())
+}
+
+/// Whether `python -c "import module"` succeeds within `timeout` (killed and reaped if not).
+pub fn imports(python: &str, module: &str, timeout: Duration) -> bool {
+    let Ok(mut child) = Command::new(python)
+        .args(["-c", &format!("import {module}")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+    else {
+        return false;
+    };
+    let deadline = Instant::now() + timeout;
+    loop {
+        match child.try_wait() {
+            Ok(Some(s)) => return s.success(),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return false;
+            }
+        }
+    }
+}
+
+/// `horovodrun` next to the interpreter (a virtual environment's `bin/`), else on `PATH`.
+fn horovodrun(python: &str) -> String {
+    let beside = Path::new(python).parent().map(|d| d.join("horovodrun"));
+    match beside {
+        Some(p) if p.is_file() => p.display().to_string(),
+        _ => "horovodrun".into(),
+    }
+}
+
+/// What the adapter's rank 0 prints.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct PeerResult {
+    /// `ddp-gloo` or `horovod`.
+    pub peer: String,
+    /// Workload (model).
+    pub workload: String,
+    /// Ranks.
+    pub np: usize,
+    /// Emulated backward, ms.
+    pub backward_ms: f64,
+    /// Timed steps.
+    pub steps: usize,
+    /// Slowest rank per timed step, seconds.
+    pub step_seconds: Vec<f64>,
+    /// Gradient tensors per step.
+    pub tensors: usize,
+    /// Gradient bytes per step.
+    pub bytes: u64,
+    /// `torch x.y[, horovod z]`.
+    pub version: String,
+    /// The averages were checked.
+    pub checked: bool,
+}
+
+/// Finds and checks the adapter's result line in its output (other lines, such as warnings,
+/// are ignored).
+pub fn parse_output(text: &str) -> Result<PeerResult, String> {
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with("{\"peer\""))
+        .ok_or_else(|| {
+            let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+            let start = lines.len().saturating_sub(5);
+            format!(
+                "the peer printed no result line: {}",
+                lines[start..].join(" | ")
+            )
+        })?;
+    let r: PeerResult = serde_json::from_str(line)
+        .map_err(|e| format!("bad result line from the peer '{line}': {e}"))?;
+    if !r.checked {
+        return Err(format!("{}: the reduced values were not checked", r.peer));
+    }
+    if r.step_seconds.len() != r.steps || r.steps == 0 {
+        return Err(format!(
+            "{}: {} step times for {} steps",
+            r.peer,
+            r.step_seconds.len(),
+            r.steps
+        ));
+    }
+    if let Some(bad) = r.step_seconds.iter().find(|s| !s.is_finite() || **s <= 0.0) {
+        return Err(format!("{}: impossible step time {bad} s", r.peer));
+    }
+    Ok(r)
+}
+
+/// One replay of `workload` through `peer` on `np` local ranks.
+pub struct PeerRun<'a> {
+    /// The peer.
+    pub peer: Peer,
+    /// The interpreter.
+    pub python: &'a str,
+    /// The adapter script (written by [`write_script`]).
+    pub script: &'a Path,
+    /// The workload file.
+    pub workload: &'a Path,
+    /// Ranks.
+    pub np: usize,
+    /// Emulated backward, ms.
+    pub backward_ms: f64,
+    /// Untimed steps.
+    pub warmup: usize,
+    /// Timed steps.
+    pub steps: usize,
+    /// Where the logs go.
+    pub log_dir: &'a Path,
+    /// Longest the whole run may take.
+    pub timeout: Duration,
+}
+
+/// Writes the adapter into `dir`.
+pub fn write_script(dir: &Path) -> Result<PathBuf, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let p = dir.join("torch_replay.py");
+    std::fs::write(&p, SOURCE).map_err(|e| format!("writing {}: {e}", p.display()))?;
+    Ok(p)
+}
+
+impl PeerRun<'_> {
+    /// Runs the peer; the result is checked against the request.
+    pub fn run(&self, name: &str) -> Result<PeerResult, String> {
+        std::fs::create_dir_all(self.log_dir)
+            .map_err(|e| format!("creating {}: {e}", self.log_dir.display()))?;
+        let args = |c: &mut Command| {
+            c.arg(self.script)
+                .arg("--mode")
+                .arg(self.peer.mode)
+                .arg("--workload")
+                .arg(self.workload)
+                .args(["--backward-ms", &self.backward_ms.to_string()])
+                .args(["--warmup", &self.warmup.to_string()])
+                .args(["--steps", &self.steps.to_string()])
+                .args(["--timeout", &self.timeout.as_secs().max(1).to_string()])
+                // One compute thread per rank, as the engine's workers, on a shared host.
+                .env("OMP_NUM_THREADS", "1")
+                .env("PYTHONUNBUFFERED", "1")
+                .stdin(Stdio::null());
+        };
+        let mut children = Children::default();
+        let log0 = if self.peer.mode == "horovod" {
+            let mut c = Command::new(horovodrun(self.python));
+            c.args(["-np", &self.np.to_string()])
+                .args(["-H", &format!("localhost:{}", self.np)])
+                .arg(self.python);
+            args(&mut c);
+            children.spawn(c, self.log_dir, name)?;
+            self.log_dir.join(format!("{name}.log"))
+        } else {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .map_err(|e| format!("finding a free port on 127.0.0.1: {e}"))?;
+            for rank in 0..self.np {
+                let mut c = Command::new(self.python);
+                args(&mut c);
+                c.env("RANK", rank.to_string())
+                    .env("WORLD_SIZE", self.np.to_string())
+                    .env("LOCAL_RANK", rank.to_string())
+                    .env("LOCAL_WORLD_SIZE", self.np.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .env("GLOO_SOCKET_IFNAME", loopback_interface());
+                children.spawn(c, self.log_dir, &format!("{name}.rank{rank}"))?;
+            }
+            self.log_dir.join(format!("{name}.rank0.log"))
+        };
+        children.wait_all(self.timeout)?;
+        let text = std::fs::read_to_string(&log0)
+            .map_err(|e| format!("reading {}: {e}", log0.display()))?;
+        let r = parse_output(&text)?;
+        if r.np != self.np || r.steps != self.steps {
+            return Err(format!(
+                "{} ran np {} × {} steps, asked for np {} × {} steps",
+                r.peer, r.np, r.steps, self.np, self.steps
+            ));
+        }
+        Ok(r)
+    }
+}
+
+/// The loopback interface's name (`lo` on Linux, `lo0` on the BSDs and macOS).
+fn loopback_interface() -> &'static str {
+    if cfg!(target_os = "linux") {
+        "lo"
+    } else {
+        "lo0"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LINE: &str = r#"{"peer": "ddp-gloo", "workload": "resnet50", "np": 4, "backward_ms": 100.0, "warmup": 1, "steps": 2, "step_seconds": [0.25, 0.2], "tensors": 161, "bytes": 102228128, "version": "torch 2.15.0", "checked": true}"#;
+
+    #[test]
+    fn parses_the_result_among_warnings() {
+        let text = format!("[W socket.cpp] some warning\n{LINE}\n");
+        let r = parse_output(&text).unwrap();
+        assert_eq!(r.peer, "ddp-gloo");
+        assert_eq!((r.np, r.steps, r.tensors), (4, 2, 161));
+        assert_eq!(r.step_seconds, [0.25, 0.2]);
+    }
+
+    #[test]
+    fn rejects_missing_or_inconsistent_results() {
+        let e = parse_output("Traceback ...\nRuntimeError: gloo timeout\n").unwrap_err();
+        assert!(
+            e.contains("no result line") && e.contains("gloo timeout"),
+            "{e}"
+        );
+        let short = LINE.replace("[0.25, 0.2]", "[0.25]");
+        assert!(parse_output(&short).unwrap_err().contains("1 step times"));
+        let zero = LINE.replace("[0.25, 0.2]", "[0.25, 0.0]");
+        assert!(parse_output(&zero).unwrap_err().contains("impossible"));
+        let unchecked = LINE.replace("\"checked\": true", "\"checked\": false");
+        assert!(parse_output(&unchecked)
+            .unwrap_err()
+            .contains("not checked"));
+    }
+
+    #[test]
+    fn skip_reason_says_how_to_install() {
+        let r = PEERS[0].not_installed("python3");
+        assert!(
+            r.starts_with("skipped: not installed (pip install torch"),
+            "{r}"
+        );
+        assert!(r.contains("import torch") && r.contains(PYTHON_ENV), "{r}");
+        assert!(PEERS[1].not_installed("py").contains("horovod"));
+        assert!(!imports(
+            "python3",
+            "fh_bench_no_such_module_xyz",
+            Duration::from_secs(30)
+        ));
+        assert!(!imports(
+            "/nonexistent/python",
+            "sys",
+            Duration::from_secs(30)
+        ));
+    }
+
+    #[test]
+    fn the_adapter_is_valid_python() {
+        let dir = std::env::temp_dir().join(format!("fh-bench-pycompile-{}", std::process::id()));
+        let script = write_script(&dir).unwrap();
+        let available = Command::new("python3")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if available {
+            let out = Command::new("python3")
+                .args(["-m", "py_compile"])
+                .arg(&script)
+                .env("PYTHONPYCACHEPREFIX", dir.join("pycache"))
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        } else {
+            eprintln!("python3 not found: syntax check of torch_replay.py skipped");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

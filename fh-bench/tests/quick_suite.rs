@@ -1,0 +1,193 @@
+//! The quick suite end to end on the smallest settings: 2 ranks, tiny sizes, one step. No
+//! timing assertions: it checks that every part ran (or said why not) and that the outputs
+//! (run.json, report.md, plots) are there and consistent.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn quick_suite_end_to_end_on_two_ranks() {
+    let out: PathBuf = std::env::temp_dir().join(format!("fh-bench-e2e-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let child = Command::new(env!("CARGO_BIN_EXE_fh-bench"))
+        .args([
+            "suite",
+            "--quick",
+            "--np",
+            "2",
+            "--sizes",
+            "8,4K",
+            "--repeats",
+            "1",
+            "--steps",
+            "1",
+            "--models",
+            "resnet50",
+            "--backward-ms",
+            "20",
+            "--tensor-counts",
+            "16",
+            "--job-timeout",
+            "60",
+            "--out",
+        ])
+        .arg(&out)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start fh-bench");
+    let mut child = KillOnDrop(child);
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let status = loop {
+        if let Some(s) = child.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "fh-bench did not finish within 240 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stdout = String::new();
+    let mut stderr = String::new();
+    use std::io::Read;
+    child
+        .0
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
+    child
+        .0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert!(status.success(), "fh-bench failed: {stderr}\n{stdout}");
+
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    let run: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
+    assert_eq!(run["config"]["np"], 2);
+    assert_ne!(run["git_revision"], "");
+
+    // Collectives: every collective at both sizes over TCP and shared-memory processes and
+    // in-process threads.
+    let rows = run["collectives"].as_array().unwrap();
+    for transport in ["tcp", "shm", "local"] {
+        for c in [
+            "allreduce",
+            "allgather",
+            "broadcast",
+            "alltoall",
+            "reduce-scatter",
+        ] {
+            let n = rows
+                .iter()
+                .filter(|r| r["transport"] == transport && r["collective"] == c)
+                .count();
+            assert_eq!(n, 2, "{transport} {c}: {rows:#?}");
+        }
+    }
+    for r in rows {
+        assert_eq!(r["busbw"]["unit"], "GB/s");
+        assert_eq!(r["time"]["unit"], "us");
+        assert!(r["time"]["median"].as_f64().unwrap() > 0.0);
+    }
+    // OpenMPI: measured when installed, else said so.
+    let skipped = run["skipped"].as_array().unwrap();
+    let mpi_rows = rows.iter().filter(|r| r["transport"] == "openmpi").count();
+    let mpi_skipped = skipped.iter().any(|s| s["what"] == "OpenMPI MPI_Allreduce");
+    assert!(
+        mpi_rows == 2 || mpi_skipped,
+        "OpenMPI neither measured nor skipped: {run:#}"
+    );
+
+    // The replay ran every preset on the workload, with ratios to `horovod`.
+    let replay = run["replay"].as_array().unwrap();
+    // The Python peers (DDP, Horovod) add rows when importable, else they are listed as
+    // skipped: one or the other, never both or neither.
+    for (label, what) in [
+        ("ddp-gloo", "PyTorch DDP (Gloo)"),
+        ("horovod-torch", "Horovod"),
+    ] {
+        let measured = replay.iter().any(|r| r["schedule"] == label);
+        let skipped_peer = skipped.iter().any(|s| s["what"] == what);
+        assert!(
+            measured != skipped_peer,
+            "{what}: measured {measured}, skipped {skipped_peer}: {run:#}"
+        );
+    }
+    let schedules: Vec<&str> = replay
+        .iter()
+        .map(|r| r["schedule"].as_str().unwrap())
+        .filter(|s| !["ddp-gloo", "horovod-torch"].contains(s))
+        .collect();
+    assert_eq!(
+        schedules,
+        [
+            "horovod",
+            "fasthorovod K=1",
+            "fasthorovod K=2",
+            "fasthorovod K=4"
+        ],
+        "{run:#}"
+    );
+    for r in replay {
+        assert_eq!(r["workload"], "resnet50");
+        assert_eq!(r["step"]["unit"], "ms");
+        assert!(
+            r["step"]["median"].as_f64().unwrap() >= 20.0,
+            "a step lasts at least the backward"
+        );
+        assert!(r["step_ratio_to_horovod"].as_f64().unwrap() > 0.0);
+    }
+    // Negotiation: both modes, with rounds and bytes from the engine's counters.
+    let neg = run["negotiation"].as_array().unwrap();
+    assert_eq!(neg.len(), 2, "{neg:#?}");
+    for r in neg {
+        assert!(
+            r["rounds_per_step"]["median"].as_f64().unwrap() >= 1.0,
+            "{r:#}"
+        );
+        assert!(
+            r["bytes_per_round"]["median"].as_f64().unwrap() > 0.0,
+            "{r:#}"
+        );
+    }
+    assert!(md.contains("(replay-exposed.png)"));
+
+    // The simulation projects every schedule, link and rank count, and says it is a model.
+    let sim = &run["simulation"];
+    assert!(sim["note"].as_str().unwrap().contains("MODEL"));
+    assert_eq!(sim["rows"].as_array().unwrap().len(), 4 * 5 * 8);
+
+    // The report links its plots, which exist.
+    for stem in [
+        "collectives-allreduce",
+        "collectives-tcp",
+        "simulate-resnet50",
+    ] {
+        assert!(
+            md.contains(&format!("({stem}.png)")),
+            "{stem} not in report.md"
+        );
+        assert!(out.join(format!("{stem}.png")).is_file());
+        assert!(out.join(format!("{stem}.svg")).is_file());
+    }
+    assert!(stdout.contains("report:"), "{stdout}");
+    std::fs::remove_dir_all(&out).unwrap();
+}

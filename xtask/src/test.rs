@@ -1,0 +1,303 @@
+//! `cargo xtask test`: the whole suite, as stages, with a one-line summary at the end.
+
+use std::path::Path;
+use std::process::{Command, ExitCode};
+use std::time::{Duration, Instant};
+
+use crate::{cargo, tidy};
+
+/// Debian packages the suites need. `openmpi-bin libopenmpi-dev libclang-dev`: the MPI suite
+/// (the `mpi` crate builds its bindings with libclang against `mpicc`) and fh-bench's OpenMPI
+/// peer (`mpicc`, `mpirun`); `fonts-dejavu-core`: the font fh-bench's PNG plots use.
+pub(crate) const BASE_PACKAGES: &[&str] = &[
+    "openmpi-bin",
+    "libopenmpi-dev",
+    "libclang-dev",
+    "fonts-dejavu-core",
+];
+
+/// A suite run after `cargo test --workspace`, needing system packages.
+pub(crate) struct ExtraSuite {
+    /// Short name, shown in the stage list.
+    pub name: &'static str,
+    /// Debian packages it needs; the suite is skipped (with a message) when any is missing.
+    pub packages: &'static [&'static str],
+    /// The commands to run, in order, from the workspace root; the suite fails on the first
+    /// command that fails.
+    pub commands: fn(&Path) -> Vec<Command>,
+}
+
+/// **Hook for the integrator:** the suites run after `cargo test --workspace`.
+///
+/// The MPI suite goes here, e.g.
+///
+/// ```text
+/// ExtraSuite {
+///     name: "mpi",
+///     packages: &["openmpi-bin", "libopenmpi-dev", "libclang-dev"],
+///     commands: |root| {
+///         let mut build = Command::new(crate::cargo());
+///         build.current_dir(root).args(["test", "-p", "fh-transport", "--features", "mpi", "--no-run"]);
+///         let mut run = Command::new("mpirun");
+///         run.current_dir(root).args(["--oversubscribe", "--allow-run-as-root", "-np", "2", ...]);
+///         vec![build, run]
+///     },
+/// }
+/// ```
+pub(crate) fn extra_suites() -> Vec<ExtraSuite> {
+    vec![ExtraSuite {
+        name: "mpi suite (mpirun np 2-4, fhrun --mpi, scheduler over MPI)",
+        packages: &["openmpi-bin", "libopenmpi-dev", "libclang-dev"],
+        commands: |root| {
+            let mut c = Command::new("bash");
+            c.current_dir(root)
+                .arg("fh-transport/tests/mpi/run.sh")
+                .env("CARGO", cargo());
+            vec![c]
+        },
+    }]
+}
+
+#[derive(Debug)]
+enum Outcome {
+    Passed,
+    Failed(String),
+    Skipped(String),
+}
+
+struct Stage {
+    name: String,
+    outcome: Outcome,
+    took: Duration,
+}
+
+pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
+    if let Some(a) = args.first() {
+        eprintln!("xtask test: unexpected argument `{a}` (it takes none)");
+        return ExitCode::from(2);
+    }
+    let started = Instant::now();
+    let mut stages: Vec<Stage> = Vec::new();
+    let suites = extra_suites();
+
+    // 1. Prerequisites (Debian packages).
+    let mut wanted: Vec<&str> = BASE_PACKAGES.to_vec();
+    for s in &suites {
+        for p in s.packages {
+            if !wanted.contains(p) {
+                wanted.push(p);
+            }
+        }
+    }
+    let t = Instant::now();
+    let (outcome, missing) = prerequisites(&wanted);
+    stages.push(Stage {
+        name: "prerequisites".into(),
+        outcome,
+        took: t.elapsed(),
+    });
+
+    // 2. Formatting.
+    stages.push(stage("cargo fmt --all -- --check", || {
+        let mut c = Command::new(cargo());
+        c.current_dir(root).args(["fmt", "--all", "--", "--check"]);
+        run_cmd(c)
+    }));
+
+    // 3. Tidy (in-process; the same checks are `#[test]`s in xtask).
+    stages.push(stage("tidy", || {
+        let failures = tidy::run_all(root);
+        for f in &failures {
+            eprintln!("tidy: {f}");
+        }
+        if failures.is_empty() {
+            Outcome::Passed
+        } else {
+            Outcome::Failed(format!("{} tidy check(s) failed", failures.len()))
+        }
+    }));
+
+    // 4. The workspace's tests: every target, then the doc tests (`--all-targets` has none).
+    stages.push(stage("cargo test --workspace --all-targets", || {
+        let mut c = Command::new(cargo());
+        c.current_dir(root)
+            .args(["test", "--workspace", "--all-targets"]);
+        run_cmd(c)
+    }));
+    stages.push(stage("cargo test --workspace --doc", || {
+        let mut c = Command::new(cargo());
+        c.current_dir(root).args(["test", "--workspace", "--doc"]);
+        run_cmd(c)
+    }));
+
+    // 5. Extra suites (MPI, ...), skipped when their packages are missing.
+    for suite in &suites {
+        let lacking: Vec<&str> = suite
+            .packages
+            .iter()
+            .copied()
+            .filter(|p| missing.contains(p))
+            .collect();
+        if !lacking.is_empty() {
+            let msg = format!(
+                "missing Debian packages {}; install them as root with `apt-get install {}` \
+                 (cargo xtask test does this itself when run as root)",
+                lacking.join(" "),
+                lacking.join(" ")
+            );
+            eprintln!("==> {}: skipped: {msg}", suite.name);
+            stages.push(Stage {
+                name: suite.name.into(),
+                outcome: Outcome::Skipped(msg),
+                took: Duration::ZERO,
+            });
+            continue;
+        }
+        stages.push(stage(suite.name, || {
+            for c in (suite.commands)(root) {
+                match run_cmd(c) {
+                    Outcome::Passed => {}
+                    other => return other,
+                }
+            }
+            Outcome::Passed
+        }));
+    }
+
+    // Summary.
+    let (mut passed, mut failed, mut skipped) = (0, 0, 0);
+    eprintln!("\n==> summary ({:.0?} in all)", started.elapsed());
+    for s in &stages {
+        let (word, detail) = match &s.outcome {
+            Outcome::Passed => {
+                passed += 1;
+                ("ok     ", String::new())
+            }
+            Outcome::Failed(why) => {
+                failed += 1;
+                ("FAILED ", format!(": {why}"))
+            }
+            Outcome::Skipped(why) => {
+                skipped += 1;
+                ("skipped", format!(": {why}"))
+            }
+        };
+        eprintln!(
+            "  {word} {:<40} {:>7.1?}{detail}",
+            s.name,
+            Duration::from_millis(s.took.as_millis() as u64)
+        );
+    }
+    if skipped > 0 {
+        println!("summary: {passed} passed, {failed} failed, {skipped} skipped");
+    } else {
+        println!("summary: {passed} passed, {failed} failed");
+    }
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn stage(name: &str, f: impl FnOnce() -> Outcome) -> Stage {
+    eprintln!("\n==> {name}");
+    let t = Instant::now();
+    let outcome = f();
+    if let Outcome::Failed(why) = &outcome {
+        eprintln!("==> {name}: FAILED: {why}");
+    }
+    Stage {
+        name: name.to_string(),
+        outcome,
+        took: t.elapsed(),
+    }
+}
+
+fn run_cmd(mut c: Command) -> Outcome {
+    let shown = format!("{c:?}");
+    match c.status() {
+        Ok(s) if s.success() => Outcome::Passed,
+        Ok(s) => Outcome::Failed(format!("{shown} exited with {s}")),
+        Err(e) => Outcome::Failed(format!("could not start {shown}: {e}")),
+    }
+}
+
+/// Checks the Debian packages; installs the missing ones when root. Returns the stage's
+/// outcome and the packages still missing afterwards.
+fn prerequisites<'a>(wanted: &[&'a str]) -> (Outcome, Vec<&'a str>) {
+    eprintln!("==> prerequisites: Debian packages {}", wanted.join(" "));
+    if Command::new("dpkg-query")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        let msg = format!(
+            "not a Debian system (no dpkg-query): cannot check for {}; suites needing them are skipped",
+            wanted.join(" ")
+        );
+        eprintln!("    {msg}");
+        return (Outcome::Skipped(msg), wanted.to_vec());
+    }
+    let missing = missing_packages(wanted);
+    if missing.is_empty() {
+        eprintln!("    all installed");
+        return (Outcome::Passed, missing);
+    }
+    if !is_root() {
+        let msg = format!(
+            "missing Debian packages: {m}; not root, so not installing them: run `sudo apt-get install {m}`; \
+             the suites that need them are skipped",
+            m = missing.join(" ")
+        );
+        eprintln!("    {msg}");
+        return (Outcome::Skipped(msg), missing);
+    }
+    eprintln!("    installing {} with apt-get", missing.join(" "));
+    let update = Command::new("apt-get")
+        .args(["update", "-qq"])
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .status();
+    if !matches!(update, Ok(s) if s.success()) {
+        eprintln!("    warning: `apt-get update` failed ({update:?}); trying the install anyway");
+    }
+    let mut install = Command::new("apt-get");
+    install
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive");
+    let status = install.status();
+    let still = missing_packages(wanted);
+    if still.is_empty() {
+        (Outcome::Passed, still)
+    } else {
+        let msg = format!(
+            "`apt-get install {}` did not install {} ({status:?})",
+            missing.join(" "),
+            still.join(" ")
+        );
+        (Outcome::Failed(msg), still)
+    }
+}
+
+fn missing_packages<'a>(wanted: &[&'a str]) -> Vec<&'a str> {
+    wanted
+        .iter()
+        .copied()
+        .filter(|p| {
+            let out = Command::new("dpkg-query")
+                .args(["-W", "-f=${Status}", p])
+                .output();
+            !matches!(out, Ok(o) if o.status.success()
+                && String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        })
+        .collect()
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}

@@ -1,0 +1,630 @@
+//! Structural checks of the repository, run by `cargo xtask tidy`, by `cargo xtask test` and as
+//! ordinary `#[test]`s (`cargo test -p xtask`).
+//!
+//! - **Layering**: each crate's direct dependencies respect DESIGN.md's "must not know" column
+//!   (see [`RULES`]); parsed from the crates' `Cargo.toml` files.
+//! - Every library crate has `#![deny(missing_docs)]`.
+//! - No printing (`println!`, `eprintln!`, `dbg!`, ...) and no `process::exit` in library code.
+//! - The README's first lines give the two commands; `.ci/run` calls `cargo xtask test`;
+//!   `ARCHITECTURE.md` mentions every crate.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// Crates that do I/O, spawn threads or bind system libraries: not for `fh-core`.
+const IO_CRATES: &[&str] = &[
+    "libc",
+    "nix",
+    "rustix",
+    "mio",
+    "tokio",
+    "async-std",
+    "socket2",
+    "mpi",
+    "mpi-sys",
+    "cudarc",
+    "nccl*",
+    "pyo3*",
+    "numpy",
+    "memmap2",
+    "shared_memory",
+    "rayon",
+    "crossbeam*",
+    "threadpool",
+];
+
+/// What the scheduler must not reach directly: sockets, system calls, MPI, CUDA, Python.
+const SCHEDULER_FORBIDDEN: &[&str] = &[
+    "libc",
+    "nix",
+    "rustix",
+    "mio",
+    "tokio",
+    "async-std",
+    "socket2",
+    "mpi",
+    "mpi-sys",
+    "cudarc",
+    "nccl*",
+    "pyo3*",
+    "numpy",
+    "memmap2",
+    "shared_memory",
+];
+
+/// Python bindings: only `fh-torch` may know Python.
+const PYTHON_CRATES: &[&str] = &["pyo3*", "numpy"];
+
+/// One crate's layering rule.
+pub(crate) struct Rule {
+    /// The crate (a workspace member's package name).
+    pub krate: &'static str,
+    /// Workspace crates it may depend on; `None` = any.
+    pub internal_allowed: Option<&'static [&'static str]>,
+    /// External crates it must not depend on (`name` or `prefix*`).
+    pub forbidden: &'static [&'static str],
+}
+
+/// DESIGN.md's "must not know" column, as dependency rules. A crate without a rule gets only
+/// the global one: nothing but `fh-torch` depends on Python bindings.
+pub(crate) const RULES: &[Rule] = &[
+    Rule {
+        krate: "fh-core",
+        internal_allowed: Some(&[]),
+        forbidden: IO_CRATES,
+    },
+    Rule {
+        krate: "fh-transport",
+        internal_allowed: Some(&["fh-core"]),
+        forbidden: PYTHON_CRATES,
+    },
+    Rule {
+        krate: "fh-scheduler",
+        internal_allowed: Some(&["fh-core", "fh-transport"]),
+        forbidden: SCHEDULER_FORBIDDEN,
+    },
+    Rule {
+        krate: "fh-torch",
+        internal_allowed: Some(&["fh-core", "fh-transport", "fh-scheduler"]),
+        forbidden: &[],
+    },
+];
+
+/// The commands the README's first lines must give.
+const README_COMMANDS: &[&str] = &["cargo xtask bench --quick", "cargo xtask test"];
+/// How many of the README's first lines are searched.
+const README_HEAD_LINES: usize = 12;
+/// Macros and calls that library code must not use.
+const FORBIDDEN_IN_LIBRARIES: &[&str] = &[
+    "println!(",
+    "print!(",
+    "eprintln!(",
+    "eprint!(",
+    "dbg!(",
+    "process::exit(",
+];
+
+/// A workspace member.
+#[derive(Debug, Clone)]
+pub(crate) struct Member {
+    /// Directory, relative to the root (e.g. `fh-core`).
+    pub dir: String,
+    /// Package name.
+    pub name: String,
+    /// Its `Cargo.toml` text.
+    pub manifest: String,
+}
+
+/// Runs every check; returns one message per failure.
+pub(crate) fn run_all(root: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    out.extend(check_layering(root));
+    out.extend(check_missing_docs(root));
+    out.extend(check_no_print_in_libraries(root));
+    out.extend(check_readme(root));
+    out.extend(check_ci_script(root));
+    out.extend(check_architecture(root));
+    out
+}
+
+fn read(path: &Path) -> Result<String, String> {
+    fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
+
+/// The workspace members listed in the root `Cargo.toml`.
+pub(crate) fn members(root: &Path) -> Result<Vec<Member>, String> {
+    let text = read(&root.join("Cargo.toml"))?;
+    let dirs = parse_members(&text)
+        .ok_or_else(|| "root Cargo.toml has no `members = [...]` list".to_string())?;
+    dirs.into_iter()
+        .map(|dir| {
+            let manifest = read(&root.join(&dir).join("Cargo.toml"))?;
+            let name = package_name(&manifest)
+                .ok_or_else(|| format!("{dir}/Cargo.toml has no [package] name"))?;
+            Ok(Member {
+                dir,
+                name,
+                manifest,
+            })
+        })
+        .collect()
+}
+
+/// Parses `members = [ "a", "b" ]` (possibly over several lines).
+pub(crate) fn parse_members(text: &str) -> Option<Vec<String>> {
+    let start = text.find("members")?;
+    let rest = &text[start..];
+    let open = rest.find('[')?;
+    let close = rest[open..].find(']')? + open;
+    Some(
+        rest[open + 1..close]
+            .lines()
+            .flat_map(|line| strip_comment(line).split(','))
+            .map(|s| s.trim().trim_matches('"').to_string())
+            .filter(|s| !s.is_empty())
+            .collect(),
+    )
+}
+
+fn strip_comment(line: &str) -> &str {
+    match line.find('#') {
+        Some(i) => &line[..i],
+        None => line,
+    }
+}
+
+/// The `name` of the `[package]` section.
+pub(crate) fn package_name(manifest: &str) -> Option<String> {
+    let mut in_package = false;
+    for line in manifest.lines() {
+        let l = strip_comment(line).trim();
+        if l.starts_with('[') {
+            in_package = l == "[package]";
+            continue;
+        }
+        if in_package {
+            if let Some((k, v)) = l.split_once('=') {
+                if k.trim() == "name" {
+                    return Some(v.trim().trim_matches('"').to_string());
+                }
+            }
+        }
+    }
+    None
+}
+
+/// The names of a manifest's normal and build dependencies (all targets), not dev-dependencies.
+pub(crate) fn dependencies(manifest: &str) -> Vec<String> {
+    let mut deps = Vec::new();
+    let mut in_deps = false;
+    let mut depth: i32 = 0;
+    for line in manifest.lines() {
+        let l = strip_comment(line).trim();
+        if depth == 0 && l.starts_with('[') && !l.starts_with("[[") {
+            let header = l.trim_start_matches('[').trim_end_matches(']').trim();
+            // `dependencies`, `build-dependencies`, `target.'cfg(..)'.dependencies`, and the
+            // table form `dependencies.foo`.
+            let parts: Vec<&str> = header.rsplitn(2, '.').collect();
+            let last = parts[0];
+            let is_deps = |s: &str| s == "dependencies" || s == "build-dependencies";
+            in_deps = false;
+            if is_deps(header) || (header.starts_with("target.") && is_deps(last)) {
+                in_deps = true;
+            } else if let Some(name) = header
+                .strip_prefix("dependencies.")
+                .or_else(|| header.strip_prefix("build-dependencies."))
+            {
+                deps.push(name.trim_matches('"').to_string());
+            } else if header.starts_with("target.") {
+                for kind in [".dependencies.", ".build-dependencies."] {
+                    if let Some(i) = header.find(kind) {
+                        deps.push(header[i + kind.len()..].trim_matches('"').to_string());
+                    }
+                }
+            }
+            continue;
+        }
+        if l.starts_with("[[") && depth == 0 {
+            in_deps = false;
+            continue;
+        }
+        if in_deps && depth == 0 {
+            if let Some((key, _)) = l.split_once('=') {
+                let name = key
+                    .split('.')
+                    .next()
+                    .unwrap_or(key)
+                    .trim()
+                    .trim_matches('"');
+                if !name.is_empty() {
+                    deps.push(name.to_string());
+                }
+            }
+        }
+        for c in l.chars() {
+            match c {
+                '{' | '[' => depth += 1,
+                '}' | ']' => depth -= 1,
+                _ => {}
+            }
+        }
+        if depth < 0 {
+            depth = 0;
+        }
+    }
+    deps
+}
+
+fn matches_pattern(name: &str, pattern: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some(prefix) => name.starts_with(prefix),
+        None => name == pattern,
+    }
+}
+
+/// The layering violations of one crate, given its dependencies and the workspace's crates.
+pub(crate) fn layering_violations(
+    krate: &str,
+    deps: &[String],
+    internal: &[String],
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let rule = RULES.iter().find(|r| r.krate == krate);
+    for d in deps {
+        if krate != "fh-torch" && PYTHON_CRATES.iter().any(|p| matches_pattern(d, p)) {
+            out.push(format!(
+                "{krate} depends on `{d}`, but only fh-torch may know Python (DESIGN.md, Crates)"
+            ));
+            continue;
+        }
+        let Some(rule) = rule else { continue };
+        if internal.contains(d) {
+            if let Some(allowed) = rule.internal_allowed {
+                if !allowed.contains(&d.as_str()) {
+                    out.push(format!(
+                        "{krate} depends on `{d}`, which its layer must not know (allowed workspace crates: {})",
+                        if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") }
+                    ));
+                }
+            }
+        } else if let Some(p) = rule.forbidden.iter().find(|p| matches_pattern(d, p)) {
+            out.push(format!(
+                "{krate} depends on `{d}` (matches `{p}`), which its layer must not know \
+                 (DESIGN.md's \"must not know\" column; the rule is in xtask/src/tidy.rs)"
+            ));
+        }
+    }
+    out
+}
+
+/// Checks every crate's direct dependencies against [`RULES`].
+pub(crate) fn check_layering(root: &Path) -> Vec<String> {
+    let members = match members(root) {
+        Ok(m) => m,
+        Err(e) => return vec![e],
+    };
+    let internal: Vec<String> = members.iter().map(|m| m.name.clone()).collect();
+    members
+        .iter()
+        .flat_map(|m| layering_violations(&m.name, &dependencies(&m.manifest), &internal))
+        .collect()
+}
+
+/// Members that are libraries (have `src/lib.rs`).
+fn library_members(root: &Path) -> Result<Vec<Member>, String> {
+    Ok(members(root)?
+        .into_iter()
+        .filter(|m| root.join(&m.dir).join("src/lib.rs").is_file())
+        .collect())
+}
+
+/// Whether a crate root's text denies missing docs.
+pub(crate) fn denies_missing_docs(lib_rs: &str) -> bool {
+    lib_rs.lines().any(|l| {
+        let l = l.trim();
+        l.starts_with("#![deny(") && l.contains("missing_docs")
+    })
+}
+
+/// Every library crate has `#![deny(missing_docs)]`.
+pub(crate) fn check_missing_docs(root: &Path) -> Vec<String> {
+    let libs = match library_members(root) {
+        Ok(l) => l,
+        Err(e) => return vec![e],
+    };
+    let mut out = Vec::new();
+    for m in libs {
+        let path = root.join(&m.dir).join("src/lib.rs");
+        match read(&path) {
+            Ok(text) if denies_missing_docs(&text) => {}
+            Ok(_) => out.push(format!(
+                "{}/src/lib.rs lacks `#![deny(missing_docs)]` (every library crate documents its public items)",
+                m.dir
+            )),
+            Err(e) => out.push(e),
+        }
+    }
+    out
+}
+
+/// The forbidden calls in one library source file: `(line number, what)`. Comment lines are
+/// ignored, and so is everything from a `#[cfg(test)] mod` onwards (test modules come last).
+pub(crate) fn forbidden_calls(source: &str) -> Vec<(usize, &'static str)> {
+    let mut out = Vec::new();
+    let mut prev_cfg_test = false;
+    for (i, line) in source.lines().enumerate() {
+        let l = line.trim();
+        if prev_cfg_test && (l.starts_with("mod ") || l.starts_with("pub(crate) mod ")) {
+            break;
+        }
+        if l.starts_with("#[cfg(test)]") {
+            prev_cfg_test = true;
+            continue;
+        }
+        if !l.is_empty() {
+            prev_cfg_test = false;
+        }
+        if l.starts_with("//") {
+            continue;
+        }
+        let code = match l.find("//") {
+            Some(j) => &l[..j],
+            None => l,
+        };
+        for f in FORBIDDEN_IN_LIBRARIES {
+            if let Some(pos) = code.find(f) {
+                // `eprint!(` contains `print!(`: report the longest name only once.
+                let before = code[..pos].chars().last();
+                if matches!(before, Some(c) if c.is_alphanumeric() || c == '_') {
+                    continue;
+                }
+                out.push((i + 1, *f));
+            }
+        }
+    }
+    out
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            if p.file_name().is_some_and(|n| n == "bin") {
+                continue;
+            }
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs")
+            && p.file_name().is_some_and(|n| n != "main.rs")
+        {
+            out.push(p);
+        }
+    }
+}
+
+/// No printing and no `process::exit` in library crates' `src/` (binaries under `src/bin/` and
+/// `main.rs` excluded).
+pub(crate) fn check_no_print_in_libraries(root: &Path) -> Vec<String> {
+    let libs = match library_members(root) {
+        Ok(l) => l,
+        Err(e) => return vec![e],
+    };
+    let mut out = Vec::new();
+    for m in libs {
+        let mut files = Vec::new();
+        rust_files(&root.join(&m.dir).join("src"), &mut files);
+        files.sort();
+        for f in files {
+            let Ok(text) = fs::read_to_string(&f) else {
+                continue;
+            };
+            for (line, what) in forbidden_calls(&text) {
+                let rel = f.strip_prefix(root).unwrap_or(&f);
+                out.push(format!(
+                    "{}:{line}: `{}` in library code (use `tracing`, and return errors instead of exiting)",
+                    rel.display(),
+                    what.trim_end_matches('(')
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// The README's first lines give `cargo xtask bench --quick` and `cargo xtask test`.
+pub(crate) fn check_readme(root: &Path) -> Vec<String> {
+    let text = match read(&root.join("README.md")) {
+        Ok(t) => t,
+        Err(e) => return vec![e],
+    };
+    readme_problems(&text)
+}
+
+pub(crate) fn readme_problems(text: &str) -> Vec<String> {
+    let head: String = text
+        .lines()
+        .take(README_HEAD_LINES)
+        .collect::<Vec<_>>()
+        .join("\n");
+    README_COMMANDS
+        .iter()
+        .filter(|c| !head.contains(*c))
+        .map(|c| format!("README.md's first {README_HEAD_LINES} lines do not give `{c}`"))
+        .collect()
+}
+
+/// `.ci/run` calls `cargo xtask test` on a line that is not a comment.
+pub(crate) fn check_ci_script(root: &Path) -> Vec<String> {
+    match read(&root.join(".ci/run")) {
+        Ok(t)
+            if t.lines()
+                .any(|l| !l.trim().starts_with('#') && l.contains("cargo xtask test")) =>
+        {
+            vec![]
+        }
+        Ok(_) => vec![".ci/run does not call `cargo xtask test`".to_string()],
+        Err(e) => vec![e],
+    }
+}
+
+/// `ARCHITECTURE.md` mentions every workspace crate.
+pub(crate) fn check_architecture(root: &Path) -> Vec<String> {
+    let text = match read(&root.join("ARCHITECTURE.md")) {
+        Ok(t) => t,
+        Err(e) => return vec![e],
+    };
+    let members = match members(root) {
+        Ok(m) => m,
+        Err(e) => return vec![e],
+    };
+    members
+        .iter()
+        .filter(|m| !text.contains(&m.name))
+        .map(|m| format!("ARCHITECTURE.md does not mention the crate `{}`", m.name))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_clean(failures: Vec<String>) {
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    fn root() -> PathBuf {
+        crate::project_root()
+    }
+
+    #[test]
+    fn layering() {
+        assert_clean(check_layering(&root()));
+    }
+
+    #[test]
+    fn library_crates_deny_missing_docs() {
+        assert_clean(check_missing_docs(&root()));
+    }
+
+    #[test]
+    fn no_print_or_exit_in_libraries() {
+        assert_clean(check_no_print_in_libraries(&root()));
+    }
+
+    #[test]
+    fn readme_gives_the_commands() {
+        assert_clean(check_readme(&root()));
+    }
+
+    #[test]
+    fn ci_runs_xtask_test() {
+        assert_clean(check_ci_script(&root()));
+    }
+
+    #[test]
+    fn architecture_mentions_every_crate() {
+        assert_clean(check_architecture(&root()));
+    }
+
+    // The checkers themselves: they must be able to fail.
+
+    const MANIFEST: &str = r#"
+[package]
+name = "fh-core"   # the core
+
+[dependencies]
+bytes.workspace = true
+serde = { version = "1", features = [
+    "derive",
+] }
+fh-transport = { path = "../fh-transport" }
+
+[dev-dependencies]
+tokio = "1"
+
+[target.'cfg(unix)'.dependencies]
+libc = "0.2"
+
+[dependencies.pyo3]
+version = "0.22"
+
+[features]
+default = []
+"#;
+
+    #[test]
+    fn parses_package_name_and_dependencies() {
+        assert_eq!(package_name(MANIFEST).as_deref(), Some("fh-core"));
+        assert_eq!(
+            dependencies(MANIFEST),
+            ["bytes", "serde", "fh-transport", "libc", "pyo3"]
+        );
+    }
+
+    #[test]
+    fn parses_members() {
+        let text = "[workspace]\nmembers = [\n  \"a\", # first\n  \"b\",\n]\n";
+        assert_eq!(parse_members(text).unwrap(), ["a", "b"]);
+    }
+
+    #[test]
+    fn layering_catches_forbidden_dependencies() {
+        let internal: Vec<String> = ["fh-core", "fh-transport", "fh-scheduler", "fh-torch"]
+            .map(String::from)
+            .to_vec();
+        let v = layering_violations("fh-core", &dependencies(MANIFEST), &internal);
+        assert_eq!(v.len(), 3, "{v:#?}");
+        assert!(v[0].contains("`fh-transport`"));
+        assert!(v[1].contains("`libc`"));
+        assert!(v[2].contains("only fh-torch may know Python"));
+
+        let deps = ["fh-transport", "fh-core", "tokio"].map(String::from);
+        let v = layering_violations("fh-scheduler", &deps, &internal);
+        assert_eq!(v.len(), 1, "{v:#?}");
+        assert!(v[0].contains("`tokio`"));
+
+        let deps = ["fh-scheduler", "crossbeam-channel"].map(String::from);
+        let v = layering_violations("fh-transport", &deps, &internal);
+        assert_eq!(v.len(), 1, "{v:#?}");
+        assert!(v[0].contains("`fh-scheduler`"));
+
+        let deps = ["pyo3", "fh-scheduler"].map(String::from);
+        assert!(layering_violations("fh-torch", &deps, &internal).is_empty());
+        assert_eq!(
+            layering_violations("fh-bench", &["pyo3".to_string()], &internal).len(),
+            1
+        );
+    }
+
+    #[test]
+    fn finds_prints_outside_comments_and_tests() {
+        let src = "\
+//! Docs may say println!(\"x\").
+/// eprintln!(\"in a doc comment\")
+fn f() {
+    println!(\"bad\");
+    let s = format!(\"fine\");
+    eprint!(\"bad too\");
+    std::process::exit(1);
+}
+#[cfg(test)]
+mod tests {
+    fn g() { println!(\"fine in tests\"); }
+}
+";
+        assert_eq!(
+            forbidden_calls(src),
+            [(4, "println!("), (6, "eprint!("), (7, "process::exit(")]
+        );
+    }
+
+    #[test]
+    fn missing_docs_and_readme_detection() {
+        assert!(denies_missing_docs("//! Crate.\n#![deny(missing_docs)]\n"));
+        assert!(!denies_missing_docs("#![warn(missing_docs)]\n"));
+        assert!(readme_problems("# X\n\ncargo xtask bench --quick\ncargo xtask test\n").is_empty());
+        assert_eq!(readme_problems("# X\ncargo xtask test\n").len(), 1);
+    }
+}
