@@ -177,16 +177,16 @@ pub enum Priority {
 /// `--transport` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum TransportKind {
-    /// Shared memory within a host, TCP or MPI across hosts.
+    /// Shared memory on one host; shared memory within and TCP between hosts otherwise.
     Auto,
     /// TCP sockets.
     Tcp,
     /// Shared memory (one host).
     Shm,
+    /// Hierarchical: shared memory within each host, TCP between hosts.
+    Hier,
     /// MPI (needs an MPI build and launch).
     Mpi,
-    /// NCCL for CUDA tensors.
-    Nccl,
     /// In-process (testing).
     Local,
 }
