@@ -127,6 +127,15 @@ impl Table {
                         "{} is not supported while ranks {joined_ranks:?} have joined",
                         resp.sig.kind
                     )));
+                } else if resp.error.is_none()
+                    && !joined_ranks.is_empty()
+                    && !joins_with_zeros(resp.sig.op)
+                {
+                    resp.error = Some(NegotiationError::Other(format!(
+                        "allreduce with op {} is not supported while ranks {joined_ranks:?} have \
+                         joined: joined ranks contribute zeros, which only Sum and Average allow",
+                        resp.sig.op
+                    )));
                 }
                 out.push(resp);
             }
@@ -134,6 +143,12 @@ impl Table {
         self.order = keep;
         out
     }
+}
+
+/// Whether a joined rank's zeros give the right result for `op` (Sum, and Average, which
+/// divides by the ranks that have not joined).
+fn joins_with_zeros(op: ReduceOp) -> bool {
+    matches!(op, ReduceOp::Sum | ReduceOp::Average)
 }
 
 pub(crate) struct Control {
@@ -431,13 +446,12 @@ impl Control {
             }
         }
         if self.joined {
-            // A joined rank is ready for every cached allreduce.
+            // A joined rank is ready for every cached allreduce its zeros are right for; the
+            // others wait for it (the stall inspector names them) rather than go wrong.
             for slot in 0..cap {
-                if self
-                    .cache
-                    .get(slot)
-                    .is_some_and(|r| r.sig.kind == CollectiveKind::Allreduce)
-                {
+                if self.cache.get(slot).is_some_and(|r| {
+                    r.sig.kind == CollectiveKind::Allreduce && joins_with_zeros(r.sig.op)
+                }) {
                     vec.set_slot(slot, true);
                 }
             }

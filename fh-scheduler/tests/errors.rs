@@ -344,6 +344,41 @@ fn joined_rank_contributes_zeros_and_average_divides_by_the_others() {
 }
 
 #[test]
+fn max_allreduce_while_a_rank_is_joined_fails_instead_of_using_zeros() {
+    for (label, cfg) in configs() {
+        let out = run_world(3, cfg, |e, r| {
+            if r == 2 {
+                e.join().unwrap().wait_timeout(LIMIT).unwrap();
+                return None;
+            }
+            // Negative inputs: a zero from the joined rank would win a Max silently.
+            let m = e
+                .allreduce(
+                    "m",
+                    Tensor::from_slice(&[-(r as f32) - 1.0; 3]),
+                    AllreduceOptions::with_op(ReduceOp::Max),
+                )
+                .unwrap();
+            let s = e
+                .allreduce("s", Tensor::from_slice(&[r as f64 + 1.0; 2]), sum())
+                .unwrap();
+            let m = m.wait_timeout(LIMIT).map(|_| ()).unwrap_err().to_string();
+            let s = s.wait_timeout(LIMIT).unwrap().to_vec::<f64>().unwrap();
+            e.join().unwrap().wait_timeout(LIMIT).unwrap();
+            Some((m, s))
+        });
+        for v in out.into_iter().take(2) {
+            let (m, s) = v.unwrap();
+            assert!(
+                m.contains("max") && m.contains("joined") && m.contains("[2]"),
+                "{label}: {m}"
+            );
+            assert_eq!(s, [3.0; 2], "{label}");
+        }
+    }
+}
+
+#[test]
 fn ranks_with_different_channel_counts_refuse_to_start() {
     let threads: Vec<_> = LocalWorld::with_timeout(2, Duration::from_secs(20))
         .into_iter()
