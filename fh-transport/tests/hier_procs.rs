@@ -5,38 +5,20 @@
 #![cfg(target_os = "linux")]
 
 mod shm_common;
+mod support;
 
-use std::net::TcpListener;
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use fh_core::{DType, ReduceOp};
 use fh_transport::{shm, CollectivesExt, Communicator, TransportError};
 use shm_common::*;
+use support::{free_port, launcher_env, rank_command, serial, Children};
 
 const ROLE: &str = "FH_HIER_TEST_ROLE";
 const VICTIM: &str = "FH_HIER_TEST_VICTIM";
 const HOSTS: &str = "FH_HIER_TEST_HOSTS";
-
-/// One test at a time: each runs several processes on a small machine.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Kills and reaps the children it holds when dropped.
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 /// `hosts[h]` lists the global ranks on simulated host `h`, by local rank.
 fn layout_string(hosts: &[Vec<usize>]) -> String {
@@ -83,27 +65,21 @@ impl Children {
         token: &str,
         extra: &[(&str, String)],
     ) -> Children {
-        let exe = std::env::current_exe().expect("test binary path");
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        let rendezvous = format!("127.0.0.1:{}", free_port());
         let mut kids = Children(Vec::new());
-        for &(r, l, ls, h, hs) in places {
-            let child = Command::new(&exe)
-                .args(["child", "--exact", "--nocapture", "--test-threads=1"])
-                .env(ROLE, role)
-                .env(HOSTS, layout_string(hosts))
-                .env("FH_TRANSPORT", transport)
-                .env("FH_RANK", r.to_string())
-                .env("FH_SIZE", places.len().to_string())
-                .env("FH_LOCAL_RANK", l.to_string())
-                .env("FH_LOCAL_SIZE", ls.to_string())
-                .env("FH_CROSS_RANK", h.to_string())
-                .env("FH_CROSS_SIZE", hs.to_string())
-                .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
-                .env("FH_JOB_TOKEN", token)
-                .env("FH_TIMEOUT_SECONDS", "15")
+        for &(rank, local_rank, local_size, cross_rank, cross_size) in places {
+            let place = support::Place {
+                rank,
+                size: places.len(),
+                local_rank,
+                local_size,
+                cross_rank,
+                cross_size,
+            };
+            let mut cmd = rank_command("child", false);
+            cmd.env(ROLE, role).env(HOSTS, layout_string(hosts));
+            launcher_env(&mut cmd, &place, transport, &rendezvous, token, 15);
+            let child = cmd
                 .envs(extra.iter().map(|(k, v)| (*k, v.as_str())))
                 .stdout(Stdio::null())
                 .spawn()
@@ -111,25 +87,6 @@ impl Children {
             kids.0.push(child);
         }
         kids
-    }
-
-    /// Wait for every child to exit, at most `limit`; statuses by spawn order.
-    fn wait_all(&mut self, limit: Duration) -> Vec<ExitStatus> {
-        let deadline = Instant::now() + limit;
-        let mut done: Vec<Option<ExitStatus>> = vec![None; self.0.len()];
-        while done.iter().any(Option::is_none) {
-            for (c, d) in self.0.iter_mut().zip(done.iter_mut()) {
-                if d.is_none() {
-                    *d = c.try_wait().expect("try_wait");
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "ranks still running after {limit:?}: {done:?}"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        done.into_iter().flatten().collect()
     }
 }
 

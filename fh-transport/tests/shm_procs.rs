@@ -4,40 +4,25 @@
 #![cfg(target_os = "linux")]
 
 mod shm_common;
+mod support;
 
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use fh_core::{DType, ReduceOp};
 use fh_transport::shm::{self, ShmOptions, ShmTransport};
 use fh_transport::{CollectivesExt, Transport, TransportError};
 use shm_common::*;
+use support::{rank_command, serial, Children};
 
 const ROLE: &str = "FH_SHM_TEST_ROLE";
 const RANK: &str = "FH_SHM_TEST_RANK";
 const SIZE: &str = "FH_SHM_TEST_SIZE";
 const TOKEN: &str = "FH_SHM_TEST_TOKEN";
 
-/// The tests of this file run one at a time: a child's `join` removes stale segments, which
-/// would race with the test that leaves one behind on purpose.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Kills and reaps the children it holds when dropped.
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
+// The tests of this file run one at a time (`serial`): a child's `join` removes stale
+// segments, which would race with the test that leaves one behind on purpose.
 
 impl Children {
     fn spawn(n: usize, role: &str, token: &str) -> Children {
@@ -50,11 +35,9 @@ impl Children {
         token: &str,
         env: impl Fn(usize) -> Vec<(&'static str, String)>,
     ) -> Children {
-        let exe = std::env::current_exe().expect("test binary path");
         let mut kids = Children(Vec::new());
         for r in 0..n {
-            let child = Command::new(&exe)
-                .args(["child", "--exact", "--nocapture", "--test-threads=1"])
+            let child = rank_command("child", false)
                 .env(ROLE, role)
                 .env(RANK, r.to_string())
                 .env(SIZE, n.to_string())
@@ -66,25 +49,6 @@ impl Children {
             kids.0.push(child);
         }
         kids
-    }
-
-    /// Wait for every child to exit, at most `limit`.
-    fn wait_all(&mut self, limit: Duration) -> Vec<ExitStatus> {
-        let deadline = Instant::now() + limit;
-        let mut done: Vec<Option<ExitStatus>> = vec![None; self.0.len()];
-        while done.iter().any(Option::is_none) {
-            for (c, d) in self.0.iter_mut().zip(done.iter_mut()) {
-                if d.is_none() {
-                    *d = c.try_wait().expect("try_wait");
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "ranks still running after {limit:?}: {done:?}"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        done.into_iter().flatten().collect()
     }
 }
 

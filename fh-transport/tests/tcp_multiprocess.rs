@@ -5,9 +5,11 @@
 //! to do. A guard kills and reaps every child when the test ends, also on failure, and every
 //! wait is bounded.
 
+mod support;
+
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::net::TcpStream;
+use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -16,6 +18,7 @@ use fh_core::{kernels, DType, ReduceOp};
 use fh_transport::bootstrap::LaunchInfo;
 use fh_transport::tcp::{wire, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
+use support::{free_port, launcher_env, rank_command, Children, Place};
 
 const SCENARIO: &str = "FH_TEST_SCENARIO";
 /// Upper bound for a whole world to finish (generous: the machine may be busy compiling).
@@ -27,25 +30,11 @@ const WORLD_DEADLINE: Duration = Duration::from_secs(180);
 
 /// The children of one test; killed and reaped on drop.
 struct World {
-    children: Vec<Child>,
+    children: Children,
     stdout: Vec<Arc<Mutex<String>>>,
     stderr: Vec<Arc<Mutex<String>>>,
     lines: Receiver<(usize, String)>,
     lines_tx: crossbeam_channel::Sender<(usize, String)>,
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("local addr").port()
 }
 
 struct Job {
@@ -78,7 +67,7 @@ impl World {
     fn new() -> Self {
         let (lines_tx, lines) = unbounded();
         World {
-            children: Vec::new(),
+            children: Children(Vec::new()),
             stdout: Vec::new(),
             stderr: Vec::new(),
             lines,
@@ -88,29 +77,27 @@ impl World {
 
     /// Start rank `rank` of `job`, with `extra` environment on top.
     fn spawn(&mut self, job: &Job, rank: usize, extra: &[(&str, String)]) {
-        let exe = std::env::current_exe().expect("current exe");
-        let mut cmd = Command::new(exe);
-        cmd.args([
-            "child_rank",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(SCENARIO, job.scenario)
-        .env("FH_RANK", rank.to_string())
-        .env("FH_SIZE", job.size.to_string())
-        .env("FH_LOCAL_RANK", rank.to_string())
-        .env("FH_LOCAL_SIZE", job.size.to_string())
-        .env("FH_CROSS_RANK", "0")
-        .env("FH_CROSS_SIZE", "1")
-        .env("FH_RENDEZVOUS_ADDR", job.rdv())
-        .env("FH_JOB_TOKEN", &job.token)
-        .env("FH_TIMEOUT_SECONDS", job.timeout_s.to_string())
-        .env("FH_TRANSPORT", "tcp")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        let place = Place {
+            rank,
+            size: job.size,
+            local_rank: rank,
+            local_size: job.size,
+            cross_rank: 0,
+            cross_size: 1,
+        };
+        let mut cmd = rank_command("child_rank", true);
+        cmd.env(SCENARIO, job.scenario);
+        launcher_env(
+            &mut cmd,
+            &place,
+            "tcp",
+            &job.rdv(),
+            &job.token,
+            job.timeout_s,
+        );
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         for (k, v) in extra {
             cmd.env(k, v);
         }
@@ -133,7 +120,7 @@ impl World {
             let _ = BufReader::new(stderr).read_to_string(&mut s);
             err2.lock().unwrap().push_str(&s);
         });
-        self.children.push(child);
+        self.children.0.push(child);
         self.stdout.push(out);
         self.stderr.push(err);
     }
@@ -153,38 +140,29 @@ impl World {
     }
 
     fn all_output(&self) -> String {
-        (0..self.children.len()).map(|i| self.output(i)).collect()
+        (0..self.children.0.len()).map(|i| self.output(i)).collect()
     }
 
     /// Wait (bounded) for the children in `which` to exit; returns their success flags.
     fn wait(&mut self, which: &[usize], within: Duration) -> Vec<bool> {
-        let deadline = Instant::now() + within;
-        let mut status = vec![None; self.children.len()];
-        loop {
-            for &i in which {
-                if status[i].is_none() {
-                    if let Some(s) = self.children[i].try_wait().expect("try_wait") {
-                        status[i] = Some(s.success());
-                    }
-                }
-            }
-            if which.iter().all(|&i| status[i].is_some()) {
+        match self
+            .children
+            .wait_for(which, within, Duration::from_millis(20))
+        {
+            Ok(status) => {
                 // Let the reader threads drain the pipes.
                 std::thread::sleep(Duration::from_millis(50));
-                return which.iter().map(|&i| status[i] == Some(true)).collect();
+                status.iter().map(|s| s.success()).collect()
             }
-            if Instant::now() > deadline {
-                panic!(
-                    "children {which:?} did not finish within {within:?}\n{}",
-                    self.all_output()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
+            Err(_) => panic!(
+                "children {which:?} did not finish within {within:?}\n{}",
+                self.all_output()
+            ),
         }
     }
 
     fn wait_all_ok(&mut self) {
-        let all: Vec<usize> = (0..self.children.len()).collect();
+        let all: Vec<usize> = (0..self.children.0.len()).collect();
         let ok = self.wait(&all, WORLD_DEADLINE);
         assert!(
             ok.iter().all(|&b| b),
@@ -204,7 +182,7 @@ impl World {
     /// Wait (bounded) until every rank in `ranks` has printed a line starting with `prefix`.
     fn wait_lines(&self, ranks: &[usize], prefix: &str, within: Duration) {
         let deadline = Instant::now() + within;
-        let mut seen = vec![false; self.children.len()];
+        let mut seen = vec![false; self.children.0.len()];
         while !ranks.iter().all(|&r| seen[r]) {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
@@ -284,7 +262,7 @@ fn killed_peer(size: usize, victim: usize) {
     }
     let all: Vec<usize> = (0..size).collect();
     world.wait_lines(&all, "ITER", WORLD_DEADLINE);
-    world.children[victim].kill().expect("SIGKILL the victim");
+    world.children.0[victim].kill().expect("SIGKILL the victim");
     let survivors: Vec<usize> = all.iter().copied().filter(|&r| r != victim).collect();
     let ok = world.wait(&survivors, Duration::from_secs(60));
     assert!(

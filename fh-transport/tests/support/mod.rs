@@ -1,0 +1,114 @@
+//! The harness shared by the multi-process tests (`hier_procs`, `shm_procs`, `tcp_multiprocess`):
+//! the test binary re-runs itself as the ranks, with the `FH_*` environment a launcher would
+//! set; a guard kills and reaps every child when dropped, also when an assertion fails, and
+//! every wait is bounded. Each test file includes it with `mod support;`.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::process::{Child, Command, ExitStatus};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Held by the tests of one file that must run one at a time (a poisoned lock is taken over).
+pub fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A port on 127.0.0.1 that was free a moment ago.
+pub fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("local addr").port()
+}
+
+/// This test binary, set to run only the test `name` (an ignored one with `ignored`), with
+/// its output shown, as one child rank.
+pub fn rank_command(name: &str, ignored: bool) -> Command {
+    let exe = std::env::current_exe().expect("test binary path");
+    let mut cmd = Command::new(exe);
+    cmd.args([name, "--exact"]);
+    if ignored {
+        cmd.arg("--ignored");
+    }
+    cmd.args(["--nocapture", "--test-threads=1"]);
+    cmd
+}
+
+/// Where one rank sits, as a launcher's `FH_*` environment tells it.
+pub struct Place {
+    pub rank: usize,
+    pub size: usize,
+    pub local_rank: usize,
+    pub local_size: usize,
+    pub cross_rank: usize,
+    pub cross_size: usize,
+}
+
+/// Set the `FH_*` environment a launcher would give the rank at `place` of a job.
+pub fn launcher_env(
+    cmd: &mut Command,
+    place: &Place,
+    transport: &str,
+    rendezvous: &str,
+    token: &str,
+    timeout_s: u32,
+) {
+    cmd.env("FH_TRANSPORT", transport)
+        .env("FH_RANK", place.rank.to_string())
+        .env("FH_SIZE", place.size.to_string())
+        .env("FH_LOCAL_RANK", place.local_rank.to_string())
+        .env("FH_LOCAL_SIZE", place.local_size.to_string())
+        .env("FH_CROSS_RANK", place.cross_rank.to_string())
+        .env("FH_CROSS_SIZE", place.cross_size.to_string())
+        .env("FH_RENDEZVOUS_ADDR", rendezvous)
+        .env("FH_JOB_TOKEN", token)
+        .env("FH_TIMEOUT_SECONDS", timeout_s.to_string());
+}
+
+/// Kills and reaps the children it holds when dropped.
+pub struct Children(pub Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Children {
+    /// Wait for the children in `which` to exit, at most `limit`: their statuses in the order
+    /// of `which`, or on timeout what is known of them so far.
+    pub fn wait_for(
+        &mut self,
+        which: &[usize],
+        limit: Duration,
+        poll: Duration,
+    ) -> Result<Vec<ExitStatus>, Vec<Option<ExitStatus>>> {
+        let deadline = Instant::now() + limit;
+        let mut done: Vec<Option<ExitStatus>> = vec![None; which.len()];
+        loop {
+            for (&i, d) in which.iter().zip(done.iter_mut()) {
+                if d.is_none() {
+                    *d = self.0[i].try_wait().expect("try_wait");
+                }
+            }
+            if done.iter().all(Option::is_some) {
+                return Ok(done.into_iter().flatten().collect());
+            }
+            if Instant::now() >= deadline {
+                return Err(done);
+            }
+            std::thread::sleep(poll);
+        }
+    }
+
+    /// Wait for every child to exit, at most `limit`; statuses by spawn order.
+    pub fn wait_all(&mut self, limit: Duration) -> Vec<ExitStatus> {
+        let all: Vec<usize> = (0..self.0.len()).collect();
+        self.wait_for(&all, limit, Duration::from_millis(10))
+            .unwrap_or_else(|done| panic!("ranks still running after {limit:?}: {done:?}"))
+    }
+}
