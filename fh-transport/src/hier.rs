@@ -603,12 +603,7 @@ impl Communicator for HierComm {
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
-        if root >= self.topology.size {
-            return Err(TransportError::InvalidArgument(format!(
-                "broadcast root {root} out of range 0..{}",
-                self.topology.size
-            )));
-        }
+        crate::algorithms::check_root(root, self.topology.size)?;
         if buf.is_empty() {
             return Ok(());
         }

@@ -1,6 +1,6 @@
 //! Broadcast: binomial tree for small messages, scatter + ring allgather for large ones.
 
-use super::{even_block, invalid, ring};
+use super::{even_block, ring};
 use crate::{Communicator, Result};
 
 /// Broadcasts of at least this many bytes (on three or more ranks) use a binomial scatter
@@ -17,11 +17,7 @@ pub fn broadcast<C: Communicator + ?Sized>(
     root: usize,
 ) -> Result<()> {
     let (rank, n) = (comm.rank(), comm.size());
-    if root >= n {
-        return Err(invalid(format!(
-            "broadcast: root {root} is out of range; the communicator has ranks 0..{n}"
-        )));
-    }
+    super::check_root(root, n)?;
     if n == 1 || buf.is_empty() {
         return Ok(());
     }

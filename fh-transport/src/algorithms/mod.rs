@@ -43,6 +43,16 @@ fn invalid(msg: String) -> TransportError {
     TransportError::InvalidArgument(msg)
 }
 
+/// Check that `root` names a rank of a communicator of `size` ranks (every backend's broadcast).
+pub(crate) fn check_root(root: usize, size: usize) -> Result<()> {
+    if root >= size {
+        return Err(invalid(format!(
+            "broadcast: root {root} is out of range; the communicator has ranks 0..{size}"
+        )));
+    }
+    Ok(())
+}
+
 /// Check a per-rank count vector and return the offsets (prefix sums) and total.
 pub(crate) fn offsets(counts: &[usize], size: usize, what: &str) -> Result<(Vec<usize>, usize)> {
     if counts.len() != size {

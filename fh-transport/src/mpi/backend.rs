@@ -1336,12 +1336,7 @@ impl Communicator for MpiComm {
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
-        if root >= self.size {
-            return Err(TransportError::InvalidArgument(format!(
-                "broadcast root {root} out of range 0..{}",
-                self.size
-            )));
-        }
+        crate::algorithms::check_root(root, self.size)?;
         if self.size == 1 {
             return Ok(());
         }

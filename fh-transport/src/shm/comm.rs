@@ -1044,12 +1044,7 @@ impl Communicator for ShmComm {
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
-        if root >= self.size {
-            return Err(invalid(format!(
-                "broadcast root {root} out of range 0..{}",
-                self.size
-            )));
-        }
+        crate::algorithms::check_root(root, self.size)?;
         if self.size == 1 || buf.is_empty() {
             return Ok(());
         }
