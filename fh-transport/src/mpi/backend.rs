@@ -778,37 +778,15 @@ impl MpiTransport {
             if !success(rc) {
                 return Err(fail("MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)", rc));
             }
-            let (mut local_rank, mut local_size) = (0, 0);
-            let rc1 = ffi::MPI_Comm_rank(local, &mut local_rank);
-            let rc2 = ffi::MPI_Comm_size(local, &mut local_size);
-            let rc3 = ffi::MPI_Comm_free(&mut local);
-            for (call, rc) in [
-                ("MPI_Comm_rank", rc1),
-                ("MPI_Comm_size", rc2),
-                ("MPI_Comm_free", rc3),
-            ] {
-                if !success(rc) {
-                    return Err(fail(call, rc));
-                }
-            }
+            let (local_rank, local_size) =
+                rank_size_and_free(&mut local).map_err(|(c, rc)| fail(c, rc))?;
             let mut cross = ffi::RSMPI_COMM_NULL;
             let rc = ffi::MPI_Comm_split(self.world.raw, local_rank, rank, &mut cross);
             if !success(rc) {
                 return Err(fail("MPI_Comm_split", rc));
             }
-            let (mut cross_rank, mut cross_size) = (0, 0);
-            let rc1 = ffi::MPI_Comm_rank(cross, &mut cross_rank);
-            let rc2 = ffi::MPI_Comm_size(cross, &mut cross_size);
-            let rc3 = ffi::MPI_Comm_free(&mut cross);
-            for (call, rc) in [
-                ("MPI_Comm_rank", rc1),
-                ("MPI_Comm_size", rc2),
-                ("MPI_Comm_free", rc3),
-            ] {
-                if !success(rc) {
-                    return Err(fail(call, rc));
-                }
-            }
+            let (cross_rank, cross_size) =
+                rank_size_and_free(&mut cross).map_err(|(c, rc)| fail(c, rc))?;
             let u = |v: c_int| usize::try_from(v).unwrap_or(0);
             Ok(Topology {
                 rank: u(rank),
@@ -820,6 +798,36 @@ impl MpiTransport {
             })
         }
     }
+}
+
+/// This rank and the size of `comm`, then free `comm` (freed even when a query fails).
+/// On error, the failing call's name and return code.
+///
+/// # Safety
+/// `comm` must be a valid communicator that nothing else uses or frees; the caller holds the
+/// runtime's lock where MPI calls are serialised.
+unsafe fn rank_size_and_free(
+    comm: &mut ffi::MPI_Comm,
+) -> std::result::Result<(c_int, c_int), (&'static str, c_int)> {
+    let (mut rank, mut size) = (0, 0);
+    // SAFETY: `comm` is valid until the free below (the caller's contract).
+    let (rc1, rc2, rc3) = unsafe {
+        (
+            ffi::MPI_Comm_rank(*comm, &mut rank),
+            ffi::MPI_Comm_size(*comm, &mut size),
+            ffi::MPI_Comm_free(comm),
+        )
+    };
+    for (call, rc) in [
+        ("MPI_Comm_rank", rc1),
+        ("MPI_Comm_size", rc2),
+        ("MPI_Comm_free", rc3),
+    ] {
+        if !success(rc) {
+            return Err((call, rc));
+        }
+    }
+    Ok((rank, size))
 }
 
 /// Wait for `req` to complete; returns the failing return code on error.
