@@ -153,7 +153,7 @@ fn replay_env(path: &str, backward: Duration, steps: usize) {
         let times = replay_rank(&engine, &shared, steps);
         let all = engine
             .allgather("replay.times", Tensor::from_slice(&times))
-            .and_then(|h| h.wait_timeout(Duration::from_secs(60)))
+            .and_then(|mut h| h.wait_timeout(Duration::from_secs(60)))
             .and_then(|t| t.to_vec::<f64>())
             .expect("allgather of the step times");
         engine.shutdown().expect("shutdown");

@@ -124,7 +124,7 @@ fn parse_args() -> Result<Opts, String> {
 }
 
 /// Wait for `h`, bounded; a failure here is fatal (peers may be blocked).
-fn wait(h: Handle, what: &str) -> Result<Tensor, String> {
+fn wait(mut h: Handle, what: &str) -> Result<Tensor, String> {
     let name = h.name().to_string();
     h.wait_timeout(LIMIT)
         .map_err(|e| format!("{what} '{name}': {e}"))
@@ -230,7 +230,7 @@ fn submit_step(
                 .map(|i| (0..n).map(|r| x(r, i)).sum())
                 .collect();
             let t = Tensor::from_vec(vec![d, 3], input).expect("d * 3 elements");
-            let h = sub(e.reducescatter("rs", t, ReduceOp::Sum), "rs")?;
+            let h = sub(e.reduce_scatter("rs", t, ReduceOp::Sum), "rs")?;
             let want = Tensor::from_vec(vec![my_rows(rank), 3], want).expect("rows * 3");
             ("reducescatter".into(), Pending::Exact(h, want))
         } else {
@@ -318,7 +318,7 @@ fn run_config(
                     let got = wait(h, &here)?;
                     fails.extend(compare(&here, &got, &want));
                 }
-                Pending::Group(h, want) => {
+                Pending::Group(mut h, want) => {
                     let got = h
                         .wait_timeout(LIMIT)
                         .map_err(|err| format!("{here}: {err}"))?;
@@ -340,7 +340,7 @@ fn run_config(
     // A shape mismatch fails that name on every rank, with the same message, while another
     // tensor proceeds.
     let here = format!("{label} rank {rank}");
-    let bad = e
+    let mut bad = e
         .allreduce(
             "suite.bad",
             Tensor::zeros(DType::F32, vec![rank + 3, 2]).map_err(|x| x.to_string())?,

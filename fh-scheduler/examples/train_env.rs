@@ -30,7 +30,7 @@ fn run(steps: usize) -> Result<String, String> {
     let (params, first, last) = train_tiny::train_rank(&engine, steps)?;
     let root: Vec<f64> = engine
         .broadcast("final", Tensor::from_slice(&params), 0)
-        .and_then(|h| h.wait_timeout(Duration::from_secs(30)))
+        .and_then(|mut h| h.wait_timeout(Duration::from_secs(30)))
         .and_then(|t| t.to_vec::<f64>())
         .map_err(|e| format!("final broadcast: {e}"))?;
     engine.shutdown().map_err(|e| format!("shutdown: {e}"))?;

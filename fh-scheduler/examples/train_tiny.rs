@@ -57,7 +57,7 @@ pub fn train_rank(engine: &Engine, steps: usize) -> Outcome {
         .collect();
     let mut params = engine
         .broadcast("init", Tensor::from_slice(&init), 0)
-        .and_then(|h| h.wait_timeout(WAIT))
+        .and_then(|mut h| h.wait_timeout(WAIT))
         .and_then(|t| t.to_vec::<f64>())
         .map_err(|e| e.to_string())?;
     let (mut first, mut last) = (f64::NAN, f64::NAN);
@@ -81,7 +81,7 @@ pub fn train_rank(engine: &Engine, steps: usize) -> Outcome {
         let hw = engine.allreduce("grad.w", Tensor::from_slice(&gw), avg);
         let hl = engine.allreduce("loss", Tensor::from_slice(&[loss]), avg);
         let get = |h: Result<fh_scheduler::Handle, fh_scheduler::SchedulerError>| {
-            h.and_then(|h| h.wait_timeout(WAIT))
+            h.and_then(|mut h| h.wait_timeout(WAIT))
                 .and_then(|t| t.to_vec::<f64>())
                 .map_err(|e| e.to_string())
         };

@@ -66,6 +66,7 @@ fn checked_total(counts: &[usize]) -> Result<usize, SchedulerError> {
         .ok_or_else(|| SchedulerError::Transport {
             lost_rank: None,
             message: format!("a peer announced control messages of {counts:?} bytes; refusing"),
+            source: None,
         })
 }
 
@@ -165,6 +166,8 @@ pub(crate) struct Control {
     join_cells: Vec<Arc<Completion>>,
     joined: bool,
     joined_set: Vec<bool>,
+    /// The rank that joined last (highest rank among those that joined in the same round).
+    last_joined: Option<usize>,
     fresh: bool,
     last_progress: bool,
     backoff: Duration,
@@ -239,6 +242,7 @@ impl Control {
         Ok(Control {
             cache: ResponseCache::new(cfg.cache_capacity),
             joined_set: vec![false; inner.size],
+            last_joined: None,
             inner,
             comm,
             rx,
@@ -500,6 +504,13 @@ impl Control {
         }
         let all_joined = self.joined_set.iter().all(|&j| j);
         let joined_changed = previous_joined != self.joined_set;
+        // Every rank sees the same joined vectors, so every rank names the same last rank.
+        if let Some(r) = (0..size)
+            .rev()
+            .find(|&r| self.joined_set[r] && !previous_joined.get(r).copied().unwrap_or(false))
+        {
+            self.last_joined = Some(r);
+        }
 
         // 4. Invalidated slots: dropped on every rank.
         let mut evicted = Vec::new();
@@ -576,8 +587,9 @@ impl Control {
 
         // 8. Join completes once everybody has joined.
         if all_joined {
+            let last = self.last_joined.take().unwrap_or(self.inner.rank) as i64;
             for c in self.join_cells.drain(..) {
-                c.complete(Ok(Tensor::from_parts(DType::U8, vec![0], Vec::new())));
+                c.complete(Ok(Tensor::from_slice(&[last])));
             }
             self.joined = false;
         }
@@ -587,7 +599,7 @@ impl Control {
             &self.inner.counters.negotiation_nanos,
             neg_end.duration_since(start).as_nanos() as u64,
         );
-        if let Some(tl) = &self.inner.timeline {
+        if let Some(tl) = self.inner.timeline() {
             if !ready.is_empty() || coordinate {
                 tl.span(
                     0,
@@ -722,6 +734,7 @@ impl Control {
                     SchedulerError::Transport {
                         lost_rank: Some(r),
                         message: format!("rank {r} sent a malformed request list: {e}"),
+                        source: None,
                     }
                 })?;
                 for mut q in reqs {
@@ -744,6 +757,7 @@ impl Control {
         wire::decode_responses(&out).map_err(|e| SchedulerError::Transport {
             lost_rank: Some(0),
             message: format!("rank 0 sent a malformed response list: {e}"),
+            source: None,
         })
     }
 
@@ -782,6 +796,7 @@ impl Control {
                 wire::decode_names(&all[off..off + n]).map_err(|e| SchedulerError::Transport {
                     lost_rank: Some(r),
                     message: format!("rank {r} sent a malformed name list: {e}"),
+                    source: None,
                 })?;
             for (name, age) in list {
                 let e = have.entry(name).or_insert_with(|| (vec![false; size], 0));
@@ -850,7 +865,7 @@ impl Control {
                 .remove(&r.name)
                 .and_then(|seq| self.pending.remove(&seq))
                 .map(|p| p.entry);
-            if let (Some(tl), Some(e)) = (&self.inner.timeline, &entry) {
+            if let (Some(tl), Some(e)) = (self.inner.timeline(), &entry) {
                 tl.tensor_span(
                     e_id(&r.name, e.submitted),
                     &r.name,

@@ -1,15 +1,16 @@
 //! The engine: public submission API and the state shared by its threads.
 
 use std::collections::HashSet;
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Sender};
 use fh_core::message::{CollectiveKind, Device, GroupTag, Request, Signature};
 use fh_core::{kernels, DType, ReduceOp};
-use fh_transport::Transport;
+use fh_transport::{Topology, Transport};
 
 use crate::control::Control;
 use crate::handle::{Completion, GroupHandle, Handle, OpResult};
@@ -17,14 +18,18 @@ use crate::stats::{Counters, EngineStats, GroupRecord, StallReport};
 use crate::timeline::Timeline;
 use crate::{Config, Preset, SchedulerError, Tensor};
 
-/// Options of an allreduce (and of each member of a grouped allreduce).
+/// Options of a collective: every `*_with` submission method takes them.
+///
+/// `op`, `prescale` and `postscale` apply to the reducing collectives (allreduce, grouped
+/// allreduce, reduce-scatter) and must be left at their defaults otherwise; `priority` and
+/// `device` apply to every collective.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AllreduceOptions {
+pub struct CollectiveOptions {
     /// The reduction (default `Average`, as in Horovod).
     pub op: ReduceOp,
-    /// Factor applied to the input before the reduction.
+    /// Factor applied to the input before the reduction (reducing collectives only).
     pub prescale: f64,
-    /// Factor applied to the result.
+    /// Factor applied to the result (reducing collectives only).
     pub postscale: f64,
     /// Priority under `FH_PRIORITY=forward` (lower first, e.g. the layer index).
     pub priority: i64,
@@ -32,9 +37,12 @@ pub struct AllreduceOptions {
     pub device: Device,
 }
 
-impl Default for AllreduceOptions {
+/// The options of an allreduce: [`CollectiveOptions`] under the name earlier releases used.
+pub type AllreduceOptions = CollectiveOptions;
+
+impl Default for CollectiveOptions {
     fn default() -> Self {
-        AllreduceOptions {
+        CollectiveOptions {
             op: ReduceOp::Average,
             prescale: 1.0,
             postscale: 1.0,
@@ -44,10 +52,10 @@ impl Default for AllreduceOptions {
     }
 }
 
-impl AllreduceOptions {
+impl CollectiveOptions {
     /// Default options with another reduce op.
     pub fn with_op(op: ReduceOp) -> Self {
-        AllreduceOptions {
+        CollectiveOptions {
             op,
             ..Self::default()
         }
@@ -111,7 +119,7 @@ pub(crate) struct Inner {
     stalls: Mutex<Vec<StallReport>>,
     barrier_seq: AtomicU64,
     groups: Mutex<Vec<GroupRecord>>,
-    pub timeline: Option<Timeline>,
+    timeline: RwLock<Option<Arc<Timeline>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -119,6 +127,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Inner {
+    /// The timeline being written, if any (rank 0 only).
+    pub(crate) fn timeline(&self) -> Option<Arc<Timeline>> {
+        self.timeline
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set_timeline(&self, t: Option<Arc<Timeline>>) {
+        *self.timeline.write().unwrap_or_else(|p| p.into_inner()) = t;
+    }
+
     /// The reason the engine stopped, if it has.
     pub(crate) fn failure(&self) -> Option<SchedulerError> {
         lock(&self.gate).closed.clone()
@@ -212,6 +232,7 @@ impl Inner {
 /// ```
 pub struct Engine {
     inner: Arc<Inner>,
+    topology: Topology,
     control: Mutex<Option<JoinHandle<()>>>,
     transport: Mutex<Option<Box<dyn Transport>>>,
 }
@@ -245,7 +266,7 @@ impl Engine {
         }
         let timeline = match (&config.timeline, topo.rank) {
             (Some(path), 0) => match Timeline::create(path, k) {
-                Ok(t) => Some(t),
+                Ok(t) => Some(Arc::new(t)),
                 Err(e) => {
                     return Err(SchedulerError::config(
                         "FH_TIMELINE",
@@ -266,7 +287,7 @@ impl Engine {
             stalls: Mutex::new(Vec::new()),
             barrier_seq: AtomicU64::new(0),
             groups: Mutex::new(Vec::new()),
-            timeline,
+            timeline: RwLock::new(timeline),
         });
         let ctl = Control::new(Arc::clone(&inner), control, data, rx)?;
         let handle = std::thread::Builder::new()
@@ -283,6 +304,7 @@ impl Engine {
         );
         Ok(Engine {
             inner,
+            topology: topo,
             control: Mutex::new(Some(handle)),
             transport: Mutex::new(Some(transport)),
         })
@@ -296,6 +318,53 @@ impl Engine {
     /// Number of ranks.
     pub fn size(&self) -> usize {
         self.inner.size
+    }
+
+    /// This rank's place among the ranks of its host.
+    pub fn local_rank(&self) -> usize {
+        self.topology.local_rank
+    }
+
+    /// Number of ranks on this rank's host.
+    pub fn local_size(&self) -> usize {
+        self.topology.local_size
+    }
+
+    /// Index of this rank's host among the hosts.
+    pub fn cross_rank(&self) -> usize {
+        self.topology.cross_rank
+    }
+
+    /// Number of hosts.
+    pub fn cross_size(&self) -> usize {
+        self.topology.cross_size
+    }
+
+    /// Where this rank sits: rank, size, local and cross ranks and sizes.
+    pub fn topology(&self) -> Topology {
+        self.topology
+    }
+
+    /// Start writing a Chrome-trace timeline to `path` (rank 0 writes; other ranks accept
+    /// the call and do nothing), replacing any timeline being written. Every rank should call
+    /// it, as with Horovod's `start_timeline`.
+    pub fn start_timeline(&self, path: &Path) -> Result<(), SchedulerError> {
+        if self.inner.rank != 0 {
+            return Ok(());
+        }
+        let t = Timeline::create(path, self.inner.config.effective_channels()).map_err(|e| {
+            SchedulerError::InvalidArgument(format!(
+                "cannot create the timeline {}: {e}",
+                path.display()
+            ))
+        })?;
+        self.inner.set_timeline(Some(Arc::new(t)));
+        Ok(())
+    }
+
+    /// Stop writing the timeline (the file stays valid JSON); a no-op when none is written.
+    pub fn stop_timeline(&self) {
+        self.inner.set_timeline(None);
     }
 
     /// The configuration the engine runs with.
@@ -465,7 +534,17 @@ impl Engine {
     /// Concatenate every rank's `tensor` along the first dimension (which may differ per
     /// rank; the others must agree).
     pub fn allgather(&self, name: &str, tensor: Tensor) -> Result<Handle, SchedulerError> {
-        let opts = AllreduceOptions::with_op(ReduceOp::Sum);
+        self.allgather_with(name, tensor, CollectiveOptions::default())
+    }
+
+    /// [`Engine::allgather`] with options (priority, device).
+    pub fn allgather_with(
+        &self,
+        name: &str,
+        tensor: Tensor,
+        opts: CollectiveOptions,
+    ) -> Result<Handle, SchedulerError> {
+        let opts = no_reduction("allgather", opts)?;
         self.entry(
             name,
             tensor,
@@ -484,13 +563,24 @@ impl Engine {
         tensor: Tensor,
         root: usize,
     ) -> Result<Handle, SchedulerError> {
+        self.broadcast_with(name, tensor, root, CollectiveOptions::default())
+    }
+
+    /// [`Engine::broadcast`] with options (priority, device).
+    pub fn broadcast_with(
+        &self,
+        name: &str,
+        tensor: Tensor,
+        root: usize,
+        opts: CollectiveOptions,
+    ) -> Result<Handle, SchedulerError> {
+        let opts = no_reduction("broadcast", opts)?;
         if root >= self.inner.size {
             return Err(SchedulerError::InvalidArgument(format!(
                 "broadcast root {root} is out of range 0..{}",
                 self.inner.size
             )));
         }
-        let opts = AllreduceOptions::with_op(ReduceOp::Sum);
         self.entry(
             name,
             tensor,
@@ -511,6 +601,18 @@ impl Engine {
         tensor: Tensor,
         splits: Option<Vec<usize>>,
     ) -> Result<Handle, SchedulerError> {
+        self.alltoall_with(name, tensor, splits, CollectiveOptions::default())
+    }
+
+    /// [`Engine::alltoall`] with options (priority, device).
+    pub fn alltoall_with(
+        &self,
+        name: &str,
+        tensor: Tensor,
+        splits: Option<Vec<usize>>,
+        opts: CollectiveOptions,
+    ) -> Result<Handle, SchedulerError> {
+        let opts = no_reduction("alltoall", opts)?;
         let n = self.inner.size;
         let dim0 = tensor.shape().first().copied().unwrap_or(1);
         match &splits {
@@ -526,7 +628,6 @@ impl Engine {
             }
             _ => {}
         }
-        let opts = AllreduceOptions::with_op(ReduceOp::Sum);
         self.entry(
             name,
             tensor,
@@ -540,18 +641,27 @@ impl Engine {
 
     /// Reduce `tensor` across ranks and leave this rank's slice of the first dimension (rank r
     /// gets `d/n` rows, plus one if `r < d % n`).
-    pub fn reducescatter(
+    pub fn reduce_scatter(
         &self,
         name: &str,
         tensor: Tensor,
         op: ReduceOp,
     ) -> Result<Handle, SchedulerError> {
-        let opts = AllreduceOptions::with_op(op);
+        self.reduce_scatter_with(name, tensor, CollectiveOptions::with_op(op))
+    }
+
+    /// [`Engine::reduce_scatter`] with options (op, scale factors, priority, device).
+    pub fn reduce_scatter_with(
+        &self,
+        name: &str,
+        tensor: Tensor,
+        opts: CollectiveOptions,
+    ) -> Result<Handle, SchedulerError> {
         self.entry(
             name,
             tensor,
             CollectiveKind::ReduceScatter,
-            op,
+            opts.op,
             0,
             &opts,
             None,
@@ -576,8 +686,9 @@ impl Engine {
     /// Declare that this rank has run out of data. Until every rank has joined, the other
     /// ranks' allreduces proceed with this rank contributing zeros (`Average` divides by the
     /// number of ranks that have not joined); other collectives fail while a rank is joined.
-    /// The handle completes (with an empty tensor) once every rank has joined. Do not submit
-    /// on this rank until then.
+    /// The handle completes once every rank has joined, with a one-element `i64` tensor
+    /// holding the rank that joined last (the same on every rank; among ranks that joined in
+    /// the same negotiation round, the highest). Do not submit on this rank until then.
     pub fn join(&self) -> Result<Handle, SchedulerError> {
         let cell = Completion::new();
         self.inner.send(Msg::Join(Arc::clone(&cell)))?;
@@ -612,6 +723,21 @@ impl Drop for Engine {
     fn drop(&mut self) {
         let _ = self.stop();
     }
+}
+
+/// The options of a collective that reduces nothing: scale factors are refused (they would
+/// be silently ignored), the op is normalised so that it never makes ranks disagree.
+fn no_reduction(kind: &str, opts: CollectiveOptions) -> Result<CollectiveOptions, SchedulerError> {
+    if opts.prescale != 1.0 || opts.postscale != 1.0 {
+        return Err(SchedulerError::InvalidArgument(format!(
+            "{kind} does not reduce: prescale and postscale factors apply only to allreduce and \
+             reduce-scatter"
+        )));
+    }
+    Ok(CollectiveOptions {
+        op: ReduceOp::Sum,
+        ..opts
+    })
 }
 
 fn agree_on_config(

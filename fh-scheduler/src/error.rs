@@ -1,5 +1,6 @@
 //! The error type of `fh-scheduler`.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use fh_core::message::{CollectiveKind, MismatchField, NegotiationError};
@@ -56,6 +57,9 @@ pub enum SchedulerError {
         lost_rank: Option<usize>,
         /// The transport's message.
         message: String,
+        /// The transport's own error, when the failure came from the transport.
+        #[source]
+        source: Option<ErrorSource>,
     },
     /// The stall inspector shut the engine down: some ranks never submitted these names.
     #[error("stalled for {after:?}: ranks {missing:?} never submitted {names:?} (FH_STALL_SHUTDOWN_SECONDS)")]
@@ -119,6 +123,17 @@ impl SchedulerError {
         SchedulerError::Transport {
             lost_rank: e.blamed_rank(),
             message: e.to_string(),
+            source: None,
+        }
+    }
+
+    /// The error every pending operation gets when the transport fails, keeping the
+    /// transport's error as the [`std::error::Error::source`].
+    pub fn from_transport_owned(e: TransportError) -> Self {
+        SchedulerError::Transport {
+            lost_rank: e.blamed_rank(),
+            message: e.to_string(),
+            source: Some(ErrorSource(Arc::new(e))),
         }
     }
 
@@ -150,7 +165,30 @@ impl SchedulerError {
 
 impl From<TransportError> for SchedulerError {
     fn from(e: TransportError) -> Self {
-        SchedulerError::from_transport(&e)
+        SchedulerError::from_transport_owned(e)
+    }
+}
+
+/// The lower layer's error kept inside a [`SchedulerError`] (shared, because one failure is
+/// delivered to every pending handle). Two sources are equal when they print the same.
+#[derive(Debug, Clone)]
+pub struct ErrorSource(pub Arc<TransportError>);
+
+impl std::fmt::Display for ErrorSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for ErrorSource {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.0.as_ref())
+    }
+}
+
+impl PartialEq for ErrorSource {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
     }
 }
 
@@ -183,5 +221,7 @@ mod tests {
         });
         assert_eq!(e.lost_rank(), Some(3));
         assert!(e.to_string().contains("rank 3 lost"), "{e}");
+        let src = std::error::Error::source(&e).expect("the transport error is kept");
+        assert!(src.to_string().contains("rank 3 is gone"), "{src}");
     }
 }

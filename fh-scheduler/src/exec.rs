@@ -125,7 +125,7 @@ impl Executor {
         self.phases = None;
         let result = self.execute(&job);
         let end = Instant::now();
-        if let Some(tl) = &self.inner.timeline {
+        if let Some(tl) = self.inner.timeline() {
             if let Some((packed, reduced)) = self.phases {
                 let lane = self.channel + 1;
                 tl.span(lane, "pack", begin, packed, &[]);
@@ -266,7 +266,7 @@ impl Executor {
             }
             CollectiveKind::ReduceScatter => {
                 let mut st = first.lock();
-                let Some(mut t) = st.tensor.take() else {
+                let Some(t) = st.tensor.take() else {
                     return Ok(());
                 };
                 let n = comm.size();
@@ -278,8 +278,18 @@ impl Executor {
                     .collect();
                 let counts: Vec<usize> = rows.iter().map(|r| r * row_elems).collect();
                 let mut out = vec![0u8; counts[me] * sig.dtype.size()];
-                kernels::scale(sig.dtype, t.data_mut(), sig.prescale)?;
-                comm.reduce_scatter(t.data(), &mut out, &counts, sig.dtype, sig.op.combining())?;
+                // The input is not ours to change (it may be the caller's own memory):
+                // prescale a copy.
+                let scaled;
+                let input: &[u8] = if sig.prescale != 1.0 {
+                    let mut v = t.data().to_vec();
+                    kernels::scale(sig.dtype, &mut v, sig.prescale)?;
+                    scaled = v;
+                    &scaled
+                } else {
+                    t.data()
+                };
+                comm.reduce_scatter(input, &mut out, &counts, sig.dtype, sig.op.combining())?;
                 if sig.op == ReduceOp::Average {
                     kernels::divide(sig.dtype, &mut out, job.active.max(1))?;
                 }

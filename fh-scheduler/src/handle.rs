@@ -114,16 +114,45 @@ impl Handle {
         }
     }
 
-    /// Block until the operation completes or `timeout` passes; on timeout the operation goes
-    /// on in the background and [`SchedulerError::WaitTimeout`] is returned.
-    pub fn wait_timeout(self, timeout: Duration) -> OpResult {
+    /// Block until the operation completes or `timeout` passes. On completion the result is
+    /// taken (a later call returns an error saying so); on timeout
+    /// [`SchedulerError::WaitTimeout`] is returned and the handle stays pending: the operation
+    /// goes on in the background and its tensor is given back by a later wait.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> OpResult {
         if self.wait_for(timeout) {
-            self.wait()
+            self.take()
         } else {
             Err(SchedulerError::WaitTimeout {
-                name: self.name,
+                name: self.name.clone(),
                 after: timeout,
             })
+        }
+    }
+
+    /// Take the result of a completed operation (`None` while it is pending).
+    pub fn try_take(&mut self) -> Option<OpResult> {
+        if self.poll() {
+            Some(self.take())
+        } else {
+            None
+        }
+    }
+
+    fn take(&mut self) -> OpResult {
+        let mut st = self.cell.lock();
+        match std::mem::replace(&mut *st, State::Taken) {
+            State::Done(r) => r,
+            pending @ State::Pending(_) => {
+                *st = pending;
+                Err(SchedulerError::InvalidArgument(format!(
+                    "internal error: '{}' is still pending",
+                    self.name
+                )))
+            }
+            State::Taken => Err(SchedulerError::InvalidArgument(format!(
+                "the result of '{}' was already taken",
+                self.name
+            ))),
         }
     }
 
@@ -185,14 +214,20 @@ impl GroupHandle {
         results.into_iter().collect()
     }
 
-    /// Wait for every member, at most `timeout` in all.
-    pub fn wait_timeout(self, timeout: Duration) -> Result<Vec<Tensor>, SchedulerError> {
+    /// Wait for every member, at most `timeout` in all. On timeout
+    /// [`SchedulerError::WaitTimeout`] is returned and the group stays pending (nothing is
+    /// taken), so it can be waited for again.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Vec<Tensor>, SchedulerError> {
         let deadline = Instant::now() + timeout;
-        let results: Vec<OpResult> = self
-            .handles
-            .into_iter()
-            .map(|h| h.wait_timeout(deadline.saturating_duration_since(Instant::now())))
-            .collect();
+        for h in &self.handles {
+            if !h.wait_for(deadline.saturating_duration_since(Instant::now())) {
+                return Err(SchedulerError::WaitTimeout {
+                    name: h.name.clone(),
+                    after: timeout,
+                });
+            }
+        }
+        let results: Vec<OpResult> = self.handles.iter_mut().map(Handle::take).collect();
         results.into_iter().collect()
     }
 

@@ -69,10 +69,10 @@ pub mod tensor;
 mod timeline;
 
 pub use config::{Config, Preset, Priority};
-pub use engine::{AllreduceOptions, Engine};
+pub use engine::{AllreduceOptions, CollectiveOptions, Engine};
 pub use error::SchedulerError;
 pub use fh_core::message::Device;
 pub use fh_core::{DType, ReduceOp};
 pub use handle::{GroupHandle, Handle, OpResult};
 pub use stats::{EngineStats, GroupRecord, StallReport};
-pub use tensor::Tensor;
+pub use tensor::{OwnerGuard, Tensor};

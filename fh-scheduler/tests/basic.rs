@@ -9,14 +9,14 @@ use fh_scheduler::{AllreduceOptions, ReduceOp, Tensor};
 fn allreduce_sum_and_average() {
     for (label, cfg) in configs() {
         let out = run_world(3, cfg, |e, r| {
-            let a = e
+            let mut a = e
                 .allreduce(
                     "a",
                     Tensor::from_slice(&[r as f32 + 1.0; 5]),
                     AllreduceOptions::with_op(ReduceOp::Sum),
                 )
                 .unwrap();
-            let b = e
+            let mut b = e
                 .allreduce(
                     "b",
                     Tensor::from_slice(&[r as f64 * 3.0; 2]),
@@ -39,25 +39,25 @@ fn allreduce_sum_and_average() {
 fn other_collectives() {
     for (label, cfg) in configs() {
         let out = run_world(3, cfg, |e, r| {
-            let g = e
+            let mut g = e
                 .allgather(
                     "g",
                     Tensor::from_vec(vec![r + 1, 2], vec![r as i32; 2 * (r + 1)]).unwrap(),
                 )
                 .unwrap();
-            let b = e
+            let mut b = e
                 .broadcast("b", Tensor::from_slice(&[r as i64; 4]), 2)
                 .unwrap();
-            let rs = e
-                .reducescatter(
+            let mut rs = e
+                .reduce_scatter(
                     "rs",
                     Tensor::from_vec(vec![4, 1], vec![1.0f32, 2.0, 3.0, 4.0]).unwrap(),
                     ReduceOp::Sum,
                 )
                 .unwrap();
             let send: Vec<i32> = (0..3).map(|d| (10 * r + d) as i32).collect();
-            let a = e.alltoall("a", Tensor::from_slice(&send), None).unwrap();
-            let bar = e.barrier().unwrap();
+            let mut a = e.alltoall("a", Tensor::from_slice(&send), None).unwrap();
+            let mut bar = e.barrier().unwrap();
             bar.wait_timeout(LIMIT).unwrap();
             let g = g.wait_timeout(LIMIT).unwrap();
             let rs = rs.wait_timeout(LIMIT).unwrap();
@@ -142,7 +142,7 @@ fn timeline_is_valid_json_with_channel_lanes() {
                 .unwrap()
             })
             .collect();
-        for h in hs {
+        for mut h in hs {
             h.wait_timeout(LIMIT).unwrap();
         }
     });
@@ -170,7 +170,7 @@ fn grouped_members_are_reduced_in_one_collective_and_fail_together() {
     let out = run_world(3, cfg, |e, r| {
         // Submit an unrelated tensor between rounds so members are likely ready in different
         // rounds on different ranks.
-        let lone = e
+        let mut lone = e
             .allreduce(
                 "lone",
                 Tensor::from_slice(&[1.0f32; 50_000]),
@@ -206,7 +206,7 @@ fn grouped_members_are_reduced_in_one_collective_and_fail_together() {
             .unwrap()
             .into_handles()
             .into_iter()
-            .map(|h| h.wait_timeout(LIMIT).unwrap_err().to_string())
+            .map(|mut h| h.wait_timeout(LIMIT).unwrap_err().to_string())
             .collect::<Vec<_>>();
         (
             g.iter()
@@ -263,7 +263,7 @@ fn forward_priority_orders_the_groups_of_a_round() {
                 .unwrap()
             })
             .collect();
-        for h in hs {
+        for mut h in hs {
             h.wait_timeout(LIMIT).unwrap();
         }
         e.group_log()

@@ -22,14 +22,14 @@ fn mismatched_shapes_fail_that_name_on_every_rank_and_others_proceed() {
         let out = run_world(2, cfg, |e, r| {
             // Once with an uncached name, once after the name was cached (invalidation path).
             let side = r + 17;
-            let bad = e
+            let mut bad = e
                 .allreduce(
                     "w",
                     Tensor::zeros(DType::F32, vec![side, side]).unwrap(),
                     sum(),
                 )
                 .unwrap();
-            let ok = e
+            let mut ok = e
                 .allreduce("ok", Tensor::from_slice(&[1.0f32; 3]), sum())
                 .unwrap();
             let first = bad.wait_timeout(LIMIT).unwrap_err();
@@ -38,21 +38,21 @@ fn mismatched_shapes_fail_that_name_on_every_rank_and_others_proceed() {
                 [2.0; 3]
             );
             // Cache "c" with an agreed shape, then change it on rank 1 only.
-            let c = e
+            let mut c = e
                 .allreduce("c", Tensor::from_slice(&[1i32; 4]), sum())
                 .unwrap();
             c.wait_timeout(LIMIT).unwrap();
             let len = if r == 1 { 5 } else { 4 };
-            let c = e
+            let mut c = e
                 .allreduce("c", Tensor::from_slice(&vec![1i32; len]), sum())
                 .unwrap();
-            let ok = e
+            let mut ok = e
                 .allreduce("ok", Tensor::from_slice(&[1.0f32; 3]), sum())
                 .unwrap();
             let second = c.wait_timeout(LIMIT).unwrap_err();
             ok.wait_timeout(LIMIT).unwrap();
             // And the name works again once the ranks agree.
-            let c = e
+            let mut c = e
                 .allreduce("c", Tensor::from_slice(&[2i32; 4]), sum())
                 .unwrap();
             let again = c.wait_timeout(LIMIT).unwrap().to_vec::<i32>().unwrap();
@@ -85,21 +85,21 @@ fn mismatched_shapes_fail_that_name_on_every_rank_and_others_proceed() {
 #[test]
 fn mismatched_dtype_op_and_root() {
     let out = run_world(2, Config::default().channels(2), |e, r| {
-        let d = if r == 0 {
+        let mut d = if r == 0 {
             e.allreduce("d", Tensor::from_slice(&[1.0f32]), sum())
         } else {
             e.allreduce("d", Tensor::from_slice(&[1.0f64]), sum())
         }
         .unwrap();
         let op = if r == 0 { ReduceOp::Sum } else { ReduceOp::Max };
-        let o = e
+        let mut o = e
             .allreduce(
                 "o",
                 Tensor::from_slice(&[1.0f32]),
                 AllreduceOptions::with_op(op),
             )
             .unwrap();
-        let b = e.broadcast("b", Tensor::from_slice(&[1u8]), r).unwrap();
+        let mut b = e.broadcast("b", Tensor::from_slice(&[1u8]), r).unwrap();
         (
             d.wait_timeout(LIMIT).unwrap_err(),
             o.wait_timeout(LIMIT).unwrap_err(),
@@ -130,7 +130,7 @@ fn duplicate_in_flight_name_is_refused() {
     let gate = Arc::new(Barrier::new(2));
     let out = run_world(2, Config::default(), move |e, r| {
         let mut dup = None;
-        let h = if r == 0 {
+        let mut h = if r == 0 {
             let h = e
                 .allreduce("x", Tensor::from_slice(&[1.0f32]), sum())
                 .unwrap();
@@ -147,7 +147,7 @@ fn duplicate_in_flight_name_is_refused() {
         };
         let v = h.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap();
         // Once completed, the name can be used again.
-        let again = e
+        let mut again = e
             .allreduce("x", Tensor::from_slice(&[1.0f32]), sum())
             .unwrap();
         again.wait_timeout(LIMIT).unwrap();
@@ -170,7 +170,7 @@ fn shutdown_fails_pending_and_later_submissions() {
                 gate.wait();
                 return None; // run_world shuts rank 0 down now
             }
-            let lonely = e
+            let mut lonely = e
                 .allreduce("lonely", Tensor::from_slice(&[1.0f32]), sum())
                 .unwrap();
             gate.wait();
@@ -179,7 +179,7 @@ fn shutdown_fails_pending_and_later_submissions() {
             let later = loop {
                 match e.allreduce("later", Tensor::from_slice(&[1.0f32]), sum()) {
                     Err(e) => break e,
-                    Ok(h) => {
+                    Ok(mut h) => {
                         let _ = h.wait_timeout(LIMIT);
                     }
                 }
@@ -201,10 +201,10 @@ fn a_rank_that_stops_submitting_is_named_by_the_stall_inspector() {
         .stall_check(Some(Duration::from_millis(200)))
         .idle_heartbeat(Duration::from_millis(20));
     let out = run_world(2, cfg, move |e, r| {
-        let x = e
+        let mut x = e
             .allreduce("x", Tensor::from_slice(&[1.0f32]), sum())
             .unwrap();
-        let late = if r == 0 {
+        let mut late = if r == 0 {
             let late = e
                 .allreduce("late", Tensor::from_slice(&[1.0f32]), sum())
                 .unwrap();
@@ -241,7 +241,7 @@ fn stall_shutdown_stops_every_rank_naming_the_silent_one() {
         .idle_heartbeat(Duration::from_millis(20));
     let out = run_world_with(2, cfg, |e, r| {
         if r == 0 {
-            let h = e
+            let mut h = e
                 .allreduce("late", Tensor::from_slice(&[1.0f32]), sum())
                 .unwrap();
             Some(h.wait_timeout(LIMIT).unwrap_err())
@@ -299,7 +299,7 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
     });
     let engine = Engine::start(Box::new(t0), cfg).unwrap();
     ghost.join().unwrap();
-    let h = engine
+    let mut h = engine
         .allreduce("x", Tensor::from_slice(&[1.0f32]), sum())
         .unwrap();
     let err = h.wait_timeout(LIMIT).unwrap_err();
@@ -320,14 +320,14 @@ fn joined_rank_contributes_zeros_and_average_divides_by_the_others() {
                 e.join().unwrap().wait_timeout(LIMIT).unwrap();
                 return None;
             }
-            let a = e
+            let mut a = e
                 .allreduce(
                     "a",
                     Tensor::from_slice(&[r as f32 + 1.0; 4]),
                     AllreduceOptions::default(),
                 )
                 .unwrap();
-            let s = e
+            let mut s = e
                 .allreduce("s", Tensor::from_slice(&[r as f64 + 1.0; 2]), sum())
                 .unwrap();
             let a = a.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap();
@@ -352,14 +352,14 @@ fn max_allreduce_while_a_rank_is_joined_fails_instead_of_using_zeros() {
                 return None;
             }
             // Negative inputs: a zero from the joined rank would win a Max silently.
-            let m = e
+            let mut m = e
                 .allreduce(
                     "m",
                     Tensor::from_slice(&[-(r as f32) - 1.0; 3]),
                     AllreduceOptions::with_op(ReduceOp::Max),
                 )
                 .unwrap();
-            let s = e
+            let mut s = e
                 .allreduce("s", Tensor::from_slice(&[r as f64 + 1.0; 2]), sum())
                 .unwrap();
             let m = m.wait_timeout(LIMIT).map(|_| ()).unwrap_err().to_string();

@@ -74,10 +74,10 @@ fn run_case(
                 handles.push((t, h));
             }
             let mut got = vec![Vec::new(); specs2.len()];
-            for (t, h) in handles {
+            for (t, mut h) in handles {
                 got[t] = as_f64(&h.wait_timeout(LIMIT).expect("completes"));
             }
-            for (h, want) in others {
+            for (mut h, want) in others {
                 let name = h.name().to_string();
                 let out = h.wait_timeout(LIMIT).expect("completes");
                 assert_eq!(out, want, "{name} on rank {rank}, step {step}");
@@ -164,7 +164,7 @@ fn steady_state_uses_the_bit_vector_only() {
                     .unwrap()
                 })
                 .collect();
-            for h in hs {
+            for mut h in hs {
                 h.wait_timeout(LIMIT).unwrap();
             }
         };

@@ -188,7 +188,7 @@ fn child_rank() {
                         )
                     })
                     .collect();
-                for (t, h) in handles {
+                for (t, mut h) in handles {
                     let got = h.wait_timeout(WAIT).unwrap().to_vec::<f32>().unwrap();
                     let want = (0..size).map(|r| (r + t + step) as f32).sum::<f32>();
                     ok &= got.len() == 1 + t * 500 && got.iter().all(|&x| x == want);
@@ -219,14 +219,14 @@ fn child_rank() {
         }
         "mismatch" => {
             let side = 17 + rank;
-            let h = engine
+            let mut h = engine
                 .allreduce(
                     "w",
                     Tensor::zeros(fh_scheduler::DType::F32, vec![side, side]).unwrap(),
                     sum,
                 )
                 .unwrap();
-            let ok = engine
+            let mut ok = engine
                 .allreduce("ok", Tensor::from_slice(&[1.0f32]), sum)
                 .unwrap();
             ok.wait_timeout(WAIT).unwrap();
@@ -245,7 +245,7 @@ fn child_rank() {
             std::thread::sleep(Duration::from_millis(100));
             let err = engine
                 .allreduce("second", Tensor::from_slice(&[1.0f32; 1000]), sum)
-                .and_then(|h| h.wait_timeout(WAIT))
+                .and_then(|mut h| h.wait_timeout(WAIT))
                 .unwrap_err();
             match err.lost_rank() {
                 Some(r) => format!("lost {r}"),
