@@ -52,7 +52,10 @@ pub use error::TransportError;
 /// Result type of this crate.
 pub type Result<T, E = TransportError> = std::result::Result<T, E>;
 
-/// The values `FH_TRANSPORT` accepts.
+/// Whether this build includes the MPI backend (feature `mpi`).
+pub const MPI_BUILT: bool = cfg!(feature = "mpi");
+
+/// The accepted values of `FH_TRANSPORT`, for error messages.
 pub const TRANSPORT_CHOICES: &str =
     "auto, tcp, shm, hier, mpi, local, or CONTROL+DATA to mix two (e.g. mpi+tcp)";
 

@@ -1,0 +1,1 @@
+"""Parts of the API shared by every framework adapter."""

@@ -1,0 +1,117 @@
+"""Each error case raises the exception type Horovod users catch, on every rank."""
+
+import pytest
+import torch
+
+import fasthorovod.torch as hvd
+from fasthorovod.common.exceptions import HorovodInternalError
+
+needs_two = pytest.mark.skipif("hvd.size() < 2", reason="needs 2 ranks")
+
+
+@needs_two
+def test_dtype_mismatch_names_both_dtypes():
+    dtype = torch.float32 if hvd.rank() == 0 else torch.float64
+    with pytest.raises(HorovodInternalError) as e:
+        hvd.allreduce(torch.ones(3, dtype=dtype), name="dtype_mismatch")
+    assert isinstance(e.value, RuntimeError)
+    msg = str(e.value)
+    assert "f32" in msg and "f64" in msg, msg
+
+
+@needs_two
+def test_shape_mismatch_names_both_shapes():
+    shape = (17, 17) if hvd.rank() == 0 else (18, 18)
+    with pytest.raises(HorovodInternalError) as e:
+        hvd.allreduce(torch.ones(shape), name="shape_mismatch")
+    msg = str(e.value)
+    assert "[17, 17]" in msg and "[18, 18]" in msg, msg
+
+
+@needs_two
+def test_op_root_and_scale_mismatch():
+    op = hvd.Sum if hvd.rank() == 0 else hvd.Max
+    with pytest.raises(HorovodInternalError):
+        hvd.allreduce(torch.ones(2), name="op_mismatch", op=op)
+    with pytest.raises(HorovodInternalError):
+        hvd.broadcast(torch.ones(2), root_rank=hvd.rank(), name="root_mismatch")
+    with pytest.raises(HorovodInternalError):
+        hvd.allreduce(torch.ones(2), name="scale_mismatch",
+                      prescale_factor=1.0 + hvd.rank())
+    # The engine goes on after refused names.
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after"),
+                       torch.full((2,), float(hvd.size())))
+
+
+def test_duplicate_name_is_refused_at_submission():
+    t = torch.ones(2)
+    if hvd.rank() == 0:
+        h = hvd.allreduce_async(t, name="dup")
+        with pytest.raises(ValueError, match="dup"):
+            hvd.allreduce_async(torch.ones(2), name="dup")
+        hvd.barrier()
+    else:
+        hvd.barrier()
+        h = hvd.allreduce_async(t, name="dup")
+    hvd.synchronize(h)
+
+
+def test_alltoall_bad_splits_are_value_errors():
+    n = hvd.size()
+    x = torch.ones(n + 1, 2)
+    with pytest.raises(ValueError, match="add up"):
+        hvd.alltoall(x, splits=torch.ones(n, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        hvd.alltoall(x, splits=torch.ones(n, dtype=torch.int64))
+    if n > 1:
+        with pytest.raises(ValueError, match="divisible"):
+            hvd.alltoall(torch.ones(n + 1, 2))
+    with pytest.raises(ValueError, match="one entry per rank"):
+        hvd.alltoall(x, splits=torch.tensor([n + 1] + [0] * n, dtype=torch.int32))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        hvd.allreduce(torch.ones(2), op="median")
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.allreduce(torch.ones(2), op=hvd.Adasum)
+    with pytest.raises(ValueError):
+        hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum)
+    with pytest.raises(ValueError, match="int16"):
+        hvd.allreduce(torch.ones(2, dtype=torch.int16))
+    with pytest.raises(ValueError, match="root_rank"):
+        hvd.broadcast(torch.ones(2), root_rank=hvd.size())
+    with pytest.raises(ValueError):
+        hvd.synchronize(123456789)
+    with pytest.raises(ValueError):
+        hvd.reducescatter(torch.tensor(1.0))
+
+
+def test_process_sets_other_than_global_are_not_implemented():
+    assert hvd.global_process_set.size() == hvd.size()
+    assert hvd.global_process_set.rank() == hvd.rank()
+    assert hvd.global_process_set.included()
+    assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum,
+                                     process_set=hvd.global_process_set),
+                       torch.full((1,), float(hvd.size())))
+    with pytest.raises(NotImplementedError, match="process sets"):
+        hvd.add_process_set([0])
+    if hvd.size() > 1:
+        with pytest.raises(NotImplementedError, match="process sets"):
+            hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0]))
+
+
+def test_optimizer_argument_errors():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                 backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="duplicates"):
+        hvd.DistributedOptimizer(opt, named_parameters=[("w", model.weight),
+                                                        ("w", model.bias)])
+    with pytest.raises(ValueError, match="not named"):
+        hvd.DistributedOptimizer(opt, named_parameters=[("w", model.weight)])
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                 op=hvd.Sum, gradient_predivide_factor=2.0)
