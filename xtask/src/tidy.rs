@@ -55,6 +55,13 @@ const SCHEDULER_FORBIDDEN: &[&str] = &[
 /// Python bindings: only `fh-torch` may know Python.
 const PYTHON_CRATES: &[&str] = &["pyo3*", "numpy"];
 
+/// CUDA and NCCL bindings: only the crates in [`GPU_ALLOWED`] may depend on them ("only
+/// fh-transport talks to NCCL").
+const GPU_CRATES: &[&str] = &["cudarc", "fh-nccl-sys", "nccl*", "cuda*"];
+
+/// The crates that may depend on [`GPU_CRATES`].
+const GPU_ALLOWED: &[&str] = &["fh-transport"];
+
 /// One crate's layering rule.
 pub(crate) struct Rule {
     /// The crate (a workspace member's package name).
@@ -75,7 +82,12 @@ pub(crate) const RULES: &[Rule] = &[
     },
     Rule {
         krate: "fh-transport",
-        internal_allowed: Some(&["fh-core"]),
+        internal_allowed: Some(&["fh-core", "fh-nccl-sys"]),
+        forbidden: PYTHON_CRATES,
+    },
+    Rule {
+        krate: "fh-nccl-sys",
+        internal_allowed: Some(&[]),
         forbidden: PYTHON_CRATES,
     },
     Rule {
@@ -274,6 +286,14 @@ pub(crate) fn layering_violations(
         if krate != "fh-torch" && PYTHON_CRATES.iter().any(|p| matches_pattern(d, p)) {
             out.push(format!(
                 "{krate} depends on `{d}`, but only fh-torch may know Python (DESIGN.md, Crates)"
+            ));
+            continue;
+        }
+        if !GPU_ALLOWED.contains(&krate) && GPU_CRATES.iter().any(|p| matches_pattern(d, p)) {
+            out.push(format!(
+                "{krate} depends on `{d}`, but only {} may talk to CUDA or NCCL \
+                 (ARCHITECTURE.md, Invariants)",
+                GPU_ALLOWED.join(", ")
             ));
             continue;
         }
@@ -596,6 +616,24 @@ default = []
             layering_violations("fh-bench", &["pyo3".to_string()], &internal).len(),
             1
         );
+    }
+
+    #[test]
+    fn only_fh_transport_may_bind_cuda_or_nccl() {
+        let internal: Vec<String> = ["fh-core", "fh-transport", "fh-nccl-sys", "fh-scheduler"]
+            .map(String::from)
+            .to_vec();
+        let gpu = ["cudarc", "fh-nccl-sys", "fh-core"].map(String::from);
+        assert!(layering_violations("fh-transport", &gpu, &internal).is_empty());
+        for krate in ["fh-scheduler", "fh-torch", "fh-bench", "fh-core"] {
+            let v = layering_violations(krate, &gpu[..2], &internal);
+            assert_eq!(v.len(), 2, "{krate}: {v:#?}");
+            assert!(v
+                .iter()
+                .all(|m| m.contains("only fh-transport may talk to CUDA or NCCL")));
+        }
+        let v = layering_violations("fh-nccl-sys", &["fh-core".to_string()], &internal);
+        assert_eq!(v.len(), 1, "{v:#?}");
     }
 
     #[test]
