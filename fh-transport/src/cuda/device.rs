@@ -269,6 +269,16 @@ pub enum Staging {
     Always,
 }
 
+/// NCCL, unless staging is forced or this host runs more ranks than it has GPUs (NCCL refuses
+/// two ranks on one GPU).
+pub(crate) fn choose_mode(local_size: usize, devices: usize, staging: Staging) -> DeviceMode {
+    if staging == Staging::Always || local_size > devices {
+        DeviceMode::HostStaged
+    } else {
+        DeviceMode::Nccl
+    }
+}
+
 /// A rank's GPU world: its device context and the mode its channels will use.
 #[derive(Debug)]
 pub struct CudaWorld {
@@ -301,11 +311,7 @@ impl CudaWorld {
         if devices == 0 {
             return Err(unavailable(super::NO_DEVICE.into()));
         }
-        let mode = if staging == Staging::Always || topology.local_size > devices {
-            DeviceMode::HostStaged
-        } else {
-            DeviceMode::Nccl
-        };
+        let mode = choose_mode(topology.local_size, devices, staging);
         if mode == DeviceMode::Nccl {
             fh_nccl_sys::load().map_err(|e| unavailable(e.to_string()))?;
         }
@@ -713,6 +719,15 @@ mod tests {
             .to_string();
         assert!(e.contains("reduce this tensor on the host"), "{e}");
         assert!(nccl_types(DType::Bool, ReduceOp::Average).is_err());
+    }
+
+    #[test]
+    fn staging_when_ranks_outnumber_gpus() {
+        assert_eq!(choose_mode(1, 1, Staging::Auto), DeviceMode::Nccl);
+        assert_eq!(choose_mode(8, 8, Staging::Auto), DeviceMode::Nccl);
+        assert_eq!(choose_mode(2, 1, Staging::Auto), DeviceMode::HostStaged);
+        assert_eq!(choose_mode(9, 8, Staging::Auto), DeviceMode::HostStaged);
+        assert_eq!(choose_mode(1, 8, Staging::Always), DeviceMode::HostStaged);
     }
 
     #[test]

@@ -42,35 +42,7 @@ impl NcclComm {
             reason: e.to_string(),
         })?;
         let (rank, size) = (host.rank(), host.size());
-        let mut id = ncclUniqueId {
-            internal: [0; NCCL_UNIQUE_ID_BYTES as usize],
-        };
-        // Rank 0 must not fail silently: its result travels with the id (first byte 0 = ok).
-        let mut msg = vec![0u8; 1 + NCCL_UNIQUE_ID_BYTES as usize];
-        if rank == 0 {
-            // SAFETY: writes one `ncclUniqueId` through a valid pointer.
-            let r = unsafe { nccl.lib().ncclGetUniqueId(&mut id) };
-            if r == ncclResult_t::ncclSuccess {
-                for (m, b) in msg[1..].iter_mut().zip(id.internal.iter()) {
-                    *m = *b as u8;
-                }
-            } else {
-                msg[0] = 1;
-            }
-            host.broadcast(&mut msg, 0)?;
-            check(nccl, r, "ncclGetUniqueId", label)?;
-        } else {
-            host.broadcast(&mut msg, 0)?;
-            if msg[0] != 0 {
-                return Err(TransportError::Device {
-                    op: format!("ncclGetUniqueId on rank 0 (channel {label})"),
-                    detail: "rank 0 could not create NCCL's unique id; see its log".into(),
-                });
-            }
-            for (b, m) in id.internal.iter_mut().zip(msg[1..].iter()) {
-                *b = *m as std::os::raw::c_char;
-            }
-        }
+        let id = exchange_unique_id(nccl, host, label)?;
         stream
             .context()
             .bind_to_thread()
@@ -115,6 +87,44 @@ impl NcclComm {
     fn check(&self, r: ncclResult_t, op: &str) -> Result<()> {
         check(self.nccl, r, op, &self.label)
     }
+}
+
+/// Rank 0 makes NCCL's unique id and broadcasts it over `host` (the control plane); every rank
+/// returns it. Rank 0's failure reaches every rank (the first byte of the message says it).
+pub(crate) fn exchange_unique_id(
+    nccl: &Nccl,
+    host: &mut dyn Communicator,
+    label: &str,
+) -> Result<ncclUniqueId> {
+    let mut id = ncclUniqueId {
+        internal: [0; NCCL_UNIQUE_ID_BYTES as usize],
+    };
+    let mut msg = vec![0u8; 1 + NCCL_UNIQUE_ID_BYTES as usize];
+    if host.rank() == 0 {
+        // SAFETY: writes one `ncclUniqueId` through a valid pointer.
+        let r = unsafe { nccl.lib().ncclGetUniqueId(&mut id) };
+        if r == ncclResult_t::ncclSuccess {
+            for (m, b) in msg[1..].iter_mut().zip(id.internal.iter()) {
+                *m = *b as u8;
+            }
+        } else {
+            msg[0] = 1;
+        }
+        host.broadcast(&mut msg, 0)?;
+        check(nccl, r, "ncclGetUniqueId", label)?;
+    } else {
+        host.broadcast(&mut msg, 0)?;
+        if msg[0] != 0 {
+            return Err(TransportError::Device {
+                op: format!("ncclGetUniqueId on rank 0 (channel {label})"),
+                detail: "rank 0 could not create NCCL's unique id; see its log".into(),
+            });
+        }
+        for (b, m) in id.internal.iter_mut().zip(msg[1..].iter()) {
+            *b = *m as std::os::raw::c_char;
+        }
+    }
+    Ok(id)
 }
 
 fn too_many(n: usize) -> TransportError {
@@ -352,5 +362,56 @@ impl Drop for NcclComm {
             tracing::warn!(channel = %self.label, "ncclCommDestroy: {}", self.nccl.error_string(r));
         }
         self.comm = std::ptr::null_mut();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::local::LocalWorld;
+    use crate::Transport;
+
+    /// NCCL's unique id travels from rank 0 to every rank over the host control plane (no GPU
+    /// needed: `ncclGetUniqueId` does not touch the device).
+    #[test]
+    fn the_unique_id_travels_over_the_control_plane() {
+        // The process-wide search, else the wheel in the repository's target/fh-venv (where
+        // `cargo xtask test` installs PyTorch).
+        let venv_lib = std::fs::read_dir(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../target/fh-venv/lib"
+        ))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("site-packages/nvidia/nccl/lib/libnccl.so.2"))
+        .find(|p| p.is_file());
+        let owned;
+        let nccl: &Nccl = match (fh_nccl_sys::load(), venv_lib) {
+            (Ok(n), _) => n,
+            (Err(_), Some(p)) => {
+                owned = fh_nccl_sys::find(Some(p)).expect("load the venv's libnccl.so.2");
+                &owned
+            }
+            (Err(e), None) => {
+                eprintln!("skipped: {e}");
+                return;
+            }
+        };
+        let ids: Vec<Vec<u8>> = std::thread::scope(|s| {
+            let handles: Vec<_> = LocalWorld::new(3)
+                .into_iter()
+                .map(|mut t| {
+                    s.spawn(move || {
+                        let mut c = t.open("ctl").unwrap();
+                        let id = exchange_unique_id(nccl, &mut *c, "test").unwrap();
+                        id.internal.iter().map(|&b| b as u8).collect::<Vec<u8>>()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(ids[0].iter().any(|&b| b != 0), "an all-zero id");
+        assert!(ids.iter().all(|i| *i == ids[0]), "ranks got different ids");
     }
 }
