@@ -3,7 +3,7 @@
 //!
 //! Build it with `cargo build --features fh-transport/cuda`. Building needs no CUDA toolkit and
 //! no NCCL: the CUDA driver is reached through `cudarc` with dynamic loading (driver API only),
-//! and NCCL through [`fh_nccl_sys`], whose committed bindgen bindings are loaded at run time
+//! and NCCL through `fh_nccl_sys`, whose committed bindgen bindings are loaded at run time
 //! from `libnccl.so.2` (`FH_NCCL_LIBRARY`, the loader's path, or the Python environment's
 //! `nvidia/nccl/lib`, where PyTorch's `nvidia-nccl-cu12`/`-cu13` wheel puts it).
 //!
@@ -34,6 +34,29 @@
 //! Every operation is *enqueued* on the channel stream and returns at once; the memory it
 //! names must stay valid until the completion event recorded after it has fired.
 //!
+//! # How the engine hooks in (not done yet)
+//! One code path: a request's signature already carries its device, and the planner fuses only
+//! tensors of one device, so a fused group is all host memory or all one GPU.
+//! 1. At start-up, every rank computes `cuda::available().is_ok()` and the ranks agree (a
+//!    `Min` allreduce on the control communicator). If all have a GPU, each builds
+//!    `CudaWorld::new(topology, Staging::Auto)` and, right after opening channel k's host
+//!    communicator, opens its device twin with `world.open(transport.open(label)?, label)` —
+//!    collective, same order on every rank (it agrees on staging and carries NCCL's id).
+//! 2. A device tensor enters the engine as `DeviceBytesMut::from_raw(ptr, bytes)` (fh-torch:
+//!    `tensor.data_ptr()`, with the owner guard keeping the tensor alive) plus a readiness
+//!    event `record_on_stream(ctx, current_stream)`.
+//! 3. The channel worker, for a device group: `wait_ready(&event)` for each tensor, then
+//!    `allreduce_fused(&mut tensors, dtype, op, prescale, postscale)` (or the other collectives
+//!    through `comm()`; a partition chunk is `slice_mut` of its tensor, reduced in place), then
+//!    `record_completion()`. The handle keeps that event: the framework's stream waits on it
+//!    (`stream_wait`, no host sync); `synchronize()` waits with `wait_completion(event,
+//!    FH_TIMEOUT_SECONDS)`; the owner guards are released only once the event has fired.
+//! 4. Join (a joined rank contributing zeros) needs a zero-filled device buffer of the group's
+//!    size: not provided yet.
+//!
+//! `fasthorovod.torch`'s `cuda_built()` and `nccl_built()` are [`COMPILED`]; whether a GPU and
+//! NCCL are usable here is [`available`].
+//!
 //! # Limits
 //! Device scaling covers `f16`, `bf16`, `f32` and `f64` (a factor other than 1 on an integer
 //! tensor is an error). NCCL has no bitwise reductions (`BitAnd`/`BitOr` are refused, except on
@@ -54,11 +77,17 @@ mod scale;
 #[cfg(feature = "cuda")]
 mod staged;
 
+/// The CUDA types of the device API, re-exported so that callers (the engine, fh-torch) need
+/// no direct `cudarc` dependency (tidy allows `cudarc` in fh-transport only).
 #[cfg(feature = "cuda")]
-pub use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+pub use cudarc::driver::{
+    sys::{CUdeviceptr, CUstream},
+    CudaContext, CudaEvent, CudaStream,
+};
 #[cfg(feature = "cuda")]
 pub use device::{
-    CudaWorld, DeviceBytes, DeviceBytesMut, DeviceChannel, DeviceCommunicator, Staging,
+    record_on_stream, stream_wait, CudaWorld, DeviceBytes, DeviceBytesMut, DeviceChannel,
+    DeviceCommunicator, Staging,
 };
 
 /// How a device channel moves bytes.

@@ -52,6 +52,41 @@ pub(crate) fn probe() -> Probe {
     }
 }
 
+/// Readiness from a framework: record, on the framework's own stream (e.g. PyTorch's current
+/// stream, given as its raw handle), an event marking the work enqueued so far; pass it to
+/// [`DeviceChannel::wait_ready`].
+///
+/// # Safety
+/// `stream` is a live CUDA stream of `ctx`'s device (or null, the legacy default stream).
+pub unsafe fn record_on_stream(ctx: &Arc<CudaContext>, stream: sys::CUstream) -> Result<CudaEvent> {
+    let event = ctx.new_event(None).map_err(cuda_err("cuEventCreate"))?;
+    // SAFETY: the event was just created on this context; `stream` is live (caller).
+    unsafe { cu::event::record(event.cu_event(), stream) }.map_err(cuda_err("cuEventRecord"))?;
+    Ok(event)
+}
+
+/// Completion into a framework: make the framework's stream (raw handle) wait, on the device,
+/// for `event` (from [`DeviceChannel::record_completion`]), so that its next kernels see the
+/// reduced tensors without any host synchronization.
+///
+/// # Safety
+/// `stream` is a live CUDA stream of the event's device (or null, the legacy default stream).
+pub unsafe fn stream_wait(stream: sys::CUstream, event: &CudaEvent) -> Result<()> {
+    event
+        .context()
+        .bind_to_thread()
+        .map_err(cuda_err("cuCtxSetCurrent"))?;
+    // SAFETY: both handles are live (caller; the event is borrowed).
+    unsafe {
+        cu::stream::wait_event(
+            stream,
+            event.cu_event(),
+            sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+        )
+    }
+    .map_err(cuda_err("cuStreamWaitEvent"))
+}
+
 /// Read-only device memory: `len` bytes at a device address, valid for `'a`.
 ///
 /// Device operations are asynchronous: whoever builds one promises that the memory stays
