@@ -51,32 +51,44 @@ fn channel(staging: Staging) -> DeviceChannel {
     world.open(ctl, "gpu-test").expect("device channel")
 }
 
-fn upload(stream: &Arc<CudaStream>, bytes: &[u8]) -> cudarc_slice::Slice {
-    cudarc_slice::Slice(stream.clone_htod(bytes).expect("htod"))
+/// A device byte buffer of the tests: `len` bytes (the allocation has at least 1, since the
+/// driver refuses empty allocations).
+struct Buf {
+    slice: cudarc::driver::CudaSlice<u8>,
+    len: usize,
 }
 
-fn download(stream: &Arc<CudaStream>, s: &cudarc_slice::Slice) -> Vec<u8> {
-    stream.clone_dtoh(&s.0).expect("dtoh")
+fn upload(stream: &Arc<CudaStream>, bytes: &[u8]) -> Buf {
+    let slice = if bytes.is_empty() {
+        stream.clone_htod(&[0u8]).expect("htod")
+    } else {
+        stream.clone_htod(bytes).expect("htod")
+    };
+    Buf {
+        slice,
+        len: bytes.len(),
+    }
 }
 
-mod cudarc_slice {
-    /// A device byte buffer of the tests.
-    pub struct Slice(pub cudarc::driver::CudaSlice<u8>);
+fn download(stream: &Arc<CudaStream>, b: &Buf) -> Vec<u8> {
+    let mut v = stream.clone_dtoh(&b.slice).expect("dtoh");
+    v.truncate(b.len);
+    v
 }
 
-fn view(stream: &Arc<CudaStream>, s: &cudarc_slice::Slice) -> DeviceBytes<'static> {
+fn view(stream: &Arc<CudaStream>, b: &Buf) -> DeviceBytes<'static> {
     // SAFETY: the tests keep every buffer alive until the stream has been synchronized.
-    unsafe { DeviceBytes::from_raw(dev_ptr(stream, s), s.0.len()) }
+    unsafe { DeviceBytes::from_raw(dev_ptr(stream, b), b.len) }
 }
 
-fn view_mut(stream: &Arc<CudaStream>, s: &cudarc_slice::Slice) -> DeviceBytesMut<'static> {
+fn view_mut(stream: &Arc<CudaStream>, b: &Buf) -> DeviceBytesMut<'static> {
     // SAFETY: as in `view`; no other access while the operation runs.
-    unsafe { DeviceBytesMut::from_raw(dev_ptr(stream, s), s.0.len()) }
+    unsafe { DeviceBytesMut::from_raw(dev_ptr(stream, b), b.len) }
 }
 
-fn dev_ptr(stream: &Arc<CudaStream>, s: &cudarc_slice::Slice) -> u64 {
+fn dev_ptr(stream: &Arc<CudaStream>, b: &Buf) -> u64 {
     use cudarc::driver::DevicePtr;
-    s.0.device_ptr(stream).0
+    b.slice.device_ptr(stream).0
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
