@@ -60,10 +60,11 @@
 //! # Limits
 //! Device scaling covers `f16`, `bf16`, `f32` and `f64` (a factor other than 1 on an integer
 //! tensor is an error). NCCL has no bitwise reductions (`BitAnd`/`BitOr` are refused, except on
-//! `bool`, where they are `Min`/`Max`). `ncclCommInitRank` has no timeout: a rank that dies
-//! between the id exchange and the end of initialisation leaves the others waiting (the id
-//! exchange itself is bounded by the host transport's timeout). Waiting for completion is
-//! bounded (`DeviceChannel::wait_completion`), and aborts the NCCL communicator on timeout.
+//! `bool`, where they are `Min`/`Max`). `ncclCommInitRank` has no timeout: it runs on a helper
+//! thread and opening a channel gives up after `CudaWorld::set_timeout` (default 120 s) with
+//! an error, leaving that thread blocked in NCCL (nothing can cancel it). Waiting for
+//! completion is bounded (`DeviceChannel::wait_completion`), and aborts the NCCL communicator
+//! on timeout.
 
 /// Whether this build of `fh-transport` contains the GPU path (Cargo feature `cuda`).
 pub const COMPILED: bool = cfg!(feature = "cuda");
@@ -87,7 +88,7 @@ pub use cudarc::driver::{
 #[cfg(feature = "cuda")]
 pub use device::{
     record_on_stream, stream_wait, CudaWorld, DeviceBytes, DeviceBytesMut, DeviceChannel,
-    DeviceCommunicator, Staging,
+    DeviceCommunicator, Staging, DEFAULT_INIT_TIMEOUT,
 };
 
 /// How a device channel moves bytes.

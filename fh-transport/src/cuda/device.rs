@@ -321,7 +321,12 @@ pub struct CudaWorld {
     topology: Topology,
     mode: DeviceMode,
     devices: usize,
+    timeout: Duration,
 }
+
+/// How long opening a device channel waits for NCCL's initialisation, unless
+/// [`CudaWorld::set_timeout`] says otherwise.
+pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(120);
 
 impl CudaWorld {
     /// Probe the driver and NCCL, pick device `local_rank % devices` and the mode (NCCL, or
@@ -368,7 +373,14 @@ impl CudaWorld {
             topology,
             mode,
             devices,
+            timeout: DEFAULT_INIT_TIMEOUT,
         })
+    }
+
+    /// How long [`CudaWorld::open`] waits for NCCL's initialisation (the engine passes its
+    /// `FH_TIMEOUT_SECONDS`).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
     }
 
     /// The mode chosen locally (channels agree on one: staging wins if any rank needs it).
@@ -417,7 +429,12 @@ impl CudaWorld {
         }
         let stream = self.ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
         let comm: Box<dyn DeviceCommunicator> = match mode {
-            DeviceMode::Nccl => Box::new(NcclComm::connect(&mut *host, stream.clone(), label)?),
+            DeviceMode::Nccl => Box::new(NcclComm::connect(
+                &mut *host,
+                stream.clone(),
+                label,
+                self.timeout,
+            )?),
             DeviceMode::HostStaged => Box::new(StagedComm::new(host, stream.clone())),
         };
         DeviceChannel::new(comm, self.ctx.clone(), stream)

@@ -2,6 +2,7 @@
 //! channel's stream. The few raw NCCL calls of the crate live here.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::CudaStream;
 use fh_core::{DType, ReduceOp};
@@ -31,11 +32,13 @@ unsafe impl Send for NcclComm {}
 
 impl NcclComm {
     /// Collectively create the communicator: rank 0 makes NCCL's unique id and sends it over
-    /// `host` (the control plane), then every rank joins with `ncclCommInitRank`.
+    /// `host` (the control plane), then every rank joins with `ncclCommInitRank`, waiting at
+    /// most `timeout` for it.
     pub(crate) fn connect(
         host: &mut dyn Communicator,
         stream: Arc<CudaStream>,
         label: &str,
+        timeout: Duration,
     ) -> Result<Self> {
         let nccl = fh_nccl_sys::load().map_err(|e| TransportError::BackendUnavailable {
             backend: "nccl",
@@ -43,17 +46,9 @@ impl NcclComm {
         })?;
         let (rank, size) = (host.rank(), host.size());
         let id = exchange_unique_id(nccl, host, label)?;
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(cuda_err("cuCtxSetCurrent"))?;
-        let mut comm: ncclComm_t = std::ptr::null_mut();
         let n = i32::try_from(size).map_err(|_| too_many(size))?;
         let r_ = i32::try_from(rank).map_err(|_| too_many(rank))?;
-        // SAFETY: `comm` is a valid out-pointer; the id came from rank 0's ncclGetUniqueId; the
-        // device context is current on this thread.
-        let r = unsafe { nccl.lib().ncclCommInitRank(&mut comm, n, id, r_) };
-        check(nccl, r, "ncclCommInitRank", label)?;
+        let comm = init_rank(nccl, &stream, id, n, r_, label, timeout)?;
         tracing::debug!(channel = label, rank, size, "NCCL communicator ready");
         Ok(NcclComm {
             nccl,
@@ -125,6 +120,64 @@ pub(crate) fn exchange_unique_id(
         }
     }
     Ok(id)
+}
+
+/// A communicator handle moved to and from the initialising thread.
+struct SendComm(ncclComm_t);
+// SAFETY: a plain handle, used by one thread at a time (see `NcclComm`).
+unsafe impl Send for SendComm {}
+
+/// `ncclCommInitRank`, which has no timeout of its own (it waits for every rank), run on a
+/// helper thread so that the caller waits at most `timeout`. On timeout the helper is left
+/// blocked in NCCL (nothing can cancel it); if it ever finishes, it destroys the communicator
+/// nobody is waiting for.
+fn init_rank(
+    nccl: &'static Nccl,
+    stream: &Arc<CudaStream>,
+    id: ncclUniqueId,
+    size: i32,
+    rank: i32,
+    label: &str,
+    timeout: Duration,
+) -> Result<ncclComm_t> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(ncclResult_t, SendComm)>(1);
+    let ctx = stream.context().clone();
+    std::thread::Builder::new()
+        .name(format!("fh-nccl-init-{label}"))
+        .spawn(move || {
+            if ctx.bind_to_thread().is_err() {
+                let _ = tx.send((
+                    ncclResult_t::ncclUnhandledCudaError,
+                    SendComm(std::ptr::null_mut()),
+                ));
+                return;
+            }
+            let mut comm: ncclComm_t = std::ptr::null_mut();
+            // SAFETY: `comm` is a valid out-pointer; the id came from rank 0's
+            // ncclGetUniqueId; the device context is current on this thread.
+            let r = unsafe { nccl.lib().ncclCommInitRank(&mut comm, size, id, rank) };
+            if let Err(std::sync::mpsc::SendError((_, SendComm(c)))) = tx.send((r, SendComm(comm)))
+            {
+                if !c.is_null() {
+                    // SAFETY: a communicator nobody else holds, destroyed once.
+                    let _ = unsafe { nccl.lib().ncclCommDestroy(c) };
+                }
+            }
+        })
+        .map_err(|e| TransportError::io("spawn the NCCL initialisation thread", e))?;
+    match rx.recv_timeout(timeout) {
+        Ok((r, SendComm(comm))) => {
+            check(nccl, r, "ncclCommInitRank", label)?;
+            Ok(comm)
+        }
+        Err(_) => Err(TransportError::Device {
+            op: format!("ncclCommInitRank (channel {label})"),
+            detail: format!(
+                "not complete after {timeout:?}: some rank did not join (dead, stuck, or \
+                 unable to reach this one over NCCL's network); see the other ranks' logs"
+            ),
+        }),
+    }
 }
 
 fn too_many(n: usize) -> TransportError {
