@@ -62,4 +62,8 @@ if grep -q "skipped:" "$LOG"; then
     grep -o "skipped:.*" "$LOG" | sort | uniq -c
 fi
 echo "=== gpu-check: $pass passed, $fail failed${failed:+ (${failed[*]})}; log in $LOG"
+if grep -q "skipped: no CUDA driver\|skipped: the CUDA driver sees no GPU" "$LOG"; then
+    echo "=== gpu-check: NO GPU here: the GPU tests skipped, nothing device-side was checked"
+    exit 2
+fi
 [ "$fail" -eq 0 ]
