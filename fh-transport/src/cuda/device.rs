@@ -774,6 +774,29 @@ mod tests {
     }
 
     #[test]
+    fn every_dtype_and_op_maps_or_is_refused_clearly() {
+        use std::collections::HashSet;
+        let mut seen = HashSet::new();
+        for dtype in DType::ALL {
+            let t = nccl_dtype(dtype);
+            // One NCCL type per dtype; only bool shares u8's.
+            assert!(seen.insert(t.0) || dtype == DType::Bool, "{dtype:?}");
+            for op in ReduceOp::ALL {
+                let bitwise = matches!(op, ReduceOp::BitAnd | ReduceOp::BitOr);
+                let refused = (bitwise && dtype != DType::Bool)
+                    || (dtype == DType::Bool && op == ReduceOp::Average);
+                match nccl_types(dtype, op) {
+                    Ok((tt, _)) => assert!(!refused && tt == t, "{dtype:?} {op:?}"),
+                    Err(e) => assert!(
+                        refused && e.to_string().contains("on the host"),
+                        "{dtype:?} {op:?}: {e}"
+                    ),
+                }
+            }
+        }
+    }
+
+    #[test]
     fn staging_when_ranks_outnumber_gpus() {
         assert_eq!(choose_mode(1, 1, Staging::Auto), DeviceMode::Nccl);
         assert_eq!(choose_mode(8, 8, Staging::Auto), DeviceMode::Nccl);
