@@ -70,6 +70,14 @@ pub enum TransportError {
         /// Why, and what to do about it.
         reason: String,
     },
+    /// A CUDA driver or NCCL call failed (GPU path, feature `cuda`).
+    #[error("{op} failed: {detail}")]
+    Device {
+        /// The call (and channel) that failed.
+        op: String,
+        /// The library's message and code.
+        detail: String,
+    },
     /// The communicator was closed (shut down) before or during the operation.
     #[error("communicator closed: {0}")]
     Closed(String),

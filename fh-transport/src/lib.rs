@@ -36,6 +36,7 @@
 pub mod algorithms;
 pub mod bootstrap;
 pub mod comm;
+pub mod cuda;
 pub mod error;
 #[cfg(target_os = "linux")]
 pub mod hier;

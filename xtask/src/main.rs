@@ -6,10 +6,13 @@
 //! - `cargo xtask tidy`: the repository's structural checks (also run as `#[test]`s).
 //! - `cargo xtask bench [--quick] [--np N] [--hosts H,..|--launcher mpirun|srun] [--out DIR]
 //!   [suite..]`: builds `fh-bench` in release mode and runs it.
+//! - `cargo xtask nccl-bindings [--check]`: regenerates (or checks) the committed NCCL bindings
+//!   of `fh-nccl-sys` with bindgen (feature `nccl-bindings`, the only dependency of xtask).
 //!
 //! Dependency-free on purpose: `cargo xtask` must build in seconds on a fresh machine.
 
 mod bench;
+mod nccl;
 mod test;
 mod tidy;
 
@@ -27,6 +30,8 @@ tasks:
            cargo xtask bench [--quick] [--np N] [--hosts H1,H2|--launcher mpirun|srun]
                              [--out DIR] [SUITE..]   (suites: collectives replay negotiation simulate)
            anything else after `bench` is passed to `fh-bench suite` (see `fh-bench suite --help`)
+  nccl-bindings [--check] [--header PATH]
+           regenerate fh-nccl-sys/src/bindings.rs from the NCCL wheel's nccl.h (bindgen)
 ";
 
 fn main() -> ExitCode {
@@ -50,6 +55,7 @@ fn main() -> ExitCode {
             }
         }
         "bench" => bench::run(&root, &rest),
+        "nccl-bindings" => nccl::run(&root, &rest),
         "" | "help" | "-h" | "--help" => {
             eprint!("{USAGE}");
             if task.is_empty() {

@@ -5,6 +5,8 @@
 //!   (see [`RULES`]); parsed from the crates' `Cargo.toml` files.
 //! - Every library crate has `#![deny(missing_docs)]`.
 //! - No printing (`println!`, `eprintln!`, `dbg!`, ...) and no `process::exit` in library code.
+//! - CUDA and NCCL bindings (`cudarc`, `fh-nccl-sys`) only in fh-transport, and `cudarc`
+//!   loaded at run time with an explicit CUDA version (the `cuda` feature needs no toolkit).
 //! - The README's first lines give the two commands; `.ci/run` calls `cargo xtask test`;
 //!   `ARCHITECTURE.md` mentions every crate.
 
@@ -55,6 +57,13 @@ const SCHEDULER_FORBIDDEN: &[&str] = &[
 /// Python bindings: only `fh-torch` may know Python.
 const PYTHON_CRATES: &[&str] = &["pyo3*", "numpy"];
 
+/// CUDA and NCCL bindings: only the crates in [`GPU_ALLOWED`] may depend on them ("only
+/// fh-transport talks to NCCL").
+const GPU_CRATES: &[&str] = &["cudarc", "fh-nccl-sys", "nccl*", "cuda*"];
+
+/// The crates that may depend on [`GPU_CRATES`].
+const GPU_ALLOWED: &[&str] = &["fh-transport"];
+
 /// One crate's layering rule.
 pub(crate) struct Rule {
     /// The crate (a workspace member's package name).
@@ -75,7 +84,12 @@ pub(crate) const RULES: &[Rule] = &[
     },
     Rule {
         krate: "fh-transport",
-        internal_allowed: Some(&["fh-core"]),
+        internal_allowed: Some(&["fh-core", "fh-nccl-sys"]),
+        forbidden: PYTHON_CRATES,
+    },
+    Rule {
+        krate: "fh-nccl-sys",
+        internal_allowed: Some(&[]),
         forbidden: PYTHON_CRATES,
     },
     Rule {
@@ -124,6 +138,7 @@ pub(crate) fn run_all(root: &Path) -> Vec<String> {
     out.extend(check_readme(root));
     out.extend(check_ci_script(root));
     out.extend(check_architecture(root));
+    out.extend(check_cudarc_features(root));
     out
 }
 
@@ -274,6 +289,14 @@ pub(crate) fn layering_violations(
         if krate != "fh-torch" && PYTHON_CRATES.iter().any(|p| matches_pattern(d, p)) {
             out.push(format!(
                 "{krate} depends on `{d}`, but only fh-torch may know Python (DESIGN.md, Crates)"
+            ));
+            continue;
+        }
+        if !GPU_ALLOWED.contains(&krate) && GPU_CRATES.iter().any(|p| matches_pattern(d, p)) {
+            out.push(format!(
+                "{krate} depends on `{d}`, but only {} may talk to CUDA or NCCL \
+                 (ARCHITECTURE.md, Invariants)",
+                GPU_ALLOWED.join(", ")
             ));
             continue;
         }
@@ -469,6 +492,50 @@ pub(crate) fn check_ci_script(root: &Path) -> Vec<String> {
     }
 }
 
+/// The `cudarc` dependency (root `Cargo.toml`) loads CUDA at run time with a fixed version
+/// feature, so that `--features cuda` builds without a CUDA toolkit.
+pub(crate) fn check_cudarc_features(root: &Path) -> Vec<String> {
+    match read(&root.join("Cargo.toml")) {
+        Ok(t) => cudarc_feature_problems(&t),
+        Err(e) => vec![e],
+    }
+}
+
+/// What is wrong with the `cudarc = ...` line of a root manifest (nothing if there is none).
+pub(crate) fn cudarc_feature_problems(manifest: &str) -> Vec<String> {
+    let Some(line) = manifest
+        .lines()
+        .map(strip_comment)
+        .find(|l| l.trim_start().starts_with("cudarc"))
+    else {
+        return vec![];
+    };
+    let mut out = Vec::new();
+    if !line.contains("\"dynamic-loading\"") {
+        out.push("cudarc must use the `dynamic-loading` feature (build without CUDA)".into());
+    }
+    if !line.contains("\"cuda-1") {
+        out.push("cudarc needs an explicit `cuda-*` version feature (no nvcc at build)".into());
+    }
+    for bad in [
+        "cuda-version-from-build-system",
+        "dynamic-linking",
+        "static-linking",
+    ] {
+        if line.contains(bad) {
+            out.push(format!(
+                "cudarc must not use `{bad}` (it needs a CUDA toolkit to build)"
+            ));
+        }
+    }
+    if !line.contains("default-features = false") {
+        out.push(
+            "cudarc must set `default-features = false` (its defaults link cuBLAS etc.)".into(),
+        );
+    }
+    out
+}
+
 /// `ARCHITECTURE.md` mentions every workspace crate.
 pub(crate) fn check_architecture(root: &Path) -> Vec<String> {
     let text = match read(&root.join("ARCHITECTURE.md")) {
@@ -596,6 +663,39 @@ default = []
             layering_violations("fh-bench", &["pyo3".to_string()], &internal).len(),
             1
         );
+    }
+
+    #[test]
+    fn cudarc_builds_without_a_toolkit() {
+        assert_clean(check_cudarc_features(&root()));
+        let good = r#"cudarc = { version = "0.19", default-features = false, features = ["driver", "dynamic-loading", "cuda-12080"] }"#;
+        assert!(cudarc_feature_problems(good).is_empty());
+        let bad = r#"cudarc = { version = "0.19", features = ["cuda-version-from-build-system"] }"#;
+        assert_eq!(
+            cudarc_feature_problems(bad).len(),
+            4,
+            "{:?}",
+            cudarc_feature_problems(bad)
+        );
+        assert!(cudarc_feature_problems("[workspace]\n").is_empty());
+    }
+
+    #[test]
+    fn only_fh_transport_may_bind_cuda_or_nccl() {
+        let internal: Vec<String> = ["fh-core", "fh-transport", "fh-nccl-sys", "fh-scheduler"]
+            .map(String::from)
+            .to_vec();
+        let gpu = ["cudarc", "fh-nccl-sys", "fh-core"].map(String::from);
+        assert!(layering_violations("fh-transport", &gpu, &internal).is_empty());
+        for krate in ["fh-scheduler", "fh-torch", "fh-bench", "fh-core"] {
+            let v = layering_violations(krate, &gpu[..2], &internal);
+            assert_eq!(v.len(), 2, "{krate}: {v:#?}");
+            assert!(v
+                .iter()
+                .all(|m| m.contains("only fh-transport may talk to CUDA or NCCL")));
+        }
+        let v = layering_violations("fh-nccl-sys", &["fh-core".to_string()], &internal);
+        assert_eq!(v.len(), 1, "{v:#?}");
     }
 
     #[test]
