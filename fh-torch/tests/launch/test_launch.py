@@ -1,0 +1,144 @@
+"""Launching jobs: a single process, fhrun, torchrun; a killed rank; the training example."""
+
+import os
+import secrets
+import signal
+import subprocess
+import textwrap
+
+import pytest
+import torch
+
+from conftest import EXAMPLES, PYTHON, free_port, run
+
+
+def test_single_process_needs_no_launcher():
+    code, out = run([PYTHON, "-c", textwrap.dedent("""
+        import torch, fasthorovod.torch as hvd
+        hvd.init()
+        assert (hvd.rank(), hvd.size(), hvd.local_size()) == (0, 1, 1)
+        assert torch.equal(hvd.allreduce(torch.ones(3)), torch.ones(3))
+        assert hvd.join() == 0
+        hvd.shutdown()
+        print("single ok")
+    """)], timeout=120)
+    assert code == 0, out
+    assert "single ok" in out
+
+
+def test_calls_before_init_say_to_call_init():
+    code, out = run([PYTHON, "-c", textwrap.dedent("""
+        import torch, fasthorovod.torch as hvd
+        for f in (hvd.rank, hvd.size, lambda: hvd.allreduce(torch.ones(1))):
+            try:
+                f()
+            except ValueError as e:
+                assert "hvd.init()" in str(e), e
+            else:
+                raise SystemExit("no error before init")
+        hvd.init(); hvd.shutdown()
+        try:
+            hvd.allreduce(torch.ones(1))
+        except RuntimeError as e:
+            assert "shut down" in str(e), e
+            print("after shutdown:", e)
+        else:
+            raise SystemExit("no error after shutdown")
+    """)], timeout=120)
+    assert code == 0, out
+    assert "after shutdown" in out
+
+
+def test_horovod_variables_are_honoured_and_bad_ones_named():
+    code, out = run([PYTHON, "-c", "import fasthorovod.torch as hvd; hvd.init()"],
+                    env={"HOROVOD_CACHE_CAPACITY": "lots"}, timeout=120)
+    assert code != 0
+    assert "HOROVOD_CACHE_CAPACITY" in out, out
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    import fasthorovod.torch as hvd
+    from fasthorovod.common.exceptions import HorovodInternalError
+    hvd.init()
+    hvd.allreduce(torch.ones(4), name="warmup")
+    if hvd.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    pending = hvd.allreduce_async(torch.ones(1 << 20), name="big")
+    try:
+        hvd.synchronize(pending)
+    except HorovodInternalError as e:
+        print("pending failed:", e, flush=True)
+    else:
+        sys.exit("the pending operation succeeded")
+    try:
+        hvd.allreduce(torch.ones(1), name="after")
+    except RuntimeError as e:
+        print("new op failed:", e, flush=True)
+    else:
+        sys.exit("a new operation succeeded")
+""")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_killed_rank_fails_the_others_naming_it(tmp_path, transport):
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    port = free_port()
+    token = secrets.token_hex(16)
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, FH_RANK=str(r), FH_SIZE="2", FH_LOCAL_RANK=str(r),
+                   FH_LOCAL_SIZE="2", FH_CROSS_RANK="0", FH_CROSS_SIZE="1",
+                   FH_RENDEZVOUS_ADDR=f"127.0.0.1:{port}", FH_JOB_TOKEN=token,
+                   FH_TRANSPORT=transport, FH_TIMEOUT_SECONDS="20")
+        procs.append(subprocess.Popen([PYTHON, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    try:
+        out0, _ = procs[0].communicate(timeout=60)
+        procs[1].communicate(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode == 0, out0
+    assert "pending failed" in out0 and "rank 1" in out0, out0
+    assert "new op failed" in out0, out0
+
+
+def test_example_trains_to_identical_parameters(fhrun, tmp_path):
+    example = str(EXAMPLES / "train_synthetic_cnn.py")
+    save = str(tmp_path / "params-{rank}.pt")
+    code, out = run([fhrun, "-np", "2", "--timeout", "200", PYTHON, example, "--steps", "25",
+                     "--save", save], timeout=240)
+    assert code == 0, out
+    ref = str(tmp_path / "ref.pt")
+    code, out_ref = run([PYTHON, example, "--steps", "25", "--concat-ranks", "2", "--save", ref],
+                        timeout=240)
+    assert code == 0, out_ref
+    p0 = torch.load(save.format(rank=0))
+    p1 = torch.load(save.format(rank=1))
+    pref = torch.load(ref)
+    assert p0.keys() == p1.keys() == pref.keys()
+    for k in p0:
+        assert torch.equal(p0[k], p1[k]), f"{k} differs between the ranks"
+        assert torch.allclose(p0[k], pref[k], rtol=1e-4, atol=1e-5), \
+            f"{k}: 2 ranks and one process on the concatenated batch differ"
+    # It learns.
+    losses = [float(line.split()[-1]) for line in out.splitlines() if "loss" in line]
+    assert losses and losses[-1] < losses[0], out
+
+
+def test_torchrun_launches_it(tmp_path):
+    example = str(EXAMPLES / "train_synthetic_cnn.py")
+    port = free_port()
+    code, out = run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                     "--master_addr", "127.0.0.1", "--master_port", str(port),
+                     example, "--steps", "3"],
+                    env={"FH_JOB_TOKEN": secrets.token_hex(16), "OMP_NUM_THREADS": "1"},
+                    timeout=240)
+    assert code == 0, out
+    assert "step    2" in out, out
