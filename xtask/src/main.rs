@@ -13,6 +13,7 @@
 
 mod bench;
 mod nccl;
+mod python;
 mod test;
 mod tidy;
 

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use crate::{cargo, tidy};
+use crate::{cargo, python, tidy};
 
 /// Debian packages the suites need. `openmpi-bin libopenmpi-dev libclang-dev`: the MPI suite
 /// (the `mpi` crate builds its bindings with libclang against `mpicc`) and fh-bench's OpenMPI
@@ -15,6 +15,9 @@ pub(crate) const BASE_PACKAGES: &[&str] = &[
     "libclang-dev",
     "fonts-dejavu-core",
 ];
+
+/// A stage's commands, from the workspace root.
+type Commands = fn(&Path) -> Vec<Command>;
 
 /// A suite run after `cargo test --workspace`, needing system packages.
 pub(crate) struct ExtraSuite {
@@ -45,17 +48,62 @@ pub(crate) struct ExtraSuite {
 /// }
 /// ```
 pub(crate) fn extra_suites() -> Vec<ExtraSuite> {
-    vec![ExtraSuite {
-        name: "mpi suite (mpirun np 2-4, fhrun --mpi, scheduler over MPI)",
-        packages: &["openmpi-bin", "libopenmpi-dev", "libclang-dev"],
-        commands: |root| {
-            let mut c = Command::new("bash");
-            c.current_dir(root)
-                .arg("fh-transport/tests/mpi/run.sh")
-                .env("CARGO", cargo());
-            vec![c]
+    vec![
+        ExtraSuite {
+            name: "gpu path without a GPU (--features cuda: clippy, tests; NCCL bindings)",
+            packages: &["libclang-dev"],
+            commands: |root| {
+                let cmd = |args: &[&str]| {
+                    let mut c = Command::new(cargo());
+                    c.current_dir(root).args(args);
+                    c
+                };
+                vec![
+                    cmd(&[
+                        "clippy",
+                        "-p",
+                        "fh-transport",
+                        "--features",
+                        "cuda",
+                        "--all-targets",
+                        "--",
+                        "-D",
+                        "warnings",
+                    ]),
+                    cmd(&[
+                        "test",
+                        "-p",
+                        "fh-transport",
+                        "--features",
+                        "cuda",
+                        "--lib",
+                        "cuda::",
+                    ]),
+                    cmd(&[
+                        "test",
+                        "-p",
+                        "fh-transport",
+                        "--features",
+                        "cuda",
+                        "--test",
+                        "cuda_gpu",
+                    ]),
+                    cmd(&["test", "-p", "xtask", "--features", "nccl-bindings", "nccl"]),
+                ]
+            },
         },
-    }]
+        ExtraSuite {
+            name: "mpi suite (mpirun np 2-4, fhrun --mpi, scheduler over MPI)",
+            packages: &["openmpi-bin", "libopenmpi-dev", "libclang-dev"],
+            commands: |root| {
+                let mut c = Command::new("bash");
+                c.current_dir(root)
+                    .arg("fh-transport/tests/mpi/run.sh")
+                    .env("CARGO", cargo());
+                vec![c]
+            },
+        },
+    ]
 }
 
 #[derive(Debug)]
@@ -130,7 +178,76 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         run_cmd(c)
     }));
 
-    // 5. Extra suites (MPI, ...), skipped when their packages are missing.
+    // 5. PyTorch: a virtual environment under target/ (torch, maturin, pytest from the
+    //    registry), `pip install ./fh-torch`, pytest on 1, 2 and 3 ranks and the launch tests.
+    let venv = stage(
+        "python environment (target/fh-venv: torch, maturin, pytest)",
+        || match python::ensure_venv(root) {
+            Ok(()) => Outcome::Passed,
+            Err(e) => Outcome::Failed(e),
+        },
+    );
+    let venv_ok = matches!(venv.outcome, Outcome::Passed);
+    stages.push(venv);
+    let python_stages: [(&str, Commands); 4] = [
+        (
+            "pip install ./fh-torch (maturin, from source; clippy)",
+            |root| {
+                let mut fhrun = Command::new(cargo());
+                fhrun.current_dir(root).args(["build", "-p", "fh-launch"]);
+                let mut lint = Command::new(cargo());
+                lint.current_dir(root)
+                    .args([
+                        "clippy",
+                        "-p",
+                        "fh-torch",
+                        "--features",
+                        "python",
+                        "--all-targets",
+                    ])
+                    .args(["--", "-D", "warnings"])
+                    .env("PYO3_PYTHON", python::python(root));
+                vec![fhrun, lint, python::install_wheel(root)]
+            },
+        ),
+        ("pytest fh-torch/tests/ranks, one process", |root| {
+            vec![python::ranks_suite(root, 1)]
+        }),
+        (
+            "pytest fh-torch/tests/ranks under fhrun -np 2, -np 3",
+            |root| vec![python::ranks_suite(root, 2), python::ranks_suite(root, 3)],
+        ),
+        ("pytest fh-torch/tests/launch", |root| {
+            vec![python::launch_suite(root)]
+        }),
+    ];
+    let mut python_ok = venv_ok;
+    for (name, commands) in python_stages {
+        if !python_ok {
+            stages.push(Stage {
+                name: name.into(),
+                outcome: Outcome::Failed("the step before it failed".into()),
+                took: Duration::ZERO,
+            });
+            continue;
+        }
+        let s = stage(name, || {
+            for c in commands(root) {
+                match run_cmd(c) {
+                    Outcome::Passed => {}
+                    other => return other,
+                }
+            }
+            Outcome::Passed
+        });
+        if name.starts_with("pip install") && !matches!(s.outcome, Outcome::Passed) {
+            python_ok = false;
+        }
+        stages.push(s);
+    }
+
+    // 6. Extra suites (MPI, GPU path without a GPU, ...), skipped when their packages are
+    //    missing.
     for suite in &suites {
         let lacking: Vec<&str> = suite
             .packages

@@ -1,0 +1,128 @@
+//! The Python half of `cargo xtask test`: a virtual environment under `target/` with PyTorch,
+//! maturin and pytest from the package registry; the `fasthorovod` wheel built from source
+//! with `pip install ./fh-torch`; the pytest suites of `fh-torch/tests` on 1, 2 and 3 ranks.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// What the environment needs from the package registry (torch brings NVIDIA's NCCL wheel,
+/// which the GPU loader test uses).
+pub(crate) const PACKAGES: &[&str] = &["torch", "maturin>=1.9.4,<2", "pytest"];
+
+/// Where the environment lives.
+pub(crate) fn venv(root: &Path) -> PathBuf {
+    root.join("target").join("fh-venv")
+}
+
+/// The environment's interpreter.
+pub(crate) fn python(root: &Path) -> PathBuf {
+    venv(root).join("bin").join("python")
+}
+
+fn ok(c: &mut Command) -> bool {
+    c.output().map(|o| o.status.success()).unwrap_or(false)
+}
+
+/// Make sure the environment exists and has [`PACKAGES`]; returns an error saying exactly what
+/// is missing and how to get it.
+pub(crate) fn ensure_venv(root: &Path) -> Result<(), String> {
+    let py = python(root);
+    let has_all = |py: &Path| ok(Command::new(py).args(["-c", "import torch, maturin, pytest"]));
+    if py.is_file() && has_all(&py) {
+        eprintln!("    {} has torch, maturin and pytest", venv(root).display());
+        return Ok(());
+    }
+    if !py.is_file() {
+        let base = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+        if !ok(
+            Command::new(&base).args(["-c", "import sys, venv; assert sys.version_info >= (3, 9)"])
+        ) {
+            return Err(format!(
+                "`{base}` (3.9 or newer, with the venv module) is needed for the PyTorch suite: \
+                 install it (Debian: `apt-get install python3 python3-venv`) or point PYTHON at one"
+            ));
+        }
+        eprintln!("    creating {} with {base}", venv(root).display());
+        let status = Command::new(&base)
+            .args(["-m", "venv"])
+            .arg(venv(root))
+            .status()
+            .map_err(|e| format!("cannot run {base}: {e}"))?;
+        if !status.success() {
+            return Err(format!("`{base} -m venv {}` failed", venv(root).display()));
+        }
+    }
+    eprintln!(
+        "    installing {} into {} (about 3 GB on a fresh machine)",
+        PACKAGES.join(" "),
+        venv(root).display()
+    );
+    let status = Command::new(&py)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
+        .args(PACKAGES)
+        .status()
+        .map_err(|e| format!("cannot run pip: {e}"))?;
+    if !status.success() || !has_all(&py) {
+        return Err(format!(
+            "`{} -m pip install {}` failed: the PyTorch suite needs these packages from the \
+             package registry",
+            py.display(),
+            PACKAGES.join(" ")
+        ));
+    }
+    Ok(())
+}
+
+/// `pip install ./fh-torch` into the environment: maturin builds the extension from source.
+pub(crate) fn install_wheel(root: &Path) -> Command {
+    let mut c = Command::new(python(root));
+    c.current_dir(root)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--force-reinstall",
+            "--no-deps",
+            "./fh-torch",
+        ])
+        .env("CARGO_TARGET_DIR", root.join("target"));
+    c
+}
+
+fn pytest(root: &Path, c: &mut Command, dir: &str) {
+    c.current_dir(root)
+        .args(["-m", "pytest", dir, "-q", "-p", "no:cacheprovider"])
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env("OMP_NUM_THREADS", "1")
+        .env("FH_TIMEOUT_SECONDS", "30");
+}
+
+/// The per-rank suite on `np` ranks under fhrun (`np` = 1: a single process, no launcher).
+pub(crate) fn ranks_suite(root: &Path, np: usize) -> Command {
+    let py = python(root);
+    let mut c = if np == 1 {
+        Command::new(&py)
+    } else {
+        let mut c = Command::new(root.join("target").join("debug").join("fhrun"));
+        c.args(["-np", &np.to_string(), "--timeout", "900"])
+            .arg(&py);
+        c
+    };
+    pytest(root, &mut c, "fh-torch/tests/ranks");
+    c
+}
+
+/// The suite that launches jobs itself (fhrun, torchrun, killed ranks, the example).
+pub(crate) fn launch_suite(root: &Path) -> Command {
+    let mut c = Command::new(python(root));
+    pytest(root, &mut c, "fh-torch/tests/launch");
+    c
+}
