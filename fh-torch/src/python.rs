@@ -170,16 +170,16 @@ fn mpi_built() -> bool {
     fh_transport::MPI_BUILT
 }
 
-/// Whether CUDA support was compiled in.
+/// Whether CUDA support was compiled in (feature `cuda`).
 #[pyfunction]
 fn cuda_built() -> bool {
-    false
+    cfg!(feature = "cuda")
 }
 
-/// Whether NCCL support was compiled in.
+/// Whether NCCL support was compiled in (feature `cuda`: NCCL is loaded at run time).
 #[pyfunction]
 fn nccl_built() -> bool {
-    false
+    cfg!(feature = "cuda")
 }
 
 /// Start writing the timeline (rank 0 writes).
