@@ -46,6 +46,14 @@ struct Pending {
     state: Announce,
 }
 
+/// Where a dispatched operation's tensor comes from.
+enum Source {
+    /// Submitted on this rank (its pending sequence number and entry).
+    Submitted(u64, Pending),
+    /// Zeros a joined rank contributes.
+    Zeros(Tensor),
+}
+
 enum Dispatch {
     Workers {
         queues: Vec<Sender<Job>>,
@@ -68,6 +76,45 @@ fn checked_total(counts: &[usize]) -> Result<usize, SchedulerError> {
             message: format!("a peer announced control messages of {counts:?} bytes; refusing"),
         })
 }
+
+/// Longest fault description a rank sends to the others.
+const MAX_FAULT_TEXT: usize = 4096;
+
+/// The error every rank stops with when `rank` could not run the negotiated tensor `name`.
+fn fault_error(rank: usize, name: &str, what: &str) -> SchedulerError {
+    SchedulerError::Negotiation {
+        name: name.to_string(),
+        reason: format!(
+            "rank {rank} could not run this negotiated tensor ({what}); the engine stopped on \
+             every rank"
+        ),
+    }
+}
+
+/// A zero tensor of `sig`'s dtype and shape (a joined rank's contribution), or why it cannot
+/// be made; allocation failure is an error, not an abort.
+fn try_zeros(sig: &fh_core::message::Signature) -> Result<Tensor, String> {
+    let shape: Vec<usize> = sig
+        .shape
+        .iter()
+        .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+        .collect();
+    let bytes = shape
+        .iter()
+        .try_fold(sig.dtype.size(), |a, &d| a.checked_mul(d))
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| format!("a zero tensor of shape {shape:?} does not fit in memory"))?;
+    let mut data = Vec::new();
+    data.try_reserve_exact(bytes)
+        .map_err(|e| format!("cannot allocate {bytes} bytes of zeros: {e}"))?;
+    data.resize(bytes, 0);
+    Tensor::new(sig.dtype, shape, data).map_err(|e| e.to_string())
+}
+
+/// Test hook: `(rank, name)` pairs for which dispatch behaves as if the tensor could not be
+/// made on that rank. Names are unique per test, so tests running in parallel do not meet.
+#[cfg(test)]
+pub(crate) static INJECTED_FAULTS: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
 
 /// An id for a tensor's timeline track (stable per submission).
 fn e_id(name: &str, submitted: Instant) -> u64 {
@@ -175,6 +222,9 @@ pub(crate) struct Control {
     held: BTreeMap<String, Vec<Response>>,
     /// Groups with a failed member: the error and the members still to come.
     failed_groups: HashMap<String, (SchedulerError, u32)>,
+    /// A local inconsistency met while dispatching (tensor name, what went wrong): raised in
+    /// the next round so that every rank stops with the same error.
+    fault: Option<(String, String)>,
 }
 
 impl Control {
@@ -258,6 +308,7 @@ impl Control {
             plan_opts,
             held: BTreeMap::new(),
             failed_groups: HashMap::new(),
+            fault: None,
         })
     }
 
@@ -439,7 +490,11 @@ impl Control {
             if p.state == Announce::Held {
                 continue;
             }
-            match self.cache.lookup(&p.entry.req.name, &p.entry.req.sig) {
+            match self.cache.lookup(
+                &p.entry.req.name,
+                &p.entry.req.sig,
+                p.entry.req.group.as_ref(),
+            ) {
                 Lookup::Hit(slot) => vec.set_slot(slot, true),
                 Lookup::Changed(slot) => invalid.push(slot),
                 Lookup::Miss => uncached |= p.state == Announce::New,
@@ -465,6 +520,7 @@ impl Control {
         vec.set_status(Status::Stalled, stall_due);
         vec.set_status(Status::Joined, self.joined);
         vec.set_status(Status::Pending, !self.pending.is_empty());
+        vec.set_status(Status::Fault, self.fault.is_some());
 
         // 2. The bit-vector allreduce.
         let mut bytes = vec.to_bytes();
@@ -475,6 +531,9 @@ impl Control {
             SchedulerError::InvalidArgument("internal error: negotiation vector length".into())
         })?;
         Counters::add(&self.inner.counters.rounds, 1);
+        if agreed.status(Status::Fault) {
+            return Err(self.agree_on_fault()?);
+        }
         if agreed.status(Status::Shutdown) {
             return Ok(Some(if self.local_shutdown {
                 "shutdown requested on this rank".into()
@@ -542,7 +601,11 @@ impl Control {
             let mut mine = Vec::new();
             for p in self.pending.values_mut() {
                 if p.state == Announce::New
-                    && self.cache.lookup(&p.entry.req.name, &p.entry.req.sig) == Lookup::Miss
+                    && self.cache.lookup(
+                        &p.entry.req.name,
+                        &p.entry.req.sig,
+                        p.entry.req.group.as_ref(),
+                    ) == Lookup::Miss
                 {
                     mine.push(p.entry.req.clone());
                     p.state = Announce::Sent;
@@ -747,6 +810,83 @@ impl Control {
         })
     }
 
+    /// This rank's tensor for a negotiated response, taken out of the pending set (or a
+    /// joined rank's zeros); `Err` says why there is none.
+    fn take_tensor(&mut self, r: &Response) -> Result<Source, String> {
+        #[cfg(test)]
+        if self.injected(&r.name) {
+            return Err("injected allocation failure".into());
+        }
+        if let Some(seq) = self.by_name.remove(&r.name) {
+            if let Some(p) = self.pending.remove(&seq) {
+                return Ok(Source::Submitted(seq, p));
+            }
+        }
+        if self.joined && r.sig.kind == CollectiveKind::Allreduce {
+            return try_zeros(&r.sig).map(Source::Zeros);
+        }
+        Err("this rank never submitted it".into())
+    }
+
+    #[cfg(test)]
+    fn injected(&self, name: &str) -> bool {
+        INJECTED_FAULTS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|(r, n)| *r == self.inner.rank && n == name)
+    }
+
+    /// Every rank's `mine`, in rank order (an allgather of lengths, then of the bytes).
+    fn allgather_blobs(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, SchedulerError> {
+        let size = self.inner.size;
+        self.add_bytes(mine.len() + 8);
+        let mut lens = vec![0u8; 8 * size];
+        self.comm
+            .allgather(&(mine.len() as u64).to_le_bytes(), &mut lens)?;
+        let counts: Vec<usize> = lens
+            .chunks_exact(8)
+            .map(|c| {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(c);
+                usize::try_from(u64::from_le_bytes(a)).unwrap_or(usize::MAX)
+            })
+            .collect();
+        let mut all = vec![0u8; checked_total(&counts)?];
+        self.comm.allgatherv(mine, &mut all, &counts)?;
+        let mut out = Vec::with_capacity(size);
+        let mut off = 0;
+        for n in counts {
+            out.push(all[off..off + n].to_vec());
+            off += n;
+        }
+        Ok(out)
+    }
+
+    /// Some rank raised the fault flag: every rank learns every rank's fault and stops with
+    /// the same error, naming the lowest faulty rank, its tensor and what went wrong.
+    fn agree_on_fault(&mut self) -> Result<SchedulerError, SchedulerError> {
+        let mine = match &self.fault {
+            Some((name, text)) => {
+                let mut b = name.as_bytes().to_vec();
+                b.push(0);
+                b.extend_from_slice(&text.as_bytes()[..text.len().min(MAX_FAULT_TEXT)]);
+                b
+            }
+            None => Vec::new(),
+        };
+        let all = self.allgather_blobs(&mine)?;
+        let Some((rank, blob)) = all.iter().enumerate().find(|(_, b)| !b.is_empty()) else {
+            return Err(SchedulerError::Transport {
+                lost_rank: None,
+                message: "a rank raised the fault flag but sent no fault".into(),
+            });
+        };
+        let text = String::from_utf8_lossy(blob);
+        let (name, what) = text.split_once('\0').unwrap_or(("?", &text));
+        Ok(fault_error(rank, name, what))
+    }
+
     /// Compare pending names across ranks and report those some ranks lack.
     fn inspect_stall(&mut self, now: Instant) -> Result<(), SchedulerError> {
         let size = self.inner.size;
@@ -839,67 +979,71 @@ impl Control {
     }
 
     /// Plan the round's ready responses into groups and hand them to the channels.
+    ///
+    /// Every tensor of the round is checked before any is dispatched: a rank that cannot run
+    /// one of them (a name it never submitted, zeros it cannot allocate) dispatches none,
+    /// keeps them pending and raises the fault flag in the next round, where every rank stops
+    /// with the same error naming it. It never plans a different list from the other ranks.
     fn dispatch(&mut self, ready: Vec<Response>) {
         let active = self.joined_set.iter().filter(|j| !**j).count();
+        // 1. Take every response's local tensor: the one submitted here, or a joined rank's
+        //    zeros. On failure, put back what was taken and raise the fault.
+        let mut taken: Vec<Source> = Vec::with_capacity(ready.len());
+        for r in &ready {
+            let got = self.take_tensor(r);
+            match got {
+                Ok(src) => taken.push(src),
+                Err(what) => {
+                    tracing::error!(rank = self.inner.rank, name = %r.name, %what, "cannot run a negotiated tensor; stopping the engine on every rank");
+                    for src in taken {
+                        if let Source::Submitted(seq, p) = src {
+                            self.by_name.insert(p.entry.req.name.clone(), seq);
+                            self.pending.insert(seq, p);
+                        }
+                    }
+                    self.fault = Some((r.name.clone(), what));
+                    return;
+                }
+            }
+        }
+        // 2. Build the operations.
         let mut ops: Vec<Arc<Op>> = Vec::with_capacity(ready.len());
         let mut items: Vec<PlanItem> = Vec::with_capacity(ready.len());
         let mut group_ids: HashMap<String, u32> = HashMap::new();
-        for r in ready {
-            let entry = self
-                .by_name
-                .remove(&r.name)
-                .and_then(|seq| self.pending.remove(&seq))
-                .map(|p| p.entry);
-            if let (Some(tl), Some(e)) = (&self.inner.timeline, &entry) {
-                tl.tensor_span(
-                    e_id(&r.name, e.submitted),
-                    &r.name,
-                    "queued",
-                    e.submitted,
-                    Instant::now(),
-                );
-            }
-            let op = match entry {
-                Some(e) => Op {
-                    name: r.name.clone(),
-                    sig: r.sig.clone(),
-                    state: Mutex::new(OpState {
-                        tensor: Some(e.tensor),
-                        splits: e.splits,
-                        error: None,
-                    }),
-                    remaining: AtomicUsize::new(0),
-                    cell: Some(e.cell),
-                },
-                None if self.joined && r.sig.kind == CollectiveKind::Allreduce => {
-                    let shape: Vec<usize> = r.sig.shape.iter().map(|&d| d as usize).collect();
-                    let Ok(t) = Tensor::zeros(r.sig.dtype, shape) else {
-                        continue;
-                    };
-                    Op {
-                        name: r.name.clone(),
-                        sig: r.sig.clone(),
-                        state: Mutex::new(OpState {
-                            tensor: Some(t),
-                            splits: None,
-                            error: None,
-                        }),
-                        remaining: AtomicUsize::new(0),
-                        cell: None,
-                    }
-                }
-                None => {
-                    tracing::error!(name = %r.name, "internal error: a name was negotiated that this rank never submitted");
-                    continue;
-                }
-            };
+        for (r, src) in ready.into_iter().zip(taken) {
             let mut item = PlanItem::from_response(&r);
             if let Some(g) = &r.group {
                 let next = group_ids.len() as u32;
                 item.group = Some(*group_ids.entry(g.name.clone()).or_insert(next));
             }
+            let (tensor, splits, cell) = match src {
+                Source::Zeros(t) => (t, None, None),
+                Source::Submitted(_, p) => {
+                    let e = p.entry;
+                    if let Some(tl) = &self.inner.timeline {
+                        tl.tensor_span(
+                            e_id(&r.name, e.submitted),
+                            &r.name,
+                            "queued",
+                            e.submitted,
+                            Instant::now(),
+                        );
+                    }
+                    (e.tensor, e.splits, Some(e.cell))
+                }
+            };
             items.push(item);
-            ops.push(Arc::new(op));
+            ops.push(Arc::new(Op {
+                name: r.name,
+                sig: r.sig,
+                state: Mutex::new(OpState {
+                    tensor: Some(tensor),
+                    splits,
+                    error: None,
+                }),
+                remaining: AtomicUsize::new(0),
+                cell,
+            }));
         }
         let groups = plan(&items, &self.plan_opts);
         for g in &groups {
@@ -953,5 +1097,78 @@ impl Control {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{AllreduceOptions, Config, Engine};
+    use fh_transport::local::LocalWorld;
+
+    /// A rank that cannot run a negotiated tensor (here: an injected allocation failure on
+    /// rank 1) stops the engine on every rank with the same error naming the rank and the
+    /// tensor, within bounded time, instead of planning a different list than the others.
+    #[test]
+    fn a_local_fault_stops_every_rank_with_the_same_error() {
+        for k in [1usize, 3] {
+            let name = format!("faulty-{k}");
+            INJECTED_FAULTS
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((1, name.clone()));
+            let threads: Vec<_> = LocalWorld::with_timeout(3, Duration::from_secs(10))
+                .into_iter()
+                .map(|t| {
+                    let name = name.clone();
+                    std::thread::spawn(move || {
+                        let e = Engine::start(Box::new(t), Config::default().channels(k)).unwrap();
+                        let opts = AllreduceOptions::with_op(ReduceOp::Sum);
+                        let ok = e
+                            .allreduce("fine", Tensor::from_slice(&[1.0f32; 4]), opts)
+                            .unwrap()
+                            .wait_timeout(Duration::from_secs(20))
+                            .unwrap();
+                        let bad = e
+                            .allreduce(&name, Tensor::from_slice(&[1.0f32; 4]), opts)
+                            .unwrap()
+                            .wait_timeout(Duration::from_secs(20))
+                            .unwrap_err();
+                        let stopped = e.shutdown().unwrap_err();
+                        (ok.to_vec::<f32>().unwrap(), bad, stopped)
+                    })
+                })
+                .collect();
+            let out: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+            for (ok, bad, stopped) in &out {
+                assert_eq!(ok, &[3.0; 4]);
+                assert_eq!(bad, &out[0].1, "same error on every rank");
+                assert_eq!(stopped, &out[0].1);
+                let text = bad.to_string();
+                assert!(
+                    text.contains(&name)
+                        && text.contains("rank 1 could not run")
+                        && text.contains("injected allocation failure"),
+                    "{text}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn zero_tensors_that_cannot_exist_are_errors() {
+        let mut sig = fh_core::message::Signature {
+            kind: CollectiveKind::Allreduce,
+            dtype: DType::F32,
+            shape: vec![2, 3],
+            device: fh_core::message::Device::Cpu,
+            op: ReduceOp::Sum,
+            root: 0,
+            prescale: 1.0,
+            postscale: 1.0,
+        };
+        assert_eq!(try_zeros(&sig).unwrap().data().len(), 24);
+        sig.shape = vec![u64::MAX, 2];
+        assert!(try_zeros(&sig).unwrap_err().contains("does not fit"));
     }
 }

@@ -95,6 +95,46 @@ fn reduce_in_place(
     Ok(())
 }
 
+/// Most bytes one allgather or alltoall may receive (a sanity bound on sizes announced by
+/// peers, checked before anything is multiplied out or allocated).
+const MAX_RECV_BYTES: usize = 1 << 40;
+
+/// Byte counts for the row counts `rows` peers announced (`rows[r]` from rank `r`), each row
+/// `row` bytes, and a zeroed buffer for their sum. Overflow or an absurd size is an error
+/// blaming the rank that announced it; an allocation that fails is an error, not an abort.
+fn recv_layout(rows: &[usize], row: usize) -> Result<(Vec<usize>, Vec<u8>), TransportError> {
+    let mut counts = Vec::with_capacity(rows.len());
+    let mut total = 0usize;
+    for (r, &n) in rows.iter().enumerate() {
+        let c = n
+            .checked_mul(row)
+            .filter(|&c| c <= MAX_RECV_BYTES)
+            .ok_or_else(|| TransportError::Protocol {
+                rank: r,
+                detail: format!(
+                    "announced {n} rows of {row} bytes, more than the {MAX_RECV_BYTES}-byte bound"
+                ),
+            })?;
+        total = total
+            .checked_add(c)
+            .filter(|&t| t <= MAX_RECV_BYTES)
+            .ok_or_else(|| TransportError::Protocol {
+                rank: r,
+                detail: format!(
+                    "announced {n} rows of {row} bytes, taking the total past the \
+                     {MAX_RECV_BYTES}-byte bound"
+                ),
+            })?;
+        counts.push(c);
+    }
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(total).map_err(|e| {
+        TransportError::InvalidArgument(format!("cannot allocate {total} bytes to receive: {e}"))
+    })?;
+    buf.resize(total, 0);
+    Ok((counts, buf))
+}
+
 fn u64s(v: &[usize]) -> Vec<u8> {
     v.iter().flat_map(|&x| (x as u64).to_le_bytes()).collect()
 }
@@ -104,7 +144,7 @@ fn from_u64s(b: &[u8]) -> Vec<usize> {
         .map(|c| {
             let mut a = [0u8; 8];
             a.copy_from_slice(c);
-            u64::from_le_bytes(a) as usize
+            usize::try_from(u64::from_le_bytes(a)).unwrap_or(usize::MAX)
         })
         .collect()
 }
@@ -146,7 +186,13 @@ impl Executor {
         let err = match result {
             Ok(()) => None,
             Err(e) => {
-                let se = SchedulerError::from_transport(&e);
+                // When the engine already stopped for an agreed reason (e.g. a fault every rank
+                // reports), a collective broken by that stop reports the same reason.
+                let se = self
+                    .inner
+                    .failure()
+                    .filter(|f| !f.is_shutdown())
+                    .unwrap_or_else(|| SchedulerError::from_transport(&e));
                 tracing::error!(channel = self.channel, error = %e, "collective failed; shutting the engine down");
                 self.inner.fail(se.clone());
                 Some(se)
@@ -222,14 +268,20 @@ impl Executor {
                 let mut dims = vec![0u8; 8 * n];
                 comm.allgather(&u64s(&[t.shape().first().copied().unwrap_or(1)]), &mut dims)?;
                 let dims = from_u64s(&dims);
-                let counts: Vec<usize> = dims.iter().map(|d| d * row).collect();
-                let mut out = vec![0u8; counts.iter().sum()];
+                let (counts, mut out) = match recv_layout(&dims, row) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        st.tensor = Some(t);
+                        return Err(e);
+                    }
+                };
                 let r = comm.allgatherv(t.data(), &mut out, &counts);
                 let mut shape = t.shape().to_vec();
                 if shape.is_empty() {
                     shape.push(n);
                 } else {
-                    shape[0] = dims.iter().sum();
+                    // Bounded by MAX_RECV_BYTES above (rows are at least one byte, or empty).
+                    shape[0] = dims.iter().fold(0usize, |a, &d| a.saturating_add(d));
                 }
                 st.tensor = Some(Tensor::from_parts(t.dtype(), shape, out));
                 if r.is_err() {
@@ -253,14 +305,19 @@ impl Executor {
                 comm.alltoall(&u64s(&splits), &mut recv_splits)?;
                 let recv_splits = from_u64s(&recv_splits);
                 let send_counts: Vec<usize> = splits.iter().map(|s| s * row).collect();
-                let recv_counts: Vec<usize> = recv_splits.iter().map(|s| s * row).collect();
-                let mut out = vec![0u8; recv_counts.iter().sum()];
+                let (recv_counts, mut out) = match recv_layout(&recv_splits, row) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        st.tensor = Some(t);
+                        return Err(e);
+                    }
+                };
                 comm.alltoallv(t.data(), &send_counts, &mut out, &recv_counts)?;
                 let mut shape = t.shape().to_vec();
                 if shape.is_empty() {
                     shape.push(0);
                 }
-                shape[0] = recv_splits.iter().sum();
+                shape[0] = recv_splits.iter().fold(0usize, |a, &d| a.saturating_add(d));
                 st.tensor = Some(Tensor::from_parts(t.dtype(), shape, out));
                 Ok(())
             }
@@ -301,4 +358,23 @@ impl Executor {
 fn row_bytes(t: &Tensor) -> usize {
     let rest: usize = t.shape().iter().skip(1).product();
     rest * t.dtype().size()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_from_peers_are_bounded_before_allocating() {
+        let (counts, buf) = recv_layout(&[2, 0, 3], 4).unwrap();
+        assert_eq!(counts, [8, 0, 12]);
+        assert_eq!(buf.len(), 20);
+        // A product that overflows, and one past the bound, blame the rank that sent it.
+        let e = recv_layout(&[1, usize::MAX / 2], 4).unwrap_err();
+        assert_eq!(e.blamed_rank(), Some(1), "{e}");
+        let e = recv_layout(&[MAX_RECV_BYTES, 1, 0], 1).unwrap_err();
+        assert_eq!(e.blamed_rank(), Some(1), "{e}");
+        assert!(e.to_string().contains("bound"), "{e}");
+        assert_eq!(from_u64s(&u64::MAX.to_le_bytes()), [usize::MAX]);
+    }
 }
