@@ -128,6 +128,25 @@ pub struct ReplayRow {
     pub step_ratio_to_horovod: Option<f64>,
     /// Median exposed communication ÷ the `horovod` preset's.
     pub exposed_ratio_to_horovod: Option<f64>,
+    /// Each data channel's share of the bytes over the timed steps (rank 0), in channel
+    /// order; empty for peers.
+    #[serde(default)]
+    pub channel_share: Vec<f64>,
+}
+
+impl ReplayRow {
+    /// The channel shares as `26/25/24/25 %` (`–` when there are none).
+    pub fn channel_share_text(&self) -> String {
+        if self.channel_share.is_empty() {
+            return "–".into();
+        }
+        let parts: Vec<String> = self
+            .channel_share
+            .iter()
+            .map(|s| format!("{:.0}", s * 100.0))
+            .collect();
+        format!("{} %", parts.join("/"))
+    }
 }
 
 /// One negotiation configuration.

@@ -98,8 +98,17 @@ impl ReplayJob {
     }
 }
 
-/// Per timed step, seconds from backward start to the last gradient reduced (this rank).
-pub fn run_replay(job: &ReplayJob, transport: Box<dyn Transport>) -> Result<Vec<f64>, String> {
+/// What one rank measured in a replay.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ReplayOutput {
+    /// Per timed step, seconds from backward start to the last gradient reduced.
+    pub step_seconds: Vec<f64>,
+    /// Bytes each data channel carried during the timed steps, in channel order.
+    pub channel_bytes: Vec<u64>,
+}
+
+/// Runs a replay job on this rank.
+pub fn run_replay(job: &ReplayJob, transport: Box<dyn Transport>) -> Result<ReplayOutput, String> {
     let engine = Engine::start(transport, job.schedule.config()?)
         .map_err(|e| format!("starting the engine ({}): {e}", job.schedule.label()))?;
     let result = replay_steps(&engine, job);
@@ -109,7 +118,7 @@ pub fn run_replay(job: &ReplayJob, transport: Box<dyn Transport>) -> Result<Vec<
     Ok(times)
 }
 
-fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<Vec<f64>, String> {
+fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<ReplayOutput, String> {
     let err = |e: fh_scheduler::SchedulerError| e.to_string();
     let mut tensors: Vec<Option<Tensor>> = job
         .tensors
@@ -117,8 +126,12 @@ fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<Vec<f64>, String> {
         .map(|(_, n)| Some(Tensor::from_slice(&vec![1.0f32; *n])))
         .collect();
     let mut times = Vec::with_capacity(job.steps);
+    let mut channel_start: Vec<u64> = Vec::new();
     for step in 0..job.warmup + job.steps {
         engine.barrier().map_err(err)?.wait().map_err(err)?;
+        if step == job.warmup {
+            channel_start = engine.stats().channels.iter().map(|c| c.bytes).collect();
+        }
         let t0 = Instant::now();
         let mut handles = Vec::with_capacity(tensors.len());
         for (i, (name, _)) in job.tensors.iter().enumerate() {
@@ -154,7 +167,20 @@ fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<Vec<f64>, String> {
             ));
         }
     }
-    Ok(times)
+    let channel_bytes = engine
+        .stats()
+        .channels
+        .iter()
+        .enumerate()
+        .map(|(c, ch)| {
+            ch.bytes
+                .saturating_sub(channel_start.get(c).copied().unwrap_or(0))
+        })
+        .collect();
+    Ok(ReplayOutput {
+        step_seconds: times,
+        channel_bytes,
+    })
 }
 
 /// One negotiation measurement, as sent to every rank.

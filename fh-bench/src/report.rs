@@ -269,12 +269,12 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
              (slowest rank); exposed = step − backward. Median [min–max] over {} steps.\n",
             c.backward_ms, c.steps
         );
-        let _ = writeln!(md, "| workload | schedule | step | exposed | throughput | step ÷ horovod | exposed ÷ horovod |");
-        let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+        let _ = writeln!(md, "| workload | schedule | step | exposed | throughput | step ÷ horovod | exposed ÷ horovod | bytes per channel |");
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
         for x in &r.replay {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
                 x.workload,
                 x.schedule,
                 x.step.display(1),
@@ -284,6 +284,7 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
                     .map_or("–".into(), |v| format!("{v:.2}")),
                 x.exposed_ratio_to_horovod
                     .map_or("–".into(), |v| format!("{v:.2}")),
+                x.channel_share_text(),
             );
         }
         link_images(&mut md, plots, "replay-exposed");
@@ -454,13 +455,13 @@ pub fn summary(r: &RunRecord) -> String {
         );
         let _ = writeln!(
             s,
-            "  {:<12} {:<18} {:>10} {:>10} {:>8} {:>8}",
+            "  {:<12} {:<18} {:>10} {:>10} {:>8} {:>8}  bytes per channel",
             "workload", "schedule", "step ms", "exposed", "step÷hv", "exp÷hv"
         );
         for x in &r.replay {
             let _ = writeln!(
                 s,
-                "  {:<12} {:<18} {:>10.1} {:>10.1} {:>8} {:>8}",
+                "  {:<12} {:<18} {:>10.1} {:>10.1} {:>8} {:>8}  {}",
                 x.workload,
                 x.schedule,
                 x.step.median,
@@ -469,6 +470,7 @@ pub fn summary(r: &RunRecord) -> String {
                     .map_or("-".into(), |v| format!("{v:.2}")),
                 x.exposed_ratio_to_horovod
                     .map_or("-".into(), |v| format!("{v:.2}")),
+                x.channel_share_text(),
             );
         }
     }

@@ -498,11 +498,22 @@ pub fn replay_row(
     let per_rank: Vec<&Vec<f64>> = outs
         .iter()
         .filter_map(|o| match o {
-            RankOutput::Replay(v) => Some(v),
+            RankOutput::Replay(v) => Some(&v.step_seconds),
             _ => None,
         })
         .collect();
-    replay_row_labelled(w, &s.label(), np, backward_ms, &per_rank)
+    let mut row = replay_row_labelled(w, &s.label(), np, backward_ms, &per_rank);
+    if let Some(RankOutput::Replay(r0)) = outs.first() {
+        let total: u64 = r0.channel_bytes.iter().sum();
+        if total > 0 {
+            row.channel_share = r0
+                .channel_bytes
+                .iter()
+                .map(|&b| b as f64 / total as f64)
+                .collect();
+        }
+    }
+    row
 }
 
 /// A replay row from per-rank step times (seconds; the slowest rank per step counts), labelled
@@ -538,6 +549,7 @@ pub fn replay_row_labelled(
         throughput: Quantity::from_samples(&thr, "1/s"),
         step_ratio_to_horovod: None,
         exposed_ratio_to_horovod: None,
+        channel_share: Vec::new(),
     }
 }
 

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use fh_core::bitvec::{BitVec, NegotiationVec, Status};
 use fh_core::cache::{Lookup, ResponseCache};
-use fh_core::fusion::{plan, PlanItem, PlanMode, PlanOptions};
+use fh_core::fusion::{plan_round, ChannelLoad, Pacing, PlanItem, PlanMode, PlanOptions};
 use fh_core::message::{validate, CollectiveKind, GroupTag, NegotiationError, Request, Response};
 use fh_core::{wire, DType, ReduceOp};
 use fh_transport::{CollectivesExt, Communicator};
@@ -61,6 +61,9 @@ enum Dispatch {
     },
     Inline(Box<Executor>),
 }
+
+/// How often a rank deferring its round under back-pressure looks at its channels again.
+const BACKPRESSURE_POLL: Duration = Duration::from_micros(50);
 
 /// Most bytes a control-plane message may announce (a sanity bound on lengths from peers).
 const MAX_CONTROL_BYTES: usize = 1 << 30;
@@ -218,6 +221,8 @@ pub(crate) struct Control {
     last_round: Instant,
     last_stall_check: Instant,
     plan_opts: PlanOptions,
+    /// Bytes given to each channel so far (a function of the agreed rounds only).
+    load: ChannelLoad,
     /// Members of grouped submissions ready everywhere, waiting for the rest of their group.
     held: BTreeMap<String, Vec<Response>>,
     /// Groups with a failed member: the error and the members still to come.
@@ -235,6 +240,7 @@ impl Control {
         rx: Receiver<Msg>,
     ) -> Result<Self, SchedulerError> {
         let cfg = inner.config.clone();
+        inner.counters.init_channels(data.len());
         let executors: Vec<Executor> = data
             .into_iter()
             .enumerate()
@@ -306,6 +312,7 @@ impl Control {
             last_round: now,
             last_stall_check: now,
             plan_opts,
+            load: ChannelLoad::new(plan_opts.channels),
             held: BTreeMap::new(),
             failed_groups: HashMap::new(),
             fault: None,
@@ -424,8 +431,28 @@ impl Control {
         }
     }
 
-    /// Decide when to run the next round.
+    /// Decide when to run the next round: when there is work (or a heartbeat is due), then,
+    /// under back-pressure, not while the channels still hold enough queued work (bounded).
     fn wait(&mut self) {
+        self.wait_for_work();
+        let cfg = &self.inner.config;
+        let pacing = Pacing {
+            backpressure_bytes: cfg.backpressure_bytes,
+            max_defer: cfg.backpressure_max,
+        };
+        let start = Instant::now();
+        while !self.local_shutdown
+            && self.inner.failure().is_none()
+            && pacing.defer(self.inner.counters.queued_bytes(), start.elapsed())
+        {
+            // Accept submissions meanwhile: they fuse into the deferred round.
+            let step = (start + pacing.max_defer).min(Instant::now() + BACKPRESSURE_POLL);
+            self.recv_until(step);
+        }
+    }
+
+    /// Wait until there is something to negotiate (or a heartbeat is due).
+    fn wait_for_work(&mut self) {
         let cfg = &self.inner.config;
         let cycle = cfg.cycle_time;
         let window = cfg.batching_window;
@@ -532,7 +559,13 @@ impl Control {
         })?;
         Counters::add(&self.inner.counters.rounds, 1);
         if agreed.status(Status::Fault) {
-            return Err(self.agree_on_fault()?);
+            let err = self.agree_on_fault()?;
+            // Every rank records the agreed error before any rank stops its channels: a peer
+            // still in a collective with a stopped rank then reports this error, not a lost
+            // rank.
+            self.inner.fail(err.clone());
+            self.comm.barrier()?;
+            return Err(err);
         }
         if agreed.status(Status::Shutdown) {
             return Ok(Some(if self.local_shutdown {
@@ -1043,14 +1076,29 @@ impl Control {
                 }),
                 remaining: AtomicUsize::new(0),
                 cell,
+                chunks: std::sync::OnceLock::new(),
             }));
         }
-        let groups = plan(&items, &self.plan_opts);
+        let groups = plan_round(&items, &self.plan_opts, &mut self.load);
+        let mut alone = vec![true; ops.len()];
         for g in &groups {
             for p in &g.parts {
                 ops[p.item]
                     .remaining
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                alone[p.item] &= g.parts.len() == 1;
+            }
+        }
+        // An allreduce split into chunks that each run alone: its chunks are reduced in place.
+        for (op, alone) in ops.iter().zip(alone) {
+            if alone
+                && op.sig.kind == CollectiveKind::Allreduce
+                && op.remaining.load(std::sync::atomic::Ordering::Relaxed) > 1
+            {
+                let mut st = op.lock();
+                if let Some(t) = st.tensor.as_mut() {
+                    let _ = op.chunks.set(crate::exec::ChunkedBuf::of(t));
+                }
             }
         }
         let round = self
@@ -1070,6 +1118,9 @@ impl Control {
                         .collect(),
                 });
             }
+            if let Some(c) = self.inner.counters.channels().get(g.channel) {
+                Counters::add(&c.queued, g.bytes());
+            }
             let job = Job {
                 parts: g
                     .parts
@@ -1084,6 +1135,10 @@ impl Control {
                     if let Some(q) = queues.get(g.channel) {
                         if let Err(e) = q.send(job) {
                             // The worker is gone: fail its parts.
+                            if let Some(c) = self.inner.counters.channels().get(g.channel) {
+                                c.queued
+                                    .fetch_sub(g.bytes(), std::sync::atomic::Ordering::Relaxed);
+                            }
                             for (op, _, _) in e.0.parts {
                                 op.part_done(
                                     &self.inner,

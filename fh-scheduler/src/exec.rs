@@ -30,6 +30,53 @@ pub(crate) struct Op {
     pub remaining: AtomicUsize,
     /// `None` for the zero tensors a joined rank contributes.
     pub cell: Option<Arc<Completion>>,
+    /// Set for an allreduce split into chunks that each run alone on a channel: its buffer,
+    /// taken once at dispatch, so that every chunk is reduced in place, concurrently with the
+    /// other chunks, without packing and unpacking.
+    pub chunks: std::sync::OnceLock<ChunkedBuf>,
+}
+
+/// The buffer of an allreduce whose chunks run on several channels at once.
+///
+/// Each chunk job touches only its own byte range (the planner gives every byte to exactly one
+/// part), and nothing else touches the tensor until its last part is done (the op's
+/// `remaining` count, decremented with release/acquire ordering, hands the tensor back).
+pub(crate) struct ChunkedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a `ChunkedBuf` is only turned into disjoint `&mut [u8]` ranges, one per chunk job,
+// while the tensor it points into stays alive and untouched inside its `Op` (see above).
+unsafe impl Send for ChunkedBuf {}
+// SAFETY: as above; shared references only hand out disjoint ranges.
+unsafe impl Sync for ChunkedBuf {}
+
+impl ChunkedBuf {
+    /// The buffer of `tensor`, taken once for all its chunks.
+    pub(crate) fn of(tensor: &mut Tensor) -> Self {
+        let d = tensor.data_mut();
+        ChunkedBuf {
+            ptr: std::ptr::NonNull::new(d.as_mut_ptr()).unwrap_or(std::ptr::NonNull::dangling()),
+            len: d.len(),
+        }
+    }
+
+    /// The chunk `off..off + len`, or `None` when out of range.
+    ///
+    /// # Safety
+    /// No other live reference may overlap `off..off + len`: callers pass the range of their
+    /// own chunk only, while the op's tensor is alive and not otherwise accessed.
+    // Handing out `&mut` from `&self` is the point: each caller gets its own disjoint range.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range(&self, off: usize, len: usize) -> Option<&mut [u8]> {
+        let end = off.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: in bounds (checked above) of a live allocation; exclusive per the contract.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) })
+    }
 }
 
 impl Op {
@@ -89,9 +136,11 @@ fn reduce_in_place(
     kernels::scale(sig.dtype, buf, sig.prescale)?;
     comm.allreduce(buf, sig.dtype, sig.op.combining())?;
     if sig.op == ReduceOp::Average {
-        kernels::divide(sig.dtype, buf, active.max(1))?;
+        // The average's division and the postscale in one pass.
+        kernels::divide_and_scale(sig.dtype, buf, active.max(1), sig.postscale)?;
+    } else {
+        kernels::scale(sig.dtype, buf, sig.postscale)?;
     }
-    kernels::scale(sig.dtype, buf, sig.postscale)?;
     Ok(())
 }
 
@@ -154,6 +203,10 @@ impl Executor {
     /// also stops the engine.
     pub(crate) fn run(&mut self, job: Job) {
         if let Some(e) = self.inner.failure() {
+            if let Some(c) = self.inner.counters.channels().get(self.channel) {
+                let bytes: usize = job.parts.iter().map(|p| p.2).sum();
+                c.queued.fetch_sub(bytes as u64, Ordering::Relaxed);
+            }
             for (op, _, _) in &job.parts {
                 op.part_done(&self.inner, Some(e.clone()));
             }
@@ -182,6 +235,16 @@ impl Executor {
                 end,
                 &[("names", names.join(",")), ("bytes", bytes.to_string())],
             );
+        }
+        let bytes: usize = job.parts.iter().map(|p| p.2).sum();
+        if let Some(c) = self.inner.counters.channels().get(self.channel) {
+            Counters::add(&c.bytes, bytes as u64);
+            Counters::add(&c.groups, 1);
+            Counters::add(
+                &c.busy_nanos,
+                end.saturating_duration_since(begin).as_nanos() as u64,
+            );
+            c.queued.fetch_sub(bytes as u64, Ordering::Relaxed);
         }
         let err = match result {
             Ok(()) => None,
@@ -212,6 +275,18 @@ impl Executor {
         let comm = self.comm.as_mut();
         match sig.kind {
             CollectiveKind::Allreduce => {
+                if let (1, Some(buf)) = (job.parts.len(), first.chunks.get()) {
+                    // A chunk of a partitioned tensor: reduce it in place.
+                    // SAFETY: this job is the only one given this chunk's range (see
+                    // `ChunkedBuf`), and the tensor stays in its op until every chunk is done.
+                    let chunk = unsafe { buf.range(*off0, *len0) }.ok_or_else(|| {
+                        TransportError::InvalidArgument(format!(
+                            "internal error: chunk {off0}+{len0} of '{}' out of range",
+                            first.name
+                        ))
+                    })?;
+                    return reduce_in_place(comm, chunk, &sig, job.active);
+                }
                 let whole = job.parts.len() == 1
                     && *off0 == 0
                     && first.lock().tensor.as_ref().map(|t| t.data().len()) == Some(*len0);

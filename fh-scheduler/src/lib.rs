@@ -74,5 +74,5 @@ pub use error::SchedulerError;
 pub use fh_core::message::Device;
 pub use fh_core::{DType, ReduceOp};
 pub use handle::{GroupHandle, Handle, OpResult};
-pub use stats::{EngineStats, GroupRecord, StallReport};
+pub use stats::{ChannelStats, EngineStats, GroupRecord, StallReport};
 pub use tensor::Tensor;

@@ -127,7 +127,7 @@ proptest! {
     #[test]
     fn random_orders_and_delays(
         n in 2usize..5,
-        cfg_idx in 0usize..6,
+        cfg_idx in 0usize..7,
         specs in proptest::collection::vec(arb_spec(), 1..10),
         seed in any::<u64>(),
     ) {
@@ -144,7 +144,7 @@ fn every_preset_and_channel_count_with_repeated_steps() {
             op: [ReduceOp::Sum, ReduceOp::Average][i % 2],
         })
         .collect();
-    for cfg_idx in 0..6 {
+    for cfg_idx in 0..7 {
         run_case(4, cfg_idx, specs.clone(), 42 + cfg_idx as u64, 3, 0);
     }
 }
