@@ -791,40 +791,22 @@ impl Control {
         out
     }
 
-    /// The coordinator step: every rank's new requests reach rank 0, which answers with the
-    /// responses of the names now complete.
+    /// The coordinator step: every rank's new requests are gathered to rank 0 (O(N) bytes in
+    /// all, not an allgather), which answers with the responses of the names now complete,
+    /// broadcast to every rank.
     fn coordinate(&mut self, mine: &[Request]) -> Result<Vec<Response>, SchedulerError> {
-        let size = self.inner.size;
         let bytes = wire::encode_requests(mine);
-        self.add_bytes(bytes.len() + 8);
-        let mut lens = vec![0u8; 8 * size];
-        self.comm
-            .allgather(&(bytes.len() as u64).to_le_bytes(), &mut lens)?;
-        let counts: Vec<usize> = lens
-            .chunks_exact(8)
-            .map(|c| {
-                let mut a = [0u8; 8];
-                a.copy_from_slice(c);
-                u64::from_le_bytes(a) as usize
-            })
-            .collect();
-        let mut all = vec![0u8; checked_total(&counts)?];
-        self.comm.allgatherv(&bytes, &mut all, &counts)?;
         let mut out = Vec::new();
-        if self.inner.rank == 0 {
-            let mut off = 0;
-            for (r, &n) in counts.iter().enumerate() {
-                let reqs = wire::decode_requests(&all[off..off + n]).map_err(|e| {
-                    SchedulerError::Transport {
-                        lost_rank: Some(r),
-                        message: format!("rank {r} sent a malformed request list: {e}"),
-                    }
+        if let Some(lists) = self.gather_to_root(&bytes)? {
+            for (r, list) in lists.iter().enumerate() {
+                let reqs = wire::decode_requests(list).map_err(|e| SchedulerError::Transport {
+                    lost_rank: Some(r),
+                    message: format!("rank {r} sent a malformed request list: {e}"),
                 })?;
                 for mut q in reqs {
                     q.rank = r as u32;
                     self.table.add(q);
                 }
-                off += n;
             }
             let responses = self.table.take_ready(&self.joined_set);
             out = wire::encode_responses(&responses);
@@ -832,7 +814,7 @@ impl Control {
         }
         let mut len = (out.len() as u64).to_le_bytes();
         self.comm.broadcast(&mut len, 0)?;
-        let n = checked_total(&[u64::from_le_bytes(len) as usize])?;
+        let n = checked_total(&[usize::try_from(u64::from_le_bytes(len)).unwrap_or(usize::MAX)])?;
         out.resize(n, 0);
         if n > 0 {
             self.comm.broadcast(&mut out, 0)?;
@@ -841,6 +823,35 @@ impl Control {
             lost_rank: Some(0),
             message: format!("rank 0 sent a malformed response list: {e}"),
         })
+    }
+
+    /// Gather every rank's `mine` to rank 0: rank 0 gets them in rank order, the others
+    /// `None`. Each rank sends a length and then (when not empty) its bytes, point to point.
+    fn gather_to_root(&mut self, mine: &[u8]) -> Result<Option<Vec<Vec<u8>>>, SchedulerError> {
+        let size = self.inner.size;
+        if self.inner.rank != 0 {
+            self.add_bytes(8 + mine.len());
+            self.comm.send(0, &(mine.len() as u64).to_le_bytes())?;
+            if !mine.is_empty() {
+                self.comm.send(0, mine)?;
+            }
+            return Ok(None);
+        }
+        let mut lists = Vec::with_capacity(size);
+        lists.push(mine.to_vec());
+        let mut total = mine.len();
+        for r in 1..size {
+            let mut len = [0u8; 8];
+            self.comm.recv(r, &mut len)?;
+            let n = usize::try_from(u64::from_le_bytes(len)).unwrap_or(usize::MAX);
+            total = checked_total(&[total, n])?;
+            let mut b = vec![0u8; n];
+            if n > 0 {
+                self.comm.recv(r, &mut b)?;
+            }
+            lists.push(b);
+        }
+        Ok(Some(lists))
     }
 
     /// This rank's tensor for a negotiated response, taken out of the pending set (or a
