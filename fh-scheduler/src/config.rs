@@ -306,6 +306,30 @@ impl Config {
         Ok(())
     }
 
+    /// The fusion planner's settings under this configuration (what the engine plans every
+    /// round with; the scale model uses the same).
+    pub fn plan_options(&self) -> fh_core::fusion::PlanOptions {
+        use fh_core::fusion::{PlanMode, PlanOptions};
+        PlanOptions {
+            mode: match self.preset {
+                Preset::Horovod => PlanMode::Horovod,
+                Preset::FastHorovod => PlanMode::Fast,
+            },
+            fusion_threshold: self.fusion_threshold,
+            partition_bytes: self.partition_bytes,
+            channels: self.effective_channels(),
+            by_priority: self.priority == Priority::Forward,
+        }
+    }
+
+    /// The pacing policy (back-pressure) under this configuration.
+    pub fn pacing(&self) -> fh_core::fusion::Pacing {
+        fh_core::fusion::Pacing {
+            backpressure_bytes: self.backpressure_bytes,
+            max_defer: self.backpressure_max,
+        }
+    }
+
     /// Number of data channels the engine opens (one under the `horovod` preset).
     pub fn effective_channels(&self) -> usize {
         match self.preset {

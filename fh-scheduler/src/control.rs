@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use fh_core::bitvec::{BitVec, NegotiationVec, Status};
 use fh_core::cache::{Lookup, ResponseCache};
-use fh_core::fusion::{plan_round, ChannelLoad, Pacing, PlanItem, PlanMode, PlanOptions};
+use fh_core::fusion::{plan_round, ChannelLoad, PlanItem, PlanOptions};
 use fh_core::message::{validate, CollectiveKind, GroupTag, NegotiationError, Request, Response};
 use fh_core::{wire, DType, ReduceOp};
 use fh_transport::{CollectivesExt, Communicator};
@@ -26,7 +26,7 @@ use crate::engine::{Entry, Inner, Msg};
 use crate::exec::{Executor, Job, Op, OpState};
 use crate::handle::Completion;
 use crate::stats::{Counters, GroupRecord, StallReport};
-use crate::{Preset, Priority, SchedulerError, Tensor};
+use crate::{Preset, SchedulerError, Tensor};
 
 /// Longest back-off between rounds while every rank waits on another.
 const MAX_BACKOFF: Duration = Duration::from_micros(500);
@@ -281,16 +281,7 @@ impl Control {
                 Dispatch::Workers { queues, threads }
             }
         };
-        let plan_opts = PlanOptions {
-            mode: match cfg.preset {
-                Preset::Horovod => PlanMode::Horovod,
-                Preset::FastHorovod => PlanMode::Fast,
-            },
-            fusion_threshold: cfg.fusion_threshold,
-            partition_bytes: cfg.partition_bytes,
-            channels: cfg.effective_channels(),
-            by_priority: cfg.priority == Priority::Forward,
-        };
+        let plan_opts = cfg.plan_options();
         let now = Instant::now();
         Ok(Control {
             cache: ResponseCache::new(cfg.cache_capacity),
@@ -435,11 +426,7 @@ impl Control {
     /// under back-pressure, not while the channels still hold enough queued work (bounded).
     fn wait(&mut self) {
         self.wait_for_work();
-        let cfg = &self.inner.config;
-        let pacing = Pacing {
-            backpressure_bytes: cfg.backpressure_bytes,
-            max_defer: cfg.backpressure_max,
-        };
+        let pacing = self.inner.config.pacing();
         let start = Instant::now();
         while !self.local_shutdown
             && self.inner.failure().is_none()
