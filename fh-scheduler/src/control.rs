@@ -18,14 +18,16 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use fh_core::bitvec::{BitVec, NegotiationVec, Status};
 use fh_core::cache::{Lookup, ResponseCache};
 use fh_core::fusion::{plan_round, ChannelLoad, PlanItem, PlanOptions};
-use fh_core::message::{validate, CollectiveKind, GroupTag, NegotiationError, Request, Response};
+use fh_core::message::{CollectiveKind, GroupTag, Request, Response};
 use fh_core::{wire, DType, ReduceOp};
-use fh_transport::{CollectivesExt, Communicator};
+use fh_transport::Communicator;
 
 use crate::engine::{Entry, Inner, Msg};
 use crate::exec::{Executor, Job, Op, OpState};
 use crate::handle::Completion;
-use crate::stats::{Counters, GroupRecord, StallReport};
+use crate::negotiate::coordinator::{joins_with_zeros, Table};
+use crate::negotiate::{collect, fault, stall};
+use crate::stats::{Counters, GroupRecord};
 use crate::{Preset, SchedulerError, Tensor};
 
 /// Longest back-off between rounds while every rank waits on another.
@@ -65,35 +67,6 @@ enum Dispatch {
 /// How often a rank deferring its round under back-pressure looks at its channels again.
 const BACKPRESSURE_POLL: Duration = Duration::from_micros(50);
 
-/// Most bytes a control-plane message may announce (a sanity bound on lengths from peers).
-const MAX_CONTROL_BYTES: usize = 1 << 30;
-
-/// The sum of message lengths announced by peers, refused when absurd.
-fn checked_total(counts: &[usize]) -> Result<usize, SchedulerError> {
-    counts
-        .iter()
-        .try_fold(0usize, |a, &c| a.checked_add(c))
-        .filter(|&t| t <= MAX_CONTROL_BYTES)
-        .ok_or_else(|| SchedulerError::Transport {
-            lost_rank: None,
-            message: format!("a peer announced control messages of {counts:?} bytes; refusing"),
-        })
-}
-
-/// Longest fault description a rank sends to the others.
-const MAX_FAULT_TEXT: usize = 4096;
-
-/// The error every rank stops with when `rank` could not run the negotiated tensor `name`.
-fn fault_error(rank: usize, name: &str, what: &str) -> SchedulerError {
-    SchedulerError::Negotiation {
-        name: name.to_string(),
-        reason: format!(
-            "rank {rank} could not run this negotiated tensor ({what}); the engine stopped on \
-             every rank"
-        ),
-    }
-}
-
 /// A zero tensor of `sig`'s dtype and shape (a joined rank's contribution), or why it cannot
 /// be made; allocation failure is an error, not an abort.
 fn try_zeros(sig: &fh_core::message::Signature) -> Result<Tensor, String> {
@@ -126,79 +99,6 @@ fn e_id(name: &str, submitted: Instant) -> u64 {
     name.hash(&mut h);
     submitted.hash(&mut h);
     h.finish() >> 11
-}
-
-/// Rank 0's table of uncached requests.
-#[derive(Default)]
-struct Table {
-    order: Vec<String>,
-    reqs: HashMap<String, Vec<Request>>,
-}
-
-impl Table {
-    fn add(&mut self, r: Request) {
-        let v = self.reqs.entry(r.name.clone()).or_default();
-        if v.is_empty() {
-            self.order.push(r.name.clone());
-        }
-        if !v.iter().any(|x| x.rank == r.rank) {
-            v.push(r);
-        }
-    }
-
-    /// Responses for every name all non-joined ranks have requested, in first-seen order.
-    fn take_ready(&mut self, joined: &[bool]) -> Vec<Response> {
-        let needed = joined.iter().filter(|j| !**j).count();
-        let joined_ranks: Vec<usize> = (0..joined.len()).filter(|&r| joined[r]).collect();
-        let mut out = Vec::new();
-        let mut keep = Vec::new();
-        for name in std::mem::take(&mut self.order) {
-            // With every rank joined nobody would run the collective: keep waiting.
-            let complete = needed > 0
-                && self.reqs.get(&name).is_some_and(|v| {
-                    v.iter()
-                        .filter(|r| !joined.get(r.rank as usize).copied().unwrap_or(false))
-                        .count()
-                        >= needed
-                });
-            if !complete {
-                keep.push(name);
-                continue;
-            }
-            let Some(reqs) = self.reqs.remove(&name) else {
-                continue;
-            };
-            if let Some(mut resp) = validate(&reqs) {
-                if resp.error.is_none()
-                    && !joined_ranks.is_empty()
-                    && resp.sig.kind != CollectiveKind::Allreduce
-                {
-                    resp.error = Some(NegotiationError::Other(format!(
-                        "{} is not supported while ranks {joined_ranks:?} have joined",
-                        resp.sig.kind
-                    )));
-                } else if resp.error.is_none()
-                    && !joined_ranks.is_empty()
-                    && !joins_with_zeros(resp.sig.op)
-                {
-                    resp.error = Some(NegotiationError::Other(format!(
-                        "allreduce with op {} is not supported while ranks {joined_ranks:?} have \
-                         joined: joined ranks contribute zeros, which only Sum and Average allow",
-                        resp.sig.op
-                    )));
-                }
-                out.push(resp);
-            }
-        }
-        self.order = keep;
-        out
-    }
-}
-
-/// Whether a joined rank's zeros give the right result for `op` (Sum, and Average, which
-/// divides by the ranks that have not joined).
-fn joins_with_zeros(op: ReduceOp) -> bool {
-    matches!(op, ReduceOp::Sum | ReduceOp::Average)
 }
 
 pub(crate) struct Control {
@@ -783,8 +683,11 @@ impl Control {
     /// broadcast to every rank.
     fn coordinate(&mut self, mine: &[Request]) -> Result<Vec<Response>, SchedulerError> {
         let bytes = wire::encode_requests(mine);
+        if self.inner.rank != 0 {
+            self.add_bytes(bytes.len() + 8);
+        }
         let mut out = Vec::new();
-        if let Some(lists) = self.gather_to_root(&bytes)? {
+        if let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes)? {
             for (r, list) in lists.iter().enumerate() {
                 let reqs = wire::decode_requests(list).map_err(|e| SchedulerError::Transport {
                     lost_rank: Some(r),
@@ -799,46 +702,11 @@ impl Control {
             out = wire::encode_responses(&responses);
             self.add_bytes(out.len() + 8);
         }
-        let mut len = (out.len() as u64).to_le_bytes();
-        self.comm.broadcast(&mut len, 0)?;
-        let n = checked_total(&[usize::try_from(u64::from_le_bytes(len)).unwrap_or(usize::MAX)])?;
-        out.resize(n, 0);
-        if n > 0 {
-            self.comm.broadcast(&mut out, 0)?;
-        }
+        let out = collect::broadcast_blob(self.comm.as_mut(), out)?;
         wire::decode_responses(&out).map_err(|e| SchedulerError::Transport {
             lost_rank: Some(0),
             message: format!("rank 0 sent a malformed response list: {e}"),
         })
-    }
-
-    /// Gather every rank's `mine` to rank 0: rank 0 gets them in rank order, the others
-    /// `None`. Each rank sends a length and then (when not empty) its bytes, point to point.
-    fn gather_to_root(&mut self, mine: &[u8]) -> Result<Option<Vec<Vec<u8>>>, SchedulerError> {
-        let size = self.inner.size;
-        if self.inner.rank != 0 {
-            self.add_bytes(8 + mine.len());
-            self.comm.send(0, &(mine.len() as u64).to_le_bytes())?;
-            if !mine.is_empty() {
-                self.comm.send(0, mine)?;
-            }
-            return Ok(None);
-        }
-        let mut lists = Vec::with_capacity(size);
-        lists.push(mine.to_vec());
-        let mut total = mine.len();
-        for r in 1..size {
-            let mut len = [0u8; 8];
-            self.comm.recv(r, &mut len)?;
-            let n = usize::try_from(u64::from_le_bytes(len)).unwrap_or(usize::MAX);
-            total = checked_total(&[total, n])?;
-            let mut b = vec![0u8; n];
-            if n > 0 {
-                self.comm.recv(r, &mut b)?;
-            }
-            lists.push(b);
-        }
-        Ok(Some(lists))
     }
 
     /// This rank's tensor for a negotiated response, taken out of the pending set (or a
@@ -868,59 +736,17 @@ impl Control {
             .any(|(r, n)| *r == self.inner.rank && n == name)
     }
 
-    /// Every rank's `mine`, in rank order (an allgather of lengths, then of the bytes).
-    fn allgather_blobs(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, SchedulerError> {
-        let size = self.inner.size;
-        self.add_bytes(mine.len() + 8);
-        let mut lens = vec![0u8; 8 * size];
-        self.comm
-            .allgather(&(mine.len() as u64).to_le_bytes(), &mut lens)?;
-        let counts: Vec<usize> = lens
-            .chunks_exact(8)
-            .map(|c| {
-                let mut a = [0u8; 8];
-                a.copy_from_slice(c);
-                usize::try_from(u64::from_le_bytes(a)).unwrap_or(usize::MAX)
-            })
-            .collect();
-        let mut all = vec![0u8; checked_total(&counts)?];
-        self.comm.allgatherv(mine, &mut all, &counts)?;
-        let mut out = Vec::with_capacity(size);
-        let mut off = 0;
-        for n in counts {
-            out.push(all[off..off + n].to_vec());
-            off += n;
-        }
-        Ok(out)
-    }
-
     /// Some rank raised the fault flag: every rank learns every rank's fault and stops with
     /// the same error, naming the lowest faulty rank, its tensor and what went wrong.
     fn agree_on_fault(&mut self) -> Result<SchedulerError, SchedulerError> {
-        let mine = match &self.fault {
-            Some((name, text)) => {
-                let mut b = name.as_bytes().to_vec();
-                b.push(0);
-                b.extend_from_slice(&text.as_bytes()[..text.len().min(MAX_FAULT_TEXT)]);
-                b
-            }
-            None => Vec::new(),
-        };
-        let all = self.allgather_blobs(&mine)?;
-        let Some((rank, blob)) = all.iter().enumerate().find(|(_, b)| !b.is_empty()) else {
-            return Err(SchedulerError::Transport {
-                lost_rank: None,
-                message: "a rank raised the fault flag but sent no fault".into(),
-            });
-        };
-        let text = String::from_utf8_lossy(blob);
-        let (name, what) = text.split_once('\0').unwrap_or(("?", &text));
-        Ok(fault_error(rank, name, what))
+        let mine = fault::encode(self.fault.as_ref());
+        self.add_bytes(mine.len() + 8);
+        let all = collect::allgather_blobs(self.comm.as_mut(), &mine)?;
+        Ok(fault::agreed(&all))
     }
 
     /// Compare pending names across ranks and report those some ranks lack.
     fn inspect_stall(&mut self, now: Instant) -> Result<(), SchedulerError> {
-        let size = self.inner.size;
         let mine: Vec<(String, u64)> = self
             .pending
             .values()
@@ -933,76 +759,37 @@ impl Control {
             .collect();
         let bytes = wire::encode_names(&mine);
         self.add_bytes(bytes.len() + 8);
-        let mut lens = vec![0u8; 8 * size];
-        self.comm
-            .allgather(&(bytes.len() as u64).to_le_bytes(), &mut lens)?;
-        let counts: Vec<usize> = lens
-            .chunks_exact(8)
-            .map(|c| {
-                let mut a = [0u8; 8];
-                a.copy_from_slice(c);
-                u64::from_le_bytes(a) as usize
-            })
-            .collect();
-        let mut all = vec![0u8; checked_total(&counts)?];
-        self.comm.allgatherv(&bytes, &mut all, &counts)?;
-        let mut have: BTreeMap<String, (Vec<bool>, u64)> = BTreeMap::new();
-        let mut off = 0;
-        for (r, &n) in counts.iter().enumerate() {
-            let list =
-                wire::decode_names(&all[off..off + n]).map_err(|e| SchedulerError::Transport {
+        let all = collect::allgather_blobs(self.comm.as_mut(), &bytes)?;
+        let mut lists = Vec::with_capacity(all.len());
+        for (r, b) in all.iter().enumerate() {
+            lists.push(
+                wire::decode_names(b).map_err(|e| SchedulerError::Transport {
                     lost_rank: Some(r),
                     message: format!("rank {r} sent a malformed name list: {e}"),
-                })?;
-            for (name, age) in list {
-                let e = have.entry(name).or_insert_with(|| (vec![false; size], 0));
-                e.0[r] = true;
-                e.1 = e.1.max(age);
-            }
-            off += n;
+                })?,
+            );
         }
         self.last_stall_check = now;
         let threshold = self.inner.config.stall_check.unwrap_or(Duration::ZERO);
-        let mut names = Vec::new();
-        let mut missing = vec![false; size];
-        let mut waited = 0u64;
-        for (name, (ranks, age)) in &have {
-            let lacking: Vec<usize> = (0..size)
-                .filter(|&r| !ranks[r] && !self.joined_set[r])
-                .collect();
-            if lacking.is_empty() || Duration::from_millis(*age) < threshold {
-                continue;
-            }
-            names.push(name.clone());
-            waited = waited.max(*age);
-            for r in lacking {
-                missing[r] = true;
-            }
-        }
-        if names.is_empty() {
+        let Some(report) = stall::find(&lists, &self.joined_set, threshold) else {
             return Ok(());
-        }
-        let missing_ranks: Vec<usize> = (0..size).filter(|&r| missing[r]).collect();
-        let waited = Duration::from_millis(waited);
+        };
         if self.inner.rank == 0 {
             tracing::warn!(
-                missing_ranks = ?missing_ranks,
-                names = ?names,
-                waited = ?waited,
-                "stall: ranks {missing_ranks:?} have not submitted {names:?} that other ranks submitted {waited:?} ago"
+                missing_ranks = ?report.missing_ranks,
+                names = ?report.names,
+                waited = ?report.waited,
+                "stall: ranks {:?} have not submitted {:?} that other ranks submitted {:?} ago",
+                report.missing_ranks, report.names, report.waited
             );
         }
-        self.inner.record_stall(StallReport {
-            names: names.clone(),
-            missing_ranks: missing_ranks.clone(),
-            waited,
-        });
+        self.inner.record_stall(report.clone());
         if let Some(limit) = self.inner.config.stall_shutdown {
-            if waited >= limit {
+            if report.waited >= limit {
                 return Err(SchedulerError::Stalled {
-                    names,
-                    missing: missing_ranks,
-                    after: waited,
+                    names: report.names,
+                    missing: report.missing_ranks,
+                    after: report.waited,
                 });
             }
         }

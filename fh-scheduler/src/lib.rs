@@ -64,6 +64,7 @@ mod engine;
 pub mod error;
 mod exec;
 pub mod handle;
+mod negotiate;
 pub mod stats;
 pub mod tensor;
 mod timeline;
