@@ -236,6 +236,28 @@ fn link_images(md: &mut String, plots: &[String], stem: &str) {
     }
 }
 
+/// The machine's steal and load during the run, with a warning when timings are unreliable.
+pub fn machine_load(r: &RunRecord) -> String {
+    let steal = r
+        .host
+        .steal_percent
+        .map_or("unknown".into(), |s| format!("{s:.1} %"));
+    let load = r
+        .host
+        .load_average
+        .map_or("unknown".into(), |l| format!("{l:.1}"));
+    let mut line = format!("- CPU steal during the run: {steal}; load average at the end: {load}");
+    let high_steal = r.host.steal_percent.is_some_and(|s| s > 10.0);
+    let high_load = r.host.load_average.is_some_and(|l| l > r.host.cpus as f64);
+    if high_steal || high_load {
+        line.push_str(
+            " — **warning**: the machine was busy (steal above 10 % or load above its CPU \
+             count); absolute timings are unreliable, compare ratios within this run only",
+        );
+    }
+    line
+}
+
 /// The Markdown report.
 pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> String {
     let mut md = String::new();
@@ -260,6 +282,7 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
         c.suites.join(", "),
         if c.quick { " (quick)" } else { "" },
     );
+    let _ = writeln!(md, "{}\n", machine_load(r));
 
     if !r.replay.is_empty() {
         let _ = writeln!(
@@ -447,6 +470,11 @@ fn sim_keys(r: &RunRecord) -> Vec<(String, String, String)> {
 /// The terminal summary.
 pub fn summary(r: &RunRecord) -> String {
     let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\n{}",
+        machine_load(r).trim_start_matches("- ").replace("**", "")
+    );
     if !r.replay.is_empty() {
         let _ = writeln!(
             s,
@@ -545,6 +573,26 @@ mod tests {
     /// A run recorded by hand (as `run.json` stores it): report generation must not need a
     /// live run.
     const RECORDED: &str = include_str!("../tests/data/recorded-run.json");
+
+    #[test]
+    fn steal_and_load_are_reported_with_a_warning_when_high() {
+        let mut r: RunRecord = serde_json::from_str(RECORDED).unwrap();
+        assert!(machine_load(&r).contains("unknown"));
+        r.host.steal_percent = Some(2.0);
+        r.host.load_average = Some(0.5);
+        assert!(
+            !machine_load(&r).contains("warning"),
+            "{}",
+            machine_load(&r)
+        );
+        r.host.steal_percent = Some(30.0);
+        assert!(machine_load(&r).contains("30.0 %") && machine_load(&r).contains("warning"));
+        assert_eq!(
+            crate::record::steal_between(Some((10, 1000)), Some((40, 1100))),
+            Some(30.0)
+        );
+        assert_eq!(crate::record::steal_between(None, Some((1, 2))), None);
+    }
 
     #[test]
     fn report_from_a_recorded_run() {

@@ -72,6 +72,7 @@ pub fn default_sizes(quick: bool) -> Vec<usize> {
 /// listed in `skipped`).
 pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     let started = Instant::now();
+    let ticks0 = crate::record::cpu_ticks();
     std::fs::create_dir_all(&opts.out)
         .map_err(|e| format!("creating {}: {e}", opts.out.display()))?;
     let all_workloads =
@@ -98,6 +99,8 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             hostname: hostname(),
             cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
             os: format!("{}/{}", std::env::consts::OS, std::env::consts::ARCH),
+            steal_percent: None,
+            load_average: None,
         },
         config: RunConfig {
             quick: opts.quick,
@@ -310,18 +313,50 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     if let (true, Some((tname, runner))) = (wants("replay"), &engine_runner) {
         let backward = Duration::from_secs_f64(opts.backward_ms / 1e3);
         for w in &workloads {
+            // Interleaved: one timed step of every schedule in turn, round-robin over the
+            // steps (each after its own warm-up step), so that a slow spell of a shared
+            // machine hits every schedule rather than one.
+            let schedules = ScheduleSpec::all();
+            let mut outs: Vec<Option<Vec<RankOutput>>> = vec![Some(Vec::new()); schedules.len()];
+            for rep in 0..opts.steps.max(1) {
+                for (i, s) in schedules.iter().enumerate() {
+                    if outs[i].is_none() {
+                        continue; // failed before
+                    }
+                    bar.set_message(format!(
+                        "replay: {} {} over {tname} (step {}/{})",
+                        w.model,
+                        s.label(),
+                        rep + 1,
+                        opts.steps
+                    ));
+                    let job = Job::Replay(ReplayJob::new(w, backward, s.clone(), 1, 1));
+                    let name = format!(
+                        "replay-{}-{}-{rep}",
+                        w.model,
+                        s.label().replace([' ', '=', '+'], "")
+                    );
+                    match runner.run(&name, &job) {
+                        Ok(got) => {
+                            if let Some(acc) = outs[i].as_mut() {
+                                merge_replay(acc, got);
+                            }
+                        }
+                        Err(e) => {
+                            outs[i] = None;
+                            record.skipped.push(Skipped {
+                                suite: "replay".into(),
+                                what: format!("{} {}", w.model, s.label()),
+                                reason: format!("failed: {e}"),
+                            });
+                        }
+                    }
+                }
+            }
             let mut rows: Vec<ReplayRow> = Vec::new();
-            for s in ScheduleSpec::all() {
-                bar.set_message(format!("replay: {} {} over {tname}", w.model, s.label()));
-                let job = Job::Replay(ReplayJob::new(w, backward, s.clone(), 1, opts.steps));
-                let name = format!("replay-{}-{}", w.model, s.label().replace([' ', '='], ""));
-                match runner.run(&name, &job) {
-                    Ok(outs) => rows.push(replay_row(w, &s, opts.np, opts.backward_ms, &outs)),
-                    Err(e) => record.skipped.push(Skipped {
-                        suite: "replay".into(),
-                        what: format!("{} {}", w.model, s.label()),
-                        reason: format!("failed: {e}"),
-                    }),
+            for (s, outs) in schedules.iter().zip(outs) {
+                if let Some(outs) = outs {
+                    rows.push(replay_row(w, s, opts.np, opts.backward_ms, &outs));
                 }
                 bar.inc(1);
             }
@@ -435,6 +470,8 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     }
     bar.finish_and_clear();
     record.wall = Quantity::exact(started.elapsed().as_secs_f64(), "s");
+    record.host.steal_percent = crate::record::steal_between(ticks0, crate::record::cpu_ticks());
+    record.host.load_average = crate::record::load_average();
     Ok(record)
 }
 
@@ -514,6 +551,26 @@ pub fn replay_row(
         }
     }
     row
+}
+
+/// Append one interleaved run's per-rank replay outputs to those gathered so far (rank by
+/// rank: step times concatenated, channel bytes added).
+fn merge_replay(acc: &mut Vec<RankOutput>, got: Vec<RankOutput>) {
+    if acc.is_empty() {
+        *acc = got;
+        return;
+    }
+    for (a, g) in acc.iter_mut().zip(got) {
+        if let (RankOutput::Replay(a), RankOutput::Replay(g)) = (a, g) {
+            a.step_seconds.extend(g.step_seconds);
+            if a.channel_bytes.len() < g.channel_bytes.len() {
+                a.channel_bytes.resize(g.channel_bytes.len(), 0);
+            }
+            for (x, y) in a.channel_bytes.iter_mut().zip(g.channel_bytes) {
+                *x += y;
+            }
+        }
+    }
 }
 
 /// A replay row from per-rank step times (seconds; the slowest rank per step counts), labelled
