@@ -170,6 +170,9 @@ pub struct ReplayRow {
     /// order; empty for peers.
     #[serde(default)]
     pub channel_share: Vec<f64>,
+    /// The transport the engine ran over (`tcp`, `shm`); empty for peers.
+    #[serde(default)]
+    pub transport: String,
 }
 
 impl ReplayRow {

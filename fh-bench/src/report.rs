@@ -292,12 +292,12 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
              (slowest rank); exposed = step − backward. Median [min–max] over {} steps.\n",
             c.backward_ms, c.steps
         );
-        let _ = writeln!(md, "| workload | schedule | step | exposed | throughput | step ÷ horovod | exposed ÷ horovod | bytes per channel |");
-        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(md, "| workload | schedule | step | exposed | throughput | step ÷ horovod | exposed ÷ horovod | bytes per channel | transport |");
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|");
         for x in &r.replay {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 x.workload,
                 x.schedule,
                 x.step.display(1),
@@ -308,6 +308,11 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
                 x.exposed_ratio_to_horovod
                     .map_or("–".into(), |v| format!("{v:.2}")),
                 x.channel_share_text(),
+                if x.transport.is_empty() {
+                    "–"
+                } else {
+                    &x.transport
+                },
             );
         }
         link_images(&mut md, plots, "replay-exposed");
@@ -483,14 +488,19 @@ pub fn summary(r: &RunRecord) -> String {
         );
         let _ = writeln!(
             s,
-            "  {:<12} {:<18} {:>10} {:>10} {:>8} {:>8}  bytes per channel",
-            "workload", "schedule", "step ms", "exposed", "step÷hv", "exp÷hv"
+            "  {:<12} {:<5} {:<20} {:>10} {:>10} {:>8} {:>8}  bytes per channel",
+            "workload", "via", "schedule", "step ms", "exposed", "step÷hv", "exp÷hv"
         );
         for x in &r.replay {
             let _ = writeln!(
                 s,
-                "  {:<12} {:<18} {:>10.1} {:>10.1} {:>8} {:>8}  {}",
+                "  {:<12} {:<5} {:<20} {:>10.1} {:>10.1} {:>8} {:>8}  {}",
                 x.workload,
+                if x.transport.is_empty() {
+                    "-"
+                } else {
+                    &x.transport
+                },
                 x.schedule,
                 x.step.median,
                 x.exposed.median,

@@ -202,7 +202,14 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 }),
             }
         }
-        total += (workloads.len() * (ScheduleSpec::all().len() + peers.len())) as u64;
+        let replay_transports = opts
+            .transports
+            .iter()
+            .filter(|t| *t == "tcp" || *t == "shm")
+            .count()
+            .max(1);
+        total += (workloads.len() * (replay_transports * ScheduleSpec::all().len() + peers.len()))
+            as u64;
     }
     if wants("negotiation") {
         total += (neg_nps.len() * 2 * opts.tensor_counts.len()) as u64;
@@ -310,16 +317,33 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             reason: "no usable transport (see --transports)".into(),
         });
     }
-    if let (true, Some((tname, runner))) = (wants("replay"), &engine_runner) {
+    // The replay runs over TCP and shared memory (what `FH_TRANSPORT=auto` picks on one host)
+    // when both are among the transports, else over the first.
+    let mut replay_runners: Vec<(String, Runner)> = runners
+        .iter()
+        .filter(|(t, _)| t == "tcp" || t == "shm")
+        .cloned()
+        .collect();
+    if replay_runners.is_empty() {
+        replay_runners.extend(engine_runner.clone());
+    }
+    if let (true, false) = (wants("replay"), replay_runners.is_empty()) {
         let backward = Duration::from_secs_f64(opts.backward_ms / 1e3);
         for w in &workloads {
-            // Interleaved: one timed step of every schedule in turn, round-robin over the
-            // steps (each after its own warm-up step), so that a slow spell of a shared
-            // machine hits every schedule rather than one.
-            let schedules = ScheduleSpec::all();
-            let mut outs: Vec<Option<Vec<RankOutput>>> = vec![Some(Vec::new()); schedules.len()];
+            // Interleaved: one timed step of every (transport, schedule) in turn, round-robin
+            // over the steps (each after its own warm-up step), so that a slow spell of a
+            // shared machine hits every configuration rather than one.
+            let configs: Vec<(&str, &Runner, ScheduleSpec)> = replay_runners
+                .iter()
+                .flat_map(|(t, r)| {
+                    ScheduleSpec::all()
+                        .into_iter()
+                        .map(move |s| (t.as_str(), r, s))
+                })
+                .collect();
+            let mut outs: Vec<Option<Vec<RankOutput>>> = vec![Some(Vec::new()); configs.len()];
             for rep in 0..opts.steps.max(1) {
-                for (i, s) in schedules.iter().enumerate() {
+                for (i, (tname, runner, s)) in configs.iter().enumerate() {
                     if outs[i].is_none() {
                         continue; // failed before
                     }
@@ -332,7 +356,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                     ));
                     let job = Job::Replay(ReplayJob::new(w, backward, s.clone(), 1, 1));
                     let name = format!(
-                        "replay-{}-{}-{rep}",
+                        "replay-{}-{tname}-{}-{rep}",
                         w.model,
                         s.label().replace([' ', '=', '+'], "")
                     );
@@ -346,7 +370,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                             outs[i] = None;
                             record.skipped.push(Skipped {
                                 suite: "replay".into(),
-                                what: format!("{} {}", w.model, s.label()),
+                                what: format!("{} {} over {tname}", w.model, s.label()),
                                 reason: format!("failed: {e}"),
                             });
                         }
@@ -354,9 +378,11 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 }
             }
             let mut rows: Vec<ReplayRow> = Vec::new();
-            for (s, outs) in schedules.iter().zip(outs) {
+            for ((tname, _, s), outs) in configs.iter().zip(outs) {
                 if let Some(outs) = outs {
-                    rows.push(replay_row(w, s, opts.np, opts.backward_ms, &outs));
+                    let mut row = replay_row(w, s, opts.np, opts.backward_ms, &outs);
+                    row.transport = tname.to_string();
+                    rows.push(row);
                 }
                 bar.inc(1);
             }
@@ -402,15 +428,27 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 }
                 bar.inc(1);
             }
-            let base = rows
+            // Ratios against the `horovod` preset over the same transport (peers, which pick
+            // their own, against the first transport's).
+            let first = rows
+                .first()
+                .map(|r| r.transport.clone())
+                .unwrap_or_default();
+            let bases: Vec<(String, f64, f64)> = rows
                 .iter()
-                .find(|r| r.schedule == "horovod")
-                .map(|r| (r.step.median, r.exposed.median));
-            if let Some((step, exposed)) = base {
-                for r in &mut rows {
+                .filter(|r| r.schedule == "horovod")
+                .map(|r| (r.transport.clone(), r.step.median, r.exposed.median))
+                .collect();
+            for r in &mut rows {
+                let t = if r.transport.is_empty() {
+                    &first
+                } else {
+                    &r.transport
+                };
+                if let Some((_, step, exposed)) = bases.iter().find(|b| &b.0 == t) {
                     r.step_ratio_to_horovod = Some(r.step.median / step);
                     r.exposed_ratio_to_horovod =
-                        (exposed > 0.0).then(|| r.exposed.median / exposed);
+                        (*exposed > 0.0).then(|| r.exposed.median / exposed);
                 }
             }
             record.replay.extend(rows);
@@ -607,6 +645,7 @@ pub fn replay_row_labelled(
         step_ratio_to_horovod: None,
         exposed_ratio_to_horovod: None,
         channel_share: Vec::new(),
+        transport: String::new(),
     }
 }
 
