@@ -1,12 +1,14 @@
-//! The control thread: readiness negotiation (bit vector + coordinator), the stall
-//! inspector, join, and dispatch of fused groups to the channels.
+//! The control thread: the loop that runs negotiation rounds and dispatches fused groups to
+//! the channels. The steps a round may take live in [`crate::negotiate`].
 //!
 //! Every rank runs the same sequence of negotiation rounds on the control communicator. A
 //! round is: one bitwise-AND allreduce of the negotiation vector (status flags + cached slots
 //! pending here), then, only when a flag asks for it, the optional steps in a fixed order —
-//! joined-rank exchange, slot invalidation, coordinator step, stall report — and finally the
-//! agreed ready list is planned and dispatched. Because every decision is a function of the
-//! round's collective results, every rank takes the same steps and forms the same groups.
+//! agreed fault (stop), joined-rank exchange, slot invalidation, coordinator step (gather to
+//! rank 0, broadcast), stall report — and finally the agreed ready list is planned (channel
+//! load carried from round to round) and dispatched. Because every decision is a function of
+//! the rounds' collective results, every rank takes the same steps and forms the same groups.
+//! Back-pressure only delays when a rank enters its next round.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicUsize;
