@@ -52,6 +52,44 @@ pub struct Host {
     pub cpus: usize,
     /// `std::env::consts::OS`/`ARCH`.
     pub os: String,
+    /// CPU time stolen by the hypervisor during the run, % of all CPU time (Linux
+    /// `/proc/stat`), when known: high steal makes timings unreliable.
+    #[serde(default)]
+    pub steal_percent: Option<f64>,
+    /// The 1-minute load average at the end of the run, when known.
+    #[serde(default)]
+    pub load_average: Option<f64>,
+}
+
+/// CPU time counters from `/proc/stat` (all CPUs): (steal, total), in ticks.
+pub fn cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal [guest guest_nice: included in user]
+    let total: u64 = v.iter().take(8).sum();
+    Some((v.get(7).copied().unwrap_or(0), total))
+}
+
+/// Steal between two [`cpu_ticks`] samples, % of CPU time.
+pub fn steal_between(a: Option<(u64, u64)>, b: Option<(u64, u64)>) -> Option<f64> {
+    let ((s0, t0), (s1, t1)) = (a?, b?);
+    let dt = t1.checked_sub(t0).filter(|&d| d > 0)?;
+    Some(s1.saturating_sub(s0) as f64 * 100.0 / dt as f64)
+}
+
+/// The 1-minute load average (`/proc/loadavg`).
+pub fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// The configuration of a run.
@@ -128,6 +166,28 @@ pub struct ReplayRow {
     pub step_ratio_to_horovod: Option<f64>,
     /// Median exposed communication ÷ the `horovod` preset's.
     pub exposed_ratio_to_horovod: Option<f64>,
+    /// Each data channel's share of the bytes over the timed steps (rank 0), in channel
+    /// order; empty for peers.
+    #[serde(default)]
+    pub channel_share: Vec<f64>,
+    /// The transport the engine ran over (`tcp`, `shm`); empty for peers.
+    #[serde(default)]
+    pub transport: String,
+}
+
+impl ReplayRow {
+    /// The channel shares as `26/25/24/25 %` (`–` when there are none).
+    pub fn channel_share_text(&self) -> String {
+        if self.channel_share.is_empty() {
+            return "–".into();
+        }
+        let parts: Vec<String> = self
+            .channel_share
+            .iter()
+            .map(|s| format!("{:.0}", s * 100.0))
+            .collect();
+        format!("{} %", parts.join("/"))
+    }
 }
 
 /// One negotiation configuration.

@@ -17,19 +17,29 @@ pub struct ScheduleSpec {
     pub preset: String,
     /// Data channels (`fasthorovod` only).
     pub channels: Option<usize>,
+    /// `fasthorovod` with back-pressure ([`BACKPRESSURE`]); without it otherwise.
+    #[serde(default)]
+    pub backpressure: bool,
 }
 
+/// The back-pressure setting the `+bp` schedules run with: defer a round while 4 MiB are
+/// queued on the channels, at most 2 ms.
+pub const BACKPRESSURE: (u64, Duration) = (4 << 20, Duration::from_millis(2));
+
 impl ScheduleSpec {
-    /// The presets compared: `horovod`, `fasthorovod` with K = 1, 2, 4.
+    /// The presets compared: `horovod`, `fasthorovod` with K = 1, 2, 4, and K = 1, 4 with
+    /// back-pressure.
     pub fn all() -> Vec<ScheduleSpec> {
         let mut v = vec![ScheduleSpec {
             preset: "horovod".into(),
             channels: None,
+            backpressure: false,
         }];
-        for k in [1, 2, 4] {
+        for (k, bp) in [(1, false), (2, false), (4, false), (1, true), (4, true)] {
             v.push(ScheduleSpec {
                 preset: "fasthorovod".into(),
                 channels: Some(k),
+                backpressure: bp,
             });
         }
         v
@@ -37,18 +47,24 @@ impl ScheduleSpec {
 
     /// `horovod` or `fasthorovod K=k` (the labels the simulation uses too).
     pub fn label(&self) -> String {
-        match self.channels {
-            Some(k) => format!("{} K={k}", self.preset),
-            None => self.preset.clone(),
+        match (self.channels, self.backpressure) {
+            (Some(k), true) => format!("{} K={k} +bp", self.preset),
+            (Some(k), false) => format!("{} K={k}", self.preset),
+            (None, _) => self.preset.clone(),
         }
     }
 
     fn config(&self) -> Result<Config, String> {
         let preset: Preset = self.preset.parse().map_err(|e| format!("{e}"))?;
         let c = Config::preset(preset);
-        Ok(match self.channels {
+        let c = match self.channels {
             Some(k) => c.channels(k),
             None => c,
+        };
+        Ok(if self.backpressure {
+            c.backpressure(BACKPRESSURE.0, BACKPRESSURE.1)
+        } else {
+            c.backpressure(0, BACKPRESSURE.1)
         })
     }
 }
@@ -98,8 +114,17 @@ impl ReplayJob {
     }
 }
 
-/// Per timed step, seconds from backward start to the last gradient reduced (this rank).
-pub fn run_replay(job: &ReplayJob, transport: Box<dyn Transport>) -> Result<Vec<f64>, String> {
+/// What one rank measured in a replay.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ReplayOutput {
+    /// Per timed step, seconds from backward start to the last gradient reduced.
+    pub step_seconds: Vec<f64>,
+    /// Bytes each data channel carried during the timed steps, in channel order.
+    pub channel_bytes: Vec<u64>,
+}
+
+/// Runs a replay job on this rank.
+pub fn run_replay(job: &ReplayJob, transport: Box<dyn Transport>) -> Result<ReplayOutput, String> {
     let engine = Engine::start(transport, job.schedule.config()?)
         .map_err(|e| format!("starting the engine ({}): {e}", job.schedule.label()))?;
     let result = replay_steps(&engine, job);
@@ -109,7 +134,7 @@ pub fn run_replay(job: &ReplayJob, transport: Box<dyn Transport>) -> Result<Vec<
     Ok(times)
 }
 
-fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<Vec<f64>, String> {
+fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<ReplayOutput, String> {
     let err = |e: fh_scheduler::SchedulerError| e.to_string();
     let mut tensors: Vec<Option<Tensor>> = job
         .tensors
@@ -117,8 +142,12 @@ fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<Vec<f64>, String> {
         .map(|(_, n)| Some(Tensor::from_slice(&vec![1.0f32; *n])))
         .collect();
     let mut times = Vec::with_capacity(job.steps);
+    let mut channel_start: Vec<u64> = Vec::new();
     for step in 0..job.warmup + job.steps {
         engine.barrier().map_err(err)?.wait().map_err(err)?;
+        if step == job.warmup {
+            channel_start = engine.stats().channels.iter().map(|c| c.bytes).collect();
+        }
         let t0 = Instant::now();
         let mut handles = Vec::with_capacity(tensors.len());
         for (i, (name, _)) in job.tensors.iter().enumerate() {
@@ -154,7 +183,20 @@ fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<Vec<f64>, String> {
             ));
         }
     }
-    Ok(times)
+    let channel_bytes = engine
+        .stats()
+        .channels
+        .iter()
+        .enumerate()
+        .map(|(c, ch)| {
+            ch.bytes
+                .saturating_sub(channel_start.get(c).copied().unwrap_or(0))
+        })
+        .collect();
+    Ok(ReplayOutput {
+        step_seconds: times,
+        channel_bytes,
+    })
 }
 
 /// One negotiation measurement, as sent to every rank.

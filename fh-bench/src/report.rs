@@ -236,6 +236,28 @@ fn link_images(md: &mut String, plots: &[String], stem: &str) {
     }
 }
 
+/// The machine's steal and load during the run, with a warning when timings are unreliable.
+pub fn machine_load(r: &RunRecord) -> String {
+    let steal = r
+        .host
+        .steal_percent
+        .map_or("unknown".into(), |s| format!("{s:.1} %"));
+    let load = r
+        .host
+        .load_average
+        .map_or("unknown".into(), |l| format!("{l:.1}"));
+    let mut line = format!("- CPU steal during the run: {steal}; load average at the end: {load}");
+    let high_steal = r.host.steal_percent.is_some_and(|s| s > 10.0);
+    let high_load = r.host.load_average.is_some_and(|l| l > r.host.cpus as f64);
+    if high_steal || high_load {
+        line.push_str(
+            " — **warning**: the machine was busy (steal above 10 % or load above its CPU \
+             count); absolute timings are unreliable, compare ratios within this run only",
+        );
+    }
+    line
+}
+
 /// The Markdown report.
 pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> String {
     let mut md = String::new();
@@ -260,6 +282,7 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
         c.suites.join(", "),
         if c.quick { " (quick)" } else { "" },
     );
+    let _ = writeln!(md, "{}\n", machine_load(r));
 
     if !r.replay.is_empty() {
         let _ = writeln!(
@@ -269,12 +292,12 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
              (slowest rank); exposed = step − backward. Median [min–max] over {} steps.\n",
             c.backward_ms, c.steps
         );
-        let _ = writeln!(md, "| workload | schedule | step | exposed | throughput | step ÷ horovod | exposed ÷ horovod |");
-        let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+        let _ = writeln!(md, "| workload | schedule | step | exposed | throughput | step ÷ horovod | exposed ÷ horovod | bytes per channel | transport |");
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|");
         for x in &r.replay {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 x.workload,
                 x.schedule,
                 x.step.display(1),
@@ -284,6 +307,12 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
                     .map_or("–".into(), |v| format!("{v:.2}")),
                 x.exposed_ratio_to_horovod
                     .map_or("–".into(), |v| format!("{v:.2}")),
+                x.channel_share_text(),
+                if x.transport.is_empty() {
+                    "–"
+                } else {
+                    &x.transport
+                },
             );
         }
         link_images(&mut md, plots, "replay-exposed");
@@ -446,6 +475,11 @@ fn sim_keys(r: &RunRecord) -> Vec<(String, String, String)> {
 /// The terminal summary.
 pub fn summary(r: &RunRecord) -> String {
     let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\n{}",
+        machine_load(r).trim_start_matches("- ").replace("**", "")
+    );
     if !r.replay.is_empty() {
         let _ = writeln!(
             s,
@@ -454,14 +488,19 @@ pub fn summary(r: &RunRecord) -> String {
         );
         let _ = writeln!(
             s,
-            "  {:<12} {:<18} {:>10} {:>10} {:>8} {:>8}",
-            "workload", "schedule", "step ms", "exposed", "step÷hv", "exp÷hv"
+            "  {:<12} {:<5} {:<20} {:>10} {:>10} {:>8} {:>8}  bytes per channel",
+            "workload", "via", "schedule", "step ms", "exposed", "step÷hv", "exp÷hv"
         );
         for x in &r.replay {
             let _ = writeln!(
                 s,
-                "  {:<12} {:<18} {:>10.1} {:>10.1} {:>8} {:>8}",
+                "  {:<12} {:<5} {:<20} {:>10.1} {:>10.1} {:>8} {:>8}  {}",
                 x.workload,
+                if x.transport.is_empty() {
+                    "-"
+                } else {
+                    &x.transport
+                },
                 x.schedule,
                 x.step.median,
                 x.exposed.median,
@@ -469,6 +508,7 @@ pub fn summary(r: &RunRecord) -> String {
                     .map_or("-".into(), |v| format!("{v:.2}")),
                 x.exposed_ratio_to_horovod
                     .map_or("-".into(), |v| format!("{v:.2}")),
+                x.channel_share_text(),
             );
         }
     }
@@ -543,6 +583,26 @@ mod tests {
     /// A run recorded by hand (as `run.json` stores it): report generation must not need a
     /// live run.
     const RECORDED: &str = include_str!("../tests/data/recorded-run.json");
+
+    #[test]
+    fn steal_and_load_are_reported_with_a_warning_when_high() {
+        let mut r: RunRecord = serde_json::from_str(RECORDED).unwrap();
+        assert!(machine_load(&r).contains("unknown"));
+        r.host.steal_percent = Some(2.0);
+        r.host.load_average = Some(0.5);
+        assert!(
+            !machine_load(&r).contains("warning"),
+            "{}",
+            machine_load(&r)
+        );
+        r.host.steal_percent = Some(30.0);
+        assert!(machine_load(&r).contains("30.0 %") && machine_load(&r).contains("warning"));
+        assert_eq!(
+            crate::record::steal_between(Some((10, 1000)), Some((40, 1100))),
+            Some(30.0)
+        );
+        assert_eq!(crate::record::steal_between(None, Some((1, 2))), None);
+    }
 
     #[test]
     fn report_from_a_recorded_run() {

@@ -42,8 +42,8 @@ pub enum Job {
 pub enum RankOutput {
     /// Per case timings.
     Collectives(Vec<CaseTimes>),
-    /// Per timed replay step, seconds.
-    Replay(Vec<f64>),
+    /// Per timed replay step, seconds, and the bytes per channel.
+    Replay(crate::replay::ReplayOutput),
     /// Per timed negotiation step.
     Negotiation(Vec<NegotiationStep>),
 }

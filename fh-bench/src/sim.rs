@@ -16,15 +16,22 @@
 //!   negotiates the tensors ready at its start, then executes the fused groups one after
 //!   another itself; tensors that become ready meanwhile wait for the next loop.
 //! - **`fasthorovod` K**: negotiation wakes when a tensor is ready and never waits for
-//!   execution, as implemented (optionally, `+bp`, with back-pressure: a new round starts only
-//!   while some channel has nothing queued, so tensors ready meanwhile fuse together — a
-//!   variant the model evaluates, not the engine's behaviour); each round's tensors (tensors larger than the partition size split into chunks)
-//!   are fused up to the fusion threshold and the groups go to K channels (least queued bytes
-//!   first), which execute concurrently.
+//!   execution, as implemented; with back-pressure (`+bp`) a rank defers its next round while
+//!   its channels hold enough unfinished bytes, at most a bound — the engine's own pacing
+//!   policy ([`fh_core::fusion::Pacing`], through [`Schedule::config`]). Each round's tensors
+//!   are planned by the engine's own planner ([`fh_core::fusion::plan_round`], the options the
+//!   engine derives from its configuration, the channel load carried from round to round):
+//!   the same fusion, partitioning and channel assignment as the engine, not a copy
+//!   ([`ModelPlanner`]; a test checks the two agree group for group). The channels execute
+//!   concurrently.
 //!
 //! Step time = time the last group completes; exposed communication = step − B; scaling
 //! efficiency = (F + B) / (F + step) with a forward pass F = B/2 that is not overlapped.
 
+use fh_core::fusion::{plan_round, ChannelLoad, FusionKey, Group, Pacing, PlanItem, PlanOptions};
+use fh_core::message::{CollectiveKind, Device};
+use fh_core::{DType, ReduceOp};
+use fh_scheduler::{Config, Preset};
 use serde::{Deserialize, Serialize};
 
 use crate::workload::Workload;
@@ -135,6 +142,25 @@ impl Schedule {
         self
     }
 
+    /// The engine configuration this schedule models: the model plans and paces through
+    /// this configuration's [`Config::plan_options`] and [`Config::pacing`], as the engine does.
+    pub fn config(&self) -> Config {
+        let preset = match self.kind {
+            ScheduleKind::Horovod => Preset::Horovod,
+            ScheduleKind::FastHorovod => Preset::FastHorovod,
+        };
+        let c = Config::preset(preset)
+            .channels(self.channels.max(1))
+            .fusion_threshold(self.fusion_bytes as u64)
+            .partition_bytes((self.partition_bytes as u64).max(1));
+        let (bytes, max) = crate::replay::BACKPRESSURE;
+        if self.back_pressure {
+            c.backpressure(bytes, max)
+        } else {
+            c.backpressure(0, max)
+        }
+    }
+
     /// `horovod` or `fasthorovod K=k`.
     pub fn label(&self) -> String {
         match self.kind {
@@ -202,6 +228,57 @@ pub struct StepModel {
 struct Transfer {
     latency_end: f64,
     remaining: f64,
+    /// The group's payload bytes (queued until the transfer ends, as the engine counts).
+    bytes: usize,
+}
+
+/// What the replay submits: f32 gradients averaged over the ranks.
+const GRADIENT_KEY: FusionKey = FusionKey {
+    kind: CollectiveKind::Allreduce,
+    dtype: DType::F32,
+    op: ReduceOp::Average,
+    device: Device::Cpu,
+    prescale: 0x3FF0_0000_0000_0000, // 1.0
+    postscale: 0x3FF0_0000_0000_0000,
+};
+
+/// The engine's planner (fh-core's [`plan_round`], with the options the engine derives from
+/// its configuration and the channel load carried from round to round), driven by the model.
+#[derive(Debug, Clone)]
+pub struct ModelPlanner {
+    opts: PlanOptions,
+    load: ChannelLoad,
+}
+
+impl ModelPlanner {
+    /// The planner of `sched`'s engine configuration, before the first round.
+    pub fn new(sched: &Schedule) -> Self {
+        let opts = sched.config().plan_options();
+        ModelPlanner {
+            load: ChannelLoad::new(opts.channels),
+            opts,
+        }
+    }
+
+    /// Number of channels.
+    pub fn channels(&self) -> usize {
+        self.opts.channels.max(1)
+    }
+
+    /// Plan one negotiated round of f32 gradients of `sizes` bytes, in ready order.
+    pub fn round(&mut self, sizes: &[u64]) -> Vec<Group> {
+        let items: Vec<PlanItem> = sizes
+            .iter()
+            .map(|&bytes| PlanItem {
+                key: GRADIENT_KEY,
+                bytes,
+                elem: 4,
+                priority: 0,
+                group: None,
+            })
+            .collect();
+        plan_round(&items, &self.opts, &mut self.load)
+    }
 }
 
 /// Simulates one step of `sizes` (bytes, in release order) released at `ready` (seconds).
@@ -214,10 +291,9 @@ pub fn simulate_step(
     o: &Overheads,
 ) -> StepModel {
     assert_eq!(sizes.len(), ready.len(), "one ready time per tensor");
-    let k = match sched.kind {
-        ScheduleKind::Horovod => 1,
-        ScheduleKind::FastHorovod => sched.channels.max(1),
-    };
+    let mut planner = ModelPlanner::new(sched);
+    let pacing: Pacing = sched.config().pacing();
+    let k = planner.channels();
     let cap = link.stream_cap_bps.unwrap_or(f64::INFINITY);
     // Per group: (latency part, wire bytes) of the cheaper algorithm, ring or recursive
     // doubling, as the transport picks by size.
@@ -257,6 +333,7 @@ pub fn simulate_step(
     };
     let mut rounds = 0;
     let mut collectives = 0;
+    let mut wanted: Option<f64> = None; // fasthorovod: since when a round waits to start
     let mut done_tensors = 0usize; // tensors whose negotiation finished
     let mut last_completion = 0.0f64;
     let total = sizes.len();
@@ -278,11 +355,11 @@ pub fn simulate_step(
             if *end <= now + 1e-15 {
                 let (_, tensors) = negotiating.take().unwrap_or_default();
                 done_tensors += tensors.len();
-                let groups = fuse(&tensors, sizes, sched, k);
-                for g in groups {
-                    let c = (0..k).min_by_key(|&c| (queued_bytes[c], c)).unwrap_or(0);
-                    queues[c].push_back(g);
-                    queued_bytes[c] += g;
+                let round: Vec<u64> = tensors.iter().map(|&t| sizes[t] as u64).collect();
+                for g in planner.round(&round) {
+                    let (c, b) = (g.channel.min(k - 1), g.bytes() as usize);
+                    queues[c].push_back(b);
+                    queued_bytes[c] += b;
                 }
             }
         }
@@ -296,6 +373,7 @@ pub fn simulate_step(
                     active[c] = Some(Transfer {
                         latency_end: now + latency,
                         remaining: wire,
+                        bytes: g,
                     });
                 }
             }
@@ -308,11 +386,15 @@ pub fn simulate_step(
         }
         // Start a negotiation round.
         if negotiating.is_none() && !pending.is_empty() {
+            let since = *wanted.get_or_insert(now);
             let may_start = match sched.kind {
-                // With back-pressure, a new round only while some channel has nothing queued,
-                // so that tensors ready meanwhile are fused together.
+                // The engine's pacing: defer while the channels hold enough unfinished bytes
+                // (queued or in flight), at most the pacing bound.
                 ScheduleKind::FastHorovod => {
-                    !sched.back_pressure || queues.iter().map(|q| q.len()).sum::<usize>() < k
+                    let unfinished = queued_bytes.iter().sum::<usize>()
+                        + active.iter().flatten().map(|t| t.bytes).sum::<usize>();
+                    let deferred = std::time::Duration::from_secs_f64((now - since).max(0.0));
+                    !pacing.defer(unfinished as u64, deferred)
                 }
                 ScheduleKind::Horovod => !in_loop && tick_at(next_tick, now) <= now + 1e-12,
             };
@@ -322,6 +404,7 @@ pub fn simulate_step(
                     in_loop = true;
                 }
                 rounds += 1;
+                wanted = None;
                 negotiating = Some((now + round, std::mem::take(&mut pending)));
             }
         }
@@ -362,6 +445,13 @@ pub fn simulate_step(
         if sched.kind == ScheduleKind::Horovod && !in_loop && !pending.is_empty() {
             next = next.min(tick_at(next_tick, now));
         }
+        if let (Some(since), true) = (wanted, negotiating.is_none() && !pending.is_empty()) {
+            // A deferred round starts at the latest when the pacing bound runs out.
+            let end = since + pacing.max_defer.as_secs_f64();
+            if end > now {
+                next = next.min(end);
+            }
+        }
         if !next.is_finite() {
             break; // nothing left that can happen
         }
@@ -385,43 +475,6 @@ pub fn simulate_step(
         rounds,
         collectives,
     }
-}
-
-/// Fuses one round's tensors into groups (byte sizes), in order. `fasthorovod` splits tensors
-/// above the partition size into at least `k` chunks, each its own group, so that they spread
-/// over the channels; the other tensors are fused up to the fusion threshold (a single tensor
-/// above it forms its own group).
-fn fuse(tensors: &[usize], sizes: &[usize], sched: &Schedule, k: usize) -> Vec<usize> {
-    let mut groups = Vec::new();
-    let mut cur = 0usize;
-    for &t in tensors {
-        let m = sizes[t];
-        if sched.kind == ScheduleKind::FastHorovod && m > sched.partition_bytes && k > 1 {
-            if cur > 0 {
-                groups.push(cur);
-                cur = 0;
-            }
-            let chunks = m.div_ceil(sched.partition_bytes).max(k);
-            let base = m / chunks;
-            for i in 0..chunks {
-                groups.push(if i + 1 == chunks {
-                    m - base * (chunks - 1)
-                } else {
-                    base
-                });
-            }
-            continue;
-        }
-        if cur > 0 && cur + m > sched.fusion_bytes {
-            groups.push(cur);
-            cur = 0;
-        }
-        cur += m;
-    }
-    if cur > 0 {
-        groups.push(cur);
-    }
-    groups
 }
 
 /// A workload's step under a schedule, link and rank count.
@@ -612,14 +665,15 @@ mod tests {
 
     #[test]
     fn back_pressure_fuses_what_becomes_ready_meanwhile() {
-        // K=1: the first tensor runs for ~1 ms; the 3 tensors ready meanwhile are negotiated
-        // in one round (one queued group), then a later round: 3 collectives in all, not 4.
+        // K=1: the first tensor (5 MB, over the 4 MiB back-pressure bound) runs for ~5 ms; the
+        // 3 tensors ready meanwhile wait (at most 2 ms) and are negotiated in one round: 2
+        // collectives in all, not 4.
         let l = link(1e-5, 1e9, None);
-        let sizes = [1_000_000, 1000, 1000, 1000];
+        let sizes = [5_000_000, 1000, 1000, 1000];
         let ready = [0.0, 1e-4, 2e-4, 3e-4];
         let bp = Schedule::fasthorovod(1).with_back_pressure();
         let m = simulate_step(&sizes, &ready, 2, &l, &bp, &NO_OVERHEAD);
-        assert_eq!(m.collectives, 3, "{m:?}");
+        assert_eq!((m.rounds, m.collectives), (2, 2), "{m:?}");
         // Without back-pressure every small tensor gets its own round and collective.
         let m = simulate_step(
             &sizes,
@@ -633,30 +687,134 @@ mod tests {
     }
 
     #[test]
-    fn fusion_and_partition() {
+    fn fusion_and_partition_through_the_engines_planner() {
+        let bytes = |g: Vec<Group>| g.iter().map(Group::bytes).collect::<Vec<_>>();
         let f = Schedule::fasthorovod(4);
-        // 40 MiB splits into 4 chunks of 10 MiB (16 MiB partitions would give 3; at least K),
-        // each its own group; small tensors around it fuse with each other.
-        let sizes = [1 << 20, 40 << 20, 1 << 20, 2 << 20];
-        let g = fuse(&[0, 1, 2, 3], &sizes, &f, 4);
+        // 40 MiB splits into 4 chunks of 10 MiB (16 MiB partitions would give 3; a multiple
+        // of K), each its own group; small tensors around it fuse with each other.
+        let mut p = ModelPlanner::new(&f);
+        let g = p.round(&[1 << 20, 40 << 20, 1 << 20, 2 << 20]);
         assert_eq!(
-            g,
+            bytes(g.clone()),
             [1 << 20, 10 << 20, 10 << 20, 10 << 20, 10 << 20, 3 << 20]
         );
-        // 100 MiB: 7 chunks (ceil(100/16)), the last one takes the remainder.
-        let g = fuse(&[0], &[100 << 20], &f, 4);
-        assert_eq!(g.len(), 7);
-        assert_eq!(g.iter().sum::<usize>(), 100 << 20);
-        let mut f1 = f.clone();
-        f1.fusion_bytes = 2 << 20;
-        assert_eq!(fuse(&[0, 2, 3], &sizes, &f1, 4), [2 << 20, 2 << 20]);
-        let sizes = [40 << 20, 1 << 20];
+        // Every channel carries a chunk of the large tensor.
+        let mut chans: Vec<usize> = g[1..5].iter().map(|g| g.channel).collect();
+        chans.sort();
+        assert_eq!(chans, [0, 1, 2, 3]);
+        // 100 MiB: ceil(100/16) = 7 chunks, rounded up to 8.
+        let g = ModelPlanner::new(&f).round(&[100 << 20]);
+        assert_eq!(g.len(), 8);
+        assert_eq!(g.iter().map(Group::bytes).sum::<u64>(), 100 << 20);
         let h = Schedule::horovod();
-        assert_eq!(fuse(&[0, 1], &sizes, &h, 1), [(41 << 20)]);
         assert_eq!(
-            fuse(&[0, 0, 0, 0], &[40 << 20], &h, 1),
-            [(120 << 20), (40 << 20)]
+            bytes(ModelPlanner::new(&h).round(&[40 << 20, 1 << 20])),
+            [41 << 20]
         );
+        assert_eq!(
+            bytes(ModelPlanner::new(&h).round(&[40 << 20; 4])),
+            [120 << 20, 40 << 20]
+        );
+    }
+
+    /// The model and the engine form the same groups on the same channels for the same
+    /// arrival sequence: the engine's rounds (as it logged them) replayed through the model's
+    /// planner give the engine's groups, parts and channels, load carried across rounds.
+    #[test]
+    fn model_and_engine_plan_the_same_groups_and_channels() {
+        use fh_scheduler::{AllreduceOptions, Engine, Tensor};
+        use fh_transport::local::LocalWorld;
+        use std::collections::HashMap;
+        use std::time::Duration;
+
+        let mut sched = Schedule::fasthorovod(4);
+        sched.fusion_bytes = 16 << 10;
+        sched.partition_bytes = 4 << 10;
+        // Batches of f32 gradients (element counts); each batch is submitted at once and
+        // waited for before the next.
+        let batches: Vec<Vec<usize>> = vec![
+            vec![10, 3000, 7, 500, 500],
+            vec![1],
+            vec![2500, 2500, 9, 4000, 1, 1, 1],
+            vec![64; 12],
+            vec![5000, 3, 1000],
+        ];
+        let cfg = sched.config().record_groups(true);
+        let threads: Vec<_> = LocalWorld::with_timeout(2, Duration::from_secs(30))
+            .into_iter()
+            .map(|t| {
+                let (cfg, batches) = (cfg.clone(), batches.clone());
+                std::thread::spawn(move || {
+                    let e = Engine::start(Box::new(t), cfg).unwrap();
+                    for (b, batch) in batches.iter().enumerate() {
+                        let hs: Vec<_> = batch
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &n)| {
+                                e.allreduce(
+                                    &format!("b{b}.t{i}"),
+                                    Tensor::from_slice(&vec![1.0f32; n]),
+                                    AllreduceOptions::default(),
+                                )
+                                .unwrap()
+                            })
+                            .collect();
+                        for mut h in hs {
+                            h.wait_timeout(Duration::from_secs(30)).unwrap();
+                        }
+                    }
+                    let log = e.group_log();
+                    e.shutdown().unwrap();
+                    log
+                })
+            })
+            .collect();
+        let logs: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_eq!(logs[0], logs[1]);
+        let log = &logs[0];
+        let size: HashMap<String, u64> = batches
+            .iter()
+            .enumerate()
+            .flat_map(|(b, batch)| {
+                batch
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, &n)| (format!("b{b}.t{i}"), n as u64 * 4))
+            })
+            .collect();
+        // The engine's rounds: tensors in planner-input order (first appearance), by round.
+        let mut rounds: Vec<(u64, Vec<String>)> = Vec::new();
+        for g in log {
+            if rounds.last().map(|r| r.0) != Some(g.round) {
+                rounds.push((g.round, Vec::new()));
+            }
+            let names = &mut rounds.last_mut().unwrap().1;
+            for (name, _, _) in &g.parts {
+                if !names.contains(name) {
+                    names.push(name.clone());
+                }
+            }
+        }
+        let mut model = ModelPlanner::new(&sched);
+        let mut planned = Vec::new();
+        for (round, names) in &rounds {
+            let sizes: Vec<u64> = names.iter().map(|n| size[n]).collect();
+            for g in model.round(&sizes) {
+                planned.push(fh_scheduler::GroupRecord {
+                    round: *round,
+                    channel: g.channel,
+                    parts: g
+                        .parts
+                        .iter()
+                        .map(|p| (names[p.item].clone(), p.offset, p.len))
+                        .collect(),
+                });
+            }
+        }
+        assert_eq!(&planned, log);
+        // The sequence exercised chunking and several channels.
+        assert!(log.iter().any(|g| g.parts[0].1 > 0));
+        assert!(log.iter().any(|g| g.channel == 3));
     }
 
     #[test]

@@ -72,6 +72,7 @@ pub fn default_sizes(quick: bool) -> Vec<usize> {
 /// listed in `skipped`).
 pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     let started = Instant::now();
+    let ticks0 = crate::record::cpu_ticks();
     std::fs::create_dir_all(&opts.out)
         .map_err(|e| format!("creating {}: {e}", opts.out.display()))?;
     let all_workloads =
@@ -98,6 +99,8 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             hostname: hostname(),
             cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
             os: format!("{}/{}", std::env::consts::OS, std::env::consts::ARCH),
+            steal_percent: None,
+            load_average: None,
         },
         config: RunConfig {
             quick: opts.quick,
@@ -199,7 +202,14 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 }),
             }
         }
-        total += (workloads.len() * (ScheduleSpec::all().len() + peers.len())) as u64;
+        let replay_transports = opts
+            .transports
+            .iter()
+            .filter(|t| *t == "tcp" || *t == "shm")
+            .count()
+            .max(1);
+        total += (workloads.len() * (replay_transports * ScheduleSpec::all().len() + peers.len()))
+            as u64;
     }
     if wants("negotiation") {
         total += (neg_nps.len() * 2 * opts.tensor_counts.len()) as u64;
@@ -307,21 +317,72 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             reason: "no usable transport (see --transports)".into(),
         });
     }
-    if let (true, Some((tname, runner))) = (wants("replay"), &engine_runner) {
+    // The replay runs over TCP and shared memory (what `FH_TRANSPORT=auto` picks on one host)
+    // when both are among the transports, else over the first.
+    let mut replay_runners: Vec<(String, Runner)> = runners
+        .iter()
+        .filter(|(t, _)| t == "tcp" || t == "shm")
+        .cloned()
+        .collect();
+    if replay_runners.is_empty() {
+        replay_runners.extend(engine_runner.clone());
+    }
+    if let (true, false) = (wants("replay"), replay_runners.is_empty()) {
         let backward = Duration::from_secs_f64(opts.backward_ms / 1e3);
         for w in &workloads {
+            // Interleaved: one timed step of every (transport, schedule) in turn, round-robin
+            // over the steps (each after its own warm-up step), so that a slow spell of a
+            // shared machine hits every configuration rather than one.
+            let configs: Vec<(&str, &Runner, ScheduleSpec)> = replay_runners
+                .iter()
+                .flat_map(|(t, r)| {
+                    ScheduleSpec::all()
+                        .into_iter()
+                        .map(move |s| (t.as_str(), r, s))
+                })
+                .collect();
+            let mut outs: Vec<Option<Vec<RankOutput>>> = vec![Some(Vec::new()); configs.len()];
+            for rep in 0..opts.steps.max(1) {
+                for (i, (tname, runner, s)) in configs.iter().enumerate() {
+                    if outs[i].is_none() {
+                        continue; // failed before
+                    }
+                    bar.set_message(format!(
+                        "replay: {} {} over {tname} (step {}/{})",
+                        w.model,
+                        s.label(),
+                        rep + 1,
+                        opts.steps
+                    ));
+                    let job = Job::Replay(ReplayJob::new(w, backward, s.clone(), 1, 1));
+                    let name = format!(
+                        "replay-{}-{tname}-{}-{rep}",
+                        w.model,
+                        s.label().replace([' ', '=', '+'], "")
+                    );
+                    match runner.run(&name, &job) {
+                        Ok(got) => {
+                            if let Some(acc) = outs[i].as_mut() {
+                                merge_replay(acc, got);
+                            }
+                        }
+                        Err(e) => {
+                            outs[i] = None;
+                            record.skipped.push(Skipped {
+                                suite: "replay".into(),
+                                what: format!("{} {} over {tname}", w.model, s.label()),
+                                reason: format!("failed: {e}"),
+                            });
+                        }
+                    }
+                }
+            }
             let mut rows: Vec<ReplayRow> = Vec::new();
-            for s in ScheduleSpec::all() {
-                bar.set_message(format!("replay: {} {} over {tname}", w.model, s.label()));
-                let job = Job::Replay(ReplayJob::new(w, backward, s.clone(), 1, opts.steps));
-                let name = format!("replay-{}-{}", w.model, s.label().replace([' ', '='], ""));
-                match runner.run(&name, &job) {
-                    Ok(outs) => rows.push(replay_row(w, &s, opts.np, opts.backward_ms, &outs)),
-                    Err(e) => record.skipped.push(Skipped {
-                        suite: "replay".into(),
-                        what: format!("{} {}", w.model, s.label()),
-                        reason: format!("failed: {e}"),
-                    }),
+            for ((tname, _, s), outs) in configs.iter().zip(outs) {
+                if let Some(outs) = outs {
+                    let mut row = replay_row(w, s, opts.np, opts.backward_ms, &outs);
+                    row.transport = tname.to_string();
+                    rows.push(row);
                 }
                 bar.inc(1);
             }
@@ -367,15 +428,27 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 }
                 bar.inc(1);
             }
-            let base = rows
+            // Ratios against the `horovod` preset over the same transport (peers, which pick
+            // their own, against the first transport's).
+            let first = rows
+                .first()
+                .map(|r| r.transport.clone())
+                .unwrap_or_default();
+            let bases: Vec<(String, f64, f64)> = rows
                 .iter()
-                .find(|r| r.schedule == "horovod")
-                .map(|r| (r.step.median, r.exposed.median));
-            if let Some((step, exposed)) = base {
-                for r in &mut rows {
+                .filter(|r| r.schedule == "horovod")
+                .map(|r| (r.transport.clone(), r.step.median, r.exposed.median))
+                .collect();
+            for r in &mut rows {
+                let t = if r.transport.is_empty() {
+                    &first
+                } else {
+                    &r.transport
+                };
+                if let Some((_, step, exposed)) = bases.iter().find(|b| &b.0 == t) {
                     r.step_ratio_to_horovod = Some(r.step.median / step);
                     r.exposed_ratio_to_horovod =
-                        (exposed > 0.0).then(|| r.exposed.median / exposed);
+                        (*exposed > 0.0).then(|| r.exposed.median / exposed);
                 }
             }
             record.replay.extend(rows);
@@ -435,6 +508,8 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     }
     bar.finish_and_clear();
     record.wall = Quantity::exact(started.elapsed().as_secs_f64(), "s");
+    record.host.steal_percent = crate::record::steal_between(ticks0, crate::record::cpu_ticks());
+    record.host.load_average = crate::record::load_average();
     Ok(record)
 }
 
@@ -498,11 +573,42 @@ pub fn replay_row(
     let per_rank: Vec<&Vec<f64>> = outs
         .iter()
         .filter_map(|o| match o {
-            RankOutput::Replay(v) => Some(v),
+            RankOutput::Replay(v) => Some(&v.step_seconds),
             _ => None,
         })
         .collect();
-    replay_row_labelled(w, &s.label(), np, backward_ms, &per_rank)
+    let mut row = replay_row_labelled(w, &s.label(), np, backward_ms, &per_rank);
+    if let Some(RankOutput::Replay(r0)) = outs.first() {
+        let total: u64 = r0.channel_bytes.iter().sum();
+        if total > 0 {
+            row.channel_share = r0
+                .channel_bytes
+                .iter()
+                .map(|&b| b as f64 / total as f64)
+                .collect();
+        }
+    }
+    row
+}
+
+/// Append one interleaved run's per-rank replay outputs to those gathered so far (rank by
+/// rank: step times concatenated, channel bytes added).
+fn merge_replay(acc: &mut Vec<RankOutput>, got: Vec<RankOutput>) {
+    if acc.is_empty() {
+        *acc = got;
+        return;
+    }
+    for (a, g) in acc.iter_mut().zip(got) {
+        if let (RankOutput::Replay(a), RankOutput::Replay(g)) = (a, g) {
+            a.step_seconds.extend(g.step_seconds);
+            if a.channel_bytes.len() < g.channel_bytes.len() {
+                a.channel_bytes.resize(g.channel_bytes.len(), 0);
+            }
+            for (x, y) in a.channel_bytes.iter_mut().zip(g.channel_bytes) {
+                *x += y;
+            }
+        }
+    }
 }
 
 /// A replay row from per-rank step times (seconds; the slowest rank per step counts), labelled
@@ -538,6 +644,8 @@ pub fn replay_row_labelled(
         throughput: Quantity::from_samples(&thr, "1/s"),
         step_ratio_to_horovod: None,
         exposed_ratio_to_horovod: None,
+        channel_share: Vec::new(),
+        transport: String::new(),
     }
 }
 

@@ -131,18 +131,26 @@ fn quick_suite_end_to_end_on_two_ranks() {
             "{what}: measured {measured}, skipped {skipped_peer}: {run:#}"
         );
     }
+    // Over TCP and over shared memory (what FH_TRANSPORT=auto picks on one host).
     let schedules: Vec<&str> = replay
         .iter()
+        .filter(|r| r["transport"] == "tcp")
         .map(|r| r["schedule"].as_str().unwrap())
-        .filter(|s| !["ddp-gloo", "horovod-torch"].contains(s))
         .collect();
+    let over_shm = replay.iter().filter(|r| r["transport"] == "shm").count();
+    assert!(
+        over_shm == 6 || skipped.iter().any(|s| s["suite"] == "collectives"),
+        "{run:#}"
+    );
     assert_eq!(
         schedules,
         [
             "horovod",
             "fasthorovod K=1",
             "fasthorovod K=2",
-            "fasthorovod K=4"
+            "fasthorovod K=4",
+            "fasthorovod K=1 +bp",
+            "fasthorovod K=4 +bp"
         ],
         "{run:#}"
     );
@@ -154,6 +162,17 @@ fn quick_suite_end_to_end_on_two_ranks() {
             "a step lasts at least the backward"
         );
         assert!(r["step_ratio_to_horovod"].as_f64().unwrap() > 0.0);
+        // Each channel's share of the bytes, from the engine's per-channel counters.
+        if let Some(k) = r["schedule"]
+            .as_str()
+            .and_then(|s| s.strip_prefix("fasthorovod K="))
+            .and_then(|s| s[..1].parse::<usize>().ok())
+        {
+            let share = r["channel_share"].as_array().unwrap();
+            assert_eq!(share.len(), k, "{r:#}");
+            let total: f64 = share.iter().map(|v| v.as_f64().unwrap()).sum();
+            assert!((total - 1.0).abs() < 1e-6, "{r:#}");
+        }
     }
     // Negotiation: both modes, with rounds and bytes from the engine's counters.
     let neg = run["negotiation"].as_array().unwrap();

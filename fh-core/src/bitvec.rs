@@ -25,17 +25,21 @@ pub enum Status {
     Joined = 4,
     /// The rank has any operation pending at all.
     Pending = 5,
+    /// The rank met a local inconsistency (a negotiated tensor it cannot run): every rank
+    /// stops with the error it names.
+    Fault = 6,
 }
 
 impl Status {
     /// Every status flag.
-    pub const ALL: [Status; 6] = [
+    pub const ALL: [Status; 7] = [
         Status::Shutdown,
         Status::Uncached,
         Status::Invalidated,
         Status::Stalled,
         Status::Joined,
         Status::Pending,
+        Status::Fault,
     ];
 }
 
@@ -221,7 +225,7 @@ mod tests {
         fn and_means_all_for_slots_and_any_for_flags(
             slots in 1usize..300,
             ranks in proptest::collection::vec(
-                (proptest::collection::vec(any::<bool>(), 300), proptest::collection::vec(any::<bool>(), 6)),
+                (proptest::collection::vec(any::<bool>(), 300), proptest::collection::vec(any::<bool>(), Status::ALL.len())),
                 1..5),
         ) {
             let vecs: Vec<NegotiationVec> = ranks.iter().map(|(pend, flags)| {

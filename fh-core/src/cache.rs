@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use crate::message::{Response, Signature};
+use crate::message::{GroupTag, Response, Signature};
 
 /// The outcome of looking up a name before a negotiation round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,12 +60,16 @@ impl ResponseCache {
         self.by_name.is_empty()
     }
 
-    /// Classify a pending request.
-    pub fn lookup(&self, name: &str, sig: &Signature) -> Lookup {
+    /// Classify a pending request by its name, signature and group membership: a hit needs
+    /// all three to match the cached response (a cached member of a grouped submission must
+    /// not stand for a plain submission of the name, nor for a group of another size).
+    pub fn lookup(&self, name: &str, sig: &Signature, group: Option<&GroupTag>) -> Lookup {
         match self.by_name.get(name) {
             None => Lookup::Miss,
             Some(&slot) => match &self.slots[slot] {
-                Some(e) if e.response.sig.same_as(sig) => Lookup::Hit(slot),
+                Some(e) if e.response.sig.same_as(sig) && e.response.group.as_ref() == group => {
+                    Lookup::Hit(slot)
+                }
                 _ => Lookup::Changed(slot),
             },
         }
@@ -189,9 +193,11 @@ mod tests {
                         prop_assert_eq!(sa.clone(), b.insert(&r));
                         if let Some((slot, _)) = sa {
                             prop_assert!(slot < cap);
-                            prop_assert_eq!(a.lookup(&r.name, &r.sig), Lookup::Hit(slot));
+                            prop_assert_eq!(a.lookup(&r.name, &r.sig, None), Lookup::Hit(slot));
                             let other = resp(&r.name, l as u64 + 7);
-                            prop_assert_eq!(a.lookup(&r.name, &other.sig), Lookup::Changed(slot));
+                            prop_assert_eq!(a.lookup(&r.name, &other.sig, None), Lookup::Changed(slot));
+                            let tag = GroupTag { name: "g".into(), index: 0, size: 2 };
+                            prop_assert_eq!(a.lookup(&r.name, &r.sig, Some(&tag)), Lookup::Changed(slot));
                         } else {
                             prop_assert_eq!(cap, 0);
                         }
@@ -218,6 +224,26 @@ mod tests {
         let (s2, evicted) = c.insert(&resp("c", 1)).unwrap();
         assert_eq!(s2, s1);
         assert_eq!(evicted.as_deref(), Some("b"));
-        assert_eq!(c.lookup("b", &resp("b", 1).sig), Lookup::Miss);
+        assert_eq!(c.lookup("b", &resp("b", 1).sig, None), Lookup::Miss);
+    }
+
+    #[test]
+    fn group_membership_is_part_of_the_key() {
+        let mut c = ResponseCache::new(4);
+        let tag = |size| GroupTag {
+            name: "g".into(),
+            index: 0,
+            size,
+        };
+        let mut r = resp("g[0]", 1);
+        r.group = Some(tag(3));
+        let (slot, _) = c.insert(&r).unwrap();
+        assert_eq!(c.lookup("g[0]", &r.sig, Some(&tag(3))), Lookup::Hit(slot));
+        // Fewer members under the same names, or the name on its own: not the cached response.
+        assert_eq!(
+            c.lookup("g[0]", &r.sig, Some(&tag(2))),
+            Lookup::Changed(slot)
+        );
+        assert_eq!(c.lookup("g[0]", &r.sig, None), Lookup::Changed(slot));
     }
 }

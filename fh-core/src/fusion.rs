@@ -114,12 +114,88 @@ impl Group {
     }
 }
 
+/// The bytes each channel has been given so far, carried from round to round so that
+/// channel assignment balances over a whole step rather than restarting at channel 0 in every
+/// round. It changes only through [`plan_round`], i.e. only as a function of the agreed rounds,
+/// so every rank holds the same value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChannelLoad {
+    bytes: Vec<u64>,
+}
+
+impl ChannelLoad {
+    /// No load on `channels` channels (at least one).
+    pub fn new(channels: usize) -> Self {
+        ChannelLoad {
+            bytes: vec![0; channels.max(1)],
+        }
+    }
+
+    /// Bytes assigned to each channel, relative to the least loaded one.
+    pub fn bytes(&self) -> &[u64] {
+        &self.bytes
+    }
+
+    /// The least-loaded channel (lowest index on ties).
+    fn pick(&self) -> usize {
+        self.bytes
+            .iter()
+            .enumerate()
+            .min_by_key(|(i, l)| (**l, *i))
+            .map_or(0, |(i, _)| i)
+    }
+
+    fn add(&mut self, channel: usize, bytes: u64) {
+        if let Some(l) = self.bytes.get_mut(channel) {
+            *l = l.saturating_add(bytes);
+        }
+        // Keep only the differences, so the counters never grow without bound.
+        let min = self.bytes.iter().copied().min().unwrap_or(0);
+        self.bytes.iter_mut().for_each(|l| *l -= min);
+    }
+}
+
+/// The pacing policy (back-pressure), shared by the engine and the scale model: it decides
+/// only *when* a rank enters its next negotiation round, never what a round decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pacing {
+    /// Defer while the channels hold at least this many bytes of unfinished work (0: never).
+    pub backpressure_bytes: u64,
+    /// Never defer a round longer than this.
+    pub max_defer: std::time::Duration,
+}
+
+impl Pacing {
+    /// No back-pressure.
+    pub const OFF: Pacing = Pacing {
+        backpressure_bytes: 0,
+        max_defer: std::time::Duration::ZERO,
+    };
+
+    /// Whether a rank whose channels hold `queued` bytes of unfinished work, and which has
+    /// deferred its next round for `deferred` so far, keeps deferring it.
+    pub fn defer(&self, queued: u64, deferred: std::time::Duration) -> bool {
+        self.backpressure_bytes > 0
+            && queued >= self.backpressure_bytes
+            && deferred < self.max_defer
+    }
+}
+
+/// Plan a round on fresh channels (no load carried over); see [`plan_round`].
+pub fn plan(items: &[PlanItem], opts: &PlanOptions) -> Vec<Group> {
+    plan_round(items, opts, &mut ChannelLoad::new(opts.channels))
+}
+
 /// Plan a round. Every byte of every item lands in exactly one part; groups only combine
 /// allreduce items with equal [`FusionKey`]s; a group of several parts stays within the fusion
 /// threshold; groups are listed in execution order, and each channel runs its groups in that
-/// order.
-pub fn plan(items: &[PlanItem], opts: &PlanOptions) -> Vec<Group> {
+/// order. In fast mode each group goes to the channel with the least bytes so far, counting
+/// the rounds before (`load`, updated); `load` must have `opts.channels` channels.
+pub fn plan_round(items: &[PlanItem], opts: &PlanOptions, load: &mut ChannelLoad) -> Vec<Group> {
     let channels = opts.channels.max(1);
+    if load.bytes.len() != channels {
+        *load = ChannelLoad::new(channels);
+    }
     let mut order: Vec<usize> = (0..items.len()).collect();
     if opts.by_priority {
         order.sort_by_key(|&i| items[i].priority);
@@ -132,19 +208,27 @@ pub fn plan(items: &[PlanItem], opts: &PlanOptions) -> Vec<Group> {
         PlanMode::Horovod => groups.iter_mut().for_each(|g| g.channel = 0),
         PlanMode::Fast => {
             // Least-loaded channel first (lowest index on ties): balances bytes, deterministic.
-            let mut load = vec![0u64; channels];
             for g in &mut groups {
-                let (c, _) = load
-                    .iter()
-                    .enumerate()
-                    .min_by_key(|(i, l)| (**l, *i))
-                    .unwrap_or((0, &0));
+                let c = load.pick();
                 g.channel = c;
-                load[c] += g.bytes().max(1);
+                load.add(c, g.bytes().max(1));
             }
         }
     }
     groups
+}
+
+/// How many chunks a fusable item of `bytes` is split into: none (1) up to the partition
+/// size; above it, enough chunks of at most the partition size, rounded up to a multiple of
+/// the channel count so that every channel gets an equal share; never more than its elements.
+pub fn chunk_count(bytes: u64, elem: u64, partition: u64, channels: usize) -> u64 {
+    let partition = partition.max(1);
+    if bytes <= partition {
+        return 1;
+    }
+    let k = channels.max(1) as u64;
+    let n = bytes.div_ceil(partition).div_ceil(k).saturating_mul(k);
+    n.min(bytes / elem.max(1)).max(1)
 }
 
 fn whole(i: usize, it: &PlanItem) -> Part {
@@ -242,11 +326,15 @@ fn plan_fast(
         if it.fusable() && it.bytes > partition {
             // Later tensors of this key must not join a group placed before these chunks.
             open.retain(|(k, _, _)| *k != it.key);
+            // Equal chunks (element-aligned; the first ones one element longer when it does
+            // not divide), a multiple of the channel count.
             let elem = it.elem.max(1);
-            let chunk = (partition / elem).max(1) * elem;
+            let elems = it.bytes / elem;
+            let n = chunk_count(it.bytes, elem, partition, channels);
+            let (base, extra) = (elems / n, elems % n);
             let mut off = 0;
-            while off < it.bytes {
-                let len = chunk.min(it.bytes - off);
+            for c in 0..n {
+                let len = (base + u64::from(c < extra)) * elem;
                 groups.push(Group {
                     channel: 0,
                     parts: vec![Part {
@@ -396,6 +484,91 @@ mod tests {
                 }
             }}
         }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        /// Load carried across rounds: deterministic, and the channels never drift apart by
+        /// more than the largest group (greedy least-loaded assignment).
+        #[test]
+        fn carried_load_balances_across_rounds(
+            rounds in proptest::collection::vec(proptest::collection::vec(arb_item(), 0..12), 1..12),
+            channels in 1usize..6,
+            partition in 1u64..1000,
+        ) {
+            let opts = PlanOptions {
+                mode: PlanMode::Fast,
+                fusion_threshold: 1 << 20,
+                partition_bytes: partition,
+                channels,
+                by_priority: false,
+            };
+            let mut a = ChannelLoad::new(channels);
+            let mut b = ChannelLoad::new(channels);
+            let mut largest = 0u64;
+            let mut total = vec![0u64; channels];
+            for items in &rounds {
+                let ga = plan_round(items, &opts, &mut a);
+                prop_assert_eq!(&ga, &plan_round(items, &opts, &mut b));
+                for g in &ga {
+                    largest = largest.max(g.bytes().max(1));
+                    total[g.channel] += g.bytes().max(1);
+                }
+                prop_assert!(a.bytes().iter().all(|&l| l <= largest), "{:?} > {}", a.bytes(), largest);
+            }
+            let spread = total.iter().max().unwrap() - total.iter().min().unwrap();
+            prop_assert!(spread <= largest, "{:?}", total);
+        }
+
+        /// A large tensor is cut into a multiple of the channel count of equal chunks.
+        #[test]
+        fn large_tensors_are_shared_by_every_channel(
+            elems in 1u64..5000, partition in 1u64..2000, channels in 1usize..6,
+        ) {
+            let n = chunk_count(elems * 4, 4, partition, channels);
+            prop_assert!(n >= 1 && n <= elems);
+            if elems * 4 > partition && elems >= channels as u64 * (elems * 4).div_ceil(partition) {
+                prop_assert_eq!(n % channels as u64, 0);
+            }
+        }
+    }
+
+    #[test]
+    fn pacing_defers_only_while_busy_and_within_the_bound() {
+        use std::time::Duration;
+        let p = Pacing {
+            backpressure_bytes: 100,
+            max_defer: Duration::from_millis(2),
+        };
+        assert!(p.defer(100, Duration::ZERO));
+        assert!(!p.defer(99, Duration::ZERO));
+        assert!(!p.defer(1 << 40, Duration::from_millis(2)));
+        assert!(!Pacing::OFF.defer(u64::MAX, Duration::ZERO));
+    }
+
+    #[test]
+    fn a_round_does_not_always_start_on_channel_0() {
+        let f = key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce);
+        let one = [PlanItem {
+            key: f,
+            bytes: 400,
+            elem: 4,
+            priority: 0,
+            group: None,
+        }];
+        let opts = PlanOptions {
+            mode: PlanMode::Fast,
+            fusion_threshold: 1 << 20,
+            partition_bytes: 1 << 20,
+            channels: 4,
+            by_priority: false,
+        };
+        let mut load = ChannelLoad::new(4);
+        let chans: Vec<usize> = (0..8)
+            .map(|_| plan_round(&one, &opts, &mut load)[0].channel)
+            .collect();
+        assert_eq!(chans, [0, 1, 2, 3, 0, 1, 2, 3]);
     }
 
     #[test]

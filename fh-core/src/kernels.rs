@@ -375,9 +375,88 @@ pub fn divide(dtype: DType, buf: &mut [u8], n: usize) -> Result<(), CoreError> {
     Ok(())
 }
 
+/// The `Average` finalisation followed by a postscale: [`divide`] by `n`, then [`scale`] by
+/// `factor`, with the same result element for element, in one pass over the buffer for `f32`
+/// and `f64` (two passes for the other types).
+pub fn divide_and_scale(
+    dtype: DType,
+    buf: &mut [u8],
+    n: usize,
+    factor: f64,
+) -> Result<(), CoreError> {
+    fn one_pass<T: bytemuck::Pod>(buf: &mut [u8], f: impl Fn(T) -> T) {
+        match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
+            Ok(s) => s.iter_mut().for_each(|v| *v = f(*v)),
+            Err(_) => {
+                for chunk in buf.chunks_exact_mut(std::mem::size_of::<T>()) {
+                    let v: T = bytemuck::pod_read_unaligned(chunk);
+                    chunk.copy_from_slice(bytemuck::bytes_of(&f(v)));
+                }
+            }
+        }
+    }
+    dtype.elements_in(buf.len())?;
+    if n == 0 {
+        return Err(CoreError::InvalidArgument(
+            "cannot average over zero contributors".into(),
+        ));
+    }
+    match dtype {
+        DType::F32 if n > 1 || factor != 1.0 => {
+            let (d, f) = (n as f32, factor as f32);
+            if factor == 1.0 {
+                one_pass::<f32>(buf, |v| v / d);
+            } else {
+                one_pass::<f32>(buf, |v| v / d * f);
+            }
+            Ok(())
+        }
+        DType::F64 if n > 1 || factor != 1.0 => {
+            let d = n as f64;
+            if factor == 1.0 {
+                one_pass::<f64>(buf, |v| v / d);
+            } else {
+                one_pass::<f64>(buf, |v| v / d * factor);
+            }
+            Ok(())
+        }
+        _ => {
+            divide(dtype, buf, n)?;
+            scale(dtype, buf, factor)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn divide_and_scale_equals_divide_then_scale() {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::I32] {
+            for (n, factor) in [(1, 1.0), (3, 1.0), (3, 0.7), (1, 2.5), (7, 1.0 / 3.0)] {
+                let vals: Vec<f64> = (0..37).map(|i| i as f64 * 1.37 - 20.0).collect();
+                let mut a: Vec<u8> = match dtype {
+                    DType::F32 => {
+                        bytemuck::cast_slice(&vals.iter().map(|&v| v as f32).collect::<Vec<_>>())
+                            .to_vec()
+                    }
+                    DType::F64 => bytemuck::cast_slice(&vals).to_vec(),
+                    DType::F16 => bytemuck::cast_slice(
+                        &vals.iter().map(|&v| f16::from_f64(v)).collect::<Vec<_>>(),
+                    )
+                    .to_vec(),
+                    _ => bytemuck::cast_slice(&vals.iter().map(|&v| v as i32).collect::<Vec<_>>())
+                        .to_vec(),
+                };
+                let mut b = a.clone();
+                divide_and_scale(dtype, &mut a, n, factor).unwrap();
+                divide(dtype, &mut b, n).unwrap();
+                scale(dtype, &mut b, factor).unwrap();
+                assert_eq!(a, b, "{dtype} n={n} factor={factor}");
+            }
+        }
+    }
 
     #[test]
     fn f32_sum_and_average() {

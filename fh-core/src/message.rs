@@ -199,10 +199,12 @@ pub enum MismatchField {
     Prescale = 6,
     /// The postscale factor.
     Postscale = 7,
+    /// Membership of a grouped submission (group name, member index, member count).
+    Group = 8,
 }
 
 impl MismatchField {
-    const ALL: [MismatchField; 8] = [
+    const ALL: [MismatchField; 9] = [
         MismatchField::Kind,
         MismatchField::DType,
         MismatchField::Shape,
@@ -211,6 +213,7 @@ impl MismatchField {
         MismatchField::Device,
         MismatchField::Prescale,
         MismatchField::Postscale,
+        MismatchField::Group,
     ];
 
     /// The words used in error messages (`"tensor shapes"`, `"data types"`, ...).
@@ -224,6 +227,7 @@ impl MismatchField {
             MismatchField::Device => "devices",
             MismatchField::Prescale => "prescale factors",
             MismatchField::Postscale => "postscale factors",
+            MismatchField::Group => "group memberships",
         }
     }
 
@@ -382,6 +386,27 @@ pub fn compare(a: &Signature, b: &Signature) -> Option<NegotiationError> {
     None
 }
 
+fn render_group(g: Option<&GroupTag>) -> String {
+    match g {
+        Some(g) => format!("member {} of {} in group '{}'", g.index, g.size, g.name),
+        None => "no group".into(),
+    }
+}
+
+/// Compare two ranks' requests for one name: their signatures, then their group membership.
+fn compare_requests(a: &Request, b: &Request) -> Option<NegotiationError> {
+    compare(&a.sig, &b.sig).or_else(|| {
+        (a.group != b.group).then(|| {
+            mismatch(
+                a.sig.kind,
+                MismatchField::Group,
+                render_group(a.group.as_ref()),
+                render_group(b.group.as_ref()),
+            )
+        })
+    })
+}
+
 /// Turn the requests of every rank for one name into a response: the first disagreement
 /// (against the lowest rank's request) becomes an error response. `requests` must not be
 /// empty; ranks are compared in ascending rank order so every coordinator decides the same.
@@ -392,7 +417,7 @@ pub fn validate(requests: &[Request]) -> Option<Response> {
     let error = sorted
         .iter()
         .skip(1)
-        .find_map(|r| compare(&first.sig, &r.sig));
+        .find_map(|r| compare_requests(first, r));
     Some(Response {
         name: first.name.clone(),
         sig: first.sig.clone(),
@@ -447,6 +472,37 @@ mod tests {
         assert!(compare(&a, &b).is_none());
         b.shape = vec![5, 5];
         assert!(compare(&a, &b).is_some());
+    }
+
+    #[test]
+    fn group_membership_must_agree() {
+        let mut a = req(0, sig(&[2]));
+        a.group = Some(GroupTag {
+            name: "g".into(),
+            index: 0,
+            size: 3,
+        });
+        let mut b = req(1, sig(&[2]));
+        b.group = Some(GroupTag {
+            name: "g".into(),
+            index: 0,
+            size: 2,
+        });
+        let e = validate(&[a.clone(), b]).unwrap().error.unwrap();
+        assert_eq!(
+            e.to_string(),
+            "Mismatched allreduce group memberships: one rank sent member 0 of 3 in group 'g', \
+             another sent member 0 of 2 in group 'g'"
+        );
+        let e = validate(&[a.clone(), req(1, sig(&[2]))])
+            .unwrap()
+            .error
+            .unwrap();
+        assert!(e.to_string().ends_with("another sent no group"), "{e}");
+        assert!(validate(&[a.clone(), Request { rank: 1, ..a }])
+            .unwrap()
+            .error
+            .is_none());
     }
 
     #[test]

@@ -418,7 +418,7 @@ mod tests {
     fn arb_error() -> impl Strategy<Value = Option<NegotiationError>> {
         prop_oneof![
             Just(None),
-            (0u8..7, 0u8..8, ".{0,8}", ".{0,8}").prop_map(|(k, f, a, b)| Some(
+            (0u8..7, 0u8..9, ".{0,8}", ".{0,8}").prop_map(|(k, f, a, b)| Some(
                 NegotiationError::Mismatch {
                     kind: CollectiveKind::from_code(k).unwrap(),
                     field: MismatchField::from_code(f).unwrap(),

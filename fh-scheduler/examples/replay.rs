@@ -372,7 +372,9 @@ fn negotiation_mechanics(ranks: usize) {
                             let ready = if mode == "bit-vector" {
                                 let mut v = NegotiationVec::new(cache.capacity());
                                 for r in &reqs {
-                                    if let Lookup::Hit(s) = cache.lookup(&r.name, &r.sig) {
+                                    if let Lookup::Hit(s) =
+                                        cache.lookup(&r.name, &r.sig, r.group.as_ref())
+                                    {
                                         v.set_slot(s, true);
                                     }
                                 }

@@ -110,7 +110,18 @@ pub struct Config {
     /// Keep a log of every fused group dispatched (see `Engine::group_log`); a diagnostic for
     /// tests and tools, off by default.
     pub record_groups: bool,
+    /// Back-pressure (`FH_BACKPRESSURE_BYTES`): while the channels of this rank hold at least
+    /// this many bytes of queued, unfinished work, the rank defers its next negotiation round
+    /// so that more gradients fuse into it (`0`: off). It changes only *when* a rank enters a
+    /// round, never what a round decides.
+    pub backpressure_bytes: u64,
+    /// The longest a rank defers a round under back-pressure (`FH_BACKPRESSURE_MAX_MS`).
+    pub backpressure_max: Duration,
 }
+
+/// Most response-cache slots `FH_CACHE_CAPACITY` accepts (the negotiation vector of every round
+/// carries one bit per slot: 64 Ki slots make 8 KiB per round).
+pub const MAX_CACHE_CAPACITY: usize = 1 << 16;
 
 impl Default for Config {
     fn default() -> Self {
@@ -135,6 +146,8 @@ impl Config {
             stall_shutdown: None,
             idle_heartbeat: Duration::from_secs(1),
             record_groups: false,
+            backpressure_bytes: 0,
+            backpressure_max: Duration::from_millis(2),
         };
         match p {
             Preset::FastHorovod => base,
@@ -192,7 +205,27 @@ impl Config {
             c.batching_window = parse_seconds("FH_BATCHING_WINDOW_MS", &v, 1e-3)?;
         }
         if let Some(v) = get("FH_CACHE_CAPACITY") {
-            c.cache_capacity = parse_u64("FH_CACHE_CAPACITY", &v)? as usize;
+            let n = parse_u64("FH_CACHE_CAPACITY", &v)?;
+            if n > MAX_CACHE_CAPACITY as u64 {
+                return Err(SchedulerError::config(
+                    "FH_CACHE_CAPACITY",
+                    format!("'{v}' is out of range; accepted values: 0 to {MAX_CACHE_CAPACITY}"),
+                ));
+            }
+            c.cache_capacity = n as usize;
+        }
+        if let Some(v) = get("FH_BACKPRESSURE_BYTES") {
+            c.backpressure_bytes = parse_bytes("FH_BACKPRESSURE_BYTES", &v)?;
+        }
+        if let Some(v) = get("FH_BACKPRESSURE_MAX_MS") {
+            let d = parse_seconds("FH_BACKPRESSURE_MAX_MS", &v, 1e-3)?;
+            if d > Duration::from_secs(1) {
+                return Err(SchedulerError::config(
+                    "FH_BACKPRESSURE_MAX_MS",
+                    format!("'{v}' is out of range; accepted values: 0 to 1000"),
+                ));
+            }
+            c.backpressure_max = d;
         }
         if let Some(v) = get("FH_PRIORITY") {
             c.priority = v.parse()?;
@@ -249,6 +282,21 @@ impl Config {
                 "must be at least 1",
             ));
         }
+        if self.cache_capacity > MAX_CACHE_CAPACITY {
+            return Err(SchedulerError::config(
+                "cache_capacity",
+                format!(
+                    "{} is out of range; accepted values: 0 to {MAX_CACHE_CAPACITY}",
+                    self.cache_capacity
+                ),
+            ));
+        }
+        if self.backpressure_max > Duration::from_secs(1) {
+            return Err(SchedulerError::config(
+                "backpressure_max",
+                "must be at most 1 s",
+            ));
+        }
         if self.idle_heartbeat.is_zero() {
             return Err(SchedulerError::config(
                 "idle_heartbeat",
@@ -256,6 +304,30 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// The fusion planner's settings under this configuration (what the engine plans every
+    /// round with; the scale model uses the same).
+    pub fn plan_options(&self) -> fh_core::fusion::PlanOptions {
+        use fh_core::fusion::{PlanMode, PlanOptions};
+        PlanOptions {
+            mode: match self.preset {
+                Preset::Horovod => PlanMode::Horovod,
+                Preset::FastHorovod => PlanMode::Fast,
+            },
+            fusion_threshold: self.fusion_threshold,
+            partition_bytes: self.partition_bytes,
+            channels: self.effective_channels(),
+            by_priority: self.priority == Priority::Forward,
+        }
+    }
+
+    /// The pacing policy (back-pressure) under this configuration.
+    pub fn pacing(&self) -> fh_core::fusion::Pacing {
+        fh_core::fusion::Pacing {
+            backpressure_bytes: self.backpressure_bytes,
+            max_defer: self.backpressure_max,
+        }
     }
 
     /// Number of data channels the engine opens (one under the `horovod` preset).
@@ -321,11 +393,78 @@ impl Config {
         self.record_groups = on;
         self
     }
+    /// Set back-pressure: defer a round while the channels hold at least `bytes` of queued
+    /// work, for at most `max` (`bytes == 0`: off).
+    pub fn backpressure(mut self, bytes: u64, max: Duration) -> Self {
+        self.backpressure_bytes = bytes;
+        self.backpressure_max = max;
+        self
+    }
     /// Set the idle heartbeat.
     pub fn idle_heartbeat(mut self, d: Duration) -> Self {
         self.idle_heartbeat = d;
         self
     }
+}
+
+/// The settings that shape what a negotiation round decides (or whether a rank stops), as
+/// `(variable, value)`: every rank must hold the same values.
+fn planning_fields(c: &Config) -> Vec<(&'static str, i64)> {
+    let clamp = |x: u64| x.min(i64::MAX as u64) as i64;
+    let millis = |d: Option<Duration>| d.map_or(0, |d| clamp(d.as_millis() as u64));
+    vec![
+        (
+            "FH_SCHEDULE",
+            match c.preset {
+                Preset::FastHorovod => 0,
+                Preset::Horovod => 1,
+            },
+        ),
+        ("FH_CHANNELS", c.effective_channels() as i64),
+        ("FH_CACHE_CAPACITY", clamp(c.cache_capacity as u64)),
+        ("FH_FUSION_THRESHOLD", clamp(c.fusion_threshold)),
+        ("FH_PARTITION_BYTES", clamp(c.partition_bytes)),
+        (
+            "FH_PRIORITY",
+            match c.priority {
+                Priority::Ready => 0,
+                Priority::Forward => 1,
+            },
+        ),
+        ("FH_STALL_SHUTDOWN_SECONDS", millis(c.stall_shutdown)),
+        ("FH_BACKPRESSURE_BYTES", clamp(c.backpressure_bytes)),
+        ("FH_BACKPRESSURE_MAX_MS", millis(Some(c.backpressure_max))),
+    ]
+}
+
+/// The start-up agreement: every rank checks that the others run with the same
+/// [`planning_fields`], so that a difference is a clear configuration error naming the
+/// variable on every rank instead of diverging rounds later. Collective over `comm`.
+pub(crate) fn agree(
+    comm: &mut dyn fh_transport::Communicator,
+    c: &Config,
+) -> Result<(), SchedulerError> {
+    use fh_core::{DType, ReduceOp};
+    let fields = planning_fields(c);
+    let vals: Vec<i64> = fields.iter().map(|f| f.1).collect();
+    let mut lo: Vec<u8> = bytemuck::cast_slice(&vals).to_vec();
+    let mut hi = lo.clone();
+    comm.allreduce(&mut lo, DType::I64, ReduceOp::Min)?;
+    comm.allreduce(&mut hi, DType::I64, ReduceOp::Max)?;
+    let lo: Vec<i64> = crate::tensor::read_vec(&lo);
+    let hi: Vec<i64> = crate::tensor::read_vec(&hi);
+    for (i, (var, _)) in fields.iter().enumerate() {
+        if lo[i] != hi[i] {
+            return Err(SchedulerError::config(
+                var,
+                format!(
+                    "ranks disagree (one has {}, another {}); every rank must use the same setting",
+                    lo[i], hi[i]
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn parse_u64(var: &str, v: &str) -> Result<u64, SchedulerError> {
@@ -424,6 +563,17 @@ mod tests {
         assert_eq!(c.timeline, Some(PathBuf::from("/tmp/t.json")));
         assert_eq!(c.stall_check, None);
         assert_eq!(c.stall_shutdown, Some(Duration::from_secs(5)));
+        let bp = Config::from_lookup(env(&[
+            ("FH_BACKPRESSURE_BYTES", "1MiB"),
+            ("FH_BACKPRESSURE_MAX_MS", "3"),
+        ]))
+        .unwrap();
+        assert_eq!(bp.backpressure_bytes, MIB);
+        assert_eq!(bp.backpressure_max, Duration::from_millis(3));
+        assert!(Config::default()
+            .cache_capacity(MAX_CACHE_CAPACITY + 1)
+            .validate()
+            .is_err());
         let short = Config::from_lookup(env(&[("FH_TIMEOUT_SECONDS", "2")])).unwrap();
         assert_eq!(short.idle_heartbeat, Duration::from_millis(500));
     }
@@ -439,6 +589,9 @@ mod tests {
             ("FH_PRIORITY", "backward", "ready, forward"),
             ("FH_STALL_CHECK_SECONDS", "soon", "non-negative"),
             ("FH_LOG_LEVEL", "loud", "info"),
+            ("FH_CACHE_CAPACITY", "1000000000", "0 to 65536"),
+            ("FH_BACKPRESSURE_BYTES", "lots", "byte size"),
+            ("FH_BACKPRESSURE_MAX_MS", "5000", "0 to 1000"),
         ] {
             let err = Config::from_lookup(env(&[(var, val)]))
                 .unwrap_err()

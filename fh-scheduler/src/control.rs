@@ -1,12 +1,14 @@
-//! The control thread: readiness negotiation (bit vector + coordinator), the stall
-//! inspector, join, and dispatch of fused groups to the channels.
+//! The control thread: the loop that runs negotiation rounds and dispatches fused groups to
+//! the channels. The steps a round may take live in [`crate::negotiate`].
 //!
 //! Every rank runs the same sequence of negotiation rounds on the control communicator. A
 //! round is: one bitwise-AND allreduce of the negotiation vector (status flags + cached slots
 //! pending here), then, only when a flag asks for it, the optional steps in a fixed order —
-//! joined-rank exchange, slot invalidation, coordinator step, stall report — and finally the
-//! agreed ready list is planned and dispatched. Because every decision is a function of the
-//! round's collective results, every rank takes the same steps and forms the same groups.
+//! agreed fault (stop), joined-rank exchange, slot invalidation, coordinator step (gather to
+//! rank 0, broadcast), stall report — and finally the agreed ready list is planned (channel
+//! load carried from round to round) and dispatched. Because every decision is a function of
+//! the rounds' collective results, every rank takes the same steps and forms the same groups.
+//! Back-pressure only delays when a rank enters its next round.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicUsize;
@@ -17,16 +19,18 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use fh_core::bitvec::{BitVec, NegotiationVec, Status};
 use fh_core::cache::{Lookup, ResponseCache};
-use fh_core::fusion::{plan, PlanItem, PlanMode, PlanOptions};
-use fh_core::message::{validate, CollectiveKind, GroupTag, NegotiationError, Request, Response};
+use fh_core::fusion::{plan_round, ChannelLoad, PlanItem, PlanOptions};
+use fh_core::message::{CollectiveKind, GroupTag, Request, Response};
 use fh_core::{wire, DType, ReduceOp};
-use fh_transport::{CollectivesExt, Communicator};
+use fh_transport::Communicator;
 
 use crate::engine::{Entry, Inner, Msg};
 use crate::exec::{Executor, Job, Op, OpState};
 use crate::handle::Completion;
-use crate::stats::{Counters, GroupRecord, StallReport};
-use crate::{Preset, Priority, SchedulerError, Tensor};
+use crate::negotiate::coordinator::{joins_with_zeros, Table};
+use crate::negotiate::{collect, fault, stall};
+use crate::stats::{Counters, GroupRecord};
+use crate::{Preset, SchedulerError, Tensor};
 
 /// Longest back-off between rounds while every rank waits on another.
 const MAX_BACKOFF: Duration = Duration::from_micros(500);
@@ -46,6 +50,14 @@ struct Pending {
     state: Announce,
 }
 
+/// Where a dispatched operation's tensor comes from.
+enum Source {
+    /// Submitted on this rank (its pending sequence number and entry).
+    Submitted(u64, Pending),
+    /// Zeros a joined rank contributes.
+    Zeros(Tensor),
+}
+
 enum Dispatch {
     Workers {
         queues: Vec<Sender<Job>>,
@@ -54,21 +66,33 @@ enum Dispatch {
     Inline(Box<Executor>),
 }
 
-/// Most bytes a control-plane message may announce (a sanity bound on lengths from peers).
-const MAX_CONTROL_BYTES: usize = 1 << 30;
+/// How often a rank deferring its round under back-pressure looks at its channels again.
+const BACKPRESSURE_POLL: Duration = Duration::from_micros(50);
 
-/// The sum of message lengths announced by peers, refused when absurd.
-fn checked_total(counts: &[usize]) -> Result<usize, SchedulerError> {
-    counts
+/// A zero tensor of `sig`'s dtype and shape (a joined rank's contribution), or why it cannot
+/// be made; allocation failure is an error, not an abort.
+fn try_zeros(sig: &fh_core::message::Signature) -> Result<Tensor, String> {
+    let shape: Vec<usize> = sig
+        .shape
         .iter()
-        .try_fold(0usize, |a, &c| a.checked_add(c))
-        .filter(|&t| t <= MAX_CONTROL_BYTES)
-        .ok_or_else(|| SchedulerError::Transport {
-            lost_rank: None,
-            message: format!("a peer announced control messages of {counts:?} bytes; refusing"),
-            source: None,
-        })
+        .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+        .collect();
+    let bytes = shape
+        .iter()
+        .try_fold(sig.dtype.size(), |a, &d| a.checked_mul(d))
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| format!("a zero tensor of shape {shape:?} does not fit in memory"))?;
+    let mut data = Vec::new();
+    data.try_reserve_exact(bytes)
+        .map_err(|e| format!("cannot allocate {bytes} bytes of zeros: {e}"))?;
+    data.resize(bytes, 0);
+    Tensor::new(sig.dtype, shape, data).map_err(|e| e.to_string())
 }
+
+/// Test hook: `(rank, name)` pairs for which dispatch behaves as if the tensor could not be
+/// made on that rank. Names are unique per test, so tests running in parallel do not meet.
+#[cfg(test)]
+pub(crate) static INJECTED_FAULTS: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
 
 /// An id for a tensor's timeline track (stable per submission).
 fn e_id(name: &str, submitted: Instant) -> u64 {
@@ -77,79 +101,6 @@ fn e_id(name: &str, submitted: Instant) -> u64 {
     name.hash(&mut h);
     submitted.hash(&mut h);
     h.finish() >> 11
-}
-
-/// Rank 0's table of uncached requests.
-#[derive(Default)]
-struct Table {
-    order: Vec<String>,
-    reqs: HashMap<String, Vec<Request>>,
-}
-
-impl Table {
-    fn add(&mut self, r: Request) {
-        let v = self.reqs.entry(r.name.clone()).or_default();
-        if v.is_empty() {
-            self.order.push(r.name.clone());
-        }
-        if !v.iter().any(|x| x.rank == r.rank) {
-            v.push(r);
-        }
-    }
-
-    /// Responses for every name all non-joined ranks have requested, in first-seen order.
-    fn take_ready(&mut self, joined: &[bool]) -> Vec<Response> {
-        let needed = joined.iter().filter(|j| !**j).count();
-        let joined_ranks: Vec<usize> = (0..joined.len()).filter(|&r| joined[r]).collect();
-        let mut out = Vec::new();
-        let mut keep = Vec::new();
-        for name in std::mem::take(&mut self.order) {
-            // With every rank joined nobody would run the collective: keep waiting.
-            let complete = needed > 0
-                && self.reqs.get(&name).is_some_and(|v| {
-                    v.iter()
-                        .filter(|r| !joined.get(r.rank as usize).copied().unwrap_or(false))
-                        .count()
-                        >= needed
-                });
-            if !complete {
-                keep.push(name);
-                continue;
-            }
-            let Some(reqs) = self.reqs.remove(&name) else {
-                continue;
-            };
-            if let Some(mut resp) = validate(&reqs) {
-                if resp.error.is_none()
-                    && !joined_ranks.is_empty()
-                    && resp.sig.kind != CollectiveKind::Allreduce
-                {
-                    resp.error = Some(NegotiationError::Other(format!(
-                        "{} is not supported while ranks {joined_ranks:?} have joined",
-                        resp.sig.kind
-                    )));
-                } else if resp.error.is_none()
-                    && !joined_ranks.is_empty()
-                    && !joins_with_zeros(resp.sig.op)
-                {
-                    resp.error = Some(NegotiationError::Other(format!(
-                        "allreduce with op {} is not supported while ranks {joined_ranks:?} have \
-                         joined: joined ranks contribute zeros, which only Sum and Average allow",
-                        resp.sig.op
-                    )));
-                }
-                out.push(resp);
-            }
-        }
-        self.order = keep;
-        out
-    }
-}
-
-/// Whether a joined rank's zeros give the right result for `op` (Sum, and Average, which
-/// divides by the ranks that have not joined).
-fn joins_with_zeros(op: ReduceOp) -> bool {
-    matches!(op, ReduceOp::Sum | ReduceOp::Average)
 }
 
 pub(crate) struct Control {
@@ -174,10 +125,15 @@ pub(crate) struct Control {
     last_round: Instant,
     last_stall_check: Instant,
     plan_opts: PlanOptions,
+    /// Bytes given to each channel so far (a function of the agreed rounds only).
+    load: ChannelLoad,
     /// Members of grouped submissions ready everywhere, waiting for the rest of their group.
     held: BTreeMap<String, Vec<Response>>,
     /// Groups with a failed member: the error and the members still to come.
     failed_groups: HashMap<String, (SchedulerError, u32)>,
+    /// A local inconsistency met while dispatching (tensor name, what went wrong): raised in
+    /// the next round so that every rank stops with the same error.
+    fault: Option<(String, String)>,
 }
 
 impl Control {
@@ -188,6 +144,7 @@ impl Control {
         rx: Receiver<Msg>,
     ) -> Result<Self, SchedulerError> {
         let cfg = inner.config.clone();
+        inner.counters.init_channels(data.len());
         let executors: Vec<Executor> = data
             .into_iter()
             .enumerate()
@@ -228,16 +185,7 @@ impl Control {
                 Dispatch::Workers { queues, threads }
             }
         };
-        let plan_opts = PlanOptions {
-            mode: match cfg.preset {
-                Preset::Horovod => PlanMode::Horovod,
-                Preset::FastHorovod => PlanMode::Fast,
-            },
-            fusion_threshold: cfg.fusion_threshold,
-            partition_bytes: cfg.partition_bytes,
-            channels: cfg.effective_channels(),
-            by_priority: cfg.priority == Priority::Forward,
-        };
+        let plan_opts = cfg.plan_options();
         let now = Instant::now();
         Ok(Control {
             cache: ResponseCache::new(cfg.cache_capacity),
@@ -260,8 +208,10 @@ impl Control {
             last_round: now,
             last_stall_check: now,
             plan_opts,
+            load: ChannelLoad::new(plan_opts.channels),
             held: BTreeMap::new(),
             failed_groups: HashMap::new(),
+            fault: None,
         })
     }
 
@@ -377,8 +327,24 @@ impl Control {
         }
     }
 
-    /// Decide when to run the next round.
+    /// Decide when to run the next round: when there is work (or a heartbeat is due), then,
+    /// under back-pressure, not while the channels still hold enough queued work (bounded).
     fn wait(&mut self) {
+        self.wait_for_work();
+        let pacing = self.inner.config.pacing();
+        let start = Instant::now();
+        while !self.local_shutdown
+            && self.inner.failure().is_none()
+            && pacing.defer(self.inner.counters.queued_bytes(), start.elapsed())
+        {
+            // Accept submissions meanwhile: they fuse into the deferred round.
+            let step = (start + pacing.max_defer).min(Instant::now() + BACKPRESSURE_POLL);
+            self.recv_until(step);
+        }
+    }
+
+    /// Wait until there is something to negotiate (or a heartbeat is due).
+    fn wait_for_work(&mut self) {
         let cfg = &self.inner.config;
         let cycle = cfg.cycle_time;
         let window = cfg.batching_window;
@@ -443,7 +409,11 @@ impl Control {
             if p.state == Announce::Held {
                 continue;
             }
-            match self.cache.lookup(&p.entry.req.name, &p.entry.req.sig) {
+            match self.cache.lookup(
+                &p.entry.req.name,
+                &p.entry.req.sig,
+                p.entry.req.group.as_ref(),
+            ) {
                 Lookup::Hit(slot) => vec.set_slot(slot, true),
                 Lookup::Changed(slot) => invalid.push(slot),
                 Lookup::Miss => uncached |= p.state == Announce::New,
@@ -469,6 +439,7 @@ impl Control {
         vec.set_status(Status::Stalled, stall_due);
         vec.set_status(Status::Joined, self.joined);
         vec.set_status(Status::Pending, !self.pending.is_empty());
+        vec.set_status(Status::Fault, self.fault.is_some());
 
         // 2. The bit-vector allreduce.
         let mut bytes = vec.to_bytes();
@@ -479,6 +450,15 @@ impl Control {
             SchedulerError::InvalidArgument("internal error: negotiation vector length".into())
         })?;
         Counters::add(&self.inner.counters.rounds, 1);
+        if agreed.status(Status::Fault) {
+            let err = self.agree_on_fault()?;
+            // Every rank records the agreed error before any rank stops its channels: a peer
+            // still in a collective with a stopped rank then reports this error, not a lost
+            // rank.
+            self.inner.fail(err.clone());
+            self.comm.barrier()?;
+            return Err(err);
+        }
         if agreed.status(Status::Shutdown) {
             return Ok(Some(if self.local_shutdown {
                 "shutdown requested on this rank".into()
@@ -553,7 +533,11 @@ impl Control {
             let mut mine = Vec::new();
             for p in self.pending.values_mut() {
                 if p.state == Announce::New
-                    && self.cache.lookup(&p.entry.req.name, &p.entry.req.sig) == Lookup::Miss
+                    && self.cache.lookup(
+                        &p.entry.req.name,
+                        &p.entry.req.sig,
+                        p.entry.req.group.as_ref(),
+                    ) == Lookup::Miss
                 {
                     mine.push(p.entry.req.clone());
                     p.state = Announce::Sent;
@@ -707,53 +691,32 @@ impl Control {
         out
     }
 
-    /// The coordinator step: every rank's new requests reach rank 0, which answers with the
-    /// responses of the names now complete.
+    /// The coordinator step: every rank's new requests are gathered to rank 0 (O(N) bytes in
+    /// all, not an allgather), which answers with the responses of the names now complete,
+    /// broadcast to every rank.
     fn coordinate(&mut self, mine: &[Request]) -> Result<Vec<Response>, SchedulerError> {
-        let size = self.inner.size;
         let bytes = wire::encode_requests(mine);
-        self.add_bytes(bytes.len() + 8);
-        let mut lens = vec![0u8; 8 * size];
-        self.comm
-            .allgather(&(bytes.len() as u64).to_le_bytes(), &mut lens)?;
-        let counts: Vec<usize> = lens
-            .chunks_exact(8)
-            .map(|c| {
-                let mut a = [0u8; 8];
-                a.copy_from_slice(c);
-                u64::from_le_bytes(a) as usize
-            })
-            .collect();
-        let mut all = vec![0u8; checked_total(&counts)?];
-        self.comm.allgatherv(&bytes, &mut all, &counts)?;
+        if self.inner.rank != 0 {
+            self.add_bytes(bytes.len() + 8);
+        }
         let mut out = Vec::new();
-        if self.inner.rank == 0 {
-            let mut off = 0;
-            for (r, &n) in counts.iter().enumerate() {
-                let reqs = wire::decode_requests(&all[off..off + n]).map_err(|e| {
-                    SchedulerError::Transport {
-                        lost_rank: Some(r),
-                        message: format!("rank {r} sent a malformed request list: {e}"),
-                        source: None,
-                    }
+        if let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes)? {
+            for (r, list) in lists.iter().enumerate() {
+                let reqs = wire::decode_requests(list).map_err(|e| SchedulerError::Transport {
+                    lost_rank: Some(r),
+                    message: format!("rank {r} sent a malformed request list: {e}"),
+                    source: None,
                 })?;
                 for mut q in reqs {
                     q.rank = r as u32;
                     self.table.add(q);
                 }
-                off += n;
             }
             let responses = self.table.take_ready(&self.joined_set);
             out = wire::encode_responses(&responses);
             self.add_bytes(out.len() + 8);
         }
-        let mut len = (out.len() as u64).to_le_bytes();
-        self.comm.broadcast(&mut len, 0)?;
-        let n = checked_total(&[u64::from_le_bytes(len) as usize])?;
-        out.resize(n, 0);
-        if n > 0 {
-            self.comm.broadcast(&mut out, 0)?;
-        }
+        let out = collect::broadcast_blob(self.comm.as_mut(), out)?;
         wire::decode_responses(&out).map_err(|e| SchedulerError::Transport {
             lost_rank: Some(0),
             message: format!("rank 0 sent a malformed response list: {e}"),
@@ -761,9 +724,44 @@ impl Control {
         })
     }
 
+    /// This rank's tensor for a negotiated response, taken out of the pending set (or a
+    /// joined rank's zeros); `Err` says why there is none.
+    fn take_tensor(&mut self, r: &Response) -> Result<Source, String> {
+        #[cfg(test)]
+        if self.injected(&r.name) {
+            return Err("injected allocation failure".into());
+        }
+        if let Some(seq) = self.by_name.remove(&r.name) {
+            if let Some(p) = self.pending.remove(&seq) {
+                return Ok(Source::Submitted(seq, p));
+            }
+        }
+        if self.joined && r.sig.kind == CollectiveKind::Allreduce {
+            return try_zeros(&r.sig).map(Source::Zeros);
+        }
+        Err("this rank never submitted it".into())
+    }
+
+    #[cfg(test)]
+    fn injected(&self, name: &str) -> bool {
+        INJECTED_FAULTS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|(r, n)| *r == self.inner.rank && n == name)
+    }
+
+    /// Some rank raised the fault flag: every rank learns every rank's fault and stops with
+    /// the same error, naming the lowest faulty rank, its tensor and what went wrong.
+    fn agree_on_fault(&mut self) -> Result<SchedulerError, SchedulerError> {
+        let mine = fault::encode(self.fault.as_ref());
+        self.add_bytes(mine.len() + 8);
+        let all = collect::allgather_blobs(self.comm.as_mut(), &mine)?;
+        Ok(fault::agreed(&all))
+    }
+
     /// Compare pending names across ranks and report those some ranks lack.
     fn inspect_stall(&mut self, now: Instant) -> Result<(), SchedulerError> {
-        let size = self.inner.size;
         let mine: Vec<(String, u64)> = self
             .pending
             .values()
@@ -776,77 +774,38 @@ impl Control {
             .collect();
         let bytes = wire::encode_names(&mine);
         self.add_bytes(bytes.len() + 8);
-        let mut lens = vec![0u8; 8 * size];
-        self.comm
-            .allgather(&(bytes.len() as u64).to_le_bytes(), &mut lens)?;
-        let counts: Vec<usize> = lens
-            .chunks_exact(8)
-            .map(|c| {
-                let mut a = [0u8; 8];
-                a.copy_from_slice(c);
-                u64::from_le_bytes(a) as usize
-            })
-            .collect();
-        let mut all = vec![0u8; checked_total(&counts)?];
-        self.comm.allgatherv(&bytes, &mut all, &counts)?;
-        let mut have: BTreeMap<String, (Vec<bool>, u64)> = BTreeMap::new();
-        let mut off = 0;
-        for (r, &n) in counts.iter().enumerate() {
-            let list =
-                wire::decode_names(&all[off..off + n]).map_err(|e| SchedulerError::Transport {
+        let all = collect::allgather_blobs(self.comm.as_mut(), &bytes)?;
+        let mut lists = Vec::with_capacity(all.len());
+        for (r, b) in all.iter().enumerate() {
+            lists.push(
+                wire::decode_names(b).map_err(|e| SchedulerError::Transport {
                     lost_rank: Some(r),
                     message: format!("rank {r} sent a malformed name list: {e}"),
                     source: None,
-                })?;
-            for (name, age) in list {
-                let e = have.entry(name).or_insert_with(|| (vec![false; size], 0));
-                e.0[r] = true;
-                e.1 = e.1.max(age);
-            }
-            off += n;
+                })?,
+            );
         }
         self.last_stall_check = now;
         let threshold = self.inner.config.stall_check.unwrap_or(Duration::ZERO);
-        let mut names = Vec::new();
-        let mut missing = vec![false; size];
-        let mut waited = 0u64;
-        for (name, (ranks, age)) in &have {
-            let lacking: Vec<usize> = (0..size)
-                .filter(|&r| !ranks[r] && !self.joined_set[r])
-                .collect();
-            if lacking.is_empty() || Duration::from_millis(*age) < threshold {
-                continue;
-            }
-            names.push(name.clone());
-            waited = waited.max(*age);
-            for r in lacking {
-                missing[r] = true;
-            }
-        }
-        if names.is_empty() {
+        let Some(report) = stall::find(&lists, &self.joined_set, threshold) else {
             return Ok(());
-        }
-        let missing_ranks: Vec<usize> = (0..size).filter(|&r| missing[r]).collect();
-        let waited = Duration::from_millis(waited);
+        };
         if self.inner.rank == 0 {
             tracing::warn!(
-                missing_ranks = ?missing_ranks,
-                names = ?names,
-                waited = ?waited,
-                "stall: ranks {missing_ranks:?} have not submitted {names:?} that other ranks submitted {waited:?} ago"
+                missing_ranks = ?report.missing_ranks,
+                names = ?report.names,
+                waited = ?report.waited,
+                "stall: ranks {:?} have not submitted {:?} that other ranks submitted {:?} ago",
+                report.missing_ranks, report.names, report.waited
             );
         }
-        self.inner.record_stall(StallReport {
-            names: names.clone(),
-            missing_ranks: missing_ranks.clone(),
-            waited,
-        });
+        self.inner.record_stall(report.clone());
         if let Some(limit) = self.inner.config.stall_shutdown {
-            if waited >= limit {
+            if report.waited >= limit {
                 return Err(SchedulerError::Stalled {
-                    names,
-                    missing: missing_ranks,
-                    after: waited,
+                    names: report.names,
+                    missing: report.missing_ranks,
+                    after: report.waited,
                 });
             }
         }
@@ -854,74 +813,93 @@ impl Control {
     }
 
     /// Plan the round's ready responses into groups and hand them to the channels.
+    ///
+    /// Every tensor of the round is checked before any is dispatched: a rank that cannot run
+    /// one of them (a name it never submitted, zeros it cannot allocate) dispatches none,
+    /// keeps them pending and raises the fault flag in the next round, where every rank stops
+    /// with the same error naming it. It never plans a different list from the other ranks.
     fn dispatch(&mut self, ready: Vec<Response>) {
         let active = self.joined_set.iter().filter(|j| !**j).count();
+        // 1. Take every response's local tensor: the one submitted here, or a joined rank's
+        //    zeros. On failure, put back what was taken and raise the fault.
+        let mut taken: Vec<Source> = Vec::with_capacity(ready.len());
+        for r in &ready {
+            let got = self.take_tensor(r);
+            match got {
+                Ok(src) => taken.push(src),
+                Err(what) => {
+                    tracing::error!(rank = self.inner.rank, name = %r.name, %what, "cannot run a negotiated tensor; stopping the engine on every rank");
+                    for src in taken {
+                        if let Source::Submitted(seq, p) = src {
+                            self.by_name.insert(p.entry.req.name.clone(), seq);
+                            self.pending.insert(seq, p);
+                        }
+                    }
+                    self.fault = Some((r.name.clone(), what));
+                    return;
+                }
+            }
+        }
+        // 2. Build the operations.
         let mut ops: Vec<Arc<Op>> = Vec::with_capacity(ready.len());
         let mut items: Vec<PlanItem> = Vec::with_capacity(ready.len());
         let mut group_ids: HashMap<String, u32> = HashMap::new();
-        for r in ready {
-            let entry = self
-                .by_name
-                .remove(&r.name)
-                .and_then(|seq| self.pending.remove(&seq))
-                .map(|p| p.entry);
-            if let (Some(tl), Some(e)) = (self.inner.timeline(), &entry) {
-                tl.tensor_span(
-                    e_id(&r.name, e.submitted),
-                    &r.name,
-                    "queued",
-                    e.submitted,
-                    Instant::now(),
-                );
-            }
-            let op = match entry {
-                Some(e) => Op {
-                    name: r.name.clone(),
-                    sig: r.sig.clone(),
-                    state: Mutex::new(OpState {
-                        tensor: Some(e.tensor),
-                        splits: e.splits,
-                        error: None,
-                    }),
-                    remaining: AtomicUsize::new(0),
-                    cell: Some(e.cell),
-                },
-                None if self.joined && r.sig.kind == CollectiveKind::Allreduce => {
-                    let shape: Vec<usize> = r.sig.shape.iter().map(|&d| d as usize).collect();
-                    let Ok(t) = Tensor::zeros(r.sig.dtype, shape) else {
-                        continue;
-                    };
-                    Op {
-                        name: r.name.clone(),
-                        sig: r.sig.clone(),
-                        state: Mutex::new(OpState {
-                            tensor: Some(t),
-                            splits: None,
-                            error: None,
-                        }),
-                        remaining: AtomicUsize::new(0),
-                        cell: None,
-                    }
-                }
-                None => {
-                    tracing::error!(name = %r.name, "internal error: a name was negotiated that this rank never submitted");
-                    continue;
-                }
-            };
+        for (r, src) in ready.into_iter().zip(taken) {
             let mut item = PlanItem::from_response(&r);
             if let Some(g) = &r.group {
                 let next = group_ids.len() as u32;
                 item.group = Some(*group_ids.entry(g.name.clone()).or_insert(next));
             }
+            let (tensor, splits, cell) = match src {
+                Source::Zeros(t) => (t, None, None),
+                Source::Submitted(_, p) => {
+                    let e = p.entry;
+                    if let Some(tl) = self.inner.timeline() {
+                        tl.tensor_span(
+                            e_id(&r.name, e.submitted),
+                            &r.name,
+                            "queued",
+                            e.submitted,
+                            Instant::now(),
+                        );
+                    }
+                    (e.tensor, e.splits, Some(e.cell))
+                }
+            };
             items.push(item);
-            ops.push(Arc::new(op));
+            ops.push(Arc::new(Op {
+                name: r.name,
+                sig: r.sig,
+                state: Mutex::new(OpState {
+                    tensor: Some(tensor),
+                    splits,
+                    error: None,
+                }),
+                remaining: AtomicUsize::new(0),
+                cell,
+                chunks: std::sync::OnceLock::new(),
+            }));
         }
-        let groups = plan(&items, &self.plan_opts);
+        let groups = plan_round(&items, &self.plan_opts, &mut self.load);
+        let mut alone = vec![true; ops.len()];
         for g in &groups {
             for p in &g.parts {
                 ops[p.item]
                     .remaining
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                alone[p.item] &= g.parts.len() == 1;
+            }
+        }
+        // An allreduce split into chunks that each run alone: its chunks are reduced in place.
+        for (op, alone) in ops.iter().zip(alone) {
+            if alone
+                && op.sig.kind == CollectiveKind::Allreduce
+                && op.remaining.load(std::sync::atomic::Ordering::Relaxed) > 1
+            {
+                let mut st = op.lock();
+                if let Some(t) = st.tensor.as_mut() {
+                    let _ = op.chunks.set(crate::exec::ChunkedBuf::of(t));
+                }
             }
         }
         let round = self
@@ -941,6 +919,9 @@ impl Control {
                         .collect(),
                 });
             }
+            if let Some(c) = self.inner.counters.channels().get(g.channel) {
+                Counters::add(&c.queued, g.bytes());
+            }
             let job = Job {
                 parts: g
                     .parts
@@ -955,6 +936,10 @@ impl Control {
                     if let Some(q) = queues.get(g.channel) {
                         if let Err(e) = q.send(job) {
                             // The worker is gone: fail its parts.
+                            if let Some(c) = self.inner.counters.channels().get(g.channel) {
+                                c.queued
+                                    .fetch_sub(g.bytes(), std::sync::atomic::Ordering::Relaxed);
+                            }
                             for (op, _, _) in e.0.parts {
                                 op.part_done(
                                     &self.inner,
@@ -968,5 +953,78 @@ impl Control {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{AllreduceOptions, Config, Engine};
+    use fh_transport::local::LocalWorld;
+
+    /// A rank that cannot run a negotiated tensor (here: an injected allocation failure on
+    /// rank 1) stops the engine on every rank with the same error naming the rank and the
+    /// tensor, within bounded time, instead of planning a different list than the others.
+    #[test]
+    fn a_local_fault_stops_every_rank_with_the_same_error() {
+        for k in [1usize, 3] {
+            let name = format!("faulty-{k}");
+            INJECTED_FAULTS
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((1, name.clone()));
+            let threads: Vec<_> = LocalWorld::with_timeout(3, Duration::from_secs(10))
+                .into_iter()
+                .map(|t| {
+                    let name = name.clone();
+                    std::thread::spawn(move || {
+                        let e = Engine::start(Box::new(t), Config::default().channels(k)).unwrap();
+                        let opts = AllreduceOptions::with_op(ReduceOp::Sum);
+                        let ok = e
+                            .allreduce("fine", Tensor::from_slice(&[1.0f32; 4]), opts)
+                            .unwrap()
+                            .wait_timeout(Duration::from_secs(20))
+                            .unwrap();
+                        let bad = e
+                            .allreduce(&name, Tensor::from_slice(&[1.0f32; 4]), opts)
+                            .unwrap()
+                            .wait_timeout(Duration::from_secs(20))
+                            .unwrap_err();
+                        let stopped = e.shutdown().unwrap_err();
+                        (ok.to_vec::<f32>().unwrap(), bad, stopped)
+                    })
+                })
+                .collect();
+            let out: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+            for (ok, bad, stopped) in &out {
+                assert_eq!(ok, &[3.0; 4]);
+                assert_eq!(bad, &out[0].1, "same error on every rank");
+                assert_eq!(stopped, &out[0].1);
+                let text = bad.to_string();
+                assert!(
+                    text.contains(&name)
+                        && text.contains("rank 1 could not run")
+                        && text.contains("injected allocation failure"),
+                    "{text}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn zero_tensors_that_cannot_exist_are_errors() {
+        let mut sig = fh_core::message::Signature {
+            kind: CollectiveKind::Allreduce,
+            dtype: DType::F32,
+            shape: vec![2, 3],
+            device: fh_core::message::Device::Cpu,
+            op: ReduceOp::Sum,
+            root: 0,
+            prescale: 1.0,
+            postscale: 1.0,
+        };
+        assert_eq!(try_zeros(&sig).unwrap().data().len(), 24);
+        sig.shape = vec![u64::MAX, 2];
+        assert!(try_zeros(&sig).unwrap_err().contains("does not fit"));
     }
 }

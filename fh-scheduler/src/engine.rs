@@ -16,7 +16,7 @@ use crate::control::Control;
 use crate::handle::{Completion, GroupHandle, Handle, OpResult};
 use crate::stats::{Counters, EngineStats, GroupRecord, StallReport};
 use crate::timeline::Timeline;
-use crate::{Config, Preset, SchedulerError, Tensor};
+use crate::{Config, SchedulerError, Tensor};
 
 /// Options of a collective: every `*_with` submission method takes them.
 ///
@@ -170,20 +170,36 @@ impl Inner {
         lock(&self.groups).push(g);
     }
 
-    fn submit(&self, entry: Entry) -> Result<(), SchedulerError> {
+    /// Submit entries atomically: either every one is accepted (in order) or none is, so that
+    /// a refused member of a grouped submission leaves no other member in flight.
+    fn submit(&self, entries: Vec<Entry>) -> Result<(), SchedulerError> {
         let g = lock(&self.gate);
         if let Some(e) = &g.closed {
             return Err(e.clone());
         }
-        let name = entry.req.name.clone();
-        if !lock(&self.in_flight).insert(name.clone()) {
-            return Err(SchedulerError::DuplicateName { name });
+        let mut in_flight = lock(&self.in_flight);
+        for (i, e) in entries.iter().enumerate() {
+            let name = &e.req.name;
+            if in_flight.contains(name) || entries[..i].iter().any(|o| &o.req.name == name) {
+                return Err(SchedulerError::DuplicateName { name: name.clone() });
+            }
         }
-        if g.tx.send(Msg::Submit(Box::new(entry))).is_err() {
-            lock(&self.in_flight).remove(&name);
-            return Err(SchedulerError::ShutDown {
-                reason: "the control thread is gone".into(),
-            });
+        for e in &entries {
+            in_flight.insert(e.req.name.clone());
+        }
+        drop(in_flight);
+        let names: Vec<String> = entries.iter().map(|e| e.req.name.clone()).collect();
+        for e in entries {
+            if g.tx.send(Msg::Submit(Box::new(e))).is_err() {
+                // The control thread is gone: nothing sent will ever run.
+                let mut in_flight = lock(&self.in_flight);
+                for n in &names {
+                    in_flight.remove(n);
+                }
+                return Err(SchedulerError::ShutDown {
+                    reason: "the control thread is gone".into(),
+                });
+            }
         }
         Ok(())
     }
@@ -258,7 +274,7 @@ impl Engine {
         config.validate()?;
         let topo = transport.topology();
         let mut control = transport.open("fh-control")?;
-        agree_on_config(control.as_mut(), &config)?;
+        crate::config::agree(control.as_mut(), &config)?;
         let k = config.effective_channels();
         let mut data = Vec::with_capacity(k);
         for c in 0..k {
@@ -405,11 +421,14 @@ impl Engine {
         opts: &AllreduceOptions,
         splits: Option<Vec<usize>>,
     ) -> Result<Handle, SchedulerError> {
-        self.entry_in_group(name, tensor, kind, op, root, opts, splits, None)
+        let (entry, handle) = self.prepare(name, tensor, kind, op, root, opts, splits, None)?;
+        self.inner.submit(vec![entry])?;
+        Ok(handle)
     }
 
+    /// Check a submission and build its entry and handle (nothing is submitted yet).
     #[allow(clippy::too_many_arguments)]
-    fn entry_in_group(
+    fn prepare(
         &self,
         name: &str,
         tensor: Tensor,
@@ -419,7 +438,7 @@ impl Engine {
         opts: &AllreduceOptions,
         splits: Option<Vec<usize>>,
         group: Option<GroupTag>,
-    ) -> Result<Handle, SchedulerError> {
+    ) -> Result<(Entry, Handle), SchedulerError> {
         if name.is_empty() {
             return Err(SchedulerError::InvalidArgument(
                 "a collective needs a non-empty name".into(),
@@ -470,14 +489,14 @@ impl Engine {
             priority: opts.priority,
             group,
         };
-        self.inner.submit(Entry {
+        let entry = Entry {
             req,
             tensor,
             splits,
             cell: Arc::clone(&cell),
             submitted: Instant::now(),
-        })?;
-        Ok(Handle::new(name.to_string(), cell))
+        };
+        Ok((entry, Handle::new(name.to_string(), cell)))
     }
 
     /// Allreduce `tensor` across all ranks under `name`; the handle gives back the tensor
@@ -502,7 +521,8 @@ impl Engine {
     /// Allreduce several tensors as one group; member `i` is named `name[i]`. The members are
     /// released together once all are ready on every rank, and reduced in one fused collective
     /// when they share a dtype and fit under the fusion threshold. If one member fails
-    /// negotiation, every member fails.
+    /// negotiation, every member fails. Submission is atomic: if any member is refused (a bad
+    /// argument, a name already in flight), no member is submitted.
     pub fn grouped_allreduce(
         &self,
         name: &str,
@@ -511,13 +531,14 @@ impl Engine {
     ) -> Result<GroupHandle, SchedulerError> {
         let size = tensors.len() as u32;
         let mut handles = Vec::with_capacity(tensors.len());
+        let mut entries = Vec::with_capacity(tensors.len());
         for (i, t) in tensors.into_iter().enumerate() {
             let tag = GroupTag {
                 name: name.to_string(),
                 index: i as u32,
                 size,
             };
-            handles.push(self.entry_in_group(
+            let (entry, handle) = self.prepare(
                 &format!("{name}[{i}]"),
                 t,
                 CollectiveKind::Allreduce,
@@ -526,8 +547,11 @@ impl Engine {
                 &opts,
                 None,
                 Some(tag),
-            )?);
+            )?;
+            entries.push(entry);
+            handles.push(handle);
         }
+        self.inner.submit(entries)?;
         Ok(GroupHandle::new(handles))
     }
 
@@ -738,45 +762,6 @@ fn no_reduction(kind: &str, opts: CollectiveOptions) -> Result<CollectiveOptions
         op: ReduceOp::Sum,
         ..opts
     })
-}
-
-fn agree_on_config(
-    comm: &mut dyn fh_transport::Communicator,
-    c: &Config,
-) -> Result<(), SchedulerError> {
-    let clamp = |x: u64| x.min(i64::MAX as u64) as i64;
-    let fields: [(&str, i64); 5] = [
-        (
-            "FH_SCHEDULE",
-            match c.preset {
-                Preset::FastHorovod => 0,
-                Preset::Horovod => 1,
-            },
-        ),
-        ("FH_CHANNELS", c.effective_channels() as i64),
-        ("FH_CACHE_CAPACITY", clamp(c.cache_capacity as u64)),
-        ("FH_FUSION_THRESHOLD", clamp(c.fusion_threshold)),
-        ("FH_PARTITION_BYTES", clamp(c.partition_bytes)),
-    ];
-    let vals: Vec<i64> = fields.iter().map(|f| f.1).collect();
-    let mut lo: Vec<u8> = bytemuck::cast_slice(&vals).to_vec();
-    let mut hi = lo.clone();
-    comm.allreduce(&mut lo, DType::I64, ReduceOp::Min)?;
-    comm.allreduce(&mut hi, DType::I64, ReduceOp::Max)?;
-    let lo: Vec<i64> = crate::tensor::read_vec(&lo);
-    let hi: Vec<i64> = crate::tensor::read_vec(&hi);
-    for (i, (var, _)) in fields.iter().enumerate() {
-        if lo[i] != hi[i] {
-            return Err(SchedulerError::config(
-                var,
-                format!(
-                    "ranks disagree (one has {}, another {}); every rank must use the same setting",
-                    lo[i], hi[i]
-                ),
-            ));
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -30,6 +30,53 @@ pub(crate) struct Op {
     pub remaining: AtomicUsize,
     /// `None` for the zero tensors a joined rank contributes.
     pub cell: Option<Arc<Completion>>,
+    /// Set for an allreduce split into chunks that each run alone on a channel: its buffer,
+    /// taken once at dispatch, so that every chunk is reduced in place, concurrently with the
+    /// other chunks, without packing and unpacking.
+    pub chunks: std::sync::OnceLock<ChunkedBuf>,
+}
+
+/// The buffer of an allreduce whose chunks run on several channels at once.
+///
+/// Each chunk job touches only its own byte range (the planner gives every byte to exactly one
+/// part), and nothing else touches the tensor until its last part is done (the op's
+/// `remaining` count, decremented with release/acquire ordering, hands the tensor back).
+pub(crate) struct ChunkedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a `ChunkedBuf` is only turned into disjoint `&mut [u8]` ranges, one per chunk job,
+// while the tensor it points into stays alive and untouched inside its `Op` (see above).
+unsafe impl Send for ChunkedBuf {}
+// SAFETY: as above; shared references only hand out disjoint ranges.
+unsafe impl Sync for ChunkedBuf {}
+
+impl ChunkedBuf {
+    /// The buffer of `tensor`, taken once for all its chunks.
+    pub(crate) fn of(tensor: &mut Tensor) -> Self {
+        let d = tensor.data_mut();
+        ChunkedBuf {
+            ptr: std::ptr::NonNull::new(d.as_mut_ptr()).unwrap_or(std::ptr::NonNull::dangling()),
+            len: d.len(),
+        }
+    }
+
+    /// The chunk `off..off + len`, or `None` when out of range.
+    ///
+    /// # Safety
+    /// No other live reference may overlap `off..off + len`: callers pass the range of their
+    /// own chunk only, while the op's tensor is alive and not otherwise accessed.
+    // Handing out `&mut` from `&self` is the point: each caller gets its own disjoint range.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range(&self, off: usize, len: usize) -> Option<&mut [u8]> {
+        let end = off.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: in bounds (checked above) of a live allocation; exclusive per the contract.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) })
+    }
 }
 
 impl Op {
@@ -89,10 +136,52 @@ fn reduce_in_place(
     kernels::scale(sig.dtype, buf, sig.prescale)?;
     comm.allreduce(buf, sig.dtype, sig.op.combining())?;
     if sig.op == ReduceOp::Average {
-        kernels::divide(sig.dtype, buf, active.max(1))?;
+        // The average's division and the postscale in one pass.
+        kernels::divide_and_scale(sig.dtype, buf, active.max(1), sig.postscale)?;
+    } else {
+        kernels::scale(sig.dtype, buf, sig.postscale)?;
     }
-    kernels::scale(sig.dtype, buf, sig.postscale)?;
     Ok(())
+}
+
+/// Most bytes one allgather or alltoall may receive (a sanity bound on sizes announced by
+/// peers, checked before anything is multiplied out or allocated).
+const MAX_RECV_BYTES: usize = 1 << 40;
+
+/// Byte counts for the row counts `rows` peers announced (`rows[r]` from rank `r`), each row
+/// `row` bytes, and a zeroed buffer for their sum. Overflow or an absurd size is an error
+/// blaming the rank that announced it; an allocation that fails is an error, not an abort.
+fn recv_layout(rows: &[usize], row: usize) -> Result<(Vec<usize>, Vec<u8>), TransportError> {
+    let mut counts = Vec::with_capacity(rows.len());
+    let mut total = 0usize;
+    for (r, &n) in rows.iter().enumerate() {
+        let c = n
+            .checked_mul(row)
+            .filter(|&c| c <= MAX_RECV_BYTES)
+            .ok_or_else(|| TransportError::Protocol {
+                rank: r,
+                detail: format!(
+                    "announced {n} rows of {row} bytes, more than the {MAX_RECV_BYTES}-byte bound"
+                ),
+            })?;
+        total = total
+            .checked_add(c)
+            .filter(|&t| t <= MAX_RECV_BYTES)
+            .ok_or_else(|| TransportError::Protocol {
+                rank: r,
+                detail: format!(
+                    "announced {n} rows of {row} bytes, taking the total past the \
+                     {MAX_RECV_BYTES}-byte bound"
+                ),
+            })?;
+        counts.push(c);
+    }
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(total).map_err(|e| {
+        TransportError::InvalidArgument(format!("cannot allocate {total} bytes to receive: {e}"))
+    })?;
+    buf.resize(total, 0);
+    Ok((counts, buf))
 }
 
 fn u64s(v: &[usize]) -> Vec<u8> {
@@ -104,7 +193,7 @@ fn from_u64s(b: &[u8]) -> Vec<usize> {
         .map(|c| {
             let mut a = [0u8; 8];
             a.copy_from_slice(c);
-            u64::from_le_bytes(a) as usize
+            usize::try_from(u64::from_le_bytes(a)).unwrap_or(usize::MAX)
         })
         .collect()
 }
@@ -114,6 +203,10 @@ impl Executor {
     /// also stops the engine.
     pub(crate) fn run(&mut self, job: Job) {
         if let Some(e) = self.inner.failure() {
+            if let Some(c) = self.inner.counters.channels().get(self.channel) {
+                let bytes: usize = job.parts.iter().map(|p| p.2).sum();
+                c.queued.fetch_sub(bytes as u64, Ordering::Relaxed);
+            }
             for (op, _, _) in &job.parts {
                 op.part_done(&self.inner, Some(e.clone()));
             }
@@ -143,10 +236,26 @@ impl Executor {
                 &[("names", names.join(",")), ("bytes", bytes.to_string())],
             );
         }
+        let bytes: usize = job.parts.iter().map(|p| p.2).sum();
+        if let Some(c) = self.inner.counters.channels().get(self.channel) {
+            Counters::add(&c.bytes, bytes as u64);
+            Counters::add(&c.groups, 1);
+            Counters::add(
+                &c.busy_nanos,
+                end.saturating_duration_since(begin).as_nanos() as u64,
+            );
+            c.queued.fetch_sub(bytes as u64, Ordering::Relaxed);
+        }
         let err = match result {
             Ok(()) => None,
             Err(e) => {
-                let se = SchedulerError::from_transport(&e);
+                // When the engine already stopped for an agreed reason (e.g. a fault every rank
+                // reports), a collective broken by that stop reports the same reason.
+                let se = self
+                    .inner
+                    .failure()
+                    .filter(|f| !f.is_shutdown())
+                    .unwrap_or_else(|| SchedulerError::from_transport(&e));
                 tracing::error!(channel = self.channel, error = %e, "collective failed; shutting the engine down");
                 self.inner.fail(se.clone());
                 Some(se)
@@ -166,6 +275,18 @@ impl Executor {
         let comm = self.comm.as_mut();
         match sig.kind {
             CollectiveKind::Allreduce => {
+                if let (1, Some(buf)) = (job.parts.len(), first.chunks.get()) {
+                    // A chunk of a partitioned tensor: reduce it in place.
+                    // SAFETY: this job is the only one given this chunk's range (see
+                    // `ChunkedBuf`), and the tensor stays in its op until every chunk is done.
+                    let chunk = unsafe { buf.range(*off0, *len0) }.ok_or_else(|| {
+                        TransportError::InvalidArgument(format!(
+                            "internal error: chunk {off0}+{len0} of '{}' out of range",
+                            first.name
+                        ))
+                    })?;
+                    return reduce_in_place(comm, chunk, &sig, job.active);
+                }
                 let whole = job.parts.len() == 1
                     && *off0 == 0
                     && first.lock().tensor.as_ref().map(|t| t.data().len()) == Some(*len0);
@@ -222,14 +343,20 @@ impl Executor {
                 let mut dims = vec![0u8; 8 * n];
                 comm.allgather(&u64s(&[t.shape().first().copied().unwrap_or(1)]), &mut dims)?;
                 let dims = from_u64s(&dims);
-                let counts: Vec<usize> = dims.iter().map(|d| d * row).collect();
-                let mut out = vec![0u8; counts.iter().sum()];
+                let (counts, mut out) = match recv_layout(&dims, row) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        st.tensor = Some(t);
+                        return Err(e);
+                    }
+                };
                 let r = comm.allgatherv(t.data(), &mut out, &counts);
                 let mut shape = t.shape().to_vec();
                 if shape.is_empty() {
                     shape.push(n);
                 } else {
-                    shape[0] = dims.iter().sum();
+                    // Bounded by MAX_RECV_BYTES above (rows are at least one byte, or empty).
+                    shape[0] = dims.iter().fold(0usize, |a, &d| a.saturating_add(d));
                 }
                 st.tensor = Some(Tensor::from_parts(t.dtype(), shape, out));
                 if r.is_err() {
@@ -253,14 +380,19 @@ impl Executor {
                 comm.alltoall(&u64s(&splits), &mut recv_splits)?;
                 let recv_splits = from_u64s(&recv_splits);
                 let send_counts: Vec<usize> = splits.iter().map(|s| s * row).collect();
-                let recv_counts: Vec<usize> = recv_splits.iter().map(|s| s * row).collect();
-                let mut out = vec![0u8; recv_counts.iter().sum()];
+                let (recv_counts, mut out) = match recv_layout(&recv_splits, row) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        st.tensor = Some(t);
+                        return Err(e);
+                    }
+                };
                 comm.alltoallv(t.data(), &send_counts, &mut out, &recv_counts)?;
                 let mut shape = t.shape().to_vec();
                 if shape.is_empty() {
                     shape.push(0);
                 }
-                shape[0] = recv_splits.iter().sum();
+                shape[0] = recv_splits.iter().fold(0usize, |a, &d| a.saturating_add(d));
                 st.tensor = Some(Tensor::from_parts(t.dtype(), shape, out));
                 Ok(())
             }
@@ -311,4 +443,23 @@ impl Executor {
 fn row_bytes(t: &Tensor) -> usize {
     let rest: usize = t.shape().iter().skip(1).product();
     rest * t.dtype().size()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_from_peers_are_bounded_before_allocating() {
+        let (counts, buf) = recv_layout(&[2, 0, 3], 4).unwrap();
+        assert_eq!(counts, [8, 0, 12]);
+        assert_eq!(buf.len(), 20);
+        // A product that overflows, and one past the bound, blame the rank that sent it.
+        let e = recv_layout(&[1, usize::MAX / 2], 4).unwrap_err();
+        assert_eq!(e.blamed_rank(), Some(1), "{e}");
+        let e = recv_layout(&[MAX_RECV_BYTES, 1, 0], 1).unwrap_err();
+        assert_eq!(e.blamed_rank(), Some(1), "{e}");
+        assert!(e.to_string().contains("bound"), "{e}");
+        assert_eq!(from_u64s(&u64::MAX.to_le_bytes()), [usize::MAX]);
+    }
 }

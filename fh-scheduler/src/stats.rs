@@ -1,6 +1,7 @@
 //! Counters the engine keeps, and the stall inspector's reports.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 /// A snapshot of an engine's counters (this rank).
@@ -29,6 +30,46 @@ pub struct EngineStats {
     pub data_bytes: u64,
     /// Stall warnings raised.
     pub stall_warnings: u64,
+    /// Per data channel, in channel order.
+    pub channels: Vec<ChannelStats>,
+}
+
+/// What one data channel has done (this rank).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ChannelStats {
+    /// Payload bytes through its collectives.
+    pub bytes: u64,
+    /// Fused groups (collectives) it ran.
+    pub groups: u64,
+    /// Time it spent running groups (packing, the collective, unpacking).
+    pub busy: Duration,
+}
+
+impl EngineStats {
+    /// Each channel's share of the bytes, in channel order (all zero before any traffic).
+    pub fn channel_shares(&self) -> Vec<f64> {
+        let total: u64 = self.channels.iter().map(|c| c.bytes).sum();
+        self.channels
+            .iter()
+            .map(|c| {
+                if total == 0 {
+                    0.0
+                } else {
+                    c.bytes as f64 / total as f64
+                }
+            })
+            .collect()
+    }
+}
+
+/// One channel's live counters.
+#[derive(Debug, Default)]
+pub(crate) struct ChannelCounters {
+    pub bytes: AtomicU64,
+    pub groups: AtomicU64,
+    pub busy_nanos: AtomicU64,
+    /// Bytes dispatched to the channel and not yet finished (back-pressure reads the sum).
+    pub queued: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -44,6 +85,8 @@ pub(crate) struct Counters {
     pub fused_groups: AtomicU64,
     pub data_bytes: AtomicU64,
     pub stall_warnings: AtomicU64,
+    /// Set once, when the channels are created.
+    pub channels: OnceLock<Vec<ChannelCounters>>,
 }
 
 impl Counters {
@@ -64,7 +107,33 @@ impl Counters {
             fused_groups: self.fused_groups.load(Relaxed),
             data_bytes: self.data_bytes.load(Relaxed),
             stall_warnings: self.stall_warnings.load(Relaxed),
+            channels: self
+                .channels()
+                .iter()
+                .map(|c| ChannelStats {
+                    bytes: c.bytes.load(Relaxed),
+                    groups: c.groups.load(Relaxed),
+                    busy: Duration::from_nanos(c.busy_nanos.load(Relaxed)),
+                })
+                .collect(),
         }
+    }
+
+    /// Create the per-channel counters (once; later calls keep the first).
+    pub(crate) fn init_channels(&self, k: usize) {
+        let _ = self
+            .channels
+            .set((0..k).map(|_| ChannelCounters::default()).collect());
+    }
+
+    /// The per-channel counters (empty before the channels exist).
+    pub(crate) fn channels(&self) -> &[ChannelCounters] {
+        self.channels.get().map_or(&[], Vec::as_slice)
+    }
+
+    /// Bytes queued on all channels and not yet finished.
+    pub(crate) fn queued_bytes(&self) -> u64 {
+        self.channels().iter().map(|c| c.queued.load(Relaxed)).sum()
     }
 }
 

@@ -278,12 +278,17 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
     // Rank 1 plays the engine's start-up protocol by hand, then vanishes.
     let ghost = std::thread::spawn(move || {
         let mut control = t1.open("fh-control").unwrap();
-        let vals: [i64; 5] = [
+        // The start-up agreement's fields (fh_scheduler::config::planning_fields).
+        let vals: [i64; 9] = [
             0,
             2,
             c2.cache_capacity as i64,
             c2.fusion_threshold as i64,
             c2.partition_bytes as i64,
+            0,
+            0,
+            c2.backpressure_bytes as i64,
+            c2.backpressure_max.as_millis() as i64,
         ];
         let mut b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         control

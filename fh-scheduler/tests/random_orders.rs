@@ -127,7 +127,7 @@ proptest! {
     #[test]
     fn random_orders_and_delays(
         n in 2usize..5,
-        cfg_idx in 0usize..6,
+        cfg_idx in 0usize..7,
         specs in proptest::collection::vec(arb_spec(), 1..10),
         seed in any::<u64>(),
     ) {
@@ -144,7 +144,7 @@ fn every_preset_and_channel_count_with_repeated_steps() {
             op: [ReduceOp::Sum, ReduceOp::Average][i % 2],
         })
         .collect();
-    for cfg_idx in 0..6 {
+    for cfg_idx in 0..7 {
         run_case(4, cfg_idx, specs.clone(), 42 + cfg_idx as u64, 3, 0);
     }
 }
@@ -182,5 +182,81 @@ fn steady_state_uses_the_bit_vector_only() {
             "cached names must not go back to the coordinator"
         );
         assert!(last.cache_hits >= 80, "{last:?}");
+    }
+}
+
+/// Random group membership under the same names: every step submits a group "grp" with a
+/// random member count (the same on every rank), with random per-rank delays, and sometimes a
+/// plain allreduce of a name that was a member before. Every result must be right on every
+/// rank within bounded time (a cached member must never stand for another group).
+fn run_groups(n: usize, cfg_idx: usize, members: Vec<usize>, seed: u64) {
+    let (label, cfg) = configs().swap_remove(cfg_idx);
+    let members2 = members.clone();
+    let out = run_world(n, cfg, move |e, rank| {
+        let mut shared = Lcg::for_rank(seed, usize::MAX - 1); // the same on every rank
+        let mut mine = Lcg::for_rank(seed, rank);
+        let mut got = Vec::new();
+        for (step, &m) in members2.iter().enumerate() {
+            std::thread::sleep(Duration::from_micros(mine.next() % 200));
+            let ts = (0..m)
+                .map(|i| Tensor::from_slice(&[(rank + i + step) as f32; 3]))
+                .collect();
+            let mut g = e
+                .grouped_allreduce("grp", ts, AllreduceOptions::with_op(ReduceOp::Sum))
+                .unwrap();
+            // A name past this group's members, possibly a former member.
+            let lone = (shared.next() % 2 == 0).then(|| {
+                e.allreduce(
+                    &format!("grp[{m}]"),
+                    Tensor::from_slice(&[(rank + step) as f32; 2]),
+                    AllreduceOptions::with_op(ReduceOp::Sum),
+                )
+                .unwrap()
+            });
+            let vals: Vec<f32> = g
+                .wait_timeout(LIMIT)
+                .expect("group completes")
+                .iter()
+                .map(|t| t.to_vec::<f32>().unwrap()[0])
+                .collect();
+            let lone = lone.map(|mut h| {
+                h.wait_timeout(LIMIT)
+                    .expect("lone completes")
+                    .to_vec::<f32>()
+                    .unwrap()[0]
+            });
+            got.push((vals, lone));
+        }
+        got
+    });
+    let tri = (n * (n - 1) / 2) as f32;
+    for (rank, got) in out.iter().enumerate() {
+        for (step, (vals, lone)) in got.iter().enumerate() {
+            let want: Vec<f32> = (0..members[step])
+                .map(|i| (n * (i + step)) as f32 + tri)
+                .collect();
+            assert_eq!(vals, &want, "{label}: rank {rank} step {step}");
+            if let Some(v) = lone {
+                assert_eq!(
+                    *v,
+                    (n * step) as f32 + tri,
+                    "{label}: rank {rank} step {step}"
+                );
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_group_membership_under_the_same_names(
+        n in 2usize..4,
+        cfg_idx in 0usize..7,
+        members in proptest::collection::vec(1usize..5, 1..7),
+        seed in any::<u64>(),
+    ) {
+        run_groups(n, cfg_idx, members, seed);
     }
 }

@@ -88,6 +88,16 @@ pub fn configs() -> Vec<(String, Config)> {
                 .partition_bytes(1024),
         ));
     }
+    // Back-pressure at its most eager (defer whenever a byte is queued, up to 2 ms): it may
+    // change only when rounds start, never what they decide.
+    v.push((
+        "fasthorovod-k2-backpressure".to_string(),
+        Config::preset(Preset::FastHorovod)
+            .channels(2)
+            .fusion_threshold(4096)
+            .partition_bytes(1024)
+            .backpressure(1, Duration::from_millis(2)),
+    ));
     // A tiny cache (eviction at capacity every step) and no cache (coordinator every round).
     for cap in [3, 0] {
         v.push((

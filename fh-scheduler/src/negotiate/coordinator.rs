@@ -1,0 +1,148 @@
+//! Rank 0's coordinator table: uncached requests, counted per name until every rank that has
+//! not joined asked, then validated into a response (or an error response naming what
+//! differed). Pure: the same calls give the same responses.
+
+use std::collections::HashMap;
+
+use fh_core::message::{validate, CollectiveKind, NegotiationError, Request, Response};
+use fh_core::ReduceOp;
+
+/// Rank 0's table of uncached requests.
+#[derive(Default)]
+pub(crate) struct Table {
+    order: Vec<String>,
+    reqs: HashMap<String, Vec<Request>>,
+}
+
+impl Table {
+    pub(crate) fn add(&mut self, r: Request) {
+        let v = self.reqs.entry(r.name.clone()).or_default();
+        if v.is_empty() {
+            self.order.push(r.name.clone());
+        }
+        if !v.iter().any(|x| x.rank == r.rank) {
+            v.push(r);
+        }
+    }
+
+    /// Responses for every name all non-joined ranks have requested, in first-seen order.
+    pub(crate) fn take_ready(&mut self, joined: &[bool]) -> Vec<Response> {
+        let needed = joined.iter().filter(|j| !**j).count();
+        let joined_ranks: Vec<usize> = (0..joined.len()).filter(|&r| joined[r]).collect();
+        let mut out = Vec::new();
+        let mut keep = Vec::new();
+        for name in std::mem::take(&mut self.order) {
+            // With every rank joined nobody would run the collective: keep waiting.
+            let complete = needed > 0
+                && self.reqs.get(&name).is_some_and(|v| {
+                    v.iter()
+                        .filter(|r| !joined.get(r.rank as usize).copied().unwrap_or(false))
+                        .count()
+                        >= needed
+                });
+            if !complete {
+                keep.push(name);
+                continue;
+            }
+            let Some(reqs) = self.reqs.remove(&name) else {
+                continue;
+            };
+            if let Some(mut resp) = validate(&reqs) {
+                if resp.error.is_none()
+                    && !joined_ranks.is_empty()
+                    && resp.sig.kind != CollectiveKind::Allreduce
+                {
+                    resp.error = Some(NegotiationError::Other(format!(
+                        "{} is not supported while ranks {joined_ranks:?} have joined",
+                        resp.sig.kind
+                    )));
+                } else if resp.error.is_none()
+                    && !joined_ranks.is_empty()
+                    && !joins_with_zeros(resp.sig.op)
+                {
+                    resp.error = Some(NegotiationError::Other(format!(
+                        "allreduce with op {} is not supported while ranks {joined_ranks:?} have \
+                         joined: joined ranks contribute zeros, which only Sum and Average allow",
+                        resp.sig.op
+                    )));
+                }
+                out.push(resp);
+            }
+        }
+        self.order = keep;
+        out
+    }
+}
+
+/// Whether a joined rank's zeros give the right result for `op` (Sum, and Average, which
+/// divides by the ranks that have not joined).
+pub(crate) fn joins_with_zeros(op: ReduceOp) -> bool {
+    matches!(op, ReduceOp::Sum | ReduceOp::Average)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fh_core::message::{Device, Signature};
+    use fh_core::DType;
+
+    fn req(name: &str, rank: u32, len: u64, op: ReduceOp) -> Request {
+        Request {
+            name: name.into(),
+            rank,
+            sig: Signature {
+                kind: CollectiveKind::Allreduce,
+                dtype: DType::F32,
+                shape: vec![len],
+                device: Device::Cpu,
+                op,
+                root: 0,
+                prescale: 1.0,
+                postscale: 1.0,
+            },
+            priority: 0,
+            group: None,
+        }
+    }
+
+    #[test]
+    fn a_name_is_ready_once_every_active_rank_asked_in_first_seen_order() {
+        let mut t = Table::default();
+        t.add(req("b", 1, 4, ReduceOp::Sum));
+        t.add(req("a", 0, 4, ReduceOp::Sum));
+        t.add(req("b", 1, 4, ReduceOp::Sum)); // repeated: counted once
+        assert!(t.take_ready(&[false; 2]).is_empty());
+        t.add(req("a", 1, 4, ReduceOp::Sum));
+        t.add(req("b", 0, 5, ReduceOp::Sum));
+        let r = t.take_ready(&[false; 2]);
+        let names: Vec<&str> = r.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["b", "a"]);
+        assert!(r[0]
+            .error
+            .as_ref()
+            .unwrap()
+            .to_string()
+            .contains("tensor shapes"));
+        assert!(r[1].error.is_none());
+        assert!(t.take_ready(&[false; 2]).is_empty());
+    }
+
+    #[test]
+    fn joined_ranks_are_not_waited_for_but_restrict_the_ops() {
+        let mut t = Table::default();
+        t.add(req("s", 0, 4, ReduceOp::Sum));
+        t.add(req("m", 0, 4, ReduceOp::Max));
+        let r = t.take_ready(&[false, true]);
+        assert_eq!(r.len(), 2);
+        assert!(r[0].error.is_none());
+        assert!(r[1]
+            .error
+            .as_ref()
+            .unwrap()
+            .to_string()
+            .contains("only Sum and Average"));
+        // Everybody joined: nobody would run it, keep waiting.
+        t.add(req("x", 0, 4, ReduceOp::Sum));
+        assert!(t.take_ready(&[true, true]).is_empty());
+    }
+}

@@ -1,0 +1,93 @@
+//! Channel assignment across rounds, partitioned tensors, and the per-channel counters.
+
+mod common;
+
+use common::{run_world, LIMIT};
+use fh_scheduler::{AllreduceOptions, Config, ReduceOp, Tensor};
+
+fn sum() -> AllreduceOptions {
+    AllreduceOptions::with_op(ReduceOp::Sum)
+}
+
+#[test]
+fn load_is_carried_across_rounds_and_counted_per_channel() {
+    let cfg = Config::default().channels(4).record_groups(true);
+    let out = run_world(2, cfg, |e, r| {
+        // One tensor per round (each waits for the previous): with the load restarting at
+        // zero in every round, every group would land on channel 0.
+        for i in 0..20 {
+            let t = e
+                .allreduce("t", Tensor::from_slice(&[r as f32 + i as f32; 256]), sum())
+                .unwrap()
+                .wait_timeout(LIMIT)
+                .unwrap();
+            assert_eq!(t.to_vec::<f32>().unwrap()[0], 1.0 + 2.0 * i as f32);
+        }
+        (e.stats(), e.group_log())
+    });
+    for (stats, log) in &out {
+        assert_eq!(
+            log, &out[0].1,
+            "the same groups on the same channels on every rank"
+        );
+        assert_eq!(stats.channels.len(), 4);
+        let bytes: u64 = stats.channels.iter().map(|c| c.bytes).sum();
+        assert_eq!(bytes, stats.data_bytes);
+        let groups: u64 = stats.channels.iter().map(|c| c.groups).sum();
+        assert_eq!(groups, stats.fused_groups);
+        for (c, ch) in stats.channels.iter().enumerate() {
+            assert_eq!(ch.groups, 5, "channel {c}: {:?}", stats.channels);
+            assert_eq!(ch.bytes, 5 * 1024);
+        }
+        let shares = stats.channel_shares();
+        assert!(
+            shares.iter().all(|&s| (s - 0.25).abs() < 1e-9),
+            "{shares:?}"
+        );
+    }
+}
+
+#[test]
+fn a_large_tensor_is_shared_by_every_channel_and_reduced_correctly() {
+    let cfg = Config::default()
+        .channels(4)
+        .partition_bytes(1000)
+        .record_groups(true);
+    let out = run_world(3, cfg, |e, r| {
+        // 2501 f32 = 10004 bytes over a 1000-byte partition: 11 chunks rounded up to 12, an
+        // equal share per channel; the length does not divide evenly.
+        let x: Vec<f32> = (0..2501).map(|i| (i * (r + 1)) as f32).collect();
+        let got = e
+            .allreduce("big", Tensor::from_slice(&x), sum())
+            .unwrap()
+            .wait_timeout(LIMIT)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        let avg = e
+            .allreduce("avg", Tensor::from_slice(&x), AllreduceOptions::default())
+            .unwrap()
+            .wait_timeout(LIMIT)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        (got, avg, e.group_log(), e.stats())
+    });
+    for (got, avg, log, stats) in &out {
+        let want: Vec<f32> = (0..2501).map(|i| (i * 6) as f32).collect();
+        assert_eq!(got, &want);
+        let want: Vec<f32> = (0..2501).map(|i| (i * 2) as f32).collect();
+        assert_eq!(avg, &want);
+        let big: Vec<_> = log.iter().filter(|g| g.parts[0].0 == "big").collect();
+        assert_eq!(big.len(), 12, "{log:?}");
+        let mut per_channel = [0u64; 4];
+        for g in &big {
+            per_channel[g.channel] += g.parts[0].2;
+        }
+        assert!(
+            per_channel.iter().all(|&b| (2500..=2504).contains(&b)),
+            "{per_channel:?}"
+        );
+        assert_eq!(stats.channels.len(), 4);
+    }
+}
