@@ -228,7 +228,7 @@ impl HierTransport {
             return Ok(Setup::Tcp(Box::new(tcp), why));
         }
         let host_token = match &info.token {
-            Some(t) => format!("{t}/hier-host-{}", info.cross_rank),
+            Some(t) => format!("{}/hier-host-{}", t.expose(), info.cross_rank),
             None => format!("hier-single-{}", std::process::id()),
         };
         // Sizes from the environment (`FH_SHM_SLOT_BYTES`), the launch's timeout.

@@ -324,14 +324,24 @@ fn strangers_at_the_rendezvous_do_not_disturb_the_job() {
         seq: 0,
         port: 1,
         lost: 0,
-        token: b"guessed-token".to_vec(),
+        nonce: [3; wire::NONCE_LEN],
     };
-    impostor.write_all(&hello.encode()).expect("send hello");
+    let hello_bytes = hello.encode();
+    impostor.write_all(&hello_bytes).expect("send hello");
     let half_open = connect();
-    // The impostor is told why it is refused.
+    // The impostor answers the challenge with a guess and is told why it is refused.
     impostor
         .set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
+    let mut challenge = [0u8; wire::CHALLENGE_LEN];
+    impostor.read_exact(&mut challenge).expect("a challenge");
+    let Ok((wire::Answer::Challenge { nonce, .. }, _)) = wire::Answer::decode(&challenge) else {
+        panic!("expected a challenge");
+    };
+    let guess = wire::connector_proof(b"guessed-token-0123", &hello_bytes, &nonce);
+    impostor
+        .write_all(&wire::encode_proof(&guess))
+        .expect("send proof");
     let mut reply = Vec::new();
     let _ = impostor.read_to_end(&mut reply);
     let (r, _) = wire::Reply::decode(&reply).expect("a reply");

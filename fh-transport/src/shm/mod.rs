@@ -300,7 +300,8 @@ impl ShmTransport {
         // A single process has no token; any name private to it will do.
         let token = info
             .token
-            .clone()
+            .as_ref()
+            .map(|t| t.expose().to_owned())
             .unwrap_or_else(|| format!("single-process-{}-{}", sys::pid(), sys::self_start_time()));
         let opts = ShmOptions {
             timeout: info.timeout,

@@ -142,24 +142,30 @@ impl TcpComm {
     /// that peers blocked on us are released. The error is returned for the caller.
     fn fail(&mut self, err: TransportError, half_sent_to: Option<usize>) -> TransportError {
         let blamed = err.blamed_rank();
-        let notice = wire::abort_header(blamed.unwrap_or(self.rank) as u32);
+        let lost = blamed.unwrap_or(self.rank);
+        let notice = wire::abort_header(lost as u32);
+        // Peers that must be told out of band, all at once below (a partition must not cost
+        // a timeout per peer).
+        let mut out_of_band = Vec::new();
         for (p, stream) in self.peers.iter().enumerate() {
             let Some(stream) = stream else { continue };
             if Some(p) == half_sent_to && Some(p) != blamed {
                 // A notice now would be read as payload: deliver it out of band.
-                if let Some(link) = &self.link {
-                    link.send_abort(self.rank, p, self.seq, blamed.unwrap_or(self.rank));
-                }
+                out_of_band.push(p);
             } else if Some(p) != blamed {
                 // In band when the socket buffer has room; otherwise (that peer is not
                 // reading from us right now) out of band, so that its view stays right.
                 let sent = sys::send2(stream.as_raw_fd(), &notice, &[]).unwrap_or(0);
                 if sent != notice.len() {
-                    if let Some(link) = &self.link {
-                        link.send_abort(self.rank, p, self.seq, blamed.unwrap_or(self.rank));
-                    }
+                    out_of_band.push(p);
                 }
             }
+        }
+        // Before the shutdowns, so that a peer knows whom to blame when it sees the close.
+        if let Some(link) = &self.link {
+            link.send_aborts(self.rank, &out_of_band, self.seq, lost);
+        }
+        for stream in self.peers.iter().flatten() {
             let _ = stream.shutdown(Shutdown::Both);
         }
         tracing::error!(
