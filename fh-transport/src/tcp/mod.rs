@@ -670,7 +670,7 @@ fn client_handshake(
         stream,
         deadline,
         wire::CHALLENGE_LEN + wire::MAX_REASON_LEN,
-        |b| Answer::decode(b),
+        Answer::decode,
     )
     .map_err(|f| read_fail("challenge", f))?;
     let (nonce, proof) = match answer {
