@@ -248,15 +248,17 @@ fn silent_and_garbage_connections_do_not_stop_a_job() {
     let stop = Arc::new(AtomicBool::new(false));
     // Rank 0 first, so that the strangers can get in before the members.
     let gate = Arc::new(Barrier::new(size + 1));
+    // The members start once the strangers hold rank 0's rendezvous port.
+    let flooded = Arc::new(Barrier::new(size));
     let (book_tx, book_rx) = std::sync::mpsc::channel();
     let handles: Vec<_> = (0..size)
         .map(|rank| {
             let info = info(rank, size, port, "60");
             let (gate, book_tx) = (Arc::clone(&gate), book_tx.clone());
+            let flooded = Arc::clone(&flooded);
             std::thread::spawn(move || {
                 if rank != 0 {
-                    // Let the flood reach rank 0's rendezvous first.
-                    std::thread::sleep(Duration::from_millis(500));
+                    flooded.wait();
                 }
                 let mut t = TcpTransport::connect(&info, TcpOptions::from_info(&info))
                     .expect("connect under a flood");
@@ -281,6 +283,7 @@ fn silent_and_garbage_connections_do_not_stop_a_job() {
     let garbage_rdv = garbage(vec![rdv], Arc::clone(&stop));
     let silent_rdv = silent_connections(rdv, 200, flood_deadline);
     assert_eq!(silent_rdv.len(), 200, "rank 0 never listened");
+    flooded.wait();
     let book = book_rx
         .recv_timeout(Duration::from_secs(90))
         .expect("the rendezvous completed");

@@ -65,7 +65,7 @@ pub fn max_pending_handshakes(size: usize) -> usize {
 /// Refusals queued for the transport beyond which further ones are only logged.
 const MAX_QUEUED_REFUSALS: usize = 256;
 /// How often acceptor threads check whether they should stop.
-const ACCEPT_POLL: Duration = Duration::from_millis(100);
+const ACCEPT_POLL: Duration = Duration::from_millis(20);
 /// Refusals logged per [`REFUSAL_LOG_WINDOW`]; the rest are counted and summarised.
 const REFUSAL_LOGS_PER_WINDOW: u32 = 5;
 /// Window of the refusal-log rate limit.
