@@ -557,16 +557,34 @@ impl ShmComm {
         Ok(())
     }
 
+    /// A ring's counters, read from shared memory, claim `used` bytes in a ring of `cap`:
+    /// more than `cap` means the peer that writes `whose` counter corrupted it.
+    fn ring_used(&self, peer: usize, used: u32, cap: usize, whose: &str) -> Result<usize> {
+        let used = used as usize;
+        if used > cap {
+            return Err(TransportError::Protocol {
+                rank: peer,
+                detail: format!(
+                    "the shared-memory ring between ranks {} and {peer} holds {used} bytes by its \
+                     counters, more than its capacity of {cap}: rank {peer} corrupted the {whose} \
+                     counter (communicator '{}')",
+                    self.rank, self.label
+                ),
+            });
+        }
+        Ok(used)
+    }
+
     /// Push as much of `msg` into ring `self -> to` as fits. Returns whether anything moved.
-    fn push(&self, to: usize, msg: &mut Outgoing<'_>) -> bool {
+    fn push(&self, to: usize, msg: &mut Outgoing<'_>) -> Result<bool> {
         let ctl = self.seg.ring_ctl(self.rank, to);
         let cap = self.seg.layout.ring_bytes;
         let head = ctl.head.word.load(Relaxed);
         let tail = ctl.tail.word.load(Acquire);
-        let free = cap - head.wrapping_sub(tail) as usize;
+        let free = cap - self.ring_used(to, head.wrapping_sub(tail), cap, "tail")?;
         let n = free.min(msg.total() - msg.done);
         if n == 0 {
-            return false;
+            return Ok(false);
         }
         let base = self.seg.ring_data(self.rank, to);
         let mut pos = head as usize % cap;
@@ -589,7 +607,7 @@ impl ShmComm {
         }
         ctl.head.word.store(head.wrapping_add(n as u32), Release);
         self.notify(to);
-        true
+        Ok(true)
     }
 
     /// Pull what is available of `msg` from ring `from -> self`. Returns whether anything
@@ -599,7 +617,7 @@ impl ShmComm {
         let cap = self.seg.layout.ring_bytes;
         let tail = ctl.tail.word.load(Relaxed);
         let head = ctl.head.word.load(Acquire);
-        let avail = head.wrapping_sub(tail) as usize;
+        let avail = self.ring_used(from, head.wrapping_sub(tail), cap, "head")?;
         let n = avail.min(8 + msg.data.len() - msg.done);
         if n == 0 {
             return Ok(false);
@@ -651,7 +669,8 @@ impl ShmComm {
             .word
             .load(Relaxed)
             .wrapping_sub(ctl.tail.word.load(Acquire));
-        (used as usize) < self.seg.layout.ring_bytes
+        // A corrupted counter (used > capacity) counts as space, so that `push` reports it.
+        (used as usize) != self.seg.layout.ring_bytes
     }
 
     fn ring_has_data(&self, from: usize) -> bool {
@@ -662,7 +681,7 @@ impl ShmComm {
     fn send_inner(&mut self, to: usize, data: &[u8]) -> Result<()> {
         let mut out = Outgoing::new(data);
         while !out.finished() {
-            if !self.push(to, &mut out) {
+            if !self.push(to, &mut out)? {
                 self.wait("send", || (!self.ring_has_space(to)).then_some(to))?;
             }
         }
@@ -691,7 +710,7 @@ impl ShmComm {
         while !(out.finished() && inc.finished()) {
             let mut moved = false;
             if !out.finished() {
-                moved |= self.push(to, &mut out);
+                moved |= self.push(to, &mut out)?;
             }
             if !inc.finished() {
                 moved |= self.pull(from, &mut inc)?;
@@ -1118,5 +1137,90 @@ impl Communicator for ShmComm {
             return Ok(());
         }
         self.guarded(|c| c.barrier_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering::SeqCst;
+    use std::time::Duration;
+
+    use super::super::{ShmOptions, ShmTransport};
+    use crate::{Communicator, TransportError};
+
+    fn token(tag: &str) -> String {
+        format!("shm-comm-unit-{tag}-{}-0123456789", std::process::id())
+    }
+
+    fn opts() -> ShmOptions {
+        ShmOptions {
+            ring_bytes: 4096,
+            ..ShmOptions::with_timeout(Duration::from_secs(10))
+        }
+    }
+
+    /// Two ranks as threads; `f` runs on rank 1's communicator before rank 0 receives.
+    fn corrupt_then_recv(tag: &str, f: fn(&super::ShmComm)) -> TransportError {
+        let tok = token(tag);
+        let tok1 = tok.clone();
+        let h = std::thread::spawn(move || {
+            let mut t = ShmTransport::join(&tok1, 1, 2, opts()).unwrap();
+            let c = t.open_shm("c").unwrap();
+            f(&c);
+            // Keep the communicator alive while rank 0 looks.
+            std::thread::sleep(Duration::from_millis(500));
+            drop(c);
+        });
+        let mut t = ShmTransport::join(&tok, 0, 2, opts()).unwrap();
+        let mut c = t.open_shm("c").unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let mut buf = [0u8; 16];
+        let err = c.recv(1, &mut buf).unwrap_err();
+        h.join().unwrap();
+        err
+    }
+
+    #[test]
+    fn a_corrupted_ring_head_is_an_error_naming_the_writer() {
+        let err = corrupt_then_recv("head", |c| {
+            // Rank 1 writes the head of ring 1 -> 0: claim more bytes than the ring holds.
+            c.seg.ring_ctl(1, 0).head.word.store(1 << 30, SeqCst);
+        });
+        assert!(
+            matches!(err, TransportError::Protocol { rank: 1, .. }),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("corrupted the head counter"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_corrupted_ring_tail_is_an_error_naming_the_reader() {
+        let tok = token("tail");
+        let tok1 = tok.clone();
+        let h = std::thread::spawn(move || {
+            let mut t = ShmTransport::join(&tok1, 1, 2, opts()).unwrap();
+            let c = t.open_shm("c").unwrap();
+            // Rank 1 reads ring 0 -> 1 and so writes its tail: move it past the head.
+            c.seg.ring_ctl(0, 1).tail.word.store(7, SeqCst);
+            c.seg.ring_ctl(0, 1).head.word.store(0, SeqCst);
+            std::thread::sleep(Duration::from_millis(500));
+            drop(c);
+        });
+        let mut t = ShmTransport::join(&tok, 0, 2, opts()).unwrap();
+        let mut c = t.open_shm("c").unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let err = c.send(1, &[1, 2, 3]).unwrap_err();
+        h.join().unwrap();
+        assert!(
+            matches!(err, TransportError::Protocol { rank: 1, .. }),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("corrupted the tail counter"),
+            "{err}"
+        );
     }
 }

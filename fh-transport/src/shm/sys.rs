@@ -28,9 +28,28 @@ impl Drop for Fd {
     }
 }
 
+/// What `fstat` says about a shared-memory object.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Stat {
+    /// Size in bytes.
+    pub(crate) len: u64,
+    /// Change time, seconds since the epoch.
+    pub(crate) ctime: i64,
+    /// Owner.
+    pub(crate) uid: u32,
+    /// Mode bits (permissions in the low 9 bits).
+    pub(crate) mode: u32,
+}
+
+/// This process's effective user id.
+pub(crate) fn euid() -> u32 {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() }
+}
+
 impl Fd {
-    /// Size of the object in bytes, and its change time (seconds since the epoch).
-    pub(crate) fn stat(&self) -> io::Result<(u64, i64, u32)> {
+    /// Size, change time, owner and mode of the object.
+    pub(crate) fn stat(&self) -> io::Result<Stat> {
         let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
         // SAFETY: `st` points to writable memory of the right type; fstat fills it on success.
         let rc = unsafe { libc::fstat(self.0, st.as_mut_ptr()) };
@@ -39,7 +58,12 @@ impl Fd {
         }
         // SAFETY: fstat returned 0, so the structure is initialised.
         let st = unsafe { st.assume_init() };
-        Ok((st.st_size as u64, st.st_ctime, st.st_uid))
+        Ok(Stat {
+            len: st.st_size as u64,
+            ctime: st.st_ctime,
+            uid: st.st_uid,
+            mode: st.st_mode,
+        })
     }
 
     /// Set the object's size (sparse: no memory is used yet).

@@ -112,12 +112,24 @@ impl TcpOptions {
 pub(crate) struct Key(Arc<[u8]>);
 
 impl Key {
-    fn new(bytes: &[u8]) -> Key {
+    pub(crate) fn new(bytes: &[u8]) -> Key {
         Key(Arc::from(bytes))
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         &self.0
+    }
+
+    /// HMAC-SHA-256 keyed with the token over `parts` (each length-prefixed).
+    pub(crate) fn mac(&self, parts: &[&[u8]]) -> [u8; 32] {
+        use hmac::{Hmac, Mac};
+        let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(self.bytes())
+            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+        for p in parts {
+            mac.update(&(p.len() as u64).to_le_bytes());
+            mac.update(p);
+        }
+        mac.finalize().into_bytes().into()
     }
 }
 
