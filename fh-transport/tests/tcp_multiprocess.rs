@@ -252,6 +252,89 @@ fn wrong_token_is_refused_with_a_clear_error_on_both_sides() {
     eprintln!("{}", world.all_output());
 }
 
+#[test]
+fn a_derived_token_is_announced_once_by_rank_0() {
+    let job = Job::new(2, "collectives");
+    let mut world = World::new();
+    for r in 0..2 {
+        // An empty FH_JOB_TOKEN counts as unset: the token is derived.
+        world.spawn(&job, r, &[("FH_JOB_TOKEN", String::new())]);
+    }
+    world.wait_all_ok();
+    let err0 = world.stderr[0].lock().unwrap().clone();
+    let err1 = world.stderr[1].lock().unwrap().clone();
+    assert_eq!(
+        err0.matches("FH_JOB_TOKEN is not set").count(),
+        1,
+        "{}",
+        world.all_output()
+    );
+    assert!(err0.contains("FH_REQUIRE_TOKEN=1") && err0.contains("export FH_JOB_TOKEN"));
+    assert!(!err1.contains("FH_JOB_TOKEN is not set"), "{err1}");
+    // With FH_REQUIRE_TOKEN=1 the same launch refuses to start, on every rank.
+    let job = Job::new(2, "fd_limit");
+    let mut world = World::new();
+    for r in 0..2 {
+        world.spawn(
+            &job,
+            r,
+            &[
+                ("FH_JOB_TOKEN", String::new()),
+                ("FH_REQUIRE_TOKEN", "1".into()),
+                ("FH_TEST_NOFILE", "4096:4096".into()),
+            ],
+        );
+    }
+    world.wait_all_ok();
+    for r in 0..2 {
+        let out = world.stdout[r].lock().unwrap().clone();
+        assert!(
+            out.contains("SETUP FAILED") && out.contains("FH_REQUIRE_TOKEN"),
+            "rank {r}\n{}",
+            world.all_output()
+        );
+    }
+}
+
+#[test]
+fn the_descriptor_limit_is_raised_or_named() {
+    // A hard limit too low for the job: a clear error naming the limit and the fix.
+    let mut job = Job::new(2, "fd_limit");
+    job.timeout_s = 10;
+    let mut world = World::new();
+    for r in 0..2 {
+        world.spawn(&job, r, &[("FH_TEST_NOFILE", "40:40".into())]);
+    }
+    world.wait_all_ok();
+    for r in 0..2 {
+        let out = world.stdout[r].lock().unwrap().clone();
+        assert!(
+            out.contains("SETUP FAILED")
+                && out.contains("RLIMIT_NOFILE")
+                && out.contains("hard limit is 40")
+                && out.contains("ulimit"),
+            "rank {r}\n{}",
+            world.all_output()
+        );
+    }
+    // A low soft limit under a roomy hard limit: raised, and the job runs.
+    let job = Job::new(2, "fd_limit");
+    let mut world = World::new();
+    for r in 0..2 {
+        world.spawn(&job, r, &[("FH_TEST_NOFILE", "40:4096".into())]);
+    }
+    world.wait_all_ok();
+    for r in 0..2 {
+        let out = world.stdout[r].lock().unwrap().clone();
+        let soft: u64 = out
+            .lines()
+            .find_map(|l| l.split("FD OK soft=").nth(1))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("rank {r}\n{}", world.all_output()));
+        assert!(soft > 40 && soft <= 4096, "soft limit {soft}");
+    }
+}
+
 fn killed_peer(size: usize, victim: usize) {
     let mut job = Job::new(size, "killed_peer");
     // Far longer than the test waits: survivors must notice the loss, not time out.
@@ -372,6 +455,7 @@ fn child_rank() {
         "wrong_token" => child_wrong_token(),
         "killed_peer" => child_killed_peer(),
         "strangers" => child_strangers(),
+        "fd_limit" => child_fd_limit(),
         other => panic!("unknown scenario {other}"),
     }
     println!("CHILD DONE");
@@ -578,6 +662,35 @@ fn child_channels() {
         h.join().expect("a channel thread panicked");
     }
     println!("four channels in parallel ok");
+}
+
+/// Set this process's RLIMIT_NOFILE from `FH_TEST_NOFILE=soft:hard`, join, open a few
+/// communicators and report the soft limit.
+fn child_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let spec = std::env::var("FH_TEST_NOFILE").expect("FH_TEST_NOFILE");
+    let (soft, hard) = spec.split_once(':').expect("soft:hard");
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(soft.parse().unwrap()),
+            maximum: Some(hard.parse().unwrap()),
+        },
+    )
+    .expect("setrlimit");
+    let mut t = match fh_transport::from_env() {
+        Ok(t) => t,
+        Err(e) => {
+            println!("SETUP FAILED: {e}");
+            return;
+        }
+    };
+    let comms: Vec<_> = (0..3)
+        .map(|i| t.open(&format!("c{i}")).expect("open"))
+        .collect();
+    drop(comms);
+    let soft = getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX);
+    println!("FD OK soft={soft}");
 }
 
 fn child_wrong_token() {
