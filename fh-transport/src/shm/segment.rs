@@ -267,7 +267,7 @@ impl Segment {
     pub(crate) fn create(name: &str, layout: Layout, key: &Key) -> Result<Segment> {
         let fd = match sys::shm_create(name) {
             Ok(fd) => fd,
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
                 // Someone else's object under our name is never touched, nor used.
                 if let Ok(other) = sys::shm_open_existing(name, false) {
                     let st = other.stat().map_err(|e| io_err(name, "fstat", e))?;
@@ -299,7 +299,7 @@ impl Segment {
             // segment that the next start recognises as stale.
             seg.record_self(0);
             fd.reserve(layout.total).map_err(|e| {
-                if e.raw_os_error() == Some(libc::ENOSPC) {
+                if e.kind() == io::ErrorKind::StorageFull {
                     TransportError::BackendUnavailable {
                         backend: "shm",
                         reason: format!(
@@ -380,7 +380,7 @@ impl Segment {
     fn try_attach(name: &str, layout: Layout, key: &Key) -> Result<Option<Segment>> {
         let fd = match sys::shm_open_existing(name, true) {
             Ok(fd) => fd,
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io_err(name, "shm_open", e)),
         };
         // Owner and mode first: a segment that another user could have made or written is
@@ -478,7 +478,7 @@ fn io_err(name: &str, what: &str, e: io::Error) -> TransportError {
 fn is_stale(name: &str, uninit_age: Duration) -> Result<bool> {
     let fd = match sys::shm_open_existing(name, false) {
         Ok(fd) => fd,
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(false),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(io_err(name, "shm_open", e)),
     };
     Ok(stale_fd(&fd, uninit_age).unwrap_or(false))
