@@ -283,9 +283,15 @@ fn bad_arguments_are_rejected() {
     world(2, small_opts(), |r, mut t| {
         let mut c = t.open("args").unwrap();
         let mut odd = vec![0u8; 6];
+        // The same check, and error, as every other backend's.
         assert!(matches!(
             c.allreduce(&mut odd, DType::F32, ReduceOp::Sum),
-            Err(TransportError::Core(_))
+            Err(TransportError::InvalidArgument(_))
+        ));
+        let mut recv = vec![0u8; 8];
+        assert!(matches!(
+            c.reduce_scatter(&odd, &mut recv, &[usize::MAX, 2], DType::F32, ReduceOp::Sum),
+            Err(TransportError::InvalidArgument(_))
         ));
         assert!(c.allreduce(&mut odd, DType::F32, ReduceOp::BitOr).is_err());
         assert!(c.broadcast(&mut odd, 5).is_err());

@@ -38,7 +38,7 @@ use fh_core::{kernels, CoreError, DType, ReduceOp};
 use super::segment::{Segment, ST_ABORTED, ST_CLOSED};
 use super::sys;
 use super::ShmOptions;
-use crate::algorithms::offsets;
+use crate::algorithms::{self, offsets};
 use crate::{Communicator, Result, TransportError};
 
 /// Reduction block: the accumulator stays in cache while every peer's block is folded in.
@@ -1039,10 +1039,7 @@ impl Communicator for ShmComm {
     }
 
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        dtype.elements_in(buf.len())?;
-        if !kernels::supports(dtype, op) {
-            return Err(CoreError::UnsupportedOp { op, dtype }.into());
-        }
+        algorithms::check_reduction("allreduce", dtype, op, buf.len())?;
         if self.size == 1 || buf.is_empty() {
             return Ok(()); // Average over one rank is the identity.
         }
@@ -1050,15 +1047,7 @@ impl Communicator for ShmComm {
     }
 
     fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
-        let (_, total) = offsets(counts, self.size, "allgatherv")?;
-        if recv.len() != total || send.len() != counts[self.rank] {
-            return Err(invalid(format!(
-                "allgatherv: send has {} bytes (count says {}), recv has {} bytes (counts sum to {total})",
-                send.len(),
-                counts[self.rank],
-                recv.len()
-            )));
-        }
+        algorithms::check_allgatherv(send.len(), recv.len(), counts, self.rank, self.size)?;
         self.guarded(|c| c.allgatherv_inner(send, recv, counts))
     }
 
@@ -1078,21 +1067,7 @@ impl Communicator for ShmComm {
         recv_counts: &[usize],
     ) -> Result<()> {
         let (n, me) = (self.size, self.rank);
-        let (_, stotal) = offsets(send_counts, n, "alltoallv send")?;
-        let (_, rtotal) = offsets(recv_counts, n, "alltoallv recv")?;
-        if send.len() != stotal || recv.len() != rtotal {
-            return Err(invalid(format!(
-                "alltoallv: send has {} bytes (counts sum to {stotal}), recv has {} bytes (counts sum to {rtotal})",
-                send.len(),
-                recv.len()
-            )));
-        }
-        if send_counts[me] != recv_counts[me] {
-            return Err(invalid(format!(
-                "alltoallv: rank {me} sends itself {} bytes but expects {}",
-                send_counts[me], recv_counts[me]
-            )));
-        }
+        algorithms::check_alltoallv(send.len(), send_counts, recv.len(), recv_counts, me, n)?;
         if n == 1 {
             recv.copy_from_slice(send);
             return Ok(());
@@ -1109,19 +1084,7 @@ impl Communicator for ShmComm {
         op: ReduceOp,
     ) -> Result<()> {
         let (n, me) = (self.size, self.rank);
-        let (_, total) = offsets(counts, n, "reduce_scatter")?;
-        let esz = dtype.size();
-        if send.len() != total * esz || recv.len() != counts[me] * esz {
-            return Err(invalid(format!(
-                "reduce_scatter: send has {} bytes (counts sum to {total} {dtype} elements), recv has {} bytes (expected {} elements)",
-                send.len(),
-                recv.len(),
-                counts[me]
-            )));
-        }
-        if !kernels::supports(dtype, op) {
-            return Err(CoreError::UnsupportedOp { op, dtype }.into());
-        }
+        algorithms::check_reduce_scatter(send.len(), recv.len(), counts, me, n, dtype, op)?;
         if n == 1 {
             recv.copy_from_slice(send);
             return Ok(());
