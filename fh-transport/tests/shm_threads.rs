@@ -272,6 +272,16 @@ fn live_segments_are_not_cleaned_up() {
 }
 
 #[test]
+fn debug_output_never_shows_the_token() {
+    let secret = format!("KNOWN-SHM-SECRET-{}", token());
+    let mut t = ShmTransport::join(&secret, 0, 1, small_opts()).unwrap();
+    let c = t.open_shm("debug").unwrap();
+    for text in [format!("{t:?}"), format!("{t:#?}"), format!("{c:?}")] {
+        assert!(!text.contains("KNOWN-SHM-SECRET"), "{text}");
+    }
+}
+
+#[test]
 fn bad_arguments_are_rejected() {
     assert!(ShmTransport::join("", 0, 1, ShmOptions::default()).is_err());
     assert!(ShmTransport::join("t", 2, 2, ShmOptions::default()).is_err());

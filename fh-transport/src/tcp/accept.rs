@@ -51,9 +51,10 @@ impl RefusalLog {
         }
     }
 
-    fn log(&self, from: SocketAddr, reason: &str) {
+    /// Log a refusal unless this window's quota is used up; returns whether it was logged.
+    fn log(&self, from: SocketAddr, reason: &str) -> bool {
         let Ok(mut st) = self.state.lock() else {
-            return;
+            return false;
         };
         let (start, logged, suppressed) = &mut *st;
         if start.elapsed() >= REFUSAL_LOG_WINDOW {
@@ -73,8 +74,10 @@ impl RefusalLog {
                 %reason,
                 "refused a TCP connection (a stranger, another job, or a misconfigured rank)"
             );
+            true
         } else {
             *suppressed += 1;
+            false
         }
     }
 }
@@ -192,7 +195,7 @@ fn accept_loop(
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) => {
                     // ECONNABORTED, EMFILE and the like: note it, back off a little, go on.
-                    rules.log.log(
+                    let _ = rules.log.log(
                         SocketAddr::from(([0, 0, 0, 0], 0)),
                         &format!("accepting a TCP connection failed: {e}"),
                     );
@@ -238,7 +241,7 @@ fn accept_loop(
                             from,
                         },
                         Err(reason) => {
-                            rules.log.log(from, &reason);
+                            let _ = rules.log.log(from, &reason);
                             Incoming::Refused { from, reason }
                         }
                     };
@@ -253,7 +256,7 @@ fn accept_loop(
                 });
             if let Err(e) = spawned {
                 pending.fetch_sub(1, Ordering::Relaxed);
-                rules
+                let _ = rules
                     .log
                     .log(from, &format!("could not spawn a handshake thread: {e}"));
             }
@@ -367,4 +370,23 @@ fn refuse(stream: &mut TcpStream, reason: &str, deadline: Instant) {
     let _ = write_by(stream, &Reply::Refuse(reason.into()).encode(), deadline);
     let _ = stream.flush();
     let _ = stream.shutdown(std::net::Shutdown::Write);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_are_logged_at_a_bounded_rate() {
+        let log = RefusalLog::new();
+        let from = SocketAddr::from(([127, 0, 0, 1], 9));
+        let logged = (0..1000).filter(|_| log.log(from, "garbage")).count();
+        assert_eq!(logged, REFUSAL_LOGS_PER_WINDOW as usize);
+        // A new window logs again (and summarises the suppressed ones).
+        if let Ok(mut st) = log.state.lock() {
+            st.0 = Instant::now() - REFUSAL_LOG_WINDOW;
+        }
+        assert!(log.log(from, "garbage"));
+        assert_eq!(log.state.lock().map(|s| s.2).unwrap_or(1), 0);
+    }
 }
