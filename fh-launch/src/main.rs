@@ -114,6 +114,14 @@ fn run(cli: Cli) -> Result<i32, Failure> {
     let mut user_env = Vec::new();
     let mut pass_through = Vec::new();
     for x in &cli.env {
+        if x.value.is_some() && mpi::SECRET_VARS.contains(&x.name.as_str()) {
+            eprintln!(
+                "fhrun: warning: -x {0}=… puts the secret on fhrun's command line, where every \
+                 user of this host can read it (ps); export {0} and pass -x {0} instead (or let \
+                 fhrun make a fresh one)",
+                x.name
+            );
+        }
         match (&x.value, cli.mpi) {
             (Some(v), _) => user_env.push((x.name.clone(), v.clone())),
             (None, true) => pass_through.push(x.name.clone()),

@@ -122,6 +122,41 @@ fn verbose_and_dry_run_never_show_the_token() {
         "{}",
         out.stdout
     );
+    // A token given on fhrun's own command line works but is warned about; one passed through
+    // the environment is not.
+    let secret = "0123456789abcdef-my-own-token";
+    let out = fhrun(
+        &[
+            "-np",
+            "1",
+            "-x",
+            &format!("FH_JOB_TOKEN={secret}"),
+            "sh",
+            "-c",
+            "echo $FH_JOB_TOKEN",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert!(out.stdout.contains(secret), "{out:?}");
+    assert!(out.stderr.contains("command line"), "{}", out.stderr);
+    let out = Running::start_cmd(
+        std::process::Command::new(FHRUN)
+            .env("FH_JOB_TOKEN", secret)
+            .args([
+                "-np",
+                "1",
+                "-x",
+                "FH_JOB_TOKEN",
+                "sh",
+                "-c",
+                "echo $FH_JOB_TOKEN",
+            ]),
+    )
+    .wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert!(out.stdout.contains(secret), "{out:?}");
+    assert!(!out.stderr.contains("warning"), "{}", out.stderr);
 }
 
 #[test]
