@@ -3,7 +3,9 @@
 //!
 //! fhrun starts it (its own executable, with [`GUARDIAN_ARG`]) before the ranks, in a process
 //! group of its own, and writes each rank's process-group id to its stdin as the rank starts.
-//! When fhrun finishes normally it writes `done` and the guardian exits. When its stdin ends
+//! When a rank ends (and fhrun has killed what was left in its group) fhrun writes `-<pgid>`, so
+//! that an id the system may reuse is never signalled. When fhrun finishes normally it writes
+//! `done` and the guardian exits. When its stdin ends
 //! without `done` — fhrun died, however — the guardian SIGKILLs every listed process group:
 //! each rank runs in its own group, which holds the rank and every descendant that did not
 //! leave it (a shell wrapper's children included). The parent-death signal only reaches the
@@ -29,7 +31,12 @@ pub fn serve() -> i32 {
         if line == "done" {
             return 0;
         }
-        if let Ok(pgid) = line.parse::<u32>() {
+        if let Some(gone) = line.strip_prefix('-') {
+            // That rank ended and its group was killed: its id may be reused, forget it.
+            if let Ok(pgid) = gone.parse::<u32>() {
+                groups.retain(|&g| g != pgid);
+            }
+        } else if let Ok(pgid) = line.parse::<u32>() {
             groups.push(pgid);
         }
     }
@@ -76,6 +83,15 @@ impl Guardian {
     pub fn watch(&mut self, pgid: u32) {
         if let Some(s) = self.stdin.as_mut() {
             if writeln!(s, "{pgid}").and_then(|_| s.flush()).is_err() {
+                self.stdin = None;
+            }
+        }
+    }
+
+    /// A rank's process group is gone (its id may be reused): stop watching it.
+    pub fn forget(&mut self, pgid: u32) {
+        if let Some(s) = self.stdin.as_mut() {
+            if writeln!(s, "-{pgid}").and_then(|_| s.flush()).is_err() {
                 self.stdin = None;
             }
         }

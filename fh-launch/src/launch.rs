@@ -262,6 +262,9 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
             r.child = None;
             // Whatever the rank left running in its process group goes with it.
             sys::kill_group(r.pid, libc::SIGKILL);
+            if let Some(g) = guardian.as_mut() {
+                g.forget(r.pid);
+            }
             let blame = !status.success() && stopping.is_none();
             if job.verbose && !blame {
                 eprintln!(
