@@ -35,6 +35,8 @@ struct World {
     stderr: Vec<Arc<Mutex<String>>>,
     lines: Receiver<(usize, String)>,
     lines_tx: crossbeam_channel::Sender<(usize, String)>,
+    /// The threads reading each child's stdout and stderr.
+    readers: Vec<Vec<std::thread::JoinHandle<()>>>,
 }
 
 struct Job {
@@ -72,6 +74,7 @@ impl World {
             stderr: Vec::new(),
             lines,
             lines_tx,
+            readers: Vec::new(),
         }
     }
 
@@ -107,7 +110,7 @@ impl World {
         let stdout = child.stdout.take().expect("piped stdout");
         let stderr = child.stderr.take().expect("piped stderr");
         let (out2, tx) = (Arc::clone(&out), self.lines_tx.clone());
-        std::thread::spawn(move || {
+        let r_out = std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
                 out2.lock().unwrap().push_str(&format!("{line}\n"));
@@ -115,11 +118,12 @@ impl World {
             }
         });
         let err2 = Arc::clone(&err);
-        std::thread::spawn(move || {
+        let r_err = std::thread::spawn(move || {
             let mut s = String::new();
             let _ = BufReader::new(stderr).read_to_string(&mut s);
             err2.lock().unwrap().push_str(&s);
         });
+        self.readers.push(vec![r_out, r_err]);
         self.children.0.push(child);
         self.stdout.push(out);
         self.stderr.push(err);
@@ -150,8 +154,16 @@ impl World {
             .wait_for(which, within, Duration::from_millis(20))
         {
             Ok(status) => {
-                // Let the reader threads drain the pipes.
-                std::thread::sleep(Duration::from_millis(50));
+                // Let the reader threads drain the pipes (bounded: a grandchild could hold
+                // a pipe open).
+                let drained = Instant::now() + Duration::from_secs(10);
+                while Instant::now() < drained
+                    && !which
+                        .iter()
+                        .all(|&i| self.readers[i].iter().all(|r| r.is_finished()))
+                {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
                 status.iter().map(|s| s.success()).collect()
             }
             Err(_) => panic!(
