@@ -57,7 +57,12 @@ impl Guardian {
     /// Start the guardian (this executable, re-run). `None` (with a warning) if it cannot be
     /// started: the job still runs, with the parent-death signal as the only safety net.
     pub fn start() -> Option<Guardian> {
-        let exe = std::env::current_exe().ok()?;
+        // /proc/self/exe runs this very binary even if its file was replaced or deleted since.
+        let exe = if cfg!(target_os = "linux") {
+            std::path::PathBuf::from("/proc/self/exe")
+        } else {
+            std::env::current_exe().ok()?
+        };
         let spawned = Command::new(exe)
             .arg(GUARDIAN_ARG)
             .stdin(Stdio::piped())
