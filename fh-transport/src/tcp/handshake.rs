@@ -178,8 +178,9 @@ pub(super) fn client_handshake(
 
 /// Connect to `addrs` and complete a handshake, retrying until `deadline` while nobody listens
 /// yet or an attempt fails in a way worth retrying (see [`Attempt`]). Each attempt's handshake
-/// is bounded by `per_attempt`; `make_hello` builds the hello for each fresh connection. With `refused_is_lost`, a refused connection means the peer's
-/// process is gone (its listener has been up since the rendezvous) and fails at once.
+/// is bounded by `per_attempt`; `make_hello` builds the hello for each fresh connection. With
+/// `refused_is_lost`, a refused connection means the peer's process is gone (its listener has
+/// been up since the rendezvous) and fails at once.
 pub(super) fn connect_handshake(
     addrs: &[SocketAddr],
     mut make_hello: impl FnMut(&TcpStream) -> Result<Hello>,
