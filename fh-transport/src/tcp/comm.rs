@@ -258,6 +258,83 @@ impl TcpComm {
         }
     }
 
+    /// Receive into `b` the message this rank sent itself earlier.
+    fn take_own_message(&mut self, op: &'static str, b: &mut [u8]) -> Result<()> {
+        let msg = self.loopback.pop_front().ok_or_else(|| {
+            TransportError::InvalidArgument(format!(
+                "{op}: receiving from oneself (rank {}) with no message sent to oneself",
+                self.rank
+            ))
+        })?;
+        if msg.len() != b.len() {
+            return Err(TransportError::InvalidArgument(format!(
+                "{op}: this rank sent itself {} bytes but receives {}",
+                msg.len(),
+                b.len()
+            )));
+        }
+        b.copy_from_slice(&msg);
+        Ok(())
+    }
+
+    /// What is wrong with a frame header from `peer` when `expected` payload bytes are due:
+    /// another length, an abort notice, or an unknown control frame.
+    fn frame_problem(
+        &self,
+        op: &'static str,
+        peer: usize,
+        header: [u8; 8],
+        expected: usize,
+    ) -> Option<TransportError> {
+        match wire::decode_header(header) {
+            Header::Data(len) => {
+                wire::check_data_len(len, expected)
+                    .err()
+                    .map(|detail| TransportError::Protocol {
+                        rank: peer,
+                        detail: format!("{op} on communicator '{}': {detail}", self.label),
+                    })
+            }
+            Header::Abort { lost } => Some(self.abort_error(peer, lost)),
+            Header::Unknown(v) => Some(TransportError::Protocol {
+                rank: peer,
+                detail: format!("unknown control frame {v:#x}"),
+            }),
+        }
+    }
+
+    /// While only sending to `peer`, its incoming side became readable: fail at once if it
+    /// closed or sent an abort notice; returns whether to keep watching (not once ordinary data
+    /// for a later receive is waiting).
+    fn watch_for_abort(
+        &mut self,
+        op: &'static str,
+        fd: i32,
+        peer: usize,
+        half: Option<usize>,
+    ) -> Result<bool> {
+        let mut peekbuf = [0u8; 8];
+        match sys::peek(fd, &mut peekbuf) {
+            Ok(0) => {
+                let err = self.lost(peer, op, None);
+                Err(self.fail(err, half))
+            }
+            Ok(8) => match wire::decode_header(peekbuf) {
+                Header::Abort { lost } => {
+                    let err = self.abort_error(peer, lost);
+                    Err(self.fail(err, half))
+                }
+                _ => Ok(false),
+            },
+            Ok(_) => Ok(false),
+            Err(e) if would_block(&e) => Ok(true),
+            Err(e) => {
+                let err = self.lost(peer, op, Some(e));
+                Err(self.fail(err, half))
+            }
+        }
+    }
+
     /// Move one frame to `send.0` and/or one frame from `recv.0`, interleaving both so that
     /// neither direction can block the other.
     fn transfer(
@@ -287,21 +364,7 @@ impl TcpComm {
                     // Send to the peer first, then take our own message.
                     self.transfer(op, send, None)?;
                 }
-                let msg = self.loopback.pop_front().ok_or_else(|| {
-                    TransportError::InvalidArgument(format!(
-                        "{op}: receiving from oneself (rank {}) with no message sent to oneself",
-                        self.rank
-                    ))
-                })?;
-                if msg.len() != b.len() {
-                    return Err(TransportError::InvalidArgument(format!(
-                        "{op}: this rank sent itself {} bytes but receives {}",
-                        msg.len(),
-                        b.len()
-                    )));
-                }
-                b.copy_from_slice(&msg);
-                return Ok(());
+                return self.take_own_message(op, b);
             }
             other => other,
         };
@@ -388,25 +451,7 @@ impl TcpComm {
                         }
                     }
                     if r.done >= 8 && !r.checked {
-                        let peer = r.peer;
-                        let problem =
-                            match wire::decode_header(r.header) {
-                                Header::Data(len) => wire::check_data_len(len, r.buf.len())
-                                    .err()
-                                    .map(|detail| TransportError::Protocol {
-                                        rank: peer,
-                                        detail: format!(
-                                            "{op} on communicator '{}': {detail}",
-                                            self.label
-                                        ),
-                                    }),
-                                Header::Abort { lost } => Some(self.abort_error(peer, lost)),
-                                Header::Unknown(v) => Some(TransportError::Protocol {
-                                    rank: peer,
-                                    detail: format!("unknown control frame {v:#x}"),
-                                }),
-                            };
-                        if let Some(err) = problem {
+                        if let Some(err) = self.frame_problem(op, r.peer, r.header, r.buf.len()) {
                             let half = tx.as_ref().filter(|t| t.done > 0).map(|t| t.peer);
                             return Err(self.fail(err, half));
                         }
@@ -476,29 +521,8 @@ impl TcpComm {
             if let (Some(slot), Some(t)) = (tx_slot, tx.as_ref()) {
                 let same_fd = rx_fd == tx_fd && !rx_done;
                 if watch_tx_in && !same_fd && fds[slot].revents & sys::POLLIN != 0 {
-                    let peer = t.peer;
-                    let half = (t.done > 0).then_some(peer);
-                    let mut peekbuf = [0u8; 8];
-                    match sys::peek(fds[slot].fd, &mut peekbuf) {
-                        Ok(0) => {
-                            let err = self.lost(peer, op, None);
-                            return Err(self.fail(err, half));
-                        }
-                        Ok(8) => match wire::decode_header(peekbuf) {
-                            Header::Abort { lost } => {
-                                let err = self.abort_error(peer, lost);
-                                return Err(self.fail(err, half));
-                            }
-                            // Ordinary data for a later receive: stop watching.
-                            _ => watch_tx_in = false,
-                        },
-                        Ok(_) => watch_tx_in = false,
-                        Err(e) if would_block(&e) => {}
-                        Err(e) => {
-                            let err = self.lost(peer, op, Some(e));
-                            return Err(self.fail(err, half));
-                        }
-                    }
+                    let half = (t.done > 0).then_some(t.peer);
+                    watch_tx_in = self.watch_for_abort(op, fds[slot].fd, t.peer, half)?;
                 }
             }
         }
