@@ -33,6 +33,10 @@
 //! (never attached, never removed). Every ring counter read from shared memory is checked
 //! against the ring's capacity: a peer that corrupts one gets a protocol error naming it, not a
 //! wrap-around.
+//! What no check can prevent: a process of the same user — the only one that can open a `0600`
+//! segment — truncating a segment that ranks have mapped makes their next access to the lost
+//! pages fault (`SIGBUS`). Sizes are checked before every mapping, so only a rank of the job
+//! itself (or another process of its user) can do that.
 //!
 //! Inside a segment every rank owns slots for the native collectives (see `comm.rs`, *Protocol*)
 //! and there is a ring buffer per directed pair of ranks for point-to-point messages, so the
