@@ -33,10 +33,12 @@
 //! (never attached, never removed). Every ring counter read from shared memory is checked
 //! against the ring's capacity: a peer that corrupts one gets a protocol error naming it, not a
 //! wrap-around.
-//! What no check can prevent: a process of the same user — the only one that can open a `0600`
-//! segment — truncating a segment that ranks have mapped makes their next access to the lost
-//! pages fault (`SIGBUS`). Sizes are checked before every mapping, so only a rank of the job
-//! itself (or another process of its user) can do that.
+//! Truncation: no rank keeps a descriptor of a segment once it is mapped, and the name is
+//! unlinked as soon as every rank has mapped it, so after `open` nobody but root can shrink a
+//! segment under the ranks' mappings. During `open`, sizes are checked (`fstat`) before every
+//! mapping; only a process of the same user — the only one that can open a `0600` segment —
+//! racing an `ftruncate` between that check and the first access could still make a rank fault
+//! (`SIGBUS`).
 //!
 //! Inside a segment every rank owns slots for the native collectives (see `comm.rs`, *Protocol*)
 //! and there is a ring buffer per directed pair of ranks for point-to-point messages, so the
