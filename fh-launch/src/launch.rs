@@ -6,6 +6,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use crate::guardian::Guardian;
 use crate::output::{pump, Sink};
 use crate::sys;
 
@@ -101,6 +102,63 @@ pub fn run(job: &LocalJob) -> i32 {
         eprintln!("fhrun: cannot set up signal handling: {e}");
         return 1;
     }
+    // Orphaned descendants of the ranks come to fhrun, which stops them at the end; the
+    // guardian stops the ranks' process groups if fhrun itself is killed.
+    if let Err(e) = sys::become_subreaper() {
+        if job.verbose {
+            eprintln!("fhrun: cannot become a subreaper ({e}); orphans of the ranks go to init");
+        }
+    }
+    let mut guardian = Guardian::start();
+    let code = run_ranks(job, guardian.as_mut());
+    stop_orphans(&guardian, job.kill_grace);
+    if let Some(g) = guardian {
+        g.dismiss();
+    }
+    code
+}
+
+/// Stop and reap every remaining child of fhrun but the guardian: descendants of the ranks that
+/// were orphaned and re-parented to fhrun (fhrun is a subreaper) and left their rank's process
+/// group. SIGTERM first, SIGKILL after `grace` (at most 2 s).
+fn stop_orphans(guardian: &Option<Guardian>, grace: Duration) {
+    let keep = guardian.as_ref().map(Guardian::pid);
+    let others = || -> Vec<(u32, bool)> {
+        sys::children()
+            .into_iter()
+            .filter(|(p, _)| Some(*p) != keep)
+            .collect()
+    };
+    let mut signalled = false;
+    let deadline = Instant::now() + grace.min(Duration::from_secs(2));
+    loop {
+        let left = others();
+        for &(pid, zombie) in &left {
+            if zombie {
+                sys::reap(pid);
+            } else if !signalled {
+                sys::kill_pid(pid, libc::SIGTERM);
+            }
+        }
+        signalled = true;
+        if left.iter().all(|&(_, z)| z) {
+            return;
+        }
+        if Instant::now() >= deadline {
+            for (pid, _) in others() {
+                sys::kill_pid(pid, libc::SIGKILL);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+            for (pid, _) in others() {
+                sys::reap(pid);
+            }
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
     let started = Instant::now();
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let mut pumps = 0usize;
@@ -112,6 +170,9 @@ pub fn run(job: &LocalJob) -> i32 {
         match spawn_rank(job, spec) {
             Ok(mut child) => {
                 let pid = child.id();
+                if let Some(g) = guardian.as_mut() {
+                    g.watch(pid);
+                }
                 if job.verbose {
                     eprintln!("fhrun: started rank {} (pid {pid})", spec.rank);
                 }
@@ -201,6 +262,9 @@ pub fn run(job: &LocalJob) -> i32 {
             r.child = None;
             // Whatever the rank left running in its process group goes with it.
             sys::kill_group(r.pid, libc::SIGKILL);
+            if let Some(g) = guardian.as_mut() {
+                g.forget(r.pid);
+            }
             let blame = !status.success() && stopping.is_none();
             if job.verbose && !blame {
                 eprintln!(
@@ -269,9 +333,23 @@ pub fn run(job: &LocalJob) -> i32 {
         } else if let Some(d) = deadline {
             wait = wait.min(d.saturating_duration_since(now));
         }
-        if let Some(sig @ (libc::SIGINT | libc::SIGTERM | libc::SIGHUP)) =
-            sys::wait_signal(wait.max(Duration::from_millis(1)))
-        {
+        let sig = sys::wait_signal(wait.max(Duration::from_millis(1)));
+        match sig {
+            // Ctrl-Z: the ranks (in process groups of their own) stop with fhrun.
+            Some(libc::SIGTSTP) => {
+                for r in ranks.iter().filter(|r| r.child.is_some()) {
+                    sys::kill_group(r.pid, libc::SIGTSTP);
+                }
+                sys::stop_self();
+            }
+            Some(libc::SIGCONT) => {
+                for r in ranks.iter().filter(|r| r.child.is_some()) {
+                    sys::kill_group(r.pid, libc::SIGCONT);
+                }
+            }
+            _ => {}
+        }
+        if let Some(sig @ (libc::SIGINT | libc::SIGTERM | libc::SIGHUP | libc::SIGQUIT)) = sig {
             match stopping.as_mut() {
                 None => {
                     eprintln!(

@@ -6,6 +6,7 @@
 //! output, forwards signals and fails fast; jobs spanning hosts go through `mpirun` (`--mpi`).
 
 mod cli;
+mod guardian;
 mod hosts;
 mod launch;
 mod mpi;
@@ -25,6 +26,12 @@ use hosts::Host;
 const EXIT_USAGE: i32 = 2;
 
 fn main() {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == guardian::GUARDIAN_ARG)
+    {
+        std::process::exit(guardian::serve());
+    }
     let args = cli::normalize_args(std::env::args_os().map(|a| a.to_string_lossy().into_owned()));
     let cli = Cli::parse_from(args);
     std::process::exit(match run(cli) {
@@ -107,6 +114,14 @@ fn run(cli: Cli) -> Result<i32, Failure> {
     let mut user_env = Vec::new();
     let mut pass_through = Vec::new();
     for x in &cli.env {
+        if x.value.is_some() && mpi::SECRET_VARS.contains(&x.name.as_str()) {
+            eprintln!(
+                "fhrun: warning: -x {0}=… puts the secret on fhrun's command line, where every \
+                 user of this host can read it (ps); export {0} and pass -x {0} instead (or let \
+                 fhrun make a fresh one)",
+                x.name
+            );
+        }
         match (&x.value, cli.mpi) {
             (Some(v), _) => user_env.push((x.name.clone(), v.clone())),
             (None, true) => pass_through.push(x.name.clone()),
@@ -208,7 +223,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             parts.extend(
                 r.env
                     .iter()
-                    .map(|(k, v)| mpi::shell_quote(&format!("{k}={v}"))),
+                    .map(|(k, v)| mpi::shell_quote(&mpi::show_var(k, v))),
             );
             parts.extend(cli.command.iter().map(|a| mpi::shell_quote(a)));
             let line = format!("rank {}: {}", r.rank, parts.join(" "));

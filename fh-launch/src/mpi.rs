@@ -166,13 +166,28 @@ pub fn shell_quote(w: &str) -> String {
     }
 }
 
-/// The command as one shell line: `env A=1 B=2 mpirun ...`.
+/// Variables whose values are secrets: shown as [`REDACTED`].
+pub const SECRET_VARS: &[&str] = &["FH_JOB_TOKEN"];
+/// What is shown instead of a secret value.
+pub const REDACTED: &str = "<redacted>";
+
+/// `NAME=value` for display, with secret values (the job token) replaced by [`REDACTED`].
+pub fn show_var(name: &str, value: &str) -> String {
+    if SECRET_VARS.contains(&name) {
+        format!("{name}={REDACTED}")
+    } else {
+        format!("{name}={value}")
+    }
+}
+
+/// The command as one shell line: `env A=1 B=2 mpirun ...`, secrets redacted (fhrun passes
+/// them through the environment, never on a command line).
 pub fn display(cmd: &MpiCommand) -> String {
     let mut parts = Vec::new();
     if !cmd.env.is_empty() {
         parts.push("env".to_string());
         for (k, v) in &cmd.env {
-            parts.push(shell_quote(&format!("{k}={v}")));
+            parts.push(shell_quote(&show_var(k, v)));
         }
     }
     parts.extend(cmd.argv.iter().map(|a| shell_quote(a)));
@@ -210,6 +225,9 @@ mod tests {
              python train.py"
         );
         assert_eq!(cmd.env.len(), 3);
+        let shown = display(&cmd);
+        assert!(shown.contains("'FH_JOB_TOKEN=<redacted>'"), "{shown}");
+        assert!(!shown.contains("FH_JOB_TOKEN=ab"), "{shown}");
     }
 
     #[test]

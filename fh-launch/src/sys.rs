@@ -4,7 +4,15 @@ use std::io;
 use std::time::Duration;
 
 /// The signals fhrun handles itself (blocked in every thread and taken with `sigtimedwait`).
-pub const HANDLED: [libc::c_int; 4] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGCHLD];
+pub const HANDLED: [libc::c_int; 7] = [
+    libc::SIGINT,
+    libc::SIGTERM,
+    libc::SIGHUP,
+    libc::SIGQUIT,
+    libc::SIGTSTP,
+    libc::SIGCONT,
+    libc::SIGCHLD,
+];
 
 fn handled_set() -> libc::sigset_t {
     // SAFETY: sigset_t is plain data; sigemptyset initializes it before use.
@@ -81,6 +89,66 @@ pub unsafe fn child_setup(parent: libc::pid_t) -> io::Result<()> {
         libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
     }
     Ok(())
+}
+
+/// Make this process the reaper of its orphaned descendants (`PR_SET_CHILD_SUBREAPER`), so
+/// that a rank's child whose parent died is re-parented to fhrun, which then finds and stops it.
+pub fn become_subreaper() -> io::Result<()> {
+    // SAFETY: prctl with PR_SET_CHILD_SUBREAPER takes plain integers.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The children of this process (from `/proc`), with whether each is a zombie.
+pub fn children() -> Vec<(u32, bool)> {
+    let me = getpid() as u32;
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // The command name (field 2) is in parentheses and may hold spaces: parse after it.
+            let mut rest = text[text.rfind(')')? + 1..].split_ascii_whitespace();
+            let state = rest.next()?;
+            let ppid: u32 = rest.next()?.parse().ok()?;
+            (ppid == me).then_some((pid, state == "Z"))
+        })
+        .collect()
+}
+
+/// Reap `pid` if it has ended (never blocks).
+pub fn reap(pid: u32) {
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return;
+    };
+    let mut status = 0;
+    // SAFETY: waitpid on one specific pid with a valid status pointer; WNOHANG never blocks.
+    unsafe {
+        libc::waitpid(p, &mut status, libc::WNOHANG);
+    }
+}
+
+/// Sends `sig` to the process `pid`. A process that no longer exists is not an error.
+pub fn kill_pid(pid: u32, sig: libc::c_int) {
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return;
+    };
+    if p <= 0 {
+        return;
+    }
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe {
+        libc::kill(p, sig);
+    }
+}
+
+/// Stop this process (as the default action of SIGTSTP would) until a SIGCONT.
+pub fn stop_self() {
+    kill_pid(getpid() as u32, libc::SIGSTOP);
 }
 
 /// This process's id.

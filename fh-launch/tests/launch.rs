@@ -90,6 +90,76 @@ fn each_job_gets_a_fresh_token() {
 }
 
 #[test]
+fn verbose_and_dry_run_never_show_the_token() {
+    let out = fhrun(
+        &["--verbose", "-np", "2", "sh", "-c", "echo $FH_JOB_TOKEN"],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    let token = prefixed(&out.stdout, "stdout")[0].1.to_string();
+    assert!(token.len() >= 32, "{out:?}");
+    assert!(
+        out.stderr.contains("FH_JOB_TOKEN=<redacted>"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        !out.stderr.contains(&token),
+        "--verbose leaked the token: {}",
+        out.stderr
+    );
+    let out = fhrun(&["--dry-run", "-np", "2", "true"], LIMIT);
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert!(
+        out.stdout.contains("FH_JOB_TOKEN=<redacted>"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        !out.stdout.lines().any(|l| l
+            .split_whitespace()
+            .any(|w| w.trim_matches('\'').len() > 40 && w.contains("FH_JOB_TOKEN="))),
+        "{}",
+        out.stdout
+    );
+    // A token given on fhrun's own command line works but is warned about; one passed through
+    // the environment is not.
+    let secret = "0123456789abcdef-my-own-token";
+    let out = fhrun(
+        &[
+            "-np",
+            "1",
+            "-x",
+            &format!("FH_JOB_TOKEN={secret}"),
+            "sh",
+            "-c",
+            "echo $FH_JOB_TOKEN",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert!(out.stdout.contains(secret), "{out:?}");
+    assert!(out.stderr.contains("command line"), "{}", out.stderr);
+    let out = Running::start_cmd(
+        std::process::Command::new(FHRUN)
+            .env("FH_JOB_TOKEN", secret)
+            .args([
+                "-np",
+                "1",
+                "-x",
+                "FH_JOB_TOKEN",
+                "sh",
+                "-c",
+                "echo $FH_JOB_TOKEN",
+            ]),
+    )
+    .wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert!(out.stdout.contains(secret), "{out:?}");
+    assert!(!out.stderr.contains("warning"), "{}", out.stderr);
+}
+
+#[test]
 fn output_is_prefixed_per_rank_and_stream() {
     let script = "printf 'out %s\\n' $FH_RANK; printf 'err %s\\n' $FH_RANK >&2; \
                   printf 'part'; sleep 0.1; printf 'ial\\nno newline'";
@@ -249,6 +319,89 @@ fn killing_fhrun_itself_takes_the_ranks_down() {
 }
 
 #[test]
+fn killing_fhrun_takes_down_the_ranks_descendants_too() {
+    // Each rank is a shell wrapper with a child of its own (`sleep 60 &`): the parent-death
+    // signal reaches only the shell; the guardian takes the rest of the rank's group down.
+    let dir = TempDir::new("grandchildren");
+    let job = Running::start_cmd(std::process::Command::new(FHRUN).env("D", dir.str()).args([
+        "-np",
+        "3",
+        "sh",
+        "-c",
+        RECORD_PIDS,
+    ]));
+    let pids = read_pids(dir.path(), &pid_files(3), LIMIT);
+    job.signal(libc::SIGKILL);
+    let out = job.wait(LIMIT);
+    assert_eq!(out.status.code(), None);
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(
+        left.is_empty(),
+        "processes of the job outlived a SIGKILLed fhrun: {left:?} of {pids:?}"
+    );
+}
+
+#[test]
+fn sigquit_is_forwarded_and_stops_the_job() {
+    let dir = TempDir::new("sigquit");
+    let job = Running::start_cmd(std::process::Command::new(FHRUN).env("D", dir.str()).args([
+        "-np",
+        "2",
+        "--kill-grace",
+        "5",
+        "sh",
+        "-c",
+        &format!("trap 'echo GOT-QUIT; exit 7' QUIT; {RECORD_PIDS}"),
+    ]));
+    let pids = read_pids(dir.path(), &pid_files(2), LIMIT);
+    job.signal(libc::SIGQUIT);
+    let out = job.wait(LIMIT);
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert_eq!(out.code(), Some(128 + libc::SIGQUIT), "{out:?}");
+    assert_eq!(out.stdout.matches("GOT-QUIT").count(), 2, "{out:?}");
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+#[test]
+fn sigtstp_stops_the_ranks_and_sigcont_resumes_them() {
+    let dir = TempDir::new("sigtstp");
+    let job = Running::start_cmd(std::process::Command::new(FHRUN).env("D", dir.str()).args([
+        "-np",
+        "2",
+        "sh",
+        "-c",
+        "echo $$ > $D/p$FH_RANK.tmp && mv $D/p$FH_RANK.tmp $D/p$FH_RANK; sleep 2; echo RESUMED",
+    ]));
+    let pids = read_pids(dir.path(), &["p0".into(), "p1".into()], LIMIT);
+    let state = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|t| {
+                t[t.rfind(')')? + 1..]
+                    .split_whitespace()
+                    .next()
+                    .map(str::to_string)
+            })
+            .unwrap_or_default()
+    };
+    job.signal(libc::SIGTSTP);
+    // Every rank, and fhrun itself, stops (bounded wait).
+    let deadline = std::time::Instant::now() + LIMIT;
+    let all_stopped = || pids.iter().all(|&p| state(p) == "T") && state(job.pid()) == "T";
+    while !all_stopped() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let stopped = all_stopped();
+    job.signal(libc::SIGCONT);
+    let out = job.wait(LIMIT);
+    assert!(stopped, "ranks {:?} / fhrun not all stopped", pids);
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert_eq!(out.stdout.matches("RESUMED").count(), 2, "{out:?}");
+}
+
+#[test]
 fn timeout_kills_the_job_and_says_so() {
     let out = fhrun(
         &[
@@ -380,11 +533,8 @@ fn mpi_dry_run_builds_the_mpirun_command() {
         env.contains("FH_CHANNELS=2") && env.contains("FOO=bar"),
         "{line}"
     );
-    let token = env
-        .split(' ')
-        .find_map(|w| w.strip_prefix("FH_JOB_TOKEN="))
-        .expect(line);
-    assert!(token.len() >= 32 && token.chars().all(|c| c.is_ascii_hexdigit()));
+    // The token is passed through the environment and never shown.
+    assert!(env.contains("'FH_JOB_TOKEN=<redacted>'"), "{line}");
     let root = unsafe { libc::geteuid() } == 0;
     let expected = format!(
         "{}-np 4 -H fh-node-a:2,fh-node-b:2 --bind-to none --map-by slot --tag-output \

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use fh_transport::tcp::wire::{ConnKind, Hello, Reply, PROTOCOL_VERSION};
+use fh_transport::tcp::wire::{self, Answer, ConnKind, Hello, Reply, PROTOCOL_VERSION};
 
 const SELFTEST: &str = env!("CARGO_BIN_EXE_fh-selftest");
 const LIMIT: Duration = Duration::from_secs(60);
@@ -182,10 +182,17 @@ fn strangers_on_the_rendezvous_port_do_not_break_the_job() {
                         seq: 0,
                         port: 1,
                         lost: 0,
-                        token: vec![b'0'; 64],
+                        nonce: [1; wire::NONCE_LEN],
                     };
                     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-                    if s.write_all(&hello.encode()).is_ok() {
+                    let hb = hello.encode();
+                    let mut ch = [0u8; wire::CHALLENGE_LEN];
+                    // Answer the challenge with a proof made from a guessed token.
+                    if s.write_all(&hb).is_ok() && s.read_exact(&mut ch).is_ok() {
+                        if let Ok((Answer::Challenge { nonce, .. }, _)) = Answer::decode(&ch) {
+                            let guess = wire::connector_proof(&[b'0'; 64], &hb, &nonce);
+                            let _ = s.write_all(&wire::encode_proof(&guess));
+                        }
                         let mut reply = Vec::new();
                         let _ = s.read_to_end(&mut reply);
                         if let Ok((Reply::Refuse(_), _)) = Reply::decode(&reply) {

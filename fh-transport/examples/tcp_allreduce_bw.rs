@@ -32,7 +32,11 @@ fn launch_self(np: usize, rest: &[String]) -> std::io::Result<bool> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
-    let token = format!("{:x}{:x}", std::process::id(), port as u64 * 0x9e37_79b9);
+    let token = format!(
+        "{:016x}{:016x}",
+        std::process::id(),
+        port as u64 * 0x9e37_79b9
+    );
     let mut children = Vec::new();
     for rank in 0..np {
         let child = Command::new(&exe)

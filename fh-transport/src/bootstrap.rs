@@ -14,9 +14,20 @@
 //! Whatever the launcher, `FH_RENDEZVOUS_ADDR` (`host:port` where rank 0 listens) and
 //! `FH_JOB_TOKEN` win when set; otherwise the rendezvous is `MASTER_ADDR:MASTER_PORT`. Under
 //! `torchrun`, whose agent already holds `MASTER_PORT`, rank 0 listens on `MASTER_PORT + 1`.
-//! Without `FH_JOB_TOKEN` a token is derived from what all ranks share (rendezvous address,
-//! size, job id), which keeps other jobs out but is no secret: set `FH_JOB_TOKEN` to
-//! authenticate.
+//!
+//! **The job token.** `FH_JOB_TOKEN` is the job's shared secret: at least [`MIN_TOKEN_LEN`]
+//! bytes of printable ASCII (`fhrun` makes 64 random hex digits per job). It is held in a
+//! [`JobToken`], whose `Debug` never shows it, and never crosses the network (the TCP backend
+//! proves knowledge of it with HMAC-SHA-256 over fresh nonces). Without `FH_JOB_TOKEN` (plain
+//! `torchrun`, `srun` or `mpirun`) a token is *derived* from what all ranks share (rendezvous
+//! address, world size, job-id variables), so that such jobs still just work: it keeps other
+//! jobs and accidents out, but anyone who can read those public facts can compute it, so it
+//! authenticates nothing. Rank 0 says so once on stderr, with the fix. `FH_REQUIRE_TOKEN=1`
+//! turns that fallback into an error.
+//!
+//! **The rendezvous address** must name an address of rank 0's host: a wildcard (`0.0.0.0`,
+//! `::`) would make rank 0 listen on every interface and is refused unless
+//! `FH_ALLOW_WILDCARD=1`.
 //!
 //! Every bad value is a [`TransportError::Config`] naming the variable and what is expected.
 
@@ -27,6 +38,50 @@ use crate::{Result, Topology, TransportError};
 
 /// Default for `FH_TIMEOUT_SECONDS`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Shortest `FH_JOB_TOKEN` accepted, in bytes.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// The job's shared secret. Its `Debug` output is redacted; [`JobToken::expose`] is the only
+/// way to the text, so that every use is visible in the code.
+#[derive(Clone, PartialEq, Eq)]
+pub struct JobToken(String);
+
+impl JobToken {
+    /// Wrap a token (no checks: [`LaunchInfo::from_vars`] checks what comes from the
+    /// environment).
+    pub fn new(token: impl Into<String>) -> Self {
+        JobToken(token.into())
+    }
+
+    /// The secret itself. Never log or print it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The secret's bytes (the key of the handshake's HMAC).
+    pub fn as_bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+}
+
+impl fmt::Debug for JobToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("JobToken(<redacted>)")
+    }
+}
+
+impl From<&str> for JobToken {
+    fn from(s: &str) -> Self {
+        JobToken(s.to_owned())
+    }
+}
+
+impl From<String> for JobToken {
+    fn from(s: String) -> Self {
+        JobToken(s)
+    }
+}
 
 /// Which launcher started this process (whose variables were read).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -82,11 +137,14 @@ pub struct LaunchInfo {
     pub cross_size: usize,
     /// `host:port` where rank 0 listens for the rendezvous (`None` for a single process).
     pub rendezvous: Option<String>,
-    /// The job token every connection must present (`None` for a single process).
-    pub token: Option<String>,
+    /// The job token every connection must prove (`None` for a single process).
+    pub token: Option<JobToken>,
     /// Whether [`LaunchInfo::token`] was derived from shared job facts rather than given in
     /// `FH_JOB_TOKEN` (then it authenticates nothing; it only keeps other jobs out).
     pub token_derived: bool,
+    /// Whether a wildcard rendezvous address (`0.0.0.0`, `::`) is allowed
+    /// (`FH_ALLOW_WILDCARD=1`).
+    pub allow_wildcard: bool,
     /// Which launcher's variables were used.
     pub launcher: Launcher,
     /// How long to wait for a peer before giving up (`FH_TIMEOUT_SECONDS`).
@@ -104,8 +162,9 @@ impl fmt::Debug for LaunchInfo {
             .field("cross_rank", &self.cross_rank)
             .field("cross_size", &self.cross_size)
             .field("rendezvous", &self.rendezvous)
-            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("token", &self.token)
             .field("token_derived", &self.token_derived)
+            .field("allow_wildcard", &self.allow_wildcard)
             .field("launcher", &self.launcher)
             .field("timeout", &self.timeout)
             .finish()
@@ -125,6 +184,7 @@ impl LaunchInfo {
             rendezvous: None,
             token: None,
             token_derived: false,
+            allow_wildcard: false,
             launcher: Launcher::Single,
             timeout: DEFAULT_TIMEOUT,
         }
@@ -134,12 +194,10 @@ impl LaunchInfo {
     pub fn from_env() -> Result<Self> {
         let info = Self::from_vars(|name| std::env::var(name).ok())?;
         if info.token_derived {
-            tracing::warn!(
-                launcher = %info.launcher,
-                "FH_JOB_TOKEN is not set: using a token derived from the rendezvous address and \
-                 job id, which keeps other jobs out but authenticates nothing; set FH_JOB_TOKEN \
-                 to a random secret (e.g. `openssl rand -hex 16`) in every rank's environment"
-            );
+            tracing::warn!(launcher = %info.launcher, "{DERIVED_TOKEN_NOTICE}");
+            if info.rank == 0 {
+                announce_derived_token(info.launcher);
+            }
         }
         Ok(info)
     }
@@ -171,22 +229,36 @@ impl LaunchInfo {
             LaunchInfo::single()
         };
         info.timeout = timeout;
+        info.allow_wildcard = parse_flag(&get, "FH_ALLOW_WILDCARD")?;
+        let require_token = parse_flag(&get, "FH_REQUIRE_TOKEN")?;
         info.check_topology()?;
         if info.size > 1 {
-            info.rendezvous = Some(rendezvous(&get, info.launcher)?);
+            info.rendezvous = Some(rendezvous(&get, info.launcher, info.allow_wildcard)?);
             match get("FH_JOB_TOKEN") {
                 Some(token) => {
                     check_token(&token)?;
-                    info.token = Some(token.trim().to_owned());
+                    info.token = Some(JobToken(token.trim().to_owned()));
+                }
+                None if require_token => {
+                    return Err(config(
+                        "FH_JOB_TOKEN",
+                        format!(
+                            "FH_REQUIRE_TOKEN is set but FH_JOB_TOKEN is not (a {} launch): \
+                             export a random secret of at least {MIN_TOKEN_LEN} bytes, e.g. \
+                             `export FH_JOB_TOKEN=$(openssl rand -hex 32)`, in the environment \
+                             every rank inherits (see fh-launch/README.md)",
+                            info.launcher
+                        ),
+                    ));
                 }
                 None => {
-                    info.token = Some(derive_token(&get, &info));
+                    info.token = Some(JobToken(derive_token(&get, &info)));
                     info.token_derived = true;
                 }
             }
         } else if let Some(token) = get("FH_JOB_TOKEN") {
             check_token(&token)?;
-            info.token = Some(token.trim().to_owned());
+            info.token = Some(JobToken(token.trim().to_owned()));
         }
         Ok(info)
     }
@@ -341,6 +413,7 @@ fn derive_rest(
         rendezvous: None,
         token: None,
         token_derived: false,
+        allow_wildcard: false,
         launcher,
         timeout: DEFAULT_TIMEOUT,
     }
@@ -520,10 +593,49 @@ fn check_addr(var: &str, addr: &str) -> Result<()> {
     }
 }
 
-fn rendezvous(get: &Get<'_>, launcher: Launcher) -> Result<String> {
+/// Whether `host` (without brackets) is a wildcard address: listening there means every
+/// interface.
+pub(crate) fn is_wildcard_host(host: &str) -> bool {
+    host.trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_unspecified())
+}
+
+fn check_not_wildcard(var: &str, addr: &str, allow: bool) -> Result<()> {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    if !allow && is_wildcard_host(host) {
+        return Err(config(
+            var,
+            format!(
+                "{addr:?} is a wildcard address: rank 0 would listen on every interface of its \
+                 host. Give an address of rank 0's host that the other ranks can reach (e.g. \
+                 127.0.0.1 for one host, or the cluster network's address), or set \
+                 FH_ALLOW_WILDCARD=1 if listening everywhere is really intended"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn parse_flag(get: &Get<'_>, name: &str) -> Result<bool> {
+    match get(name).as_deref().map(str::trim) {
+        None | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(v) if v.eq_ignore_ascii_case("false") || v.eq_ignore_ascii_case("no") => Ok(false),
+        Some(v) if v.eq_ignore_ascii_case("true") || v.eq_ignore_ascii_case("yes") => Ok(true),
+        Some(v) => Err(config(
+            name,
+            format!("expected 1 (on) or 0 (off), got {v:?}"),
+        )),
+    }
+}
+
+fn rendezvous(get: &Get<'_>, launcher: Launcher, allow_wildcard: bool) -> Result<String> {
     if let Some(addr) = get("FH_RENDEZVOUS_ADDR") {
         let addr = addr.trim().to_owned();
         check_addr("FH_RENDEZVOUS_ADDR", &addr)?;
+        check_not_wildcard("FH_RENDEZVOUS_ADDR", &addr, allow_wildcard)?;
         return Ok(addr);
     }
     match (get("MASTER_ADDR"), get("MASTER_PORT")) {
@@ -554,6 +666,7 @@ fn rendezvous(get: &Get<'_>, launcher: Launcher) -> Result<String> {
                 format!("{host}:{port}")
             };
             check_addr("MASTER_ADDR", &addr)?;
+            check_not_wildcard("MASTER_ADDR", &addr, allow_wildcard)?;
             Ok(addr)
         }
         (Some(_), None) => Err(config(
@@ -593,7 +706,44 @@ fn check_token(token: &str) -> Result<()> {
             "the token must be printable ASCII without spaces (e.g. hex digits)",
         ));
     }
+    if t.len() < MIN_TOKEN_LEN {
+        return Err(config(
+            "FH_JOB_TOKEN",
+            format!(
+                "the token is {} bytes long; at least {MIN_TOKEN_LEN} are needed so that it \
+                 cannot be guessed (e.g. `export FH_JOB_TOKEN=$(openssl rand -hex 32)`)",
+                t.len()
+            ),
+        ));
+    }
     Ok(())
+}
+
+/// What rank 0 says when the token is derived.
+const DERIVED_TOKEN_NOTICE: &str = "FH_JOB_TOKEN is not set, so the job token is derived from \
+     the rendezvous address, the world size and the launcher's job id. That keeps other jobs and \
+     accidents out, but anyone who can see those facts can compute it: it authenticates nothing. \
+     To fix, export a random secret in the environment every rank inherits, e.g. \
+     `export FH_JOB_TOKEN=$(openssl rand -hex 32)` before torchrun/srun/mpirun (mpirun: add \
+     `-x FH_JOB_TOKEN`), or launch with fhrun; set FH_REQUIRE_TOKEN=1 to refuse to start without \
+     one.";
+
+/// Say once per process, on stderr, that the token is derived. This is the one place where
+/// this library writes to stderr itself: a warning that only a `tracing` subscriber could show
+/// would go unseen in exactly the jobs it is about.
+fn announce_derived_token(launcher: Launcher) {
+    use std::io::Write as _;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if SAID.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let mut err = std::io::stderr().lock();
+    // Nothing to do if stderr is closed.
+    let _ = writeln!(
+        err,
+        "fasthorovod (rank 0, {launcher}): warning: {DERIVED_TOKEN_NOTICE}"
+    );
 }
 
 /// 64-bit FNV-1a, for deriving a stable (not secret) token.

@@ -228,7 +228,7 @@ impl HierTransport {
             return Ok(Setup::Tcp(Box::new(tcp), why));
         }
         let host_token = match &info.token {
-            Some(t) => format!("{t}/hier-host-{}", info.cross_rank),
+            Some(t) => format!("{}/hier-host-{}", t.expose(), info.cross_rank),
             None => format!("hier-single-{}", std::process::id()),
         };
         // Sizes from the environment (`FH_SHM_SLOT_BYTES`), the launch's timeout.
@@ -582,10 +582,7 @@ impl Communicator for HierComm {
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         // Check everything up front: past this point an argument error on one rank would
         // leave the others waiting.
-        let elements = dtype.elements_in(buf.len())?;
-        if !kernels::supports(dtype, op) {
-            return Err(CoreError::UnsupportedOp { op, dtype }.into());
-        }
+        let elements = algorithms::check_reduction("allreduce", dtype, op, buf.len())?;
         if self.topology.size == 1 || buf.is_empty() {
             return Ok(());
         }

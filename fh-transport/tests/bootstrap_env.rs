@@ -63,7 +63,7 @@ fn fhrun_variables() {
     );
     assert_eq!(info.rendezvous.as_deref(), Some("10.0.0.1:29400"));
     assert_eq!(
-        info.token.as_deref(),
+        info.token.as_ref().map(|t| t.expose()),
         Some("0123456789abcdef0123456789abcdef")
     );
     assert!(!info.token_derived);
@@ -95,7 +95,7 @@ fn fhrun_without_local_or_cross_assumes_one_host() {
         ("FH_RANK", "2"),
         ("FH_SIZE", "3"),
         ("FH_RENDEZVOUS_ADDR", "127.0.0.1:5000"),
-        ("FH_JOB_TOKEN", "abc"),
+        ("FH_JOB_TOKEN", "abcdefghijklmnop"),
     ])
     .unwrap();
     assert_eq!(
@@ -403,6 +403,106 @@ fn bad_values_name_the_variable_and_what_is_expected() {
     vars.retain(|(k, _)| *k != "FH_JOB_TOKEN");
     vars.push(("FH_JOB_TOKEN", &long));
     assert_eq!(config_err(&vars).0, "FH_JOB_TOKEN");
+}
+
+#[test]
+fn short_tokens_are_refused_naming_the_variable() {
+    let mut vars = FHRUN.to_vec();
+    vars.retain(|(k, _)| *k != "FH_JOB_TOKEN");
+    vars.push(("FH_JOB_TOKEN", "a"));
+    let (var, reason) = config_err(&vars);
+    assert_eq!(var, "FH_JOB_TOKEN");
+    assert!(reason.contains("at least 16"), "{reason}");
+    assert!(
+        !reason.contains("\"a\""),
+        "the error must not echo the token: {reason}"
+    );
+    // 15 bytes: refused; 16: fine.
+    vars.pop();
+    vars.push(("FH_JOB_TOKEN", "0123456789abcde"));
+    assert_eq!(config_err(&vars).0, "FH_JOB_TOKEN");
+    vars.pop();
+    vars.push(("FH_JOB_TOKEN", "0123456789abcdef"));
+    assert!(parse(&vars).is_ok());
+}
+
+#[test]
+fn require_token_refuses_the_derived_fallback() {
+    let torchrun = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+    // Without FH_REQUIRE_TOKEN: derived, and flagged.
+    let info = parse(&torchrun).unwrap();
+    assert!(info.token_derived);
+    // With it: a clear error naming FH_JOB_TOKEN and how to set it.
+    let mut vars = torchrun.to_vec();
+    vars.push(("FH_REQUIRE_TOKEN", "1"));
+    let (var, reason) = config_err(&vars);
+    assert_eq!(var, "FH_JOB_TOKEN");
+    assert!(reason.contains("FH_REQUIRE_TOKEN"), "{reason}");
+    // A real token satisfies it.
+    vars.push(("FH_JOB_TOKEN", "0123456789abcdef0123"));
+    let info = parse(&vars).unwrap();
+    assert!(!info.token_derived);
+    // A bad flag value is an error too.
+    let mut vars = torchrun.to_vec();
+    vars.push(("FH_REQUIRE_TOKEN", "maybe"));
+    assert_eq!(config_err(&vars).0, "FH_REQUIRE_TOKEN");
+}
+
+#[test]
+fn wildcard_rendezvous_is_refused_unless_allowed() {
+    for (var, over) in [
+        (
+            "FH_RENDEZVOUS_ADDR",
+            vec![("FH_RENDEZVOUS_ADDR", "0.0.0.0:29400")],
+        ),
+        (
+            "FH_RENDEZVOUS_ADDR",
+            vec![("FH_RENDEZVOUS_ADDR", "[::]:29400")],
+        ),
+        (
+            "MASTER_ADDR",
+            vec![("MASTER_ADDR", "0.0.0.0"), ("MASTER_PORT", "29400")],
+        ),
+        (
+            "MASTER_ADDR",
+            vec![("MASTER_ADDR", "::"), ("MASTER_PORT", "29400")],
+        ),
+    ] {
+        let mut vars: Vec<(&str, &str)> = vec![("RANK", "1"), ("WORLD_SIZE", "2")];
+        vars.extend(over.iter().copied());
+        let (got, reason) = config_err(&vars);
+        assert_eq!(got, var, "{reason}");
+        assert!(
+            reason.contains("wildcard") && reason.contains("FH_ALLOW_WILDCARD"),
+            "{reason}"
+        );
+        vars.push(("FH_ALLOW_WILDCARD", "1"));
+        let info = parse(&vars).unwrap();
+        assert!(info.allow_wildcard);
+    }
+}
+
+#[test]
+fn no_debug_output_shows_the_token() {
+    let token = "KNOWN-SECRET-TOKEN-0123456789";
+    let mut vars = FHRUN.to_vec();
+    vars.retain(|(k, _)| *k != "FH_JOB_TOKEN");
+    vars.push(("FH_JOB_TOKEN", token));
+    let info = parse(&vars).unwrap();
+    assert_eq!(info.token.as_ref().map(|t| t.expose()), Some(token));
+    for text in [
+        format!("{info:?}"),
+        format!("{info:#?}"),
+        format!("{:?}", info.token),
+    ] {
+        assert!(!text.contains(token), "{text}");
+        assert!(!text.contains("KNOWN-SECRET"), "{text}");
+    }
 }
 
 #[test]

@@ -272,6 +272,16 @@ fn live_segments_are_not_cleaned_up() {
 }
 
 #[test]
+fn debug_output_never_shows_the_token() {
+    let secret = format!("KNOWN-SHM-SECRET-{}", token());
+    let mut t = ShmTransport::join(&secret, 0, 1, small_opts()).unwrap();
+    let c = t.open_shm("debug").unwrap();
+    for text in [format!("{t:?}"), format!("{t:#?}"), format!("{c:?}")] {
+        assert!(!text.contains("KNOWN-SHM-SECRET"), "{text}");
+    }
+}
+
+#[test]
 fn bad_arguments_are_rejected() {
     assert!(ShmTransport::join("", 0, 1, ShmOptions::default()).is_err());
     assert!(ShmTransport::join("t", 2, 2, ShmOptions::default()).is_err());
@@ -283,9 +293,15 @@ fn bad_arguments_are_rejected() {
     world(2, small_opts(), |r, mut t| {
         let mut c = t.open("args").unwrap();
         let mut odd = vec![0u8; 6];
+        // The same check, and error, as every other backend's.
         assert!(matches!(
             c.allreduce(&mut odd, DType::F32, ReduceOp::Sum),
-            Err(TransportError::Core(_))
+            Err(TransportError::InvalidArgument(_))
+        ));
+        let mut recv = vec![0u8; 8];
+        assert!(matches!(
+            c.reduce_scatter(&odd, &mut recv, &[usize::MAX, 2], DType::F32, ReduceOp::Sum),
+            Err(TransportError::InvalidArgument(_))
         ));
         assert!(c.allreduce(&mut odd, DType::F32, ReduceOp::BitOr).is_err());
         assert!(c.broadcast(&mut odd, 5).is_err());

@@ -49,6 +49,7 @@ fn world(size: usize, timeout_s: &str, handshake: Duration) -> Vec<TcpTransport>
         .collect()
 }
 
+/// Send raw bytes and return the refusal they earn (before any challenge).
 fn refusal(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -61,7 +62,7 @@ fn refusal(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
     }
 }
 
-fn hello(version: u16, size: u32, rank: u32, token: &[u8]) -> wire::Hello {
+fn hello(version: u16, size: u32, rank: u32) -> wire::Hello {
     wire::Hello {
         version,
         kind: wire::ConnKind::Data,
@@ -70,7 +71,33 @@ fn hello(version: u16, size: u32, rank: u32, token: &[u8]) -> wire::Hello {
         seq: 0,
         port: 0,
         lost: 0,
-        token: token.to_vec(),
+        nonce: [9; wire::NONCE_LEN],
+    }
+}
+
+/// Do a whole handshake as a connector that knows `token` (answering the challenge whether
+/// or not the listener's proof checks out) and return the final refusal reason, or `None` when
+/// accepted.
+fn knock(addr: std::net::SocketAddr, h: &wire::Hello, token: &[u8]) -> Option<String> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let hb = h.encode();
+    s.write_all(&hb).unwrap();
+    let mut ch = [0u8; wire::CHALLENGE_LEN];
+    s.read_exact(&mut ch).unwrap();
+    let Ok((wire::Answer::Challenge { nonce, .. }, _)) = wire::Answer::decode(&ch) else {
+        panic!("expected a challenge")
+    };
+    s.write_all(&wire::encode_proof(&wire::connector_proof(
+        token, &hb, &nonce,
+    )))
+    .unwrap();
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply);
+    match wire::Reply::decode(&reply) {
+        Ok((wire::Reply::Refuse(why), _)) => Some(why),
+        Ok((wire::Reply::Accept, _)) => None,
+        other => panic!("expected a reply, got {other:?}"),
     }
 }
 
@@ -80,21 +107,23 @@ fn the_door_says_why_it_refuses() {
     let rank0 = w[0].peer_addresses()[0];
     let token = b"in-process-test-token";
 
-    let mut other_version = hello(wire::PROTOCOL_VERSION, 2, 1, token).encode();
+    let mut other_version = hello(wire::PROTOCOL_VERSION, 2, 1).encode();
     other_version[4..6].copy_from_slice(&7u16.to_le_bytes());
     let why = refusal(rank0, &other_version);
     assert!(why.contains("protocol version 7"), "{why}");
 
-    let why = refusal(rank0, &hello(wire::PROTOCOL_VERSION, 3, 1, token).encode());
+    let why = knock(rank0, &hello(wire::PROTOCOL_VERSION, 3, 1), token).unwrap();
     assert!(why.contains("world size mismatch"), "{why}");
 
-    let why = refusal(
+    let why = knock(
         rank0,
-        &hello(wire::PROTOCOL_VERSION, 2, 1, b"nope").encode(),
-    );
+        &hello(wire::PROTOCOL_VERSION, 2, 1),
+        b"not-the-job-token-at-all",
+    )
+    .unwrap();
     assert!(why.contains("wrong job token"), "{why}");
 
-    let why = refusal(rank0, &hello(wire::PROTOCOL_VERSION, 2, 0, token).encode());
+    let why = knock(rank0, &hello(wire::PROTOCOL_VERSION, 2, 0), token).unwrap();
     assert!(why.contains("may not connect"), "{why}");
 
     let why = refusal(rank0, b"SSH-2.0-OpenSSH_9.6\r\n");
@@ -125,9 +154,9 @@ fn a_slow_or_silent_stranger_is_cut_off() {
     drip.set_read_timeout(Some(Duration::from_millis(50)))
         .unwrap();
     let start = Instant::now();
-    // A well-formed beginning with the longest token, one byte at a time: with a per-read
-    // timeout only, this would be served for as long as the stranger likes.
-    let bytes = hello(wire::PROTOCOL_VERSION, 2, 1, &[b'x'; wire::MAX_TOKEN_LEN]).encode();
+    // A well-formed handshake, one byte at a time: with a per-read timeout only, this would be
+    // served for as long as the stranger likes.
+    let bytes = hello(wire::PROTOCOL_VERSION, 2, 1).encode();
     let mut closed = false;
     let mut sent = 0;
     for b in &bytes {

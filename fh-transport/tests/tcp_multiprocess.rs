@@ -35,6 +35,8 @@ struct World {
     stderr: Vec<Arc<Mutex<String>>>,
     lines: Receiver<(usize, String)>,
     lines_tx: crossbeam_channel::Sender<(usize, String)>,
+    /// The threads reading each child's stdout and stderr.
+    readers: Vec<Vec<std::thread::JoinHandle<()>>>,
 }
 
 struct Job {
@@ -72,6 +74,7 @@ impl World {
             stderr: Vec::new(),
             lines,
             lines_tx,
+            readers: Vec::new(),
         }
     }
 
@@ -107,7 +110,7 @@ impl World {
         let stdout = child.stdout.take().expect("piped stdout");
         let stderr = child.stderr.take().expect("piped stderr");
         let (out2, tx) = (Arc::clone(&out), self.lines_tx.clone());
-        std::thread::spawn(move || {
+        let r_out = std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
                 out2.lock().unwrap().push_str(&format!("{line}\n"));
@@ -115,11 +118,12 @@ impl World {
             }
         });
         let err2 = Arc::clone(&err);
-        std::thread::spawn(move || {
+        let r_err = std::thread::spawn(move || {
             let mut s = String::new();
             let _ = BufReader::new(stderr).read_to_string(&mut s);
             err2.lock().unwrap().push_str(&s);
         });
+        self.readers.push(vec![r_out, r_err]);
         self.children.0.push(child);
         self.stdout.push(out);
         self.stderr.push(err);
@@ -150,8 +154,16 @@ impl World {
             .wait_for(which, within, Duration::from_millis(20))
         {
             Ok(status) => {
-                // Let the reader threads drain the pipes.
-                std::thread::sleep(Duration::from_millis(50));
+                // Let the reader threads drain the pipes (bounded: a grandchild could hold
+                // a pipe open).
+                let drained = Instant::now() + Duration::from_secs(10);
+                while Instant::now() < drained
+                    && !which
+                        .iter()
+                        .all(|&i| self.readers[i].iter().all(|r| r.is_finished()))
+                {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
                 status.iter().map(|s| s.success()).collect()
             }
             Err(_) => panic!(
@@ -252,6 +264,89 @@ fn wrong_token_is_refused_with_a_clear_error_on_both_sides() {
     eprintln!("{}", world.all_output());
 }
 
+#[test]
+fn a_derived_token_is_announced_once_by_rank_0() {
+    let job = Job::new(2, "collectives");
+    let mut world = World::new();
+    for r in 0..2 {
+        // An empty FH_JOB_TOKEN counts as unset: the token is derived.
+        world.spawn(&job, r, &[("FH_JOB_TOKEN", String::new())]);
+    }
+    world.wait_all_ok();
+    let err0 = world.stderr[0].lock().unwrap().clone();
+    let err1 = world.stderr[1].lock().unwrap().clone();
+    assert_eq!(
+        err0.matches("FH_JOB_TOKEN is not set").count(),
+        1,
+        "{}",
+        world.all_output()
+    );
+    assert!(err0.contains("FH_REQUIRE_TOKEN=1") && err0.contains("export FH_JOB_TOKEN"));
+    assert!(!err1.contains("FH_JOB_TOKEN is not set"), "{err1}");
+    // With FH_REQUIRE_TOKEN=1 the same launch refuses to start, on every rank.
+    let job = Job::new(2, "fd_limit");
+    let mut world = World::new();
+    for r in 0..2 {
+        world.spawn(
+            &job,
+            r,
+            &[
+                ("FH_JOB_TOKEN", String::new()),
+                ("FH_REQUIRE_TOKEN", "1".into()),
+                ("FH_TEST_NOFILE", "4096:4096".into()),
+            ],
+        );
+    }
+    world.wait_all_ok();
+    for r in 0..2 {
+        let out = world.stdout[r].lock().unwrap().clone();
+        assert!(
+            out.contains("SETUP FAILED") && out.contains("FH_REQUIRE_TOKEN"),
+            "rank {r}\n{}",
+            world.all_output()
+        );
+    }
+}
+
+#[test]
+fn the_descriptor_limit_is_raised_or_named() {
+    // A hard limit too low for the job: a clear error naming the limit and the fix.
+    let mut job = Job::new(2, "fd_limit");
+    job.timeout_s = 10;
+    let mut world = World::new();
+    for r in 0..2 {
+        world.spawn(&job, r, &[("FH_TEST_NOFILE", "40:40".into())]);
+    }
+    world.wait_all_ok();
+    for r in 0..2 {
+        let out = world.stdout[r].lock().unwrap().clone();
+        assert!(
+            out.contains("SETUP FAILED")
+                && out.contains("RLIMIT_NOFILE")
+                && out.contains("hard limit is 40")
+                && out.contains("ulimit"),
+            "rank {r}\n{}",
+            world.all_output()
+        );
+    }
+    // A low soft limit under a roomy hard limit: raised, and the job runs.
+    let job = Job::new(2, "fd_limit");
+    let mut world = World::new();
+    for r in 0..2 {
+        world.spawn(&job, r, &[("FH_TEST_NOFILE", "40:4096".into())]);
+    }
+    world.wait_all_ok();
+    for r in 0..2 {
+        let out = world.stdout[r].lock().unwrap().clone();
+        let soft: u64 = out
+            .lines()
+            .find_map(|l| l.split("FD OK soft=").nth(1))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("rank {r}\n{}", world.all_output()));
+        assert!(soft > 40 && soft <= 4096, "soft limit {soft}");
+    }
+}
+
 fn killed_peer(size: usize, victim: usize) {
     let mut job = Job::new(size, "killed_peer");
     // Far longer than the test waits: survivors must notice the loss, not time out.
@@ -324,14 +419,24 @@ fn strangers_at_the_rendezvous_do_not_disturb_the_job() {
         seq: 0,
         port: 1,
         lost: 0,
-        token: b"guessed-token".to_vec(),
+        nonce: [3; wire::NONCE_LEN],
     };
-    impostor.write_all(&hello.encode()).expect("send hello");
+    let hello_bytes = hello.encode();
+    impostor.write_all(&hello_bytes).expect("send hello");
     let half_open = connect();
-    // The impostor is told why it is refused.
+    // The impostor answers the challenge with a guess and is told why it is refused.
     impostor
         .set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
+    let mut challenge = [0u8; wire::CHALLENGE_LEN];
+    impostor.read_exact(&mut challenge).expect("a challenge");
+    let Ok((wire::Answer::Challenge { nonce, .. }, _)) = wire::Answer::decode(&challenge) else {
+        panic!("expected a challenge");
+    };
+    let guess = wire::connector_proof(b"guessed-token-0123", &hello_bytes, &nonce);
+    impostor
+        .write_all(&wire::encode_proof(&guess))
+        .expect("send proof");
     let mut reply = Vec::new();
     let _ = impostor.read_to_end(&mut reply);
     let (r, _) = wire::Reply::decode(&reply).expect("a reply");
@@ -362,6 +467,7 @@ fn child_rank() {
         "wrong_token" => child_wrong_token(),
         "killed_peer" => child_killed_peer(),
         "strangers" => child_strangers(),
+        "fd_limit" => child_fd_limit(),
         other => panic!("unknown scenario {other}"),
     }
     println!("CHILD DONE");
@@ -568,6 +674,35 @@ fn child_channels() {
         h.join().expect("a channel thread panicked");
     }
     println!("four channels in parallel ok");
+}
+
+/// Set this process's RLIMIT_NOFILE from `FH_TEST_NOFILE=soft:hard`, join, open a few
+/// communicators and report the soft limit.
+fn child_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let spec = std::env::var("FH_TEST_NOFILE").expect("FH_TEST_NOFILE");
+    let (soft, hard) = spec.split_once(':').expect("soft:hard");
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(soft.parse().unwrap()),
+            maximum: Some(hard.parse().unwrap()),
+        },
+    )
+    .expect("setrlimit");
+    let mut t = match fh_transport::from_env() {
+        Ok(t) => t,
+        Err(e) => {
+            println!("SETUP FAILED: {e}");
+            return;
+        }
+    };
+    let comms: Vec<_> = (0..3)
+        .map(|i| t.open(&format!("c{i}")).expect("open"))
+        .collect();
+    drop(comms);
+    let soft = getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX);
+    println!("FD OK soft={soft}");
 }
 
 fn child_wrong_token() {

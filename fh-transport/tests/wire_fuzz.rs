@@ -12,9 +12,9 @@ fn hello_strategy() -> impl Strategy<Value = Hello> {
         any::<u64>(),
         any::<u16>(),
         any::<u32>(),
-        proptest::collection::vec(any::<u8>(), 0..=wire::MAX_TOKEN_LEN),
+        any::<[u8; wire::NONCE_LEN]>(),
     )
-        .prop_map(|(kind, size, rank, seq, port, lost, token)| Hello {
+        .prop_map(|(kind, size, rank, seq, port, lost, nonce)| Hello {
             version: wire::PROTOCOL_VERSION,
             kind: [ConnKind::Rendezvous, ConnKind::Data, ConnKind::Abort][usize::from(kind)],
             size,
@@ -22,7 +22,7 @@ fn hello_strategy() -> impl Strategy<Value = Hello> {
             seq,
             port,
             lost,
-            token,
+            nonce,
         })
 }
 
@@ -34,7 +34,7 @@ proptest! {
         match Hello::decode(&bytes) {
             Ok((h, used)) => {
                 prop_assert!(used <= bytes.len() && used <= wire::MAX_HELLO_LEN);
-                prop_assert!(h.token.len() <= wire::MAX_TOKEN_LEN);
+                prop_assert_eq!(h.encode().len(), used);
             }
             // The reader never asks for more than the largest handshake.
             Err(DecodeError::NeedMore(n)) => {

@@ -73,8 +73,8 @@ pub(crate) fn offsets(counts: &[usize], size: usize, what: &str) -> Result<(Vec<
 }
 
 /// Check that `op` applies to `dtype` and that `len` bytes are whole elements; returns the
-/// number of elements.
-fn check_reduction(what: &str, dtype: DType, op: ReduceOp, len: usize) -> Result<usize> {
+/// number of elements. Every backend's allreduce checks its arguments with this.
+pub(crate) fn check_reduction(what: &str, dtype: DType, op: ReduceOp, len: usize) -> Result<usize> {
     if !kernels::supports(dtype, op) {
         return Err(invalid(format!(
             "{what}: reduce op {op} is not defined for dtype {dtype}"
@@ -83,6 +83,80 @@ fn check_reduction(what: &str, dtype: DType, op: ReduceOp, len: usize) -> Result
     dtype
         .elements_in(len)
         .map_err(|e| invalid(format!("{what}: {e}")))
+}
+
+/// Check the arguments of an allgatherv on rank `rank` of `size` (byte counts); returns the
+/// offsets and the total. Every backend's allgatherv checks its arguments with this.
+pub(crate) fn check_allgatherv(
+    send_len: usize,
+    recv_len: usize,
+    counts: &[usize],
+    rank: usize,
+    size: usize,
+) -> Result<(Vec<usize>, usize)> {
+    let (offs, total) = offsets(counts, size, "allgatherv")?;
+    if recv_len != total || send_len != counts[rank] {
+        return Err(invalid(format!(
+            "allgatherv: rank {rank} sends {send_len} bytes (its count says {}) and recv has \
+             {recv_len} bytes (counts sum to {total})",
+            counts[rank]
+        )));
+    }
+    Ok((offs, total))
+}
+
+/// Check the arguments of an alltoallv on rank `rank` of `size` (byte counts); returns the
+/// send and receive offsets. Every backend's alltoallv checks its arguments with this.
+pub(crate) fn check_alltoallv(
+    send_len: usize,
+    send_counts: &[usize],
+    recv_len: usize,
+    recv_counts: &[usize],
+    rank: usize,
+    size: usize,
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    let (soffs, stotal) = offsets(send_counts, size, "alltoallv send_counts")?;
+    let (roffs, rtotal) = offsets(recv_counts, size, "alltoallv recv_counts")?;
+    if send_len != stotal || recv_len != rtotal {
+        return Err(invalid(format!(
+            "alltoallv: send has {send_len} bytes (send_counts sum to {stotal}), recv has \
+             {recv_len} bytes (recv_counts sum to {rtotal})"
+        )));
+    }
+    if send_counts[rank] != recv_counts[rank] {
+        return Err(invalid(format!(
+            "alltoallv: rank {rank} sends itself {} bytes but expects {}",
+            send_counts[rank], recv_counts[rank]
+        )));
+    }
+    Ok((soffs, roffs))
+}
+
+/// Check the arguments of a reduce-scatter on rank `rank` of `size` (counts in elements, with
+/// every product checked for overflow); returns the element offsets and total. Every backend's
+/// reduce-scatter checks its arguments with this.
+pub(crate) fn check_reduce_scatter(
+    send_len: usize,
+    recv_len: usize,
+    counts: &[usize],
+    rank: usize,
+    size: usize,
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<(Vec<usize>, usize)> {
+    let (offs, total) = offsets(counts, size, "reduce_scatter")?;
+    let elements = check_reduction("reduce_scatter", dtype, op, send_len)?;
+    let expected_recv = counts[rank].checked_mul(dtype.size());
+    if elements != total || expected_recv != Some(recv_len) {
+        return Err(invalid(format!(
+            "reduce_scatter: send holds {elements} {dtype} elements and counts sum to {total} \
+             (they must be equal); recv has {recv_len} bytes and rank {rank}'s count of {} \
+             elements needs {}",
+            counts[rank],
+            counts[rank].saturating_mul(dtype.size())
+        )));
+    }
+    Ok((offs, total))
 }
 
 /// Element range of block `i` when `total` items are split into `n` nearly equal blocks
@@ -161,21 +235,8 @@ pub fn alltoallv<C: Communicator + ?Sized>(
     recv_counts: &[usize],
 ) -> Result<()> {
     let (rank, size) = (comm.rank(), comm.size());
-    let (soffs, stotal) = offsets(send_counts, size, "alltoallv send_counts")?;
-    let (roffs, rtotal) = offsets(recv_counts, size, "alltoallv recv_counts")?;
-    if send.len() != stotal || recv.len() != rtotal {
-        return Err(invalid(format!(
-            "alltoallv: send has {} bytes (send_counts sum to {stotal}), recv has {} bytes (recv_counts sum to {rtotal})",
-            send.len(),
-            recv.len()
-        )));
-    }
-    if send_counts[rank] != recv_counts[rank] {
-        return Err(invalid(format!(
-            "alltoallv: rank {rank} sends itself {} bytes but expects {}",
-            send_counts[rank], recv_counts[rank]
-        )));
-    }
+    let (soffs, roffs) =
+        check_alltoallv(send.len(), send_counts, recv.len(), recv_counts, rank, size)?;
     recv[roffs[rank]..roffs[rank] + recv_counts[rank]]
         .copy_from_slice(&send[soffs[rank]..soffs[rank] + send_counts[rank]]);
     for step in 1..size {

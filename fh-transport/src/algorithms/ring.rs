@@ -4,7 +4,9 @@ use std::ops::Range;
 
 use fh_core::{kernels, DType, ReduceOp};
 
-use super::{check_reduction, invalid, offsets, piece, split_pair, with_scratch, RING_CHUNK_BYTES};
+use super::{
+    check_allgatherv, check_reduce_scatter, piece, split_pair, with_scratch, RING_CHUNK_BYTES,
+};
 use crate::{Communicator, Result};
 
 /// Ring allgather inside one buffer. Ring position `me` (this rank's index in a ring whose
@@ -47,15 +49,7 @@ pub fn allgatherv<C: Communicator + ?Sized>(
     counts: &[usize],
 ) -> Result<()> {
     let (rank, size) = (comm.rank(), comm.size());
-    let (offs, total) = offsets(counts, size, "allgatherv")?;
-    if recv.len() != total || send.len() != counts[rank] {
-        return Err(invalid(format!(
-            "allgatherv: rank {rank} sends {} bytes (its count says {}) and recv has {} bytes (counts sum to {total})",
-            send.len(),
-            counts[rank],
-            recv.len()
-        )));
-    }
+    let (offs, total) = check_allgatherv(send.len(), recv.len(), counts, rank, size)?;
     recv[offs[rank]..offs[rank] + counts[rank]].copy_from_slice(send);
     if total == 0 {
         return Ok(());
@@ -78,20 +72,8 @@ pub fn reduce_scatter<C: Communicator + ?Sized>(
     op: ReduceOp,
 ) -> Result<()> {
     let (rank, n) = (comm.rank(), comm.size());
-    let (offs, total) = offsets(counts, n, "reduce_scatter")?;
+    let (offs, total) = check_reduce_scatter(send.len(), recv.len(), counts, rank, n, dtype, op)?;
     let esz = dtype.size();
-    let elements = check_reduction("reduce_scatter", dtype, op, send.len())?;
-    let expected_recv = counts[rank].checked_mul(esz);
-    if elements != total || expected_recv != Some(recv.len()) {
-        return Err(invalid(format!(
-            "reduce_scatter: send holds {elements} {dtype} elements and counts sum to {total} \
-             (they must be equal); recv has {} bytes and rank {rank}'s count of {} elements \
-             needs {}",
-            recv.len(),
-            counts[rank],
-            counts[rank].saturating_mul(esz)
-        )));
-    }
     let block = |i: usize| offs[i] * esz..(offs[i] + counts[i]) * esz;
     if n == 1 {
         recv.copy_from_slice(send);

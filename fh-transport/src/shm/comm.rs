@@ -38,8 +38,11 @@ use fh_core::{kernels, CoreError, DType, ReduceOp};
 use super::segment::{Segment, ST_ABORTED, ST_CLOSED};
 use super::sys;
 use super::ShmOptions;
-use crate::algorithms::offsets;
+use crate::algorithms;
 use crate::{Communicator, Result, TransportError};
+
+mod collectives;
+mod ring;
 
 /// Reduction block: the accumulator stays in cache while every peer's block is folded in.
 const BLOCK: usize = 64 * 1024;
@@ -131,49 +134,6 @@ fn reduce_blocked(dtype: DType, op: ReduceOp, acc: &mut [u8], srcs: &[&[u8]]) ->
         off = end;
     }
     Ok(())
-}
-
-/// Progress of one framed outgoing message.
-struct Outgoing<'a> {
-    header: [u8; 8],
-    data: &'a [u8],
-    done: usize,
-}
-
-impl<'a> Outgoing<'a> {
-    fn new(data: &'a [u8]) -> Self {
-        Outgoing {
-            header: (data.len() as u64).to_le_bytes(),
-            data,
-            done: 0,
-        }
-    }
-    fn total(&self) -> usize {
-        8 + self.data.len()
-    }
-    fn finished(&self) -> bool {
-        self.done == self.total()
-    }
-}
-
-/// Progress of one framed incoming message.
-struct Incoming<'a> {
-    header: [u8; 8],
-    data: &'a mut [u8],
-    done: usize,
-}
-
-impl<'a> Incoming<'a> {
-    fn new(data: &'a mut [u8]) -> Self {
-        Incoming {
-            header: [0; 8],
-            data,
-            done: 0,
-        }
-    }
-    fn finished(&self) -> bool {
-        self.done == 8 + self.data.len()
-    }
 }
 
 /// A communicator of the shared-memory backend. Created by
@@ -556,428 +516,6 @@ impl ShmComm {
         }
         Ok(())
     }
-
-    /// Push as much of `msg` into ring `self -> to` as fits. Returns whether anything moved.
-    fn push(&self, to: usize, msg: &mut Outgoing<'_>) -> bool {
-        let ctl = self.seg.ring_ctl(self.rank, to);
-        let cap = self.seg.layout.ring_bytes;
-        let head = ctl.head.word.load(Relaxed);
-        let tail = ctl.tail.word.load(Acquire);
-        let free = cap - head.wrapping_sub(tail) as usize;
-        let n = free.min(msg.total() - msg.done);
-        if n == 0 {
-            return false;
-        }
-        let base = self.seg.ring_data(self.rank, to);
-        let mut pos = head as usize % cap;
-        let mut left = n;
-        while left > 0 {
-            let run = left.min(cap - pos);
-            let src: &[u8] = if msg.done < 8 {
-                let m = (8 - msg.done).min(run);
-                &msg.header[msg.done..msg.done + m]
-            } else {
-                let d = msg.done - 8;
-                &msg.data[d..d + run]
-            };
-            // SAFETY: `pos + src.len() <= cap`, inside ring (self -> to); the bytes between
-            // head and tail + cap belong to the producer (us) until head is published.
-            unsafe { put(base.add(pos), src) };
-            msg.done += src.len();
-            left -= src.len();
-            pos = (pos + src.len()) % cap;
-        }
-        ctl.head.word.store(head.wrapping_add(n as u32), Release);
-        self.notify(to);
-        true
-    }
-
-    /// Pull what is available of `msg` from ring `from -> self`. Returns whether anything
-    /// moved, or a protocol error if the framed length differs from the expected one.
-    fn pull(&self, from: usize, msg: &mut Incoming<'_>) -> Result<bool> {
-        let ctl = self.seg.ring_ctl(from, self.rank);
-        let cap = self.seg.layout.ring_bytes;
-        let tail = ctl.tail.word.load(Relaxed);
-        let head = ctl.head.word.load(Acquire);
-        let avail = head.wrapping_sub(tail) as usize;
-        let n = avail.min(8 + msg.data.len() - msg.done);
-        if n == 0 {
-            return Ok(false);
-        }
-        let base = self.seg.ring_data(from, self.rank);
-        let mut pos = tail as usize % cap;
-        let mut left = n;
-        while left > 0 {
-            let run = left.min(cap - pos);
-            let got = if msg.done < 8 {
-                let m = (8 - msg.done).min(run);
-                // SAFETY: `pos + m <= cap`; bytes between tail and head are published by the
-                // producer and not rewritten until we advance tail.
-                unsafe { get(&mut msg.header[msg.done..msg.done + m], base.add(pos)) };
-                if msg.done + m == 8 {
-                    let len = u64::from_le_bytes(msg.header);
-                    if len != msg.data.len() as u64 {
-                        return Err(TransportError::Protocol {
-                            rank: from,
-                            detail: format!(
-                                "expected a message of {} bytes, received {len} on shared-memory \
-                                 communicator '{}'",
-                                msg.data.len(),
-                                self.label
-                            ),
-                        });
-                    }
-                }
-                m
-            } else {
-                let d = msg.done - 8;
-                // SAFETY: as above.
-                unsafe { get(&mut msg.data[d..d + run], base.add(pos)) };
-                run
-            };
-            msg.done += got;
-            left -= got;
-            pos = (pos + got) % cap;
-        }
-        ctl.tail.word.store(tail.wrapping_add(n as u32), Release);
-        self.notify(from);
-        Ok(true)
-    }
-
-    fn ring_has_space(&self, to: usize) -> bool {
-        let ctl = self.seg.ring_ctl(self.rank, to);
-        let used = ctl
-            .head
-            .word
-            .load(Relaxed)
-            .wrapping_sub(ctl.tail.word.load(Acquire));
-        (used as usize) < self.seg.layout.ring_bytes
-    }
-
-    fn ring_has_data(&self, from: usize) -> bool {
-        let ctl = self.seg.ring_ctl(from, self.rank);
-        ctl.head.word.load(Acquire) != ctl.tail.word.load(Relaxed)
-    }
-
-    fn send_inner(&mut self, to: usize, data: &[u8]) -> Result<()> {
-        let mut out = Outgoing::new(data);
-        while !out.finished() {
-            if !self.push(to, &mut out) {
-                self.wait("send", || (!self.ring_has_space(to)).then_some(to))?;
-            }
-        }
-        Ok(())
-    }
-
-    fn recv_inner(&mut self, from: usize, buf: &mut [u8]) -> Result<()> {
-        let mut inc = Incoming::new(buf);
-        while !inc.finished() {
-            if !self.pull(from, &mut inc)? {
-                self.wait("recv", || (!self.ring_has_data(from)).then_some(from))?;
-            }
-        }
-        Ok(())
-    }
-
-    fn send_recv_inner(
-        &mut self,
-        to: usize,
-        send: &[u8],
-        from: usize,
-        recv: &mut [u8],
-    ) -> Result<()> {
-        let mut out = Outgoing::new(send);
-        let mut inc = Incoming::new(recv);
-        while !(out.finished() && inc.finished()) {
-            let mut moved = false;
-            if !out.finished() {
-                moved |= self.push(to, &mut out);
-            }
-            if !inc.finished() {
-                moved |= self.pull(from, &mut inc)?;
-            }
-            if !moved {
-                let (sf, rf) = (out.finished(), inc.finished());
-                self.wait("send_recv", || {
-                    let can_send = !sf && self.ring_has_space(to);
-                    let can_recv = !rf && self.ring_has_data(from);
-                    if can_send || can_recv {
-                        None
-                    } else if !rf {
-                        Some(from)
-                    } else {
-                        Some(to)
-                    }
-                })?;
-            }
-        }
-        Ok(())
-    }
-
-    // ----- collectives -----
-
-    fn allreduce_inner(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        let (n, me) = (self.size, self.rank);
-        let combine = op.combining();
-        let total = buf.len();
-        let direct = total <= self.small;
-        // The algorithm is part of the tag: ranks configured with different thresholds must
-        // fail, not read each other's half-reduced slots.
-        let tag = reduce_tag(TAG_ALLREDUCE, dtype, op) | (u64::from(direct) << 24);
-        for chunk in buf.chunks_mut(self.seg.layout.slot_bytes) {
-            let s = chunk.len();
-            // Share r of the chunk is reduced by rank r (reduce-scatter mode).
-            let e = dtype.size();
-            let share = ((s / e).div_ceil(n) * e).div_ceil(64) * 64;
-            let range = |r: usize| ((r * share).min(s), ((r + 1) * share).min(s));
-            let (lo, hi) = if direct { (0, 0) } else { range(me) };
-            let (k, b) = self.begin_round("allreduce")?;
-            let slot = self.seg.slot(me, b);
-            // Publish the input, except our own share, which we reduce from private memory.
-            // SAFETY: our own slot, not read by anyone before we post round k (begin_round
-            // ensured everyone finished with this buffer); `s <= slot_bytes`.
-            unsafe {
-                put(slot, &chunk[..lo]);
-                put(slot.add(hi), &chunk[hi..]);
-            }
-            let meta = [tag, total as u64, s as u64];
-            self.post(k, b, &meta);
-            self.for_each_posted("allreduce", k, |j| self.check_meta(j, b, &meta))?;
-            if direct {
-                // Every rank folds every slot in rank order, so all get identical bits.
-                if me != 0 {
-                    // SAFETY: all slots of round k are posted and nobody writes them until
-                    // everyone (including us) has consumed round k.
-                    unsafe { get(chunk, self.seg.slot(0, b)) };
-                }
-                let srcs: Vec<&[u8]> = (1..n)
-                    // SAFETY: as above.
-                    .map(|j| unsafe { view(self.seg.slot(j, b), s) })
-                    .collect();
-                reduce_blocked(dtype, combine, chunk, &srcs)?;
-            } else {
-                if hi > lo {
-                    let srcs: Vec<&[u8]> = (0..n)
-                        .filter(|&j| j != me)
-                        // SAFETY: peers' slots are posted; nobody writes [lo, hi) of them in
-                        // round k (each rank writes only its own share of its own slot).
-                        .map(|j| unsafe { view(self.seg.slot(j, b).add(lo), hi - lo) })
-                        .collect();
-                    let acc = &mut chunk[lo..hi];
-                    reduce_blocked(dtype, combine, acc, &srcs)?;
-                    // SAFETY: [lo, hi) of our own slot is written only by us, and read by peers
-                    // only after we publish `reduced`.
-                    unsafe { put(slot.add(lo), acc) };
-                }
-                self.seg
-                    .ctl(me)
-                    .reduced
-                    .word
-                    .store(k.wrapping_add(1), Release);
-                self.notify_others();
-                // Gather the reduced shares, each as soon as it is ready.
-                let mut pending: Vec<usize> = (0..n)
-                    .filter(|&r| r != me && range(r).1 > range(r).0)
-                    .collect();
-                let ready = |r: usize| {
-                    reached(
-                        self.seg.ctl(r).reduced.word.load(Acquire),
-                        k.wrapping_add(1),
-                    )
-                };
-                loop {
-                    let mut i = 0;
-                    while i < pending.len() {
-                        let r = pending[i];
-                        if ready(r) {
-                            let (a, z) = range(r);
-                            // SAFETY: share r of rank r's slot is final for round k.
-                            unsafe { get(&mut chunk[a..z], self.seg.slot(r, b).add(a)) };
-                            pending.swap_remove(i);
-                        } else {
-                            i += 1;
-                        }
-                    }
-                    if pending.is_empty() {
-                        break;
-                    }
-                    self.wait("allreduce", || pending.iter().copied().find(|&r| !ready(r)))?;
-                }
-            }
-            self.finish_round(k);
-        }
-        if op == ReduceOp::Average {
-            kernels::divide(dtype, buf, n)?;
-        }
-        Ok(())
-    }
-
-    fn broadcast_inner(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
-        let total = buf.len() as u64;
-        for chunk in buf.chunks_mut(self.seg.layout.slot_bytes) {
-            let meta = [
-                TAG_BROADCAST | ((root as u64) << 8),
-                total,
-                chunk.len() as u64,
-            ];
-            if self.rank == root {
-                let (k, b) = self.begin_round("broadcast")?;
-                // SAFETY: our own slot, free for round k (begin_round).
-                unsafe { put(self.seg.slot(root, b), chunk) };
-                self.post(k, b, &meta);
-                self.finish_round(k);
-            } else {
-                let k = self.round;
-                let b = k as usize % self.seg.layout.nbuf;
-                self.wait("broadcast", || (!self.is_posted(root, k)).then_some(root))?;
-                self.check_meta(root, b, &meta)?;
-                // SAFETY: the root posted round k and will not rewrite it before we consume it.
-                unsafe { get(chunk, self.seg.slot(root, b)) };
-                self.finish_round(k);
-            }
-        }
-        Ok(())
-    }
-
-    fn allgatherv_inner(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
-        let (offs, total) = offsets(counts, self.size, "allgatherv")?;
-        let me = self.rank;
-        recv[offs[me]..offs[me] + counts[me]].copy_from_slice(send);
-        let c = self.seg.layout.slot_bytes;
-        let rounds = counts.iter().map(|&x| x.div_ceil(c)).max().unwrap_or(0);
-        for i in 0..rounds {
-            let (k, b) = self.begin_round("allgatherv")?;
-            let (a, len) = piece(send.len(), i, c);
-            // SAFETY: our own slot, free for round k.
-            unsafe { put(self.seg.slot(me, b), &send[a..a + len]) };
-            self.post(k, b, &[TAG_ALLGATHER, total as u64, len as u64]);
-            self.for_each_posted("allgatherv", k, |j| {
-                let (a, len) = piece(counts[j], i, c);
-                self.check_meta(j, b, &[TAG_ALLGATHER, total as u64, len as u64])?;
-                let at = offs[j] + a;
-                // SAFETY: rank j posted round k; its slot is stable until we consume it.
-                unsafe { get(&mut recv[at..at + len], self.seg.slot(j, b)) };
-                Ok(())
-            })?;
-            self.finish_round(k);
-        }
-        Ok(())
-    }
-
-    fn alltoallv_inner(
-        &mut self,
-        send: &[u8],
-        send_counts: &[usize],
-        recv: &mut [u8],
-        recv_counts: &[usize],
-    ) -> Result<()> {
-        let (n, me) = (self.size, self.rank);
-        let (soffs, _) = offsets(send_counts, n, "alltoallv send")?;
-        let (roffs, _) = offsets(recv_counts, n, "alltoallv recv")?;
-        recv[roffs[me]..roffs[me] + recv_counts[me]]
-            .copy_from_slice(&send[soffs[me]..soffs[me] + send_counts[me]]);
-        // Each round carries up to `part` bytes from every rank to every other rank.
-        let part = self.seg.layout.slot_bytes / n / 64 * 64;
-        let mut i = 0usize;
-        loop {
-            let (k, b) = self.begin_round("alltoallv")?;
-            let mut meta = vec![0u64; 2 + n];
-            meta[0] = TAG_ALLTOALL;
-            let mut more = false;
-            for j in (0..n).filter(|&j| j != me) {
-                let (a, len) = piece(send_counts[j], i, part);
-                let at = soffs[j] + a;
-                // SAFETY: our own slot, free for round k; `j * part + len <= slot_bytes`.
-                unsafe { put(self.seg.slot(me, b).add(j * part), &send[at..at + len]) };
-                meta[2 + j] = len as u64;
-                more |= send_counts[j] > (i + 1) * part || recv_counts[j] > (i + 1) * part;
-            }
-            meta[1] = u64::from(more);
-            self.post(k, b, &meta);
-            self.for_each_posted("alltoallv", k, |j| {
-                self.check_meta(j, b, &[TAG_ALLTOALL])?;
-                more |= self.seg.meta(j, b, 1).load(Relaxed) != 0;
-                let (a, len) = piece(recv_counts[j], i, part);
-                let sent = self.seg.meta(j, b, 2 + me).load(Relaxed);
-                if sent != len as u64 {
-                    return Err(TransportError::Protocol {
-                        rank: j,
-                        detail: format!(
-                            "alltoallv: rank {j} sends {sent} bytes in round {i} but rank {me} \
-                             expects {len} (send and receive counts disagree) on communicator \
-                             '{}'",
-                            self.label
-                        ),
-                    });
-                }
-                let at = roffs[j] + a;
-                // SAFETY: rank j posted round k; its slot is stable until we consume it.
-                unsafe { get(&mut recv[at..at + len], self.seg.slot(j, b).add(me * part)) };
-                Ok(())
-            })?;
-            self.finish_round(k);
-            i += 1;
-            if !more {
-                return Ok(());
-            }
-        }
-    }
-
-    fn reduce_scatter_inner(
-        &mut self,
-        send: &[u8],
-        recv: &mut [u8],
-        counts: &[usize],
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let (n, me) = (self.size, self.rank);
-        let (offs, _) = offsets(counts, n, "reduce_scatter")?;
-        let e = dtype.size();
-        let (lo, hi) = (offs[me] * e, (offs[me] + counts[me]) * e);
-        let total = send.len();
-        let c = self.seg.layout.slot_bytes;
-        let tag = reduce_tag(TAG_REDUCE_SCATTER, dtype, op);
-        for i in 0..total.div_ceil(c) {
-            let (k, b) = self.begin_round("reduce_scatter")?;
-            let (a, len) = piece(total, i, c);
-            let z = a + len;
-            let slot = self.seg.slot(me, b);
-            // Our own block is reduced from private memory; publish only the rest.
-            let (mlo, mhi) = (lo.clamp(a, z), hi.clamp(a, z));
-            // SAFETY: our own slot, free for round k; offsets are within `len <= slot_bytes`.
-            unsafe {
-                put(slot, &send[a..mlo]);
-                put(slot.add(mhi - a), &send[mhi..z]);
-            }
-            let meta = [tag, total as u64, len as u64];
-            self.post(k, b, &meta);
-            if mhi > mlo {
-                self.for_each_posted("reduce_scatter", k, |j| self.check_meta(j, b, &meta))?;
-                let dst = &mut recv[mlo - lo..mhi - lo];
-                dst.copy_from_slice(&send[mlo..mhi]);
-                let srcs: Vec<&[u8]> = (0..n)
-                    .filter(|&j| j != me)
-                    // SAFETY: posted; [mlo, mhi) of peers' slots is not written in round k.
-                    .map(|j| unsafe { view(self.seg.slot(j, b).add(mlo - a), mhi - mlo) })
-                    .collect();
-                reduce_blocked(dtype, op.combining(), dst, &srcs)?;
-            }
-            self.finish_round(k);
-        }
-        if op == ReduceOp::Average {
-            kernels::divide(dtype, recv, n)?;
-        }
-        Ok(())
-    }
-
-    fn barrier_inner(&mut self) -> Result<()> {
-        let (k, b) = self.begin_round("barrier")?;
-        self.post(k, b, &[TAG_BARRIER]);
-        self.for_each_posted("barrier", k, |j| self.check_meta(j, b, &[TAG_BARRIER]))?;
-        self.finish_round(k);
-        Ok(())
-    }
 }
 
 impl Drop for ShmComm {
@@ -1020,10 +558,7 @@ impl Communicator for ShmComm {
     }
 
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        dtype.elements_in(buf.len())?;
-        if !kernels::supports(dtype, op) {
-            return Err(CoreError::UnsupportedOp { op, dtype }.into());
-        }
+        algorithms::check_reduction("allreduce", dtype, op, buf.len())?;
         if self.size == 1 || buf.is_empty() {
             return Ok(()); // Average over one rank is the identity.
         }
@@ -1031,15 +566,7 @@ impl Communicator for ShmComm {
     }
 
     fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
-        let (_, total) = offsets(counts, self.size, "allgatherv")?;
-        if recv.len() != total || send.len() != counts[self.rank] {
-            return Err(invalid(format!(
-                "allgatherv: send has {} bytes (count says {}), recv has {} bytes (counts sum to {total})",
-                send.len(),
-                counts[self.rank],
-                recv.len()
-            )));
-        }
+        algorithms::check_allgatherv(send.len(), recv.len(), counts, self.rank, self.size)?;
         self.guarded(|c| c.allgatherv_inner(send, recv, counts))
     }
 
@@ -1059,21 +586,7 @@ impl Communicator for ShmComm {
         recv_counts: &[usize],
     ) -> Result<()> {
         let (n, me) = (self.size, self.rank);
-        let (_, stotal) = offsets(send_counts, n, "alltoallv send")?;
-        let (_, rtotal) = offsets(recv_counts, n, "alltoallv recv")?;
-        if send.len() != stotal || recv.len() != rtotal {
-            return Err(invalid(format!(
-                "alltoallv: send has {} bytes (counts sum to {stotal}), recv has {} bytes (counts sum to {rtotal})",
-                send.len(),
-                recv.len()
-            )));
-        }
-        if send_counts[me] != recv_counts[me] {
-            return Err(invalid(format!(
-                "alltoallv: rank {me} sends itself {} bytes but expects {}",
-                send_counts[me], recv_counts[me]
-            )));
-        }
+        algorithms::check_alltoallv(send.len(), send_counts, recv.len(), recv_counts, me, n)?;
         if n == 1 {
             recv.copy_from_slice(send);
             return Ok(());
@@ -1090,19 +603,7 @@ impl Communicator for ShmComm {
         op: ReduceOp,
     ) -> Result<()> {
         let (n, me) = (self.size, self.rank);
-        let (_, total) = offsets(counts, n, "reduce_scatter")?;
-        let esz = dtype.size();
-        if send.len() != total * esz || recv.len() != counts[me] * esz {
-            return Err(invalid(format!(
-                "reduce_scatter: send has {} bytes (counts sum to {total} {dtype} elements), recv has {} bytes (expected {} elements)",
-                send.len(),
-                recv.len(),
-                counts[me]
-            )));
-        }
-        if !kernels::supports(dtype, op) {
-            return Err(CoreError::UnsupportedOp { op, dtype }.into());
-        }
+        algorithms::check_reduce_scatter(send.len(), recv.len(), counts, me, n, dtype, op)?;
         if n == 1 {
             recv.copy_from_slice(send);
             return Ok(());
@@ -1118,5 +619,90 @@ impl Communicator for ShmComm {
             return Ok(());
         }
         self.guarded(|c| c.barrier_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering::SeqCst;
+    use std::time::Duration;
+
+    use super::super::{ShmOptions, ShmTransport};
+    use crate::{Communicator, TransportError};
+
+    fn token(tag: &str) -> String {
+        format!("shm-comm-unit-{tag}-{}-0123456789", std::process::id())
+    }
+
+    fn opts() -> ShmOptions {
+        ShmOptions {
+            ring_bytes: 4096,
+            ..ShmOptions::with_timeout(Duration::from_secs(10))
+        }
+    }
+
+    /// Two ranks as threads; `f` runs on rank 1's communicator before rank 0 receives.
+    fn corrupt_then_recv(tag: &str, f: fn(&super::ShmComm)) -> TransportError {
+        let tok = token(tag);
+        let tok1 = tok.clone();
+        let h = std::thread::spawn(move || {
+            let mut t = ShmTransport::join(&tok1, 1, 2, opts()).unwrap();
+            let c = t.open_shm("c").unwrap();
+            f(&c);
+            // Keep the communicator alive while rank 0 looks.
+            std::thread::sleep(Duration::from_millis(500));
+            drop(c);
+        });
+        let mut t = ShmTransport::join(&tok, 0, 2, opts()).unwrap();
+        let mut c = t.open_shm("c").unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let mut buf = [0u8; 16];
+        let err = c.recv(1, &mut buf).unwrap_err();
+        h.join().unwrap();
+        err
+    }
+
+    #[test]
+    fn a_corrupted_ring_head_is_an_error_naming_the_writer() {
+        let err = corrupt_then_recv("head", |c| {
+            // Rank 1 writes the head of ring 1 -> 0: claim more bytes than the ring holds.
+            c.seg.ring_ctl(1, 0).head.word.store(1 << 30, SeqCst);
+        });
+        assert!(
+            matches!(err, TransportError::Protocol { rank: 1, .. }),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("corrupted the head counter"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_corrupted_ring_tail_is_an_error_naming_the_reader() {
+        let tok = token("tail");
+        let tok1 = tok.clone();
+        let h = std::thread::spawn(move || {
+            let mut t = ShmTransport::join(&tok1, 1, 2, opts()).unwrap();
+            let c = t.open_shm("c").unwrap();
+            // Rank 1 reads ring 0 -> 1 and so writes its tail: move it past the head.
+            c.seg.ring_ctl(0, 1).tail.word.store(7, SeqCst);
+            c.seg.ring_ctl(0, 1).head.word.store(0, SeqCst);
+            std::thread::sleep(Duration::from_millis(500));
+            drop(c);
+        });
+        let mut t = ShmTransport::join(&tok, 0, 2, opts()).unwrap();
+        let mut c = t.open_shm("c").unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let err = c.send(1, &[1, 2, 3]).unwrap_err();
+        h.join().unwrap();
+        assert!(
+            matches!(err, TransportError::Protocol { rank: 1, .. }),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("corrupted the tail counter"),
+            "{err}"
+        );
     }
 }

@@ -19,13 +19,26 @@
 //! # Segments
 //!
 //! Each communicator ([`Transport::open`]) gets its own segment, named
-//! `/dev/shm/fh-<hash>-<seq>`: `<hash>` is 48 bits of a hash of the job token (the token itself
-//! never appears in a file name) and `<seq>` the communicator's sequence number. Rank 0 creates
-//! it exclusively with mode `0600`, reserves its memory (so a full `/dev/shm` is an error at
-//! open, not a `SIGBUS` later), fills in a header and publishes a magic number and layout
-//! version last; the other ranks wait (bounded by [`ShmOptions::timeout`]) for a valid header,
-//! check that the layout matches theirs, map the segment and record their pid and process start
-//! time.
+//! `/dev/shm/fh-<hash>-<seq>`: `<hash>` is 128 bits of HMAC-SHA-256 keyed with the job token
+//! (nothing about the token can be learnt from a name, and a name cannot be predicted without
+//! it) and `<seq>` the communicator's sequence number. Rank 0 creates it exclusively
+//! (`O_EXCL`) with mode `0600`, reserves its memory (so a full `/dev/shm` is an error at open,
+//! not a `SIGBUS` later), fills in a header with a keyed proof that it knows the token (HMAC
+//! over the name, the layout and its own pid and start time) and publishes a magic number and
+//! layout version last; the other ranks wait (bounded by [`ShmOptions::timeout`]) for a valid
+//! header, check — before mapping anything — that the object belongs to their own user and
+//! grants nobody else access (`fstat`), and that it is as large as the layout needs, check the
+//! layout and the creator's proof, map the segment and record their pid and process start time.
+//! A segment of another user under the job's name is refused with an error naming its owner
+//! (never attached, never removed). Every ring counter read from shared memory is checked
+//! against the ring's capacity: a peer that corrupts one gets a protocol error naming it, not a
+//! wrap-around.
+//! Truncation: no rank keeps a descriptor of a segment once it is mapped, and the name is
+//! unlinked as soon as every rank has mapped it, so after `open` nobody but root can shrink a
+//! segment under the ranks' mappings. During `open`, sizes are checked (`fstat`) before every
+//! mapping; only a process of the same user — the only one that can open a `0600` segment —
+//! racing an `ftruncate` between that check and the first access could still make a rank fault
+//! (`SIGBUS`).
 //!
 //! Inside a segment every rank owns slots for the native collectives (see `comm.rs`, *Protocol*)
 //! and there is a ring buffer per directed pair of ranks for point-to-point messages, so the
@@ -45,7 +58,8 @@
 //!   the segment unlink its name before returning the error.
 //! - The only window in which a name can be left behind is inside `open`, if *every* rank that
 //!   had the segment is killed before the set is complete. For that case rank 0 of every new
-//!   world ([`ShmTransport::join`]) scans `/dev/shm` for `fh-*` segments of the same user whose
+//!   world ([`ShmTransport::join`]) scans `/dev/shm` for segments named by this scheme
+//!   (`fh-<32 hex digits>-<seq>`), owned by the same user with mode `0600`, whose
 //!   recorded processes are all dead (pid and start time, so a reused pid is not mistaken for
 //!   the owner; the creator records itself before anything else) — or that are older than a
 //!   minute without even a creator recorded — and removes them;
@@ -72,6 +86,7 @@ use std::time::{Duration, Instant};
 pub use comm::ShmComm;
 
 use crate::bootstrap::LaunchInfo;
+use crate::tcp::Key;
 use crate::{Communicator, Result, Topology, Transport, TransportError};
 use segment::{Layout, Segment, NAME_PREFIX};
 
@@ -192,16 +207,13 @@ impl ShmOptions {
     }
 }
 
-/// The `/dev/shm` name prefix (`fh-<hash>-`) of the segments of the job with this token.
-/// Useful to check that nothing is left behind.
+/// The `/dev/shm` name prefix (`fh-<hash>-`) of the segments of the job with this token:
+/// `<hash>` is 128 bits of HMAC-SHA-256 keyed with the token, so a name tells nothing about the
+/// token and cannot be predicted without it. Useful to check that nothing is left behind.
 pub fn segment_prefix(job_token: &str) -> String {
-    // FNV-1a, 64 bits, over a domain tag and the token; 48 bits are kept.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &byte in b"fasthorovod-shm-v1\0".iter().chain(job_token.as_bytes()) {
-        h ^= u64::from(byte);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("{NAME_PREFIX}{:012x}-", h >> 16)
+    let mac = Key::new(job_token.as_bytes()).mac(&[b"fasthorovod shm v2 segment name"]);
+    let hex: String = mac[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{NAME_PREFIX}{hex}-")
 }
 
 /// Remove segments left in `/dev/shm` by jobs whose every process died (see *Clean-up* in the
@@ -233,6 +245,8 @@ pub(crate) fn has_room(size: usize) -> bool {
 #[derive(Debug)]
 pub struct ShmTransport {
     prefix: String,
+    /// The job token, as the key of the segments' proofs (redacted in `Debug`).
+    key: Key,
     rank: usize,
     size: usize,
     opts: ShmOptions,
@@ -276,6 +290,7 @@ impl ShmTransport {
         }
         Ok(ShmTransport {
             prefix: segment_prefix(job_token),
+            key: Key::new(job_token.as_bytes()),
             rank,
             size,
             opts,
@@ -300,7 +315,8 @@ impl ShmTransport {
         // A single process has no token; any name private to it will do.
         let token = info
             .token
-            .clone()
+            .as_ref()
+            .map(|t| t.expose().to_owned())
             .unwrap_or_else(|| format!("single-process-{}-{}", sys::pid(), sys::self_start_time()));
         let opts = ShmOptions {
             timeout: info.timeout,
@@ -317,14 +333,21 @@ impl ShmTransport {
         let start = Instant::now();
         let deadline = start + self.opts.timeout;
         let seg = if self.rank == 0 {
-            let seg = Segment::create(&name, self.layout)?;
+            let seg = Segment::create(&name, self.layout, &self.key)?;
             if self.size == 1 {
                 sys::shm_unlink(&name)
                     .map_err(|e| TransportError::io(format!("shm_unlink of {name}"), e))?;
             }
             seg
         } else {
-            Segment::attach(&name, self.rank, self.layout, deadline, self.opts.timeout)?
+            Segment::attach(
+                &name,
+                self.rank,
+                self.layout,
+                &self.key,
+                deadline,
+                self.opts.timeout,
+            )?
         };
         let comm = ShmComm::new(seg, self.rank, label, &self.opts);
         comm.opened(&name).inspect_err(|_| {

@@ -6,12 +6,13 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::sys::{self, Fd, Mapping};
+use crate::tcp::Key;
 use crate::{Result, TransportError};
 
 /// Identifies a FastHorovod segment ("FHSHMSEG").
 pub(crate) const MAGIC: u64 = 0x4648_5348_4d53_4547;
 /// Layout version; bump on any change to the layout or protocol.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// File-name prefix of every segment in `/dev/shm`.
 pub(crate) const NAME_PREFIX: &str = "fh-";
 
@@ -43,6 +44,43 @@ pub(crate) struct Header {
     /// Number of ranks that have mapped the segment; the one that brings it to `size` unlinks
     /// the name.
     pub(crate) attached: AtomicU32,
+    /// The creator's proof that it knows the job token: HMAC-SHA-256 keyed with the token over
+    /// the name, the layout and the creator's identity ([`segment_proof`]), written before the
+    /// magic.
+    pub(crate) proof: [AtomicU64; 4],
+}
+
+/// The keyed proof a segment's creator writes into its header.
+fn segment_proof(key: &Key, name: &str, layout: &Layout, pid: u32, start: u64) -> [u8; 32] {
+    key.mac(&[
+        b"fasthorovod shm v2 segment",
+        name.as_bytes(),
+        &(layout.size as u64).to_le_bytes(),
+        &(layout.slot_bytes as u64).to_le_bytes(),
+        &(layout.nbuf as u64).to_le_bytes(),
+        &(layout.ring_bytes as u64).to_le_bytes(),
+        &pid.to_le_bytes(),
+        &start.to_le_bytes(),
+    ])
+}
+
+/// Whether a shared-memory object is safe to use: owned by this user and not accessible to
+/// anyone else (group or other). Returns why not.
+fn check_owner(name: &str, uid: u32, mode: u32) -> Result<()> {
+    let me = sys::euid();
+    if uid != me || mode & 0o077 != 0 {
+        return Err(TransportError::Handshake {
+            peer: format!("shared-memory segment /dev/shm{name}"),
+            reason: format!(
+                "it is owned by uid {uid} with mode {:03o}, but this job (uid {me}) creates its \
+                 segments owner-only (0600): another user or program created it, so it is not \
+                 used. Remove it, or give the job another FH_JOB_TOKEN (segment names derive \
+                 from it)",
+                mode & 0o777
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Per-rank identity, one cache line each, following the header.
@@ -224,11 +262,17 @@ impl Segment {
         info.pid.store(sys::pid(), Ordering::Release);
     }
 
-    /// Rank 0: create, size, map and initialise the segment `name`.
-    pub(crate) fn create(name: &str, layout: Layout) -> Result<Segment> {
+    /// Rank 0: create, size, map and initialise the segment `name`, with the proof that it
+    /// knows `key`.
+    pub(crate) fn create(name: &str, layout: Layout, key: &Key) -> Result<Segment> {
         let fd = match sys::shm_create(name) {
             Ok(fd) => fd,
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                // Someone else's object under our name is never touched, nor used.
+                if let Ok(other) = sys::shm_open_existing(name, false) {
+                    let st = other.stat().map_err(|e| io_err(name, "fstat", e))?;
+                    check_owner(name, st.uid, st.mode)?;
+                }
                 // A leftover of a dead job with the same token and sequence? Remove it if so.
                 if is_stale(name, Duration::ZERO)? {
                     tracing::warn!(segment = name, "removing stale shared-memory segment");
@@ -255,7 +299,7 @@ impl Segment {
             // segment that the next start recognises as stale.
             seg.record_self(0);
             fd.reserve(layout.total).map_err(|e| {
-                if e.raw_os_error() == Some(libc::ENOSPC) {
+                if e.kind() == io::ErrorKind::StorageFull {
                     TransportError::BackendUnavailable {
                         backend: "shm",
                         reason: format!(
@@ -278,6 +322,19 @@ impl Segment {
                 .store(layout.ring_bytes as u32, Ordering::Relaxed);
             h.total_bytes.store(layout.total as u64, Ordering::Relaxed);
             h.attached.store(1, Ordering::Relaxed);
+            let creator = seg.info(0);
+            let proof = segment_proof(
+                key,
+                name,
+                &layout,
+                creator.pid.load(Ordering::Relaxed),
+                creator.start_time.load(Ordering::Relaxed),
+            );
+            for (w, chunk) in h.proof.iter().zip(proof.chunks_exact(8)) {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(chunk);
+                w.store(u64::from_le_bytes(b), Ordering::Relaxed);
+            }
             h.magic.store(MAGIC, Ordering::Release);
             Ok(seg)
         };
@@ -292,12 +349,13 @@ impl Segment {
         name: &str,
         rank: usize,
         layout: Layout,
+        key: &Key,
         deadline: Instant,
         timeout: Duration,
     ) -> Result<Segment> {
         let mut pause = Duration::from_micros(200);
         loop {
-            if let Some(seg) = Self::try_attach(name, layout)? {
+            if let Some(seg) = Self::try_attach(name, layout, key)? {
                 seg.record_self(rank);
                 let h = seg.header();
                 if h.attached.fetch_add(1, Ordering::AcqRel) + 1 == layout.size as u32 {
@@ -319,13 +377,18 @@ impl Segment {
         }
     }
 
-    fn try_attach(name: &str, layout: Layout) -> Result<Option<Segment>> {
+    fn try_attach(name: &str, layout: Layout, key: &Key) -> Result<Option<Segment>> {
         let fd = match sys::shm_open_existing(name, true) {
             Ok(fd) => fd,
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io_err(name, "shm_open", e)),
         };
-        let (len, _, _) = fd.stat().map_err(|e| io_err(name, "fstat", e))?;
+        // Owner and mode first: a segment that another user could have made or written is
+        // never mapped. The size is checked against every mapping below (no SIGBUS on a
+        // short object).
+        let st = fd.stat().map_err(|e| io_err(name, "fstat", e))?;
+        check_owner(name, st.uid, st.mode)?;
+        let len = st.len;
         // Look at the header and the creator's entry first: the layout is checked before the
         // length, so that a rank expecting another world size fails instead of waiting.
         let first = layout.info_off + std::mem::size_of::<RankInfo>();
@@ -351,10 +414,11 @@ impl Segment {
             });
         }
         let creator = head.info(0);
-        if !sys::process_alive(
+        let (pid, start) = (
             creator.pid.load(Ordering::Acquire),
             creator.start_time.load(Ordering::Relaxed),
-        ) {
+        );
+        if !sys::process_alive(pid, start) {
             return Ok(None); // stale leftover; rank 0 will replace it
         }
         let theirs = (
@@ -379,6 +443,20 @@ impl Segment {
                 ),
             });
         }
+        let mut theirs_proof = [0u8; 32];
+        for (chunk, w) in theirs_proof.chunks_exact_mut(8).zip(&h.proof) {
+            chunk.copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+        }
+        let want = segment_proof(key, name, &layout, pid, start);
+        // The layout matched: now the creator must prove that it knows the token.
+        if !crate::tcp::wire::constant_time_eq(&theirs_proof, &want) {
+            return Err(TransportError::Handshake {
+                peer: format!("shared-memory segment /dev/shm{name}"),
+                reason: "its creator cannot prove that it knows this job's token (another job \
+                         with another FH_JOB_TOKEN, or a forged segment): not attached"
+                    .into(),
+            });
+        }
         if len < layout.total as u64 {
             return Ok(None);
         }
@@ -400,16 +478,17 @@ fn io_err(name: &str, what: &str, e: io::Error) -> TransportError {
 fn is_stale(name: &str, uninit_age: Duration) -> Result<bool> {
     let fd = match sys::shm_open_existing(name, false) {
         Ok(fd) => fd,
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(false),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(io_err(name, "shm_open", e)),
     };
     Ok(stale_fd(&fd, uninit_age).unwrap_or(false))
 }
 
 fn stale_fd(fd: &Fd, uninit_age: Duration) -> io::Result<bool> {
-    let (len, ctime, uid) = fd.stat()?;
-    // SAFETY: geteuid cannot fail.
-    if uid != unsafe { libc::geteuid() } {
+    let st = fd.stat()?;
+    let (len, ctime) = (st.len, st.ctime);
+    // Only our own, owner-only segments are ever judged (and removed).
+    if st.uid != sys::euid() || st.mode & 0o077 != 0 {
         return Ok(false);
     }
     let age = std::time::SystemTime::now()
@@ -465,6 +544,23 @@ fn stale_fd(fd: &Fd, uninit_age: Duration) -> io::Result<bool> {
     Ok(!any_alive)
 }
 
+/// Whether `file` is a name this scheme makes: `fh-`, 32 hex digits, `-`, a sequence number.
+pub(crate) fn is_scheme_name(file: &str) -> bool {
+    let Some(rest) = file.strip_prefix(NAME_PREFIX) else {
+        return false;
+    };
+    let Some((hash, seq)) = rest.split_once('-') else {
+        return false;
+    };
+    hash.len() == 32
+        && hash
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        && !seq.is_empty()
+        && seq.len() <= 20
+        && seq.bytes().all(|b| b.is_ascii_digit())
+}
+
 /// Remove FastHorovod segments in `/dev/shm` left by jobs whose every process died (e.g. all
 /// ranks SIGKILLed while a communicator was being opened). Returns the names removed.
 pub(crate) fn cleanup_stale() -> Vec<String> {
@@ -476,7 +572,7 @@ pub(crate) fn cleanup_stale() -> Vec<String> {
         let Some(file) = entry.file_name().to_str().map(str::to_string) else {
             continue;
         };
-        if !file.starts_with(NAME_PREFIX) {
+        if !is_scheme_name(&file) {
             continue;
         }
         let name = format!("/{file}");
@@ -493,4 +589,43 @@ pub(crate) fn cleanup_stale() -> Vec<String> {
         }
     }
     removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scheme_names() {
+        assert!(is_scheme_name("fh-0123456789abcdef0123456789abcdef-0"));
+        assert!(is_scheme_name("fh-0123456789abcdef0123456789abcdef-17"));
+        assert!(
+            !is_scheme_name("fh-0123456789ab-0"),
+            "old 48-bit names are not ours"
+        );
+        assert!(!is_scheme_name("fh-0123456789abcdef0123456789ABCDEF-0"));
+        assert!(!is_scheme_name("fh-0123456789abcdef0123456789abcdef-x"));
+        assert!(!is_scheme_name("fh-0123456789abcdef0123456789abcdef-"));
+        assert!(!is_scheme_name("fh-something-else"));
+        assert!(!is_scheme_name("sem.fh-0123456789abcdef0123456789abcdef-0"));
+    }
+
+    #[test]
+    fn a_segment_without_the_creators_proof_is_refused() {
+        let name = format!(
+            "/{}0",
+            crate::shm::segment_prefix(&format!("proof-test-{}-0123456789", std::process::id()))
+        );
+        let layout = Layout::new(2, 4096, 1, 4096);
+        let seg = Segment::create(&name, layout, &Key::new(b"the-creators-token-0123")).unwrap();
+        // Same user, same name, a valid header, a live creator: only the proof is wrong.
+        let other = Key::new(b"another-token-0123456789");
+        let err = Segment::try_attach(&name, layout, &other).unwrap_err();
+        assert!(err.to_string().contains("cannot prove"), "{err}");
+        // The right key attaches.
+        let ok = Segment::try_attach(&name, layout, &Key::new(b"the-creators-token-0123"));
+        assert!(matches!(ok, Ok(Some(_))), "{ok:?}");
+        drop(seg);
+        sys::shm_unlink(&name).unwrap();
+    }
 }

@@ -142,24 +142,30 @@ impl TcpComm {
     /// that peers blocked on us are released. The error is returned for the caller.
     fn fail(&mut self, err: TransportError, half_sent_to: Option<usize>) -> TransportError {
         let blamed = err.blamed_rank();
-        let notice = wire::abort_header(blamed.unwrap_or(self.rank) as u32);
+        let lost = blamed.unwrap_or(self.rank);
+        let notice = wire::abort_header(lost as u32);
+        // Peers that must be told out of band, all at once below (a partition must not cost
+        // a timeout per peer).
+        let mut out_of_band = Vec::new();
         for (p, stream) in self.peers.iter().enumerate() {
             let Some(stream) = stream else { continue };
             if Some(p) == half_sent_to && Some(p) != blamed {
                 // A notice now would be read as payload: deliver it out of band.
-                if let Some(link) = &self.link {
-                    link.send_abort(self.rank, p, self.seq, blamed.unwrap_or(self.rank));
-                }
+                out_of_band.push(p);
             } else if Some(p) != blamed {
                 // In band when the socket buffer has room; otherwise (that peer is not
                 // reading from us right now) out of band, so that its view stays right.
                 let sent = sys::send2(stream.as_raw_fd(), &notice, &[]).unwrap_or(0);
                 if sent != notice.len() {
-                    if let Some(link) = &self.link {
-                        link.send_abort(self.rank, p, self.seq, blamed.unwrap_or(self.rank));
-                    }
+                    out_of_band.push(p);
                 }
             }
+        }
+        // Before the shutdowns, so that a peer knows whom to blame when it sees the close.
+        if let Some(link) = &self.link {
+            link.send_aborts(self.rank, &out_of_band, self.seq, lost);
+        }
+        for stream in self.peers.iter().flatten() {
             let _ = stream.shutdown(Shutdown::Both);
         }
         tracing::error!(
@@ -252,6 +258,83 @@ impl TcpComm {
         }
     }
 
+    /// Receive into `b` the message this rank sent itself earlier.
+    fn take_own_message(&mut self, op: &'static str, b: &mut [u8]) -> Result<()> {
+        let msg = self.loopback.pop_front().ok_or_else(|| {
+            TransportError::InvalidArgument(format!(
+                "{op}: receiving from oneself (rank {}) with no message sent to oneself",
+                self.rank
+            ))
+        })?;
+        if msg.len() != b.len() {
+            return Err(TransportError::InvalidArgument(format!(
+                "{op}: this rank sent itself {} bytes but receives {}",
+                msg.len(),
+                b.len()
+            )));
+        }
+        b.copy_from_slice(&msg);
+        Ok(())
+    }
+
+    /// What is wrong with a frame header from `peer` when `expected` payload bytes are due:
+    /// another length, an abort notice, or an unknown control frame.
+    fn frame_problem(
+        &self,
+        op: &'static str,
+        peer: usize,
+        header: [u8; 8],
+        expected: usize,
+    ) -> Option<TransportError> {
+        match wire::decode_header(header) {
+            Header::Data(len) => {
+                wire::check_data_len(len, expected)
+                    .err()
+                    .map(|detail| TransportError::Protocol {
+                        rank: peer,
+                        detail: format!("{op} on communicator '{}': {detail}", self.label),
+                    })
+            }
+            Header::Abort { lost } => Some(self.abort_error(peer, lost)),
+            Header::Unknown(v) => Some(TransportError::Protocol {
+                rank: peer,
+                detail: format!("unknown control frame {v:#x}"),
+            }),
+        }
+    }
+
+    /// While only sending to `peer`, its incoming side became readable: fail at once if it
+    /// closed or sent an abort notice; returns whether to keep watching (not once ordinary data
+    /// for a later receive is waiting).
+    fn watch_for_abort(
+        &mut self,
+        op: &'static str,
+        fd: i32,
+        peer: usize,
+        half: Option<usize>,
+    ) -> Result<bool> {
+        let mut peekbuf = [0u8; 8];
+        match sys::peek(fd, &mut peekbuf) {
+            Ok(0) => {
+                let err = self.lost(peer, op, None);
+                Err(self.fail(err, half))
+            }
+            Ok(8) => match wire::decode_header(peekbuf) {
+                Header::Abort { lost } => {
+                    let err = self.abort_error(peer, lost);
+                    Err(self.fail(err, half))
+                }
+                _ => Ok(false),
+            },
+            Ok(_) => Ok(false),
+            Err(e) if would_block(&e) => Ok(true),
+            Err(e) => {
+                let err = self.lost(peer, op, Some(e));
+                Err(self.fail(err, half))
+            }
+        }
+    }
+
     /// Move one frame to `send.0` and/or one frame from `recv.0`, interleaving both so that
     /// neither direction can block the other.
     fn transfer(
@@ -281,21 +364,7 @@ impl TcpComm {
                     // Send to the peer first, then take our own message.
                     self.transfer(op, send, None)?;
                 }
-                let msg = self.loopback.pop_front().ok_or_else(|| {
-                    TransportError::InvalidArgument(format!(
-                        "{op}: receiving from oneself (rank {}) with no message sent to oneself",
-                        self.rank
-                    ))
-                })?;
-                if msg.len() != b.len() {
-                    return Err(TransportError::InvalidArgument(format!(
-                        "{op}: this rank sent itself {} bytes but receives {}",
-                        msg.len(),
-                        b.len()
-                    )));
-                }
-                b.copy_from_slice(&msg);
-                return Ok(());
+                return self.take_own_message(op, b);
             }
             other => other,
         };
@@ -382,25 +451,7 @@ impl TcpComm {
                         }
                     }
                     if r.done >= 8 && !r.checked {
-                        let peer = r.peer;
-                        let problem =
-                            match wire::decode_header(r.header) {
-                                Header::Data(len) => wire::check_data_len(len, r.buf.len())
-                                    .err()
-                                    .map(|detail| TransportError::Protocol {
-                                        rank: peer,
-                                        detail: format!(
-                                            "{op} on communicator '{}': {detail}",
-                                            self.label
-                                        ),
-                                    }),
-                                Header::Abort { lost } => Some(self.abort_error(peer, lost)),
-                                Header::Unknown(v) => Some(TransportError::Protocol {
-                                    rank: peer,
-                                    detail: format!("unknown control frame {v:#x}"),
-                                }),
-                            };
-                        if let Some(err) = problem {
+                        if let Some(err) = self.frame_problem(op, r.peer, r.header, r.buf.len()) {
                             let half = tx.as_ref().filter(|t| t.done > 0).map(|t| t.peer);
                             return Err(self.fail(err, half));
                         }
@@ -470,29 +521,8 @@ impl TcpComm {
             if let (Some(slot), Some(t)) = (tx_slot, tx.as_ref()) {
                 let same_fd = rx_fd == tx_fd && !rx_done;
                 if watch_tx_in && !same_fd && fds[slot].revents & sys::POLLIN != 0 {
-                    let peer = t.peer;
-                    let half = (t.done > 0).then_some(peer);
-                    let mut peekbuf = [0u8; 8];
-                    match sys::peek(fds[slot].fd, &mut peekbuf) {
-                        Ok(0) => {
-                            let err = self.lost(peer, op, None);
-                            return Err(self.fail(err, half));
-                        }
-                        Ok(8) => match wire::decode_header(peekbuf) {
-                            Header::Abort { lost } => {
-                                let err = self.abort_error(peer, lost);
-                                return Err(self.fail(err, half));
-                            }
-                            // Ordinary data for a later receive: stop watching.
-                            _ => watch_tx_in = false,
-                        },
-                        Ok(_) => watch_tx_in = false,
-                        Err(e) if would_block(&e) => {}
-                        Err(e) => {
-                            let err = self.lost(peer, op, Some(e));
-                            return Err(self.fail(err, half));
-                        }
-                    }
+                    let half = (t.done > 0).then_some(t.peer);
+                    watch_tx_in = self.watch_for_abort(op, fds[slot].fd, t.peer, half)?;
                 }
             }
         }

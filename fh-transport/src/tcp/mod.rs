@@ -11,47 +11,58 @@
 //! number, so connections of different communicators can never be mixed up. Listeners are
 //! served by a background acceptor thread, so a rank answers handshakes even while it is busy.
 //!
-//! **A closed door.** Every connection starts with a handshake carrying a magic, the protocol
-//! version, the job token (compared in constant time), the world size and the rank; a peer
-//! that gets anything wrong receives a refusal stating why and is disconnected, and the refusal
-//! is logged on the accepting side (and quoted in its error if the expected peer never comes).
-//! Strangers — garbage, wrong tokens, connections that never say anything — are dropped after a
-//! short handshake timeout without disturbing the job. Frame lengths are checked against what
-//! the receiver expects before a byte of payload is accepted.
+//! **A closed door, both ways.** Every connection starts with a mutual challenge–response
+//! ([`wire`]): each side proves that it knows the job token with HMAC-SHA-256 over the other
+//! side's fresh nonce, so the token never crosses the network, a recorded handshake cannot be
+//! replayed, and a rank never trusts (or proves anything to) a listener that cannot prove the
+//! token first — a process that grabs the rendezvous port learns nothing. A peer that gets
+//! anything wrong receives a refusal stating why and is disconnected; refusals are logged on
+//! the accepting side at a bounded rate (and quoted in its error if the expected peer never
+//! comes). Strangers — garbage, wrong tokens, connections that never say anything — are dropped
+//! after a short handshake deadline (for the whole handshake, not per read) without disturbing
+//! the job: the number of handshakes served at once grows with the world size, and a rank whose
+//! connection was dropped or timed out retries until the job's timeout. Frame lengths are
+//! checked against what the receiver expects before a byte of payload is accepted.
 //!
-//! The token keeps other jobs and casual strangers out; it travels in clear text, so this is
-//! not protection against an attacker who can watch the network.
+//! Connections are authenticated, not encrypted: someone who can watch the network sees the
+//! data (but never the token).
+//!
+//! **Descriptors.** Every communicator is a full mesh, so a rank holds about
+//! `communicators × (size − 1)` sockets. Before each mesh is built the soft `RLIMIT_NOFILE` is
+//! raised as far as needed (up to the hard limit); beyond the hard limit opening fails with an
+//! error that names the limit and the fix.
 
+mod accept;
 mod comm;
+mod handshake;
 mod sys;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
-
+use accept::{AcceptRules, Acceptor, RefusalLog};
 pub use comm::TcpComm;
-use wire::{ConnKind, DecodeError, Hello, Reply};
+use handshake::{client_handshake, connect_handshake, read_msg, write_by, ReadFail};
+use wire::{ConnKind, Hello};
 
 use crate::bootstrap::LaunchInfo;
 use crate::{Communicator, Result, Topology, Transport, TransportError};
 
 /// Default largest message the backend sends or accepts (16 GiB).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 30;
-/// Default time a connecting stranger has to complete its handshake.
+/// Default time a connecting stranger has to complete its whole handshake.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Most handshakes served at once; further connections are dropped until some finish.
-const MAX_PENDING_HANDSHAKES: usize = 64;
-/// Refusals queued for the transport beyond which further ones are only logged.
-const MAX_QUEUED_REFUSALS: usize = 256;
-/// How often acceptor threads check whether they should stop.
-const ACCEPT_POLL: Duration = Duration::from_millis(100);
+/// Handshakes served at once by a listener of a world of `size` ranks: room for every rank to
+/// connect at once, twice over, plus a margin for strangers. Further connections are dropped
+/// (their ranks retry) until some finish.
+pub fn max_pending_handshakes(size: usize) -> usize {
+    64 + 2 * size
+}
+/// Descriptors kept free beyond what a mesh needs (logs, libraries, the user's files).
+const FD_MARGIN: u64 = 64;
 
 /// Tunables of the TCP backend.
 #[derive(Debug, Clone)]
@@ -59,7 +70,8 @@ pub struct TcpOptions {
     /// Longest wait without progress for a peer (`FH_TIMEOUT_SECONDS`): connecting, the
     /// rendezvous, opening a communicator, and every send/receive.
     pub timeout: Duration,
-    /// How long an accepted connection has to present its handshake.
+    /// How long one handshake may take in all (a stranger's, or one attempt of this rank's;
+    /// this rank retries failed attempts until [`TcpOptions::timeout`]).
     pub handshake_timeout: Duration,
     /// Largest single message, in bytes.
     pub max_frame: usize,
@@ -86,26 +98,36 @@ impl TcpOptions {
     }
 }
 
-/// What the acceptor thread hands to the transport.
-enum Incoming {
-    /// A peer passed the handshake.
-    Accepted {
-        hello: Hello,
-        stream: TcpStream,
-        from: SocketAddr,
-    },
-    /// A connection was refused (logged already); kept to explain a later timeout.
-    Refused { from: SocketAddr, reason: String },
+/// The job token as the key of the handshake's HMAC. Its `Debug` never shows it.
+#[derive(Clone)]
+pub(crate) struct Key(Arc<[u8]>);
+
+impl Key {
+    pub(crate) fn new(bytes: &[u8]) -> Key {
+        Key(Arc::from(bytes))
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// HMAC-SHA-256 keyed with the token over `parts` (each length-prefixed).
+    pub(crate) fn mac(&self, parts: &[&[u8]]) -> [u8; 32] {
+        use hmac::{Hmac, Mac};
+        let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(self.bytes())
+            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+        for p in parts {
+            mac.update(&(p.len() as u64).to_le_bytes());
+            mac.update(p);
+        }
+        mac.finalize().into_bytes().into()
+    }
 }
 
-/// What an acceptor checks in a handshake.
-struct AcceptRules {
-    kind: ConnKind,
-    token: Vec<u8>,
-    size: usize,
-    rank: usize,
-    handshake_timeout: Duration,
-    board: Arc<AbortBoard>,
+impl std::fmt::Debug for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Key(<redacted>)")
+    }
 }
 
 /// Abort notices received out of band: communicator sequence number → (reporting rank, lost
@@ -132,19 +154,41 @@ impl AbortBoard {
 #[derive(Debug)]
 pub(crate) struct Link {
     pub(crate) book: Vec<SocketAddr>,
-    pub(crate) token: Vec<u8>,
+    key: Key,
     pub(crate) board: Arc<AbortBoard>,
     pub(crate) handshake_timeout: Duration,
 }
 
 impl Link {
+    /// Tell every rank in `peers`, each over a fresh connection and all at once, that this rank
+    /// gave up on communicator `seq` because it lost rank `lost`. Best effort, bounded by the
+    /// handshake timeout (at most 2 s) in all, however many peers there are.
+    pub(crate) fn send_aborts(&self, rank: usize, peers: &[usize], seq: u64, lost: usize) {
+        match peers {
+            [] => {}
+            [peer] => self.send_abort(rank, *peer, seq, lost),
+            _ => std::thread::scope(|s| {
+                for &peer in peers {
+                    let spawned = std::thread::Builder::new()
+                        .name("fh-tcp-abort".into())
+                        .spawn_scoped(s, move || self.send_abort(rank, peer, seq, lost));
+                    if spawned.is_err() {
+                        // No thread to spare: tell this one in line.
+                        self.send_abort(rank, peer, seq, lost);
+                    }
+                }
+            }),
+        }
+    }
+
     /// Tell `peer`, over a fresh connection, that this rank gave up on communicator `seq`
-    /// because it lost rank `lost`. Best effort, bounded by the handshake timeout.
-    pub(crate) fn send_abort(&self, rank: usize, peer: usize, seq: u64, lost: usize) {
+    /// because it lost rank `lost`. Best effort, bounded by the handshake timeout (≤ 2 s).
+    fn send_abort(&self, rank: usize, peer: usize, seq: u64, lost: usize) {
         let Some(addr) = self.book.get(peer) else {
             return;
         };
         let timeout = self.handshake_timeout.min(Duration::from_secs(2));
+        let deadline = Instant::now() + timeout;
         let Ok(mut s) = TcpStream::connect_timeout(addr, timeout) else {
             return;
         };
@@ -156,361 +200,59 @@ impl Link {
             seq,
             port: 0,
             lost: lost as u32,
-            token: self.token.clone(),
+            nonce: [0; wire::NONCE_LEN],
         };
-        if let Err(e) = client_handshake(&mut s, &hello, &format!("rank {peer}"), timeout) {
-            tracing::debug!(peer, error = %e, "could not deliver an abort notice");
+        if let Err(e) =
+            client_handshake(&mut s, hello, &self.key, &format!("rank {peer}"), deadline)
+        {
+            tracing::debug!(peer, error = %e.into_error(), "could not deliver an abort notice");
         }
     }
 }
 
-/// A background thread serving one listener.
-struct Acceptor {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-    incoming: Receiver<Incoming>,
-    /// Recent refusals, quoted when an expected peer never arrives.
-    refusals: Vec<String>,
-}
-
-impl Acceptor {
-    fn spawn(listener: TcpListener, rules: AcceptRules) -> Result<Self> {
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| TransportError::io("making a listener nonblocking", e))?;
-        let (tx, rx) = unbounded();
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = Arc::clone(&stop);
-        let name = match rules.kind {
-            ConnKind::Rendezvous => "fh-tcp-rendezvous",
-            ConnKind::Data | ConnKind::Abort => "fh-tcp-accept",
-        };
-        let thread = std::thread::Builder::new()
-            .name(name.into())
-            .spawn(move || accept_loop(listener, Arc::new(rules), tx, stop2))
-            .map_err(|e| TransportError::io("spawning the TCP acceptor thread", e))?;
-        Ok(Acceptor {
-            stop,
-            thread: Some(thread),
-            incoming: rx,
-            refusals: Vec::new(),
-        })
+/// Make room for `extra` more descriptors than this process has open now: raise the soft
+/// `RLIMIT_NOFILE` (up to the hard limit) if needed, or fail naming the limit and the fix.
+fn ensure_descriptors(extra: usize, what: &str) -> Result<()> {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let open = std::fs::read_dir("/proc/self/fd")
+        .or_else(|_| std::fs::read_dir("/dev/fd"))
+        .map(|d| d.count() as u64)
+        .unwrap_or(0);
+    let need = open + extra as u64 + FD_MARGIN;
+    let lim = getrlimit(Resource::Nofile);
+    let soft = lim.current.unwrap_or(u64::MAX);
+    if need <= soft {
+        return Ok(());
     }
-
-    /// Wait for the next accepted connection until `deadline`; refusals are remembered.
-    fn next(&mut self, deadline: Instant) -> Option<(Hello, TcpStream, SocketAddr)> {
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.incoming.recv_timeout(left) {
-                Ok(Incoming::Accepted {
-                    hello,
-                    stream,
-                    from,
-                }) => return Some((hello, stream, from)),
-                Ok(Incoming::Refused { from, reason }) => {
-                    if self.refusals.len() >= 8 {
-                        self.refusals.remove(0);
-                    }
-                    self.refusals.push(format!("{from}: {reason}"));
-                }
-                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
-                    return None
-                }
-            }
-        }
+    let hard = lim.maximum.unwrap_or(u64::MAX);
+    if need > hard {
+        return Err(TransportError::Config {
+            var: "RLIMIT_NOFILE".into(),
+            reason: format!(
+                "{what} needs about {need} open descriptors ({open} open now), but the hard \
+                 limit is {hard}: raise it (`ulimit -Hn`, systemd LimitNOFILE=, docker --ulimit \
+                 nofile=N:N, or /etc/security/limits.conf), or use fewer ranks or channels"
+            ),
+        });
     }
-
-    fn refusal_note(&self) -> String {
-        if self.refusals.is_empty() {
-            String::new()
-        } else {
-            format!(
-                "; meanwhile these connections were refused: {}",
-                self.refusals.join("; ")
-            )
-        }
-    }
-}
-
-impl Drop for Acceptor {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            if t.join().is_err() {
-                tracing::error!("the TCP acceptor thread panicked");
-            }
-        }
-    }
-}
-
-fn accept_loop(
-    listener: TcpListener,
-    rules: Arc<AcceptRules>,
-    tx: Sender<Incoming>,
-    stop: Arc<AtomicBool>,
-) {
-    use std::os::fd::AsRawFd;
-    let pending = Arc::new(AtomicUsize::new(0));
-    while !stop.load(Ordering::Relaxed) {
-        let mut fds = [sys::pollfd(listener.as_raw_fd(), sys::POLLIN)];
-        if let Err(e) = sys::poll(&mut fds, ACCEPT_POLL) {
-            tracing::error!(error = %e, "poll on a TCP listener failed; it stops accepting");
-            return;
-        }
-        loop {
-            let (stream, from) = match listener.accept() {
-                Ok(x) => x,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => {
-                    // ECONNABORTED, EMFILE and the like: log, back off a little, keep going.
-                    tracing::warn!(error = %e, "accepting a TCP connection failed");
-                    std::thread::sleep(Duration::from_millis(10));
-                    break;
-                }
-            };
-            if pending.load(Ordering::Relaxed) >= MAX_PENDING_HANDSHAKES {
-                tracing::warn!(%from, "too many handshakes in progress; dropping a connection");
-                continue;
-            }
-            pending.fetch_add(1, Ordering::Relaxed);
-            let (rules, tx, pending2) = (Arc::clone(&rules), tx.clone(), Arc::clone(&pending));
-            let spawned = std::thread::Builder::new()
-                .name("fh-tcp-handshake".into())
-                .spawn(move || {
-                    let msg = match serve_handshake(stream, &rules) {
-                        Ok((hello, _)) if hello.kind == ConnKind::Abort => {
-                            tracing::warn!(
-                                from = hello.rank,
-                                lost = hello.lost,
-                                seq = hello.seq,
-                                "a peer gave up on a communicator"
-                            );
-                            rules
-                                .board
-                                .post(hello.seq, hello.rank as usize, hello.lost as usize);
-                            pending2.fetch_sub(1, Ordering::Relaxed);
-                            return;
-                        }
-                        Ok((hello, stream)) => Incoming::Accepted {
-                            hello,
-                            stream,
-                            from,
-                        },
-                        Err(reason) => {
-                            tracing::warn!(
-                                %from,
-                                %reason,
-                                "refused a TCP connection (a stranger, another job, or a \
-                                 misconfigured rank)"
-                            );
-                            Incoming::Refused { from, reason }
-                        }
-                    };
-                    pending2.fetch_sub(1, Ordering::Relaxed);
-                    // Under a flood of strangers, keep memory bounded: refusals are only
-                    // explanations (and were logged), so drop them when nobody is reading.
-                    if matches!(msg, Incoming::Refused { .. }) && tx.len() >= MAX_QUEUED_REFUSALS {
-                        return;
-                    }
-                    // The transport may be gone already; then nobody needs the connection.
-                    let _ = tx.send(msg);
-                });
-            if let Err(e) = spawned {
-                pending.fetch_sub(1, Ordering::Relaxed);
-                tracing::warn!(error = %e, "could not spawn a handshake thread; connection dropped");
-            }
-        }
-    }
-}
-
-/// Read a handshake (bounded in time and size), check it, and answer.
-fn serve_handshake(
-    mut stream: TcpStream,
-    rules: &AcceptRules,
-) -> std::result::Result<(Hello, TcpStream), String> {
-    let _ = stream.set_nonblocking(false);
-    let timeout = Some(rules.handshake_timeout);
-    if stream.set_read_timeout(timeout).is_err() || stream.set_write_timeout(timeout).is_err() {
-        return Err("could not set socket timeouts".into());
-    }
-    let mut buf = [0u8; wire::MAX_HELLO_LEN];
-    let mut got = 0usize;
-    // The whole handshake, not each read, is bounded: a stranger dripping a byte at a time
-    // does not hold a thread for long.
-    let deadline = Instant::now() + rules.handshake_timeout;
-    let hello = loop {
-        match Hello::decode(&buf[..got]) {
-            Ok((hello, _)) => break hello,
-            Err(DecodeError::NeedMore(n)) => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
-                    return Err(format!(
-                        "no complete handshake within {:?} (a slow or silent connection)",
-                        rules.handshake_timeout
-                    ));
-                }
-                let n = n.min(buf.len());
-                match stream.read(&mut buf[got..n]) {
-                    Ok(0) => {
-                        return Err(format!(
-                            "connection closed after {got} bytes, before a complete handshake"
-                        ))
-                    }
-                    Ok(k) => got += k,
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                        ) =>
-                    {
-                        return Err(format!(
-                            "no complete handshake within {:?} (half-open or silent connection)",
-                            rules.handshake_timeout
-                        ))
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(format!("reading the handshake failed: {e}")),
-                }
-            }
-            Err(e) => {
-                let reason = e.to_string();
-                refuse(&mut stream, &reason);
-                return Err(reason);
-            }
-        }
-    };
-    let reason = check_hello(&hello, rules);
-    if let Some(reason) = reason {
-        refuse(&mut stream, &reason);
-        return Err(format!("rank {} (claimed): {reason}", hello.rank));
-    }
-    stream
-        .write_all(&Reply::Accept.encode())
-        .map_err(|e| format!("sending the acceptance failed: {e}"))?;
-    Ok((hello, stream))
-}
-
-fn check_hello(hello: &Hello, rules: &AcceptRules) -> Option<String> {
-    if !wire::constant_time_eq(&hello.token, &rules.token) {
-        return Some(
-            "wrong job token: this connection does not belong to this job (every rank must \
-             have the same FH_JOB_TOKEN)"
-                .into(),
-        );
-    }
-    let abort_at_data = hello.kind == ConnKind::Abort && rules.kind == ConnKind::Data;
-    if hello.kind != rules.kind && !abort_at_data {
-        return Some(format!(
-            "a {:?} handshake arrived at the {:?} listener",
-            hello.kind, rules.kind
-        ));
-    }
-    if hello.size as usize != rules.size {
-        return Some(format!(
-            "world size mismatch: the connecting rank says {}, this rank has {} (check FH_SIZE)",
-            hello.size, rules.size
-        ));
-    }
-    let rank = hello.rank as usize;
-    let ok_rank = match rules.kind {
-        ConnKind::Rendezvous => rank != 0 && rank < rules.size,
-        ConnKind::Data if abort_at_data => rank != rules.rank && rank < rules.size,
-        ConnKind::Data => rank > rules.rank && rank < rules.size,
-        ConnKind::Abort => false,
-    };
-    if !ok_rank {
-        return Some(format!(
-            "rank {rank} may not connect here (this is rank {} of {})",
-            rules.rank, rules.size
-        ));
-    }
-    None
-}
-
-fn refuse(stream: &mut TcpStream, reason: &str) {
-    let _ = stream.write_all(&Reply::Refuse(reason.into()).encode());
-    let _ = stream.flush();
-    let _ = stream.shutdown(std::net::Shutdown::Write);
-}
-
-/// Connect to `addrs` (trying each), retrying until `deadline` while nobody listens yet.
-fn connect_retry(addrs: &[SocketAddr], deadline: Instant, what: &str) -> Result<TcpStream> {
-    let mut backoff = Duration::from_millis(10);
-    let mut last_err: Option<io::Error> = None;
-    loop {
-        for addr in addrs {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            match TcpStream::connect_timeout(addr, left.min(Duration::from_secs(5))) {
-                Ok(s) => return Ok(s),
-                Err(e) => last_err = Some(e),
-            }
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            let e = last_err.unwrap_or_else(|| io::Error::from(io::ErrorKind::TimedOut));
-            return Err(TransportError::io(
-                format!("could not connect to {what} at {addrs:?} before the timeout"),
-                e,
-            ));
-        }
-        std::thread::sleep(backoff.min(left));
-        backoff = (backoff * 2).min(Duration::from_millis(500));
-    }
-}
-
-/// Send a handshake and read the reply; a refusal becomes a clear [`TransportError::Handshake`].
-fn client_handshake(
-    stream: &mut TcpStream,
-    hello: &Hello,
-    peer: &str,
-    timeout: Duration,
-) -> Result<()> {
-    let io_err = |what: &str, e: io::Error| TransportError::io(format!("{what} {peer}"), e);
-    stream
-        .set_read_timeout(Some(timeout))
-        .and_then(|_| stream.set_write_timeout(Some(timeout)))
-        .map_err(|e| io_err("configuring the connection to", e))?;
-    stream
-        .write_all(&hello.encode())
-        .map_err(|e| io_err("sending the handshake to", e))?;
-    let mut buf = [0u8; wire::REPLY_FIXED_LEN + wire::MAX_REASON_LEN];
-    let mut got = 0usize;
-    loop {
-        match Reply::decode(&buf[..got]) {
-            Ok((Reply::Accept, _)) => return Ok(()),
-            Ok((Reply::Refuse(reason), _)) => {
-                tracing::error!(%peer, %reason, "our handshake was refused");
-                return Err(TransportError::Handshake {
-                    peer: peer.into(),
-                    reason,
-                });
-            }
-            Err(DecodeError::NeedMore(n)) => {
-                let n = n.min(buf.len());
-                match stream.read(&mut buf[got..n]) {
-                    Ok(0) => {
-                        return Err(TransportError::Handshake {
-                            peer: peer.into(),
-                            reason: "the connection was closed before the handshake was answered"
-                                .into(),
-                        })
-                    }
-                    Ok(k) => got += k,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(io_err("waiting for the handshake reply of", e)),
-                }
-            }
-            Err(e) => {
-                return Err(TransportError::Handshake {
-                    peer: peer.into(),
-                    reason: e.to_string(),
-                })
-            }
-        }
-    }
+    // Leave headroom for the next communicators too.
+    let new = need.saturating_mul(2).min(hard);
+    setrlimit(
+        Resource::Nofile,
+        rustix::process::Rlimit {
+            current: Some(new),
+            maximum: lim.maximum,
+        },
+    )
+    .map_err(|e| TransportError::Config {
+        var: "RLIMIT_NOFILE".into(),
+        reason: format!(
+            "{what} needs about {need} open descriptors, the soft limit is {soft} and raising it \
+             to {new} failed ({e}): raise it with `ulimit -n {need}` before starting the job"
+        ),
+    })?;
+    tracing::debug!(from = soft, to = new, "raised the soft RLIMIT_NOFILE");
+    Ok(())
 }
 
 fn resolve(addr: &str) -> Result<Vec<SocketAddr>> {
@@ -534,7 +276,7 @@ fn resolve(addr: &str) -> Result<Vec<SocketAddr>> {
 pub struct TcpTransport {
     topology: Topology,
     opts: TcpOptions,
-    token: Vec<u8>,
+    key: Key,
     /// Every rank's data-listener address (this rank's own included).
     book: Vec<SocketAddr>,
     next_seq: u64,
@@ -563,7 +305,7 @@ impl TcpTransport {
         let mut t = TcpTransport {
             topology,
             opts,
-            token: Vec::new(),
+            key: Key::new(&[]),
             book: Vec::new(),
             next_seq: 0,
             acceptor: None,
@@ -574,15 +316,15 @@ impl TcpTransport {
         if info.size == 1 {
             return Ok(t);
         }
-        t.token = info
-            .token
-            .as_ref()
-            .ok_or_else(|| TransportError::Config {
-                var: "FH_JOB_TOKEN".into(),
-                reason: "a job of several ranks needs a job token".into(),
-            })?
-            .as_bytes()
-            .to_vec();
+        t.key = Key::new(
+            info.token
+                .as_ref()
+                .ok_or_else(|| TransportError::Config {
+                    var: "FH_JOB_TOKEN".into(),
+                    reason: "a job of several ranks needs a job token".into(),
+                })?
+                .as_bytes(),
+        );
         let rdv = info
             .rendezvous
             .as_deref()
@@ -593,6 +335,23 @@ impl TcpTransport {
                     .into(),
             })?;
         let addrs = resolve(rdv)?;
+        if !info.allow_wildcard {
+            if let Some(a) = addrs.iter().find(|a| a.ip().is_unspecified()) {
+                return Err(TransportError::Config {
+                    var: "FH_RENDEZVOUS_ADDR".into(),
+                    reason: format!(
+                        "{rdv:?} resolves to the wildcard address {a}: rank 0 would listen on \
+                         every interface. Give an address of rank 0's host, or set \
+                         FH_ALLOW_WILDCARD=1 if that is really intended"
+                    ),
+                });
+            }
+        }
+        // The rendezvous listener, its handshakes and the first communicator.
+        ensure_descriptors(
+            max_pending_handshakes(info.size) + 2 * info.size,
+            "the TCP rendezvous",
+        )?;
         if info.rank == 0 {
             t.rendezvous_root(&addrs, rdv)?;
         } else {
@@ -600,7 +359,7 @@ impl TcpTransport {
         }
         t.link = Some(Arc::new(Link {
             book: t.book.clone(),
-            token: t.token.clone(),
+            key: t.key.clone(),
             board: Arc::clone(&t.board),
             handshake_timeout: t.opts.handshake_timeout,
         }));
@@ -616,11 +375,13 @@ impl TcpTransport {
     fn rules(&self, kind: ConnKind) -> AcceptRules {
         AcceptRules {
             kind,
-            token: self.token.clone(),
+            key: self.key.clone(),
             size: self.topology.size,
             rank: self.topology.rank,
             handshake_timeout: self.opts.handshake_timeout,
+            max_pending: max_pending_handshakes(self.topology.size),
             board: Arc::clone(&self.board),
+            log: RefusalLog::new(),
         }
     }
 
@@ -693,15 +454,17 @@ impl TcpTransport {
             entries.push(addr.to_string());
         }
         let encoded = wire::encode_book(&entries);
+        // A book is small (it fits in any socket buffer), so these writes do not wait on a
+        // slow reader; one deadline bounds them all.
+        let book_deadline = Instant::now() + self.opts.timeout;
         for (r, m) in members.iter_mut().enumerate().skip(1) {
             if let Some((stream, _)) = m {
-                stream
-                    .set_write_timeout(Some(self.opts.timeout))
-                    .and_then(|_| stream.write_all(&encoded))
-                    .map_err(|e| TransportError::PeerLost {
+                write_by(stream, &encoded, book_deadline).map_err(|e| {
+                    TransportError::PeerLost {
                         rank: r,
                         detail: format!("sending the address book failed: {e}"),
-                    })?;
+                    }
+                })?;
             }
         }
         self.book = book;
@@ -711,89 +474,93 @@ impl TcpTransport {
     fn rendezvous_member(&mut self, addrs: &[SocketAddr], rdv: &str) -> Result<()> {
         let (rank, size) = (self.topology.rank, self.topology.size);
         let deadline = Instant::now() + self.opts.timeout;
-        let mut stream = connect_retry(addrs, deadline, "rank 0's rendezvous")?;
+        // The data listener goes on the interface this rank reaches rank 0 through, learnt from
+        // the first connection (and kept for the retries).
+        let mut data_port: Option<u16> = None;
+        let rules = self.rules(ConnKind::Data);
+        let mut rules = Some(rules);
+        let mut acceptor = None;
+        let peer = format!("rank 0 (rendezvous at {rdv})");
+        let mut stream = connect_handshake(
+            addrs,
+            |s| {
+                let port = match data_port {
+                    Some(p) => p,
+                    None => {
+                        let local_ip = s.local_addr().map_err(|e| {
+                            TransportError::io("reading the rendezvous connection's address", e)
+                        })?;
+                        let data =
+                            TcpListener::bind(SocketAddr::new(local_ip.ip(), 0)).map_err(|e| {
+                                TransportError::io(
+                                    format!("binding a data listener on {}", local_ip.ip()),
+                                    e,
+                                )
+                            })?;
+                        let port = data
+                            .local_addr()
+                            .map_err(|e| {
+                                TransportError::io("reading the data listener's address", e)
+                            })?
+                            .port();
+                        let r = rules.take().ok_or_else(|| {
+                            TransportError::Closed("data listener set up twice".into())
+                        })?;
+                        acceptor = Some(Acceptor::spawn(data, r)?);
+                        data_port = Some(port);
+                        port
+                    }
+                };
+                Ok(Hello {
+                    version: wire::PROTOCOL_VERSION,
+                    kind: ConnKind::Rendezvous,
+                    size: size as u32,
+                    rank: rank as u32,
+                    seq: 0,
+                    port,
+                    lost: 0,
+                    nonce: [0; wire::NONCE_LEN],
+                })
+            },
+            &self.key.clone(),
+            &peer,
+            deadline,
+            self.opts.handshake_timeout,
+            None,
+        )?;
+        self.acceptor = acceptor;
         let _ = stream.set_nodelay(true);
-        let local_ip = stream
-            .local_addr()
-            .map_err(|e| TransportError::io("reading the rendezvous connection's address", e))?
-            .ip();
         let root_ip: IpAddr = stream
             .peer_addr()
             .map_err(|e| TransportError::io("reading rank 0's address", e))?
             .ip();
-        let data = TcpListener::bind(SocketAddr::new(local_ip, 0))
-            .map_err(|e| TransportError::io(format!("binding a data listener on {local_ip}"), e))?;
-        let port = data
-            .local_addr()
-            .map_err(|e| TransportError::io("reading the data listener's address", e))?
-            .port();
-        self.acceptor = Some(Acceptor::spawn(data, self.rules(ConnKind::Data))?);
-        let hello = Hello {
-            version: wire::PROTOCOL_VERSION,
-            kind: ConnKind::Rendezvous,
-            size: size as u32,
-            rank: rank as u32,
-            seq: 0,
-            port,
-            lost: 0,
-            token: self.token.clone(),
-        };
-        let peer = format!("rank 0 (rendezvous at {rdv})");
-        client_handshake(&mut stream, &hello, &peer, self.opts.handshake_timeout)?;
 
-        // Rank 0 answers once everybody is in: wait up to its timeout, plus a margin.
-        stream
-            .set_read_timeout(Some(self.opts.timeout + self.opts.handshake_timeout))
-            .map_err(|e| TransportError::io("configuring the rendezvous connection", e))?;
-        let max = wire::max_book_len(size);
-        let mut buf = vec![0u8; 4];
-        let mut got = 0usize;
-        let entries = loop {
-            match wire::decode_book(&buf[..got], size) {
-                Ok((entries, _)) => break entries,
-                Err(DecodeError::NeedMore(n)) if n <= max => {
-                    if buf.len() < n {
-                        buf.resize(n, 0);
-                    }
-                    match stream.read(&mut buf[got..n]) {
-                        Ok(0) => {
-                            return Err(TransportError::PeerLost {
-                                rank: 0,
-                                detail: "rank 0 closed the rendezvous before sending the address \
-                                         book (see rank 0's log)"
-                                    .into(),
-                            })
-                        }
-                        Ok(k) => got += k,
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                        Err(e)
-                            if matches!(
-                                e.kind(),
-                                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                            ) =>
-                        {
-                            return Err(TransportError::Timeout {
-                                rank: 0,
-                                op: "rendezvous (waiting for the address book)",
-                                after: self.opts.timeout,
-                            })
-                        }
-                        Err(e) => {
-                            return Err(TransportError::PeerLost {
-                                rank: 0,
-                                detail: format!("reading the address book failed: {e}"),
-                            })
-                        }
-                    }
-                }
-                Err(e) => {
-                    return Err(TransportError::Protocol {
-                        rank: 0,
-                        detail: format!("bad address book: {e}"),
-                    })
-                }
-            }
-        };
+        // Rank 0 answers once everybody is in: wait up to its timeout, plus a margin, in all.
+        let book_deadline = Instant::now() + self.opts.timeout + self.opts.handshake_timeout;
+        let (entries, _) = read_msg(&mut stream, book_deadline, wire::max_book_len(size), |b| {
+            wire::decode_book(b, size)
+        })
+        .map_err(|f| match f {
+            ReadFail::Closed(_) => TransportError::PeerLost {
+                rank: 0,
+                detail: "rank 0 closed the rendezvous before sending the address book (see rank \
+                         0's log)"
+                    .into(),
+            },
+            ReadFail::TimedOut => TransportError::Timeout {
+                rank: 0,
+                op: "rendezvous (waiting for the address book)",
+                after: self.opts.timeout,
+            },
+            ReadFail::Decode(e) => TransportError::Protocol {
+                rank: 0,
+                detail: format!("bad address book: {e}"),
+            },
+            ReadFail::Io(e) => TransportError::PeerLost {
+                rank: 0,
+                detail: format!("reading the address book failed: {e}"),
+            },
+        })?;
         let mut book = Vec::with_capacity(size);
         for (r, e) in entries.iter().enumerate() {
             let addr = if r == 0 {
@@ -816,28 +583,10 @@ impl TcpTransport {
         let (rank, size) = (self.topology.rank, self.topology.size);
         let deadline = Instant::now() + self.opts.timeout;
         let mut peers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+        ensure_descriptors(size, &format!("communicator '{label}'"))?;
         // Connect to every lower rank.
         for (r, slot) in peers.iter_mut().enumerate().take(rank) {
             let what = format!("rank {r} (communicator '{label}')");
-            // Every data listener has been up since the rendezvous: a refused connection
-            // means that rank's process is gone, not that it is late.
-            let left = deadline.saturating_duration_since(Instant::now());
-            let mut s =
-                match TcpStream::connect_timeout(&self.book[r], left.max(Duration::from_millis(1)))
-                {
-                    Ok(s) => s,
-                    Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                        return Err(TransportError::PeerLost {
-                            rank: r,
-                            detail: format!(
-                                "its listener at {} refused the connection for communicator \
-                             '{label}' (the process is gone)",
-                                self.book[r]
-                            ),
-                        })
-                    }
-                    Err(_) => connect_retry(&[self.book[r]], deadline, &what)?,
-                };
             let hello = Hello {
                 version: wire::PROTOCOL_VERSION,
                 kind: ConnKind::Data,
@@ -846,13 +595,18 @@ impl TcpTransport {
                 seq,
                 port: 0,
                 lost: 0,
-                token: self.token.clone(),
+                nonce: [0; wire::NONCE_LEN],
             };
-            client_handshake(
-                &mut s,
-                &hello,
+            // Every data listener has been up since the rendezvous: a refused connection
+            // means that rank's process is gone, not that it is late.
+            let s = connect_handshake(
+                &[self.book[r]],
+                |_| Ok(hello.clone()),
+                &self.key,
                 &what,
-                self.opts.handshake_timeout.max(self.opts.timeout),
+                deadline,
+                self.opts.handshake_timeout,
+                Some(r),
             )?;
             *slot = Some(s);
         }

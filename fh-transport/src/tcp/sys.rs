@@ -1,110 +1,111 @@
-//! The few raw system calls of the TCP backend: vectored nonblocking send/receive and poll(2).
-//! Every `unsafe` block is here.
+//! The few system calls of the TCP backend beyond `std::net`: vectored nonblocking
+//! send/receive, peek and poll(2), through `rustix`.
+//!
+//! The functions take raw descriptors because the data path (`comm.rs`) holds its streams in
+//! `self` while it reports failures through `&mut self`; each call borrows the descriptor only
+//! for its own duration (the one `unsafe` operation per function, `BorrowedFd::borrow_raw`).
 
 use std::io;
-use std::os::fd::RawFd;
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{BorrowedFd, RawFd};
 use std::time::Duration;
 
-#[cfg(any(target_os = "linux", target_os = "android"))]
-const SEND_FLAGS: libc::c_int = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT;
-#[cfg(not(any(target_os = "linux", target_os = "android")))]
-const SEND_FLAGS: libc::c_int = libc::MSG_DONTWAIT;
+use rustix::event::{PollFlags, Timespec};
+use rustix::io::Errno;
+use rustix::net::{RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendFlags};
 
-fn iovec(buf: &[u8]) -> libc::iovec {
-    libc::iovec {
-        iov_base: buf.as_ptr() as *mut libc::c_void,
-        iov_len: buf.len(),
-    }
+/// Borrow `fd` for one call.
+///
+/// # Safety
+/// `fd` must be an open descriptor that stays open until the borrow ends.
+unsafe fn borrow(fd: RawFd) -> BorrowedFd<'static> {
+    // SAFETY: forwarded to the caller.
+    unsafe { BorrowedFd::borrow_raw(fd) }
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn send_flags() -> SendFlags {
+    SendFlags::NOSIGNAL | SendFlags::DONTWAIT
+}
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn send_flags() -> SendFlags {
+    SendFlags::DONTWAIT
 }
 
 /// Send from two buffers (header rest, payload rest) without blocking and without SIGPIPE.
 /// Returns the number of bytes sent; `WouldBlock` when the socket buffer is full.
+/// `fd` must be a connected socket that stays open during the call.
 pub fn send2(fd: RawFd, a: &[u8], b: &[u8]) -> io::Result<usize> {
-    let mut iov = [iovec(a), iovec(b)];
+    // SAFETY: the callers pass the descriptor of a stream they own, open for this call.
+    let sock = unsafe { borrow(fd) };
+    let iov = [IoSlice::new(a), IoSlice::new(b)];
     let cnt = if b.is_empty() { 1 } else { 2 };
-    // SAFETY: a zeroed msghdr is a valid "no name, no control data" header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov.as_mut_ptr();
-    msg.msg_iovlen = cnt as _;
     loop {
-        // SAFETY: `msg` points at `cnt` iovecs describing live, readable buffers that outlive
-        // the call; sendmsg only reads them.
-        let n = unsafe { libc::sendmsg(fd, &msg, SEND_FLAGS) };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match rustix::net::sendmsg(
+            sock,
+            &iov[..cnt],
+            &mut SendAncillaryBuffer::default(),
+            send_flags(),
+        ) {
+            Err(Errno::INTR) => continue,
+            r => return r.map_err(io::Error::from),
         }
     }
 }
 
 /// Receive into two buffers (header rest, payload rest) without blocking. Returns the number of
 /// bytes received (0 means the peer closed); `WouldBlock` when nothing is there.
+/// `fd` must be a connected socket that stays open during the call.
 pub fn recv2(fd: RawFd, a: &mut [u8], b: &mut [u8]) -> io::Result<usize> {
-    let mut iov = [
-        libc::iovec {
-            iov_base: a.as_mut_ptr() as *mut libc::c_void,
-            iov_len: a.len(),
-        },
-        libc::iovec {
-            iov_base: b.as_mut_ptr() as *mut libc::c_void,
-            iov_len: b.len(),
-        },
-    ];
+    // SAFETY: the callers pass the descriptor of a stream they own, open for this call.
+    let sock = unsafe { borrow(fd) };
     let cnt = if b.is_empty() { 1 } else { 2 };
-    // SAFETY: a zeroed msghdr is a valid "no name, no control data" header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov.as_mut_ptr();
-    msg.msg_iovlen = cnt as _;
+    let mut iov = [IoSliceMut::new(a), IoSliceMut::new(b)];
     loop {
-        // SAFETY: `msg` points at `cnt` iovecs describing live, exclusively borrowed, writable
-        // buffers that outlive the call; recvmsg writes at most their lengths.
-        let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match rustix::net::recvmsg(
+            sock,
+            &mut iov[..cnt],
+            &mut RecvAncillaryBuffer::default(),
+            RecvFlags::DONTWAIT,
+        ) {
+            Err(Errno::INTR) => continue,
+            r => return r.map(|m| m.bytes).map_err(io::Error::from),
         }
     }
 }
 
 /// Look at up to `buf.len()` pending bytes without consuming them (nonblocking).
+/// `fd` must be a connected socket that stays open during the call.
 pub fn peek(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: the callers pass the descriptor of a stream they own, open for this call.
+    let sock = unsafe { borrow(fd) };
     loop {
-        // SAFETY: `buf` is a live, exclusively borrowed buffer of `buf.len()` bytes.
-        let n = unsafe {
-            libc::recv(
-                fd,
-                buf.as_mut_ptr() as *mut libc::c_void,
-                buf.len(),
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match rustix::net::recv(sock, &mut *buf, RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+            Err(Errno::INTR) => continue,
+            r => return r.map(|(n, _)| n).map_err(io::Error::from),
         }
     }
 }
 
-/// Readiness bits, re-exported for the callers.
-pub const POLLIN: i16 = libc::POLLIN;
+/// Readable.
+pub const POLLIN: i16 = PollFlags::IN.bits() as i16;
 /// Writable.
-pub const POLLOUT: i16 = libc::POLLOUT;
+pub const POLLOUT: i16 = PollFlags::OUT.bits() as i16;
 
-/// One descriptor to wait on.
-pub type PollFd = libc::pollfd;
+/// One descriptor to wait on, and what happened to it.
+#[derive(Debug, Clone, Copy)]
+pub struct PollFd {
+    /// The descriptor (negative: ignored).
+    pub fd: RawFd,
+    /// What to wait for ([`POLLIN`], [`POLLOUT`]).
+    pub events: i16,
+    /// What happened.
+    pub revents: i16,
+}
 
 /// A poll entry for `fd` waiting for `events`.
 pub fn pollfd(fd: RawFd, events: i16) -> PollFd {
-    libc::pollfd {
+    PollFd {
         fd,
         events,
         revents: 0,
@@ -113,19 +114,33 @@ pub fn pollfd(fd: RawFd, events: i16) -> PollFd {
 
 /// Wait until one of `fds` is ready or `timeout` passes; returns how many are ready (0 on
 /// timeout). Interrupted waits are reported as 0 ready so that callers re-check their deadline.
+/// Every non-negative `fd` must stay open during the call.
 pub fn poll(fds: &mut [PollFd], timeout: Duration) -> io::Result<usize> {
-    let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
-    // Round a sub-millisecond remainder up, so that we do not spin.
-    let ms = if ms == 0 && !timeout.is_zero() { 1 } else { ms };
-    // SAFETY: `fds` is a live, exclusively borrowed slice of initialised pollfd structs.
-    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-    if n >= 0 {
-        return Ok(n as usize);
+    let mut raw: Vec<rustix::event::PollFd<'_>> = fds
+        .iter()
+        .filter(|p| p.fd >= 0)
+        .map(|p| {
+            // SAFETY: the callers pass descriptors of streams or listeners they own, open
+            // for this call.
+            let fd = unsafe { borrow(p.fd) };
+            rustix::event::PollFd::from_borrowed_fd(
+                fd,
+                PollFlags::from_bits_truncate(p.events as u16 as _),
+            )
+        })
+        .collect();
+    let ts = Timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as _,
+        tv_nsec: timeout.subsec_nanos() as _,
+    };
+    let n = match rustix::event::poll(&mut raw, Some(&ts)) {
+        Ok(n) => n,
+        Err(Errno::INTR) => 0,
+        Err(e) => return Err(e.into()),
+    };
+    let mut ready = raw.iter();
+    for p in fds.iter_mut().filter(|p| p.fd >= 0) {
+        p.revents = ready.next().map_or(0, |r| r.revents().bits() as i16);
     }
-    let e = io::Error::last_os_error();
-    if e.kind() == io::ErrorKind::Interrupted {
-        Ok(0)
-    } else {
-        Err(e)
-    }
+    Ok(n)
 }

@@ -2,20 +2,38 @@
 //! headers. Every decoder here works on bounded buffers, checks every length before using it,
 //! and returns an error (never panics) on any input.
 //!
-//! ## Handshake (connector → acceptor)
+//! ## Handshake
 //!
-//! | bytes | field |
-//! |---|---|
-//! | 4 | magic `FHTP` |
-//! | 2 | protocol version, little endian |
-//! | 1 | kind: 0 rendezvous, 1 data connection, 2 abort notice |
-//! | 1 | token length `t` (≤ [`MAX_TOKEN_LEN`]) |
-//! | 4 | world size |
-//! | 4 | rank of the connector |
-//! | 8 | communicator sequence number |
-//! | 2 | data-listener port (rendezvous only; else 0) |
-//! | 4 | the lost rank (abort notices only; else 0) |
-//! | `t` | token |
+//! Mutual challenge–response: each side proves that it knows the job token with
+//! HMAC-SHA-256 over the handshake and a fresh 32-byte nonce of the *other* side, so the token
+//! never crosses the wire, a recorded handshake cannot be replayed, and a connector never
+//! proves anything to (or trusts) a listener that has not proved the token first.
+//!
+//! 1. **Hello** (connector → acceptor), [`HELLO_LEN`] bytes:
+//!
+//!    | bytes | field |
+//!    |---|---|
+//!    | 4 | magic `FHTP` |
+//!    | 2 | protocol version, little endian |
+//!    | 1 | kind: 0 rendezvous, 1 data connection, 2 abort notice |
+//!    | 1 | reserved, 0 |
+//!    | 4 | world size |
+//!    | 4 | rank of the connector |
+//!    | 8 | communicator sequence number |
+//!    | 2 | data-listener port (rendezvous only; else 0) |
+//!    | 4 | the lost rank (abort notices only; else 0) |
+//!    | 32 | the connector's nonce |
+//!
+//! 2. **Challenge** (acceptor → connector), [`CHALLENGE_LEN`] bytes: magic `FHTC`, the
+//!    acceptor's nonce (32 bytes) and its proof (32 bytes), [`acceptor_proof`] =
+//!    HMAC(token, label ‖ hello ‖ acceptor nonce). The hello holds the connector's nonce, so
+//!    only a holder of the token can answer this connector. (An acceptor that refuses at once
+//!    — garbage, another version — sends a refusal reply instead.)
+//! 3. **Proof** (connector → acceptor), [`PROOF_LEN`] bytes: magic `FHTK` and
+//!    [`connector_proof`] = HMAC(token, other label ‖ hello ‖ acceptor nonce), sent only after
+//!    the acceptor's proof checked out. The distinct labels keep one side's proof from being
+//!    reflected as the other's.
+//! 4. **Reply** (acceptor → connector): accepted or refused with a reason.
 //!
 //! ## Reply (acceptor → connector)
 //!
@@ -32,26 +50,44 @@
 
 use std::fmt;
 
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
 /// Magic opening every handshake.
 pub const HELLO_MAGIC: [u8; 4] = *b"FHTP";
 /// Magic opening every reply.
 pub const REPLY_MAGIC: [u8; 4] = *b"FHTR";
-/// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Magic opening the acceptor's challenge.
+pub const CHALLENGE_MAGIC: [u8; 4] = *b"FHTC";
+/// Magic opening the connector's proof.
+pub const PROOF_MAGIC: [u8; 4] = *b"FHTK";
+/// Protocol version spoken by this build (2: mutual HMAC challenge–response).
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Longest job token accepted.
 pub const MAX_TOKEN_LEN: usize = 255;
 /// Longest refusal reason sent or accepted.
 pub const MAX_REASON_LEN: usize = 1024;
-/// Size of the fixed part of a handshake.
-pub const HELLO_FIXED_LEN: usize = 30;
-/// Largest possible handshake.
-pub const MAX_HELLO_LEN: usize = HELLO_FIXED_LEN + MAX_TOKEN_LEN;
+/// Bytes of a nonce.
+pub const NONCE_LEN: usize = 32;
+/// Bytes of a proof (an HMAC-SHA-256 tag).
+pub const PROOF_TAG_LEN: usize = 32;
+/// Size of a handshake.
+pub const HELLO_LEN: usize = 30 + NONCE_LEN;
+/// Largest possible handshake (all handshakes have the same size).
+pub const MAX_HELLO_LEN: usize = HELLO_LEN;
+/// Size of a challenge.
+pub const CHALLENGE_LEN: usize = 4 + NONCE_LEN + PROOF_TAG_LEN;
+/// Size of a connector's proof.
+pub const PROOF_LEN: usize = 4 + PROOF_TAG_LEN;
 /// Size of the fixed part of a reply.
 pub const REPLY_FIXED_LEN: usize = 7;
 /// Headers with this bit set are control frames.
 pub const CONTROL_BIT: u64 = 1 << 63;
 /// Control kind (bits 56..63) of an abort notice.
 const CONTROL_ABORT: u64 = 1;
+
+const ACCEPTOR_LABEL: &[u8] = b"fasthorovod tcp v2: acceptor proof\0";
+const CONNECTOR_LABEL: &[u8] = b"fasthorovod tcp v2: connector proof\0";
 
 /// What a connection is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +102,7 @@ pub enum ConnKind {
 }
 
 /// A decoded handshake.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
     /// Protocol version.
     pub version: u16,
@@ -82,23 +118,8 @@ pub struct Hello {
     pub port: u16,
     /// The rank whose loss made the connector give up (abort notices only).
     pub lost: u32,
-    /// The job token presented.
-    pub token: Vec<u8>,
-}
-
-impl fmt::Debug for Hello {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Hello")
-            .field("version", &self.version)
-            .field("kind", &self.kind)
-            .field("size", &self.size)
-            .field("rank", &self.rank)
-            .field("seq", &self.seq)
-            .field("port", &self.port)
-            .field("lost", &self.lost)
-            .field("token", &"<redacted>")
-            .finish()
-    }
+    /// The connector's fresh nonce.
+    pub nonce: [u8; NONCE_LEN],
 }
 
 /// Why bytes could not be decoded.
@@ -127,11 +148,9 @@ impl fmt::Display for DecodeError {
 }
 
 impl Hello {
-    /// Encode; the token must be at most [`MAX_TOKEN_LEN`] bytes (longer tokens are cut, which
-    /// makes them fail authentication rather than overflow).
+    /// Encode ([`HELLO_LEN`] bytes).
     pub fn encode(&self) -> Vec<u8> {
-        let token = &self.token[..self.token.len().min(MAX_TOKEN_LEN)];
-        let mut out = Vec::with_capacity(HELLO_FIXED_LEN + token.len());
+        let mut out = Vec::with_capacity(HELLO_LEN);
         out.extend_from_slice(&HELLO_MAGIC);
         out.extend_from_slice(&self.version.to_le_bytes());
         out.push(match self.kind {
@@ -139,13 +158,13 @@ impl Hello {
             ConnKind::Data => 1,
             ConnKind::Abort => 2,
         });
-        out.push(token.len() as u8);
+        out.push(0);
         out.extend_from_slice(&self.size.to_le_bytes());
         out.extend_from_slice(&self.rank.to_le_bytes());
         out.extend_from_slice(&self.seq.to_le_bytes());
         out.extend_from_slice(&self.port.to_le_bytes());
         out.extend_from_slice(&self.lost.to_le_bytes());
-        out.extend_from_slice(token);
+        out.extend_from_slice(&self.nonce);
         out
     }
 
@@ -166,8 +185,8 @@ impl Hello {
         if version != PROTOCOL_VERSION {
             return Err(DecodeError::Version(version));
         }
-        if buf.len() < HELLO_FIXED_LEN {
-            return Err(DecodeError::NeedMore(HELLO_FIXED_LEN));
+        if buf.len() < HELLO_LEN {
+            return Err(DecodeError::NeedMore(HELLO_LEN));
         }
         let kind = match buf[6] {
             0 => ConnKind::Rendezvous,
@@ -175,14 +194,16 @@ impl Hello {
             2 => ConnKind::Abort,
             k => return Err(DecodeError::Invalid(format!("unknown connection kind {k}"))),
         };
-        let token_len = usize::from(buf[7]);
-        let total = HELLO_FIXED_LEN + token_len;
-        if buf.len() < total {
-            return Err(DecodeError::NeedMore(total));
+        if buf[7] != 0 {
+            return Err(DecodeError::Invalid(
+                "reserved handshake byte is not 0".into(),
+            ));
         }
         let u32_at = |i: usize| u32::from_le_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
         let mut seq = [0u8; 8];
         seq.copy_from_slice(&buf[16..24]);
+        let mut nonce = [0u8; NONCE_LEN];
+        nonce.copy_from_slice(&buf[30..HELLO_LEN]);
         Ok((
             Hello {
                 version,
@@ -192,11 +213,154 @@ impl Hello {
                 seq: u64::from_le_bytes(seq),
                 port: u16::from_le_bytes([buf[24], buf[25]]),
                 lost: u32_at(26),
-                token: buf[HELLO_FIXED_LEN..total].to_vec(),
+                nonce,
             },
-            total,
+            HELLO_LEN,
         ))
     }
+}
+
+fn proof(token: &[u8], label: &[u8], hello: &[u8], nonce: &[u8; NONCE_LEN]) -> Hmac<Sha256> {
+    // HMAC accepts keys of any length; `new_from_slice` cannot fail for it.
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(token)
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+    mac.update(label);
+    mac.update(&(hello.len() as u32).to_le_bytes());
+    mac.update(hello);
+    mac.update(nonce);
+    mac
+}
+
+/// The acceptor's proof: HMAC-SHA-256 keyed with the token over the encoded hello (which holds
+/// the connector's nonce) and the acceptor's nonce.
+pub fn acceptor_proof(
+    token: &[u8],
+    hello: &[u8],
+    acceptor_nonce: &[u8; NONCE_LEN],
+) -> [u8; PROOF_TAG_LEN] {
+    proof(token, ACCEPTOR_LABEL, hello, acceptor_nonce)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// The connector's proof: as [`acceptor_proof`] with another label.
+pub fn connector_proof(
+    token: &[u8],
+    hello: &[u8],
+    acceptor_nonce: &[u8; NONCE_LEN],
+) -> [u8; PROOF_TAG_LEN] {
+    proof(token, CONNECTOR_LABEL, hello, acceptor_nonce)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// Check an acceptor's proof in constant time.
+pub fn verify_acceptor_proof(
+    token: &[u8],
+    hello: &[u8],
+    acceptor_nonce: &[u8; NONCE_LEN],
+    tag: &[u8],
+) -> bool {
+    proof(token, ACCEPTOR_LABEL, hello, acceptor_nonce)
+        .verify_slice(tag)
+        .is_ok()
+}
+
+/// Check a connector's proof in constant time.
+pub fn verify_connector_proof(
+    token: &[u8],
+    hello: &[u8],
+    acceptor_nonce: &[u8; NONCE_LEN],
+    tag: &[u8],
+) -> bool {
+    proof(token, CONNECTOR_LABEL, hello, acceptor_nonce)
+        .verify_slice(tag)
+        .is_ok()
+}
+
+/// A fresh random nonce from the operating system's CSPRNG.
+pub fn fresh_nonce() -> std::io::Result<[u8; NONCE_LEN]> {
+    let mut n = [0u8; NONCE_LEN];
+    getrandom::fill(&mut n).map_err(|e| std::io::Error::other(format!("getrandom: {e}")))?;
+    Ok(n)
+}
+
+/// The acceptor's first answer: a challenge, or a refusal before any challenge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// The acceptor's nonce and proof.
+    Challenge {
+        /// The acceptor's nonce.
+        nonce: [u8; NONCE_LEN],
+        /// Its proof of the token ([`acceptor_proof`]).
+        proof: [u8; PROOF_TAG_LEN],
+    },
+    /// A reply at once (in practice a refusal: garbage, another version).
+    Reply(Reply),
+}
+
+impl Answer {
+    /// Encode a challenge.
+    pub fn encode_challenge(nonce: &[u8; NONCE_LEN], proof: &[u8; PROOF_TAG_LEN]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(CHALLENGE_LEN);
+        out.extend_from_slice(&CHALLENGE_MAGIC);
+        out.extend_from_slice(nonce);
+        out.extend_from_slice(proof);
+        out
+    }
+
+    /// Decode from the start of `buf`: a challenge or a reply.
+    pub fn decode(buf: &[u8]) -> Result<(Answer, usize), DecodeError> {
+        let magic_len = buf.len().min(4);
+        let is = |magic: &[u8; 4]| buf[..magic_len] == magic[..magic_len];
+        if !is(&CHALLENGE_MAGIC) && !is(&REPLY_MAGIC) {
+            return Err(DecodeError::Invalid(
+                "the peer did not answer with a FastHorovod challenge (bad magic); is something \
+                 else listening on that port?"
+                    .into(),
+            ));
+        }
+        if magic_len < 4 {
+            return Err(DecodeError::NeedMore(4));
+        }
+        if is(&REPLY_MAGIC) {
+            return Reply::decode(buf).map(|(r, n)| (Answer::Reply(r), n));
+        }
+        if buf.len() < CHALLENGE_LEN {
+            return Err(DecodeError::NeedMore(CHALLENGE_LEN));
+        }
+        let mut nonce = [0u8; NONCE_LEN];
+        nonce.copy_from_slice(&buf[4..4 + NONCE_LEN]);
+        let mut proof = [0u8; PROOF_TAG_LEN];
+        proof.copy_from_slice(&buf[4 + NONCE_LEN..CHALLENGE_LEN]);
+        Ok((Answer::Challenge { nonce, proof }, CHALLENGE_LEN))
+    }
+}
+
+/// Encode a connector's proof.
+pub fn encode_proof(tag: &[u8; PROOF_TAG_LEN]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(PROOF_LEN);
+    out.extend_from_slice(&PROOF_MAGIC);
+    out.extend_from_slice(tag);
+    out
+}
+
+/// Decode a connector's proof.
+pub fn decode_proof(buf: &[u8]) -> Result<([u8; PROOF_TAG_LEN], usize), DecodeError> {
+    let magic_len = buf.len().min(4);
+    if buf[..magic_len] != PROOF_MAGIC[..magic_len] {
+        return Err(DecodeError::Invalid(
+            "not a FastHorovod handshake proof (bad magic)".into(),
+        ));
+    }
+    if buf.len() < PROOF_LEN {
+        return Err(DecodeError::NeedMore(PROOF_LEN));
+    }
+    let mut tag = [0u8; PROOF_TAG_LEN];
+    tag.copy_from_slice(&buf[4..PROOF_LEN]);
+    Ok((tag, PROOF_LEN))
 }
 
 /// The acceptor's answer to a handshake.
@@ -390,7 +554,7 @@ mod tests {
             seq: 77,
             port: 4242,
             lost: 9,
-            token: b"secret".to_vec(),
+            nonce: [7; NONCE_LEN],
         };
         let bytes = h.encode();
         assert_eq!(Hello::decode(&bytes), Ok((h, bytes.len())));
@@ -436,5 +600,51 @@ mod tests {
         assert!(constant_time_eq(b"abc", b"abc"));
         assert!(!constant_time_eq(b"abc", b"abd"));
         assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+
+    #[test]
+    fn proofs_bind_token_hello_nonce_and_side() {
+        let hello = b"hello bytes";
+        let (na, nb) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
+        let key = b"0123456789abcdef-token";
+        let a = acceptor_proof(key, hello, &na);
+        assert!(verify_acceptor_proof(key, hello, &na, &a));
+        assert!(!verify_acceptor_proof(
+            b"0123456789abcdef-other",
+            hello,
+            &na,
+            &a
+        ));
+        assert!(!verify_acceptor_proof(key, b"hello bytez", &na, &a));
+        assert!(!verify_acceptor_proof(key, hello, &nb, &a));
+        // A proof of one side is no proof of the other (no reflection).
+        assert!(!verify_connector_proof(key, hello, &na, &a));
+        let c = connector_proof(key, hello, &na);
+        assert!(verify_connector_proof(key, hello, &na, &c));
+        assert!(!verify_connector_proof(key, hello, &na, &c[..31]));
+        let enc = Answer::encode_challenge(&na, &a);
+        assert_eq!(
+            Answer::decode(&enc),
+            Ok((
+                Answer::Challenge {
+                    nonce: na,
+                    proof: a
+                },
+                CHALLENGE_LEN
+            ))
+        );
+        let r = Reply::Refuse("no".into()).encode();
+        assert_eq!(
+            Answer::decode(&r),
+            Ok((Answer::Reply(Reply::Refuse("no".into())), r.len()))
+        );
+        assert!(Answer::decode(b"HTTP").is_err());
+        let p = encode_proof(&c);
+        assert_eq!(decode_proof(&p), Ok((c, PROOF_LEN)));
+        assert!(matches!(
+            decode_proof(&p[..10]),
+            Err(DecodeError::NeedMore(PROOF_LEN))
+        ));
+        assert_ne!(fresh_nonce().unwrap(), fresh_nonce().unwrap());
     }
 }

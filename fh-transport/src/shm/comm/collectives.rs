@@ -1,0 +1,288 @@
+//! The shared-memory communicator's native collectives, in rounds through the ranks' slots
+//! (see *Protocol* in the parent module).
+
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+
+use fh_core::{kernels, DType, ReduceOp};
+
+use super::{
+    get, piece, put, reached, reduce_blocked, reduce_tag, view, ShmComm, TAG_ALLGATHER,
+    TAG_ALLREDUCE, TAG_ALLTOALL, TAG_BARRIER, TAG_BROADCAST, TAG_REDUCE_SCATTER,
+};
+use crate::algorithms::offsets;
+use crate::{Result, TransportError};
+
+impl ShmComm {
+    pub(super) fn allreduce_inner(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let combine = op.combining();
+        let total = buf.len();
+        let direct = total <= self.small;
+        // The algorithm is part of the tag: ranks configured with different thresholds must
+        // fail, not read each other's half-reduced slots.
+        let tag = reduce_tag(TAG_ALLREDUCE, dtype, op) | (u64::from(direct) << 24);
+        for chunk in buf.chunks_mut(self.seg.layout.slot_bytes) {
+            let s = chunk.len();
+            // Share r of the chunk is reduced by rank r (reduce-scatter mode).
+            let e = dtype.size();
+            let share = ((s / e).div_ceil(n) * e).div_ceil(64) * 64;
+            let range = |r: usize| ((r * share).min(s), ((r + 1) * share).min(s));
+            let (lo, hi) = if direct { (0, 0) } else { range(me) };
+            let (k, b) = self.begin_round("allreduce")?;
+            let slot = self.seg.slot(me, b);
+            // Publish the input, except our own share, which we reduce from private memory.
+            // SAFETY: our own slot, not read by anyone before we post round k (begin_round
+            // ensured everyone finished with this buffer); `s <= slot_bytes`.
+            unsafe {
+                put(slot, &chunk[..lo]);
+                put(slot.add(hi), &chunk[hi..]);
+            }
+            let meta = [tag, total as u64, s as u64];
+            self.post(k, b, &meta);
+            self.for_each_posted("allreduce", k, |j| self.check_meta(j, b, &meta))?;
+            if direct {
+                // Every rank folds every slot in rank order, so all get identical bits.
+                if me != 0 {
+                    // SAFETY: all slots of round k are posted and nobody writes them until
+                    // everyone (including us) has consumed round k.
+                    unsafe { get(chunk, self.seg.slot(0, b)) };
+                }
+                let srcs: Vec<&[u8]> = (1..n)
+                    // SAFETY: as above.
+                    .map(|j| unsafe { view(self.seg.slot(j, b), s) })
+                    .collect();
+                reduce_blocked(dtype, combine, chunk, &srcs)?;
+            } else {
+                if hi > lo {
+                    let srcs: Vec<&[u8]> = (0..n)
+                        .filter(|&j| j != me)
+                        // SAFETY: peers' slots are posted; nobody writes [lo, hi) of them in
+                        // round k (each rank writes only its own share of its own slot).
+                        .map(|j| unsafe { view(self.seg.slot(j, b).add(lo), hi - lo) })
+                        .collect();
+                    let acc = &mut chunk[lo..hi];
+                    reduce_blocked(dtype, combine, acc, &srcs)?;
+                    // SAFETY: [lo, hi) of our own slot is written only by us, and read by peers
+                    // only after we publish `reduced`.
+                    unsafe { put(slot.add(lo), acc) };
+                }
+                self.seg
+                    .ctl(me)
+                    .reduced
+                    .word
+                    .store(k.wrapping_add(1), Release);
+                self.notify_others();
+                // Gather the reduced shares, each as soon as it is ready.
+                let mut pending: Vec<usize> = (0..n)
+                    .filter(|&r| r != me && range(r).1 > range(r).0)
+                    .collect();
+                let ready = |r: usize| {
+                    reached(
+                        self.seg.ctl(r).reduced.word.load(Acquire),
+                        k.wrapping_add(1),
+                    )
+                };
+                loop {
+                    let mut i = 0;
+                    while i < pending.len() {
+                        let r = pending[i];
+                        if ready(r) {
+                            let (a, z) = range(r);
+                            // SAFETY: share r of rank r's slot is final for round k.
+                            unsafe { get(&mut chunk[a..z], self.seg.slot(r, b).add(a)) };
+                            pending.swap_remove(i);
+                        } else {
+                            i += 1;
+                        }
+                    }
+                    if pending.is_empty() {
+                        break;
+                    }
+                    self.wait("allreduce", || pending.iter().copied().find(|&r| !ready(r)))?;
+                }
+            }
+            self.finish_round(k);
+        }
+        if op == ReduceOp::Average {
+            kernels::divide(dtype, buf, n)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn broadcast_inner(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
+        let total = buf.len() as u64;
+        for chunk in buf.chunks_mut(self.seg.layout.slot_bytes) {
+            let meta = [
+                TAG_BROADCAST | ((root as u64) << 8),
+                total,
+                chunk.len() as u64,
+            ];
+            if self.rank == root {
+                let (k, b) = self.begin_round("broadcast")?;
+                // SAFETY: our own slot, free for round k (begin_round).
+                unsafe { put(self.seg.slot(root, b), chunk) };
+                self.post(k, b, &meta);
+                self.finish_round(k);
+            } else {
+                let k = self.round;
+                let b = k as usize % self.seg.layout.nbuf;
+                self.wait("broadcast", || (!self.is_posted(root, k)).then_some(root))?;
+                self.check_meta(root, b, &meta)?;
+                // SAFETY: the root posted round k and will not rewrite it before we consume it.
+                unsafe { get(chunk, self.seg.slot(root, b)) };
+                self.finish_round(k);
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn allgatherv_inner(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+    ) -> Result<()> {
+        let (offs, total) = offsets(counts, self.size, "allgatherv")?;
+        let me = self.rank;
+        recv[offs[me]..offs[me] + counts[me]].copy_from_slice(send);
+        let c = self.seg.layout.slot_bytes;
+        let rounds = counts.iter().map(|&x| x.div_ceil(c)).max().unwrap_or(0);
+        for i in 0..rounds {
+            let (k, b) = self.begin_round("allgatherv")?;
+            let (a, len) = piece(send.len(), i, c);
+            // SAFETY: our own slot, free for round k.
+            unsafe { put(self.seg.slot(me, b), &send[a..a + len]) };
+            self.post(k, b, &[TAG_ALLGATHER, total as u64, len as u64]);
+            self.for_each_posted("allgatherv", k, |j| {
+                let (a, len) = piece(counts[j], i, c);
+                self.check_meta(j, b, &[TAG_ALLGATHER, total as u64, len as u64])?;
+                let at = offs[j] + a;
+                // SAFETY: rank j posted round k; its slot is stable until we consume it.
+                unsafe { get(&mut recv[at..at + len], self.seg.slot(j, b)) };
+                Ok(())
+            })?;
+            self.finish_round(k);
+        }
+        Ok(())
+    }
+
+    pub(super) fn alltoallv_inner(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let (soffs, _) = offsets(send_counts, n, "alltoallv send")?;
+        let (roffs, _) = offsets(recv_counts, n, "alltoallv recv")?;
+        recv[roffs[me]..roffs[me] + recv_counts[me]]
+            .copy_from_slice(&send[soffs[me]..soffs[me] + send_counts[me]]);
+        // Each round carries up to `part` bytes from every rank to every other rank.
+        let part = self.seg.layout.slot_bytes / n / 64 * 64;
+        let mut i = 0usize;
+        loop {
+            let (k, b) = self.begin_round("alltoallv")?;
+            let mut meta = vec![0u64; 2 + n];
+            meta[0] = TAG_ALLTOALL;
+            let mut more = false;
+            for j in (0..n).filter(|&j| j != me) {
+                let (a, len) = piece(send_counts[j], i, part);
+                let at = soffs[j] + a;
+                // SAFETY: our own slot, free for round k; `j * part + len <= slot_bytes`.
+                unsafe { put(self.seg.slot(me, b).add(j * part), &send[at..at + len]) };
+                meta[2 + j] = len as u64;
+                more |= send_counts[j] > (i + 1) * part || recv_counts[j] > (i + 1) * part;
+            }
+            meta[1] = u64::from(more);
+            self.post(k, b, &meta);
+            self.for_each_posted("alltoallv", k, |j| {
+                self.check_meta(j, b, &[TAG_ALLTOALL])?;
+                more |= self.seg.meta(j, b, 1).load(Relaxed) != 0;
+                let (a, len) = piece(recv_counts[j], i, part);
+                let sent = self.seg.meta(j, b, 2 + me).load(Relaxed);
+                if sent != len as u64 {
+                    return Err(TransportError::Protocol {
+                        rank: j,
+                        detail: format!(
+                            "alltoallv: rank {j} sends {sent} bytes in round {i} but rank {me} \
+                             expects {len} (send and receive counts disagree) on communicator \
+                             '{}'",
+                            self.label
+                        ),
+                    });
+                }
+                let at = roffs[j] + a;
+                // SAFETY: rank j posted round k; its slot is stable until we consume it.
+                unsafe { get(&mut recv[at..at + len], self.seg.slot(j, b).add(me * part)) };
+                Ok(())
+            })?;
+            self.finish_round(k);
+            i += 1;
+            if !more {
+                return Ok(());
+            }
+        }
+    }
+
+    pub(super) fn reduce_scatter_inner(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let (offs, _) = offsets(counts, n, "reduce_scatter")?;
+        let e = dtype.size();
+        let (lo, hi) = (offs[me] * e, (offs[me] + counts[me]) * e);
+        let total = send.len();
+        let c = self.seg.layout.slot_bytes;
+        let tag = reduce_tag(TAG_REDUCE_SCATTER, dtype, op);
+        for i in 0..total.div_ceil(c) {
+            let (k, b) = self.begin_round("reduce_scatter")?;
+            let (a, len) = piece(total, i, c);
+            let z = a + len;
+            let slot = self.seg.slot(me, b);
+            // Our own block is reduced from private memory; publish only the rest.
+            let (mlo, mhi) = (lo.clamp(a, z), hi.clamp(a, z));
+            // SAFETY: our own slot, free for round k; offsets are within `len <= slot_bytes`.
+            unsafe {
+                put(slot, &send[a..mlo]);
+                put(slot.add(mhi - a), &send[mhi..z]);
+            }
+            let meta = [tag, total as u64, len as u64];
+            self.post(k, b, &meta);
+            if mhi > mlo {
+                self.for_each_posted("reduce_scatter", k, |j| self.check_meta(j, b, &meta))?;
+                let dst = &mut recv[mlo - lo..mhi - lo];
+                dst.copy_from_slice(&send[mlo..mhi]);
+                let srcs: Vec<&[u8]> = (0..n)
+                    .filter(|&j| j != me)
+                    // SAFETY: posted; [mlo, mhi) of peers' slots is not written in round k.
+                    .map(|j| unsafe { view(self.seg.slot(j, b).add(mlo - a), mhi - mlo) })
+                    .collect();
+                reduce_blocked(dtype, op.combining(), dst, &srcs)?;
+            }
+            self.finish_round(k);
+        }
+        if op == ReduceOp::Average {
+            kernels::divide(dtype, recv, n)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn barrier_inner(&mut self) -> Result<()> {
+        let (k, b) = self.begin_round("barrier")?;
+        self.post(k, b, &[TAG_BARRIER]);
+        self.for_each_posted("barrier", k, |j| self.check_meta(j, b, &[TAG_BARRIER]))?;
+        self.finish_round(k);
+        Ok(())
+    }
+}
