@@ -487,6 +487,32 @@ mod tests {
     }
 
     proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// The planner never fuses across devices: items alike in everything but their device
+        /// (host, GPU 0, GPU 1) never share a group, in either mode, whatever the threshold.
+        #[test]
+        fn never_fuses_across_devices(
+            items in proptest::collection::vec((arb_item(), 0u32..3), 0..30),
+            opts in arb_opts(),
+        ) {
+            let items: Vec<PlanItem> = items
+                .into_iter()
+                .map(|(mut it, d)| {
+                    it.key.device = if d == 0 { Device::Cpu } else { Device::Gpu(d - 1) };
+                    it
+                })
+                .collect();
+            for g in plan(&items, &opts) {
+                let d = items[g.parts[0].item].key.device;
+                for p in &g.parts {
+                    prop_assert_eq!(items[p.item].key.device, d, "group mixes devices");
+                }
+            }
+        }
+    }
+
+    proptest! {
         #![proptest_config(ProptestConfig::with_cases(128))]
 
         /// Load carried across rounds: deterministic, and the channels never drift apart by

@@ -117,6 +117,11 @@ pub struct Config {
     pub backpressure_bytes: u64,
     /// The longest a rank defers a round under back-pressure (`FH_BACKPRESSURE_MAX_MS`).
     pub backpressure_max: Duration,
+    /// Open the GPU path at start-up (`FH_CUDA`): one device channel (NCCL communicator and
+    /// CUDA stream) per data channel, so that device tensors can be submitted. Every rank must
+    /// agree; start-up fails on every rank, naming the ranks that cannot, when one has no GPU,
+    /// no NCCL, or a build without the `cuda` feature.
+    pub cuda: bool,
 }
 
 /// Most response-cache slots `FH_CACHE_CAPACITY` accepts (the negotiation vector of every round
@@ -148,6 +153,7 @@ impl Config {
             record_groups: false,
             backpressure_bytes: 0,
             backpressure_max: Duration::from_millis(2),
+            cuda: false,
         };
         match p {
             Preset::FastHorovod => base,
@@ -226,6 +232,18 @@ impl Config {
                 ));
             }
             c.backpressure_max = d;
+        }
+        if let Some(v) = get("FH_CUDA") {
+            c.cuda = match v.trim().to_ascii_lowercase().as_str() {
+                "" | "0" | "false" | "no" | "off" => false,
+                "1" | "true" | "yes" | "on" => true,
+                _ => {
+                    return Err(SchedulerError::config(
+                        "FH_CUDA",
+                        format!("'{v}' is not a switch; accepted values: 0, 1, true, false"),
+                    ))
+                }
+            };
         }
         if let Some(v) = get("FH_PRIORITY") {
             c.priority = v.parse()?;
@@ -405,6 +423,11 @@ impl Config {
         self.idle_heartbeat = d;
         self
     }
+    /// Open the GPU path at start-up (see [`Config::cuda`](Config#structfield.cuda)).
+    pub fn cuda(mut self, on: bool) -> Self {
+        self.cuda = on;
+        self
+    }
 }
 
 /// The settings that shape what a negotiation round decides (or whether a rank stops), as
@@ -434,6 +457,7 @@ fn planning_fields(c: &Config) -> Vec<(&'static str, i64)> {
         ("FH_STALL_SHUTDOWN_SECONDS", millis(c.stall_shutdown)),
         ("FH_BACKPRESSURE_BYTES", clamp(c.backpressure_bytes)),
         ("FH_BACKPRESSURE_MAX_MS", millis(Some(c.backpressure_max))),
+        ("FH_CUDA", i64::from(c.cuda)),
     ]
 }
 
@@ -579,6 +603,26 @@ mod tests {
     }
 
     #[test]
+    fn the_gpu_switch_is_read_and_off_by_default() {
+        assert!(!Config::from_lookup(env(&[])).unwrap().cuda);
+        for (v, on) in [
+            ("1", true),
+            ("true", true),
+            ("0", false),
+            ("off", false),
+            ("", false),
+        ] {
+            assert_eq!(
+                Config::from_lookup(env(&[("FH_CUDA", v)])).unwrap().cuda,
+                on,
+                "{v}"
+            );
+        }
+        // It is a planning field: ranks that disagree refuse to start.
+        assert!(planning_fields(&Config::default().cuda(true)).contains(&("FH_CUDA", 1)));
+    }
+
+    #[test]
     fn bad_values_name_the_variable_and_accepted_values() {
         for (var, val, expect) in [
             ("FH_SCHEDULE", "fast-ish", "fasthorovod, horovod"),
@@ -592,6 +636,7 @@ mod tests {
             ("FH_CACHE_CAPACITY", "1000000000", "0 to 65536"),
             ("FH_BACKPRESSURE_BYTES", "lots", "byte size"),
             ("FH_BACKPRESSURE_MAX_MS", "5000", "0 to 1000"),
+            ("FH_CUDA", "maybe", "0, 1, true, false"),
         ] {
             let err = Config::from_lookup(env(&[(var, val)]))
                 .unwrap_err()

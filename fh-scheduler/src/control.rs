@@ -141,10 +141,15 @@ impl Control {
         inner: Arc<Inner>,
         comm: Box<dyn Communicator>,
         data: Vec<Box<dyn Communicator>>,
+        devices: Vec<crate::gpu::DeviceChannelSlot>,
         rx: Receiver<Msg>,
     ) -> Result<Self, SchedulerError> {
         let cfg = inner.config.clone();
         inner.counters.init_channels(data.len());
+        #[cfg(feature = "cuda")]
+        let mut devices = devices.into_iter();
+        #[cfg(not(feature = "cuda"))]
+        drop(devices);
         let executors: Vec<Executor> = data
             .into_iter()
             .enumerate()
@@ -154,6 +159,8 @@ impl Control {
                 channel,
                 inner: Arc::clone(&inner),
                 phases: None,
+                #[cfg(feature = "cuda")]
+                device: devices.next(),
             })
             .collect();
         let dispatch = match cfg.preset {

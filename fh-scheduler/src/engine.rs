@@ -120,6 +120,8 @@ pub(crate) struct Inner {
     barrier_seq: AtomicU64,
     groups: Mutex<Vec<GroupRecord>>,
     timeline: RwLock<Option<Arc<Timeline>>>,
+    /// The GPU path: the device the channels drive, or why there is none.
+    pub(crate) gpu: crate::gpu::GpuState,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -280,6 +282,8 @@ impl Engine {
         for c in 0..k {
             data.push(transport.open(&format!("fh-channel-{c}"))?);
         }
+        let (gpu, devices) =
+            crate::gpu::open(transport.as_mut(), control.as_mut(), &config, topo, k)?;
         let timeline = match (&config.timeline, topo.rank) {
             (Some(path), 0) => match Timeline::create(path, k) {
                 Ok(t) => Some(Arc::new(t)),
@@ -304,8 +308,9 @@ impl Engine {
             barrier_seq: AtomicU64::new(0),
             groups: Mutex::new(Vec::new()),
             timeline: RwLock::new(timeline),
+            gpu,
         });
-        let ctl = Control::new(Arc::clone(&inner), control, data, rx)?;
+        let ctl = Control::new(Arc::clone(&inner), control, data, devices, rx)?;
         let handle = std::thread::Builder::new()
             .name(format!("fh-control-{}", topo.rank))
             .spawn(move || ctl.run())
@@ -431,7 +436,7 @@ impl Engine {
     fn prepare(
         &self,
         name: &str,
-        tensor: Tensor,
+        #[allow(unused_mut)] mut tensor: Tensor,
         kind: CollectiveKind,
         op: ReduceOp,
         root: usize,
@@ -472,6 +477,29 @@ impl Engine {
                 "bool tensors cannot be scaled".into(),
             ));
         }
+        let device = crate::gpu::check_submission(
+            &self.inner.gpu,
+            tensor.device(),
+            opts.device,
+            kind,
+            tensor.dtype(),
+            op,
+            (opts.prescale, opts.postscale),
+        )?;
+        #[cfg(feature = "cuda")]
+        if let (Some(m), Some(ctx)) = (tensor.device_memory(), &self.inner.gpu.ctx) {
+            // Readiness: the work the producer's stream holds now.
+            // SAFETY: `Tensor::from_device`'s contract: `m.stream` is a live stream of the
+            // tensor's device (checked above to be this engine's) or 0.
+            let ev = unsafe {
+                fh_transport::cuda::record_on_stream(
+                    ctx,
+                    m.stream as usize as fh_transport::cuda::CUstream,
+                )
+            }
+            .map_err(|e| SchedulerError::from_transport(&e))?;
+            tensor.set_ready(ev);
+        }
         let cell = Completion::new();
         let req = Request {
             name: name.to_string(),
@@ -480,7 +508,7 @@ impl Engine {
                 kind,
                 dtype: tensor.dtype(),
                 shape: tensor.shape().iter().map(|&d| d as u64).collect(),
-                device: opts.device,
+                device,
                 op,
                 root: root as u32,
                 prescale: opts.prescale,

@@ -125,6 +125,9 @@ pub(crate) struct Executor {
     pub inner: Arc<Inner>,
     /// When packing and the collective ended, for the timeline (fused groups only).
     pub phases: Option<(Instant, Instant)>,
+    /// The channel's device twin (GPU path open): runs the groups of device tensors.
+    #[cfg(feature = "cuda")]
+    pub device: Option<fh_transport::cuda::DeviceChannel>,
 }
 
 fn reduce_in_place(
@@ -272,6 +275,9 @@ impl Executor {
         let bytes: usize = job.parts.iter().map(|p| p.2).sum();
         Counters::add(&self.inner.counters.fused_groups, 1);
         Counters::add(&self.inner.counters.data_bytes, bytes as u64);
+        if sig.device != fh_core::message::Device::Cpu {
+            return self.execute_device(job, &sig);
+        }
         let comm = self.comm.as_mut();
         match sig.kind {
             CollectiveKind::Allreduce => {
@@ -436,6 +442,31 @@ impl Executor {
                 Ok(())
             }
         }
+    }
+}
+
+impl Executor {
+    /// A group of device tensors: through the channel's device twin.
+    #[cfg(feature = "cuda")]
+    fn execute_device(&mut self, job: &Job, sig: &Signature) -> Result<(), TransportError> {
+        match self.device.as_mut() {
+            Some(ch) => crate::gpu::run_job(ch, job, sig),
+            None => Err(TransportError::InvalidArgument(format!(
+                "internal error: a group of {} tensors reached channel {} without a device \
+                 channel",
+                sig.device, self.channel
+            ))),
+        }
+    }
+
+    /// A group of device tensors in a build without the GPU path (refused at submission, so
+    /// never reached; an error rather than a panic all the same).
+    #[cfg(not(feature = "cuda"))]
+    fn execute_device(&mut self, _job: &Job, sig: &Signature) -> Result<(), TransportError> {
+        Err(TransportError::InvalidArgument(format!(
+            "internal error: a group of {} tensors reached a build without the GPU path",
+            sig.device
+        )))
     }
 }
 

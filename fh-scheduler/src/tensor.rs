@@ -23,9 +23,29 @@
 //! one: in-place collectives (allreduce, broadcast) write into the external memory; the
 //! out-of-place ones (allgather, alltoall, reduce-scatter) return a new, owned tensor and drop
 //! the external one (and its guard) once the input has been read.
+//!
+//! # Device tensors
+//!
+//! [`Tensor::from_device`] describes a tensor in GPU memory ([`DeviceMemory`]: device index,
+//! device pointer, length, and the producer's CUDA stream), again with an [`OwnerGuard`]. The
+//! engine never copies it to the host: at submission it records a readiness event on the
+//! producer's stream, a channel's CUDA stream waits on that event (no host synchronization),
+//! runs the collective on the device, and records a completion event, which the tensor given
+//! back by the handle carries (`Tensor::wait_on_stream`, `Tensor::wait_on_host`, feature
+//! `cuda`). A device tensor has no host bytes: [`Tensor::data`] is empty and
+//! [`Tensor::to_vec`] is an error. Device tensors are accepted for allreduce (fused per
+//! device, partitioned across channels like host ones) and broadcast; submitting one to an
+//! engine built without the `cuda` feature, or started without [`crate::Config::cuda`], is an
+//! error at submission, before any negotiation.
+//!
+//! The guard of a device tensor is dropped with the last clone of the tensor, which may be
+//! before the completion event has fired: the framework must order the memory's reuse after
+//! that event (fh-torch makes the framework's stream wait on it in `synchronize`, and
+//! PyTorch's allocator orders frees on that stream).
 
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use fh_core::{DType, Element};
 
@@ -48,6 +68,35 @@ enum Storage {
         // Dropped after the last use of `ptr` (when the tensor is dropped).
         _guard: Box<dyn OwnerGuard>,
     },
+    Device(DeviceStorage),
+}
+
+/// Where a device tensor's memory lies, as plain numbers (describing one needs no CUDA types,
+/// so that a build without the `cuda` feature can still say clearly why it refuses it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeviceMemory {
+    /// The CUDA device ordinal (as seen by this process, after `CUDA_VISIBLE_DEVICES`).
+    pub device: u32,
+    /// The device address of the first byte (`CUdeviceptr`; PyTorch's `data_ptr()`).
+    pub ptr: u64,
+    /// Length in bytes.
+    pub len: usize,
+    /// The producer's CUDA stream, as its raw `CUstream` handle (PyTorch's
+    /// `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream). The
+    /// engine records the tensor's readiness event on it at submission.
+    pub stream: u64,
+}
+
+struct DeviceStorage {
+    mem: DeviceMemory,
+    /// Readiness, recorded on the producer's stream at submission.
+    #[cfg(feature = "cuda")]
+    ready: Option<Arc<fh_transport::cuda::CudaEvent>>,
+    /// Completion, one event per channel that worked on the tensor.
+    #[cfg(feature = "cuda")]
+    done: Vec<Arc<fh_transport::cuda::CudaEvent>>,
+    // Shared by clones (a clone of a device tensor aliases its memory).
+    _guard: Arc<dyn OwnerGuard>,
 }
 
 // SAFETY: an external buffer is, by `Tensor::from_external`'s contract, memory that only this
@@ -62,7 +111,7 @@ impl Storage {
     fn bytes(&self) -> &[u8] {
         match self {
             Storage::Owned(v) => v,
-            Storage::External { len: 0, .. } => &[],
+            Storage::External { len: 0, .. } | Storage::Device(_) => &[],
             // SAFETY: `from_external`'s contract: `ptr` is valid for reads and writes of `len`
             // bytes, exclusively ours, for as long as the guard (dropped with us) lives.
             Storage::External { ptr, len, .. } => unsafe {
@@ -74,7 +123,7 @@ impl Storage {
     fn bytes_mut(&mut self) -> &mut [u8] {
         match self {
             Storage::Owned(v) => v,
-            Storage::External { len: 0, .. } => &mut [],
+            Storage::External { len: 0, .. } | Storage::Device(_) => &mut [],
             // SAFETY: as in `bytes`, and `&mut self` makes this the only access.
             Storage::External { ptr, len, .. } => unsafe {
                 std::slice::from_raw_parts_mut(ptr.as_ptr(), *len)
@@ -83,8 +132,9 @@ impl Storage {
     }
 }
 
-/// A dense host tensor: element type, shape and bytes in native byte order, in memory the
-/// tensor owns (a `Vec<u8>`) or in external memory kept alive by an [`OwnerGuard`].
+/// A dense tensor: element type, shape and bytes in native byte order, in host memory the
+/// tensor owns (a `Vec<u8>`), in external host memory kept alive by an [`OwnerGuard`], or in
+/// GPU memory ([`Tensor::from_device`]).
 pub struct Tensor {
     dtype: DType,
     shape: Vec<usize>,
@@ -98,26 +148,42 @@ impl fmt::Debug for Tensor {
             .field("shape", &self.shape)
             .field("bytes", &self.data.bytes().len())
             .field("external", &self.is_external())
+            .field("device", &self.device_memory())
             .finish()
     }
 }
 
-/// A clone is always owned (external memory is copied).
+/// A clone of a host tensor is always owned (external memory is copied); a clone of a device
+/// tensor aliases the same device memory (nothing is copied on the device) and shares its
+/// guard and events.
 impl Clone for Tensor {
     fn clone(&self) -> Self {
+        let data = match &self.data {
+            Storage::Device(d) => Storage::Device(DeviceStorage {
+                mem: d.mem,
+                #[cfg(feature = "cuda")]
+                ready: d.ready.clone(),
+                #[cfg(feature = "cuda")]
+                done: d.done.clone(),
+                _guard: Arc::clone(&d._guard),
+            }),
+            other => Storage::Owned(other.bytes().to_vec()),
+        };
         Tensor {
             dtype: self.dtype,
             shape: self.shape.clone(),
-            data: Storage::Owned(self.data.bytes().to_vec()),
+            data,
         }
     }
 }
 
-/// Equal dtype, shape and bytes (wherever they live).
+/// Equal dtype, shape and bytes (wherever they live); device tensors are equal when they
+/// describe the same device memory.
 impl PartialEq for Tensor {
     fn eq(&self, other: &Self) -> bool {
         self.dtype == other.dtype
             && self.shape == other.shape
+            && self.device_memory() == other.device_memory()
             && self.data.bytes() == other.data.bytes()
     }
 }
@@ -193,6 +259,71 @@ impl Tensor {
         })
     }
 
+    /// A tensor in GPU memory the engine does not own, described by `mem`; `guard` keeps that
+    /// memory alive and is dropped with the last clone of the tensor. `mem.len` must equal the
+    /// shape's element count times the element size. Building one needs no GPU; submitting it
+    /// needs an engine with the GPU path (see the [module docs](self)).
+    ///
+    /// # Safety
+    ///
+    /// Until the guard is dropped, `mem.ptr..mem.ptr + mem.len` must be memory of device
+    /// `mem.device` that nothing else writes while an operation on it is in flight (reads and
+    /// writes by the framework must be ordered after the completion events the handle's
+    /// tensor carries), and `mem.stream` must be a live stream of that device (or 0).
+    pub unsafe fn from_device(
+        dtype: DType,
+        shape: Vec<usize>,
+        mem: DeviceMemory,
+        guard: Box<dyn OwnerGuard>,
+    ) -> Result<Self, SchedulerError> {
+        let want = byte_len(dtype, &shape)?;
+        if want != mem.len {
+            return Err(SchedulerError::InvalidArgument(format!(
+                "a {dtype} tensor of shape {shape:?} needs {want} bytes, the device buffer has {}",
+                mem.len
+            )));
+        }
+        if mem.ptr == 0 && mem.len > 0 {
+            return Err(SchedulerError::InvalidArgument(
+                "a null device pointer for a non-empty tensor".into(),
+            ));
+        }
+        Ok(Tensor {
+            dtype,
+            shape,
+            data: Storage::Device(DeviceStorage {
+                mem,
+                #[cfg(feature = "cuda")]
+                ready: None,
+                #[cfg(feature = "cuda")]
+                done: Vec::new(),
+                _guard: Arc::from(guard),
+            }),
+        })
+    }
+
+    /// Where the tensor lives: [`Device::Cpu`](fh_core::message::Device::Cpu), or the GPU of a
+    /// device tensor.
+    pub fn device(&self) -> fh_core::message::Device {
+        match &self.data {
+            Storage::Device(d) => fh_core::message::Device::Gpu(d.mem.device),
+            _ => fh_core::message::Device::Cpu,
+        }
+    }
+
+    /// Whether the tensor lives in GPU memory ([`Tensor::from_device`]).
+    pub fn is_device(&self) -> bool {
+        matches!(self.data, Storage::Device(_))
+    }
+
+    /// The device memory of a device tensor (`None` for a host tensor).
+    pub fn device_memory(&self) -> Option<DeviceMemory> {
+        match &self.data {
+            Storage::Device(d) => Some(d.mem),
+            _ => None,
+        }
+    }
+
     /// A tensor from typed elements.
     pub fn from_vec<T: Element>(shape: Vec<usize>, values: Vec<T>) -> Result<Self, SchedulerError> {
         let data = bytemuck::cast_slice::<T, u8>(&values).to_vec();
@@ -230,7 +361,10 @@ impl Tensor {
 
     /// Number of elements.
     pub fn numel(&self) -> usize {
-        self.data.bytes().len() / self.dtype.size()
+        match &self.data {
+            Storage::Device(d) => d.mem.len / self.dtype.size(),
+            _ => self.data.bytes().len() / self.dtype.size(),
+        }
     }
 
     /// Whether the bytes live in external memory ([`Tensor::from_external`]).
@@ -238,26 +372,33 @@ impl Tensor {
         matches!(self.data, Storage::External { .. })
     }
 
-    /// The bytes.
+    /// The bytes (empty for a device tensor, whose bytes are not in host memory).
     pub fn data(&self) -> &[u8] {
         self.data.bytes()
     }
 
-    /// The bytes, mutably.
+    /// The bytes, mutably (empty for a device tensor).
     pub fn data_mut(&mut self) -> &mut [u8] {
         self.data.bytes_mut()
     }
 
-    /// Take the bytes (a copy when they live in external memory, which is then released).
+    /// Take the bytes (a copy when they live in external memory, which is then released;
+    /// empty for a device tensor).
     pub fn into_data(self) -> Vec<u8> {
         match self.data {
             Storage::Owned(v) => v,
-            ext @ Storage::External { .. } => ext.bytes().to_vec(),
+            ext => ext.bytes().to_vec(),
         }
     }
 
     /// Copy the elements out as `T`, which must match the dtype.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>, SchedulerError> {
+        if let Some(m) = self.device_memory() {
+            return Err(SchedulerError::InvalidArgument(format!(
+                "the tensor lives on gpu:{}; copy it to the host first",
+                m.device
+            )));
+        }
         if T::DTYPE != self.dtype {
             return Err(SchedulerError::InvalidArgument(format!(
                 "tensor holds {} elements, not {}",
@@ -266,6 +407,87 @@ impl Tensor {
             )));
         }
         Ok(read_vec(self.data()))
+    }
+
+    /// The readiness event recorded at submission (device tensors).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn ready_event(&self) -> Option<&fh_transport::cuda::CudaEvent> {
+        match &self.data {
+            Storage::Device(d) => d.ready.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// Set the readiness event (device tensors; ignored otherwise).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn set_ready(&mut self, ev: fh_transport::cuda::CudaEvent) {
+        if let Storage::Device(d) = &mut self.data {
+            d.ready = Some(Arc::new(ev));
+        }
+    }
+
+    /// Add a completion event (device tensors; ignored otherwise).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn push_done(&mut self, ev: Arc<fh_transport::cuda::CudaEvent>) {
+        if let Storage::Device(d) = &mut self.data {
+            d.done.push(ev);
+        }
+    }
+
+    /// The completion events of a device tensor given back by a handle: one per channel that
+    /// worked on it, recorded on that channel's stream after the collective (empty for a host
+    /// tensor, or a device tensor not yet through the engine).
+    #[cfg(feature = "cuda")]
+    pub fn completion_events(&self) -> Vec<&fh_transport::cuda::CudaEvent> {
+        match &self.data {
+            Storage::Device(d) => d.done.iter().map(|e| &**e).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Make `stream` (a raw `CUstream` handle of the tensor's device, 0 for the legacy
+    /// default stream) wait, on the device, for the tensor's completion events, so that work
+    /// enqueued on it afterwards sees the result; no host synchronization. A no-op for a host
+    /// tensor.
+    ///
+    /// # Safety
+    /// `stream` is a live CUDA stream of the tensor's device (or 0).
+    #[cfg(feature = "cuda")]
+    pub unsafe fn wait_on_stream(&self, stream: u64) -> Result<(), SchedulerError> {
+        for ev in self.completion_events() {
+            // SAFETY: the caller's promise about `stream`; the event is alive (borrowed).
+            unsafe {
+                fh_transport::cuda::stream_wait(stream as usize as fh_transport::cuda::CUstream, ev)
+            }
+            .map_err(|e| SchedulerError::from_transport(&e))?;
+        }
+        Ok(())
+    }
+
+    /// Wait on the host, at most `timeout`, until the tensor's completion events have fired
+    /// (a no-op for a host tensor).
+    #[cfg(feature = "cuda")]
+    pub fn wait_on_host(&self, timeout: std::time::Duration) -> Result<(), SchedulerError> {
+        let start = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_micros(20);
+        for ev in self.completion_events() {
+            loop {
+                let done = ev.try_is_complete().map_err(|e| {
+                    SchedulerError::InvalidArgument(format!("cuEventQuery failed: {e:?}"))
+                })?;
+                if done {
+                    break;
+                }
+                if start.elapsed() >= timeout {
+                    return Err(SchedulerError::InvalidArgument(format!(
+                        "the device collective did not complete within {timeout:?}"
+                    )));
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(std::time::Duration::from_millis(2));
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn from_parts(dtype: DType, shape: Vec<usize>, data: Vec<u8>) -> Self {

@@ -83,7 +83,7 @@ mod staged;
 #[cfg(feature = "cuda")]
 pub use cudarc::driver::{
     sys::{CUdeviceptr, CUstream},
-    CudaContext, CudaEvent, CudaStream,
+    CudaContext, CudaEvent, CudaSlice, CudaStream,
 };
 #[cfg(feature = "cuda")]
 pub use device::{
