@@ -8,7 +8,9 @@
 # Steps: build the workspace with the feature; NCCL loader test (finds the wheel's
 # libnccl.so.2); the GPU tests (NCCL at world size 1, scaling kernels and device fusion,
 # event readiness, host staging with 2 processes on one GPU, NCCL with 2 processes when 2
-# GPUs are visible); device-side timings (fusion copy-in/out against device copy bandwidth).
+# GPUs are visible); the engine driving device tensors (fh-scheduler feature `cuda`: 1 rank
+# on NCCL, 2 ranks on one GPU through host staging; fused, scaled, partitioned allreduce and
+# broadcast); device-side timings (fusion copy-in/out against device copy bandwidth).
 #
 # NCCL is found through FH_NCCL_LIBRARY, the loader's path, or a Python environment with
 # NVIDIA's nvidia-nccl wheel: $VIRTUAL_ENV, else target/fh-venv (set FH_VENV to another one).
@@ -48,10 +50,11 @@ echo "=== machine" | tee -a "$LOG"
 (command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv) 2>&1 | tee -a "$LOG" || true
 echo "VIRTUAL_ENV=${VIRTUAL_ENV:-<none>} FH_NCCL_LIBRARY=${FH_NCCL_LIBRARY:-<unset>}" | tee -a "$LOG"
 
-step build cargo build --offline --workspace --all-targets --features fh-transport/cuda
+step build cargo build --offline --workspace --all-targets --features fh-transport/cuda,fh-scheduler/cuda
 step nccl-loader cargo test --offline -p fh-nccl-sys -- --nocapture
 step cuda-unit cargo test --offline -p fh-transport --features cuda --lib cuda -- --nocapture
 step gpu-tests cargo test --offline -p fh-transport --features cuda --test cuda_gpu -- --nocapture --test-threads=1
+step engine-gpu cargo test --offline -p fh-scheduler --features cuda --test device -- --nocapture --test-threads=1
 # Device-side timings: events on the channel stream, so the debug build measures the device.
 step timings cargo run --offline -q -p fh-transport --features cuda --example cuda_fusion_bw -- 256 64
 

@@ -213,13 +213,20 @@ fn stats() -> PyResult<Vec<(String, u64)>> {
 struct PyHandle {
     handle: Mutex<Option<Handle>>,
     name: String,
+    /// The CUDA device of the submitted tensor, or -1 for a CPU tensor.
+    device: i64,
 }
 
 impl PyHandle {
     fn new(h: Handle) -> Self {
+        Self::on_device(h, -1)
+    }
+
+    fn on_device(h: Handle, device: i64) -> Self {
         PyHandle {
             name: h.name().to_string(),
             handle: Mutex::new(Some(h)),
+            device,
         }
     }
 
@@ -236,6 +243,12 @@ impl PyHandle {
         &self.name
     }
 
+    /// The CUDA device of the submitted tensor, or -1 for a CPU tensor.
+    #[getter]
+    fn device(&self) -> i64 {
+        self.device
+    }
+
     /// Whether the operation has completed (true also once its result was taken).
     fn poll(&self) -> bool {
         self.lock().as_ref().is_none_or(Handle::poll)
@@ -244,12 +257,17 @@ impl PyHandle {
     /// Wait for completion (the GIL released) and return the result: `None` when the result
     /// is in the submitted tensor's own memory, else `(bytearray, shape)` for a new tensor.
     /// `timeout` in seconds; on timeout `TimeoutError` is raised and the handle stays
-    /// pending.
-    #[pyo3(signature = (timeout=None))]
+    /// pending. For a CUDA tensor the result is always in the tensor's own memory: `stream`
+    /// (a raw `CUstream` of the tensor's device, e.g. `torch.cuda.current_stream().cuda_stream`)
+    /// is made to wait on the device for the collective's completion events, or, without
+    /// `stream`, the host waits for them (bounded by `timeout`, else `FH_TIMEOUT_SECONDS` or
+    /// 300 s).
+    #[pyo3(signature = (timeout=None, stream=None))]
     fn wait(
         &self,
         py: Python<'_>,
         timeout: Option<f64>,
+        stream: Option<u64>,
     ) -> PyResult<Option<(Py<PyAny>, Vec<usize>)>> {
         let deadline = match timeout {
             Some(t) if !(t.is_finite() && t >= 0.0) => {
@@ -294,6 +312,26 @@ impl PyHandle {
             ))
         });
         let tensor = tensor.map_err(to_py)?;
+        if tensor.is_device() {
+            #[cfg(feature = "cuda")]
+            {
+                let r = match stream {
+                    // SAFETY: the caller passes a live stream of the tensor's device.
+                    Some(s) => unsafe { tensor.wait_on_stream(s) },
+                    None => {
+                        let limit = deadline
+                            .map(|d| d.saturating_duration_since(Instant::now()))
+                            .unwrap_or_else(host_wait_limit);
+                        py.detach(|| tensor.wait_on_host(limit))
+                    }
+                };
+                r.map_err(to_py)?;
+            }
+            #[cfg(not(feature = "cuda"))]
+            let _ = stream;
+            // The result is in the caller's CUDA tensor; dropping ours releases the guard.
+            return Ok(None);
+        }
         if tensor.is_external() {
             // The result is in the caller's tensor; dropping ours releases the guard.
             return Ok(None);
@@ -304,10 +342,75 @@ impl PyHandle {
     }
 }
 
+/// How long `Handle.wait` without a stream waits on the host for a CUDA tensor's completion:
+/// `FH_TIMEOUT_SECONDS`, else 300 s.
+#[cfg(feature = "cuda")]
+fn host_wait_limit() -> Duration {
+    std::env::var("FH_TIMEOUT_SECONDS")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|t| t.is_finite() && *t > 0.0 && *t < 1e9)
+        .map_or(Duration::from_secs(300), Duration::from_secs_f64)
+}
+
+/// Why this build refuses CUDA tensors.
+#[cfg(not(feature = "cuda"))]
+const LACKS_CUDA: &str = "this build of FastHorovod lacks CUDA (it was built without the \
+     `cuda` feature): rebuild it with `maturin build --features cuda` (no CUDA toolkit \
+     needed), or move the tensor to the CPU with .cpu()";
+
+/// The engine's tensor over a framework tensor's memory: host memory when `device < 0`, else
+/// CUDA memory of `device`, produced on `stream` (a raw `CUstream`, 0 for the default one).
+/// `owner` (the framework tensor) keeps the memory alive while the engine holds it.
+///
+/// # Safety
+/// `address..address + nbytes` is the memory of the contiguous tensor `owner` (host memory,
+/// or memory of CUDA device `device`), which the caller does not touch until the handle has
+/// completed (for CUDA: until its stream waited on the completion events); `stream` is a
+/// live stream of that device.
+#[allow(clippy::too_many_arguments)]
+unsafe fn wrap(
+    owner: Py<PyAny>,
+    address: usize,
+    nbytes: usize,
+    dtype: fh_core::DType,
+    shape: Vec<usize>,
+    device: i64,
+    stream: u64,
+) -> PyResult<Tensor> {
+    if device < 0 {
+        // SAFETY: the caller's promise (host memory).
+        return unsafe {
+            Tensor::from_external(dtype, shape, address as *mut u8, nbytes, Box::new(owner))
+        }
+        .map_err(to_py);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let device = u32::try_from(device)
+            .map_err(|_| PyValueError::new_err(format!("CUDA device {device} is out of range")))?;
+        let mem = fh_scheduler::DeviceMemory {
+            device,
+            ptr: address as u64,
+            len: nbytes,
+            stream,
+        };
+        // SAFETY: the caller's promise (device memory and stream).
+        unsafe { Tensor::from_device(dtype, shape, mem, Box::new(owner)) }.map_err(to_py)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (owner, address, nbytes, dtype, shape, stream);
+        Err(pyo3::exceptions::PyNotImplementedError::new_err(format!(
+            "a tensor on cuda:{device}: {LACKS_CUDA}"
+        )))
+    }
+}
+
 /// The arguments of one submission, as the Python side passes them.
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (kind, name, owner, address, nbytes, dtype, shape, op="average", prescale=1.0, postscale=1.0, root=0, splits=None, priority=0))]
+#[pyo3(signature = (kind, name, owner, address, nbytes, dtype, shape, op="average", prescale=1.0, postscale=1.0, root=0, splits=None, priority=0, device=-1, stream=0))]
 fn submit(
     kind: &str,
     name: &str,
@@ -322,6 +425,8 @@ fn submit(
     root: i64,
     splits: Option<Vec<i64>>,
     priority: i64,
+    device: i64,
+    stream: u64,
 ) -> PyResult<PyHandle> {
     let engine = engine()?;
     let dtype = names::dtype(dtype).map_err(PyValueError::new_err)?;
@@ -331,13 +436,13 @@ fn submit(
             "scale factors must be finite, got prescale={prescale}, postscale={postscale}"
         )));
     }
-    // SAFETY: the Python side passes the address and byte length of a contiguous CPU
-    // tensor, and `owner` is that tensor: the guard keeps it (and so its storage) alive until
-    // the engine lets go of the `Tensor`. The Python side does not touch the tensor's memory
-    // until the handle has completed (Horovod's contract for in-flight tensors).
-    let tensor =
-        unsafe { Tensor::from_external(dtype, shape, address as *mut u8, nbytes, Box::new(owner)) }
-            .map_err(to_py)?;
+    // SAFETY: the Python side passes the address and byte length of a contiguous tensor (CPU,
+    // or CUDA on `device` with its device's current stream), and `owner` is that tensor: the
+    // guard keeps it (and so its storage) alive until the engine lets go of the `Tensor`. The
+    // Python side does not touch the tensor's memory until the handle has completed
+    // (Horovod's contract for in-flight tensors; for CUDA, `synchronize` makes the current
+    // stream wait for the completion events first).
+    let tensor = unsafe { wrap(owner, address, nbytes, dtype, shape, device, stream) }?;
     let opts = CollectiveOptions {
         op,
         prescale,
@@ -381,7 +486,7 @@ fn submit(
         }
     }
     .map_err(to_py)?;
-    Ok(PyHandle::new(h))
+    Ok(PyHandle::on_device(h, device.max(-1)))
 }
 
 /// One member of a grouped allreduce: `(tensor, address, nbytes, dtype, shape)`.
@@ -390,7 +495,8 @@ type Member = (Py<PyAny>, usize, usize, String, Vec<usize>);
 /// Submit a grouped allreduce (members released together, fused where they can be); returns
 /// one handle per member.
 #[pyfunction]
-#[pyo3(signature = (name, members, op="average", prescale=1.0, postscale=1.0, priority=0))]
+#[pyo3(signature = (name, members, op="average", prescale=1.0, postscale=1.0, priority=0, device=-1, stream=0))]
+#[allow(clippy::too_many_arguments)]
 fn submit_group(
     name: &str,
     members: Vec<Member>,
@@ -398,18 +504,17 @@ fn submit_group(
     prescale: f64,
     postscale: f64,
     priority: i64,
+    device: i64,
+    stream: u64,
 ) -> PyResult<Vec<PyHandle>> {
     let engine = engine()?;
     let op = names::reduce_op(op).map_err(PyValueError::new_err)?;
     let mut tensors = Vec::with_capacity(members.len());
     for (owner, address, nbytes, dtype, shape) in members {
         let dtype = names::dtype(&dtype).map_err(PyValueError::new_err)?;
-        // SAFETY: as in `submit`: the address and length of a contiguous CPU tensor that
-        // `owner` (the tensor) keeps alive while the engine holds it.
-        let t = unsafe {
-            Tensor::from_external(dtype, shape, address as *mut u8, nbytes, Box::new(owner))
-        }
-        .map_err(to_py)?;
+        // SAFETY: as in `submit`: the address and length of a contiguous tensor (every member
+        // on `device`) that `owner` (the tensor) keeps alive while the engine holds it.
+        let t = unsafe { wrap(owner, address, nbytes, dtype, shape, device, stream) }?;
         tensors.push(t);
     }
     let opts = CollectiveOptions {
@@ -425,7 +530,7 @@ fn submit_group(
     Ok(group
         .into_handles()
         .into_iter()
-        .map(PyHandle::new)
+        .map(|h| PyHandle::on_device(h, device.max(-1)))
         .collect())
 }
 

@@ -117,3 +117,36 @@ def test_optimizer_argument_errors():
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                  op=hvd.Sum, gradient_predivide_factor=2.0)
+
+
+class _FakeCuda(torch.Tensor):
+    """A CPU tensor claiming to live on cuda:0: enough for the checks made before submission
+    (no GPU is needed to build one)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_cuda_tensors_need_a_cuda_build():
+    fake = torch.ones(2).as_subclass(_FakeCuda)
+    assert fake.device.type == "cuda"
+    if hvd.cuda_built():
+        # The build has the GPU path; a real CUDA tensor is covered by scripts/gpu-check.sh.
+        return
+    with pytest.raises(NotImplementedError, match="lacks CUDA"):
+        hvd.allreduce(fake)
+    with pytest.raises(NotImplementedError, match="lacks CUDA"):
+        hvd.broadcast_(fake, root_rank=0)
+    with pytest.raises(NotImplementedError, match="lacks CUDA"):
+        hvd.grouped_allreduce([fake])
+
+
+def test_other_devices_are_refused():
+    class _FakeXpu(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("meta")
+
+    with pytest.raises(NotImplementedError, match="CPU and CUDA tensors only"):
+        hvd.allreduce(torch.ones(2).as_subclass(_FakeXpu))

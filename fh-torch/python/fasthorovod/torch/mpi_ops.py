@@ -69,11 +69,18 @@ def _resolve_op(op, average, default=Average):
 def _check_tensor(tensor, what):
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if tensor.device.type == "cuda":
+        if not _core.cuda_built():
+            raise NotImplementedError(
+                f"{what}: this build of FastHorovod lacks CUDA (built without the `cuda` "
+                "feature), so CUDA tensors are not supported: rebuild it with `maturin build "
+                "--features cuda` (no CUDA toolkit needed), or move the tensor to the CPU "
+                "with .cpu()"
+            )
+    elif tensor.device.type != "cpu":
         raise NotImplementedError(
-            f"{what}: {tensor.device.type} tensors are not supported by this build of "
-            "FastHorovod (CPU tensors only; the GPU path is not available yet): move the "
-            "tensor to the CPU with .cpu()"
+            f"{what}: {tensor.device.type} tensors are not supported by FastHorovod (CPU "
+            "and CUDA tensors only): move the tensor to the CPU with .cpu()"
         )
     if tensor.is_sparse:
         raise NotImplementedError(f"{what}: sparse tensors are not supported; use .to_dense()")
@@ -83,13 +90,33 @@ def _contiguous(tensor):
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
+def _device_and_stream(tensor):
+    """``(device index, raw current stream)`` of a CUDA tensor, ``(-1, 0)`` for a CPU one: the
+    engine records the tensor's readiness on that stream (the work enqueued so far)."""
+    if tensor.device.type != "cuda":
+        return -1, 0
+    index = tensor.device.index if tensor.device.index is not None else \
+        torch.cuda.current_device()
+    return index, int(torch.cuda.current_stream(index).cuda_stream)
+
+
+def _stream_of(core):
+    """The current stream of a core handle's CUDA device (``None`` for a CPU tensor):
+    ``synchronize`` makes it wait for the collective's completion."""
+    if core.device < 0:
+        return None
+    return int(torch.cuda.current_stream(core.device).cuda_stream)
+
+
 def _submit(kind, tensor, name, op=Average, prescale=1.0, postscale=1.0, root=0, splits=None,
             priority=0):
-    """Hand ``tensor`` (contiguous, CPU) to the engine; the core handle keeps it alive."""
+    """Hand ``tensor`` (contiguous; CPU, or CUDA with its device's current stream) to the
+    engine; the core handle keeps it alive."""
     nbytes = tensor.numel() * tensor.element_size()
+    device, stream = _device_and_stream(tensor)
     return _core.submit(kind, name, tensor, tensor.data_ptr(), nbytes, str(tensor.dtype),
                         list(tensor.shape), op, float(prescale), float(postscale), int(root),
-                        splits, int(priority))
+                        splits, int(priority), device, stream)
 
 
 def _register(core_handles, finish):
@@ -118,7 +145,9 @@ def poll(handle):
 
 
 def synchronize(handle):
-    """Wait for the operation behind ``handle`` (the GIL released) and return its result."""
+    """Wait for the operation behind ``handle`` (the GIL released) and return its result.
+    For CUDA tensors the device's current stream is made to wait for the collective (no
+    host synchronization), so that work enqueued on it afterwards sees the result."""
     with _lock:
         entry = _handles.pop(handle, None)
     if entry is None:
@@ -128,7 +157,7 @@ def synchronize(handle):
     error = None
     for c in core_handles:
         try:
-            results.append(c.wait())
+            results.append(c.wait(stream=_stream_of(c)))
         except BaseException as e:  # wait for every member even when one failed
             if error is None:
                 error = e
@@ -232,7 +261,9 @@ def _grouped_into(outs, tensors, name, op, prescale, postscale):
     for i, w in enumerate(works):
         members.append((w, w.data_ptr(), w.numel() * w.element_size(), str(w.dtype),
                         list(w.shape)))
-    cores = _core.submit_group(base, members, op, float(prescale), float(postscale))
+    device, stream = _device_and_stream(works[0])
+    cores = _core.submit_group(base, members, op, float(prescale), float(postscale), 0, device,
+                               stream)
 
     def finish(_results):
         with torch.no_grad():
@@ -251,6 +282,9 @@ def _check_group(tensors, what):
         raise ValueError(f"{what} needs at least one tensor")
     for t in tensors:
         _check_tensor(t, what)
+    if len({t.device for t in tensors}) > 1:
+        raise ValueError(f"{what}: the tensors of a group must be on one device, got "
+                         f"{sorted({str(t.device) for t in tensors})}")
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
