@@ -32,6 +32,7 @@
 //! | `FH_TIMELINE` | path of rank 0's Chrome-trace timeline | off |
 //! | `FH_STALL_CHECK_SECONDS` | warn about names some ranks lack for this long (0 = off) | 60 |
 //! | `FH_STALL_SHUTDOWN_SECONDS` | shut down when a stall lasts this long (0 = never) | 0 |
+//! | `FH_CUDA` | open the GPU path at start-up (`0`/`1`; every rank must agree) | 0 |
 //! | `FH_LOG_LEVEL` | validated here; the application installs the `tracing` subscriber | — |
 //!
 //! Every rank must use the same schedule, channel count, cache capacity, fusion threshold and
@@ -44,6 +45,23 @@
 //! submission completes the round at once. When nothing is pending anywhere it wakes only for
 //! a heartbeat round ([`Config::idle_heartbeat`], 1 s) so that a waiting peer never hits the
 //! transport timeout and the stall inspector can run: an idle engine uses practically no CPU.
+//!
+//! ## GPU tensors (feature `cuda`)
+//!
+//! Built with the `cuda` feature and started with [`Config::cuda`] (`FH_CUDA=1`) on every
+//! rank, the engine opens, next to each data channel, a device channel (one NCCL communicator
+//! and one CUDA stream; host staging when a host runs more ranks than it has GPUs). If any
+//! rank cannot (no driver, no GPU, no NCCL, no feature), start-up fails on every rank naming
+//! those ranks. A device tensor ([`Tensor::from_device`]: device pointer, device index, the
+//! producer's stream, an owner guard) is negotiated on the host like any other (its signature
+//! carries the device; the planner never fuses across devices); at submission the engine
+//! records a readiness event on the producer's stream, the channel's stream waits on it (no
+//! host synchronization), runs the fused allreduce (with prescale, postscale and the average's
+//! division on the device) or the broadcast, and records a completion event, which the tensor
+//! given back by the handle carries (`Tensor::wait_on_stream`, `Tensor::wait_on_host`). Device
+//! allgather, alltoall and reduce-scatter, bitwise reductions, and averages or scaling of
+//! integer device tensors are refused at submission. Without the feature, or without
+//! `FH_CUDA=1`, submitting a device tensor is an error at submission naming what is missing.
 //!
 //! ## Limits
 //!

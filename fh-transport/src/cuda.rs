@@ -34,7 +34,7 @@
 //! Every operation is *enqueued* on the channel stream and returns at once; the memory it
 //! names must stay valid until the completion event recorded after it has fired.
 //!
-//! # How the engine hooks in (not done yet)
+//! # How the engine hooks in (fh-scheduler's `gpu` module, feature `cuda`)
 //! One code path: a request's signature already carries its device, and the planner fuses only
 //! tensors of one device, so a fused group is all host memory or all one GPU.
 //! 1. At start-up, every rank computes `cuda::available().is_ok()` and the ranks agree (a
