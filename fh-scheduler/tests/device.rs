@@ -301,4 +301,100 @@ mod gpu {
         check(&results, 2);
         eprintln!("engine, 2 ranks, device tensors: ok");
     }
+
+    const CHILD: &str = "FH_TEST_DEVICE_CHILD";
+
+    /// Kills and reaps the child ranks when the test ends (also on failure).
+    struct Children(Vec<std::process::Child>);
+
+    impl Drop for Children {
+        fn drop(&mut self) {
+            for c in &mut self.0 {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+
+    /// Two processes on GPU 0 over TCP on 127.0.0.1: NCCL refuses two ranks on one GPU, so
+    /// the engine's device channels stage through the host.
+    #[test]
+    fn engine_two_processes_on_one_gpu_host_staged() {
+        if !have_gpu() {
+            return;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("an ephemeral port");
+        let token = format!(
+            "{:032x}",
+            (u128::from(std::process::id()) << 64) | (u128::from(port) << 16) | 0xd1ce
+        );
+        let exe = std::env::current_exe().expect("current exe");
+        let mut kids = Children(Vec::new());
+        for rank in 0..2 {
+            let mut cmd = std::process::Command::new(&exe);
+            cmd.args([
+                "gpu::device_child_rank",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .env("CUDA_VISIBLE_DEVICES", "0")
+            .env("FH_RANK", rank.to_string())
+            .env("FH_SIZE", "2")
+            .env("FH_LOCAL_RANK", rank.to_string())
+            .env("FH_LOCAL_SIZE", "2")
+            .env("FH_CROSS_RANK", "0")
+            .env("FH_CROSS_SIZE", "1")
+            .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
+            .env("FH_JOB_TOKEN", &token)
+            .env("FH_TIMEOUT_SECONDS", "60")
+            .env("FH_TRANSPORT", "tcp")
+            .env("FH_CUDA", "1")
+            .stdin(std::process::Stdio::null());
+            kids.0.push(cmd.spawn().expect("spawn a rank"));
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(180);
+        let mut done = [None; 2];
+        while done.iter().any(Option::is_none) {
+            for (r, c) in kids.0.iter_mut().enumerate() {
+                if done[r].is_none() {
+                    done[r] = c.try_wait().expect("wait for a rank");
+                }
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the ranks did not finish within 180 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for (r, st) in done.iter().enumerate() {
+            let st = st.expect("finished");
+            assert!(st.success(), "rank {r} failed: {st}");
+        }
+        eprintln!("engine, 2 processes on one GPU (host-staged), device tensors: ok");
+    }
+
+    /// One rank of [`engine_two_processes_on_one_gpu_host_staged`].
+    #[test]
+    #[ignore = "a child rank of the two-process GPU test"]
+    fn device_child_rank() {
+        if std::env::var_os(CHILD).is_none() {
+            return;
+        }
+        let world = fh_transport::from_env().expect("host world");
+        let cfg = Config::from_env()
+            .expect("config")
+            .channels(2)
+            .partition_bytes(16 << 10);
+        assert!(cfg.cuda, "FH_CUDA=1 is set by the parent");
+        let e = Engine::start(world, cfg).expect("engine with the GPU path");
+        let res = exercise(&e, e.rank());
+        e.shutdown().expect("clean shutdown");
+        check(&[res], 2);
+    }
 }
