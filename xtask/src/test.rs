@@ -50,7 +50,7 @@ pub(crate) struct ExtraSuite {
 pub(crate) fn extra_suites() -> Vec<ExtraSuite> {
     vec![
         ExtraSuite {
-            name: "gpu path without a GPU (--features cuda: clippy, tests; NCCL bindings)",
+            name: "gpu path without a GPU (--features cuda: clippy, tests, engine device path; NCCL bindings)",
             packages: &["libclang-dev"],
             commands: |root| {
                 let cmd = |args: &[&str]| {
@@ -87,6 +87,30 @@ pub(crate) fn extra_suites() -> Vec<ExtraSuite> {
                         "cuda",
                         "--test",
                         "cuda_gpu",
+                    ]),
+                    // The engine's device path (fh-scheduler and fh-torch feature `cuda`).
+                    cmd(&[
+                        "clippy",
+                        "-p",
+                        "fh-scheduler",
+                        "-p",
+                        "fh-torch",
+                        "--features",
+                        "fh-scheduler/cuda,fh-torch/cuda",
+                        "--all-targets",
+                        "--",
+                        "-D",
+                        "warnings",
+                    ]),
+                    cmd(&[
+                        "test",
+                        "-p",
+                        "fh-scheduler",
+                        "--features",
+                        "cuda",
+                        "--lib",
+                        "--test",
+                        "device",
                     ]),
                     cmd(&["test", "-p", "xtask", "--features", "nccl-bindings", "nccl"]),
                 ]
