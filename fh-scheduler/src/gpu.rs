@@ -83,9 +83,16 @@ pub(crate) fn device_supports(
     }
 }
 
+/// The device a device tensor's signature carries: every rank drives exactly one GPU, whose
+/// ordinal differs between the ranks of a host (local rank modulo the GPUs), so the
+/// negotiated signature says "this rank's GPU" as `Gpu(0)` on every rank; the tensor's actual
+/// ordinal is checked against the engine's at submission. Host and device tensors still never
+/// share a fused group (the planner keys groups on the device).
+pub(crate) const RANK_GPU: Device = Device::Gpu(0);
+
 /// Check a submission of a tensor on `tensor_device` asking for `requested` against the
-/// engine's GPU state; returns the device the signature carries. Host tensors keep the host
-/// path unchanged (and may not claim a GPU).
+/// engine's GPU state; returns the device the signature carries ([`RANK_GPU`] for a device
+/// tensor). Host tensors keep the host path unchanged (and may not claim a GPU).
 pub(crate) fn check_submission(
     gpu: &GpuState,
     tensor_device: Device,
@@ -129,7 +136,7 @@ pub(crate) fn check_submission(
     }
     device_supports(kind, dtype, op, scales.0, scales.1)
         .map_err(SchedulerError::InvalidArgument)?;
-    Ok(tensor_device)
+    Ok(RANK_GPU)
 }
 
 /// The GPU path at start-up: nothing unless `config.cuda`; otherwise every rank says whether
@@ -426,7 +433,8 @@ mod tests {
                 ReduceOp::Average,
                 (0.5, 2.0),
             );
-            assert_eq!(ok.unwrap(), Device::Gpu(1));
+            // Ranks on different GPUs negotiate the same signature.
+            assert_eq!(ok.unwrap(), RANK_GPU);
         } else {
             assert!(r.unwrap_err().to_string().contains("lacks the GPU path"));
         }

@@ -54,7 +54,8 @@
 //! rank cannot (no driver, no GPU, no NCCL, no feature), start-up fails on every rank naming
 //! those ranks. A device tensor ([`Tensor::from_device`]: device pointer, device index, the
 //! producer's stream, an owner guard) is negotiated on the host like any other (its signature
-//! carries the device; the planner never fuses across devices); at submission the engine
+//! carries the device — as "this rank's GPU", the same on every rank, since ranks of a host
+//! drive different ordinals; the planner never fuses host and device tensors); at submission the engine
 //! records a readiness event on the producer's stream, the channel's stream waits on it (no
 //! host synchronization), runs the fused allreduce (with prescale, postscale and the average's
 //! division on the device) or the broadcast, and records a completion event, which the tensor
