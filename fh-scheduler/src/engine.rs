@@ -388,6 +388,16 @@ impl Engine {
         self.inner.set_timeline(None);
     }
 
+    /// The GPU this rank's device channels drive and how they move bytes (NCCL, or host
+    /// staging when a host runs more ranks than it has GPUs); `None` when the GPU path is not
+    /// open (see [`Config::cuda`](crate::Config#structfield.cuda)).
+    pub fn gpu(&self) -> Option<(u32, fh_transport::cuda::DeviceMode)> {
+        match (&self.inner.gpu.device, self.inner.gpu.mode) {
+            (Ok(d), Some(m)) => Some((*d, m)),
+            _ => None,
+        }
+    }
+
     /// The configuration the engine runs with.
     pub fn config(&self) -> &Config {
         &self.inner.config

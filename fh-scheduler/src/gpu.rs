@@ -23,6 +23,8 @@ use crate::{Config, SchedulerError};
 pub(crate) struct GpuState {
     /// The device the channels were opened on, or why there are none.
     pub device: Result<u32, String>,
+    /// How the device channels move bytes (GPU path open).
+    pub mode: Option<fh_transport::cuda::DeviceMode>,
     /// The device context (feature `cuda`, GPU path open).
     #[cfg(feature = "cuda")]
     pub ctx: Option<std::sync::Arc<fh_transport::cuda::CudaContext>>,
@@ -37,6 +39,7 @@ impl GpuState {
     fn none(reason: String) -> Self {
         GpuState {
             device: Err(reason),
+            mode: None,
             #[cfg(feature = "cuda")]
             ctx: None,
         }
@@ -208,16 +211,19 @@ fn open_channels(
         let host = transport.open(&label)?;
         out.push(world.open(host, &label)?);
     }
+    // Every channel agreed on the same mode (staging wins if any rank needs it).
+    let mode = out.first().map_or(world.mode(), |c| c.mode());
     tracing::info!(
         rank = topology.rank,
         device = ordinal,
-        mode = %out.first().map_or(world.mode(), |c| c.mode()),
+        mode = %mode,
         channels,
         "GPU path open"
     );
     Ok((
         GpuState {
             device: Ok(ordinal),
+            mode: Some(mode),
             ctx: Some(world.context().clone()),
         },
         out,
@@ -409,6 +415,7 @@ mod tests {
     fn a_tensor_on_another_gpu_is_refused() {
         let g = GpuState {
             device: Ok(1),
+            mode: None,
             #[cfg(feature = "cuda")]
             ctx: None,
         };

@@ -59,6 +59,7 @@ fn device_tensors_describe_their_memory_without_host_bytes() {
 #[test]
 fn device_tensor_without_the_gpu_path_is_refused_at_submission() {
     let out = run_world(2, Config::default().channels(2), |e, _| {
+        assert_eq!(e.gpu(), None);
         let err = e
             .allreduce("g", fake_device_tensor(0), AllreduceOptions::default())
             .unwrap_err()
@@ -202,7 +203,13 @@ mod gpu {
     /// for others).
     fn exercise(e: &Engine, rank: usize) -> Vec<Vec<f32>> {
         let n = e.size() as f32;
-        let ord = (e.local_rank() % fh_transport::cuda::probe().devices.max(1)) as u32;
+        let (ord, mode) = e.gpu().expect("the GPU path is open");
+        let gpus = fh_transport::cuda::probe().devices.max(1);
+        assert_eq!(ord as usize, e.local_rank() % gpus);
+        // NCCL refuses two ranks on one GPU: more local ranks than GPUs means host staging.
+        let staged = e.local_size() > gpus;
+        assert_eq!(mode == fh_transport::cuda::DeviceMode::HostStaged, staged);
+        eprintln!("rank {rank}: gpu:{ord}, {mode}");
         let ctx = CudaContext::new(ord as usize).expect("context");
         let stream = ctx.new_stream().expect("stream");
         let r = rank as f32 + 1.0;
