@@ -36,24 +36,25 @@
 //!
 //! # How the engine hooks in (fh-scheduler's `gpu` module, feature `cuda`)
 //! One code path: a request's signature already carries its device, and the planner fuses only
-//! tensors of one device, so a fused group is all host memory or all one GPU.
-//! 1. At start-up, every rank computes `cuda::available().is_ok()` and the ranks agree (a
-//!    `Min` allreduce on the control communicator). If all have a GPU, each builds
-//!    `CudaWorld::new(topology, Staging::Auto)` and, right after opening channel k's host
-//!    communicator, opens its device twin with `world.open(transport.open(label)?, label)` —
-//!    collective, same order on every rank (it agrees on staging and carries NCCL's id).
-//! 2. A device tensor enters the engine as `DeviceBytesMut::from_raw(ptr, bytes)` (fh-torch:
-//!    `tensor.data_ptr()`, with the owner guard keeping the tensor alive) plus a readiness
-//!    event `record_on_stream(ctx, current_stream)`.
+//! tensors of one device, so a fused group is all host memory or all this rank's GPU.
+//! 1. At start-up with `FH_CUDA=1` (agreed like the other planning settings), every rank
+//!    reports `cuda::available().is_ok()` (an allgather on the control communicator, so every
+//!    rank can name the ranks that cannot). If all can, each builds
+//!    `CudaWorld::new(topology, Staging::Auto)` and, after the host data channels, opens one
+//!    device twin per channel with `world.open(transport.open(label)?, label)` — collective,
+//!    same order on every rank (it agrees on staging and carries NCCL's id).
+//! 2. A device tensor (`fh_scheduler::Tensor::from_device`: pointer, device, the producer's
+//!    stream, an owner guard) gets a readiness event `record_on_stream(ctx, stream)` at
+//!    submission.
 //! 3. The channel worker, for a device group: `wait_ready(&event)` for each tensor, then
-//!    `allreduce_fused(&mut tensors, dtype, op, prescale, postscale)` (or the other collectives
-//!    through `comm()`; a partition chunk is `slice_mut` of its tensor, reduced in place), then
-//!    `record_completion()`. The handle keeps that event: the framework's stream waits on it
-//!    (`stream_wait`, no host sync); `synchronize()` waits with `wait_completion(event,
-//!    FH_TIMEOUT_SECONDS)`; the owner guards are released only once the event has fired.
-//! 4. Join (a joined rank contributing zeros) needs a zero-filled device buffer of the group's
-//!    size: not provided yet.
-//!
+//!    `allreduce_fused` over `DeviceBytesMut::from_raw` views (a partition chunk is its range
+//!    of the tensor, reduced in place; an average is a sum with the division folded into the
+//!    postscale) or `comm().broadcast`, then `record_completion()`. The tensor given back keeps
+//!    that event: the framework's stream waits on it (`stream_wait`, no host sync), or the
+//!    host does, bounded.
+//! 4. Join: a joined rank contributes a zero-filled device buffer (allocated on the channel
+//!    stream, freed once the group's completion event has fired).
+
 //! `fasthorovod.torch`'s `cuda_built()` and `nccl_built()` are [`COMPILED`]; whether a GPU and
 //! NCCL are usable here is [`available`].
 //!
