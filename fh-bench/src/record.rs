@@ -75,6 +75,9 @@ pub struct RunConfig {
     pub backward_ms: f64,
     /// Measured replay steps (after one warm-up step).
     pub steps: usize,
+    /// Runs of each replay configuration (interleaved round-robin).
+    #[serde(default = "one")]
+    pub replay_repeats: usize,
     /// Workloads directory.
     pub workloads_dir: String,
     /// Workloads replayed.
@@ -108,8 +111,17 @@ pub struct CollRow {
 pub struct ReplayRow {
     /// Workload (model).
     pub workload: String,
-    /// Schedule preset or peer (`horovod`, `fasthorovod K=2`, peers `ddp-gloo`, `horovod-torch`).
+    /// Schedule preset or peer (`horovod`, `fasthorovod K=2`, peers `ddp-gloo`, `horovod-torch`,
+    /// `fasthorovod-torch`).
     pub schedule: String,
+    /// What carried the bytes: `tcp`, `shm` (the engine's transports, also under
+    /// `fasthorovod-torch`), `gloo` (DDP), `horovodrun` (Horovod's own choice); empty in records
+    /// written before the replay ran over several transports.
+    #[serde(default)]
+    pub transport: String,
+    /// Timed runs of this configuration (interleaved with the other configurations).
+    #[serde(default)]
+    pub repeats: usize,
     /// Ranks.
     pub np: usize,
     /// Gradient tensors per step.
@@ -118,16 +130,39 @@ pub struct ReplayRow {
     pub bytes: u64,
     /// Emulated backward pass, ms.
     pub backward: Quantity,
-    /// Step time (backward start to last gradient reduced; slowest rank), ms.
+    /// Step time (backward start to last gradient reduced; slowest rank), ms, over every timed
+    /// step of every repeat.
     pub step: Quantity,
-    /// Exposed communication (step − backward), ms.
+    /// Exposed communication (step − backward), ms, over every timed step of every repeat.
     pub exposed: Quantity,
+    /// Median exposed communication of each repeat, ms, in run order.
+    #[serde(default)]
+    pub exposed_per_repeat: Vec<f64>,
     /// Steps per second.
     pub throughput: Quantity,
-    /// Median step time ÷ the `horovod` preset's (same workload).
+    /// Median step time ÷ the `horovod` preset's (same workload, same transport if it ran
+    /// over it, else the first).
     pub step_ratio_to_horovod: Option<f64>,
     /// Median exposed communication ÷ the `horovod` preset's.
     pub exposed_ratio_to_horovod: Option<f64>,
+    /// Exposed communication ÷ the `ddp-gloo` peer's, per repeat (the two medians of the same
+    /// round of the interleaved run): median [min–max] over the repeats.
+    #[serde(default)]
+    pub exposed_vs_ddp: Option<Quantity>,
+    /// The same against the `horovod-torch` peer.
+    #[serde(default)]
+    pub exposed_vs_horovod_torch: Option<Quantity>,
+}
+
+impl ReplayRow {
+    /// `schedule (transport)`, or the schedule alone when the transport is not recorded.
+    pub fn config_label(&self) -> String {
+        if self.transport.is_empty() {
+            self.schedule.clone()
+        } else {
+            format!("{} ({})", self.schedule, self.transport)
+        }
+    }
 }
 
 /// One negotiation configuration.
@@ -212,4 +247,8 @@ pub struct Skipped {
     pub what: String,
     /// Why (and how to enable it).
     pub reason: String,
+}
+
+fn one() -> usize {
+    1
 }

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use crate::plots::{self, fmt_bytes, LineChart, Series};
 use crate::record::RunRecord;
+use crate::stats::Quantity;
 
 /// The files written.
 #[derive(Debug, Clone)]
@@ -124,7 +125,8 @@ pub fn draw_plots(r: &RunRecord, dir: &Path) -> (Vec<String>, Vec<String>) {
     }
     if !r.replay.is_empty() {
         let workloads = uniq(r.replay.iter().map(|x| x.workload.as_str()));
-        let schedules = uniq(r.replay.iter().map(|x| x.schedule.as_str()));
+        let labels: Vec<String> = r.replay.iter().map(|x| x.config_label()).collect();
+        let schedules = uniq(labels.iter().map(String::as_str));
         let series: Vec<(String, Vec<f64>)> = schedules
             .iter()
             .map(|s| {
@@ -133,7 +135,7 @@ pub fn draw_plots(r: &RunRecord, dir: &Path) -> (Vec<String>, Vec<String>) {
                     .map(|w| {
                         r.replay
                             .iter()
-                            .find(|x| &x.workload == w && &x.schedule == s)
+                            .find(|x| &x.workload == w && &x.config_label() == s)
                             .map_or(f64::NAN, |x| x.exposed.median)
                     })
                     .collect();
@@ -266,24 +268,35 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
             md,
             "## Workload replay (headline)\n\nGradients released over an emulated backward pass \
              of {} ms at fixed deadlines; step = backward start to last gradient reduced \
-             (slowest rank); exposed = step − backward. Median [min–max] over {} steps.\n",
-            c.backward_ms, c.steps
+             (slowest rank); exposed = step − backward. Each configuration ran {} time(s), \
+             interleaved round-robin with the others; step and exposed: median [min–max] over \
+             the {} timed steps of every run; per run: each run's median exposed; ÷ ddp-gloo \
+             and ÷ horovod-torch: the exposed ratio within each round, median [min–max] over \
+             the rounds; ÷ horovod: medians against the engine's `horovod` preset.\n",
+            c.backward_ms, c.replay_repeats, c.steps
         );
-        let _ = writeln!(md, "| workload | schedule | step | exposed | throughput | step ÷ horovod | exposed ÷ horovod |");
-        let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+        let _ = writeln!(md, "| workload | schedule (transport) | step | exposed | exposed per run | throughput | step ÷ horovod | exposed ÷ horovod | exposed ÷ ddp-gloo | exposed ÷ horovod-torch |");
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|");
         for x in &r.replay {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 x.workload,
-                x.schedule,
+                x.config_label(),
                 x.step.display(1),
                 x.exposed.display(1),
+                per_run(&x.exposed_per_repeat),
                 x.throughput.display(2),
                 x.step_ratio_to_horovod
                     .map_or("–".into(), |v| format!("{v:.2}")),
                 x.exposed_ratio_to_horovod
                     .map_or("–".into(), |v| format!("{v:.2}")),
+                x.exposed_vs_ddp
+                    .as_ref()
+                    .map_or("–".into(), |q| q.display(2)),
+                x.exposed_vs_horovod_torch
+                    .as_ref()
+                    .map_or("–".into(), |q| q.display(2)),
             );
         }
         link_images(&mut md, plots, "replay-exposed");
@@ -443,6 +456,24 @@ fn sim_keys(r: &RunRecord) -> Vec<(String, String, String)> {
     keys
 }
 
+/// Each run's median exposed time, `12.3, 15.0, 9.8 ms` (`–` when not recorded).
+fn per_run(v: &[f64]) -> String {
+    if v.is_empty() {
+        return "–".into();
+    }
+    let parts: Vec<String> = v.iter().map(|x| format!("{x:.1}")).collect();
+    format!("{} ms", parts.join(", "))
+}
+
+/// A ratio's median with its range, `0.25 [0.20–0.31]`.
+fn ratio_range(q: &Quantity) -> String {
+    if q.n <= 1 || q.min == q.max {
+        format!("{:.2}", q.median)
+    } else {
+        format!("{:.2} [{:.2}–{:.2}]", q.median, q.min, q.max)
+    }
+}
+
 /// The terminal summary.
 pub fn summary(r: &RunRecord) -> String {
     let mut s = String::new();
@@ -454,21 +485,34 @@ pub fn summary(r: &RunRecord) -> String {
         );
         let _ = writeln!(
             s,
-            "  {:<12} {:<18} {:>10} {:>10} {:>8} {:>8}",
-            "workload", "schedule", "step ms", "exposed", "step÷hv", "exp÷hv"
+            "  {:<12} {:<32} {:>10} {:>10} {:>8} {:>8} {:>18} {:>18}",
+            "workload",
+            "schedule (transport)",
+            "step ms",
+            "exposed",
+            "step÷hv",
+            "exp÷hv",
+            "exp÷ddp",
+            "exp÷hvd-torch"
         );
         for x in &r.replay {
             let _ = writeln!(
                 s,
-                "  {:<12} {:<18} {:>10.1} {:>10.1} {:>8} {:>8}",
+                "  {:<12} {:<32} {:>10.1} {:>10.1} {:>8} {:>8} {:>18} {:>18}",
                 x.workload,
-                x.schedule,
+                x.config_label(),
                 x.step.median,
                 x.exposed.median,
                 x.step_ratio_to_horovod
                     .map_or("-".into(), |v| format!("{v:.2}")),
                 x.exposed_ratio_to_horovod
                     .map_or("-".into(), |v| format!("{v:.2}")),
+                x.exposed_vs_ddp
+                    .as_ref()
+                    .map_or("-".into(), |q| ratio_range(q)),
+                x.exposed_vs_horovod_torch
+                    .as_ref()
+                    .map_or("-".into(), |q| ratio_range(q)),
             );
         }
     }
@@ -545,6 +589,42 @@ mod tests {
     const RECORDED: &str = include_str!("../tests/data/recorded-run.json");
 
     #[test]
+    fn replay_rows_show_transport_repeats_and_peer_ratios() {
+        let mut r: RunRecord = serde_json::from_str(RECORDED).unwrap();
+        r.config.replay_repeats = 3;
+        let mut row = r.replay[1].clone();
+        row.schedule = "fasthorovod-torch".into();
+        row.transport = "shm".into();
+        row.repeats = 3;
+        row.exposed_per_repeat = vec![20.0, 25.0, 30.0];
+        row.exposed_vs_ddp = Some(Quantity::from_samples(&[0.2, 0.3, 0.25], "ratio"));
+        row.exposed_vs_horovod_torch = Some(Quantity::from_samples(&[0.4], "ratio"));
+        r.replay.push(row);
+        let dir = std::env::temp_dir().join(format!("fh-bench-report-t-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let w = write_all(&r, &dir).unwrap();
+        let md = std::fs::read_to_string(&w.report).unwrap();
+        assert!(md.contains("ran 3 time(s), interleaved"), "{md}");
+        assert!(
+            md.contains("| resnet50 | fasthorovod-torch (shm) | 120.0 [118.0–125.0] ms | 20.0 [18.0–25.0] ms | 20.0, 25.0, 30.0 ms |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| 0.25 [0.20–0.30] ratio | 0.40 ratio |"),
+            "{md}"
+        );
+        let s = summary(&r);
+        assert!(
+            s.contains("fasthorovod-torch (shm)") && s.contains("0.25 [0.20–0.30]"),
+            "{s}"
+        );
+        // A record from before the transports were recorded reads as before.
+        assert_eq!(r.replay[0].config_label(), "horovod");
+        assert_eq!(r.replay[0].repeats, 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn report_from_a_recorded_run() {
         let r: RunRecord = serde_json::from_str(RECORDED).unwrap();
         let dir = std::env::temp_dir().join(format!("fh-bench-report-{}", std::process::id()));
@@ -556,7 +636,7 @@ mod tests {
             md.contains("| resnet50 | horovod | 160.0 [150.0–170.0] ms | 60.0 [50.0–70.0] ms |"),
             "{md}"
         );
-        assert!(md.contains("| resnet50 | fasthorovod K=4 | 120.0 [118.0–125.0] ms | 20.0 [18.0–25.0] ms | 8.33 [8.00–8.47] 1/s | 0.75 | 0.33 |"), "{md}");
+        assert!(md.contains("| resnet50 | fasthorovod K=4 | 120.0 [118.0–125.0] ms | 20.0 [18.0–25.0] ms | – | 8.33 [8.00–8.47] 1/s | 0.75 | 0.33 | – | – |"), "{md}");
         // Collectives with bus bandwidth.
         assert!(md.contains("| tcp | allreduce | 64 MiB | 50000.0 [48000.0–52000.0] us | 1.342 [1.291–1.398] GB/s | 2.013 [1.936–2.097] GB/s |"), "{md}");
         // The simulation says it is a model; skipped peers are listed.
