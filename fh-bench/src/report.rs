@@ -507,12 +507,10 @@ pub fn summary(r: &RunRecord) -> String {
                     .map_or("-".into(), |v| format!("{v:.2}")),
                 x.exposed_ratio_to_horovod
                     .map_or("-".into(), |v| format!("{v:.2}")),
-                x.exposed_vs_ddp
-                    .as_ref()
-                    .map_or("-".into(), |q| ratio_range(q)),
+                x.exposed_vs_ddp.as_ref().map_or("-".into(), ratio_range),
                 x.exposed_vs_horovod_torch
                     .as_ref()
-                    .map_or("-".into(), |q| ratio_range(q)),
+                    .map_or("-".into(), ratio_range),
             );
         }
     }
