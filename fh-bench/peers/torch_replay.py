@@ -32,6 +32,9 @@ a barrier come before each step and are not timed. One or more warm-up steps are
 either. After the last step every gradient must be the average of ones (one), else the script
 fails.
 
+FH_REPLAY_TRACE=1 makes the fasthorovod mode print, per step and rank, how long the backward
+(the deadlines plus the optimizer's hooks) and the synchronize after it took (stderr).
+
 Ranks: torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for ddp;
 horovodrun's environment for horovod; fhrun's (FH_RANK, FH_SIZE, FH_RENDEZVOUS_ADDR,
 FH_JOB_TOKEN, FH_TRANSPORT, ...) for fasthorovod. Rank 0 prints one JSON line to stdout:
@@ -219,6 +222,7 @@ def run_fasthorovod(args, model_name, tensors, due):
     import fasthorovod.torch as hvd
 
     hvd.init()
+    trace = os.environ.get("FH_REPLAY_TRACE") == "1"
     model, by_index, pending, clock = emulated_model(tensors, due)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                    named_parameters=model.named_parameters())
@@ -230,8 +234,15 @@ def run_fasthorovod(args, model_name, tensors, due):
         hvd.barrier()
         clock.t0 = time.perf_counter()
         loss.backward()
+        backward_done = time.perf_counter()
         opt.synchronize()
         elapsed = time.perf_counter() - clock.t0
+        if trace:
+            # Where the step goes: the backward (deadlines + hooks) and the wait after it.
+            bw = backward_done - clock.t0
+            print(f"trace rank {hvd.rank()} step {step}: backward {1e3 * bw:.1f} ms "
+                  f"(last deadline {1e3 * due[-1]:.1f} ms), synchronize "
+                  f"{1e3 * (elapsed - bw):.1f} ms", file=sys.stderr, flush=True)
         if step >= args.warmup:
             times.append(elapsed)
         if step + 1 < args.warmup + args.steps:
