@@ -204,7 +204,12 @@ pub fn parse_output(text: &str) -> Result<PeerResult, String> {
                 lines[start..].join(" | ")
             )
         })?;
-    let r: PeerResult = serde_json::from_str(line)
+    // The first JSON value of the line: mpirun's tagged output can glue the next line's tag
+    // behind it (`{...}[1,0]<stdout>:`) when the child's newline arrives in a later chunk.
+    let r: PeerResult = serde_json::Deserializer::from_str(line)
+        .into_iter::<PeerResult>()
+        .next()
+        .unwrap_or_else(|| Err(serde::de::Error::custom("empty line")))
         .map_err(|e| format!("bad result line from the peer '{line}': {e}"))?;
     if !r.checked {
         return Err(format!("{}: the reduced values were not checked", r.peer));
@@ -380,6 +385,12 @@ mod tests {
             LINE.replace("ddp-gloo", "fasthorovod-torch")
         );
         assert_eq!(parse_output(&fh).unwrap().peer, "fasthorovod-torch");
+        // mpirun may glue the next tag behind the line (seen with horovodrun -np 4).
+        let glued = format!(
+            "[1,0]<stdout>:{}[1,0]<stdout>:\n",
+            LINE.replace("ddp-gloo", "horovod")
+        );
+        assert_eq!(parse_output(&glued).unwrap().peer, "horovod");
         assert_eq!(strip_output_tag("[0]<stdout>:  {\"a\": 1}"), "{\"a\": 1}");
         assert_eq!(strip_output_tag("[1,0]<stderr>:x"), "x");
         // Not a tag: left alone.
