@@ -32,8 +32,9 @@ a barrier come before each step and are not timed. One or more warm-up steps are
 either. After the last step every gradient must be the average of ones (one), else the script
 fails.
 
-FH_REPLAY_TRACE=1 makes the fasthorovod mode print, per step and rank, how long the backward
-(the deadlines plus the optimizer's hooks) and the synchronize after it took (stderr).
+FH_REPLAY_TRACE=1 makes the fasthorovod mode print, per step and rank, when it left the barrier
+(wall clock, to see the skew between ranks), how long the backward (the deadlines plus the
+optimizer's hooks) and the synchronize after it took (stderr).
 
 Ranks: torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for ddp;
 horovodrun's environment for horovod; fhrun's (FH_RANK, FH_SIZE, FH_RENDEZVOUS_ADDR,
@@ -233,6 +234,7 @@ def run_fasthorovod(args, model_name, tensors, due):
         loss = model(x).sum()
         hvd.barrier()
         clock.t0 = time.perf_counter()
+        wall_t0 = time.time()
         loss.backward()
         backward_done = time.perf_counter()
         opt.synchronize()
@@ -240,9 +242,10 @@ def run_fasthorovod(args, model_name, tensors, due):
         if trace:
             # Where the step goes: the backward (deadlines + hooks) and the wait after it.
             bw = backward_done - clock.t0
-            print(f"trace rank {hvd.rank()} step {step}: backward {1e3 * bw:.1f} ms "
-                  f"(last deadline {1e3 * due[-1]:.1f} ms), synchronize "
-                  f"{1e3 * (elapsed - bw):.1f} ms", file=sys.stderr, flush=True)
+            print(f"trace rank {hvd.rank()} step {step}: left the barrier at {wall_t0:.4f} "
+                  f"(wall clock), backward {1e3 * bw:.1f} ms (last deadline "
+                  f"{1e3 * due[-1]:.1f} ms), synchronize {1e3 * (elapsed - bw):.1f} ms",
+                  file=sys.stderr, flush=True)
         if step >= args.warmup:
             times.append(elapsed)
         if step + 1 < args.warmup + args.steps:
