@@ -16,6 +16,15 @@ Modes:
            bucket and written the averages back into .grad.
   horovod  horovod.torch: at each deadline hvd.allreduce_async_(grad_i, name, Average), then
            hvd.synchronize on every handle.
+  fasthorovod
+           fasthorovod.torch through its DistributedOptimizer, as a Horovod training loop
+           uses it: the same emulated module and backward as ddp (so the optimizer's gradient
+           hooks fire at the deadlines and submit each gradient the moment autograd
+           accumulates it), wrapped by hvd.DistributedOptimizer(SGD(lr=0),
+           named_parameters=...); the step is timed to the end of optimizer.synchronize(),
+           then optimizer.step() runs under skip_synchronize() (not timed, like the update
+           that DDP's run leaves out too); the averaged gradients are handed back as the next
+           step's, as in ddp.
 
 Both measure, per step, the time from the start of the backward to the last gradient reduced
 on this rank; then the slowest rank per step (all-reduce MAX / allgather). The forward pass and
@@ -23,14 +32,20 @@ a barrier come before each step and are not timed. One or more warm-up steps are
 either. After the last step every gradient must be the average of ones (one), else the script
 fails.
 
+FH_REPLAY_TRACE=1 makes the fasthorovod mode print, per step and rank, when it left the barrier
+(wall clock, to see the skew between ranks), how long the backward (the deadlines plus the
+optimizer's hooks) and the synchronize after it took (stderr).
+
 Ranks: torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for ddp;
-horovodrun's environment for horovod. Rank 0 prints one JSON line to stdout:
+horovodrun's environment for horovod; fhrun's (FH_RANK, FH_SIZE, FH_RENDEZVOUS_ADDR,
+FH_JOB_TOKEN, FH_TRANSPORT, ...) for fasthorovod. Rank 0 prints one JSON line to stdout:
 
   {"peer": "ddp-gloo", "workload": ..., "np": ..., "backward_ms": ..., "warmup": ...,
    "steps": ..., "step_seconds": [slowest rank per timed step, seconds], "tensors": ...,
    "bytes": ..., "version": "torch x.y", "checked": true}
 
-Only the standard library, torch and (for the horovod mode) horovod.torch are used.
+Only the standard library, torch and (for the horovod and fasthorovod modes) horovod.torch
+or fasthorovod.torch are used.
 """
 
 import argparse
@@ -68,15 +83,13 @@ def sleep_until(t):
         time.sleep(left)
 
 
-def run_ddp(args, model_name, tensors, due):
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+def emulated_model(tensors, due):
+    """The module whose backward releases the workload's gradients at their deadlines.
 
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    Returns (model, by_index, pending, clock): by_index[i] is the parameter of backward-order
+    gradient i; pending[i] is the buffer autograd gets for it (set before each backward);
+    clock.t0 is when the backward started."""
+    import torch
 
     class Clock:
         t0 = 0.0
@@ -117,17 +130,46 @@ def run_ddp(args, model_name, tensors, due):
 
     model = Emulated()
     by_index = {i: p for p, i in zip(model.params, model.order)}
+    return model, by_index, pending, clock
+
+
+def hand_back(tensors, by_index, pending):
+    """Last step's averaged gradient (ones) becomes this step's gradient; .grad is cleared."""
+    import torch
+
+    for i in range(len(tensors)):
+        p = by_index[i]
+        g = p.grad if p.grad is not None else torch.ones(tensors[i][1])
+        p.grad = None
+        pending[i] = g
+        del g
+
+
+def check_ones(tensors, by_index):
+    import torch
+
+    for i in range(len(tensors)):
+        g = by_index[i].grad
+        if g is None or not torch.all(g == 1.0):
+            raise SystemExit(f"wrong result for {tensors[i][0]}: the average of ones is not one")
+
+
+def run_ddp(args, model_name, tensors, due):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+
+    model, by_index, pending, clock = emulated_model(tensors, due)
     ddp = DistributedDataParallel(model)
     x = torch.zeros(1)
     times = []
     for step in range(args.warmup + args.steps):
-        for i in range(len(tensors)):
-            p = by_index[i]
-            # Last step's averaged gradient (ones) is this step's gradient again.
-            g = p.grad if p.grad is not None else torch.ones(tensors[i][1])
-            p.grad = None
-            pending[i] = g
-            del g
+        hand_back(tensors, by_index, pending)
         loss = ddp(x).sum()
         dist.barrier()
         clock.t0 = time.perf_counter()
@@ -135,10 +177,7 @@ def run_ddp(args, model_name, tensors, due):
         elapsed = time.perf_counter() - clock.t0
         if step >= args.warmup:
             times.append(elapsed)
-    for i in range(len(tensors)):
-        g = by_index[i].grad
-        if g is None or not torch.all(g == 1.0):
-            raise SystemExit(f"wrong result for {tensors[i][0]}: the average of ones is not one")
+    check_ones(tensors, by_index)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     dist.barrier()
@@ -178,13 +217,56 @@ def run_horovod(args, model_name, tensors, due):
     return rank, world, slowest, f"torch {torch.__version__}, horovod {horovod.__version__}"
 
 
+def run_fasthorovod(args, model_name, tensors, due):
+    import torch
+    import fasthorovod
+    import fasthorovod.torch as hvd
+
+    hvd.init()
+    trace = os.environ.get("FH_REPLAY_TRACE") == "1"
+    model, by_index, pending, clock = emulated_model(tensors, due)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters())
+    x = torch.zeros(1)
+    times = []
+    for step in range(args.warmup + args.steps):
+        hand_back(tensors, by_index, pending)
+        loss = model(x).sum()
+        hvd.barrier()
+        clock.t0 = time.perf_counter()
+        wall_t0 = time.time()
+        loss.backward()
+        backward_done = time.perf_counter()
+        opt.synchronize()
+        elapsed = time.perf_counter() - clock.t0
+        if trace:
+            # Where the step goes: the backward (deadlines + hooks) and the wait after it.
+            bw = backward_done - clock.t0
+            print(f"trace rank {hvd.rank()} step {step}: left the barrier at {wall_t0:.4f} "
+                  f"(wall clock), backward {1e3 * bw:.1f} ms (last deadline "
+                  f"{1e3 * due[-1]:.1f} ms), synchronize {1e3 * (elapsed - bw):.1f} ms",
+                  file=sys.stderr, flush=True)
+        if step >= args.warmup:
+            times.append(elapsed)
+        if step + 1 < args.warmup + args.steps:
+            with opt.skip_synchronize():
+                opt.step()
+    check_ones(tensors, by_index)
+    every = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="fh.times")
+    slowest = every.max(dim=0).values.tolist()
+    rank, world = hvd.rank(), hvd.size()
+    hvd.shutdown()
+    version = getattr(fasthorovod, "__version__", "?")
+    return rank, world, slowest, f"torch {torch.__version__}, fasthorovod {version}"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", required=True, help="workload JSON (fh-bench/workloads)")
     ap.add_argument("--backward-ms", type=float, default=100.0)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--mode", choices=["ddp", "horovod"], required=True)
+    ap.add_argument("--mode", choices=["ddp", "horovod", "fasthorovod"], required=True)
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="seconds a collective may wait for a peer (ddp)")
     args = ap.parse_args(argv)
@@ -195,9 +277,12 @@ def main(argv=None):
     if args.mode == "ddp":
         rank, world, slowest, version = run_ddp(args, model, tensors, due)
         peer = "ddp-gloo"
-    else:
+    elif args.mode == "horovod":
         rank, world, slowest, version = run_horovod(args, model, tensors, due)
         peer = "horovod"
+    else:
+        rank, world, slowest, version = run_fasthorovod(args, model, tensors, due)
+        peer = "fasthorovod-torch"
     if rank == 0:
         print(json.dumps({
             "peer": peer,

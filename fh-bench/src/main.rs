@@ -121,6 +121,10 @@ struct SuiteArgs {
     /// Measured replay steps, after one warm-up step (default: 3 quick, 10 full).
     #[arg(long)]
     steps: Option<usize>,
+    /// Runs of each replay configuration, interleaved round-robin so that a slow spell of a
+    /// shared host hits every row (default 3).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    replay_repeats: u64,
     /// Timed repeats per collective case (default: 5 quick, 10 full).
     #[arg(long)]
     repeats: Option<usize>,
@@ -236,6 +240,7 @@ fn run_suite(a: SuiteArgs, only: Option<&str>) -> Result<(), String> {
         workloads: a.models.clone(),
         backward_ms: a.backward_ms,
         steps: a.steps.unwrap_or(if a.quick { 3 } else { 10 }),
+        replay_repeats: a.replay_repeats as usize,
         repeats: a.repeats.unwrap_or(if a.quick { 5 } else { 10 }),
         sizes: a.sizes.clone(),
         transports: a.transports.clone(),

@@ -113,6 +113,9 @@ pub struct RunConfig {
     pub backward_ms: f64,
     /// Measured replay steps (after one warm-up step).
     pub steps: usize,
+    /// Runs of each replay configuration (interleaved round-robin).
+    #[serde(default = "one")]
+    pub replay_repeats: usize,
     /// Workloads directory.
     pub workloads_dir: String,
     /// Workloads replayed.
@@ -146,8 +149,17 @@ pub struct CollRow {
 pub struct ReplayRow {
     /// Workload (model).
     pub workload: String,
-    /// Schedule preset or peer (`horovod`, `fasthorovod K=2`, peers `ddp-gloo`, `horovod-torch`).
+    /// Schedule preset or peer (`horovod`, `fasthorovod K=2`, peers `ddp-gloo`, `horovod-torch`,
+    /// `fasthorovod-torch`).
     pub schedule: String,
+    /// What carried the bytes: `tcp`, `shm` (the engine's transports, also under
+    /// `fasthorovod-torch`), `gloo` (DDP), `horovodrun` (Horovod's own choice); empty in records
+    /// written before the replay ran over several transports.
+    #[serde(default)]
+    pub transport: String,
+    /// Timed runs of this configuration (interleaved with the other configurations).
+    #[serde(default)]
+    pub repeats: usize,
     /// Ranks.
     pub np: usize,
     /// Gradient tensors per step.
@@ -156,23 +168,32 @@ pub struct ReplayRow {
     pub bytes: u64,
     /// Emulated backward pass, ms.
     pub backward: Quantity,
-    /// Step time (backward start to last gradient reduced; slowest rank), ms.
+    /// Step time (backward start to last gradient reduced; slowest rank), ms, over every timed
+    /// step of every repeat.
     pub step: Quantity,
-    /// Exposed communication (step − backward), ms.
+    /// Exposed communication (step − backward), ms, over every timed step of every repeat.
     pub exposed: Quantity,
+    /// Median exposed communication of each repeat, ms, in run order.
+    #[serde(default)]
+    pub exposed_per_repeat: Vec<f64>,
     /// Steps per second.
     pub throughput: Quantity,
-    /// Median step time ÷ the `horovod` preset's (same workload).
+    /// Median step time ÷ the `horovod` preset's (same workload, same transport if it ran
+    /// over it, else the first).
     pub step_ratio_to_horovod: Option<f64>,
     /// Median exposed communication ÷ the `horovod` preset's.
     pub exposed_ratio_to_horovod: Option<f64>,
+    /// Exposed communication ÷ the `ddp-gloo` peer's, per repeat (the two medians of the same
+    /// round of the interleaved run): median [min–max] over the repeats.
+    #[serde(default)]
+    pub exposed_vs_ddp: Option<Quantity>,
+    /// The same against the `horovod-torch` peer.
+    #[serde(default)]
+    pub exposed_vs_horovod_torch: Option<Quantity>,
     /// Each data channel's share of the bytes over the timed steps (rank 0), in channel
     /// order; empty for peers.
     #[serde(default)]
     pub channel_share: Vec<f64>,
-    /// The transport the engine ran over (`tcp`, `shm`); empty for peers.
-    #[serde(default)]
-    pub transport: String,
 }
 
 impl ReplayRow {
@@ -187,6 +208,17 @@ impl ReplayRow {
             .map(|s| format!("{:.0}", s * 100.0))
             .collect();
         format!("{} %", parts.join("/"))
+    }
+}
+
+impl ReplayRow {
+    /// `schedule (transport)`, or the schedule alone when the transport is not recorded.
+    pub fn config_label(&self) -> String {
+        if self.transport.is_empty() {
+            self.schedule.clone()
+        } else {
+            format!("{} ({})", self.schedule, self.transport)
+        }
     }
 }
 
@@ -272,4 +304,8 @@ pub struct Skipped {
     pub what: String,
     /// Why (and how to enable it).
     pub reason: String,
+}
+
+fn one() -> usize {
+    1
 }

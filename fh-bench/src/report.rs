@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use crate::plots::{self, fmt_bytes, LineChart, Series};
 use crate::record::RunRecord;
+use crate::stats::Quantity;
 
 /// The files written.
 #[derive(Debug, Clone)]
@@ -124,7 +125,8 @@ pub fn draw_plots(r: &RunRecord, dir: &Path) -> (Vec<String>, Vec<String>) {
     }
     if !r.replay.is_empty() {
         let workloads = uniq(r.replay.iter().map(|x| x.workload.as_str()));
-        let schedules = uniq(r.replay.iter().map(|x| x.schedule.as_str()));
+        let labels: Vec<String> = r.replay.iter().map(|x| x.config_label()).collect();
+        let schedules = uniq(labels.iter().map(String::as_str));
         let series: Vec<(String, Vec<f64>)> = schedules
             .iter()
             .map(|s| {
@@ -133,7 +135,7 @@ pub fn draw_plots(r: &RunRecord, dir: &Path) -> (Vec<String>, Vec<String>) {
                     .map(|w| {
                         r.replay
                             .iter()
-                            .find(|x| &x.workload == w && &x.schedule == s)
+                            .find(|x| &x.workload == w && &x.config_label() == s)
                             .map_or(f64::NAN, |x| x.exposed.median)
                     })
                     .collect();
@@ -236,26 +238,29 @@ fn link_images(md: &mut String, plots: &[String], stem: &str) {
     }
 }
 
-/// The machine's steal and load during the run, with a warning when timings are unreliable.
-pub fn machine_load(r: &RunRecord) -> String {
+/// The machine's state during the run (CPU steal, load), with a warning when timings are
+/// unreliable.
+pub fn machine_line(r: &RunRecord) -> String {
     let steal = r
         .host
         .steal_percent
-        .map_or("unknown".into(), |s| format!("{s:.1} %"));
+        .map_or("unknown".into(), |v| format!("{v:.0} %"));
     let load = r
         .host
         .load_average
-        .map_or("unknown".into(), |l| format!("{l:.1}"));
-    let mut line = format!("- CPU steal during the run: {steal}; load average at the end: {load}");
-    let high_steal = r.host.steal_percent.is_some_and(|s| s > 10.0);
-    let high_load = r.host.load_average.is_some_and(|l| l > r.host.cpus as f64);
-    if high_steal || high_load {
-        line.push_str(
-            " — **warning**: the machine was busy (steal above 10 % or load above its CPU \
-             count); absolute timings are unreliable, compare ratios within this run only",
-        );
-    }
-    line
+        .map_or("unknown".into(), |v| format!("{v:.1}"));
+    let busy = r.host.steal_percent.is_some_and(|v| v > 10.0)
+        || r.host
+            .load_average
+            .is_some_and(|v| v > 1.5 * r.host.cpus.max(1) as f64);
+    format!(
+        "- CPU steal during the run {steal}, load average at the end {load}{}\n",
+        if busy {
+            " — **warning: the machine was busy; compare only ratios inside this run**"
+        } else {
+            ""
+        }
+    )
 }
 
 /// The Markdown report.
@@ -282,37 +287,43 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
         c.suites.join(", "),
         if c.quick { " (quick)" } else { "" },
     );
-    let _ = writeln!(md, "{}\n", machine_load(r));
+    let _ = writeln!(md, "{}", machine_line(r));
 
     if !r.replay.is_empty() {
         let _ = writeln!(
             md,
             "## Workload replay (headline)\n\nGradients released over an emulated backward pass \
              of {} ms at fixed deadlines; step = backward start to last gradient reduced \
-             (slowest rank); exposed = step − backward. Median [min–max] over {} steps.\n",
-            c.backward_ms, c.steps
+             (slowest rank); exposed = step − backward. Each configuration ran {} time(s), \
+             interleaved round-robin with the others; step and exposed: median [min–max] over \
+             the {} timed steps of every run; per run: each run's median exposed; ÷ ddp-gloo \
+             and ÷ horovod-torch: the exposed ratio within each round, median [min–max] over \
+             the rounds; ÷ horovod: medians against the engine's `horovod` preset.\n",
+            c.backward_ms, c.replay_repeats, c.steps
         );
-        let _ = writeln!(md, "| workload | schedule | step | exposed | throughput | step ÷ horovod | exposed ÷ horovod | bytes per channel | transport |");
-        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(md, "| workload | schedule (transport) | step | exposed | exposed per run | throughput | step ÷ horovod | exposed ÷ horovod | exposed ÷ ddp-gloo | exposed ÷ horovod-torch | bytes per channel |");
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|");
         for x in &r.replay {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 x.workload,
-                x.schedule,
+                x.config_label(),
                 x.step.display(1),
                 x.exposed.display(1),
+                per_run(&x.exposed_per_repeat),
                 x.throughput.display(2),
                 x.step_ratio_to_horovod
                     .map_or("–".into(), |v| format!("{v:.2}")),
                 x.exposed_ratio_to_horovod
                     .map_or("–".into(), |v| format!("{v:.2}")),
+                x.exposed_vs_ddp
+                    .as_ref()
+                    .map_or("–".into(), |q| q.display(2)),
+                x.exposed_vs_horovod_torch
+                    .as_ref()
+                    .map_or("–".into(), |q| q.display(2)),
                 x.channel_share_text(),
-                if x.transport.is_empty() {
-                    "–"
-                } else {
-                    &x.transport
-                },
             );
         }
         link_images(&mut md, plots, "replay-exposed");
@@ -472,14 +483,27 @@ fn sim_keys(r: &RunRecord) -> Vec<(String, String, String)> {
     keys
 }
 
+/// Each run's median exposed time, `12.3, 15.0, 9.8 ms` (`–` when not recorded).
+fn per_run(v: &[f64]) -> String {
+    if v.is_empty() {
+        return "–".into();
+    }
+    let parts: Vec<String> = v.iter().map(|x| format!("{x:.1}")).collect();
+    format!("{} ms", parts.join(", "))
+}
+
+/// A ratio's median with its range, `0.25 [0.20–0.31]`.
+fn ratio_range(q: &Quantity) -> String {
+    if q.n <= 1 || q.min == q.max {
+        format!("{:.2}", q.median)
+    } else {
+        format!("{:.2} [{:.2}–{:.2}]", q.median, q.min, q.max)
+    }
+}
+
 /// The terminal summary.
 pub fn summary(r: &RunRecord) -> String {
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "\n{}",
-        machine_load(r).trim_start_matches("- ").replace("**", "")
-    );
     if !r.replay.is_empty() {
         let _ = writeln!(
             s,
@@ -488,26 +512,33 @@ pub fn summary(r: &RunRecord) -> String {
         );
         let _ = writeln!(
             s,
-            "  {:<12} {:<5} {:<20} {:>10} {:>10} {:>8} {:>8}  bytes per channel",
-            "workload", "via", "schedule", "step ms", "exposed", "step÷hv", "exp÷hv"
+            "  {:<12} {:<32} {:>10} {:>10} {:>8} {:>8} {:>18} {:>18} {}",
+            "workload",
+            "schedule (transport)",
+            "step ms",
+            "exposed",
+            "step÷hv",
+            "exp÷hv",
+            "exp÷ddp",
+            "exp÷hvd-torch",
+            "channels"
         );
         for x in &r.replay {
             let _ = writeln!(
                 s,
-                "  {:<12} {:<5} {:<20} {:>10.1} {:>10.1} {:>8} {:>8}  {}",
+                "  {:<12} {:<32} {:>10.1} {:>10.1} {:>8} {:>8} {:>18} {:>18} {}",
                 x.workload,
-                if x.transport.is_empty() {
-                    "-"
-                } else {
-                    &x.transport
-                },
-                x.schedule,
+                x.config_label(),
                 x.step.median,
                 x.exposed.median,
                 x.step_ratio_to_horovod
                     .map_or("-".into(), |v| format!("{v:.2}")),
                 x.exposed_ratio_to_horovod
                     .map_or("-".into(), |v| format!("{v:.2}")),
+                x.exposed_vs_ddp.as_ref().map_or("-".into(), ratio_range),
+                x.exposed_vs_horovod_torch
+                    .as_ref()
+                    .map_or("-".into(), ratio_range),
                 x.channel_share_text(),
             );
         }
@@ -585,23 +616,39 @@ mod tests {
     const RECORDED: &str = include_str!("../tests/data/recorded-run.json");
 
     #[test]
-    fn steal_and_load_are_reported_with_a_warning_when_high() {
+    fn replay_rows_show_transport_repeats_and_peer_ratios() {
         let mut r: RunRecord = serde_json::from_str(RECORDED).unwrap();
-        assert!(machine_load(&r).contains("unknown"));
-        r.host.steal_percent = Some(2.0);
-        r.host.load_average = Some(0.5);
+        r.config.replay_repeats = 3;
+        let mut row = r.replay[1].clone();
+        row.schedule = "fasthorovod-torch".into();
+        row.transport = "shm".into();
+        row.repeats = 3;
+        row.exposed_per_repeat = vec![20.0, 25.0, 30.0];
+        row.exposed_vs_ddp = Some(Quantity::from_samples(&[0.2, 0.3, 0.25], "ratio"));
+        row.exposed_vs_horovod_torch = Some(Quantity::from_samples(&[0.4], "ratio"));
+        r.replay.push(row);
+        let dir = std::env::temp_dir().join(format!("fh-bench-report-t-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let w = write_all(&r, &dir).unwrap();
+        let md = std::fs::read_to_string(&w.report).unwrap();
+        assert!(md.contains("ran 3 time(s), interleaved"), "{md}");
         assert!(
-            !machine_load(&r).contains("warning"),
-            "{}",
-            machine_load(&r)
+            md.contains("| resnet50 | fasthorovod-torch (shm) | 120.0 [118.0–125.0] ms | 20.0 [18.0–25.0] ms | 20.0, 25.0, 30.0 ms |"),
+            "{md}"
         );
-        r.host.steal_percent = Some(30.0);
-        assert!(machine_load(&r).contains("30.0 %") && machine_load(&r).contains("warning"));
-        assert_eq!(
-            crate::record::steal_between(Some((10, 1000)), Some((40, 1100))),
-            Some(30.0)
+        assert!(
+            md.contains("| 0.25 [0.20–0.30] ratio | 0.40 ratio |"),
+            "{md}"
         );
-        assert_eq!(crate::record::steal_between(None, Some((1, 2))), None);
+        let s = summary(&r);
+        assert!(
+            s.contains("fasthorovod-torch (shm)") && s.contains("0.25 [0.20–0.30]"),
+            "{s}"
+        );
+        // A record from before the transports were recorded reads as before.
+        assert_eq!(r.replay[0].config_label(), "horovod");
+        assert_eq!(r.replay[0].repeats, 0);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -616,7 +663,7 @@ mod tests {
             md.contains("| resnet50 | horovod | 160.0 [150.0–170.0] ms | 60.0 [50.0–70.0] ms |"),
             "{md}"
         );
-        assert!(md.contains("| resnet50 | fasthorovod K=4 | 120.0 [118.0–125.0] ms | 20.0 [18.0–25.0] ms | 8.33 [8.00–8.47] 1/s | 0.75 | 0.33 |"), "{md}");
+        assert!(md.contains("| resnet50 | fasthorovod K=4 | 120.0 [118.0–125.0] ms | 20.0 [18.0–25.0] ms | – | 8.33 [8.00–8.47] 1/s | 0.75 | 0.33 | – | – |"), "{md}");
         // Collectives with bus bandwidth.
         assert!(md.contains("| tcp | allreduce | 64 MiB | 50000.0 [48000.0–52000.0] us | 1.342 [1.291–1.398] GB/s | 2.013 [1.936–2.097] GB/s |"), "{md}");
         // The simulation says it is a model; skipped peers are listed.

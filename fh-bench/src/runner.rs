@@ -372,7 +372,7 @@ fn tail(path: &Path) -> String {
 }
 
 /// A port that was free a moment ago on 127.0.0.1.
-fn free_port() -> Result<u16, String> {
+pub(crate) fn free_port() -> Result<u16, String> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")
         .map_err(|e| format!("finding a free port on 127.0.0.1: {e}"))?;
     l.local_addr()
@@ -381,7 +381,7 @@ fn free_port() -> Result<u16, String> {
 }
 
 /// 128 random bits, hex.
-fn random_token() -> Result<String, String> {
+pub(crate) fn random_token() -> Result<String, String> {
     let mut b = [0u8; 16];
     fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut b))

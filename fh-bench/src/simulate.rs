@@ -145,6 +145,12 @@ pub fn run(
             let Some(s) = schedules().into_iter().find(|s| s.label() == r.schedule) else {
                 continue;
             };
+            // The model's link is the transport it was calibrated on: check the replay over
+            // that transport only (older records do not name the transport).
+            if !r.transport.is_empty() && link.name != format!("measured {} loopback", r.transport)
+            {
+                continue;
+            }
             let m = sim::simulate_workload(w, r.backward.median / 1e3, *np, link, &s, &overheads);
             check.push(SimCheck {
                 workload: r.workload.clone(),

@@ -37,6 +37,9 @@ pub struct Options {
     pub backward_ms: f64,
     /// Measured replay steps.
     pub steps: usize,
+    /// Runs of each replay configuration, interleaved round-robin (every configuration once,
+    /// then again), so that a slow spell of a shared host hits every row.
+    pub replay_repeats: usize,
     /// Timed repeats per collective case.
     pub repeats: usize,
     /// Collective sizes (bytes); empty → the default for quick/full.
@@ -72,7 +75,7 @@ pub fn default_sizes(quick: bool) -> Vec<usize> {
 /// listed in `skipped`).
 pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     let started = Instant::now();
-    let ticks0 = crate::record::cpu_ticks();
+    let ticks_at_start = crate::record::cpu_ticks();
     std::fs::create_dir_all(&opts.out)
         .map_err(|e| format!("creating {}: {e}", opts.out.display()))?;
     let all_workloads =
@@ -115,6 +118,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             repeats: opts.repeats,
             backward_ms: opts.backward_ms,
             steps: opts.steps,
+            replay_repeats: opts.replay_repeats.max(1),
             workloads_dir: opts.workloads_dir.display().to_string(),
             workloads: workloads.iter().map(|w| w.model.clone()).collect(),
             tensor_counts: opts.tensor_counts.clone(),
@@ -202,13 +206,9 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 }),
             }
         }
-        let replay_transports = opts
-            .transports
-            .iter()
-            .filter(|t| *t == "tcp" || *t == "shm")
-            .count()
-            .max(1);
-        total += (workloads.len() * (replay_transports * ScheduleSpec::all().len() + peers.len()))
+        total += (opts.replay_repeats.max(1)
+            * workloads.len()
+            * (ScheduleSpec::all().len() * replay_transports(&runners).len() + peers.len()))
             as u64;
     }
     if wants("negotiation") {
@@ -317,140 +317,150 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             reason: "no usable transport (see --transports)".into(),
         });
     }
-    // The replay runs over TCP and shared memory (what `FH_TRANSPORT=auto` picks on one host)
-    // when both are among the transports, else over the first.
-    let mut replay_runners: Vec<(String, Runner)> = runners
-        .iter()
-        .filter(|(t, _)| t == "tcp" || t == "shm")
-        .cloned()
-        .collect();
-    if replay_runners.is_empty() {
-        replay_runners.extend(engine_runner.clone());
-    }
-    if let (true, false) = (wants("replay"), replay_runners.is_empty()) {
+    if wants("replay") && engine_runner.is_some() {
+        let replay_runners = replay_transports(&runners);
         let backward = Duration::from_secs_f64(opts.backward_ms / 1e3);
-        for w in &workloads {
-            // Interleaved: one timed step of every (transport, schedule) in turn, round-robin
-            // over the steps (each after its own warm-up step), so that a slow spell of a
-            // shared machine hits every configuration rather than one.
-            let configs: Vec<(&str, &Runner, ScheduleSpec)> = replay_runners
-                .iter()
-                .flat_map(|(t, r)| {
-                    ScheduleSpec::all()
-                        .into_iter()
-                        .map(move |s| (t.as_str(), r, s))
-                })
-                .collect();
-            let mut outs: Vec<Option<Vec<RankOutput>>> = vec![Some(Vec::new()); configs.len()];
-            for rep in 0..opts.steps.max(1) {
-                for (i, (tname, runner, s)) in configs.iter().enumerate() {
-                    if outs[i].is_none() {
-                        continue; // failed before
-                    }
+        let script = if peers.is_empty() {
+            None
+        } else {
+            match torch_peer::write_script(&opts.out.join("peers")) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    record.skipped.push(Skipped {
+                        suite: "replay".into(),
+                        what: "Python peers".into(),
+                        reason: format!("failed: {e}"),
+                    });
+                    None
+                }
+            }
+        };
+        // Every configuration: the engine's presets over each transport, then the peers.
+        let mut configs: Vec<ReplayConfig> = Vec::new();
+        for (tname, runner) in &replay_runners {
+            for s in ScheduleSpec::all() {
+                configs.push(ReplayConfig::Engine {
+                    spec: s,
+                    transport: tname.clone(),
+                    runner: runner.clone(),
+                });
+            }
+        }
+        if script.is_some() {
+            configs.extend(peers.iter().map(|p| ReplayConfig::Peer(*p)));
+        }
+        let repeats = opts.replay_repeats.max(1);
+        // runs[w][c][k]: the slowest rank's step times of repeat k (None: failed).
+        let mut runs: Vec<Vec<Vec<Option<Vec<f64>>>>> =
+            vec![vec![Vec::new(); configs.len()]; workloads.len()];
+        // bytes[w][c][channel]: rank 0's bytes per data channel over every repeat.
+        let mut bytes: Vec<Vec<Vec<u64>>> = vec![vec![Vec::new(); configs.len()]; workloads.len()];
+        for k in 0..repeats {
+            for (wi, w) in workloads.iter().enumerate() {
+                for (ci, cfg) in configs.iter().enumerate() {
+                    let label = cfg.label();
+                    let transport = cfg.transport();
                     bar.set_message(format!(
-                        "replay: {} {} over {tname} (step {}/{})",
-                        w.model,
-                        s.label(),
-                        rep + 1,
-                        opts.steps
+                        "replay {}/{repeats}: {} {label} ({transport})",
+                        k + 1,
+                        w.model
                     ));
-                    let job = Job::Replay(ReplayJob::new(w, backward, s.clone(), 1, 1));
                     let name = format!(
-                        "replay-{}-{tname}-{}-{rep}",
+                        "replay-{}-{}-{}-r{}",
                         w.model,
-                        s.label().replace([' ', '=', '+'], "")
+                        label.replace([' ', '='], ""),
+                        transport,
+                        k + 1
                     );
-                    match runner.run(&name, &job) {
-                        Ok(got) => {
-                            if let Some(acc) = outs[i].as_mut() {
-                                merge_replay(acc, got);
-                            }
+                    let result = match cfg {
+                        ReplayConfig::Engine { spec, runner, .. } => {
+                            let job = Job::Replay(ReplayJob::new(
+                                w,
+                                backward,
+                                spec.clone(),
+                                1,
+                                opts.steps,
+                            ));
+                            runner.run(&name, &job).map(|outs| {
+                                if let Some(RankOutput::Replay(r0)) = outs.first() {
+                                    let acc = &mut bytes[wi][ci];
+                                    if acc.len() < r0.channel_bytes.len() {
+                                        acc.resize(r0.channel_bytes.len(), 0);
+                                    }
+                                    for (a, b) in acc.iter_mut().zip(&r0.channel_bytes) {
+                                        *a += b;
+                                    }
+                                }
+                                slowest_per_step(&outs)
+                            })
                         }
+                        ReplayConfig::Peer(peer) => match script.as_deref() {
+                            Some(script) => torch_peer::PeerRun {
+                                peer: *peer,
+                                python: &python,
+                                script,
+                                workload: &w.path,
+                                np: opts.np,
+                                backward_ms: opts.backward_ms,
+                                warmup: 1,
+                                steps: opts.steps,
+                                log_dir: &work_dir,
+                                timeout: opts.job_timeout,
+                            }
+                            .run(&name)
+                            .map(|r| r.step_seconds),
+                            None => Err("no adapter script".into()),
+                        },
+                    };
+                    match result {
+                        Ok(t) => runs[wi][ci].push(Some(t)),
                         Err(e) => {
-                            outs[i] = None;
+                            runs[wi][ci].push(None);
                             record.skipped.push(Skipped {
                                 suite: "replay".into(),
-                                what: format!("{} {} over {tname}", w.model, s.label()),
+                                what: format!(
+                                    "{} {label} ({transport}), repeat {} of {repeats}",
+                                    w.model,
+                                    k + 1
+                                ),
                                 reason: format!("failed: {e}"),
                             });
                         }
                     }
+                    bar.inc(1);
                 }
             }
+        }
+        for (wi, w) in workloads.iter().enumerate() {
             let mut rows: Vec<ReplayRow> = Vec::new();
-            for ((tname, _, s), outs) in configs.iter().zip(outs) {
-                if let Some(outs) = outs {
-                    let mut row = replay_row(w, s, opts.np, opts.backward_ms, &outs);
-                    row.transport = tname.to_string();
-                    rows.push(row);
-                }
-                bar.inc(1);
-            }
-            let script = if peers.is_empty() {
-                None
-            } else {
-                match torch_peer::write_script(&opts.out.join("peers")) {
-                    Ok(p) => Some(p),
-                    Err(e) => {
-                        record.skipped.push(Skipped {
-                            suite: "replay".into(),
-                            what: "Python peers".into(),
-                            reason: format!("failed: {e}"),
-                        });
-                        None
+            let mut per_repeat: Vec<Vec<Option<f64>>> = Vec::new();
+            for (ci, cfg) in configs.iter().enumerate() {
+                let reps = &runs[wi][ci];
+                if let Some(row) = repeated_row(
+                    w,
+                    &cfg.label(),
+                    &cfg.transport(),
+                    opts.np,
+                    opts.backward_ms,
+                    reps,
+                ) {
+                    let mut row = row;
+                    let total: u64 = bytes[wi][ci].iter().sum();
+                    if total > 0 {
+                        row.channel_share = bytes[wi][ci]
+                            .iter()
+                            .map(|&b| b as f64 / total as f64)
+                            .collect();
                     }
-                }
-            };
-            for peer in peers.iter().filter(|_| script.is_some()) {
-                let Some(script) = script.as_deref() else {
-                    continue;
-                };
-                bar.set_message(format!("replay: {} {}", w.model, peer.label));
-                let run = torch_peer::PeerRun {
-                    peer: *peer,
-                    python: &python,
-                    script,
-                    workload: &w.path,
-                    np: opts.np,
-                    backward_ms: opts.backward_ms,
-                    warmup: 1,
-                    steps: opts.steps,
-                    log_dir: &work_dir,
-                    timeout: opts.job_timeout,
-                };
-                match run.run(&format!("replay-{}-{}", w.model, peer.label)) {
-                    Ok(r) => rows.push(peer_row(w, &r, opts.backward_ms)),
-                    Err(e) => record.skipped.push(Skipped {
-                        suite: "replay".into(),
-                        what: format!("{} {}", w.model, peer.what),
-                        reason: format!("failed: {e}"),
-                    }),
-                }
-                bar.inc(1);
-            }
-            // Ratios against the `horovod` preset over the same transport (peers, which pick
-            // their own, against the first transport's).
-            let first = rows
-                .first()
-                .map(|r| r.transport.clone())
-                .unwrap_or_default();
-            let bases: Vec<(String, f64, f64)> = rows
-                .iter()
-                .filter(|r| r.schedule == "horovod")
-                .map(|r| (r.transport.clone(), r.step.median, r.exposed.median))
-                .collect();
-            for r in &mut rows {
-                let t = if r.transport.is_empty() {
-                    &first
-                } else {
-                    &r.transport
-                };
-                if let Some((_, step, exposed)) = bases.iter().find(|b| &b.0 == t) {
-                    r.step_ratio_to_horovod = Some(r.step.median / step);
-                    r.exposed_ratio_to_horovod =
-                        (*exposed > 0.0).then(|| r.exposed.median / exposed);
+                    rows.push(row);
+                    per_repeat.push(
+                        reps.iter()
+                            .map(|v| v.as_ref().map(|v| median(v) * 1e3 - opts.backward_ms))
+                            .collect(),
+                    );
                 }
             }
+            add_ratios(&mut rows, &per_repeat);
             record.replay.extend(rows);
         }
     }
@@ -508,7 +518,8 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     }
     bar.finish_and_clear();
     record.wall = Quantity::exact(started.elapsed().as_secs_f64(), "s");
-    record.host.steal_percent = crate::record::steal_between(ticks0, crate::record::cpu_ticks());
+    record.host.steal_percent =
+        crate::record::steal_between(ticks_at_start, crate::record::cpu_ticks());
     record.host.load_average = crate::record::load_average();
     Ok(record)
 }
@@ -562,55 +573,6 @@ pub fn aggregate_collectives(transport: &str, np: usize, outs: &[RankOutput]) ->
         .collect()
 }
 
-/// Per step, the slowest rank's time; then the replay figures.
-pub fn replay_row(
-    w: &Workload,
-    s: &ScheduleSpec,
-    np: usize,
-    backward_ms: f64,
-    outs: &[RankOutput],
-) -> ReplayRow {
-    let per_rank: Vec<&Vec<f64>> = outs
-        .iter()
-        .filter_map(|o| match o {
-            RankOutput::Replay(v) => Some(&v.step_seconds),
-            _ => None,
-        })
-        .collect();
-    let mut row = replay_row_labelled(w, &s.label(), np, backward_ms, &per_rank);
-    if let Some(RankOutput::Replay(r0)) = outs.first() {
-        let total: u64 = r0.channel_bytes.iter().sum();
-        if total > 0 {
-            row.channel_share = r0
-                .channel_bytes
-                .iter()
-                .map(|&b| b as f64 / total as f64)
-                .collect();
-        }
-    }
-    row
-}
-
-/// Append one interleaved run's per-rank replay outputs to those gathered so far (rank by
-/// rank: step times concatenated, channel bytes added).
-fn merge_replay(acc: &mut Vec<RankOutput>, got: Vec<RankOutput>) {
-    if acc.is_empty() {
-        *acc = got;
-        return;
-    }
-    for (a, g) in acc.iter_mut().zip(got) {
-        if let (RankOutput::Replay(a), RankOutput::Replay(g)) = (a, g) {
-            a.step_seconds.extend(g.step_seconds);
-            if a.channel_bytes.len() < g.channel_bytes.len() {
-                a.channel_bytes.resize(g.channel_bytes.len(), 0);
-            }
-            for (x, y) in a.channel_bytes.iter_mut().zip(g.channel_bytes) {
-                *x += y;
-            }
-        }
-    }
-}
-
 /// A replay row from per-rank step times (seconds; the slowest rank per step counts), labelled
 /// with a preset or a peer (`ddp-gloo`, `horovod-torch`).
 pub fn replay_row_labelled(
@@ -635,23 +597,152 @@ pub fn replay_row_labelled(
     ReplayRow {
         workload: w.model.clone(),
         schedule: label.to_string(),
+        transport: String::new(),
+        repeats: 1,
         np,
         tensors: w.tensors.len(),
         bytes: w.total_bytes(),
         backward: Quantity::exact(backward_ms, "ms"),
         step: Quantity::from_samples(&step_ms, "ms"),
         exposed: Quantity::from_samples(&exposed, "ms"),
+        exposed_per_repeat: Vec::new(),
         throughput: Quantity::from_samples(&thr, "1/s"),
         step_ratio_to_horovod: None,
         exposed_ratio_to_horovod: None,
+        exposed_vs_ddp: None,
+        exposed_vs_horovod_torch: None,
         channel_share: Vec::new(),
-        transport: String::new(),
     }
 }
 
-/// The replay row of a Python peer's result (already the slowest rank per step).
-pub fn peer_row(w: &Workload, r: &torch_peer::PeerResult, backward_ms: f64) -> ReplayRow {
-    replay_row_labelled(w, &r.peer, r.np, backward_ms, &[&r.step_seconds])
+/// One configuration of the replay.
+#[derive(Debug, Clone)]
+enum ReplayConfig {
+    /// The engine (the Rust harness) with a preset over a transport.
+    Engine {
+        spec: ScheduleSpec,
+        transport: String,
+        runner: Runner,
+    },
+    /// A Python peer.
+    Peer(torch_peer::Peer),
+}
+
+impl ReplayConfig {
+    fn label(&self) -> String {
+        match self {
+            ReplayConfig::Engine { spec, .. } => spec.label(),
+            ReplayConfig::Peer(p) => p.label.to_string(),
+        }
+    }
+
+    fn transport(&self) -> String {
+        match self {
+            ReplayConfig::Engine { transport, .. } => transport.clone(),
+            ReplayConfig::Peer(p) => p.transport.to_string(),
+        }
+    }
+}
+
+/// The runners the engine's replay runs over: every process transport (`tcp`, `shm`), or the
+/// first runner when there is none (`--transports local`).
+fn replay_transports(runners: &[(String, Runner)]) -> Vec<(String, Runner)> {
+    let procs: Vec<(String, Runner)> = runners
+        .iter()
+        .filter(|(t, _)| t != "local")
+        .cloned()
+        .collect();
+    if procs.is_empty() {
+        runners.iter().take(1).cloned().collect()
+    } else {
+        procs
+    }
+}
+
+/// Per step, the slowest rank's time (seconds).
+pub fn slowest_per_step(outs: &[RankOutput]) -> Vec<f64> {
+    let per_rank: Vec<&Vec<f64>> = outs
+        .iter()
+        .filter_map(|o| match o {
+            RankOutput::Replay(v) => Some(&v.step_seconds),
+            _ => None,
+        })
+        .collect();
+    let steps = per_rank.first().map_or(0, |v| v.len());
+    (0..steps)
+        .map(|i| {
+            per_rank
+                .iter()
+                .filter_map(|v| v.get(i))
+                .fold(0.0f64, |a, b| a.max(*b))
+        })
+        .collect()
+}
+
+fn median(v: &[f64]) -> f64 {
+    Quantity::from_samples(v, "").median
+}
+
+/// The row of one configuration over its repeats (`None` for a failed repeat): figures over
+/// every timed step of the successful repeats, plus each repeat's median exposed time.
+/// `None` when no repeat succeeded.
+pub fn repeated_row(
+    w: &Workload,
+    label: &str,
+    transport: &str,
+    np: usize,
+    backward_ms: f64,
+    repeats: &[Option<Vec<f64>>],
+) -> Option<ReplayRow> {
+    let ok: Vec<&Vec<f64>> = repeats.iter().flatten().collect();
+    if ok.is_empty() {
+        return None;
+    }
+    let pooled: Vec<f64> = ok.iter().flat_map(|v| v.iter().copied()).collect();
+    let mut row = replay_row_labelled(w, label, np, backward_ms, &[&pooled]);
+    row.transport = transport.to_string();
+    row.repeats = ok.len();
+    row.exposed_per_repeat = ok.iter().map(|v| median(v) * 1e3 - backward_ms).collect();
+    Some(row)
+}
+
+/// Ratios inside the run: to the `horovod` preset (medians; same transport, else the first
+/// `horovod` row), and per repeat to the `ddp-gloo` and `horovod-torch` peers (the medians of
+/// the same round; rounds where either failed are left out). `per_repeat[i][k]` is row i's
+/// median exposed time in repeat k (`None`: that repeat failed).
+pub fn add_ratios(rows: &mut [ReplayRow], per_repeat: &[Vec<Option<f64>>]) {
+    let horovod = |t: &str, rows: &[ReplayRow]| {
+        rows.iter()
+            .find(|r| r.schedule == "horovod" && r.transport == t)
+            .or_else(|| rows.iter().find(|r| r.schedule == "horovod"))
+            .map(|r| (r.step.median, r.exposed.median))
+    };
+    let bases: Vec<Option<(f64, f64)>> = rows.iter().map(|r| horovod(&r.transport, rows)).collect();
+    let peer = |label: &str| rows.iter().position(|r| r.schedule == label);
+    let (ddp, hvd) = (peer("ddp-gloo"), peer("horovod-torch"));
+    let paired = |i: usize, base: Option<usize>| -> Option<Quantity> {
+        let b = &per_repeat[base?];
+        let ratios: Vec<f64> = per_repeat[i]
+            .iter()
+            .zip(b)
+            .filter_map(|(x, y)| match (x, y) {
+                (Some(x), Some(y)) if *y > 0.0 => Some(x / y),
+                _ => None,
+            })
+            .collect();
+        (!ratios.is_empty()).then(|| Quantity::from_samples(&ratios, "ratio"))
+    };
+    let vs: Vec<(Option<Quantity>, Option<Quantity>)> = (0..rows.len())
+        .map(|i| (paired(i, ddp), paired(i, hvd)))
+        .collect();
+    for ((r, base), (d, h)) in rows.iter_mut().zip(bases).zip(vs) {
+        if let Some((step, exposed)) = base {
+            r.step_ratio_to_horovod = Some(r.step.median / step);
+            r.exposed_ratio_to_horovod = (exposed > 0.0).then(|| r.exposed.median / exposed);
+        }
+        r.exposed_vs_ddp = d;
+        r.exposed_vs_horovod_torch = h;
+    }
 }
 
 /// Per step, the slowest rank's latency; rounds, bytes and time per round from the rank that
@@ -768,14 +859,58 @@ mod tests {
         let w = Workload::load(&dir.join("resnet50.json")).unwrap();
         let line = r#"{"peer": "ddp-gloo", "workload": "resnet50", "np": 4, "backward_ms": 100.0, "warmup": 1, "steps": 3, "step_seconds": [0.25, 0.2, 0.3], "tensors": 161, "bytes": 102228128, "version": "torch 2.15.0", "checked": true}"#;
         let r = torch_peer::parse_output(&format!("warning\n{line}\n")).unwrap();
-        let row = peer_row(&w, &r, 100.0);
+        let row =
+            repeated_row(&w, "ddp-gloo", "gloo", r.np, 100.0, &[Some(r.step_seconds)]).unwrap();
         assert_eq!(row.schedule, "ddp-gloo");
+        assert_eq!(row.config_label(), "ddp-gloo (gloo)");
+        assert_eq!((row.repeats, row.exposed_per_repeat.len()), (1, 1));
         assert_eq!((row.np, row.tensors), (4, w.tensors.len()));
         assert_eq!(row.step.unit, "ms");
         assert!((row.step.median - 250.0).abs() < 1e-9, "{row:?}");
         assert!((row.step.min - 200.0).abs() < 1e-9 && (row.step.max - 300.0).abs() < 1e-9);
         assert!((row.exposed.median - 150.0).abs() < 1e-9, "{row:?}");
         assert!((row.throughput.median - 4.0).abs() < 1e-9, "{row:?}");
+    }
+
+    #[test]
+    fn repeats_pool_steps_and_ratios_pair_rounds() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads");
+        let w = Workload::load(&dir.join("resnet50.json")).unwrap();
+        // Failed repeats are left out of the figures; none at all gives no row.
+        assert!(repeated_row(&w, "x", "tcp", 4, 100.0, &[None, None]).is_none());
+        let fh = [
+            Some(vec![0.11, 0.13, 0.12]),
+            None,
+            Some(vec![0.14, 0.12, 0.13]),
+        ];
+        let row = repeated_row(&w, "fasthorovod-torch", "shm", 4, 100.0, &fh).unwrap();
+        assert_eq!((row.repeats, row.step.n), (2, 6));
+        assert!((row.exposed_per_repeat[0] - 20.0).abs() < 1e-9, "{row:?}");
+        assert!((row.exposed_per_repeat[1] - 30.0).abs() < 1e-9, "{row:?}");
+        assert!((row.exposed.min - 10.0).abs() < 1e-9 && (row.exposed.max - 40.0).abs() < 1e-9);
+        let ddp = [Some(vec![0.2]), Some(vec![0.3]), Some(vec![0.15])];
+        let ddp_row = repeated_row(&w, "ddp-gloo", "gloo", 4, 100.0, &ddp).unwrap();
+        let hv = [Some(vec![0.2]), Some(vec![0.2]), Some(vec![0.2])];
+        let hv_row = repeated_row(&w, "horovod", "shm", 4, 100.0, &hv).unwrap();
+        let mut rows = vec![hv_row, row, ddp_row];
+        let per_repeat = vec![
+            vec![Some(100.0), Some(100.0), Some(100.0)],
+            vec![Some(20.0), None, Some(30.0)],
+            vec![Some(100.0), Some(200.0), Some(50.0)],
+        ];
+        add_ratios(&mut rows, &per_repeat);
+        // Rounds 1 and 3 pair up (round 2 failed): 20/100 and 30/50.
+        let vs = rows[1].exposed_vs_ddp.clone().unwrap();
+        assert_eq!(vs.n, 2);
+        assert!(
+            (vs.min - 0.2).abs() < 1e-9 && (vs.max - 0.6).abs() < 1e-9,
+            "{vs:?}"
+        );
+        assert!(rows[1].exposed_vs_horovod_torch.is_none());
+        assert_eq!(rows[2].exposed_vs_ddp.as_ref().map(|q| q.median), Some(1.0));
+        // The horovod preset over the same transport is the base of the old ratios.
+        let r = rows[1].exposed_ratio_to_horovod.unwrap();
+        assert!((r - rows[1].exposed.median / 100.0).abs() < 1e-9, "{r}");
     }
 
     #[test]

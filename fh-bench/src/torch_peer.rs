@@ -1,11 +1,14 @@
-//! The Python peers of the replay: PyTorch DDP on Gloo and Horovod, replaying the same
-//! workload through their own APIs (`peers/torch_replay.py`, written next to the run at bench
-//! time and run with `$FH_BENCH_PYTHON`, else `python3`).
+//! The Python peers of the replay: PyTorch DDP on Gloo, Horovod and FastHorovod's own PyTorch
+//! adapter (`fasthorovod.torch`), replaying the same workload through their own APIs
+//! (`peers/torch_replay.py`, written next to the run at bench time and run with
+//! `$FH_BENCH_PYTHON`, else `python3`).
 //!
 //! DDP: N Python processes on 127.0.0.1 with the torchrun environment (`RANK`, `WORLD_SIZE`,
-//! `MASTER_ADDR`, `MASTER_PORT`, ...). Horovod: `horovodrun -np N -H localhost:N`. Rank 0 prints
-//! one JSON line with the slowest rank's time per step; every wait is bounded and every child is
-//! killed and reaped on failure.
+//! `MASTER_ADDR`, `MASTER_PORT`, ...). Horovod: `horovodrun -np N -H localhost:N`.
+//! `fasthorovod.torch`: N Python processes with fhrun's environment (`FH_RANK`, `FH_SIZE`,
+//! `FH_RENDEZVOUS_ADDR`, `FH_JOB_TOKEN`, `FH_TRANSPORT`, ...), over shared memory or TCP. Rank 0
+//! prints one JSON line with the slowest rank's time per step; every wait is bounded and every
+//! child is killed and reaped on failure.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -13,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
-use crate::runner::Children;
+use crate::runner::{free_port, random_token, Children};
 
 /// The adapter's source, embedded so that the binary can write it wherever it runs.
 pub const SOURCE: &str = include_str!("../peers/torch_replay.py");
@@ -34,16 +37,19 @@ pub struct Peer {
     pub mode: &'static str,
     /// How to install it.
     pub install: &'static str,
+    /// The `transport` of its rows; for `fasthorovod` also the `FH_TRANSPORT` of its ranks.
+    pub transport: &'static str,
 }
 
 /// The peers, in report order.
-pub const PEERS: [Peer; 2] = [
+pub const PEERS: [Peer; 4] = [
     Peer {
         what: "PyTorch DDP (Gloo)",
         label: "ddp-gloo",
         module: "torch",
         mode: "ddp",
         install: "pip install torch",
+        transport: "gloo",
     },
     Peer {
         what: "Horovod",
@@ -51,8 +57,34 @@ pub const PEERS: [Peer; 2] = [
         module: "horovod.torch",
         mode: "horovod",
         install: "pip install horovod[pytorch]",
+        transport: "horovodrun",
+    },
+    Peer {
+        what: "fasthorovod.torch over shared memory",
+        label: "fasthorovod-torch",
+        module: "fasthorovod.torch",
+        mode: "fasthorovod",
+        install: "pip install ./fh-torch",
+        transport: "shm",
+    },
+    Peer {
+        what: "fasthorovod.torch over TCP",
+        label: "fasthorovod-torch",
+        module: "fasthorovod.torch",
+        mode: "fasthorovod",
+        install: "pip install ./fh-torch",
+        transport: "tcp",
     },
 ];
+
+/// The `peer` that the adapter prints in each mode.
+fn printed_name(mode: &str) -> &'static str {
+    match mode {
+        "ddp" => "ddp-gloo",
+        "horovod" => "horovod",
+        _ => "fasthorovod-torch",
+    }
+}
 
 impl Peer {
     /// The reason recorded when the module does not import with `python`.
@@ -110,7 +142,7 @@ fn horovodrun(python: &str) -> String {
 /// What the adapter's rank 0 prints.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct PeerResult {
-    /// `ddp-gloo` or `horovod`.
+    /// `ddp-gloo`, `horovod` or `fasthorovod-torch`.
     pub peer: String,
     /// Workload (model).
     pub workload: String,
@@ -132,13 +164,38 @@ pub struct PeerResult {
     pub checked: bool,
 }
 
+/// A line without a launcher's output tag: `horovodrun`/`mpirun --tag-output` write
+/// `[1,0]<stdout>:` (job, rank) before each line, `fhrun` writes `[0]<stdout>:`; the tag may
+/// also name `stderr`. Untagged lines are returned as they are (leading blanks removed).
+pub fn strip_output_tag(line: &str) -> &str {
+    let l = line.trim_start();
+    let Some(rest) = l.strip_prefix('[') else {
+        return l;
+    };
+    let Some(close) = rest.find(']') else {
+        return l;
+    };
+    let inside = &rest[..close];
+    if inside.is_empty() || !inside.chars().all(|c| c.is_ascii_digit() || c == ',') {
+        return l;
+    }
+    let after = &rest[close + 1..];
+    for tag in ["<stdout>:", "<stderr>:"] {
+        if let Some(body) = after.strip_prefix(tag) {
+            return body.trim_start();
+        }
+    }
+    l
+}
+
 /// Finds and checks the adapter's result line in its output (other lines, such as warnings,
-/// are ignored).
+/// are ignored; a launcher's output tag before the line is accepted, see [`strip_output_tag`]).
 pub fn parse_output(text: &str) -> Result<PeerResult, String> {
     let line = text
         .lines()
         .rev()
-        .find(|l| l.trim_start().starts_with("{\"peer\""))
+        .map(strip_output_tag)
+        .find(|l| l.starts_with("{\"peer\""))
         .ok_or_else(|| {
             let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
             let start = lines.len().saturating_sub(5);
@@ -147,7 +204,12 @@ pub fn parse_output(text: &str) -> Result<PeerResult, String> {
                 lines[start..].join(" | ")
             )
         })?;
-    let r: PeerResult = serde_json::from_str(line)
+    // The first JSON value of the line: mpirun's tagged output can glue the next line's tag
+    // behind it (`{...}[1,0]<stdout>:`) when the child's newline arrives in a later chunk.
+    let r: PeerResult = serde_json::Deserializer::from_str(line)
+        .into_iter::<PeerResult>()
+        .next()
+        .unwrap_or_else(|| Err(serde::de::Error::custom("empty line")))
         .map_err(|e| format!("bad result line from the peer '{line}': {e}"))?;
     if !r.checked {
         return Err(format!("{}: the reduced values were not checked", r.peer));
@@ -219,7 +281,25 @@ impl PeerRun<'_> {
                 .stdin(Stdio::null());
         };
         let mut children = Children::default();
-        let log0 = if self.peer.mode == "horovod" {
+        let log0 = if self.peer.mode == "fasthorovod" {
+            let port = free_port()?;
+            let token = random_token()?;
+            for rank in 0..self.np {
+                let mut c = Command::new(self.python);
+                args(&mut c);
+                c.env("FH_RANK", rank.to_string())
+                    .env("FH_SIZE", self.np.to_string())
+                    .env("FH_LOCAL_RANK", rank.to_string())
+                    .env("FH_LOCAL_SIZE", self.np.to_string())
+                    .env("FH_CROSS_RANK", "0")
+                    .env("FH_CROSS_SIZE", "1")
+                    .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
+                    .env("FH_JOB_TOKEN", &token)
+                    .env("FH_TRANSPORT", self.peer.transport);
+                children.spawn(c, self.log_dir, &format!("{name}.rank{rank}"))?;
+            }
+            self.log_dir.join(format!("{name}.rank0.log"))
+        } else if self.peer.mode == "horovod" {
             let mut c = Command::new(horovodrun(self.python));
             c.args(["-np", &self.np.to_string()])
                 .args(["-H", &format!("localhost:{}", self.np)])
@@ -250,6 +330,12 @@ impl PeerRun<'_> {
         let text = std::fs::read_to_string(&log0)
             .map_err(|e| format!("reading {}: {e}", log0.display()))?;
         let r = parse_output(&text)?;
+        if r.peer != printed_name(self.peer.mode) {
+            return Err(format!(
+                "asked for the {} peer, got a result from '{}'",
+                self.peer.mode, r.peer
+            ));
+        }
         if r.np != self.np || r.steps != self.steps {
             return Err(format!(
                 "{} ran np {} × {} steps, asked for np {} × {} steps",
@@ -285,6 +371,42 @@ mod tests {
     }
 
     #[test]
+    fn parses_the_result_behind_a_launcher_tag() {
+        // horovodrun (mpirun --tag-output): [job,rank]<stdout>:
+        let hvd = format!(
+            "[1,1]<stderr>:[W socket.cpp] warning\n[1,0]<stdout>:{}\n[1,1]<stdout>:\n",
+            LINE.replace("ddp-gloo", "horovod")
+        );
+        let r = parse_output(&hvd).unwrap();
+        assert_eq!((r.peer.as_str(), r.np, r.steps), ("horovod", 4, 2));
+        // fhrun: [rank]<stdout>:
+        let fh = format!(
+            "[1]<stdout>:starting\n[0]<stdout>:{}\n",
+            LINE.replace("ddp-gloo", "fasthorovod-torch")
+        );
+        assert_eq!(parse_output(&fh).unwrap().peer, "fasthorovod-torch");
+        // mpirun may glue the next tag behind the line (seen with horovodrun -np 4).
+        let glued = format!(
+            "[1,0]<stdout>:{}[1,0]<stdout>:\n",
+            LINE.replace("ddp-gloo", "horovod")
+        );
+        assert_eq!(parse_output(&glued).unwrap().peer, "horovod");
+        assert_eq!(strip_output_tag("[0]<stdout>:  {\"a\": 1}"), "{\"a\": 1}");
+        assert_eq!(strip_output_tag("[1,0]<stderr>:x"), "x");
+        // Not a tag: left alone.
+        assert_eq!(strip_output_tag("[W socket.cpp] x"), "[W socket.cpp] x");
+        assert_eq!(strip_output_tag("[0]stdout:x"), "[0]stdout:x");
+        assert_eq!(strip_output_tag("[]<stdout>:x"), "[]<stdout>:x");
+        assert_eq!(strip_output_tag("[0"), "[0");
+        // A tagged line that is not the result still fails with the tail of the output.
+        let e = parse_output("[1,0]<stdout>:Traceback\n[1,0]<stderr>:boom\n").unwrap_err();
+        assert!(e.contains("no result line") && e.contains("boom"), "{e}");
+        // A broken JSON behind a tag is reported as such.
+        let bad = parse_output("[1,0]<stdout>:{\"peer\": \"horovod\"\n").unwrap_err();
+        assert!(bad.contains("bad result line"), "{bad}");
+    }
+
+    #[test]
     fn rejects_missing_or_inconsistent_results() {
         let e = parse_output("Traceback ...\nRuntimeError: gloo timeout\n").unwrap_err();
         assert!(
@@ -310,6 +432,18 @@ mod tests {
         );
         assert!(r.contains("import torch") && r.contains(PYTHON_ENV), "{r}");
         assert!(PEERS[1].not_installed("py").contains("horovod"));
+        assert!(PEERS[2]
+            .not_installed("py")
+            .contains("import fasthorovod.torch"));
+        // Every peer's rows are told apart by label and transport.
+        for (i, a) in PEERS.iter().enumerate() {
+            for b in &PEERS[i + 1..] {
+                assert!(
+                    (a.label, a.transport) != (b.label, b.transport),
+                    "{a:?} {b:?}"
+                );
+            }
+        }
         assert!(!imports(
             "python3",
             "fh_bench_no_such_module_xyz",

@@ -31,6 +31,8 @@ fn quick_suite_end_to_end_on_two_ranks() {
             "1",
             "--steps",
             "1",
+            "--replay-repeats",
+            "2",
             "--models",
             "resnet50",
             "--backward-ms",
@@ -116,46 +118,67 @@ fn quick_suite_end_to_end_on_two_ranks() {
         "OpenMPI neither measured nor skipped: {run:#}"
     );
 
-    // The replay ran every preset on the workload, with ratios to `horovod`.
+    // The replay ran every preset on the workload over both process transports, with ratios
+    // to `horovod`.
     let replay = run["replay"].as_array().unwrap();
-    // The Python peers (DDP, Horovod) add rows when importable, else they are listed as
-    // skipped: one or the other, never both or neither.
-    for (label, what) in [
-        ("ddp-gloo", "PyTorch DDP (Gloo)"),
-        ("horovod-torch", "Horovod"),
+    assert_eq!(run["config"]["replay_repeats"], 2);
+    // The Python peers (DDP, Horovod, fasthorovod.torch over shm and tcp) add rows when
+    // importable, else they are listed as skipped: one or the other, never both or neither.
+    let peers = ["ddp-gloo", "horovod-torch", "fasthorovod-torch"];
+    for (label, transport, what) in [
+        ("ddp-gloo", "gloo", "PyTorch DDP (Gloo)"),
+        ("horovod-torch", "horovodrun", "Horovod"),
+        (
+            "fasthorovod-torch",
+            "shm",
+            "fasthorovod.torch over shared memory",
+        ),
+        ("fasthorovod-torch", "tcp", "fasthorovod.torch over TCP"),
     ] {
-        let measured = replay.iter().any(|r| r["schedule"] == label);
+        let measured = replay
+            .iter()
+            .any(|r| r["schedule"] == label && r["transport"] == transport);
         let skipped_peer = skipped.iter().any(|s| s["what"] == what);
         assert!(
             measured != skipped_peer,
             "{what}: measured {measured}, skipped {skipped_peer}: {run:#}"
         );
     }
-    // Over TCP and over shared memory (what FH_TRANSPORT=auto picks on one host).
-    let schedules: Vec<&str> = replay
+    let engine: Vec<String> = replay
         .iter()
-        .filter(|r| r["transport"] == "tcp")
-        .map(|r| r["schedule"].as_str().unwrap())
+        .filter(|r| !peers.contains(&r["schedule"].as_str().unwrap()))
+        .map(|r| {
+            format!(
+                "{} ({})",
+                r["schedule"].as_str().unwrap(),
+                r["transport"].as_str().unwrap()
+            )
+        })
         .collect();
-    let over_shm = replay.iter().filter(|r| r["transport"] == "shm").count();
-    assert!(
-        over_shm == 6 || skipped.iter().any(|s| s["suite"] == "collectives"),
-        "{run:#}"
-    );
-    assert_eq!(
-        schedules,
-        [
+    let mut expected = Vec::new();
+    for t in ["tcp", "shm"] {
+        for s in [
             "horovod",
             "fasthorovod K=1",
             "fasthorovod K=2",
             "fasthorovod K=4",
             "fasthorovod K=1 +bp",
-            "fasthorovod K=4 +bp"
-        ],
-        "{run:#}"
-    );
+            "fasthorovod K=4 +bp",
+        ] {
+            expected.push(format!("{s} ({t})"));
+        }
+    }
+    assert_eq!(engine, expected, "{run:#}");
     for r in replay {
         assert_eq!(r["workload"], "resnet50");
+        // Two interleaved runs, each with its median.
+        assert_eq!(r["repeats"], 2, "{r:#}");
+        assert_eq!(
+            r["exposed_per_repeat"].as_array().unwrap().len(),
+            2,
+            "{r:#}"
+        );
+        assert_eq!(r["step"]["n"], 2, "{r:#}");
         assert_eq!(r["step"]["unit"], "ms");
         assert!(
             r["step"]["median"].as_f64().unwrap() >= 20.0,
