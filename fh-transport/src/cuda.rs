@@ -54,7 +54,7 @@
 //!    host does, bounded.
 //! 4. Join: a joined rank contributes a zero-filled device buffer (allocated on the channel
 //!    stream, freed once the group's completion event has fired).
-
+//!
 //! `fasthorovod.torch`'s `cuda_built()` and `nccl_built()` are [`COMPILED`]; whether a GPU and
 //! NCCL are usable here is [`available`].
 //!
