@@ -14,6 +14,9 @@ use fh_transport::subset::open_subset;
 use fh_transport::tcp::{TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
 
+/// One rank's results per subset: (allreduce ends, allgather, broadcast), None if outside.
+type PerSet = Vec<Option<(Vec<i64>, Vec<i64>, Vec<i64>)>>;
+
 /// The subsets every test opens, in this order (unsorted on purpose: members are sorted).
 fn sets(size: usize) -> Vec<Vec<usize>> {
     match size {
@@ -25,7 +28,7 @@ fn sets(size: usize) -> Vec<Vec<usize>> {
 /// One rank's body: bad lists fail on every rank without opening anything, then every subset
 /// is opened (collectively), and the members of each run a few collectives on their own
 /// thread, all subsets at once. Returns, per subset, this rank's results (None if not a member).
-fn body(mut world: Box<dyn Transport>) -> Vec<Option<(Vec<i64>, Vec<i64>, Vec<i64>)>> {
+fn body(mut world: Box<dyn Transport>) -> PerSet {
     let (rank, size) = (world.rank(), world.size());
     for bad in [vec![], vec![0, size], vec![1, 1]] {
         let e = open_subset(world.as_mut(), &bad, 2, "bad").expect_err("invalid list");
@@ -85,7 +88,7 @@ fn body(mut world: Box<dyn Transport>) -> Vec<Option<(Vec<i64>, Vec<i64>, Vec<i6
     threads.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-fn check(size: usize, results: Vec<Vec<Option<(Vec<i64>, Vec<i64>, Vec<i64>)>>>) {
+fn check(size: usize, results: Vec<PerSet>) {
     for (rank, per_set) in results.into_iter().enumerate() {
         for (members, got) in sets(size).iter().zip(per_set) {
             let mut m = members.clone();
@@ -105,7 +108,7 @@ fn check(size: usize, results: Vec<Vec<Option<(Vec<i64>, Vec<i64>, Vec<i64>)>>>)
     }
 }
 
-fn run_on(worlds: Vec<Box<dyn Transport>>) -> Vec<Vec<Option<(Vec<i64>, Vec<i64>, Vec<i64>)>>> {
+fn run_on(worlds: Vec<Box<dyn Transport>>) -> Vec<PerSet> {
     let handles: Vec<_> = worlds
         .into_iter()
         .map(|w| std::thread::spawn(move || body(w)))
