@@ -46,26 +46,26 @@ pub fn canonical_members(members: &[usize], world_size: usize) -> Result<Vec<usi
     Ok(sorted)
 }
 
-/// Collectively (over the whole world of `parent`) open `count` communicators over the ranks
-/// `members` (any order; see [`canonical_members`] for the rules). Every rank must call it
-/// with the same arguments. Returns a transport whose topology numbers the members; on a
+/// Collectively (over the whole world of `parent`) open one communicator per label (each
+/// opened on `parent` under that label, so a [`crate::split::SplitTransport`] still routes
+/// control labels to its control world) over the ranks `members` (any order; see
+/// [`canonical_members`] for the rules). Every rank must call it with the same arguments. Returns a transport whose topology numbers the members; on a
 /// non-member it holds the communicators idle and [`SubsetTransport::is_member`] is false.
 pub fn open_subset(
     parent: &mut dyn Transport,
     members: &[usize],
-    count: usize,
-    label: &str,
+    labels: &[String],
 ) -> Result<SubsetTransport> {
     let world = parent.topology();
     let members: Arc<[usize]> = canonical_members(members, world.size)?.into();
-    if count == 0 {
+    if labels.is_empty() {
         return Err(TransportError::InvalidArgument(
             "a subset transport needs at least one communicator".into(),
         ));
     }
-    let mut raw = Vec::with_capacity(count);
-    for i in 0..count {
-        raw.push(parent.open(&format!("{label}-{i}"))?);
+    let mut raw = Vec::with_capacity(labels.len());
+    for label in labels {
+        raw.push(parent.open(label)?);
     }
     // Where every rank's host is, to number the members' hosts.
     let mut hosts = vec![0u8; 8 * world.size];

@@ -25,18 +25,22 @@ fn sets(size: usize) -> Vec<Vec<usize>> {
     }
 }
 
+fn labels(prefix: &str) -> Vec<String> {
+    vec![format!("{prefix}-control"), format!("{prefix}-data")]
+}
+
 /// One rank's body: bad lists fail on every rank without opening anything, then every subset
 /// is opened (collectively), and the members of each run a few collectives on their own
 /// thread, all subsets at once. Returns, per subset, this rank's results (None if not a member).
 fn body(mut world: Box<dyn Transport>) -> PerSet {
     let (rank, size) = (world.rank(), world.size());
     for bad in [vec![], vec![0, size], vec![1, 1]] {
-        let e = open_subset(world.as_mut(), &bad, 2, "bad").expect_err("invalid list");
+        let e = open_subset(world.as_mut(), &bad, &labels("bad")).expect_err("invalid list");
         assert!(matches!(e, TransportError::InvalidArgument(_)), "{e}");
     }
     let mut opened = Vec::new();
     for (i, members) in sets(size).iter().enumerate() {
-        let t = open_subset(world.as_mut(), members, 2, &format!("set{i}")).expect("open");
+        let t = open_subset(world.as_mut(), members, &labels(&format!("set{i}"))).expect("open");
         let mut sorted = members.clone();
         sorted.sort_unstable();
         assert_eq!(t.members(), sorted.as_slice());
@@ -198,7 +202,7 @@ fn a_lost_member_is_reported_by_world_rank() {
         .into_iter()
         .map(|mut t| {
             std::thread::spawn(move || {
-                let mut s = open_subset(&mut t, &[1, 2], 1, "pair").unwrap();
+                let mut s = open_subset(&mut t, &[1, 2], &["pair".to_string()]).unwrap();
                 if t.rank() != 1 {
                     return None;
                 }
