@@ -14,6 +14,9 @@
 //!   communicator and fusion buffer. The `horovod` preset instead runs Horovod 0.28's schedule
 //!   (one thread, 1 ms cycle, one channel) for comparison.
 //!
+//! - [`ProcessSets`] runs collectives over subsets of the ranks: each process set is an engine
+//!   of its own over communicators of its members ([`process_set`]).
+//!
 //! ## Configuration
 //!
 //! [`Config::from_env`] reads these variables (a bad value is an error naming the variable and
