@@ -31,20 +31,21 @@ _ALL_OPS = (Average, Sum, Adasum, Min, Max, Product)
 _lock = threading.Lock()
 _handles = {}
 _next_handle = itertools.count(1)
-# Unnamed operations issued so far by this process.
-_unnamed = 0
+# Unnamed operations issued so far by this process, per process set id.
+_unnamed = {}
 
 
-def _op_name(prefix, name):
+def _op_name(prefix, name, ps=0):
     """Horovod's internal names: ``allreduce.<name>``, or ``allreduce.noname.<n>`` with n
-    counting this process's unnamed operations, so every rank must issue the same sequence of
-    unnamed operations for them to meet (named ones do not shift the count, unlike Horovod,
-    where a named operation issued by one rank only shifts every later unnamed name)."""
-    global _unnamed
+    counting this process's unnamed operations in process set ``ps`` (each set has its own
+    count: ranks outside a set do not see its operations), so every rank of the set must issue
+    the same sequence of unnamed operations for them to meet (named ones do not shift the
+    count, unlike Horovod, where a named operation issued by one rank only shifts every later
+    unnamed name)."""
     if name is None:
         with _lock:
-            n = _unnamed
-            _unnamed += 1
+            n = _unnamed.get(ps, 0)
+            _unnamed[ps] = n + 1
         return f"{prefix}.noname.{n}"
     if not isinstance(name, str):
         raise ValueError(f"name must be a string, got {type(name).__name__}")
@@ -148,7 +149,7 @@ def _allreduce_into(out, tensor, name, op, prescale, postscale, priority, prefix
                     ps=0):
     """Reduce into ``out`` (same shape as ``tensor``; may be ``tensor`` itself)."""
     work = _contiguous(out)
-    name = _op_name(prefix, name)
+    name = _op_name(prefix, name, ps)
     core = _submit("allreduce", work, name, op, prescale, postscale, priority=priority, ps=ps)
 
     def finish(_results):
@@ -231,7 +232,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 def _grouped_into(outs, tensors, name, op, prescale, postscale, ps=0):
     works = [_contiguous(o) for o in outs]
-    base = _op_name("grouped_allreduce", name)
+    base = _op_name("grouped_allreduce", name, ps)
     members = []
     for i, w in enumerate(works):
         members.append((w, w.data_ptr(), w.numel() * w.element_size(), str(w.dtype),
@@ -335,7 +336,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     if work.dim() == 0:
         work = work.reshape(1)
     dtype = work.dtype
-    core = _submit("allgather", work, _op_name("allgather", name), ps=ps)
+    core = _submit("allgather", work, _op_name("allgather", name, ps), ps=ps)
     return _register([core], lambda r: _from_bytes(r[0], dtype))
 
 
@@ -372,7 +373,7 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Start an allgather of each tensor of a list."""
     _check_group(tensors, "grouped_allgather")
     ps = _check_process_set(process_set)
-    base = _op_name("grouped_allgather", name)
+    base = _op_name("grouped_allgather", name, ps)
     cores, dtypes = [], []
     for i, t in enumerate(tensors):
         work = _contiguous(t.detach())
@@ -394,7 +395,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 def _broadcast_into(out, root_rank, name, ps=0):
     work = _contiguous(out)
-    core = _submit("broadcast", work, _op_name("broadcast", name), root=root_rank, ps=ps)
+    core = _submit("broadcast", work, _op_name("broadcast", name, ps), root=root_rank, ps=ps)
 
     def finish(_results):
         if work is not out:
@@ -494,7 +495,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     size = _size_of(process_set)
     work = _contiguous(tensor.detach())
     dtype = work.dtype
-    base = _op_name("alltoall", name)
+    base = _op_name("alltoall", name, ps)
     if splits is None:
         if work.shape[0] % size != 0:
             raise ValueError(f"alltoall without splits needs a first dimension divisible by "
@@ -575,7 +576,7 @@ def reducescatter_async(tensor, name=None, compression=None, op=Average,
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     work = _contiguous(tensor.detach())
     dtype = work.dtype
-    core = _submit("reducescatter", work, _op_name("reducescatter", name), op, prescale_factor,
+    core = _submit("reducescatter", work, _op_name("reducescatter", name, ps), op, prescale_factor,
                    postscale_factor, ps=ps)
     return _register([core], lambda r: _from_bytes(r[0], dtype))
 
@@ -624,7 +625,7 @@ def grouped_reducescatter_async(tensors, name=None, compression=None, op=Average
     _check_group(tensors, "grouped_reducescatter")
     ps = _check_process_set(process_set)
     op = _resolve_op(op, None)
-    base = _op_name("grouped_reducescatter", name)
+    base = _op_name("grouped_reducescatter", name, ps)
     cores, dtypes = [], []
     for i, t in enumerate(tensors):
         if t.dim() == 0:
