@@ -10,6 +10,13 @@
 //! backend (local, TCP, shared memory, hierarchical, MPI, split) supports subsets without code
 //! of its own; the messages of a subset never leave its members.
 //!
+//! Backends that can connect a group of ranks on their own ([`Transport::can_open_group`]:
+//! shared memory) open the subset's communicators with [`Transport::open_group`] instead:
+//! only the members take part, and a non-member's loss cannot disturb them (the shared-memory
+//! watchdog watches every rank of a segment, so a world segment would). On the others (TCP,
+//! hierarchical, MPI, local, split) a non-member's idle ends are never read, so its loss goes
+//! unnoticed by the subset.
+//!
 //! A member gets a [`SubsetTransport`] whose [`Transport::open`] hands out the pre-opened
 //! communicators in order (the scheduler's engine opens exactly those at start). A non-member
 //! gets a transport that only keeps its ends of the world communicators alive — idle, never
@@ -63,23 +70,64 @@ pub fn open_subset(
             "a subset transport needs at least one communicator".into(),
         ));
     }
-    let mut raw = Vec::with_capacity(labels.len());
-    for label in labels {
-        raw.push(parent.open(label)?);
+    let position = members.iter().position(|&r| r == world.rank);
+    let backend = parent.backend();
+    let mut comms: VecDeque<Box<dyn Communicator>> = VecDeque::new();
+    if parent.can_open_group() {
+        // Only the members take part.
+        if position.is_none() {
+            return Ok(SubsetTransport {
+                backend,
+                members,
+                topology: None,
+                comms: VecDeque::new(),
+                _idle: Vec::new(),
+            });
+        }
+        for label in labels {
+            comms.push_back(parent.open_group(label, &members)?);
+        }
+    } else {
+        let mut raw = Vec::with_capacity(labels.len());
+        for label in labels {
+            raw.push(parent.open(label)?);
+        }
+        let Some(rank) = position else {
+            // A non-member keeps its ends open (closing them could look like a lost rank to
+            // backends that watch every connection) but never uses them.
+            return Ok(SubsetTransport {
+                backend,
+                members,
+                topology: None,
+                comms: VecDeque::new(),
+                _idle: raw,
+            });
+        };
+        comms = raw
+            .into_iter()
+            .map(|inner| {
+                Box::new(SubsetComm {
+                    inner,
+                    members: Arc::clone(&members),
+                    rank,
+                }) as Box<dyn Communicator>
+            })
+            .collect();
     }
-    // Where every rank's host is, to number the members' hosts.
-    let mut hosts = vec![0u8; 8 * world.size];
+    // Where every member's host is, to number the members' hosts.
+    let n = members.len();
+    let mut hosts = vec![0u8; 8 * n];
     crate::CollectivesExt::allgather(
-        raw[0].as_mut(),
+        comms[0].as_mut(),
         &(world.cross_rank as u64).to_le_bytes(),
         &mut hosts,
     )?;
-    let host_of = |r: usize| {
+    let host_at = |i: usize| {
         let mut b = [0u8; 8];
-        b.copy_from_slice(&hosts[8 * r..8 * r + 8]);
+        b.copy_from_slice(&hosts[8 * i..8 * i + 8]);
         u64::from_le_bytes(b)
     };
-    let position = members.iter().position(|&r| r == world.rank);
+    let host_of = |r: usize| host_at(members.iter().position(|&m| m == r).unwrap_or(0));
     let topology = position.map(|rank| {
         let me = host_of(world.rank);
         let mut host_list: Vec<u64> = members.iter().map(|&r| host_of(r)).collect();
@@ -99,28 +147,6 @@ pub fn open_subset(
             cross_size: host_list.len(),
         }
     });
-    let backend = parent.backend();
-    let comms = match topology {
-        Some(t) => raw
-            .into_iter()
-            .map(|inner| SubsetComm {
-                inner,
-                members: Arc::clone(&members),
-                rank: t.rank,
-            })
-            .collect(),
-        None => {
-            // A non-member keeps its ends open (closing them could look like a lost rank to
-            // backends that watch every connection) but never uses them.
-            return Ok(SubsetTransport {
-                backend,
-                members,
-                topology: None,
-                comms: VecDeque::new(),
-                _idle: raw,
-            });
-        }
-    };
     Ok(SubsetTransport {
         backend,
         members,
@@ -135,7 +161,7 @@ pub struct SubsetTransport {
     backend: &'static str,
     members: Arc<[usize]>,
     topology: Option<Topology>,
-    comms: VecDeque<SubsetComm>,
+    comms: VecDeque<Box<dyn Communicator>>,
     /// A non-member's ends of the world communicators, held (never read) until drop.
     _idle: Vec<Box<dyn Communicator>>,
 }
@@ -196,7 +222,7 @@ impl Transport for SubsetTransport {
             )));
         }
         match self.comms.pop_front() {
-            Some(c) => Ok(Box::new(c)),
+            Some(c) => Ok(c),
             None => Err(TransportError::InvalidArgument(format!(
                 "cannot open '{label}': every communicator opened for the subset {:?} is in use \
                  (open_subset opens a fixed number)",
