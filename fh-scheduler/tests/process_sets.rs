@@ -253,8 +253,9 @@ impl Drop for Children {
     }
 }
 
-/// Run `size` ranks of `scenario` over TCP; returns each rank's exit success and output.
-fn run(size: usize, scenario: &str) -> Vec<(bool, String)> {
+/// Run `size` ranks of `scenario` over `transport` (`tcp` or `shm`); returns each rank's exit
+/// success and output.
+fn run(size: usize, scenario: &str, transport: &str) -> Vec<(bool, String)> {
     let port = TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -274,7 +275,7 @@ fn run(size: usize, scenario: &str) -> Vec<(bool, String)> {
             .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
             .env("FH_JOB_TOKEN", &token)
             .env("FH_TIMEOUT_SECONDS", "20")
-            .env("FH_TRANSPORT", "tcp")
+            .env("FH_TRANSPORT", transport)
             .env("FH_CHANNELS", "2")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -318,7 +319,7 @@ fn result_line(out: &str) -> &str {
 
 #[test]
 fn concurrent_sets_over_tcp_processes_np4() {
-    let out = run(4, "concurrent");
+    let out = run(4, "concurrent", "tcp");
     for (ok, text) in &out {
         assert!(ok, "{text}");
         assert_eq!(result_line(text), "ok", "{text}");
@@ -327,24 +328,28 @@ fn concurrent_sets_over_tcp_processes_np4() {
 
 #[test]
 fn a_set_with_a_killed_member_reports_it_while_a_disjoint_set_works() {
-    let out = run(4, "killed");
-    assert!(!out[3].0, "rank 3 exits abruptly");
-    let want = ["disjoint ok", "disjoint ok", "lost 3"];
-    for ((ok, text), w) in out.iter().zip(want) {
-        assert!(ok, "{text}");
-        assert_eq!(result_line(text), w, "{text}");
+    for transport in ["tcp", "shm"] {
+        let out = run(4, "killed", transport);
+        assert!(!out[3].0, "{transport}: rank 3 exits abruptly");
+        let want = ["disjoint ok", "disjoint ok", "lost 3"];
+        for ((ok, text), w) in out.iter().zip(want) {
+            assert!(ok, "{transport}: {text}");
+            assert_eq!(result_line(text), w, "{transport}: {text}");
+        }
     }
 }
 
 /// Measurements (run by hand): `cargo test -p fh-scheduler --release --test process_sets
-/// measure -- --ignored --nocapture`. Prints idle CPU per rank with 4 sets open, and the
-/// latency of an 8-byte allreduce in a 2-rank set while a disjoint set runs 16 MiB
-/// allreduces.
+/// measure -- --ignored --nocapture`. Prints, over TCP and shared memory, idle CPU per rank
+/// with 4 sets open, and the latency of an 8-byte allreduce in a 2-rank set while a disjoint
+/// set runs 16 MiB allreduces.
 #[test]
 #[ignore = "measurement, run by hand"]
 fn measure() {
-    for (_, text) in run(4, "measure") {
-        println!("{}", result_line(&text));
+    for transport in ["tcp", "shm"] {
+        for (_, text) in run(4, "measure", transport) {
+            println!("{transport}: {}", result_line(&text));
+        }
     }
 }
 

@@ -27,6 +27,8 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use fh_core::{DType, ReduceOp};
+
 use crate::{Communicator, Result, Topology, Transport, TransportError};
 
 /// Check a member list against a world of `world_size` ranks and return it sorted: it must be
@@ -85,7 +87,11 @@ pub fn open_subset(
             });
         }
         for label in labels {
-            comms.push_back(parent.open_group(label, &members)?);
+            let inner = parent.open_group(label, &members)?;
+            comms.push_back(Box::new(GroupComm {
+                inner,
+                members: Arc::clone(&members),
+            }));
         }
     } else {
         let mut raw = Vec::with_capacity(labels.len());
@@ -306,5 +312,107 @@ mod tests {
             assert!(matches!(e, TransportError::InvalidArgument(_)), "{e}");
             assert!(e.to_string().contains(what), "{e}");
         }
+    }
+}
+
+/// A communicator the backend opened over the members themselves
+/// ([`Transport::open_group`]): every call goes straight to it (its native collectives
+/// included); only the errors change, so that a rank they name is the world rank.
+struct GroupComm {
+    inner: Box<dyn Communicator>,
+    members: Arc<[usize]>,
+}
+
+impl GroupComm {
+    fn map<T>(&self, r: Result<T>) -> Result<T> {
+        let world = |i: usize| self.members.get(i).copied().unwrap_or(i);
+        r.map_err(|e| match e {
+            TransportError::PeerLost { rank, detail } => TransportError::PeerLost {
+                rank: world(rank),
+                detail,
+            },
+            TransportError::Timeout { rank, op, after } => TransportError::Timeout {
+                rank: world(rank),
+                op,
+                after,
+            },
+            TransportError::Protocol { rank, detail } => TransportError::Protocol {
+                rank: world(rank),
+                detail,
+            },
+            other => other,
+        })
+    }
+}
+
+impl Communicator for GroupComm {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
+        let r = self.inner.send(peer, data);
+        self.map(r)
+    }
+
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
+        let r = self.inner.recv(peer, buf);
+        self.map(r)
+    }
+
+    fn send_recv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
+        let r = self.inner.send_recv(to, send, from, recv);
+        self.map(r)
+    }
+
+    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let r = self.inner.allreduce(buf, dtype, op);
+        self.map(r)
+    }
+
+    fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
+        let r = self.inner.allgatherv(send, recv, counts);
+        self.map(r)
+    }
+
+    fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
+        let r = self.inner.broadcast(buf, root);
+        self.map(r)
+    }
+
+    fn alltoallv(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let r = self.inner.alltoallv(send, send_counts, recv, recv_counts);
+        self.map(r)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let r = self.inner.reduce_scatter(send, recv, counts, dtype, op);
+        self.map(r)
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        let r = self.inner.barrier();
+        self.map(r)
     }
 }
