@@ -296,25 +296,6 @@ impl Communicator for SubsetComm {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn member_lists_are_checked_and_sorted() {
-        assert_eq!(canonical_members(&[3, 0, 2], 4).expect("valid"), [0, 2, 3]);
-        for (bad, what) in [
-            (vec![], "at least one"),
-            (vec![0, 4], "out of range"),
-            (vec![1, 2, 1], "more than once"),
-        ] {
-            let e = canonical_members(&bad, 4).expect_err("invalid");
-            assert!(matches!(e, TransportError::InvalidArgument(_)), "{e}");
-            assert!(e.to_string().contains(what), "{e}");
-        }
-    }
-}
-
 /// A communicator the backend opened over the members themselves
 /// ([`Transport::open_group`]): every call goes straight to it (its native collectives
 /// included); only the errors change, so that a rank they name is the world rank.
@@ -414,5 +395,24 @@ impl Communicator for GroupComm {
     fn barrier(&mut self) -> Result<()> {
         let r = self.inner.barrier();
         self.map(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn member_lists_are_checked_and_sorted() {
+        assert_eq!(canonical_members(&[3, 0, 2], 4).expect("valid"), [0, 2, 3]);
+        for (bad, what) in [
+            (vec![], "at least one"),
+            (vec![0, 4], "out of range"),
+            (vec![1, 2, 1], "more than once"),
+        ] {
+            let e = canonical_members(&bad, 4).expect_err("invalid");
+            assert!(matches!(e, TransportError::InvalidArgument(_)), "{e}");
+            assert!(e.to_string().contains(what), "{e}");
+        }
     }
 }
