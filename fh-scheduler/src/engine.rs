@@ -10,6 +10,7 @@ use std::time::Instant;
 use crossbeam_channel::{unbounded, Sender};
 use fh_core::message::{CollectiveKind, Device, GroupTag, Request, Signature};
 use fh_core::{kernels, DType, ReduceOp};
+use fh_transport::subset::SubsetTransport;
 use fh_transport::{Topology, Transport};
 
 use crate::control::Control;
@@ -329,6 +330,31 @@ impl Engine {
             control: Mutex::new(Some(handle)),
             transport: Mutex::new(Some(transport)),
         })
+    }
+
+    /// Collectively (every rank of this engine's world) open communicators over the world
+    /// ranks `members`, one per label, on the world this engine was started on; see
+    /// [`fh_transport::subset::open_subset`]. Used by [`crate::ProcessSets`].
+    pub fn open_subset(
+        &self,
+        members: &[usize],
+        labels: &[String],
+    ) -> Result<SubsetTransport, SchedulerError> {
+        let mut guard = lock(&self.transport);
+        let world = guard.as_mut().ok_or_else(|| SchedulerError::ShutDown {
+            reason: "the engine's world is closed".into(),
+        })?;
+        Ok(fh_transport::subset::open_subset(
+            world.as_mut(),
+            members,
+            labels,
+        )?)
+    }
+
+    /// Shut the engine down through a shared reference (as [`Engine::shutdown`]; for an
+    /// engine held in an `Arc`). Later submissions fail with [`SchedulerError::ShutDown`].
+    pub fn close(&self) -> Result<(), SchedulerError> {
+        self.stop()
     }
 
     /// This rank.

@@ -14,6 +14,9 @@
 //!   communicator and fusion buffer. The `horovod` preset instead runs Horovod 0.28's schedule
 //!   (one thread, 1 ms cycle, one channel) for comparison.
 //!
+//! - [`ProcessSets`] runs collectives over subsets of the ranks: each process set is an engine
+//!   of its own over communicators of its members ([`process_set`]).
+//!
 //! ## Configuration
 //!
 //! [`Config::from_env`] reads these variables (a bad value is an error naming the variable and
@@ -85,6 +88,7 @@ mod exec;
 mod gpu;
 pub mod handle;
 mod negotiate;
+pub mod process_set;
 pub mod stats;
 pub mod tensor;
 mod timeline;
@@ -95,5 +99,6 @@ pub use error::SchedulerError;
 pub use fh_core::message::Device;
 pub use fh_core::{DType, ReduceOp};
 pub use handle::{GroupHandle, Handle, OpResult};
+pub use process_set::ProcessSets;
 pub use stats::{ChannelStats, EngineStats, GroupRecord, StallReport};
 pub use tensor::{DeviceMemory, OwnerGuard, Tensor};

@@ -85,7 +85,6 @@ pub const IGNORED: &[&str] = &[
     "HOROVOD_ADASUM_MPI_CHUNK_SIZE",
     "HOROVOD_GLOO_TIMEOUT_SECONDS",
     "HOROVOD_ELASTIC",
-    "HOROVOD_DYNAMIC_PROCESS_SETS",
 ];
 
 /// What `lookup` gives for `var`, with the Horovod aliases applied: an `FH_*` variable that is

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use fh_scheduler::{CollectiveOptions, Engine, Handle, SchedulerError, Tensor};
+use fh_scheduler::{CollectiveOptions, Engine, Handle, ProcessSets, SchedulerError, Tensor};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
@@ -36,6 +36,25 @@ enum State {
 }
 
 static STATE: Mutex<State> = Mutex::new(State::Uninitialized);
+
+/// The process sets of the running engine (set by `init`, emptied by `shutdown`).
+static SETS: Mutex<Option<Arc<ProcessSets>>> = Mutex::new(None);
+
+fn sets() -> PyResult<Arc<ProcessSets>> {
+    engine()?;
+    SETS.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+        .ok_or_else(not_initialized)
+}
+
+/// The engine that runs process set `id` on this rank (0: the global engine).
+fn engine_for(id: u32) -> PyResult<Arc<Engine>> {
+    if id == 0 {
+        return engine();
+    }
+    sets()?.engine(id).map_err(to_py)
+}
 
 fn state() -> MutexGuard<'static, State> {
     STATE.lock().unwrap_or_else(|p| p.into_inner())
@@ -108,6 +127,7 @@ fn init(py: Python<'_>) -> PyResult<()> {
         )),
     })?;
     *state() = State::Running(Arc::new(engine), backend);
+    *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
     Ok(())
 }
 
@@ -118,12 +138,17 @@ fn shutdown(py: Python<'_>) -> PyResult<()> {
         &mut *state(),
         State::ShutDown("hvd.shutdown() was called".into()),
     );
+    let sets = SETS.lock().unwrap_or_else(|p| p.into_inner()).take();
     match prev {
         State::Running(engine, _) => {
-            let r = py.detach(move || match Arc::try_unwrap(engine) {
-                Ok(e) => e.shutdown(),
-                // Another thread is inside a call; the engine stops when it lets go.
-                Err(_) => Ok(()),
+            let r = py.detach(move || {
+                // The sets first (each shutdown is agreed among its members), then the world.
+                let r = sets.map_or(Ok(()), |s| s.close_all());
+                r.and(match Arc::try_unwrap(engine) {
+                    Ok(e) => e.shutdown(),
+                    // Another thread is inside a call; the engine stops when it lets go.
+                    Err(_) => Ok(()),
+                })
             });
             r.map_err(to_py)
         }
@@ -410,7 +435,7 @@ unsafe fn wrap(
 /// The arguments of one submission, as the Python side passes them.
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (kind, name, owner, address, nbytes, dtype, shape, op="average", prescale=1.0, postscale=1.0, root=0, splits=None, priority=0, device=-1, stream=0))]
+#[pyo3(signature = (kind, name, owner, address, nbytes, dtype, shape, op="average", prescale=1.0, postscale=1.0, root=0, splits=None, priority=0, device=-1, stream=0, process_set_id=0))]
 fn submit(
     kind: &str,
     name: &str,
@@ -427,8 +452,9 @@ fn submit(
     priority: i64,
     device: i64,
     stream: u64,
+    process_set_id: u32,
 ) -> PyResult<PyHandle> {
-    let engine = engine()?;
+    let engine = engine_for(process_set_id)?;
     let dtype = names::dtype(dtype).map_err(PyValueError::new_err)?;
     let op = names::reduce_op(op).map_err(PyValueError::new_err)?;
     if !(prescale.is_finite() && postscale.is_finite()) {
@@ -495,7 +521,7 @@ type Member = (Py<PyAny>, usize, usize, String, Vec<usize>);
 /// Submit a grouped allreduce (members released together, fused where they can be); returns
 /// one handle per member.
 #[pyfunction]
-#[pyo3(signature = (name, members, op="average", prescale=1.0, postscale=1.0, priority=0, device=-1, stream=0))]
+#[pyo3(signature = (name, members, op="average", prescale=1.0, postscale=1.0, priority=0, device=-1, stream=0, process_set_id=0))]
 #[allow(clippy::too_many_arguments)]
 fn submit_group(
     name: &str,
@@ -506,8 +532,9 @@ fn submit_group(
     priority: i64,
     device: i64,
     stream: u64,
+    process_set_id: u32,
 ) -> PyResult<Vec<PyHandle>> {
-    let engine = engine()?;
+    let engine = engine_for(process_set_id)?;
     let op = names::reduce_op(op).map_err(PyValueError::new_err)?;
     let mut tensors = Vec::with_capacity(members.len());
     for (owner, address, nbytes, dtype, shape) in members {
@@ -534,10 +561,59 @@ fn submit_group(
         .collect())
 }
 
-/// Start a barrier; returns its handle.
+/// Start a barrier over the ranks of process set `process_set_id` (0: every rank); returns
+/// its handle.
 #[pyfunction]
-fn barrier() -> PyResult<PyHandle> {
-    Ok(PyHandle::new(engine()?.barrier().map_err(to_py)?))
+#[pyo3(signature = (process_set_id=0))]
+fn barrier(process_set_id: u32) -> PyResult<PyHandle> {
+    Ok(PyHandle::new(
+        engine_for(process_set_id)?.barrier().map_err(to_py)?,
+    ))
+}
+
+/// Collectively (every rank) add a process set of the world ranks `ranks`; returns its id,
+/// the same on every rank. A list that differs between ranks, is empty, repeats a rank, names
+/// a rank outside the world or equals an existing set raises `ValueError` on every rank.
+#[pyfunction]
+fn add_process_set(py: Python<'_>, ranks: Vec<i64>) -> PyResult<u32> {
+    let sets = sets()?;
+    let world = engine()?;
+    let ranks = ranks
+        .into_iter()
+        .map(|r| {
+            usize::try_from(r)
+                .map_err(|_| PyValueError::new_err(format!("rank {r} is out of range")))
+        })
+        .collect::<PyResult<Vec<usize>>>()?;
+    let cfg = world.config().clone();
+    py.detach(move || sets.add(&world, &ranks, &cfg))
+        .map_err(to_py)
+}
+
+/// Collectively (every rank) remove process set `id`; unknown ids (and 0, the global set)
+/// raise `ValueError` on every rank.
+#[pyfunction]
+fn remove_process_set(py: Python<'_>, id: u32) -> PyResult<()> {
+    let sets = sets()?;
+    let world = engine()?;
+    py.detach(move || sets.remove(&world, id)).map_err(to_py)
+}
+
+/// The world ranks of process set `id`, ascending.
+#[pyfunction]
+fn process_set_ranks(id: u32) -> PyResult<Vec<usize>> {
+    if id == 0 {
+        return Ok((0..engine()?.size()).collect());
+    }
+    sets()?.members(id).map_err(to_py)
+}
+
+/// The ids of the process sets added so far and not removed (0, the global set, first).
+#[pyfunction]
+fn process_set_ids() -> PyResult<Vec<u32>> {
+    let mut ids = vec![0];
+    ids.extend(sets()?.list().into_iter().map(|(id, _)| id));
+    Ok(ids)
 }
 
 /// Start a join; the handle's result is an int64 tensor holding the last rank to join.
@@ -570,6 +646,10 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(submit_group, m)?)?;
     m.add_function(wrap_pyfunction!(barrier, m)?)?;
     m.add_function(wrap_pyfunction!(join, m)?)?;
+    m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;
+    m.add_function(wrap_pyfunction!(process_set_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(process_set_ids, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

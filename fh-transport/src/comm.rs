@@ -62,6 +62,24 @@ pub trait Transport: Send {
     fn size(&self) -> usize {
         self.topology().size
     }
+
+    /// Whether [`Transport::open_group`] is supported (the same answer on every rank of a
+    /// backend). When it is not, [`crate::subset::open_subset`] carries a subset over world
+    /// communicators instead.
+    fn can_open_group(&self) -> bool {
+        false
+    }
+
+    /// Open a communicator over the world ranks `members` (ascending, this rank among them),
+    /// numbered by their position: collective among the members only (each must call it the
+    /// same number of times for the same list, in the same order); other ranks take no part
+    /// and their loss does not disturb it. Errors unless [`Transport::can_open_group`].
+    fn open_group(&mut self, label: &str, members: &[usize]) -> Result<Box<dyn Communicator>> {
+        Err(TransportError::InvalidArgument(format!(
+            "the '{}' backend cannot open '{label}' over the ranks {members:?} alone",
+            self.backend()
+        )))
+    }
 }
 
 /// Point-to-point messaging among a fixed group of ranks, and collectives on top of it.

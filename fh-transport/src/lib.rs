@@ -45,6 +45,7 @@ pub mod mpi;
 #[cfg(target_os = "linux")]
 pub mod shm;
 pub mod split;
+pub mod subset;
 pub mod tcp;
 
 pub use comm::{CollectivesExt, Communicator, Topology, Transport};

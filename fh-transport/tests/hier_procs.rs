@@ -12,7 +12,7 @@ use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use fh_core::{DType, ReduceOp};
-use fh_transport::{shm, CollectivesExt, Communicator, TransportError};
+use fh_transport::{shm, CollectivesExt, Communicator, Transport, TransportError};
 use shm_common::*;
 use support::{free_port, launcher_env, rank_command, serial, Children};
 
@@ -158,6 +158,31 @@ fn child() {
             suite_allreduce(&mut *d, 99);
             c.barrier().unwrap();
             d.barrier().unwrap();
+            // A subset without rank 0 (a process set) spans the hosts; its topology numbers
+            // the members' hosts, and the suite runs on it while rank 0 holds its ends idle.
+            let members: Vec<usize> = (1..size).collect();
+            let labels = ["sub-control".to_string(), "sub-data".to_string()];
+            let mut sub =
+                fh_transport::subset::open_subset(world.as_mut(), &members, &labels).unwrap();
+            assert_eq!(sub.is_member(), t.rank != 0);
+            if sub.is_member() {
+                let st = sub.topology();
+                let my_host: Vec<usize> = hosts[t.cross_rank]
+                    .iter()
+                    .copied()
+                    .filter(|&r| r != 0)
+                    .collect();
+                assert_eq!((st.rank, st.size), (t.rank - 1, size - 1));
+                assert_eq!(st.local_size, my_host.len());
+                let hosts_left = hosts.iter().filter(|h| h.iter().any(|&r| r != 0)).count();
+                assert_eq!(st.cross_size, hosts_left);
+                let mut s = sub.open("x").unwrap();
+                suite_allreduce(&mut *s, 7 + size as u64);
+                suite_others(&mut *s, 8);
+                s.barrier().unwrap();
+            }
+            drop(sub);
+            c.barrier().unwrap();
         }
         "fallback" => {
             let mut world = fh_transport::from_env().unwrap();

@@ -142,3 +142,65 @@ def test_torchrun_launches_it(tmp_path):
                     timeout=240)
     assert code == 0, out
     assert "step    2" in out, out
+
+
+SETS_KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    import fasthorovod.torch as hvd
+    from fasthorovod.common.exceptions import HorovodInternalError
+    a, b = hvd.ProcessSet([0, 1]), hvd.ProcessSet([3, 2])
+    hvd.init(process_sets=[a, b])
+    assert (a.process_set_id, b.process_set_id) == (1, 2), (a, b)
+    mine = a if hvd.rank() < 2 else b
+    x = hvd.allreduce(torch.ones(4), name="warmup", op=hvd.Sum, process_set=mine)
+    assert torch.equal(x, torch.full((4,), 2.0)), x
+    if hvd.rank() == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if hvd.rank() == 2:
+        try:
+            hvd.allreduce(torch.ones(1 << 16), name="big", process_set=b)
+        except HorovodInternalError as e:
+            print("set b failed:", e, flush=True)
+        else:
+            sys.exit("set b went on without rank 3")
+    else:
+        time.sleep(2.5)  # well after rank 3 is gone
+        for i in range(20):
+            y = hvd.allreduce(torch.full((3,), float(i)), name=f"after{i}", op=hvd.Sum,
+                              process_set=a)
+            assert torch.equal(y, torch.full((3,), 2.0 * i)), y
+        print("set a ok", flush=True)
+""")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_static_process_sets_and_a_killed_member(tmp_path, transport):
+    """init(process_sets=[...]); a set that loses a member fails naming it, while a disjoint
+    set goes on working."""
+    script = tmp_path / "sets.py"
+    script.write_text(SETS_KILL_SCRIPT)
+    port = free_port()
+    token = secrets.token_hex(16)
+    procs = []
+    for r in range(4):
+        env = dict(os.environ, FH_RANK=str(r), FH_SIZE="4", FH_LOCAL_RANK=str(r),
+                   FH_LOCAL_SIZE="4", FH_CROSS_RANK="0", FH_CROSS_SIZE="1",
+                   FH_RENDEZVOUS_ADDR=f"127.0.0.1:{port}", FH_JOB_TOKEN=token,
+                   FH_TRANSPORT=transport, FH_TIMEOUT_SECONDS="20")
+        procs.append(subprocess.Popen([PYTHON, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=90)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    assert procs[3].returncode == -signal.SIGKILL
+    for r in range(3):
+        assert procs[r].returncode == 0, outs[r]
+    assert "set a ok" in outs[0] and "set a ok" in outs[1], outs[:2]
+    assert "set b failed" in outs[2] and "rank 3" in outs[2], outs[2]

@@ -89,17 +89,20 @@ def test_bad_arguments():
         hvd.reducescatter(torch.tensor(1.0))
 
 
-def test_process_sets_other_than_global_are_not_implemented():
+def test_process_sets_need_registration_and_dynamic_mode(monkeypatch):
     assert hvd.global_process_set.size() == hvd.size()
     assert hvd.global_process_set.rank() == hvd.rank()
     assert hvd.global_process_set.included()
     assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum,
                                      process_set=hvd.global_process_set),
                        torch.full((1,), float(hvd.size())))
-    with pytest.raises(NotImplementedError, match="process sets"):
+    monkeypatch.delenv("HOROVOD_DYNAMIC_PROCESS_SETS", raising=False)
+    # Without dynamic process sets, adding after init is refused on every rank (no
+    # collective starts, so nothing waits).
+    with pytest.raises(ValueError, match="HOROVOD_DYNAMIC_PROCESS_SETS"):
         hvd.add_process_set([0])
     if hvd.size() > 1:
-        with pytest.raises(NotImplementedError, match="process sets"):
+        with pytest.raises(ValueError, match="not registered"):
             hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0]))
 
 

@@ -252,6 +252,8 @@ pub struct ShmTransport {
     opts: ShmOptions,
     layout: Layout,
     next: u64,
+    /// Communicators opened so far over each member list ([`Transport::open_group`]).
+    groups: std::collections::HashMap<Vec<usize>, u64>,
 }
 
 impl ShmTransport {
@@ -296,6 +298,7 @@ impl ShmTransport {
             opts,
             layout,
             next: 0,
+            groups: std::collections::HashMap::new(),
         })
     }
 
@@ -329,31 +332,75 @@ impl ShmTransport {
     pub fn open_shm(&mut self, label: &str) -> Result<ShmComm> {
         let seq = self.next;
         self.next += 1;
+        self.open_segment(label, seq, self.rank, self.size, self.layout)
+    }
+
+    /// Open the next communicator over the world ranks `members` (ascending, this rank among
+    /// them), as [`Transport::open_group`] does: only the members take part, and its segment
+    /// (sequence number `2^40 + 2^20 · hash(members) + n`) is watched by them alone.
+    pub fn open_shm_group(&mut self, label: &str, members: &[usize]) -> Result<ShmComm> {
+        let index = members
+            .iter()
+            .position(|&r| r == self.rank)
+            .ok_or_else(|| {
+                TransportError::InvalidArgument(format!(
+                    "rank {} is not among the members {members:?}",
+                    self.rank
+                ))
+            })?;
+        if members.iter().any(|&r| r >= self.size) || members.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(TransportError::InvalidArgument(format!(
+                "a group's members must be ascending world ranks below {}, got {members:?}",
+                self.size
+            )));
+        }
+        let n = self.groups.entry(members.to_vec()).or_insert(0);
+        let count = *n;
+        *n += 1;
+        if count >= 1 << 20 {
+            return Err(TransportError::InvalidArgument(format!(
+                "too many communicators over the group {members:?}"
+            )));
+        }
+        // FNV-1a of the member list: the same on every member, distinct between lists but
+        // for collisions, which end in a clear error (the segment exists already).
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for &r in members {
+            for b in (r as u64).to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        let seq = (1u64 << 40) + ((h & 0xF_FFFF) << 20) + count;
+        let layout = self.opts.layout(members.len())?;
+        self.open_segment(label, seq, index, members.len(), layout)
+    }
+
+    fn open_segment(
+        &mut self,
+        label: &str,
+        seq: u64,
+        rank: usize,
+        size: usize,
+        layout: Layout,
+    ) -> Result<ShmComm> {
         let name = format!("/{}{seq}", self.prefix);
         let start = Instant::now();
         let deadline = start + self.opts.timeout;
-        let seg = if self.rank == 0 {
-            let seg = Segment::create(&name, self.layout, &self.key)?;
-            if self.size == 1 {
+        let seg = if rank == 0 {
+            let seg = Segment::create(&name, layout, &self.key)?;
+            if size == 1 {
                 sys::shm_unlink(&name)
                     .map_err(|e| TransportError::io(format!("shm_unlink of {name}"), e))?;
             }
             seg
         } else {
-            Segment::attach(
-                &name,
-                self.rank,
-                self.layout,
-                &self.key,
-                deadline,
-                self.opts.timeout,
-            )?
+            Segment::attach(&name, rank, layout, &self.key, deadline, self.opts.timeout)?
         };
-        let comm = ShmComm::new(seg, self.rank, label, &self.opts);
+        let comm = ShmComm::new(seg, rank, label, &self.opts);
         comm.opened(&name).inspect_err(|_| {
             let _ = sys::shm_unlink(&name);
         })?;
-        tracing::debug!(label, segment = %name, rank = self.rank, "opened shm communicator");
+        tracing::debug!(label, segment = %name, rank, "opened shm communicator");
         Ok(comm)
     }
 }
@@ -369,5 +416,13 @@ impl Transport for ShmTransport {
 
     fn open(&mut self, label: &str) -> Result<Box<dyn Communicator>> {
         Ok(Box::new(self.open_shm(label)?))
+    }
+
+    fn can_open_group(&self) -> bool {
+        true
+    }
+
+    fn open_group(&mut self, label: &str, members: &[usize]) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(self.open_shm_group(label, members)?))
     }
 }

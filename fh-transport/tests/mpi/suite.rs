@@ -806,6 +806,43 @@ pub fn run(world: &mut MpiTransport) -> Result<Report, Fatal> {
     stage("random cases");
     check_random(data.as_mut(), &mut rep, &tag)?;
 
+    // A subset without rank 0 (a process set): collective over the world to open, then only
+    // its members talk, numbered 0..n; rank 0 holds its ends idle.
+    if world.size() >= 2 {
+        stage("subset");
+        let members: Vec<usize> = (1..world.size()).collect();
+        let labels = ["subset-control".to_string(), "subset-data".to_string()];
+        let mut sub = fh_transport::subset::open_subset(world, &members, &labels)
+            .map_err(|e| fatal("open subset", e))?;
+        rep.check(sub.is_member() == (world.rank() != 0), || {
+            "subset membership".to_string()
+        });
+        if sub.is_member() {
+            let mut c = sub.open("subset").map_err(|e| fatal("subset open", e))?;
+            let tag = format!("[{mode} subset]");
+            rep.check(
+                c.size() == members.len() && c.rank() + 1 == world.rank(),
+                || format!("{tag}: rank {} of {}", c.rank(), c.size()),
+            );
+            check_allreduce(
+                c.as_mut(),
+                &mut rep,
+                &tag,
+                &[DType::F32, DType::I64],
+                &[ReduceOp::Sum, ReduceOp::Max],
+                &[0, 1, 33, 10_000],
+            )?;
+            check_allgatherv(c.as_mut(), &mut rep, &tag, false)?;
+            check_broadcast(c.as_mut(), &mut rep, &tag, false)?;
+            check_alltoallv(c.as_mut(), &mut rep, &tag, false)?;
+            c.barrier().map_err(|e| fatal("subset barrier", e))?;
+        }
+        drop(sub);
+        control
+            .barrier()
+            .map_err(|e| fatal("barrier after the subset", e))?;
+    }
+
     // Small per-call limits: MPI messages are split, and the v-collectives whose totals exceed
     // the limit go through the generic algorithms over MPI point-to-point.
     stage("chunked");

@@ -9,7 +9,8 @@ import atexit
 
 from fasthorovod import _core
 from fasthorovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from fasthorovod.common.process_sets import (ProcessSet, add_process_set, global_process_set,
+from fasthorovod.common.process_sets import (ProcessSet, _forget_sets, _init_sets,
+                                             add_process_set, global_process_set,
                                              remove_process_set)
 from fasthorovod.torch.compression import Compression
 from fasthorovod.torch.functions import (allgather_object, broadcast_object,
@@ -31,15 +32,21 @@ _homogeneous = None
 def init(comm=None, process_sets=None):
     """Start the runtime (collective: every rank calls it). The world comes from the
     launcher's environment (``fhrun``, ``torchrun``, ``mpirun``, Slurm); alone, a script
-    runs as a single rank. Calling it again is a no-op."""
+    runs as a single rank. Calling it again is a no-op.
+
+    ``process_sets``: a list of ``ProcessSet`` to register now (collectively, in this order,
+    with the same ids on every rank), or ``"dynamic"`` to allow ``add_process_set`` /
+    ``remove_process_set`` later (as ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` does)."""
     global _homogeneous
     if comm is not None:
         raise NotImplementedError("init(comm=...) is not supported by FastHorovod: the world "
                                   "is the launcher's (fhrun, torchrun, mpirun, srun)")
-    if process_sets:
-        from fasthorovod.common.process_sets import _NOT_YET
-
-        raise NotImplementedError(_NOT_YET)
+    if process_sets is not None and not isinstance(process_sets, str):
+        process_sets = list(process_sets)
+        for ps in process_sets:
+            if not isinstance(ps, ProcessSet):
+                raise ValueError(f"init(process_sets=...) takes ProcessSet objects or "
+                                 f"'dynamic', got {ps!r}")
     if _core.is_initialized():
         return
     _core.init()
@@ -48,11 +55,13 @@ def init(comm=None, process_sets=None):
     local = torch.tensor([local_size()], dtype=torch.int64)
     sizes = synchronize(allgather_async(local, name="fasthorovod.init.local_sizes"))
     _homogeneous = bool((sizes == sizes[0]).all())
+    _init_sets(process_sets)
 
 
 def shutdown():
     """Stop the runtime (every rank should call it; also done at interpreter exit).
     Pending operations fail."""
+    _forget_sets()
     _core.shutdown()
 
 

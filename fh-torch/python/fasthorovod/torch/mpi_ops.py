@@ -15,6 +15,7 @@ import torch
 from fasthorovod import _core
 from fasthorovod.common.exceptions import HorovodInternalError
 from fasthorovod.common.process_sets import _check as _check_process_set
+from fasthorovod.common.process_sets import _rank_of, _root_in_set, _size_of
 from fasthorovod.common.process_sets import global_process_set
 
 # Reduce ops (Horovod's constants; compare with ``==``).
@@ -30,20 +31,21 @@ _ALL_OPS = (Average, Sum, Adasum, Min, Max, Product)
 _lock = threading.Lock()
 _handles = {}
 _next_handle = itertools.count(1)
-# Unnamed operations issued so far by this process.
-_unnamed = 0
+# Unnamed operations issued so far by this process, per process set id.
+_unnamed = {}
 
 
-def _op_name(prefix, name):
+def _op_name(prefix, name, ps=0):
     """Horovod's internal names: ``allreduce.<name>``, or ``allreduce.noname.<n>`` with n
-    counting this process's unnamed operations, so every rank must issue the same sequence of
-    unnamed operations for them to meet (named ones do not shift the count, unlike Horovod,
-    where a named operation issued by one rank only shifts every later unnamed name)."""
-    global _unnamed
+    counting this process's unnamed operations in process set ``ps`` (each set has its own
+    count: ranks outside a set do not see its operations), so every rank of the set must issue
+    the same sequence of unnamed operations for them to meet (named ones do not shift the
+    count, unlike Horovod, where a named operation issued by one rank only shifts every later
+    unnamed name)."""
     if name is None:
         with _lock:
-            n = _unnamed
-            _unnamed += 1
+            n = _unnamed.get(ps, 0)
+            _unnamed[ps] = n + 1
         return f"{prefix}.noname.{n}"
     if not isinstance(name, str):
         raise ValueError(f"name must be a string, got {type(name).__name__}")
@@ -109,14 +111,14 @@ def _stream_of(core):
 
 
 def _submit(kind, tensor, name, op=Average, prescale=1.0, postscale=1.0, root=0, splits=None,
-            priority=0):
+            priority=0, ps=0):
     """Hand ``tensor`` (contiguous; CPU, or CUDA with its device's current stream) to the
-    engine; the core handle keeps it alive."""
+    engine of process set ``ps``; the core handle keeps it alive."""
     nbytes = tensor.numel() * tensor.element_size()
     device, stream = _device_and_stream(tensor)
     return _core.submit(kind, name, tensor, tensor.data_ptr(), nbytes, str(tensor.dtype),
                         list(tensor.shape), op, float(prescale), float(postscale), int(root),
-                        splits, int(priority), device, stream)
+                        splits, int(priority), device, stream, int(ps))
 
 
 def _register(core_handles, finish):
@@ -171,11 +173,12 @@ def synchronize(handle):
 # allreduce
 
 
-def _allreduce_into(out, tensor, name, op, prescale, postscale, priority, prefix="allreduce"):
+def _allreduce_into(out, tensor, name, op, prescale, postscale, priority, prefix="allreduce",
+                    ps=0):
     """Reduce into ``out`` (same shape as ``tensor``; may be ``tensor`` itself)."""
     work = _contiguous(out)
-    name = _op_name(prefix, name)
-    core = _submit("allreduce", work, name, op, prescale, postscale, priority=priority)
+    name = _op_name(prefix, name, ps)
+    core = _submit("allreduce", work, name, op, prescale, postscale, priority=priority, ps=ps)
 
     def finish(_results):
         if work is not out:
@@ -191,20 +194,21 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     """Start an allreduce of ``tensor`` into a new tensor; returns a handle for
     ``synchronize``."""
     _check_tensor(tensor, "allreduce")
-    _check_process_set(process_set)
+    ps = _check_process_set(process_set)
     op = _resolve_op(op, average)
     out = tensor.detach().clone(memory_format=torch.contiguous_format)
-    return _allreduce_into(out, tensor, name, op, prescale_factor, postscale_factor, _priority)
+    return _allreduce_into(out, tensor, name, op, prescale_factor, postscale_factor, _priority,
+                           ps=ps)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set, _priority=0):
     """Start an in-place allreduce of ``tensor``; returns a handle for ``synchronize``."""
     _check_tensor(tensor, "allreduce")
-    _check_process_set(process_set)
+    ps = _check_process_set(process_set)
     op = _resolve_op(op, average)
     return _allreduce_into(tensor, tensor, name, op, prescale_factor, postscale_factor,
-                           _priority)
+                           _priority, ps=ps)
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -254,16 +258,16 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 # grouped allreduce
 
 
-def _grouped_into(outs, tensors, name, op, prescale, postscale):
+def _grouped_into(outs, tensors, name, op, prescale, postscale, ps=0):
     works = [_contiguous(o) for o in outs]
-    base = _op_name("grouped_allreduce", name)
+    base = _op_name("grouped_allreduce", name, ps)
     members = []
     for i, w in enumerate(works):
         members.append((w, w.data_ptr(), w.numel() * w.element_size(), str(w.dtype),
                         list(w.shape)))
     device, stream = _device_and_stream(works[0])
     cores = _core.submit_group(base, members, op, float(prescale), float(postscale), 0, device,
-                               stream)
+                               stream, int(ps))
 
     def finish(_results):
         with torch.no_grad():
@@ -291,19 +295,20 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             postscale_factor=1.0, process_set=global_process_set):
     """Start an allreduce of a list of tensors as one group, into new tensors."""
     _check_group(tensors, "grouped_allreduce")
-    _check_process_set(process_set)
+    ps = _check_process_set(process_set)
     op = _resolve_op(op, average)
     outs = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-    return _grouped_into(outs, tensors, name, op, prescale_factor, postscale_factor)
+    return _grouped_into(outs, tensors, name, op, prescale_factor, postscale_factor, ps)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     """Start an in-place allreduce of a list of tensors as one group."""
     _check_group(tensors, "grouped_allreduce")
-    _check_process_set(process_set)
+    ps = _check_process_set(process_set)
     op = _resolve_op(op, average)
-    return _grouped_into(list(tensors), tensors, name, op, prescale_factor, postscale_factor)
+    return _grouped_into(list(tensors), tensors, name, op, prescale_factor, postscale_factor,
+                         ps)
 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):
@@ -359,12 +364,12 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start an allgather: every rank's tensor concatenated along the first dimension (which
     may differ per rank; the other dimensions must agree)."""
     _check_tensor(tensor, "allgather")
-    _check_process_set(process_set)
+    ps = _check_process_set(process_set)
     work = _contiguous(tensor.detach())
     if work.dim() == 0:
         work = work.reshape(1)
     dtype = work.dtype
-    core = _submit("allgather", work, _op_name("allgather", name))
+    core = _submit("allgather", work, _op_name("allgather", name, ps), ps=ps)
     return _register([core], lambda r: _from_bytes(r[0], dtype))
 
 
@@ -384,7 +389,7 @@ class HorovodAllgather(torch.autograd.Function):
         grad_reduced = allreduce(grad_output, op=Average, process_set=ctx.process_set)
         dims = synchronize(allgather_async(torch.tensor([ctx.dim], dtype=torch.int64),
                                            process_set=ctx.process_set))
-        offset = int(dims[:_core.topology()[0]].sum())
+        offset = int(dims[:_rank_of(ctx.process_set)].sum())
         grad = grad_reduced.narrow(0, offset, ctx.dim)
         if ctx.scalar:
             grad = grad.reshape(())
@@ -400,15 +405,15 @@ def allgather(tensor, name=None, process_set=global_process_set):
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Start an allgather of each tensor of a list."""
     _check_group(tensors, "grouped_allgather")
-    _check_process_set(process_set)
-    base = _op_name("grouped_allgather", name)
+    ps = _check_process_set(process_set)
+    base = _op_name("grouped_allgather", name, ps)
     cores, dtypes = [], []
     for i, t in enumerate(tensors):
         work = _contiguous(t.detach())
         if work.dim() == 0:
             work = work.reshape(1)
         dtypes.append(work.dtype)
-        cores.append(_submit("allgather", work, f"{base}_{i}of{len(tensors)}"))
+        cores.append(_submit("allgather", work, f"{base}_{i}of{len(tensors)}", ps=ps))
     return _register(cores, lambda rs: [_from_bytes(r, d) for r, d in zip(rs, dtypes)])
 
 
@@ -421,9 +426,9 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 # broadcast
 
 
-def _broadcast_into(out, root_rank, name):
+def _broadcast_into(out, root_rank, name, ps=0):
     work = _contiguous(out)
-    core = _submit("broadcast", work, _op_name("broadcast", name), root=root_rank)
+    core = _submit("broadcast", work, _op_name("broadcast", name, ps), root=root_rank, ps=ps)
 
     def finish(_results):
         if work is not out:
@@ -434,29 +439,31 @@ def _broadcast_into(out, root_rank, name):
     return _register([core], finish)
 
 
-def _check_root(root_rank):
+def _check_root(root_rank, process_set):
+    """``root_rank`` (a world rank) as a rank within ``process_set``."""
     if isinstance(root_rank, bool) or not isinstance(root_rank, int):
         raise ValueError(f"root_rank must be an int, got {root_rank!r}")
     size = _core.topology()[1]
     if not 0 <= root_rank < size:
         raise ValueError(f"root_rank {root_rank} is out of range 0..{size - 1}")
+    return _root_in_set(process_set, root_rank)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
     """Start a broadcast of ``root_rank``'s tensor into a new tensor on every rank."""
     _check_tensor(tensor, "broadcast")
-    _check_process_set(process_set)
-    _check_root(root_rank)
+    ps = _check_process_set(process_set)
+    root = _check_root(root_rank, process_set)
     out = tensor.detach().clone(memory_format=torch.contiguous_format)
-    return _broadcast_into(out, root_rank, name)
+    return _broadcast_into(out, root, name, ps)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
     """Start a broadcast of ``root_rank``'s tensor into ``tensor`` on every rank."""
     _check_tensor(tensor, "broadcast")
-    _check_process_set(process_set)
-    _check_root(root_rank)
-    return _broadcast_into(tensor, root_rank, name)
+    ps = _check_process_set(process_set)
+    root = _check_root(root_rank, process_set)
+    return _broadcast_into(tensor, root, name, ps)
 
 
 class HorovodBroadcast(torch.autograd.Function):
@@ -515,18 +522,18 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     ``splits`` is None). ``synchronize`` returns the output, plus the received splits (int32)
     when ``splits`` was given."""
     _check_tensor(tensor, "alltoall")
-    _check_process_set(process_set)
+    ps = _check_process_set(process_set)
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
-    size = _core.topology()[1]
+    size = _size_of(process_set)
     work = _contiguous(tensor.detach())
     dtype = work.dtype
-    base = _op_name("alltoall", name)
+    base = _op_name("alltoall", name, ps)
     if splits is None:
         if work.shape[0] % size != 0:
             raise ValueError(f"alltoall without splits needs a first dimension divisible by "
                              f"the number of ranks ({size}), got {work.shape[0]}")
-        core = _submit("alltoall", work, base)
+        core = _submit("alltoall", work, base, ps=ps)
         return _register([core], lambda r: _from_bytes(r[0], dtype))
     values = _splits_list(splits, size)
     if sum(values) != work.shape[0]:
@@ -534,9 +541,9 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
                          f"{work.shape[0]}")
     send = torch.tensor(values, dtype=torch.int32)
     recv = torch.empty(size, dtype=torch.int32)
-    core = _submit("alltoall", work, base, splits=values)
+    core = _submit("alltoall", work, base, splits=values, ps=ps)
     # Each rank tells every other how many rows it sends it: an alltoall of the splits.
-    core_splits = _submit("alltoall", send, base + ".splits")
+    core_splits = _submit("alltoall", send, base + ".splits", ps=ps)
 
     def finish(results):
         out = _from_bytes(results[0], dtype)
@@ -553,7 +560,7 @@ class HorovodAlltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
         ctx.process_set = process_set
-        size = _core.topology()[1]
+        size = _size_of(process_set)
         if splits is None:
             out = synchronize(alltoall_async(tensor, None, name, process_set))
             ctx.recv_splits = None
@@ -578,7 +585,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     ``splits`` was given."""
     _check_tensor(tensor, "alltoall")
     if splits is not None:
-        _splits_list(splits, _core.topology()[1])
+        _splits_list(splits, _size_of(process_set))
     out, recv = HorovodAlltoall.apply(tensor, splits, name, process_set)
     if splits is None:
         return out
@@ -596,14 +603,14 @@ def reducescatter_async(tensor, name=None, compression=None, op=Average,
     its slice of the first dimension (the lowest ranks get one extra row when it does not
     divide evenly)."""
     _check_tensor(tensor, "reducescatter")
-    _check_process_set(process_set)
+    ps = _check_process_set(process_set)
     op = _resolve_op(op, None)
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     work = _contiguous(tensor.detach())
     dtype = work.dtype
-    core = _submit("reducescatter", work, _op_name("reducescatter", name), op, prescale_factor,
-                   postscale_factor)
+    core = _submit("reducescatter", work, _op_name("reducescatter", name, ps), op, prescale_factor,
+                   postscale_factor, ps=ps)
     return _register([core], lambda r: _from_bytes(r[0], dtype))
 
 
@@ -624,7 +631,7 @@ class HorovodReducescatter(torch.autograd.Function):
         grad = allgather(grad_output, process_set=ctx.process_set)
         scale = ctx.scale
         if ctx.op == Average:
-            scale = scale / _core.topology()[1]
+            scale = scale / _size_of(ctx.process_set)
         if scale != 1.0:
             grad = grad * scale
         return grad, None, None, None, None, None
@@ -649,9 +656,9 @@ def grouped_reducescatter_async(tensors, name=None, compression=None, op=Average
                                 postscale_factor=1.0):
     """Start a reduce-scatter of each tensor of a list."""
     _check_group(tensors, "grouped_reducescatter")
-    _check_process_set(process_set)
+    ps = _check_process_set(process_set)
     op = _resolve_op(op, None)
-    base = _op_name("grouped_reducescatter", name)
+    base = _op_name("grouped_reducescatter", name, ps)
     cores, dtypes = [], []
     for i, t in enumerate(tensors):
         if t.dim() == 0:
@@ -659,7 +666,7 @@ def grouped_reducescatter_async(tensors, name=None, compression=None, op=Average
         work = _contiguous(t.detach())
         dtypes.append(work.dtype)
         cores.append(_submit("reducescatter", work, f"{base}_{i}of{len(tensors)}", op,
-                             prescale_factor, postscale_factor))
+                             prescale_factor, postscale_factor, ps=ps))
     return _register(cores, lambda rs: [_from_bytes(r, d) for r, d in zip(rs, dtypes)])
 
 
@@ -685,9 +692,9 @@ def join(device=-1):
 
 
 def barrier(process_set=global_process_set):
-    """Block until every rank has reached this barrier."""
-    _check_process_set(process_set)
-    _core.barrier().wait()
+    """Block until every rank (of ``process_set``) has reached this barrier."""
+    ps = _check_process_set(process_set)
+    _core.barrier(ps).wait()
 
 
 def _bytes_of(tensor):
