@@ -52,9 +52,16 @@ enum StopReason {
 
 struct Stopping {
     reason: StopReason,
+    /// When the pending SIGTERM goes out (after a rank failed, the others get a moment to
+    /// notice the lost peer and say so themselves).
+    term_at: Option<Instant>,
     kill_at: Instant,
     killed: bool,
 }
+
+/// After a rank fails, how long the other ranks may take to notice (a lost peer is reported
+/// at once over the transports) and exit on their own before fhrun sends them SIGTERM.
+const REPORT_WINDOW: Duration = Duration::from_millis(1000);
 
 struct Rank {
     rank: usize,
@@ -225,12 +232,13 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
                     std::io::ErrorKind::PermissionDenied => 126,
                     _ => 1,
                 };
-                stopping = Some(begin_stop(
-                    &ranks,
-                    libc::SIGTERM,
-                    StopReason::RankFailed(exit_code),
-                    job.kill_grace,
-                ));
+                let now = Instant::now();
+                stopping = Some(Stopping {
+                    reason: StopReason::RankFailed(exit_code),
+                    term_at: Some(now + REPORT_WINDOW),
+                    kill_at: now + REPORT_WINDOW + job.kill_grace,
+                    killed: false,
+                });
                 break;
             }
         }
@@ -282,12 +290,13 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
                     describe(status)
                 );
                 exit_code = status_code(status);
-                stopping = Some(begin_stop(
-                    &ranks,
-                    libc::SIGTERM,
-                    StopReason::RankFailed(exit_code),
-                    job.kill_grace,
-                ));
+                let now = Instant::now();
+                stopping = Some(Stopping {
+                    reason: StopReason::RankFailed(exit_code),
+                    term_at: Some(now + REPORT_WINDOW),
+                    kill_at: now + REPORT_WINDOW + job.kill_grace,
+                    killed: false,
+                });
             }
         }
         if ranks.iter().all(|r| r.child.is_none()) {
@@ -296,6 +305,12 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
 
         let now = Instant::now();
         if let Some(s) = stopping.as_mut() {
+            if s.term_at.is_some_and(|t| now >= t) {
+                s.term_at = None;
+                for r in ranks.iter().filter(|r| r.child.is_some()) {
+                    sys::kill_group(r.pid, libc::SIGTERM);
+                }
+            }
             if !s.killed && now >= s.kill_at {
                 for r in ranks.iter().filter(|r| r.child.is_some()) {
                     if job.verbose {
@@ -327,6 +342,9 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
         // Sleep until a signal (a child ended, or the user's Ctrl-C) or the next deadline.
         let mut wait = Duration::from_millis(200);
         if let Some(s) = &stopping {
+            if let Some(t) = s.term_at {
+                wait = wait.min(t.saturating_duration_since(now));
+            }
             if !s.killed {
                 wait = wait.min(s.kill_at.saturating_duration_since(now));
             }
@@ -371,6 +389,7 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
                             "fhrun: received {} again; killing all ranks",
                             sys::signal_name(sig)
                         );
+                        s.term_at = None;
                         s.kill_at = Instant::now();
                     }
                 }
@@ -406,6 +425,7 @@ fn begin_stop(ranks: &[Rank], sig: i32, reason: StopReason, grace: Duration) -> 
     }
     Stopping {
         reason,
+        term_at: None,
         kill_at: Instant::now() + grace,
         killed: false,
     }
