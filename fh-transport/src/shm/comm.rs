@@ -8,7 +8,11 @@
 //! (its share of round `k` is reduced) and `consumed[r]` (it has finished reading round `k`).
 //! Every collective is cut into rounds that each fit a slot; all ranks number rounds alike.
 //! Before writing buffer `b` again in round `k`, a rank waits until every rank has consumed
-//! round `k - nbuf`, so with two buffers a fast rank may run one round ahead.
+//! round `k - nbuf`, so with two buffers a fast rank may run one round ahead. Hence no honest
+//! rank's counter is more than `nbuf` rounds ahead of this rank's round (nor its `consumed`
+//! counter as far behind), and a rank posts a round (where it posts) before consuming it: every
+//! counter read from a peer is checked against that, and a violation is a protocol error naming
+//! the peer (the counter's only writer), never a wrap or a wait until the timeout.
 //!
 //! Allreduce of up to `small_allreduce_bytes`: every rank publishes its input, then folds all
 //! slots in rank order (one synchronisation; identical bits everywhere). Larger: each round is
