@@ -477,7 +477,9 @@ impl ShmComm {
             return Err(TransportError::Protocol {
                 rank: j,
                 detail: format!(
-                    "rank {j}'s {name} round counter reads {v} while rank {} is in round {},                      more than {nbuf} rounds apart: rank {j} corrupted its {name} counter (or                      the ranks' collective calls diverged) on shared-memory communicator '{}'",
+                    "rank {j}'s {name} round counter reads {v} while rank {} is in round {}, \
+                     more than {nbuf} rounds apart: rank {j} corrupted its {name} counter (or \
+                     the ranks' collective calls diverged) on shared-memory communicator '{}'",
                     self.rank, self.round, self.label
                 ),
             });
@@ -505,7 +507,9 @@ impl ShmComm {
             return Err(TransportError::Protocol {
                 rank: j,
                 detail: format!(
-                    "rank {j} consumed round {k} without advancing its {name} counter: rank {j}                      corrupted a round counter (or the ranks' collective calls diverged) on                      shared-memory communicator '{}'",
+                    "rank {j} consumed round {k} without advancing its {name} counter: rank {j} \
+                     corrupted a round counter (or the ranks' collective calls diverged) on \
+                     shared-memory communicator '{}'",
                     self.label
                 ),
             });
