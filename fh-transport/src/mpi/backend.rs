@@ -587,20 +587,6 @@ fn int_counts(counts: &[usize], max: usize) -> Option<(Vec<c_int>, Vec<c_int>)> 
     (total <= max).then_some((cs, ds))
 }
 
-/// Check a per-rank count vector; return the total.
-fn counts_total(counts: &[usize], size: usize, what: &str) -> Result<usize> {
-    if counts.len() != size {
-        return Err(TransportError::InvalidArgument(format!(
-            "{what}: {} counts given for {size} ranks",
-            counts.len()
-        )));
-    }
-    counts.iter().try_fold(0usize, |acc, &c| {
-        acc.checked_add(c)
-            .ok_or_else(|| TransportError::InvalidArgument(format!("{what}: counts overflow")))
-    })
-}
-
 fn empty_status() -> ffi::MPI_Status {
     // SAFETY: MPI_Status is a plain C struct of integers; all zeroes is a valid value.
     unsafe { std::mem::zeroed() }
@@ -1271,10 +1257,7 @@ impl Communicator for MpiComm {
     }
 
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        dtype.elements_in(buf.len())?;
-        if !kernels::supports(dtype, op) {
-            return Err(CoreError::UnsupportedOp { op, dtype }.into());
-        }
+        algorithms::check_reduction("allreduce", dtype, op, buf.len())?;
         if self.size > 1 && !buf.is_empty() {
             let (datatype, mop) = self
                 .rt()
@@ -1314,15 +1297,7 @@ impl Communicator for MpiComm {
     }
 
     fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
-        let total = counts_total(counts, self.size, "allgatherv")?;
-        if recv.len() != total || send.len() != counts[self.rank] {
-            return Err(TransportError::InvalidArgument(format!(
-                "allgatherv: send has {} bytes (count says {}), recv has {} bytes (counts sum to {total})",
-                send.len(),
-                counts[self.rank],
-                recv.len()
-            )));
-        }
+        algorithms::check_allgatherv(send.len(), recv.len(), counts, self.rank, self.size)?;
         let Some((cs, ds)) = int_counts(counts, self.max_count) else {
             return algorithms::allgatherv(self, send, recv, counts);
         };
@@ -1371,22 +1346,15 @@ impl Communicator for MpiComm {
         recv: &mut [u8],
         recv_counts: &[usize],
     ) -> Result<()> {
-        let stotal = counts_total(send_counts, self.size, "alltoallv send")?;
-        let rtotal = counts_total(recv_counts, self.size, "alltoallv recv")?;
-        if send.len() != stotal || recv.len() != rtotal {
-            return Err(TransportError::InvalidArgument(format!(
-                "alltoallv: send has {} bytes (counts sum to {stotal}), recv has {} bytes (counts sum to {rtotal})",
-                send.len(),
-                recv.len()
-            )));
-        }
-        let rank = self.rank;
-        if send_counts[rank] != recv_counts[rank] {
-            return Err(TransportError::InvalidArgument(format!(
-                "alltoallv: rank {rank} sends itself {} bytes but expects {}",
-                send_counts[rank], recv_counts[rank]
-            )));
-        }
+        let (send_len, recv_len) = (send.len(), recv.len());
+        algorithms::check_alltoallv(
+            send_len,
+            send_counts,
+            recv_len,
+            recv_counts,
+            self.rank,
+            self.size,
+        )?;
         if self.rt().mode == ThreadMode::Serialized {
             // Open MPI 4.1's MPI_Ialltoallv (libnbc) was seen to leave the communicator unable
             // to complete the next nonblocking collective; a pairwise exchange over MPI
@@ -1447,20 +1415,10 @@ impl Communicator for MpiComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        let total = counts_total(counts, self.size, "reduce_scatter")?;
-        let esz = dtype.size();
-        let rank = self.rank;
-        if Some(send.len()) != total.checked_mul(esz) || recv.len() != counts[rank] * esz {
-            return Err(TransportError::InvalidArgument(format!(
-                "reduce_scatter: send has {} bytes (counts sum to {total} {dtype} elements), recv has {} bytes (expected {} elements)",
-                send.len(),
-                recv.len(),
-                counts[rank]
-            )));
-        }
-        if !kernels::supports(dtype, op) {
-            return Err(CoreError::UnsupportedOp { op, dtype }.into());
-        }
+        let (send_len, recv_len) = (send.len(), recv.len());
+        algorithms::check_reduce_scatter(
+            send_len, recv_len, counts, self.rank, self.size, dtype, op,
+        )?;
         if self.size == 1 {
             recv.copy_from_slice(send);
             return Ok(());
