@@ -438,6 +438,25 @@ fn check_invalid_arguments(
         matches!(res, Err(TransportError::InvalidArgument(_))),
         || format!("{tag}: allreduce of 3 bytes as f32: {res:?}"),
     );
+    // Counts whose sum or byte size overflows: refused locally (the shared checks), on every
+    // rank alike, before any MPI call.
+    let mut huge = vec![1usize; size];
+    huge[0] = usize::MAX;
+    let res = comm.alltoallv(&[], &huge, &mut [], &huge);
+    rep.check(
+        matches!(res, Err(TransportError::InvalidArgument(_))),
+        || format!("{tag}: alltoallv with overflowing counts: {res:?}"),
+    );
+    let res = comm.allgatherv(&[], &mut [], &huge);
+    rep.check(
+        matches!(res, Err(TransportError::InvalidArgument(_))),
+        || format!("{tag}: allgatherv with overflowing counts: {res:?}"),
+    );
+    let res = comm.reduce_scatter(&[], &mut [], &huge, DType::F64, ReduceOp::Sum);
+    rep.check(
+        matches!(res, Err(TransportError::InvalidArgument(_))),
+        || format!("{tag}: reduce_scatter with overflowing counts: {res:?}"),
+    );
     Ok(())
 }
 
