@@ -8,7 +8,11 @@
 //! (its share of round `k` is reduced) and `consumed[r]` (it has finished reading round `k`).
 //! Every collective is cut into rounds that each fit a slot; all ranks number rounds alike.
 //! Before writing buffer `b` again in round `k`, a rank waits until every rank has consumed
-//! round `k - nbuf`, so with two buffers a fast rank may run one round ahead.
+//! round `k - nbuf`, so with two buffers a fast rank may run one round ahead. Hence no honest
+//! rank's counter is more than `nbuf` rounds ahead of this rank's round (nor its `consumed`
+//! counter as far behind), and a rank posts a round (where it posts) before consuming it: every
+//! counter read from a peer is checked against that, and a violation is a protocol error naming
+//! the peer (the counter's only writer), never a wrap or a wait until the timeout.
 //!
 //! Allreduce of up to `small_allreduce_bytes`: every rank publishes its input, then folds all
 //! slots in rank order (one synchronisation; identical bits everywhere). Larger: each round is
@@ -30,6 +34,7 @@
 //! pair, each message framed by its 8-byte length.
 
 use std::cell::Cell;
+use std::sync::atomic::AtomicU32;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::time::{Duration, Instant};
 
@@ -77,6 +82,16 @@ fn tag_name(tag: u64) -> &'static str {
 
 fn reduce_tag(base: u64, dtype: DType, op: ReduceOp) -> u64 {
     base | (u64::from(dtype.code()) << 8) | (u64::from(op.code()) << 16)
+}
+
+/// The first of `ranks` for which `done` is false, or the first error.
+fn first_blocker(ranks: &[usize], done: impl Fn(usize) -> Result<bool>) -> Result<Option<usize>> {
+    for &r in ranks {
+        if !done(r)? {
+            return Ok(Some(r));
+        }
+    }
+    Ok(None)
 }
 
 /// `v` has reached `target` (wrapping 32-bit counters).
@@ -177,7 +192,7 @@ impl ShmComm {
         self.notify_others();
         let res = self.wait(
             "shm open (waiting for every rank to map the segment)",
-            || (0..self.size).find(|&r| self.seg.info(r).pid.load(Acquire) == 0),
+            || Ok((0..self.size).find(|&r| self.seg.info(r).pid.load(Acquire) == 0)),
         );
         if let Err(e) = &res {
             tracing::warn!(segment = name, error = %e, "opening shm communicator failed");
@@ -209,13 +224,14 @@ impl ShmComm {
     }
 
     /// Wait until `blocker()` returns `None`. While it returns `Some(rank)`, that rank is the
-    /// one being waited for (blamed on timeout or if it is gone).
+    /// one being waited for (blamed on timeout or if it is gone). An error from `blocker` (a
+    /// corrupted counter) ends the wait at once.
     pub(super) fn wait(
         &self,
         op: &'static str,
-        mut blocker: impl FnMut() -> Option<usize>,
+        mut blocker: impl FnMut() -> Result<Option<usize>>,
     ) -> Result<()> {
-        if blocker().is_none() {
+        if blocker()?.is_none() {
             return Ok(());
         }
         let start = Instant::now();
@@ -226,7 +242,7 @@ impl ShmComm {
             std::hint::spin_loop();
             spins += 1;
             if spins % 64 == 0 {
-                if blocker().is_none() {
+                if blocker()?.is_none() {
                     return Ok(());
                 }
                 if start.elapsed() >= self.spin {
@@ -241,7 +257,7 @@ impl ShmComm {
         loop {
             let seen = bell.word.load(SeqCst);
             bell.aux.store(1, SeqCst);
-            let Some(who) = blocker() else {
+            let Some(who) = blocker().inspect_err(|_| bell.aux.store(0, Relaxed))? else {
                 bell.aux.store(0, Relaxed);
                 return Ok(());
             };
@@ -417,7 +433,12 @@ impl ShmComm {
         let nbuf = self.seg.layout.nbuf;
         let target = k.wrapping_add(1).wrapping_sub(nbuf as u32);
         self.wait(op, || {
-            (0..self.size).find(|&j| !reached(self.seg.ctl(j).consumed.word.load(Acquire), target))
+            for j in 0..self.size {
+                if !reached(self.consumed(j)?, target) {
+                    return Ok(Some(j));
+                }
+            }
+            Ok(None)
         })?;
         Ok((k, k as usize % nbuf))
     }
@@ -444,8 +465,64 @@ impl ShmComm {
         self.round = k.wrapping_add(1);
     }
 
-    fn is_posted(&self, j: usize, k: u32) -> bool {
-        reached(self.seg.ctl(j).posted.word.load(Acquire), k.wrapping_add(1))
+    /// Rank `j`'s round counter `name` (`word`, written only by rank `j`), read from shared
+    /// memory and checked against this rank's round: no rank gets more than `nbuf` rounds
+    /// ahead of another (nor, by its `consumed` counter, behind), so a counter outside that
+    /// window is an error naming rank `j`.
+    fn round_word(&self, j: usize, word: &AtomicU32, name: &str, lags: bool) -> Result<u32> {
+        let v = word.load(Acquire);
+        let ahead = i64::from(v.wrapping_sub(self.round) as i32);
+        let nbuf = self.seg.layout.nbuf as i64;
+        if ahead > nbuf || (!lags && ahead < -nbuf) {
+            return Err(TransportError::Protocol {
+                rank: j,
+                detail: format!(
+                    "rank {j}'s {name} round counter reads {v} while rank {} is in round {}, \
+                     more than {nbuf} rounds apart: rank {j} corrupted its {name} counter (or \
+                     the ranks' collective calls diverged) on shared-memory communicator '{}'",
+                    self.rank, self.round, self.label
+                ),
+            });
+        }
+        Ok(v)
+    }
+
+    /// Rank `j`'s `consumed` counter, checked (see [`ShmComm::round_word`]).
+    fn consumed(&self, j: usize) -> Result<u32> {
+        self.round_word(j, &self.seg.ctl(j).consumed.word, "consumed", false)
+    }
+
+    /// Whether rank `j` has published `word` (its `posted` or `reduced` counter, `name`) for
+    /// round `k`. Ranks that publish a round do so before they consume it, so a rank that has
+    /// consumed round `k` without publishing it corrupted a counter.
+    fn published(&self, j: usize, k: u32, word: &AtomicU32, name: &str) -> Result<bool> {
+        // Read `consumed` first: if it shows round k, the (earlier) publication is visible.
+        let consumed = self.consumed(j)?;
+        // A rank that skips rounds of this counter (a broadcast's receivers do not post, a
+        // direct allreduce does not reduce) lags by any number of rounds: no lower bound.
+        if reached(self.round_word(j, word, name, true)?, k.wrapping_add(1)) {
+            return Ok(true);
+        }
+        if reached(consumed, k.wrapping_add(1)) {
+            return Err(TransportError::Protocol {
+                rank: j,
+                detail: format!(
+                    "rank {j} consumed round {k} without advancing its {name} counter: rank {j} \
+                     corrupted a round counter (or the ranks' collective calls diverged) on \
+                     shared-memory communicator '{}'",
+                    self.label
+                ),
+            });
+        }
+        Ok(false)
+    }
+
+    fn is_posted(&self, j: usize, k: u32) -> Result<bool> {
+        self.published(j, k, &self.seg.ctl(j).posted.word, "posted")
+    }
+
+    fn is_reduced(&self, j: usize, k: u32) -> Result<bool> {
+        self.published(j, k, &self.seg.ctl(j).reduced.word, "reduced")
     }
 
     /// Compare the first `meta.len()` metadata words of rank `j` (posted) with ours.
@@ -490,7 +567,7 @@ impl ShmComm {
         loop {
             let mut i = 0;
             while i < pending.len() {
-                if self.is_posted(pending[i], k) {
+                if self.is_posted(pending[i], k)? {
                     each(pending.swap_remove(i))?;
                 } else {
                     i += 1;
@@ -499,9 +576,7 @@ impl ShmComm {
             if pending.is_empty() {
                 return Ok(());
             }
-            self.wait(op, || {
-                pending.iter().copied().find(|&j| !self.is_posted(j, k))
-            })?;
+            self.wait(op, || first_blocker(&pending, |j| self.is_posted(j, k)))?;
         }
     }
 
@@ -641,8 +716,13 @@ mod tests {
         }
     }
 
-    /// Two ranks as threads; `f` runs on rank 1's communicator before rank 0 receives.
-    fn corrupt_then_recv(tag: &str, f: fn(&super::ShmComm)) -> TransportError {
+    /// Two ranks as threads; `f` runs on rank 1's communicator, then rank 0 runs `g`, which
+    /// must fail.
+    fn corrupt_then(
+        tag: &str,
+        f: fn(&super::ShmComm),
+        g: fn(&mut super::ShmComm) -> crate::Result<()>,
+    ) -> TransportError {
         let tok = token(tag);
         let tok1 = tok.clone();
         let h = std::thread::spawn(move || {
@@ -656,10 +736,52 @@ mod tests {
         let mut t = ShmTransport::join(&tok, 0, 2, opts()).unwrap();
         let mut c = t.open_shm("c").unwrap();
         std::thread::sleep(Duration::from_millis(100));
-        let mut buf = [0u8; 16];
-        let err = c.recv(1, &mut buf).unwrap_err();
+        let err = g(&mut c).unwrap_err();
         h.join().unwrap();
         err
+    }
+
+    /// As [`corrupt_then`], rank 0 receiving from rank 1.
+    fn corrupt_then_recv(tag: &str, f: fn(&super::ShmComm)) -> TransportError {
+        corrupt_then(tag, f, |c| c.recv(1, &mut [0u8; 16]))
+    }
+
+    fn assert_names_rank_1(err: &TransportError, what: &str) {
+        assert!(
+            matches!(err, TransportError::Protocol { rank: 1, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains(what), "{err}");
+    }
+
+    #[test]
+    fn a_posted_counter_too_far_ahead_is_an_error_naming_its_writer() {
+        let err = corrupt_then(
+            "posted",
+            |c| c.seg.ctl(1).posted.word.store(1 << 30, SeqCst),
+            |c| c.barrier(),
+        );
+        assert_names_rank_1(&err, "rank 1 corrupted its posted counter");
+    }
+
+    #[test]
+    fn a_consumed_counter_too_far_behind_is_an_error_naming_its_writer() {
+        let err = corrupt_then(
+            "consumed",
+            |c| c.seg.ctl(1).consumed.word.store(u32::MAX - 100, SeqCst),
+            |c| c.barrier(),
+        );
+        assert_names_rank_1(&err, "rank 1 corrupted its consumed counter");
+    }
+
+    #[test]
+    fn a_round_consumed_but_never_posted_is_an_error_naming_the_peer() {
+        let err = corrupt_then(
+            "unposted",
+            |c| c.seg.ctl(1).consumed.word.store(1, SeqCst),
+            |c| c.allgatherv(&[1, 2], &mut [0u8; 4], &[2, 2]),
+        );
+        assert_names_rank_1(&err, "rank 1 consumed round 0 without advancing its posted");
     }
 
     #[test]

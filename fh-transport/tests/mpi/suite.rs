@@ -145,9 +145,14 @@ fn check_allreduce(
                 let mut buf = input(dtype, rank, n, salt);
                 let res = comm.allreduce(&mut buf, dtype, op);
                 if !kernels::supports(dtype, op) {
-                    rep.check(matches!(res, Err(TransportError::Core(_))), || {
-                        format!("{tag}: allreduce {dtype} {op:?} should be refused, got {res:?}")
-                    });
+                    rep.check(
+                        matches!(res, Err(TransportError::InvalidArgument(_))),
+                        || {
+                            format!(
+                                "{tag}: allreduce {dtype} {op:?} should be refused, got {res:?}"
+                            )
+                        },
+                    );
                     continue;
                 }
                 res.map_err(|e| fatal(&format!("{tag}: allreduce {dtype} {op:?} n={n}"), e))?;
@@ -193,11 +198,14 @@ fn check_reduce_scatter(
                 let mut recv = vec![0xA5u8; counts[rank] * esz];
                 let res = comm.reduce_scatter(&send, &mut recv, counts, dtype, op);
                 if !kernels::supports(dtype, op) {
-                    rep.check(matches!(res, Err(TransportError::Core(_))), || {
-                        format!(
+                    rep.check(
+                        matches!(res, Err(TransportError::InvalidArgument(_))),
+                        || {
+                            format!(
                             "{tag}: reduce_scatter {dtype} {op:?} should be refused, got {res:?}"
                         )
-                    });
+                        },
+                    );
                     continue;
                 }
                 res.map_err(|e| {
@@ -426,9 +434,29 @@ fn check_invalid_arguments(
     );
     let mut odd = [0u8; 3];
     let res = comm.allreduce(&mut odd, DType::F32, ReduceOp::Sum);
-    rep.check(matches!(res, Err(TransportError::Core(_))), || {
-        format!("{tag}: allreduce of 3 bytes as f32: {res:?}")
-    });
+    rep.check(
+        matches!(res, Err(TransportError::InvalidArgument(_))),
+        || format!("{tag}: allreduce of 3 bytes as f32: {res:?}"),
+    );
+    // Counts whose sum or byte size overflows: refused locally (the shared checks), on every
+    // rank alike, before any MPI call.
+    let mut huge = vec![1usize; size];
+    huge[0] = usize::MAX;
+    let res = comm.alltoallv(&[], &huge, &mut [], &huge);
+    rep.check(
+        matches!(res, Err(TransportError::InvalidArgument(_))),
+        || format!("{tag}: alltoallv with overflowing counts: {res:?}"),
+    );
+    let res = comm.allgatherv(&[], &mut [], &huge);
+    rep.check(
+        matches!(res, Err(TransportError::InvalidArgument(_))),
+        || format!("{tag}: allgatherv with overflowing counts: {res:?}"),
+    );
+    let res = comm.reduce_scatter(&[], &mut [], &huge, DType::F64, ReduceOp::Sum);
+    rep.check(
+        matches!(res, Err(TransportError::InvalidArgument(_))),
+        || format!("{tag}: reduce_scatter with overflowing counts: {res:?}"),
+    );
     Ok(())
 }
 
@@ -640,9 +668,10 @@ fn check_random(comm: &mut dyn Communicator, rep: &mut Report, tag: &str) -> Res
                 let mut buf = input(dtype, rank, n, salt);
                 let res = comm.allreduce(&mut buf, dtype, op);
                 if !kernels::supports(dtype, op) {
-                    rep.check(matches!(res, Err(TransportError::Core(_))), || {
-                        format!("{what}: should be refused, got {res:?}")
-                    });
+                    rep.check(
+                        matches!(res, Err(TransportError::InvalidArgument(_))),
+                        || format!("{what}: should be refused, got {res:?}"),
+                    );
                     continue;
                 }
                 res.map_err(|e| fatal(&what, e))?;
@@ -657,9 +686,10 @@ fn check_random(comm: &mut dyn Communicator, rep: &mut Report, tag: &str) -> Res
                 let mut recv = vec![0xA5u8; counts[rank] * esz];
                 let res = comm.reduce_scatter(&send, &mut recv, &counts, dtype, op);
                 if !kernels::supports(dtype, op) {
-                    rep.check(matches!(res, Err(TransportError::Core(_))), || {
-                        format!("{what}: should be refused, got {res:?}")
-                    });
+                    rep.check(
+                        matches!(res, Err(TransportError::InvalidArgument(_))),
+                        || format!("{what}: should be refused, got {res:?}"),
+                    );
                     continue;
                 }
                 res.map_err(|e| fatal(&what, e))?;

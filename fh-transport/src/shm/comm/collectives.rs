@@ -1,12 +1,12 @@
 //! The shared-memory communicator's native collectives, in rounds through the ranks' slots
 //! (see *Protocol* in the parent module).
 
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::Ordering::{Relaxed, Release};
 
 use fh_core::{kernels, DType, ReduceOp};
 
 use super::{
-    get, piece, put, reached, reduce_blocked, reduce_tag, view, ShmComm, TAG_ALLGATHER,
+    first_blocker, get, piece, put, reduce_blocked, reduce_tag, view, ShmComm, TAG_ALLGATHER,
     TAG_ALLREDUCE, TAG_ALLTOALL, TAG_BARRIER, TAG_BROADCAST, TAG_REDUCE_SCATTER,
 };
 use crate::algorithms::offsets;
@@ -81,17 +81,11 @@ impl ShmComm {
                 let mut pending: Vec<usize> = (0..n)
                     .filter(|&r| r != me && range(r).1 > range(r).0)
                     .collect();
-                let ready = |r: usize| {
-                    reached(
-                        self.seg.ctl(r).reduced.word.load(Acquire),
-                        k.wrapping_add(1),
-                    )
-                };
                 loop {
                     let mut i = 0;
                     while i < pending.len() {
                         let r = pending[i];
-                        if ready(r) {
+                        if self.is_reduced(r, k)? {
                             let (a, z) = range(r);
                             // SAFETY: share r of rank r's slot is final for round k.
                             unsafe { get(&mut chunk[a..z], self.seg.slot(r, b).add(a)) };
@@ -103,7 +97,9 @@ impl ShmComm {
                     if pending.is_empty() {
                         break;
                     }
-                    self.wait("allreduce", || pending.iter().copied().find(|&r| !ready(r)))?;
+                    self.wait("allreduce", || {
+                        first_blocker(&pending, |r| self.is_reduced(r, k))
+                    })?;
                 }
             }
             self.finish_round(k);
@@ -131,7 +127,9 @@ impl ShmComm {
             } else {
                 let k = self.round;
                 let b = k as usize % self.seg.layout.nbuf;
-                self.wait("broadcast", || (!self.is_posted(root, k)).then_some(root))?;
+                self.wait("broadcast", || {
+                    first_blocker(&[root], |r| self.is_posted(r, k))
+                })?;
                 self.check_meta(root, b, &meta)?;
                 // SAFETY: the root posted round k and will not rewrite it before we consume it.
                 unsafe { get(chunk, self.seg.slot(root, b)) };

@@ -176,7 +176,7 @@ impl ShmComm {
         let mut out = Outgoing::new(data);
         while !out.finished() {
             if !self.push(to, &mut out)? {
-                self.wait("send", || (!self.ring_has_space(to)).then_some(to))?;
+                self.wait("send", || Ok((!self.ring_has_space(to)).then_some(to)))?;
             }
         }
         Ok(())
@@ -186,7 +186,7 @@ impl ShmComm {
         let mut inc = Incoming::new(buf);
         while !inc.finished() {
             if !self.pull(from, &mut inc)? {
-                self.wait("recv", || (!self.ring_has_data(from)).then_some(from))?;
+                self.wait("recv", || Ok((!self.ring_has_data(from)).then_some(from)))?;
             }
         }
         Ok(())
@@ -214,13 +214,13 @@ impl ShmComm {
                 self.wait("send_recv", || {
                     let can_send = !sf && self.ring_has_space(to);
                     let can_recv = !rf && self.ring_has_data(from);
-                    if can_send || can_recv {
+                    Ok(if can_send || can_recv {
                         None
                     } else if !rf {
                         Some(from)
                     } else {
                         Some(to)
-                    }
+                    })
                 })?;
             }
         }
