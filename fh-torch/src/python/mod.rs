@@ -1,0 +1,79 @@
+//! The extension module `fasthorovod._core` (feature `python`).
+//!
+//! A thin layer: it owns one [`Engine`] per process, turns tensors handed over by the Python
+//! side (a contiguous CPU tensor's address, length, dtype and shape, plus the tensor object
+//! itself as the owner guard) into engine [`Tensor`]s over that memory, and turns engine
+//! errors into Python exceptions. Waits release the GIL; engine threads never take it (a
+//! Python reference dropped there is released later by PyO3, when a thread next holds the
+//! GIL).
+
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use fh_scheduler::{CollectiveOptions, Engine, Handle, ProcessSets, SchedulerError, Tensor};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyByteArray;
+
+use crate::{config, names};
+
+mod handle;
+mod runtime;
+mod submit;
+
+use handle::PyHandle;
+use runtime::*;
+use submit::*;
+
+create_exception!(
+    _core,
+    HorovodInternalError,
+    PyRuntimeError,
+    "A collective failed on every rank (ranks disagreed, a rank was lost, the runtime shut down)."
+);
+
+/// An engine error as the Python exception Horovod users expect.
+fn to_py(e: SchedulerError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        SchedulerError::DuplicateName { .. }
+        | SchedulerError::InvalidArgument(_)
+        | SchedulerError::Config { .. } => PyValueError::new_err(msg),
+        SchedulerError::WaitTimeout { .. } => PyTimeoutError::new_err(msg),
+        _ => HorovodInternalError::new_err(msg),
+    }
+}
+
+/// The module.
+#[pymodule]
+#[pyo3(name = "_core")]
+fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add(
+        "HorovodInternalError",
+        m.py().get_type::<HorovodInternalError>(),
+    )?;
+    m.add_class::<PyHandle>()?;
+    m.add_function(wrap_pyfunction!(init, m)?)?;
+    m.add_function(wrap_pyfunction!(shutdown, m)?)?;
+    m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
+    m.add_function(wrap_pyfunction!(topology, m)?)?;
+    m.add_function(wrap_pyfunction!(backend, m)?)?;
+    m.add_function(wrap_pyfunction!(mpi_built, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_built, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_built, m)?)?;
+    m.add_function(wrap_pyfunction!(start_timeline, m)?)?;
+    m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
+    m.add_function(wrap_pyfunction!(stats, m)?)?;
+    m.add_function(wrap_pyfunction!(submit::submit, m)?)?;
+    m.add_function(wrap_pyfunction!(submit_group, m)?)?;
+    m.add_function(wrap_pyfunction!(barrier, m)?)?;
+    m.add_function(wrap_pyfunction!(join, m)?)?;
+    m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;
+    m.add_function(wrap_pyfunction!(process_set_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(process_set_ids, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

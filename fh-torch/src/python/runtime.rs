@@ -1,0 +1,240 @@
+//! The runtime of this process: the engine, its process sets, lifecycle and queries.
+
+use super::*;
+
+pub(super) enum State {
+    Uninitialized,
+    Running(Arc<Engine>, &'static str),
+    ShutDown(String),
+}
+
+pub(super) static STATE: Mutex<State> = Mutex::new(State::Uninitialized);
+
+/// The process sets of the running engine (set by `init`, emptied by `shutdown`).
+pub(super) static SETS: Mutex<Option<Arc<ProcessSets>>> = Mutex::new(None);
+
+pub(super) fn sets() -> PyResult<Arc<ProcessSets>> {
+    engine()?;
+    SETS.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+        .ok_or_else(not_initialized)
+}
+
+/// The engine that runs process set `id` on this rank (0: the global engine).
+pub(super) fn engine_for(id: u32) -> PyResult<Arc<Engine>> {
+    if id == 0 {
+        return engine();
+    }
+    sets()?.engine(id).map_err(to_py)
+}
+
+pub(super) fn state() -> MutexGuard<'static, State> {
+    STATE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(super) fn not_initialized() -> PyErr {
+    PyValueError::new_err("FastHorovod has not been initialized; call hvd.init() before using it")
+}
+
+pub(super) fn engine() -> PyResult<Arc<Engine>> {
+    match &*state() {
+        State::Running(e, _) => Ok(Arc::clone(e)),
+        State::Uninitialized => Err(not_initialized()),
+        State::ShutDown(why) => Err(HorovodInternalError::new_err(format!(
+            "the FastHorovod runtime has shut down ({why}); call hvd.init() to start it again"
+        ))),
+    }
+}
+
+pub(super) fn install_logging(lookup: &impl Fn(&str) -> Option<String>) {
+    let level = config::aliased(lookup, "FH_LOG_LEVEL").unwrap_or_else(|| "warn".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(level.trim().to_ascii_lowercase())
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // Another subscriber may already be installed (embedding); keep it.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Start the runtime on the world the environment describes; a no-op when it runs already.
+/// Collective: every rank calls it.
+#[pyfunction]
+pub(super) fn init(py: Python<'_>) -> PyResult<()> {
+    if matches!(&*state(), State::Running(..)) {
+        return Ok(());
+    }
+    let lookup = |k: &str| std::env::var(k).ok();
+    install_logging(&lookup);
+    let ignored = config::ignored_set(lookup);
+    if !ignored.is_empty() {
+        tracing::info!(
+            ?ignored,
+            "these HOROVOD_* variables have no effect on FastHorovod"
+        );
+    }
+    let cfg = config::config_from(lookup).map_err(to_py)?;
+    let started = py.detach(move || -> Result<(Engine, &'static str), SchedulerError> {
+        let world = fh_transport::from_env().map_err(SchedulerError::from)?;
+        let backend = world.backend();
+        Ok((Engine::start(world, cfg)?, backend))
+    });
+    let (engine, backend) = started.map_err(|e| match e {
+        SchedulerError::Config { .. } => to_py(e),
+        other => HorovodInternalError::new_err(format!(
+            "hvd.init() failed: {other}. Launch the script with `fhrun -np N python ...`, \
+             `torchrun`, `mpirun` or `srun`, or run it alone for a single process."
+        )),
+    })?;
+    *state() = State::Running(Arc::new(engine), backend);
+    *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
+    Ok(())
+}
+
+/// Shut the runtime down (collective); pending operations fail. A no-op when not running.
+#[pyfunction]
+pub(super) fn shutdown(py: Python<'_>) -> PyResult<()> {
+    let prev = std::mem::replace(
+        &mut *state(),
+        State::ShutDown("hvd.shutdown() was called".into()),
+    );
+    let sets = SETS.lock().unwrap_or_else(|p| p.into_inner()).take();
+    match prev {
+        State::Running(engine, _) => {
+            let r = py.detach(move || {
+                // The sets first (each shutdown is agreed among its members), then the world.
+                let r = sets.map_or(Ok(()), |s| s.close_all());
+                r.and(match Arc::try_unwrap(engine) {
+                    Ok(e) => e.shutdown(),
+                    // Another thread is inside a call; the engine stops when it lets go.
+                    Err(_) => Ok(()),
+                })
+            });
+            r.map_err(to_py)
+        }
+        other => {
+            *state() = other;
+            Ok(())
+        }
+    }
+}
+
+/// Whether `init()` has been called (and `shutdown()` has not).
+#[pyfunction]
+pub(super) fn is_initialized() -> bool {
+    matches!(&*state(), State::Running(..))
+}
+
+/// `(rank, size, local_rank, local_size, cross_rank, cross_size)`.
+#[pyfunction]
+pub(super) fn topology() -> PyResult<(usize, usize, usize, usize, usize, usize)> {
+    let e = engine()?;
+    let t = e.topology();
+    Ok((
+        t.rank,
+        t.size,
+        t.local_rank,
+        t.local_size,
+        t.cross_rank,
+        t.cross_size,
+    ))
+}
+
+/// The transport the runtime uses (`tcp`, `shm`, `hier`, `mpi`, `local`, ...).
+#[pyfunction]
+pub(super) fn backend() -> PyResult<&'static str> {
+    match &*state() {
+        State::Running(_, b) => Ok(b),
+        _ => Err(not_initialized()),
+    }
+}
+
+/// Whether the MPI transport was compiled in.
+#[pyfunction]
+pub(super) fn mpi_built() -> bool {
+    fh_transport::MPI_BUILT
+}
+
+/// Whether CUDA support was compiled in (feature `cuda`).
+#[pyfunction]
+pub(super) fn cuda_built() -> bool {
+    cfg!(feature = "cuda")
+}
+
+/// Whether NCCL support was compiled in (feature `cuda`: NCCL is loaded at run time).
+#[pyfunction]
+pub(super) fn nccl_built() -> bool {
+    cfg!(feature = "cuda")
+}
+
+/// Start writing the timeline (rank 0 writes).
+#[pyfunction]
+pub(super) fn start_timeline(path: &str) -> PyResult<()> {
+    engine()?.start_timeline(Path::new(path)).map_err(to_py)
+}
+
+/// Stop writing the timeline.
+#[pyfunction]
+pub(super) fn stop_timeline() -> PyResult<()> {
+    engine()?.stop_timeline();
+    Ok(())
+}
+
+/// The engine's counters, as a dict-friendly list of pairs.
+#[pyfunction]
+pub(super) fn stats() -> PyResult<Vec<(String, u64)>> {
+    let s = engine()?.stats();
+    Ok(vec![
+        ("completed".into(), s.completed),
+        ("cache_hits".into(), s.cache_hits),
+        ("rounds".into(), s.rounds),
+        ("fused_groups".into(), s.fused_groups),
+        ("data_bytes".into(), s.data_bytes),
+    ])
+}
+
+/// Collectively (every rank) add a process set of the world ranks `ranks`; returns its id,
+/// the same on every rank. A list that differs between ranks, is empty, repeats a rank, names
+/// a rank outside the world or equals an existing set raises `ValueError` on every rank.
+#[pyfunction]
+pub(super) fn add_process_set(py: Python<'_>, ranks: Vec<i64>) -> PyResult<u32> {
+    let sets = sets()?;
+    let world = engine()?;
+    let ranks = ranks
+        .into_iter()
+        .map(|r| {
+            usize::try_from(r)
+                .map_err(|_| PyValueError::new_err(format!("rank {r} is out of range")))
+        })
+        .collect::<PyResult<Vec<usize>>>()?;
+    let cfg = world.config().clone();
+    py.detach(move || sets.add(&world, &ranks, &cfg))
+        .map_err(to_py)
+}
+
+/// Collectively (every rank) remove process set `id`; unknown ids (and 0, the global set)
+/// raise `ValueError` on every rank.
+#[pyfunction]
+pub(super) fn remove_process_set(py: Python<'_>, id: u32) -> PyResult<()> {
+    let sets = sets()?;
+    let world = engine()?;
+    py.detach(move || sets.remove(&world, id)).map_err(to_py)
+}
+
+/// The world ranks of process set `id`, ascending.
+#[pyfunction]
+pub(super) fn process_set_ranks(id: u32) -> PyResult<Vec<usize>> {
+    if id == 0 {
+        return Ok((0..engine()?.size()).collect());
+    }
+    sets()?.members(id).map_err(to_py)
+}
+
+/// The ids of the process sets added so far and not removed (0, the global set, first).
+#[pyfunction]
+pub(super) fn process_set_ids() -> PyResult<Vec<u32>> {
+    let mut ids = vec![0];
+    ids.extend(sets()?.list().into_iter().map(|(id, _)| id));
+    Ok(ids)
+}
