@@ -9,8 +9,8 @@ import torch
 from fasthorovod import _core
 from fasthorovod.common.process_sets import _check as _check_process_set
 from fasthorovod.common.process_sets import global_process_set
-from fasthorovod.torch.mpi_ops import (_bytes_of, allgather_async, broadcast_async_,
-                                       synchronize)
+from fasthorovod.torch._ops import _bytes_of
+from fasthorovod.torch.mpi_ops import allgather_async, broadcast_async_, synchronize
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set):

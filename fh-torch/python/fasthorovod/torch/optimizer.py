@@ -9,8 +9,8 @@ import torch
 from fasthorovod.common.process_sets import _check as _check_process_set
 from fasthorovod.common.process_sets import global_process_set
 from fasthorovod.torch.compression import Compression
-from fasthorovod.torch.mpi_ops import (Average, _resolve_op, allreduce_async_,
-                                       synchronize)
+from fasthorovod.torch._ops import _resolve_op
+from fasthorovod.torch.mpi_ops import Average, allreduce_async_, synchronize
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
