@@ -80,29 +80,38 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_a_killed_rank_fails_the_others_naming_it(tmp_path, transport):
-    script = tmp_path / "kill.py"
-    script.write_text(KILL_SCRIPT)
+def run_ranks(script, n, transport, timeout):
+    """Run ``script`` as ``n`` ranks on this host (the FH_* environment a launcher gives);
+    returns the processes and their outputs. Every wait is bounded; leftovers are killed."""
     port = free_port()
     token = secrets.token_hex(16)
     procs = []
-    for r in range(2):
-        env = dict(os.environ, FH_RANK=str(r), FH_SIZE="2", FH_LOCAL_RANK=str(r),
-                   FH_LOCAL_SIZE="2", FH_CROSS_RANK="0", FH_CROSS_SIZE="1",
+    for r in range(n):
+        env = dict(os.environ, FH_RANK=str(r), FH_SIZE=str(n), FH_LOCAL_RANK=str(r),
+                   FH_LOCAL_SIZE=str(n), FH_CROSS_RANK="0", FH_CROSS_SIZE="1",
                    FH_RENDEZVOUS_ADDR=f"127.0.0.1:{port}", FH_JOB_TOKEN=token,
                    FH_TRANSPORT=transport, FH_TIMEOUT_SECONDS="20")
         procs.append(subprocess.Popen([PYTHON, str(script)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
+    outs = []
     try:
-        out0, _ = procs[0].communicate(timeout=60)
-        procs[1].communicate(timeout=60)
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.communicate()
+    return procs, outs
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_killed_rank_fails_the_others_naming_it(tmp_path, transport):
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    procs, outs = run_ranks(script, 2, transport, timeout=60)
+    out0 = outs[0]
     assert procs[1].returncode == -signal.SIGKILL
     assert procs[0].returncode == 0, out0
     assert "pending failed" in out0 and "rank 1" in out0, out0
@@ -179,26 +188,7 @@ def test_static_process_sets_and_a_killed_member(tmp_path, transport):
     set goes on working."""
     script = tmp_path / "sets.py"
     script.write_text(SETS_KILL_SCRIPT)
-    port = free_port()
-    token = secrets.token_hex(16)
-    procs = []
-    for r in range(4):
-        env = dict(os.environ, FH_RANK=str(r), FH_SIZE="4", FH_LOCAL_RANK=str(r),
-                   FH_LOCAL_SIZE="4", FH_CROSS_RANK="0", FH_CROSS_SIZE="1",
-                   FH_RENDEZVOUS_ADDR=f"127.0.0.1:{port}", FH_JOB_TOKEN=token,
-                   FH_TRANSPORT=transport, FH_TIMEOUT_SECONDS="20")
-        procs.append(subprocess.Popen([PYTHON, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=90)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
+    procs, outs = run_ranks(script, 4, transport, timeout=90)
     assert procs[3].returncode == -signal.SIGKILL
     for r in range(3):
         assert procs[r].returncode == 0, outs[r]
