@@ -5,13 +5,11 @@
 
 mod common;
 
-use std::io::Read;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::cases::Lcg;
+use common::procs::{result_line, run_ranks};
 use common::{run_world, LIMIT};
 use fh_scheduler::{AllreduceOptions, Config, Engine, ProcessSets, ReduceOp, Tensor};
 
@@ -242,79 +240,15 @@ fn collective_errors_are_the_same_on_every_rank() {
 
 const SCENARIO: &str = "FH_TEST_PS_SCENARIO";
 
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// Run `size` ranks of `scenario` over `transport` (`tcp` or `shm`); returns each rank's exit
 /// success and output.
 fn run(size: usize, scenario: &str, transport: &str) -> Vec<(bool, String)> {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("an ephemeral port");
-    let token = format!(
-        "{:032x}",
-        u128::from(std::process::id()) << 64 | u128::from(port)
-    );
-    let exe = std::env::current_exe().expect("current exe");
-    let mut kids = Children(Vec::new());
-    for rank in 0..size {
-        let mut cmd = Command::new(&exe);
-        cmd.args(["ps_child_rank", "--exact", "--ignored", "--nocapture"])
-            .env(SCENARIO, scenario)
-            .env("FH_RANK", rank.to_string())
-            .env("FH_SIZE", size.to_string())
-            .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
-            .env("FH_JOB_TOKEN", &token)
-            .env("FH_TIMEOUT_SECONDS", "20")
-            .env("FH_TRANSPORT", transport)
-            .env("FH_CHANNELS", "2")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        kids.0.push(cmd.spawn().expect("spawn a rank"));
-    }
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut status = vec![None; size];
-    while status.iter().any(Option::is_none) {
-        for (i, c) in kids.0.iter_mut().enumerate() {
-            if status[i].is_none() {
-                if let Ok(Some(s)) = c.try_wait() {
-                    status[i] = Some(s.success());
-                }
-            }
-        }
-        assert!(Instant::now() < deadline, "ranks did not finish in time");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    kids.0
-        .iter_mut()
-        .zip(status)
-        .map(|(c, ok)| {
-            let mut out = String::new();
-            if let Some(mut s) = c.stdout.take() {
-                let _ = s.read_to_string(&mut out);
-            }
-            if let Some(mut s) = c.stderr.take() {
-                let _ = s.read_to_string(&mut out);
-            }
-            (ok.unwrap_or(false), out)
-        })
-        .collect()
-}
-
-fn result_line(out: &str) -> &str {
-    out.lines()
-        .find_map(|l| l.find("RESULT ").map(|i| &l[i + 7..]))
-        .unwrap_or_else(|| panic!("no RESULT line in:\n{out}"))
+    let env = [
+        (SCENARIO, scenario),
+        ("FH_TRANSPORT", transport),
+        ("FH_CHANNELS", "2"),
+    ];
+    run_ranks(size, "ps_child_rank", &env, Duration::from_secs(120))
 }
 
 #[test]

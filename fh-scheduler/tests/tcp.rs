@@ -8,10 +8,11 @@
 //! one `RESULT` line. A guard kills and reaps the children when the test ends, also on failure;
 //! every wait is bounded.
 
-use std::io::Read;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
+
+use common::procs::{result_line, run_ranks};
 
 use fh_scheduler::{AllreduceOptions, Config, Engine, ReduceOp, Tensor};
 
@@ -19,97 +20,12 @@ const SCENARIO: &str = "FH_TEST_SCENARIO";
 const DEADLINE: Duration = Duration::from_secs(120);
 const WAIT: Duration = Duration::from_secs(60);
 
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("an ephemeral port")
-}
-
 /// Run `size` ranks of `scenario` with `extra` environment; returns each rank's exit success
 /// and output.
 fn run(size: usize, scenario: &str, extra: &[(&str, &str)]) -> Vec<(bool, String)> {
-    let port = free_port();
-    let token = format!(
-        "{:032x}",
-        (u128::from(std::process::id()) << 64) | u128::from(port) << 16 | 0xbeef
-    );
-    let exe = std::env::current_exe().expect("current exe");
-    let mut kids = Children(Vec::new());
-    for rank in 0..size {
-        let mut cmd = Command::new(&exe);
-        cmd.args([
-            "child_rank",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(SCENARIO, scenario)
-        .env("FH_RANK", rank.to_string())
-        .env("FH_SIZE", size.to_string())
-        .env("FH_LOCAL_RANK", rank.to_string())
-        .env("FH_LOCAL_SIZE", size.to_string())
-        .env("FH_CROSS_RANK", "0")
-        .env("FH_CROSS_SIZE", "1")
-        .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
-        .env("FH_JOB_TOKEN", &token)
-        .env("FH_TIMEOUT_SECONDS", "20")
-        .env("FH_TRANSPORT", "tcp")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-        for (k, v) in extra {
-            cmd.env(k, v);
-        }
-        kids.0.push(cmd.spawn().expect("spawn a rank"));
-    }
-    let start = Instant::now();
-    let mut status = vec![None; size];
-    while status.iter().any(Option::is_none) {
-        for (i, c) in kids.0.iter_mut().enumerate() {
-            if status[i].is_none() {
-                if let Ok(Some(s)) = c.try_wait() {
-                    status[i] = Some(s.success());
-                }
-            }
-        }
-        if start.elapsed() > DEADLINE {
-            panic!("ranks did not finish within {DEADLINE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    kids.0
-        .iter_mut()
-        .zip(status)
-        .map(|(c, ok)| {
-            let mut out = String::new();
-            if let Some(mut s) = c.stdout.take() {
-                let _ = s.read_to_string(&mut out);
-            }
-            if let Some(mut s) = c.stderr.take() {
-                let _ = s.read_to_string(&mut out);
-            }
-            (ok.unwrap_or(false), out)
-        })
-        .collect()
-}
-
-fn result_line(out: &str) -> &str {
-    out.lines()
-        .find_map(|l| l.find("RESULT ").map(|i| &l[i + 7..]))
-        .unwrap_or_else(|| panic!("no RESULT line in:\n{out}"))
+    let mut env = vec![(SCENARIO, scenario), ("FH_TRANSPORT", "tcp")];
+    env.extend_from_slice(extra);
+    run_ranks(size, "child_rank", &env, DEADLINE)
 }
 
 #[test]

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod cases;
+pub mod procs;
 
 use std::sync::mpsc;
 use std::time::Duration;
