@@ -5,6 +5,12 @@ use std::time::Duration;
 
 use crate::SchedulerError;
 
+mod agree;
+mod parse;
+
+pub(crate) use agree::agree;
+use parse::{parse_bytes, parse_seconds, parse_u64};
+
 const MIB: u64 = 1024 * 1024;
 
 /// A schedule preset.
@@ -430,110 +436,6 @@ impl Config {
     }
 }
 
-/// The settings that shape what a negotiation round decides (or whether a rank stops), as
-/// `(variable, value)`: every rank must hold the same values.
-fn planning_fields(c: &Config) -> Vec<(&'static str, i64)> {
-    let clamp = |x: u64| x.min(i64::MAX as u64) as i64;
-    let millis = |d: Option<Duration>| d.map_or(0, |d| clamp(d.as_millis() as u64));
-    vec![
-        (
-            "FH_SCHEDULE",
-            match c.preset {
-                Preset::FastHorovod => 0,
-                Preset::Horovod => 1,
-            },
-        ),
-        ("FH_CHANNELS", c.effective_channels() as i64),
-        ("FH_CACHE_CAPACITY", clamp(c.cache_capacity as u64)),
-        ("FH_FUSION_THRESHOLD", clamp(c.fusion_threshold)),
-        ("FH_PARTITION_BYTES", clamp(c.partition_bytes)),
-        (
-            "FH_PRIORITY",
-            match c.priority {
-                Priority::Ready => 0,
-                Priority::Forward => 1,
-            },
-        ),
-        ("FH_STALL_SHUTDOWN_SECONDS", millis(c.stall_shutdown)),
-        ("FH_BACKPRESSURE_BYTES", clamp(c.backpressure_bytes)),
-        ("FH_BACKPRESSURE_MAX_MS", millis(Some(c.backpressure_max))),
-        ("FH_CUDA", i64::from(c.cuda)),
-    ]
-}
-
-/// The start-up agreement: every rank checks that the others run with the same
-/// [`planning_fields`], so that a difference is a clear configuration error naming the
-/// variable on every rank instead of diverging rounds later. Collective over `comm`.
-pub(crate) fn agree(
-    comm: &mut dyn fh_transport::Communicator,
-    c: &Config,
-) -> Result<(), SchedulerError> {
-    use fh_core::{DType, ReduceOp};
-    let fields = planning_fields(c);
-    let vals: Vec<i64> = fields.iter().map(|f| f.1).collect();
-    let mut lo: Vec<u8> = bytemuck::cast_slice(&vals).to_vec();
-    let mut hi = lo.clone();
-    comm.allreduce(&mut lo, DType::I64, ReduceOp::Min)?;
-    comm.allreduce(&mut hi, DType::I64, ReduceOp::Max)?;
-    let lo: Vec<i64> = crate::tensor::read_vec(&lo);
-    let hi: Vec<i64> = crate::tensor::read_vec(&hi);
-    for (i, (var, _)) in fields.iter().enumerate() {
-        if lo[i] != hi[i] {
-            return Err(SchedulerError::config(
-                var,
-                format!(
-                    "ranks disagree (one has {}, another {}); every rank must use the same setting",
-                    lo[i], hi[i]
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn parse_u64(var: &str, v: &str) -> Result<u64, SchedulerError> {
-    v.trim()
-        .parse::<u64>()
-        .map_err(|_| SchedulerError::config(var, format!("'{v}' is not a non-negative integer")))
-}
-
-fn parse_seconds(var: &str, v: &str, unit: f64) -> Result<Duration, SchedulerError> {
-    match v.trim().parse::<f64>() {
-        Ok(x) if x.is_finite() && x >= 0.0 && x * unit < 1e9 => {
-            Ok(Duration::from_secs_f64(x * unit))
-        }
-        _ => Err(SchedulerError::config(
-            var,
-            format!("'{v}' is not a non-negative number"),
-        )),
-    }
-}
-
-/// Parse a byte size: a plain integer, or one with a suffix K/KB/KiB, M/MB/MiB, G/GB/GiB
-/// (all binary multiples).
-fn parse_bytes(var: &str, v: &str) -> Result<u64, SchedulerError> {
-    let s = v.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, suffix) = s.split_at(split);
-    let mult = match suffix.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1024,
-        "m" | "mb" | "mib" => MIB,
-        "g" | "gb" | "gib" => 1024 * MIB,
-        _ => 0,
-    };
-    num.parse::<u64>()
-        .ok()
-        .filter(|_| mult > 0)
-        .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| {
-            SchedulerError::config(
-                var,
-                format!("'{v}' is not a byte size; accepted: an integer with an optional suffix K, M or G (e.g. 67108864, 64MiB)"),
-            )
-        })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -619,7 +521,7 @@ mod tests {
             );
         }
         // It is a planning field: ranks that disagree refuse to start.
-        assert!(planning_fields(&Config::default().cuda(true)).contains(&("FH_CUDA", 1)));
+        assert!(agree::planning_fields(&Config::default().cuda(true)).contains(&("FH_CUDA", 1)));
     }
 
     #[test]

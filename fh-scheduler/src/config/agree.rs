@@ -1,0 +1,67 @@
+//! The start-up agreement: the settings that shape a round must be the same on every rank.
+
+use std::time::Duration;
+
+use super::{Config, Preset, Priority};
+use crate::SchedulerError;
+
+/// The settings that shape what a negotiation round decides (or whether a rank stops), as
+/// `(variable, value)`: every rank must hold the same values.
+pub(crate) fn planning_fields(c: &Config) -> Vec<(&'static str, i64)> {
+    let clamp = |x: u64| x.min(i64::MAX as u64) as i64;
+    let millis = |d: Option<Duration>| d.map_or(0, |d| clamp(d.as_millis() as u64));
+    vec![
+        (
+            "FH_SCHEDULE",
+            match c.preset {
+                Preset::FastHorovod => 0,
+                Preset::Horovod => 1,
+            },
+        ),
+        ("FH_CHANNELS", c.effective_channels() as i64),
+        ("FH_CACHE_CAPACITY", clamp(c.cache_capacity as u64)),
+        ("FH_FUSION_THRESHOLD", clamp(c.fusion_threshold)),
+        ("FH_PARTITION_BYTES", clamp(c.partition_bytes)),
+        (
+            "FH_PRIORITY",
+            match c.priority {
+                Priority::Ready => 0,
+                Priority::Forward => 1,
+            },
+        ),
+        ("FH_STALL_SHUTDOWN_SECONDS", millis(c.stall_shutdown)),
+        ("FH_BACKPRESSURE_BYTES", clamp(c.backpressure_bytes)),
+        ("FH_BACKPRESSURE_MAX_MS", millis(Some(c.backpressure_max))),
+        ("FH_CUDA", i64::from(c.cuda)),
+    ]
+}
+
+/// The start-up agreement: every rank checks that the others run with the same
+/// [`planning_fields`], so that a difference is a clear configuration error naming the
+/// variable on every rank instead of diverging rounds later. Collective over `comm`.
+pub(crate) fn agree(
+    comm: &mut dyn fh_transport::Communicator,
+    c: &Config,
+) -> Result<(), SchedulerError> {
+    use fh_core::{DType, ReduceOp};
+    let fields = planning_fields(c);
+    let vals: Vec<i64> = fields.iter().map(|f| f.1).collect();
+    let mut lo: Vec<u8> = bytemuck::cast_slice(&vals).to_vec();
+    let mut hi = lo.clone();
+    comm.allreduce(&mut lo, DType::I64, ReduceOp::Min)?;
+    comm.allreduce(&mut hi, DType::I64, ReduceOp::Max)?;
+    let lo: Vec<i64> = crate::tensor::read_vec(&lo);
+    let hi: Vec<i64> = crate::tensor::read_vec(&hi);
+    for (i, (var, _)) in fields.iter().enumerate() {
+        if lo[i] != hi[i] {
+            return Err(SchedulerError::config(
+                var,
+                format!(
+                    "ranks disagree (one has {}, another {}); every rank must use the same setting",
+                    lo[i], hi[i]
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
