@@ -24,11 +24,11 @@ use fh_core::message::{CollectiveKind, GroupTag, Request, Response};
 use fh_core::{wire, DType, ReduceOp};
 use fh_transport::Communicator;
 
-use crate::engine::{Entry, Inner, Msg};
 use crate::exec::{Executor, Job, Op, OpState};
 use crate::handle::Completion;
 use crate::negotiate::coordinator::{joins_with_zeros, Table};
 use crate::negotiate::{collect, fault, stall};
+use crate::shared::{Entry, Inner, Msg};
 use crate::stats::{Counters, GroupRecord};
 use crate::{Preset, SchedulerError, Tensor};
 

@@ -3,228 +3,24 @@
 use std::collections::HashSet;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use crossbeam_channel::{unbounded, Sender};
-use fh_core::message::{CollectiveKind, Device, GroupTag, Request, Signature};
+use crossbeam_channel::unbounded;
+use fh_core::message::{CollectiveKind, GroupTag, Request, Signature};
 use fh_core::{kernels, DType, ReduceOp};
 use fh_transport::subset::SubsetTransport;
 use fh_transport::{Topology, Transport};
 
 use crate::control::Control;
-use crate::handle::{Completion, GroupHandle, Handle, OpResult};
+use crate::handle::{Completion, GroupHandle, Handle};
+use crate::options::no_reduction;
+pub use crate::options::{AllreduceOptions, CollectiveOptions};
+use crate::shared::{lock, Entry, Gate, Inner, Msg};
 use crate::stats::{Counters, EngineStats, GroupRecord, StallReport};
 use crate::timeline::Timeline;
 use crate::{Config, SchedulerError, Tensor};
-
-/// Options of a collective: every `*_with` submission method takes them.
-///
-/// `op`, `prescale` and `postscale` apply to the reducing collectives (allreduce, grouped
-/// allreduce, reduce-scatter) and must be left at their defaults otherwise; `priority` and
-/// `device` apply to every collective.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct CollectiveOptions {
-    /// The reduction (default `Average`, as in Horovod).
-    pub op: ReduceOp,
-    /// Factor applied to the input before the reduction (reducing collectives only).
-    pub prescale: f64,
-    /// Factor applied to the result (reducing collectives only).
-    pub postscale: f64,
-    /// Priority under `FH_PRIORITY=forward` (lower first, e.g. the layer index).
-    pub priority: i64,
-    /// Where the tensor lives (part of the negotiated signature).
-    pub device: Device,
-}
-
-/// The options of an allreduce: [`CollectiveOptions`] under the name earlier releases used.
-pub type AllreduceOptions = CollectiveOptions;
-
-impl Default for CollectiveOptions {
-    fn default() -> Self {
-        CollectiveOptions {
-            op: ReduceOp::Average,
-            prescale: 1.0,
-            postscale: 1.0,
-            priority: 0,
-            device: Device::Cpu,
-        }
-    }
-}
-
-impl CollectiveOptions {
-    /// Default options with another reduce op.
-    pub fn with_op(op: ReduceOp) -> Self {
-        CollectiveOptions {
-            op,
-            ..Self::default()
-        }
-    }
-    /// Set the reduce op.
-    pub fn op(mut self, op: ReduceOp) -> Self {
-        self.op = op;
-        self
-    }
-    /// Set the prescale factor.
-    pub fn prescale(mut self, f: f64) -> Self {
-        self.prescale = f;
-        self
-    }
-    /// Set the postscale factor.
-    pub fn postscale(mut self, f: f64) -> Self {
-        self.postscale = f;
-        self
-    }
-    /// Set the priority.
-    pub fn priority(mut self, p: i64) -> Self {
-        self.priority = p;
-        self
-    }
-    /// Set the device.
-    pub fn device(mut self, d: Device) -> Self {
-        self.device = d;
-        self
-    }
-}
-
-/// A submitted operation before negotiation.
-pub(crate) struct Entry {
-    pub req: Request,
-    pub tensor: Tensor,
-    pub splits: Option<Vec<usize>>,
-    pub cell: Arc<Completion>,
-    pub submitted: Instant,
-}
-
-pub(crate) enum Msg {
-    Submit(Box<Entry>),
-    Join(Arc<Completion>),
-    Shutdown,
-    Wake,
-}
-
-struct Gate {
-    closed: Option<SchedulerError>,
-    tx: Sender<Msg>,
-}
-
-/// State shared by the public API, the control thread and the channel workers.
-pub(crate) struct Inner {
-    pub rank: usize,
-    pub size: usize,
-    pub config: Config,
-    gate: Mutex<Gate>,
-    in_flight: Mutex<HashSet<String>>,
-    pub counters: Counters,
-    stalls: Mutex<Vec<StallReport>>,
-    barrier_seq: AtomicU64,
-    groups: Mutex<Vec<GroupRecord>>,
-    timeline: RwLock<Option<Arc<Timeline>>>,
-    /// The GPU path: the device the channels drive, or why there is none.
-    pub(crate) gpu: crate::gpu::GpuState,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-impl Inner {
-    /// The timeline being written, if any (rank 0 only).
-    pub(crate) fn timeline(&self) -> Option<Arc<Timeline>> {
-        self.timeline
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    fn set_timeline(&self, t: Option<Arc<Timeline>>) {
-        *self.timeline.write().unwrap_or_else(|p| p.into_inner()) = t;
-    }
-
-    /// The reason the engine stopped, if it has.
-    pub(crate) fn failure(&self) -> Option<SchedulerError> {
-        lock(&self.gate).closed.clone()
-    }
-
-    /// Stop the engine with `err` (first reason wins) and wake the control thread.
-    pub(crate) fn fail(&self, err: SchedulerError) {
-        let mut g = lock(&self.gate);
-        if g.closed.is_none() {
-            g.closed = Some(err);
-        }
-        let _ = g.tx.send(Msg::Wake);
-    }
-
-    /// Deliver a result: the name leaves the in-flight set first, so that it can be submitted
-    /// again as soon as the caller has the result.
-    pub(crate) fn finish(&self, name: &str, cell: &Completion, result: OpResult) {
-        lock(&self.in_flight).remove(name);
-        Counters::add(&self.counters.completed, 1);
-        cell.complete(result);
-    }
-
-    pub(crate) fn record_stall(&self, r: StallReport) {
-        Counters::add(&self.counters.stall_warnings, 1);
-        lock(&self.stalls).push(r);
-    }
-
-    pub(crate) fn record_group(&self, g: GroupRecord) {
-        lock(&self.groups).push(g);
-    }
-
-    /// Submit entries atomically: either every one is accepted (in order) or none is, so that
-    /// a refused member of a grouped submission leaves no other member in flight.
-    fn submit(&self, entries: Vec<Entry>) -> Result<(), SchedulerError> {
-        let g = lock(&self.gate);
-        if let Some(e) = &g.closed {
-            return Err(e.clone());
-        }
-        let mut in_flight = lock(&self.in_flight);
-        for (i, e) in entries.iter().enumerate() {
-            let name = &e.req.name;
-            if in_flight.contains(name) || entries[..i].iter().any(|o| &o.req.name == name) {
-                return Err(SchedulerError::DuplicateName { name: name.clone() });
-            }
-        }
-        for e in &entries {
-            in_flight.insert(e.req.name.clone());
-        }
-        drop(in_flight);
-        let names: Vec<String> = entries.iter().map(|e| e.req.name.clone()).collect();
-        for e in entries {
-            if g.tx.send(Msg::Submit(Box::new(e))).is_err() {
-                // The control thread is gone: nothing sent will ever run.
-                let mut in_flight = lock(&self.in_flight);
-                for n in &names {
-                    in_flight.remove(n);
-                }
-                return Err(SchedulerError::ShutDown {
-                    reason: "the control thread is gone".into(),
-                });
-            }
-        }
-        Ok(())
-    }
-
-    fn send(&self, msg: Msg) -> Result<(), SchedulerError> {
-        let g = lock(&self.gate);
-        if let Some(e) = &g.closed {
-            return Err(e.clone());
-        }
-        g.tx.send(msg).map_err(|_| SchedulerError::ShutDown {
-            reason: "the control thread is gone".into(),
-        })
-    }
-
-    /// Close the gate (no more submissions) and return whether it was open.
-    pub(crate) fn close(&self, err: SchedulerError) {
-        let mut g = lock(&self.gate);
-        if g.closed.is_none() {
-            g.closed = Some(err);
-        }
-    }
-}
 
 /// The FastHorovod engine of one rank: submit named collectives, get handles.
 ///
@@ -811,21 +607,6 @@ impl Drop for Engine {
     fn drop(&mut self) {
         let _ = self.stop();
     }
-}
-
-/// The options of a collective that reduces nothing: scale factors are refused (they would
-/// be silently ignored), the op is normalised so that it never makes ranks disagree.
-fn no_reduction(kind: &str, opts: CollectiveOptions) -> Result<CollectiveOptions, SchedulerError> {
-    if opts.prescale != 1.0 || opts.postscale != 1.0 {
-        return Err(SchedulerError::InvalidArgument(format!(
-            "{kind} does not reduce: prescale and postscale factors apply only to allreduce and \
-             reduce-scatter"
-        )));
-    }
-    Ok(CollectiveOptions {
-        op: ReduceOp::Sum,
-        ..opts
-    })
 }
 
 #[cfg(test)]

@@ -10,8 +10,8 @@ use fh_core::message::{CollectiveKind, Signature};
 use fh_core::ReduceOp;
 use fh_transport::{CollectivesExt, Communicator, TransportError};
 
-use crate::engine::Inner;
 use crate::handle::Completion;
+use crate::shared::Inner;
 use crate::stats::Counters;
 use crate::{SchedulerError, Tensor};
 

@@ -1,0 +1,154 @@
+//! State shared by the public API (engine), the control thread (control) and the channel
+//! workers (exec): submissions on their way in, the gate that closes on shutdown, counters,
+//! reports and the timeline. It imports none of those modules, so they form no cycle.
+
+use std::collections::HashSet;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Instant;
+
+use crossbeam_channel::Sender;
+use fh_core::message::Request;
+
+use crate::handle::{Completion, OpResult};
+use crate::stats::{Counters, GroupRecord, StallReport};
+use crate::timeline::Timeline;
+use crate::{Config, SchedulerError, Tensor};
+
+/// A submitted operation before negotiation.
+pub(crate) struct Entry {
+    pub req: Request,
+    pub tensor: Tensor,
+    pub splits: Option<Vec<usize>>,
+    pub cell: Arc<Completion>,
+    pub submitted: Instant,
+}
+
+pub(crate) enum Msg {
+    Submit(Box<Entry>),
+    Join(Arc<Completion>),
+    Shutdown,
+    Wake,
+}
+
+pub(crate) struct Gate {
+    pub(crate) closed: Option<SchedulerError>,
+    pub(crate) tx: Sender<Msg>,
+}
+
+/// State shared by the public API, the control thread and the channel workers.
+pub(crate) struct Inner {
+    pub rank: usize,
+    pub size: usize,
+    pub config: Config,
+    pub(crate) gate: Mutex<Gate>,
+    pub(crate) in_flight: Mutex<HashSet<String>>,
+    pub counters: Counters,
+    pub(crate) stalls: Mutex<Vec<StallReport>>,
+    pub(crate) barrier_seq: AtomicU64,
+    pub(crate) groups: Mutex<Vec<GroupRecord>>,
+    pub(crate) timeline: RwLock<Option<Arc<Timeline>>>,
+    /// The GPU path: the device the channels drive, or why there is none.
+    pub(crate) gpu: crate::gpu::GpuState,
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Inner {
+    /// The timeline being written, if any (rank 0 only).
+    pub(crate) fn timeline(&self) -> Option<Arc<Timeline>> {
+        self.timeline
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub(crate) fn set_timeline(&self, t: Option<Arc<Timeline>>) {
+        *self.timeline.write().unwrap_or_else(|p| p.into_inner()) = t;
+    }
+
+    /// The reason the engine stopped, if it has.
+    pub(crate) fn failure(&self) -> Option<SchedulerError> {
+        lock(&self.gate).closed.clone()
+    }
+
+    /// Stop the engine with `err` (first reason wins) and wake the control thread.
+    pub(crate) fn fail(&self, err: SchedulerError) {
+        let mut g = lock(&self.gate);
+        if g.closed.is_none() {
+            g.closed = Some(err);
+        }
+        let _ = g.tx.send(Msg::Wake);
+    }
+
+    /// Deliver a result: the name leaves the in-flight set first, so that it can be submitted
+    /// again as soon as the caller has the result.
+    pub(crate) fn finish(&self, name: &str, cell: &Completion, result: OpResult) {
+        lock(&self.in_flight).remove(name);
+        Counters::add(&self.counters.completed, 1);
+        cell.complete(result);
+    }
+
+    pub(crate) fn record_stall(&self, r: StallReport) {
+        Counters::add(&self.counters.stall_warnings, 1);
+        lock(&self.stalls).push(r);
+    }
+
+    pub(crate) fn record_group(&self, g: GroupRecord) {
+        lock(&self.groups).push(g);
+    }
+
+    /// Submit entries atomically: either every one is accepted (in order) or none is, so that
+    /// a refused member of a grouped submission leaves no other member in flight.
+    pub(crate) fn submit(&self, entries: Vec<Entry>) -> Result<(), SchedulerError> {
+        let g = lock(&self.gate);
+        if let Some(e) = &g.closed {
+            return Err(e.clone());
+        }
+        let mut in_flight = lock(&self.in_flight);
+        for (i, e) in entries.iter().enumerate() {
+            let name = &e.req.name;
+            if in_flight.contains(name) || entries[..i].iter().any(|o| &o.req.name == name) {
+                return Err(SchedulerError::DuplicateName { name: name.clone() });
+            }
+        }
+        for e in &entries {
+            in_flight.insert(e.req.name.clone());
+        }
+        drop(in_flight);
+        let names: Vec<String> = entries.iter().map(|e| e.req.name.clone()).collect();
+        for e in entries {
+            if g.tx.send(Msg::Submit(Box::new(e))).is_err() {
+                // The control thread is gone: nothing sent will ever run.
+                let mut in_flight = lock(&self.in_flight);
+                for n in &names {
+                    in_flight.remove(n);
+                }
+                return Err(SchedulerError::ShutDown {
+                    reason: "the control thread is gone".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn send(&self, msg: Msg) -> Result<(), SchedulerError> {
+        let g = lock(&self.gate);
+        if let Some(e) = &g.closed {
+            return Err(e.clone());
+        }
+        g.tx.send(msg).map_err(|_| SchedulerError::ShutDown {
+            reason: "the control thread is gone".into(),
+        })
+    }
+
+    /// Close the gate (no more submissions) and return whether it was open.
+    pub(crate) fn close(&self, err: SchedulerError) {
+        let mut g = lock(&self.gate);
+        if g.closed.is_none() {
+            g.closed = Some(err);
+        }
+    }
+}
