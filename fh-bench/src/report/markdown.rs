@@ -1,0 +1,212 @@
+//! `report.md`: the tables of every suite, with the plots linked.
+
+use std::fmt::Write as _;
+
+use super::*;
+
+/// The Markdown report.
+pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> String {
+    let mut md = String::new();
+    let c = &r.config;
+    let _ = writeln!(md, "# FastHorovod benchmark report\n");
+    let _ = writeln!(
+        md,
+        "- started {} on `{}` ({} CPUs, {}), revision `{}`, {}\n- {} ranks, launcher `{}`{}, \
+         suites: {}{}\n- machine-readable figures: [run.json](run.json)\n",
+        r.started_utc,
+        r.host.hostname,
+        r.host.cpus,
+        r.host.os,
+        r.git_revision,
+        r.tool,
+        c.np,
+        c.launcher,
+        c.hosts
+            .as_deref()
+            .map(|h| format!(" on {h}"))
+            .unwrap_or_default(),
+        c.suites.join(", "),
+        if c.quick { " (quick)" } else { "" },
+    );
+    let _ = writeln!(md, "{}", machine_line(r));
+
+    if !r.replay.is_empty() {
+        let _ = writeln!(
+            md,
+            "## Workload replay (headline)\n\nGradients released over an emulated backward pass \
+             of {} ms at fixed deadlines; step = backward start to last gradient reduced \
+             (slowest rank); exposed = step − backward. Each configuration ran {} time(s), \
+             interleaved round-robin with the others; step and exposed: median [min–max] over \
+             the {} timed steps of every run; per run: each run's median exposed; ÷ ddp-gloo \
+             and ÷ horovod-torch: the exposed ratio within each round, median [min–max] over \
+             the rounds; ÷ horovod: medians against the engine's `horovod` preset.\n",
+            c.backward_ms, c.replay_repeats, c.steps
+        );
+        let _ = writeln!(md, "| workload | schedule (transport) | step | exposed | exposed per run | throughput | step ÷ horovod | exposed ÷ horovod | exposed ÷ ddp-gloo | exposed ÷ horovod-torch | bytes per channel |");
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|");
+        for x in &r.replay {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                x.workload,
+                x.config_label(),
+                x.step.display(1),
+                x.exposed.display(1),
+                per_run(&x.exposed_per_repeat),
+                x.throughput.display(2),
+                x.step_ratio_to_horovod
+                    .map_or("–".into(), |v| format!("{v:.2}")),
+                x.exposed_ratio_to_horovod
+                    .map_or("–".into(), |v| format!("{v:.2}")),
+                x.exposed_vs_ddp
+                    .as_ref()
+                    .map_or("–".into(), |q| q.display(2)),
+                x.exposed_vs_horovod_torch
+                    .as_ref()
+                    .map_or("–".into(), |q| q.display(2)),
+                x.channel_share_text(),
+            );
+        }
+        link_images(&mut md, plots, "replay-exposed");
+    }
+
+    if !r.collectives.is_empty() {
+        let _ = writeln!(
+            md,
+            "## Collectives\n\nnccl-tests definitions: size = bytes of a rank's whole buffer; \
+             algbw = size / time; busbw = algbw × factor (allreduce 2(n−1)/n; allgather, \
+             reduce-scatter, alltoall (n−1)/n; broadcast 1). Time = slowest rank per repeat; \
+             median [min–max] over {} repeats.\n",
+            c.repeats
+        );
+        let _ = writeln!(
+            md,
+            "| transport | collective | size | time | algbw | busbw |"
+        );
+        let _ = writeln!(md, "|---|---|---|---|---|---|");
+        for x in &r.collectives {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} |",
+                x.transport,
+                x.collective,
+                fmt_bytes(x.bytes as f64),
+                x.time.display(1),
+                x.algbw.display(3),
+                x.busbw.display(3)
+            );
+        }
+        link_images(&mut md, plots, "collectives-allreduce");
+        for t in uniq(r.collectives.iter().map(|x| x.transport.as_str())) {
+            link_images(&mut md, plots, &format!("collectives-{t}"));
+        }
+    }
+
+    if !r.negotiation.is_empty() {
+        let _ = writeln!(md, "## Negotiation\n");
+        let _ = writeln!(
+            md,
+            "| mode | np | tensors | step latency | rounds/step | latency/round | bytes/round |"
+        );
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+        for x in &r.negotiation {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                x.mode,
+                x.np,
+                x.tensors,
+                x.step_latency.display(1),
+                x.rounds_per_step.display(1),
+                x.round_latency.display(1),
+                x.bytes_per_round.display(0)
+            );
+        }
+        link_images(&mut md, plots, "negotiation");
+    }
+
+    if let Some(sim) = &r.simulation {
+        let _ = writeln!(md, "## Scale simulation — a model\n\n**{}**\n", sim.note);
+        let _ = writeln!(md, "Calibration:\n");
+        for n in &sim.calibration {
+            let _ = writeln!(md, "- {n}");
+        }
+        let _ = writeln!(md, "\nLinks:\n");
+        for l in &sim.links {
+            let _ = writeln!(
+                md,
+                "- {}: alpha = {:.1} us, {:.2} GB/s per rank{}",
+                l.name,
+                l.alpha_s * 1e6,
+                l.bandwidth_bps / 1e9,
+                l.stream_cap_bps
+                    .map(|c| format!(", one stream at most {:.2} GB/s", c / 1e9))
+                    .unwrap_or_default()
+            );
+        }
+        if !sim.check.is_empty() {
+            let _ = writeln!(
+                md,
+                "\nModel against measurement (calibrated loopback link):\n"
+            );
+            let _ = writeln!(
+                md,
+                "| workload | schedule | ranks | measured step (ms) | simulated step (ms) |"
+            );
+            let _ = writeln!(md, "|---|---|---|---|---|");
+            for x in &sim.check {
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {} | {:.1} | {:.1} |",
+                    x.workload, x.schedule, x.ranks, x.measured_ms, x.simulated_ms
+                );
+            }
+        }
+        let _ = writeln!(
+            md,
+            "\nSimulated scaling efficiency at 8 / 64 / 1024 ranks (B = {} ms):\n",
+            sim.backward_ms
+        );
+        let _ = writeln!(
+            md,
+            "| workload | link | schedule | 8 | 64 | 1024 | step at 1024 (ms) |"
+        );
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+        for (w, l, s) in sim_keys(r) {
+            let at = |p: usize| {
+                sim.rows
+                    .iter()
+                    .find(|x| x.workload == w && x.link == l && x.schedule == s && x.ranks == p)
+            };
+            let eff = |p| at(p).map_or("–".into(), |x| format!("{:.3}", x.efficiency.median));
+            let _ = writeln!(
+                md,
+                "| {w} | {l} | {s} | {} | {} | {} | {} |",
+                eff(8),
+                eff(64),
+                eff(1024),
+                at(1024).map_or("–".into(), |x| format!("{:.1}", x.step.median))
+            );
+        }
+        for w in uniq(sim.rows.iter().map(|x| x.workload.as_str())) {
+            link_images(&mut md, plots, &format!("simulate-{w}"));
+        }
+    }
+
+    if !r.skipped.is_empty() {
+        let _ = writeln!(md, "## Not measured\n");
+        for s in &r.skipped {
+            let _ = writeln!(md, "- {} / {}: {}", s.suite, s.what, s.reason);
+        }
+        let _ = writeln!(md);
+    }
+    if !plot_errors.is_empty() {
+        let _ = writeln!(md, "## Plots not drawn\n");
+        for e in plot_errors {
+            let _ = writeln!(md, "- {e}");
+        }
+        let _ = writeln!(md);
+    }
+    let _ = writeln!(md, "Run time: {:.1} s.", r.wall.median);
+    md
+}
