@@ -248,8 +248,7 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
     let deadline = job.timeout.map(|t| started + t);
     loop {
         // Reap whatever has ended.
-        for i in 0..ranks.len() {
-            let r = &mut ranks[i];
+        for r in ranks.iter_mut() {
             let Some(child) = r.child.as_mut() else {
                 continue;
             };

@@ -201,6 +201,21 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         }
     }));
 
+    // 3b. Lints, as warnings-are-errors (the default features; the feature-gated code is
+    //     linted by its own suite below).
+    stages.push(stage("cargo clippy --workspace --all-targets", || {
+        let mut c = Command::new(cargo());
+        c.current_dir(root).args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]);
+        run_cmd(c)
+    }));
+
     // 4. The workspace's tests: every target, then the doc tests (`--all-targets` has none).
     stages.push(stage("cargo test --workspace --all-targets", || {
         let mut c = Command::new(cargo());
