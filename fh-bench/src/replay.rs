@@ -17,39 +17,38 @@ pub struct ScheduleSpec {
     pub preset: String,
     /// Data channels (`fasthorovod` only).
     pub channels: Option<usize>,
-    /// `fasthorovod` with back-pressure ([`BACKPRESSURE`]); without it otherwise.
+    /// `fasthorovod` with back-pressure, as the preset ships; `false`: turned off (`-bp`).
     #[serde(default)]
     pub backpressure: bool,
 }
 
-/// The back-pressure setting the `+bp` schedules run with: defer a round while 4 MiB are
-/// queued on the channels, at most 2 ms.
-pub const BACKPRESSURE: (u64, Duration) = (4 << 20, Duration::from_millis(2));
-
 impl ScheduleSpec {
-    /// The presets compared: `horovod`, `fasthorovod` with K = 1, 2, 4, and K = 1, 4 with
-    /// back-pressure.
+    /// The presets compared: `horovod`, `fasthorovod` with K = 1, 2, 4 as shipped
+    /// (back-pressure on), and K = 1, 2, 4 without back-pressure.
     pub fn all() -> Vec<ScheduleSpec> {
         let mut v = vec![ScheduleSpec {
             preset: "horovod".into(),
             channels: None,
             backpressure: false,
         }];
-        for (k, bp) in [(1, false), (2, false), (4, false), (1, true), (4, true)] {
-            v.push(ScheduleSpec {
-                preset: "fasthorovod".into(),
-                channels: Some(k),
-                backpressure: bp,
-            });
+        for bp in [true, false] {
+            for k in [1, 2, 4] {
+                v.push(ScheduleSpec {
+                    preset: "fasthorovod".into(),
+                    channels: Some(k),
+                    backpressure: bp,
+                });
+            }
         }
         v
     }
 
-    /// `horovod` or `fasthorovod K=k` (the labels the simulation uses too).
+    /// `horovod`, `fasthorovod K=k` or `fasthorovod K=k -bp` (the labels the simulation uses
+    /// too).
     pub fn label(&self) -> String {
         match (self.channels, self.backpressure) {
-            (Some(k), true) => format!("{} K={k} +bp", self.preset),
-            (Some(k), false) => format!("{} K={k}", self.preset),
+            (Some(k), true) => format!("{} K={k}", self.preset),
+            (Some(k), false) => format!("{} K={k} -bp", self.preset),
             (None, _) => self.preset.clone(),
         }
     }
@@ -61,10 +60,9 @@ impl ScheduleSpec {
             Some(k) => c.channels(k),
             None => c,
         };
-        Ok(if self.backpressure {
-            c.backpressure(BACKPRESSURE.0, BACKPRESSURE.1)
-        } else {
-            c.backpressure(0, BACKPRESSURE.1)
+        Ok(match preset {
+            Preset::FastHorovod => c.backpressure(self.backpressure),
+            Preset::Horovod => c,
         })
     }
 }

@@ -5,9 +5,11 @@
 //! `B × (share₀ + … + shareᵢ)`):
 //!
 //! - **Collective cost.** A fused group of `m` bytes is one allreduce on `p` ranks, ring or
-//!   recursive doubling, whichever is cheaper alone (as the transport picks by size). Ring: a
-//!   latency part `2(p−1)·α + o` (o: per-collective software overhead) and a bandwidth part of
-//!   `2(p−1)/p · m` bytes per rank; recursive doubling: `⌈log₂ p⌉·α + o` and `⌈log₂ p⌉·m`. Bandwidth parts in flight at the same time
+//!   recursive doubling as the transport itself picks by size (fh-transport's
+//!   [`AllreduceAlgorithm::resolve`], called, not copied). Ring: a latency part
+//!   `2(p−1)·α + o` (o: per-collective software overhead) and a bandwidth part of
+//!   `2(p−1)/p · m` bytes per rank; recursive doubling: `⌊log₂ p⌋·α + o` (two more steps when
+//!   `p` is not a power of two) and `⌊log₂ p⌋·m`. Bandwidth parts in flight at the same time
 //!   share the link fairly (processor sharing), each at most `stream_cap` (a single TCP stream
 //!   rarely fills a fast link; NVLink-class links have no such cap).
 //! - **Negotiation round.** Costs `r + ⌈log₂ p⌉·α` (a small recursive-doubling allreduce of
@@ -16,10 +18,11 @@
 //!   negotiates the tensors ready at its start, then executes the fused groups one after
 //!   another itself; tensors that become ready meanwhile wait for the next loop.
 //! - **`fasthorovod` K**: negotiation wakes when a tensor is ready and never waits for
-//!   execution, as implemented; with back-pressure (`+bp`) a rank defers its next round while
-//!   its channels hold enough unfinished bytes, at most a bound — the engine's own pacing
-//!   policy ([`fh_core::fusion::Pacing`], through [`Schedule::config`]). Each round's tensors
-//!   are planned by the engine's own planner ([`fh_core::fusion::plan_round`], the options the
+//!   execution, as implemented; with back-pressure (the preset's default; `-bp` rows turn it
+//!   off) a rank defers its next round while every channel holds unfinished work, at most a
+//!   bound — the engine's own pacing policy ([`fh_core::fusion::Pacing`], through
+//!   [`Schedule::config`]). Each round's tensors
+//!   are planned by the engine's own planner ([`fh_core::fusion::plan_round_on`], the options the
 //!   engine derives from its configuration, the channel load carried from round to round):
 //!   the same fusion, partitioning and channel assignment as the engine, not a copy
 //!   ([`ModelPlanner`]; a test checks the two agree group for group). The channels execute
@@ -28,10 +31,13 @@
 //! Step time = time the last group completes; exposed communication = step − B; scaling
 //! efficiency = (F + B) / (F + step) with a forward pass F = B/2 that is not overlapped.
 
-use fh_core::fusion::{plan_round, ChannelLoad, FusionKey, Group, Pacing, PlanItem, PlanOptions};
+use fh_core::fusion::{
+    plan_round_on, ChannelLoad, FusionKey, Group, Pacing, PlanItem, PlanOptions,
+};
 use fh_core::message::{CollectiveKind, Device};
 use fh_core::{DType, ReduceOp};
 use fh_scheduler::{Config, Preset};
+use fh_transport::algorithms::AllreduceAlgorithm;
 use serde::{Deserialize, Serialize};
 
 use crate::workload::Workload;
@@ -106,7 +112,7 @@ pub struct Schedule {
     pub fusion_bytes: usize,
     /// Tensors larger than this are split into chunks across channels (`fasthorovod`).
     pub partition_bytes: usize,
-    /// `fasthorovod`: start a round only while some channel has nothing queued.
+    /// `fasthorovod`: back-pressure (the engine's pacing policy) on.
     #[serde(default)]
     pub back_pressure: bool,
 }
@@ -124,7 +130,8 @@ impl Schedule {
         }
     }
 
-    /// The `fasthorovod` preset with `k` channels: 64 MiB fusion, 16 MiB partitions.
+    /// The `fasthorovod` preset with `k` channels: 64 MiB fusion, 16 MiB partitions,
+    /// back-pressure on.
     pub fn fasthorovod(k: usize) -> Self {
         Schedule {
             kind: ScheduleKind::FastHorovod,
@@ -132,13 +139,13 @@ impl Schedule {
             cycle_s: 0.0,
             fusion_bytes: 64 << 20,
             partition_bytes: 16 << 20,
-            back_pressure: false,
+            back_pressure: true,
         }
     }
 
-    /// The same schedule with back-pressure on negotiation (`fasthorovod` only).
-    pub fn with_back_pressure(mut self) -> Self {
-        self.back_pressure = true;
+    /// The same schedule without back-pressure (`-bp`).
+    pub fn without_back_pressure(mut self) -> Self {
+        self.back_pressure = false;
         self
     }
 
@@ -153,22 +160,18 @@ impl Schedule {
             .channels(self.channels.max(1))
             .fusion_threshold(self.fusion_bytes as u64)
             .partition_bytes((self.partition_bytes as u64).max(1));
-        let (bytes, max) = crate::replay::BACKPRESSURE;
-        if self.back_pressure {
-            c.backpressure(bytes, max)
-        } else {
-            c.backpressure(0, max)
-        }
+        c.backpressure(self.kind == ScheduleKind::FastHorovod && self.back_pressure)
     }
 
-    /// `horovod` or `fasthorovod K=k`.
+    /// `horovod`, `fasthorovod K=k` (as shipped) or `fasthorovod K=k -bp` (no back-pressure);
+    /// the replay's labels.
     pub fn label(&self) -> String {
         match self.kind {
             ScheduleKind::Horovod => "horovod".into(),
             ScheduleKind::FastHorovod if self.back_pressure => {
-                format!("fasthorovod K={} +bp", self.channels)
+                format!("fasthorovod K={}", self.channels)
             }
-            ScheduleKind::FastHorovod => format!("fasthorovod K={}", self.channels),
+            ScheduleKind::FastHorovod => format!("fasthorovod K={} -bp", self.channels),
         }
     }
 }
@@ -242,7 +245,7 @@ const GRADIENT_KEY: FusionKey = FusionKey {
     postscale: 0x3FF0_0000_0000_0000,
 };
 
-/// The engine's planner (fh-core's [`plan_round`], with the options the engine derives from
+/// The engine's planner (fh-core's [`plan_round_on`], with the options the engine derives from
 /// its configuration and the channel load carried from round to round), driven by the model.
 #[derive(Debug, Clone)]
 pub struct ModelPlanner {
@@ -265,8 +268,9 @@ impl ModelPlanner {
         self.opts.channels.max(1)
     }
 
-    /// Plan one negotiated round of f32 gradients of `sizes` bytes, in ready order.
-    pub fn round(&mut self, sizes: &[u64]) -> Vec<Group> {
+    /// Plan one negotiated round of f32 gradients of `sizes` bytes, in ready order, with the
+    /// channels of `idle` idle everywhere when the round started (bit `c` = channel `c`).
+    pub fn round(&mut self, sizes: &[u64], idle: u64) -> Vec<Group> {
         let items: Vec<PlanItem> = sizes
             .iter()
             .map(|&bytes| PlanItem {
@@ -277,7 +281,7 @@ impl ModelPlanner {
                 group: None,
             })
             .collect();
-        plan_round(&items, &self.opts, &mut self.load)
+        plan_round_on(&items, &self.opts, &mut self.load, idle)
     }
 }
 
@@ -295,23 +299,21 @@ pub fn simulate_step(
     let pacing: Pacing = sched.config().pacing();
     let k = planner.channels();
     let cap = link.stream_cap_bps.unwrap_or(f64::INFINITY);
-    // Per group: (latency part, wire bytes) of the cheaper algorithm, ring or recursive
-    // doubling, as the transport picks by size.
+    // Per group: (latency part, wire bytes) of the algorithm the transport picks for it.
     let cost = |m: usize| -> (f64, f64) {
         if p <= 1 {
             return (o.per_collective_s, 0.0);
         }
-        let (ring_l, ring_w) = (
-            2.0 * (p as f64 - 1.0) * link.alpha_s,
-            2.0 * (p as f64 - 1.0) / p as f64 * m as f64,
-        );
-        let steps = (p as f64).log2().ceil();
-        let (rd_l, rd_w) = (steps * link.alpha_s, steps * m as f64);
-        let bw = link.bandwidth_bps.min(cap);
-        if rd_l + rd_w / bw < ring_l + ring_w / bw {
-            (rd_l + o.per_collective_s, rd_w)
-        } else {
-            (ring_l + o.per_collective_s, ring_w)
+        let pf = p as f64;
+        match AllreduceAlgorithm::Auto.resolve(m, m / 4, p) {
+            AllreduceAlgorithm::Ring => (
+                2.0 * (pf - 1.0) * link.alpha_s + o.per_collective_s,
+                2.0 * (pf - 1.0) / pf * m as f64,
+            ),
+            _ => {
+                let steps = pf.log2().floor() + if p.is_power_of_two() { 0.0 } else { 2.0 };
+                (steps * link.alpha_s + o.per_collective_s, steps * m as f64)
+            }
         }
     };
     let round = round_time(p, link, o);
@@ -319,7 +321,7 @@ pub fn simulate_step(
     let mut now = 0.0f64;
     let mut next_tensor = 0usize; // next tensor to become ready
     let mut pending: Vec<usize> = Vec::new(); // ready, not yet negotiated
-    let mut negotiating: Option<(f64, Vec<usize>)> = None; // (end, tensors)
+    let mut negotiating: Option<(f64, Vec<usize>, u64)> = None; // (end, tensors, idle channels)
     let mut queues: Vec<std::collections::VecDeque<usize>> = vec![Default::default(); k]; // group bytes
     let mut queued_bytes = vec![0usize; k];
     let mut active: Vec<Option<Transfer>> = (0..k).map(|_| None).collect();
@@ -351,12 +353,12 @@ pub fn simulate_step(
             next_tensor += 1;
         }
         // Finish a negotiation round whose time has come.
-        if let Some((end, _)) = &negotiating {
+        if let Some((end, _, _)) = &negotiating {
             if *end <= now + 1e-15 {
-                let (_, tensors) = negotiating.take().unwrap_or_default();
+                let (_, tensors, idle) = negotiating.take().unwrap_or_default();
                 done_tensors += tensors.len();
                 let round: Vec<u64> = tensors.iter().map(|&t| sizes[t] as u64).collect();
-                for g in planner.round(&round) {
+                for g in planner.round(&round, idle) {
                     let (c, b) = (g.channel.min(k - 1), g.bytes() as usize);
                     queues[c].push_back(b);
                     queued_bytes[c] += b;
@@ -388,13 +390,16 @@ pub fn simulate_step(
         if negotiating.is_none() && !pending.is_empty() {
             let since = *wanted.get_or_insert(now);
             let may_start = match sched.kind {
-                // The engine's pacing: defer while the channels hold enough unfinished bytes
+                // The engine's pacing: defer while every channel holds unfinished work
                 // (queued or in flight), at most the pacing bound.
                 ScheduleKind::FastHorovod => {
+                    let busy = (0..k)
+                        .filter(|&c| active[c].is_some() || !queues[c].is_empty())
+                        .count();
                     let unfinished = queued_bytes.iter().sum::<usize>()
                         + active.iter().flatten().map(|t| t.bytes).sum::<usize>();
                     let deferred = std::time::Duration::from_secs_f64((now - since).max(0.0));
-                    !pacing.defer(unfinished as u64, deferred)
+                    !pacing.defer(busy, k, unfinished as u64, deferred)
                 }
                 ScheduleKind::Horovod => !in_loop && tick_at(next_tick, now) <= now + 1e-12,
             };
@@ -405,7 +410,11 @@ pub fn simulate_step(
                 }
                 rounds += 1;
                 wanted = None;
-                negotiating = Some((now + round, std::mem::take(&mut pending)));
+                // As the engine does: the channels idle when the round starts are agreed in it.
+                let idle = (0..k.min(64))
+                    .filter(|&c| active[c].is_none() && queues[c].is_empty())
+                    .fold(0u64, |m, c| m | 1 << c);
+                negotiating = Some((now + round, std::mem::take(&mut pending), idle));
             }
         }
         if done_tensors == total && channels_idle && negotiating.is_none() {
@@ -425,7 +434,7 @@ pub fn simulate_step(
         if next_tensor < total {
             next = next.min(ready[next_tensor]);
         }
-        if let Some((end, _)) = &negotiating {
+        if let Some((end, _, _)) = &negotiating {
             next = next.min(*end);
         }
         let mut finish = vec![f64::INFINITY; k];
@@ -608,24 +617,30 @@ mod tests {
         let first_end = 2e-5 + coll; // 1.58 ms > 1 ms cycle: the next loop starts at once
         assert!(close(m.step_s, first_end + 2e-5 + coll), "{m:?}");
         assert_eq!(m.rounds, 2);
-        // With fasthorovod K=1, the second round overlaps the first collective.
-        let m = simulate_step(
-            &[1_000_000, 1_000_000],
-            &[0.0, 0.0002],
-            4,
-            &l,
-            &Schedule::fasthorovod(1),
-            &NO_OVERHEAD,
-        );
+        // With fasthorovod K=1 without back-pressure, the second round overlaps the first
+        // collective; with it (the preset), the round waits for the channel to drain.
+        let two = |s: &Schedule| {
+            simulate_step(
+                &[1_000_000, 1_000_000],
+                &[0.0, 0.0002],
+                4,
+                &l,
+                s,
+                &NO_OVERHEAD,
+            )
+        };
+        let m = two(&Schedule::fasthorovod(1).without_back_pressure());
         assert!(close(m.step_s, 2e-5 + coll + coll), "{m:?}");
+        let m = two(&Schedule::fasthorovod(1));
+        assert!(close(m.step_s, 2e-5 + coll + 2e-5 + coll), "{m:?}");
     }
 
     #[test]
     fn channels_share_bandwidth_and_overlap_latency() {
-        // Two 1 MB tensors ready at 0, 2 ranks: one round of α = 10 µs, then per tensor
-        // (recursive doubling = ring's bytes on 2 ranks, half its latency) α = 10 µs and 1 MB
-        // at 1 GB/s. K=1: 10 + 1000 + 10 + 1000 µs. K=2: both latencies together, then 2 MB
-        // at 1 GB/s shared: 10 µs + 2 ms.
+        // Two 1 MB tensors ready at 0, 2 ranks: one round of α = 10 µs, then per tensor a ring
+        // (the transport's pick from 256 KiB up): 2α = 20 µs and 1 MB at 1 GB/s. K=1:
+        // 10 + 1020 + 1020 µs. K=2: both latencies together, then 2 MB at 1 GB/s shared:
+        // 10 + 20 µs + 2 ms.
         let l = link(1e-5, 1e9, None);
         let sizes = [1_000_000, 1_000_000];
         let mut s1 = Schedule::fasthorovod(1);
@@ -634,14 +649,40 @@ mod tests {
         s2.channels = 2;
         let m1 = simulate_step(&sizes, &[0.0, 0.0], 2, &l, &s1, &NO_OVERHEAD);
         let m2 = simulate_step(&sizes, &[0.0, 0.0], 2, &l, &s2, &NO_OVERHEAD);
-        assert!(close(m1.step_s, 1e-5 + 2.0 * (1e-5 + 1e-3)), "{m1:?}");
-        assert!(close(m2.step_s, 1e-5 + 1e-5 + 2e-3), "{m2:?}");
+        assert!(close(m1.step_s, 1e-5 + 2.0 * (2e-5 + 1e-3)), "{m1:?}");
+        assert!(close(m2.step_s, 1e-5 + 2e-5 + 2e-3), "{m2:?}");
         // A stream cap of half the link: one channel reaches only 0.5 GB/s; two fill the link.
         let capped = link(1e-5, 1e9, Some(0.5e9));
         let m1 = simulate_step(&sizes, &[0.0, 0.0], 2, &capped, &s1, &NO_OVERHEAD);
         let m2 = simulate_step(&sizes, &[0.0, 0.0], 2, &capped, &s2, &NO_OVERHEAD);
-        assert!(close(m1.step_s, 1e-5 + 2.0 * (1e-5 + 2e-3)), "{m1:?}");
-        assert!(close(m2.step_s, 1e-5 + 1e-5 + 2e-3), "{m2:?}");
+        assert!(close(m1.step_s, 1e-5 + 2.0 * (2e-5 + 2e-3)), "{m1:?}");
+        assert!(close(m2.step_s, 1e-5 + 2e-5 + 2e-3), "{m2:?}");
+    }
+
+    #[test]
+    fn the_model_uses_the_transports_algorithm_choice() {
+        // 200 KiB on 8 ranks: recursive doubling (below the ring threshold): 3 α + 3 × 200 KiB.
+        // 256 KiB: ring: 14 α + 2·7/8 × 256 KiB.
+        let l = link(1e-5, 1e9, None);
+        let f = Schedule::fasthorovod(1);
+        let small = 200 << 10;
+        let m = simulate_step(&[small], &[0.0], 8, &l, &f, &NO_OVERHEAD);
+        assert!(
+            close(m.step_s, 3e-5 + 3e-5 + 3.0 * small as f64 / 1e9),
+            "{m:?}"
+        );
+        let big = 256 << 10;
+        let m = simulate_step(&[big], &[0.0], 8, &l, &f, &NO_OVERHEAD);
+        assert!(
+            close(m.step_s, 3e-5 + 14e-5 + 1.75 * big as f64 / 1e9),
+            "{m:?}"
+        );
+        // A world that is not a power of two folds in and out: two more steps.
+        let m = simulate_step(&[small], &[0.0], 6, &l, &f, &NO_OVERHEAD);
+        assert!(
+            close(m.step_s, 3e-5 + 4e-5 + 4.0 * small as f64 / 1e9),
+            "{m:?}"
+        );
     }
 
     #[test]
@@ -665,25 +706,23 @@ mod tests {
 
     #[test]
     fn back_pressure_fuses_what_becomes_ready_meanwhile() {
-        // K=1: the first tensor (5 MB, over the 4 MiB back-pressure bound) runs for ~5 ms; the
-        // 3 tensors ready meanwhile wait (at most 2 ms) and are negotiated in one round: 2
-        // collectives in all, not 4.
+        // K=1: the first tensor (5 MB) runs for ~5 ms; the 3 tensors ready meanwhile wait for
+        // the busy channel and are negotiated in one round: 2 collectives in all, not 4.
         let l = link(1e-5, 1e9, None);
         let sizes = [5_000_000, 1000, 1000, 1000];
         let ready = [0.0, 1e-4, 2e-4, 3e-4];
-        let bp = Schedule::fasthorovod(1).with_back_pressure();
+        let bp = Schedule::fasthorovod(1);
         let m = simulate_step(&sizes, &ready, 2, &l, &bp, &NO_OVERHEAD);
         assert_eq!((m.rounds, m.collectives), (2, 2), "{m:?}");
         // Without back-pressure every small tensor gets its own round and collective.
-        let m = simulate_step(
-            &sizes,
-            &ready,
-            2,
-            &l,
-            &Schedule::fasthorovod(1),
-            &NO_OVERHEAD,
-        );
+        let off = Schedule::fasthorovod(1).without_back_pressure();
+        let m = simulate_step(&sizes, &ready, 2, &l, &off, &NO_OVERHEAD);
         assert_eq!(m.collectives, 4, "{m:?}");
+        // K=2: the second channel is idle, so nothing is deferred.
+        let mut two = Schedule::fasthorovod(2);
+        two.fusion_bytes = 1;
+        let m = simulate_step(&sizes, &ready, 2, &l, &two, &NO_OVERHEAD);
+        assert_eq!(m.rounds, 4, "{m:?}");
     }
 
     #[test]
@@ -693,7 +732,7 @@ mod tests {
         // 40 MiB splits into 4 chunks of 10 MiB (16 MiB partitions would give 3; a multiple
         // of K), each its own group; small tensors around it fuse with each other.
         let mut p = ModelPlanner::new(&f);
-        let g = p.round(&[1 << 20, 40 << 20, 1 << 20, 2 << 20]);
+        let g = p.round(&[1 << 20, 40 << 20, 1 << 20, 2 << 20], 0);
         assert_eq!(
             bytes(g.clone()),
             [1 << 20, 10 << 20, 10 << 20, 10 << 20, 10 << 20, 3 << 20]
@@ -703,16 +742,16 @@ mod tests {
         chans.sort();
         assert_eq!(chans, [0, 1, 2, 3]);
         // 100 MiB: ceil(100/16) = 7 chunks, rounded up to 8.
-        let g = ModelPlanner::new(&f).round(&[100 << 20]);
+        let g = ModelPlanner::new(&f).round(&[100 << 20], 0);
         assert_eq!(g.len(), 8);
         assert_eq!(g.iter().map(Group::bytes).sum::<u64>(), 100 << 20);
         let h = Schedule::horovod();
         assert_eq!(
-            bytes(ModelPlanner::new(&h).round(&[40 << 20, 1 << 20])),
+            bytes(ModelPlanner::new(&h).round(&[40 << 20, 1 << 20], 0)),
             [41 << 20]
         );
         assert_eq!(
-            bytes(ModelPlanner::new(&h).round(&[40 << 20; 4])),
+            bytes(ModelPlanner::new(&h).round(&[40 << 20; 4], 0)),
             [120 << 20, 40 << 20]
         );
     }
@@ -783,12 +822,14 @@ mod tests {
             })
             .collect();
         // The engine's rounds: tensors in planner-input order (first appearance), by round.
-        let mut rounds: Vec<(u64, Vec<String>)> = Vec::new();
+        // The engine's rounds: tensors in planner-input order (first appearance), by round, with
+        // the channels that round agreed were idle.
+        let mut rounds: Vec<(u64, u64, Vec<String>)> = Vec::new();
         for g in log {
             if rounds.last().map(|r| r.0) != Some(g.round) {
-                rounds.push((g.round, Vec::new()));
+                rounds.push((g.round, g.idle_channels, Vec::new()));
             }
-            let names = &mut rounds.last_mut().unwrap().1;
+            let names = &mut rounds.last_mut().unwrap().2;
             for (name, _, _) in &g.parts {
                 if !names.contains(name) {
                     names.push(name.clone());
@@ -797,11 +838,12 @@ mod tests {
         }
         let mut model = ModelPlanner::new(&sched);
         let mut planned = Vec::new();
-        for (round, names) in &rounds {
+        for (round, idle, names) in &rounds {
             let sizes: Vec<u64> = names.iter().map(|n| size[n]).collect();
-            for g in model.round(&sizes) {
+            for g in model.round(&sizes, *idle) {
                 planned.push(fh_scheduler::GroupRecord {
                     round: *round,
+                    idle_channels: *idle,
                     channel: g.channel,
                     parts: g
                         .parts

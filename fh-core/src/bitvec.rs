@@ -1,10 +1,11 @@
 //! Bit vectors for the readiness negotiation.
 //!
-//! A negotiation vector holds [`STATUS_BITS`] status bits followed by one bit per cache slot,
-//! packed little-endian into `u64` words so that a bitwise-AND allreduce over its bytes combines
-//! the ranks' vectors. Status bits are stored *inverted* (a rank clears the bit to say "yes"),
-//! so that after the AND a cleared bit means "at least one rank said yes" while slot bits mean
-//! "every rank has this slot pending".
+//! A negotiation vector holds [`STATUS_BITS`] status bits, then one bit per data channel (set:
+//! the channel is idle on this rank), then one bit per cache slot, packed little-endian into
+//! `u64` words so that a bitwise-AND allreduce over its bytes combines the ranks' vectors.
+//! Status bits are stored *inverted* (a rank clears the bit to say "yes"), so that after the
+//! AND a cleared bit means "at least one rank said yes" while channel bits mean "idle on every
+//! rank" and slot bits mean "every rank has this slot pending".
 
 /// Number of status bits at the front of a negotiation vector.
 pub const STATUS_BITS: usize = 8;
@@ -132,21 +133,57 @@ impl BitVec {
     }
 }
 
-/// A negotiation vector: status flags and slot bits, laid out as the module describes.
+/// A negotiation vector: status flags, channel bits and slot bits, laid out as the module
+/// describes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NegotiationVec {
     bits: BitVec,
+    channels: usize,
     slots: usize,
 }
 
+/// Most data channels a negotiation vector carries bits for.
+pub const MAX_CHANNEL_BITS: usize = 64;
+
 impl NegotiationVec {
-    /// A vector for `slots` cache slots with no flag raised and no slot pending.
+    /// A vector for `slots` cache slots and no channel bits, with no flag raised and no slot
+    /// pending.
     pub fn new(slots: usize) -> Self {
-        let mut bits = BitVec::zeros(STATUS_BITS + slots);
+        Self::with_channels(slots, 0)
+    }
+
+    /// A vector for `slots` cache slots and `channels` channel bits (at most
+    /// [`MAX_CHANNEL_BITS`]), with no flag raised, no channel idle and no slot pending.
+    pub fn with_channels(slots: usize, channels: usize) -> Self {
+        let channels = channels.min(MAX_CHANNEL_BITS);
+        let mut bits = BitVec::zeros(STATUS_BITS + channels + slots);
         for s in 0..STATUS_BITS {
             bits.set(s, true); // inverted: set means "no"
         }
-        NegotiationVec { bits, slots }
+        NegotiationVec {
+            bits,
+            channels,
+            slots,
+        }
+    }
+
+    /// Number of channel bits.
+    pub fn channels(&self) -> usize {
+        self.channels
+    }
+
+    /// Mark a channel idle (or not). Channels past the count are ignored.
+    pub fn set_idle(&mut self, channel: usize, idle: bool) {
+        if channel < self.channels {
+            self.bits.set(STATUS_BITS + channel, idle);
+        }
+    }
+
+    /// The idle channels as a mask (bit `c` = channel `c`; after the AND: idle on every rank).
+    pub fn idle_mask(&self) -> u64 {
+        (0..self.channels)
+            .filter(|&c| self.bits.get(STATUS_BITS + c))
+            .fold(0, |m, c| m | 1 << c)
     }
 
     /// Number of slots.
@@ -167,21 +204,22 @@ impl NegotiationVec {
     /// Mark a slot pending (or not). Slots past the capacity are ignored.
     pub fn set_slot(&mut self, slot: usize, pending: bool) {
         if slot < self.slots {
-            self.bits.set(STATUS_BITS + slot, pending);
+            self.bits.set(STATUS_BITS + self.channels + slot, pending);
         }
     }
 
     /// Whether a slot is pending (after the AND: pending on every rank).
     pub fn slot(&self, slot: usize) -> bool {
-        slot < self.slots && self.bits.get(STATUS_BITS + slot)
+        slot < self.slots && self.bits.get(STATUS_BITS + self.channels + slot)
     }
 
     /// Pending slots, ascending.
     pub fn pending_slots(&self) -> impl Iterator<Item = usize> + '_ {
+        let first = STATUS_BITS + self.channels;
         self.bits
             .ones()
-            .filter(|&i| i >= STATUS_BITS)
-            .map(|i| i - STATUS_BITS)
+            .filter(move |&i| i >= first)
+            .map(move |i| i - first)
     }
 
     /// Wire bytes.
@@ -189,12 +227,23 @@ impl NegotiationVec {
         self.bits.to_bytes()
     }
 
-    /// Rebuild from wire bytes for `slots` slots.
+    /// Rebuild from wire bytes for `slots` slots and no channel bits.
     pub fn from_bytes(bytes: &[u8], slots: usize) -> Option<Self> {
-        BitVec::from_bytes(bytes, STATUS_BITS + slots).map(|bits| NegotiationVec { bits, slots })
+        Self::from_bytes_with_channels(bytes, slots, 0)
     }
 
-    /// Bytes on the wire for `slots` slots.
+    /// Rebuild from wire bytes for `slots` slots and `channels` channel bits; `None` if the
+    /// length does not match.
+    pub fn from_bytes_with_channels(bytes: &[u8], slots: usize, channels: usize) -> Option<Self> {
+        let channels = channels.min(MAX_CHANNEL_BITS);
+        BitVec::from_bytes(bytes, STATUS_BITS + channels + slots).map(|bits| NegotiationVec {
+            bits,
+            channels,
+            slots,
+        })
+    }
+
+    /// Bytes on the wire for `slots` slots (and no channel bits).
     pub fn byte_len(slots: usize) -> usize {
         BitVec::byte_len(STATUS_BITS + slots)
     }
@@ -224,30 +273,37 @@ mod tests {
         #[test]
         fn and_means_all_for_slots_and_any_for_flags(
             slots in 1usize..300,
+            channels in 0usize..70,
             ranks in proptest::collection::vec(
-                (proptest::collection::vec(any::<bool>(), 300), proptest::collection::vec(any::<bool>(), Status::ALL.len())),
+                (proptest::collection::vec(any::<bool>(), 300), proptest::collection::vec(any::<bool>(), Status::ALL.len()), any::<u64>()),
                 1..5),
         ) {
-            let vecs: Vec<NegotiationVec> = ranks.iter().map(|(pend, flags)| {
-                let mut v = NegotiationVec::new(slots);
+            let vecs: Vec<NegotiationVec> = ranks.iter().map(|(pend, flags, idle)| {
+                let mut v = NegotiationVec::with_channels(slots, channels);
                 for (s, &p) in pend.iter().take(slots).enumerate() { v.set_slot(s, p); }
                 for (f, &on) in Status::ALL.iter().zip(flags) { v.set_status(*f, on); }
+                for c in 0..channels { v.set_idle(c, idle & (1 << (c % 64)) != 0); }
                 // Round trip through the wire on the way.
-                NegotiationVec::from_bytes(&v.to_bytes(), slots).unwrap()
+                NegotiationVec::from_bytes_with_channels(&v.to_bytes(), slots, channels).unwrap()
             }).collect();
             let mut acc = vecs[0].clone();
             for v in &vecs[1..] { acc.and(v); }
             for s in 0..slots {
-                let all = ranks.iter().all(|(p, _)| p[s]);
+                let all = ranks.iter().all(|(p, _, _)| p[s]);
                 prop_assert_eq!(acc.slot(s), all);
             }
             let listed: Vec<usize> = acc.pending_slots().collect();
-            let expected: Vec<usize> = (0..slots).filter(|&s| ranks.iter().all(|(p, _)| p[s])).collect();
+            let expected: Vec<usize> = (0..slots).filter(|&s| ranks.iter().all(|(p, _, _)| p[s])).collect();
             prop_assert_eq!(listed, expected);
             for (i, f) in Status::ALL.iter().enumerate() {
-                let any = ranks.iter().any(|(_, fl)| fl[i]);
+                let any = ranks.iter().any(|(_, fl, _)| fl[i]);
                 prop_assert_eq!(acc.status(*f), any);
             }
+            // Channel bits: idle on every rank.
+            let n = channels.min(MAX_CHANNEL_BITS);
+            let all = if n == 64 { u64::MAX } else { (1u64 << n) - 1 };
+            let idle = ranks.iter().fold(all, |m, (_, _, i)| m & i);
+            prop_assert_eq!(acc.idle_mask(), idle);
         }
 
         #[test]

@@ -136,11 +136,12 @@ impl ChannelLoad {
         &self.bytes
     }
 
-    /// The least-loaded channel (lowest index on ties).
-    fn pick(&self) -> usize {
+    /// The least-loaded channel of `among` (bit `c` = channel `c`; lowest index on ties).
+    fn pick(&self, among: u64) -> usize {
         self.bytes
             .iter()
             .enumerate()
+            .filter(|(i, _)| *i >= 64 || among & (1 << i) != 0)
             .min_by_key(|(i, l)| (**l, *i))
             .map_or(0, |(i, _)| i)
     }
@@ -157,10 +158,20 @@ impl ChannelLoad {
 
 /// The pacing policy (back-pressure), shared by the engine and the scale model: it decides
 /// only *when* a rank enters its next negotiation round, never what a round decides.
+///
+/// A rank defers its next round while **every** channel still holds unfinished work (queued or
+/// running) and together at least [`Pacing::min_bytes`], for at most [`Pacing::max_defer`].
+/// While every channel is busy, a new round's groups could only queue behind that work, so
+/// deferring costs nothing and lets more gradients fuse into the round: fewer, larger
+/// collectives, which is what matters where each collective pays a large latency (many
+/// ranks). As soon as one channel drains, the round starts, so an idle channel never waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pacing {
-    /// Defer while the channels hold at least this many bytes of unfinished work (0: never).
-    pub backpressure_bytes: u64,
+    /// Whether back-pressure is on.
+    pub enabled: bool,
+    /// Defer only while the channels together hold at least this many unfinished bytes
+    /// (0: any amount, as long as every channel is busy).
+    pub min_bytes: u64,
     /// Never defer a round longer than this.
     pub max_defer: std::time::Duration,
 }
@@ -168,15 +179,24 @@ pub struct Pacing {
 impl Pacing {
     /// No back-pressure.
     pub const OFF: Pacing = Pacing {
-        backpressure_bytes: 0,
+        enabled: false,
+        min_bytes: 0,
         max_defer: std::time::Duration::ZERO,
     };
 
-    /// Whether a rank whose channels hold `queued` bytes of unfinished work, and which has
-    /// deferred its next round for `deferred` so far, keeps deferring it.
-    pub fn defer(&self, queued: u64, deferred: std::time::Duration) -> bool {
-        self.backpressure_bytes > 0
-            && queued >= self.backpressure_bytes
+    /// Whether a rank keeps deferring its next round: `busy` of its `channels` channels hold
+    /// unfinished work, `unfinished` bytes in all, and it has deferred for `deferred` so far.
+    pub fn defer(
+        &self,
+        busy: usize,
+        channels: usize,
+        unfinished: u64,
+        deferred: std::time::Duration,
+    ) -> bool {
+        self.enabled
+            && channels > 0
+            && busy >= channels
+            && unfinished >= self.min_bytes
             && deferred < self.max_defer
     }
 }
@@ -186,30 +206,69 @@ pub fn plan(items: &[PlanItem], opts: &PlanOptions) -> Vec<Group> {
     plan_round(items, opts, &mut ChannelLoad::new(opts.channels))
 }
 
+/// Plan a round on every channel; see [`plan_round_on`] (with no agreed idle channels).
+pub fn plan_round(items: &[PlanItem], opts: &PlanOptions, load: &mut ChannelLoad) -> Vec<Group> {
+    plan_round_on(items, opts, load, 0)
+}
+
+/// The channels of `idle` (bit `c` = channel `c`) that exist among `channels`; all of them when
+/// none does.
+pub fn eligible_channels(idle: u64, channels: usize) -> u64 {
+    let all = if channels >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << channels.max(1)) - 1
+    };
+    match idle & all {
+        0 => all,
+        m => m,
+    }
+}
+
 /// Plan a round. Every byte of every item lands in exactly one part; groups only combine
 /// allreduce items with equal [`FusionKey`]s; a group of several parts stays within the fusion
 /// threshold; groups are listed in execution order, and each channel runs its groups in that
 /// order. In fast mode each group goes to the channel with the least bytes so far, counting
 /// the rounds before (`load`, updated); `load` must have `opts.channels` channels.
-pub fn plan_round(items: &[PlanItem], opts: &PlanOptions, load: &mut ChannelLoad) -> Vec<Group> {
+///
+/// `idle` is the set of channels every rank found idle when the round started (bit `c` =
+/// channel `c`; agreed in the round itself, so the same on every rank): the round's fused
+/// groups are sized for and placed on those channels only, so that new work starts at once
+/// instead of queueing behind a busy channel (0, or no existing channel: every channel). The
+/// chunks of a partitioned tensor still go to every channel, which share its bandwidth.
+pub fn plan_round_on(
+    items: &[PlanItem],
+    opts: &PlanOptions,
+    load: &mut ChannelLoad,
+    idle: u64,
+) -> Vec<Group> {
     let channels = opts.channels.max(1);
     if load.bytes.len() != channels {
         *load = ChannelLoad::new(channels);
     }
+    let eligible = eligible_channels(idle, channels);
     let mut order: Vec<usize> = (0..items.len()).collect();
     if opts.by_priority {
         order.sort_by_key(|&i| items[i].priority);
     }
     let mut groups = match opts.mode {
         PlanMode::Horovod => plan_horovod(items, &order, opts.fusion_threshold),
-        PlanMode::Fast => plan_fast(items, &order, opts, channels),
+        PlanMode::Fast => plan_fast(
+            items,
+            &order,
+            opts,
+            channels,
+            eligible.count_ones() as usize,
+        ),
     };
     match opts.mode {
         PlanMode::Horovod => groups.iter_mut().for_each(|g| g.channel = 0),
         PlanMode::Fast => {
             // Least-loaded channel first (lowest index on ties): balances bytes, deterministic.
+            let all = eligible_channels(0, channels);
             for g in &mut groups {
-                let c = load.pick();
+                let chunk = matches!(g.parts.as_slice(), [p] if p.len < items[p.item].bytes);
+                let c = load.pick(if chunk { all } else { eligible });
                 g.channel = c;
                 load.add(c, g.bytes().max(1));
             }
@@ -281,13 +340,15 @@ fn plan_fast(
     order: &[usize],
     opts: &PlanOptions,
     channels: usize,
+    eligible: usize,
 ) -> Vec<Group> {
-    // With several channels, cap groups near an equal share of the round so that every channel
-    // gets work, but never above the threshold nor below 64 KiB (tiny groups cost latency).
+    // With several eligible channels, cap groups near an equal share of the round so that each
+    // of them gets work, but never above the threshold nor below 64 KiB (tiny groups cost
+    // latency).
     let total: u64 = order.iter().map(|&i| items[i].bytes).sum();
-    let cap = if channels > 1 {
+    let cap = if eligible > 1 {
         opts.fusion_threshold
-            .min(total.div_ceil(channels as u64).max(64 * 1024))
+            .min(total.div_ceil(eligible as u64).max(64 * 1024))
     } else {
         opts.fusion_threshold
     };
@@ -432,10 +493,19 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(256))]
 
         #[test]
-        fn planner_invariants(items in proptest::collection::vec(arb_item(), 0..30), opts in arb_opts()) {
-            let groups = plan(&items, &opts);
-            // Deterministic.
-            prop_assert_eq!(&groups, &plan(&items, &opts));
+        fn planner_invariants(
+            items in proptest::collection::vec(arb_item(), 0..30),
+            opts in arb_opts(),
+            idle in any::<u8>(),
+        ) {
+            let idle = u64::from(idle);
+            let on = |idle| plan_round_on(&items, &opts, &mut ChannelLoad::new(opts.channels), idle);
+            let groups = on(idle);
+            // Deterministic; no agreed idle channel means every channel.
+            prop_assert_eq!(&groups, &on(idle));
+            prop_assert_eq!(&on(0), &plan(&items, &opts));
+            let eligible = eligible_channels(idle, opts.channels);
+            prop_assert!(eligible != 0);
             // Every byte of every item covered exactly once, by contiguous ascending parts.
             let mut covered = vec![0u64; items.len()];
             let mut chunked = vec![0usize; items.len()];
@@ -456,6 +526,9 @@ mod tests {
                 }
                 if opts.mode == PlanMode::Horovod {
                     prop_assert_eq!(g.channel, 0);
+                } else if !matches!(g.parts.as_slice(), [p] if p.len < items[p.item].bytes) {
+                    // Fused or whole groups only on channels idle everywhere.
+                    prop_assert!(eligible & (1 << g.channel) != 0, "group on busy channel {}", g.channel);
                 }
             }
             for (i, it) in items.iter().enumerate() {
@@ -561,16 +634,63 @@ mod tests {
     }
 
     #[test]
-    fn pacing_defers_only_while_busy_and_within_the_bound() {
+    fn pacing_defers_only_while_every_channel_is_busy_and_within_the_bound() {
         use std::time::Duration;
         let p = Pacing {
-            backpressure_bytes: 100,
+            enabled: true,
+            min_bytes: 100,
             max_defer: Duration::from_millis(2),
         };
-        assert!(p.defer(100, Duration::ZERO));
-        assert!(!p.defer(99, Duration::ZERO));
-        assert!(!p.defer(1 << 40, Duration::from_millis(2)));
-        assert!(!Pacing::OFF.defer(u64::MAX, Duration::ZERO));
+        let zero = Duration::ZERO;
+        assert!(p.defer(4, 4, 100, zero));
+        // One idle channel: start the round at once.
+        assert!(!p.defer(3, 4, 1 << 40, zero));
+        assert!(!p.defer(0, 0, 1 << 40, zero));
+        // Below the byte floor, or past the bound.
+        assert!(!p.defer(4, 4, 99, zero));
+        assert!(!p.defer(4, 4, 1 << 40, Duration::from_millis(2)));
+        assert!(Pacing { min_bytes: 0, ..p }.defer(1, 1, 0, zero));
+        assert!(!Pacing {
+            enabled: false,
+            ..p
+        }
+        .defer(4, 4, u64::MAX, zero));
+        assert!(!Pacing::OFF.defer(4, 4, u64::MAX, zero));
+    }
+
+    #[test]
+    fn new_work_goes_to_the_idle_channels_and_chunks_to_all() {
+        let f = key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce);
+        let item = |bytes| PlanItem {
+            key: f,
+            bytes,
+            elem: 4,
+            priority: 0,
+            group: None,
+        };
+        let opts = PlanOptions {
+            mode: PlanMode::Fast,
+            fusion_threshold: 1 << 20,
+            partition_bytes: 1 << 16,
+            channels: 4,
+            by_priority: false,
+        };
+        // Channels 1 and 3 idle: 8 small tensors of 64 KiB fuse into 2 groups (one per idle
+        // channel), not 4.
+        let small = vec![item(64 << 10); 8];
+        let g = plan_round_on(&small, &opts, &mut ChannelLoad::new(4), 0b1010);
+        let chans: Vec<usize> = g.iter().map(|g| g.channel).collect();
+        assert_eq!(chans, [1, 3]);
+        assert!(g.iter().all(|g| g.bytes() == 256 << 10));
+        // A partitioned tensor (4 chunks of 64 KiB) still spreads over every channel.
+        let g = plan_round_on(&[item(256 << 10)], &opts, &mut ChannelLoad::new(4), 0b0010);
+        let mut chans: Vec<usize> = g.iter().map(|g| g.channel).collect();
+        chans.sort();
+        assert_eq!(chans, [0, 1, 2, 3]);
+        // Bits of channels that do not exist are ignored; none left means every channel.
+        assert_eq!(eligible_channels(0b1_0000, 4), 0b1111);
+        assert_eq!(eligible_channels(0, 2), 0b11);
+        assert_eq!(eligible_channels(u64::MAX, 64), u64::MAX);
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! Back-pressure only delays when a rank enters its next round.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use fh_core::bitvec::{BitVec, NegotiationVec, Status};
 use fh_core::cache::{Lookup, ResponseCache};
-use fh_core::fusion::{plan_round, ChannelLoad, PlanItem, PlanOptions};
+use fh_core::fusion::{plan_round_on, ChannelLoad, PlanItem, PlanMode, PlanOptions};
 use fh_core::message::{CollectiveKind, GroupTag, Request, Response};
 use fh_core::{wire, DType, ReduceOp};
 use fh_transport::Communicator;
@@ -66,8 +66,9 @@ enum Dispatch {
     Inline(Box<Executor>),
 }
 
-/// How often a rank deferring its round under back-pressure looks at its channels again.
-const BACKPRESSURE_POLL: Duration = Duration::from_micros(50);
+/// How often a rank deferring its round under back-pressure looks at its channels again
+/// (besides being woken by a channel that drains).
+const BACKPRESSURE_POLL: Duration = Duration::from_millis(1);
 
 /// A zero tensor of `sig`'s dtype and shape (a joined rank's contribution), or why it cannot
 /// be made; allocation failure is an error, not an abort.
@@ -127,6 +128,9 @@ pub(crate) struct Control {
     plan_opts: PlanOptions,
     /// Bytes given to each channel so far (a function of the agreed rounds only).
     load: ChannelLoad,
+    /// The channels idle on every rank when this round started (agreed in the round's bit
+    /// vector): the planner puts the round's fused groups there.
+    idle_channels: u64,
     /// Members of grouped submissions ready everywhere, waiting for the rest of their group.
     held: BTreeMap<String, Vec<Response>>,
     /// Groups with a failed member: the error and the members still to come.
@@ -216,6 +220,7 @@ impl Control {
             last_stall_check: now,
             plan_opts,
             load: ChannelLoad::new(plan_opts.channels),
+            idle_channels: 0,
             held: BTreeMap::new(),
             failed_groups: HashMap::new(),
             fault: None,
@@ -335,19 +340,30 @@ impl Control {
     }
 
     /// Decide when to run the next round: when there is work (or a heartbeat is due), then,
-    /// under back-pressure, not while the channels still hold enough queued work (bounded).
+    /// under back-pressure, not while every channel still holds unfinished work (bounded).
     fn wait(&mut self) {
         self.wait_for_work();
         let pacing = self.inner.config.pacing();
+        if !pacing.enabled {
+            return;
+        }
+        let channels = self.inner.counters.channels().len();
         let start = Instant::now();
-        while !self.local_shutdown
-            && self.inner.failure().is_none()
-            && pacing.defer(self.inner.counters.queued_bytes(), start.elapsed())
-        {
+        loop {
+            // Announce the wait before looking, so that a channel draining in between wakes us.
+            self.inner.pacing_wait.store(true, Ordering::Release);
+            let (busy, bytes) = self.inner.counters.channel_load();
+            if self.local_shutdown
+                || self.inner.failure().is_some()
+                || !pacing.defer(busy, channels, bytes, start.elapsed())
+            {
+                break;
+            }
             // Accept submissions meanwhile: they fuse into the deferred round.
             let step = (start + pacing.max_defer).min(Instant::now() + BACKPRESSURE_POLL);
             self.recv_until(step);
         }
+        self.inner.pacing_wait.store(false, Ordering::Release);
     }
 
     /// Wait until there is something to negotiate (or a heartbeat is due).
@@ -392,6 +408,15 @@ impl Control {
         self.recv_until(deadline);
     }
 
+    /// Channel bits in the round's vector: one per data channel under the FastHorovod planner
+    /// (the same count on every rank: it is part of the start-up agreement), none otherwise.
+    fn channel_bits(&self) -> usize {
+        match self.plan_opts.mode {
+            PlanMode::Fast => self.plan_opts.channels,
+            PlanMode::Horovod => 0,
+        }
+    }
+
     fn add_bytes(&self, n: usize) {
         Counters::add(&self.inner.counters.negotiation_bytes_sent, n as u64);
     }
@@ -407,7 +432,11 @@ impl Control {
 
         // 1. Classify what is pending here.
         let cap = self.cache.capacity();
-        let mut vec = NegotiationVec::new(cap);
+        let channel_bits = self.channel_bits();
+        let mut vec = NegotiationVec::with_channels(cap, channel_bits);
+        for (c, ch) in self.inner.counters.channels().iter().enumerate() {
+            vec.set_idle(c, ch.queued.load(Ordering::Relaxed) == 0);
+        }
         let mut uncached = false;
         let mut invalid = Vec::new();
         let mut oldest = Duration::ZERO;
@@ -453,9 +482,11 @@ impl Control {
         self.add_bytes(bytes.len());
         self.comm
             .allreduce(&mut bytes, DType::U8, ReduceOp::BitAnd)?;
-        let agreed = NegotiationVec::from_bytes(&bytes, cap).ok_or_else(|| {
-            SchedulerError::InvalidArgument("internal error: negotiation vector length".into())
-        })?;
+        let agreed = NegotiationVec::from_bytes_with_channels(&bytes, cap, channel_bits)
+            .ok_or_else(|| {
+                SchedulerError::InvalidArgument("internal error: negotiation vector length".into())
+            })?;
+        self.idle_channels = agreed.idle_mask();
         Counters::add(&self.inner.counters.rounds, 1);
         if agreed.status(Status::Fault) {
             let err = self.agree_on_fault()?;
@@ -887,7 +918,7 @@ impl Control {
                 chunks: std::sync::OnceLock::new(),
             }));
         }
-        let groups = plan_round(&items, &self.plan_opts, &mut self.load);
+        let groups = plan_round_on(&items, &self.plan_opts, &mut self.load, self.idle_channels);
         let mut alone = vec![true; ops.len()];
         for g in &groups {
             for p in &g.parts {
@@ -918,6 +949,7 @@ impl Control {
             if self.inner.config.record_groups {
                 self.inner.record_group(GroupRecord {
                     round,
+                    idle_channels: self.idle_channels,
                     channel: g.channel,
                     parts: g
                         .parts

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -106,6 +106,7 @@ impl Engine {
             groups: Mutex::new(Vec::new()),
             timeline: RwLock::new(timeline),
             gpu,
+            pacing_wait: AtomicBool::new(false),
         });
         let ctl = Control::new(Arc::clone(&inner), control, data, devices, rx)?;
         let handle = std::thread::Builder::new()

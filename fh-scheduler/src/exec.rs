@@ -247,7 +247,10 @@ impl Executor {
                 &c.busy_nanos,
                 end.saturating_duration_since(begin).as_nanos() as u64,
             );
-            c.queued.fetch_sub(bytes as u64, Ordering::Relaxed);
+            if c.queued.fetch_sub(bytes as u64, Ordering::Relaxed) == bytes as u64 {
+                // This channel is free now: a round deferred under back-pressure may start.
+                self.inner.channel_drained();
+            }
         }
         let err = match result {
             Ok(()) => None,

@@ -35,11 +35,15 @@
 //! | `FH_TIMELINE` | path of rank 0's Chrome-trace timeline | off |
 //! | `FH_STALL_CHECK_SECONDS` | warn about names some ranks lack for this long (0 = off) | 60 |
 //! | `FH_STALL_SHUTDOWN_SECONDS` | shut down when a stall lasts this long (0 = never) | 0 |
+//! | `FH_BACKPRESSURE` | defer the next round while every channel is busy (`0`/`1`) | 1 (`horovod`: 0) |
+//! | `FH_BACKPRESSURE_BYTES` | defer only while the channels hold at least this many bytes | 0 |
+//! | `FH_BACKPRESSURE_MAX_MS` | never defer a round longer than this, 0–1000 | 50 |
 //! | `FH_CUDA` | open the GPU path at start-up (`0`/`1`; every rank must agree) | 0 |
 //! | `FH_LOG_LEVEL` | validated here; the application installs the `tracing` subscriber | — |
 //!
-//! Every rank must use the same schedule, channel count, cache capacity, fusion threshold and
-//! partition size; [`Engine::start`] checks this and refuses to start otherwise.
+//! Every rank must use the same schedule, channel count, cache capacity, fusion threshold,
+//! partition size, priority order, stall-shutdown time and back-pressure settings;
+//! [`Engine::start`] checks this and refuses to start otherwise.
 //!
 //! ## Idle behaviour
 //!

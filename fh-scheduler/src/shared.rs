@@ -3,7 +3,7 @@
 //! reports and the timeline. It imports none of those modules, so they form no cycle.
 
 use std::collections::HashSet;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
 
@@ -50,6 +50,9 @@ pub(crate) struct Inner {
     pub(crate) timeline: RwLock<Option<Arc<Timeline>>>,
     /// The GPU path: the device the channels drive, or why there is none.
     pub(crate) gpu: crate::gpu::GpuState,
+    /// The control thread is deferring a round under back-pressure: a channel that drains
+    /// wakes it ([`Inner::channel_drained`]).
+    pub(crate) pacing_wait: AtomicBool,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -81,6 +84,14 @@ impl Inner {
             g.closed = Some(err);
         }
         let _ = g.tx.send(Msg::Wake);
+    }
+
+    /// A channel has just finished all its queued work: wake the control thread if it defers
+    /// a round until a channel is free.
+    pub(crate) fn channel_drained(&self) {
+        if self.pacing_wait.swap(false, Ordering::AcqRel) {
+            let _ = lock(&self.gate).tx.send(Msg::Wake);
+        }
     }
 
     /// Deliver a result: the name leaves the in-flight set first, so that it can be submitted

@@ -131,9 +131,13 @@ impl Counters {
         self.channels.get().map_or(&[], Vec::as_slice)
     }
 
-    /// Bytes queued on all channels and not yet finished.
-    pub(crate) fn queued_bytes(&self) -> u64 {
-        self.channels().iter().map(|c| c.queued.load(Relaxed)).sum()
+    /// How many channels hold unfinished work (queued or running), and how many bytes of it
+    /// they hold together: what the pacing policy looks at.
+    pub(crate) fn channel_load(&self) -> (usize, u64) {
+        self.channels().iter().fold((0, 0), |(busy, bytes), c| {
+            let q = c.queued.load(Relaxed);
+            (busy + usize::from(q > 0), bytes + q)
+        })
     }
 }
 
@@ -154,6 +158,9 @@ pub struct StallReport {
 pub struct GroupRecord {
     /// The negotiation round (on this rank) that produced it.
     pub round: u64,
+    /// The channels that round found idle on every rank (bit `c` = channel `c`), which the
+    /// planner placed its fused groups on.
+    pub idle_channels: u64,
     /// The channel it ran on.
     pub channel: usize,
     /// Its parts: name, byte offset, byte length.

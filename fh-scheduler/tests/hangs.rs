@@ -60,10 +60,14 @@ fn ranks_with_different_planning_settings_refuse_to_start() {
         assert!(e.contains("FH_STALL_SHUTDOWN_SECONDS"), "{e}");
     }
     let errs = start_errors(3, |r| {
-        Config::default().backpressure(1 << 20, Duration::from_millis(1 + r as u64))
+        Config::default().backpressure_bounds(1 << 20, Duration::from_millis(1 + r as u64))
     });
     for e in &errs {
         assert!(e.contains("FH_BACKPRESSURE_MAX_MS"), "{e}");
+    }
+    let errs = start_errors(2, |r| Config::default().backpressure(r == 0));
+    for e in &errs {
+        assert!(e.contains("FH_BACKPRESSURE"), "{e}");
     }
     // The same settings everywhere start.
     let ok = start_errors(2, |_| Config::default().priority(Priority::Forward));

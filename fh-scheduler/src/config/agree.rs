@@ -30,6 +30,7 @@ pub(crate) fn planning_fields(c: &Config) -> Vec<(&'static str, i64)> {
             },
         ),
         ("FH_STALL_SHUTDOWN_SECONDS", millis(c.stall_shutdown)),
+        ("FH_BACKPRESSURE", i64::from(c.backpressure)),
         ("FH_BACKPRESSURE_BYTES", clamp(c.backpressure_bytes)),
         ("FH_BACKPRESSURE_MAX_MS", millis(Some(c.backpressure_max))),
         ("FH_CUDA", i64::from(c.cuda)),

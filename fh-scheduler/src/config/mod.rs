@@ -9,7 +9,7 @@ mod agree;
 mod parse;
 
 pub(crate) use agree::agree;
-use parse::{parse_bytes, parse_seconds, parse_u64};
+use parse::{parse_bytes, parse_seconds, parse_switch, parse_u64};
 
 const MIB: u64 = 1024 * 1024;
 
@@ -116,10 +116,15 @@ pub struct Config {
     /// Keep a log of every fused group dispatched (see `Engine::group_log`); a diagnostic for
     /// tests and tools, off by default.
     pub record_groups: bool,
-    /// Back-pressure (`FH_BACKPRESSURE_BYTES`): while the channels of this rank hold at least
-    /// this many bytes of queued, unfinished work, the rank defers its next negotiation round
-    /// so that more gradients fuse into it (`0`: off). It changes only *when* a rank enters a
-    /// round, never what a round decides.
+    /// Back-pressure (`FH_BACKPRESSURE`): while every channel of this rank still holds
+    /// unfinished work, the rank defers its next negotiation round (at most
+    /// [`Config::backpressure_max`]) so that more gradients fuse into it; a round's groups could
+    /// only queue behind that work anyway. It changes only *when* a rank enters a round, never
+    /// what a round decides. On under the `fasthorovod` preset, off under `horovod` (whose
+    /// fixed cycle already paces it, as Horovod's does).
+    pub backpressure: bool,
+    /// Back-pressure defers only while the channels together hold at least this many
+    /// unfinished bytes (`FH_BACKPRESSURE_BYTES`; 0: any amount).
     pub backpressure_bytes: u64,
     /// The longest a rank defers a round under back-pressure (`FH_BACKPRESSURE_MAX_MS`).
     pub backpressure_max: Duration,
@@ -157,8 +162,9 @@ impl Config {
             stall_shutdown: None,
             idle_heartbeat: Duration::from_secs(1),
             record_groups: false,
+            backpressure: true,
             backpressure_bytes: 0,
-            backpressure_max: Duration::from_millis(2),
+            backpressure_max: Duration::from_millis(50),
             cuda: false,
         };
         match p {
@@ -168,6 +174,7 @@ impl Config {
                 fusion_threshold: 128 * MIB,
                 partition_bytes: u64::MAX,
                 cycle_time: Duration::from_millis(1),
+                backpressure: false,
                 ..base
             },
         }
@@ -226,6 +233,9 @@ impl Config {
             }
             c.cache_capacity = n as usize;
         }
+        if let Some(v) = get("FH_BACKPRESSURE") {
+            c.backpressure = parse_switch("FH_BACKPRESSURE", &v)?;
+        }
         if let Some(v) = get("FH_BACKPRESSURE_BYTES") {
             c.backpressure_bytes = parse_bytes("FH_BACKPRESSURE_BYTES", &v)?;
         }
@@ -240,16 +250,7 @@ impl Config {
             c.backpressure_max = d;
         }
         if let Some(v) = get("FH_CUDA") {
-            c.cuda = match v.trim().to_ascii_lowercase().as_str() {
-                "" | "0" | "false" | "no" | "off" => false,
-                "1" | "true" | "yes" | "on" => true,
-                _ => {
-                    return Err(SchedulerError::config(
-                        "FH_CUDA",
-                        format!("'{v}' is not a switch; accepted values: 0, 1, true, false"),
-                    ))
-                }
-            };
+            c.cuda = parse_switch("FH_CUDA", &v)?;
         }
         if let Some(v) = get("FH_PRIORITY") {
             c.priority = v.parse()?;
@@ -349,7 +350,8 @@ impl Config {
     /// The pacing policy (back-pressure) under this configuration.
     pub fn pacing(&self) -> fh_core::fusion::Pacing {
         fh_core::fusion::Pacing {
-            backpressure_bytes: self.backpressure_bytes,
+            enabled: self.backpressure,
+            min_bytes: self.backpressure_bytes,
             max_defer: self.backpressure_max,
         }
     }
@@ -417,10 +419,15 @@ impl Config {
         self.record_groups = on;
         self
     }
-    /// Set back-pressure: defer a round while the channels hold at least `bytes` of queued
-    /// work, for at most `max` (`bytes == 0`: off).
-    pub fn backpressure(mut self, bytes: u64, max: Duration) -> Self {
-        self.backpressure_bytes = bytes;
+    /// Turn back-pressure on or off (see [`Config::backpressure`]).
+    pub fn backpressure(mut self, on: bool) -> Self {
+        self.backpressure = on;
+        self
+    }
+    /// Bound back-pressure: defer only while the channels hold at least `min_bytes` of
+    /// unfinished work, and never longer than `max`.
+    pub fn backpressure_bounds(mut self, min_bytes: u64, max: Duration) -> Self {
+        self.backpressure_bytes = min_bytes;
         self.backpressure_max = max;
         self
     }
@@ -489,6 +496,14 @@ mod tests {
         assert_eq!(c.timeline, Some(PathBuf::from("/tmp/t.json")));
         assert_eq!(c.stall_check, None);
         assert_eq!(c.stall_shutdown, Some(Duration::from_secs(5)));
+        assert!(Config::default().backpressure);
+        assert!(!Config::preset(Preset::Horovod).backpressure);
+        let off = Config::from_lookup(env(&[("FH_BACKPRESSURE", "off")])).unwrap();
+        assert!(!off.backpressure && !off.pacing().enabled);
+        let e = Config::from_lookup(env(&[("FH_BACKPRESSURE", "sometimes")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("FH_BACKPRESSURE"), "{e}");
         let bp = Config::from_lookup(env(&[
             ("FH_BACKPRESSURE_BYTES", "1MiB"),
             ("FH_BACKPRESSURE_MAX_MS", "3"),

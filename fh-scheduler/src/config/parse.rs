@@ -48,3 +48,15 @@ pub(super) fn parse_bytes(var: &str, v: &str) -> Result<u64, SchedulerError> {
             )
         })
 }
+
+/// An on/off switch (`1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`; empty is off).
+pub(super) fn parse_switch(var: &str, v: &str) -> Result<bool, SchedulerError> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" | "0" | "false" | "no" | "off" => Ok(false),
+        "1" | "true" | "yes" | "on" => Ok(true),
+        _ => Err(SchedulerError::config(
+            var,
+            format!("'{v}' is not a switch; accepted values: 0, 1, true, false"),
+        )),
+    }
+}

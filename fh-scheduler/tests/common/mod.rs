@@ -89,15 +89,25 @@ pub fn configs() -> Vec<(String, Config)> {
                 .partition_bytes(1024),
         ));
     }
-    // Back-pressure at its most eager (defer whenever a byte is queued, up to 2 ms): it may
-    // change only when rounds start, never what they decide.
+    // Back-pressure is on in the presets (defer while every channel is busy, up to 50 ms).
+    // Off, and at its most eager (any queued byte on a single channel, up to 2 ms): pacing
+    // may change only when rounds start, never what they decide.
     v.push((
-        "fasthorovod-k2-backpressure".to_string(),
+        "fasthorovod-k2-no-backpressure".to_string(),
         Config::preset(Preset::FastHorovod)
             .channels(2)
             .fusion_threshold(4096)
             .partition_bytes(1024)
-            .backpressure(1, Duration::from_millis(2)),
+            .backpressure(false),
+    ));
+    v.push((
+        "fasthorovod-k1-backpressure-eager".to_string(),
+        Config::preset(Preset::FastHorovod)
+            .channels(1)
+            .fusion_threshold(4096)
+            .partition_bytes(1024)
+            .backpressure(true)
+            .backpressure_bounds(1, Duration::from_millis(2)),
     ));
     // A tiny cache (eviction at capacity every step) and no cache (coordinator every round).
     for cap in [3, 0] {
