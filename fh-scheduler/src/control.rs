@@ -4,9 +4,10 @@
 //! Every rank runs the same sequence of negotiation rounds on the control communicator. A
 //! round is: one bitwise-AND allreduce of the negotiation vector (status flags + cached slots
 //! pending here), then, only when a flag asks for it, the optional steps in a fixed order —
-//! agreed fault (stop), joined-rank exchange, slot invalidation, coordinator step (gather to
-//! rank 0, broadcast), stall report — and finally the agreed ready list is planned (channel
-//! load carried from round to round) and dispatched. Because every decision is a function of
+//! agreed fault (stop), readiness report (gather to rank 0, while rank 0 writes a timeline),
+//! joined-rank exchange, slot invalidation, coordinator step (gather to rank 0, broadcast),
+//! stall report — and finally the agreed ready list is planned (channel load carried from
+//! round to round) and dispatched. Because every decision is a function of
 //! the rounds' collective results, every rank takes the same steps and forms the same groups.
 //! Back-pressure only delays when a rank enters its next round.
 
@@ -27,10 +28,10 @@ use fh_transport::Communicator;
 use crate::exec::{Executor, Job, Op, OpState};
 use crate::handle::Completion;
 use crate::negotiate::coordinator::{joins_with_zeros, Table};
+use crate::negotiate::readiness::ReadyTimes;
 use crate::negotiate::{collect, fault, stall};
 use crate::shared::{Entry, Inner, Msg};
 use crate::stats::{Counters, GroupRecord};
-use crate::timeline::ReadyAt;
 use crate::{Preset, SchedulerError, Tensor};
 
 /// Longest back-off between rounds while every rank waits on another.
@@ -139,7 +140,7 @@ pub(crate) struct Control {
     fault: Option<(String, String)>,
     /// Rank 0 while writing a timeline: for each tensor not yet agreed, when each rank had it
     /// ready (from the readiness reports). Empty when no timeline is written.
-    ready_times: HashMap<String, Vec<Option<ReadyAt>>>,
+    ready_times: ReadyTimes,
 }
 
 impl Control {
@@ -204,6 +205,7 @@ impl Control {
             cache: ResponseCache::new(cfg.cache_capacity),
             joined_set: vec![false; inner.size],
             last_joined: None,
+            ready_times: ReadyTimes::new(inner.size),
             inner,
             comm,
             rx,
@@ -225,7 +227,6 @@ impl Control {
             held: BTreeMap::new(),
             failed_groups: HashMap::new(),
             fault: None,
-            ready_times: HashMap::new(),
         })
     }
 
@@ -571,7 +572,7 @@ impl Control {
             );
             for r in responses {
                 if let Some(e) = &r.error {
-                    self.ready_times.remove(&r.name);
+                    self.ready_times.take(&r.name);
                     let err = SchedulerError::from_negotiation(&r.name, e);
                     self.fail_name(&r.name, err.clone());
                     if let Some(g) = &r.group {
@@ -610,11 +611,9 @@ impl Control {
                 tl.round(coordinate, ready.len(), start, neg_end);
             }
             // Each tensor agreed this round: its span from the first rank's ready time.
-            if !self.ready_times.is_empty() {
-                for r in &ready {
-                    if let Some(times) = self.ready_times.remove(&r.name) {
-                        tl.negotiated(r.name.clone(), times, neg_end);
-                    }
+            for r in &ready {
+                if let Some(times) = self.ready_times.take(&r.name) {
+                    tl.negotiated(r.name.clone(), times, neg_end);
                 }
             }
         }
@@ -726,9 +725,7 @@ impl Control {
                 false
             }
             None => {
-                if !self.ready_times.is_empty() {
-                    self.ready_times.clear();
-                }
+                self.ready_times.clear();
                 false
             }
         }
@@ -757,25 +754,13 @@ impl Control {
             return Ok(());
         };
         let learned = Instant::now();
-        let size = self.inner.size;
         for (r, b) in lists.iter().enumerate() {
-            let names = wire::decode_names(b).map_err(|e| SchedulerError::Transport {
+            let report = wire::decode_names(b).map_err(|e| SchedulerError::Transport {
                 lost_rank: Some(r),
                 message: format!("rank {r} sent a malformed readiness report: {e}"),
                 source: None,
             })?;
-            for (name, micros) in names {
-                let times = self
-                    .ready_times
-                    .entry(name)
-                    .or_insert_with(|| vec![None; size]);
-                if let Some(t) = times.get_mut(r) {
-                    t.get_or_insert(ReadyAt {
-                        learned,
-                        age: Duration::from_micros(micros),
-                    });
-                }
-            }
+            self.ready_times.record(r, report, learned);
         }
         Ok(())
     }

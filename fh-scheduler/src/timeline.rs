@@ -7,14 +7,16 @@
 //! new events are dropped and counted; the writer says so once in the log (`tracing`) and, at
 //! the end of the file, in an instant event `"timeline: N events dropped"`.
 //!
-//! **The file.** The writer serializes [`TraceEvent`]s with `serde_json` through a buffered
-//! writer: `[`, the events separated by `,\n`, `]`. Whenever it flushes (when its queue runs
-//! empty, and at least every [`FLUSH_EVERY`] while events keep coming) it writes the closing
-//! `]` and seeks back over it, so the file on disk is a valid JSON array after every flush, and
-//! certainly after [`Timeline::finish`] ([`Engine::stop_timeline`](crate::Engine::stop_timeline),
-//! a `start_timeline` that replaces it, engine shutdown), which drains the queue, closes the
-//! array and joins the writer within a bounded wait. A write error is logged once and ends the
-//! timeline; it never fails a collective.
+//! **The file.** The writer serializes [`TraceEvent`]s with `serde_json` into a batch buffer:
+//! `[`, the events separated by `,\n`. It writes a batch when its queue runs empty, and at
+//! least every [`FLUSH_EVERY`] (or 1 MiB) while events keep coming, as one write of the events
+//! followed by `]` at the offset of the previous closing `]`: the file is a valid JSON array
+//! (which chrome://tracing and Perfetto load) before and after every write, so at any moment
+//! but during one; and certainly after [`Timeline::finish`]
+//! ([`Engine::stop_timeline`](crate::Engine::stop_timeline), a `start_timeline` that replaces
+//! it, engine shutdown), which drains the queue, writes the rest and joins the writer within a
+//! bounded wait. A write error is logged once and ends the timeline; it never fails a
+//! collective.
 //!
 //! **What it shows.** Lane (`tid`) 0 shows negotiation rounds; lane `c + 1` the fused
 //! collectives of channel `c` (with their pack / collective / unpack phases). Each tensor has
@@ -28,7 +30,7 @@
 //! on its own clock (the moment it learned, less that age).
 
 use std::fs::File;
-use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -44,6 +46,10 @@ use serde_json::{json, Map, Value};
 pub(crate) const QUEUE_CAPACITY: usize = 1 << 16;
 /// Longest the writer goes without a flush (a valid file on disk) while events keep coming.
 pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(100);
+/// Most bytes of events the writer collects before writing them out.
+const MAX_BATCH_BYTES: usize = 1 << 20;
+/// How often an idle writer looks up (to report drops).
+const IDLE_WAKE: Duration = Duration::from_secs(1);
 /// Longest [`Timeline::finish`] waits for the writer to drain its queue and close the file.
 pub(crate) const STOP_WAIT: Duration = Duration::from_secs(10);
 
@@ -175,9 +181,10 @@ impl Timeline {
         let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(0);
         let shared = Arc::new(Shared::default());
         let writer = Writer {
-            out: BufWriter::with_capacity(1 << 16, file),
+            file,
+            end: 0,
+            buf: Vec::with_capacity(1 << 16),
             first: true,
-            dirty: false,
             start: Instant::now(),
             next_id: 0,
         };
@@ -345,11 +352,13 @@ impl Drop for Timeline {
 
 /// The writer thread's side: the buffered file and the position in the array.
 struct Writer {
-    out: BufWriter<File>,
+    file: File,
+    /// Offset of the file's closing `]`, where the next batch is written.
+    end: u64,
+    /// Events serialized since the last write to the file.
+    buf: Vec<u8>,
     /// No event written yet (no separator before the next).
     first: bool,
-    /// Events written since the last flush.
-    dirty: bool,
     start: Instant,
     /// Next id of a negotiation span.
     next_id: u64,
@@ -369,7 +378,7 @@ impl Writer {
         stop_rx: &Receiver<()>,
         shared: &Shared,
     ) -> std::io::Result<()> {
-        self.out.write_all(b"[")?;
+        self.buf.push(b'[');
         let process = json!({ "name": "fasthorovod rank 0" });
         let mut ev = TraceEvent::new("process_name", "M", 0);
         ev.args = process;
@@ -394,14 +403,14 @@ impl Writer {
                     Err(_) => stop = true,
                 },
                 recv(stop_rx) -> _ => stop = true,
-                default(FLUSH_EVERY) => {}
+                default(IDLE_WAKE) => {}
             }
             if stop {
                 break;
             }
-            // Write what has queued up meanwhile, flushing at least every FLUSH_EVERY.
+            // Take what has queued up meanwhile, writing at least every FLUSH_EVERY.
             let batch = Instant::now();
-            while batch.elapsed() < FLUSH_EVERY {
+            while batch.elapsed() < FLUSH_EVERY && self.buf.len() < MAX_BATCH_BYTES {
                 match rx.try_recv() {
                     Ok(r) => self.record(r)?,
                     Err(_) => break,
@@ -429,31 +438,30 @@ impl Writer {
             ev.args = json!({ "dropped": dropped });
             self.event(&ev)?;
         }
-        self.out.write_all(b"]")?;
-        self.out.flush()
+        self.checkpoint()
     }
 
     /// Write one event after a separator.
     fn event(&mut self, ev: &TraceEvent<'_>) -> std::io::Result<()> {
         if !self.first {
-            self.out.write_all(b",\n")?;
+            self.buf.extend_from_slice(b",\n");
         }
-        serde_json::to_writer(&mut self.out, ev)?;
+        serde_json::to_writer(&mut self.buf, ev)?;
         self.first = false;
-        self.dirty = true;
         Ok(())
     }
 
-    /// Flush with the array closed, then step back over the `]` so the next event overwrites
-    /// it: the file on disk is valid JSON after every flush.
+    /// Write the collected events with the closing `]` over the previous `]`, in one write:
+    /// the file is a valid JSON array before and after it.
     fn checkpoint(&mut self) -> std::io::Result<()> {
-        if !self.dirty {
+        if self.buf.is_empty() {
             return Ok(());
         }
-        self.out.write_all(b"]")?;
-        self.out.flush()?;
-        self.out.seek(SeekFrom::Current(-1))?;
-        self.dirty = false;
+        self.buf.push(b']');
+        self.file.seek(SeekFrom::Start(self.end))?;
+        self.file.write_all(&self.buf)?;
+        self.end += self.buf.len() as u64 - 1;
+        self.buf.clear();
         Ok(())
     }
 
