@@ -3,19 +3,20 @@
 //! **Off the critical path.** The engine's threads (the control thread, the channel workers)
 //! only build a small [`Record`] — names, lane, `Instant`s, a few numbers — and hand it to the
 //! timeline's own writer thread over a bounded queue with `try_send`: they never format JSON,
-//! never touch the file and never wait. When the writer falls [`QUEUE_CAPACITY`] events behind,
+//! never touch the file, never wait, and never wake a thread (the writer sleeps between batches
+//! rather than waiting on the queue). When the writer falls [`QUEUE_CAPACITY`] events behind,
 //! new events are dropped and counted; the writer says so once in the log (`tracing`) and, at
 //! the end of the file, in an instant event `"timeline: N events dropped"`.
 //!
-//! **The file.** The writer serializes [`TraceEvent`]s with `serde_json` into a batch buffer:
-//! `[`, the events separated by `,\n`. It writes a batch when its queue runs empty, and at
-//! least every [`FLUSH_EVERY`] (or 1 MiB) while events keep coming, as one write of the events
-//! followed by `]` at the offset of the previous closing `]`: the file is a valid JSON array
-//! (which chrome://tracing and Perfetto load) before and after every write, so at any moment
-//! but during one; and certainly after [`Timeline::finish`]
+//! **The file.** Every [`FLUSH_EVERY`] while events come (backing off to 1 s while none do),
+//! the writer takes what has queued up, serializes it ([`TraceEvent`], `serde_json`) into a
+//! batch — `[` first, events separated by `,\n` — and writes the batch followed by `]` in one
+//! write at the offset of the previous closing `]` (at least every 1 MiB). So the file is a
+//! valid JSON array (which chrome://tracing and Perfetto load) before and after every write,
+//! and certainly after [`Timeline::finish`]
 //! ([`Engine::stop_timeline`](crate::Engine::stop_timeline), a `start_timeline` that replaces
-//! it, engine shutdown), which drains the queue, writes the rest and joins the writer within a
-//! bounded wait. A write error is logged once and ends the timeline; it never fails a
+//! it, engine shutdown), which wakes the writer, lets it write what is queued and joins it
+//! within a bounded wait. A write error is logged once and ends the timeline; it never fails a
 //! collective.
 //!
 //! **What it shows.** Lane (`tid`) 0 shows negotiation rounds; lane `c + 1` the fused
@@ -29,6 +30,7 @@
 //! tells rank 0 how long ago its newly pending tensors were submitted, and rank 0 places that
 //! on its own clock (the moment it learned, less that age).
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -40,16 +42,16 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 use fh_core::message::CollectiveKind;
 use serde::Serialize;
-use serde_json::{json, Map, Value};
 
 /// How many events the writer may fall behind before new ones are dropped.
 pub(crate) const QUEUE_CAPACITY: usize = 1 << 16;
-/// Longest the writer goes without a flush (a valid file on disk) while events keep coming.
-pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(100);
+/// How often the writer takes what has queued up while events keep coming (it sleeps in
+/// between, so that handing it an event never has to wake a thread).
+pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(20);
+/// The writer's longest sleep while no events come (it sleeps longer the longer it is idle).
+const IDLE_WAKE: Duration = Duration::from_secs(1);
 /// Most bytes of events the writer collects before writing them out.
 const MAX_BATCH_BYTES: usize = 1 << 20;
-/// How often an idle writer looks up (to report drops).
-const IDLE_WAKE: Duration = Duration::from_secs(1);
 /// Longest [`Timeline::finish`] waits for the writer to drain its queue and close the file.
 pub(crate) const STOP_WAIT: Duration = Duration::from_secs(10);
 
@@ -65,13 +67,19 @@ pub(crate) struct ReadyAt {
 
 /// What an engine thread hands to the writer: cheap to build, no formatting, no I/O.
 pub(crate) enum Record {
-    /// A complete span on a lane, with at most one numeric argument.
+    /// A complete span on a lane.
     Span {
         lane: usize,
         name: &'static str,
         begin: Instant,
         end: Instant,
-        arg: Option<(&'static str, u64)>,
+    },
+    /// A negotiation round (lane 0) that agreed `ready` tensors.
+    Round {
+        coordinator: bool,
+        ready: usize,
+        begin: Instant,
+        end: Instant,
     },
     /// A fused group that ran on a channel.
     Group {
@@ -116,8 +124,50 @@ pub(crate) struct TraceEvent<'a> {
     /// Scope of an instant event (`g`: global).
     #[serde(skip_serializing_if = "Option::is_none")]
     s: Option<&'static str>,
-    #[serde(skip_serializing_if = "Value::is_null")]
-    args: Value,
+    #[serde(skip_serializing_if = "Args::is_none")]
+    args: Args<'a>,
+}
+
+/// The `args` of a trace event.
+#[derive(Serialize, Debug)]
+#[serde(untagged)]
+enum Args<'a> {
+    None,
+    /// Metadata: a process or lane name.
+    Label {
+        name: &'a str,
+    },
+    /// A negotiation round.
+    Round {
+        ready: usize,
+    },
+    /// A fused group.
+    Group {
+        names: &'a [String],
+        bytes: usize,
+    },
+    /// A tensor's span.
+    Tensor {
+        tensor: &'a str,
+    },
+    /// A tensor's negotiation: each rank's ready time (µs, keyed by rank), the last ready
+    /// rank, when it was agreed.
+    Negotiated {
+        tensor: &'a str,
+        ready_us: BTreeMap<usize, f64>,
+        last_ready_rank: Option<usize>,
+        agreed_us: f64,
+    },
+    /// The drop notice.
+    Dropped {
+        dropped: u64,
+    },
+}
+
+impl Args<'_> {
+    fn is_none(&self) -> bool {
+        matches!(self, Args::None)
+    }
 }
 
 impl<'a> TraceEvent<'a> {
@@ -132,7 +182,7 @@ impl<'a> TraceEvent<'a> {
             dur: None,
             id: None,
             s: None,
-            args: Value::Null,
+            args: Args::None,
         }
     }
 }
@@ -246,22 +296,16 @@ impl Timeline {
             name,
             begin,
             end,
-            arg: None,
         });
     }
 
     /// A negotiation round on lane 0 that agreed `ready` tensors.
     pub(crate) fn round(&self, coordinator: bool, ready: usize, begin: Instant, end: Instant) {
-        self.emit(Record::Span {
-            lane: 0,
-            name: if coordinator {
-                "negotiate (coordinator)"
-            } else {
-                "negotiate"
-            },
+        self.emit(Record::Round {
+            coordinator,
+            ready,
             begin,
             end,
-            arg: Some(("ready", ready as u64)),
         });
     }
 
@@ -379,9 +423,10 @@ impl Writer {
         shared: &Shared,
     ) -> std::io::Result<()> {
         self.buf.push(b'[');
-        let process = json!({ "name": "fasthorovod rank 0" });
         let mut ev = TraceEvent::new("process_name", "M", 0);
-        ev.args = process;
+        ev.args = Args::Label {
+            name: "fasthorovod rank 0",
+        };
         self.event(&ev)?;
         for lane in 0..=channels {
             let label = if lane == 0 {
@@ -390,32 +435,29 @@ impl Writer {
                 format!("channel {}", lane - 1)
             };
             let mut ev = TraceEvent::new("thread_name", "M", lane);
-            ev.args = json!({ "name": label });
+            ev.args = Args::Label { name: &label };
             self.event(&ev)?;
         }
         self.checkpoint()?;
         let mut warned = false;
-        loop {
-            let mut stop = false;
-            crossbeam_channel::select! {
-                recv(rx) -> r => match r {
-                    Ok(r) => self.record(r)?,
-                    Err(_) => stop = true,
-                },
-                recv(stop_rx) -> _ => stop = true,
-                default(IDLE_WAKE) => {}
-            }
-            if stop {
-                break;
-            }
-            // Take what has queued up meanwhile, writing at least every FLUSH_EVERY.
-            let batch = Instant::now();
-            while batch.elapsed() < FLUSH_EVERY && self.buf.len() < MAX_BATCH_BYTES {
-                match rx.try_recv() {
-                    Ok(r) => self.record(r)?,
-                    Err(_) => break,
+        let mut sleep = FLUSH_EVERY;
+        // Sleep rather than wait on the queue: an engine thread's `try_send` then never has to
+        // wake this thread. A stop (or the timeline dropped) wakes it at once.
+        while let Err(RecvTimeoutError::Timeout) = stop_rx.recv_timeout(sleep) {
+            // Take what has queued up, writing at least every 1 MiB.
+            let mut took = false;
+            while let Ok(r) = rx.try_recv() {
+                took = true;
+                self.record(r)?;
+                if self.buf.len() >= MAX_BATCH_BYTES {
+                    self.checkpoint()?;
                 }
             }
+            sleep = if took {
+                FLUSH_EVERY
+            } else {
+                (sleep * 2).min(IDLE_WAKE)
+            };
             if !warned && shared.dropped.load(Ordering::Relaxed) > 0 {
                 warned = true;
                 tracing::warn!(
@@ -435,7 +477,7 @@ impl Writer {
             let mut ev = TraceEvent::new(&name, "i", 0);
             ev.ts = Some(micros(self.start, Instant::now()));
             ev.s = Some("g");
-            ev.args = json!({ "dropped": dropped });
+            ev.args = Args::Dropped { dropped };
             self.event(&ev)?;
         }
         self.checkpoint()
@@ -474,16 +516,27 @@ impl Writer {
                 name,
                 begin,
                 end,
-                arg,
             } => {
                 let mut ev = TraceEvent::new(name, "X", lane);
                 ev.ts = Some(us(begin));
                 ev.dur = Some((us(end) - us(begin)).max(0.0));
-                if let Some((k, v)) = arg {
-                    let mut m = Map::new();
-                    m.insert(k.to_string(), v.into());
-                    ev.args = Value::Object(m);
-                }
+                self.event(&ev)
+            }
+            Record::Round {
+                coordinator,
+                ready,
+                begin,
+                end,
+            } => {
+                let name = if coordinator {
+                    "negotiate (coordinator)"
+                } else {
+                    "negotiate"
+                };
+                let mut ev = TraceEvent::new(name, "X", 0);
+                ev.ts = Some(us(begin));
+                ev.dur = Some((us(end) - us(begin)).max(0.0));
+                ev.args = Args::Round { ready };
                 self.event(&ev)
             }
             Record::Group {
@@ -498,7 +551,10 @@ impl Writer {
                 let mut ev = TraceEvent::new(&name, "X", lane);
                 ev.ts = Some(us(begin));
                 ev.dur = Some((us(end) - us(begin)).max(0.0));
-                ev.args = json!({ "names": names, "bytes": bytes });
+                ev.args = Args::Group {
+                    names: &names,
+                    bytes,
+                };
                 self.event(&ev)
             }
             Record::Tensor {
@@ -512,7 +568,7 @@ impl Writer {
                 b.cat = Some("tensor");
                 b.id = Some(id);
                 b.ts = Some(us(begin));
-                b.args = json!({ "tensor": name });
+                b.args = Args::Tensor { tensor: &name };
                 self.event(&b)?;
                 let mut e = TraceEvent::new(phase, "e", 0);
                 e.cat = Some("tensor");
@@ -526,16 +582,14 @@ impl Writer {
                 agreed,
             } => {
                 let end = us(agreed);
-                let mut times = Map::new();
+                let mut ready_us = BTreeMap::new();
                 let mut first = end;
                 let mut last: Option<(usize, f64)> = None;
                 for (rank, at) in ready.iter().enumerate() {
                     let Some(at) = at else { continue };
-                    let t = (us(at.learned) - at.age.as_secs_f64() * 1e6)
-                        .max(0.0)
-                        .min(end);
+                    let t = (us(at.learned) - at.age.as_secs_f64() * 1e6).clamp(0.0, end);
                     let t = (t * 1e3).round() / 1e3;
-                    times.insert(rank.to_string(), t.into());
+                    ready_us.insert(rank, t);
                     first = first.min(t);
                     if last.is_none_or(|(_, l)| t >= l) {
                         last = Some((rank, t));
@@ -547,12 +601,12 @@ impl Writer {
                 b.cat = Some("negotiate");
                 b.id = Some(id);
                 b.ts = Some(first);
-                b.args = json!({
-                    "tensor": &name,
-                    "ready_us": times,
-                    "last_ready_rank": last.map(|(r, _)| r),
-                    "agreed_us": end,
-                });
+                b.args = Args::Negotiated {
+                    tensor: &name,
+                    ready_us,
+                    last_ready_rank: last.map(|(r, _)| r),
+                    agreed_us: end,
+                };
                 self.event(&b)?;
                 let mut e = TraceEvent::new(&name, "e", 0);
                 e.cat = Some("negotiate");
@@ -567,6 +621,7 @@ impl Writer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::{json, Value};
 
     fn temp(tag: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("fh-tl-{}-{tag}", std::process::id()));
