@@ -28,7 +28,9 @@
 //! `args.last_ready_rank` = the rank that held it back. Ready times come from the control
 //! thread's readiness reports (`Status::Trace`, only while a timeline is written): each rank
 //! tells rank 0 how long ago its newly pending tensors were submitted, and rank 0 places that
-//! on its own clock (the moment it learned, less that age).
+//! on its own clock (the moment it learned, less that age; transfer time is not corrected
+//! for). A rank that has joined (contributing zeros) has no ready time, nor has a rank that
+//! reported the tensor before a `stop_timeline` (rank 0 forgets the reports when it stops).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -651,7 +653,7 @@ mod tests {
     }
 
     #[test]
-    fn file_is_valid_json_after_each_flush_and_after_finish() {
+    fn file_is_valid_json_while_written_and_after_finish() {
         let path = temp("valid");
         let t = Timeline::create(&path, 2).unwrap();
         // Metadata: the process and three lanes.
