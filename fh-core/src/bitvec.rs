@@ -29,11 +29,15 @@ pub enum Status {
     /// The rank met a local inconsistency (a negotiated tensor it cannot run): every rank
     /// stops with the error it names.
     Fault = 6,
+    /// Rank 0 is writing a timeline: in a round where some rank has operations pending, every
+    /// rank reports to rank 0 how long ago its newly pending operations became ready, so that
+    /// the timeline can show which rank held each tensor back.
+    Trace = 7,
 }
 
 impl Status {
     /// Every status flag.
-    pub const ALL: [Status; 7] = [
+    pub const ALL: [Status; 8] = [
         Status::Shutdown,
         Status::Uncached,
         Status::Invalidated,
@@ -41,6 +45,7 @@ impl Status {
         Status::Joined,
         Status::Pending,
         Status::Fault,
+        Status::Trace,
     ];
 }
 

@@ -4,9 +4,10 @@
 //! Every rank runs the same sequence of negotiation rounds on the control communicator. A
 //! round is: one bitwise-AND allreduce of the negotiation vector (status flags + cached slots
 //! pending here), then, only when a flag asks for it, the optional steps in a fixed order —
-//! agreed fault (stop), joined-rank exchange, slot invalidation, coordinator step (gather to
-//! rank 0, broadcast), stall report — and finally the agreed ready list is planned (channel
-//! load carried from round to round) and dispatched. Because every decision is a function of
+//! agreed fault (stop), readiness report (gather to rank 0, while rank 0 writes a timeline),
+//! joined-rank exchange, slot invalidation, coordinator step (gather to rank 0, broadcast),
+//! stall report — and finally the agreed ready list is planned (channel load carried from
+//! round to round) and dispatched. Because every decision is a function of
 //! the rounds' collective results, every rank takes the same steps and forms the same groups.
 //! Back-pressure only delays when a rank enters its next round.
 
@@ -27,6 +28,7 @@ use fh_transport::Communicator;
 use crate::exec::{Executor, Job, Op, OpState};
 use crate::handle::Completion;
 use crate::negotiate::coordinator::{joins_with_zeros, Table};
+use crate::negotiate::readiness::ReadyTimes;
 use crate::negotiate::{collect, fault, stall};
 use crate::shared::{Entry, Inner, Msg};
 use crate::stats::{Counters, GroupRecord};
@@ -48,6 +50,8 @@ enum Announce {
 struct Pending {
     entry: Entry,
     state: Announce,
+    /// Already in a readiness report to rank 0 (timeline).
+    reported: bool,
 }
 
 /// Where a dispatched operation's tensor comes from.
@@ -138,6 +142,9 @@ pub(crate) struct Control {
     /// A local inconsistency met while dispatching (tensor name, what went wrong): raised in
     /// the next round so that every rank stops with the same error.
     fault: Option<(String, String)>,
+    /// Rank 0 while writing a timeline: for each tensor not yet agreed, when each rank had it
+    /// ready (from the readiness reports). Empty when no timeline is written.
+    ready_times: ReadyTimes,
 }
 
 impl Control {
@@ -202,6 +209,7 @@ impl Control {
             cache: ResponseCache::new(cfg.cache_capacity),
             joined_set: vec![false; inner.size],
             last_joined: None,
+            ready_times: ReadyTimes::new(inner.size),
             inner,
             comm,
             rx,
@@ -299,6 +307,7 @@ impl Control {
                     Pending {
                         entry: *entry,
                         state: Announce::New,
+                        reported: false,
                     },
                 );
                 self.fresh = true;
@@ -476,6 +485,7 @@ impl Control {
         vec.set_status(Status::Joined, self.joined);
         vec.set_status(Status::Pending, !self.pending.is_empty());
         vec.set_status(Status::Fault, self.fault.is_some());
+        vec.set_status(Status::Trace, self.tracing());
 
         // 2. The bit-vector allreduce.
         let mut bytes = vec.to_bytes();
@@ -505,7 +515,12 @@ impl Control {
             }));
         }
 
-        // 3. Joined ranks.
+        // 3. Readiness reports for rank 0's timeline (only while it writes one).
+        if agreed.status(Status::Trace) && agreed.status(Status::Pending) {
+            self.report_readiness()?;
+        }
+
+        // 4. Joined ranks.
         let previous_joined = self.joined_set.clone();
         if agreed.status(Status::Joined) {
             let mut jv = BitVec::zeros(size);
@@ -530,7 +545,7 @@ impl Control {
             self.last_joined = Some(r);
         }
 
-        // 4. Invalidated slots: dropped on every rank.
+        // 5. Invalidated slots: dropped on every rank.
         let mut evicted = Vec::new();
         if agreed.status(Status::Invalidated) {
             let mut iv = BitVec::zeros(cap);
@@ -549,7 +564,7 @@ impl Control {
             }
         }
 
-        // 5. Ready from the cache, in slot order.
+        // 6. Ready from the cache, in slot order.
         let mut ready: Vec<Response> = Vec::new();
         if !all_joined {
             for slot in agreed.pending_slots() {
@@ -564,7 +579,7 @@ impl Control {
         }
         Counters::add(&self.inner.counters.cache_hits, ready.len() as u64);
 
-        // 6. The coordinator, when some rank has uncached names (or the joined set changed).
+        // 7. The coordinator, when some rank has uncached names (or the joined set changed).
         let coordinate = agreed.status(Status::Uncached) || !evicted.is_empty() || joined_changed;
         if coordinate {
             Counters::add(&self.inner.counters.coordinator_rounds, 1);
@@ -588,6 +603,7 @@ impl Control {
             );
             for r in responses {
                 if let Some(e) = &r.error {
+                    self.ready_times.take(&r.name);
                     let err = SchedulerError::from_negotiation(&r.name, e);
                     self.fail_name(&r.name, err.clone());
                     if let Some(g) = &r.group {
@@ -602,12 +618,12 @@ impl Control {
             Counters::add(&self.inner.counters.bitvector_rounds, 1);
         }
 
-        // 7. Stall inspector.
+        // 8. Stall inspector.
         if agreed.status(Status::Stalled) {
             self.inspect_stall(start)?;
         }
 
-        // 8. Join completes once everybody has joined.
+        // 9. Join completes once everybody has joined.
         if all_joined {
             let last = self.last_joined.take().unwrap_or(self.inner.rank) as i64;
             for c in self.join_cells.drain(..) {
@@ -623,21 +639,17 @@ impl Control {
         );
         if let Some(tl) = self.inner.timeline() {
             if !ready.is_empty() || coordinate {
-                tl.span(
-                    0,
-                    if coordinate {
-                        "negotiate (coordinator)"
-                    } else {
-                        "negotiate"
-                    },
-                    start,
-                    neg_end,
-                    &[("ready", ready.len().to_string())],
-                );
+                tl.round(coordinate, ready.len(), start, neg_end);
+            }
+            // Each tensor agreed this round: its span from the first rank's ready time.
+            for r in &ready {
+                if let Some(times) = self.ready_times.take(&r.name) {
+                    tl.negotiated(r.name.clone(), times, neg_end);
+                }
             }
         }
 
-        // 9. Grouped members wait for the rest of their group; plan and dispatch.
+        // 10. Grouped members wait for the rest of their group; plan and dispatch.
         self.last_progress = !ready.is_empty();
         let ready = self.release_groups(ready);
         if !ready.is_empty() {
@@ -727,6 +739,61 @@ impl Control {
             }
         }
         out
+    }
+
+    /// Whether this rank asks for readiness reports: rank 0 while it writes a timeline. A
+    /// timeline that ended on a write error is dropped here; without one, rank 0 forgets the
+    /// ready times it collected.
+    fn tracing(&mut self) -> bool {
+        if self.inner.rank != 0 {
+            return false;
+        }
+        match self.inner.timeline() {
+            Some(t) if t.is_live() => true,
+            Some(t) => {
+                self.inner.clear_timeline_if(&t);
+                self.ready_times.clear();
+                false
+            }
+            None => {
+                self.ready_times.clear();
+                false
+            }
+        }
+    }
+
+    /// The readiness report (rank 0 writes a timeline): every rank sends rank 0 the names it
+    /// has newly pending (not reported before, not yet agreed) with how long ago each was
+    /// submitted; rank 0 records, per name and rank, when it learned and that age. A gather to
+    /// rank 0, as in the coordinator step.
+    fn report_readiness(&mut self) -> Result<(), SchedulerError> {
+        let now = Instant::now();
+        let mut mine = Vec::new();
+        for p in self.pending.values_mut() {
+            if !p.reported && p.state != Announce::Held {
+                p.reported = true;
+                let age = now.saturating_duration_since(p.entry.submitted);
+                let micros = u64::try_from(age.as_micros()).unwrap_or(u64::MAX);
+                mine.push((p.entry.req.name.clone(), micros));
+            }
+        }
+        let bytes = wire::encode_names(&mine);
+        if self.inner.rank != 0 {
+            self.add_bytes(bytes.len() + 8);
+        }
+        let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes)? else {
+            return Ok(());
+        };
+        let learned = Instant::now();
+        for (r, b) in lists.iter().enumerate() {
+            let report = wire::decode_names(b).map_err(|e| SchedulerError::Transport {
+                lost_rank: Some(r),
+                message: format!("rank {r} sent a malformed readiness report: {e}"),
+                source: None,
+            })?;
+            self.ready_times.record(r, report, learned);
+        }
+        Ok(())
     }
 
     /// The coordinator step: every rank's new requests are gathered to rank 0 (O(N) bytes in
@@ -895,7 +962,7 @@ impl Control {
                     if let Some(tl) = self.inner.timeline() {
                         tl.tensor_span(
                             e_id(&r.name, e.submitted),
-                            &r.name,
+                            r.name.clone(),
                             "queued",
                             e.submitted,
                             Instant::now(),

@@ -202,13 +202,17 @@ impl Engine {
                 path.display()
             ))
         })?;
-        self.inner.set_timeline(Some(Arc::new(t)));
+        if let Some(old) = self.inner.replace_timeline(Some(Arc::new(t))) {
+            old.finish(crate::timeline::STOP_WAIT);
+        }
         Ok(())
     }
 
-    /// Stop writing the timeline (the file stays valid JSON); a no-op when none is written.
+    /// Stop writing the timeline: the events already handed to its writer thread are written,
+    /// the JSON array is closed and the writer joined (waiting at most 10 s) before this
+    /// returns. A no-op when none is written.
     pub fn stop_timeline(&self) {
-        self.inner.set_timeline(None);
+        self.inner.finish_timeline();
     }
 
     /// The GPU this rank's device channels drive and how they move bytes (NCCL, or host
@@ -597,6 +601,8 @@ impl Engine {
             }
             drop(lock(&self.transport).take());
         }
+        // After the control thread (which joins the channels): their last events are queued.
+        self.inner.finish_timeline();
         match self.inner.failure() {
             Some(SchedulerError::ShutDown { .. }) | None => Ok(()),
             Some(e) => Err(e),

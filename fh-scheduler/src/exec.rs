@@ -224,20 +224,15 @@ impl Executor {
         if let Some(tl) = self.inner.timeline() {
             if let Some((packed, reduced)) = self.phases {
                 let lane = self.channel + 1;
-                tl.span(lane, "pack", begin, packed, &[]);
-                tl.span(lane, "collective", packed, reduced, &[]);
-                tl.span(lane, "unpack", reduced, end, &[]);
+                tl.span(lane, "pack", begin, packed);
+                tl.span(lane, "collective", packed, reduced);
+                tl.span(lane, "unpack", reduced, end);
             }
-            let first = &job.parts[0].0;
-            let names: Vec<&str> = job.parts.iter().map(|(o, _, _)| o.name.as_str()).collect();
-            let bytes: usize = job.parts.iter().map(|p| p.2).sum();
-            tl.span(
-                self.channel + 1,
-                &format!("{} x{}", first.sig.kind, job.parts.len()),
-                begin,
-                end,
-                &[("names", names.join(",")), ("bytes", bytes.to_string())],
-            );
+            if let Some((first, _, _)) = job.parts.first() {
+                let names: Vec<String> = job.parts.iter().map(|(o, _, _)| o.name.clone()).collect();
+                let bytes: usize = job.parts.iter().map(|p| p.2).sum();
+                tl.group(self.channel + 1, first.sig.kind, names, bytes, begin, end);
+            }
         }
         let bytes: usize = job.parts.iter().map(|p| p.2).sum();
         if let Some(c) = self.inner.counters.channels().get(self.channel) {

@@ -32,7 +32,7 @@
 //! | `FH_BATCHING_WINDOW_MS` | after waking on a submission, wait this long for more | 0 |
 //! | `FH_CACHE_CAPACITY` | response-cache slots (0 = coordinator every round) | 1024 |
 //! | `FH_PRIORITY` | `ready` or `forward` (lower caller priority first) | `ready` |
-//! | `FH_TIMELINE` | path of rank 0's Chrome-trace timeline | off |
+//! | `FH_TIMELINE` | path of rank 0's Chrome-trace timeline (written by a thread of its own; each tensor's negotiation span names every rank's ready time and the last ready rank) | off |
 //! | `FH_STALL_CHECK_SECONDS` | warn about names some ranks lack for this long (0 = off) | 60 |
 //! | `FH_STALL_SHUTDOWN_SECONDS` | shut down when a stall lasts this long (0 = never) | 0 |
 //! | `FH_BACKPRESSURE` | defer the next round while every channel is busy (`0`/`1`) | 1 (`horovod`: 0) |

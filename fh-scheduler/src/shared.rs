@@ -68,8 +68,30 @@ impl Inner {
             .clone()
     }
 
-    pub(crate) fn set_timeline(&self, t: Option<Arc<Timeline>>) {
-        *self.timeline.write().unwrap_or_else(|p| p.into_inner()) = t;
+    /// Put `t` in place of the timeline being written and return the one it replaces (for
+    /// the caller to [`Timeline::finish`]).
+    pub(crate) fn replace_timeline(&self, t: Option<Arc<Timeline>>) -> Option<Arc<Timeline>> {
+        std::mem::replace(
+            &mut *self.timeline.write().unwrap_or_else(|p| p.into_inner()),
+            t,
+        )
+    }
+
+    /// Drop the timeline `t` if it is still the one being written (it ended on a write
+    /// error); a timeline started meanwhile stays.
+    pub(crate) fn clear_timeline_if(&self, t: &Arc<Timeline>) {
+        let mut cur = self.timeline.write().unwrap_or_else(|p| p.into_inner());
+        if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, t)) {
+            *cur = None;
+        }
+    }
+
+    /// Stop writing the timeline, if one is written: drain its queue, close the file and
+    /// join its writer (bounded by [`crate::timeline::STOP_WAIT`]).
+    pub(crate) fn finish_timeline(&self) {
+        if let Some(t) = self.replace_timeline(None) {
+            t.finish(crate::timeline::STOP_WAIT);
+        }
     }
 
     /// The reason the engine stopped, if it has.

@@ -6,11 +6,14 @@
 //! - [`coordinator`]: rank 0's table of uncached requests, turned into responses once every
 //!   rank (that has not joined) asked;
 //! - [`stall`]: which names some ranks have submitted and others have not, for how long;
-//! - [`fault`]: the agreed error when a rank cannot run a negotiated tensor.
+//! - [`fault`]: the agreed error when a rank cannot run a negotiated tensor;
+//! - [`readiness`]: rank 0's record, while it writes a timeline, of when each rank had each
+//!   tensor ready (from the readiness reports).
 //!
 //! The control loop (`control.rs`) runs a round and calls these; none of them imports it.
 
 pub(crate) mod collect;
 pub(crate) mod coordinator;
 pub(crate) mod fault;
+pub(crate) mod readiness;
 pub(crate) mod stall;
