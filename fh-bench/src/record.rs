@@ -287,12 +287,28 @@ pub struct SimCheck {
     pub workload: String,
     /// Schedule.
     pub schedule: String,
+    /// Transport of the measured replay (empty in older records).
+    #[serde(default)]
+    pub transport: String,
     /// Ranks.
     pub ranks: usize,
     /// Measured median step, ms.
     pub measured_ms: f64,
     /// Simulated step on the calibrated link, ms.
     pub simulated_ms: f64,
+    /// Measured median exposed communication (step − backward), ms.
+    #[serde(default)]
+    pub measured_exposed_ms: Option<f64>,
+    /// Simulated exposed communication, ms.
+    #[serde(default)]
+    pub simulated_exposed_ms: Option<f64>,
+}
+
+impl SimCheck {
+    /// The model's relative error on the step time, (simulated − measured) ÷ measured.
+    pub fn step_error(&self) -> f64 {
+        (self.simulated_ms - self.measured_ms) / self.measured_ms
+    }
 }
 
 /// Something not run, with the reason.

@@ -32,16 +32,14 @@ pub fn schedules() -> Vec<Schedule> {
     ]
 }
 
-/// Calibration from a run's figures: a loopback link fitted to the allreduce sweep (TCP, else
-/// the in-process transport) and the per-round overhead from the negotiation measurements.
-pub fn calibrate(
-    record: &RunRecord,
-    source: &str,
-) -> (Option<(Link, usize)>, Overheads, Vec<String>) {
+/// Calibration from a run's figures: a loopback link per transport swept (TCP, shared memory,
+/// in-process), each fitted to that transport's allreduce sweep, and the per-round overhead
+/// from the negotiation measurements.
+pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overheads, Vec<String>) {
     let mut notes = Vec::new();
     let mut overheads = Overheads::default();
-    let mut link = None;
-    for transport in ["tcp", "local"] {
+    let mut links = Vec::new();
+    for transport in ["tcp", "shm", "local"] {
         let rows: Vec<_> = record
             .collectives
             .iter()
@@ -58,18 +56,17 @@ pub fn calibrate(
         if let Some(l) = sim::calibrate_link(&format!("measured {transport} loopback"), np, &points)
         {
             notes.push(format!(
-                "alpha = {:.1} us, bandwidth = {:.2} GB/s: fitted to the {transport} \
-                 allreduce sweep at np = {np} ({} sizes; beta from the two largest, alpha \
-                 from the smallest) from {source}",
+                "{transport}: alpha = {:.1} us, bandwidth = {:.2} GB/s: fitted to the \
+                 {transport} allreduce sweep at np = {np} ({} sizes; beta from the two \
+                 largest, alpha from the smallest) from {source}",
                 l.alpha_s * 1e6,
                 l.bandwidth_bps / 1e9,
                 points.len()
             ));
-            link = Some((l, np));
-            break;
+            links.push((l, np));
         }
     }
-    if link.is_none() {
+    if links.is_empty() {
         notes.push(format!(
             "no allreduce sweep in {source}: the loopback check is skipped; link classes use \
              documented defaults"
@@ -87,7 +84,7 @@ pub fn calibrate(
         .filter(|r| Some(r.np) == largest_np)
         .min_by_key(|r| r.tensors)
     {
-        let alpha = link.as_ref().map_or(0.0, |(l, _)| l.alpha_s);
+        let alpha = links.first().map_or(0.0, |(l, _)| l.alpha_s);
         let steps = (r.np as f64).log2().ceil();
         overheads.round_s = (r.round_latency.median * 1e-6 - steps * alpha).max(1e-6);
         notes.push(format!(
@@ -105,7 +102,7 @@ pub fn calibrate(
             overheads.per_collective_s * 1e6
         ));
     }
-    (link, overheads, notes)
+    (links, overheads, notes)
 }
 
 /// Runs the projections.
@@ -139,34 +136,35 @@ pub fn run(
         }
     }
     let mut check = Vec::new();
-    if let Some((link, np)) = &measured {
-        for r in &record.replay {
-            let Some(w) = workloads.iter().find(|w| w.model == r.workload) else {
-                continue;
-            };
-            let Some(s) = schedules().into_iter().find(|s| s.label() == r.schedule) else {
-                continue;
-            };
-            // The model's link is the transport it was calibrated on: check the replay over
-            // that transport only (older records do not name the transport).
-            if !r.transport.is_empty() && link.name != format!("measured {} loopback", r.transport)
-            {
-                continue;
-            }
-            let m = sim::simulate_workload(w, r.backward.median / 1e3, *np, link, &s, &overheads);
-            check.push(SimCheck {
-                workload: r.workload.clone(),
-                schedule: r.schedule.clone(),
-                ranks: *np,
-                measured_ms: r.step.median,
-                simulated_ms: m.step_s * 1e3,
-            });
-        }
+    for r in &record.replay {
+        let Some(w) = workloads.iter().find(|w| w.model == r.workload) else {
+            continue;
+        };
+        let Some(s) = schedules().into_iter().find(|s| s.label() == r.schedule) else {
+            continue;
+        };
+        // Each replay against the link calibrated on its own transport (older records do not
+        // name the transport: the first link).
+        let Some((link, np)) = measured.iter().find(|(l, _)| {
+            r.transport.is_empty() || l.name == format!("measured {} loopback", r.transport)
+        }) else {
+            continue;
+        };
+        let b = r.backward.median / 1e3;
+        let m = sim::simulate_workload(w, b, *np, link, &s, &overheads);
+        check.push(SimCheck {
+            workload: r.workload.clone(),
+            schedule: r.schedule.clone(),
+            transport: r.transport.clone(),
+            ranks: *np,
+            measured_ms: r.step.median,
+            simulated_ms: m.step_s * 1e3,
+            measured_exposed_ms: Some(r.exposed.median),
+            simulated_exposed_ms: Some((m.step_s - b).max(0.0) * 1e3),
+        });
     }
     let mut all_links = links;
-    if let Some((l, _)) = measured {
-        all_links.push(l);
-    }
+    all_links.extend(measured.into_iter().map(|(l, _)| l));
     SimResult {
         note: NOTE.to_string(),
         backward_ms,
