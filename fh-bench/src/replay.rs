@@ -17,21 +17,22 @@ pub struct ScheduleSpec {
     pub preset: String,
     /// Data channels (`fasthorovod` only).
     pub channels: Option<usize>,
-    /// `fasthorovod` with back-pressure, as the preset ships; `false`: turned off (`-bp`).
+    /// `fasthorovod` back-pressure forced on (`true`, `+bp`) or off (`false`, `-bp`); `None`:
+    /// as the preset ships (`auto`: on from 64 ranks).
     #[serde(default)]
-    pub backpressure: bool,
+    pub backpressure: Option<bool>,
 }
 
 impl ScheduleSpec {
-    /// The presets compared: `horovod`, `fasthorovod` with K = 1, 2, 4 as shipped
-    /// (back-pressure on), and K = 1, 2, 4 without back-pressure.
+    /// The presets compared: `horovod`, `fasthorovod` with K = 1, 2, 4 as shipped, and
+    /// K = 1, 2, 4 with back-pressure forced on.
     pub fn all() -> Vec<ScheduleSpec> {
         let mut v = vec![ScheduleSpec {
             preset: "horovod".into(),
             channels: None,
-            backpressure: false,
+            backpressure: None,
         }];
-        for bp in [true, false] {
+        for bp in [None, Some(true)] {
             for k in [1, 2, 4] {
                 v.push(ScheduleSpec {
                     preset: "fasthorovod".into(),
@@ -43,12 +44,13 @@ impl ScheduleSpec {
         v
     }
 
-    /// `horovod`, `fasthorovod K=k` or `fasthorovod K=k -bp` (the labels the simulation uses
-    /// too).
+    /// `horovod`, `fasthorovod K=k`, `fasthorovod K=k +bp` or `… -bp` (the labels the
+    /// simulation uses too).
     pub fn label(&self) -> String {
         match (self.channels, self.backpressure) {
-            (Some(k), true) => format!("{} K={k}", self.preset),
-            (Some(k), false) => format!("{} K={k} -bp", self.preset),
+            (Some(k), None) => format!("{} K={k}", self.preset),
+            (Some(k), Some(true)) => format!("{} K={k} +bp", self.preset),
+            (Some(k), Some(false)) => format!("{} K={k} -bp", self.preset),
             (None, _) => self.preset.clone(),
         }
     }

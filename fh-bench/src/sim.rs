@@ -18,10 +18,11 @@
 //!   negotiates the tensors ready at its start, then executes the fused groups one after
 //!   another itself; tensors that become ready meanwhile wait for the next loop.
 //! - **`fasthorovod` K**: negotiation wakes when a tensor is ready and never waits for
-//!   execution, as implemented; with back-pressure (the preset's default; `-bp` rows turn it
-//!   off) a rank defers its next round while every channel holds unfinished work, at most a
-//!   bound — the engine's own pacing policy ([`fh_core::fusion::Pacing`], through
-//!   [`Schedule::config`]). Each round's tensors
+//!   execution, as implemented; with back-pressure (as shipped, `auto`: on from 64 ranks;
+//!   `+bp` rows force it on, `-bp` rows off) a rank defers its next round while every channel
+//!   holds unfinished work, at most a bound — the engine's own pacing policy
+//!   ([`fh_core::fusion::Pacing`], through [`Schedule::config`]). Each round's fused groups go
+//!   to the channels idle (everywhere) when it started, as the engine agrees them. Each round's tensors
 //!   are planned by the engine's own planner ([`fh_core::fusion::plan_round_on`], the options the
 //!   engine derives from its configuration, the channel load carried from round to round):
 //!   the same fusion, partitioning and channel assignment as the engine, not a copy
@@ -112,9 +113,10 @@ pub struct Schedule {
     pub fusion_bytes: usize,
     /// Tensors larger than this are split into chunks across channels (`fasthorovod`).
     pub partition_bytes: usize,
-    /// `fasthorovod`: back-pressure (the engine's pacing policy) on.
+    /// `fasthorovod`: back-pressure (the engine's pacing policy) forced on or off; `None`: as
+    /// the preset ships (`auto`, by the rank count).
     #[serde(default)]
-    pub back_pressure: bool,
+    pub back_pressure: Option<bool>,
 }
 
 impl Schedule {
@@ -126,12 +128,12 @@ impl Schedule {
             cycle_s: 1e-3,
             fusion_bytes: 128 << 20,
             partition_bytes: usize::MAX,
-            back_pressure: false,
+            back_pressure: Some(false),
         }
     }
 
     /// The `fasthorovod` preset with `k` channels: 64 MiB fusion, 16 MiB partitions,
-    /// back-pressure on.
+    /// back-pressure as shipped (`auto`).
     pub fn fasthorovod(k: usize) -> Self {
         Schedule {
             kind: ScheduleKind::FastHorovod,
@@ -139,13 +141,19 @@ impl Schedule {
             cycle_s: 0.0,
             fusion_bytes: 64 << 20,
             partition_bytes: 16 << 20,
-            back_pressure: true,
+            back_pressure: None,
         }
     }
 
-    /// The same schedule without back-pressure (`-bp`).
+    /// The same schedule with back-pressure forced on (`+bp`).
+    pub fn with_back_pressure(mut self) -> Self {
+        self.back_pressure = Some(true);
+        self
+    }
+
+    /// The same schedule with back-pressure off (`-bp`).
     pub fn without_back_pressure(mut self) -> Self {
-        self.back_pressure = false;
+        self.back_pressure = Some(false);
         self
     }
 
@@ -160,18 +168,18 @@ impl Schedule {
             .channels(self.channels.max(1))
             .fusion_threshold(self.fusion_bytes as u64)
             .partition_bytes((self.partition_bytes as u64).max(1));
-        c.backpressure(self.kind == ScheduleKind::FastHorovod && self.back_pressure)
+        c.backpressure(self.back_pressure)
     }
 
-    /// `horovod`, `fasthorovod K=k` (as shipped) or `fasthorovod K=k -bp` (no back-pressure);
-    /// the replay's labels.
+    /// `horovod`, `fasthorovod K=k` (as shipped), `fasthorovod K=k +bp` or `… -bp`
+    /// (back-pressure forced on or off); the replay's labels.
     pub fn label(&self) -> String {
-        match self.kind {
-            ScheduleKind::Horovod => "horovod".into(),
-            ScheduleKind::FastHorovod if self.back_pressure => {
-                format!("fasthorovod K={}", self.channels)
-            }
-            ScheduleKind::FastHorovod => format!("fasthorovod K={} -bp", self.channels),
+        let k = self.channels;
+        match (self.kind, self.back_pressure) {
+            (ScheduleKind::Horovod, _) => "horovod".into(),
+            (ScheduleKind::FastHorovod, None) => format!("fasthorovod K={k}"),
+            (ScheduleKind::FastHorovod, Some(true)) => format!("fasthorovod K={k} +bp"),
+            (ScheduleKind::FastHorovod, Some(false)) => format!("fasthorovod K={k} -bp"),
         }
     }
 }
@@ -296,7 +304,7 @@ pub fn simulate_step(
 ) -> StepModel {
     assert_eq!(sizes.len(), ready.len(), "one ready time per tensor");
     let mut planner = ModelPlanner::new(sched);
-    let pacing: Pacing = sched.config().pacing();
+    let pacing: Pacing = sched.config().pacing(p);
     let k = planner.channels();
     let cap = link.stream_cap_bps.unwrap_or(f64::INFINITY);
     // Per group: (latency part, wire bytes) of the algorithm the transport picks for it.
@@ -631,7 +639,9 @@ mod tests {
         };
         let m = two(&Schedule::fasthorovod(1).without_back_pressure());
         assert!(close(m.step_s, 2e-5 + coll + coll), "{m:?}");
-        let m = two(&Schedule::fasthorovod(1));
+        // As shipped, back-pressure is off on 4 ranks (auto: on from 64).
+        assert_eq!(two(&Schedule::fasthorovod(1)), m);
+        let m = two(&Schedule::fasthorovod(1).with_back_pressure());
         assert!(close(m.step_s, 2e-5 + coll + 2e-5 + coll), "{m:?}");
     }
 
@@ -711,7 +721,7 @@ mod tests {
         let l = link(1e-5, 1e9, None);
         let sizes = [5_000_000, 1000, 1000, 1000];
         let ready = [0.0, 1e-4, 2e-4, 3e-4];
-        let bp = Schedule::fasthorovod(1);
+        let bp = Schedule::fasthorovod(1).with_back_pressure();
         let m = simulate_step(&sizes, &ready, 2, &l, &bp, &NO_OVERHEAD);
         assert_eq!((m.rounds, m.collectives), (2, 2), "{m:?}");
         // Without back-pressure every small tensor gets its own round and collective.
@@ -719,7 +729,7 @@ mod tests {
         let m = simulate_step(&sizes, &ready, 2, &l, &off, &NO_OVERHEAD);
         assert_eq!(m.collectives, 4, "{m:?}");
         // K=2: the second channel is idle, so nothing is deferred.
-        let mut two = Schedule::fasthorovod(2);
+        let mut two = Schedule::fasthorovod(2).with_back_pressure();
         two.fusion_bytes = 1;
         let m = simulate_step(&sizes, &ready, 2, &l, &two, &NO_OVERHEAD);
         assert_eq!(m.rounds, 4, "{m:?}");

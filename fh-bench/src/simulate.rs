@@ -26,8 +26,9 @@ pub fn schedules() -> Vec<Schedule> {
         Schedule::fasthorovod(1),
         Schedule::fasthorovod(2),
         Schedule::fasthorovod(4),
-        Schedule::fasthorovod(1).without_back_pressure(),
-        Schedule::fasthorovod(2).without_back_pressure(),
+        Schedule::fasthorovod(1).with_back_pressure(),
+        Schedule::fasthorovod(2).with_back_pressure(),
+        Schedule::fasthorovod(4).with_back_pressure(),
         Schedule::fasthorovod(4).without_back_pressure(),
     ]
 }

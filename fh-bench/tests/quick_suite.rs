@@ -162,9 +162,9 @@ fn quick_suite_end_to_end_on_two_ranks() {
             "fasthorovod K=1",
             "fasthorovod K=2",
             "fasthorovod K=4",
-            "fasthorovod K=1 -bp",
-            "fasthorovod K=2 -bp",
-            "fasthorovod K=4 -bp",
+            "fasthorovod K=1 +bp",
+            "fasthorovod K=2 +bp",
+            "fasthorovod K=4 +bp",
         ] {
             expected.push(format!("{s} ({t})"));
         }
@@ -216,7 +216,7 @@ fn quick_suite_end_to_end_on_two_ranks() {
     // The simulation projects every schedule, link and rank count, and says it is a model.
     let sim = &run["simulation"];
     assert!(sim["note"].as_str().unwrap().contains("MODEL"));
-    assert_eq!(sim["rows"].as_array().unwrap().len(), 4 * 7 * 8);
+    assert_eq!(sim["rows"].as_array().unwrap().len(), 4 * 8 * 8);
 
     // The report links its plots, which exist.
     for stem in [

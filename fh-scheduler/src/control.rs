@@ -352,7 +352,7 @@ impl Control {
     /// under back-pressure, not while every channel still holds unfinished work (bounded).
     fn wait(&mut self) {
         self.wait_for_work();
-        let pacing = self.inner.config.pacing();
+        let pacing = self.inner.config.pacing(self.inner.size);
         if !pacing.enabled {
             return;
         }

@@ -287,7 +287,7 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
             c2.partition_bytes as i64,
             0,
             0,
-            i64::from(c2.backpressure),
+            i64::from(c2.backpressure_on(2)),
             c2.backpressure_bytes as i64,
             c2.backpressure_max.as_millis() as i64,
             i64::from(c2.cuda),

@@ -5,9 +5,10 @@ use std::time::Duration;
 use super::{Config, Preset, Priority};
 use crate::SchedulerError;
 
-/// The settings that shape what a negotiation round decides (or whether a rank stops), as
+/// The settings that shape what a negotiation round decides (or whether a rank stops), or when
+/// rounds start (back-pressure, as it takes effect in a world of `world_size` ranks), as
 /// `(variable, value)`: every rank must hold the same values.
-pub(crate) fn planning_fields(c: &Config) -> Vec<(&'static str, i64)> {
+pub(crate) fn planning_fields(c: &Config, world_size: usize) -> Vec<(&'static str, i64)> {
     let clamp = |x: u64| x.min(i64::MAX as u64) as i64;
     let millis = |d: Option<Duration>| d.map_or(0, |d| clamp(d.as_millis() as u64));
     vec![
@@ -30,7 +31,7 @@ pub(crate) fn planning_fields(c: &Config) -> Vec<(&'static str, i64)> {
             },
         ),
         ("FH_STALL_SHUTDOWN_SECONDS", millis(c.stall_shutdown)),
-        ("FH_BACKPRESSURE", i64::from(c.backpressure)),
+        ("FH_BACKPRESSURE", i64::from(c.backpressure_on(world_size))),
         ("FH_BACKPRESSURE_BYTES", clamp(c.backpressure_bytes)),
         ("FH_BACKPRESSURE_MAX_MS", millis(Some(c.backpressure_max))),
         ("FH_CUDA", i64::from(c.cuda)),
@@ -45,7 +46,7 @@ pub(crate) fn agree(
     c: &Config,
 ) -> Result<(), SchedulerError> {
     use fh_core::{DType, ReduceOp};
-    let fields = planning_fields(c);
+    let fields = planning_fields(c, comm.size());
     let vals: Vec<i64> = fields.iter().map(|f| f.1).collect();
     let mut lo: Vec<u8> = bytemuck::cast_slice(&vals).to_vec();
     let mut hi = lo.clone();

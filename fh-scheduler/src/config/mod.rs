@@ -120,9 +120,11 @@ pub struct Config {
     /// unfinished work, the rank defers its next negotiation round (at most
     /// [`Config::backpressure_max`]) so that more gradients fuse into it; a round's groups could
     /// only queue behind that work anyway. It changes only *when* a rank enters a round, never
-    /// what a round decides. On under the `fasthorovod` preset, off under `horovod` (whose
-    /// fixed cycle already paces it, as Horovod's does).
-    pub backpressure: bool,
+    /// what a round decides. `None` (`auto`, the `fasthorovod` default): on in worlds of at
+    /// least [`BACKPRESSURE_AUTO_RANKS`] ranks, where every collective pays a long latency and
+    /// fewer, larger ones win (the scale model's finding), off in smaller ones, where the
+    /// replay measured it slower. `horovod`: off (its fixed cycle paces it, as Horovod's does).
+    pub backpressure: Option<bool>,
     /// Back-pressure defers only while the channels together hold at least this many
     /// unfinished bytes (`FH_BACKPRESSURE_BYTES`; 0: any amount).
     pub backpressure_bytes: u64,
@@ -145,6 +147,10 @@ impl Default for Config {
     }
 }
 
+/// Under `FH_BACKPRESSURE=auto` (the default), back-pressure is on in worlds of at least this
+/// many ranks.
+pub const BACKPRESSURE_AUTO_RANKS: usize = 64;
+
 impl Config {
     /// The defaults of a preset.
     pub fn preset(p: Preset) -> Self {
@@ -162,7 +168,7 @@ impl Config {
             stall_shutdown: None,
             idle_heartbeat: Duration::from_secs(1),
             record_groups: false,
-            backpressure: true,
+            backpressure: None,
             backpressure_bytes: 0,
             backpressure_max: Duration::from_millis(50),
             cuda: false,
@@ -174,7 +180,7 @@ impl Config {
                 fusion_threshold: 128 * MIB,
                 partition_bytes: u64::MAX,
                 cycle_time: Duration::from_millis(1),
-                backpressure: false,
+                backpressure: Some(false),
                 ..base
             },
         }
@@ -234,7 +240,16 @@ impl Config {
             c.cache_capacity = n as usize;
         }
         if let Some(v) = get("FH_BACKPRESSURE") {
-            c.backpressure = parse_switch("FH_BACKPRESSURE", &v)?;
+            c.backpressure = if v.trim().eq_ignore_ascii_case("auto") {
+                None
+            } else {
+                Some(parse_switch("FH_BACKPRESSURE", &v).map_err(|_| {
+                    SchedulerError::config(
+                        "FH_BACKPRESSURE",
+                        format!("'{v}' is not a setting; accepted values: auto, 0, 1, true, false"),
+                    )
+                })?)
+            };
         }
         if let Some(v) = get("FH_BACKPRESSURE_BYTES") {
             c.backpressure_bytes = parse_bytes("FH_BACKPRESSURE_BYTES", &v)?;
@@ -347,10 +362,22 @@ impl Config {
         }
     }
 
-    /// The pacing policy (back-pressure) under this configuration.
-    pub fn pacing(&self) -> fh_core::fusion::Pacing {
+    /// Whether back-pressure is on in a world of `world_size` ranks (see
+    /// [`Config::backpressure`]).
+    pub fn backpressure_on(&self, world_size: usize) -> bool {
+        match self.preset {
+            Preset::Horovod => false,
+            Preset::FastHorovod => self
+                .backpressure
+                .unwrap_or(world_size >= BACKPRESSURE_AUTO_RANKS),
+        }
+    }
+
+    /// The pacing policy (back-pressure) under this configuration in a world of `world_size`
+    /// ranks: what the engine paces its rounds with, and the scale model too.
+    pub fn pacing(&self, world_size: usize) -> fh_core::fusion::Pacing {
         fh_core::fusion::Pacing {
-            enabled: self.backpressure,
+            enabled: self.backpressure_on(world_size),
             min_bytes: self.backpressure_bytes,
             max_defer: self.backpressure_max,
         }
@@ -419,9 +446,10 @@ impl Config {
         self.record_groups = on;
         self
     }
-    /// Turn back-pressure on or off (see [`Config::backpressure`]).
-    pub fn backpressure(mut self, on: bool) -> Self {
-        self.backpressure = on;
+    /// Turn back-pressure on or off, or leave it to the world size with `None` (see
+    /// [`Config::backpressure`]).
+    pub fn backpressure(mut self, on: impl Into<Option<bool>>) -> Self {
+        self.backpressure = on.into();
         self
     }
     /// Bound back-pressure: defer only while the channels hold at least `min_bytes` of
@@ -496,10 +524,18 @@ mod tests {
         assert_eq!(c.timeline, Some(PathBuf::from("/tmp/t.json")));
         assert_eq!(c.stall_check, None);
         assert_eq!(c.stall_shutdown, Some(Duration::from_secs(5)));
-        assert!(Config::default().backpressure);
-        assert!(!Config::preset(Preset::Horovod).backpressure);
+        // Auto: on from BACKPRESSURE_AUTO_RANKS ranks; never under horovod.
+        let auto = Config::default();
+        assert_eq!(auto.backpressure, None);
+        assert!(!auto.backpressure_on(BACKPRESSURE_AUTO_RANKS - 1));
+        assert!(auto.pacing(BACKPRESSURE_AUTO_RANKS).enabled);
+        assert!(!Config::preset(Preset::Horovod).backpressure_on(4096));
         let off = Config::from_lookup(env(&[("FH_BACKPRESSURE", "off")])).unwrap();
-        assert!(!off.backpressure && !off.pacing().enabled);
+        assert!(!off.pacing(4096).enabled);
+        let on = Config::from_lookup(env(&[("FH_BACKPRESSURE", "1")])).unwrap();
+        assert!(on.pacing(2).enabled);
+        let auto = Config::from_lookup(env(&[("FH_BACKPRESSURE", "Auto")])).unwrap();
+        assert_eq!(auto.backpressure, None);
         let e = Config::from_lookup(env(&[("FH_BACKPRESSURE", "sometimes")]))
             .unwrap_err()
             .to_string();
@@ -536,7 +572,7 @@ mod tests {
             );
         }
         // It is a planning field: ranks that disagree refuse to start.
-        assert!(agree::planning_fields(&Config::default().cuda(true)).contains(&("FH_CUDA", 1)));
+        assert!(agree::planning_fields(&Config::default().cuda(true), 2).contains(&("FH_CUDA", 1)));
     }
 
     #[test]

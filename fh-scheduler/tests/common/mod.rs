@@ -89,16 +89,16 @@ pub fn configs() -> Vec<(String, Config)> {
                 .partition_bytes(1024),
         ));
     }
-    // Back-pressure is on in the presets (defer while every channel is busy, up to 50 ms).
-    // Off, and at its most eager (any queued byte on a single channel, up to 2 ms): pacing
-    // may change only when rounds start, never what they decide.
+    // Back-pressure is off at these world sizes by default (auto: on from 64 ranks). On with
+    // the preset's bounds, and at its most eager (any queued byte on a single channel, up to
+    // 2 ms): pacing may change only when rounds start, never what they decide.
     v.push((
-        "fasthorovod-k2-no-backpressure".to_string(),
+        "fasthorovod-k4-backpressure".to_string(),
         Config::preset(Preset::FastHorovod)
-            .channels(2)
+            .channels(4)
             .fusion_threshold(4096)
             .partition_bytes(1024)
-            .backpressure(false),
+            .backpressure(true),
     ));
     v.push((
         "fasthorovod-k1-backpressure-eager".to_string(),
