@@ -212,6 +212,9 @@ fn quick_suite_end_to_end_on_two_ranks() {
         );
     }
     assert!(md.contains("(replay-exposed.png)"));
+    // Each replay beside its transport's own bound (bytes ÷ measured allreduce bandwidth).
+    assert!(md.contains("The transport's own bound"), "{md}");
+    assert!(md.contains("| resnet50 | tcp |"), "{md}");
 
     // The simulation projects every schedule, link and rank count, and says it is a model.
     let sim = &run["simulation"];

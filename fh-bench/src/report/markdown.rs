@@ -68,6 +68,7 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
             );
         }
         link_images(&mut md, plots, "replay-exposed");
+        transport_bounds(&mut md, r);
     }
 
     if !r.collectives.is_empty() {
@@ -234,4 +235,73 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
     }
     let _ = writeln!(md, "Run time: {:.1} s.", r.wall.median);
     md
+}
+
+/// Per workload and transport: the transport's own bound on exposed communication (the
+/// workload's bytes ÷ the allreduce algorithm bandwidth measured at the sweep's largest size,
+/// same transport and rank count, minus the backward) beside the best engine schedule.
+fn transport_bounds(md: &mut String, r: &RunRecord) {
+    let mut lines = Vec::new();
+    let mut seen: Vec<(String, String)> = Vec::new();
+    for x in &r.replay {
+        let key = (x.workload.clone(), x.transport.clone());
+        if seen.contains(&key) {
+            continue;
+        }
+        seen.push(key);
+        let Some(bw) = r
+            .collectives
+            .iter()
+            .filter(|c| c.transport == x.transport && c.collective == "allreduce" && c.np == x.np)
+            .max_by_key(|c| c.bytes)
+            .map(|c| c.algbw.median)
+            .filter(|b| b.is_finite() && *b > 0.0)
+        else {
+            continue;
+        };
+        let bound = (x.bytes as f64 / (bw * 1e9) * 1e3 - x.backward.median).max(0.0);
+        let best = r
+            .replay
+            .iter()
+            .filter(|y| {
+                y.workload == x.workload
+                    && y.transport == x.transport
+                    && y.schedule.starts_with("fasthorovod K=")
+            })
+            .min_by(|a, b| a.exposed.median.total_cmp(&b.exposed.median));
+        if let Some(b) = best {
+            lines.push(format!(
+                "| {} | {} | {:.2} | {:.1} | {} | {:.1} | {} |",
+                x.workload,
+                x.transport,
+                bw,
+                bound,
+                b.schedule,
+                b.exposed.median,
+                if bound > 0.0 {
+                    format!("{:.2}", b.exposed.median / bound)
+                } else {
+                    "–".into()
+                }
+            ));
+        }
+    }
+    if lines.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "\nThe transport's own bound: a step cannot expose less than the workload's bytes ÷ the \
+         allreduce algorithm bandwidth measured at the sweep's largest size (same transport \
+         and rank count), minus the backward (0 when the backward can hide it all).\n"
+    );
+    let _ = writeln!(
+        md,
+        "| workload | transport | algbw (GB/s) | bound (ms) | best engine schedule | its exposed \
+         (ms) | ÷ bound |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+    for l in lines {
+        let _ = writeln!(md, "{l}");
+    }
 }
