@@ -415,7 +415,7 @@ fn negotiation_mechanics(ranks: usize) {
                         let (rank, size) = (t.rank(), t.size());
                         let reqs: Vec<Request> = (0..n)
                             .map(|i| Request {
-                                name: format!("layer{i}.weight"),
+                                name: format!("layer{i}.weight").into(),
                                 rank: rank as u32,
                                 sig: Signature {
                                     kind: CollectiveKind::Allreduce,
@@ -433,7 +433,9 @@ fn negotiation_mechanics(ranks: usize) {
                             .collect();
                         let mut cache = ResponseCache::new(1024);
                         for r in &reqs {
-                            cache.insert(&validate(std::slice::from_ref(r)).unwrap());
+                            cache.insert(std::sync::Arc::new(
+                                validate(std::slice::from_ref(r)).unwrap(),
+                            ));
                         }
                         let mut times = Vec::new();
                         let mut bytes = 0usize;
@@ -470,8 +472,10 @@ fn negotiation_mechanics(ranks: usize) {
                                 let mut out = Vec::new();
                                 bytes = enc.len() + 8;
                                 if rank == 0 {
-                                    let mut table: std::collections::HashMap<String, Vec<Request>> =
-                                        Default::default();
+                                    let mut table: std::collections::HashMap<
+                                        std::sync::Arc<str>,
+                                        Vec<Request>,
+                                    > = Default::default();
                                     let mut off = 0;
                                     for &c in &counts {
                                         for q in wire::decode_requests(&all[off..off + c]).unwrap()

@@ -109,7 +109,7 @@ pub(crate) struct Control {
     rx: Receiver<Msg>,
     cache: ResponseCache,
     pending: BTreeMap<u64, Pending>,
-    by_name: HashMap<String, u64>,
+    by_name: HashMap<Arc<str>, u64>,
     seq: u64,
     table: Table,
     dispatch: Dispatch,
@@ -128,7 +128,7 @@ pub(crate) struct Control {
     /// Bytes given to each channel so far (a function of the agreed rounds only).
     load: ChannelLoad,
     /// Members of grouped submissions ready everywhere, waiting for the rest of their group.
-    held: BTreeMap<String, Vec<Response>>,
+    held: BTreeMap<String, Vec<Arc<Response>>>,
     /// Groups with a failed member: the error and the members still to come.
     failed_groups: HashMap<String, (SchedulerError, u32)>,
     /// A local inconsistency met while dispatching (tensor name, what went wrong): raised in
@@ -288,7 +288,7 @@ impl Control {
         match msg {
             Msg::Submit(entry) => {
                 self.seq += 1;
-                self.by_name.insert(entry.req.name.clone(), self.seq);
+                self.by_name.insert(Arc::clone(&entry.req.name), self.seq);
                 self.pending.insert(
                     self.seq,
                     Pending {
@@ -519,14 +519,15 @@ impl Control {
         }
 
         // 5. Ready from the cache, in slot order.
-        let mut ready: Vec<Response> = Vec::new();
+        // Cache hits share the cached response (a reference count, no copy).
+        let mut ready: Vec<Arc<Response>> = Vec::new();
         if !all_joined {
             for slot in agreed.pending_slots() {
                 if evicted.contains(&slot) {
                     continue;
                 }
                 if let Some(r) = self.cache.get(slot) {
-                    ready.push(r.clone());
+                    ready.push(Arc::clone(r));
                     self.cache.touch(slot);
                 }
             }
@@ -564,7 +565,8 @@ impl Control {
                     }
                     continue;
                 }
-                self.cache.insert(&r);
+                let r = Arc::new(r);
+                self.cache.insert(Arc::clone(&r));
                 ready.push(r);
             }
         } else {
@@ -638,7 +640,7 @@ impl Control {
             self.fail_name(
                 &r.name,
                 SchedulerError::Negotiation {
-                    name: r.name.clone(),
+                    name: r.name.to_string(),
                     reason: reason.clone(),
                 },
             );
@@ -655,7 +657,7 @@ impl Control {
 
     /// Hold grouped members until their whole group is ready; release complete groups in
     /// member order. Deterministic: the same on every rank.
-    fn release_groups(&mut self, ready: Vec<Response>) -> Vec<Response> {
+    fn release_groups(&mut self, ready: Vec<Arc<Response>>) -> Vec<Arc<Response>> {
         let mut out = Vec::with_capacity(ready.len());
         for r in ready {
             let Some(g) = r.group.clone() else {
@@ -671,7 +673,7 @@ impl Control {
                 self.fail_name(
                     &r.name,
                     SchedulerError::Negotiation {
-                        name: r.name.clone(),
+                        name: r.name.to_string(),
                         reason,
                     },
                 );
@@ -679,7 +681,7 @@ impl Control {
             }
             if let Some(p) = self
                 .by_name
-                .get(&r.name)
+                .get(&*r.name)
                 .and_then(|s| self.pending.get_mut(s))
             {
                 p.state = Announce::Held;
@@ -738,7 +740,7 @@ impl Control {
         if self.injected(&r.name) {
             return Err("injected allocation failure".into());
         }
-        if let Some(seq) = self.by_name.remove(&r.name) {
+        if let Some(seq) = self.by_name.remove(&*r.name) {
             if let Some(p) = self.pending.remove(&seq) {
                 return Ok(Source::Submitted(seq, p));
             }
@@ -774,7 +776,7 @@ impl Control {
             .values()
             .map(|p| {
                 (
-                    p.entry.req.name.clone(),
+                    p.entry.req.name.to_string(),
                     now.saturating_duration_since(p.entry.submitted).as_millis() as u64,
                 )
             })
@@ -825,7 +827,7 @@ impl Control {
     /// one of them (a name it never submitted, zeros it cannot allocate) dispatches none,
     /// keeps them pending and raises the fault flag in the next round, where every rank stops
     /// with the same error naming it. It never plans a different list from the other ranks.
-    fn dispatch(&mut self, ready: Vec<Response>) {
+    fn dispatch(&mut self, ready: Vec<Arc<Response>>) {
         let active = self.joined_set.iter().filter(|j| !**j).count();
         // 1. Take every response's local tensor: the one submitted here, or a joined rank's
         //    zeros. On failure, put back what was taken and raise the fault.
@@ -838,11 +840,11 @@ impl Control {
                     tracing::error!(rank = self.inner.rank, name = %r.name, %what, "cannot run a negotiated tensor; stopping the engine on every rank");
                     for src in taken {
                         if let Source::Submitted(seq, p) = src {
-                            self.by_name.insert(p.entry.req.name.clone(), seq);
+                            self.by_name.insert(Arc::clone(&p.entry.req.name), seq);
                             self.pending.insert(seq, p);
                         }
                     }
-                    self.fault = Some((r.name.clone(), what));
+                    self.fault = Some((r.name.to_string(), what));
                     return;
                 }
             }
@@ -875,8 +877,7 @@ impl Control {
             };
             items.push(item);
             ops.push(Arc::new(Op {
-                name: r.name,
-                sig: r.sig,
+                resp: r,
                 state: Mutex::new(OpState {
                     tensor: Some(tensor),
                     splits,
@@ -900,7 +901,7 @@ impl Control {
         // An allreduce split into chunks that each run alone: its chunks are reduced in place.
         for (op, alone) in ops.iter().zip(alone) {
             if alone
-                && op.sig.kind == CollectiveKind::Allreduce
+                && op.sig().kind == CollectiveKind::Allreduce
                 && op.remaining.load(std::sync::atomic::Ordering::Relaxed) > 1
             {
                 let mut st = op.lock();
@@ -922,7 +923,7 @@ impl Control {
                     parts: g
                         .parts
                         .iter()
-                        .map(|p| (ops[p.item].name.clone(), p.offset, p.len))
+                        .map(|p| (ops[p.item].name().to_string(), p.offset, p.len))
                         .collect(),
                 });
             }
