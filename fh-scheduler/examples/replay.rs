@@ -22,7 +22,8 @@
 //! rank (world from `fh_transport::from_env()`): after a warm-up, N (default 2000) back-to-back
 //! blocking allreduces of one f64 (8 bytes) under a fixed name; rank 0 prints the median, p90
 //! and p99 of every rank's latencies, per preset (`fasthorovod,horovod` by default, or the
-//! comma-separated list given).
+//! comma-separated list given), under the environment's `FH_*` settings (e.g. `fhrun -x
+//! FH_INLINE_BYTES=0`).
 
 use std::time::{Duration, Instant};
 
@@ -348,7 +349,14 @@ fn latency_env(iters: usize, presets: &[Preset]) {
     );
     const WARMUP: usize = 200;
     for &preset in presets {
-        let engine = Engine::start(world.handle(), Config::preset(preset)).expect("start");
+        // The preset's defaults under the environment's FH_* settings (e.g. FH_INLINE_BYTES,
+        // FH_CONTROL_SPIN_US for comparisons).
+        let cfg = Config::from_lookup(|k| match k {
+            "FH_SCHEDULE" => Some(preset.name().to_string()),
+            _ => std::env::var(k).ok(),
+        })
+        .expect("configuration from the environment");
+        let engine = Engine::start(world.handle(), cfg).expect("start");
         let mut lat = Vec::with_capacity(iters);
         let wall = Instant::now();
         for i in 0..WARMUP + iters {
