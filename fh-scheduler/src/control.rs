@@ -577,9 +577,8 @@ impl Control {
             }));
         }
 
-        // 3. Joined ranks.
-        let previous_joined = self.joined_set.clone();
-        if agreed.status(Status::Joined) {
+        // 3. Joined ranks (nothing to do, and nothing allocated, while nobody has joined).
+        let joined_changed = if agreed.status(Status::Joined) {
             let mut jv = BitVec::zeros(size);
             jv.set(self.inner.rank, self.joined);
             let mut b = jv.to_bytes();
@@ -588,19 +587,24 @@ impl Control {
             let jv = BitVec::from_bytes(&b, size).ok_or_else(|| {
                 SchedulerError::InvalidArgument("internal error: joined vector length".into())
             })?;
-            self.joined_set = (0..size).map(|r| jv.get(r)).collect();
+            let now: Vec<bool> = (0..size).map(|r| jv.get(r)).collect();
+            // Every rank sees the same joined vectors, so every rank names the same last rank.
+            if let Some(r) = (0..size)
+                .rev()
+                .find(|&r| now[r] && !self.joined_set.get(r).copied().unwrap_or(false))
+            {
+                self.last_joined = Some(r);
+            }
+            let changed = now != self.joined_set;
+            self.joined_set = now;
+            changed
+        } else if self.joined_set.iter().any(|&j| j) {
+            self.joined_set.iter_mut().for_each(|j| *j = false);
+            true
         } else {
-            self.joined_set = vec![false; size];
-        }
+            false
+        };
         let all_joined = self.joined_set.iter().all(|&j| j);
-        let joined_changed = previous_joined != self.joined_set;
-        // Every rank sees the same joined vectors, so every rank names the same last rank.
-        if let Some(r) = (0..size)
-            .rev()
-            .find(|&r| self.joined_set[r] && !previous_joined.get(r).copied().unwrap_or(false))
-        {
-            self.last_joined = Some(r);
-        }
 
         // 4. Invalidated slots: dropped on every rank.
         let mut evicted = Vec::new();

@@ -121,11 +121,20 @@ impl Inner {
             in_flight.insert(Arc::clone(&e.req.name));
         }
         drop(in_flight);
-        let names: Vec<Arc<str>> = entries.iter().map(|e| Arc::clone(&e.req.name)).collect();
+        // The names to withdraw should the control thread be gone (kept aside only for a
+        // grouped submission: a single entry comes back with the failed send).
+        let names: Vec<Arc<str>> = if entries.len() > 1 {
+            entries.iter().map(|e| Arc::clone(&e.req.name)).collect()
+        } else {
+            Vec::new()
+        };
         for e in entries {
-            if g.tx.send(Msg::Submit(Box::new(e))).is_err() {
+            if let Err(failed) = g.tx.send(Msg::Submit(Box::new(e))) {
                 // The control thread is gone: nothing sent will ever run.
                 let mut in_flight = lock(&self.in_flight);
+                if let Msg::Submit(e) = failed.0 {
+                    in_flight.remove(&*e.req.name);
+                }
                 for n in &names {
                     in_flight.remove(&**n);
                 }
