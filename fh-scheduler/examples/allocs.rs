@@ -1,15 +1,16 @@
 //! Heap allocations per collective on the engine's hot path (a report, not a test).
 //!
 //! ```text
-//! cargo run --release -p fh-scheduler --example allocs -- [ranks] [iterations]
+//! cargo run --release -p fh-scheduler --example allocs -- [ranks] [steps]
 //! ```
 //!
-//! `ranks` in-process ranks (threads over `LocalWorld`) each run back-to-back blocking
-//! allreduces of one f64 under a fixed name (after a warm-up, so every round is a cache hit);
-//! a counting global allocator counts every allocation in the process (engine threads,
-//! in-process transport, the callers) over the timed part. Printed: allocations per
-//! operation per rank, for the `fasthorovod` and `horovod` presets. It uses the public API
-//! only, so the same file measures older versions of the engine too.
+//! `ranks` in-process ranks (threads over `LocalWorld`) each run steps of blocking
+//! allreduces of one f64 under fixed names, 1 and then 64 per step (submitted together,
+//! then waited for), after a warm-up, so every round is a cache hit; a counting global
+//! allocator counts every allocation in the process (engine threads, in-process transport,
+//! the callers, including the tensors they make) over the timed steps. Printed:
+//! allocations per tensor per rank, for the `fasthorovod` and `horovod` presets. It uses the
+//! public API only, so the same file measures older versions of the engine too.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -52,7 +53,7 @@ static GLOBAL: Counting = Counting;
 
 const WARMUP: usize = 200;
 
-fn run(ranks: usize, iters: usize, preset: Preset) -> f64 {
+fn run(ranks: usize, iters: usize, per_step: usize, preset: Preset) -> f64 {
     // Every rank ends its warm-up before the count starts, and its timed part before it ends.
     let start = Arc::new(Barrier::new(ranks + 1));
     let end = Arc::new(Barrier::new(ranks + 1));
@@ -63,13 +64,21 @@ fn run(ranks: usize, iters: usize, preset: Preset) -> f64 {
             std::thread::spawn(move || {
                 let engine = Engine::start(Box::new(t), Config::preset(preset)).expect("start");
                 let opts = AllreduceOptions::with_op(ReduceOp::Sum);
+                let names: Vec<String> = (0..per_step).map(|k| format!("allocs.{k}")).collect();
                 let step = |i: usize| {
-                    let t = Tensor::from_slice(&[i as f64]);
-                    let out = engine
-                        .allreduce("allocs.x", t, opts)
-                        .and_then(|mut h| h.wait_timeout(Duration::from_secs(60)))
-                        .expect("allreduce");
-                    assert_eq!(out.to_vec::<f64>().expect("f64")[0], (ranks * i) as f64);
+                    let handles: Vec<_> = names
+                        .iter()
+                        .map(|n| {
+                            let t = Tensor::from_slice(&[i as f64]);
+                            engine.allreduce(n, t, opts).expect("allreduce")
+                        })
+                        .collect();
+                    for mut h in handles {
+                        let out = h
+                            .wait_timeout(Duration::from_secs(60))
+                            .expect("allreduce result");
+                        assert_eq!(out.to_vec::<f64>().expect("f64")[0], (ranks * i) as f64);
+                    }
                 };
                 for i in 0..WARMUP {
                     step(i);
@@ -90,18 +99,20 @@ fn run(ranks: usize, iters: usize, preset: Preset) -> f64 {
     for t in threads {
         t.join().expect("rank thread");
     }
-    (after - before) as f64 / (iters * ranks) as f64
+    (after - before) as f64 / (iters * ranks * per_step) as f64
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let ranks = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
-    let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(2000);
-    for preset in [Preset::FastHorovod, Preset::Horovod] {
-        let per_op = run(ranks, iters, preset);
-        println!(
-            "allocations per 8-byte allreduce per rank, np={ranks} in process, {:<11}: {per_op:.1} ({iters} iterations, cache hits)",
-            preset.name()
-        );
+    let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1000);
+    for per_step in [1, 64] {
+        for preset in [Preset::FastHorovod, Preset::Horovod] {
+            let per_op = run(ranks, iters, per_step, preset);
+            println!(
+                "allocations per tensor per rank, np={ranks} in process, {per_step:>2} 8-byte allreduces per step, {:<11}: {per_op:.1} ({iters} steps, cache hits)",
+                preset.name()
+            );
+        }
     }
 }
