@@ -5,8 +5,12 @@
 //! makes the same calls on every rank (insertions in the order of the broadcast response list,
 //! uses in slot order of the agreed ready set). Hence slot numbers agree everywhere without
 //! ever being exchanged.
+//!
+//! Responses are held as `Arc<Response>`: a round that finds a name in the cache takes a
+//! reference count, never a copy of the response (name, shape, group).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::message::{GroupTag, Response, Signature};
 
@@ -23,7 +27,7 @@ pub enum Lookup {
 
 #[derive(Debug, Clone)]
 struct Entry {
-    response: Response,
+    response: Arc<Response>,
     last_used: u64,
 }
 
@@ -31,7 +35,7 @@ struct Entry {
 #[derive(Debug, Clone)]
 pub struct ResponseCache {
     slots: Vec<Option<Entry>>,
-    by_name: HashMap<String, usize>,
+    by_name: HashMap<Arc<str>, usize>,
     clock: u64,
 }
 
@@ -80,8 +84,8 @@ impl ResponseCache {
         self.by_name.get(name).copied()
     }
 
-    /// The response cached in a slot.
-    pub fn get(&self, slot: usize) -> Option<&Response> {
+    /// The response cached in a slot (clone the `Arc` to keep it: a reference count).
+    pub fn get(&self, slot: usize) -> Option<&Arc<Response>> {
         self.slots.get(slot)?.as_ref().map(|e| &e.response)
     }
 
@@ -95,26 +99,28 @@ impl ResponseCache {
     }
 
     /// Drop a slot.
-    pub fn evict(&mut self, slot: usize) -> Option<Response> {
+    pub fn evict(&mut self, slot: usize) -> Option<Arc<Response>> {
         let e = self.slots.get_mut(slot)?.take()?;
-        self.by_name.remove(&e.response.name);
+        self.by_name.remove(&*e.response.name);
         Some(e.response)
     }
 
     /// Cache a successful response and return its slot, or `None` when the cache is disabled or
     /// the response is an error. A name already cached keeps its slot; otherwise the lowest free
     /// slot is used, or the least recently used one is evicted (lowest index on ties). The
-    /// evicted name, if any, is returned too.
-    pub fn insert(&mut self, response: &Response) -> Option<(usize, Option<String>)> {
+    /// evicted name, if any, is returned too. The cache keeps `response` itself (shared with
+    /// the caller), not a copy.
+    pub fn insert(&mut self, response: Arc<Response>) -> Option<(usize, Option<Arc<str>>)> {
         if self.slots.is_empty() || response.error.is_some() {
             return None;
         }
         self.clock += 1;
+        let name = Arc::clone(&response.name);
         let entry = Entry {
-            response: response.clone(),
+            response,
             last_used: self.clock,
         };
-        if let Some(&slot) = self.by_name.get(&response.name) {
+        if let Some(&slot) = self.by_name.get(&*name) {
             self.slots[slot] = Some(entry);
             return Some((slot, None));
         }
@@ -127,11 +133,11 @@ impl ResponseCache {
                     .enumerate()
                     .min_by_key(|(i, e)| (e.as_ref().map_or(0, |e| e.last_used), *i))
                     .map(|(i, _)| i)?;
-                let old = self.evict(victim).map(|r| r.name);
+                let old = self.evict(victim).map(|r| Arc::clone(&r.name));
                 (victim, old)
             }
         };
-        self.by_name.insert(response.name.clone(), slot);
+        self.by_name.insert(name, slot);
         self.slots[slot] = Some(entry);
         Some((slot, evicted))
     }
@@ -144,8 +150,8 @@ mod tests {
     use crate::{DType, ReduceOp};
     use proptest::prelude::*;
 
-    fn resp(name: &str, len: u64) -> Response {
-        Response {
+    fn resp(name: &str, len: u64) -> Arc<Response> {
+        Arc::new(Response {
             name: name.into(),
             sig: Signature {
                 kind: CollectiveKind::Allreduce,
@@ -160,7 +166,7 @@ mod tests {
             priority: 0,
             group: None,
             error: None,
-        }
+        })
     }
 
     #[derive(Debug, Clone)]
@@ -189,8 +195,8 @@ mod tests {
                 match *op {
                     Op::Insert(n, l) => {
                         let r = resp(&format!("t{n}"), l as u64);
-                        let sa = a.insert(&r);
-                        prop_assert_eq!(sa.clone(), b.insert(&r));
+                        let sa = a.insert(Arc::clone(&r));
+                        prop_assert_eq!(sa.clone(), b.insert(Arc::clone(&r)));
                         if let Some((slot, _)) = sa {
                             prop_assert!(slot < cap);
                             prop_assert_eq!(a.lookup(&r.name, &r.sig, None), Lookup::Hit(slot));
@@ -208,7 +214,7 @@ mod tests {
                 prop_assert!(a.len() <= cap);
                 // Every named slot holds that name.
                 for (name, &slot) in &a.by_name {
-                    prop_assert_eq!(&a.get(slot).unwrap().name, name);
+                    prop_assert_eq!(&*a.get(slot).unwrap().name, &**name);
                 }
                 prop_assert_eq!(a.slots.iter().filter(|s| s.is_some()).count(), a.len());
             }
@@ -218,10 +224,10 @@ mod tests {
     #[test]
     fn evicts_least_recently_used() {
         let mut c = ResponseCache::new(2);
-        let (s0, _) = c.insert(&resp("a", 1)).unwrap();
-        let (s1, _) = c.insert(&resp("b", 1)).unwrap();
+        let (s0, _) = c.insert(resp("a", 1)).unwrap();
+        let (s1, _) = c.insert(resp("b", 1)).unwrap();
         c.touch(s0);
-        let (s2, evicted) = c.insert(&resp("c", 1)).unwrap();
+        let (s2, evicted) = c.insert(resp("c", 1)).unwrap();
         assert_eq!(s2, s1);
         assert_eq!(evicted.as_deref(), Some("b"));
         assert_eq!(c.lookup("b", &resp("b", 1).sig, None), Lookup::Miss);
@@ -235,9 +241,9 @@ mod tests {
             index: 0,
             size,
         };
-        let mut r = resp("g[0]", 1);
+        let mut r = Response::clone(&resp("g[0]", 1));
         r.group = Some(tag(3));
-        let (slot, _) = c.insert(&r).unwrap();
+        let (slot, _) = c.insert(Arc::new(r.clone())).unwrap();
         assert_eq!(c.lookup("g[0]", &r.sig, Some(&tag(3))), Lookup::Hit(slot));
         // Fewer members under the same names, or the name on its own: not the cached response.
         assert_eq!(
@@ -245,5 +251,28 @@ mod tests {
             Lookup::Changed(slot)
         );
         assert_eq!(c.lookup("g[0]", &r.sig, None), Lookup::Changed(slot));
+    }
+
+    /// A hit costs a reference count: every lookup of a cached slot hands out the very
+    /// response that was inserted (pointer-equal), never a deep copy, and the cache holds no
+    /// copy of its own.
+    #[test]
+    fn hits_share_the_cached_response() {
+        let mut c = ResponseCache::new(4);
+        let r = resp("w", 3);
+        let (slot, _) = c.insert(Arc::clone(&r)).unwrap();
+        assert_eq!(c.lookup("w", &r.sig, None), Lookup::Hit(slot));
+        let first = Arc::clone(c.get(slot).unwrap());
+        let second = Arc::clone(c.get(slot).unwrap());
+        assert!(Arc::ptr_eq(&first, &r) && Arc::ptr_eq(&second, &r));
+        assert!(Arc::ptr_eq(&first.name, &r.name), "the name is shared too");
+        // Ours, the cache's and the two taken: four counts on one allocation.
+        assert_eq!(Arc::strong_count(&r), 4);
+        drop((first, second));
+        // Eviction hands back the same allocation.
+        let out = c.evict(slot).unwrap();
+        assert!(Arc::ptr_eq(&out, &r));
+        drop(out);
+        assert_eq!(Arc::strong_count(&r), 1);
     }
 }

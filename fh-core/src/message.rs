@@ -4,6 +4,7 @@
 //! These are plain data; [`crate::wire`] encodes them for the network.
 
 use std::fmt;
+use std::sync::Arc;
 
 use crate::{DType, ReduceOp};
 
@@ -167,8 +168,9 @@ pub struct GroupTag {
 /// One rank's announcement that a named tensor is ready locally.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Request {
-    /// The tensor's name, unique among the rank's in-flight operations.
-    pub name: String,
+    /// The tensor's name, unique among the rank's in-flight operations. Shared (`Arc<str>`):
+    /// the engine keeps the name in several places per step, each a reference count.
+    pub name: Arc<str>,
     /// The submitting rank.
     pub rank: u32,
     /// What must agree across ranks.
@@ -281,8 +283,8 @@ impl fmt::Display for NegotiationError {
 /// The agreed outcome for one name: identical on every rank.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Response {
-    /// The tensor's name.
-    pub name: String,
+    /// The tensor's name (shared, like [`Request::name`]).
+    pub name: Arc<str>,
     /// The agreed signature (the lowest rank's, for allgather/alltoall whose first dimension
     /// may differ).
     pub sig: Signature,

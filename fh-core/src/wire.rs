@@ -273,7 +273,7 @@ pub fn decode_requests(bytes: &[u8]) -> Result<Vec<Request>, CoreError> {
     let n = r.count(4 + 4 + MIN_SIG + 8 + 1)?;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
-        let name = r.string()?;
+        let name = r.string()?.into();
         let rank = r.u32()?;
         let sig = r.sig()?;
         let priority = r.i64()?;
@@ -300,7 +300,7 @@ pub fn decode_responses(bytes: &[u8]) -> Result<Vec<Response>, CoreError> {
     let n = r.count(4 + MIN_SIG + 8 + 1 + 1)?;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
-        let name = r.string()?;
+        let name = r.string()?.into();
         let sig = r.sig()?;
         let priority = r.i64()?;
         let group = r.group()?;
@@ -407,7 +407,7 @@ mod tests {
             arb_group(),
         )
             .prop_map(|(name, rank, sig, priority, group)| Request {
-                name,
+                name: name.into(),
                 rank,
                 sig,
                 priority,
@@ -439,7 +439,7 @@ mod tests {
             arb_group(),
         )
             .prop_map(|(name, sig, priority, error, group)| Response {
-                name,
+                name: name.into(),
                 sig,
                 priority,
                 group,

@@ -6,6 +6,7 @@
 //! cargo run --release -p fh-scheduler --example replay -- negotiation [ranks]
 //! cargo run --release -p fh-scheduler --example replay -- mechanics [ranks]
 //! cargo run --release -p fh-scheduler --example replay -- latency [ranks]
+//! target/release/fhrun -np 2 --transport shm -- target/release/examples/replay latency-env [iterations] [presets]
 //! cargo run --release -p fh-scheduler --example replay -- idle [ranks]
 //! ```
 //!
@@ -16,6 +17,13 @@
 //! `replay-env` runs the same replay with one process per rank, the world from
 //! `fh_transport::from_env()` (any launcher: `mpirun` with `FH_TRANSPORT=mpi`, `fhrun`); build
 //! with `--features fh-transport/mpi` for MPI. The polished version of this lives in fh-bench.
+//!
+//! `latency-env`: the latency of a small named allreduce through the engine, one process per
+//! rank (world from `fh_transport::from_env()`): after a warm-up, N (default 2000) back-to-back
+//! blocking allreduces of one f64 (8 bytes) under a fixed name; rank 0 prints the median, p90
+//! and p99 of every rank's latencies, per preset (`fasthorovod,horovod` by default, or the
+//! comma-separated list given), under the environment's `FH_*` settings (e.g. `fhrun -x
+//! FH_INLINE_BYTES=0`).
 
 use std::time::{Duration, Instant};
 
@@ -320,6 +328,77 @@ fn latency(ranks: usize, preset: Preset) {
     );
 }
 
+/// The `q`-quantile (0..=1) of `v` (nearest rank).
+fn quantile(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((v.len() as f64 - 1.0) * q).round() as usize;
+    v.get(i).copied().unwrap_or(f64::NAN)
+}
+
+/// `latency-env`: the world from the environment, one process per rank; every preset in turn
+/// times `iters` blocking allreduces of one f64 under a fixed name after a warm-up. Every
+/// rank's latencies are gathered; rank 0 prints median, p90 and p99 over all of them and the
+/// median of each rank.
+fn latency_env(iters: usize, presets: &[Preset]) {
+    let world =
+        world::SharedWorld::new(fh_transport::from_env().expect("transport from the environment"));
+    let (rank, ranks, backend) = (
+        world.topology_rank(),
+        world.topology().size,
+        world.backend_name(),
+    );
+    const WARMUP: usize = 200;
+    for &preset in presets {
+        // The preset's defaults under the environment's FH_* settings (e.g. FH_INLINE_BYTES,
+        // FH_CONTROL_SPIN_US for comparisons).
+        let cfg = Config::from_lookup(|k| match k {
+            "FH_SCHEDULE" => Some(preset.name().to_string()),
+            _ => std::env::var(k).ok(),
+        })
+        .expect("configuration from the environment");
+        let engine = Engine::start(world.handle(), cfg).expect("start");
+        let mut lat = Vec::with_capacity(iters);
+        let wall = Instant::now();
+        for i in 0..WARMUP + iters {
+            let v = Tensor::from_slice(&[1.0f64 + i as f64]);
+            let start = Instant::now();
+            let v = engine
+                .allreduce("latency.x", v, AllreduceOptions::with_op(ReduceOp::Sum))
+                .and_then(|mut h| h.wait_timeout(Duration::from_secs(60)))
+                .expect("allreduce");
+            if i >= WARMUP {
+                lat.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+            let got = v.to_vec::<f64>().expect("f64 result")[0];
+            let expect = ranks as f64 * (1.0 + i as f64);
+            assert_eq!(got, expect, "allreduce {i}: wrong result");
+        }
+        let wall = wall.elapsed().as_secs_f64();
+        let all = engine
+            .allgather("latency.all", Tensor::from_slice(&lat))
+            .and_then(|mut h| h.wait_timeout(Duration::from_secs(60)))
+            .and_then(|t| t.to_vec::<f64>())
+            .expect("allgather of the latencies");
+        engine.shutdown().expect("shutdown");
+        if rank == 0 {
+            let per_rank: Vec<String> = all
+                .chunks(iters.max(1))
+                .map(|c| format!("{:.1}", quantile(&mut c.to_vec(), 0.5)))
+                .collect();
+            let mut all = all;
+            println!(
+                "named 8-byte allreduce over {backend}, np={ranks}, {:<11} {iters} iters: median {:>6.1} µs  p90 {:>6.1} µs  p99 {:>6.1} µs  (per-rank medians {}; {:.0} ops/s)",
+                preset.name(),
+                quantile(&mut all, 0.5),
+                quantile(&mut all, 0.9),
+                quantile(&mut all, 0.99),
+                per_rank.join(", "),
+                (WARMUP + iters) as f64 / wall,
+            );
+        }
+    }
+}
+
 /// The negotiation mechanics alone, on in-process communicators: a bit-vector round (build the
 /// vector from the cache, one AND allreduce, rebuild the ready list) against a coordinator round
 /// (encode requests, gather them, validate on rank 0, broadcast and decode the responses).
@@ -344,7 +423,7 @@ fn negotiation_mechanics(ranks: usize) {
                         let (rank, size) = (t.rank(), t.size());
                         let reqs: Vec<Request> = (0..n)
                             .map(|i| Request {
-                                name: format!("layer{i}.weight"),
+                                name: format!("layer{i}.weight").into(),
                                 rank: rank as u32,
                                 sig: Signature {
                                     kind: CollectiveKind::Allreduce,
@@ -362,7 +441,9 @@ fn negotiation_mechanics(ranks: usize) {
                             .collect();
                         let mut cache = ResponseCache::new(1024);
                         for r in &reqs {
-                            cache.insert(&validate(std::slice::from_ref(r)).unwrap());
+                            cache.insert(std::sync::Arc::new(
+                                validate(std::slice::from_ref(r)).unwrap(),
+                            ));
                         }
                         let mut times = Vec::new();
                         let mut bytes = 0usize;
@@ -399,8 +480,10 @@ fn negotiation_mechanics(ranks: usize) {
                                 let mut out = Vec::new();
                                 bytes = enc.len() + 8;
                                 if rank == 0 {
-                                    let mut table: std::collections::HashMap<String, Vec<Request>> =
-                                        Default::default();
+                                    let mut table: std::collections::HashMap<
+                                        std::sync::Arc<str>,
+                                        Vec<Request>,
+                                    > = Default::default();
                                     let mut off = 0;
                                     for &c in &counts {
                                         for q in wire::decode_requests(&all[off..off + c]).unwrap()
@@ -450,6 +533,20 @@ fn main() {
             latency(n, Preset::FastHorovod);
             latency(n, Preset::Horovod);
         }
+        Some("latency-env") => {
+            let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(2000);
+            let presets: Vec<Preset> = args
+                .get(3)
+                .map_or("fasthorovod,horovod", String::as_str)
+                .split(',')
+                .map(|p| match p {
+                    "horovod" => Preset::Horovod,
+                    "fasthorovod" => Preset::FastHorovod,
+                    other => panic!("unknown preset '{other}' (fasthorovod or horovod)"),
+                })
+                .collect();
+            latency_env(iters, &presets);
+        }
         Some("mechanics") => {
             negotiation_mechanics(args.get(2).and_then(|s| s.parse().ok()).unwrap_or(4))
         }
@@ -474,6 +571,6 @@ fn main() {
                 println!("{label:>22} {step:>12.1} {exposed:>14.1}");
             }
         }
-        _ => eprintln!("usage: replay (replay WORKLOAD [ranks] [backward_ms] [steps] | replay-env WORKLOAD [backward_ms] [steps] | negotiation [ranks] | mechanics [ranks] | latency [ranks] | idle [ranks])"),
+        _ => eprintln!("usage: replay (replay WORKLOAD [ranks] [backward_ms] [steps] | replay-env WORKLOAD [backward_ms] [steps] | negotiation [ranks] | mechanics [ranks] | latency [ranks] | latency-env [iterations] [presets] | idle [ranks])"),
     }
 }

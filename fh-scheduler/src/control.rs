@@ -10,6 +10,15 @@
 //! round to round) and dispatched. Because every decision is a function of
 //! the rounds' collective results, every rank takes the same steps and forms the same groups.
 //! Back-pressure only delays when a rank enters its next round.
+//!
+//! The hot path of a small collective: a plan that is one small group of host tensors
+//! (`Config::inline_bytes`, agreed at start-up) takes one more step, a one-byte AND in which
+//! every rank says it can run the group, and then runs on this thread when its channel has
+//! nothing queued or running (otherwise on the channel's thread, after what is queued: the
+//! group, its channel and the order on the channel stay the planner's). After a round that
+//! completed work, this thread polls for the next submission briefly (`Config::control_spin`)
+//! before it sleeps. Cached responses and names are shared (`Arc`), so a cache hit copies
+//! nothing.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use fh_core::bitvec::{BitVec, NegotiationVec, Status};
 use fh_core::cache::{Lookup, ResponseCache};
 use fh_core::fusion::{plan_round_on, ChannelLoad, PlanItem, PlanMode, PlanOptions};
@@ -66,8 +75,47 @@ enum Dispatch {
     Workers {
         queues: Vec<Sender<Job>>,
         threads: Vec<JoinHandle<()>>,
+        /// Each channel's executor, shared with its worker thread (same index as `queues`).
+        slots: Vec<Arc<ChannelSlot>>,
     },
     Inline(Box<Executor>),
+}
+
+/// A channel's executor, run by the channel's worker thread and, for a small single-group
+/// round while the channel is idle, by the control thread itself (see `Config::inline_bytes`).
+/// Either way the channel's groups run one at a time in the order the control thread
+/// dispatched them: the control thread runs a group only when every group it handed to the
+/// worker before has finished.
+struct ChannelSlot {
+    exec: Mutex<Executor>,
+    /// Groups handed to the worker thread and not yet finished. The worker lowers it after it
+    /// has released `exec`, so at zero the control thread takes `exec` without waiting.
+    outstanding: AtomicUsize,
+}
+
+impl ChannelSlot {
+    /// The executor, if nobody else holds it (a poisoned lock is taken anyway: `run` leaves
+    /// the executor consistent between groups).
+    fn try_exec(&self) -> Option<std::sync::MutexGuard<'_, Executor>> {
+        match self.exec.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+}
+
+/// Whether a round's plan can run on the control thread: a single group of at most `limit`
+/// bytes whose items are all host tensors (`on_host(item)`).
+fn runs_inline(
+    groups: &[fh_core::fusion::Group],
+    limit: u64,
+    on_host: impl Fn(usize) -> bool,
+) -> bool {
+    match groups {
+        [g] => limit > 0 && g.bytes() <= limit && g.parts.iter().all(|p| on_host(p.item)),
+        _ => false,
+    }
 }
 
 /// How often a rank deferring its round under back-pressure looks at its channels again
@@ -99,6 +147,11 @@ fn try_zeros(sig: &fh_core::message::Signature) -> Result<Tensor, String> {
 #[cfg(test)]
 pub(crate) static INJECTED_FAULTS: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
 
+/// Test hook: `(rank, name)` pairs whose groups that rank hands to a channel thread even when
+/// they could run on the control thread.
+#[cfg(test)]
+pub(crate) static QUEUE_ANYWAY: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+
 /// An id for a tensor's timeline track (stable per submission).
 fn e_id(name: &str, submitted: Instant) -> u64 {
     use std::hash::{Hash, Hasher};
@@ -114,7 +167,7 @@ pub(crate) struct Control {
     rx: Receiver<Msg>,
     cache: ResponseCache,
     pending: BTreeMap<u64, Pending>,
-    by_name: HashMap<String, u64>,
+    by_name: HashMap<Arc<str>, u64>,
     seq: u64,
     table: Table,
     dispatch: Dispatch,
@@ -136,7 +189,7 @@ pub(crate) struct Control {
     /// vector): the planner puts the round's fused groups there.
     idle_channels: u64,
     /// Members of grouped submissions ready everywhere, waiting for the rest of their group.
-    held: BTreeMap<String, Vec<Response>>,
+    held: BTreeMap<String, Vec<Arc<Response>>>,
     /// Groups with a failed member: the error and the members still to come.
     failed_groups: HashMap<String, (SchedulerError, u32)>,
     /// A local inconsistency met while dispatching (tensor name, what went wrong): raised in
@@ -184,14 +237,21 @@ impl Control {
             Preset::FastHorovod => {
                 let mut queues = Vec::new();
                 let mut threads = Vec::new();
-                for mut ex in executors {
+                let mut slots = Vec::new();
+                for ex in executors {
                     let (tx, rx) = crossbeam_channel::unbounded::<Job>();
                     let name = format!("fh-channel-{}-{}", inner.rank, ex.channel);
+                    let slot = Arc::new(ChannelSlot {
+                        exec: Mutex::new(ex),
+                        outstanding: AtomicUsize::new(0),
+                    });
+                    slots.push(Arc::clone(&slot));
                     let t = std::thread::Builder::new()
                         .name(name)
                         .spawn(move || {
                             while let Ok(job) = rx.recv() {
-                                ex.run(job);
+                                crate::shared::lock(&slot.exec).run(job);
+                                slot.outstanding.fetch_sub(1, Ordering::Release);
                             }
                         })
                         .map_err(|e| {
@@ -200,7 +260,11 @@ impl Control {
                     queues.push(tx);
                     threads.push(t);
                 }
-                Dispatch::Workers { queues, threads }
+                Dispatch::Workers {
+                    queues,
+                    threads,
+                    slots,
+                }
             }
         };
         let plan_opts = cfg.plan_options();
@@ -265,11 +329,14 @@ impl Control {
             c.complete(Err(err.clone()));
         }
         // Let the channels finish what every rank dispatched, then stop them.
-        if let Dispatch::Workers { queues, threads } = std::mem::replace(
+        if let Dispatch::Workers {
+            queues, threads, ..
+        } = std::mem::replace(
             &mut self.dispatch,
             Dispatch::Workers {
                 queues: Vec::new(),
                 threads: Vec::new(),
+                slots: Vec::new(),
             },
         ) {
             drop(queues);
@@ -301,7 +368,7 @@ impl Control {
         match msg {
             Msg::Submit(entry) => {
                 self.seq += 1;
-                self.by_name.insert(entry.req.name.clone(), self.seq);
+                self.by_name.insert(Arc::clone(&entry.req.name), self.seq);
                 self.pending.insert(
                     self.seq,
                     Pending {
@@ -381,6 +448,7 @@ impl Control {
         let cycle = cfg.cycle_time;
         let window = cfg.batching_window;
         let heartbeat = cfg.idle_heartbeat;
+        let spin = cfg.control_spin;
         self.drain();
         if !cycle.is_zero() {
             // Fixed polling cycle (the Horovod schedule): a round every cycle, busy or not.
@@ -412,7 +480,12 @@ impl Control {
             self.recv_until(deadline);
             return;
         }
-        // Idle: sleep until a submission, or the heartbeat.
+        // Idle. Right after a round that completed work the next submission is usually close
+        // (the caller's next collective): poll for it briefly, then sleep until a submission,
+        // or the heartbeat.
+        if self.last_progress && !spin.is_zero() && self.poll_for_work(spin) {
+            return;
+        }
         let deadline = Instant::now() + heartbeat;
         self.recv_until(deadline);
     }
@@ -423,6 +496,36 @@ impl Control {
         match self.plan_opts.mode {
             PlanMode::Fast => self.plan_opts.channels,
             PlanMode::Horovod => 0,
+        }
+    }
+
+    /// Poll the submission queue for at most `limit` (yielding the core between short bursts,
+    /// since ranks may share cores); whether something arrived.
+    fn poll_for_work(&mut self, limit: Duration) -> bool {
+        let start = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            match self.rx.try_recv() {
+                Ok(m) => {
+                    self.accept(m);
+                    self.drain();
+                    return true;
+                }
+                Err(TryRecvError::Disconnected) => {
+                    self.local_shutdown = true;
+                    return true;
+                }
+                Err(TryRecvError::Empty) => {}
+            }
+            polls = polls.wrapping_add(1);
+            if polls % 16 == 0 {
+                if start.elapsed() >= limit {
+                    return false;
+                }
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
     }
 
@@ -520,9 +623,8 @@ impl Control {
             self.report_readiness()?;
         }
 
-        // 4. Joined ranks.
-        let previous_joined = self.joined_set.clone();
-        if agreed.status(Status::Joined) {
+        // 4. Joined ranks (nothing to do, and nothing allocated, while nobody has joined).
+        let joined_changed = if agreed.status(Status::Joined) {
             let mut jv = BitVec::zeros(size);
             jv.set(self.inner.rank, self.joined);
             let mut b = jv.to_bytes();
@@ -531,19 +633,24 @@ impl Control {
             let jv = BitVec::from_bytes(&b, size).ok_or_else(|| {
                 SchedulerError::InvalidArgument("internal error: joined vector length".into())
             })?;
-            self.joined_set = (0..size).map(|r| jv.get(r)).collect();
+            let now: Vec<bool> = (0..size).map(|r| jv.get(r)).collect();
+            // Every rank sees the same joined vectors, so every rank names the same last rank.
+            if let Some(r) = (0..size)
+                .rev()
+                .find(|&r| now[r] && !self.joined_set.get(r).copied().unwrap_or(false))
+            {
+                self.last_joined = Some(r);
+            }
+            let changed = now != self.joined_set;
+            self.joined_set = now;
+            changed
+        } else if self.joined_set.iter().any(|&j| j) {
+            self.joined_set.iter_mut().for_each(|j| *j = false);
+            true
         } else {
-            self.joined_set = vec![false; size];
-        }
+            false
+        };
         let all_joined = self.joined_set.iter().all(|&j| j);
-        let joined_changed = previous_joined != self.joined_set;
-        // Every rank sees the same joined vectors, so every rank names the same last rank.
-        if let Some(r) = (0..size)
-            .rev()
-            .find(|&r| self.joined_set[r] && !previous_joined.get(r).copied().unwrap_or(false))
-        {
-            self.last_joined = Some(r);
-        }
 
         // 5. Invalidated slots: dropped on every rank.
         let mut evicted = Vec::new();
@@ -565,14 +672,15 @@ impl Control {
         }
 
         // 6. Ready from the cache, in slot order.
-        let mut ready: Vec<Response> = Vec::new();
+        // Cache hits share the cached response (a reference count, no copy).
+        let mut ready: Vec<Arc<Response>> = Vec::new();
         if !all_joined {
             for slot in agreed.pending_slots() {
                 if evicted.contains(&slot) {
                     continue;
                 }
                 if let Some(r) = self.cache.get(slot) {
-                    ready.push(r.clone());
+                    ready.push(Arc::clone(r));
                     self.cache.touch(slot);
                 }
             }
@@ -611,7 +719,8 @@ impl Control {
                     }
                     continue;
                 }
-                self.cache.insert(&r);
+                let r = Arc::new(r);
+                self.cache.insert(Arc::clone(&r));
                 ready.push(r);
             }
         } else {
@@ -644,7 +753,7 @@ impl Control {
             // Each tensor agreed this round: its span from the first rank's ready time.
             for r in &ready {
                 if let Some(times) = self.ready_times.take(&r.name) {
-                    tl.negotiated(r.name.clone(), times, neg_end);
+                    tl.negotiated(r.name.to_string(), times, neg_end);
                 }
             }
         }
@@ -653,7 +762,7 @@ impl Control {
         self.last_progress = !ready.is_empty();
         let ready = self.release_groups(ready);
         if !ready.is_empty() {
-            self.dispatch(ready);
+            self.dispatch(ready)?;
         }
         Ok(None)
     }
@@ -681,7 +790,7 @@ impl Control {
             self.fail_name(
                 &r.name,
                 SchedulerError::Negotiation {
-                    name: r.name.clone(),
+                    name: r.name.to_string(),
                     reason: reason.clone(),
                 },
             );
@@ -698,7 +807,7 @@ impl Control {
 
     /// Hold grouped members until their whole group is ready; release complete groups in
     /// member order. Deterministic: the same on every rank.
-    fn release_groups(&mut self, ready: Vec<Response>) -> Vec<Response> {
+    fn release_groups(&mut self, ready: Vec<Arc<Response>>) -> Vec<Arc<Response>> {
         let mut out = Vec::with_capacity(ready.len());
         for r in ready {
             let Some(g) = r.group.clone() else {
@@ -714,7 +823,7 @@ impl Control {
                 self.fail_name(
                     &r.name,
                     SchedulerError::Negotiation {
-                        name: r.name.clone(),
+                        name: r.name.to_string(),
                         reason,
                     },
                 );
@@ -722,7 +831,7 @@ impl Control {
             }
             if let Some(p) = self
                 .by_name
-                .get(&r.name)
+                .get(&*r.name)
                 .and_then(|s| self.pending.get_mut(s))
             {
                 p.state = Announce::Held;
@@ -774,7 +883,7 @@ impl Control {
                 p.reported = true;
                 let age = now.saturating_duration_since(p.entry.submitted);
                 let micros = u64::try_from(age.as_micros()).unwrap_or(u64::MAX);
-                mine.push((p.entry.req.name.clone(), micros));
+                mine.push((p.entry.req.name.to_string(), micros));
             }
         }
         let bytes = wire::encode_names(&mine);
@@ -836,7 +945,7 @@ impl Control {
         if self.injected(&r.name) {
             return Err("injected allocation failure".into());
         }
-        if let Some(seq) = self.by_name.remove(&r.name) {
+        if let Some(seq) = self.by_name.remove(&*r.name) {
             if let Some(p) = self.pending.remove(&seq) {
                 return Ok(Source::Submitted(seq, p));
             }
@@ -856,6 +965,40 @@ impl Control {
             .any(|(r, n)| *r == self.inner.rank && n == name)
     }
 
+    /// Put tensors taken for a round that is not dispatched back into the pending set.
+    fn put_back(&mut self, taken: Vec<Source>) {
+        for src in taken {
+            if let Source::Submitted(seq, p) = src {
+                self.by_name.insert(Arc::clone(&p.entry.req.name), seq);
+                self.pending.insert(seq, p);
+            }
+        }
+    }
+
+    /// Whether every rank can run the round (each says whether it can; one byte, AND).
+    fn agree_can_run(&mut self, mine: bool) -> Result<bool, SchedulerError> {
+        let mut b = [u8::from(mine)];
+        self.add_bytes(b.len());
+        self.comm.allreduce(&mut b, DType::U8, ReduceOp::BitAnd)?;
+        Ok(b[0] == 1)
+    }
+
+    /// Test hook: a group holding a name listed for this rank in [`QUEUE_ANYWAY`] goes to its
+    /// channel thread even when it could run here (ranks then differ in where a group runs).
+    #[cfg(test)]
+    fn queue_anyway(&self, job: &Job) -> bool {
+        let list = QUEUE_ANYWAY.lock().unwrap_or_else(|p| p.into_inner());
+        job.parts.iter().any(|(op, _, _)| {
+            list.iter()
+                .any(|(r, n)| *r == self.inner.rank && n == op.name())
+        })
+    }
+
+    #[cfg(not(test))]
+    fn queue_anyway(&self, _job: &Job) -> bool {
+        false
+    }
+
     /// Some rank raised the fault flag: every rank learns every rank's fault and stops with
     /// the same error, naming the lowest faulty rank, its tensor and what went wrong.
     fn agree_on_fault(&mut self) -> Result<SchedulerError, SchedulerError> {
@@ -872,7 +1015,7 @@ impl Control {
             .values()
             .map(|p| {
                 (
-                    p.entry.req.name.clone(),
+                    p.entry.req.name.to_string(),
                     now.saturating_duration_since(p.entry.submitted).as_millis() as u64,
                 )
             })
@@ -923,38 +1066,64 @@ impl Control {
     /// one of them (a name it never submitted, zeros it cannot allocate) dispatches none,
     /// keeps them pending and raises the fault flag in the next round, where every rank stops
     /// with the same error naming it. It never plans a different list from the other ranks.
-    fn dispatch(&mut self, ready: Vec<Response>) {
+    ///
+    /// A plan that is a single small group of host tensors (see `Config::inline_bytes`, agreed
+    /// at start-up) may run on this thread, which then cannot take part in the next round
+    /// until the group's collective is done. So that a rank that cannot run it never leaves
+    /// the others waiting in that collective, every rank first states whether it can (one
+    /// byte, AND): when one cannot, no rank dispatches anything and the next round agrees on
+    /// the fault. The plan itself depends on the agreed responses alone.
+    fn dispatch(&mut self, ready: Vec<Arc<Response>>) -> Result<(), SchedulerError> {
         let active = self.joined_set.iter().filter(|j| !**j).count();
-        // 1. Take every response's local tensor: the one submitted here, or a joined rank's
+        // 1. The plan (a function of the agreed responses and the carried load only).
+        let mut items: Vec<PlanItem> = Vec::with_capacity(ready.len());
+        let mut group_ids: HashMap<&str, u32> = HashMap::new();
+        for r in &ready {
+            let mut item = PlanItem::from_response(r);
+            if let Some(g) = &r.group {
+                let next = group_ids.len() as u32;
+                item.group = Some(*group_ids.entry(g.name.as_str()).or_insert(next));
+            }
+            items.push(item);
+        }
+        let groups = plan_round_on(&items, &self.plan_opts, &mut self.load, self.idle_channels);
+        let inline_plan = matches!(self.dispatch, Dispatch::Workers { .. })
+            && runs_inline(&groups, self.inner.config.inline_bytes, |i| {
+                ready[i].sig.device == fh_core::message::Device::Cpu
+            });
+        // 2. Take every response's local tensor: the one submitted here, or a joined rank's
         //    zeros. On failure, put back what was taken and raise the fault.
         let mut taken: Vec<Source> = Vec::with_capacity(ready.len());
+        let mut failed = None;
         for r in &ready {
-            let got = self.take_tensor(r);
-            match got {
+            match self.take_tensor(r) {
                 Ok(src) => taken.push(src),
                 Err(what) => {
-                    tracing::error!(rank = self.inner.rank, name = %r.name, %what, "cannot run a negotiated tensor; stopping the engine on every rank");
-                    for src in taken {
-                        if let Source::Submitted(seq, p) = src {
-                            self.by_name.insert(p.entry.req.name.clone(), seq);
-                            self.pending.insert(seq, p);
-                        }
-                    }
-                    self.fault = Some((r.name.clone(), what));
-                    return;
+                    failed = Some((r.name.to_string(), what));
+                    break;
                 }
             }
         }
-        // 2. Build the operations.
+        let everyone_can = if inline_plan {
+            self.agree_can_run(failed.is_none())?
+        } else {
+            failed.is_none()
+        };
+        if let Some((name, what)) = failed {
+            tracing::error!(rank = self.inner.rank, %name, %what, "cannot run a negotiated tensor; stopping the engine on every rank");
+            self.put_back(taken);
+            self.fault = Some((name, what));
+            return Ok(());
+        }
+        if !everyone_can {
+            // Another rank cannot run this round: it raises the fault in the next round, where
+            // every rank stops with its error.
+            self.put_back(taken);
+            return Ok(());
+        }
+        // 3. Build the operations.
         let mut ops: Vec<Arc<Op>> = Vec::with_capacity(ready.len());
-        let mut items: Vec<PlanItem> = Vec::with_capacity(ready.len());
-        let mut group_ids: HashMap<String, u32> = HashMap::new();
         for (r, src) in ready.into_iter().zip(taken) {
-            let mut item = PlanItem::from_response(&r);
-            if let Some(g) = &r.group {
-                let next = group_ids.len() as u32;
-                item.group = Some(*group_ids.entry(g.name.clone()).or_insert(next));
-            }
             let (tensor, splits, cell) = match src {
                 Source::Zeros(t) => (t, None, None),
                 Source::Submitted(_, p) => {
@@ -962,7 +1131,7 @@ impl Control {
                     if let Some(tl) = self.inner.timeline() {
                         tl.tensor_span(
                             e_id(&r.name, e.submitted),
-                            r.name.clone(),
+                            r.name.to_string(),
                             "queued",
                             e.submitted,
                             Instant::now(),
@@ -971,10 +1140,8 @@ impl Control {
                     (e.tensor, e.splits, Some(e.cell))
                 }
             };
-            items.push(item);
             ops.push(Arc::new(Op {
-                name: r.name,
-                sig: r.sig,
+                resp: r,
                 state: Mutex::new(OpState {
                     tensor: Some(tensor),
                     splits,
@@ -985,7 +1152,6 @@ impl Control {
                 chunks: std::sync::OnceLock::new(),
             }));
         }
-        let groups = plan_round_on(&items, &self.plan_opts, &mut self.load, self.idle_channels);
         let mut alone = vec![true; ops.len()];
         for g in &groups {
             for p in &g.parts {
@@ -998,7 +1164,7 @@ impl Control {
         // An allreduce split into chunks that each run alone: its chunks are reduced in place.
         for (op, alone) in ops.iter().zip(alone) {
             if alone
-                && op.sig.kind == CollectiveKind::Allreduce
+                && op.sig().kind == CollectiveKind::Allreduce
                 && op.remaining.load(std::sync::atomic::Ordering::Relaxed) > 1
             {
                 let mut st = op.lock();
@@ -1021,7 +1187,7 @@ impl Control {
                     parts: g
                         .parts
                         .iter()
-                        .map(|p| (ops[p.item].name.clone(), p.offset, p.len))
+                        .map(|p| (ops[p.item].name().to_string(), p.offset, p.len))
                         .collect(),
                 });
             }
@@ -1036,11 +1202,34 @@ impl Control {
                     .collect(),
                 active,
             };
+            let queue_anyway = self.queue_anyway(&job);
             match &mut self.dispatch {
                 Dispatch::Inline(ex) => ex.run(job),
-                Dispatch::Workers { queues, .. } => {
+                Dispatch::Workers { queues, slots, .. } => {
+                    let Some(slot) = slots.get(g.channel) else {
+                        continue;
+                    };
+                    // A small single-group round while the channel is idle: run it here,
+                    // after everything dispatched to the channel before (all finished).
+                    let job = if inline_plan
+                        && slot.outstanding.load(Ordering::Acquire) == 0
+                        && !queue_anyway
+                    {
+                        match slot.try_exec() {
+                            Some(mut ex) => {
+                                Counters::add(&self.inner.counters.inline_groups, 1);
+                                ex.run(job);
+                                continue;
+                            }
+                            None => job,
+                        }
+                    } else {
+                        job
+                    };
+                    slot.outstanding.fetch_add(1, Ordering::Relaxed);
                     if let Some(q) = queues.get(g.channel) {
                         if let Err(e) = q.send(job) {
+                            slot.outstanding.fetch_sub(1, Ordering::Relaxed);
                             // The worker is gone: fail its parts.
                             if let Some(c) = self.inner.counters.channels().get(g.channel) {
                                 c.queued
@@ -1059,6 +1248,7 @@ impl Control {
                 }
             }
         }
+        Ok(())
     }
 }
 
@@ -1071,10 +1261,12 @@ mod tests {
     /// A rank that cannot run a negotiated tensor (here: an injected allocation failure on
     /// rank 1) stops the engine on every rank with the same error naming the rank and the
     /// tensor, within bounded time, instead of planning a different list than the others.
+    /// With small rounds run on the control thread (the default) and without: the other ranks
+    /// are not left waiting in a collective the faulty rank never joins.
     #[test]
     fn a_local_fault_stops_every_rank_with_the_same_error() {
-        for k in [1usize, 3] {
-            let name = format!("faulty-{k}");
+        for (k, inline) in [(1usize, 1024u64), (3, 1024), (1, 0), (3, 0)] {
+            let name = format!("faulty-{k}-{inline}");
             INJECTED_FAULTS
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -1084,7 +1276,8 @@ mod tests {
                 .map(|t| {
                     let name = name.clone();
                     std::thread::spawn(move || {
-                        let e = Engine::start(Box::new(t), Config::default().channels(k)).unwrap();
+                        let cfg = Config::default().channels(k).inline_bytes(inline);
+                        let e = Engine::start(Box::new(t), cfg).unwrap();
                         let opts = AllreduceOptions::with_op(ReduceOp::Sum);
                         let ok = e
                             .allreduce("fine", Tensor::from_slice(&[1.0f32; 4]), opts)
@@ -1115,6 +1308,92 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Ranks may differ in where a small group runs (here rank 1 always hands it to the
+    /// channel thread, the others run it on the control thread): same results, same groups on
+    /// the same channels in the same order on every rank.
+    #[test]
+    fn ranks_running_a_group_inline_or_on_its_channel_agree() {
+        let names: Vec<String> = (0..4).map(|i| format!("mixed-inline-{i}")).collect();
+        QUEUE_ANYWAY
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(names.iter().map(|n| (1, n.clone())));
+        let threads: Vec<_> = LocalWorld::with_timeout(3, Duration::from_secs(10))
+            .into_iter()
+            .map(|t| {
+                let names = names.clone();
+                std::thread::spawn(move || {
+                    let cfg = Config::default()
+                        .channels(2)
+                        .inline_bytes(1024)
+                        .record_groups(true);
+                    let e = Engine::start(Box::new(t), cfg).unwrap();
+                    let r = e.rank() as f32;
+                    let opts = AllreduceOptions::with_op(ReduceOp::Sum);
+                    let mut out = Vec::new();
+                    for step in 0..5 {
+                        for (i, n) in names.iter().enumerate() {
+                            let x = r + (step * 10 + i) as f32;
+                            let got = e
+                                .allreduce(n, Tensor::from_slice(&[x; 8]), opts)
+                                .unwrap()
+                                .wait_timeout(Duration::from_secs(20))
+                                .unwrap();
+                            out.push(got.to_vec::<f32>().unwrap());
+                        }
+                    }
+                    let (log, stats) = (e.group_log(), e.stats());
+                    e.shutdown().unwrap();
+                    (out, log, stats.inline_groups)
+                })
+            })
+            .collect();
+        let out: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        for (rank, (results, log, inline)) in out.iter().enumerate() {
+            for step in 0..5 {
+                for i in 0..4 {
+                    let x = 3.0 + 3.0 * (step * 10 + i) as f32;
+                    assert_eq!(results[step * 4 + i], [x; 8], "rank {rank}");
+                }
+            }
+            assert_eq!(log, &out[0].1, "rank {rank}: other groups than rank 0");
+            assert_eq!(log.len(), 20);
+            if rank == 1 {
+                assert_eq!(*inline, 0, "rank 1 queued every group");
+            } else {
+                assert!(*inline > 0, "rank {rank} never ran a group inline");
+            }
+        }
+    }
+
+    #[test]
+    fn only_a_small_single_host_group_runs_inline() {
+        use fh_core::fusion::{Group, Part};
+        let part = |item, len| Part {
+            item,
+            offset: 0,
+            len,
+        };
+        let one = vec![Group {
+            channel: 1,
+            parts: vec![part(0, 8), part(1, 8)],
+        }];
+        let host = |_| true;
+        assert!(runs_inline(&one, 16, host));
+        assert!(!runs_inline(&one, 15, host), "over the limit");
+        assert!(!runs_inline(&one, 0, host), "off");
+        assert!(!runs_inline(&one, 16, |i| i != 1), "a device tensor");
+        let two = vec![one[0].clone(), one[0].clone()];
+        assert!(!runs_inline(&two, 1 << 20, host), "two groups");
+        assert!(!runs_inline(&[], 1 << 20, host), "nothing");
+        // A barrier (no bytes) is small.
+        let barrier = vec![Group {
+            channel: 0,
+            parts: vec![part(0, 0)],
+        }];
+        assert!(runs_inline(&barrier, 1, host));
     }
 
     #[test]

@@ -338,8 +338,9 @@ impl Engine {
             tensor.set_ready(ev);
         }
         let cell = Completion::new();
+        let name: Arc<str> = name.into();
         let req = Request {
-            name: name.to_string(),
+            name: Arc::clone(&name),
             rank: self.inner.rank as u32,
             sig: Signature {
                 kind,
@@ -361,7 +362,7 @@ impl Engine {
             cell: Arc::clone(&cell),
             submitted: Instant::now(),
         };
-        Ok((entry, Handle::new(name.to_string(), cell)))
+        Ok((entry, Handle::new(name, cell)))
     }
 
     /// Allreduce `tensor` across all ranks under `name`; the handle gives back the tensor

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use fh_core::kernels;
-use fh_core::message::{CollectiveKind, Signature};
+use fh_core::message::{CollectiveKind, Response, Signature};
 use fh_core::ReduceOp;
 use fh_transport::{CollectivesExt, Communicator, TransportError};
 
@@ -23,8 +23,8 @@ pub(crate) struct OpState {
 
 /// One negotiated operation on its way through a channel (possibly split over several).
 pub(crate) struct Op {
-    pub name: String,
-    pub sig: Signature,
+    /// The agreed response (shared with the response cache: no copy per step).
+    pub resp: Arc<Response>,
     pub state: Mutex<OpState>,
     /// Parts (chunks) not yet done.
     pub remaining: AtomicUsize,
@@ -80,6 +80,16 @@ impl ChunkedBuf {
 }
 
 impl Op {
+    /// The tensor's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.resp.name
+    }
+
+    /// The agreed signature.
+    pub(crate) fn sig(&self) -> &Signature {
+        &self.resp.sig
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, OpState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -99,12 +109,12 @@ impl Op {
                 (None, Some(t)) => Ok(t),
                 (None, None) => Err(SchedulerError::InvalidArgument(format!(
                     "internal error: '{}' lost its tensor",
-                    self.name
+                    self.name()
                 ))),
             };
             drop(st);
             if let Some(cell) = &self.cell {
-                inner.finish(&self.name, cell, result);
+                inner.finish(self.name(), cell, result);
             }
         }
     }
@@ -229,9 +239,13 @@ impl Executor {
                 tl.span(lane, "unpack", reduced, end);
             }
             if let Some((first, _, _)) = job.parts.first() {
-                let names: Vec<String> = job.parts.iter().map(|(o, _, _)| o.name.clone()).collect();
+                let names: Vec<String> = job
+                    .parts
+                    .iter()
+                    .map(|(o, _, _)| o.name().to_string())
+                    .collect();
                 let bytes: usize = job.parts.iter().map(|p| p.2).sum();
-                tl.group(self.channel + 1, first.sig.kind, names, bytes, begin, end);
+                tl.group(self.channel + 1, first.sig().kind, names, bytes, begin, end);
             }
         }
         let bytes: usize = job.parts.iter().map(|p| p.2).sum();
@@ -269,12 +283,12 @@ impl Executor {
 
     fn execute(&mut self, job: &Job) -> Result<(), TransportError> {
         let (first, off0, len0) = &job.parts[0];
-        let sig = first.sig.clone();
+        let sig = first.sig();
         let bytes: usize = job.parts.iter().map(|p| p.2).sum();
         Counters::add(&self.inner.counters.fused_groups, 1);
         Counters::add(&self.inner.counters.data_bytes, bytes as u64);
         if sig.device != fh_core::message::Device::Cpu {
-            return self.execute_device(job, &sig);
+            return self.execute_device(job, sig);
         }
         let comm = self.comm.as_mut();
         match sig.kind {
@@ -286,10 +300,10 @@ impl Executor {
                     let chunk = unsafe { buf.range(*off0, *len0) }.ok_or_else(|| {
                         TransportError::InvalidArgument(format!(
                             "internal error: chunk {off0}+{len0} of '{}' out of range",
-                            first.name
+                            first.name()
                         ))
                     })?;
-                    return reduce_in_place(comm, chunk, &sig, job.active);
+                    return reduce_in_place(comm, chunk, sig, job.active);
                 }
                 let whole = job.parts.len() == 1
                     && *off0 == 0
@@ -298,7 +312,7 @@ impl Executor {
                     // Single tensor: reduce in place, no copy.
                     let mut t = first.lock().tensor.take();
                     let r = match &mut t {
-                        Some(t) => reduce_in_place(comm, t.data_mut(), &sig, job.active),
+                        Some(t) => reduce_in_place(comm, t.data_mut(), sig, job.active),
                         None => Ok(()),
                     };
                     first.lock().tensor = t;
@@ -317,7 +331,7 @@ impl Executor {
                     ));
                 }
                 let packed = Instant::now();
-                reduce_in_place(self.comm.as_mut(), &mut self.buf, &sig, job.active)?;
+                reduce_in_place(self.comm.as_mut(), &mut self.buf, sig, job.active)?;
                 self.phases = Some((packed, Instant::now()));
                 let mut pos = 0;
                 for (op, off, len) in &job.parts {

@@ -268,7 +268,7 @@ pub(crate) fn run_job(
         let Some(t) = &st.tensor else {
             return Err(TransportError::InvalidArgument(format!(
                 "internal error: '{}' lost its tensor",
-                op.name
+                op.name()
             )));
         };
         match t.device_memory() {
@@ -276,7 +276,7 @@ pub(crate) fn run_job(
                 if off.checked_add(*len).is_none_or(|end| end > m.len) {
                     return Err(TransportError::InvalidArgument(format!(
                         "internal error: part {off}+{len} of '{}' out of range",
-                        op.name
+                        op.name()
                     )));
                 }
                 if let Some(ev) = t.ready_event() {

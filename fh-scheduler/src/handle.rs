@@ -65,7 +65,7 @@ impl Completion {
 /// dropped when it completes.
 #[must_use = "an operation's result is only available through its handle"]
 pub struct Handle {
-    name: String,
+    name: std::sync::Arc<str>,
     cell: Arc<Completion>,
 }
 
@@ -79,7 +79,7 @@ impl std::fmt::Debug for Handle {
 }
 
 impl Handle {
-    pub(crate) fn new(name: String, cell: Arc<Completion>) -> Self {
+    pub(crate) fn new(name: Arc<str>, cell: Arc<Completion>) -> Self {
         Handle { name, cell }
     }
 
@@ -123,7 +123,7 @@ impl Handle {
             self.take()
         } else {
             Err(SchedulerError::WaitTimeout {
-                name: self.name.clone(),
+                name: self.name.to_string(),
                 after: timeout,
             })
         }
@@ -222,7 +222,7 @@ impl GroupHandle {
         for h in &self.handles {
             if !h.wait_for(deadline.saturating_duration_since(Instant::now())) {
                 return Err(SchedulerError::WaitTimeout {
-                    name: h.name.clone(),
+                    name: h.name.to_string(),
                     after: timeout,
                 });
             }

@@ -42,7 +42,8 @@ pub(crate) struct Inner {
     pub size: usize,
     pub config: Config,
     pub(crate) gate: Mutex<Gate>,
-    pub(crate) in_flight: Mutex<HashSet<String>>,
+    /// Names submitted and not yet finished (shared with their requests: no copies).
+    pub(crate) in_flight: Mutex<HashSet<Arc<str>>>,
     pub counters: Counters,
     pub(crate) stalls: Mutex<Vec<StallReport>>,
     pub(crate) barrier_seq: AtomicU64,
@@ -144,20 +145,31 @@ impl Inner {
         for (i, e) in entries.iter().enumerate() {
             let name = &e.req.name;
             if in_flight.contains(name) || entries[..i].iter().any(|o| &o.req.name == name) {
-                return Err(SchedulerError::DuplicateName { name: name.clone() });
+                return Err(SchedulerError::DuplicateName {
+                    name: name.to_string(),
+                });
             }
         }
         for e in &entries {
-            in_flight.insert(e.req.name.clone());
+            in_flight.insert(Arc::clone(&e.req.name));
         }
         drop(in_flight);
-        let names: Vec<String> = entries.iter().map(|e| e.req.name.clone()).collect();
+        // The names to withdraw should the control thread be gone (kept aside only for a
+        // grouped submission: a single entry comes back with the failed send).
+        let names: Vec<Arc<str>> = if entries.len() > 1 {
+            entries.iter().map(|e| Arc::clone(&e.req.name)).collect()
+        } else {
+            Vec::new()
+        };
         for e in entries {
-            if g.tx.send(Msg::Submit(Box::new(e))).is_err() {
+            if let Err(failed) = g.tx.send(Msg::Submit(Box::new(e))) {
                 // The control thread is gone: nothing sent will ever run.
                 let mut in_flight = lock(&self.in_flight);
+                if let Msg::Submit(e) = failed.0 {
+                    in_flight.remove(&*e.req.name);
+                }
                 for n in &names {
-                    in_flight.remove(n);
+                    in_flight.remove(&**n);
                 }
                 return Err(SchedulerError::ShutDown {
                     reason: "the control thread is gone".into(),

@@ -30,6 +30,9 @@ pub struct EngineStats {
     pub data_bytes: u64,
     /// Stall warnings raised.
     pub stall_warnings: u64,
+    /// Fused groups the negotiation thread ran itself (small single-group rounds whose channel
+    /// was idle; see `Config::inline_bytes`), counted in `fused_groups` and their channel too.
+    pub inline_groups: u64,
     /// Per data channel, in channel order.
     pub channels: Vec<ChannelStats>,
 }
@@ -85,6 +88,7 @@ pub(crate) struct Counters {
     pub fused_groups: AtomicU64,
     pub data_bytes: AtomicU64,
     pub stall_warnings: AtomicU64,
+    pub inline_groups: AtomicU64,
     /// Set once, when the channels are created.
     pub channels: OnceLock<Vec<ChannelCounters>>,
 }
@@ -107,6 +111,7 @@ impl Counters {
             fused_groups: self.fused_groups.load(Relaxed),
             data_bytes: self.data_bytes.load(Relaxed),
             stall_warnings: self.stall_warnings.load(Relaxed),
+            inline_groups: self.inline_groups.load(Relaxed),
             channels: self
                 .channels()
                 .iter()

@@ -72,6 +72,13 @@ fn ranks_with_different_planning_settings_refuse_to_start() {
     for e in &errs {
         assert!(e.contains("FH_BACKPRESSURE"), "{e}");
     }
+    let errs = start_errors(2, |r| Config::default().inline_bytes(r as u64 * 512));
+    for e in &errs {
+        assert!(
+            e.contains("FH_INLINE_BYTES") && e.contains("disagree"),
+            "{e}"
+        );
+    }
     // The same settings everywhere start.
     let ok = start_errors(2, |_| Config::default().priority(Priority::Forward));
     assert_eq!(ok, ["started", "started"]);

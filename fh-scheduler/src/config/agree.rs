@@ -35,6 +35,15 @@ pub(crate) fn planning_fields(c: &Config, world_size: usize) -> Vec<(&'static st
         ("FH_BACKPRESSURE_BYTES", clamp(c.backpressure_bytes)),
         ("FH_BACKPRESSURE_MAX_MS", millis(Some(c.backpressure_max))),
         ("FH_CUDA", i64::from(c.cuda)),
+        // Whether a round's single group may run on the negotiation thread decides whether
+        // the round takes the can-run agreement step.
+        (
+            "FH_INLINE_BYTES",
+            match c.preset {
+                Preset::FastHorovod => clamp(c.inline_bytes),
+                Preset::Horovod => 0,
+            },
+        ),
     ]
 }
 

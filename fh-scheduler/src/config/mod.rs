@@ -135,7 +135,24 @@ pub struct Config {
     /// agree; start-up fails on every rank, naming the ranks that cannot, when one has no GPU,
     /// no NCCL, or a build without the `cuda` feature.
     pub cuda: bool,
+    /// FastHorovod (`FH_INLINE_BYTES`): a round whose plan is a single group of at most this
+    /// many bytes of host tensors runs that group on the negotiation thread itself when the
+    /// group's channel has nothing queued or running, saving the hand-off to the channel's
+    /// thread (`0`: always hand groups to the channel threads). The group, its channel and
+    /// the order of groups on that channel stay the
+    /// planner's. Agreed at start-up: such a round takes one more step on every rank (each
+    /// rank says whether it can run the group, so that none is left waiting in it).
+    pub inline_bytes: u64,
+    /// How long the negotiation thread keeps polling for the next submission (yielding the
+    /// core between polls) after a round that completed work, before it sleeps
+    /// (`FH_CONTROL_SPIN_US`, at most 1000 µs; zero: sleep at once). Back-to-back small
+    /// collectives then skip a thread wake-up. A local choice, never agreed.
+    pub control_spin: Duration,
 }
+
+/// Longest `FH_CONTROL_SPIN_US` accepted: polling is only worth it for a few tens of
+/// microseconds, and ranks may share cores.
+pub const MAX_CONTROL_SPIN: Duration = Duration::from_millis(1);
 
 /// Most response-cache slots `FH_CACHE_CAPACITY` accepts (the negotiation vector of every round
 /// carries one bit per slot: 64 Ki slots make 8 KiB per round).
@@ -172,6 +189,8 @@ impl Config {
             backpressure_bytes: 0,
             backpressure_max: Duration::from_millis(50),
             cuda: false,
+            inline_bytes: 64 * 1024,
+            control_spin: Duration::from_micros(30),
         };
         match p {
             Preset::FastHorovod => base,
@@ -263,6 +282,19 @@ impl Config {
                 ));
             }
             c.backpressure_max = d;
+        }
+        if let Some(v) = get("FH_INLINE_BYTES") {
+            c.inline_bytes = parse_bytes("FH_INLINE_BYTES", &v)?;
+        }
+        if let Some(v) = get("FH_CONTROL_SPIN_US") {
+            let d = parse_seconds("FH_CONTROL_SPIN_US", &v, 1e-6)?;
+            if d > MAX_CONTROL_SPIN {
+                return Err(SchedulerError::config(
+                    "FH_CONTROL_SPIN_US",
+                    format!("'{v}' is out of range; accepted values: 0 to 1000"),
+                ));
+            }
+            c.control_spin = d;
         }
         if let Some(v) = get("FH_CUDA") {
             c.cuda = parse_switch("FH_CUDA", &v)?;
@@ -459,6 +491,19 @@ impl Config {
         self.backpressure_max = max;
         self
     }
+    /// Set the largest single group run on the negotiation thread (see
+    /// [`Config::inline_bytes`](Config#structfield.inline_bytes); `0`: never).
+    pub fn inline_bytes(mut self, bytes: u64) -> Self {
+        self.inline_bytes = bytes;
+        self
+    }
+    /// Set how long the negotiation thread polls for the next submission before sleeping
+    /// (see [`Config::control_spin`](Config#structfield.control_spin); capped at
+    /// [`MAX_CONTROL_SPIN`]).
+    pub fn control_spin(mut self, d: Duration) -> Self {
+        self.control_spin = d.min(MAX_CONTROL_SPIN);
+        self
+    }
     /// Set the idle heartbeat.
     pub fn idle_heartbeat(mut self, d: Duration) -> Self {
         self.idle_heartbeat = d;
@@ -551,6 +596,19 @@ mod tests {
             .cache_capacity(MAX_CACHE_CAPACITY + 1)
             .validate()
             .is_err());
+        let hot = Config::from_lookup(env(&[
+            ("FH_INLINE_BYTES", "4KiB"),
+            ("FH_CONTROL_SPIN_US", "20"),
+        ]))
+        .unwrap();
+        assert_eq!(hot.inline_bytes, 4096);
+        assert_eq!(hot.control_spin, Duration::from_micros(20));
+        assert_eq!(
+            Config::default()
+                .control_spin(Duration::from_secs(1))
+                .control_spin,
+            MAX_CONTROL_SPIN
+        );
         let short = Config::from_lookup(env(&[("FH_TIMEOUT_SECONDS", "2")])).unwrap();
         assert_eq!(short.idle_heartbeat, Duration::from_millis(500));
     }
@@ -590,6 +648,8 @@ mod tests {
             ("FH_BACKPRESSURE_BYTES", "lots", "byte size"),
             ("FH_BACKPRESSURE_MAX_MS", "5000", "0 to 1000"),
             ("FH_CUDA", "maybe", "0, 1, true, false"),
+            ("FH_INLINE_BYTES", "lots", "byte size"),
+            ("FH_CONTROL_SPIN_US", "5000", "0 to 1000"),
         ] {
             let err = Config::from_lookup(env(&[(var, val)]))
                 .unwrap_err()

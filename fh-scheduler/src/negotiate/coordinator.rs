@@ -3,6 +3,7 @@
 //! differed). Pure: the same calls give the same responses.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use fh_core::message::{validate, CollectiveKind, NegotiationError, Request, Response};
 use fh_core::ReduceOp;
@@ -10,8 +11,8 @@ use fh_core::ReduceOp;
 /// Rank 0's table of uncached requests.
 #[derive(Default)]
 pub(crate) struct Table {
-    order: Vec<String>,
-    reqs: HashMap<String, Vec<Request>>,
+    order: Vec<Arc<str>>,
+    reqs: HashMap<Arc<str>, Vec<Request>>,
 }
 
 impl Table {
@@ -115,7 +116,7 @@ mod tests {
         t.add(req("a", 1, 4, ReduceOp::Sum));
         t.add(req("b", 0, 5, ReduceOp::Sum));
         let r = t.take_ready(&[false; 2]);
-        let names: Vec<&str> = r.iter().map(|r| r.name.as_str()).collect();
+        let names: Vec<&str> = r.iter().map(|r| &*r.name).collect();
         assert_eq!(names, ["b", "a"]);
         assert!(r[0]
             .error

@@ -35,11 +35,43 @@ where
     T: Send + 'static,
     F: Fn(&Engine, usize) -> T + Send + Sync + 'static,
 {
+    run_world_each_with(n, |_| config.clone(), f)
+}
+
+/// Like [`run_world`], with rank `r`'s configuration `config(r)` (for settings that are a
+/// local choice and may differ between ranks).
+pub fn run_world_each<T, F>(n: usize, config: impl Fn(usize) -> Config, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(&Engine, usize) -> T + Send + Sync + 'static,
+{
+    run_world_each_with(n, config, f)
+        .into_iter()
+        .map(|(v, shut)| {
+            shut.expect("clean shutdown");
+            v
+        })
+        .collect()
+}
+
+/// Like [`run_world_each`], also returning each rank's `shutdown()` result.
+pub fn run_world_each_with<T, F>(
+    n: usize,
+    config: impl Fn(usize) -> Config,
+    f: F,
+) -> Vec<(T, Result<(), SchedulerError>)>
+where
+    T: Send + 'static,
+    F: Fn(&Engine, usize) -> T + Send + Sync + 'static,
+{
     let f = std::sync::Arc::new(f);
     let (tx, rx) = mpsc::channel();
     let mut threads = Vec::new();
-    for t in LocalWorld::with_timeout(n, Duration::from_secs(20)) {
-        let (f, tx, config) = (f.clone(), tx.clone(), config.clone());
+    for (r, t) in LocalWorld::with_timeout(n, Duration::from_secs(20))
+        .into_iter()
+        .enumerate()
+    {
+        let (f, tx, config) = (f.clone(), tx.clone(), config(r));
         threads.push(std::thread::spawn(move || {
             let engine = Engine::start(Box::new(t), config).expect("engine starts");
             let rank = engine.rank();
@@ -108,6 +140,17 @@ pub fn configs() -> Vec<(String, Config)> {
             .partition_bytes(1024)
             .backpressure(true)
             .backpressure_bounds(1, Duration::from_millis(2)),
+    ));
+    // Every group handed to the channel threads (no group run on the negotiation thread, no
+    // polling for work before sleeping).
+    v.push((
+        "fasthorovod-k2-no-inline".to_string(),
+        Config::preset(Preset::FastHorovod)
+            .channels(2)
+            .fusion_threshold(4096)
+            .partition_bytes(1024)
+            .inline_bytes(0)
+            .control_spin(Duration::ZERO),
     ));
     // A tiny cache (eviction at capacity every step) and no cache (coordinator every round).
     for cap in [3, 0] {
