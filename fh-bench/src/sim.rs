@@ -33,7 +33,7 @@
 //! efficiency = (F + B) / (F + step) with a forward pass F = B/2 that is not overlapped.
 
 use fh_core::fusion::{
-    plan_round_on, ChannelLoad, FusionKey, Group, Pacing, PlanItem, PlanOptions,
+    plan_round_on, runs_inline, ChannelLoad, FusionKey, Group, Pacing, PlanItem, PlanOptions,
 };
 use fh_core::message::{CollectiveKind, Device};
 use fh_core::{DType, ReduceOp};
@@ -90,6 +90,10 @@ impl Link {
     }
 }
 
+fn default_inline_bytes() -> u64 {
+    Config::default().inline_bytes
+}
+
 /// Which schedule is modelled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -117,6 +121,10 @@ pub struct Schedule {
     /// the preset ships (`auto`, by the rank count).
     #[serde(default)]
     pub back_pressure: Option<bool>,
+    /// `fasthorovod`: a round planned as one group of at most this many bytes runs on the
+    /// negotiation thread (the engine's `FH_INLINE_BYTES`; 0: never).
+    #[serde(default = "default_inline_bytes")]
+    pub inline_bytes: u64,
 }
 
 impl Schedule {
@@ -129,6 +137,7 @@ impl Schedule {
             fusion_bytes: 128 << 20,
             partition_bytes: usize::MAX,
             back_pressure: Some(false),
+            inline_bytes: 0,
         }
     }
 
@@ -142,6 +151,7 @@ impl Schedule {
             fusion_bytes: 64 << 20,
             partition_bytes: 16 << 20,
             back_pressure: None,
+            inline_bytes: default_inline_bytes(),
         }
     }
 
@@ -169,6 +179,7 @@ impl Schedule {
             .fusion_threshold(self.fusion_bytes as u64)
             .partition_bytes((self.partition_bytes as u64).max(1));
         c.backpressure(self.back_pressure)
+            .inline_bytes(self.inline_bytes)
     }
 
     /// `horovod`, `fasthorovod K=k` (as shipped), `fasthorovod K=k +bp` or `… -bp`
@@ -305,6 +316,19 @@ pub fn simulate_step(
     assert_eq!(sizes.len(), ready.len(), "one ready time per tensor");
     let mut planner = ModelPlanner::new(sched);
     let pacing: Pacing = sched.config().pacing(p);
+    let inline_bytes = match sched.kind {
+        ScheduleKind::FastHorovod => sched.config().inline_bytes,
+        ScheduleKind::Horovod => 0, // its loop runs every group itself anyway
+    };
+    // The one-byte agreement before a group runs on the negotiation thread: a recursive-doubling
+    // allreduce on the negotiation communicator.
+    let agreement = if p <= 1 {
+        0.0
+    } else {
+        let pf = p as f64;
+        (pf.log2().floor() + if p.is_power_of_two() { 0.0 } else { 2.0 }) * link.alpha_s
+    };
+    let mut inline_channel: Option<usize> = None; // negotiation runs this channel's group
     let k = planner.channels();
     let cap = link.stream_cap_bps.unwrap_or(f64::INFINITY);
     // Per group: (latency part, wire bytes) of the algorithm the transport picks for it.
@@ -366,10 +390,32 @@ pub fn simulate_step(
                 let (_, tensors, idle) = negotiating.take().unwrap_or_default();
                 done_tensors += tensors.len();
                 let round: Vec<u64> = tensors.iter().map(|&t| sizes[t] as u64).collect();
-                for g in planner.round(&round, idle) {
+                let groups = planner.round(&round, idle);
+                // As the engine does: a round planned as one small group runs on the
+                // negotiation thread when its channel is idle, after the one-byte agreement,
+                // and the next round waits for it.
+                if let ([g], true) = (
+                    groups.as_slice(),
+                    runs_inline(&groups, inline_bytes, |_| true),
+                ) {
                     let (c, b) = (g.channel.min(k - 1), g.bytes() as usize);
-                    queues[c].push_back(b);
-                    queued_bytes[c] += b;
+                    if active[c].is_none() && queues[c].is_empty() {
+                        collectives += 1;
+                        let (latency, wire) = cost(b);
+                        active[c] = Some(Transfer {
+                            latency_end: now + agreement + latency,
+                            remaining: wire,
+                            bytes: b,
+                        });
+                        inline_channel = Some(c);
+                    }
+                }
+                if inline_channel.is_none() {
+                    for g in groups {
+                        let (c, b) = (g.channel.min(k - 1), g.bytes() as usize);
+                        queues[c].push_back(b);
+                        queued_bytes[c] += b;
+                    }
                 }
             }
         }
@@ -394,8 +440,8 @@ pub fn simulate_step(
             in_loop = false;
             next_tick = (loop_start + cycle).max(now);
         }
-        // Start a negotiation round.
-        if negotiating.is_none() && !pending.is_empty() {
+        // Start a negotiation round (not while the negotiation thread runs a group itself).
+        if negotiating.is_none() && inline_channel.is_none() && !pending.is_empty() {
             let since = *wanted.get_or_insert(now);
             let may_start = match sched.kind {
                 // The engine's pacing: defer while every channel holds unfinished work
@@ -462,7 +508,10 @@ pub fn simulate_step(
         if sched.kind == ScheduleKind::Horovod && !in_loop && !pending.is_empty() {
             next = next.min(tick_at(next_tick, now));
         }
-        if let (Some(since), true) = (wanted, negotiating.is_none() && !pending.is_empty()) {
+        if let (Some(since), true) = (
+            wanted,
+            negotiating.is_none() && inline_channel.is_none() && !pending.is_empty(),
+        ) {
             // A deferred round starts at the latest when the pacing bound runs out.
             let end = since + pacing.max_defer.as_secs_f64();
             if end > now {
@@ -480,6 +529,9 @@ pub fn simulate_step(
                 if finish[c] <= next + 1e-12 * next.abs().max(1e-9) {
                     *slot = None;
                     last_completion = next;
+                    if inline_channel == Some(c) {
+                        inline_channel = None;
+                    }
                 } else if t.latency_end <= now + 1e-15 {
                     t.remaining = (t.remaining - rate * dt).max(0.0);
                 }
@@ -707,11 +759,36 @@ mod tests {
             &Schedule::fasthorovod(1),
             &NO_OVERHEAD,
         );
-        // round: 10 α; collective: 10 α + 10 KB at 1 GB/s.
+        // round: 10 α; a small group runs on the negotiation thread after a one-byte
+        // agreement (10 α); collective: 10 α + 10 KB at 1 GB/s.
+        assert!(
+            close(
+                m.step_s,
+                10.0 * 1e-5 + 10.0 * 1e-5 + 10.0 * 1e-5 + 1e4 / 1e9
+            ),
+            "{m:?}"
+        );
+        // Without the inline path, no agreement.
+        let mut s = Schedule::fasthorovod(1);
+        s.inline_bytes = 0;
+        let m = simulate_step(&[1000], &[0.0], 1024, &l, &s, &NO_OVERHEAD);
         assert!(
             close(m.step_s, 10.0 * 1e-5 + 10.0 * 1e-5 + 1e4 / 1e9),
             "{m:?}"
         );
+    }
+
+    #[test]
+    fn a_group_run_on_the_negotiation_thread_holds_the_next_round() {
+        // Two 1 KB tensors on 2 ranks, the second ready 1 µs after the first: the first round's
+        // single small group runs inline (agreement α, then α + 1 KB), and the second round
+        // starts only when it is done. Round = α each.
+        let l = link(1e-5, 1e9, None);
+        let s = Schedule::fasthorovod(2);
+        let m = simulate_step(&[1000, 1000], &[0.0, 1e-6], 2, &l, &s, &NO_OVERHEAD);
+        let one = 1e-5 + 1e-5 + (1e-5 + 1e3 / 1e9);
+        assert!(close(m.step_s, 2.0 * one), "{m:?}");
+        assert_eq!((m.rounds, m.collectives), (2, 2));
     }
 
     #[test]

@@ -277,6 +277,17 @@ pub fn plan_round_on(
     groups
 }
 
+/// Whether the engine runs a round's plan on its negotiation thread instead of a channel
+/// thread (when that channel is idle): a single group of at most `limit` bytes (`0`: never)
+/// whose items are all host tensors (`on_host(item)`). Shared by the engine and the scale
+/// model.
+pub fn runs_inline(groups: &[Group], limit: u64, on_host: impl Fn(usize) -> bool) -> bool {
+    match groups {
+        [g] => limit > 0 && g.bytes() <= limit && g.parts.iter().all(|p| on_host(p.item)),
+        _ => false,
+    }
+}
+
 /// How many chunks a fusable item of `bytes` is split into: none (1) up to the partition
 /// size; above it, enough chunks of at most the partition size, rounded up to a multiple of
 /// the channel count so that every channel gets an equal share; never more than its elements.
@@ -691,6 +702,33 @@ mod tests {
         assert_eq!(eligible_channels(0b1_0000, 4), 0b1111);
         assert_eq!(eligible_channels(0, 2), 0b11);
         assert_eq!(eligible_channels(u64::MAX, 64), u64::MAX);
+    }
+
+    #[test]
+    fn only_a_small_single_host_group_runs_inline() {
+        let part = |item, len| Part {
+            item,
+            offset: 0,
+            len,
+        };
+        let one = vec![Group {
+            channel: 1,
+            parts: vec![part(0, 8), part(1, 8)],
+        }];
+        let host = |_| true;
+        assert!(runs_inline(&one, 16, host));
+        assert!(!runs_inline(&one, 15, host), "over the limit");
+        assert!(!runs_inline(&one, 0, host), "off");
+        assert!(!runs_inline(&one, 16, |i| i != 1), "a device tensor");
+        let two = vec![one[0].clone(), one[0].clone()];
+        assert!(!runs_inline(&two, 1 << 20, host), "two groups");
+        assert!(!runs_inline(&[], 1 << 20, host), "nothing");
+        // A barrier (no bytes) is small.
+        let barrier = vec![Group {
+            channel: 0,
+            parts: vec![part(0, 0)],
+        }];
+        assert!(runs_inline(&barrier, 1, host));
     }
 
     #[test]

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use fh_core::bitvec::{BitVec, NegotiationVec, Status};
 use fh_core::cache::{Lookup, ResponseCache};
-use fh_core::fusion::{plan_round_on, ChannelLoad, PlanItem, PlanMode, PlanOptions};
+use fh_core::fusion::{plan_round_on, runs_inline, ChannelLoad, PlanItem, PlanMode, PlanOptions};
 use fh_core::message::{CollectiveKind, GroupTag, Request, Response};
 use fh_core::{wire, DType, ReduceOp};
 use fh_transport::Communicator;
@@ -102,19 +102,6 @@ impl ChannelSlot {
             Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
             Err(std::sync::TryLockError::WouldBlock) => None,
         }
-    }
-}
-
-/// Whether a round's plan can run on the control thread: a single group of at most `limit`
-/// bytes whose items are all host tensors (`on_host(item)`).
-fn runs_inline(
-    groups: &[fh_core::fusion::Group],
-    limit: u64,
-    on_host: impl Fn(usize) -> bool,
-) -> bool {
-    match groups {
-        [g] => limit > 0 && g.bytes() <= limit && g.parts.iter().all(|p| on_host(p.item)),
-        _ => false,
     }
 }
 
@@ -1366,34 +1353,6 @@ mod tests {
                 assert!(*inline > 0, "rank {rank} never ran a group inline");
             }
         }
-    }
-
-    #[test]
-    fn only_a_small_single_host_group_runs_inline() {
-        use fh_core::fusion::{Group, Part};
-        let part = |item, len| Part {
-            item,
-            offset: 0,
-            len,
-        };
-        let one = vec![Group {
-            channel: 1,
-            parts: vec![part(0, 8), part(1, 8)],
-        }];
-        let host = |_| true;
-        assert!(runs_inline(&one, 16, host));
-        assert!(!runs_inline(&one, 15, host), "over the limit");
-        assert!(!runs_inline(&one, 0, host), "off");
-        assert!(!runs_inline(&one, 16, |i| i != 1), "a device tensor");
-        let two = vec![one[0].clone(), one[0].clone()];
-        assert!(!runs_inline(&two, 1 << 20, host), "two groups");
-        assert!(!runs_inline(&[], 1 << 20, host), "nothing");
-        // A barrier (no bytes) is small.
-        let barrier = vec![Group {
-            channel: 0,
-            parts: vec![part(0, 0)],
-        }];
-        assert!(runs_inline(&barrier, 1, host));
     }
 
     #[test]
