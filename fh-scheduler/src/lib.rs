@@ -91,6 +91,7 @@ pub mod error;
 mod exec;
 mod gpu;
 pub mod handle;
+mod job;
 mod negotiate;
 mod options;
 pub mod process_set;

@@ -1,0 +1,340 @@
+//! Plan and hand over: the agreed ready list is planned by fh-core's planner (channel load
+//! carried from round to round, fused groups on the channels idle everywhere) and each group goes
+//! to its channel's worker thread, or, when small and its channel is idle, runs on this thread.
+
+use super::*;
+
+/// Where a dispatched operation's tensor comes from.
+pub(super) enum Source {
+    /// Submitted on this rank (its pending sequence number and entry).
+    Submitted(u64, Pending),
+    /// Zeros a joined rank contributes.
+    Zeros(Tensor),
+}
+
+pub(super) enum Dispatch {
+    Workers {
+        queues: Vec<Sender<Job>>,
+        threads: Vec<JoinHandle<()>>,
+        /// Each channel's executor, shared with its worker thread (same index as `queues`).
+        slots: Vec<Arc<ChannelSlot>>,
+    },
+    Inline(Box<Executor>),
+}
+
+/// A channel's executor, run by the channel's worker thread and, for a small single-group
+/// round while the channel is idle, by the control thread itself (see `Config::inline_bytes`).
+/// Either way the channel's groups run one at a time in the order the control thread
+/// dispatched them: the control thread runs a group only when every group it handed to the
+/// worker before has finished.
+pub(super) struct ChannelSlot {
+    pub(super) exec: Mutex<Executor>,
+    /// Groups handed to the worker thread and not yet finished. The worker lowers it after it
+    /// has released `exec`, so at zero the control thread takes `exec` without waiting.
+    pub(super) outstanding: AtomicUsize,
+}
+
+impl ChannelSlot {
+    /// The executor, if nobody else holds it (a poisoned lock is taken anyway: `run` leaves
+    /// the executor consistent between groups).
+    fn try_exec(&self) -> Option<std::sync::MutexGuard<'_, Executor>> {
+        match self.exec.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+}
+
+/// A zero tensor of `sig`'s dtype and shape (a joined rank's contribution), or why it cannot
+/// be made; allocation failure is an error, not an abort.
+pub(super) fn try_zeros(sig: &fh_core::message::Signature) -> Result<Tensor, String> {
+    let shape: Vec<usize> = sig
+        .shape
+        .iter()
+        .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+        .collect();
+    let bytes = shape
+        .iter()
+        .try_fold(sig.dtype.size(), |a, &d| a.checked_mul(d))
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| format!("a zero tensor of shape {shape:?} does not fit in memory"))?;
+    let mut data = Vec::new();
+    data.try_reserve_exact(bytes)
+        .map_err(|e| format!("cannot allocate {bytes} bytes of zeros: {e}"))?;
+    data.resize(bytes, 0);
+    Tensor::new(sig.dtype, shape, data).map_err(|e| e.to_string())
+}
+
+/// Test hook: `(rank, name)` pairs for which dispatch behaves as if the tensor could not be
+/// made on that rank. Names are unique per test, so tests running in parallel do not meet.
+#[cfg(test)]
+pub(crate) static INJECTED_FAULTS: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+
+/// Test hook: `(rank, name)` pairs whose groups that rank hands to a channel thread even when
+/// they could run on the control thread.
+#[cfg(test)]
+pub(crate) static QUEUE_ANYWAY: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+
+/// An id for a tensor's timeline track (stable per submission).
+pub(super) fn e_id(name: &str, submitted: Instant) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    name.hash(&mut h);
+    submitted.hash(&mut h);
+    h.finish() >> 11
+}
+
+impl Control {
+    /// This rank's tensor for a negotiated response, taken out of the pending set (or a
+    /// joined rank's zeros); `Err` says why there is none.
+    pub(super) fn take_tensor(&mut self, r: &Response) -> Result<Source, String> {
+        #[cfg(test)]
+        if self.injected(&r.name) {
+            return Err("injected allocation failure".into());
+        }
+        if let Some(seq) = self.by_name.remove(&*r.name) {
+            if let Some(p) = self.pending.remove(&seq) {
+                return Ok(Source::Submitted(seq, p));
+            }
+        }
+        if self.joined && r.sig.kind == CollectiveKind::Allreduce {
+            return try_zeros(&r.sig).map(Source::Zeros);
+        }
+        Err("this rank never submitted it".into())
+    }
+
+    #[cfg(test)]
+    pub(super) fn injected(&self, name: &str) -> bool {
+        INJECTED_FAULTS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|(r, n)| *r == self.inner.rank && n == name)
+    }
+
+    /// Put tensors taken for a round that is not dispatched back into the pending set.
+    pub(super) fn put_back(&mut self, taken: Vec<Source>) {
+        for src in taken {
+            if let Source::Submitted(seq, p) = src {
+                self.by_name.insert(Arc::clone(&p.entry.req.name), seq);
+                self.pending.insert(seq, p);
+            }
+        }
+    }
+
+    /// Whether every rank can run the round (each says whether it can; one byte, AND).
+    pub(super) fn agree_can_run(&mut self, mine: bool) -> Result<bool, SchedulerError> {
+        let mut b = [u8::from(mine)];
+        self.add_bytes(b.len());
+        self.comm.allreduce(&mut b, DType::U8, ReduceOp::BitAnd)?;
+        Ok(b[0] == 1)
+    }
+
+    /// Test hook: a group holding a name listed for this rank in [`QUEUE_ANYWAY`] goes to its
+    /// channel thread even when it could run here (ranks then differ in where a group runs).
+    #[cfg(test)]
+    pub(super) fn queue_anyway(&self, job: &Job) -> bool {
+        let list = QUEUE_ANYWAY.lock().unwrap_or_else(|p| p.into_inner());
+        job.parts.iter().any(|(op, _, _)| {
+            list.iter()
+                .any(|(r, n)| *r == self.inner.rank && n == op.name())
+        })
+    }
+
+    #[cfg(not(test))]
+    pub(super) fn queue_anyway(&self, _job: &Job) -> bool {
+        false
+    }
+
+    /// Plan the round's ready responses into groups and hand them to the channels.
+    ///
+    /// Every tensor of the round is checked before any is dispatched: a rank that cannot run
+    /// one of them (a name it never submitted, zeros it cannot allocate) dispatches none,
+    /// keeps them pending and raises the fault flag in the next round, where every rank stops
+    /// with the same error naming it. It never plans a different list from the other ranks.
+    ///
+    /// A plan that is a single small group of host tensors (see `Config::inline_bytes`, agreed
+    /// at start-up) may run on this thread, which then cannot take part in the next round
+    /// until the group's collective is done. So that a rank that cannot run it never leaves
+    /// the others waiting in that collective, every rank first states whether it can (one
+    /// byte, AND): when one cannot, no rank dispatches anything and the next round agrees on
+    /// the fault. The plan itself depends on the agreed responses alone.
+    pub(super) fn dispatch(&mut self, ready: Vec<Arc<Response>>) -> Result<(), SchedulerError> {
+        let active = self.joined_set.iter().filter(|j| !**j).count();
+        // 1. The plan (a function of the agreed responses and the carried load only).
+        let mut items: Vec<PlanItem> = Vec::with_capacity(ready.len());
+        let mut group_ids: HashMap<&str, u32> = HashMap::new();
+        for r in &ready {
+            let mut item = PlanItem::from_response(r);
+            if let Some(g) = &r.group {
+                let next = group_ids.len() as u32;
+                item.group = Some(*group_ids.entry(g.name.as_str()).or_insert(next));
+            }
+            items.push(item);
+        }
+        let groups = plan_round_on(&items, &self.plan_opts, &mut self.load, self.idle_channels);
+        let inline_plan = matches!(self.dispatch, Dispatch::Workers { .. })
+            && runs_inline(&groups, self.inner.config.inline_bytes, |i| {
+                ready[i].sig.device == fh_core::message::Device::Cpu
+            });
+        // 2. Take every response's local tensor: the one submitted here, or a joined rank's
+        //    zeros. On failure, put back what was taken and raise the fault.
+        let mut taken: Vec<Source> = Vec::with_capacity(ready.len());
+        let mut failed = None;
+        for r in &ready {
+            match self.take_tensor(r) {
+                Ok(src) => taken.push(src),
+                Err(what) => {
+                    failed = Some((r.name.to_string(), what));
+                    break;
+                }
+            }
+        }
+        let everyone_can = if inline_plan {
+            self.agree_can_run(failed.is_none())?
+        } else {
+            failed.is_none()
+        };
+        if let Some((name, what)) = failed {
+            tracing::error!(rank = self.inner.rank, %name, %what, "cannot run a negotiated tensor; stopping the engine on every rank");
+            self.put_back(taken);
+            self.fault = Some((name, what));
+            return Ok(());
+        }
+        if !everyone_can {
+            // Another rank cannot run this round: it raises the fault in the next round, where
+            // every rank stops with its error.
+            self.put_back(taken);
+            return Ok(());
+        }
+        // 3. Build the operations.
+        let mut ops: Vec<Arc<Op>> = Vec::with_capacity(ready.len());
+        for (r, src) in ready.into_iter().zip(taken) {
+            let (tensor, splits, cell) = match src {
+                Source::Zeros(t) => (t, None, None),
+                Source::Submitted(_, p) => {
+                    let e = p.entry;
+                    if let Some(tl) = self.inner.timeline() {
+                        tl.tensor_span(
+                            e_id(&r.name, e.submitted),
+                            r.name.to_string(),
+                            "queued",
+                            e.submitted,
+                            Instant::now(),
+                        );
+                    }
+                    (e.tensor, e.splits, Some(e.cell))
+                }
+            };
+            ops.push(Arc::new(Op {
+                resp: r,
+                state: Mutex::new(OpState {
+                    tensor: Some(tensor),
+                    splits,
+                    error: None,
+                }),
+                remaining: AtomicUsize::new(0),
+                cell,
+                chunks: std::sync::OnceLock::new(),
+            }));
+        }
+        let mut alone = vec![true; ops.len()];
+        for g in &groups {
+            for p in &g.parts {
+                ops[p.item]
+                    .remaining
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                alone[p.item] &= g.parts.len() == 1;
+            }
+        }
+        // An allreduce split into chunks that each run alone: its chunks are reduced in place.
+        for (op, alone) in ops.iter().zip(alone) {
+            if alone
+                && op.sig().kind == CollectiveKind::Allreduce
+                && op.remaining.load(std::sync::atomic::Ordering::Relaxed) > 1
+            {
+                let mut st = op.lock();
+                if let Some(t) = st.tensor.as_mut() {
+                    let _ = op.chunks.set(crate::job::ChunkedBuf::of(t));
+                }
+            }
+        }
+        let round = self
+            .inner
+            .counters
+            .rounds
+            .load(std::sync::atomic::Ordering::Relaxed);
+        for g in groups {
+            if self.inner.config.record_groups {
+                self.inner.record_group(GroupRecord {
+                    round,
+                    idle_channels: self.idle_channels,
+                    channel: g.channel,
+                    parts: g
+                        .parts
+                        .iter()
+                        .map(|p| (ops[p.item].name().to_string(), p.offset, p.len))
+                        .collect(),
+                });
+            }
+            if let Some(c) = self.inner.counters.channels().get(g.channel) {
+                Counters::add(&c.queued, g.bytes());
+            }
+            let job = Job {
+                parts: g
+                    .parts
+                    .iter()
+                    .map(|p| (Arc::clone(&ops[p.item]), p.offset as usize, p.len as usize))
+                    .collect(),
+                active,
+            };
+            let queue_anyway = self.queue_anyway(&job);
+            match &mut self.dispatch {
+                Dispatch::Inline(ex) => ex.run(job),
+                Dispatch::Workers { queues, slots, .. } => {
+                    let Some(slot) = slots.get(g.channel) else {
+                        continue;
+                    };
+                    // A small single-group round while the channel is idle: run it here,
+                    // after everything dispatched to the channel before (all finished).
+                    let job = if inline_plan
+                        && slot.outstanding.load(Ordering::Acquire) == 0
+                        && !queue_anyway
+                    {
+                        match slot.try_exec() {
+                            Some(mut ex) => {
+                                Counters::add(&self.inner.counters.inline_groups, 1);
+                                ex.run(job);
+                                continue;
+                            }
+                            None => job,
+                        }
+                    } else {
+                        job
+                    };
+                    slot.outstanding.fetch_add(1, Ordering::Relaxed);
+                    if let Some(q) = queues.get(g.channel) {
+                        if let Err(e) = q.send(job) {
+                            slot.outstanding.fetch_sub(1, Ordering::Relaxed);
+                            // The worker is gone: fail its parts.
+                            if let Some(c) = self.inner.counters.channels().get(g.channel) {
+                                c.queued
+                                    .fetch_sub(g.bytes(), std::sync::atomic::Ordering::Relaxed);
+                            }
+                            for (op, _, _) in e.0.parts {
+                                op.part_done(
+                                    &self.inner,
+                                    Some(SchedulerError::ShutDown {
+                                        reason: "a channel thread stopped".into(),
+                                    }),
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

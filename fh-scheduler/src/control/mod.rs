@@ -1,0 +1,446 @@
+//! The control thread: the loop that runs negotiation rounds and dispatches fused groups to
+//! the channels. The steps a round may take live in [`crate::negotiate`].
+//!
+//! Every rank runs the same sequence of negotiation rounds on the control communicator. A
+//! round is: one bitwise-AND allreduce of the negotiation vector (status flags + cached slots
+//! pending here), then, only when a flag asks for it, the optional steps in a fixed order —
+//! agreed fault (stop), readiness report (gather to rank 0, while rank 0 writes a timeline),
+//! joined-rank exchange, slot invalidation, coordinator step (gather to rank 0, broadcast),
+//! stall report — and finally the agreed ready list is planned (channel load carried from
+//! round to round) and dispatched. Because every decision is a function of
+//! the rounds' collective results, every rank takes the same steps and forms the same groups.
+//! Back-pressure only delays when a rank enters its next round.
+//!
+//! The hot path of a small collective: a plan that is one small group of host tensors
+//! (`Config::inline_bytes`, agreed at start-up) takes one more step, a one-byte AND in which
+//! every rank says it can run the group, and then runs on this thread when its channel has
+//! nothing queued or running (otherwise on the channel's thread, after what is queued: the
+//! group, its channel and the order on the channel stay the planner's). After a round that
+//! completed work, this thread polls for the next submission briefly (`Config::control_spin`)
+//! before it sleeps. Cached responses and names are shared (`Arc`), so a cache hit copies
+//! nothing.
+//!
+//! One gradient walks the modules of this directory in order: `mod.rs` is the thin loop
+//! (accept submissions, decide when to run the next round, back-pressure); [`round`] runs one
+//! negotiation round (the bit-vector AND and the optional steps, drawing on
+//! [`crate::negotiate`]); [`groups`] holds grouped submissions back until every member is
+//! ready and fails them together; [`dispatch`] plans the agreed list (fh-core's planner) and
+//! hands the groups to the channels (`crate::exec`), or runs a small one itself.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use fh_core::bitvec::{BitVec, NegotiationVec, Status};
+use fh_core::cache::{Lookup, ResponseCache};
+use fh_core::fusion::{plan_round_on, runs_inline, ChannelLoad, PlanItem, PlanMode, PlanOptions};
+use fh_core::message::{CollectiveKind, GroupTag, Request, Response};
+use fh_core::{wire, DType, ReduceOp};
+use fh_transport::Communicator;
+
+use crate::exec::Executor;
+use crate::handle::Completion;
+use crate::job::{Job, Op, OpState};
+use crate::negotiate::coordinator::{joins_with_zeros, Table};
+use crate::negotiate::readiness::ReadyTimes;
+use crate::negotiate::{collect, fault, stall};
+use crate::shared::{Entry, Inner, Msg};
+use crate::stats::{Counters, GroupRecord};
+use crate::{Preset, SchedulerError, Tensor};
+
+mod dispatch;
+mod groups;
+mod round;
+#[cfg(test)]
+mod tests;
+
+use dispatch::{ChannelSlot, Dispatch};
+#[cfg(test)]
+pub(crate) use dispatch::{INJECTED_FAULTS, QUEUE_ANYWAY};
+
+/// Longest back-off between rounds while every rank waits on another.
+const MAX_BACKOFF: Duration = Duration::from_micros(500);
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Announce {
+    /// Not yet sent to the coordinator.
+    New,
+    /// Sent to the coordinator; waiting for the response.
+    Sent,
+    /// Ready everywhere, held until the rest of its group is ready.
+    Held,
+}
+
+struct Pending {
+    entry: Entry,
+    state: Announce,
+    /// Already in a readiness report to rank 0 (timeline).
+    reported: bool,
+}
+
+/// How often a rank deferring its round under back-pressure looks at its channels again
+/// (besides being woken by a channel that drains).
+const BACKPRESSURE_POLL: Duration = Duration::from_millis(1);
+
+pub(crate) struct Control {
+    inner: Arc<Inner>,
+    comm: Box<dyn Communicator>,
+    rx: Receiver<Msg>,
+    cache: ResponseCache,
+    pending: BTreeMap<u64, Pending>,
+    by_name: HashMap<Arc<str>, u64>,
+    seq: u64,
+    table: Table,
+    dispatch: Dispatch,
+    local_shutdown: bool,
+    join_cells: Vec<Arc<Completion>>,
+    joined: bool,
+    joined_set: Vec<bool>,
+    /// The rank that joined last (highest rank among those that joined in the same round).
+    last_joined: Option<usize>,
+    fresh: bool,
+    last_progress: bool,
+    backoff: Duration,
+    last_round: Instant,
+    last_stall_check: Instant,
+    plan_opts: PlanOptions,
+    /// Bytes given to each channel so far (a function of the agreed rounds only).
+    load: ChannelLoad,
+    /// The channels idle on every rank when this round started (agreed in the round's bit
+    /// vector): the planner puts the round's fused groups there.
+    idle_channels: u64,
+    /// Members of grouped submissions ready everywhere, waiting for the rest of their group.
+    held: BTreeMap<String, Vec<Arc<Response>>>,
+    /// Groups with a failed member: the error and the members still to come.
+    failed_groups: HashMap<String, (SchedulerError, u32)>,
+    /// A local inconsistency met while dispatching (tensor name, what went wrong): raised in
+    /// the next round so that every rank stops with the same error.
+    fault: Option<(String, String)>,
+    /// Rank 0 while writing a timeline: for each tensor not yet agreed, when each rank had it
+    /// ready (from the readiness reports). Empty when no timeline is written.
+    ready_times: ReadyTimes,
+}
+
+impl Control {
+    pub(crate) fn new(
+        inner: Arc<Inner>,
+        comm: Box<dyn Communicator>,
+        data: Vec<Box<dyn Communicator>>,
+        devices: Vec<crate::gpu::DeviceChannelSlot>,
+        rx: Receiver<Msg>,
+    ) -> Result<Self, SchedulerError> {
+        let cfg = inner.config.clone();
+        inner.counters.init_channels(data.len());
+        #[cfg(feature = "cuda")]
+        let mut devices = devices.into_iter();
+        #[cfg(not(feature = "cuda"))]
+        drop(devices);
+        let executors: Vec<Executor> = data
+            .into_iter()
+            .enumerate()
+            .map(|(channel, comm)| Executor {
+                comm,
+                buf: Vec::new(),
+                channel,
+                inner: Arc::clone(&inner),
+                phases: None,
+                #[cfg(feature = "cuda")]
+                device: devices.next(),
+            })
+            .collect();
+        let dispatch = match cfg.preset {
+            Preset::Horovod => {
+                let ex = executors.into_iter().next().ok_or_else(|| {
+                    SchedulerError::InvalidArgument("no data channel was opened".into())
+                })?;
+                Dispatch::Inline(Box::new(ex))
+            }
+            Preset::FastHorovod => {
+                let mut queues = Vec::new();
+                let mut threads = Vec::new();
+                let mut slots = Vec::new();
+                for ex in executors {
+                    let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+                    let name = format!("fh-channel-{}-{}", inner.rank, ex.channel);
+                    let slot = Arc::new(ChannelSlot {
+                        exec: Mutex::new(ex),
+                        outstanding: AtomicUsize::new(0),
+                    });
+                    slots.push(Arc::clone(&slot));
+                    let t = std::thread::Builder::new()
+                        .name(name)
+                        .spawn(move || {
+                            while let Ok(job) = rx.recv() {
+                                crate::shared::lock(&slot.exec).run(job);
+                                slot.outstanding.fetch_sub(1, Ordering::Release);
+                            }
+                        })
+                        .map_err(|e| {
+                            SchedulerError::InvalidArgument(format!("cannot spawn a thread: {e}"))
+                        })?;
+                    queues.push(tx);
+                    threads.push(t);
+                }
+                Dispatch::Workers {
+                    queues,
+                    threads,
+                    slots,
+                }
+            }
+        };
+        let plan_opts = cfg.plan_options();
+        let now = Instant::now();
+        Ok(Control {
+            cache: ResponseCache::new(cfg.cache_capacity),
+            joined_set: vec![false; inner.size],
+            last_joined: None,
+            ready_times: ReadyTimes::new(inner.size),
+            inner,
+            comm,
+            rx,
+            pending: BTreeMap::new(),
+            by_name: HashMap::new(),
+            seq: 0,
+            table: Table::default(),
+            dispatch,
+            local_shutdown: false,
+            join_cells: Vec::new(),
+            joined: false,
+            fresh: false,
+            last_progress: false,
+            backoff: Duration::from_micros(10),
+            last_round: now,
+            last_stall_check: now,
+            plan_opts,
+            load: ChannelLoad::new(plan_opts.channels),
+            idle_channels: 0,
+            held: BTreeMap::new(),
+            failed_groups: HashMap::new(),
+            fault: None,
+        })
+    }
+
+    /// The thread body.
+    pub(crate) fn run(mut self) {
+        let outcome = self.main_loop();
+        let err = match outcome {
+            Ok(reason) => SchedulerError::ShutDown { reason },
+            Err(e) => {
+                if !e.is_shutdown() {
+                    tracing::error!(rank = self.inner.rank, error = %e, "engine stopped");
+                }
+                e
+            }
+        };
+        self.inner.close(err.clone());
+        // Whatever was submitted and not negotiated fails now, including submissions that
+        // raced with the close.
+        for (_, p) in std::mem::take(&mut self.pending) {
+            self.inner
+                .finish(&p.entry.req.name, &p.entry.cell, Err(err.clone()));
+        }
+        while let Ok(msg) = self.rx.try_recv() {
+            match msg {
+                Msg::Submit(e) => self.inner.finish(&e.req.name, &e.cell, Err(err.clone())),
+                Msg::Join(c) => c.complete(Err(err.clone())),
+                Msg::Shutdown | Msg::Wake => {}
+            }
+        }
+        for c in self.join_cells.drain(..) {
+            c.complete(Err(err.clone()));
+        }
+        // Let the channels finish what every rank dispatched, then stop them.
+        if let Dispatch::Workers {
+            queues, threads, ..
+        } = std::mem::replace(
+            &mut self.dispatch,
+            Dispatch::Workers {
+                queues: Vec::new(),
+                threads: Vec::new(),
+                slots: Vec::new(),
+            },
+        ) {
+            drop(queues);
+            for t in threads {
+                if t.join().is_err() {
+                    tracing::error!(rank = self.inner.rank, "a channel thread panicked");
+                }
+            }
+        }
+        tracing::debug!(rank = self.inner.rank, "control thread stopped");
+    }
+
+    fn main_loop(&mut self) -> Result<String, SchedulerError> {
+        loop {
+            if let Some(e) = self.inner.failure() {
+                return Err(e);
+            }
+            self.wait();
+            if let Some(e) = self.inner.failure() {
+                return Err(e);
+            }
+            if let Some(reason) = self.round()? {
+                return Ok(reason);
+            }
+        }
+    }
+
+    fn accept(&mut self, msg: Msg) {
+        match msg {
+            Msg::Submit(entry) => {
+                self.seq += 1;
+                self.by_name.insert(Arc::clone(&entry.req.name), self.seq);
+                self.pending.insert(
+                    self.seq,
+                    Pending {
+                        entry: *entry,
+                        state: Announce::New,
+                        reported: false,
+                    },
+                );
+                self.fresh = true;
+            }
+            Msg::Join(cell) => {
+                self.joined = true;
+                self.join_cells.push(cell);
+                self.fresh = true;
+            }
+            Msg::Shutdown => {
+                self.local_shutdown = true;
+                self.fresh = true;
+            }
+            Msg::Wake => {}
+        }
+    }
+
+    fn drain(&mut self) {
+        while let Ok(m) = self.rx.try_recv() {
+            self.accept(m);
+        }
+    }
+
+    fn recv_until(&mut self, deadline: Instant) -> bool {
+        let now = Instant::now();
+        let timeout = deadline.saturating_duration_since(now);
+        match self.rx.recv_timeout(timeout) {
+            Ok(m) => {
+                self.accept(m);
+                self.drain();
+                true
+            }
+            Err(RecvTimeoutError::Timeout) => false,
+            Err(RecvTimeoutError::Disconnected) => {
+                self.local_shutdown = true;
+                true
+            }
+        }
+    }
+
+    /// Decide when to run the next round: when there is work (or a heartbeat is due), then,
+    /// under back-pressure, not while every channel still holds unfinished work (bounded).
+    fn wait(&mut self) {
+        self.wait_for_work();
+        let pacing = self.inner.config.pacing(self.inner.size);
+        if !pacing.enabled {
+            return;
+        }
+        let channels = self.inner.counters.channels().len();
+        let start = Instant::now();
+        loop {
+            // Announce the wait before looking, so that a channel draining in between wakes us.
+            self.inner.pacing_wait.store(true, Ordering::Release);
+            let (busy, bytes) = self.inner.counters.channel_load();
+            if self.local_shutdown
+                || self.inner.failure().is_some()
+                || !pacing.defer(busy, channels, bytes, start.elapsed())
+            {
+                break;
+            }
+            // Accept submissions meanwhile: they fuse into the deferred round.
+            let step = (start + pacing.max_defer).min(Instant::now() + BACKPRESSURE_POLL);
+            self.recv_until(step);
+        }
+        self.inner.pacing_wait.store(false, Ordering::Release);
+    }
+
+    /// Wait until there is something to negotiate (or a heartbeat is due).
+    fn wait_for_work(&mut self) {
+        let cfg = &self.inner.config;
+        let cycle = cfg.cycle_time;
+        let window = cfg.batching_window;
+        let heartbeat = cfg.idle_heartbeat;
+        let spin = cfg.control_spin;
+        self.drain();
+        if !cycle.is_zero() {
+            // Fixed polling cycle (the Horovod schedule): a round every cycle, busy or not.
+            let deadline = self.last_round + cycle;
+            while Instant::now() < deadline && !self.local_shutdown {
+                if !self.recv_until(deadline) {
+                    break;
+                }
+            }
+            return;
+        }
+        if self.fresh {
+            if !window.is_zero() {
+                let deadline = Instant::now() + window;
+                while Instant::now() < deadline && self.recv_until(deadline) {}
+            }
+            return;
+        }
+        if !self.pending.is_empty() || self.joined {
+            // Announced work is pending here. Sit in the next round (a blocking collective)
+            // so that a peer's submission completes it at once; back off briefly only while
+            // rounds make no progress, so ranks waiting on each other do not spin.
+            if self.last_progress {
+                self.backoff = Duration::from_micros(10);
+                return;
+            }
+            let deadline = Instant::now() + self.backoff;
+            self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+            self.recv_until(deadline);
+            return;
+        }
+        // Idle. Right after a round that completed work the next submission is usually close
+        // (the caller's next collective): poll for it briefly, then sleep until a submission,
+        // or the heartbeat.
+        if self.last_progress && !spin.is_zero() && self.poll_for_work(spin) {
+            return;
+        }
+        let deadline = Instant::now() + heartbeat;
+        self.recv_until(deadline);
+    }
+
+    /// Poll the submission queue for at most `limit` (yielding the core between short bursts,
+    /// since ranks may share cores); whether something arrived.
+    fn poll_for_work(&mut self, limit: Duration) -> bool {
+        let start = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            match self.rx.try_recv() {
+                Ok(m) => {
+                    self.accept(m);
+                    self.drain();
+                    return true;
+                }
+                Err(TryRecvError::Disconnected) => {
+                    self.local_shutdown = true;
+                    return true;
+                }
+                Err(TryRecvError::Empty) => {}
+            }
+            polls = polls.wrapping_add(1);
+            if polls % 16 == 0 {
+                if start.elapsed() >= limit {
+                    return false;
+                }
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}

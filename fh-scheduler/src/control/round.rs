@@ -1,0 +1,402 @@
+//! One negotiation round: the bit-vector AND of what is pending on every rank, then the
+//! optional steps its flags ask for, in a fixed order (see the module above).
+
+use super::*;
+
+impl Control {
+    /// Channel bits in the round's vector: one per data channel under the FastHorovod planner
+    /// (the same count on every rank: it is part of the start-up agreement), none otherwise.
+    pub(super) fn channel_bits(&self) -> usize {
+        match self.plan_opts.mode {
+            PlanMode::Fast => self.plan_opts.channels,
+            PlanMode::Horovod => 0,
+        }
+    }
+
+    pub(super) fn add_bytes(&self, n: usize) {
+        Counters::add(&self.inner.counters.negotiation_bytes_sent, n as u64);
+    }
+
+    /// One negotiation round. Returns `Some(reason)` when the job shuts down.
+    pub(super) fn round(&mut self) -> Result<Option<String>, SchedulerError> {
+        let start = Instant::now();
+        self.last_round = start;
+        self.fresh = false;
+        let size = self.inner.size;
+        let span = tracing::trace_span!("round", rank = self.inner.rank);
+        let _g = span.enter();
+
+        // 1. Classify what is pending here.
+        let cap = self.cache.capacity();
+        let channel_bits = self.channel_bits();
+        let mut vec = NegotiationVec::with_channels(cap, channel_bits);
+        for (c, ch) in self.inner.counters.channels().iter().enumerate() {
+            vec.set_idle(c, ch.queued.load(Ordering::Relaxed) == 0);
+        }
+        let mut uncached = false;
+        let mut invalid = Vec::new();
+        let mut oldest = Duration::ZERO;
+        for p in self.pending.values() {
+            oldest = oldest.max(start.saturating_duration_since(p.entry.submitted));
+            if p.state == Announce::Held {
+                continue;
+            }
+            match self.cache.lookup(
+                &p.entry.req.name,
+                &p.entry.req.sig,
+                p.entry.req.group.as_ref(),
+            ) {
+                Lookup::Hit(slot) => vec.set_slot(slot, true),
+                Lookup::Changed(slot) => invalid.push(slot),
+                Lookup::Miss => uncached |= p.state == Announce::New,
+            }
+        }
+        if self.joined {
+            // A joined rank is ready for every cached allreduce its zeros are right for; the
+            // others wait for it (the stall inspector names them) rather than go wrong.
+            for slot in 0..cap {
+                if self.cache.get(slot).is_some_and(|r| {
+                    r.sig.kind == CollectiveKind::Allreduce && joins_with_zeros(r.sig.op)
+                }) {
+                    vec.set_slot(slot, true);
+                }
+            }
+        }
+        let stall_due = self.inner.config.stall_check.is_some_and(|d| {
+            oldest >= d && start.saturating_duration_since(self.last_stall_check) >= d
+        });
+        vec.set_status(Status::Shutdown, self.local_shutdown);
+        vec.set_status(Status::Uncached, uncached);
+        vec.set_status(Status::Invalidated, !invalid.is_empty());
+        vec.set_status(Status::Stalled, stall_due);
+        vec.set_status(Status::Joined, self.joined);
+        vec.set_status(Status::Pending, !self.pending.is_empty());
+        vec.set_status(Status::Fault, self.fault.is_some());
+        vec.set_status(Status::Trace, self.tracing());
+
+        // 2. The bit-vector allreduce.
+        let mut bytes = vec.to_bytes();
+        self.add_bytes(bytes.len());
+        self.comm
+            .allreduce(&mut bytes, DType::U8, ReduceOp::BitAnd)?;
+        let agreed = NegotiationVec::from_bytes_with_channels(&bytes, cap, channel_bits)
+            .ok_or_else(|| {
+                SchedulerError::InvalidArgument("internal error: negotiation vector length".into())
+            })?;
+        self.idle_channels = agreed.idle_mask();
+        Counters::add(&self.inner.counters.rounds, 1);
+        if agreed.status(Status::Fault) {
+            let err = self.agree_on_fault()?;
+            // Every rank records the agreed error before any rank stops its channels: a peer
+            // still in a collective with a stopped rank then reports this error, not a lost
+            // rank.
+            self.inner.fail(err.clone());
+            self.comm.barrier()?;
+            return Err(err);
+        }
+        if agreed.status(Status::Shutdown) {
+            return Ok(Some(if self.local_shutdown {
+                "shutdown requested on this rank".into()
+            } else {
+                "shutdown requested by another rank".into()
+            }));
+        }
+
+        // 3. Readiness reports for rank 0's timeline (only while it writes one).
+        if agreed.status(Status::Trace) && agreed.status(Status::Pending) {
+            self.report_readiness()?;
+        }
+
+        // 4. Joined ranks (nothing to do, and nothing allocated, while nobody has joined).
+        let joined_changed = if agreed.status(Status::Joined) {
+            let mut jv = BitVec::zeros(size);
+            jv.set(self.inner.rank, self.joined);
+            let mut b = jv.to_bytes();
+            self.add_bytes(b.len());
+            self.comm.allreduce(&mut b, DType::U8, ReduceOp::BitOr)?;
+            let jv = BitVec::from_bytes(&b, size).ok_or_else(|| {
+                SchedulerError::InvalidArgument("internal error: joined vector length".into())
+            })?;
+            let now: Vec<bool> = (0..size).map(|r| jv.get(r)).collect();
+            // Every rank sees the same joined vectors, so every rank names the same last rank.
+            if let Some(r) = (0..size)
+                .rev()
+                .find(|&r| now[r] && !self.joined_set.get(r).copied().unwrap_or(false))
+            {
+                self.last_joined = Some(r);
+            }
+            let changed = now != self.joined_set;
+            self.joined_set = now;
+            changed
+        } else if self.joined_set.iter().any(|&j| j) {
+            self.joined_set.iter_mut().for_each(|j| *j = false);
+            true
+        } else {
+            false
+        };
+        let all_joined = self.joined_set.iter().all(|&j| j);
+
+        // 5. Invalidated slots: dropped on every rank.
+        let mut evicted = Vec::new();
+        if agreed.status(Status::Invalidated) {
+            let mut iv = BitVec::zeros(cap);
+            for &s in &invalid {
+                iv.set(s, true);
+            }
+            let mut b = iv.to_bytes();
+            self.add_bytes(b.len());
+            self.comm.allreduce(&mut b, DType::U8, ReduceOp::BitOr)?;
+            let iv = BitVec::from_bytes(&b, cap).ok_or_else(|| {
+                SchedulerError::InvalidArgument("internal error: invalidation vector length".into())
+            })?;
+            for s in iv.ones() {
+                self.cache.evict(s);
+                evicted.push(s);
+            }
+        }
+
+        // 6. Ready from the cache, in slot order.
+        // Cache hits share the cached response (a reference count, no copy).
+        let mut ready: Vec<Arc<Response>> = Vec::new();
+        if !all_joined {
+            for slot in agreed.pending_slots() {
+                if evicted.contains(&slot) {
+                    continue;
+                }
+                if let Some(r) = self.cache.get(slot) {
+                    ready.push(Arc::clone(r));
+                    self.cache.touch(slot);
+                }
+            }
+        }
+        Counters::add(&self.inner.counters.cache_hits, ready.len() as u64);
+
+        // 7. The coordinator, when some rank has uncached names (or the joined set changed).
+        let coordinate = agreed.status(Status::Uncached) || !evicted.is_empty() || joined_changed;
+        if coordinate {
+            Counters::add(&self.inner.counters.coordinator_rounds, 1);
+            let mut mine = Vec::new();
+            for p in self.pending.values_mut() {
+                if p.state == Announce::New
+                    && self.cache.lookup(
+                        &p.entry.req.name,
+                        &p.entry.req.sig,
+                        p.entry.req.group.as_ref(),
+                    ) == Lookup::Miss
+                {
+                    mine.push(p.entry.req.clone());
+                    p.state = Announce::Sent;
+                }
+            }
+            let responses = self.coordinate(&mine)?;
+            Counters::add(
+                &self.inner.counters.coordinator_responses,
+                responses.len() as u64,
+            );
+            for r in responses {
+                if let Some(e) = &r.error {
+                    self.ready_times.take(&r.name);
+                    let err = SchedulerError::from_negotiation(&r.name, e);
+                    self.fail_name(&r.name, err.clone());
+                    if let Some(g) = &r.group {
+                        self.fail_group(g, err);
+                    }
+                    continue;
+                }
+                let r = Arc::new(r);
+                self.cache.insert(Arc::clone(&r));
+                ready.push(r);
+            }
+        } else {
+            Counters::add(&self.inner.counters.bitvector_rounds, 1);
+        }
+
+        // 8. Stall inspector.
+        if agreed.status(Status::Stalled) {
+            self.inspect_stall(start)?;
+        }
+
+        // 9. Join completes once everybody has joined.
+        if all_joined {
+            let last = self.last_joined.take().unwrap_or(self.inner.rank) as i64;
+            for c in self.join_cells.drain(..) {
+                c.complete(Ok(Tensor::from_slice(&[last])));
+            }
+            self.joined = false;
+        }
+
+        let neg_end = Instant::now();
+        Counters::add(
+            &self.inner.counters.negotiation_nanos,
+            neg_end.duration_since(start).as_nanos() as u64,
+        );
+        if let Some(tl) = self.inner.timeline() {
+            if !ready.is_empty() || coordinate {
+                tl.round(coordinate, ready.len(), start, neg_end);
+            }
+            // Each tensor agreed this round: its span from the first rank's ready time.
+            for r in &ready {
+                if let Some(times) = self.ready_times.take(&r.name) {
+                    tl.negotiated(r.name.to_string(), times, neg_end);
+                }
+            }
+        }
+
+        // 10. Grouped members wait for the rest of their group; plan and dispatch.
+        self.last_progress = !ready.is_empty();
+        let ready = self.release_groups(ready);
+        if !ready.is_empty() {
+            self.dispatch(ready)?;
+        }
+        Ok(None)
+    }
+
+    /// Whether this rank asks for readiness reports: rank 0 while it writes a timeline. A
+    /// timeline that ended on a write error is dropped here; without one, rank 0 forgets the
+    /// ready times it collected.
+    pub(super) fn tracing(&mut self) -> bool {
+        if self.inner.rank != 0 {
+            return false;
+        }
+        match self.inner.timeline() {
+            Some(t) if t.is_live() => true,
+            Some(t) => {
+                self.inner.clear_timeline_if(&t);
+                self.ready_times.clear();
+                false
+            }
+            None => {
+                self.ready_times.clear();
+                false
+            }
+        }
+    }
+
+    /// The readiness report (rank 0 writes a timeline): every rank sends rank 0 the names it
+    /// has newly pending (not reported before, not yet agreed) with how long ago each was
+    /// submitted; rank 0 records, per name and rank, when it learned and that age. A gather to
+    /// rank 0, as in the coordinator step.
+    pub(super) fn report_readiness(&mut self) -> Result<(), SchedulerError> {
+        let now = Instant::now();
+        let mut mine = Vec::new();
+        for p in self.pending.values_mut() {
+            if !p.reported && p.state != Announce::Held {
+                p.reported = true;
+                let age = now.saturating_duration_since(p.entry.submitted);
+                let micros = u64::try_from(age.as_micros()).unwrap_or(u64::MAX);
+                mine.push((p.entry.req.name.to_string(), micros));
+            }
+        }
+        let bytes = wire::encode_names(&mine);
+        if self.inner.rank != 0 {
+            self.add_bytes(bytes.len() + 8);
+        }
+        let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes)? else {
+            return Ok(());
+        };
+        let learned = Instant::now();
+        for (r, b) in lists.iter().enumerate() {
+            let report = wire::decode_names(b).map_err(|e| SchedulerError::Transport {
+                lost_rank: Some(r),
+                message: format!("rank {r} sent a malformed readiness report: {e}"),
+                source: None,
+            })?;
+            self.ready_times.record(r, report, learned);
+        }
+        Ok(())
+    }
+
+    /// The coordinator step: every rank's new requests are gathered to rank 0 (O(N) bytes in
+    /// all, not an allgather), which answers with the responses of the names now complete,
+    /// broadcast to every rank.
+    pub(super) fn coordinate(&mut self, mine: &[Request]) -> Result<Vec<Response>, SchedulerError> {
+        let bytes = wire::encode_requests(mine);
+        if self.inner.rank != 0 {
+            self.add_bytes(bytes.len() + 8);
+        }
+        let mut out = Vec::new();
+        if let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes)? {
+            for (r, list) in lists.iter().enumerate() {
+                let reqs = wire::decode_requests(list).map_err(|e| SchedulerError::Transport {
+                    lost_rank: Some(r),
+                    message: format!("rank {r} sent a malformed request list: {e}"),
+                    source: None,
+                })?;
+                for mut q in reqs {
+                    q.rank = r as u32;
+                    self.table.add(q);
+                }
+            }
+            let responses = self.table.take_ready(&self.joined_set);
+            out = wire::encode_responses(&responses);
+            self.add_bytes(out.len() + 8);
+        }
+        let out = collect::broadcast_blob(self.comm.as_mut(), out)?;
+        wire::decode_responses(&out).map_err(|e| SchedulerError::Transport {
+            lost_rank: Some(0),
+            message: format!("rank 0 sent a malformed response list: {e}"),
+            source: None,
+        })
+    }
+
+    /// Some rank raised the fault flag: every rank learns every rank's fault and stops with
+    /// the same error, naming the lowest faulty rank, its tensor and what went wrong.
+    pub(super) fn agree_on_fault(&mut self) -> Result<SchedulerError, SchedulerError> {
+        let mine = fault::encode(self.fault.as_ref());
+        self.add_bytes(mine.len() + 8);
+        let all = collect::allgather_blobs(self.comm.as_mut(), &mine)?;
+        Ok(fault::agreed(&all))
+    }
+
+    /// Compare pending names across ranks and report those some ranks lack.
+    pub(super) fn inspect_stall(&mut self, now: Instant) -> Result<(), SchedulerError> {
+        let mine: Vec<(String, u64)> = self
+            .pending
+            .values()
+            .map(|p| {
+                (
+                    p.entry.req.name.to_string(),
+                    now.saturating_duration_since(p.entry.submitted).as_millis() as u64,
+                )
+            })
+            .collect();
+        let bytes = wire::encode_names(&mine);
+        self.add_bytes(bytes.len() + 8);
+        let all = collect::allgather_blobs(self.comm.as_mut(), &bytes)?;
+        let mut lists = Vec::with_capacity(all.len());
+        for (r, b) in all.iter().enumerate() {
+            lists.push(
+                wire::decode_names(b).map_err(|e| SchedulerError::Transport {
+                    lost_rank: Some(r),
+                    message: format!("rank {r} sent a malformed name list: {e}"),
+                    source: None,
+                })?,
+            );
+        }
+        self.last_stall_check = now;
+        let threshold = self.inner.config.stall_check.unwrap_or(Duration::ZERO);
+        let Some(report) = stall::find(&lists, &self.joined_set, threshold) else {
+            return Ok(());
+        };
+        if self.inner.rank == 0 {
+            tracing::warn!(
+                missing_ranks = ?report.missing_ranks,
+                names = ?report.names,
+                waited = ?report.waited,
+                "stall: ranks {:?} have not submitted {:?} that other ranks submitted {:?} ago",
+                report.missing_ranks, report.names, report.waited
+            );
+        }
+        self.inner.record_stall(report.clone());
+        if let Some(limit) = self.inner.config.stall_shutdown {
+            if report.waited >= limit {
+                return Err(SchedulerError::Stalled {
+                    names: report.names,
+                    missing: report.missing_ranks,
+                    after: report.waited,
+                });
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,133 @@
+//! Unit tests of the control thread: agreed faults and joined ranks' zero tensors.
+
+use super::dispatch::try_zeros;
+use super::*;
+use crate::{AllreduceOptions, Config, Engine};
+use fh_transport::local::LocalWorld;
+
+/// A rank that cannot run a negotiated tensor (here: an injected allocation failure on
+/// rank 1) stops the engine on every rank with the same error naming the rank and the
+/// tensor, within bounded time, instead of planning a different list than the others.
+/// With small rounds run on the control thread (the default) and without: the other ranks
+/// are not left waiting in a collective the faulty rank never joins.
+#[test]
+fn a_local_fault_stops_every_rank_with_the_same_error() {
+    for (k, inline) in [(1usize, 1024u64), (3, 1024), (1, 0), (3, 0)] {
+        let name = format!("faulty-{k}-{inline}");
+        INJECTED_FAULTS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((1, name.clone()));
+        let threads: Vec<_> = LocalWorld::with_timeout(3, Duration::from_secs(10))
+            .into_iter()
+            .map(|t| {
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    let cfg = Config::default().channels(k).inline_bytes(inline);
+                    let e = Engine::start(Box::new(t), cfg).unwrap();
+                    let opts = AllreduceOptions::with_op(ReduceOp::Sum);
+                    let ok = e
+                        .allreduce("fine", Tensor::from_slice(&[1.0f32; 4]), opts)
+                        .unwrap()
+                        .wait_timeout(Duration::from_secs(20))
+                        .unwrap();
+                    let bad = e
+                        .allreduce(&name, Tensor::from_slice(&[1.0f32; 4]), opts)
+                        .unwrap()
+                        .wait_timeout(Duration::from_secs(20))
+                        .unwrap_err();
+                    let stopped = e.shutdown().unwrap_err();
+                    (ok.to_vec::<f32>().unwrap(), bad, stopped)
+                })
+            })
+            .collect();
+        let out: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        for (ok, bad, stopped) in &out {
+            assert_eq!(ok, &[3.0; 4]);
+            assert_eq!(bad, &out[0].1, "same error on every rank");
+            assert_eq!(stopped, &out[0].1);
+            let text = bad.to_string();
+            assert!(
+                text.contains(&name)
+                    && text.contains("rank 1 could not run")
+                    && text.contains("injected allocation failure"),
+                "{text}"
+            );
+        }
+    }
+}
+
+/// Ranks may differ in where a small group runs (here rank 1 always hands it to the
+/// channel thread, the others run it on the control thread): same results, same groups on
+/// the same channels in the same order on every rank.
+#[test]
+fn ranks_running_a_group_inline_or_on_its_channel_agree() {
+    let names: Vec<String> = (0..4).map(|i| format!("mixed-inline-{i}")).collect();
+    QUEUE_ANYWAY
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .extend(names.iter().map(|n| (1, n.clone())));
+    let threads: Vec<_> = LocalWorld::with_timeout(3, Duration::from_secs(10))
+        .into_iter()
+        .map(|t| {
+            let names = names.clone();
+            std::thread::spawn(move || {
+                let cfg = Config::default()
+                    .channels(2)
+                    .inline_bytes(1024)
+                    .record_groups(true);
+                let e = Engine::start(Box::new(t), cfg).unwrap();
+                let r = e.rank() as f32;
+                let opts = AllreduceOptions::with_op(ReduceOp::Sum);
+                let mut out = Vec::new();
+                for step in 0..5 {
+                    for (i, n) in names.iter().enumerate() {
+                        let x = r + (step * 10 + i) as f32;
+                        let got = e
+                            .allreduce(n, Tensor::from_slice(&[x; 8]), opts)
+                            .unwrap()
+                            .wait_timeout(Duration::from_secs(20))
+                            .unwrap();
+                        out.push(got.to_vec::<f32>().unwrap());
+                    }
+                }
+                let (log, stats) = (e.group_log(), e.stats());
+                e.shutdown().unwrap();
+                (out, log, stats.inline_groups)
+            })
+        })
+        .collect();
+    let out: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    for (rank, (results, log, inline)) in out.iter().enumerate() {
+        for step in 0..5 {
+            for i in 0..4 {
+                let x = 3.0 + 3.0 * (step * 10 + i) as f32;
+                assert_eq!(results[step * 4 + i], [x; 8], "rank {rank}");
+            }
+        }
+        assert_eq!(log, &out[0].1, "rank {rank}: other groups than rank 0");
+        assert_eq!(log.len(), 20);
+        if rank == 1 {
+            assert_eq!(*inline, 0, "rank 1 queued every group");
+        } else {
+            assert!(*inline > 0, "rank {rank} never ran a group inline");
+        }
+    }
+}
+
+#[test]
+fn zero_tensors_that_cannot_exist_are_errors() {
+    let mut sig = fh_core::message::Signature {
+        kind: CollectiveKind::Allreduce,
+        dtype: DType::F32,
+        shape: vec![2, 3],
+        device: fh_core::message::Device::Cpu,
+        op: ReduceOp::Sum,
+        root: 0,
+        prescale: 1.0,
+        postscale: 1.0,
+    };
+    assert_eq!(try_zeros(&sig).unwrap().data().len(), 24);
+    sig.shape = vec![u64::MAX, 2];
+    assert!(try_zeros(&sig).unwrap_err().contains("does not fit"));
+}
