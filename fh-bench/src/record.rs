@@ -59,6 +59,25 @@ pub struct Host {
     /// The 1-minute load average at the end of the run, when known.
     #[serde(default)]
     pub load_average: Option<f64>,
+    /// Host memory copy rate of one thread, GB/s (best of a few 64 MiB copies at the start of
+    /// the run): what packing and unpacking fused groups costs, for the model.
+    #[serde(default)]
+    pub copy_gbps: Option<f64>,
+}
+
+/// One thread's memory copy rate on this host, GB/s: the best of five 64 MiB copies.
+pub fn measure_copy_gbps() -> Option<f64> {
+    let n = 64 << 20;
+    let src = vec![1u8; n];
+    let mut dst = vec![0u8; n];
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (best > 0.0 && best.is_finite()).then(|| n as f64 / best / 1e9)
 }
 
 /// CPU time counters from `/proc/stat` (all CPUs): (steal, total), in ticks.

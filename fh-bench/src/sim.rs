@@ -29,6 +29,11 @@
 //!   ([`ModelPlanner`]; a test checks the two agree group for group). The channels execute
 //!   concurrently.
 //!
+//! - **Host copies.** A channel packs a fused group of several parts into its fusion buffer
+//!   and unpacks it afterwards, and scales an average in one pass (a single tensor or a chunk
+//!   is reduced in place): those passes run at the host's measured copy rate on the channel,
+//!   before and after its transfer ([`Overheads::copy_bps`]).
+//!
 //! Step time = time the last group completes; exposed communication = step − B; scaling
 //! efficiency = (F + B) / (F + step) with a forward pass F = B/2 that is not overlapped.
 
@@ -200,16 +205,37 @@ impl Schedule {
 pub struct Overheads {
     /// Per negotiation round, besides the network latency.
     pub round_s: f64,
-    /// Per collective (pack, launch, unpack), besides the network costs.
+    /// Per collective (launch, bookkeeping), besides the network costs and the copies.
     pub per_collective_s: f64,
+    /// Host memory rate of a channel's copies, bytes per second: packing a fused group of
+    /// several parts into the fusion buffer and unpacking it (two passes), and the scaling
+    /// pass of an average (one pass), on the channel before and after its transfer; `None`:
+    /// free.
+    #[serde(default)]
+    pub copy_bps: Option<f64>,
 }
 
 impl Default for Overheads {
-    /// Documented defaults: 30 µs per round, 20 µs per collective.
+    /// Documented defaults: 30 µs per round, 20 µs per collective, copies free.
     fn default() -> Self {
         Overheads {
             round_s: 30e-6,
             per_collective_s: 20e-6,
+            copy_bps: None,
+        }
+    }
+}
+
+impl Overheads {
+    /// Seconds of host copying a group of `bytes` in `parts` parts costs on its channel.
+    pub fn copy_s(&self, bytes: usize, parts: usize) -> f64 {
+        match self.copy_bps {
+            Some(r) if r > 0.0 => {
+                // The replay averages: one scaling pass; several parts: pack and unpack too.
+                let passes = 1.0 + if parts > 1 { 2.0 } else { 0.0 };
+                passes * bytes as f64 / r
+            }
+            _ => 0.0,
         }
     }
 }
@@ -354,7 +380,8 @@ pub fn simulate_step(
     let mut next_tensor = 0usize; // next tensor to become ready
     let mut pending: Vec<usize> = Vec::new(); // ready, not yet negotiated
     let mut negotiating: Option<(f64, Vec<usize>, u64)> = None; // (end, tensors, idle channels)
-    let mut queues: Vec<std::collections::VecDeque<usize>> = vec![Default::default(); k]; // group bytes
+                                                                // Per channel: queued groups as (bytes, seconds of host copies).
+    let mut queues: Vec<std::collections::VecDeque<(usize, f64)>> = vec![Default::default(); k];
     let mut queued_bytes = vec![0usize; k];
     let mut active: Vec<Option<Transfer>> = (0..k).map(|_| None).collect();
     let mut loop_start = 0.0f64; // horovod: start of the current loop
@@ -403,7 +430,7 @@ pub fn simulate_step(
                         collectives += 1;
                         let (latency, wire) = cost(b);
                         active[c] = Some(Transfer {
-                            latency_end: now + agreement + latency,
+                            latency_end: now + agreement + latency + o.copy_s(b, g.parts.len()),
                             remaining: wire,
                             bytes: b,
                         });
@@ -413,7 +440,7 @@ pub fn simulate_step(
                 if inline_channel.is_none() {
                     for g in groups {
                         let (c, b) = (g.channel.min(k - 1), g.bytes() as usize);
-                        queues[c].push_back(b);
+                        queues[c].push_back((b, o.copy_s(b, g.parts.len())));
                         queued_bytes[c] += b;
                     }
                 }
@@ -422,12 +449,12 @@ pub fn simulate_step(
         // Start transfers on idle channels.
         for c in 0..k {
             if active[c].is_none() {
-                if let Some(g) = queues[c].pop_front() {
+                if let Some((g, copy)) = queues[c].pop_front() {
                     queued_bytes[c] -= g;
                     collectives += 1;
                     let (latency, wire) = cost(g);
                     active[c] = Some(Transfer {
-                        latency_end: now + latency,
+                        latency_end: now + latency + copy,
                         remaining: wire,
                         bytes: g,
                     });
@@ -625,6 +652,7 @@ mod tests {
     const NO_OVERHEAD: Overheads = Overheads {
         round_s: 0.0,
         per_collective_s: 0.0,
+        copy_bps: None,
     };
 
     #[test]
@@ -776,6 +804,27 @@ mod tests {
             close(m.step_s, 10.0 * 1e-5 + 10.0 * 1e-5 + 1e4 / 1e9),
             "{m:?}"
         );
+    }
+
+    #[test]
+    fn host_copies_cost_packed_groups_three_passes_and_single_tensors_one() {
+        // 1 GB/s copies: a fused group of two 500 kB tensors is packed, scaled and unpacked
+        // (3 passes of 1 MB: 3 ms) before its ring on 2 ranks (2α + 1 MB at 1 GB/s); a single
+        // 1 MB tensor is reduced in place and only scaled (1 ms).
+        let l = link(1e-5, 1e9, None);
+        let o = Overheads {
+            copy_bps: Some(1e9),
+            ..NO_OVERHEAD
+        };
+        assert!(close(o.copy_s(1_000_000, 2), 3e-3));
+        assert!(close(o.copy_s(1_000_000, 1), 1e-3));
+        assert_eq!(NO_OVERHEAD.copy_s(1_000_000, 2), 0.0);
+        let mut f = Schedule::fasthorovod(1);
+        f.inline_bytes = 0;
+        let m = simulate_step(&[500_000, 500_000], &[0.0, 0.0], 2, &l, &f, &o);
+        assert!(close(m.step_s, 1e-5 + 3e-3 + 2e-5 + 1e-3), "{m:?}");
+        let m = simulate_step(&[1_000_000], &[0.0], 2, &l, &f, &o);
+        assert!(close(m.step_s, 1e-5 + 1e-3 + 2e-5 + 1e-3), "{m:?}");
     }
 
     #[test]

@@ -9,7 +9,7 @@ use crate::workload::Workload;
 /// What the simulation is, said in every report.
 pub const NOTE: &str = "MODEL, not a measurement: a discrete-event simulation of both schedules \
 (negotiation rounds, fusion, K channels sharing the link, alpha-beta costs of ring or \
-recursive-doubling allreduce), fed by \
+recursive-doubling allreduce, host copies at the measured copy rate), fed by \
 the workloads' gradient sizes and release times. Step time = backward start to last gradient \
 reduced; efficiency = (F + B) / (F + step) with a forward pass F = B/2.";
 
@@ -103,6 +103,19 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
             overheads.per_collective_s * 1e6
         ));
     }
+    match record.host.copy_gbps {
+        Some(g) if g > 0.0 => {
+            overheads.copy_bps = Some(g * 1e9);
+            notes.push(format!(
+                "host copies (pack/unpack of fused groups, the average's scaling pass) at \
+                 {g:.1} GB/s: one thread's measured copy rate on this host; the loopback \
+                 check divides it by the ranks sharing each core"
+            ));
+        }
+        _ => notes.push(format!(
+            "no copy-rate measurement in {source}: host copies are free in the model"
+        )),
+    }
     (links, overheads, notes)
 }
 
@@ -152,7 +165,13 @@ pub fn run(
             continue;
         };
         let b = r.backward.median / 1e3;
-        let m = sim::simulate_workload(w, b, *np, link, &s, &overheads);
+        // Ranks on this host share its cores: each channel's copies run that much slower.
+        let share = (*np as f64 / record.host.cpus.max(1) as f64).max(1.0);
+        let local = Overheads {
+            copy_bps: overheads.copy_bps.map(|r| r / share),
+            ..overheads.clone()
+        };
+        let m = sim::simulate_workload(w, b, *np, link, &s, &local);
         check.push(SimCheck {
             workload: r.workload.clone(),
             schedule: r.schedule.clone(),

@@ -104,6 +104,11 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             os: format!("{}/{}", std::env::consts::OS, std::env::consts::ARCH),
             steal_percent: None,
             load_average: None,
+            copy_gbps: if opts.suites.iter().any(|x| x == "simulate") {
+                crate::record::measure_copy_gbps()
+            } else {
+                None
+            },
         },
         config: RunConfig {
             quick: opts.quick,
