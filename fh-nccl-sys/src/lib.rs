@@ -12,10 +12,13 @@
 //! 3. `nvidia/nccl/lib/libnccl.so.2` in the site-packages of the active Python environment
 //!    (`$VIRTUAL_ENV`, `$CONDA_PREFIX`, then the `sys.path` of `python3` on the `PATH`).
 //!
+//! A loaded library stays loaded for the life of the process (see [`Nccl`]).
+//!
 //! Only the safe layer in `fh-transport` (feature `cuda`) should call these functions.
 #![deny(missing_docs)]
 
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -79,8 +82,14 @@ impl fmt::Display for LoadError {
 impl std::error::Error for LoadError {}
 
 /// A loaded NCCL library: the generated function table plus where it came from.
+///
+/// The library is never unloaded, not even when its `Nccl` is dropped: NCCL starts threads
+/// that outlive the calls that started them (`ncclGetUniqueId` leaves a bootstrap thread
+/// waiting for the ranks; communicators keep proxy threads), and unmapping its code under
+/// them crashes the process (SIGSEGV). Dropping an `Nccl` only forgets the function table;
+/// loading the same file again reuses the mapping.
 pub struct Nccl {
-    lib: NcclLib,
+    lib: ManuallyDrop<NcclLib>,
     path: String,
 }
 
@@ -99,7 +108,8 @@ impl Nccl {
         // with the exact signature bindgen generated from the matching header.
         let lib = unsafe { NcclLib::new(path.as_os_str()) }.map_err(|e| e.to_string())?;
         Ok(Nccl {
-            lib,
+            // Never dropped, so never `dlclose`d (see the type's documentation).
+            lib: ManuallyDrop::new(lib),
             path: path.display().to_string(),
         })
     }

@@ -182,6 +182,36 @@ pub(crate) const NO_DEVICE: &str = "the CUDA driver sees no GPU (check `nvidia-s
 mod tests {
     use super::*;
 
+    /// Many threads probing at once (several engines or process sets starting together) all
+    /// get the same answer, and nothing crashes: the driver is checked once per process and
+    /// NCCL is loaded once and never unloaded.
+    #[test]
+    fn probing_from_many_threads_at_once_agrees() {
+        const THREADS: usize = 16;
+        let start = std::sync::Barrier::new(THREADS);
+        let seen: Vec<(Probe, std::result::Result<Probe, String>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..THREADS)
+                .map(|_| {
+                    s.spawn(|| {
+                        start.wait();
+                        (probe(), available().map_err(|e| e.to_string()))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a probing thread panicked"))
+                .collect()
+        });
+        let first = &seen[0];
+        assert!(seen.iter().all(|s| s == first), "{seen:?}");
+        let again = (probe(), available().map_err(|e| e.to_string()));
+        assert_eq!(&again, first);
+        if !first.0.driver {
+            assert!(first.1.as_ref().is_err_and(|e| !e.is_empty()));
+        }
+    }
+
     /// Without a driver (CI), the GPU path says so clearly; with one, it reports devices.
     #[test]
     fn availability_is_a_clear_error_or_a_device() {

@@ -78,12 +78,6 @@ pub(crate) fn extra_suites() -> Vec<ExtraSuite> {
                         "cuda",
                         "--lib",
                         "cuda::",
-                        // One at a time: probing CUDA and NCCL from several test threads at
-                        // once crashed (SIGSEGV) once in about eight runs here; see the
-                        // closing note of the GPU issue.
-                        "--",
-                        "--test-threads",
-                        "1",
                     ]),
                     cmd(&[
                         "test",
@@ -93,9 +87,6 @@ pub(crate) fn extra_suites() -> Vec<ExtraSuite> {
                         "cuda",
                         "--test",
                         "cuda_gpu",
-                        "--",
-                        "--test-threads",
-                        "1",
                     ]),
                     // The engine's device path (fh-scheduler and fh-torch feature `cuda`).
                     cmd(&[
@@ -120,9 +111,6 @@ pub(crate) fn extra_suites() -> Vec<ExtraSuite> {
                         "--lib",
                         "--test",
                         "device",
-                        "--",
-                        "--test-threads",
-                        "1",
                     ]),
                     cmd(&["test", "-p", "xtask", "--features", "nccl-bindings", "nccl"]),
                 ]

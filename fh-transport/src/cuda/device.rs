@@ -1,7 +1,7 @@
 //! Devices, device buffers, the device communicator trait and the per-channel state.
 
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{result as cu, sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
@@ -25,9 +25,25 @@ pub(crate) fn cuda_err(op: &str) -> impl FnOnce(cu::DriverError) -> TransportErr
 }
 
 /// Whether the driver library can be loaded (asked first: cudarc's loader panics otherwise).
+///
+/// Asked once per process, whatever the number of threads asking at once (engines, process
+/// sets, tests): the answer cannot change, and when the driver is there cudarc's process-wide
+/// handle takes it at once, so the driver is loaded once and never unloaded (cudarc's
+/// presence check alone opens and closes it).
 fn driver_present() -> bool {
-    // SAFETY: only tries to `dlopen` the candidate names; loads nothing into cudarc's tables.
-    unsafe { cudarc::driver::sys::is_culib_present() }
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    *PRESENT.get_or_init(|| {
+        // SAFETY: `is_culib_present` only tries to `dlopen` the candidate names (closing what
+        // it opened); `culib` then loads the library it found into cudarc's process-wide
+        // handle, which cannot panic since the library is loadable.
+        unsafe {
+            let present = cudarc::driver::sys::is_culib_present();
+            if present {
+                let _ = cudarc::driver::sys::culib();
+            }
+            present
+        }
+    })
 }
 
 /// See [`super::probe`].
