@@ -427,9 +427,111 @@ pub fn divide_and_scale(
     }
 }
 
+/// Copy `src` into `dst` (equal lengths) while applying [`divide_and_scale`]`(n, factor)`:
+/// one pass instead of a copy and a pass, for unpacking a fused buffer whose average (or
+/// postscale) is still to be applied. `f32`/`f64` are transformed as they are copied; other
+/// types are copied and then finalised in place, with the same results as
+/// [`divide_and_scale`].
+pub fn copy_divide_and_scale(
+    dtype: DType,
+    src: &[u8],
+    dst: &mut [u8],
+    n: usize,
+    factor: f64,
+) -> Result<(), CoreError> {
+    fn one_pass<T: bytemuck::Pod>(src: &[u8], dst: &mut [u8], f: impl Fn(T) -> T) -> bool {
+        match (
+            bytemuck::try_cast_slice::<u8, T>(src),
+            bytemuck::try_cast_slice_mut::<u8, T>(dst),
+        ) {
+            (Ok(s), Ok(d)) => {
+                d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(s));
+                true
+            }
+            _ => false,
+        }
+    }
+    if src.len() != dst.len() {
+        return Err(CoreError::InvalidArgument(format!(
+            "copy of {} bytes into {} bytes",
+            src.len(),
+            dst.len()
+        )));
+    }
+    dtype.elements_in(src.len())?;
+    if n == 0 {
+        return Err(CoreError::InvalidArgument(
+            "cannot average over zero contributors".into(),
+        ));
+    }
+    let done = match dtype {
+        DType::F32 if n > 1 || factor != 1.0 => {
+            let (d, f) = (n as f32, factor as f32);
+            if factor == 1.0 {
+                one_pass::<f32>(src, dst, |v| v / d)
+            } else {
+                one_pass::<f32>(src, dst, |v| v / d * f)
+            }
+        }
+        DType::F64 if n > 1 || factor != 1.0 => {
+            let d = n as f64;
+            if factor == 1.0 {
+                one_pass::<f64>(src, dst, |v| v / d)
+            } else {
+                one_pass::<f64>(src, dst, |v| v / d * factor)
+            }
+        }
+        _ => false,
+    };
+    if !done {
+        dst.copy_from_slice(src);
+        divide_and_scale(dtype, dst, n, factor)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copy_divide_and_scale_equals_copy_then_divide_and_scale() {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::I32, DType::I64] {
+            for (n, factor) in [(1, 1.0), (3, 1.0), (3, 0.7), (1, 2.5), (7, 1.0 / 3.0)] {
+                let vals: Vec<f64> = (0..41).map(|i| i as f64 * 1.37 - 20.0).collect();
+                let src: Vec<u8> = match dtype {
+                    DType::F32 => {
+                        bytemuck::cast_slice(&vals.iter().map(|&v| v as f32).collect::<Vec<_>>())
+                            .to_vec()
+                    }
+                    DType::F64 => bytemuck::cast_slice(&vals).to_vec(),
+                    DType::F16 => bytemuck::cast_slice(
+                        &vals.iter().map(|&v| f16::from_f64(v)).collect::<Vec<_>>(),
+                    )
+                    .to_vec(),
+                    DType::I64 => {
+                        bytemuck::cast_slice(&vals.iter().map(|&v| v as i64).collect::<Vec<_>>())
+                            .to_vec()
+                    }
+                    _ => bytemuck::cast_slice(&vals.iter().map(|&v| v as i32).collect::<Vec<_>>())
+                        .to_vec(),
+                };
+                let mut expected = src.clone();
+                divide_and_scale(dtype, &mut expected, n, factor).unwrap();
+                let mut out = vec![0u8; src.len()];
+                copy_divide_and_scale(dtype, &src, &mut out, n, factor).unwrap();
+                assert_eq!(out, expected, "{dtype} n={n} factor={factor}");
+                // Unaligned source: same values.
+                let mut shifted = vec![0u8; src.len() + 1];
+                shifted[1..].copy_from_slice(&src);
+                let mut out2 = vec![0u8; src.len()];
+                copy_divide_and_scale(dtype, &shifted[1..], &mut out2, n, factor).unwrap();
+                assert_eq!(out2, expected, "{dtype} unaligned");
+            }
+        }
+        assert!(copy_divide_and_scale(DType::F32, &[0; 8], &mut [0; 4], 1, 1.0).is_err());
+        assert!(copy_divide_and_scale(DType::F32, &[0; 4], &mut [0; 4], 0, 1.0).is_err());
+    }
 
     #[test]
     fn divide_and_scale_equals_divide_then_scale() {

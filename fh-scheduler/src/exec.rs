@@ -37,8 +37,7 @@ fn reduce_in_place(
     sig: &Signature,
     active: usize,
 ) -> Result<(), TransportError> {
-    kernels::scale(sig.dtype, buf, sig.prescale)?;
-    comm.allreduce(buf, sig.dtype, sig.op.combining())?;
+    reduce_unfinished(comm, buf, sig)?;
     if sig.op == ReduceOp::Average {
         // The average's division and the postscale in one pass.
         kernels::divide_and_scale(sig.dtype, buf, active.max(1), sig.postscale)?;
@@ -46,6 +45,28 @@ fn reduce_in_place(
         kernels::scale(sig.dtype, buf, sig.postscale)?;
     }
     Ok(())
+}
+
+/// Prescale and allreduce `buf`, leaving the average's division and the postscale to the
+/// caller ([`finish_divisor`]).
+fn reduce_unfinished(
+    comm: &mut dyn Communicator,
+    buf: &mut [u8],
+    sig: &Signature,
+) -> Result<(), TransportError> {
+    kernels::scale(sig.dtype, buf, sig.prescale)?;
+    comm.allreduce(buf, sig.dtype, sig.op.combining())?;
+    Ok(())
+}
+
+/// The divisor the finalisation applies with the postscale: the contributing ranks for an
+/// average, 1 otherwise.
+fn finish_divisor(sig: &Signature, active: usize) -> usize {
+    if sig.op == ReduceOp::Average {
+        active.max(1)
+    } else {
+        1
+    }
 }
 
 /// Most bytes one allgather or alltoall may receive (a sanity bound on sizes announced by
@@ -222,13 +243,21 @@ impl Executor {
                     ));
                 }
                 let packed = Instant::now();
-                reduce_in_place(self.comm.as_mut(), &mut self.buf, sig, job.active)?;
+                reduce_unfinished(self.comm.as_mut(), &mut self.buf, sig)?;
                 self.phases = Some((packed, Instant::now()));
+                // Unpack and finalise (average, postscale) in one pass.
+                let n = finish_divisor(sig, job.active);
                 let mut pos = 0;
                 for (op, off, len) in &job.parts {
                     let mut st = op.lock();
                     if let Some(t) = &mut st.tensor {
-                        t.data_mut()[*off..*off + *len].copy_from_slice(&self.buf[pos..pos + *len]);
+                        kernels::copy_divide_and_scale(
+                            sig.dtype,
+                            &self.buf[pos..pos + *len],
+                            &mut t.data_mut()[*off..*off + *len],
+                            n,
+                            sig.postscale,
+                        )?;
                     }
                     pos += *len;
                 }
