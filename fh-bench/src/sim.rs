@@ -30,9 +30,9 @@
 //!   concurrently.
 //!
 //! - **Host copies.** A channel packs a fused group of several parts into its fusion buffer
-//!   and unpacks it afterwards, and scales an average in one pass (a single tensor or a chunk
-//!   is reduced in place): those passes run at the host's measured copy rate on the channel,
-//!   before and after its transfer ([`Overheads::copy_bps`]).
+//!   and unpacks it afterwards, scaling an average as it unpacks (a single tensor or a chunk
+//!   is reduced in place and scaled in one pass): those passes run at the host's measured copy
+//!   rate on the channel, before and after its transfer ([`Overheads::copy_bps`]).
 //!
 //! Step time = time the last group completes; exposed communication = step − B; scaling
 //! efficiency = (F + B) / (F + step) with a forward pass F = B/2 that is not overlapped.
@@ -208,9 +208,9 @@ pub struct Overheads {
     /// Per collective (launch, bookkeeping), besides the network costs and the copies.
     pub per_collective_s: f64,
     /// Host memory rate of a channel's copies, bytes per second: packing a fused group of
-    /// several parts into the fusion buffer and unpacking it (two passes), and the scaling
-    /// pass of an average (one pass), on the channel before and after its transfer; `None`:
-    /// free.
+    /// several parts into the fusion buffer and unpacking it with the average's scaling (two
+    /// passes), or scaling a tensor reduced in place (one pass), on the channel before and
+    /// after its transfer; `None`: free.
     #[serde(default)]
     pub copy_bps: Option<f64>,
 }
@@ -231,8 +231,9 @@ impl Overheads {
     pub fn copy_s(&self, bytes: usize, parts: usize) -> f64 {
         match self.copy_bps {
             Some(r) if r > 0.0 => {
-                // The replay averages: one scaling pass; several parts: pack and unpack too.
-                let passes = 1.0 + if parts > 1 { 2.0 } else { 0.0 };
+                // Several parts: pack, and unpack with the average's scaling (two passes); a
+                // single tensor or chunk is reduced in place and scaled (one pass).
+                let passes = if parts > 1 { 2.0 } else { 1.0 };
                 passes * bytes as f64 / r
             }
             _ => 0.0,
@@ -807,22 +808,22 @@ mod tests {
     }
 
     #[test]
-    fn host_copies_cost_packed_groups_three_passes_and_single_tensors_one() {
-        // 1 GB/s copies: a fused group of two 500 kB tensors is packed, scaled and unpacked
-        // (3 passes of 1 MB: 3 ms) before its ring on 2 ranks (2α + 1 MB at 1 GB/s); a single
-        // 1 MB tensor is reduced in place and only scaled (1 ms).
+    fn host_copies_cost_packed_groups_two_passes_and_single_tensors_one() {
+        // 1 GB/s copies: a fused group of two 500 kB tensors is packed, then unpacked and
+        // scaled in one pass (2 passes of 1 MB: 2 ms) around its ring on 2 ranks (2α + 1 MB at
+        // 1 GB/s); a single 1 MB tensor is reduced in place and only scaled (1 ms).
         let l = link(1e-5, 1e9, None);
         let o = Overheads {
             copy_bps: Some(1e9),
             ..NO_OVERHEAD
         };
-        assert!(close(o.copy_s(1_000_000, 2), 3e-3));
+        assert!(close(o.copy_s(1_000_000, 2), 2e-3));
         assert!(close(o.copy_s(1_000_000, 1), 1e-3));
         assert_eq!(NO_OVERHEAD.copy_s(1_000_000, 2), 0.0);
         let mut f = Schedule::fasthorovod(1);
         f.inline_bytes = 0;
         let m = simulate_step(&[500_000, 500_000], &[0.0, 0.0], 2, &l, &f, &o);
-        assert!(close(m.step_s, 1e-5 + 3e-3 + 2e-5 + 1e-3), "{m:?}");
+        assert!(close(m.step_s, 1e-5 + 2e-3 + 2e-5 + 1e-3), "{m:?}");
         let m = simulate_step(&[1_000_000], &[0.0], 2, &l, &f, &o);
         assert!(close(m.step_s, 1e-5 + 1e-3 + 2e-5 + 1e-3), "{m:?}");
     }

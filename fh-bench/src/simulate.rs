@@ -107,9 +107,10 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
         Some(g) if g > 0.0 => {
             overheads.copy_bps = Some(g * 1e9);
             notes.push(format!(
-                "host copies (pack/unpack of fused groups, the average's scaling pass) at \
-                 {g:.1} GB/s: one thread's measured copy rate on this host; the loopback \
-                 check divides it by the ranks sharing each core"
+                "host copies (packing fused groups, unpacking them with the average's \
+                 scaling; scaling a tensor reduced in place) at {g:.1} GB/s: one thread's \
+                 measured copy rate on this host; the loopback check divides it by the ranks \
+                 sharing each core"
             ));
         }
         _ => notes.push(format!(
