@@ -112,7 +112,10 @@ impl Inner {
     /// A channel has just finished all its queued work: wake the control thread if it defers
     /// a round until a channel is free.
     pub(crate) fn channel_drained(&self) {
-        if self.pacing_wait.swap(false, Ordering::AcqRel) {
+        // Pairs with the fence in the control thread's pacing wait: either it sees this
+        // channel's drained counter, or this sees its announcement and wakes it.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.pacing_wait.swap(false, Ordering::SeqCst) {
             let _ = lock(&self.gate).tx.send(Msg::Wake);
         }
     }

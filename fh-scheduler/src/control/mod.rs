@@ -351,7 +351,8 @@ impl Control {
         let start = Instant::now();
         loop {
             // Announce the wait before looking, so that a channel draining in between wakes us.
-            self.inner.pacing_wait.store(true, Ordering::Release);
+            self.inner.pacing_wait.store(true, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
             let (busy, bytes) = self.inner.counters.channel_load();
             if self.local_shutdown
                 || self.inner.failure().is_some()
