@@ -155,11 +155,12 @@ impl Control {
     /// with the same error naming it. It never plans a different list from the other ranks.
     ///
     /// A plan that is a single small group of host tensors (see `Config::inline_bytes`, agreed
-    /// at start-up) may run on this thread, which then cannot take part in the next round
-    /// until the group's collective is done. So that a rank that cannot run it never leaves
-    /// the others waiting in that collective, every rank first states whether it can (one
-    /// byte, AND): when one cannot, no rank dispatches anything and the next round agrees on
-    /// the fault. The plan itself depends on the agreed responses alone.
+    /// at start-up) may run on this thread, as every group does under the `horovod` preset;
+    /// this thread then cannot take part in the next round until the collective is done. So
+    /// that a rank that cannot run it never leaves the others waiting in that collective,
+    /// every rank first states whether it can (one byte, AND): when one cannot, no rank
+    /// dispatches anything and the next round agrees on the fault. The plan itself depends on
+    /// the agreed responses alone.
     pub(super) fn dispatch(&mut self, ready: Vec<Arc<Response>>) -> Result<(), SchedulerError> {
         let active = self.joined_set.iter().filter(|j| !**j).count();
         // 1. The plan (a function of the agreed responses and the carried load only).
@@ -191,7 +192,10 @@ impl Control {
                 }
             }
         }
-        let everyone_can = if inline_plan {
+        // Under the `horovod` preset every group runs on this thread, so every round with work
+        // agrees first too.
+        let runs_here = inline_plan || matches!(self.dispatch, Dispatch::Inline(_));
+        let everyone_can = if runs_here {
             self.agree_can_run(failed.is_none())?
         } else {
             failed.is_none()

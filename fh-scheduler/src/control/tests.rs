@@ -8,12 +8,20 @@ use fh_transport::local::LocalWorld;
 /// A rank that cannot run a negotiated tensor (here: an injected allocation failure on
 /// rank 1) stops the engine on every rank with the same error naming the rank and the
 /// tensor, within bounded time, instead of planning a different list than the others.
-/// With small rounds run on the control thread (the default) and without: the other ranks
-/// are not left waiting in a collective the faulty rank never joins.
+/// With small rounds run on the control thread (the default) and without, and under the
+/// `horovod` preset, which runs every group on the control thread: the other ranks are not
+/// left waiting in a collective the faulty rank never joins.
 #[test]
 fn a_local_fault_stops_every_rank_with_the_same_error() {
-    for (k, inline) in [(1usize, 1024u64), (3, 1024), (1, 0), (3, 0)] {
-        let name = format!("faulty-{k}-{inline}");
+    let cases = [
+        (1usize, 1024u64, Preset::FastHorovod),
+        (3, 1024, Preset::FastHorovod),
+        (1, 0, Preset::FastHorovod),
+        (3, 0, Preset::FastHorovod),
+        (1, 0, Preset::Horovod),
+    ];
+    for (k, inline, preset) in cases {
+        let name = format!("faulty-{k}-{inline}-{preset:?}");
         INJECTED_FAULTS
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -23,7 +31,7 @@ fn a_local_fault_stops_every_rank_with_the_same_error() {
             .map(|t| {
                 let name = name.clone();
                 std::thread::spawn(move || {
-                    let cfg = Config::default().channels(k).inline_bytes(inline);
+                    let cfg = Config::preset(preset).channels(k).inline_bytes(inline);
                     let e = Engine::start(Box::new(t), cfg).unwrap();
                     let opts = AllreduceOptions::with_op(ReduceOp::Sum);
                     let ok = e
