@@ -253,6 +253,12 @@ pub fn ring_allreduce_time(bytes: f64, p: usize, alpha: f64, beta: f64) -> f64 {
     2.0 * (pf - 1.0) * alpha + 2.0 * (pf - 1.0) / pf * bytes * beta
 }
 
+/// Message steps of fh-transport's recursive doubling on `p > 1` ranks: `⌊log₂ p⌋`, plus two
+/// when `p` is not a power of two (the extra ranks fold in and out).
+fn rd_steps(p: usize) -> f64 {
+    (p as f64).log2().floor() + if p.is_power_of_two() { 0.0 } else { 2.0 }
+}
+
 /// Cost of one negotiation round on `p` ranks.
 pub fn round_time(p: usize, link: &Link, o: &Overheads) -> f64 {
     let steps = if p <= 1 {
@@ -352,8 +358,7 @@ pub fn simulate_step(
     let agreement = if p <= 1 {
         0.0
     } else {
-        let pf = p as f64;
-        (pf.log2().floor() + if p.is_power_of_two() { 0.0 } else { 2.0 }) * link.alpha_s
+        rd_steps(p) * link.alpha_s
     };
     let mut inline_channel: Option<usize> = None; // negotiation runs this channel's group
     let k = planner.channels();
@@ -370,7 +375,7 @@ pub fn simulate_step(
                 2.0 * (pf - 1.0) / pf * m as f64,
             ),
             _ => {
-                let steps = pf.log2().floor() + if p.is_power_of_two() { 0.0 } else { 2.0 };
+                let steps = rd_steps(p);
                 (steps * link.alpha_s + o.per_collective_s, steps * m as f64)
             }
         }

@@ -494,28 +494,27 @@ pub fn copy_divide_and_scale(
 mod tests {
     use super::*;
 
+    /// `n` sample values (−20, −18.63, …) of `dtype` (f32, f64, f16, i64; i32 otherwise) as
+    /// bytes.
+    fn sample(dtype: DType, n: usize) -> Vec<u8> {
+        let vals: Vec<f64> = (0..n).map(|i| i as f64 * 1.37 - 20.0).collect();
+        fn bytes<T: bytemuck::Pod>(v: Vec<T>) -> Vec<u8> {
+            bytemuck::cast_slice(&v).to_vec()
+        }
+        match dtype {
+            DType::F32 => bytes(vals.iter().map(|&v| v as f32).collect()),
+            DType::F64 => bytes(vals),
+            DType::F16 => bytes(vals.iter().map(|&v| f16::from_f64(v)).collect()),
+            DType::I64 => bytes(vals.iter().map(|&v| v as i64).collect()),
+            _ => bytes(vals.iter().map(|&v| v as i32).collect::<Vec<i32>>()),
+        }
+    }
+
     #[test]
     fn copy_divide_and_scale_equals_copy_then_divide_and_scale() {
         for dtype in [DType::F32, DType::F64, DType::F16, DType::I32, DType::I64] {
             for (n, factor) in [(1, 1.0), (3, 1.0), (3, 0.7), (1, 2.5), (7, 1.0 / 3.0)] {
-                let vals: Vec<f64> = (0..41).map(|i| i as f64 * 1.37 - 20.0).collect();
-                let src: Vec<u8> = match dtype {
-                    DType::F32 => {
-                        bytemuck::cast_slice(&vals.iter().map(|&v| v as f32).collect::<Vec<_>>())
-                            .to_vec()
-                    }
-                    DType::F64 => bytemuck::cast_slice(&vals).to_vec(),
-                    DType::F16 => bytemuck::cast_slice(
-                        &vals.iter().map(|&v| f16::from_f64(v)).collect::<Vec<_>>(),
-                    )
-                    .to_vec(),
-                    DType::I64 => {
-                        bytemuck::cast_slice(&vals.iter().map(|&v| v as i64).collect::<Vec<_>>())
-                            .to_vec()
-                    }
-                    _ => bytemuck::cast_slice(&vals.iter().map(|&v| v as i32).collect::<Vec<_>>())
-                        .to_vec(),
-                };
+                let src = sample(dtype, 41);
                 let mut expected = src.clone();
                 divide_and_scale(dtype, &mut expected, n, factor).unwrap();
                 let mut out = vec![0u8; src.len()];
@@ -537,20 +536,7 @@ mod tests {
     fn divide_and_scale_equals_divide_then_scale() {
         for dtype in [DType::F32, DType::F64, DType::F16, DType::I32] {
             for (n, factor) in [(1, 1.0), (3, 1.0), (3, 0.7), (1, 2.5), (7, 1.0 / 3.0)] {
-                let vals: Vec<f64> = (0..37).map(|i| i as f64 * 1.37 - 20.0).collect();
-                let mut a: Vec<u8> = match dtype {
-                    DType::F32 => {
-                        bytemuck::cast_slice(&vals.iter().map(|&v| v as f32).collect::<Vec<_>>())
-                            .to_vec()
-                    }
-                    DType::F64 => bytemuck::cast_slice(&vals).to_vec(),
-                    DType::F16 => bytemuck::cast_slice(
-                        &vals.iter().map(|&v| f16::from_f64(v)).collect::<Vec<_>>(),
-                    )
-                    .to_vec(),
-                    _ => bytemuck::cast_slice(&vals.iter().map(|&v| v as i32).collect::<Vec<_>>())
-                        .to_vec(),
-                };
+                let mut a = sample(dtype, 37);
                 let mut b = a.clone();
                 divide_and_scale(dtype, &mut a, n, factor).unwrap();
                 divide(dtype, &mut b, n).unwrap();

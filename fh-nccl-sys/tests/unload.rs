@@ -10,6 +10,8 @@
 
 use std::path::{Path, PathBuf};
 
+mod common;
+
 use fh_nccl_sys::sys::{ncclResult_t, ncclUniqueId};
 
 /// The `libnccl.so.2` to test with, or `None` (after printing why).
@@ -17,21 +19,8 @@ fn library() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os(fh_nccl_sys::LIBRARY_VAR) {
         return Some(PathBuf::from(p));
     }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let venvs = std::env::var_os("VIRTUAL_ENV")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([root.join("target/fh-venv")]);
-    for venv in venvs {
-        let Ok(entries) = std::fs::read_dir(venv.join("lib")) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let lib = e.path().join("site-packages/nvidia/nccl/lib/libnccl.so.2");
-            if lib.is_file() {
-                return Some(lib);
-            }
-        }
+    if let Some((_, nccl)) = common::nccl_wheels().into_iter().next() {
+        return Some(nccl.join("lib/libnccl.so.2"));
     }
     eprintln!(
         "skipped: no libnccl.so.2 ({} unset, no NCCL wheel in $VIRTUAL_ENV or target/fh-venv)",

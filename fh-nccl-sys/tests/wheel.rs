@@ -6,35 +6,25 @@
 
 use std::path::{Path, PathBuf};
 
+mod common;
+
 /// The venv holding the wheel, its `site-packages/nvidia/nccl` and the wheel's version.
 fn wheel() -> Option<(PathBuf, PathBuf, String)> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let venvs = std::env::var_os("VIRTUAL_ENV")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([root.join("target/fh-venv")]);
-    for venv in venvs {
-        let Ok(entries) = std::fs::read_dir(venv.join("lib")) else {
+    for (venv, nccl) in common::nccl_wheels() {
+        let Some(site) = nccl.parent().and_then(Path::parent).map(Path::to_path_buf) else {
             continue;
         };
-        for e in entries.flatten() {
-            let site = e.path().join("site-packages");
-            let nccl = site.join("nvidia/nccl");
-            if !nccl.join("lib/libnccl.so.2").is_file() {
-                continue;
-            }
-            let version = std::fs::read_dir(&site)
-                .ok()?
-                .flatten()
-                .filter_map(|d| {
-                    let name = d.file_name().to_string_lossy().into_owned();
-                    let rest = name.strip_prefix("nvidia_nccl_cu")?;
-                    let rest = rest.strip_suffix(".dist-info")?;
-                    Some(rest.split_once('-')?.1.to_string())
-                })
-                .next()?;
-            return Some((venv, nccl, version));
-        }
+        let version = std::fs::read_dir(&site)
+            .ok()?
+            .flatten()
+            .filter_map(|d| {
+                let name = d.file_name().to_string_lossy().into_owned();
+                let rest = name.strip_prefix("nvidia_nccl_cu")?;
+                let rest = rest.strip_suffix(".dist-info")?;
+                Some(rest.split_once('-')?.1.to_string())
+            })
+            .next()?;
+        return Some((venv, nccl, version));
     }
     None
 }

@@ -135,18 +135,25 @@ fn replay(
     (m, m - backward.as_secs_f64() * 1e3)
 }
 
-/// The replay across processes: the world from `fh_transport::from_env()` (one process per
-/// rank, e.g. under `mpirun` with `FH_TRANSPORT=mpi`), every configuration in turn on it. The
-/// ranks' step times are allgathered; rank 0 prints the table.
-fn replay_env(path: &str, backward: Duration, steps: usize) {
-    let grads = load(path);
+/// The world from the environment (one process per rank), with this rank, the rank count and
+/// the backend's name.
+fn env_world() -> (world::SharedWorld, usize, usize, String) {
     let world =
         world::SharedWorld::new(fh_transport::from_env().expect("transport from the environment"));
     let (rank, ranks, backend) = (
         world.topology_rank(),
         world.topology().size,
-        world.backend_name(),
+        world.backend_name().to_string(),
     );
+    (world, rank, ranks, backend)
+}
+
+/// The replay across processes: the world from `fh_transport::from_env()` (one process per
+/// rank, e.g. under `mpirun` with `FH_TRANSPORT=mpi`), every configuration in turn on it. The
+/// ranks' step times are allgathered; rank 0 prints the table.
+fn replay_env(path: &str, backward: Duration, steps: usize) {
+    let grads = load(path);
+    let (world, rank, ranks, backend) = env_world();
     let shared = schedule(&grads, backward);
     if rank == 0 {
         println!(
@@ -340,13 +347,7 @@ fn quantile(v: &mut [f64], q: f64) -> f64 {
 /// rank's latencies are gathered; rank 0 prints median, p90 and p99 over all of them and the
 /// median of each rank.
 fn latency_env(iters: usize, presets: &[Preset]) {
-    let world =
-        world::SharedWorld::new(fh_transport::from_env().expect("transport from the environment"));
-    let (rank, ranks, backend) = (
-        world.topology_rank(),
-        world.topology().size,
-        world.backend_name(),
-    );
+    let (world, rank, ranks, backend) = env_world();
     const WARMUP: usize = 200;
     for &preset in presets {
         // The preset's defaults under the environment's FH_* settings (e.g. FH_INLINE_BYTES,

@@ -38,12 +38,8 @@ fn reduce_in_place(
     active: usize,
 ) -> Result<(), TransportError> {
     reduce_unfinished(comm, buf, sig)?;
-    if sig.op == ReduceOp::Average {
-        // The average's division and the postscale in one pass.
-        kernels::divide_and_scale(sig.dtype, buf, active.max(1), sig.postscale)?;
-    } else {
-        kernels::scale(sig.dtype, buf, sig.postscale)?;
-    }
+    // The average's division (if any) and the postscale in one pass.
+    kernels::divide_and_scale(sig.dtype, buf, finish_divisor(sig, active), sig.postscale)?;
     Ok(())
 }
 
