@@ -1,0 +1,349 @@
+//! The scale simulation: a discrete-event **model** (not a measurement) of the two schedules,
+//! replaying a workload's gradient release times against α–β network costs.
+//!
+//! Model, per step (one emulated backward pass of `B` seconds, gradient i ready at
+//! `B × (share₀ + … + shareᵢ)`):
+//!
+//! - **Collective cost.** A fused group of `m` bytes is one allreduce on `p` ranks, ring or
+//!   recursive doubling as the transport itself picks by size (fh-transport's
+//!   [`AllreduceAlgorithm::resolve`], called, not copied). Ring: a latency part
+//!   `2(p−1)·α + o` (o: per-collective software overhead) and a bandwidth part of
+//!   `2(p−1)/p · m` bytes per rank; recursive doubling: `⌊log₂ p⌋·α + o` (two more steps when
+//!   `p` is not a power of two) and `⌊log₂ p⌋·m`. Bandwidth parts in flight at the same time
+//!   share the link fairly (processor sharing), each at most `stream_cap` (a single TCP stream
+//!   rarely fills a fast link; NVLink-class links have no such cap).
+//! - **Negotiation round.** Costs `r + ⌈log₂ p⌉·α` (a small recursive-doubling allreduce of
+//!   the bit vector plus the software overhead `r`).
+//! - **`horovod`** (one background thread): a loop that starts at most every `cycle` seconds,
+//!   negotiates the tensors ready at its start, then executes the fused groups one after
+//!   another itself; tensors that become ready meanwhile wait for the next loop.
+//! - **`fasthorovod` K**: negotiation wakes when a tensor is ready and never waits for
+//!   execution, as implemented; with back-pressure (as shipped, `auto`: on from 64 ranks;
+//!   `+bp` rows force it on, `-bp` rows off) a rank defers its next round while every channel
+//!   holds unfinished work, at most a bound — the engine's own pacing policy
+//!   ([`fh_core::fusion::Pacing`], through [`Schedule::config`]). Each round's fused groups go
+//!   to the channels idle (everywhere) when it started, as the engine agrees them. Each round's tensors
+//!   are planned by the engine's own planner ([`fh_core::fusion::plan_round_on`], the options the
+//!   engine derives from its configuration, the channel load carried from round to round):
+//!   the same fusion, partitioning and channel assignment as the engine, not a copy
+//!   ([`ModelPlanner`]; a test checks the two agree group for group). The channels execute
+//!   concurrently.
+//!
+//! - **Host copies.** A channel packs a fused group of several parts into its fusion buffer
+//!   and unpacks it afterwards, scaling an average as it unpacks (a single tensor or a chunk
+//!   is reduced in place and scaled in one pass): those passes run at the host's measured copy
+//!   rate on the channel, before and after its transfer ([`Overheads::copy_bps`]).
+//!
+//! Step time = time the last group completes; exposed communication = step − B; scaling
+//! efficiency = (F + B) / (F + step) with a forward pass F = B/2 that is not overlapped.
+
+use fh_core::fusion::{runs_inline, Pacing};
+use fh_transport::algorithms::AllreduceAlgorithm;
+
+use crate::workload::Workload;
+
+mod calibrate;
+mod params;
+mod planner;
+#[cfg(test)]
+mod tests;
+
+pub use calibrate::calibrate_link;
+pub use params::{round_time, Link, Overheads, Schedule, ScheduleKind};
+pub use planner::ModelPlanner;
+
+/// Message steps of fh-transport's recursive doubling on `p > 1` ranks: `⌊log₂ p⌋`, plus two
+/// when `p` is not a power of two (the extra ranks fold in and out).
+fn rd_steps(p: usize) -> f64 {
+    (p as f64).log2().floor() + if p.is_power_of_two() { 0.0 } else { 2.0 }
+}
+
+/// A simulated step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepModel {
+    /// Seconds from backward start to the last gradient reduced.
+    pub step_s: f64,
+    /// Negotiation rounds.
+    pub rounds: usize,
+    /// Fused collectives executed.
+    pub collectives: usize,
+}
+
+struct Transfer {
+    latency_end: f64,
+    remaining: f64,
+    /// The group's payload bytes (queued until the transfer ends, as the engine counts).
+    bytes: usize,
+}
+
+/// Simulates one step of `sizes` (bytes, in release order) released at `ready` (seconds).
+pub fn simulate_step(
+    sizes: &[usize],
+    ready: &[f64],
+    p: usize,
+    link: &Link,
+    sched: &Schedule,
+    o: &Overheads,
+) -> StepModel {
+    assert_eq!(sizes.len(), ready.len(), "one ready time per tensor");
+    let mut planner = ModelPlanner::new(sched);
+    let pacing: Pacing = sched.config().pacing(p);
+    let inline_bytes = match sched.kind {
+        ScheduleKind::FastHorovod => sched.config().inline_bytes,
+        ScheduleKind::Horovod => 0, // its loop runs every group itself anyway
+    };
+    // The one-byte agreement before a group runs on the negotiation thread: a recursive-doubling
+    // allreduce on the negotiation communicator.
+    let agreement = if p <= 1 {
+        0.0
+    } else {
+        rd_steps(p) * link.alpha_s
+    };
+    let mut inline_channel: Option<usize> = None; // negotiation runs this channel's group
+    let k = planner.channels();
+    let cap = link.stream_cap_bps.unwrap_or(f64::INFINITY);
+    // Per group: (latency part, wire bytes) of the algorithm the transport picks for it.
+    let cost = |m: usize| -> (f64, f64) {
+        if p <= 1 {
+            return (o.per_collective_s, 0.0);
+        }
+        let pf = p as f64;
+        match AllreduceAlgorithm::Auto.resolve(m, m / 4, p) {
+            AllreduceAlgorithm::Ring => (
+                2.0 * (pf - 1.0) * link.alpha_s + o.per_collective_s,
+                2.0 * (pf - 1.0) / pf * m as f64,
+            ),
+            _ => {
+                let steps = rd_steps(p);
+                (steps * link.alpha_s + o.per_collective_s, steps * m as f64)
+            }
+        }
+    };
+    let round = round_time(p, link, o);
+
+    let mut now = 0.0f64;
+    let mut next_tensor = 0usize; // next tensor to become ready
+    let mut pending: Vec<usize> = Vec::new(); // ready, not yet negotiated
+    let mut negotiating: Option<(f64, Vec<usize>, u64)> = None; // (end, tensors, idle channels)
+                                                                // Per channel: queued groups as (bytes, seconds of host copies).
+    let mut queues: Vec<std::collections::VecDeque<(usize, f64)>> = vec![Default::default(); k];
+    let mut queued_bytes = vec![0usize; k];
+    let mut active: Vec<Option<Transfer>> = (0..k).map(|_| None).collect();
+    let mut loop_start = 0.0f64; // horovod: start of the current loop
+    let mut in_loop = false; // horovod: a loop is negotiating or executing
+    let mut next_tick = 0.0f64; // horovod: when the next loop may start (then every cycle)
+    let cycle = sched.cycle_s.max(1e-12);
+    let tick_at = |next_tick: f64, now: f64| {
+        let j = ((now - next_tick) / cycle - 1e-9).ceil().max(0.0);
+        next_tick + j * cycle
+    };
+    let mut rounds = 0;
+    let mut collectives = 0;
+    let mut wanted: Option<f64> = None; // fasthorovod: since when a round waits to start
+    let mut done_tensors = 0usize; // tensors whose negotiation finished
+    let mut last_completion = 0.0f64;
+    let total = sizes.len();
+
+    let mut guard = 0u64;
+    loop {
+        guard += 1;
+        if guard > 50_000_000 {
+            debug_assert!(false, "the simulation did not converge");
+            break;
+        }
+        // Admit ready tensors.
+        while next_tensor < total && ready[next_tensor] <= now + 1e-15 {
+            pending.push(next_tensor);
+            next_tensor += 1;
+        }
+        // Finish a negotiation round whose time has come.
+        if let Some((end, _, _)) = &negotiating {
+            if *end <= now + 1e-15 {
+                let (_, tensors, idle) = negotiating.take().unwrap_or_default();
+                done_tensors += tensors.len();
+                let round: Vec<u64> = tensors.iter().map(|&t| sizes[t] as u64).collect();
+                let groups = planner.round(&round, idle);
+                // As the engine does: a round planned as one small group runs on the
+                // negotiation thread when its channel is idle, after the one-byte agreement,
+                // and the next round waits for it.
+                if let ([g], true) = (
+                    groups.as_slice(),
+                    runs_inline(&groups, inline_bytes, |_| true),
+                ) {
+                    let (c, b) = (g.channel.min(k - 1), g.bytes() as usize);
+                    if active[c].is_none() && queues[c].is_empty() {
+                        collectives += 1;
+                        let (latency, wire) = cost(b);
+                        active[c] = Some(Transfer {
+                            latency_end: now + agreement + latency + o.copy_s(b, g.parts.len()),
+                            remaining: wire,
+                            bytes: b,
+                        });
+                        inline_channel = Some(c);
+                    }
+                }
+                if inline_channel.is_none() {
+                    for g in groups {
+                        let (c, b) = (g.channel.min(k - 1), g.bytes() as usize);
+                        queues[c].push_back((b, o.copy_s(b, g.parts.len())));
+                        queued_bytes[c] += b;
+                    }
+                }
+            }
+        }
+        // Start transfers on idle channels.
+        for c in 0..k {
+            if active[c].is_none() {
+                if let Some((g, copy)) = queues[c].pop_front() {
+                    queued_bytes[c] -= g;
+                    collectives += 1;
+                    let (latency, wire) = cost(g);
+                    active[c] = Some(Transfer {
+                        latency_end: now + latency + copy,
+                        remaining: wire,
+                        bytes: g,
+                    });
+                }
+            }
+        }
+        let channels_idle =
+            active.iter().all(Option::is_none) && queues.iter().all(|q| q.is_empty());
+        if in_loop && negotiating.is_none() && channels_idle {
+            in_loop = false;
+            next_tick = (loop_start + cycle).max(now);
+        }
+        // Start a negotiation round (not while the negotiation thread runs a group itself).
+        if negotiating.is_none() && inline_channel.is_none() && !pending.is_empty() {
+            let since = *wanted.get_or_insert(now);
+            let may_start = match sched.kind {
+                // The engine's pacing: defer while every channel holds unfinished work
+                // (queued or in flight), at most the pacing bound.
+                ScheduleKind::FastHorovod => {
+                    let busy = (0..k)
+                        .filter(|&c| active[c].is_some() || !queues[c].is_empty())
+                        .count();
+                    let unfinished = queued_bytes.iter().sum::<usize>()
+                        + active.iter().flatten().map(|t| t.bytes).sum::<usize>();
+                    let deferred = std::time::Duration::from_secs_f64((now - since).max(0.0));
+                    !pacing.defer(busy, k, unfinished as u64, deferred)
+                }
+                ScheduleKind::Horovod => !in_loop && tick_at(next_tick, now) <= now + 1e-12,
+            };
+            if may_start {
+                if sched.kind == ScheduleKind::Horovod {
+                    loop_start = now;
+                    in_loop = true;
+                }
+                rounds += 1;
+                wanted = None;
+                // As the engine does: the channels idle when the round starts are agreed in it.
+                let idle = (0..k.min(64))
+                    .filter(|&c| active[c].is_none() && queues[c].is_empty())
+                    .fold(0u64, |m, c| m | 1 << c);
+                // The horovod preset runs its groups on the negotiation thread: like the engine,
+                // every rank first agrees that it can run them (one byte).
+                let agree = match sched.kind {
+                    ScheduleKind::Horovod => agreement,
+                    ScheduleKind::FastHorovod => 0.0,
+                };
+                negotiating = Some((now + round + agree, std::mem::take(&mut pending), idle));
+            }
+        }
+        if done_tensors == total && channels_idle && negotiating.is_none() {
+            break;
+        }
+        // Next event.
+        let in_bw = active
+            .iter()
+            .filter(|t| matches!(t, Some(t) if t.latency_end <= now + 1e-15))
+            .count();
+        let rate = if in_bw == 0 {
+            0.0
+        } else {
+            (link.bandwidth_bps / in_bw as f64).min(cap)
+        };
+        let mut next = f64::INFINITY;
+        if next_tensor < total {
+            next = next.min(ready[next_tensor]);
+        }
+        if let Some((end, _, _)) = &negotiating {
+            next = next.min(*end);
+        }
+        let mut finish = vec![f64::INFINITY; k];
+        for (c, t) in active.iter().enumerate() {
+            if let Some(t) = t {
+                if t.latency_end > now + 1e-15 {
+                    next = next.min(t.latency_end);
+                } else if rate > 0.0 {
+                    finish[c] = now + t.remaining / rate;
+                    next = next.min(finish[c]);
+                } else {
+                    finish[c] = now; // nothing left to send
+                    next = now;
+                }
+            }
+        }
+        if sched.kind == ScheduleKind::Horovod && !in_loop && !pending.is_empty() {
+            next = next.min(tick_at(next_tick, now));
+        }
+        if let (Some(since), true) = (
+            wanted,
+            negotiating.is_none() && inline_channel.is_none() && !pending.is_empty(),
+        ) {
+            // A deferred round starts at the latest when the pacing bound runs out.
+            let end = since + pacing.max_defer.as_secs_f64();
+            if end > now {
+                next = next.min(end);
+            }
+        }
+        if !next.is_finite() {
+            break; // nothing left that can happen
+        }
+        let dt = (next - now).max(0.0);
+        // Progress the bandwidth parts; complete the transfers that finish now (decided by
+        // their finish time, so that rounding cannot leave a sliver that never ends).
+        for (c, slot) in active.iter_mut().enumerate() {
+            if let Some(t) = slot {
+                if finish[c] <= next + 1e-12 * next.abs().max(1e-9) {
+                    *slot = None;
+                    last_completion = next;
+                    if inline_channel == Some(c) {
+                        inline_channel = None;
+                    }
+                } else if t.latency_end <= now + 1e-15 {
+                    t.remaining = (t.remaining - rate * dt).max(0.0);
+                }
+            }
+        }
+        now = next;
+    }
+    StepModel {
+        step_s: last_completion.max(ready.last().copied().unwrap_or(0.0)),
+        rounds,
+        collectives,
+    }
+}
+
+/// A workload's step under a schedule, link and rank count.
+pub fn simulate_workload(
+    w: &Workload,
+    backward_s: f64,
+    p: usize,
+    link: &Link,
+    sched: &Schedule,
+    o: &Overheads,
+) -> StepModel {
+    let sizes: Vec<usize> = (0..w.tensors.len()).map(|i| w.bytes(i)).collect();
+    let ready: Vec<f64> = w
+        .deadlines(std::time::Duration::from_secs_f64(backward_s))
+        .iter()
+        .map(|d| d.as_secs_f64())
+        .collect();
+    simulate_step(&sizes, &ready, p, link, sched, o)
+}
+
+/// Scaling efficiency with a non-overlapped forward pass of half the backward.
+pub fn efficiency(backward_s: f64, step_s: f64) -> f64 {
+    let f = backward_s / 2.0;
+    (f + backward_s) / (f + step_s)
+}

@@ -1,0 +1,220 @@
+//! What the model is given: link classes (α–β), the schedules compared (each one an engine
+//! configuration), and the software costs.
+
+use fh_scheduler::{Config, Preset};
+use serde::{Deserialize, Serialize};
+
+/// A network link class.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Link {
+    /// Name (`25 Gb/s`, `NVLink-class`, ...).
+    pub name: String,
+    /// Per-message latency α, seconds.
+    pub alpha_s: f64,
+    /// Link bandwidth per rank and direction, bytes per second (1/β).
+    pub bandwidth_bps: f64,
+    /// Most one stream (one channel) reaches, bytes per second; `None` = the link's.
+    pub stream_cap_bps: Option<f64>,
+}
+
+impl Link {
+    /// The documented default link classes: 25/100/400 Gb/s Ethernet-class (TCP; a single
+    /// stream assumed to reach at most 25, 40 and 50 Gb/s) and NVLink-class (300 GB/s, no cap).
+    pub fn defaults() -> Vec<Link> {
+        let gbit = |g: f64| g * 1e9 / 8.0;
+        vec![
+            Link {
+                name: "25 Gb/s".into(),
+                alpha_s: 10e-6,
+                bandwidth_bps: gbit(25.0),
+                stream_cap_bps: None,
+            },
+            Link {
+                name: "100 Gb/s".into(),
+                alpha_s: 8e-6,
+                bandwidth_bps: gbit(100.0),
+                stream_cap_bps: Some(gbit(40.0)),
+            },
+            Link {
+                name: "400 Gb/s".into(),
+                alpha_s: 5e-6,
+                bandwidth_bps: gbit(400.0),
+                stream_cap_bps: Some(gbit(50.0)),
+            },
+            Link {
+                name: "NVLink-class".into(),
+                alpha_s: 2e-6,
+                bandwidth_bps: 300e9,
+                stream_cap_bps: None,
+            },
+        ]
+    }
+}
+
+fn default_inline_bytes() -> u64 {
+    Config::default().inline_bytes
+}
+
+/// Which schedule is modelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScheduleKind {
+    /// Horovod's cycle loop: negotiation and execution on one thread.
+    Horovod,
+    /// Pipelined negotiation and K channels.
+    FastHorovod,
+}
+
+/// A schedule's parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Schedule {
+    /// The kind.
+    pub kind: ScheduleKind,
+    /// Data channels (1 for `horovod`).
+    pub channels: usize,
+    /// Loop period of `horovod`, seconds.
+    pub cycle_s: f64,
+    /// Fusion threshold, bytes.
+    pub fusion_bytes: usize,
+    /// Tensors larger than this are split into chunks across channels (`fasthorovod`).
+    pub partition_bytes: usize,
+    /// `fasthorovod`: back-pressure (the engine's pacing policy) forced on or off; `None`: as
+    /// the preset ships (`auto`, by the rank count).
+    #[serde(default)]
+    pub back_pressure: Option<bool>,
+    /// `fasthorovod`: a round planned as one group of at most this many bytes runs on the
+    /// negotiation thread (the engine's `FH_INLINE_BYTES`; 0: never).
+    #[serde(default = "default_inline_bytes")]
+    pub inline_bytes: u64,
+}
+
+impl Schedule {
+    /// The `horovod` preset: 1 ms cycle, one thread, 128 MiB fusion (Horovod 0.28's).
+    pub fn horovod() -> Self {
+        Schedule {
+            kind: ScheduleKind::Horovod,
+            channels: 1,
+            cycle_s: 1e-3,
+            fusion_bytes: 128 << 20,
+            partition_bytes: usize::MAX,
+            back_pressure: Some(false),
+            inline_bytes: 0,
+        }
+    }
+
+    /// The `fasthorovod` preset with `k` channels: 64 MiB fusion, 16 MiB partitions,
+    /// back-pressure as shipped (`auto`).
+    pub fn fasthorovod(k: usize) -> Self {
+        Schedule {
+            kind: ScheduleKind::FastHorovod,
+            channels: k.max(1),
+            cycle_s: 0.0,
+            fusion_bytes: 64 << 20,
+            partition_bytes: 16 << 20,
+            back_pressure: None,
+            inline_bytes: default_inline_bytes(),
+        }
+    }
+
+    /// The same schedule with back-pressure forced on (`+bp`).
+    pub fn with_back_pressure(mut self) -> Self {
+        self.back_pressure = Some(true);
+        self
+    }
+
+    /// The same schedule with back-pressure off (`-bp`).
+    pub fn without_back_pressure(mut self) -> Self {
+        self.back_pressure = Some(false);
+        self
+    }
+
+    /// The engine configuration this schedule models: the model plans and paces through
+    /// this configuration's [`Config::plan_options`] and [`Config::pacing`], as the engine does.
+    pub fn config(&self) -> Config {
+        let preset = match self.kind {
+            ScheduleKind::Horovod => Preset::Horovod,
+            ScheduleKind::FastHorovod => Preset::FastHorovod,
+        };
+        let c = Config::preset(preset)
+            .channels(self.channels.max(1))
+            .fusion_threshold(self.fusion_bytes as u64)
+            .partition_bytes((self.partition_bytes as u64).max(1));
+        c.backpressure(self.back_pressure)
+            .inline_bytes(self.inline_bytes)
+    }
+
+    /// `horovod`, `fasthorovod K=k` (as shipped), `fasthorovod K=k +bp` or `… -bp`
+    /// (back-pressure forced on or off); the replay's labels.
+    pub fn label(&self) -> String {
+        let k = self.channels;
+        match (self.kind, self.back_pressure) {
+            (ScheduleKind::Horovod, _) => "horovod".into(),
+            (ScheduleKind::FastHorovod, None) => format!("fasthorovod K={k}"),
+            (ScheduleKind::FastHorovod, Some(true)) => format!("fasthorovod K={k} +bp"),
+            (ScheduleKind::FastHorovod, Some(false)) => format!("fasthorovod K={k} -bp"),
+        }
+    }
+}
+
+/// Software costs, seconds (calibrated from measurements when available).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Overheads {
+    /// Per negotiation round, besides the network latency.
+    pub round_s: f64,
+    /// Per collective (launch, bookkeeping), besides the network costs and the copies.
+    pub per_collective_s: f64,
+    /// Host memory rate of a channel's copies, bytes per second: packing a fused group of
+    /// several parts into the fusion buffer and unpacking it with the average's scaling (two
+    /// passes), or scaling a tensor reduced in place (one pass), on the channel before and
+    /// after its transfer; `None`: free.
+    #[serde(default)]
+    pub copy_bps: Option<f64>,
+}
+
+impl Default for Overheads {
+    /// Documented defaults: 30 µs per round, 20 µs per collective, copies free.
+    fn default() -> Self {
+        Overheads {
+            round_s: 30e-6,
+            per_collective_s: 20e-6,
+            copy_bps: None,
+        }
+    }
+}
+
+impl Overheads {
+    /// Seconds of host copying a group of `bytes` in `parts` parts costs on its channel.
+    pub fn copy_s(&self, bytes: usize, parts: usize) -> f64 {
+        match self.copy_bps {
+            Some(r) if r > 0.0 => {
+                // Several parts: pack, and unpack with the average's scaling (two passes); a
+                // single tensor or chunk is reduced in place and scaled (one pass).
+                let passes = if parts > 1 { 2.0 } else { 1.0 };
+                passes * bytes as f64 / r
+            }
+            _ => 0.0,
+        }
+    }
+}
+
+/// Time of one ring allreduce of `bytes` on `p` ranks without contention:
+/// `2(p−1)·α + 2(p−1)/p · bytes · β` (0 for one rank). The reference formula the simulator's
+/// uncontended transfers must reproduce (checked in the tests).
+#[cfg_attr(not(test), allow(dead_code))]
+pub fn ring_allreduce_time(bytes: f64, p: usize, alpha: f64, beta: f64) -> f64 {
+    if p <= 1 {
+        return 0.0;
+    }
+    let pf = p as f64;
+    2.0 * (pf - 1.0) * alpha + 2.0 * (pf - 1.0) / pf * bytes * beta
+}
+
+/// Cost of one negotiation round on `p` ranks.
+pub fn round_time(p: usize, link: &Link, o: &Overheads) -> f64 {
+    let steps = if p <= 1 {
+        0.0
+    } else {
+        (p as f64).log2().ceil()
+    };
+    o.round_s + steps * link.alpha_s
+}
