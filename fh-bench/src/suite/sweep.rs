@@ -1,0 +1,159 @@
+//! The collectives sweep: every collective over every transport, then OpenMPI's allreduce.
+
+use std::path::Path;
+
+use indicatif::ProgressBar;
+
+use super::Options;
+use crate::collectives::{algbw_gbps, busbw_gbps, Case, Collective};
+use crate::mpi_peer;
+use crate::record::{CollRow, RunRecord, Skipped};
+use crate::runner::{Job, RankOutput, Runner};
+use crate::stats::Quantity;
+
+/// Run the sweep over `runners` (named by transport) at `sizes`, adding rows (or what was
+/// skipped) to `record`.
+pub(super) fn run(
+    opts: &Options,
+    runners: &[(String, Runner)],
+    sizes: &[usize],
+    work_dir: &Path,
+    bar: &ProgressBar,
+    record: &mut RunRecord,
+) {
+    let warmup = 1;
+    for (tname, runner) in runners {
+        for c in Collective::ALL {
+            bar.set_message(format!("collectives: {c} over {tname}"));
+            let mut cases: Vec<Case> = sizes
+                .iter()
+                .map(|&bytes| Case {
+                    collective: c,
+                    bytes,
+                })
+                .collect();
+            if opts.quick && opts.sizes.is_empty() && c == Collective::Allreduce {
+                cases.push(Case {
+                    collective: c,
+                    bytes: 64 << 20,
+                });
+            }
+            let job = Job::Collectives {
+                cases,
+                warmup,
+                repeats: opts.repeats,
+            };
+            match runner.run(&format!("collectives-{tname}-{c}"), &job) {
+                Ok(outs) => record
+                    .collectives
+                    .extend(aggregate_collectives(tname, opts.np, &outs)),
+                Err(e) => record.skipped.push(Skipped {
+                    suite: "collectives".into(),
+                    what: format!("{c} over {tname}"),
+                    reason: format!("failed: {e}"),
+                }),
+            }
+            bar.inc(1);
+        }
+    }
+    if !opts.no_peers {
+        bar.set_message("collectives: OpenMPI MPI_Allreduce");
+        let mut mpi_sizes = sizes.to_vec();
+        if opts.quick && opts.sizes.is_empty() {
+            mpi_sizes.push(64 << 20);
+        }
+        match mpi_peer::build(&opts.out.join("peers")) {
+            Err(why) => {
+                record.skipped.push(Skipped {
+                    suite: "collectives".into(),
+                    what: "OpenMPI MPI_Allreduce".into(),
+                    reason: why,
+                });
+                bar.inc(2);
+            }
+            Ok(exe) => {
+                for (name, btl) in [("openmpi", None), ("openmpi-tcp", Some("self,tcp"))] {
+                    bar.set_message(format!("collectives: {name} MPI_Allreduce"));
+                    match mpi_peer::run(
+                        &exe,
+                        opts.np,
+                        btl,
+                        warmup,
+                        opts.repeats,
+                        &mpi_sizes,
+                        &work_dir_for(work_dir),
+                        opts.job_timeout,
+                    ) {
+                        Ok(rows) => {
+                            for (bytes, secs) in rows {
+                                record.collectives.push(coll_row(
+                                    name,
+                                    Collective::Allreduce,
+                                    opts.np,
+                                    bytes,
+                                    &secs,
+                                ));
+                            }
+                        }
+                        Err(e) => record.skipped.push(Skipped {
+                            suite: "collectives".into(),
+                            what: format!("{name} MPI_Allreduce"),
+                            reason: format!("failed: {e}"),
+                        }),
+                    }
+                    bar.inc(1);
+                }
+            }
+        }
+    }
+}
+
+/// One row from per-repeat seconds (already the slowest rank's).
+pub fn coll_row(transport: &str, c: Collective, np: usize, bytes: usize, secs: &[f64]) -> CollRow {
+    let alg: Vec<f64> = secs.iter().map(|&s| algbw_gbps(bytes, s)).collect();
+    let bus: Vec<f64> = secs.iter().map(|&s| busbw_gbps(c, bytes, s, np)).collect();
+    CollRow {
+        transport: transport.to_string(),
+        collective: c.name().to_string(),
+        np,
+        bytes,
+        time: Quantity::from_samples(secs, "s").scaled(1e6, "us"),
+        algbw: Quantity::from_samples(&alg, "GB/s"),
+        busbw: Quantity::from_samples(&bus, "GB/s"),
+    }
+}
+
+/// Per case and repeat, the slowest rank's time; then the figures.
+pub fn aggregate_collectives(transport: &str, np: usize, outs: &[RankOutput]) -> Vec<CollRow> {
+    let per_rank: Vec<&Vec<crate::collectives::CaseTimes>> = outs
+        .iter()
+        .filter_map(|o| match o {
+            RankOutput::Collectives(c) => Some(c),
+            _ => None,
+        })
+        .collect();
+    let Some(first) = per_rank.first() else {
+        return vec![];
+    };
+    (0..first.len())
+        .map(|i| {
+            let case = &first[i];
+            let secs: Vec<f64> = (0..case.seconds.len())
+                .map(|j| {
+                    per_rank
+                        .iter()
+                        .filter_map(|r| r.get(i).and_then(|c| c.seconds.get(j)))
+                        .copied()
+                        .fold(0.0, f64::max)
+                })
+                .collect();
+            coll_row(transport, case.case.collective, np, case.bytes, &secs)
+        })
+        .collect()
+}
+
+/// `dir`, created if need be.
+fn work_dir_for(dir: &Path) -> std::path::PathBuf {
+    let _ = std::fs::create_dir_all(dir);
+    dir.to_path_buf()
+}

@@ -1,0 +1,94 @@
+use super::host::civil_utc;
+use super::replay::{add_ratios, repeated_row};
+use super::sweep::aggregate_collectives;
+use super::*;
+use crate::collectives::Case;
+use crate::runner::RankOutput;
+
+#[test]
+fn civil_dates() {
+    assert_eq!(civil_utc(0), (1970, 1, 1, 0, 0, 0));
+    assert_eq!(civil_utc(951_782_400), (2000, 2, 29, 0, 0, 0));
+    assert_eq!(civil_utc(1_700_000_000), (2023, 11, 14, 22, 13, 20));
+}
+
+#[test]
+fn a_peer_result_becomes_a_replay_row() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads");
+    let w = Workload::load(&dir.join("resnet50.json")).unwrap();
+    let line = r#"{"peer": "ddp-gloo", "workload": "resnet50", "np": 4, "backward_ms": 100.0, "warmup": 1, "steps": 3, "step_seconds": [0.25, 0.2, 0.3], "tensors": 161, "bytes": 102228128, "version": "torch 2.15.0", "checked": true}"#;
+    let r = torch_peer::parse_output(&format!("warning\n{line}\n")).unwrap();
+    let row = repeated_row(&w, "ddp-gloo", "gloo", r.np, 100.0, &[Some(r.step_seconds)]).unwrap();
+    assert_eq!(row.schedule, "ddp-gloo");
+    assert_eq!(row.config_label(), "ddp-gloo (gloo)");
+    assert_eq!((row.repeats, row.exposed_per_repeat.len()), (1, 1));
+    assert_eq!((row.np, row.tensors), (4, w.tensors.len()));
+    assert_eq!(row.step.unit, "ms");
+    assert!((row.step.median - 250.0).abs() < 1e-9, "{row:?}");
+    assert!((row.step.min - 200.0).abs() < 1e-9 && (row.step.max - 300.0).abs() < 1e-9);
+    assert!((row.exposed.median - 150.0).abs() < 1e-9, "{row:?}");
+    assert!((row.throughput.median - 4.0).abs() < 1e-9, "{row:?}");
+}
+
+#[test]
+fn repeats_pool_steps_and_ratios_pair_rounds() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads");
+    let w = Workload::load(&dir.join("resnet50.json")).unwrap();
+    // Failed repeats are left out of the figures; none at all gives no row.
+    assert!(repeated_row(&w, "x", "tcp", 4, 100.0, &[None, None]).is_none());
+    let fh = [
+        Some(vec![0.11, 0.13, 0.12]),
+        None,
+        Some(vec![0.14, 0.12, 0.13]),
+    ];
+    let row = repeated_row(&w, "fasthorovod-torch", "shm", 4, 100.0, &fh).unwrap();
+    assert_eq!((row.repeats, row.step.n), (2, 6));
+    assert!((row.exposed_per_repeat[0] - 20.0).abs() < 1e-9, "{row:?}");
+    assert!((row.exposed_per_repeat[1] - 30.0).abs() < 1e-9, "{row:?}");
+    assert!((row.exposed.min - 10.0).abs() < 1e-9 && (row.exposed.max - 40.0).abs() < 1e-9);
+    let ddp = [Some(vec![0.2]), Some(vec![0.3]), Some(vec![0.15])];
+    let ddp_row = repeated_row(&w, "ddp-gloo", "gloo", 4, 100.0, &ddp).unwrap();
+    let hv = [Some(vec![0.2]), Some(vec![0.2]), Some(vec![0.2])];
+    let hv_row = repeated_row(&w, "horovod", "shm", 4, 100.0, &hv).unwrap();
+    let mut rows = vec![hv_row, row, ddp_row];
+    let per_repeat = vec![
+        vec![Some(100.0), Some(100.0), Some(100.0)],
+        vec![Some(20.0), None, Some(30.0)],
+        vec![Some(100.0), Some(200.0), Some(50.0)],
+    ];
+    add_ratios(&mut rows, &per_repeat);
+    // Rounds 1 and 3 pair up (round 2 failed): 20/100 and 30/50.
+    let vs = rows[1].exposed_vs_ddp.clone().unwrap();
+    assert_eq!(vs.n, 2);
+    assert!(
+        (vs.min - 0.2).abs() < 1e-9 && (vs.max - 0.6).abs() < 1e-9,
+        "{vs:?}"
+    );
+    assert!(rows[1].exposed_vs_horovod_torch.is_none());
+    assert_eq!(rows[2].exposed_vs_ddp.as_ref().map(|q| q.median), Some(1.0));
+    // The horovod preset over the same transport is the base of the old ratios.
+    let r = rows[1].exposed_ratio_to_horovod.unwrap();
+    assert!((r - rows[1].exposed.median / 100.0).abs() < 1e-9, "{r}");
+}
+
+#[test]
+fn aggregation_takes_the_slowest_rank() {
+    use crate::collectives::CaseTimes;
+    let case = |secs: Vec<f64>| CaseTimes {
+        case: Case {
+            collective: Collective::Allreduce,
+            bytes: 1000,
+        },
+        bytes: 1000,
+        seconds: secs,
+    };
+    let outs = vec![
+        RankOutput::Collectives(vec![case(vec![1e-3, 4e-3])]),
+        RankOutput::Collectives(vec![case(vec![2e-3, 3e-3])]),
+    ];
+    let rows = aggregate_collectives("tcp", 2, &outs);
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].time.min, rows[0].time.max), (2000.0, 4000.0));
+    // 1000 B in 2 ms = 0.5 MB/s... = 0.0005 GB/s; bus factor 1 on 2 ranks.
+    assert!((rows[0].busbw.max - 0.0005).abs() < 1e-12);
+}
