@@ -1,0 +1,142 @@
+use super::*;
+use std::collections::HashMap;
+
+fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let m: HashMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    move |k| m.get(k).cloned()
+}
+
+#[test]
+fn defaults_match_the_design_table() {
+    let c = Config::from_lookup(env(&[])).unwrap();
+    assert_eq!(c.preset, Preset::FastHorovod);
+    assert_eq!(c.channels, 4);
+    assert_eq!(c.fusion_threshold, 64 * MIB);
+    assert_eq!(c.partition_bytes, 16 * MIB);
+    assert_eq!(c.cycle_time, Duration::ZERO);
+    assert_eq!(c.cache_capacity, 1024);
+    assert_eq!(c.stall_check, Some(Duration::from_secs(60)));
+    assert_eq!(c.stall_shutdown, None);
+    let h = Config::from_lookup(env(&[("FH_SCHEDULE", "horovod")])).unwrap();
+    assert_eq!(h.cycle_time, Duration::from_millis(1));
+    assert_eq!(h.fusion_threshold, 128 * MIB);
+    assert_eq!(h.effective_channels(), 1);
+}
+
+#[test]
+fn variables_are_read() {
+    let c = Config::from_lookup(env(&[
+        ("FH_CHANNELS", "2"),
+        ("FH_FUSION_THRESHOLD", "1MiB"),
+        ("FH_PARTITION_BYTES", "4096"),
+        ("FH_CYCLE_TIME_MS", "2.5"),
+        ("FH_CACHE_CAPACITY", "0"),
+        ("FH_PRIORITY", "forward"),
+        ("FH_TIMELINE", "/tmp/t.json"),
+        ("FH_STALL_CHECK_SECONDS", "0"),
+        ("FH_STALL_SHUTDOWN_SECONDS", "5"),
+    ]))
+    .unwrap();
+    assert_eq!(c.channels, 2);
+    assert_eq!(c.fusion_threshold, MIB);
+    assert_eq!(c.partition_bytes, 4096);
+    assert_eq!(c.cycle_time, Duration::from_micros(2500));
+    assert_eq!(c.cache_capacity, 0);
+    assert_eq!(c.priority, Priority::Forward);
+    assert_eq!(c.timeline, Some(PathBuf::from("/tmp/t.json")));
+    assert_eq!(c.stall_check, None);
+    assert_eq!(c.stall_shutdown, Some(Duration::from_secs(5)));
+    // Auto: on from BACKPRESSURE_AUTO_RANKS ranks; never under horovod.
+    let auto = Config::default();
+    assert_eq!(auto.backpressure, None);
+    assert!(!auto.backpressure_on(BACKPRESSURE_AUTO_RANKS - 1));
+    assert!(auto.pacing(BACKPRESSURE_AUTO_RANKS).enabled);
+    assert!(!Config::preset(Preset::Horovod).backpressure_on(4096));
+    let off = Config::from_lookup(env(&[("FH_BACKPRESSURE", "off")])).unwrap();
+    assert!(!off.pacing(4096).enabled);
+    let on = Config::from_lookup(env(&[("FH_BACKPRESSURE", "1")])).unwrap();
+    assert!(on.pacing(2).enabled);
+    let auto = Config::from_lookup(env(&[("FH_BACKPRESSURE", "Auto")])).unwrap();
+    assert_eq!(auto.backpressure, None);
+    let e = Config::from_lookup(env(&[("FH_BACKPRESSURE", "sometimes")]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("FH_BACKPRESSURE"), "{e}");
+    let bp = Config::from_lookup(env(&[
+        ("FH_BACKPRESSURE_BYTES", "1MiB"),
+        ("FH_BACKPRESSURE_MAX_MS", "3"),
+    ]))
+    .unwrap();
+    assert_eq!(bp.backpressure_bytes, MIB);
+    assert_eq!(bp.backpressure_max, Duration::from_millis(3));
+    assert!(Config::default()
+        .cache_capacity(MAX_CACHE_CAPACITY + 1)
+        .validate()
+        .is_err());
+    let hot = Config::from_lookup(env(&[
+        ("FH_INLINE_BYTES", "4KiB"),
+        ("FH_CONTROL_SPIN_US", "20"),
+    ]))
+    .unwrap();
+    assert_eq!(hot.inline_bytes, 4096);
+    assert_eq!(hot.control_spin, Duration::from_micros(20));
+    assert_eq!(
+        Config::default()
+            .control_spin(Duration::from_secs(1))
+            .control_spin,
+        MAX_CONTROL_SPIN
+    );
+    let short = Config::from_lookup(env(&[("FH_TIMEOUT_SECONDS", "2")])).unwrap();
+    assert_eq!(short.idle_heartbeat, Duration::from_millis(500));
+}
+
+#[test]
+fn the_gpu_switch_is_read_and_off_by_default() {
+    assert!(!Config::from_lookup(env(&[])).unwrap().cuda);
+    for (v, on) in [
+        ("1", true),
+        ("true", true),
+        ("0", false),
+        ("off", false),
+        ("", false),
+    ] {
+        assert_eq!(
+            Config::from_lookup(env(&[("FH_CUDA", v)])).unwrap().cuda,
+            on,
+            "{v}"
+        );
+    }
+    // It is a planning field: ranks that disagree refuse to start.
+    assert!(agree::planning_fields(&Config::default().cuda(true), 2).contains(&("FH_CUDA", 1)));
+}
+
+#[test]
+fn bad_values_name_the_variable_and_accepted_values() {
+    for (var, val, expect) in [
+        ("FH_SCHEDULE", "fast-ish", "fasthorovod, horovod"),
+        ("FH_CHANNELS", "0", "1 to 64"),
+        ("FH_CHANNELS", "four", "integer"),
+        ("FH_FUSION_THRESHOLD", "64XB", "suffix"),
+        ("FH_CYCLE_TIME_MS", "-1", "non-negative"),
+        ("FH_PRIORITY", "backward", "ready, forward"),
+        ("FH_STALL_CHECK_SECONDS", "soon", "non-negative"),
+        ("FH_LOG_LEVEL", "loud", "info"),
+        ("FH_CACHE_CAPACITY", "1000000000", "0 to 65536"),
+        ("FH_BACKPRESSURE_BYTES", "lots", "byte size"),
+        ("FH_BACKPRESSURE_MAX_MS", "5000", "0 to 1000"),
+        ("FH_CUDA", "maybe", "0, 1, true, false"),
+        ("FH_INLINE_BYTES", "lots", "byte size"),
+        ("FH_CONTROL_SPIN_US", "5000", "0 to 1000"),
+    ] {
+        let err = Config::from_lookup(env(&[(var, val)]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(var) && err.contains(expect),
+            "{var}={val}: {err}"
+        );
+    }
+}
