@@ -1,0 +1,301 @@
+//! The engine: public submission API and the state shared by its threads.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::unbounded;
+use fh_transport::subset::SubsetTransport;
+use fh_transport::{Topology, Transport};
+
+use crate::control::Control;
+pub use crate::options::{AllreduceOptions, CollectiveOptions};
+use crate::shared::{lock, Gate, Inner, Msg};
+use crate::stats::{Counters, EngineStats, GroupRecord, StallReport};
+use crate::timeline::Timeline;
+use crate::{Config, SchedulerError};
+
+mod submit;
+
+/// The FastHorovod engine of one rank: submit named collectives, get handles.
+///
+/// `Engine` is `Send + Sync`; share it by reference (or in an `Arc`) between the threads
+/// that submit. Every rank of the world must start an engine with a compatible configuration;
+/// the engine negotiates which names are ready everywhere and runs the collectives.
+///
+/// ```
+/// use fh_scheduler::{AllreduceOptions, Config, Engine, Tensor};
+/// use fh_core::ReduceOp;
+/// use fh_transport::local::LocalWorld;
+///
+/// let threads: Vec<_> = LocalWorld::new(2).into_iter().map(|t| std::thread::spawn(move || {
+///     let engine = Engine::start(Box::new(t), Config::default().channels(2)).unwrap();
+///     let x = Tensor::from_slice(&[engine.rank() as f32 + 1.0; 3]);
+///     let h = engine.allreduce("x", x, AllreduceOptions::with_op(ReduceOp::Sum)).unwrap();
+///     let y = h.wait().unwrap().to_vec::<f32>().unwrap();
+///     engine.shutdown().unwrap();
+///     y
+/// })).collect();
+/// for t in threads {
+///     assert_eq!(t.join().unwrap(), [3.0; 3]);
+/// }
+/// ```
+pub struct Engine {
+    inner: Arc<Inner>,
+    topology: Topology,
+    control: Mutex<Option<JoinHandle<()>>>,
+    transport: Mutex<Option<Box<dyn Transport>>>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("rank", &self.inner.rank)
+            .field("size", &self.inner.size)
+            .field("preset", &self.inner.config.preset)
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Start an engine on a world. Collective: every rank must call it (it opens the control
+    /// communicator and one communicator per data channel, and checks that the ranks'
+    /// configurations agree).
+    pub fn start(
+        mut transport: Box<dyn Transport>,
+        config: Config,
+    ) -> Result<Engine, SchedulerError> {
+        config.validate()?;
+        let topo = transport.topology();
+        let mut control = transport.open("fh-control")?;
+        crate::config::agree(control.as_mut(), &config)?;
+        let k = config.effective_channels();
+        let mut data = Vec::with_capacity(k);
+        for c in 0..k {
+            data.push(transport.open(&format!("fh-channel-{c}"))?);
+        }
+        let (gpu, devices) =
+            crate::gpu::open(transport.as_mut(), control.as_mut(), &config, topo, k)?;
+        let timeline = match (&config.timeline, topo.rank) {
+            (Some(path), 0) => match Timeline::create(path, k) {
+                Ok(t) => Some(Arc::new(t)),
+                Err(e) => {
+                    return Err(SchedulerError::config(
+                        "FH_TIMELINE",
+                        format!("cannot create {}: {e}", path.display()),
+                    ))
+                }
+            },
+            _ => None,
+        };
+        let (tx, rx) = unbounded();
+        let inner = Arc::new(Inner {
+            rank: topo.rank,
+            size: topo.size,
+            config: config.clone(),
+            gate: Mutex::new(Gate { closed: None, tx }),
+            in_flight: Mutex::new(HashSet::new()),
+            counters: Counters::default(),
+            stalls: Mutex::new(Vec::new()),
+            barrier_seq: AtomicU64::new(0),
+            groups: Mutex::new(Vec::new()),
+            timeline: RwLock::new(timeline),
+            gpu,
+            pacing_wait: AtomicBool::new(false),
+        });
+        let ctl = Control::new(Arc::clone(&inner), control, data, devices, rx)?;
+        let handle = std::thread::Builder::new()
+            .name(format!("fh-control-{}", topo.rank))
+            .spawn(move || ctl.run())
+            .map_err(|e| SchedulerError::InvalidArgument(format!("cannot spawn a thread: {e}")))?;
+        tracing::debug!(
+            rank = topo.rank,
+            size = topo.size,
+            preset = config.preset.name(),
+            channels = k,
+            backend = transport.backend(),
+            "engine started"
+        );
+        Ok(Engine {
+            inner,
+            topology: topo,
+            control: Mutex::new(Some(handle)),
+            transport: Mutex::new(Some(transport)),
+        })
+    }
+
+    /// Collectively (every rank of this engine's world) open communicators over the world
+    /// ranks `members`, one per label, on the world this engine was started on; see
+    /// [`fh_transport::subset::open_subset`]. Used by [`crate::ProcessSets`].
+    pub fn open_subset(
+        &self,
+        members: &[usize],
+        labels: &[String],
+    ) -> Result<SubsetTransport, SchedulerError> {
+        let mut guard = lock(&self.transport);
+        let world = guard.as_mut().ok_or_else(|| SchedulerError::ShutDown {
+            reason: "the engine's world is closed".into(),
+        })?;
+        Ok(fh_transport::subset::open_subset(
+            world.as_mut(),
+            members,
+            labels,
+        )?)
+    }
+
+    /// Shut the engine down through a shared reference (as [`Engine::shutdown`]; for an
+    /// engine held in an `Arc`). Later submissions fail with [`SchedulerError::ShutDown`].
+    pub fn close(&self) -> Result<(), SchedulerError> {
+        self.stop()
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// This rank's place among the ranks of its host.
+    pub fn local_rank(&self) -> usize {
+        self.topology.local_rank
+    }
+
+    /// Number of ranks on this rank's host.
+    pub fn local_size(&self) -> usize {
+        self.topology.local_size
+    }
+
+    /// Index of this rank's host among the hosts.
+    pub fn cross_rank(&self) -> usize {
+        self.topology.cross_rank
+    }
+
+    /// Number of hosts.
+    pub fn cross_size(&self) -> usize {
+        self.topology.cross_size
+    }
+
+    /// Where this rank sits: rank, size, local and cross ranks and sizes.
+    pub fn topology(&self) -> Topology {
+        self.topology
+    }
+
+    /// Start writing a Chrome-trace timeline to `path` (rank 0 writes; other ranks accept
+    /// the call and do nothing), replacing any timeline being written. Every rank should call
+    /// it, as with Horovod's `start_timeline`.
+    pub fn start_timeline(&self, path: &Path) -> Result<(), SchedulerError> {
+        if self.inner.rank != 0 {
+            return Ok(());
+        }
+        let t = Timeline::create(path, self.inner.config.effective_channels()).map_err(|e| {
+            SchedulerError::InvalidArgument(format!(
+                "cannot create the timeline {}: {e}",
+                path.display()
+            ))
+        })?;
+        if let Some(old) = self.inner.replace_timeline(Some(Arc::new(t))) {
+            old.finish(crate::timeline::STOP_WAIT);
+        }
+        Ok(())
+    }
+
+    /// Stop writing the timeline: the events already handed to its writer thread are written,
+    /// the JSON array is closed and the writer joined (waiting at most 10 s) before this
+    /// returns. A no-op when none is written.
+    pub fn stop_timeline(&self) {
+        self.inner.finish_timeline();
+    }
+
+    /// The GPU this rank's device channels drive and how they move bytes (NCCL, or host
+    /// staging when a host runs more ranks than it has GPUs); `None` when the GPU path is not
+    /// open (see [`Config::cuda`](crate::Config#structfield.cuda)).
+    pub fn gpu(&self) -> Option<(u32, fh_transport::cuda::DeviceMode)> {
+        match (&self.inner.gpu.device, self.inner.gpu.mode) {
+            (Ok(d), Some(m)) => Some((*d, m)),
+            _ => None,
+        }
+    }
+
+    /// The configuration the engine runs with.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// A snapshot of this rank's counters.
+    pub fn stats(&self) -> EngineStats {
+        self.inner.counters.snapshot()
+    }
+
+    /// Why the engine has stopped (shutdown, lost rank, stall), or `None` while it runs.
+    pub fn stopped(&self) -> Option<SchedulerError> {
+        self.inner.failure()
+    }
+
+    /// The stall inspector's reports so far.
+    pub fn stall_reports(&self) -> Vec<StallReport> {
+        lock(&self.inner.stalls).clone()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    /// The fused groups dispatched so far, in dispatch order (empty unless
+    /// `Config::record_groups` is on). Identical on every rank.
+    pub fn group_log(&self) -> Vec<GroupRecord> {
+        lock(&self.inner.groups).clone()
+    }
+
+    /// Shut the engine down: every rank's engine stops (a shutdown on one rank is agreed with
+    /// the others in the next negotiation round), pending operations fail with
+    /// [`SchedulerError::ShutDown`], the threads are joined. Returns the communication error
+    /// that stopped the engine, if one did.
+    pub fn shutdown(self) -> Result<(), SchedulerError> {
+        self.stop()
+    }
+
+    fn stop(&self) -> Result<(), SchedulerError> {
+        let _ = self.inner.send(Msg::Shutdown);
+        let handle = lock(&self.control).take();
+        if let Some(h) = handle {
+            if h.join().is_err() {
+                tracing::error!(rank = self.inner.rank, "the control thread panicked");
+            }
+            drop(lock(&self.transport).take());
+        }
+        // After the control thread (which joins the channels): their last events are queued.
+        self.inner.finish_timeline();
+        match self.inner.failure() {
+            Some(SchedulerError::ShutDown { .. }) | None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handle::{GroupHandle, Handle};
+    use crate::Tensor;
+
+    #[test]
+    fn public_types_are_send_and_sync() {
+        fn send_sync<T: Send + Sync>() {}
+        fn send<T: Send>() {}
+        send_sync::<Engine>();
+        send_sync::<Config>();
+        send_sync::<Tensor>();
+        send_sync::<SchedulerError>();
+        send::<Handle>();
+        send::<GroupHandle>();
+    }
+}
