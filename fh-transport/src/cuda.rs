@@ -71,7 +71,11 @@
 pub const COMPILED: bool = cfg!(feature = "cuda");
 
 #[cfg(feature = "cuda")]
+mod buffers;
+#[cfg(feature = "cuda")]
 mod device;
+#[cfg(feature = "cuda")]
+mod driver;
 #[cfg(feature = "cuda")]
 mod nccl;
 #[cfg(feature = "cuda")]
@@ -79,6 +83,8 @@ mod scale;
 #[cfg(feature = "cuda")]
 mod staged;
 
+#[cfg(feature = "cuda")]
+pub use buffers::{DeviceBytes, DeviceBytesMut};
 /// The CUDA types of the device API, re-exported so that callers (the engine, fh-torch) need
 /// no direct `cudarc` dependency (tidy allows `cudarc` in fh-transport only).
 #[cfg(feature = "cuda")]
@@ -87,10 +93,9 @@ pub use cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream,
 };
 #[cfg(feature = "cuda")]
-pub use device::{
-    record_on_stream, stream_wait, CudaWorld, DeviceBytes, DeviceBytesMut, DeviceChannel,
-    DeviceCommunicator, Staging, DEFAULT_INIT_TIMEOUT,
-};
+pub use device::{CudaWorld, DeviceChannel, DeviceCommunicator, Staging, DEFAULT_INIT_TIMEOUT};
+#[cfg(feature = "cuda")]
+pub use driver::{record_on_stream, stream_wait};
 
 /// How a device channel moves bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -128,7 +133,7 @@ pub struct Probe {
 pub fn probe() -> Probe {
     #[cfg(feature = "cuda")]
     {
-        device::probe()
+        driver::probe()
     }
     #[cfg(not(feature = "cuda"))]
     {

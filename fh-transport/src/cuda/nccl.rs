@@ -11,7 +11,9 @@ use fh_nccl_sys::sys::{
 };
 use fh_nccl_sys::Nccl;
 
-use super::device::{cuda_err, nccl_types, DeviceBytes, DeviceBytesMut, DeviceCommunicator};
+use super::buffers::{DeviceBytes, DeviceBytesMut};
+use super::device::{nccl_types, DeviceCommunicator};
+use super::driver::cuda_err;
 use super::DeviceMode;
 use crate::{Communicator, Result, TransportError};
 

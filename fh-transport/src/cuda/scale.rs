@@ -9,7 +9,8 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use fh_core::DType;
 
-use super::device::{cuda_err, DeviceBytesMut};
+use super::buffers::DeviceBytesMut;
+use super::driver::cuda_err;
 use crate::{Result, TransportError};
 
 /// The PTX text (committed; regenerate with the command in `scale.ll`).

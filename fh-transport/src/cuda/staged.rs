@@ -8,7 +8,9 @@ use std::sync::Arc;
 use cudarc::driver::{result as cu, CudaStream};
 use fh_core::{DType, ReduceOp};
 
-use super::device::{cuda_err, DeviceBytes, DeviceBytesMut, DeviceCommunicator};
+use super::buffers::{DeviceBytes, DeviceBytesMut};
+use super::device::DeviceCommunicator;
+use super::driver::cuda_err;
 use super::DeviceMode;
 use crate::{Communicator, Result, TransportError};
 
