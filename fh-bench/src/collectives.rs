@@ -217,6 +217,104 @@ fn run_case(
     })
 }
 
+/// What a rank measured for `streams` allreduces of the same size running at once, each on its
+/// own communicator (as the engine's K data channels do).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StreamTimes {
+    /// Allreduces in flight at once.
+    pub streams: usize,
+    /// Bytes of each one.
+    pub bytes: usize,
+    /// Seconds of each timed repeat on this rank: from a barrier until the last of the
+    /// `streams` allreduces has finished.
+    pub seconds: Vec<f64>,
+}
+
+/// Runs `streams[i]` f32 sum allreduces of `bytes` at once, one thread each on its own
+/// communicator of `comms` (at least the largest count), `warmup` untimed then `repeats`
+/// timed runs per count; the first run's results are checked.
+pub fn run_streams(
+    comms: &mut [Box<dyn Communicator>],
+    bytes: usize,
+    streams: &[usize],
+    warmup: usize,
+    repeats: usize,
+) -> Result<Vec<StreamTimes>, String> {
+    let most = streams.iter().copied().max().unwrap_or(0);
+    if most == 0 || comms.len() < most {
+        return Err(format!(
+            "{most} concurrent allreduces need as many communicators; {} were opened",
+            comms.len()
+        ));
+    }
+    let n = comms[0].size();
+    let rank = comms[0].rank();
+    let len = (bytes / 4).max(1);
+    let mut bufs: Vec<Vec<u8>> = (0..most).map(|_| Vec::new()).collect();
+    // Each buffer starts as ones (outside the timed part).
+    let fill = |bufs: &mut [Vec<u8>], k: usize| {
+        for b in bufs.iter_mut().take(k) {
+            b.clear();
+            b.extend((0..len).flat_map(|_| 1.0f32.to_ne_bytes()));
+        }
+    };
+    // One run of `k` allreduces at once.
+    let once = |comms: &mut [Box<dyn Communicator>], bufs: &mut [Vec<u8>], k: usize| {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .iter_mut()
+                .zip(bufs.iter_mut())
+                .take(k)
+                .map(|(c, b)| s.spawn(move || c.allreduce(b, DType::F32, ReduceOp::Sum)))
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .try_for_each(|(i, h)| match h.join() {
+                    Ok(r) => r.map_err(|e| {
+                        format!("allreduce {i} of {k} concurrent ones on rank {rank}: {e}")
+                    }),
+                    Err(_) => Err(format!(
+                        "allreduce {i} of {k} concurrent ones on rank {rank} panicked"
+                    )),
+                })
+        })
+    };
+    let mut out = Vec::with_capacity(streams.len());
+    for &k in streams {
+        if k == 0 {
+            continue;
+        }
+        for i in 0..warmup.max(1) {
+            fill(&mut bufs, k);
+            once(comms, &mut bufs, k)?;
+            if i == 0 {
+                for b in bufs.iter().take(k) {
+                    check(Collective::Allreduce, b, &[], n, rank).map_err(|e| {
+                        format!("{k} concurrent allreduces on rank {rank}: wrong result: {e}")
+                    })?;
+                }
+            }
+        }
+        let mut seconds = Vec::with_capacity(repeats);
+        for _ in 0..repeats {
+            fill(&mut bufs, k);
+            comms[0]
+                .barrier()
+                .map_err(|e| format!("barrier on rank {rank}: {e}"))?;
+            let t = Instant::now();
+            once(comms, &mut bufs, k)?;
+            seconds.push(t.elapsed().as_secs_f64());
+        }
+        out.push(StreamTimes {
+            streams: k,
+            bytes: len * 4,
+            seconds,
+        });
+    }
+    Ok(out)
+}
+
 fn f32_at(buf: &[u8], i: usize) -> f32 {
     let mut b = [0u8; 4];
     b.copy_from_slice(&buf[i * 4..i * 4 + 4]);
@@ -317,6 +415,30 @@ mod tests {
             .parse::<Collective>()
             .unwrap_err()
             .contains("allgather"));
+    }
+
+    #[test]
+    fn concurrent_allreduces_run_and_check_on_the_local_backend() {
+        use fh_transport::{local::LocalWorld, Transport};
+        let handles: Vec<_> = LocalWorld::new(3)
+            .into_iter()
+            .map(|mut t| {
+                std::thread::spawn(move || {
+                    let mut comms: Vec<_> =
+                        (0..3).map(|i| t.open(&format!("s{i}")).unwrap()).collect();
+                    // Too few communicators for four at once: an error, not a hang.
+                    let err = run_streams(&mut comms, 4000, &[4], 1, 1).unwrap_err();
+                    assert!(err.contains("4 concurrent allreduces"), "{err}");
+                    run_streams(&mut comms, 4000, &[1, 3], 1, 2).unwrap()
+                })
+            })
+            .collect();
+        for h in handles {
+            let out = h.join().unwrap();
+            assert_eq!(out.len(), 2);
+            assert_eq!((out[0].streams, out[1].streams), (1, 3));
+            assert!(out.iter().all(|s| s.seconds.len() == 2 && s.bytes == 4000));
+        }
     }
 
     #[test]

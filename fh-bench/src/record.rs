@@ -27,6 +27,9 @@ pub struct RunRecord {
     /// Collectives sweep.
     #[serde(default)]
     pub collectives: Vec<CollRow>,
+    /// Concurrent allreduces (K at once, each on its own communicator), per transport.
+    #[serde(default)]
+    pub streams: Vec<StreamRow>,
     /// Workload replay (the headline).
     #[serde(default)]
     pub replay: Vec<ReplayRow>,
@@ -161,6 +164,24 @@ pub struct CollRow {
     pub algbw: Quantity,
     /// Bus bandwidth, GB/s.
     pub busbw: Quantity,
+}
+
+/// Concurrent allreduces of one size: `streams` of them at once, each on its own
+/// communicator, as the engine's channels run them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StreamRow {
+    /// Transport (`tcp`, `shm`, `local`).
+    pub transport: String,
+    /// Ranks.
+    pub np: usize,
+    /// Bytes of each allreduce.
+    pub bytes: usize,
+    /// Allreduces in flight at once.
+    pub streams: usize,
+    /// From a barrier to the last one finished (slowest rank per repeat), ms.
+    pub time: Quantity,
+    /// All of them together: `streams × bytes / time`, GB/s.
+    pub aggregate_algbw: Quantity,
 }
 
 /// One replay configuration.

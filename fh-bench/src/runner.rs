@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use fh_transport::Transport;
 use serde::{Deserialize, Serialize};
 
-use crate::collectives::{self, Case, CaseTimes};
+use crate::collectives::{self, Case, CaseTimes, StreamTimes};
 use crate::replay::{self, NegotiationJob, NegotiationStep, ReplayJob};
 
 /// A unit of work run by every rank.
@@ -31,6 +31,17 @@ pub enum Job {
         /// Timed runs per case.
         repeats: usize,
     },
+    /// Concurrent allreduces, each on its own communicator (the engine's K channels at once).
+    Streams {
+        /// Bytes of each allreduce.
+        bytes: usize,
+        /// How many run at once, one measurement per count.
+        streams: Vec<usize>,
+        /// Untimed runs per count.
+        warmup: usize,
+        /// Timed runs per count.
+        repeats: usize,
+    },
     /// A workload replay through the engine.
     Replay(ReplayJob),
     /// A negotiation-cost measurement through the engine.
@@ -42,6 +53,8 @@ pub enum Job {
 pub enum RankOutput {
     /// Per case timings.
     Collectives(Vec<CaseTimes>),
+    /// Per stream count timings.
+    Streams(Vec<StreamTimes>),
     /// Per timed replay step, seconds, and the bytes per channel.
     Replay(crate::replay::ReplayOutput),
     /// Per timed negotiation step.
@@ -61,6 +74,20 @@ pub fn execute(job: &Job, mut transport: Box<dyn Transport>) -> Result<RankOutpu
                 .map_err(|e| format!("opening a communicator: {e}"))?;
             let out = collectives::run_cases(comm.as_mut(), cases, *warmup, *repeats, |_| {})?;
             Ok(RankOutput::Collectives(out))
+        }
+        Job::Streams {
+            bytes,
+            streams,
+            warmup,
+            repeats,
+        } => {
+            let most = streams.iter().copied().max().unwrap_or(1).max(1);
+            let mut comms = (0..most)
+                .map(|i| transport.open(&format!("fh-bench stream {i}")))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("opening a communicator: {e}"))?;
+            collectives::run_streams(&mut comms, *bytes, streams, *warmup, *repeats)
+                .map(RankOutput::Streams)
         }
         Job::Replay(j) => replay::run_replay(j, transport).map(RankOutput::Replay),
         Job::Negotiation(j) => replay::run_negotiation(j, transport).map(RankOutput::Negotiation),

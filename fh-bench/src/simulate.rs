@@ -8,7 +8,8 @@ use crate::workload::Workload;
 
 /// What the simulation is, said in every report.
 pub const NOTE: &str = "MODEL, not a measurement: a discrete-event simulation of both schedules \
-(negotiation rounds, fusion, K channels sharing the link, alpha-beta costs of ring or \
+(negotiation rounds, fusion, K channels sharing the link (with the loss measured for K \
+allreduces at once on the loopback check), alpha-beta costs of ring or \
 recursive-doubling allreduce, host copies at the measured copy rate), fed by \
 the workloads' gradient sizes and release times. Step time = backward start to last gradient \
 reduced; efficiency = (F + B) / (F + step) with a forward pass F = B/2.";
@@ -54,7 +55,8 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
             .filter(|r| r.np == np && r.time.median.is_finite())
             .map(|r| (r.bytes as f64, r.time.median * 1e-6))
             .collect();
-        if let Some(l) = sim::calibrate_link(&format!("measured {transport} loopback"), np, &points)
+        if let Some(mut l) =
+            sim::calibrate_link(&format!("measured {transport} loopback"), np, &points)
         {
             notes.push(format!(
                 "{transport}: alpha = {:.1} us, bandwidth = {:.2} GB/s: fitted to the \
@@ -64,6 +66,19 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
                 l.bandwidth_bps / 1e9,
                 points.len()
             ));
+            l.concurrency = concurrency(record, transport, np);
+            if !l.concurrency.is_empty() {
+                let shown: Vec<String> = l
+                    .concurrency
+                    .iter()
+                    .map(|(n, f)| format!("{f:.2} with {n}"))
+                    .collect();
+                notes.push(format!(
+                    "{transport}: allreduces in flight at once move together {} times what \
+                     one moves alone: measured concurrent allreduces from {source}",
+                    shown.join(", ")
+                ));
+            }
             links.push((l, np));
         }
     }
@@ -118,6 +133,33 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
         )),
     }
     (links, overheads, notes)
+}
+
+/// A transport's measured concurrency factors at `np` ranks: aggregate bandwidth of `n`
+/// allreduces at once ÷ that of one, from the same measurement (medians), for `n` ≥ 2.
+fn concurrency(record: &RunRecord, transport: &str, np: usize) -> Vec<(usize, f64)> {
+    let rows: Vec<_> = record
+        .streams
+        .iter()
+        .filter(|r| r.transport == transport && r.np == np)
+        .filter(|r| r.aggregate_algbw.median.is_finite() && r.aggregate_algbw.median > 0.0)
+        .collect();
+    let Some(one) = rows.iter().find(|r| r.streams == 1) else {
+        return vec![];
+    };
+    let mut f: Vec<(usize, f64)> = rows
+        .iter()
+        .filter(|r| r.streams >= 2 && r.bytes == one.bytes)
+        .map(|r| {
+            (
+                r.streams,
+                r.aggregate_algbw.median / one.aggregate_algbw.median,
+            )
+        })
+        .collect();
+    f.sort_by_key(|p| p.0);
+    f.dedup_by_key(|p| p.0);
+    f
 }
 
 /// Runs the projections.

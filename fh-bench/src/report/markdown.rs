@@ -103,6 +103,49 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
         }
     }
 
+    if !r.streams.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n### Concurrent allreduces\n\nK allreduces of the same size at once, each on its \
+             own communicator, as the engine's K channels run them. Time = from a barrier to \
+             the last one finished (slowest rank); aggregate = K × size / time; ÷ one = the \
+             aggregate against one allreduce alone in the same measurement (the scale model's \
+             concurrency factor for the loopback check).\n"
+        );
+        let _ = writeln!(
+            md,
+            "| transport | np | size | K | time | aggregate algbw | ÷ one |"
+        );
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+        for x in &r.streams {
+            let one = r
+                .streams
+                .iter()
+                .find(|y| {
+                    y.transport == x.transport
+                        && y.np == x.np
+                        && y.bytes == x.bytes
+                        && y.streams == 1
+                })
+                .map(|y| y.aggregate_algbw.median)
+                .filter(|m| *m > 0.0);
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                x.transport,
+                x.np,
+                fmt_bytes(x.bytes as f64),
+                x.streams,
+                x.time.display(1),
+                x.aggregate_algbw.display(3),
+                one.map_or("–".into(), |o| format!(
+                    "{:.2}",
+                    x.aggregate_algbw.median / o
+                ))
+            );
+        }
+    }
+
     if !r.negotiation.is_empty() {
         let _ = writeln!(md, "## Negotiation\n");
         let _ = writeln!(

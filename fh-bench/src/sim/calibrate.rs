@@ -34,5 +34,6 @@ pub fn calibrate_link(name: &str, p: usize, points: &[(f64, f64)]) -> Option<Lin
         alpha_s: alpha,
         bandwidth_bps: 1.0 / beta,
         stream_cap_bps: None,
+        concurrency: Vec::new(),
     })
 }

@@ -11,7 +11,9 @@
 //!   `2(p−1)/p · m` bytes per rank; recursive doubling: `⌊log₂ p⌋·α + o` (two more steps when
 //!   `p` is not a power of two) and `⌊log₂ p⌋·m`. Bandwidth parts in flight at the same time
 //!   share the link fairly (processor sharing), each at most `stream_cap` (a single TCP stream
-//!   rarely fills a fast link; NVLink-class links have no such cap).
+//!   rarely fills a fast link; NVLink-class links have no such cap). Together they move the
+//!   link's bandwidth times its measured concurrency factor ([`Link::aggregate_factor`]: 1 for
+//!   the link classes; on a loopback check, what K allreduces at once measured against one).
 //! - **Negotiation round.** Costs `r + ⌈log₂ p⌉·α` (a small recursive-doubling allreduce of
 //!   the bit vector plus the software overhead `r`).
 //! - **`horovod`** (one background thread): a loop that starts at most every `cycle` seconds,
@@ -260,7 +262,7 @@ pub fn simulate_step(
         let rate = if in_bw == 0 {
             0.0
         } else {
-            (link.bandwidth_bps / in_bw as f64).min(cap)
+            (link.bandwidth_bps * link.aggregate_factor(in_bw) / in_bw as f64).min(cap)
         };
         let mut next = f64::INFINITY;
         if next_tensor < total {

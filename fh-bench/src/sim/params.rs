@@ -15,9 +15,36 @@ pub struct Link {
     pub bandwidth_bps: f64,
     /// Most one stream (one channel) reaches, bytes per second; `None` = the link's.
     pub stream_cap_bps: Option<f64>,
+    /// Measured aggregate bandwidth with `n` transfers in flight ÷ with one, as `(n, factor)`
+    /// by increasing `n` (on a loopback check the ranks' channels share a few cores, so more
+    /// streams may move less); empty: the link is shared without loss.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub concurrency: Vec<(usize, f64)>,
 }
 
 impl Link {
+    /// Aggregate bandwidth with `n` transfers in flight ÷ with one: 1 for one transfer or an
+    /// unmeasured link; between measured counts linear, beyond them the nearest one's.
+    pub fn aggregate_factor(&self, n: usize) -> f64 {
+        if n <= 1 || self.concurrency.is_empty() {
+            return 1.0;
+        }
+        let pts = &self.concurrency;
+        let first = pts[0];
+        if n <= first.0 {
+            // From (1, 1) to the first measured count.
+            let span = (first.0.max(2) - 1) as f64;
+            return 1.0 + (first.1 - 1.0) * (n - 1) as f64 / span;
+        }
+        for w in pts.windows(2) {
+            let ((a, fa), (b, fb)) = (w[0], w[1]);
+            if n <= b && b > a {
+                return fa + (fb - fa) * (n - a) as f64 / (b - a) as f64;
+            }
+        }
+        pts[pts.len() - 1].1
+    }
+
     /// The documented default link classes: 25/100/400 Gb/s Ethernet-class (TCP; a single
     /// stream assumed to reach at most 25, 40 and 50 Gb/s) and NVLink-class (300 GB/s, no cap).
     pub fn defaults() -> Vec<Link> {
@@ -28,24 +55,28 @@ impl Link {
                 alpha_s: 10e-6,
                 bandwidth_bps: gbit(25.0),
                 stream_cap_bps: None,
+                concurrency: Vec::new(),
             },
             Link {
                 name: "100 Gb/s".into(),
                 alpha_s: 8e-6,
                 bandwidth_bps: gbit(100.0),
                 stream_cap_bps: Some(gbit(40.0)),
+                concurrency: Vec::new(),
             },
             Link {
                 name: "400 Gb/s".into(),
                 alpha_s: 5e-6,
                 bandwidth_bps: gbit(400.0),
                 stream_cap_bps: Some(gbit(50.0)),
+                concurrency: Vec::new(),
             },
             Link {
                 name: "NVLink-class".into(),
                 alpha_s: 2e-6,
                 bandwidth_bps: 300e9,
                 stream_cap_bps: None,
+                concurrency: Vec::new(),
             },
         ]
     }

@@ -12,6 +12,7 @@ fn link(alpha: f64, bw: f64, cap: Option<f64>) -> Link {
         alpha_s: alpha,
         bandwidth_bps: bw,
         stream_cap_bps: cap,
+        concurrency: Vec::new(),
     }
 }
 
@@ -114,6 +115,47 @@ fn channels_share_bandwidth_and_overlap_latency() {
     let m2 = simulate_step(&sizes, &[0.0, 0.0], 2, &capped, &s2, &NO_OVERHEAD);
     assert!(close(m1.step_s, 1e-5 + 2.0 * (2e-5 + 2e-3)), "{m1:?}");
     assert!(close(m2.step_s, 1e-5 + 2e-5 + 2e-3), "{m2:?}");
+}
+
+#[test]
+fn concurrent_transfers_move_the_measured_share_of_the_link() {
+    // As above, K=2, but two transfers at once move only 0.5 of what one moves alone: 2 MB at
+    // 0.5 GB/s together, 4 ms after both latencies. K=1 never has two in flight: unchanged.
+    let mut l = link(1e-5, 1e9, None);
+    l.concurrency = vec![(2, 0.5), (4, 0.25)];
+    let sizes = [1_000_000, 1_000_000];
+    let mut s1 = Schedule::fasthorovod(1);
+    s1.fusion_bytes = 1;
+    let mut s2 = s1.clone();
+    s2.channels = 2;
+    let m1 = simulate_step(&sizes, &[0.0, 0.0], 2, &l, &s1, &NO_OVERHEAD);
+    let m2 = simulate_step(&sizes, &[0.0, 0.0], 2, &l, &s2, &NO_OVERHEAD);
+    assert!(close(m1.step_s, 1e-5 + 2.0 * (2e-5 + 1e-3)), "{m1:?}");
+    assert!(close(m2.step_s, 1e-5 + 2e-5 + 4e-3), "{m2:?}");
+}
+
+#[test]
+fn aggregate_factor_interpolates_between_measured_counts() {
+    let mut l = link(1e-5, 1e9, None);
+    assert_eq!(
+        l.aggregate_factor(8),
+        1.0,
+        "unmeasured: shared without loss"
+    );
+    l.concurrency = vec![(2, 0.8), (4, 0.6)];
+    assert_eq!(l.aggregate_factor(0), 1.0);
+    assert_eq!(l.aggregate_factor(1), 1.0);
+    assert!(close(l.aggregate_factor(2), 0.8));
+    assert!(close(l.aggregate_factor(3), 0.7));
+    assert!(close(l.aggregate_factor(4), 0.6));
+    assert!(
+        close(l.aggregate_factor(16), 0.6),
+        "beyond the last: the last"
+    );
+    // Measured from 4 only: linear from (1, 1).
+    l.concurrency = vec![(4, 0.4)];
+    assert!(close(l.aggregate_factor(2), 0.8));
+    assert!(close(l.aggregate_factor(3), 0.6));
 }
 
 #[test]

@@ -5,9 +5,9 @@ use std::path::Path;
 use indicatif::ProgressBar;
 
 use super::Options;
-use crate::collectives::{algbw_gbps, busbw_gbps, Case, Collective};
+use crate::collectives::{algbw_gbps, busbw_gbps, Case, Collective, StreamTimes};
 use crate::mpi_peer;
-use crate::record::{CollRow, RunRecord, Skipped};
+use crate::record::{CollRow, RunRecord, Skipped, StreamRow};
 use crate::runner::{Job, RankOutput, Runner};
 use crate::stats::Quantity;
 
@@ -55,6 +55,24 @@ pub(super) fn run(
             }
             bar.inc(1);
         }
+        bar.set_message(format!("collectives: concurrent allreduces over {tname}"));
+        let job = Job::Streams {
+            bytes: STREAM_BYTES,
+            streams: stream_counts(),
+            warmup,
+            repeats: opts.repeats,
+        };
+        match runner.run(&format!("streams-{tname}"), &job) {
+            Ok(outs) => record
+                .streams
+                .extend(aggregate_streams(tname, opts.np, &outs)),
+            Err(e) => record.skipped.push(Skipped {
+                suite: "collectives".into(),
+                what: format!("concurrent allreduces over {tname}"),
+                reason: format!("failed: {e}"),
+            }),
+        }
+        bar.inc(1);
     }
     if !opts.no_peers {
         bar.set_message("collectives: OpenMPI MPI_Allreduce");
@@ -106,6 +124,62 @@ pub(super) fn run(
             }
         }
     }
+}
+
+/// Bytes of each concurrent allreduce: the engine's default partition size, what its channels
+/// carry at once when a large tensor is split across them.
+pub const STREAM_BYTES: usize = 16 << 20;
+
+/// The concurrent allreduce counts measured: the channel counts the replay compares.
+pub fn stream_counts() -> Vec<usize> {
+    let mut k: Vec<usize> = crate::replay::ScheduleSpec::all()
+        .iter()
+        .map(|s| s.channels.unwrap_or(1))
+        .collect();
+    k.sort_unstable();
+    k.dedup();
+    k
+}
+
+/// Per stream count, the slowest rank's time of each repeat; then the figures.
+pub fn aggregate_streams(transport: &str, np: usize, outs: &[RankOutput]) -> Vec<StreamRow> {
+    let per_rank: Vec<&Vec<StreamTimes>> = outs
+        .iter()
+        .filter_map(|o| match o {
+            RankOutput::Streams(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    let Some(first) = per_rank.first() else {
+        return vec![];
+    };
+    first
+        .iter()
+        .enumerate()
+        .map(|(i, st)| {
+            let secs: Vec<f64> = (0..st.seconds.len())
+                .map(|j| {
+                    per_rank
+                        .iter()
+                        .filter_map(|r| r.get(i).and_then(|s| s.seconds.get(j)))
+                        .copied()
+                        .fold(0.0, f64::max)
+                })
+                .collect();
+            let agg: Vec<f64> = secs
+                .iter()
+                .map(|&t| algbw_gbps(st.streams * st.bytes, t))
+                .collect();
+            StreamRow {
+                transport: transport.to_string(),
+                np,
+                bytes: st.bytes,
+                streams: st.streams,
+                time: Quantity::from_samples(&secs, "s").scaled(1e3, "ms"),
+                aggregate_algbw: Quantity::from_samples(&agg, "GB/s"),
+            }
+        })
+        .collect()
 }
 
 /// One row from per-repeat seconds (already the slowest rank's).

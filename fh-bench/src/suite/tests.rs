@@ -92,3 +92,80 @@ fn aggregation_takes_the_slowest_rank() {
     // 1000 B in 2 ms = 0.5 MB/s... = 0.0005 GB/s; bus factor 1 on 2 ranks.
     assert!((rows[0].busbw.max - 0.0005).abs() < 1e-12);
 }
+
+#[test]
+fn concurrent_allreduces_aggregate_the_slowest_rank_and_calibrate_the_model() {
+    use crate::collectives::StreamTimes;
+    use crate::record::{Host, RunConfig, RunRecord, SCHEMA};
+    use crate::stats::Quantity;
+    let times = |k: usize, secs: Vec<f64>| StreamTimes {
+        streams: k,
+        bytes: 1_000_000,
+        seconds: secs,
+    };
+    let outs = vec![
+        RankOutput::Streams(vec![times(1, vec![1e-3, 1e-3]), times(2, vec![4e-3, 3e-3])]),
+        RankOutput::Streams(vec![times(1, vec![2e-3, 1e-3]), times(2, vec![2e-3, 5e-3])]),
+    ];
+    let rows = sweep::aggregate_streams("shm", 2, &outs);
+    assert_eq!(rows.len(), 2);
+    // One: the slowest rank 2 ms and 1 ms; 1 MB each: 0.5 and 1 GB/s.
+    assert_eq!((rows[0].time.min, rows[0].time.max), (1.0, 2.0));
+    assert!((rows[0].aggregate_algbw.max - 1.0).abs() < 1e-12);
+    // Two at once: 4 ms and 5 ms for 2 MB: 0.5 and 0.4 GB/s.
+    assert_eq!((rows[1].time.min, rows[1].time.max), (4.0, 5.0));
+    assert!((rows[1].aggregate_algbw.min - 0.4).abs() < 1e-12);
+
+    // The model's concurrency factor: the medians' ratio, 0.45 / 0.75.
+    let sweep_row =
+        |bytes: usize, s: f64| sweep::coll_row("shm", Collective::Allreduce, 2, bytes, &[s]);
+    let record = RunRecord {
+        schema: SCHEMA,
+        tool: "test".into(),
+        started_utc: String::new(),
+        git_revision: String::new(),
+        host: Host {
+            hostname: "h".into(),
+            cpus: 2,
+            os: "linux".into(),
+            steal_percent: None,
+            load_average: None,
+            copy_gbps: None,
+        },
+        config: RunConfig {
+            quick: true,
+            np: 2,
+            launcher: "local".into(),
+            hosts: None,
+            suites: vec![],
+            sizes: vec![],
+            repeats: 2,
+            backward_ms: 100.0,
+            steps: 1,
+            replay_repeats: 1,
+            workloads_dir: String::new(),
+            workloads: vec![],
+            tensor_counts: vec![],
+        },
+        collectives: vec![
+            sweep_row(1 << 10, 1e-5),
+            sweep_row(1 << 20, 1e-3),
+            sweep_row(16 << 20, 1.6e-2),
+        ],
+        streams: rows,
+        replay: vec![],
+        negotiation: vec![],
+        simulation: None,
+        skipped: vec![],
+        wall: Quantity::exact(0.0, "s"),
+    };
+    let (links, _, notes) = crate::simulate::calibrate(&record, "a test");
+    let (shm, _) = links
+        .iter()
+        .find(|(l, _)| l.name == "measured shm loopback")
+        .expect("a shm link");
+    assert_eq!(shm.concurrency.len(), 1);
+    assert_eq!(shm.concurrency[0].0, 2);
+    assert!((shm.concurrency[0].1 - 0.45 / 0.75).abs() < 1e-9, "{shm:?}");
+    assert!(notes.iter().any(|n| n.contains("0.60 with 2")), "{notes:?}");
+}
