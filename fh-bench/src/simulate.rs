@@ -60,8 +60,9 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
         {
             notes.push(format!(
                 "{transport}: alpha = {:.1} us, bandwidth = {:.2} GB/s: fitted to the \
-                 {transport} allreduce sweep at np = {np} ({} sizes; beta from the two \
-                 largest, alpha from the smallest) from {source}",
+                 {transport} allreduce sweep at np = {np} ({} sizes; the line through the \
+                 smallest and the largest: beta from the largest, alpha from the smallest) \
+                 from {source}",
                 l.alpha_s * 1e6,
                 l.bandwidth_bps / 1e9,
                 points.len()

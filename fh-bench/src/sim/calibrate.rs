@@ -3,9 +3,11 @@
 use super::Link;
 
 /// α and bandwidth of a link fitted to measured allreduce times on `p` ranks, against
-/// `t = 2(p−1)α + 2(p−1)/p·m·β`: β from the slope between the two largest sizes (the regime
-/// fused groups live in), α from the smallest size less its bandwidth term; with fewer than two
-/// sizes or a non-positive slope, `None`.
+/// `t = 2(p−1)α + 2(p−1)/p·m·β`: the line through the smallest and the largest size, so β is
+/// set by the largest (the regime fused groups live in; the slope between the two largest
+/// sizes, a difference of two noisy times, swung the bandwidth by half from one run to the next)
+/// and α by the smallest less its bandwidth term; with fewer than two sizes or a non-positive
+/// slope, `None`.
 pub fn calibrate_link(name: &str, p: usize, points: &[(f64, f64)]) -> Option<Link> {
     if p < 2 {
         return None;
@@ -21,7 +23,7 @@ pub fn calibrate_link(name: &str, p: usize, points: &[(f64, f64)]) -> Option<Lin
         return None;
     }
     let pf = p as f64;
-    let (hi, lo) = (pts[pts.len() - 1], pts[pts.len() - 2]);
+    let (hi, lo) = (pts[pts.len() - 1], pts[0]);
     let slope = (hi.1 - lo.1) / (hi.0 - lo.0);
     let beta = slope / (2.0 * (pf - 1.0) / pf);
     if beta <= 0.0 || !beta.is_finite() {
