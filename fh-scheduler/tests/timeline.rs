@@ -166,3 +166,190 @@ fn a_timeline_that_cannot_be_created_is_an_error_and_collectives_run_on() {
         assert_eq!(sum, [1.0f32; 8]);
     }
 }
+
+/// What a trace viewer (Perfetto, chrome://tracing) needs of a JSON trace, checked on `events`:
+/// every event has a phase, a pid and a tid, and a timestamp unless it is metadata; complete
+/// (`X`) events on one lane nest (a viewer drops a slice that partly overlaps another on its
+/// track); async (`b`/`e`) spans pair up by category, id and name, end no earlier than they
+/// begin, and nest within one (category, id).
+fn check_viewer_rules(events: &[Value]) -> Result<(), String> {
+    const EPS: f64 = 1e-6;
+    let mut lanes: std::collections::BTreeMap<(u64, u64), Vec<(f64, f64, String)>> =
+        Default::default();
+    let mut asyncs: std::collections::BTreeMap<(String, u64), Vec<(f64, bool, String)>> =
+        Default::default();
+    for e in events {
+        let ph = e["ph"].as_str().ok_or(format!("no phase: {e}"))?;
+        let pid = e["pid"].as_u64().ok_or(format!("no pid: {e}"))?;
+        let tid = e["tid"].as_u64().ok_or(format!("no tid: {e}"))?;
+        let name = e["name"]
+            .as_str()
+            .ok_or(format!("no name: {e}"))?
+            .to_string();
+        if ph == "M" {
+            continue;
+        }
+        let ts = e["ts"].as_f64().ok_or(format!("no timestamp: {e}"))?;
+        if !(ts >= 0.0) {
+            return Err(format!("negative timestamp: {e}"));
+        }
+        match ph {
+            "X" => {
+                let dur = e["dur"]
+                    .as_f64()
+                    .ok_or(format!("complete event without dur: {e}"))?;
+                if !(dur >= 0.0) {
+                    return Err(format!("negative duration: {e}"));
+                }
+                lanes
+                    .entry((pid, tid))
+                    .or_default()
+                    .push((ts, ts + dur, name));
+            }
+            "b" | "e" => {
+                let cat = e["cat"]
+                    .as_str()
+                    .ok_or(format!("async event without cat: {e}"))?;
+                let id = e["id"]
+                    .as_u64()
+                    .ok_or(format!("async event without id: {e}"))?;
+                asyncs
+                    .entry((cat.to_string(), id))
+                    .or_default()
+                    .push((ts, ph == "b", name));
+            }
+            "i" => {}
+            other => return Err(format!("unexpected phase {other}: {e}")),
+        }
+    }
+    for ((pid, tid), mut spans) in lanes {
+        // Parents first: by start, then the longer one.
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.total_cmp(&a.1)));
+        let mut open: Vec<(f64, f64, String)> = Vec::new();
+        for s in spans {
+            while open.last().is_some_and(|top| top.1 <= s.0 + EPS) {
+                open.pop();
+            }
+            if let Some(top) = open.last() {
+                if s.1 > top.1 + EPS {
+                    return Err(format!(
+                        "on lane {pid}/{tid}, '{}' [{}, {}] partly overlaps '{}' [{}, {}]",
+                        s.2, s.0, s.1, top.2, top.0, top.1
+                    ));
+                }
+            }
+            open.push(s);
+        }
+    }
+    for ((cat, id), evs) in asyncs {
+        // In file order (a span's begin is written before its end).
+        let mut open: Vec<(f64, String)> = Vec::new();
+        for (ts, begin, name) in evs {
+            if begin {
+                if let Some(top) = open.last() {
+                    if ts + EPS < top.0 {
+                        return Err(format!(
+                            "async {cat}/{id}: '{name}' begins before its parent"
+                        ));
+                    }
+                }
+                open.push((ts, name));
+            } else {
+                let (b, bname) = open
+                    .pop()
+                    .ok_or(format!("async {cat}/{id}: '{name}' ends without a begin"))?;
+                if bname != name {
+                    return Err(format!("async {cat}/{id}: '{bname}' ends as '{name}'"));
+                }
+                if ts + EPS < b {
+                    return Err(format!("async {cat}/{id}: '{name}' ends before it begins"));
+                }
+            }
+        }
+        if let Some((_, name)) = open.pop() {
+            return Err(format!("async {cat}/{id}: '{name}' never ends"));
+        }
+    }
+    Ok(())
+}
+
+/// The checker catches what it must: a partial overlap on a lane and an unpaired async span.
+#[test]
+fn the_viewer_rules_catch_overlaps_and_unpaired_spans() {
+    let x = |ts: f64, dur: f64, tid: u64| serde_json::json!({"name": "s", "ph": "X", "pid": 0, "tid": tid, "ts": ts, "dur": dur});
+    let ok = vec![
+        x(0.0, 10.0, 1),
+        x(0.0, 4.0, 1),
+        x(4.0, 6.0, 1),
+        x(5.0, 10.0, 2),
+    ];
+    assert_eq!(check_viewer_rules(&ok), Ok(()));
+    let overlap = vec![x(0.0, 10.0, 1), x(5.0, 10.0, 1)];
+    assert!(check_viewer_rules(&overlap)
+        .unwrap_err()
+        .contains("partly overlaps"));
+    let b = serde_json::json!({"name": "t", "cat": "c", "id": 1, "ph": "b", "pid": 0, "tid": 0, "ts": 1.0});
+    assert!(check_viewer_rules(&[b]).unwrap_err().contains("never ends"));
+}
+
+/// A busy run (fused small tensors, a large tensor split over both channels, groups,
+/// broadcasts, tensors held back by a late rank) writes a trace that a viewer shows whole.
+#[test]
+fn a_busy_timeline_follows_the_viewer_rules() {
+    let n = 3;
+    let path = temp_path("busy");
+    let cfg = Config::default()
+        .channels(2)
+        .partition_bytes(64 << 10)
+        .timeline(&path);
+    run_world(n, cfg, move |e, r| {
+        for step in 0..4 {
+            if r == step % n {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let mut handles = Vec::new();
+            for i in 0..12 {
+                handles.push(
+                    e.allreduce(
+                        &format!("small.{i}"),
+                        Tensor::from_slice(&[1.0f32; 64]),
+                        AllreduceOptions::with_op(ReduceOp::Sum),
+                    )
+                    .unwrap(),
+                );
+            }
+            handles.push(
+                e.allreduce(
+                    "large",
+                    Tensor::from_slice(&vec![1.0f32; 256 << 10]),
+                    AllreduceOptions::with_op(ReduceOp::Average),
+                )
+                .unwrap(),
+            );
+            let group: Vec<Tensor> = (0..3)
+                .map(|_| Tensor::from_slice(&[1.0f32; 1000]))
+                .collect();
+            e.grouped_allreduce("group", group, AllreduceOptions::with_op(ReduceOp::Sum))
+                .unwrap()
+                .wait_timeout(LIMIT)
+                .unwrap();
+            e.broadcast("bcast", Tensor::from_slice(&[r as f32; 16]), 0)
+                .unwrap()
+                .wait_timeout(LIMIT)
+                .unwrap();
+            for mut h in handles {
+                h.wait_timeout(LIMIT).unwrap();
+            }
+        }
+    });
+    let events = parse(&path);
+    std::fs::remove_file(&path).ok();
+    assert!(
+        events.iter().filter(|e| e["ph"] == "X").count() > 20,
+        "a busy trace: {events:?}"
+    );
+    assert!(events.iter().any(|e| e["cat"] == "negotiate"));
+    if let Err(why) = check_viewer_rules(&events) {
+        panic!("{why}");
+    }
+}
