@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --release -p fh-scheduler --example replay -- replay fh-bench/workloads/resnet50.json [ranks] [backward_ms] [steps]
 //! FH_TRANSPORT=mpi mpirun -np 4 -x FH_TRANSPORT target/release/examples/replay replay-env fh-bench/workloads/resnet50.json [backward_ms] [steps]
+//!     (with FH_TIMELINE=PREFIX, rank 0 writes PREFIX.<schedule>.json for each schedule)
 //! cargo run --release -p fh-scheduler --example replay -- negotiation [ranks]
 //! cargo run --release -p fh-scheduler --example replay -- mechanics [ranks]
 //! cargo run --release -p fh-scheduler --example replay -- latency [ranks]
@@ -163,7 +164,15 @@ fn replay_env(path: &str, backward: Duration, steps: usize) {
         );
         println!("{:>22} {:>12} {:>14}", "schedule", "step ms", "exposed ms");
     }
-    for (label, cfg) in replay_configs() {
+    for (label, mut cfg) in replay_configs() {
+        // FH_TIMELINE=PREFIX: rank 0 writes one timeline per configuration, PREFIX.<label>.json.
+        if let Ok(prefix) = std::env::var("FH_TIMELINE") {
+            let slug: String = label
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+                .collect();
+            cfg = cfg.timeline(format!("{prefix}.{slug}.json"));
+        }
         let engine = Engine::start(world.handle(), cfg).expect("start");
         let times = replay_rank(&engine, &shared, steps);
         let all = engine

@@ -24,8 +24,13 @@ pub(crate) struct Executor {
     pub buf: Vec<u8>,
     pub channel: usize,
     pub inner: Arc<Inner>,
-    /// When packing and the collective ended, for the timeline (fused groups only).
-    pub phases: Option<(Instant, Instant)>,
+    /// Time spent packing, in the collective and unpacking, for the timeline (fused groups
+    /// only; staged groups interleave the three, so the timeline shows them as totals).
+    pub phases: Option<(
+        std::time::Duration,
+        std::time::Duration,
+        std::time::Duration,
+    )>,
     /// The channel's device twin (GPU path open): runs the groups of device tensors.
     #[cfg(feature = "cuda")]
     pub device: Option<fh_transport::cuda::DeviceChannel>,
@@ -140,11 +145,15 @@ impl Executor {
         let result = self.execute(&job);
         let end = Instant::now();
         if let Some(tl) = self.inner.timeline() {
-            if let Some((packed, reduced)) = self.phases {
+            if let Some((pack, reduce, unpack)) = self.phases {
+                // Laid end to end from the group's start: a piece at a time interleaves them.
                 let lane = self.channel + 1;
+                let packed = (begin + pack).min(end);
+                let reduced = (packed + reduce).min(end);
+                let unpacked = (reduced + unpack).min(end);
                 tl.span(lane, "pack", begin, packed);
                 tl.span(lane, "collective", packed, reduced);
-                tl.span(lane, "unpack", reduced, end);
+                tl.span(lane, "unpack", reduced, unpacked);
             }
             if let Some((first, _, _)) = job.parts.first() {
                 let names: Vec<String> = job
@@ -189,6 +198,101 @@ impl Executor {
         }
     }
 
+    /// A fused group of host tensors, staged through the channel's fusion buffer a piece of
+    /// at most the configured stage size at a time (`FH_STAGE_BYTES`, agreed at start-up, so
+    /// every rank runs the same collectives): pack the piece, allreduce it, unpack and
+    /// finalise it (average, postscale) in one pass. A piece small enough to stay in cache
+    /// makes the fusion buffer's passes cache hits instead of a round trip through memory.
+    fn run_fused(
+        &mut self,
+        job: &Job,
+        sig: &Signature,
+        bytes: usize,
+    ) -> Result<(), TransportError> {
+        let elem = sig.dtype.size().max(1);
+        let stage = self.inner.config.stage_bytes as usize;
+        let piece = if stage == 0 || stage >= bytes {
+            bytes
+        } else {
+            (stage / elem).max(1) * elem
+        };
+        // Every part must still hold its tensor: the ranks agreed to reduce all of them.
+        let mut ends = Vec::with_capacity(job.parts.len());
+        let mut total = 0usize;
+        for (op, _, len) in &job.parts {
+            if op.lock().tensor.is_none() {
+                return Err(TransportError::InvalidArgument(
+                    "internal error: a fused tensor went missing".into(),
+                ));
+            }
+            total += *len;
+            ends.push(total);
+        }
+        if total != bytes {
+            return Err(TransportError::InvalidArgument(
+                "internal error: a fused group's parts do not add up to its size".into(),
+            ));
+        }
+        if self.buf.len() < piece {
+            self.buf.resize(piece, 0);
+        }
+        let n = finish_divisor(sig, job.active);
+        let (mut packing, mut reducing, mut unpacking) = (
+            std::time::Duration::ZERO,
+            std::time::Duration::ZERO,
+            std::time::Duration::ZERO,
+        );
+        let mut first_part = 0usize; // the first part overlapping the piece
+        let mut a = 0usize;
+        while a < bytes {
+            let z = (a + piece).min(bytes);
+            while ends[first_part] <= a {
+                first_part += 1;
+            }
+            // The parts overlapping [a, z): (part, range in the part's tensor, range in buf).
+            let overlaps = |i: usize| {
+                let (_, off, len) = &job.parts[i];
+                let ps = ends[i] - len;
+                let (lo, hi) = (a.max(ps), z.min(ends[i]));
+                (off + (lo - ps), off + (hi - ps), lo - a, hi - a)
+            };
+            let t0 = Instant::now();
+            let mut i = first_part;
+            while i < job.parts.len() && ends[i] - job.parts[i].2 < z {
+                let (s0, s1, d0, d1) = overlaps(i);
+                let st = job.parts[i].0.lock();
+                if let Some(t) = &st.tensor {
+                    self.buf[d0..d1].copy_from_slice(&t.data()[s0..s1]);
+                }
+                i += 1;
+            }
+            let t1 = Instant::now();
+            reduce_unfinished(self.comm.as_mut(), &mut self.buf[..z - a], sig)?;
+            let t2 = Instant::now();
+            let mut i = first_part;
+            while i < job.parts.len() && ends[i] - job.parts[i].2 < z {
+                let (s0, s1, d0, d1) = overlaps(i);
+                let mut st = job.parts[i].0.lock();
+                if let Some(t) = &mut st.tensor {
+                    kernels::copy_divide_and_scale(
+                        sig.dtype,
+                        &self.buf[d0..d1],
+                        &mut t.data_mut()[s0..s1],
+                        n,
+                        sig.postscale,
+                    )?;
+                }
+                i += 1;
+            }
+            packing += t1 - t0;
+            reducing += t2 - t1;
+            unpacking += t2.elapsed();
+            a = z;
+        }
+        self.phases = Some((packing, reducing, unpacking));
+        Ok(())
+    }
+
     fn execute(&mut self, job: &Job) -> Result<(), TransportError> {
         let (first, off0, len0) = &job.parts[0];
         let sig = first.sig();
@@ -226,38 +330,7 @@ impl Executor {
                     first.lock().tensor = t;
                     return r;
                 }
-                self.buf.clear();
-                for (op, off, len) in &job.parts {
-                    let st = op.lock();
-                    if let Some(t) = &st.tensor {
-                        self.buf.extend_from_slice(&t.data()[*off..*off + *len]);
-                    }
-                }
-                if self.buf.len() != bytes {
-                    return Err(TransportError::InvalidArgument(
-                        "internal error: a fused tensor went missing".into(),
-                    ));
-                }
-                let packed = Instant::now();
-                reduce_unfinished(self.comm.as_mut(), &mut self.buf, sig)?;
-                self.phases = Some((packed, Instant::now()));
-                // Unpack and finalise (average, postscale) in one pass.
-                let n = finish_divisor(sig, job.active);
-                let mut pos = 0;
-                for (op, off, len) in &job.parts {
-                    let mut st = op.lock();
-                    if let Some(t) = &mut st.tensor {
-                        kernels::copy_divide_and_scale(
-                            sig.dtype,
-                            &self.buf[pos..pos + *len],
-                            &mut t.data_mut()[*off..*off + *len],
-                            n,
-                            sig.postscale,
-                        )?;
-                    }
-                    pos += *len;
-                }
-                Ok(())
+                self.run_fused(job, sig, bytes)
             }
             CollectiveKind::Broadcast => {
                 let mut st = first.lock();

@@ -279,7 +279,7 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
     let ghost = std::thread::spawn(move || {
         let mut control = t1.open("fh-control").unwrap();
         // The start-up agreement's fields (fh_scheduler::config::planning_fields).
-        let vals: [i64; 12] = [
+        let vals: [i64; 13] = [
             0,
             2,
             c2.cache_capacity as i64,
@@ -292,6 +292,7 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
             c2.backpressure_max.as_millis() as i64,
             i64::from(c2.cuda),
             c2.inline_bytes as i64,
+            c2.effective_stage_bytes(1) as i64,
         ];
         let mut b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         control

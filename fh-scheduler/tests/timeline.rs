@@ -174,10 +174,12 @@ fn a_timeline_that_cannot_be_created_is_an_error_and_collectives_run_on() {
 /// begin, and nest within one (category, id).
 fn check_viewer_rules(events: &[Value]) -> Result<(), String> {
     const EPS: f64 = 1e-6;
-    let mut lanes: std::collections::BTreeMap<(u64, u64), Vec<(f64, f64, String)>> =
-        Default::default();
-    let mut asyncs: std::collections::BTreeMap<(String, u64), Vec<(f64, bool, String)>> =
-        Default::default();
+    // Per (pid, tid): complete spans as (start, end, name).
+    type Lanes = std::collections::BTreeMap<(u64, u64), Vec<(f64, f64, String)>>;
+    // Per (cat, id): async events as (ts, is_begin, name), in file order.
+    type Asyncs = std::collections::BTreeMap<(String, u64), Vec<(f64, bool, String)>>;
+    let mut lanes = Lanes::new();
+    let mut asyncs = Asyncs::new();
     for e in events {
         let ph = e["ph"].as_str().ok_or(format!("no phase: {e}"))?;
         let pid = e["pid"].as_u64().ok_or(format!("no pid: {e}"))?;
@@ -190,7 +192,7 @@ fn check_viewer_rules(events: &[Value]) -> Result<(), String> {
             continue;
         }
         let ts = e["ts"].as_f64().ok_or(format!("no timestamp: {e}"))?;
-        if !(ts >= 0.0) {
+        if ts.is_nan() || ts < 0.0 {
             return Err(format!("negative timestamp: {e}"));
         }
         match ph {
@@ -198,7 +200,7 @@ fn check_viewer_rules(events: &[Value]) -> Result<(), String> {
                 let dur = e["dur"]
                     .as_f64()
                     .ok_or(format!("complete event without dur: {e}"))?;
-                if !(dur >= 0.0) {
+                if dur.is_nan() || dur < 0.0 {
                     return Err(format!("negative duration: {e}"));
                 }
                 lanes

@@ -44,6 +44,8 @@ pub(crate) fn planning_fields(c: &Config, world_size: usize) -> Vec<(&'static st
                 Preset::Horovod => 0,
             },
         ),
+        // The pieces a fused group is reduced in are the collectives every rank runs.
+        ("FH_STAGE_BYTES", clamp(c.stage_bytes)),
     ]
 }
 

@@ -80,6 +80,13 @@ impl Config {
         self.inline_bytes = bytes;
         self
     }
+
+    /// Stage fused host groups through the fusion buffer `bytes` at a time
+    /// ([`Config::stage_bytes`](Config#structfield.stage_bytes); `0`: whole groups).
+    pub fn stage_bytes(mut self, bytes: u64) -> Self {
+        self.stage_bytes = bytes;
+        self
+    }
     /// Set how long the negotiation thread polls for the next submission before sleeping
     /// (see [`Config::control_spin`](Config#structfield.control_spin); capped at
     /// [`MAX_CONTROL_SPIN`]).

@@ -88,6 +88,9 @@ impl Config {
         if let Some(v) = get("FH_INLINE_BYTES") {
             c.inline_bytes = parse_bytes("FH_INLINE_BYTES", &v)?;
         }
+        if let Some(v) = get("FH_STAGE_BYTES") {
+            c.stage_bytes = parse_bytes("FH_STAGE_BYTES", &v)?;
+        }
         if let Some(v) = get("FH_CONTROL_SPIN_US") {
             let d = parse_seconds("FH_CONTROL_SPIN_US", &v, 1e-6)?;
             if d > MAX_CONTROL_SPIN {

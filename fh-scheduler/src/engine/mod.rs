@@ -69,6 +69,11 @@ impl Engine {
     ) -> Result<Engine, SchedulerError> {
         config.validate()?;
         let topo = transport.topology();
+        // Staging applies on one host only; the value in effect is the one agreed and used.
+        let config = Config {
+            stage_bytes: config.effective_stage_bytes(topo.cross_size),
+            ..config
+        };
         let mut control = transport.open("fh-control")?;
         crate::config::agree(control.as_mut(), &config)?;
         let k = config.effective_channels();

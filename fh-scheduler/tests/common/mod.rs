@@ -112,13 +112,16 @@ where
 /// The configurations every multi-rank test covers.
 pub fn configs() -> Vec<(String, Config)> {
     let mut v = vec![("horovod".to_string(), Config::preset(Preset::Horovod))];
-    for k in [1, 2, 4] {
+    // Fused groups staged through the fusion buffer in pieces that cut tensors and elements'
+    // natural boundaries (100 bytes: not a multiple of 8), whole, and in 256-byte pieces.
+    for (k, stage) in [(1, 100), (2, 0), (4, 256)] {
         v.push((
-            format!("fasthorovod-k{k}"),
+            format!("fasthorovod-k{k}-stage{stage}"),
             Config::preset(Preset::FastHorovod)
                 .channels(k)
                 .fusion_threshold(4096)
-                .partition_bytes(1024),
+                .partition_bytes(1024)
+                .stage_bytes(stage),
         ));
     }
     // Back-pressure is off at these world sizes by default (auto: on from 64 ranks). On with
