@@ -231,8 +231,8 @@ pub struct StreamTimes {
 }
 
 /// Runs `streams[i]` f32 sum allreduces of `bytes` at once, one thread each on its own
-/// communicator of `comms` (at least the largest count), `warmup` untimed then `repeats`
-/// timed runs per count; the first run's results are checked.
+/// communicator of `comms` (at least the largest count): `warmup` untimed runs per count
+/// (the first one's results checked), then `repeats` timed runs of every count, interleaved.
 pub fn run_streams(
     comms: &mut [Box<dyn Communicator>],
     bytes: usize,
@@ -280,11 +280,8 @@ pub fn run_streams(
                 })
         })
     };
-    let mut out = Vec::with_capacity(streams.len());
-    for &k in streams {
-        if k == 0 {
-            continue;
-        }
+    let counts: Vec<usize> = streams.iter().copied().filter(|&k| k > 0).collect();
+    for &k in &counts {
         for i in 0..warmup.max(1) {
             fill(&mut bufs, k);
             once(comms, &mut bufs, k)?;
@@ -296,21 +293,28 @@ pub fn run_streams(
                 }
             }
         }
-        let mut seconds = Vec::with_capacity(repeats);
-        for _ in 0..repeats {
+    }
+    // The counts interleaved, round-robin over the repeats: a slow spell of a shared host
+    // hits every count, not the one measured during it.
+    let mut out: Vec<StreamTimes> = counts
+        .iter()
+        .map(|&k| StreamTimes {
+            streams: k,
+            bytes: len * 4,
+            seconds: Vec::with_capacity(repeats),
+        })
+        .collect();
+    for _ in 0..repeats {
+        for st in out.iter_mut() {
+            let k = st.streams;
             fill(&mut bufs, k);
             comms[0]
                 .barrier()
                 .map_err(|e| format!("barrier on rank {rank}: {e}"))?;
             let t = Instant::now();
             once(comms, &mut bufs, k)?;
-            seconds.push(t.elapsed().as_secs_f64());
+            st.seconds.push(t.elapsed().as_secs_f64());
         }
-        out.push(StreamTimes {
-            streams: k,
-            bytes: len * 4,
-            seconds,
-        });
     }
     Ok(out)
 }

@@ -60,7 +60,8 @@ pub(super) fn run(
             bytes: STREAM_BYTES,
             streams: stream_counts(),
             warmup,
-            repeats: opts.repeats,
+            // Interleaved counts; a ratio of two medians wants a few more samples than a row.
+            repeats: opts.repeats.max(STREAM_REPEATS),
         };
         match runner.run(&format!("streams-{tname}"), &job) {
             Ok(outs) => record
@@ -129,6 +130,9 @@ pub(super) fn run(
 /// Bytes of each concurrent allreduce: the engine's default partition size, what its channels
 /// carry at once when a large tensor is split across them.
 pub const STREAM_BYTES: usize = 16 << 20;
+
+/// Fewest timed repeats of each concurrent allreduce count.
+pub const STREAM_REPEATS: usize = 9;
 
 /// The concurrent allreduce counts measured: the channel counts the replay compares.
 pub fn stream_counts() -> Vec<usize> {
