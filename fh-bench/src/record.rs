@@ -66,6 +66,11 @@ pub struct Host {
     /// the run): what packing and unpacking fused groups costs, for the model.
     #[serde(default)]
     pub copy_gbps: Option<f64>,
+    /// Host memory copy rate of each of `np` threads copying at once, GB/s (median of a few
+    /// 64 MiB copies per thread): what a rank's copies get on this host while every rank of
+    /// the loopback check copies too, for the model's check against the replay.
+    #[serde(default)]
+    pub copy_gbps_shared: Option<f64>,
 }
 
 /// One thread's memory copy rate on this host, GB/s: the best of five 64 MiB copies.
@@ -81,6 +86,46 @@ pub fn measure_copy_gbps() -> Option<f64> {
         best = best.min(t.elapsed().as_secs_f64());
     }
     (best > 0.0 && best.is_finite()).then(|| n as f64 / best / 1e9)
+}
+
+/// The copy rate each of `threads` threads gets while all copy at once: every thread copies
+/// 64 MiB a few times after a common start; GB/s per thread, the median over threads and
+/// repeats. `None` for no threads or when a thread cannot be started.
+pub fn measure_shared_copy_gbps(threads: usize) -> Option<f64> {
+    if threads == 0 {
+        return None;
+    }
+    let n = 64 << 20;
+    let start = std::sync::Barrier::new(threads);
+    let rates: Vec<f64> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                let start = &start;
+                s.spawn(move || {
+                    let src = vec![1u8; n];
+                    let mut dst = vec![0u8; n];
+                    start.wait();
+                    (0..5)
+                        .map(|_| {
+                            let t = std::time::Instant::now();
+                            dst.copy_from_slice(std::hint::black_box(&src));
+                            std::hint::black_box(&mut dst);
+                            n as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9
+                        })
+                        .collect::<Vec<f64>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .filter_map(|h| h.join().ok())
+            .flatten()
+            .collect()
+    });
+    if rates.is_empty() {
+        return None;
+    }
+    Some(crate::stats::Quantity::from_samples(&rates, "GB/s").median)
 }
 
 /// CPU time counters from `/proc/stat` (all CPUs): (steal, total), in ticks.

@@ -125,9 +125,17 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
             notes.push(format!(
                 "host copies (packing fused groups, unpacking them with the average's \
                  scaling; scaling a tensor reduced in place) at {g:.1} GB/s: one thread's \
-                 measured copy rate on this host; the loopback check divides it by the ranks \
-                 sharing each core"
+                 measured copy rate on this host (each rank of a cluster has its own core)"
             ));
+            notes.push(match record.host.copy_gbps_shared {
+                Some(s) if s > 0.0 => format!(
+                    "the loopback check's copies at {s:.1} GB/s per rank: measured with one \
+                     thread per rank copying at once on this host"
+                ),
+                _ => "the loopback check's copies at that rate divided by the ranks sharing \
+                      each core (no shared copy-rate measurement)"
+                    .to_string(),
+            });
         }
         _ => notes.push(format!(
             "no copy-rate measurement in {source}: host copies are free in the model"
@@ -209,10 +217,15 @@ pub fn run(
             continue;
         };
         let b = r.backward.median / 1e3;
-        // Ranks on this host share its cores: each channel's copies run that much slower.
+        // Ranks on this host share its cores and memory: each rank's copies run at the rate
+        // measured with every rank copying at once, else one thread's rate over the ranks
+        // sharing each core.
         let share = (*np as f64 / record.host.cpus.max(1) as f64).max(1.0);
+        let shared = record.host.copy_gbps_shared.filter(|g| *g > 0.0);
         let local = Overheads {
-            copy_bps: overheads.copy_bps.map(|r| r / share),
+            copy_bps: overheads
+                .copy_bps
+                .map(|r| shared.map_or(r / share, |g| g * 1e9)),
             ..overheads.clone()
         };
         let m = sim::simulate_workload(w, b, *np, link, &s, &local);

@@ -120,6 +120,11 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             } else {
                 None
             },
+            copy_gbps_shared: if opts.suites.iter().any(|x| x == "simulate") {
+                crate::record::measure_shared_copy_gbps(opts.np)
+            } else {
+                None
+            },
         },
         config: RunConfig {
             quick: opts.quick,

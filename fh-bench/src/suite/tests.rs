@@ -131,6 +131,7 @@ fn concurrent_allreduces_aggregate_the_slowest_rank_and_calibrate_the_model() {
             steal_percent: None,
             load_average: None,
             copy_gbps: None,
+            copy_gbps_shared: None,
         },
         config: RunConfig {
             quick: true,
@@ -168,4 +169,11 @@ fn concurrent_allreduces_aggregate_the_slowest_rank_and_calibrate_the_model() {
     assert_eq!(shm.concurrency[0].0, 2);
     assert!((shm.concurrency[0].1 - 0.45 / 0.75).abs() < 1e-9, "{shm:?}");
     assert!(notes.iter().any(|n| n.contains("0.60 with 2")), "{notes:?}");
+}
+
+#[test]
+fn shared_copy_rate_is_measured_per_thread() {
+    assert_eq!(crate::record::measure_shared_copy_gbps(0), None);
+    let g = crate::record::measure_shared_copy_gbps(2).expect("two threads copy");
+    assert!(g.is_finite() && g > 0.0, "{g}");
 }
