@@ -67,8 +67,9 @@ pub struct Host {
     #[serde(default)]
     pub copy_gbps: Option<f64>,
     /// Host memory copy rate of each of `np` threads copying at once, GB/s (median of a few
-    /// 64 MiB copies per thread): what a rank's copies get on this host while every rank of
-    /// the loopback check copies too, for the model's check against the replay.
+    /// 64 MiB copies per thread, sampled at the start and between the replay's rounds): what
+    /// a rank's copies get on this host while every rank of the loopback check copies too,
+    /// for the model's check against the replay.
     #[serde(default)]
     pub copy_gbps_shared: Option<f64>,
 }

@@ -70,8 +70,15 @@ pub(super) fn run(
         vec![vec![Vec::new(); configs.len()]; workloads.len()];
     // bytes[w][c][channel]: rank 0's bytes per data channel over every repeat.
     let mut bytes: Vec<Vec<Vec<u64>>> = vec![vec![Vec::new(); configs.len()]; workloads.len()];
+    // The model's check charges the loopback copies at the rate every rank gets copying at
+    // once: sampled between the replay's rounds too, so that it comes from the same spells of
+    // this host as the replays it is checked against.
+    let mut copy_samples: Vec<f64> = record.host.copy_gbps_shared.into_iter().collect();
     for k in 0..repeats {
         for (wi, w) in workloads.iter().enumerate() {
+            if !copy_samples.is_empty() {
+                copy_samples.extend(crate::record::measure_shared_copy_gbps(opts.np));
+            }
             for (ci, cfg) in configs.iter().enumerate() {
                 let label = cfg.label();
                 let transport = cfg.transport();
@@ -140,6 +147,9 @@ pub(super) fn run(
                 bar.inc(1);
             }
         }
+    }
+    if !copy_samples.is_empty() {
+        record.host.copy_gbps_shared = Some(Quantity::from_samples(&copy_samples, "GB/s").median);
     }
     for (wi, w) in workloads.iter().enumerate() {
         let mut rows: Vec<ReplayRow> = Vec::new();
