@@ -72,6 +72,11 @@ pub struct Host {
     /// for the model's check against the replay.
     #[serde(default)]
     pub copy_gbps_shared: Option<f64>,
+    /// As [`Host::copy_gbps_shared`], for the engine's staged pattern: a fused group packed
+    /// into and unpacked from a piece of its fusion buffer (`Config::stage_bytes`) at a
+    /// time, GB/s of group bytes for both passes together.
+    #[serde(default)]
+    pub copy_gbps_staged: Option<f64>,
 }
 
 /// One thread's memory copy rate on this host, GB/s: the best of five 64 MiB copies.
@@ -93,6 +98,17 @@ pub fn measure_copy_gbps() -> Option<f64> {
 /// 64 MiB a few times after a common start; GB/s per thread, the median over threads and
 /// repeats. `None` for no threads or when a thread cannot be started.
 pub fn measure_shared_copy_gbps(threads: usize) -> Option<f64> {
+    measure_copies(threads, None)
+}
+
+/// As [`measure_shared_copy_gbps`], for the engine's staged pattern: each thread moves 64 MiB
+/// through a `stage`-byte buffer, a piece at a time (copied in, then out); GB/s of moved
+/// bytes (both passes together) per thread.
+pub fn measure_staged_copy_gbps(threads: usize, stage: usize) -> Option<f64> {
+    measure_copies(threads, Some(stage.max(1)))
+}
+
+fn measure_copies(threads: usize, stage: Option<usize>) -> Option<f64> {
     if threads == 0 {
         return None;
     }
@@ -105,11 +121,22 @@ pub fn measure_shared_copy_gbps(threads: usize) -> Option<f64> {
                 s.spawn(move || {
                     let src = vec![1u8; n];
                     let mut dst = vec![0u8; n];
+                    let mut piece = vec![0u8; stage.unwrap_or(0).min(n)];
                     start.wait();
                     (0..5)
                         .map(|_| {
                             let t = std::time::Instant::now();
-                            dst.copy_from_slice(std::hint::black_box(&src));
+                            if piece.is_empty() {
+                                dst.copy_from_slice(std::hint::black_box(&src));
+                            } else {
+                                for (d, s) in
+                                    dst.chunks_mut(piece.len()).zip(src.chunks(piece.len()))
+                                {
+                                    let p = &mut piece[..s.len()];
+                                    p.copy_from_slice(std::hint::black_box(s));
+                                    d.copy_from_slice(std::hint::black_box(p));
+                                }
+                            }
                             std::hint::black_box(&mut dst);
                             n as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9
                         })

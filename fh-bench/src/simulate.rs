@@ -127,6 +127,13 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
                  scaling; scaling a tensor reduced in place) at {g:.1} GB/s: one thread's \
                  measured copy rate on this host (each rank of a cluster has its own core)"
             ));
+            if let Some(s) = record.host.copy_gbps_staged.filter(|s| *s > 0.0) {
+                notes.push(format!(
+                    "the loopback check's staged fused groups (the engine stages them on one \
+                     host) at {s:.1} GB/s per rank for packing and unpacking together: \
+                     measured for that pattern with one thread per rank at once"
+                ));
+            }
             notes.push(match record.host.copy_gbps_shared {
                 Some(s) if s > 0.0 => format!(
                     "the loopback check's copies at {s:.1} GB/s per rank: measured with one \
@@ -226,6 +233,12 @@ pub fn run(
             copy_bps: overheads
                 .copy_bps
                 .map(|r| shared.map_or(r / share, |g| g * 1e9)),
+            // One host: the engine stages fused groups, at the rate measured for that pattern.
+            staged_copy_bps: record
+                .host
+                .copy_gbps_staged
+                .filter(|g| *g > 0.0 && overheads.copy_bps.is_some())
+                .map(|g| g * 1e9),
             ..overheads.clone()
         };
         let m = sim::simulate_workload(w, b, *np, link, &s, &local);

@@ -34,7 +34,9 @@
 //! - **Host copies.** A channel packs a fused group of several parts into its fusion buffer
 //!   and unpacks it afterwards, scaling an average as it unpacks (a single tensor or a chunk
 //!   is reduced in place and scaled in one pass): those passes run at the host's measured copy
-//!   rate on the channel, before and after its transfer ([`Overheads::copy_bps`]).
+//!   rate on the channel, before and after its transfer ([`Overheads::copy_bps`]); where the
+//!   engine stages fused groups through a cache-sized piece (one host), at the staged rate
+//!   measured for that pattern ([`Overheads::staged_copy_bps`]).
 //!
 //! Step time = time the last group completes; exposed communication = step − B; scaling
 //! efficiency = (F + B) / (F + step) with a forward pass F = B/2 that is not overlapped.
@@ -102,6 +104,9 @@ pub fn simulate_step(
         rd_steps(p) * link.alpha_s
     };
     let mut inline_channel: Option<usize> = None; // negotiation runs this channel's group
+                                                  // Whether fused groups are staged, as the engine decides it on one host (the model is on
+                                                  // one host where a staged copy rate is given: the loopback check).
+    let staged = o.staged_copy_bps.is_some() && sched.config().effective_stage_bytes(1) > 0;
     let k = planner.channels();
     let cap = link.stream_cap_bps.unwrap_or(f64::INFINITY);
     // Per group: (latency part, wire bytes) of the algorithm the transport picks for it.
@@ -177,7 +182,10 @@ pub fn simulate_step(
                         collectives += 1;
                         let (latency, wire) = cost(b);
                         active[c] = Some(Transfer {
-                            latency_end: now + agreement + latency + o.copy_s(b, g.parts.len()),
+                            latency_end: now
+                                + agreement
+                                + latency
+                                + o.copy_s(b, g.parts.len(), staged),
                             remaining: wire,
                             bytes: b,
                         });
@@ -187,7 +195,7 @@ pub fn simulate_step(
                 if inline_channel.is_none() {
                     for g in groups {
                         let (c, b) = (g.channel.min(k - 1), g.bytes() as usize);
-                        queues[c].push_back((b, o.copy_s(b, g.parts.len())));
+                        queues[c].push_back((b, o.copy_s(b, g.parts.len(), staged)));
                         queued_bytes[c] += b;
                     }
                 }

@@ -200,6 +200,12 @@ pub struct Overheads {
     /// after its transfer; `None`: free.
     #[serde(default)]
     pub copy_bps: Option<f64>,
+    /// Where the engine stages fused groups through a cache-sized piece of its fusion buffer
+    /// (`fasthorovod` with every rank on one host, `Config::effective_stage_bytes`): bytes per
+    /// second of packing and unpacking such a group (both passes together); `None`: the
+    /// modelled job spans hosts, fused groups go whole at [`Overheads::copy_bps`].
+    #[serde(default)]
+    pub staged_copy_bps: Option<f64>,
 }
 
 impl Default for Overheads {
@@ -209,13 +215,20 @@ impl Default for Overheads {
             round_s: 30e-6,
             per_collective_s: 20e-6,
             copy_bps: None,
+            staged_copy_bps: None,
         }
     }
 }
 
 impl Overheads {
-    /// Seconds of host copying a group of `bytes` in `parts` parts costs on its channel.
-    pub fn copy_s(&self, bytes: usize, parts: usize) -> f64 {
+    /// Seconds of host copying a group of `bytes` in `parts` parts costs on its channel;
+    /// `staged`: the engine stages fused groups (see [`Overheads::staged_copy_bps`]).
+    pub fn copy_s(&self, bytes: usize, parts: usize, staged: bool) -> f64 {
+        if let (true, true, Some(r)) = (staged, parts > 1, self.staged_copy_bps) {
+            if r > 0.0 && self.copy_bps.is_some() {
+                return bytes as f64 / r;
+            }
+        }
         match self.copy_bps {
             Some(r) if r > 0.0 => {
                 // Several parts: pack, and unpack with the average's scaling (two passes); a

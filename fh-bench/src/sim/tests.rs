@@ -20,6 +20,7 @@ const NO_OVERHEAD: Overheads = Overheads {
     round_s: 0.0,
     per_collective_s: 0.0,
     copy_bps: None,
+    staged_copy_bps: None,
 };
 
 #[test]
@@ -225,15 +226,31 @@ fn host_copies_cost_packed_groups_two_passes_and_single_tensors_one() {
         copy_bps: Some(1e9),
         ..NO_OVERHEAD
     };
-    assert!(close(o.copy_s(1_000_000, 2), 2e-3));
-    assert!(close(o.copy_s(1_000_000, 1), 1e-3));
-    assert_eq!(NO_OVERHEAD.copy_s(1_000_000, 2), 0.0);
+    assert!(close(o.copy_s(1_000_000, 2, false), 2e-3));
+    assert!(close(o.copy_s(1_000_000, 1, false), 1e-3));
+    assert_eq!(NO_OVERHEAD.copy_s(1_000_000, 2, false), 0.0);
     let mut f = Schedule::fasthorovod(1);
     f.inline_bytes = 0;
     let m = simulate_step(&[500_000, 500_000], &[0.0, 0.0], 2, &l, &f, &o);
     assert!(close(m.step_s, 1e-5 + 2e-3 + 2e-5 + 1e-3), "{m:?}");
     let m = simulate_step(&[1_000_000], &[0.0], 2, &l, &f, &o);
     assert!(close(m.step_s, 1e-5 + 1e-3 + 2e-5 + 1e-3), "{m:?}");
+    // On one host the engine stages fused groups: both passes at the staged rate (4 GB/s,
+    // 0.25 ms), a lone tensor as before; `horovod` packs whole groups at the plain rate.
+    let staged = Overheads {
+        staged_copy_bps: Some(4e9),
+        ..o.clone()
+    };
+    assert!(close(staged.copy_s(1_000_000, 2, true), 0.25e-3));
+    assert!(close(staged.copy_s(1_000_000, 1, true), 1e-3));
+    assert!(close(staged.copy_s(1_000_000, 2, false), 2e-3));
+    let m = simulate_step(&[500_000, 500_000], &[0.0, 0.0], 2, &l, &f, &staged);
+    assert!(close(m.step_s, 1e-5 + 0.25e-3 + 2e-5 + 1e-3), "{m:?}");
+    let mut h = Schedule::horovod();
+    h.cycle_s = 1e-9;
+    let whole = simulate_step(&[500_000, 500_000], &[0.0, 0.0], 2, &l, &h, &o);
+    let still = simulate_step(&[500_000, 500_000], &[0.0, 0.0], 2, &l, &h, &staged);
+    assert_eq!(whole, still, "horovod never stages");
 }
 
 #[test]

@@ -125,6 +125,11 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             } else {
                 None
             },
+            copy_gbps_staged: if opts.suites.iter().any(|x| x == "simulate") {
+                crate::record::measure_staged_copy_gbps(opts.np, stage_bytes())
+            } else {
+                None
+            },
         },
         config: RunConfig {
             quick: opts.quick,
@@ -301,4 +306,9 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
         crate::record::steal_between(ticks_at_start, crate::record::cpu_ticks());
     record.host.load_average = crate::record::load_average();
     Ok(record)
+}
+
+/// The engine's default stage size (`FH_STAGE_BYTES`), for the staged copy-rate measurement.
+pub(crate) fn stage_bytes() -> usize {
+    usize::try_from(fh_scheduler::Config::default().stage_bytes).unwrap_or(usize::MAX)
 }

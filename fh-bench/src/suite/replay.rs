@@ -74,10 +74,17 @@ pub(super) fn run(
     // once: sampled between the replay's rounds too, so that it comes from the same spells of
     // this host as the replays it is checked against.
     let mut copy_samples: Vec<f64> = record.host.copy_gbps_shared.into_iter().collect();
+    let mut staged_samples: Vec<f64> = record.host.copy_gbps_staged.into_iter().collect();
     for k in 0..repeats {
         for (wi, w) in workloads.iter().enumerate() {
             if !copy_samples.is_empty() {
                 copy_samples.extend(crate::record::measure_shared_copy_gbps(opts.np));
+            }
+            if !staged_samples.is_empty() {
+                staged_samples.extend(crate::record::measure_staged_copy_gbps(
+                    opts.np,
+                    super::stage_bytes(),
+                ));
             }
             for (ci, cfg) in configs.iter().enumerate() {
                 let label = cfg.label();
@@ -150,6 +157,9 @@ pub(super) fn run(
     }
     if !copy_samples.is_empty() {
         record.host.copy_gbps_shared = Some(Quantity::from_samples(&copy_samples, "GB/s").median);
+    }
+    if !staged_samples.is_empty() {
+        record.host.copy_gbps_staged = Some(Quantity::from_samples(&staged_samples, "GB/s").median);
     }
     for (wi, w) in workloads.iter().enumerate() {
         let mut rows: Vec<ReplayRow> = Vec::new();

@@ -132,6 +132,7 @@ fn concurrent_allreduces_aggregate_the_slowest_rank_and_calibrate_the_model() {
             load_average: None,
             copy_gbps: None,
             copy_gbps_shared: None,
+            copy_gbps_staged: None,
         },
         config: RunConfig {
             quick: true,
@@ -175,5 +176,9 @@ fn concurrent_allreduces_aggregate_the_slowest_rank_and_calibrate_the_model() {
 fn shared_copy_rate_is_measured_per_thread() {
     assert_eq!(crate::record::measure_shared_copy_gbps(0), None);
     let g = crate::record::measure_shared_copy_gbps(2).expect("two threads copy");
+    assert!(g.is_finite() && g > 0.0, "{g}");
+    assert_eq!(crate::record::measure_staged_copy_gbps(0, 1 << 20), None);
+    // A stage that does not divide 64 MiB: the last piece is short.
+    let g = crate::record::measure_staged_copy_gbps(2, 3 << 20).expect("two threads stage");
     assert!(g.is_finite() && g > 0.0, "{g}");
 }
