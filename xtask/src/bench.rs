@@ -29,12 +29,22 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         }
     }
     let exe = target_dir.join("release").join("fh-bench");
-    let status = Command::new(&exe)
-        .current_dir(root)
+    let mut cmd = Command::new(&exe);
+    cmd.current_dir(root)
         .arg("suite")
         .args(args)
-        .env("FH_BENCH_TARGET_DIR", &target_dir)
-        .status();
+        .env("FH_BENCH_TARGET_DIR", &target_dir);
+    // The Python peers (PyTorch DDP, Horovod, fasthorovod.torch) run under the project's
+    // environment when `cargo xtask test` has made one, unless FH_BENCH_PYTHON names another.
+    let venv_python = crate::python::python(root);
+    if std::env::var_os("FH_BENCH_PYTHON").is_none() && venv_python.is_file() {
+        eprintln!(
+            "==> Python peers under {} (FH_BENCH_PYTHON overrides)",
+            venv_python.display()
+        );
+        cmd.env("FH_BENCH_PYTHON", &venv_python);
+    }
+    let status = cmd.status();
     match status {
         Ok(s) if s.success() => ExitCode::SUCCESS,
         Ok(s) => {
