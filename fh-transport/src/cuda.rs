@@ -73,18 +73,26 @@ pub const COMPILED: bool = cfg!(feature = "cuda");
 #[cfg(feature = "cuda")]
 mod buffers;
 #[cfg(feature = "cuda")]
+mod channel;
+#[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 mod driver;
 #[cfg(feature = "cuda")]
 mod nccl;
 #[cfg(feature = "cuda")]
+mod nccl_types;
+#[cfg(feature = "cuda")]
 mod scale;
 #[cfg(feature = "cuda")]
 mod staged;
+#[cfg(feature = "cuda")]
+mod world;
 
 #[cfg(feature = "cuda")]
 pub use buffers::{DeviceBytes, DeviceBytesMut};
+#[cfg(feature = "cuda")]
+pub use channel::DeviceChannel;
 /// The CUDA types of the device API, re-exported so that callers (the engine, fh-torch) need
 /// no direct `cudarc` dependency (tidy allows `cudarc` in fh-transport only).
 #[cfg(feature = "cuda")]
@@ -93,9 +101,11 @@ pub use cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream,
 };
 #[cfg(feature = "cuda")]
-pub use device::{CudaWorld, DeviceChannel, DeviceCommunicator, Staging, DEFAULT_INIT_TIMEOUT};
+pub use device::DeviceCommunicator;
 #[cfg(feature = "cuda")]
 pub use driver::{record_on_stream, stream_wait};
+#[cfg(feature = "cuda")]
+pub use world::{CudaWorld, Staging, DEFAULT_INIT_TIMEOUT};
 
 /// How a device channel moves bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

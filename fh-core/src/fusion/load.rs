@@ -2,7 +2,7 @@
 
 /// The bytes each channel has been given so far, carried from round to round so that
 /// channel assignment balances over a whole step rather than restarting at channel 0 in every
-/// round. It changes only through [`plan_round`], i.e. only as a function of the agreed rounds,
+/// round. It changes only through [`plan_round`](super::plan_round), i.e. only as a function of the agreed rounds,
 /// so every rank holds the same value.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChannelLoad {

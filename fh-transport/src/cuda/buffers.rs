@@ -11,7 +11,7 @@ use crate::{Result, TransportError};
 ///
 /// Device operations are asynchronous: whoever builds one promises that the memory stays
 /// valid (and is not written by anyone else) until the operation it is passed to has completed
-/// on the channel stream (see [`DeviceChannel::record_completion`]).
+/// on the channel stream (see [`DeviceChannel::record_completion`](super::DeviceChannel::record_completion)).
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceBytes<'a> {
     pub(super) ptr: sys::CUdeviceptr,
@@ -168,5 +168,19 @@ impl<'a> DeviceBytesMut<'a> {
     pub(super) fn slice_mut_owned(self, len: usize) -> Result<DeviceBytesMut<'a>> {
         check_range(self.len, 0, len)?;
         Ok(DeviceBytesMut { len, ..self })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_ranges_are_checked() {
+        // SAFETY: never dereferenced; only the range arithmetic is exercised.
+        let b = unsafe { DeviceBytes::from_raw(0x1000, 64) };
+        assert_eq!(b.slice(16, 48).unwrap().device_ptr(), 0x1010);
+        assert!(b.slice(16, 49).is_err());
+        assert!(b.slice(usize::MAX, 2).is_err());
     }
 }

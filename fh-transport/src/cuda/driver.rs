@@ -68,7 +68,7 @@ pub(crate) fn probe() -> Probe {
 
 /// Readiness from a framework: record, on the framework's own stream (e.g. PyTorch's current
 /// stream, given as its raw handle), an event marking the work enqueued so far; pass it to
-/// [`DeviceChannel::wait_ready`].
+/// [`DeviceChannel::wait_ready`](super::DeviceChannel::wait_ready).
 ///
 /// # Safety
 /// `stream` is a live CUDA stream of `ctx`'s device (or null, the legacy default stream).
@@ -80,7 +80,7 @@ pub unsafe fn record_on_stream(ctx: &Arc<CudaContext>, stream: sys::CUstream) ->
 }
 
 /// Completion into a framework: make the framework's stream (raw handle) wait, on the device,
-/// for `event` (from [`DeviceChannel::record_completion`]), so that its next kernels see the
+/// for `event` (from [`DeviceChannel::record_completion`](super::DeviceChannel::record_completion)), so that its next kernels see the
 /// reduced tensors without any host synchronization.
 ///
 /// # Safety

@@ -12,8 +12,9 @@ use fh_nccl_sys::sys::{
 use fh_nccl_sys::Nccl;
 
 use super::buffers::{DeviceBytes, DeviceBytesMut};
-use super::device::{nccl_types, DeviceCommunicator};
+use super::device::DeviceCommunicator;
 use super::driver::cuda_err;
+use super::nccl_types::nccl_types;
 use super::DeviceMode;
 use crate::{Communicator, Result, TransportError};
 
