@@ -12,6 +12,28 @@ fn key(dtype: DType, op: ReduceOp, kind: CollectiveKind) -> FusionKey {
     }
 }
 
+/// An f32 sum allreduce of `bytes`, not in a group.
+fn f32_item(bytes: u64) -> PlanItem {
+    PlanItem {
+        key: key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce),
+        bytes,
+        elem: 4,
+        priority: 0,
+        group: None,
+    }
+}
+
+/// `fasthorovod` on 4 channels, 1 MiB fusion threshold, partitions of `partition_bytes`.
+fn fast4(partition_bytes: u64) -> PlanOptions {
+    PlanOptions {
+        mode: PlanMode::Fast,
+        fusion_threshold: 1 << 20,
+        partition_bytes,
+        channels: 4,
+        by_priority: false,
+    }
+}
+
 fn arb_item() -> impl Strategy<Value = PlanItem> {
     (0usize..3, 0usize..2, 0usize..4, 0u64..400, -3i64..3).prop_map(|(d, o, k, n, p)| {
         let dtype = [DType::F32, DType::F64, DType::I32][d];
@@ -220,21 +242,8 @@ fn pacing_defers_only_while_every_channel_is_busy_and_within_the_bound() {
 
 #[test]
 fn new_work_goes_to_the_idle_channels_and_chunks_to_all() {
-    let f = key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce);
-    let item = |bytes| PlanItem {
-        key: f,
-        bytes,
-        elem: 4,
-        priority: 0,
-        group: None,
-    };
-    let opts = PlanOptions {
-        mode: PlanMode::Fast,
-        fusion_threshold: 1 << 20,
-        partition_bytes: 1 << 16,
-        channels: 4,
-        by_priority: false,
-    };
+    let item = f32_item;
+    let opts = fast4(1 << 16);
     // Channels 1 and 3 idle: 8 small tensors of 64 KiB fuse into 2 groups (one per idle
     // channel), not 4.
     let small = vec![item(64 << 10); 8];
@@ -282,21 +291,8 @@ fn only_a_small_single_host_group_runs_inline() {
 
 #[test]
 fn a_round_does_not_always_start_on_channel_0() {
-    let f = key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce);
-    let one = [PlanItem {
-        key: f,
-        bytes: 400,
-        elem: 4,
-        priority: 0,
-        group: None,
-    }];
-    let opts = PlanOptions {
-        mode: PlanMode::Fast,
-        fusion_threshold: 1 << 20,
-        partition_bytes: 1 << 20,
-        channels: 4,
-        by_priority: false,
-    };
+    let one = [f32_item(400)];
+    let opts = fast4(1 << 20);
     let mut load = ChannelLoad::new(4);
     let chans: Vec<usize> = (0..8)
         .map(|_| plan_round(&one, &opts, &mut load)[0].channel)
@@ -308,20 +304,14 @@ fn a_round_does_not_always_start_on_channel_0() {
 fn horovod_looks_ahead_past_other_dtypes() {
     let f = key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce);
     let d = key(DType::F64, ReduceOp::Sum, CollectiveKind::Allreduce);
-    let it = |k, b| PlanItem {
-        key: k,
-        bytes: b,
-        elem: 4,
-        priority: 0,
-        group: None,
+    let it = |key, bytes| PlanItem {
+        key,
+        ..f32_item(bytes)
     };
     let items = [it(f, 8), it(d, 8), it(f, 8)];
     let opts = PlanOptions {
         mode: PlanMode::Horovod,
-        fusion_threshold: 1 << 20,
-        partition_bytes: 1,
-        channels: 4,
-        by_priority: false,
+        ..fast4(1)
     };
     let g = plan(&items, &opts);
     assert_eq!(g.len(), 2);
@@ -334,13 +324,9 @@ fn horovod_looks_ahead_past_other_dtypes() {
 
 #[test]
 fn grouped_members_share_one_collective_when_they_fit() {
-    let f = key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce);
     let it = |group| PlanItem {
-        key: f,
-        bytes: 40_000,
-        elem: 4,
-        priority: 0,
         group,
+        ..f32_item(40_000)
     };
     // Without the group the 4-channel cap (total / 4, at least 64 KiB) would split them.
     let items = [
@@ -351,13 +337,7 @@ fn grouped_members_share_one_collective_when_they_fit() {
         it(Some(7)),
         it(None),
     ];
-    let opts = PlanOptions {
-        mode: PlanMode::Fast,
-        fusion_threshold: 1 << 20,
-        partition_bytes: 1 << 20,
-        channels: 4,
-        by_priority: false,
-    };
+    let opts = fast4(1 << 20);
     let g = plan(&items, &opts);
     let grouped: Vec<&Group> = g
         .iter()
@@ -374,21 +354,8 @@ fn grouped_members_share_one_collective_when_they_fit() {
 
 #[test]
 fn fast_splits_large_tensors_over_channels() {
-    let f = key(DType::F32, ReduceOp::Sum, CollectiveKind::Allreduce);
-    let items = [PlanItem {
-        key: f,
-        bytes: 400,
-        elem: 4,
-        priority: 0,
-        group: None,
-    }];
-    let opts = PlanOptions {
-        mode: PlanMode::Fast,
-        fusion_threshold: 1 << 20,
-        partition_bytes: 100,
-        channels: 4,
-        by_priority: false,
-    };
+    let items = [f32_item(400)];
+    let opts = fast4(100);
     let g = plan(&items, &opts);
     assert_eq!(g.len(), 4);
     let mut chans: Vec<usize> = g.iter().map(|g| g.channel).collect();
