@@ -7,38 +7,41 @@ use super::half_float::half_apply;
 use super::unsupported;
 use crate::{CoreError, DType, ReduceOp};
 
-macro_rules! map_elems {
-    ($dtype:expr, $buf:expr, |$x:ident : f64| $body:expr) => {{
-        fn apply<T: bytemuck::Pod>(buf: &mut [u8], f: impl Fn(T) -> T) {
-            match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
-                Ok(s) => s.iter_mut().for_each(|v| *v = f(*v)),
-                Err(_) => {
-                    for chunk in buf.chunks_exact_mut(std::mem::size_of::<T>()) {
-                        let v: T = bytemuck::pod_read_unaligned(chunk);
-                        chunk.copy_from_slice(bytemuck::bytes_of(&f(v)));
-                    }
-                }
+/// Apply `f` to every `T` of `buf` in place: as a slice of `T` when `buf` is aligned for it
+/// (so that the loop vectorizes), else element by element through unaligned reads.
+fn map_in_place<T: bytemuck::Pod>(buf: &mut [u8], f: impl Fn(T) -> T) {
+    match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
+        Ok(s) => s.iter_mut().for_each(|v| *v = f(*v)),
+        Err(_) => {
+            for chunk in buf.chunks_exact_mut(std::mem::size_of::<T>()) {
+                let v: T = bytemuck::pod_read_unaligned(chunk);
+                chunk.copy_from_slice(bytemuck::bytes_of(&f(v)));
             }
         }
+    }
+}
+
+macro_rules! map_elems {
+    ($dtype:expr, $buf:expr, |$x:ident : f64| $body:expr) => {{
         let buf: &mut [u8] = $buf;
         match $dtype {
-            DType::U8 => apply::<u8>(buf, |v| {
+            DType::U8 => map_in_place::<u8>(buf, |v| {
                 let $x = v as f64;
                 sat_u8($body)
             }),
-            DType::I8 => apply::<i8>(buf, |v| {
+            DType::I8 => map_in_place::<i8>(buf, |v| {
                 let $x = v as f64;
                 sat_i8($body)
             }),
-            DType::I32 => apply::<i32>(buf, |v| {
+            DType::I32 => map_in_place::<i32>(buf, |v| {
                 let $x = v as f64;
                 ($body) as i32
             }),
-            DType::I64 => apply::<i64>(buf, |v| {
+            DType::I64 => map_in_place::<i64>(buf, |v| {
                 let $x = v as f64;
                 ($body) as i64
             }),
-            DType::F64 => apply::<f64>(buf, |v| {
+            DType::F64 => map_in_place::<f64>(buf, |v| {
                 let $x = v;
                 $body
             }),
@@ -73,16 +76,8 @@ pub fn scale(dtype: DType, buf: &mut [u8], factor: f64) -> Result<(), CoreError>
     let f = factor as f32;
     match dtype {
         DType::F32 => {
-            // Hot path: keep it in f32 so it vectorizes; the unaligned path computes the same.
-            match bytemuck::try_cast_slice_mut::<u8, f32>(buf) {
-                Ok(s) => s.iter_mut().for_each(|v| *v *= f),
-                Err(_) => {
-                    for chunk in buf.chunks_exact_mut(4) {
-                        let v: f32 = bytemuck::pod_read_unaligned(chunk);
-                        chunk.copy_from_slice(&(v * f).to_ne_bytes());
-                    }
-                }
-            }
+            // Hot path: keep it in f32 so it vectorizes.
+            map_in_place::<f32>(buf, |v| v * f);
             return Ok(());
         }
         DType::F16 => {
@@ -112,26 +107,15 @@ pub fn divide(dtype: DType, buf: &mut [u8], n: usize) -> Result<(), CoreError> {
     if n == 1 {
         return Ok(());
     }
-    fn int_div<T: bytemuck::Pod>(buf: &mut [u8], f: impl Fn(T) -> T) {
-        match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
-            Ok(s) => s.iter_mut().for_each(|v| *v = f(*v)),
-            Err(_) => {
-                for chunk in buf.chunks_exact_mut(std::mem::size_of::<T>()) {
-                    let v: T = bytemuck::pod_read_unaligned(chunk);
-                    chunk.copy_from_slice(bytemuck::bytes_of(&f(v)));
-                }
-            }
-        }
-    }
     match dtype {
-        DType::U8 => int_div::<u8>(buf, |v| (v as usize / n) as u8),
-        DType::I8 => int_div::<i8>(buf, |v| (v as i64 / n as i64) as i8),
-        DType::I32 => int_div::<i32>(buf, |v| (v as i64 / n as i64) as i32),
-        DType::I64 => int_div::<i64>(buf, |v| v / n as i64),
+        DType::U8 => map_in_place::<u8>(buf, |v| (v as usize / n) as u8),
+        DType::I8 => map_in_place::<i8>(buf, |v| (v as i64 / n as i64) as i8),
+        DType::I32 => map_in_place::<i32>(buf, |v| (v as i64 / n as i64) as i32),
+        DType::I64 => map_in_place::<i64>(buf, |v| v / n as i64),
         DType::F16 => half_apply::<f16>(buf, |v| v / n as f32),
         DType::BF16 => half_apply::<bf16>(buf, |v| v / n as f32),
-        DType::F32 => int_div::<f32>(buf, |v| v / n as f32),
-        DType::F64 => int_div::<f64>(buf, |v| v / n as f64),
+        DType::F32 => map_in_place::<f32>(buf, |v| v / n as f32),
+        DType::F64 => map_in_place::<f64>(buf, |v| v / n as f64),
         DType::Bool => return Err(unsupported(DType::Bool, ReduceOp::Average)),
     }
     Ok(())
@@ -146,17 +130,6 @@ pub fn divide_and_scale(
     n: usize,
     factor: f64,
 ) -> Result<(), CoreError> {
-    fn one_pass<T: bytemuck::Pod>(buf: &mut [u8], f: impl Fn(T) -> T) {
-        match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
-            Ok(s) => s.iter_mut().for_each(|v| *v = f(*v)),
-            Err(_) => {
-                for chunk in buf.chunks_exact_mut(std::mem::size_of::<T>()) {
-                    let v: T = bytemuck::pod_read_unaligned(chunk);
-                    chunk.copy_from_slice(bytemuck::bytes_of(&f(v)));
-                }
-            }
-        }
-    }
     dtype.elements_in(buf.len())?;
     if n == 0 {
         return Err(CoreError::InvalidArgument(
@@ -167,18 +140,18 @@ pub fn divide_and_scale(
         DType::F32 if n > 1 || factor != 1.0 => {
             let (d, f) = (n as f32, factor as f32);
             if factor == 1.0 {
-                one_pass::<f32>(buf, |v| v / d);
+                map_in_place::<f32>(buf, |v| v / d);
             } else {
-                one_pass::<f32>(buf, |v| v / d * f);
+                map_in_place::<f32>(buf, |v| v / d * f);
             }
             Ok(())
         }
         DType::F64 if n > 1 || factor != 1.0 => {
             let d = n as f64;
             if factor == 1.0 {
-                one_pass::<f64>(buf, |v| v / d);
+                map_in_place::<f64>(buf, |v| v / d);
             } else {
-                one_pass::<f64>(buf, |v| v / d * factor);
+                map_in_place::<f64>(buf, |v| v / d * factor);
             }
             Ok(())
         }
@@ -201,7 +174,7 @@ pub fn copy_divide_and_scale(
     n: usize,
     factor: f64,
 ) -> Result<(), CoreError> {
-    fn one_pass<T: bytemuck::Pod>(src: &[u8], dst: &mut [u8], f: impl Fn(T) -> T) -> bool {
+    fn copy_map<T: bytemuck::Pod>(src: &[u8], dst: &mut [u8], f: impl Fn(T) -> T) -> bool {
         match (
             bytemuck::try_cast_slice::<u8, T>(src),
             bytemuck::try_cast_slice_mut::<u8, T>(dst),
@@ -230,17 +203,17 @@ pub fn copy_divide_and_scale(
         DType::F32 if n > 1 || factor != 1.0 => {
             let (d, f) = (n as f32, factor as f32);
             if factor == 1.0 {
-                one_pass::<f32>(src, dst, |v| v / d)
+                copy_map::<f32>(src, dst, |v| v / d)
             } else {
-                one_pass::<f32>(src, dst, |v| v / d * f)
+                copy_map::<f32>(src, dst, |v| v / d * f)
             }
         }
         DType::F64 if n > 1 || factor != 1.0 => {
             let d = n as f64;
             if factor == 1.0 {
-                one_pass::<f64>(src, dst, |v| v / d)
+                copy_map::<f64>(src, dst, |v| v / d)
             } else {
-                one_pass::<f64>(src, dst, |v| v / d * factor)
+                copy_map::<f64>(src, dst, |v| v / d * factor)
             }
         }
         _ => false,
