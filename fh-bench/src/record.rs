@@ -257,6 +257,26 @@ pub struct StreamRow {
     pub aggregate_algbw: Quantity,
 }
 
+impl StreamRow {
+    /// This row's aggregate bandwidth ÷ that of one allreduce alone in the same measurement
+    /// (same transport, ranks and size, among `rows`): what the report shows and the model's
+    /// concurrency factor. `None` without a finite, positive one-stream figure.
+    pub fn vs_one(&self, rows: &[StreamRow]) -> Option<f64> {
+        let one = rows
+            .iter()
+            .find(|y| {
+                y.transport == self.transport
+                    && y.np == self.np
+                    && y.bytes == self.bytes
+                    && y.streams == 1
+            })?
+            .aggregate_algbw
+            .median;
+        let r = self.aggregate_algbw.median / one;
+        (one.is_finite() && one > 0.0 && r.is_finite()).then_some(r)
+    }
+}
+
 /// One replay configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReplayRow {

@@ -154,24 +154,11 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
 /// A transport's measured concurrency factors at `np` ranks: aggregate bandwidth of `n`
 /// allreduces at once ÷ that of one, from the same measurement (medians), for `n` ≥ 2.
 fn concurrency(record: &RunRecord, transport: &str, np: usize) -> Vec<(usize, f64)> {
-    let rows: Vec<_> = record
+    let mut f: Vec<(usize, f64)> = record
         .streams
         .iter()
-        .filter(|r| r.transport == transport && r.np == np)
-        .filter(|r| r.aggregate_algbw.median.is_finite() && r.aggregate_algbw.median > 0.0)
-        .collect();
-    let Some(one) = rows.iter().find(|r| r.streams == 1) else {
-        return vec![];
-    };
-    let mut f: Vec<(usize, f64)> = rows
-        .iter()
-        .filter(|r| r.streams >= 2 && r.bytes == one.bytes)
-        .map(|r| {
-            (
-                r.streams,
-                r.aggregate_algbw.median / one.aggregate_algbw.median,
-            )
-        })
+        .filter(|r| r.transport == transport && r.np == np && r.streams >= 2)
+        .filter_map(|r| Some((r.streams, r.vs_one(&record.streams)?)))
         .collect();
     f.sort_by_key(|p| p.0);
     f.dedup_by_key(|p| p.0);

@@ -118,17 +118,6 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
         );
         let _ = writeln!(md, "|---|---|---|---|---|---|---|");
         for x in &r.streams {
-            let one = r
-                .streams
-                .iter()
-                .find(|y| {
-                    y.transport == x.transport
-                        && y.np == x.np
-                        && y.bytes == x.bytes
-                        && y.streams == 1
-                })
-                .map(|y| y.aggregate_algbw.median)
-                .filter(|m| *m > 0.0);
             let _ = writeln!(
                 md,
                 "| {} | {} | {} | {} | {} | {} | {} |",
@@ -138,10 +127,8 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
                 x.streams,
                 x.time.display(1),
                 x.aggregate_algbw.display(3),
-                one.map_or("–".into(), |o| format!(
-                    "{:.2}",
-                    x.aggregate_algbw.median / o
-                ))
+                x.vs_one(&r.streams)
+                    .map_or("–".into(), |f| format!("{f:.2}"))
             );
         }
     }
