@@ -455,6 +455,17 @@ pub struct Skipped {
     pub reason: String,
 }
 
+impl Skipped {
+    /// `what` of `suite` ran and failed with `error`.
+    pub fn failed(suite: &str, what: impl Into<String>, error: impl std::fmt::Display) -> Self {
+        Skipped {
+            suite: suite.into(),
+            what: what.into(),
+            reason: format!("failed: {error}"),
+        }
+    }
+}
+
 fn one() -> usize {
     1
 }

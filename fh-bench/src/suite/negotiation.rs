@@ -36,11 +36,11 @@ pub(super) fn run(
                     Ok(outs) => record
                         .negotiation
                         .push(negotiation_row(mode, np, tensors, &outs)),
-                    Err(e) => record.skipped.push(Skipped {
-                        suite: "negotiation".into(),
-                        what: format!("{mode}, {tensors} tensors, np {np}"),
-                        reason: format!("failed: {e}"),
-                    }),
+                    Err(e) => record.skipped.push(Skipped::failed(
+                        "negotiation",
+                        format!("{mode}, {tensors} tensors, np {np}"),
+                        e,
+                    )),
                 }
                 bar.inc(1);
             }

@@ -41,11 +41,9 @@ pub(super) fn run(
         match torch_peer::write_script(&opts.out.join("peers")) {
             Ok(p) => Some(p),
             Err(e) => {
-                record.skipped.push(Skipped {
-                    suite: "replay".into(),
-                    what: "Python peers".into(),
-                    reason: format!("failed: {e}"),
-                });
+                record
+                    .skipped
+                    .push(Skipped::failed("replay", "Python peers", e));
                 None
             }
         }
@@ -140,15 +138,15 @@ pub(super) fn run(
                     Ok(t) => runs[wi][ci].push(Some(t)),
                     Err(e) => {
                         runs[wi][ci].push(None);
-                        record.skipped.push(Skipped {
-                            suite: "replay".into(),
-                            what: format!(
+                        record.skipped.push(Skipped::failed(
+                            "replay",
+                            format!(
                                 "{} {label} ({transport}), repeat {} of {repeats}",
                                 w.model,
                                 k + 1
                             ),
-                            reason: format!("failed: {e}"),
-                        });
+                            e,
+                        ));
                     }
                 }
                 bar.inc(1);

@@ -47,11 +47,11 @@ pub(super) fn run(
                 Ok(outs) => record
                     .collectives
                     .extend(aggregate_collectives(tname, opts.np, &outs)),
-                Err(e) => record.skipped.push(Skipped {
-                    suite: "collectives".into(),
-                    what: format!("{c} over {tname}"),
-                    reason: format!("failed: {e}"),
-                }),
+                Err(e) => record.skipped.push(Skipped::failed(
+                    "collectives",
+                    format!("{c} over {tname}"),
+                    e,
+                )),
             }
             bar.inc(1);
         }
@@ -67,11 +67,11 @@ pub(super) fn run(
             Ok(outs) => record
                 .streams
                 .extend(aggregate_streams(tname, opts.np, &outs)),
-            Err(e) => record.skipped.push(Skipped {
-                suite: "collectives".into(),
-                what: format!("concurrent allreduces over {tname}"),
-                reason: format!("failed: {e}"),
-            }),
+            Err(e) => record.skipped.push(Skipped::failed(
+                "collectives",
+                format!("concurrent allreduces over {tname}"),
+                e,
+            )),
         }
         bar.inc(1);
     }
@@ -114,11 +114,11 @@ pub(super) fn run(
                                 ));
                             }
                         }
-                        Err(e) => record.skipped.push(Skipped {
-                            suite: "collectives".into(),
-                            what: format!("{name} MPI_Allreduce"),
-                            reason: format!("failed: {e}"),
-                        }),
+                        Err(e) => record.skipped.push(Skipped::failed(
+                            "collectives",
+                            format!("{name} MPI_Allreduce"),
+                            e,
+                        )),
                     }
                     bar.inc(1);
                 }
