@@ -224,7 +224,7 @@ pub fn run(
             staged_copy_bps: record
                 .host
                 .copy_gbps_staged
-                .filter(|g| *g > 0.0 && overheads.copy_bps.is_some())
+                .filter(|g| *g > 0.0)
                 .map(|g| g * 1e9),
             ..overheads.clone()
         };
