@@ -159,17 +159,8 @@ pub fn aggregate_streams(transport: &str, np: usize, outs: &[RankOutput]) -> Vec
     };
     first
         .iter()
-        .enumerate()
-        .map(|(i, st)| {
-            let secs: Vec<f64> = (0..st.seconds.len())
-                .map(|j| {
-                    per_rank
-                        .iter()
-                        .filter_map(|r| r.get(i).and_then(|s| s.seconds.get(j)))
-                        .copied()
-                        .fold(0.0, f64::max)
-                })
-                .collect();
+        .zip(slowest_per_repeat(&per_rank, |s| &s.seconds))
+        .map(|(st, secs)| {
             let agg: Vec<f64> = secs
                 .iter()
                 .map(|&t| algbw_gbps(st.streams * st.bytes, t))
@@ -213,19 +204,30 @@ pub fn aggregate_collectives(transport: &str, np: usize, outs: &[RankOutput]) ->
     let Some(first) = per_rank.first() else {
         return vec![];
     };
+    first
+        .iter()
+        .zip(slowest_per_repeat(&per_rank, |c| &c.seconds))
+        .map(|(case, secs)| coll_row(transport, case.case.collective, np, case.bytes, &secs))
+        .collect()
+}
+
+/// For each measurement `i` of the first rank's list, the slowest rank's seconds of every
+/// repeat (`seconds` reads a measurement's per-repeat times; ranks missing one are skipped).
+fn slowest_per_repeat<T>(per_rank: &[&Vec<T>], seconds: impl Fn(&T) -> &[f64]) -> Vec<Vec<f64>> {
+    let Some(first) = per_rank.first() else {
+        return vec![];
+    };
     (0..first.len())
         .map(|i| {
-            let case = &first[i];
-            let secs: Vec<f64> = (0..case.seconds.len())
+            (0..seconds(&first[i]).len())
                 .map(|j| {
                     per_rank
                         .iter()
-                        .filter_map(|r| r.get(i).and_then(|c| c.seconds.get(j)))
+                        .filter_map(|r| r.get(i).and_then(|m| seconds(m).get(j)))
                         .copied()
                         .fold(0.0, f64::max)
                 })
-                .collect();
-            coll_row(transport, case.case.collective, np, case.bytes, &secs)
+                .collect()
         })
         .collect()
 }
