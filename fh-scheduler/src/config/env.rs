@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::parse::{parse_bytes, parse_seconds, parse_switch, parse_u64};
+use super::parse::{parse_bytes, parse_seconds, parse_seconds_at_most, parse_switch, parse_u64};
 use super::*;
 
 impl Config {
@@ -76,14 +76,8 @@ impl Config {
             c.backpressure_bytes = parse_bytes("FH_BACKPRESSURE_BYTES", &v)?;
         }
         if let Some(v) = get("FH_BACKPRESSURE_MAX_MS") {
-            let d = parse_seconds("FH_BACKPRESSURE_MAX_MS", &v, 1e-3)?;
-            if d > Duration::from_secs(1) {
-                return Err(SchedulerError::config(
-                    "FH_BACKPRESSURE_MAX_MS",
-                    format!("'{v}' is out of range; accepted values: 0 to 1000"),
-                ));
-            }
-            c.backpressure_max = d;
+            c.backpressure_max =
+                parse_seconds_at_most("FH_BACKPRESSURE_MAX_MS", &v, 1e-3, Duration::from_secs(1))?;
         }
         if let Some(v) = get("FH_INLINE_BYTES") {
             c.inline_bytes = parse_bytes("FH_INLINE_BYTES", &v)?;
@@ -92,14 +86,8 @@ impl Config {
             c.stage_bytes = parse_bytes("FH_STAGE_BYTES", &v)?;
         }
         if let Some(v) = get("FH_CONTROL_SPIN_US") {
-            let d = parse_seconds("FH_CONTROL_SPIN_US", &v, 1e-6)?;
-            if d > MAX_CONTROL_SPIN {
-                return Err(SchedulerError::config(
-                    "FH_CONTROL_SPIN_US",
-                    format!("'{v}' is out of range; accepted values: 0 to 1000"),
-                ));
-            }
-            c.control_spin = d;
+            c.control_spin =
+                parse_seconds_at_most("FH_CONTROL_SPIN_US", &v, 1e-6, MAX_CONTROL_SPIN)?;
         }
         if let Some(v) = get("FH_CUDA") {
             c.cuda = parse_switch("FH_CUDA", &v)?;

@@ -24,6 +24,26 @@ pub(super) fn parse_seconds(var: &str, v: &str, unit: f64) -> Result<Duration, S
     }
 }
 
+/// As [`parse_seconds`], refusing more than `max` with the accepted range in `unit`s.
+pub(super) fn parse_seconds_at_most(
+    var: &str,
+    v: &str,
+    unit: f64,
+    max: Duration,
+) -> Result<Duration, SchedulerError> {
+    let d = parse_seconds(var, v, unit)?;
+    if d > max {
+        return Err(SchedulerError::config(
+            var,
+            format!(
+                "'{v}' is out of range; accepted values: 0 to {}",
+                (max.as_secs_f64() / unit).round()
+            ),
+        ));
+    }
+    Ok(d)
+}
+
 /// Parse a byte size: a plain integer, or one with a suffix K/KB/KiB, M/MB/MiB, G/GB/GiB
 /// (all binary multiples).
 pub(super) fn parse_bytes(var: &str, v: &str) -> Result<u64, SchedulerError> {

@@ -140,3 +140,20 @@ fn bad_values_name_the_variable_and_accepted_values() {
         );
     }
 }
+
+#[test]
+fn bounded_durations_name_their_range() {
+    for (var, ok, over) in [
+        ("FH_BACKPRESSURE_MAX_MS", "1000", "1001"),
+        ("FH_CONTROL_SPIN_US", "1000", "1000.5"),
+    ] {
+        assert!(Config::from_lookup(env(&[(var, ok)])).is_ok(), "{var}={ok}");
+        let e = Config::from_lookup(env(&[(var, over)]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(var) && e.contains("accepted values: 0 to 1000"),
+            "{e}"
+        );
+    }
+}
