@@ -86,7 +86,7 @@ pub fn default_sizes(quick: bool) -> Vec<usize> {
 /// listed in `skipped`).
 pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     let started = Instant::now();
-    let ticks_at_start = crate::record::cpu_ticks();
+    let ticks_at_start = host::cpu_ticks();
     std::fs::create_dir_all(&opts.out)
         .map_err(|e| format!("creating {}: {e}", opts.out.display()))?;
     let all_workloads =
@@ -116,17 +116,17 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             steal_percent: None,
             load_average: None,
             copy_gbps: if opts.suites.iter().any(|x| x == "simulate") {
-                crate::record::measure_copy_gbps()
+                host::measure_copy_gbps()
             } else {
                 None
             },
             copy_gbps_shared: if opts.suites.iter().any(|x| x == "simulate") {
-                crate::record::measure_shared_copy_gbps(opts.np)
+                host::measure_shared_copy_gbps(opts.np)
             } else {
                 None
             },
             copy_gbps_staged: if opts.suites.iter().any(|x| x == "simulate") {
-                crate::record::measure_staged_copy_gbps(opts.np, stage_bytes())
+                host::measure_staged_copy_gbps(opts.np, host::stage_bytes())
             } else {
                 None
             },
@@ -302,13 +302,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     }
     bar.finish_and_clear();
     record.wall = Quantity::exact(started.elapsed().as_secs_f64(), "s");
-    record.host.steal_percent =
-        crate::record::steal_between(ticks_at_start, crate::record::cpu_ticks());
-    record.host.load_average = crate::record::load_average();
+    record.host.steal_percent = host::steal_between(ticks_at_start, host::cpu_ticks());
+    record.host.load_average = host::load_average();
     Ok(record)
-}
-
-/// The engine's default stage size (`FH_STAGE_BYTES`), for the staged copy-rate measurement.
-pub(crate) fn stage_bytes() -> usize {
-    usize::try_from(fh_scheduler::Config::default().stage_bytes).unwrap_or(usize::MAX)
 }

@@ -76,12 +76,12 @@ pub(super) fn run(
     for k in 0..repeats {
         for (wi, w) in workloads.iter().enumerate() {
             if !copy_samples.is_empty() {
-                copy_samples.extend(crate::record::measure_shared_copy_gbps(opts.np));
+                copy_samples.extend(super::host::measure_shared_copy_gbps(opts.np));
             }
             if !staged_samples.is_empty() {
-                staged_samples.extend(crate::record::measure_staged_copy_gbps(
+                staged_samples.extend(super::host::measure_staged_copy_gbps(
                     opts.np,
-                    super::stage_bytes(),
+                    super::host::stage_bytes(),
                 ));
             }
             for (ci, cfg) in configs.iter().enumerate() {

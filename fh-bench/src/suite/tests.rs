@@ -174,11 +174,11 @@ fn concurrent_allreduces_aggregate_the_slowest_rank_and_calibrate_the_model() {
 
 #[test]
 fn shared_copy_rate_is_measured_per_thread() {
-    assert_eq!(crate::record::measure_shared_copy_gbps(0), None);
-    let g = crate::record::measure_shared_copy_gbps(2).expect("two threads copy");
+    assert_eq!(super::host::measure_shared_copy_gbps(0), None);
+    let g = super::host::measure_shared_copy_gbps(2).expect("two threads copy");
     assert!(g.is_finite() && g > 0.0, "{g}");
-    assert_eq!(crate::record::measure_staged_copy_gbps(0, 1 << 20), None);
+    assert_eq!(super::host::measure_staged_copy_gbps(0, 1 << 20), None);
     // A stage that does not divide 64 MiB: the last piece is short.
-    let g = crate::record::measure_staged_copy_gbps(2, 3 << 20).expect("two threads stage");
+    let g = super::host::measure_staged_copy_gbps(2, 3 << 20).expect("two threads stage");
     assert!(g.is_finite() && g > 0.0, "{g}");
 }
