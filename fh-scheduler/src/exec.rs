@@ -242,6 +242,19 @@ impl Executor {
             std::time::Duration::ZERO,
             std::time::Duration::ZERO,
         );
+        // The parts overlapping bytes [a, z) of the group, from part `first` on: each with its
+        // range in the part's tensor and its range in the fusion buffer.
+        let overlapping = |first: usize, a: usize, z: usize| {
+            job.parts[first..]
+                .iter()
+                .zip(&ends[first..])
+                .take_while(move |((_, _, len), &end)| end - len < z)
+                .map(move |((op, off, len), &end)| {
+                    let start = end - len;
+                    let (lo, hi) = (a.max(start), z.min(end));
+                    (op, off + (lo - start)..off + (hi - start), lo - a..hi - a)
+                })
+        };
         let mut first_part = 0usize; // the first part overlapping the piece
         let mut a = 0usize;
         while a < bytes {
@@ -249,40 +262,25 @@ impl Executor {
             while ends[first_part] <= a {
                 first_part += 1;
             }
-            // The parts overlapping [a, z): (part, range in the part's tensor, range in buf).
-            let overlaps = |i: usize| {
-                let (_, off, len) = &job.parts[i];
-                let ps = ends[i] - len;
-                let (lo, hi) = (a.max(ps), z.min(ends[i]));
-                (off + (lo - ps), off + (hi - ps), lo - a, hi - a)
-            };
             let t0 = Instant::now();
-            let mut i = first_part;
-            while i < job.parts.len() && ends[i] - job.parts[i].2 < z {
-                let (s0, s1, d0, d1) = overlaps(i);
-                let st = job.parts[i].0.lock();
-                if let Some(t) = &st.tensor {
-                    self.buf[d0..d1].copy_from_slice(&t.data()[s0..s1]);
+            for (op, src, dst) in overlapping(first_part, a, z) {
+                if let Some(t) = &op.lock().tensor {
+                    self.buf[dst].copy_from_slice(&t.data()[src]);
                 }
-                i += 1;
             }
             let t1 = Instant::now();
             reduce_unfinished(self.comm.as_mut(), &mut self.buf[..z - a], sig)?;
             let t2 = Instant::now();
-            let mut i = first_part;
-            while i < job.parts.len() && ends[i] - job.parts[i].2 < z {
-                let (s0, s1, d0, d1) = overlaps(i);
-                let mut st = job.parts[i].0.lock();
-                if let Some(t) = &mut st.tensor {
+            for (op, src, dst) in overlapping(first_part, a, z) {
+                if let Some(t) = &mut op.lock().tensor {
                     kernels::copy_divide_and_scale(
                         sig.dtype,
-                        &self.buf[d0..d1],
-                        &mut t.data_mut()[s0..s1],
+                        &self.buf[dst],
+                        &mut t.data_mut()[src],
                         n,
                         sig.postscale,
                     )?;
                 }
-                i += 1;
             }
             packing += t1 - t0;
             reducing += t2 - t1;
