@@ -2,7 +2,7 @@
 //! scaling efficiency for 8 … 1024 ranks, and checks the model against the measured replay.
 
 use crate::record::{RunRecord, SimCheck, SimResult, SimRow};
-use crate::sim::{self, Link, Overheads, Schedule};
+use crate::sim::{self, Concurrency, Link, Overheads, Schedule};
 use crate::stats::Quantity;
 use crate::workload::Workload;
 
@@ -10,7 +10,8 @@ use crate::workload::Workload;
 pub const NOTE: &str = "MODEL, not a measurement: a discrete-event simulation of both schedules \
 (negotiation rounds, fusion, K channels sharing the link (with the loss measured for K \
 allreduces at once on the loopback check), alpha-beta costs of ring or \
-recursive-doubling allreduce, host copies at the measured copy rate), fed by \
+recursive-doubling allreduce, host copies at the measured copy rate; on the loopback \
+check the copies in flight share the host, with the transfers over shared memory), fed by \
 the workloads' gradient sizes and release times. Step time = backward start to last gradient \
 reduced; efficiency = (F + B) / (F + step) with a forward pass F = B/2.";
 
@@ -68,15 +69,33 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
                 points.len()
             ));
             l.concurrency = concurrency(record, transport, np);
+            // Shared memory and threads move data with the ranks' own memory copies; TCP's
+            // transfers spend their time in the kernel's socket path, where the measured
+            // replay shows the ranks' copies overlapping them.
+            l.host_bound = transport != "tcp";
+            if l.host_bound {
+                notes.push(format!(
+                    "{transport}: its transfers are the ranks' own memory copies: in the \
+                     loopback check, transfers and host copies in flight share the host \
+                     equally (times the measured concurrency factor)"
+                ));
+            }
             if !l.concurrency.is_empty() {
                 let shown: Vec<String> = l
                     .concurrency
                     .iter()
-                    .map(|(n, f)| format!("{f:.2} with {n}"))
+                    .map(|c| {
+                        format!(
+                            "{:.2} with {} of {}",
+                            c.factor,
+                            c.streams,
+                            crate::plots::fmt_bytes(c.bytes as f64)
+                        )
+                    })
                     .collect();
                 notes.push(format!(
                     "{transport}: allreduces in flight at once move together {} times what \
-                     one moves alone: measured concurrent allreduces from {source}",
+                     one of that size moves alone: measured concurrent allreduces from {source}",
                     shown.join(", ")
                 ));
             }
@@ -137,7 +156,8 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
             notes.push(match record.host.copy_gbps_shared {
                 Some(s) if s > 0.0 => format!(
                     "the loopback check's copies at {s:.1} GB/s per rank: measured with one \
-                     thread per rank copying at once on this host"
+                     thread per rank copying at once on this host; a rank's channels copying \
+                     at once share it"
                 ),
                 _ => "the loopback check's copies at that rate divided by the ranks sharing \
                       each core (no shared copy-rate measurement)"
@@ -152,16 +172,23 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
 }
 
 /// A transport's measured concurrency factors at `np` ranks: aggregate bandwidth of `n`
-/// allreduces at once ÷ that of one, from the same measurement (medians), for `n` ≥ 2.
-fn concurrency(record: &RunRecord, transport: &str, np: usize) -> Vec<(usize, f64)> {
-    let mut f: Vec<(usize, f64)> = record
+/// allreduces at once ÷ that of one of the same size, from the same measurement (medians),
+/// for `n` ≥ 2, by size and count.
+fn concurrency(record: &RunRecord, transport: &str, np: usize) -> Vec<Concurrency> {
+    let mut f: Vec<Concurrency> = record
         .streams
         .iter()
         .filter(|r| r.transport == transport && r.np == np && r.streams >= 2)
-        .filter_map(|r| Some((r.streams, r.vs_one(&record.streams)?)))
+        .filter_map(|r| {
+            Some(Concurrency {
+                bytes: r.bytes,
+                streams: r.streams,
+                factor: r.vs_one(&record.streams)?,
+            })
+        })
         .collect();
-    f.sort_by_key(|p| p.0);
-    f.dedup_by_key(|p| p.0);
+    f.sort_by_key(|c| (c.bytes, c.streams));
+    f.dedup_by_key(|c| (c.bytes, c.streams));
     f
 }
 
@@ -226,6 +253,9 @@ pub fn run(
                 .copy_gbps_staged
                 .filter(|g| *g > 0.0)
                 .map(|g| g * 1e9),
+            // Every rank on this host: a rank's channels copy on shared cores, and on shared
+            // memory their transfers are copies too.
+            shared_host: true,
             ..overheads.clone()
         };
         let m = sim::simulate_workload(w, b, *np, link, &s, &local);

@@ -37,5 +37,6 @@ pub fn calibrate_link(name: &str, p: usize, points: &[(f64, f64)]) -> Option<Lin
         bandwidth_bps: 1.0 / beta,
         stream_cap_bps: None,
         concurrency: Vec::new(),
+        host_bound: false,
     })
 }

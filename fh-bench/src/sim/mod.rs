@@ -13,7 +13,8 @@
 //!   share the link fairly (processor sharing), each at most `stream_cap` (a single TCP stream
 //!   rarely fills a fast link; NVLink-class links have no such cap). Together they move the
 //!   link's bandwidth times its measured concurrency factor ([`Link::aggregate_factor`]: 1 for
-//!   the link classes; on a loopback check, what K allreduces at once measured against one).
+//!   the link classes; on a loopback check, what K allreduces at once measured against one, at
+//!   the sizes measured, taken at the mean size of the groups in flight).
 //! - **Negotiation round.** Costs `r + ⌈log₂ p⌉·α` (a small recursive-doubling allreduce of
 //!   the bit vector plus the software overhead `r`).
 //! - **`horovod`** (one background thread): a loop that starts at most every `cycle` seconds,
@@ -36,7 +37,14 @@
 //!   is reduced in place and scaled in one pass): those passes run at the host's measured copy
 //!   rate on the channel, before and after its transfer ([`Overheads::copy_bps`]); where the
 //!   engine stages fused groups through a cache-sized piece (one host), at the staged rate
-//!   measured for that pattern ([`Overheads::staged_copy_bps`]).
+//!   measured for that pattern ([`Overheads::staged_copy_bps`]). In the projections each
+//!   channel copies on a core of its own. In the loopback check every rank shares one small
+//!   host ([`Overheads::shared_host`]): the copies in flight on a rank's channels share its copy
+//!   rate, and where the link's transfers are themselves the host's memory copies (shared
+//!   memory, threads: [`Link::host_bound`]) transfers and copies in flight share the host
+//!   equally, times the link's measured concurrency factor. (Measured: replaying BERT-base over
+//!   shared memory at np 4 on 2 cores, K = 4 moved 16 % fewer bytes per busy second than K = 1;
+//!   without this sharing the model gave K = 4 a step a third shorter than K = 1's.)
 //!
 //! Step time = time the last group completes; exposed communication = step − B; scaling
 //! efficiency = (F + B) / (F + step) with a forward pass F = B/2 that is not overlapped.
@@ -53,7 +61,7 @@ mod planner;
 mod tests;
 
 pub use calibrate::calibrate_link;
-pub use params::{round_time, Link, Overheads, Schedule, ScheduleKind};
+pub use params::{round_time, Concurrency, Link, Overheads, Schedule, ScheduleKind};
 pub use planner::ModelPlanner;
 
 /// Message steps of fh-transport's recursive doubling on `p > 1` ranks: `⌊log₂ p⌋`, plus two
@@ -73,11 +81,39 @@ pub struct StepModel {
     pub collectives: usize,
 }
 
+/// A group on its channel: host copies, then the latency part, then the bandwidth part.
 struct Transfer {
-    latency_end: f64,
+    /// Host copying left, in seconds at the full copy rate (packing and unpacking, charged
+    /// before the wire).
+    copy_left: f64,
+    /// The latency part, charged once the copies are done.
+    latency: f64,
+    /// When the latency part ends; `None` while copying.
+    latency_end: Option<f64>,
+    /// Wire bytes left.
     remaining: f64,
     /// The group's payload bytes (queued until the transfer ends, as the engine counts).
     bytes: usize,
+}
+
+impl Transfer {
+    fn new(now: f64, copy_s: f64, latency: f64, wire: f64, bytes: usize) -> Self {
+        Transfer {
+            copy_left: copy_s,
+            latency,
+            latency_end: (copy_s <= 0.0).then_some(now + latency),
+            remaining: wire,
+            bytes,
+        }
+    }
+
+    fn copying(&self) -> bool {
+        self.latency_end.is_none()
+    }
+
+    fn on_wire(&self, now: f64) -> bool {
+        matches!(self.latency_end, Some(e) if e <= now + 1e-15)
+    }
 }
 
 /// Simulates one step of `sizes` (bytes, in release order) released at `ready` (seconds).
@@ -181,14 +217,8 @@ pub fn simulate_step(
                     if active[c].is_none() && queues[c].is_empty() {
                         collectives += 1;
                         let (latency, wire) = cost(b);
-                        active[c] = Some(Transfer {
-                            latency_end: now
-                                + agreement
-                                + latency
-                                + o.copy_s(b, g.parts.len(), staged),
-                            remaining: wire,
-                            bytes: b,
-                        });
+                        let copy = o.copy_s(b, g.parts.len(), staged);
+                        active[c] = Some(Transfer::new(now, copy, agreement + latency, wire, b));
                         inline_channel = Some(c);
                     }
                 }
@@ -208,11 +238,7 @@ pub fn simulate_step(
                     queued_bytes[c] -= g;
                     collectives += 1;
                     let (latency, wire) = cost(g);
-                    active[c] = Some(Transfer {
-                        latency_end: now + latency + copy,
-                        remaining: wire,
-                        bytes: g,
-                    });
+                    active[c] = Some(Transfer::new(now, copy, latency, wire, g));
                 }
             }
         }
@@ -262,15 +288,34 @@ pub fn simulate_step(
         if done_tensors == total && channels_idle && negotiating.is_none() {
             break;
         }
-        // Next event.
-        let in_bw = active
+        // Next event. Rates now: the bandwidth parts in flight share the link; copies run at
+        // the full copy rate, or where the ranks share a host, share it (with the transfers
+        // too, on a link whose transfers are the host's own copies).
+        // The concurrency factor is the one measured at the mean size of the groups sharing.
+        let host_shared = o.shared_host && link.host_bound;
+        let sharing = |t: &&Transfer| t.on_wire(now) || (host_shared && t.copying());
+        let (n_sharing, bytes_sharing) = active
             .iter()
-            .filter(|t| matches!(t, Some(t) if t.latency_end <= now + 1e-15))
-            .count();
-        let rate = if in_bw == 0 {
-            0.0
+            .flatten()
+            .filter(sharing)
+            .fold((0usize, 0usize), |(n, b), t| (n + 1, b + t.bytes));
+        let factor = link.aggregate_factor(n_sharing, bytes_sharing / n_sharing.max(1));
+        let in_copy = active.iter().flatten().filter(|t| t.copying()).count();
+        let (rate, copy_speed) = if host_shared {
+            let share = factor / n_sharing.max(1) as f64;
+            ((link.bandwidth_bps * share).min(cap), share)
         } else {
-            (link.bandwidth_bps * link.aggregate_factor(in_bw) / in_bw as f64).min(cap)
+            let rate = if n_sharing == 0 {
+                0.0
+            } else {
+                (link.bandwidth_bps * factor / n_sharing as f64).min(cap)
+            };
+            let speed = if o.shared_host {
+                1.0 / in_copy.max(1) as f64
+            } else {
+                1.0
+            };
+            (rate, speed)
         };
         let mut next = f64::INFINITY;
         if next_tensor < total {
@@ -282,14 +327,20 @@ pub fn simulate_step(
         let mut finish = vec![f64::INFINITY; k];
         for (c, t) in active.iter().enumerate() {
             if let Some(t) = t {
-                if t.latency_end > now + 1e-15 {
-                    next = next.min(t.latency_end);
-                } else if rate > 0.0 {
-                    finish[c] = now + t.remaining / rate;
-                    next = next.min(finish[c]);
-                } else {
-                    finish[c] = now; // nothing left to send
-                    next = now;
+                match t.latency_end {
+                    None => {
+                        finish[c] = now + t.copy_left / copy_speed;
+                        next = next.min(finish[c]);
+                    }
+                    Some(e) if e > now + 1e-15 => next = next.min(e),
+                    Some(_) if rate > 0.0 => {
+                        finish[c] = now + t.remaining / rate;
+                        next = next.min(finish[c]);
+                    }
+                    Some(_) => {
+                        finish[c] = now; // nothing left to send
+                        next = now;
+                    }
                 }
             }
         }
@@ -314,13 +365,21 @@ pub fn simulate_step(
         // their finish time, so that rounding cannot leave a sliver that never ends).
         for (c, slot) in active.iter_mut().enumerate() {
             if let Some(t) = slot {
-                if finish[c] <= next + 1e-12 * next.abs().max(1e-9) {
+                let ends = finish[c] <= next + 1e-12 * next.abs().max(1e-9);
+                if t.copying() {
+                    if ends {
+                        t.copy_left = 0.0;
+                        t.latency_end = Some(next + t.latency);
+                    } else {
+                        t.copy_left = (t.copy_left - copy_speed * dt).max(0.0);
+                    }
+                } else if ends {
                     *slot = None;
                     last_completion = next;
                     if inline_channel == Some(c) {
                         inline_channel = None;
                     }
-                } else if t.latency_end <= now + 1e-15 {
+                } else if t.on_wire(now) {
                     t.remaining = (t.remaining - rate * dt).max(0.0);
                 }
             }

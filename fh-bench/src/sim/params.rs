@@ -15,34 +15,69 @@ pub struct Link {
     pub bandwidth_bps: f64,
     /// Most one stream (one channel) reaches, bytes per second; `None` = the link's.
     pub stream_cap_bps: Option<f64>,
-    /// Measured aggregate bandwidth with `n` transfers in flight ÷ with one, as `(n, factor)`
-    /// by increasing `n` (on a loopback check the ranks' channels share a few cores, so more
-    /// streams may move less); empty: the link is shared without loss.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub concurrency: Vec<(usize, f64)>,
+    /// Measured aggregate bandwidth of transfers in flight at once ÷ that of one alone, by
+    /// transfer size and count (on a loopback check the ranks' channels share a few cores, so
+    /// more streams may move less, and small ones lose most); empty: the link is shared without
+    /// loss.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        rename = "concurrency_by_size"
+    )]
+    pub concurrency: Vec<Concurrency>,
+    /// The link's transfers are memory copies by the ranks' own cores (a loopback check: shared
+    /// memory, threads, the kernel's loopback): where the ranks' copies share the host
+    /// ([`Overheads::shared_host`]), transfers and copies in progress share it together.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub host_bound: bool,
+}
+
+/// One measured concurrency factor: `streams` transfers of `bytes` each in flight at once move
+/// `factor` times what one moves alone.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Concurrency {
+    /// Bytes of each transfer.
+    pub bytes: usize,
+    /// Transfers in flight at once (2 or more).
+    pub streams: usize,
+    /// Their aggregate bandwidth ÷ that of one alone.
+    pub factor: f64,
 }
 
 impl Link {
-    /// Aggregate bandwidth with `n` transfers in flight ÷ with one: 1 for one transfer or an
-    /// unmeasured link; between measured counts linear, beyond them the nearest one's.
-    pub fn aggregate_factor(&self, n: usize) -> f64 {
+    /// Aggregate bandwidth of `n` transfers of about `bytes` each in flight ÷ that of one: 1 for
+    /// one transfer or an unmeasured link. Per measured size, linear in `n` between measured
+    /// counts (from 1 with 1 up to the first) and the last one's beyond them; between measured
+    /// sizes linear in log(size), beyond them the nearest size's.
+    pub fn aggregate_factor(&self, n: usize, bytes: usize) -> f64 {
         if n <= 1 || self.concurrency.is_empty() {
             return 1.0;
         }
-        let pts = &self.concurrency;
-        let first = pts[0];
-        if n <= first.0 {
-            // From (1, 1) to the first measured count.
-            let span = (first.0.max(2) - 1) as f64;
-            return 1.0 + (first.1 - 1.0) * (n - 1) as f64 / span;
-        }
-        for w in pts.windows(2) {
-            let ((a, fa), (b, fb)) = (w[0], w[1]);
-            if n <= b && b > a {
-                return fa + (fb - fa) * (n - a) as f64 / (b - a) as f64;
+        let mut sizes: Vec<usize> = self.concurrency.iter().map(|c| c.bytes).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        let at = |size: usize| -> f64 {
+            let mut pts: Vec<(usize, f64)> = self
+                .concurrency
+                .iter()
+                .filter(|c| c.bytes == size && c.streams >= 2)
+                .map(|c| (c.streams, c.factor))
+                .collect();
+            pts.sort_by_key(|p| p.0);
+            by_count(&pts, n)
+        };
+        let lo = sizes.iter().rev().find(|&&s| s <= bytes).copied();
+        let hi = sizes.iter().find(|&&s| s >= bytes).copied();
+        match (lo, hi) {
+            (Some(a), Some(b)) if a < b => {
+                let t =
+                    ((bytes as f64).ln() - (a as f64).ln()) / ((b as f64).ln() - (a as f64).ln());
+                at(a) + (at(b) - at(a)) * t
             }
+            (Some(a), _) => at(a),
+            (None, Some(b)) => at(b),
+            (None, None) => 1.0,
         }
-        pts[pts.len() - 1].1
     }
 
     /// The documented default link classes: 25/100/400 Gb/s Ethernet-class (TCP; a single
@@ -56,6 +91,7 @@ impl Link {
                 bandwidth_bps: gbit(25.0),
                 stream_cap_bps: None,
                 concurrency: Vec::new(),
+                host_bound: false,
             },
             Link {
                 name: "100 Gb/s".into(),
@@ -63,6 +99,7 @@ impl Link {
                 bandwidth_bps: gbit(100.0),
                 stream_cap_bps: Some(gbit(40.0)),
                 concurrency: Vec::new(),
+                host_bound: false,
             },
             Link {
                 name: "400 Gb/s".into(),
@@ -70,6 +107,7 @@ impl Link {
                 bandwidth_bps: gbit(400.0),
                 stream_cap_bps: Some(gbit(50.0)),
                 concurrency: Vec::new(),
+                host_bound: false,
             },
             Link {
                 name: "NVLink-class".into(),
@@ -77,9 +115,29 @@ impl Link {
                 bandwidth_bps: 300e9,
                 stream_cap_bps: None,
                 concurrency: Vec::new(),
+                host_bound: false,
             },
         ]
     }
+}
+
+/// The factor for `n` in flight from `(count, factor)` points by increasing count.
+fn by_count(pts: &[(usize, f64)], n: usize) -> f64 {
+    let Some(&first) = pts.first() else {
+        return 1.0;
+    };
+    if n <= first.0 {
+        // From (1, 1) to the first measured count.
+        let span = (first.0.max(2) - 1) as f64;
+        return 1.0 + (first.1 - 1.0) * (n - 1) as f64 / span;
+    }
+    for w in pts.windows(2) {
+        let ((a, fa), (b, fb)) = (w[0], w[1]);
+        if n <= b && b > a {
+            return fa + (fb - fa) * (n - a) as f64 / (b - a) as f64;
+        }
+    }
+    pts[pts.len() - 1].1
 }
 
 fn default_inline_bytes() -> u64 {
@@ -206,6 +264,12 @@ pub struct Overheads {
     /// modelled job spans hosts, fused groups go whole at [`Overheads::copy_bps`].
     #[serde(default)]
     pub staged_copy_bps: Option<f64>,
+    /// The ranks' channels share a few cores (the loopback check: every rank on one small
+    /// host): the copies in progress on a rank's channels share its copy rate (each of `n` at
+    /// `1/n` of it), and on a [`Link::host_bound`] link its transfers share the host with them.
+    /// `false` (the projections): each channel copies on a core of its own, as on a cluster node.
+    #[serde(default)]
+    pub shared_host: bool,
 }
 
 impl Default for Overheads {
@@ -216,6 +280,7 @@ impl Default for Overheads {
             per_collective_s: 20e-6,
             copy_bps: None,
             staged_copy_bps: None,
+            shared_host: false,
         }
     }
 }

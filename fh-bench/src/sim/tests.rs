@@ -13,6 +13,7 @@ fn link(alpha: f64, bw: f64, cap: Option<f64>) -> Link {
         bandwidth_bps: bw,
         stream_cap_bps: cap,
         concurrency: Vec::new(),
+        host_bound: false,
     }
 }
 
@@ -21,7 +22,19 @@ const NO_OVERHEAD: Overheads = Overheads {
     per_collective_s: 0.0,
     copy_bps: None,
     staged_copy_bps: None,
+    shared_host: false,
 };
+
+/// `(streams, factor)` points measured at one size.
+fn at_size(bytes: usize, pts: &[(usize, f64)]) -> Vec<Concurrency> {
+    pts.iter()
+        .map(|&(streams, factor)| Concurrency {
+            bytes,
+            streams,
+            factor,
+        })
+        .collect()
+}
 
 #[test]
 fn ring_allreduce_by_hand() {
@@ -123,7 +136,7 @@ fn concurrent_transfers_move_the_measured_share_of_the_link() {
     // As above, K=2, but two transfers at once move only 0.5 of what one moves alone: 2 MB at
     // 0.5 GB/s together, 4 ms after both latencies. K=1 never has two in flight: unchanged.
     let mut l = link(1e-5, 1e9, None);
-    l.concurrency = vec![(2, 0.5), (4, 0.25)];
+    l.concurrency = at_size(1_000_000, &[(2, 0.5), (4, 0.25)]);
     let sizes = [1_000_000, 1_000_000];
     let mut s1 = Schedule::fasthorovod(1);
     s1.fusion_bytes = 1;
@@ -139,24 +152,80 @@ fn concurrent_transfers_move_the_measured_share_of_the_link() {
 fn aggregate_factor_interpolates_between_measured_counts() {
     let mut l = link(1e-5, 1e9, None);
     assert_eq!(
-        l.aggregate_factor(8),
+        l.aggregate_factor(8, 1 << 20),
         1.0,
         "unmeasured: shared without loss"
     );
-    l.concurrency = vec![(2, 0.8), (4, 0.6)];
-    assert_eq!(l.aggregate_factor(0), 1.0);
-    assert_eq!(l.aggregate_factor(1), 1.0);
-    assert!(close(l.aggregate_factor(2), 0.8));
-    assert!(close(l.aggregate_factor(3), 0.7));
-    assert!(close(l.aggregate_factor(4), 0.6));
-    assert!(
-        close(l.aggregate_factor(16), 0.6),
-        "beyond the last: the last"
-    );
+    l.concurrency = at_size(1 << 20, &[(2, 0.8), (4, 0.6)]);
+    for bytes in [1, 1 << 20, 1 << 30] {
+        assert_eq!(l.aggregate_factor(0, bytes), 1.0);
+        assert_eq!(l.aggregate_factor(1, bytes), 1.0);
+        assert!(
+            close(l.aggregate_factor(2, bytes), 0.8),
+            "one size: every size"
+        );
+        assert!(close(l.aggregate_factor(3, bytes), 0.7));
+        assert!(close(l.aggregate_factor(4, bytes), 0.6));
+        assert!(
+            close(l.aggregate_factor(16, bytes), 0.6),
+            "beyond the last: the last"
+        );
+    }
     // Measured from 4 only: linear from (1, 1).
-    l.concurrency = vec![(4, 0.4)];
-    assert!(close(l.aggregate_factor(2), 0.8));
-    assert!(close(l.aggregate_factor(3), 0.6));
+    l.concurrency = at_size(1 << 20, &[(4, 0.4)]);
+    assert!(close(l.aggregate_factor(2, 1 << 20), 0.8));
+    assert!(close(l.aggregate_factor(3, 1 << 20), 0.6));
+}
+
+#[test]
+fn aggregate_factor_interpolates_in_log_size_between_measured_sizes() {
+    let mut l = link(1e-5, 1e9, None);
+    l.concurrency = at_size(1 << 20, &[(2, 0.9), (4, 0.5)]);
+    l.concurrency
+        .extend(at_size(16 << 20, &[(2, 1.1), (4, 1.3)]));
+    // Halfway in log size between 1 MiB and 16 MiB: 4 MiB.
+    assert!(close(l.aggregate_factor(4, 4 << 20), 0.9));
+    assert!(close(l.aggregate_factor(2, 4 << 20), 1.0));
+    assert!(close(l.aggregate_factor(3, 4 << 20), 0.95));
+    // At and beyond the measured sizes: the nearest one's.
+    assert!(close(l.aggregate_factor(4, 1 << 20), 0.5));
+    assert!(close(l.aggregate_factor(4, 1000), 0.5));
+    assert!(close(l.aggregate_factor(4, 16 << 20), 1.3));
+    assert!(close(l.aggregate_factor(4, 1 << 30), 1.3));
+    assert_eq!(l.aggregate_factor(1, 4 << 20), 1.0);
+}
+
+#[test]
+fn on_a_shared_host_copies_share_it_and_on_a_host_bound_link_with_transfers() {
+    // Two tensors of 2 MB (A) and 1 MB (B) ready at once on 2 ranks, K = 2, one each, no
+    // latency; each is scaled in one pass at 1 GB/s (A 2 ms, B 1 ms) and then moves 2 MB
+    // (A) or 1 MB (B) of ring traffic at 1 GB/s.
+    let mut l = link(0.0, 1e9, None);
+    let mut s = Schedule::fasthorovod(2);
+    s.fusion_bytes = 1;
+    s.inline_bytes = 0;
+    let own = Overheads {
+        copy_bps: Some(1e9),
+        ..NO_OVERHEAD
+    };
+    let sizes = [2_000_000, 1_000_000];
+    let step = |l: &Link, o: &Overheads| simulate_step(&sizes, &[0.0, 0.0], 2, l, &s, o).step_s;
+    // Each channel copies on a core of its own: B copies to 1 ms and sends alone to 2 ms; A
+    // copies to 2 ms and sends alone to 4 ms.
+    assert!(close(step(&l, &own), 4e-3), "{}", step(&l, &own));
+    // The copies share the rank's copy rate: both at half speed to 2 ms (B done, A half); A
+    // copies alone to 3 ms while B sends alone to 3 ms; A sends to 5 ms.
+    let shared = Overheads {
+        shared_host: true,
+        ..own.clone()
+    };
+    assert!(close(step(&l, &shared), 5e-3), "{}", step(&l, &shared));
+    // And where the transfers are the host's own copies, B's transfer and A's last copy share
+    // it too: both at half speed from 2 ms to 4 ms; A sends alone to 6 ms.
+    l.host_bound = true;
+    assert!(close(step(&l, &shared), 6e-3), "{}", step(&l, &shared));
+    // A host-bound link alone changes nothing: the projections keep a core per channel.
+    assert!(close(step(&l, &own), 4e-3), "{}", step(&l, &own));
 }
 
 #[test]

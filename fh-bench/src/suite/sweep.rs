@@ -7,6 +7,7 @@ use indicatif::ProgressBar;
 use super::Options;
 use crate::collectives::{algbw_gbps, busbw_gbps, Case, Collective, StreamTimes};
 use crate::mpi_peer;
+use crate::plots::fmt_bytes;
 use crate::record::{CollRow, RunRecord, Skipped, StreamRow};
 use crate::runner::{Job, RankOutput, Runner};
 use crate::stats::Quantity;
@@ -55,25 +56,29 @@ pub(super) fn run(
             }
             bar.inc(1);
         }
-        bar.set_message(format!("collectives: concurrent allreduces over {tname}"));
-        let job = Job::Streams {
-            bytes: STREAM_BYTES,
-            streams: stream_counts(),
-            warmup,
-            // Interleaved counts; a ratio of two medians wants a few more samples than a row.
-            repeats: opts.repeats.max(STREAM_REPEATS),
-        };
-        match runner.run(&format!("streams-{tname}"), &job) {
-            Ok(outs) => record
-                .streams
-                .extend(aggregate_streams(tname, opts.np, &outs)),
-            Err(e) => record.skipped.push(Skipped::failed(
-                "collectives",
-                format!("concurrent allreduces over {tname}"),
-                e,
-            )),
+        for &bytes in STREAM_SIZES {
+            bar.set_message(format!(
+                "collectives: concurrent allreduces of {} over {tname}",
+                fmt_bytes(bytes as f64)
+            ));
+            let job = Job::Streams {
+                bytes,
+                streams: stream_counts(),
+                warmup,
+                repeats: stream_repeats(opts.repeats, bytes),
+            };
+            match runner.run(&format!("streams-{tname}-{bytes}"), &job) {
+                Ok(outs) => record
+                    .streams
+                    .extend(aggregate_streams(tname, opts.np, &outs)),
+                Err(e) => record.skipped.push(Skipped::failed(
+                    "collectives",
+                    format!("concurrent allreduces of {bytes} bytes over {tname}"),
+                    e,
+                )),
+            }
+            bar.inc(1);
         }
-        bar.inc(1);
     }
     if !opts.no_peers {
         bar.set_message("collectives: OpenMPI MPI_Allreduce");
@@ -127,12 +132,22 @@ pub(super) fn run(
     }
 }
 
-/// Bytes of each concurrent allreduce: the engine's default partition size, what its channels
-/// carry at once when a large tensor is split across them.
-pub const STREAM_BYTES: usize = 16 << 20;
+/// Bytes of each concurrent allreduce, one measurement per size: the engine's default
+/// partition size (what its channels carry at once when a large tensor is split across them)
+/// and two sizes of fused groups, where the ranks' hand-offs weigh more than their copies.
+pub const STREAM_SIZES: &[usize] = &[256 << 10, 1 << 20, 16 << 20];
 
 /// Fewest timed repeats of each concurrent allreduce count.
 pub const STREAM_REPEATS: usize = 9;
+
+/// Timed repeats of each concurrent allreduce count of `bytes`: the counts are interleaved, and
+/// a ratio of two medians wants more samples than a row, the more the smaller the allreduce
+/// (a slow spell of a shared host is long against it): [`STREAM_REPEATS`] at 16 MiB and
+/// proportionally more below, up to 100; never fewer than `asked`.
+pub fn stream_repeats(asked: usize, bytes: usize) -> usize {
+    let by_size = STREAM_REPEATS * (16 << 20) / bytes.max(1);
+    by_size.clamp(STREAM_REPEATS, 100).max(asked)
+}
 
 /// The concurrent allreduce counts measured: the channel counts the replay compares.
 pub fn stream_counts() -> Vec<usize> {

@@ -167,9 +167,22 @@ fn concurrent_allreduces_aggregate_the_slowest_rank_and_calibrate_the_model() {
         .find(|(l, _)| l.name == "measured shm loopback")
         .expect("a shm link");
     assert_eq!(shm.concurrency.len(), 1);
-    assert_eq!(shm.concurrency[0].0, 2);
-    assert!((shm.concurrency[0].1 - 0.45 / 0.75).abs() < 1e-9, "{shm:?}");
-    assert!(notes.iter().any(|n| n.contains("0.60 with 2")), "{notes:?}");
+    assert_eq!(
+        (shm.concurrency[0].streams, shm.concurrency[0].bytes),
+        (2, 1_000_000)
+    );
+    assert!(
+        (shm.concurrency[0].factor - 0.45 / 0.75).abs() < 1e-9,
+        "{shm:?}"
+    );
+    assert!(
+        shm.host_bound,
+        "shared memory moves data with the host's copies"
+    );
+    assert!(
+        notes.iter().any(|n| n.contains("0.60 with 2 of")),
+        "{notes:?}"
+    );
 }
 
 #[test]
@@ -181,4 +194,15 @@ fn shared_copy_rate_is_measured_per_thread() {
     // A stage that does not divide 64 MiB: the last piece is short.
     let g = super::host::measure_staged_copy_gbps(2, 3 << 20).expect("two threads stage");
     assert!(g.is_finite() && g > 0.0, "{g}");
+}
+
+#[test]
+fn small_concurrent_allreduces_are_repeated_more() {
+    use sweep::{stream_repeats, STREAM_REPEATS};
+    assert_eq!(stream_repeats(1, 16 << 20), STREAM_REPEATS);
+    assert_eq!(stream_repeats(1, 64 << 20), STREAM_REPEATS);
+    assert_eq!(stream_repeats(1, 4 << 20), 4 * STREAM_REPEATS);
+    assert_eq!(stream_repeats(1, 1 << 20), 100);
+    assert_eq!(stream_repeats(1, 0), 100);
+    assert_eq!(stream_repeats(200, 1 << 20), 200, "never fewer than asked");
 }
