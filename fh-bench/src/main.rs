@@ -104,7 +104,7 @@ struct SuiteArgs {
     /// 127.0.0.1).
     #[arg(long)]
     rendezvous_host: Option<String>,
-    /// Output directory (default: target/fh-bench/<timestamp>).
+    /// Output directory (default: a folder named for the start time under target/fh-bench).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Workloads directory.
