@@ -33,6 +33,12 @@ pub struct RunRecord {
     /// Workload replay (the headline).
     #[serde(default)]
     pub replay: Vec<ReplayRow>,
+    /// Allreduces at the sweep's smallest and largest sizes, measured on each replay transport
+    /// between the replay's rounds (every round's repeats together): the model's loopback
+    /// links and the transports' own bounds come from these where present, since they share
+    /// the replay's spells of a busy host (see [`RunRecord::link_rows`]).
+    #[serde(default)]
+    pub replay_allreduce: Vec<CollRow>,
     /// Negotiation cost.
     #[serde(default)]
     pub negotiation: Vec<NegRow>,
@@ -44,6 +50,28 @@ pub struct RunRecord {
     pub skipped: Vec<Skipped>,
     /// Wall time of the whole run.
     pub wall: Quantity,
+}
+
+impl RunRecord {
+    /// The allreduce rows a transport's link is calibrated on at `np` ranks: those measured
+    /// between the replay's rounds when they give two sizes or more, else the sweep's; with
+    /// whether they are the replay's.
+    pub fn link_rows(&self, transport: &str, np: usize) -> (Vec<&CollRow>, bool) {
+        fn pick<'r>(rows: &'r [CollRow], transport: &str, np: usize) -> Vec<&'r CollRow> {
+            rows.iter()
+                .filter(|r| r.transport == transport && r.collective == "allreduce" && r.np == np)
+                .collect()
+        }
+        let between = pick(&self.replay_allreduce, transport, np);
+        let mut sizes: Vec<usize> = between.iter().map(|r| r.bytes).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        if sizes.len() >= 2 {
+            (between, true)
+        } else {
+            (pick(&self.collectives, transport, np), false)
+        }
+    }
 }
 
 /// The machine the run was on.

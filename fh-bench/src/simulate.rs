@@ -51,22 +51,33 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
         let Some(np) = rows.first().map(|r| r.np) else {
             continue;
         };
+        // Preferably the allreduces measured between the replay's rounds: the same spells of
+        // a shared host as the replays the model is checked against.
+        let (rows, between) = record.link_rows(transport, np);
         let points: Vec<(f64, f64)> = rows
             .iter()
-            .filter(|r| r.np == np && r.time.median.is_finite())
+            .filter(|r| r.time.median.is_finite())
             .map(|r| (r.bytes as f64, r.time.median * 1e-6))
             .collect();
         if let Some(mut l) =
             sim::calibrate_link(&format!("measured {transport} loopback"), np, &points)
         {
+            let what = if between {
+                let n = rows.iter().map(|r| r.time.n).min().unwrap_or(0);
+                format!(
+                    "allreduces measured between the replay's rounds ({} sizes, {n} repeats \
+                     each)",
+                    points.len()
+                )
+            } else {
+                format!("allreduce sweep ({} sizes)", points.len())
+            };
             notes.push(format!(
                 "{transport}: alpha = {:.1} us, bandwidth = {:.2} GB/s: fitted to the \
-                 {transport} allreduce sweep at np = {np} ({} sizes; the line through the \
-                 smallest and the largest: beta from the largest, alpha from the smallest) \
-                 from {source}",
+                 {transport} {what} at np = {np} (the line through the smallest and the \
+                 largest size: beta from the largest, alpha from the smallest) from {source}",
                 l.alpha_s * 1e6,
                 l.bandwidth_bps / 1e9,
-                points.len()
             ));
             l.concurrency = concurrency(record, transport, np);
             // Shared memory and threads move data with the ranks' own memory copies; TCP's

@@ -211,6 +211,26 @@ fn quick_suite_end_to_end_on_two_ranks() {
             "{r:#}"
         );
     }
+    // Between the replay's rounds: allreduces at the sweep's smallest and largest sizes over
+    // each replay transport, 3 repeats per round (2 rounds, 1 workload); the model and the
+    // bounds use them.
+    let between = run["replay_allreduce"].as_array().unwrap();
+    for transport in ["tcp", "shm"] {
+        let mut sizes: Vec<u64> = between
+            .iter()
+            .filter(|r| r["transport"] == transport)
+            .map(|r| {
+                assert_eq!(r["time"]["n"], 6, "{r:#}");
+                r["bytes"].as_u64().unwrap()
+            })
+            .collect();
+        sizes.sort_unstable();
+        assert_eq!(sizes, [8, 4096], "{transport}: {between:#?}");
+    }
+    assert!(
+        md.contains("fitted to the tcp allreduces measured between the replay's rounds"),
+        "{md}"
+    );
     assert!(md.contains("(replay-exposed.png)"));
     // Each replay beside its transport's own bound (bytes ÷ measured allreduce bandwidth).
     assert!(md.contains("The transport's own bound"), "{md}");

@@ -103,6 +103,29 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
         }
     }
 
+    if !r.replay_allreduce.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n### Allreduce between the replay's rounds\n\nThe sweep's smallest and largest \
+             allreduce, measured again on each replay transport between the replay's rounds \
+             (every round's repeats together): the model's links and the transports' own bounds \
+             come from these, which share the replay's spells of the host.\n"
+        );
+        let _ = writeln!(md, "| transport | np | size | time | algbw |");
+        let _ = writeln!(md, "|---|---|---|---|---|");
+        for x in &r.replay_allreduce {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} |",
+                x.transport,
+                x.np,
+                fmt_bytes(x.bytes as f64),
+                x.time.display(1),
+                x.algbw.display(3)
+            );
+        }
+    }
+
     if !r.streams.is_empty() {
         let _ = writeln!(
             md,
@@ -269,20 +292,22 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
 
 /// Per workload and transport: the transport's own bound on exposed communication (the
 /// workload's bytes ÷ the allreduce algorithm bandwidth measured at the sweep's largest size,
-/// same transport and rank count, minus the backward) beside the best engine schedule.
+/// between the replay's rounds where measured there ([`RunRecord::link_rows`]), same
+/// transport and rank count, minus the backward) beside the best engine schedule.
 fn transport_bounds(md: &mut String, r: &RunRecord) {
     let mut lines = Vec::new();
     let mut seen: Vec<(String, String)> = Vec::new();
+    let mut any_between = false;
     for x in &r.replay {
         let key = (x.workload.clone(), x.transport.clone());
         if seen.contains(&key) {
             continue;
         }
         seen.push(key);
-        let Some(bw) = r
-            .collectives
+        let (rows, between) = r.link_rows(&x.transport, x.np);
+        any_between |= between;
+        let Some(bw) = rows
             .iter()
-            .filter(|c| c.transport == x.transport && c.collective == "allreduce" && c.np == x.np)
             .max_by_key(|c| c.bytes)
             .map(|c| c.algbw.median)
             .filter(|b| b.is_finite() && *b > 0.0)
@@ -319,11 +344,17 @@ fn transport_bounds(md: &mut String, r: &RunRecord) {
     if lines.is_empty() {
         return;
     }
+    let measured = if any_between {
+        "measured at the sweep's largest size between the replay's rounds, so that it shares \
+         their spells of the host"
+    } else {
+        "measured at the sweep's largest size"
+    };
     let _ = writeln!(
         md,
         "\nThe transport's own bound: a step cannot expose less than the workload's bytes ÷ the \
-         allreduce algorithm bandwidth measured at the sweep's largest size (same transport \
-         and rank count), minus the backward (0 when the backward can hide it all).\n"
+         allreduce algorithm bandwidth {measured} (same transport and rank count), minus the \
+         backward (0 when the backward can hide it all).\n"
     );
     let _ = writeln!(
         md,

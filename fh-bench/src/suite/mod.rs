@@ -152,6 +152,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
         collectives: vec![],
         streams: vec![],
         replay: vec![],
+        replay_allreduce: vec![],
         negotiation: vec![],
         simulation: None,
         skipped: vec![],

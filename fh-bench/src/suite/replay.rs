@@ -7,12 +7,17 @@ use std::time::Duration;
 use indicatif::ProgressBar;
 
 use super::Options;
+use crate::collectives::{Case, Collective};
 use crate::record::{ReplayRow, RunRecord, Skipped};
 use crate::replay::{ReplayJob, ScheduleSpec};
 use crate::runner::{Job, RankOutput, Runner};
 use crate::stats::Quantity;
 use crate::torch_peer;
 use crate::workload::Workload;
+
+/// Timed repeats of each allreduce measured between the replay's rounds (per round and
+/// workload; all of them together make the row).
+pub const LINK_REPEATS: usize = 3;
 
 /// The Python peers whose module imports, and the interpreter that runs them.
 pub(super) struct Peers<'a> {
@@ -73,8 +78,57 @@ pub(super) fn run(
     // this host as the replays it is checked against.
     let mut copy_samples: Vec<f64> = record.host.copy_gbps_shared.into_iter().collect();
     let mut staged_samples: Vec<f64> = record.host.copy_gbps_staged.into_iter().collect();
+    // So are the allreduces the model's loopback links and the transports' bounds come from:
+    // the sweep's smallest and largest sizes, on each replay transport.
+    let links: Vec<(&String, &Runner, Vec<usize>)> = replay_runners
+        .iter()
+        .filter_map(|(t, r)| {
+            let (rows, _) = record.link_rows(t, opts.np);
+            let mut b: Vec<usize> = rows.iter().map(|c| c.bytes).collect();
+            b.sort_unstable();
+            b.dedup();
+            (b.len() >= 2).then(|| (t, r, vec![b[0], b[b.len() - 1]]))
+        })
+        .collect();
+    // link_secs[l][size]: the slowest rank's seconds of every repeat, every round.
+    let mut link_secs: Vec<Vec<Vec<f64>>> = links
+        .iter()
+        .map(|(_, _, sizes)| vec![Vec::new(); sizes.len()])
+        .collect();
     for k in 0..repeats {
         for (wi, w) in workloads.iter().enumerate() {
+            for ((tname, runner, sizes), secs) in links.iter().zip(&mut link_secs) {
+                bar.set_message(format!(
+                    "replay {}/{repeats}: allreduce over {tname} between rounds",
+                    k + 1
+                ));
+                let job = Job::Collectives {
+                    cases: sizes
+                        .iter()
+                        .map(|&bytes| Case {
+                            collective: Collective::Allreduce,
+                            bytes,
+                        })
+                        .collect(),
+                    warmup: 1,
+                    repeats: LINK_REPEATS,
+                };
+                match runner.run(&format!("link-{tname}-{}-r{}", w.model, k + 1), &job) {
+                    Ok(outs) => {
+                        for (acc, (_, _, got)) in secs
+                            .iter_mut()
+                            .zip(super::sweep::slowest_case_seconds(&outs))
+                        {
+                            acc.extend(got);
+                        }
+                    }
+                    Err(e) => record.skipped.push(Skipped::failed(
+                        "replay",
+                        format!("allreduce over {tname} between rounds"),
+                        e,
+                    )),
+                }
+            }
             if !copy_samples.is_empty() {
                 copy_samples.extend(super::host::measure_shared_copy_gbps(opts.np));
             }
@@ -150,6 +204,19 @@ pub(super) fn run(
                     }
                 }
                 bar.inc(1);
+            }
+        }
+    }
+    for ((tname, _, sizes), secs) in links.iter().zip(&link_secs) {
+        for (&bytes, secs) in sizes.iter().zip(secs) {
+            if !secs.is_empty() {
+                record.replay_allreduce.push(super::sweep::coll_row(
+                    tname,
+                    Collective::Allreduce,
+                    opts.np,
+                    bytes,
+                    secs,
+                ));
             }
         }
     }

@@ -209,6 +209,15 @@ pub fn coll_row(transport: &str, c: Collective, np: usize, bytes: usize, secs: &
 
 /// Per case and repeat, the slowest rank's time; then the figures.
 pub fn aggregate_collectives(transport: &str, np: usize, outs: &[RankOutput]) -> Vec<CollRow> {
+    slowest_case_seconds(outs)
+        .into_iter()
+        .map(|(case, bytes, secs)| coll_row(transport, case.collective, np, bytes, &secs))
+        .collect()
+}
+
+/// Per case of a collectives job: the case, the size used and the slowest rank's seconds of
+/// every repeat.
+pub fn slowest_case_seconds(outs: &[RankOutput]) -> Vec<(Case, usize, Vec<f64>)> {
     let per_rank: Vec<&Vec<crate::collectives::CaseTimes>> = outs
         .iter()
         .filter_map(|o| match o {
@@ -222,7 +231,7 @@ pub fn aggregate_collectives(transport: &str, np: usize, outs: &[RankOutput]) ->
     first
         .iter()
         .zip(slowest_per_repeat(&per_rank, |c| &c.seconds))
-        .map(|(case, secs)| coll_row(transport, case.case.collective, np, case.bytes, &secs))
+        .map(|(case, secs)| (case.case.clone(), case.bytes, secs))
         .collect()
 }
 

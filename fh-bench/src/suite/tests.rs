@@ -156,6 +156,7 @@ fn concurrent_allreduces_aggregate_the_slowest_rank_and_calibrate_the_model() {
         ],
         streams: rows,
         replay: vec![],
+        replay_allreduce: vec![],
         negotiation: vec![],
         simulation: None,
         skipped: vec![],
@@ -183,6 +184,41 @@ fn concurrent_allreduces_aggregate_the_slowest_rank_and_calibrate_the_model() {
         notes.iter().any(|n| n.contains("0.60 with 2 of")),
         "{notes:?}"
     );
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("shm allreduce sweep (3 sizes)")),
+        "{notes:?}"
+    );
+
+    // Allreduces measured between the replay's rounds, at two sizes, take the sweep's place:
+    // 1 MB in 2 ms instead of 1 MiB in 1 ms: about half the fitted bandwidth.
+    let mut between = record.clone();
+    let fitted = |r: &RunRecord| {
+        let (links, _, notes) = crate::simulate::calibrate(r, "a test");
+        let shm = links
+            .into_iter()
+            .find(|(l, _)| l.name == "measured shm loopback")
+            .expect("a shm link")
+            .0;
+        (shm, notes)
+    };
+    between.replay_allreduce = vec![sweep_row(1 << 10, 1e-5), sweep_row(1_000_000, 2e-3)];
+    let (sweep_link, _) = fitted(&record);
+    let (shm, notes) = fitted(&between);
+    assert!(
+        (shm.bandwidth_bps - sweep_link.bandwidth_bps / 2.0).abs() < 0.05 * shm.bandwidth_bps,
+        "{shm:?} vs {sweep_link:?}"
+    );
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("shm allreduces measured between the replay's rounds")),
+        "{notes:?}"
+    );
+    // One size between the rounds cannot fit a line: the sweep's stand.
+    between.replay_allreduce.truncate(1);
+    assert_eq!(fitted(&between).0, sweep_link);
 }
 
 #[test]
