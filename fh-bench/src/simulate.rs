@@ -36,19 +36,20 @@ pub fn schedules() -> Vec<Schedule> {
 }
 
 /// Calibration from a run's figures: a loopback link per transport swept (TCP, shared memory,
-/// in-process), each fitted to that transport's allreduce sweep, and the per-round overhead
-/// from the negotiation measurements.
+/// in-process), each fitted to that transport's allreduces ([`RunRecord::link_rows`]: those
+/// measured between the replay's rounds, else the sweep's), and the per-round overhead from
+/// the negotiation measurements.
 pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overheads, Vec<String>) {
     let mut notes = Vec::new();
     let mut overheads = Overheads::default();
     let mut links = Vec::new();
     for transport in ["tcp", "shm", "local"] {
-        let rows: Vec<_> = record
+        let Some(np) = record
             .collectives
             .iter()
-            .filter(|r| r.transport == transport && r.collective == "allreduce")
-            .collect();
-        let Some(np) = rows.first().map(|r| r.np) else {
+            .find(|r| r.transport == transport && r.collective == "allreduce")
+            .map(|r| r.np)
+        else {
             continue;
         };
         // Preferably the allreduces measured between the replay's rounds: the same spells of

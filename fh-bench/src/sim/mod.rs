@@ -300,22 +300,20 @@ pub fn simulate_step(
             .filter(sharing)
             .fold((0usize, 0usize), |(n, b), t| (n + 1, b + t.bytes));
         let factor = link.aggregate_factor(n_sharing, bytes_sharing / n_sharing.max(1));
-        let in_copy = active.iter().flatten().filter(|t| t.copying()).count();
-        let (rate, copy_speed) = if host_shared {
-            let share = factor / n_sharing.max(1) as f64;
-            ((link.bandwidth_bps * share).min(cap), share)
+        // Each transfer sharing gets its share of the factor (only those on the wire use `rate`).
+        let share = factor / n_sharing.max(1) as f64;
+        let rate = (link.bandwidth_bps * share).min(cap);
+        let copy_speed = if host_shared {
+            share
+        } else if o.shared_host {
+            1.0 / active
+                .iter()
+                .flatten()
+                .filter(|t| t.copying())
+                .count()
+                .max(1) as f64
         } else {
-            let rate = if n_sharing == 0 {
-                0.0
-            } else {
-                (link.bandwidth_bps * factor / n_sharing as f64).min(cap)
-            };
-            let speed = if o.shared_host {
-                1.0 / in_copy.max(1) as f64
-            } else {
-                1.0
-            };
-            (rate, speed)
+            1.0
         };
         let mut next = f64::INFINITY;
         if next_tensor < total {
