@@ -227,8 +227,11 @@ fn quick_suite_end_to_end_on_two_ranks() {
         sizes.sort_unstable();
         assert_eq!(sizes, [8, 4096], "{transport}: {between:#?}");
     }
+    // Reported in their own table. (That calibration prefers them is a unit test: here, at
+    // 8 B and 4 KiB over loopback, the larger allreduce is often the faster, and no line can
+    // be fitted.)
     assert!(
-        md.contains("fitted to the tcp allreduces measured between the replay's rounds"),
+        md.contains("### Allreduce between the replay's rounds"),
         "{md}"
     );
     assert!(md.contains("(replay-exposed.png)"));
