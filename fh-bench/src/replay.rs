@@ -4,11 +4,14 @@
 use std::time::{Duration, Instant};
 
 use fh_core::{DType, ReduceOp};
-use fh_scheduler::{AllreduceOptions, Config, Engine, Preset, Tensor};
+use fh_scheduler::{AllreduceOptions, Config, Engine, Preset, Tensor, Wire};
 use fh_transport::Transport;
 use serde::{Deserialize, Serialize};
 
 use crate::workload::Workload;
+
+/// The `fasthorovod` channel counts the replay compares.
+pub const CHANNEL_COUNTS: [usize; 3] = [1, 2, 4];
 
 /// A schedule preset as the replay runs it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -18,22 +21,26 @@ pub struct ScheduleSpec {
     /// Data channels (`fasthorovod` only).
     pub channels: Option<usize>,
     /// `fasthorovod` back-pressure forced on (`true`, `+bp`) or off (`false`, `-bp`); `None`:
-    /// as the preset ships (`auto`: on from 64 ranks).
+    /// as the preset ships (`auto`: on over a network stack and from 64 ranks).
     #[serde(default)]
     pub backpressure: Option<bool>,
 }
 
 impl ScheduleSpec {
-    /// The presets compared: `horovod`, `fasthorovod` with K = 1, 2, 4 as shipped, and
-    /// K = 1, 2, 4 with back-pressure forced on.
-    pub fn all() -> Vec<ScheduleSpec> {
+    /// The presets compared over a transport whose data moves over `wire`, in a world of
+    /// `np` ranks: `horovod`, `fasthorovod` with K = 1, 2, 4 ([`CHANNEL_COUNTS`]) as shipped,
+    /// and the same with back-pressure the other way from what `auto` ships there (the engine's
+    /// own rule, [`Config::backpressure_on`]): `+bp` where it ships off (one host's memory),
+    /// `-bp` where it ships on (TCP).
+    pub fn all_for(np: usize, wire: Wire) -> Vec<ScheduleSpec> {
+        let shipped = Config::preset(Preset::FastHorovod).backpressure_on(np, wire);
         let mut v = vec![ScheduleSpec {
             preset: "horovod".into(),
             channels: None,
             backpressure: None,
         }];
-        for bp in [None, Some(true)] {
-            for k in [1, 2, 4] {
+        for bp in [None, Some(!shipped)] {
+            for k in CHANNEL_COUNTS {
                 v.push(ScheduleSpec {
                     preset: "fasthorovod".into(),
                     channels: Some(k),

@@ -21,18 +21,33 @@ pub fn ranks(quick: bool) -> Vec<usize> {
     (3..=10).map(|k| 1usize << k).collect()
 }
 
-/// The schedules compared.
+/// The schedules projected: `horovod`, `fasthorovod` K = 1, 2, 4 as shipped (back-pressure
+/// `auto`: on over the Ethernet-class links and from 64 ranks), and K = 4 with back-pressure
+/// forced either way.
 pub fn schedules() -> Vec<Schedule> {
     vec![
         Schedule::horovod(),
         Schedule::fasthorovod(1),
         Schedule::fasthorovod(2),
         Schedule::fasthorovod(4),
-        Schedule::fasthorovod(1).with_back_pressure(),
-        Schedule::fasthorovod(2).with_back_pressure(),
         Schedule::fasthorovod(4).with_back_pressure(),
         Schedule::fasthorovod(4).without_back_pressure(),
     ]
+}
+
+/// Every schedule the replay may have measured (its labels): the projected ones and K = 1, 2,
+/// 4 with back-pressure forced on (`+bp`) or off (`-bp`).
+pub fn replayed_schedules() -> Vec<Schedule> {
+    let mut v = vec![Schedule::horovod()];
+    for k in crate::replay::CHANNEL_COUNTS {
+        let s = Schedule::fasthorovod(k);
+        v.extend([
+            s.clone(),
+            s.clone().with_back_pressure(),
+            s.without_back_pressure(),
+        ]);
+    }
+    v
 }
 
 /// Calibration from a run's figures: a loopback link per transport swept (TCP, shared memory,
@@ -85,6 +100,8 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
             // transfers spend their time in the kernel's socket path, where the measured
             // replay shows the ranks' copies overlapping them.
             l.host_bound = transport != "tcp";
+            // What the engine's `auto` back-pressure goes by on this transport, on one host.
+            l.wire = fh_scheduler::Wire::of(transport, 1);
             if l.host_bound {
                 notes.push(format!(
                     "{transport}: its transfers are the ranks' own memory copies: in the \
@@ -239,7 +256,10 @@ pub fn run(
         let Some(w) = workloads.iter().find(|w| w.model == r.workload) else {
             continue;
         };
-        let Some(s) = schedules().into_iter().find(|s| s.label() == r.schedule) else {
+        let Some(s) = replayed_schedules()
+            .into_iter()
+            .find(|s| s.label() == r.schedule)
+        else {
             continue;
         };
         // Each replay against the link calibrated on its own transport (older records do not

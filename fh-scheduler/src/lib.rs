@@ -35,7 +35,7 @@
 //! | `FH_TIMELINE` | path of rank 0's Chrome-trace timeline (written by a thread of its own; each tensor's negotiation span names every rank's ready time and the last ready rank) | off |
 //! | `FH_STALL_CHECK_SECONDS` | warn about names some ranks lack for this long (0 = off) | 60 |
 //! | `FH_STALL_SHUTDOWN_SECONDS` | shut down when a stall lasts this long (0 = never) | 0 |
-//! | `FH_BACKPRESSURE` | defer the next round while every channel is busy (`auto`/`0`/`1`; auto: from 64 ranks) | `auto` (`horovod`: 0) |
+//! | `FH_BACKPRESSURE` | defer the next round while every channel is busy (`auto`/`0`/`1`; auto: over TCP or between hosts, and from 64 ranks) | `auto` (`horovod`: 0) |
 //! | `FH_BACKPRESSURE_BYTES` | defer only while the channels hold at least this many bytes | 0 |
 //! | `FH_BACKPRESSURE_MAX_MS` | never defer a round longer than this, 0–1000 | 50 |
 //! | `FH_CUDA` | open the GPU path at start-up (`0`/`1`; every rank must agree) | 0 |
@@ -100,7 +100,7 @@ pub mod stats;
 pub mod tensor;
 mod timeline;
 
-pub use config::{Config, Preset, Priority};
+pub use config::{Config, Preset, Priority, Wire};
 pub use engine::{AllreduceOptions, CollectiveOptions, Engine};
 pub use error::SchedulerError;
 pub use fh_core::message::Device;

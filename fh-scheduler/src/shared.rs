@@ -40,6 +40,8 @@ pub(crate) struct Gate {
 pub(crate) struct Inner {
     pub rank: usize,
     pub size: usize,
+    /// How the data channels move bytes (what `auto` back-pressure goes by).
+    pub wire: crate::Wire,
     pub config: Config,
     pub(crate) gate: Mutex<Gate>,
     /// Names submitted and not yet finished (shared with their requests: no copies).

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use common::{configs, run_world, run_world_with, LIMIT};
 use fh_core::message::MismatchField;
-use fh_scheduler::{AllreduceOptions, Config, DType, Engine, ReduceOp, SchedulerError, Tensor};
+use fh_scheduler::{
+    AllreduceOptions, Config, DType, Engine, ReduceOp, SchedulerError, Tensor, Wire,
+};
 use fh_transport::local::LocalWorld;
 use fh_transport::Transport;
 
@@ -287,7 +289,7 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
             c2.partition_bytes as i64,
             0,
             0,
-            i64::from(c2.backpressure_on(2)),
+            i64::from(c2.backpressure_on(2, Wire::Memory)),
             c2.backpressure_bytes as i64,
             c2.backpressure_max.as_millis() as i64,
             i64::from(c2.cuda),

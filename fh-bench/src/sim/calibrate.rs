@@ -38,5 +38,6 @@ pub fn calibrate_link(name: &str, p: usize, points: &[(f64, f64)]) -> Option<Lin
         stream_cap_bps: None,
         concurrency: Vec::new(),
         host_bound: false,
+        wire: fh_scheduler::Wire::Network,
     })
 }

@@ -21,8 +21,8 @@
 //!   negotiates the tensors ready at its start, then executes the fused groups one after
 //!   another itself; tensors that become ready meanwhile wait for the next loop.
 //! - **`fasthorovod` K**: negotiation wakes when a tensor is ready and never waits for
-//!   execution, as implemented; with back-pressure (as shipped, `auto`: on from 64 ranks;
-//!   `+bp` rows force it on, `-bp` rows off) a rank defers its next round while every channel
+//!   execution, as implemented; with back-pressure (as shipped, `auto`: on over a network
+//!   stack ([`Link::wire`]) and from 64 ranks; `+bp` rows force it on, `-bp` rows off) a rank defers its next round while every channel
 //!   holds unfinished work, at most a bound — the engine's own pacing policy
 //!   ([`fh_core::fusion::Pacing`], through [`Schedule::config`]). Each round's fused groups go
 //!   to the channels idle (everywhere) when it started, as the engine agrees them. Each round's tensors
@@ -127,7 +127,7 @@ pub fn simulate_step(
 ) -> StepModel {
     assert_eq!(sizes.len(), ready.len(), "one ready time per tensor");
     let mut planner = ModelPlanner::new(sched);
-    let pacing: Pacing = sched.config().pacing(p);
+    let pacing: Pacing = sched.config().pacing(p, link.wire);
     let inline_bytes = match sched.kind {
         ScheduleKind::FastHorovod => sched.config().inline_bytes,
         ScheduleKind::Horovod => 0, // its loop runs every group itself anyway

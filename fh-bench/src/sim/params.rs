@@ -1,7 +1,7 @@
 //! What the model is given: link classes (α–β), the schedules compared (each one an engine
 //! configuration), and the software costs.
 
-use fh_scheduler::{Config, Preset};
+use fh_scheduler::{Config, Preset, Wire};
 use serde::{Deserialize, Serialize};
 
 /// A network link class.
@@ -30,6 +30,15 @@ pub struct Link {
     /// ([`Overheads::shared_host`]), transfers and copies in progress share it together.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub host_bound: bool,
+    /// How the engine sees the link when it picks its `auto` defaults (back-pressure,
+    /// [`Config::backpressure_on`]): a network stack (the Ethernet classes, TCP loopback) or
+    /// one host's memory (shared memory, threads, NVLink-class).
+    #[serde(default = "network")]
+    pub wire: Wire,
+}
+
+fn network() -> Wire {
+    Wire::Network
 }
 
 /// One measured concurrency factor: `streams` transfers of `bytes` each in flight at once move
@@ -92,6 +101,7 @@ impl Link {
                 stream_cap_bps: None,
                 concurrency: Vec::new(),
                 host_bound: false,
+                wire: Wire::Network,
             },
             Link {
                 name: "100 Gb/s".into(),
@@ -100,6 +110,7 @@ impl Link {
                 stream_cap_bps: Some(gbit(40.0)),
                 concurrency: Vec::new(),
                 host_bound: false,
+                wire: Wire::Network,
             },
             Link {
                 name: "400 Gb/s".into(),
@@ -108,6 +119,7 @@ impl Link {
                 stream_cap_bps: Some(gbit(50.0)),
                 concurrency: Vec::new(),
                 host_bound: false,
+                wire: Wire::Network,
             },
             Link {
                 name: "NVLink-class".into(),
@@ -116,6 +128,7 @@ impl Link {
                 stream_cap_bps: None,
                 concurrency: Vec::new(),
                 host_bound: false,
+                wire: Wire::Memory,
             },
         ]
     }

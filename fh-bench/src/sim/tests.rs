@@ -14,6 +14,7 @@ fn link(alpha: f64, bw: f64, cap: Option<f64>) -> Link {
         stream_cap_bps: cap,
         concurrency: Vec::new(),
         host_bound: false,
+        wire: fh_scheduler::Wire::Network,
     }
 }
 
@@ -63,7 +64,7 @@ fn one_tensor_fasthorovod_by_hand() {
 
 #[test]
 fn horovod_waits_for_its_cycle_and_its_own_execution() {
-    let l = link(1e-5, 1e9, None);
+    let mut l = link(1e-5, 1e9, None);
     let coll = 1.56e-3;
     // Loops tick at 0, 1 ms, 2 ms, ... while idle: the tensor ready at 0.5 ms is negotiated
     // at 1 ms (round: log2(4)·α = 20 µs, then the one-byte can-run agreement, 20 µs), then
@@ -99,12 +100,23 @@ fn horovod_waits_for_its_cycle_and_its_own_execution() {
             &NO_OVERHEAD,
         )
     };
-    let m = two(&Schedule::fasthorovod(1).without_back_pressure());
-    assert!(close(m.step_s, 2e-5 + coll + coll), "{m:?}");
-    // As shipped, back-pressure is off on 4 ranks (auto: on from 64).
-    assert_eq!(two(&Schedule::fasthorovod(1)), m);
-    let m = two(&Schedule::fasthorovod(1).with_back_pressure());
-    assert!(close(m.step_s, 2e-5 + coll + 2e-5 + coll), "{m:?}");
+    let off = two(&Schedule::fasthorovod(1).without_back_pressure());
+    assert!(close(off.step_s, 2e-5 + coll + coll), "{off:?}");
+    let on = two(&Schedule::fasthorovod(1).with_back_pressure());
+    assert!(close(on.step_s, 2e-5 + coll + 2e-5 + coll), "{on:?}");
+    // As shipped (auto), back-pressure is on over a network link, off over one host's memory
+    // below 64 ranks: the engine's own rule.
+    assert_eq!(two(&Schedule::fasthorovod(1)), on);
+    l.wire = fh_scheduler::Wire::Memory;
+    let shipped = simulate_step(
+        &[1_000_000, 1_000_000],
+        &[0.0, 0.0002],
+        4,
+        &l,
+        &Schedule::fasthorovod(1),
+        &NO_OVERHEAD,
+    );
+    assert_eq!(shipped, off);
 }
 
 #[test]

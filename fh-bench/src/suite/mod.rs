@@ -7,7 +7,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::collectives::Collective;
 use crate::record::{Host, RunConfig, RunRecord, Skipped, SCHEMA};
-use crate::replay::ScheduleSpec;
 use crate::runner::{Launch, Runner};
 use crate::stats::Quantity;
 use crate::workload::Workload;
@@ -237,8 +236,11 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
         }
         total += (opts.replay_repeats.max(1)
             * workloads.len()
-            * (ScheduleSpec::all().len() * replay_transports(&runners).len() + peers.len()))
-            as u64;
+            * (replay_transports(&runners)
+                .iter()
+                .map(|(t, _)| replay::schedules_over(t, opts.np).len())
+                .sum::<usize>()
+                + peers.len())) as u64;
     }
     if wants("negotiation") {
         total += (neg_nps.len() * 2 * opts.tensor_counts.len()) as u64;

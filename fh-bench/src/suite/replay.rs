@@ -56,7 +56,7 @@ pub(super) fn run(
     // Every configuration: the engine's presets over each transport, then the peers.
     let mut configs: Vec<ReplayConfig> = Vec::new();
     for (tname, runner) in &replay_runners {
-        for s in ScheduleSpec::all() {
+        for s in schedules_over(tname, opts.np) {
             configs.push(ReplayConfig::Engine {
                 spec: s,
                 transport: tname.clone(),
@@ -329,6 +329,13 @@ impl ReplayConfig {
             ReplayConfig::Peer(p) => p.transport.to_string(),
         }
     }
+}
+
+/// The schedules replayed over the transport named `transport` ([`ScheduleSpec::all_for`]).
+/// Its wire by name on one host: a replay transport that can span hosts is TCP, a network
+/// stack anywhere.
+pub(super) fn schedules_over(transport: &str, np: usize) -> Vec<ScheduleSpec> {
+    ScheduleSpec::all_for(np, fh_scheduler::Wire::of(transport, 1))
 }
 
 /// The runners the engine's replay runs over: every process transport (`tcp`, `shm`), or the

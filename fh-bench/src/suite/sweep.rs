@@ -151,13 +151,7 @@ pub fn stream_repeats(asked: usize, bytes: usize) -> usize {
 
 /// The concurrent allreduce counts measured: the channel counts the replay compares.
 pub fn stream_counts() -> Vec<usize> {
-    let mut k: Vec<usize> = crate::replay::ScheduleSpec::all()
-        .iter()
-        .map(|s| s.channels.unwrap_or(1))
-        .collect();
-    k.sort_unstable();
-    k.dedup();
-    k
+    crate::replay::CHANNEL_COUNTS.to_vec()
 }
 
 /// Per stream count, the slowest rank's time of each repeat; then the figures.

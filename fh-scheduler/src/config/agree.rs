@@ -2,13 +2,17 @@
 
 use std::time::Duration;
 
-use super::{Config, Preset, Priority};
+use super::{Config, Preset, Priority, Wire};
 use crate::SchedulerError;
 
 /// The settings that shape what a negotiation round decides (or whether a rank stops), or when
-/// rounds start (back-pressure, as it takes effect in a world of `world_size` ranks), as
-/// `(variable, value)`: every rank must hold the same values.
-pub(crate) fn planning_fields(c: &Config, world_size: usize) -> Vec<(&'static str, i64)> {
+/// rounds start (back-pressure, as it takes effect in a world of `world_size` ranks over
+/// `wire`), as `(variable, value)`: every rank must hold the same values.
+pub(crate) fn planning_fields(
+    c: &Config,
+    world_size: usize,
+    wire: Wire,
+) -> Vec<(&'static str, i64)> {
     let clamp = |x: u64| x.min(i64::MAX as u64) as i64;
     let millis = |d: Option<Duration>| d.map_or(0, |d| clamp(d.as_millis() as u64));
     vec![
@@ -31,7 +35,10 @@ pub(crate) fn planning_fields(c: &Config, world_size: usize) -> Vec<(&'static st
             },
         ),
         ("FH_STALL_SHUTDOWN_SECONDS", millis(c.stall_shutdown)),
-        ("FH_BACKPRESSURE", i64::from(c.backpressure_on(world_size))),
+        (
+            "FH_BACKPRESSURE",
+            i64::from(c.backpressure_on(world_size, wire)),
+        ),
         ("FH_BACKPRESSURE_BYTES", clamp(c.backpressure_bytes)),
         ("FH_BACKPRESSURE_MAX_MS", millis(Some(c.backpressure_max))),
         ("FH_CUDA", i64::from(c.cuda)),
@@ -51,13 +58,15 @@ pub(crate) fn planning_fields(c: &Config, world_size: usize) -> Vec<(&'static st
 
 /// The start-up agreement: every rank checks that the others run with the same
 /// [`planning_fields`], so that a difference is a clear configuration error naming the
-/// variable on every rank instead of diverging rounds later. Collective over `comm`.
+/// variable on every rank instead of diverging rounds later. Collective over `comm`; `wire` is
+/// the data channels' ([`Wire::of`] their transport).
 pub(crate) fn agree(
     comm: &mut dyn fh_transport::Communicator,
     c: &Config,
+    wire: Wire,
 ) -> Result<(), SchedulerError> {
     use fh_core::{DType, ReduceOp};
-    let fields = planning_fields(c, comm.size());
+    let fields = planning_fields(c, comm.size(), wire);
     let vals: Vec<i64> = fields.iter().map(|f| f.1).collect();
     let mut lo: Vec<u8> = bytemuck::cast_slice(&vals).to_vec();
     let mut hi = lo.clone();

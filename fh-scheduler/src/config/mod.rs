@@ -53,6 +53,31 @@ impl std::str::FromStr for Preset {
     }
 }
 
+/// How a job's data channels move bytes, as far as the `auto` defaults care
+/// ([`Config::backpressure_on`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Wire {
+    /// Through a network stack: TCP (over loopback too), or any transport between hosts. Every
+    /// collective pays system calls and protocol latency on every message.
+    Network,
+    /// Through one host's memory: shared memory, threads, or MPI and the hierarchical
+    /// transport when every rank is on one host.
+    Memory,
+}
+
+impl Wire {
+    /// The wire of a transport whose [`backend`](fh_transport::Transport::backend) is
+    /// `backend`, on a job spanning `hosts` hosts.
+    pub fn of(backend: &str, hosts: usize) -> Wire {
+        if hosts > 1 || backend == "tcp" {
+            Wire::Network
+        } else {
+            Wire::Memory
+        }
+    }
+}
+
 /// How the groups of a round are ordered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Priority {
@@ -123,10 +148,15 @@ pub struct Config {
     /// unfinished work, the rank defers its next negotiation round (at most
     /// [`Config::backpressure_max`]) so that more gradients fuse into it; a round's groups could
     /// only queue behind that work anyway. It changes only *when* a rank enters a round, never
-    /// what a round decides. `None` (`auto`, the `fasthorovod` default): on in worlds of at
-    /// least [`BACKPRESSURE_AUTO_RANKS`] ranks, where every collective pays a long latency and
-    /// fewer, larger ones win (the scale model's finding), off in smaller ones, where the
-    /// replay measured it slower. `horovod`: off (its fixed cycle paces it, as Horovod's does).
+    /// what a round decides. `None` (`auto`, the `fasthorovod` default): on where the data
+    /// crosses a network stack ([`Wire::Network`]: TCP, or any transport between hosts) and in
+    /// worlds of at least [`BACKPRESSURE_AUTO_RANKS`] ranks, where every collective pays a
+    /// long latency and fewer, larger ones win; off where the ranks share one host's memory
+    /// ([`Wire::Memory`]) in smaller worlds, where the copies themselves are the wire and
+    /// waiting only idles it. (Replayed at np 4 on a 2-core VM, interleaved: over TCP it cut
+    /// ResNet-50's exposed time in every run and left BERT-base's within noise; over shared
+    /// memory it slowed BERT-base in every run.) `horovod`: off (its fixed cycle paces it, as
+    /// Horovod's does). See [`Config::backpressure_on`].
     pub backpressure: Option<bool>,
     /// Back-pressure defers only while the channels together hold at least this many
     /// unfinished bytes (`FH_BACKPRESSURE_BYTES`; 0: any amount).
@@ -181,7 +211,7 @@ impl Default for Config {
 }
 
 /// Under `FH_BACKPRESSURE=auto` (the default), back-pressure is on in worlds of at least this
-/// many ranks.
+/// many ranks, whatever the [`Wire`].
 pub const BACKPRESSURE_AUTO_RANKS: usize = 64;
 
 impl Config {
@@ -281,22 +311,22 @@ impl Config {
         }
     }
 
-    /// Whether back-pressure is on in a world of `world_size` ranks (see
-    /// [`Config::backpressure`]).
-    pub fn backpressure_on(&self, world_size: usize) -> bool {
+    /// Whether back-pressure is on in a world of `world_size` ranks whose data channels move
+    /// bytes over `wire` (see [`Config::backpressure`]).
+    pub fn backpressure_on(&self, world_size: usize, wire: Wire) -> bool {
         match self.preset {
             Preset::Horovod => false,
             Preset::FastHorovod => self
                 .backpressure
-                .unwrap_or(world_size >= BACKPRESSURE_AUTO_RANKS),
+                .unwrap_or(world_size >= BACKPRESSURE_AUTO_RANKS || wire == Wire::Network),
         }
     }
 
     /// The pacing policy (back-pressure) under this configuration in a world of `world_size`
-    /// ranks: what the engine paces its rounds with, and the scale model too.
-    pub fn pacing(&self, world_size: usize) -> fh_core::fusion::Pacing {
+    /// ranks over `wire`: what the engine paces its rounds with, and the scale model too.
+    pub fn pacing(&self, world_size: usize, wire: Wire) -> fh_core::fusion::Pacing {
         fh_core::fusion::Pacing {
-            enabled: self.backpressure_on(world_size),
+            enabled: self.backpressure_on(world_size, wire),
             min_bytes: self.backpressure_bytes,
             max_defer: self.backpressure_max,
         }

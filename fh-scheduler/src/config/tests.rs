@@ -49,16 +49,27 @@ fn variables_are_read() {
     assert_eq!(c.timeline, Some(PathBuf::from("/tmp/t.json")));
     assert_eq!(c.stall_check, None);
     assert_eq!(c.stall_shutdown, Some(Duration::from_secs(5)));
-    // Auto: on from BACKPRESSURE_AUTO_RANKS ranks; never under horovod.
+    // Auto: on over a network stack and from BACKPRESSURE_AUTO_RANKS ranks; never under
+    // horovod; a forced value holds whatever the wire and the world.
     let auto = Config::default();
     assert_eq!(auto.backpressure, None);
-    assert!(!auto.backpressure_on(BACKPRESSURE_AUTO_RANKS - 1));
-    assert!(auto.pacing(BACKPRESSURE_AUTO_RANKS).enabled);
-    assert!(!Config::preset(Preset::Horovod).backpressure_on(4096));
-    let off = Config::from_lookup(env(&[("FH_BACKPRESSURE", "off")])).unwrap();
-    assert!(!off.pacing(4096).enabled);
-    let on = Config::from_lookup(env(&[("FH_BACKPRESSURE", "1")])).unwrap();
-    assert!(on.pacing(2).enabled);
+    assert!(!auto.backpressure_on(BACKPRESSURE_AUTO_RANKS - 1, Wire::Memory));
+    assert!(auto.pacing(BACKPRESSURE_AUTO_RANKS, Wire::Memory).enabled);
+    assert!(auto.backpressure_on(2, Wire::Network));
+    // TCP is a network stack even on one host; between hosts every transport is.
+    assert_eq!(Wire::of("tcp", 1), Wire::Network);
+    assert_eq!(Wire::of("mpi", 2), Wire::Network);
+    assert_eq!(Wire::of("hier", 3), Wire::Network);
+    for memory in ["shm", "local", "mpi", "hier"] {
+        assert_eq!(Wire::of(memory, 1), Wire::Memory, "{memory}");
+    }
+    for wire in [Wire::Memory, Wire::Network] {
+        assert!(!Config::preset(Preset::Horovod).backpressure_on(4096, wire));
+        let off = Config::from_lookup(env(&[("FH_BACKPRESSURE", "off")])).unwrap();
+        assert!(!off.pacing(4096, wire).enabled);
+        let on = Config::from_lookup(env(&[("FH_BACKPRESSURE", "1")])).unwrap();
+        assert!(on.pacing(2, wire).enabled);
+    }
     let auto = Config::from_lookup(env(&[("FH_BACKPRESSURE", "Auto")])).unwrap();
     assert_eq!(auto.backpressure, None);
     let e = Config::from_lookup(env(&[("FH_BACKPRESSURE", "sometimes")]))
@@ -110,7 +121,10 @@ fn the_gpu_switch_is_read_and_off_by_default() {
         );
     }
     // It is a planning field: ranks that disagree refuse to start.
-    assert!(agree::planning_fields(&Config::default().cuda(true), 2).contains(&("FH_CUDA", 1)));
+    assert!(
+        agree::planning_fields(&Config::default().cuda(true), 2, Wire::Memory)
+            .contains(&("FH_CUDA", 1))
+    );
 }
 
 #[test]

@@ -15,7 +15,7 @@ pub use crate::options::{AllreduceOptions, CollectiveOptions};
 use crate::shared::{lock, Gate, Inner, Msg};
 use crate::stats::{Counters, EngineStats, GroupRecord, StallReport};
 use crate::timeline::Timeline;
-use crate::{Config, SchedulerError};
+use crate::{Config, SchedulerError, Wire};
 
 mod submit;
 
@@ -74,8 +74,9 @@ impl Engine {
             stage_bytes: config.effective_stage_bytes(topo.cross_size),
             ..config
         };
+        let wire = Wire::of(transport.backend(), topo.cross_size);
         let mut control = transport.open("fh-control")?;
-        crate::config::agree(control.as_mut(), &config)?;
+        crate::config::agree(control.as_mut(), &config, wire)?;
         let k = config.effective_channels();
         let mut data = Vec::with_capacity(k);
         for c in 0..k {
@@ -99,6 +100,7 @@ impl Engine {
         let inner = Arc::new(Inner {
             rank: topo.rank,
             size: topo.size,
+            wire,
             config: config.clone(),
             gate: Mutex::new(Gate { closed: None, tx }),
             in_flight: Mutex::new(HashSet::new()),
@@ -121,6 +123,8 @@ impl Engine {
             preset = config.preset.name(),
             channels = k,
             backend = transport.backend(),
+            ?wire,
+            backpressure = config.backpressure_on(topo.size, wire),
             "engine started"
         );
         Ok(Engine {

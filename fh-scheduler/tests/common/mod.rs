@@ -124,7 +124,8 @@ pub fn configs() -> Vec<(String, Config)> {
                 .stage_bytes(stage),
         ));
     }
-    // Back-pressure is off at these world sizes by default (auto: on from 64 ranks). On with
+    // Back-pressure is off by default in these small worlds over threads (auto: on over a
+    // network and from 64 ranks). On with
     // the preset's bounds, and at its most eager (any queued byte on a single channel, up to
     // 2 ms): pacing may change only when rounds start, never what they decide.
     v.push((
