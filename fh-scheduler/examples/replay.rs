@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! cargo run --release -p fh-scheduler --example replay -- replay fh-bench/workloads/resnet50.json [ranks] [backward_ms] [steps]
-//! FH_TRANSPORT=mpi mpirun -np 4 -x FH_TRANSPORT target/release/examples/replay replay-env fh-bench/workloads/resnet50.json [backward_ms] [steps]
+//! FH_TRANSPORT=mpi mpirun -np 4 -x FH_TRANSPORT target/release/examples/replay replay-env fh-bench/workloads/resnet50.json [backward_ms] [steps] [env]
+//!     (`env`: only the configuration the environment's FH_* variables give, labelled `env`)
 //!     (with FH_TIMELINE=PREFIX, rank 0 writes PREFIX.<schedule>.json for each schedule)
 //! cargo run --release -p fh-scheduler --example replay -- negotiation [ranks]
 //! cargo run --release -p fh-scheduler --example replay -- mechanics [ranks]
@@ -152,7 +153,7 @@ fn env_world() -> (world::SharedWorld, usize, usize, String) {
 /// The replay across processes: the world from `fh_transport::from_env()` (one process per
 /// rank, e.g. under `mpirun` with `FH_TRANSPORT=mpi`), every configuration in turn on it. The
 /// ranks' step times are allgathered; rank 0 prints the table.
-fn replay_env(path: &str, backward: Duration, steps: usize) {
+fn replay_env(path: &str, backward: Duration, steps: usize, configs: Vec<(String, Config)>) {
     let grads = load(path);
     let (world, rank, ranks, backend) = env_world();
     let shared = schedule(&grads, backward);
@@ -164,7 +165,7 @@ fn replay_env(path: &str, backward: Duration, steps: usize) {
         );
         println!("{:>22} {:>12} {:>14}", "schedule", "step ms", "exposed ms");
     }
-    for (label, mut cfg) in replay_configs() {
+    for (label, mut cfg) in configs {
         // FH_TIMELINE=PREFIX: rank 0 writes one timeline per configuration, PREFIX.<label>.json.
         if let Ok(prefix) = std::env::var("FH_TIMELINE") {
             let slug: String = label
@@ -565,7 +566,15 @@ fn main() {
             let path = args.get(2).expect("workload path");
             let b = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(100u64);
             let steps = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(5);
-            replay_env(path, Duration::from_millis(b), steps);
+            let configs = match args.get(5).map(String::as_str) {
+                // Only the environment's configuration (FH_SCHEDULE, FH_CHANNELS, FH_BACKPRESSURE…).
+                Some("env") => vec![(
+                    "env".to_string(),
+                    Config::from_env().expect("configuration from the environment"),
+                )],
+                _ => replay_configs(),
+            };
+            replay_env(path, Duration::from_millis(b), steps, configs);
         }
         Some("replay") => {
             let path = args.get(2).expect("workload path");
@@ -581,6 +590,6 @@ fn main() {
                 println!("{label:>22} {step:>12.1} {exposed:>14.1}");
             }
         }
-        _ => eprintln!("usage: replay (replay WORKLOAD [ranks] [backward_ms] [steps] | replay-env WORKLOAD [backward_ms] [steps] | negotiation [ranks] | mechanics [ranks] | latency [ranks] | latency-env [iterations] [presets] | idle [ranks])"),
+        _ => eprintln!("usage: replay (replay WORKLOAD [ranks] [backward_ms] [steps] | replay-env WORKLOAD [backward_ms] [steps] [env] | negotiation [ranks] | mechanics [ranks] | latency [ranks] | latency-env [iterations] [presets] | idle [ranks])"),
     }
 }
