@@ -154,7 +154,7 @@ pub struct Config {
     /// long latency and fewer, larger ones win; off where the ranks share one host's memory
     /// ([`Wire::Memory`]) in smaller worlds, where the copies themselves are the wire and
     /// waiting only idles it. (Replayed at np 4 on a 2-core VM, interleaved: over TCP it cut
-    /// ResNet-50's exposed time in every run and left BERT-base's within noise; over shared
+    /// ResNet-50's exposed time in 12 of 13 runs and left BERT-base's within noise; over shared
     /// memory it slowed BERT-base in every run.) `horovod`: off (its fixed cycle paces it, as
     /// Horovod's does). See [`Config::backpressure_on`].
     pub backpressure: Option<bool>,
