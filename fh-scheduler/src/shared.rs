@@ -40,8 +40,9 @@ pub(crate) struct Gate {
 pub(crate) struct Inner {
     pub rank: usize,
     pub size: usize,
-    /// How the data channels move bytes (what `auto` back-pressure goes by).
-    pub wire: crate::Wire,
+    /// The pacing policy (back-pressure) this world runs under, resolved once at start-up
+    /// from the configuration, the world size and the data channels' wire (agreed).
+    pub pacing: fh_core::fusion::Pacing,
     pub config: Config,
     pub(crate) gate: Mutex<Gate>,
     /// Names submitted and not yet finished (shared with their requests: no copies).

@@ -343,7 +343,7 @@ impl Control {
     /// under back-pressure, not while every channel still holds unfinished work (bounded).
     fn wait(&mut self) {
         self.wait_for_work();
-        let pacing = self.inner.config.pacing(self.inner.size, self.inner.wire);
+        let pacing = self.inner.pacing;
         if !pacing.enabled {
             return;
         }

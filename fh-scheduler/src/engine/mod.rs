@@ -100,7 +100,7 @@ impl Engine {
         let inner = Arc::new(Inner {
             rank: topo.rank,
             size: topo.size,
-            wire,
+            pacing: config.pacing(topo.size, wire),
             config: config.clone(),
             gate: Mutex::new(Gate { closed: None, tx }),
             in_flight: Mutex::new(HashSet::new()),
@@ -124,7 +124,7 @@ impl Engine {
             channels = k,
             backend = transport.backend(),
             ?wire,
-            backpressure = config.backpressure_on(topo.size, wire),
+            backpressure = inner.pacing.enabled,
             "engine started"
         );
         Ok(Engine {
