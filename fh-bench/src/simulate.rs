@@ -102,6 +102,9 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
             l.host_bound = transport != "tcp";
             // What the engine's `auto` back-pressure goes by on this transport, on one host.
             l.wire = fh_scheduler::Wire::of(transport, 1);
+            // TCP's communicators do scatter-gather I/O: `fasthorovod` reduces fused groups in
+            // place over it.
+            l.vectored_io = transport == "tcp";
             if l.host_bound {
                 notes.push(format!(
                     "{transport}: its transfers are the ranks' own memory copies: in the \

@@ -8,7 +8,7 @@ use std::time::Instant;
 use fh_core::kernels;
 use fh_core::message::{CollectiveKind, Signature};
 use fh_core::ReduceOp;
-use fh_transport::{CollectivesExt, Communicator, TransportError};
+use fh_transport::{algorithms, CollectivesExt, Communicator, TransportError};
 
 use crate::job::Job;
 
@@ -198,6 +198,65 @@ impl Executor {
         }
     }
 
+    /// Whether a fused group is reduced where its tensors lie ([`Executor::run_fused_in_place`])
+    /// rather than through the fusion buffer ([`crate::Config::fused_in_place`]: under
+    /// `fasthorovod`, on a transport with scatter-gather I/O, [`Communicator::vectored_io`];
+    /// over the others it would copy more, not less), when every part is a whole tensor that
+    /// is not split across channels and the group is large enough for the ring (smaller ones
+    /// would be packed anyway, for recursive doubling). Decided from agreed facts only (the
+    /// preset, the backend, the planned parts and the agreed sizes), so every rank runs the same
+    /// collectives.
+    fn in_place_ok(&self, job: &Job, sig: &Signature, bytes: usize) -> bool {
+        let elements = bytes / sig.dtype.size().max(1);
+        job.parts.len() > 1
+            && self.inner.config.fused_in_place(self.comm.vectored_io())
+            && algorithms::AllreduceAlgorithm::Auto.resolve(bytes, elements, self.comm.size())
+                == algorithms::AllreduceAlgorithm::Ring
+            && job.parts.iter().all(|(op, off, len)| {
+                *off == 0 && *len as u64 == op.sig().bytes() && op.chunks.get().is_none()
+            })
+    }
+
+    /// A fused group of host tensors reduced in place: the transport sends straight from the
+    /// tensors and receives straight into them, and the average's division and the postscale
+    /// run once, on this rank's block of the ring ([`algorithms::allreduce_segments`]). No
+    /// fusion buffer, no packing and no unpacking.
+    fn run_fused_in_place(&mut self, job: &Job, sig: &Signature) -> Result<(), TransportError> {
+        // Taken out of their ops for the collective (a handle polled meanwhile sees it
+        // running, not a lock held for the whole collective), and put back whatever happens.
+        let mut tensors: Vec<Option<Tensor>> = job
+            .parts
+            .iter()
+            .map(|(op, _, _)| op.lock().tensor.take())
+            .collect();
+        let result = (|| {
+            if tensors.iter().any(Option::is_none) {
+                return Err(TransportError::InvalidArgument(
+                    "internal error: a fused tensor went missing".into(),
+                ));
+            }
+            let (dtype, n, post) = (sig.dtype, finish_divisor(sig, job.active), sig.postscale);
+            let mut segs: Vec<&mut [u8]> =
+                tensors.iter_mut().flatten().map(|t| t.data_mut()).collect();
+            for s in segs.iter_mut() {
+                kernels::scale(dtype, s, sig.prescale)?;
+            }
+            algorithms::allreduce_segments(
+                self.comm.as_mut(),
+                &mut segs,
+                dtype,
+                sig.op.combining(),
+                &mut |b| Ok(kernels::divide_and_scale(dtype, b, n, post)?),
+            )
+        })();
+        for ((op, _, _), t) in job.parts.iter().zip(tensors) {
+            if t.is_some() {
+                op.lock().tensor = t;
+            }
+        }
+        result
+    }
+
     /// A fused group of host tensors, staged through the channel's fusion buffer a piece of
     /// at most the configured stage size at a time (`FH_STAGE_BYTES`, agreed at start-up, so
     /// every rank runs the same collectives): pack the piece, allreduce it, unpack and
@@ -327,6 +386,9 @@ impl Executor {
                     };
                     first.lock().tensor = t;
                     return r;
+                }
+                if self.in_place_ok(job, sig, bytes) {
+                    return self.run_fused_in_place(job, sig);
                 }
                 self.run_fused(job, sig, bytes)
             }

@@ -48,6 +48,24 @@ fn random_order_allreduces_over_tcp_both_presets() {
 }
 
 #[test]
+fn fused_groups_reduced_in_place_over_tcp() {
+    // Over TCP, `fasthorovod` reduces a fused group where its tensors lie (scatter-gather
+    // sends and receives, the average and the scales on each rank's block of the ring): large
+    // groups take the ring, small ones recursive doubling; 3 ranks (uneven blocks) and 4.
+    for size in [3, 4] {
+        let out = run(
+            size,
+            "fused",
+            &[("FH_SCHEDULE", "fasthorovod"), ("FH_CHANNELS", "2")],
+        );
+        for (ok, text) in &out {
+            assert!(ok, "a rank failed:\n{text}");
+            assert_eq!(result_line(text), "ok", "{size} ranks:\n{text}");
+        }
+    }
+}
+
+#[test]
 fn mismatch_over_tcp_fails_the_name_on_every_rank() {
     let out = run(2, "mismatch", &[]);
     for (ok, text) in &out {
@@ -127,6 +145,43 @@ fn child_rank() {
                 .to_vec::<i32>()
                 .unwrap();
             ok &= b == [size as i32 - 1; 3];
+            if ok {
+                "ok".to_string()
+            } else {
+                "wrong result".to_string()
+            }
+        }
+        "fused" => {
+            let mut ok = true;
+            for step in 0..3usize {
+                // 24 tensors of 1–60 000 floats submitted at once: fused into groups of
+                // several whole tensors, from a few KiB to MiBs.
+                let opts = AllreduceOptions::with_op(ReduceOp::Average)
+                    .prescale(0.5)
+                    .postscale(4.0);
+                let lens: Vec<usize> = (0..24)
+                    .map(|t| 1 + (t * 7919 + step * 13) % 60_000)
+                    .collect();
+                let value = |r: usize, t: usize, i: usize| ((r * 3 + t + i % 7 + step) % 11) as f32;
+                let handles: Vec<_> = lens
+                    .iter()
+                    .enumerate()
+                    .map(|(t, &len)| {
+                        let v: Vec<f32> = (0..len).map(|i| value(rank, t, i)).collect();
+                        engine
+                            .allreduce(&format!("f{t}"), Tensor::from_slice(&v), opts)
+                            .unwrap()
+                    })
+                    .collect();
+                for (t, mut h) in handles.into_iter().enumerate() {
+                    let got = h.wait_timeout(WAIT).unwrap().to_vec::<f32>().unwrap();
+                    ok &= got.len() == lens[t]
+                        && got.iter().enumerate().all(|(i, &x)| {
+                            let sum: f32 = (0..size).map(|r| value(r, t, i) * 0.5).sum();
+                            (x - sum / size as f32 * 4.0).abs() < 1e-4
+                        });
+                }
+            }
             if ok {
                 "ok".to_string()
             } else {

@@ -114,6 +114,40 @@ pub trait Communicator: Send {
     /// when the peers do the same at once with messages larger than any buffer.
     fn send_recv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()>;
 
+    /// Whether [`Communicator::send_recv_vectored`] moves the bytes straight from and into the
+    /// caller's slices (`true`: scatter-gather I/O, as TCP's `sendmsg`/`recvmsg`) rather than
+    /// through a contiguous copy (the default). Callers use it to choose between reducing a
+    /// fused group in place ([`algorithms::allreduce_segments`]) and packing it first: with
+    /// the default implementation the in-place path copies more, not less.
+    fn vectored_io(&self) -> bool {
+        false
+    }
+
+    /// [`Communicator::send_recv`] of the concatenation of `send` into the concatenation of
+    /// `recv`: the peer sees one message of the total length, exactly as if it had been sent
+    /// from one buffer (and a message sent from one buffer may be received in pieces). The
+    /// default gathers into and scatters out of a contiguous copy.
+    fn send_recv_vectored(
+        &mut self,
+        to: usize,
+        send: &[&[u8]],
+        from: usize,
+        recv: &mut [&mut [u8]],
+    ) -> Result<()> {
+        if let ([s], [r]) = (send, &mut *recv) {
+            return self.send_recv(to, s, from, r);
+        }
+        let out = send.concat();
+        let mut inc = vec![0u8; recv.iter().map(|r| r.len()).sum()];
+        self.send_recv(to, &out, from, &mut inc)?;
+        let mut at = 0;
+        for r in recv.iter_mut() {
+            r.copy_from_slice(&inc[at..at + r.len()]);
+            at += r.len();
+        }
+        Ok(())
+    }
+
     /// Reduce `buf` element-wise across all ranks; every rank ends with the result.
     /// `Average` divides the sum by [`Communicator::size`].
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {

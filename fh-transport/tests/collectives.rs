@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use fh_core::{kernels, DType, ReduceOp};
 use fh_transport::algorithms::{
-    allreduce_with, AllreduceAlgorithm, ALLREDUCE_RING_THRESHOLD_BYTES,
+    allreduce_segments, allreduce_with, AllreduceAlgorithm, ALLREDUCE_RING_THRESHOLD_BYTES,
     BROADCAST_SCATTER_THRESHOLD_BYTES, RING_CHUNK_BYTES,
 };
 use fh_transport::local::LocalWorld;
@@ -320,6 +320,45 @@ proptest! {
             let mut buf = Placed::new(&ins[comm.rank()], offset);
             allreduce_with(comm, buf.get(), dtype, op, algo).unwrap();
             assert_eq!(buf.get(), &want[..], "n={n} {dtype} {op} {algo} len={len}");
+        });
+    }
+
+    #[test]
+    fn allreduce_segments_random(
+        n in 1usize..=8,
+        (dtype, op) in dtype_op(),
+        len in prop_oneof![0usize..64, 0usize..3000, 60_000usize..140_000],
+        cuts in prop::collection::vec(0usize..1000, 0..6),
+        seed in any::<u64>(),
+    ) {
+        // The in-place allreduce over slices (the default, copying `send_recv_vectored`)
+        // gives what the contiguous one gives, for any cut of the buffer, on either path (the
+        // ring above the threshold, recursive doubling below it).
+        world(n, TIMEOUT, move |comm| {
+            let ins = inputs(dtype, op, len, n, seed);
+            let want = reference(&ins, dtype, op);
+            let esz = dtype.size();
+            let mut at: Vec<usize> = cuts.iter().map(|c| c * len / 1000 * esz).collect();
+            at.sort_unstable();
+            let mut buf = ins[comm.rank()].clone();
+            let mut segs: Vec<&mut [u8]> = Vec::new();
+            let mut rest = &mut buf[..];
+            let mut prev = 0;
+            for c in at {
+                let (a, b) = rest.split_at_mut(c - prev);
+                segs.push(a);
+                rest = b;
+                prev = c;
+            }
+            segs.push(rest);
+            allreduce_segments(comm, &mut segs, dtype, op, &mut |b| {
+                if op == ReduceOp::Average {
+                    kernels::divide(dtype, b, n)?;
+                }
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(&buf[..], &want[..], "n={n} {dtype} {op} len={len}");
         });
     }
 

@@ -303,3 +303,133 @@ fn opening_with_a_departed_rank_fails_naming_it() {
         "{err}"
     );
 }
+
+/// Cut `data` into slices at `cuts` (positions in order; repeats give empty slices).
+fn cut<'a>(data: &'a mut [u8], cuts: &[usize]) -> Vec<&'a mut [u8]> {
+    let mut out = Vec::new();
+    let mut rest = data;
+    let mut at = 0;
+    for &c in cuts {
+        let (a, b) = rest.split_at_mut(c - at);
+        out.push(a);
+        rest = b;
+        at = c;
+    }
+    out.push(rest);
+    out
+}
+
+#[test]
+fn vectored_frames_match_contiguous_ones() {
+    // A frame sent from many slices arrives whole in one buffer and vice versa, in pieces of
+    // every size (empty slices included), both ways at once, and large enough to fill the
+    // socket buffers so that partial sends and receives resume mid-slice.
+    let w = world(2, "30", Duration::from_secs(5));
+    let handles: Vec<_> = w
+        .into_iter()
+        .map(|mut t| {
+            std::thread::spawn(move || {
+                let r = t.rank();
+                let other = 1 - r;
+                let mut c = t.open("vectored").unwrap();
+                assert!(c.vectored_io());
+                let len = 9 << 20;
+                let pattern = |who: usize| -> Vec<u8> {
+                    (0..len)
+                        .map(|i| (i % 251) as u8 ^ (who as u8 * 7))
+                        .collect()
+                };
+                let cuts = [0, 0, 1, 7, 4096, 4096, 70_000, 3 << 20, len - 1, len];
+                let mut out = pattern(r);
+                let mut inp = vec![0u8; len];
+                if r == 0 {
+                    let send = cut(&mut out, &cuts);
+                    let send: Vec<&[u8]> = send.into_iter().map(|s| &*s).collect();
+                    c.send_recv_vectored(other, &send, other, &mut [&mut inp[..]])
+                        .unwrap();
+                } else {
+                    let mut recv = cut(&mut inp, &cuts);
+                    c.send_recv_vectored(other, &[&out[..]], other, &mut recv)
+                        .unwrap();
+                }
+                assert!(inp == pattern(other), "rank {r} received the wrong bytes");
+                // A length that does not match is a protocol error naming the sender.
+                if r == 0 {
+                    c.send(other, &[1, 2, 3]).unwrap();
+                } else {
+                    let mut a = [0u8; 2];
+                    let mut b = [0u8; 2];
+                    let e = c
+                        .send_recv_vectored(other, &[], other, &mut [&mut a[..], &mut b[..]])
+                        .unwrap_err();
+                    assert!(matches!(e, TransportError::Protocol { rank: 0, .. }), "{e}");
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+#[test]
+fn allreduce_segments_over_tcp_matches_the_contiguous_allreduce() {
+    use fh_core::DType;
+    use fh_transport::algorithms::allreduce_segments;
+    for n in [2usize, 3, 4] {
+        let w = world(n, "30", Duration::from_secs(5));
+        let handles: Vec<_> = w
+            .into_iter()
+            .map(|mut t| {
+                std::thread::spawn(move || {
+                    let r = t.rank();
+                    let mut c = t.open("segments").unwrap();
+                    // 3 MiB of f32 in slices of every size, empty ones among them; each rank
+                    // cuts differently (only the total must agree).
+                    let elems = 3 << 18;
+                    let vals = |who: usize| -> Vec<f32> {
+                        (0..elems)
+                            .map(|i| ((i * 31 + who * 7) % 17) as f32 - 8.0)
+                            .collect()
+                    };
+                    let mut mine: Vec<u8> = vals(r).iter().flat_map(|v| v.to_ne_bytes()).collect();
+                    let cuts = [0, 4, 4, 4096 * (r + 1), 1 << 20, (2 << 20) + 4 * r];
+                    let mut finished = 0usize;
+                    {
+                        let mut segs = cut(&mut mine, &cuts);
+                        allreduce_segments(
+                            &mut *c,
+                            &mut segs,
+                            DType::F32,
+                            ReduceOp::Average,
+                            &mut |b| {
+                                finished += b.len();
+                                fh_core::kernels::divide_and_scale(DType::F32, b, n, 2.0)?;
+                                Ok(())
+                            },
+                        )
+                        .unwrap();
+                    }
+                    let all: Vec<Vec<f32>> = (0..n).map(vals).collect();
+                    let want: Vec<u8> = (0..elems)
+                        .map(|i| {
+                            let s: f32 = all.iter().map(|v| v[i]).sum();
+                            s / n as f32 * 2.0
+                        })
+                        .flat_map(|v| v.to_ne_bytes())
+                        .collect();
+                    assert!(mine == want, "n={n} rank {r}: wrong result");
+                    // The finishing pass ran on this rank's block only.
+                    assert!(finished < mine.len() / n + 64, "finished {finished} bytes");
+                    finished
+                })
+            })
+            .collect();
+        let total: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        assert_eq!(
+            total,
+            (3 << 18) * 4,
+            "n={n}: every byte finished exactly once"
+        );
+    }
+}

@@ -39,5 +39,6 @@ pub fn calibrate_link(name: &str, p: usize, points: &[(f64, f64)]) -> Option<Lin
         concurrency: Vec::new(),
         host_bound: false,
         wire: fh_scheduler::Wire::Network,
+        vectored_io: false,
     })
 }

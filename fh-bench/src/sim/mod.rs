@@ -37,7 +37,11 @@
 //!   is reduced in place and scaled in one pass): those passes run at the host's measured copy
 //!   rate on the channel, before and after its transfer ([`Overheads::copy_bps`]); where the
 //!   engine stages fused groups through a cache-sized piece (one host), at the staged rate
-//!   measured for that pattern ([`Overheads::staged_copy_bps`]). In the projections each
+//!   measured for that pattern ([`Overheads::staged_copy_bps`]). Over a transport with
+//!   scatter-gather I/O ([`Link::vectored_io`]: TCP) `fasthorovod` reduces a fused group
+//!   where its tensors lie, as the engine decides it ([`fh_scheduler::Config::fused_in_place`]):
+//!   its only copy is the ring's finishing pass over this rank's block
+//!   ([`Overheads::in_place_copy_s`]). In the projections each
 //!   channel copies on a core of its own. In the loopback check every rank shares one small
 //!   host ([`Overheads::shared_host`]): the copies in flight on a rank's channels share its copy
 //!   rate, and where the link's transfers are themselves the host's memory copies (shared
@@ -143,6 +147,15 @@ pub fn simulate_step(
                                                   // Whether fused groups are staged, as the engine decides it on one host (the model is on
                                                   // one host where a staged copy rate is given: the loopback check).
     let staged = o.staged_copy_bps.is_some() && sched.config().effective_stage_bytes(1) > 0;
+    // As the engine decides it: fused groups reduced in place over a scatter-gather transport.
+    let in_place = sched.config().fused_in_place(link.vectored_io);
+    let group_copy = |b: usize, parts: usize| match (in_place && parts > 1)
+        .then(|| o.in_place_copy_s(b, p))
+        .flatten()
+    {
+        Some(s) => s,
+        None => o.copy_s(b, parts, staged),
+    };
     let k = planner.channels();
     let cap = link.stream_cap_bps.unwrap_or(f64::INFINITY);
     // Per group: (latency part, wire bytes) of the algorithm the transport picks for it.
@@ -217,7 +230,7 @@ pub fn simulate_step(
                     if active[c].is_none() && queues[c].is_empty() {
                         collectives += 1;
                         let (latency, wire) = cost(b);
-                        let copy = o.copy_s(b, g.parts.len(), staged);
+                        let copy = group_copy(b, g.parts.len());
                         active[c] = Some(Transfer::new(now, copy, agreement + latency, wire, b));
                         inline_channel = Some(c);
                     }
@@ -225,7 +238,7 @@ pub fn simulate_step(
                 if inline_channel.is_none() {
                     for g in groups {
                         let (c, b) = (g.channel.min(k - 1), g.bytes() as usize);
-                        queues[c].push_back((b, o.copy_s(b, g.parts.len(), staged)));
+                        queues[c].push_back((b, group_copy(b, g.parts.len())));
                         queued_bytes[c] += b;
                     }
                 }

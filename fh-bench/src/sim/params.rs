@@ -35,6 +35,11 @@ pub struct Link {
     /// one host's memory (shared memory, threads, NVLink-class).
     #[serde(default = "network")]
     pub wire: Wire,
+    /// The transport does scatter-gather I/O (TCP: the Ethernet classes and TCP loopback), so
+    /// `fasthorovod` reduces fused groups where their tensors lie, without packing and
+    /// unpacking ([`Config::fused_in_place`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub vectored_io: bool,
 }
 
 fn network() -> Wire {
@@ -89,8 +94,9 @@ impl Link {
         }
     }
 
-    /// The documented default link classes: 25/100/400 Gb/s Ethernet-class (TCP; a single
-    /// stream assumed to reach at most 25, 40 and 50 Gb/s) and NVLink-class (300 GB/s, no cap).
+    /// The documented default link classes: 25/100/400 Gb/s Ethernet-class (TCP, with its
+    /// scatter-gather I/O; a single stream assumed to reach at most 25, 40 and 50 Gb/s) and
+    /// NVLink-class (300 GB/s, no cap).
     pub fn defaults() -> Vec<Link> {
         let gbit = |g: f64| g * 1e9 / 8.0;
         vec![
@@ -102,6 +108,7 @@ impl Link {
                 concurrency: Vec::new(),
                 host_bound: false,
                 wire: Wire::Network,
+                vectored_io: true,
             },
             Link {
                 name: "100 Gb/s".into(),
@@ -111,6 +118,7 @@ impl Link {
                 concurrency: Vec::new(),
                 host_bound: false,
                 wire: Wire::Network,
+                vectored_io: true,
             },
             Link {
                 name: "400 Gb/s".into(),
@@ -120,6 +128,7 @@ impl Link {
                 concurrency: Vec::new(),
                 host_bound: false,
                 wire: Wire::Network,
+                vectored_io: true,
             },
             Link {
                 name: "NVLink-class".into(),
@@ -129,6 +138,7 @@ impl Link {
                 concurrency: Vec::new(),
                 host_bound: false,
                 wire: Wire::Memory,
+                vectored_io: false,
             },
         ]
     }
@@ -299,6 +309,23 @@ impl Default for Overheads {
 }
 
 impl Overheads {
+    /// Seconds of host copying a fused group of `bytes` costs on its channel where the engine
+    /// reduces it in place ([`Config::fused_in_place`]) on `p` ranks: the ring finishes (the
+    /// average's division, the postscale) only this rank's block, one pass over `bytes / p`.
+    /// `None` for a group small enough for recursive doubling, which the engine packs as
+    /// before ([`Overheads::copy_s`]).
+    pub fn in_place_copy_s(&self, bytes: usize, p: usize) -> Option<f64> {
+        use fh_transport::algorithms::AllreduceAlgorithm;
+        let p = p.max(1);
+        if AllreduceAlgorithm::Auto.resolve(bytes, bytes / 4, p) != AllreduceAlgorithm::Ring {
+            return None;
+        }
+        Some(match self.copy_bps {
+            Some(r) if r > 0.0 => bytes as f64 / p as f64 / r,
+            _ => 0.0,
+        })
+    }
+
     /// Seconds of host copying a group of `bytes` in `parts` parts costs on its channel;
     /// `staged`: the engine stages fused groups (see [`Overheads::staged_copy_bps`]).
     pub fn copy_s(&self, bytes: usize, parts: usize, staged: bool) -> f64 {

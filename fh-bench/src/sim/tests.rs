@@ -15,6 +15,7 @@ fn link(alpha: f64, bw: f64, cap: Option<f64>) -> Link {
         concurrency: Vec::new(),
         host_bound: false,
         wire: fh_scheduler::Wire::Network,
+        vectored_io: false,
     }
 }
 
@@ -332,6 +333,60 @@ fn host_copies_cost_packed_groups_two_passes_and_single_tensors_one() {
     let whole = simulate_step(&[500_000, 500_000], &[0.0, 0.0], 2, &l, &h, &o);
     let still = simulate_step(&[500_000, 500_000], &[0.0, 0.0], 2, &l, &h, &staged);
     assert_eq!(whole, still, "horovod never stages");
+}
+
+fn f0() -> Schedule {
+    let mut f = Schedule::fasthorovod(1);
+    f.inline_bytes = 0;
+    f
+}
+
+#[test]
+fn over_scatter_gather_io_fused_groups_cost_only_the_finishing_pass() {
+    // Over a TCP-like link `fasthorovod` reduces a fused group in place: the ring finishes
+    // this rank's block only (1 MB on 2 ranks: 0.5 MB at 1 GB/s, 0.5 ms) instead of packing
+    // and unpacking it (2 ms); a group below the ring threshold is still packed (2 passes);
+    // `horovod` packs as Horovod does.
+    let l = Link {
+        vectored_io: true,
+        ..link(1e-5, 1e9, None)
+    };
+    let o = Overheads {
+        copy_bps: Some(1e9),
+        ..NO_OVERHEAD
+    };
+    assert!(close(o.in_place_copy_s(1_000_000, 2).unwrap(), 0.5e-3));
+    assert_eq!(o.in_place_copy_s(100_000, 2), None);
+    assert_eq!(NO_OVERHEAD.in_place_copy_s(1_000_000, 2), Some(0.0));
+    let m = simulate_step(&[50_000, 50_000], &[0.0, 0.0], 2, &l, &f0(), &o);
+    let packed = simulate_step(
+        &[50_000, 50_000],
+        &[0.0, 0.0],
+        2,
+        &link(1e-5, 1e9, None),
+        &f0(),
+        &o,
+    );
+    assert_eq!(m, packed, "a group below the ring threshold is packed");
+    let mut f = Schedule::fasthorovod(1);
+    f.inline_bytes = 0;
+    let m = simulate_step(&[500_000, 500_000], &[0.0, 0.0], 2, &l, &f, &o);
+    assert!(close(m.step_s, 1e-5 + 0.5e-3 + 2e-5 + 1e-3), "{m:?}");
+    // A lone tensor was already reduced in place: one pass, as before.
+    let m = simulate_step(&[1_000_000], &[0.0], 2, &l, &f, &o);
+    assert!(close(m.step_s, 1e-5 + 1e-3 + 2e-5 + 1e-3), "{m:?}");
+    let mut h = Schedule::horovod();
+    h.cycle_s = 1e-9;
+    let packed = simulate_step(
+        &[500_000, 500_000],
+        &[0.0, 0.0],
+        2,
+        &link(1e-5, 1e9, None),
+        &h,
+        &o,
+    );
+    let still = simulate_step(&[500_000, 500_000], &[0.0, 0.0], 2, &l, &h, &o);
+    assert_eq!(packed, still, "horovod packs whatever the transport");
 }
 
 #[test]

@@ -8,6 +8,7 @@
 //! | collective | algorithm |
 //! |---|---|
 //! | [`allreduce`] | recursive doubling below [`ALLREDUCE_RING_THRESHOLD_BYTES`] (extra ranks of a non-power-of-two world fold into a partner first), ring reduce-scatter + ring allgather above it, in pieces of at most [`RING_CHUNK_BYTES`]; [`allreduce_with`] forces one |
+//! | [`allreduce_segments`] | as [`allreduce`], over several slices in place (scatter-gather sends and receives); the result's finishing pass runs on this rank's block only |
 //! | [`reduce_scatter`] | ring, uneven blocks, in pieces of at most [`RING_CHUNK_BYTES`] |
 //! | [`allgatherv`] | ring, uneven and zero counts |
 //! | [`broadcast`] | binomial tree below [`BROADCAST_SCATTER_THRESHOLD_BYTES`], binomial scatter + ring allgather above it |
@@ -25,6 +26,7 @@
 mod allreduce;
 mod broadcast;
 mod ring;
+mod segmented;
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -38,6 +40,7 @@ pub use allreduce::{
 };
 pub use broadcast::{broadcast, BROADCAST_SCATTER_THRESHOLD_BYTES};
 pub use ring::{allgatherv, reduce_scatter};
+pub use segmented::allreduce_segments;
 
 fn invalid(msg: String) -> TransportError {
     TransportError::InvalidArgument(msg)

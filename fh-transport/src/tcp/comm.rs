@@ -1,9 +1,9 @@
 //! A TCP communicator: one nonblocking connection per peer, frames moved with poll(2).
 
 use std::collections::VecDeque;
-use std::io;
+use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -41,33 +41,96 @@ const BLAME_GRACE: Duration = Duration::from_millis(500);
 struct SendState<'a> {
     peer: usize,
     header: [u8; 8],
-    data: &'a [u8],
+    /// The payload, in order (one slice, or several sent as one frame).
+    data: &'a [&'a [u8]],
+    /// Payload bytes in all.
+    len: usize,
     done: usize,
 }
 
 impl SendState<'_> {
     fn total(&self) -> usize {
-        8 + self.data.len()
+        8 + self.len
     }
     fn finished(&self) -> bool {
         self.done == self.total()
     }
+
+    /// Send what is left without blocking.
+    fn step(&self, fd: RawFd) -> io::Result<usize> {
+        if let [d] = self.data {
+            return if self.done < 8 {
+                sys::send2(fd, &self.header[self.done..], d)
+            } else {
+                sys::send2(fd, &[], &d[self.done - 8..])
+            };
+        }
+        let mut iov = Vec::with_capacity(self.data.len().min(MAX_IOV) + 1);
+        let mut skip = self.done;
+        for s in std::iter::once(&self.header[..]).chain(self.data.iter().copied()) {
+            if skip >= s.len() {
+                skip -= s.len();
+                continue;
+            }
+            iov.push(IoSlice::new(&s[skip..]));
+            skip = 0;
+            if iov.len() == MAX_IOV {
+                break;
+            }
+        }
+        sys::sendv(fd, &iov)
+    }
 }
 
 /// The receive half of a transfer in progress.
-struct RecvState<'a> {
+struct RecvState<'a, 'b> {
     peer: usize,
     header: [u8; 8],
-    buf: &'a mut [u8],
+    /// Where the payload goes, in order (one slice, or several filled from one frame).
+    bufs: &'a mut [&'b mut [u8]],
+    /// Payload bytes in all.
+    len: usize,
     done: usize,
     checked: bool,
 }
 
-impl RecvState<'_> {
+impl RecvState<'_, '_> {
     fn finished(&self) -> bool {
-        self.checked && self.done == 8 + self.buf.len()
+        self.checked && self.done == 8 + self.len
+    }
+
+    /// Receive what is there without blocking (0: the peer closed).
+    fn step(&mut self, fd: RawFd) -> io::Result<usize> {
+        let done = self.done;
+        if let [b] = &mut *self.bufs {
+            return if done < 8 {
+                sys::recv2(fd, &mut self.header[done..], b)
+            } else {
+                sys::recv2(fd, &mut [], &mut b[done - 8..])
+            };
+        }
+        let mut iov = Vec::with_capacity(self.bufs.len().min(MAX_IOV) + 1);
+        let mut skip = done;
+        let parts =
+            std::iter::once(&mut self.header[..]).chain(self.bufs.iter_mut().map(|b| &mut **b));
+        for s in parts {
+            if skip >= s.len() {
+                skip -= s.len();
+                continue;
+            }
+            iov.push(IoSliceMut::new(&mut s[skip..]));
+            skip = 0;
+            if iov.len() == MAX_IOV {
+                break;
+            }
+        }
+        sys::recvv(fd, &mut iov)
     }
 }
+
+/// Most slices handed to one `sendmsg`/`recvmsg` (the rest go in the next call; Linux allows
+/// 1024).
+const MAX_IOV: usize = 64;
 
 fn would_block(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::WouldBlock
@@ -259,21 +322,25 @@ impl TcpComm {
     }
 
     /// Receive into `b` the message this rank sent itself earlier.
-    fn take_own_message(&mut self, op: &'static str, b: &mut [u8]) -> Result<()> {
+    fn take_own_message(&mut self, op: &'static str, bufs: &mut [&mut [u8]]) -> Result<()> {
         let msg = self.loopback.pop_front().ok_or_else(|| {
             TransportError::InvalidArgument(format!(
                 "{op}: receiving from oneself (rank {}) with no message sent to oneself",
                 self.rank
             ))
         })?;
-        if msg.len() != b.len() {
+        let len: usize = bufs.iter().map(|b| b.len()).sum();
+        if msg.len() != len {
             return Err(TransportError::InvalidArgument(format!(
-                "{op}: this rank sent itself {} bytes but receives {}",
+                "{op}: this rank sent itself {} bytes but receives {len}",
                 msg.len(),
-                b.len()
             )));
         }
-        b.copy_from_slice(&msg);
+        let mut at = 0;
+        for b in bufs.iter_mut() {
+            b.copy_from_slice(&msg[at..at + b.len()]);
+            at += b.len();
+        }
         Ok(())
     }
 
@@ -336,49 +403,57 @@ impl TcpComm {
     }
 
     /// Move one frame to `send.0` and/or one frame from `recv.0`, interleaving both so that
-    /// neither direction can block the other.
+    /// neither direction can block the other. A frame's payload may come from several slices
+    /// and go to several (one frame on the wire either way).
     fn transfer(
         &mut self,
         op: &'static str,
-        send: Option<(usize, &[u8])>,
-        recv: Option<(usize, &mut [u8])>,
+        send: Option<(usize, &[&[u8]])>,
+        recv: Option<(usize, &mut [&mut [u8]])>,
     ) -> Result<()> {
         self.check_usable()?;
-        if let Some((p, d)) = &send {
-            self.check_peer(*p, d.len())?;
+        let send = send.map(|(p, d)| (p, d, d.iter().map(|s| s.len()).sum::<usize>()));
+        let recv = recv.map(|(p, b)| {
+            let len = b.iter().map(|s| s.len()).sum::<usize>();
+            (p, b, len)
+        });
+        if let Some((p, _, len)) = &send {
+            self.check_peer(*p, *len)?;
         }
-        if let Some((p, b)) = &recv {
-            self.check_peer(*p, b.len())?;
+        if let Some((p, _, len)) = &recv {
+            self.check_peer(*p, *len)?;
         }
         // Messages to oneself go through an in-memory queue.
         let send = match send {
-            Some((p, d)) if p == self.rank => {
-                self.loopback.push_back(d.to_vec());
+            Some((p, d, _)) if p == self.rank => {
+                self.loopback.push_back(d.concat());
                 None
             }
             other => other,
         };
         let recv = match recv {
-            Some((p, b)) if p == self.rank => {
-                if send.is_some() {
+            Some((p, b, _)) if p == self.rank => {
+                if let Some((to, d, _)) = send {
                     // Send to the peer first, then take our own message.
-                    self.transfer(op, send, None)?;
+                    self.transfer(op, Some((to, d)), None)?;
                 }
                 return self.take_own_message(op, b);
             }
             other => other,
         };
 
-        let mut tx = send.map(|(peer, data)| SendState {
+        let mut tx = send.map(|(peer, data, len)| SendState {
             peer,
-            header: wire::data_header(data.len() as u64),
+            header: wire::data_header(len as u64),
             data,
+            len,
             done: 0,
         });
-        let mut rx = recv.map(|(peer, buf)| RecvState {
+        let mut rx = recv.map(|(peer, bufs, len)| RecvState {
             peer,
             header: [0; 8],
-            buf,
+            bufs,
+            len,
             done: 0,
             checked: false,
         });
@@ -401,12 +476,7 @@ impl TcpComm {
             let mut progressed = false;
             if let (Some(t), Some(fd)) = (tx.as_mut(), tx_fd) {
                 if !t.finished() {
-                    let res = if t.done < 8 {
-                        sys::send2(fd, &t.header[t.done..], t.data)
-                    } else {
-                        sys::send2(fd, &[], &t.data[t.done - 8..])
-                    };
-                    match res {
+                    match t.step(fd) {
                         Ok(n) => {
                             t.done += n;
                             progressed |= n > 0;
@@ -423,14 +493,7 @@ impl TcpComm {
             }
             if let (Some(r), Some(fd)) = (rx.as_mut(), rx_fd) {
                 if !r.finished() {
-                    let res = if r.done < 8 {
-                        let (h, b) = (&mut r.header[r.done..], &mut *r.buf);
-                        sys::recv2(fd, h, b)
-                    } else {
-                        let off = r.done - 8;
-                        sys::recv2(fd, &mut [], &mut r.buf[off..])
-                    };
-                    match res {
+                    match r.step(fd) {
                         // Nothing left to ask for is never the case here, so 0 means EOF.
                         Ok(0) => {
                             let peer = r.peer;
@@ -451,7 +514,7 @@ impl TcpComm {
                         }
                     }
                     if r.done >= 8 && !r.checked {
-                        if let Some(err) = self.frame_problem(op, r.peer, r.header, r.buf.len()) {
+                        if let Some(err) = self.frame_problem(op, r.peer, r.header, r.len) {
                             let half = tx.as_ref().filter(|t| t.done > 0).map(|t| t.peer);
                             return Err(self.fail(err, half));
                         }
@@ -543,14 +606,28 @@ impl Communicator for TcpComm {
     }
 
     fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
-        self.transfer("send", Some((peer, data)), None)
+        self.transfer("send", Some((peer, &[data])), None)
     }
 
     fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
-        self.transfer("recv", None, Some((peer, buf)))
+        self.transfer("recv", None, Some((peer, &mut [buf])))
     }
 
     fn send_recv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
+        self.transfer("send_recv", Some((to, &[send])), Some((from, &mut [recv])))
+    }
+
+    fn vectored_io(&self) -> bool {
+        true
+    }
+
+    fn send_recv_vectored(
+        &mut self,
+        to: usize,
+        send: &[&[u8]],
+        from: usize,
+        recv: &mut [&mut [u8]],
+    ) -> Result<()> {
         self.transfer("send_recv", Some((to, send)), Some((from, recv)))
     }
 }

@@ -74,6 +74,39 @@ pub fn recv2(fd: RawFd, a: &mut [u8], b: &mut [u8]) -> io::Result<usize> {
     }
 }
 
+/// Send from `iov` in order without blocking and without SIGPIPE (scatter-gather: the slices
+/// go out as one byte stream). Returns the number of bytes sent; `WouldBlock` when the socket
+/// buffer is full. `fd` must be a connected socket that stays open during the call.
+pub fn sendv(fd: RawFd, iov: &[IoSlice<'_>]) -> io::Result<usize> {
+    // SAFETY: the callers pass the descriptor of a stream they own, open for this call.
+    let sock = unsafe { borrow(fd) };
+    loop {
+        match rustix::net::sendmsg(sock, iov, &mut SendAncillaryBuffer::default(), send_flags()) {
+            Err(Errno::INTR) => continue,
+            r => return r.map_err(io::Error::from),
+        }
+    }
+}
+
+/// Receive into `iov` in order without blocking. Returns the number of bytes received (0 means
+/// the peer closed); `WouldBlock` when nothing is there. `fd` must be a connected socket that
+/// stays open during the call.
+pub fn recvv(fd: RawFd, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+    // SAFETY: the callers pass the descriptor of a stream they own, open for this call.
+    let sock = unsafe { borrow(fd) };
+    loop {
+        match rustix::net::recvmsg(
+            sock,
+            iov,
+            &mut RecvAncillaryBuffer::default(),
+            RecvFlags::DONTWAIT,
+        ) {
+            Err(Errno::INTR) => continue,
+            r => return r.map(|m| m.bytes).map_err(io::Error::from),
+        }
+    }
+}
+
 /// Look at up to `buf.len()` pending bytes without consuming them (nonblocking).
 /// `fd` must be a connected socket that stays open during the call.
 pub fn peek(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
