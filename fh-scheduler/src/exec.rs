@@ -41,10 +41,23 @@ fn reduce_in_place(
     buf: &mut [u8],
     sig: &Signature,
     active: usize,
+    own_block: bool,
 ) -> Result<(), TransportError> {
+    let (dtype, n, post) = (sig.dtype, finish_divisor(sig, active), sig.postscale);
+    if own_block {
+        // The ring finishes this rank's block only, before its allgather copies it round.
+        kernels::scale(dtype, buf, sig.prescale)?;
+        return algorithms::allreduce_segments(
+            comm,
+            &mut [buf],
+            dtype,
+            sig.op.combining(),
+            &mut |b| Ok(kernels::divide_and_scale(dtype, b, n, post)?),
+        );
+    }
     reduce_unfinished(comm, buf, sig)?;
     // The average's division (if any) and the postscale in one pass.
-    kernels::divide_and_scale(sig.dtype, buf, finish_divisor(sig, active), sig.postscale)?;
+    kernels::divide_and_scale(dtype, buf, n, post)?;
     Ok(())
 }
 
@@ -362,6 +375,16 @@ impl Executor {
         let comm = self.comm.as_mut();
         match sig.kind {
             CollectiveKind::Allreduce => {
+                // Over a scatter-gather transport `fasthorovod` finishes (divides, scales) only
+                // this rank's block of a ring ([`crate::Config::fused_in_place`]): decided from
+                // the agreed preset, backend and size, the same on every rank.
+                let own_block = |len: usize, size: usize| {
+                    let elements = len / sig.dtype.size().max(1);
+                    self.inner.config.fused_in_place(self.comm.vectored_io())
+                        && algorithms::AllreduceAlgorithm::Auto.resolve(len, elements, size)
+                            == algorithms::AllreduceAlgorithm::Ring
+                };
+                let size = self.comm.size();
                 if let (1, Some(buf)) = (job.parts.len(), first.chunks.get()) {
                     // A chunk of a partitioned tensor: reduce it in place.
                     // SAFETY: this job is the only one given this chunk's range (see
@@ -372,7 +395,8 @@ impl Executor {
                             first.name()
                         ))
                     })?;
-                    return reduce_in_place(comm, chunk, sig, job.active);
+                    let own = own_block(chunk.len(), size);
+                    return reduce_in_place(self.comm.as_mut(), chunk, sig, job.active, own);
                 }
                 let whole = job.parts.len() == 1
                     && *off0 == 0
@@ -381,7 +405,10 @@ impl Executor {
                     // Single tensor: reduce in place, no copy.
                     let mut t = first.lock().tensor.take();
                     let r = match &mut t {
-                        Some(t) => reduce_in_place(comm, t.data_mut(), sig, job.active),
+                        Some(t) => {
+                            let own = own_block(t.data().len(), size);
+                            reduce_in_place(self.comm.as_mut(), t.data_mut(), sig, job.active, own)
+                        }
                         None => Ok(()),
                     };
                     first.lock().tensor = t;

@@ -51,12 +51,17 @@ fn random_order_allreduces_over_tcp_both_presets() {
 fn fused_groups_reduced_in_place_over_tcp() {
     // Over TCP, `fasthorovod` reduces a fused group where its tensors lie (scatter-gather
     // sends and receives, the average and the scales on each rank's block of the ring): large
-    // groups take the ring, small ones recursive doubling; 3 ranks (uneven blocks) and 4.
+    // groups take the ring, small ones are packed for recursive doubling; lone tensors and
+    // chunks on the ring are finished on the own block too; 3 ranks (uneven blocks) and 4.
     for size in [3, 4] {
         let out = run(
             size,
             "fused",
-            &[("FH_SCHEDULE", "fasthorovod"), ("FH_CHANNELS", "2")],
+            &[
+                ("FH_SCHEDULE", "fasthorovod"),
+                ("FH_CHANNELS", "2"),
+                ("FH_PARTITION_BYTES", "1048576"),
+            ],
         );
         for (ok, text) in &out {
             assert!(ok, "a rank failed:\n{text}");
@@ -153,6 +158,9 @@ fn child_rank() {
         }
         "fused" => {
             let mut ok = true;
+            let value = |r: usize, t: usize, i: usize, step: usize| {
+                ((r * 3 + t + i % 7 + step) % 11) as f32
+            };
             for step in 0..3usize {
                 // 24 tensors of 1–60 000 floats submitted at once: fused into groups of
                 // several whole tensors, from a few KiB to MiBs.
@@ -162,12 +170,11 @@ fn child_rank() {
                 let lens: Vec<usize> = (0..24)
                     .map(|t| 1 + (t * 7919 + step * 13) % 60_000)
                     .collect();
-                let value = |r: usize, t: usize, i: usize| ((r * 3 + t + i % 7 + step) % 11) as f32;
                 let handles: Vec<_> = lens
                     .iter()
                     .enumerate()
                     .map(|(t, &len)| {
-                        let v: Vec<f32> = (0..len).map(|i| value(rank, t, i)).collect();
+                        let v: Vec<f32> = (0..len).map(|i| value(rank, t, i, step)).collect();
                         engine
                             .allreduce(&format!("f{t}"), Tensor::from_slice(&v), opts)
                             .unwrap()
@@ -177,10 +184,30 @@ fn child_rank() {
                     let got = h.wait_timeout(WAIT).unwrap().to_vec::<f32>().unwrap();
                     ok &= got.len() == lens[t]
                         && got.iter().enumerate().all(|(i, &x)| {
-                            let sum: f32 = (0..size).map(|r| value(r, t, i) * 0.5).sum();
+                            let sum: f32 = (0..size).map(|r| value(r, t, i, step) * 0.5).sum();
                             (x - sum / size as f32 * 4.0).abs() < 1e-4
                         });
                 }
+            }
+            // Lone tensors on the ring: one whole (400 kB) and one split into 1 MiB chunks
+            // across the channels (2.8 MB), each finished on the own block.
+            for (t, len) in [(100usize, 100_000usize), (101, 700_000)] {
+                let opts = AllreduceOptions::with_op(ReduceOp::Average)
+                    .prescale(0.5)
+                    .postscale(4.0);
+                let v: Vec<f32> = (0..len).map(|i| value(rank, t, i, 0)).collect();
+                let got = engine
+                    .allreduce(&format!("lone{t}"), Tensor::from_slice(&v), opts)
+                    .unwrap()
+                    .wait_timeout(WAIT)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                ok &= got.len() == len
+                    && got.iter().enumerate().all(|(i, &x)| {
+                        let sum: f32 = (0..size).map(|r| value(r, t, i, 0) * 0.5).sum();
+                        (x - sum / size as f32 * 4.0).abs() < 1e-4
+                    });
             }
             if ok {
                 "ok".to_string()

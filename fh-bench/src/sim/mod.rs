@@ -40,8 +40,8 @@
 //!   measured for that pattern ([`Overheads::staged_copy_bps`]). Over a transport with
 //!   scatter-gather I/O ([`Link::vectored_io`]: TCP) `fasthorovod` reduces a fused group
 //!   where its tensors lie, as the engine decides it ([`fh_scheduler::Config::fused_in_place`]):
-//!   its only copy is the ring's finishing pass over this rank's block
-//!   ([`Overheads::in_place_copy_s`]). In the projections each
+//!   a group on the ring, fused or not, costs only the ring's finishing pass over this rank's
+//!   block ([`Overheads::in_place_copy_s`]). In the projections each
 //!   channel copies on a core of its own. In the loopback check every rank shares one small
 //!   host ([`Overheads::shared_host`]): the copies in flight on a rank's channels share its copy
 //!   rate, and where the link's transfers are themselves the host's memory copies (shared
@@ -147,14 +147,12 @@ pub fn simulate_step(
                                                   // Whether fused groups are staged, as the engine decides it on one host (the model is on
                                                   // one host where a staged copy rate is given: the loopback check).
     let staged = o.staged_copy_bps.is_some() && sched.config().effective_stage_bytes(1) > 0;
-    // As the engine decides it: fused groups reduced in place over a scatter-gather transport.
+    // As the engine decides it: over a scatter-gather transport, groups on the ring reduced in
+    // place and finished on the own block only.
     let in_place = sched.config().fused_in_place(link.vectored_io);
-    let group_copy = |b: usize, parts: usize| match (in_place && parts > 1)
-        .then(|| o.in_place_copy_s(b, p))
-        .flatten()
-    {
-        Some(s) => s,
-        None => o.copy_s(b, parts, staged),
+    let group_copy = |b: usize, parts: usize| match in_place.then(|| o.in_place_copy_s(b, p)) {
+        Some(Some(s)) => s,
+        _ => o.copy_s(b, parts, staged),
     };
     let k = planner.channels();
     let cap = link.stream_cap_bps.unwrap_or(f64::INFINITY);

@@ -309,11 +309,11 @@ impl Default for Overheads {
 }
 
 impl Overheads {
-    /// Seconds of host copying a fused group of `bytes` costs on its channel where the engine
-    /// reduces it in place ([`Config::fused_in_place`]) on `p` ranks: the ring finishes (the
-    /// average's division, the postscale) only this rank's block, one pass over `bytes / p`.
-    /// `None` for a group small enough for recursive doubling, which the engine packs as
-    /// before ([`Overheads::copy_s`]).
+    /// Seconds of host copying a group of `bytes` (fused or a lone tensor) costs on its
+    /// channel where the engine reduces it in place ([`Config::fused_in_place`]) on `p` ranks:
+    /// the ring finishes (the average's division, the postscale) only this rank's block, one
+    /// pass over `bytes / p`. `None` for a group small enough for recursive doubling, which
+    /// the engine packs and finishes as before ([`Overheads::copy_s`]).
     pub fn in_place_copy_s(&self, bytes: usize, p: usize) -> Option<f64> {
         use fh_transport::algorithms::AllreduceAlgorithm;
         let p = p.max(1);
