@@ -11,8 +11,11 @@
 //! - A control thread negotiates readiness on its own communicator: a bitwise-AND allreduce over
 //!   the response cache's slots in steady state, the coordinator (rank 0) for names not cached.
 //! - Ready names are fused by [`fh_core::fusion`] and run on K channel threads, each with its own
-//!   communicator and fusion buffer. The `horovod` preset instead runs Horovod 0.28's schedule
-//!   (one thread, 1 ms cycle, one channel) for comparison.
+//!   communicator and fusion buffer. Over a transport with scatter-gather I/O (TCP) a fused
+//!   group on the ring needs no fusion buffer: it is reduced where its tensors lie, and the
+//!   average and the scales run on each rank's block only ([`Config::fused_in_place`]). The
+//!   `horovod` preset instead runs Horovod 0.28's schedule (one thread, 1 ms cycle, one
+//!   channel, packing into its fusion buffer) for comparison.
 //!
 //! - [`ProcessSets`] runs collectives over subsets of the ranks: each process set is an engine
 //!   of its own over communicators of its members ([`process_set`]).
