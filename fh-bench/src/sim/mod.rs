@@ -14,7 +14,7 @@
 //!   rarely fills a fast link; NVLink-class links have no such cap). Together they move the
 //!   link's bandwidth times its measured concurrency factor ([`Link::aggregate_factor`]: 1 for
 //!   the link classes; on a loopback check, what K allreduces at once measured against one, at
-//!   the sizes measured, taken at the mean size of the groups in flight).
+//!   the sizes measured, taken at the mean size of the allreduces in flight: a fused group staged on one host runs stage-sized pieces, so its pieces' size counts).
 //! - **Negotiation round.** Costs `r + ⌈log₂ p⌉·α` (a small recursive-doubling allreduce of
 //!   the bit vector plus the software overhead `r`).
 //! - **`horovod`** (one background thread): a loop that starts at most every `cycle` seconds,
@@ -98,16 +98,20 @@ struct Transfer {
     remaining: f64,
     /// The group's payload bytes (queued until the transfer ends, as the engine counts).
     bytes: usize,
+    /// Bytes of each allreduce the group actually runs: the stage piece for a staged fused
+    /// group, else the group (what the concurrency factor is looked up by).
+    unit: usize,
 }
 
 impl Transfer {
-    fn new(now: f64, copy_s: f64, latency: f64, wire: f64, bytes: usize) -> Self {
+    fn new(now: f64, copy_s: f64, latency: f64, wire: f64, bytes: usize, unit: usize) -> Self {
         Transfer {
             copy_left: copy_s,
             latency,
             latency_end: (copy_s <= 0.0).then_some(now + latency),
             remaining: wire,
             bytes,
+            unit,
         }
     }
 
@@ -150,6 +154,21 @@ pub fn simulate_step(
     // As the engine decides it: over a scatter-gather transport, groups on the ring reduced in
     // place and finished on the own block only.
     let in_place = sched.config().fused_in_place(link.vectored_io);
+    // The allreduces a group runs: a staged fused group runs its stage-sized pieces one after
+    // another (the engine's `run_fused`), the in-place or whole ones run the group.
+    let stage = if staged {
+        sched.config().effective_stage_bytes(1) as usize
+    } else {
+        0
+    };
+    let unit_of = |b: usize, parts: usize| {
+        let whole = in_place && o.in_place_copy_s(b, p).is_some();
+        if parts > 1 && stage > 0 && !whole {
+            b.min(stage)
+        } else {
+            b
+        }
+    };
     let group_copy = |b: usize, parts: usize| match in_place.then(|| o.in_place_copy_s(b, p)) {
         Some(Some(s)) => s,
         _ => o.copy_s(b, parts, staged),
@@ -180,7 +199,8 @@ pub fn simulate_step(
     let mut pending: Vec<usize> = Vec::new(); // ready, not yet negotiated
     let mut negotiating: Option<(f64, Vec<usize>, u64)> = None; // (end, tensors, idle channels)
                                                                 // Per channel: queued groups as (bytes, seconds of host copies).
-    let mut queues: Vec<std::collections::VecDeque<(usize, f64)>> = vec![Default::default(); k];
+    let mut queues: Vec<std::collections::VecDeque<(usize, f64, usize)>> =
+        vec![Default::default(); k];
     let mut queued_bytes = vec![0usize; k];
     let mut active: Vec<Option<Transfer>> = (0..k).map(|_| None).collect();
     let mut loop_start = 0.0f64; // horovod: start of the current loop
@@ -229,14 +249,18 @@ pub fn simulate_step(
                         collectives += 1;
                         let (latency, wire) = cost(b);
                         let copy = group_copy(b, g.parts.len());
-                        active[c] = Some(Transfer::new(now, copy, agreement + latency, wire, b));
+                        let unit = unit_of(b, g.parts.len());
+                        active[c] =
+                            Some(Transfer::new(now, copy, agreement + latency, wire, b, unit));
                         inline_channel = Some(c);
                     }
                 }
                 if inline_channel.is_none() {
                     for g in groups {
                         let (c, b) = (g.channel.min(k - 1), g.bytes() as usize);
-                        queues[c].push_back((b, group_copy(b, g.parts.len())));
+                        let (copy, unit) =
+                            (group_copy(b, g.parts.len()), unit_of(b, g.parts.len()));
+                        queues[c].push_back((b, copy, unit));
                         queued_bytes[c] += b;
                     }
                 }
@@ -245,11 +269,11 @@ pub fn simulate_step(
         // Start transfers on idle channels.
         for c in 0..k {
             if active[c].is_none() {
-                if let Some((g, copy)) = queues[c].pop_front() {
+                if let Some((g, copy, unit)) = queues[c].pop_front() {
                     queued_bytes[c] -= g;
                     collectives += 1;
                     let (latency, wire) = cost(g);
-                    active[c] = Some(Transfer::new(now, copy, latency, wire, g));
+                    active[c] = Some(Transfer::new(now, copy, latency, wire, g, unit));
                 }
             }
         }
@@ -302,14 +326,15 @@ pub fn simulate_step(
         // Next event. Rates now: the bandwidth parts in flight share the link; copies run at
         // the full copy rate, or where the ranks share a host, share it (with the transfers
         // too, on a link whose transfers are the host's own copies).
-        // The concurrency factor is the one measured at the mean size of the groups sharing.
+        // The concurrency factor is the one measured at the mean size of the allreduces the
+        // groups sharing run (a staged group runs stage-sized pieces).
         let host_shared = o.shared_host && link.host_bound;
         let sharing = |t: &&Transfer| t.on_wire(now) || (host_shared && t.copying());
         let (n_sharing, bytes_sharing) = active
             .iter()
             .flatten()
             .filter(sharing)
-            .fold((0usize, 0usize), |(n, b), t| (n + 1, b + t.bytes));
+            .fold((0usize, 0usize), |(n, b), t| (n + 1, b + t.unit));
         let factor = link.aggregate_factor(n_sharing, bytes_sharing / n_sharing.max(1));
         // Each transfer sharing gets its share of the factor (only those on the wire use `rate`).
         let share = factor / n_sharing.max(1) as f64;

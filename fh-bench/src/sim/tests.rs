@@ -162,6 +162,30 @@ fn concurrent_transfers_move_the_measured_share_of_the_link() {
 }
 
 #[test]
+fn staged_groups_share_the_link_at_their_pieces_factor() {
+    // Two transfers at once move 0.5 of one alone at 1 MiB pieces, without loss at 4 MiB. Two
+    // fused 4 MiB groups on two channels: staged (one host, the engine runs them as 1 MiB
+    // pieces) they share the link at the 1 MiB factor and take twice as long on the wire as
+    // whole (no staged rate given: the groups run whole).
+    let mut l = link(1e-5, 1e9, None);
+    l.concurrency = at_size(1 << 20, &[(2, 0.5)]);
+    l.concurrency.extend(at_size(4 << 20, &[(2, 1.0)]));
+    let sizes = [2 << 20, 2 << 20, 2 << 20, 2 << 20];
+    let mut s = Schedule::fasthorovod(2);
+    s.inline_bytes = 0;
+    s.fusion_bytes = 4 << 20;
+    let staged = Overheads {
+        staged_copy_bps: Some(1e9),
+        ..NO_OVERHEAD
+    };
+    let whole = simulate_step(&sizes, &[0.0; 4], 2, &l, &s, &NO_OVERHEAD);
+    let pieces = simulate_step(&sizes, &[0.0; 4], 2, &l, &s, &staged);
+    let wire = 2.0 * (4 << 20) as f64 / 1e9; // both groups, 2(p-1)/p = 1 on 2 ranks
+    assert!(close(whole.step_s, 1e-5 + 2e-5 + wire), "{whole:?}");
+    assert!(close(pieces.step_s, 1e-5 + 2e-5 + 2.0 * wire), "{pieces:?}");
+}
+
+#[test]
 fn aggregate_factor_interpolates_between_measured_counts() {
     let mut l = link(1e-5, 1e9, None);
     assert_eq!(
