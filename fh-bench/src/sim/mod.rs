@@ -14,7 +14,8 @@
 //!   rarely fills a fast link; NVLink-class links have no such cap). Together they move the
 //!   link's bandwidth times its measured concurrency factor ([`Link::aggregate_factor`]: 1 for
 //!   the link classes; on a loopback check, what K allreduces at once measured against one, at
-//!   the sizes measured, taken at the mean size of the allreduces in flight: a fused group staged on one host runs stage-sized pieces, so its pieces' size counts).
+//!   the sizes measured, taken at the mean size of the allreduces in flight: a fused group
+//!   staged on one host runs stage-sized pieces, so its pieces' size counts).
 //! - **Negotiation round.** Costs `r + ⌈log₂ p⌉·α` (a small recursive-doubling allreduce of
 //!   the bit vector plus the software overhead `r`).
 //! - **`horovod`** (one background thread): a loop that starts at most every `cycle` seconds,
