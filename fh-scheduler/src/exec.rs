@@ -164,9 +164,14 @@ impl Executor {
                 let packed = (begin + pack).min(end);
                 let reduced = (packed + reduce).min(end);
                 let unpacked = (reduced + unpack).min(end);
-                tl.span(lane, "pack", begin, packed);
+                // A group reduced in place has no packing or unpacking to show.
+                if !pack.is_zero() {
+                    tl.span(lane, "pack", begin, packed);
+                }
                 tl.span(lane, "collective", packed, reduced);
-                tl.span(lane, "unpack", reduced, unpacked);
+                if !unpack.is_zero() {
+                    tl.span(lane, "unpack", reduced, unpacked);
+                }
             }
             if let Some((first, _, _)) = job.parts.first() {
                 let names: Vec<String> = job
@@ -242,6 +247,8 @@ impl Executor {
             .iter()
             .map(|(op, _, _)| op.lock().tensor.take())
             .collect();
+        let t0 = Instant::now();
+        Counters::add(&self.inner.counters.in_place_groups, 1);
         let result = (|| {
             if tensors.iter().any(Option::is_none) {
                 return Err(TransportError::InvalidArgument(
@@ -267,6 +274,9 @@ impl Executor {
                 op.lock().tensor = t;
             }
         }
+        // For the timeline: all collective, no packing or unpacking.
+        let zero = std::time::Duration::ZERO;
+        self.phases = Some((zero, t0.elapsed(), zero));
         result
     }
 

@@ -33,6 +33,10 @@ pub struct EngineStats {
     /// Fused groups the negotiation thread ran itself (small single-group rounds whose channel
     /// was idle; see `Config::inline_bytes`), counted in `fused_groups` and their channel too.
     pub inline_groups: u64,
+    /// Fused groups reduced where their tensors lie, without the fusion buffer (over a
+    /// transport with scatter-gather I/O; see `Config::fused_in_place`), counted in
+    /// `fused_groups` too.
+    pub in_place_groups: u64,
     /// Per data channel, in channel order.
     pub channels: Vec<ChannelStats>,
 }
@@ -89,6 +93,7 @@ pub(crate) struct Counters {
     pub data_bytes: AtomicU64,
     pub stall_warnings: AtomicU64,
     pub inline_groups: AtomicU64,
+    pub in_place_groups: AtomicU64,
     /// Set once, when the channels are created.
     pub channels: OnceLock<Vec<ChannelCounters>>,
 }
@@ -112,6 +117,7 @@ impl Counters {
             data_bytes: self.data_bytes.load(Relaxed),
             stall_warnings: self.stall_warnings.load(Relaxed),
             inline_groups: self.inline_groups.load(Relaxed),
+            in_place_groups: self.in_place_groups.load(Relaxed),
             channels: self
                 .channels()
                 .iter()

@@ -209,7 +209,10 @@ fn child_rank() {
                         (x - sum / size as f32 * 4.0).abs() < 1e-4
                     });
             }
-            if ok {
+            let stats = engine.stats();
+            if ok && stats.in_place_groups == 0 {
+                "no fused group was reduced in place".to_string()
+            } else if ok {
                 "ok".to_string()
             } else {
                 "wrong result".to_string()

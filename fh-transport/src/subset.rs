@@ -294,6 +294,21 @@ impl Communicator for SubsetComm {
         let (t, f) = (self.world(to)?, self.world(from)?);
         self.inner.send_recv(t, send, f, recv)
     }
+
+    fn vectored_io(&self) -> bool {
+        self.inner.vectored_io()
+    }
+
+    fn send_recv_vectored(
+        &mut self,
+        to: usize,
+        send: &[&[u8]],
+        from: usize,
+        recv: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let (t, f) = (self.world(to)?, self.world(from)?);
+        self.inner.send_recv_vectored(t, send, f, recv)
+    }
 }
 
 /// A communicator the backend opened over the members themselves
@@ -351,6 +366,21 @@ impl Communicator for GroupComm {
 
     fn send_recv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
         let r = self.inner.send_recv(to, send, from, recv);
+        self.map(r)
+    }
+
+    fn vectored_io(&self) -> bool {
+        self.inner.vectored_io()
+    }
+
+    fn send_recv_vectored(
+        &mut self,
+        to: usize,
+        send: &[&[u8]],
+        from: usize,
+        recv: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let r = self.inner.send_recv_vectored(to, send, from, recv);
         self.map(r)
     }
 

@@ -183,6 +183,14 @@ fn staged_groups_share_the_link_at_their_pieces_factor() {
     let wire = 2.0 * (4 << 20) as f64 / 1e9; // both groups, 2(p-1)/p = 1 on 2 ranks
     assert!(close(whole.step_s, 1e-5 + 2e-5 + wire), "{whole:?}");
     assert!(close(pieces.step_s, 1e-5 + 2e-5 + 2.0 * wire), "{pieces:?}");
+    // Over a scatter-gather transport the same groups are reduced in place, whole: the factor
+    // at their own size, although the host would stage them.
+    let tcp = Link {
+        vectored_io: true,
+        ..l.clone()
+    };
+    let in_place = simulate_step(&sizes, &[0.0; 4], 2, &tcp, &s, &staged);
+    assert!(close(in_place.step_s, whole.step_s), "{in_place:?}");
 }
 
 #[test]

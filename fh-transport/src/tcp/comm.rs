@@ -321,7 +321,7 @@ impl TcpComm {
         }
     }
 
-    /// Receive into `b` the message this rank sent itself earlier.
+    /// Receive into `bufs`, in order, the message this rank sent itself earlier.
     fn take_own_message(&mut self, op: &'static str, bufs: &mut [&mut [u8]]) -> Result<()> {
         let msg = self.loopback.pop_front().ok_or_else(|| {
             TransportError::InvalidArgument(format!(
