@@ -43,22 +43,31 @@ fn reduce_in_place(
     active: usize,
     own_block: bool,
 ) -> Result<(), TransportError> {
-    let (dtype, n, post) = (sig.dtype, finish_divisor(sig, active), sig.postscale);
     if own_block {
-        // The ring finishes this rank's block only, before its allgather copies it round.
-        kernels::scale(dtype, buf, sig.prescale)?;
-        return algorithms::allreduce_segments(
-            comm,
-            &mut [buf],
-            dtype,
-            sig.op.combining(),
-            &mut |b| Ok(kernels::divide_and_scale(dtype, b, n, post)?),
-        );
+        return reduce_segments(comm, &mut [buf], sig, active);
     }
     reduce_unfinished(comm, buf, sig)?;
     // The average's division (if any) and the postscale in one pass.
-    kernels::divide_and_scale(dtype, buf, n, post)?;
+    kernels::divide_and_scale(sig.dtype, buf, finish_divisor(sig, active), sig.postscale)?;
     Ok(())
+}
+
+/// Prescale and allreduce the concatenation of `segs` where it lies, on the ring; the
+/// average's division and the postscale run on this rank's block only, before the ring's
+/// allgather copies it round ([`algorithms::allreduce_segments`]).
+fn reduce_segments(
+    comm: &mut dyn Communicator,
+    segs: &mut [&mut [u8]],
+    sig: &Signature,
+    active: usize,
+) -> Result<(), TransportError> {
+    let (dtype, n, post) = (sig.dtype, finish_divisor(sig, active), sig.postscale);
+    for s in segs.iter_mut() {
+        kernels::scale(dtype, s, sig.prescale)?;
+    }
+    algorithms::allreduce_segments(comm, segs, dtype, sig.op.combining(), &mut |b| {
+        Ok(kernels::divide_and_scale(dtype, b, n, post)?)
+    })
 }
 
 /// Prescale and allreduce `buf`, leaving the average's division and the postscale to the
@@ -225,14 +234,22 @@ impl Executor {
     /// preset, the backend, the planned parts and the agreed sizes), so every rank runs the same
     /// collectives.
     fn in_place_ok(&self, job: &Job, sig: &Signature, bytes: usize) -> bool {
-        let elements = bytes / sig.dtype.size().max(1);
         job.parts.len() > 1
-            && self.inner.config.fused_in_place(self.comm.vectored_io())
-            && algorithms::AllreduceAlgorithm::Auto.resolve(bytes, elements, self.comm.size())
-                == algorithms::AllreduceAlgorithm::Ring
+            && self.on_ring_in_place(sig, bytes)
             && job.parts.iter().all(|(op, off, len)| {
                 *off == 0 && *len as u64 == op.sig().bytes() && op.chunks.get().is_none()
             })
+    }
+
+    /// Whether `bytes` of `sig`'s dtype are reduced in place on the ring, finished on this
+    /// rank's block only ([`crate::Config::fused_in_place`] over this channel's transport, and
+    /// large enough for the ring): from the agreed preset, backend and size, the same on every
+    /// rank.
+    fn on_ring_in_place(&self, sig: &Signature, bytes: usize) -> bool {
+        let elements = bytes / sig.dtype.size().max(1);
+        self.inner.config.fused_in_place(self.comm.vectored_io())
+            && algorithms::AllreduceAlgorithm::Auto.resolve(bytes, elements, self.comm.size())
+                == algorithms::AllreduceAlgorithm::Ring
     }
 
     /// A fused group of host tensors reduced in place: the transport sends straight from the
@@ -249,26 +266,15 @@ impl Executor {
             .collect();
         let t0 = Instant::now();
         Counters::add(&self.inner.counters.in_place_groups, 1);
-        let result = (|| {
-            if tensors.iter().any(Option::is_none) {
-                return Err(TransportError::InvalidArgument(
-                    "internal error: a fused tensor went missing".into(),
-                ));
-            }
-            let (dtype, n, post) = (sig.dtype, finish_divisor(sig, job.active), sig.postscale);
+        let result = if tensors.iter().any(Option::is_none) {
+            Err(TransportError::InvalidArgument(
+                "internal error: a fused tensor went missing".into(),
+            ))
+        } else {
             let mut segs: Vec<&mut [u8]> =
                 tensors.iter_mut().flatten().map(|t| t.data_mut()).collect();
-            for s in segs.iter_mut() {
-                kernels::scale(dtype, s, sig.prescale)?;
-            }
-            algorithms::allreduce_segments(
-                self.comm.as_mut(),
-                &mut segs,
-                dtype,
-                sig.op.combining(),
-                &mut |b| Ok(kernels::divide_and_scale(dtype, b, n, post)?),
-            )
-        })();
+            reduce_segments(self.comm.as_mut(), &mut segs, sig, job.active)
+        };
         for ((op, _, _), t) in job.parts.iter().zip(tensors) {
             if t.is_some() {
                 op.lock().tensor = t;
@@ -385,16 +391,6 @@ impl Executor {
         let comm = self.comm.as_mut();
         match sig.kind {
             CollectiveKind::Allreduce => {
-                // Over a scatter-gather transport `fasthorovod` finishes (divides, scales) only
-                // this rank's block of a ring ([`crate::Config::fused_in_place`]): decided from
-                // the agreed preset, backend and size, the same on every rank.
-                let own_block = |len: usize, size: usize| {
-                    let elements = len / sig.dtype.size().max(1);
-                    self.inner.config.fused_in_place(self.comm.vectored_io())
-                        && algorithms::AllreduceAlgorithm::Auto.resolve(len, elements, size)
-                            == algorithms::AllreduceAlgorithm::Ring
-                };
-                let size = self.comm.size();
                 if let (1, Some(buf)) = (job.parts.len(), first.chunks.get()) {
                     // A chunk of a partitioned tensor: reduce it in place.
                     // SAFETY: this job is the only one given this chunk's range (see
@@ -405,7 +401,7 @@ impl Executor {
                             first.name()
                         ))
                     })?;
-                    let own = own_block(chunk.len(), size);
+                    let own = self.on_ring_in_place(sig, *len0);
                     return reduce_in_place(self.comm.as_mut(), chunk, sig, job.active, own);
                 }
                 let whole = job.parts.len() == 1
@@ -416,7 +412,7 @@ impl Executor {
                     let mut t = first.lock().tensor.take();
                     let r = match &mut t {
                         Some(t) => {
-                            let own = own_block(t.data().len(), size);
+                            let own = self.on_ring_in_place(sig, *len0);
                             reduce_in_place(self.comm.as_mut(), t.data_mut(), sig, job.active, own)
                         }
                         None => Ok(()),
