@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use fh_core::{kernels, DType, ReduceOp};
 
-use super::{check_reduction, even_block, invalid, piece, ring, with_scratch};
+use super::{check_reduction, invalid, with_scratch};
 use crate::{Communicator, Result, TransportError};
 
 /// Messages of at least this many bytes use the ring algorithm under
@@ -171,12 +171,9 @@ fn recursive_doubling<C: Communicator + ?Sized>(
     })
 }
 
-/// Ring allreduce: the buffer is cut into `n` nearly equal blocks (whole elements). In the
-/// reduce-scatter phase, at step `s` rank `r` sends block `r-s-1` to `r+1` and reduces block
-/// `r-s-2` received from `r-1`; after `n-1` steps rank `r` holds the full reduction of block
-/// `r`. `Average` divides that block there (each element is divided exactly once, by its
-/// owner). The ring allgather then circulates the finished blocks. Each step moves its block
-/// in pieces of at most [`RING_CHUNK_BYTES`].
+/// Ring allreduce of one buffer: [`segmented::ring`](super::segmented) over it as its only
+/// slice, `Average` divided on each block's owner (each element exactly once) before the
+/// allgather copies it round.
 fn ring_allreduce<C: Communicator + ?Sized>(
     comm: &mut C,
     buf: &mut [u8],
@@ -184,35 +181,20 @@ fn ring_allreduce<C: Communicator + ?Sized>(
     op: ReduceOp,
     elements: usize,
 ) -> Result<()> {
-    let (rank, n) = (comm.rank(), comm.size());
-    let esz = dtype.size();
-    let block = |i: usize| {
-        let e = even_block(elements, n, i);
-        e.start * esz..e.end * esz
-    };
-    let pieces = block(0).len().div_ceil(RING_CHUNK_BYTES).max(1);
-    let right = (rank + 1) % n;
-    let left = (rank + n - 1) % n;
-    let combining = op.combining();
-    let scratch_len = piece(&block(0), pieces, 0, esz).len();
-    with_scratch(scratch_len, |tmp| -> Result<()> {
-        for s in 0..n - 1 {
-            let sb = block((rank + 2 * n - s - 1) % n);
-            let rb = block((rank + 2 * n - s - 2) % n);
-            for k in 0..pieces {
-                let sp = piece(&sb, pieces, k, esz);
-                let rp = piece(&rb, pieces, k, esz);
-                let t = &mut tmp[..rp.len()];
-                comm.send_recv(right, &buf[sp], left, t)?;
-                kernels::reduce(dtype, combining, &mut buf[rp], t)?;
+    let n = comm.size();
+    super::segmented::ring(
+        comm,
+        &mut [buf],
+        dtype,
+        op.combining(),
+        elements,
+        &mut |b| {
+            if op == ReduceOp::Average {
+                kernels::divide(dtype, b, n)?;
             }
-        }
-        Ok(())
-    })?;
-    if op == ReduceOp::Average {
-        kernels::divide(dtype, &mut buf[block(rank)], n)?;
-    }
-    ring::allgather_in_place(comm, buf, rank, pieces, esz, block)
+            Ok(())
+        },
+    )
 }
 
 #[cfg(test)]

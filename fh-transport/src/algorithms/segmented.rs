@@ -127,7 +127,28 @@ pub fn allreduce_segments<C: Communicator + ?Sized>(
         }
         return Ok(());
     }
-    let rank = comm.rank();
+    ring(comm, segs, dtype, combining, elements, finish)
+}
+
+/// The ring allreduce over the concatenation of `segs` (`elements` of `dtype` in all, at least
+/// one per rank, on more than one rank), combining with `combining` (`Sum`, not `Average`:
+/// nothing here divides). The buffer is cut into `n` nearly equal blocks of whole elements. In the
+/// reduce-scatter phase, at step `s` rank `r` sends block `r-s-1` to `r+1` and reduces block
+/// `r-s-2` received from `r-1`; after `n-1` steps rank `r` holds the full reduction of block
+/// `r`, which `finish` then finishes (each byte exactly once, by its owner). The ring
+/// allgather circulates the finished blocks. Each step moves its block in pieces of at most
+/// [`RING_CHUNK_BYTES`], sent straight from the slices and received straight into them
+/// ([`Communicator::send_recv_vectored`]) or, for the reduction, into a scratch piece.
+pub(super) fn ring<C: Communicator + ?Sized>(
+    comm: &mut C,
+    segs: &mut [&mut [u8]],
+    dtype: DType,
+    combining: ReduceOp,
+    elements: usize,
+    finish: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+) -> Result<()> {
+    let (rank, n) = (comm.rank(), comm.size());
+    let esz = dtype.size();
     let block = |i: usize| {
         let e = even_block(elements, n, i);
         e.start * esz..e.end * esz
