@@ -49,6 +49,24 @@ fn world(size: usize, timeout_s: &str, handshake: Duration) -> Vec<TcpTransport>
         .collect()
 }
 
+/// Run `f` on every rank of `w`, one thread each, and return the results by rank (a panic on
+/// any rank fails the test).
+fn on_every_rank<R, F>(w: Vec<TcpTransport>, f: F) -> Vec<R>
+where
+    R: Send + 'static,
+    F: Fn(TcpTransport) -> R + Send + Sync + 'static,
+{
+    let f = std::sync::Arc::new(f);
+    let handles: Vec<_> = w
+        .into_iter()
+        .map(|t| {
+            let f = std::sync::Arc::clone(&f);
+            std::thread::spawn(move || f(t))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 /// Send raw bytes and return the refusal they earn (before any challenge).
 fn refusal(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
@@ -130,19 +148,14 @@ fn the_door_says_why_it_refuses() {
     assert!(why.contains("bad magic"), "{why}");
 
     // After all that, the world still works.
-    let handles: Vec<_> = w
-        .into_iter()
-        .map(|mut t| {
-            std::thread::spawn(move || {
-                let mut c = t.open("after strangers").unwrap();
-                let mut v = [t.rank() as i32 + 1; 5];
-                c.allreduce_typed(&mut v, ReduceOp::Sum).unwrap();
-                v
-            })
-        })
-        .collect();
-    for h in handles {
-        assert_eq!(h.join().unwrap(), [3; 5]);
+    let results = on_every_rank(w, move |mut t| {
+        let mut c = t.open("after strangers").unwrap();
+        let mut v = [t.rank() as i32 + 1; 5];
+        c.allreduce_typed(&mut v, ReduceOp::Sum).unwrap();
+        v
+    });
+    for r in results {
+        assert_eq!(r, [3; 5]);
     }
 }
 
@@ -249,44 +262,36 @@ fn a_departed_peer_is_reported_at_once() {
 #[test]
 fn messages_of_every_shape() {
     let w = world(2, "30", Duration::from_secs(5));
-    let handles: Vec<_> = w
-        .into_iter()
-        .map(|mut t| {
-            std::thread::spawn(move || {
-                let r = t.rank();
-                let other = 1 - r;
-                let mut c = t.open("shapes").unwrap();
-                // Zero-length messages.
-                c.send(other, &[]).unwrap();
-                c.recv(other, &mut []).unwrap();
-                // Many small messages in a row, then big ones both ways at once.
-                for i in 0..100u32 {
-                    c.send(other, &i.to_le_bytes()).unwrap();
-                }
-                for i in 0..100u32 {
-                    let mut b = [0u8; 4];
-                    c.recv(other, &mut b).unwrap();
-                    assert_eq!(u32::from_le_bytes(b), i);
-                }
-                let out: Vec<u8> = (0..24 << 20).map(|i| (i % 253) as u8 ^ r as u8).collect();
-                let mut inp = vec![0u8; 24 << 20];
-                c.send_recv(other, &out, other, &mut inp).unwrap();
-                assert!(inp
-                    .iter()
-                    .enumerate()
-                    .all(|(i, &x)| x == (i % 253) as u8 ^ other as u8));
-                // Out-of-range peers and oversized lengths are argument errors, not I/O.
-                assert!(matches!(
-                    c.send(5, &[1]),
-                    Err(TransportError::InvalidArgument(_))
-                ));
-                c.barrier().unwrap();
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    on_every_rank(w, move |mut t| {
+        let r = t.rank();
+        let other = 1 - r;
+        let mut c = t.open("shapes").unwrap();
+        // Zero-length messages.
+        c.send(other, &[]).unwrap();
+        c.recv(other, &mut []).unwrap();
+        // Many small messages in a row, then big ones both ways at once.
+        for i in 0..100u32 {
+            c.send(other, &i.to_le_bytes()).unwrap();
+        }
+        for i in 0..100u32 {
+            let mut b = [0u8; 4];
+            c.recv(other, &mut b).unwrap();
+            assert_eq!(u32::from_le_bytes(b), i);
+        }
+        let out: Vec<u8> = (0..24 << 20).map(|i| (i % 253) as u8 ^ r as u8).collect();
+        let mut inp = vec![0u8; 24 << 20];
+        c.send_recv(other, &out, other, &mut inp).unwrap();
+        assert!(inp
+            .iter()
+            .enumerate()
+            .all(|(i, &x)| x == (i % 253) as u8 ^ other as u8));
+        // Out-of-range peers and oversized lengths are argument errors, not I/O.
+        assert!(matches!(
+            c.send(5, &[1]),
+            Err(TransportError::InvalidArgument(_))
+        ));
+        c.barrier().unwrap();
+    });
 }
 
 #[test]
@@ -325,51 +330,43 @@ fn vectored_frames_match_contiguous_ones() {
     // every size (empty slices included), both ways at once, and large enough to fill the
     // socket buffers so that partial sends and receives resume mid-slice.
     let w = world(2, "30", Duration::from_secs(5));
-    let handles: Vec<_> = w
-        .into_iter()
-        .map(|mut t| {
-            std::thread::spawn(move || {
-                let r = t.rank();
-                let other = 1 - r;
-                let mut c = t.open("vectored").unwrap();
-                assert!(c.vectored_io());
-                let len = 9 << 20;
-                let pattern = |who: usize| -> Vec<u8> {
-                    (0..len)
-                        .map(|i| (i % 251) as u8 ^ (who as u8 * 7))
-                        .collect()
-                };
-                let cuts = [0, 0, 1, 7, 4096, 4096, 70_000, 3 << 20, len - 1, len];
-                let mut out = pattern(r);
-                let mut inp = vec![0u8; len];
-                if r == 0 {
-                    let send = cut(&mut out, &cuts);
-                    let send: Vec<&[u8]> = send.into_iter().map(|s| &*s).collect();
-                    c.send_recv_vectored(other, &send, other, &mut [&mut inp[..]])
-                        .unwrap();
-                } else {
-                    let mut recv = cut(&mut inp, &cuts);
-                    c.send_recv_vectored(other, &[&out[..]], other, &mut recv)
-                        .unwrap();
-                }
-                assert!(inp == pattern(other), "rank {r} received the wrong bytes");
-                // A length that does not match is a protocol error naming the sender.
-                if r == 0 {
-                    c.send(other, &[1, 2, 3]).unwrap();
-                } else {
-                    let mut a = [0u8; 2];
-                    let mut b = [0u8; 2];
-                    let e = c
-                        .send_recv_vectored(other, &[], other, &mut [&mut a[..], &mut b[..]])
-                        .unwrap_err();
-                    assert!(matches!(e, TransportError::Protocol { rank: 0, .. }), "{e}");
-                }
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    on_every_rank(w, move |mut t| {
+        let r = t.rank();
+        let other = 1 - r;
+        let mut c = t.open("vectored").unwrap();
+        assert!(c.vectored_io());
+        let len = 9 << 20;
+        let pattern = |who: usize| -> Vec<u8> {
+            (0..len)
+                .map(|i| (i % 251) as u8 ^ (who as u8 * 7))
+                .collect()
+        };
+        let cuts = [0, 0, 1, 7, 4096, 4096, 70_000, 3 << 20, len - 1, len];
+        let mut out = pattern(r);
+        let mut inp = vec![0u8; len];
+        if r == 0 {
+            let send = cut(&mut out, &cuts);
+            let send: Vec<&[u8]> = send.into_iter().map(|s| &*s).collect();
+            c.send_recv_vectored(other, &send, other, &mut [&mut inp[..]])
+                .unwrap();
+        } else {
+            let mut recv = cut(&mut inp, &cuts);
+            c.send_recv_vectored(other, &[&out[..]], other, &mut recv)
+                .unwrap();
+        }
+        assert!(inp == pattern(other), "rank {r} received the wrong bytes");
+        // A length that does not match is a protocol error naming the sender.
+        if r == 0 {
+            c.send(other, &[1, 2, 3]).unwrap();
+        } else {
+            let mut a = [0u8; 2];
+            let mut b = [0u8; 2];
+            let e = c
+                .send_recv_vectored(other, &[], other, &mut [&mut a[..], &mut b[..]])
+                .unwrap_err();
+            assert!(matches!(e, TransportError::Protocol { rank: 0, .. }), "{e}");
+        }
+    });
 }
 
 #[test]
@@ -378,54 +375,49 @@ fn allreduce_segments_over_tcp_matches_the_contiguous_allreduce() {
     use fh_transport::algorithms::allreduce_segments;
     for n in [2usize, 3, 4] {
         let w = world(n, "30", Duration::from_secs(5));
-        let handles: Vec<_> = w
-            .into_iter()
-            .map(|mut t| {
-                std::thread::spawn(move || {
-                    let r = t.rank();
-                    let mut c = t.open("segments").unwrap();
-                    // 3 MiB of f32 in slices of every size, empty ones among them; each rank
-                    // cuts differently (only the total must agree).
-                    let elems = 3 << 18;
-                    let vals = |who: usize| -> Vec<f32> {
-                        (0..elems)
-                            .map(|i| ((i * 31 + who * 7) % 17) as f32 - 8.0)
-                            .collect()
-                    };
-                    let mut mine: Vec<u8> = vals(r).iter().flat_map(|v| v.to_ne_bytes()).collect();
-                    let cuts = [0, 4, 4, 4096 * (r + 1), 1 << 20, (2 << 20) + 4 * r];
-                    let mut finished = 0usize;
-                    {
-                        let mut segs = cut(&mut mine, &cuts);
-                        allreduce_segments(
-                            &mut *c,
-                            &mut segs,
-                            DType::F32,
-                            ReduceOp::Average,
-                            &mut |b| {
-                                finished += b.len();
-                                fh_core::kernels::divide_and_scale(DType::F32, b, n, 2.0)?;
-                                Ok(())
-                            },
-                        )
-                        .unwrap();
-                    }
-                    let all: Vec<Vec<f32>> = (0..n).map(vals).collect();
-                    let want: Vec<u8> = (0..elems)
-                        .map(|i| {
-                            let s: f32 = all.iter().map(|v| v[i]).sum();
-                            s / n as f32 * 2.0
-                        })
-                        .flat_map(|v| v.to_ne_bytes())
-                        .collect();
-                    assert!(mine == want, "n={n} rank {r}: wrong result");
-                    // The finishing pass ran on this rank's block only.
-                    assert!(finished < mine.len() / n + 64, "finished {finished} bytes");
-                    finished
+        let results = on_every_rank(w, move |mut t| {
+            let r = t.rank();
+            let mut c = t.open("segments").unwrap();
+            // 3 MiB of f32 in slices of every size, empty ones among them; each rank
+            // cuts differently (only the total must agree).
+            let elems = 3 << 18;
+            let vals = |who: usize| -> Vec<f32> {
+                (0..elems)
+                    .map(|i| ((i * 31 + who * 7) % 17) as f32 - 8.0)
+                    .collect()
+            };
+            let mut mine: Vec<u8> = vals(r).iter().flat_map(|v| v.to_ne_bytes()).collect();
+            let cuts = [0, 4, 4, 4096 * (r + 1), 1 << 20, (2 << 20) + 4 * r];
+            let mut finished = 0usize;
+            {
+                let mut segs = cut(&mut mine, &cuts);
+                allreduce_segments(
+                    &mut *c,
+                    &mut segs,
+                    DType::F32,
+                    ReduceOp::Average,
+                    &mut |b| {
+                        finished += b.len();
+                        fh_core::kernels::divide_and_scale(DType::F32, b, n, 2.0)?;
+                        Ok(())
+                    },
+                )
+                .unwrap();
+            }
+            let all: Vec<Vec<f32>> = (0..n).map(vals).collect();
+            let want: Vec<u8> = (0..elems)
+                .map(|i| {
+                    let s: f32 = all.iter().map(|v| v[i]).sum();
+                    s / n as f32 * 2.0
                 })
-            })
-            .collect();
-        let total: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
+                .flat_map(|v| v.to_ne_bytes())
+                .collect();
+            assert!(mine == want, "n={n} rank {r}: wrong result");
+            // The finishing pass ran on this rank's block only.
+            assert!(finished < mine.len() / n + 64, "finished {finished} bytes");
+            finished
+        });
+        let total: usize = results.into_iter().sum();
         assert_eq!(
             total,
             (3 << 18) * 4,

@@ -1,12 +1,13 @@
 //! A TCP communicator: one nonblocking connection per peer, frames moved with poll(2).
 
 use std::collections::VecDeque;
-use std::io::{self, IoSlice, IoSliceMut};
+use std::io;
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::frame::{RecvState, SendState};
 use super::wire::{self, Header};
 use super::{sys, Link, TcpOptions};
 use crate::{Communicator, Result, TransportError};
@@ -36,101 +37,6 @@ pub struct TcpComm {
 /// How long a rank that sees a peer's connection close waits for that peer's out-of-band
 /// abort notice (which names the rank really lost) before blaming the peer itself.
 const BLAME_GRACE: Duration = Duration::from_millis(500);
-
-/// The send half of a transfer in progress.
-struct SendState<'a> {
-    peer: usize,
-    header: [u8; 8],
-    /// The payload, in order (one slice, or several sent as one frame).
-    data: &'a [&'a [u8]],
-    /// Payload bytes in all.
-    len: usize,
-    done: usize,
-}
-
-impl SendState<'_> {
-    fn total(&self) -> usize {
-        8 + self.len
-    }
-    fn finished(&self) -> bool {
-        self.done == self.total()
-    }
-
-    /// Send what is left without blocking.
-    fn step(&self, fd: RawFd) -> io::Result<usize> {
-        if let [d] = self.data {
-            return if self.done < 8 {
-                sys::send2(fd, &self.header[self.done..], d)
-            } else {
-                sys::send2(fd, &[], &d[self.done - 8..])
-            };
-        }
-        let mut iov = Vec::with_capacity(self.data.len().min(MAX_IOV) + 1);
-        let mut skip = self.done;
-        for s in std::iter::once(&self.header[..]).chain(self.data.iter().copied()) {
-            if skip >= s.len() {
-                skip -= s.len();
-                continue;
-            }
-            iov.push(IoSlice::new(&s[skip..]));
-            skip = 0;
-            if iov.len() == MAX_IOV {
-                break;
-            }
-        }
-        sys::sendv(fd, &iov)
-    }
-}
-
-/// The receive half of a transfer in progress.
-struct RecvState<'a, 'b> {
-    peer: usize,
-    header: [u8; 8],
-    /// Where the payload goes, in order (one slice, or several filled from one frame).
-    bufs: &'a mut [&'b mut [u8]],
-    /// Payload bytes in all.
-    len: usize,
-    done: usize,
-    checked: bool,
-}
-
-impl RecvState<'_, '_> {
-    fn finished(&self) -> bool {
-        self.checked && self.done == 8 + self.len
-    }
-
-    /// Receive what is there without blocking (0: the peer closed).
-    fn step(&mut self, fd: RawFd) -> io::Result<usize> {
-        let done = self.done;
-        if let [b] = &mut *self.bufs {
-            return if done < 8 {
-                sys::recv2(fd, &mut self.header[done..], b)
-            } else {
-                sys::recv2(fd, &mut [], &mut b[done - 8..])
-            };
-        }
-        let mut iov = Vec::with_capacity(self.bufs.len().min(MAX_IOV) + 1);
-        let mut skip = done;
-        let parts =
-            std::iter::once(&mut self.header[..]).chain(self.bufs.iter_mut().map(|b| &mut **b));
-        for s in parts {
-            if skip >= s.len() {
-                skip -= s.len();
-                continue;
-            }
-            iov.push(IoSliceMut::new(&mut s[skip..]));
-            skip = 0;
-            if iov.len() == MAX_IOV {
-                break;
-            }
-        }
-        sys::recvv(fd, &mut iov)
-    }
-}
-
-/// Most slices handed to one `sendmsg`/`recvmsg` (the rest go in the next call; Linux allows
-/// 1024).
-const MAX_IOV: usize = 64;
 
 fn would_block(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::WouldBlock

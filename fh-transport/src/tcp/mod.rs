@@ -34,6 +34,7 @@
 
 mod accept;
 mod comm;
+mod frame;
 mod handshake;
 mod sys;
 pub mod wire;
