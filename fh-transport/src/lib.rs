@@ -57,6 +57,28 @@ pub type Result<T, E = TransportError> = std::result::Result<T, E>;
 /// Whether this build includes the MPI backend (feature `mpi`).
 pub const MPI_BUILT: bool = cfg!(feature = "mpi");
 
+/// The environment variables this crate reads: the backend choice, where a rank sits in its
+/// job (set by `fhrun` or derived from `mpirun`, `srun` and `torchrun`), the job token and
+/// the backends' own settings. Upper layers use it to flag `FH_*` names nobody reads (a typo
+/// would otherwise be ignored without a word).
+pub const ENV_VARIABLES: &[&str] = &[
+    "FH_TRANSPORT",
+    "FH_RANK",
+    "FH_SIZE",
+    "FH_LOCAL_RANK",
+    "FH_LOCAL_SIZE",
+    "FH_CROSS_RANK",
+    "FH_CROSS_SIZE",
+    "FH_RENDEZVOUS_ADDR",
+    "FH_JOB_TOKEN",
+    "FH_REQUIRE_TOKEN",
+    "FH_ALLOW_WILDCARD",
+    "FH_TIMEOUT_SECONDS",
+    "FH_SHM_SLOT_BYTES",
+    "FH_MPI_THREAD_LEVEL",
+    "FH_NCCL_LIBRARY",
+];
+
 /// The accepted values of `FH_TRANSPORT`, for error messages.
 pub const TRANSPORT_CHOICES: &str =
     "auto, tcp, shm, hier, mpi, local, or CONTROL+DATA to mix two (e.g. mpi+tcp)";

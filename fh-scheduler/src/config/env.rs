@@ -6,11 +6,135 @@ use std::time::Duration;
 use super::parse::{parse_bytes, parse_seconds, parse_seconds_at_most, parse_switch, parse_u64};
 use super::*;
 
+/// The variables [`Config::from_env`] reads.
+pub const ENV_VARIABLES: &[&str] = &[
+    "FH_SCHEDULE",
+    "FH_CHANNELS",
+    "FH_FUSION_THRESHOLD",
+    "FH_PARTITION_BYTES",
+    "FH_CYCLE_TIME_MS",
+    "FH_BATCHING_WINDOW_MS",
+    "FH_CACHE_CAPACITY",
+    "FH_BACKPRESSURE",
+    "FH_BACKPRESSURE_BYTES",
+    "FH_BACKPRESSURE_MAX_MS",
+    "FH_INLINE_BYTES",
+    "FH_STAGE_BYTES",
+    "FH_CONTROL_SPIN_US",
+    "FH_CUDA",
+    "FH_PRIORITY",
+    "FH_TIMELINE",
+    "FH_STALL_CHECK_SECONDS",
+    "FH_STALL_SHUTDOWN_SECONDS",
+    "FH_TIMEOUT_SECONDS",
+    "FH_LOG_LEVEL",
+];
+
+/// Variables of FastHorovod's own tools (the build and test scripts, the benchmarks).
+const TOOL_VARIABLES: &[&str] = &[
+    "FH_VENV",
+    "FH_FHRUN",
+    "FH_NCCL_INCLUDE",
+    "FH_EXPECT_CUDA_BUILD",
+    "FH_REPLAY_TRACE",
+    "FH_MPI_RUN_TIMEOUT",
+    "FH_SUITE_SEED",
+    "FH_SUITE_ARGS",
+];
+
+/// Name prefixes of the tools' variables (benchmarks, test harnesses).
+const TOOL_PREFIXES: &[&str] = &[
+    "FH_BENCH_",
+    "FH_TEST_",
+    "FH_SHM_TEST_",
+    "FH_HIER_TEST_",
+    "FH_MPI_SUITE_",
+];
+
+/// Names people reach for that FastHorovod spells otherwise.
+const SPELLED_OTHERWISE: &[(&str, &str)] = &[
+    ("FH_PRESET", "FH_SCHEDULE"),
+    ("FH_NUM_CHANNELS", "FH_CHANNELS"),
+    ("FH_CYCLE_TIME", "FH_CYCLE_TIME_MS"),
+    ("FH_FUSION_BYTES", "FH_FUSION_THRESHOLD"),
+    ("FH_BACKEND", "FH_TRANSPORT"),
+];
+
+/// An `FH_*` variable that no part of FastHorovod reads: it has no effect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownVariable {
+    /// The variable's name.
+    pub name: String,
+    /// The closest variable that is read, when one is close (a likely typo or another
+    /// library's spelling).
+    pub suggestion: Option<&'static str>,
+}
+
+impl std::fmt::Display for UnknownVariable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} is set, but FastHorovod reads no such variable",
+            self.name
+        )?;
+        match self.suggestion {
+            Some(s) => write!(f, " (did you mean {s}?)"),
+            None => write!(f, " (the README lists the FH_* variables)"),
+        }
+    }
+}
+
+/// The `FH_*` names among `names` that neither the engine ([`ENV_VARIABLES`]), the transports
+/// ([`fh_transport::ENV_VARIABLES`]) nor FastHorovod's tools read, each with the closest name
+/// that is read. Other names are ignored.
+pub fn unknown_variables<'a>(names: impl IntoIterator<Item = &'a str>) -> Vec<UnknownVariable> {
+    let known = || {
+        ENV_VARIABLES
+            .iter()
+            .chain(fh_transport::ENV_VARIABLES)
+            .copied()
+    };
+    names
+        .into_iter()
+        .filter(|n| n.starts_with("FH_"))
+        .filter(|n| !known().any(|k| k == *n) && !TOOL_VARIABLES.contains(n))
+        .filter(|n| !TOOL_PREFIXES.iter().any(|p| n.starts_with(p)))
+        .map(|n| {
+            let spelled = SPELLED_OTHERWISE
+                .iter()
+                .find(|(wrong, _)| *wrong == n)
+                .map(|(_, right)| *right);
+            let closest = || {
+                known()
+                    .map(|k| (strsim::levenshtein(n, k), k))
+                    .filter(|(d, _)| *d <= 3)
+                    .min()
+                    .map(|(_, k)| k)
+            };
+            UnknownVariable {
+                name: n.to_string(),
+                suggestion: spelled.or_else(closest),
+            }
+        })
+        .collect()
+}
+
 impl Config {
     /// The configuration the `FH_*` environment variables describe (see the README's table);
     /// unset variables keep the preset's defaults. A bad value is an error naming the variable
-    /// and the accepted values.
+    /// and the accepted values. An `FH_*` variable that nothing reads (a typo such as
+    /// `FH_CHANNEL`, or `FH_PRESET` for `FH_SCHEDULE`) is logged as a warning once per
+    /// process, with the closest name that is read ([`unknown_variables`]).
     pub fn from_env() -> Result<Self, SchedulerError> {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            let names: Vec<String> = std::env::vars_os()
+                .filter_map(|(k, _)| k.into_string().ok())
+                .collect();
+            for u in unknown_variables(names.iter().map(String::as_str)) {
+                tracing::warn!("{u}; it has no effect");
+            }
+        });
         Self::from_lookup(|k| std::env::var(k).ok())
     }
 

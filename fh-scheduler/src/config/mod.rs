@@ -8,6 +8,7 @@ use crate::SchedulerError;
 mod agree;
 mod builder;
 mod env;
+pub use env::{unknown_variables, UnknownVariable, ENV_VARIABLES};
 mod parse;
 #[cfg(test)]
 mod tests;

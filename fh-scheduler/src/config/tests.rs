@@ -171,3 +171,64 @@ fn bounded_durations_name_their_range() {
         );
     }
 }
+
+#[test]
+fn every_variable_the_engine_reads_is_listed() {
+    // The list that flags unknown names must cover what `from_lookup` reads, or a working
+    // setting would be reported as having no effect.
+    let asked = std::cell::RefCell::new(Vec::new());
+    Config::from_lookup(|k| {
+        asked.borrow_mut().push(k.to_string());
+        None
+    })
+    .unwrap();
+    let asked = asked.into_inner();
+    assert!(asked.len() >= 15, "{asked:?}");
+    for name in &asked {
+        assert!(
+            crate::config::ENV_VARIABLES.contains(&name.as_str()),
+            "{name} is read but not in ENV_VARIABLES"
+        );
+    }
+}
+
+#[test]
+fn unknown_fh_variables_are_named_with_the_closest_known_one() {
+    use crate::config::{unknown_variables, UnknownVariable};
+    let found = unknown_variables([
+        "FH_PRESET",
+        "FH_CHANNEL",
+        "FH_TRANSPROT",
+        "FH_SOMETHING_ELSE_ENTIRELY",
+        // Read by the engine, the transports or the tools: not flagged.
+        "FH_CHANNELS",
+        "FH_SCHEDULE",
+        "FH_RANK",
+        "FH_SHM_SLOT_BYTES",
+        "FH_BENCH_WORKLOADS",
+        "FH_TEST_SCENARIO",
+        "FH_VENV",
+        // Not ours.
+        "HOROVOD_FUSION_THRESHOLD",
+        "PATH",
+    ]);
+    let want = |name: &str, suggestion: Option<&'static str>| UnknownVariable {
+        name: name.into(),
+        suggestion,
+    };
+    assert_eq!(
+        found,
+        [
+            want("FH_PRESET", Some("FH_SCHEDULE")),
+            want("FH_CHANNEL", Some("FH_CHANNELS")),
+            want("FH_TRANSPROT", Some("FH_TRANSPORT")),
+            want("FH_SOMETHING_ELSE_ENTIRELY", None),
+        ]
+    );
+    let text = found[0].to_string();
+    assert!(
+        text.contains("FH_PRESET") && text.contains("did you mean FH_SCHEDULE?"),
+        "{text}"
+    );
+    assert!(found[3].to_string().contains("README"), "{}", found[3]);
+}

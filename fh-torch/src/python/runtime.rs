@@ -74,6 +74,12 @@ pub(super) fn init(py: Python<'_>) -> PyResult<()> {
             "these HOROVOD_* variables have no effect on FastHorovod"
         );
     }
+    let names: Vec<String> = std::env::vars_os()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .collect();
+    for u in fh_scheduler::config::unknown_variables(names.iter().map(String::as_str)) {
+        tracing::warn!("{u}; it has no effect");
+    }
     let cfg = config::config_from(lookup).map_err(to_py)?;
     let started = py.detach(move || -> Result<(Engine, &'static str), SchedulerError> {
         let world = fh_transport::from_env().map_err(SchedulerError::from)?;
