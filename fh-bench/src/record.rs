@@ -90,12 +90,15 @@ pub struct Host {
     /// The 1-minute load average at the end of the run, when known.
     #[serde(default)]
     pub load_average: Option<f64>,
-    /// Host memory copy rate of one thread, GB/s (best of a few 64 MiB copies at the start of
-    /// the run): what packing and unpacking fused groups costs, for the model.
+    /// Host copy rate of one thread, GB/s per pass (the best of a few passes of the engine's
+    /// packing and unpacking of fused groups, gradient-sized copies through a 64 MiB fusion
+    /// buffer with the average's division, at the start of the run): what packing and
+    /// unpacking fused groups costs, for the model.
     #[serde(default)]
     pub copy_gbps: Option<f64>,
-    /// Host memory copy rate of each of `np` threads copying at once, GB/s (median of a few
-    /// 64 MiB copies per thread, sampled at the start and between the replay's rounds): what
+    /// Host copy rate of each of `np` threads packing and unpacking at once as the engine does,
+    /// GB/s per pass (median of a few passes per thread, sampled at the start and between
+    /// the replay's rounds): what
     /// a rank's copies get on this host while every rank of the loopback check copies too,
     /// for the model's check against the replay.
     #[serde(default)]

@@ -176,7 +176,8 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
             notes.push(format!(
                 "host copies (packing fused groups, unpacking them with the average's \
                  scaling; scaling a tensor reduced in place) at {g:.1} GB/s: one thread's \
-                 measured copy rate on this host (each rank of a cluster has its own core)"
+                 measured rate packing and unpacking fused groups as the engine does on this \
+                 host (each rank of a cluster has its own core)"
             ));
             if let Some(s) = record.host.copy_gbps_staged.filter(|s| *s > 0.0) {
                 notes.push(format!(
@@ -188,8 +189,8 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
             notes.push(match record.host.copy_gbps_shared {
                 Some(s) if s > 0.0 => format!(
                     "the loopback check's copies at {s:.1} GB/s per rank: measured with one \
-                     thread per rank copying at once on this host; a rank's channels copying \
-                     at once share it"
+                     thread per rank packing and unpacking at once on this host; a rank's \
+                     channels copying at once share it"
                 ),
                 _ => "the loopback check's copies at that rate divided by the ranks sharing \
                       each core (no shared copy-rate measurement)"

@@ -61,65 +61,120 @@ pub fn timestamp() -> String {
     format!("{y:04}{mo:02}{d:02}-{h:02}{mi:02}{s:02}")
 }
 
-/// One thread's memory copy rate on this host, GB/s: the best of five 64 MiB copies.
+/// One thread's copy rate on this host, GB/s per pass: the engine's packing and unpacking of
+/// fused groups ([`fusion_round_trip`] through a 64 MiB fusion buffer), alone on the host; the
+/// best of four passes over two buffers' worth of gradients.
 pub fn measure_copy_gbps() -> Option<f64> {
-    let n = 64 << 20;
-    let src = vec![1u8; n];
-    let mut dst = vec![0u8; n];
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        let t = std::time::Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    (best > 0.0 && best.is_finite()).then(|| n as f64 / best / 1e9)
+    let rates = copy_rates(1, FUSION_BUFFER);
+    let best = rates.into_iter().fold(0.0f64, f64::max);
+    (best > 0.0 && best.is_finite()).then_some(2.0 * best)
 }
 
-/// The copy rate each of `threads` threads gets while all copy at once: every thread copies
-/// 64 MiB a few times after a common start; GB/s per thread, the median over threads and
-/// repeats. `None` for no threads or when a thread cannot be started.
+/// The copy rate each of `threads` threads gets while all pack and unpack fused groups at once,
+/// as the engine does ([`fusion_round_trip`] with a 64 MiB fusion buffer): GB/s per pass (bytes
+/// moved ÷ time, counting packing and unpacking as one pass each) per thread, the median over
+/// threads and repeats. `None` for no threads or when a thread cannot be started.
 pub fn measure_shared_copy_gbps(threads: usize) -> Option<f64> {
-    measure_copies(threads, None)
+    median(copy_rates(threads, FUSION_BUFFER)).map(|r| 2.0 * r)
 }
 
-/// As [`measure_shared_copy_gbps`], for the engine's staged pattern: each thread moves 64 MiB
-/// through a `stage`-byte buffer, a piece at a time (copied in, then out); GB/s of moved
-/// bytes (both passes together) per thread.
+/// As [`measure_shared_copy_gbps`], for the engine's staged pattern: the groups go through a
+/// `stage`-byte piece of the fusion buffer, packed and unpacked a piece at a time; GB/s of
+/// moved bytes (both passes together) per thread.
 pub fn measure_staged_copy_gbps(threads: usize, stage: usize) -> Option<f64> {
-    measure_copies(threads, Some(stage.max(1)))
+    median(copy_rates(threads, stage.max(1)))
 }
 
-fn measure_copies(threads: usize, stage: Option<usize>) -> Option<f64> {
-    if threads == 0 {
-        return None;
+/// The fusion buffer of the copy-rate measurements (the `fasthorovod` preset's fusion
+/// threshold).
+const FUSION_BUFFER: usize = 64 << 20;
+
+/// Gradient sizes the copy-rate measurements cycle through: a BERT-base attention matrix, a
+/// feed-forward matrix and a bias (f32), so that copies run at the sizes the engine packs,
+/// not as one long copy (which the C library moves differently).
+const TENSOR_SIZES: [usize; 3] = [768 * 768 * 4, 768 * 3072 * 4, 768 * 4];
+
+/// Tensors of [`TENSOR_SIZES`] (cycled) holding at least `total` bytes of f32 ones.
+fn gradient_set(total: usize) -> Vec<Vec<u8>> {
+    let mut v = Vec::new();
+    let mut held = 0;
+    for &n in TENSOR_SIZES.iter().cycle() {
+        if held >= total {
+            break;
+        }
+        v.push(1.0f32.to_ne_bytes().repeat(n / 4));
+        held += n;
     }
-    let n = 64 << 20;
+    v
+}
+
+/// One pass of the engine's copies over `tensors`: their bytes, in order, go through `piece`
+/// bytes of `buf` at a time: packed (plain copies, as the engine packs a fused group) and
+/// unpacked into the tensors with the average over 4 ranks applied (fh-core's
+/// `copy_divide_and_scale`, the kernel the engine unpacks with). Returns the bytes moved
+/// (each byte packed once and unpacked once).
+pub(crate) fn fusion_round_trip(tensors: &mut [Vec<u8>], buf: &mut [u8], piece: usize) -> usize {
+    let piece = piece.clamp(4, buf.len()) / 4 * 4;
+    let buf = &mut buf[..piece];
+    let total: usize = tensors.iter().map(Vec::len).sum();
+    let mut at = 0;
+    while at < total {
+        let end = (at + piece).min(total);
+        // The tensors' byte ranges that [at, end) covers: (tensor, from, to, offset in buf).
+        let mut parts = Vec::new();
+        let mut base = 0;
+        for (i, t) in tensors.iter().enumerate() {
+            let (lo, hi) = (at.max(base), end.min(base + t.len()));
+            if lo < hi {
+                parts.push((i, lo - base, hi - base, lo - at));
+            }
+            base += t.len();
+            if base >= end {
+                break;
+            }
+        }
+        for &(i, from, to, off) in &parts {
+            buf[off..off + to - from].copy_from_slice(std::hint::black_box(&tensors[i][from..to]));
+        }
+        for &(i, from, to, off) in &parts {
+            let _ = fh_core::kernels::copy_divide_and_scale(
+                fh_core::DType::F32,
+                &buf[off..off + to - from],
+                &mut tensors[i][from..to],
+                4,
+                4.0,
+            );
+        }
+        std::hint::black_box(&mut tensors[0]);
+        at = end;
+    }
+    total
+}
+
+/// The median of `rates`; `None` when there are none.
+fn median(rates: Vec<f64>) -> Option<f64> {
+    (!rates.is_empty()).then(|| crate::stats::Quantity::from_samples(&rates, "GB/s").median)
+}
+
+/// `threads` threads at once, each running [`fusion_round_trip`] over two fusion buffers' worth
+/// of gradients through `piece` bytes four times after a common start (and once before it, to
+/// touch the memory); GB/s of moved bytes of every thread and pass. Empty for no threads or
+/// when no thread could be started.
+fn copy_rates(threads: usize, piece: usize) -> Vec<f64> {
     let start = std::sync::Barrier::new(threads);
-    let rates: Vec<f64> = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
                 let start = &start;
                 s.spawn(move || {
-                    let src = vec![1u8; n];
-                    let mut dst = vec![0u8; n];
-                    let mut piece = vec![0u8; stage.unwrap_or(0).min(n)];
+                    let mut tensors = gradient_set(2 * FUSION_BUFFER);
+                    let mut buf = vec![0u8; FUSION_BUFFER];
+                    fusion_round_trip(&mut tensors, &mut buf, piece);
                     start.wait();
-                    (0..5)
+                    (0..4)
                         .map(|_| {
                             let t = std::time::Instant::now();
-                            if piece.is_empty() {
-                                dst.copy_from_slice(std::hint::black_box(&src));
-                            } else {
-                                for (d, s) in
-                                    dst.chunks_mut(piece.len()).zip(src.chunks(piece.len()))
-                                {
-                                    let p = &mut piece[..s.len()];
-                                    p.copy_from_slice(std::hint::black_box(s));
-                                    d.copy_from_slice(std::hint::black_box(p));
-                                }
-                            }
-                            std::hint::black_box(&mut dst);
+                            let n = fusion_round_trip(&mut tensors, &mut buf, piece);
                             n as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9
                         })
                         .collect::<Vec<f64>>()
@@ -131,11 +186,7 @@ fn measure_copies(threads: usize, stage: Option<usize>) -> Option<f64> {
             .filter_map(|h| h.join().ok())
             .flatten()
             .collect()
-    });
-    if rates.is_empty() {
-        return None;
-    }
-    Some(crate::stats::Quantity::from_samples(&rates, "GB/s").median)
+    })
 }
 
 /// CPU time counters from `/proc/stat` (all CPUs): (steal, total), in ticks.

@@ -233,6 +233,33 @@ fn shared_copy_rate_is_measured_per_thread() {
 }
 
 #[test]
+fn the_copy_measurement_packs_and_unpacks_every_byte_once() {
+    use super::host::fusion_round_trip;
+    // Tensors of odd lengths, pieces that straddle them: every element goes through the
+    // buffer and comes back divided by 4 and scaled by 4 (unchanged), whatever the piece.
+    for piece in [4, 12, 1000, 1 << 20] {
+        let mut tensors: Vec<Vec<u8>> = [3usize, 250, 1, 77]
+            .iter()
+            .enumerate()
+            .map(|(t, &n)| {
+                (0..n)
+                    .flat_map(|i| ((t * 1000 + i) as f32).to_ne_bytes())
+                    .collect()
+            })
+            .collect();
+        let want = tensors.clone();
+        let mut buf = vec![0u8; 4096];
+        assert_eq!(fusion_round_trip(&mut tensors, &mut buf, piece), 331 * 4);
+        assert_eq!(tensors, want, "piece {piece}");
+        // The buffer saw the last piece's bytes: packing happened.
+        let last = *want[3].last().unwrap();
+        let tail = 331 * 4 % piece.min(4096);
+        let end = if tail == 0 { piece.min(4096) } else { tail };
+        assert_eq!(buf[end - 1], last, "piece {piece}");
+    }
+}
+
+#[test]
 fn small_concurrent_allreduces_are_repeated_more() {
     use sweep::{stream_repeats, STREAM_REPEATS};
     assert_eq!(stream_repeats(1, 16 << 20), STREAM_REPEATS);
