@@ -136,6 +136,17 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             },
         }
     }
+    // A misspelt FH_* variable would reach every rank and change nothing: say so once, here.
+    let mut names: Vec<String> = std::env::vars_os()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .chain(user_env.iter().map(|(k, _)| k.clone()))
+        .chain(pass_through.iter().cloned())
+        .collect();
+    names.sort();
+    names.dedup();
+    for u in fh_scheduler::config::unknown_variables(names.iter().map(String::as_str)) {
+        eprintln!("fhrun: warning: {u}; it has no effect");
+    }
     let knobs = cli.knobs.to_env();
 
     if cli.mpi {

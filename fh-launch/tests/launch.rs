@@ -160,6 +160,38 @@ fn verbose_and_dry_run_never_show_the_token() {
 }
 
 #[test]
+fn misspelt_fh_variables_are_named_once_with_the_likely_one() {
+    let out = Running::start_cmd(
+        std::process::Command::new(FHRUN)
+            .env("FH_PRESET", "horovod")
+            .env("FH_CHANNELS", "2")
+            .args(["-np", "2", "-x", "FH_CHANEL=2", "true"]),
+    )
+    .wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    let warnings: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| l.contains("warning"))
+        .collect();
+    assert_eq!(warnings.len(), 2, "{}", out.stderr);
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("FH_PRESET") && w.contains("did you mean FH_SCHEDULE?")),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("FH_CHANEL ") && w.contains("did you mean FH_CHANNELS?")),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
 fn output_is_prefixed_per_rank_and_stream() {
     let script = "printf 'out %s\\n' $FH_RANK; printf 'err %s\\n' $FH_RANK >&2; \
                   printf 'part'; sleep 0.1; printf 'ial\\nno newline'";
