@@ -225,18 +225,47 @@ pub struct StreamTimes {
     pub streams: usize,
     /// Bytes of each one.
     pub bytes: usize,
+    /// Each allreduce ran as the engine runs a staged fused group: through a piece of this
+    /// many bytes at a time, packed into it, reduced and unpacked with the average; `None`:
+    /// one plain allreduce of the whole buffer.
+    #[serde(default)]
+    pub stage: Option<usize>,
     /// Seconds of each timed repeat on this rank: from a barrier until the last of the
     /// `streams` allreduces has finished.
     pub seconds: Vec<f64>,
 }
 
+/// One allreduce of `buf` (f32) as the engine runs a staged fused group on one host: a
+/// `piece`-byte window at a time is packed into `stage`, summed across the ranks and unpacked
+/// into `buf` with the average's division (fh-core's `copy_divide_and_scale`, the kernel the
+/// engine unpacks with). Every element ends as the average.
+pub fn staged_allreduce(
+    comm: &mut dyn Communicator,
+    buf: &mut [u8],
+    stage: &mut [u8],
+    piece: usize,
+) -> fh_transport::Result<()> {
+    let piece = piece.clamp(4, stage.len().max(4)) / 4 * 4;
+    let n = comm.size();
+    for window in buf.chunks_mut(piece) {
+        let st = &mut stage[..window.len()];
+        st.copy_from_slice(window);
+        comm.allreduce(st, DType::F32, ReduceOp::Sum)?;
+        fh_core::kernels::copy_divide_and_scale(DType::F32, st, window, n, 1.0)
+            .map_err(|e| fh_transport::TransportError::InvalidArgument(e.to_string()))?;
+    }
+    Ok(())
+}
+
 /// Runs `streams[i]` f32 sum allreduces of `bytes` at once, one thread each on its own
 /// communicator of `comms` (at least the largest count): `warmup` untimed runs per count
 /// (the first one's results checked), then `repeats` timed runs of every count, interleaved.
+/// With `stage`, each one is an average run as a staged fused group ([`staged_allreduce`]).
 pub fn run_streams(
     comms: &mut [Box<dyn Communicator>],
     bytes: usize,
     streams: &[usize],
+    stage: Option<usize>,
     warmup: usize,
     repeats: usize,
 ) -> Result<Vec<StreamTimes>, String> {
@@ -251,6 +280,9 @@ pub fn run_streams(
     let rank = comms[0].rank();
     let len = (bytes / 4).max(1);
     let mut bufs: Vec<Vec<u8>> = (0..most).map(|_| Vec::new()).collect();
+    let mut stages: Vec<Vec<u8>> = (0..most)
+        .map(|_| vec![0u8; stage.map_or(0, |p| p.clamp(4, len * 4))])
+        .collect();
     // Each buffer starts as ones (outside the timed part).
     let fill = |bufs: &mut [Vec<u8>], k: usize| {
         for b in bufs.iter_mut().take(k) {
@@ -259,13 +291,22 @@ pub fn run_streams(
         }
     };
     // One run of `k` allreduces at once.
-    let once = |comms: &mut [Box<dyn Communicator>], bufs: &mut [Vec<u8>], k: usize| {
+    let once = |comms: &mut [Box<dyn Communicator>],
+                bufs: &mut [Vec<u8>],
+                stages: &mut [Vec<u8>],
+                k: usize| {
         std::thread::scope(|s| {
             let handles: Vec<_> = comms
                 .iter_mut()
                 .zip(bufs.iter_mut())
+                .zip(stages.iter_mut())
                 .take(k)
-                .map(|(c, b)| s.spawn(move || c.allreduce(b, DType::F32, ReduceOp::Sum)))
+                .map(|((c, b), st)| {
+                    s.spawn(move || match stage {
+                        Some(piece) => staged_allreduce(c.as_mut(), b, st, piece),
+                        None => c.allreduce(b, DType::F32, ReduceOp::Sum),
+                    })
+                })
                 .collect();
             handles
                 .into_iter()
@@ -284,10 +325,15 @@ pub fn run_streams(
     for &k in &counts {
         for i in 0..warmup.max(1) {
             fill(&mut bufs, k);
-            once(comms, &mut bufs, k)?;
+            once(comms, &mut bufs, &mut stages, k)?;
             if i == 0 {
                 for b in bufs.iter().take(k) {
-                    check(Collective::Allreduce, b, &[], n, rank).map_err(|e| {
+                    let checked = match stage {
+                        // The average of ones.
+                        Some(_) => check(Collective::Allreduce, b, &[], 1, rank),
+                        None => check(Collective::Allreduce, b, &[], n, rank),
+                    };
+                    checked.map_err(|e| {
                         format!("{k} concurrent allreduces on rank {rank}: wrong result: {e}")
                     })?;
                 }
@@ -301,6 +347,7 @@ pub fn run_streams(
         .map(|&k| StreamTimes {
             streams: k,
             bytes: len * 4,
+            stage,
             seconds: Vec::with_capacity(repeats),
         })
         .collect();
@@ -312,7 +359,7 @@ pub fn run_streams(
                 .barrier()
                 .map_err(|e| format!("barrier on rank {rank}: {e}"))?;
             let t = Instant::now();
-            once(comms, &mut bufs, k)?;
+            once(comms, &mut bufs, &mut stages, k)?;
             st.seconds.push(t.elapsed().as_secs_f64());
         }
     }
@@ -431,17 +478,25 @@ mod tests {
                     let mut comms: Vec<_> =
                         (0..3).map(|i| t.open(&format!("s{i}")).unwrap()).collect();
                     // Too few communicators for four at once: an error, not a hang.
-                    let err = run_streams(&mut comms, 4000, &[4], 1, 1).unwrap_err();
+                    let err = run_streams(&mut comms, 4000, &[4], None, 1, 1).unwrap_err();
                     assert!(err.contains("4 concurrent allreduces"), "{err}");
-                    run_streams(&mut comms, 4000, &[1, 3], 1, 2).unwrap()
+                    let plain = run_streams(&mut comms, 4000, &[1, 3], None, 1, 2).unwrap();
+                    // Staged through 1 KiB pieces: 4000 bytes in four pieces, the last short;
+                    // the first run's average is checked inside.
+                    let staged = run_streams(&mut comms, 4000, &[1, 3], Some(1024), 1, 2).unwrap();
+                    (plain, staged)
                 })
             })
             .collect();
         for h in handles {
-            let out = h.join().unwrap();
-            assert_eq!(out.len(), 2);
-            assert_eq!((out[0].streams, out[1].streams), (1, 3));
-            assert!(out.iter().all(|s| s.seconds.len() == 2 && s.bytes == 4000));
+            let (plain, staged) = h.join().unwrap();
+            for (out, stage) in [(plain, None), (staged, Some(1024))] {
+                assert_eq!(out.len(), 2);
+                assert_eq!((out[0].streams, out[1].streams), (1, 3));
+                assert!(out
+                    .iter()
+                    .all(|s| s.seconds.len() == 2 && s.bytes == 4000 && s.stage == stage));
+            }
         }
     }
 

@@ -174,6 +174,11 @@ pub struct StreamRow {
     pub bytes: usize,
     /// Allreduces in flight at once.
     pub streams: usize,
+    /// Each ran as a staged fused group through pieces of this many bytes (the engine's
+    /// pattern on one host: pack a piece, reduce it, unpack it with the average); `None`:
+    /// plain allreduces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<usize>,
     /// From a barrier to the last one finished (slowest rank per repeat), ms.
     pub time: Quantity,
     /// All of them together: `streams × bytes / time`, GB/s.
@@ -191,6 +196,7 @@ impl StreamRow {
                 y.transport == self.transport
                     && y.np == self.np
                     && y.bytes == self.bytes
+                    && y.stage == self.stage
                     && y.streams == 1
             })?
             .aggregate_algbw

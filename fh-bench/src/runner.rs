@@ -37,6 +37,10 @@ pub enum Job {
         bytes: usize,
         /// How many run at once, one measurement per count.
         streams: Vec<usize>,
+        /// Run each as the engine runs a staged fused group, through pieces of this many
+        /// bytes ([`collectives::staged_allreduce`]); `None`: plain allreduces.
+        #[serde(default)]
+        stage: Option<usize>,
         /// Untimed runs per count.
         warmup: usize,
         /// Timed runs per count.
@@ -78,6 +82,7 @@ pub fn execute(job: &Job, mut transport: Box<dyn Transport>) -> Result<RankOutpu
         Job::Streams {
             bytes,
             streams,
+            stage,
             warmup,
             repeats,
         } => {
@@ -86,7 +91,7 @@ pub fn execute(job: &Job, mut transport: Box<dyn Transport>) -> Result<RankOutpu
                 .map(|i| transport.open(&format!("fh-bench stream {i}")))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| format!("opening a communicator: {e}"))?;
-            collectives::run_streams(&mut comms, *bytes, streams, *warmup, *repeats)
+            collectives::run_streams(&mut comms, *bytes, streams, *stage, *warmup, *repeats)
                 .map(RankOutput::Streams)
         }
         Job::Replay(j) => replay::run_replay(j, transport).map(RankOutput::Replay),

@@ -95,11 +95,16 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
                 l.alpha_s * 1e6,
                 l.bandwidth_bps / 1e9,
             ));
-            l.concurrency = concurrency(record, transport, np);
+            l.concurrency = concurrency(record, transport, np, false);
             // Shared memory and threads move data with the ranks' own memory copies; TCP's
             // transfers spend their time in the kernel's socket path, where the measured
             // replay shows the ranks' copies overlapping them.
             l.host_bound = transport != "tcp";
+            // Where transfers and copies share the host alike, staged groups in flight at once
+            // share it as measured for them (copies included).
+            if l.host_bound {
+                l.staged_concurrency = concurrency(record, transport, np, true);
+            }
             // What the engine's `auto` back-pressure goes by on this transport, on one host.
             l.wire = fh_scheduler::Wire::of(transport, 1);
             // TCP's communicators do scatter-gather I/O: `fasthorovod` reduces fused groups in
@@ -129,6 +134,21 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
                     "{transport}: allreduces in flight at once move together {} times what \
                      one of that size moves alone: measured concurrent allreduces from {source}",
                     shown.join(", ")
+                ));
+            }
+            if !l.staged_concurrency.is_empty() {
+                let shown: Vec<String> = l
+                    .staged_concurrency
+                    .iter()
+                    .map(|c| format!("{:.2} with {}", c.factor, c.streams))
+                    .collect();
+                notes.push(format!(
+                    "{transport}: staged fused groups in flight at once (each packed, reduced \
+                     and unpacked a stage piece at a time, as the engine runs them on one host) \
+                     move together {} times what one moves alone: measured concurrent staged \
+                     groups of {} from {source}",
+                    shown.join(", "),
+                    crate::plots::fmt_bytes(l.staged_concurrency[0].bytes as f64)
                 ));
             }
             links.push((l, np));
@@ -206,12 +226,13 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
 
 /// A transport's measured concurrency factors at `np` ranks: aggregate bandwidth of `n`
 /// allreduces at once ÷ that of one of the same size, from the same measurement (medians),
-/// for `n` ≥ 2, by size and count.
-fn concurrency(record: &RunRecord, transport: &str, np: usize) -> Vec<Concurrency> {
+/// for `n` ≥ 2, by size and count; of plain allreduces, or (`staged`) of staged fused groups.
+fn concurrency(record: &RunRecord, transport: &str, np: usize, staged: bool) -> Vec<Concurrency> {
     let mut f: Vec<Concurrency> = record
         .streams
         .iter()
         .filter(|r| r.transport == transport && r.np == np && r.streams >= 2)
+        .filter(|r| r.stage.is_some() == staged)
         .filter_map(|r| {
             Some(Concurrency {
                 bytes: r.bytes,

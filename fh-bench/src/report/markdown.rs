@@ -133,7 +133,9 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
              own communicator, as the engine's K channels run them. Time = from a barrier to \
              the last one finished (slowest rank); aggregate = K × size / time; ÷ one = the \
              aggregate against one allreduce alone in the same measurement (the scale model's \
-             concurrency factor for the loopback check).\n"
+             concurrency factor for the loopback check). A size marked *staged* ran as the \
+             engine runs a fused group on one host: a stage piece at a time packed, reduced \
+             and unpacked with the average.\n"
         );
         let _ = writeln!(
             md,
@@ -146,7 +148,14 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
                 "| {} | {} | {} | {} | {} | {} | {} |",
                 x.transport,
                 x.np,
-                fmt_bytes(x.bytes as f64),
+                match x.stage {
+                    Some(p) => format!(
+                        "{} staged ({} pieces)",
+                        fmt_bytes(x.bytes as f64),
+                        fmt_bytes(p as f64)
+                    ),
+                    None => fmt_bytes(x.bytes as f64),
+                },
                 x.streams,
                 x.time.display(1),
                 x.aggregate_algbw.display(3),

@@ -37,6 +37,7 @@ pub fn calibrate_link(name: &str, p: usize, points: &[(f64, f64)]) -> Option<Lin
         bandwidth_bps: 1.0 / beta,
         stream_cap_bps: None,
         concurrency: Vec::new(),
+        staged_concurrency: Vec::new(),
         host_bound: false,
         wire: fh_scheduler::Wire::Network,
         vectored_io: false,

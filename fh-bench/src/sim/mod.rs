@@ -102,10 +102,19 @@ struct Transfer {
     /// Bytes of each allreduce the group actually runs: the stage piece for a staged fused
     /// group, else the group (what the concurrency factor is looked up by).
     unit: usize,
+    /// A staged fused group (its pieces packed, reduced and unpacked one after another).
+    staged: bool,
 }
 
 impl Transfer {
-    fn new(now: f64, copy_s: f64, latency: f64, wire: f64, bytes: usize, unit: usize) -> Self {
+    fn new(
+        now: f64,
+        copy_s: f64,
+        latency: f64,
+        wire: f64,
+        bytes: usize,
+        (unit, staged): (usize, bool),
+    ) -> Self {
         Transfer {
             copy_left: copy_s,
             latency,
@@ -113,6 +122,7 @@ impl Transfer {
             remaining: wire,
             bytes,
             unit,
+            staged,
         }
     }
 
@@ -162,12 +172,13 @@ pub fn simulate_step(
     } else {
         0
     };
+    // (bytes of each allreduce the group runs, whether it is a staged fused group).
     let unit_of = |b: usize, parts: usize| {
         let whole = in_place && o.in_place_copy_s(b, p).is_some();
         if parts > 1 && stage > 0 && !whole {
-            b.min(stage)
+            (b.min(stage), true)
         } else {
-            b
+            (b, false)
         }
     };
     let group_copy = |b: usize, parts: usize| match in_place.then(|| o.in_place_copy_s(b, p)) {
@@ -200,7 +211,7 @@ pub fn simulate_step(
     let mut pending: Vec<usize> = Vec::new(); // ready, not yet negotiated
     let mut negotiating: Option<(f64, Vec<usize>, u64)> = None; // (end, tensors, idle channels)
                                                                 // Per channel: queued groups as (bytes, seconds of host copies).
-    let mut queues: Vec<std::collections::VecDeque<(usize, f64, usize)>> =
+    let mut queues: Vec<std::collections::VecDeque<(usize, f64, (usize, bool))>> =
         vec![Default::default(); k];
     let mut queued_bytes = vec![0usize; k];
     let mut active: Vec<Option<Transfer>> = (0..k).map(|_| None).collect();
@@ -328,15 +339,32 @@ pub fn simulate_step(
         // the full copy rate, or where the ranks share a host, share it (with the transfers
         // too, on a link whose transfers are the host's own copies).
         // The concurrency factor is the one measured at the mean size of the allreduces the
-        // groups sharing run (a staged group runs stage-sized pieces).
+        // groups sharing run (a staged group runs stage-sized pieces); staged groups on a host
+        // whose transfers are its own copies count at the factor measured for staged groups
+        // in flight at once, where it was measured (their copies and hand-offs between pieces
+        // share the cores too).
         let host_shared = o.shared_host && link.host_bound;
         let sharing = |t: &&Transfer| t.on_wire(now) || (host_shared && t.copying());
-        let (n_sharing, bytes_sharing) = active
-            .iter()
+        let staged_factor = link
+            .host_bound
+            .then(|| link.staged_factor(2))
             .flatten()
-            .filter(sharing)
-            .fold((0usize, 0usize), |(n, b), t| (n + 1, b + t.unit));
-        let factor = link.aggregate_factor(n_sharing, bytes_sharing / n_sharing.max(1));
+            .is_some();
+        let (n_sharing, n_staged, plain_bytes) = active.iter().flatten().filter(sharing).fold(
+            (0usize, 0usize, 0usize),
+            |(n, s, b), t| match t.staged && staged_factor {
+                true => (n + 1, s + 1, b),
+                false => (n + 1, s, b + t.unit),
+            },
+        );
+        let n_plain = n_sharing - n_staged;
+        let factor = match (n_staged, link.staged_factor(n_sharing)) {
+            (s, Some(f)) if s > 0 && staged_factor => {
+                let plain = link.aggregate_factor(n_sharing, plain_bytes / n_plain.max(1));
+                (f * s as f64 + plain * n_plain as f64) / n_sharing as f64
+            }
+            _ => link.aggregate_factor(n_sharing, plain_bytes / n_plain.max(1)),
+        };
         // Each transfer sharing gets its share of the factor (only those on the wire use `rate`).
         let share = factor / n_sharing.max(1) as f64;
         let rate = (link.bandwidth_bps * share).min(cap);

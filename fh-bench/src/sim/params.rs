@@ -25,6 +25,16 @@ pub struct Link {
         rename = "concurrency_by_size"
     )]
     pub concurrency: Vec<Concurrency>,
+    /// Measured aggregate bandwidth of staged fused groups in flight at once (each packed,
+    /// reduced and unpacked a stage piece at a time, as the engine runs them on one host) ÷
+    /// that of one alone, by count; empty: staged groups share by [`Link::concurrency`]. Only
+    /// on a [`Link::host_bound`] link, whose transfers and copies share the host alike.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        rename = "staged_concurrency"
+    )]
+    pub staged_concurrency: Vec<Concurrency>,
     /// The link's transfers are memory copies by the ranks' own cores (a loopback check: shared
     /// memory, threads, the kernel's loopback): where the ranks' copies share the host
     /// ([`Overheads::shared_host`]), transfers and copies in progress share it together.
@@ -94,6 +104,23 @@ impl Link {
         }
     }
 
+    /// Aggregate bandwidth of `n` staged fused groups in flight ÷ that of one, from
+    /// [`Link::staged_concurrency`] (linear between measured counts, the last one's beyond);
+    /// `None` when it was not measured.
+    pub fn staged_factor(&self, n: usize) -> Option<f64> {
+        if self.staged_concurrency.is_empty() {
+            return None;
+        }
+        let mut pts: Vec<(usize, f64)> = self
+            .staged_concurrency
+            .iter()
+            .filter(|c| c.streams >= 2)
+            .map(|c| (c.streams, c.factor))
+            .collect();
+        pts.sort_by_key(|p| p.0);
+        Some(if n <= 1 { 1.0 } else { by_count(&pts, n) })
+    }
+
     /// The documented default link classes: 25/100/400 Gb/s Ethernet-class (TCP, with its
     /// scatter-gather I/O; a single stream assumed to reach at most 25, 40 and 50 Gb/s) and
     /// NVLink-class (300 GB/s, no cap).
@@ -106,6 +133,7 @@ impl Link {
                 bandwidth_bps: gbit(25.0),
                 stream_cap_bps: None,
                 concurrency: Vec::new(),
+                staged_concurrency: Vec::new(),
                 host_bound: false,
                 wire: Wire::Network,
                 vectored_io: true,
@@ -116,6 +144,7 @@ impl Link {
                 bandwidth_bps: gbit(100.0),
                 stream_cap_bps: Some(gbit(40.0)),
                 concurrency: Vec::new(),
+                staged_concurrency: Vec::new(),
                 host_bound: false,
                 wire: Wire::Network,
                 vectored_io: true,
@@ -126,6 +155,7 @@ impl Link {
                 bandwidth_bps: gbit(400.0),
                 stream_cap_bps: Some(gbit(50.0)),
                 concurrency: Vec::new(),
+                staged_concurrency: Vec::new(),
                 host_bound: false,
                 wire: Wire::Network,
                 vectored_io: true,
@@ -136,6 +166,7 @@ impl Link {
                 bandwidth_bps: 300e9,
                 stream_cap_bps: None,
                 concurrency: Vec::new(),
+                staged_concurrency: Vec::new(),
                 host_bound: false,
                 wire: Wire::Memory,
                 vectored_io: false,

@@ -202,7 +202,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     // Progress: one tick per job.
     let mut total = 0u64;
     if wants("collectives") {
-        total += (runners.len() * (Collective::ALL.len() + sweep::STREAM_SIZES.len())) as u64
+        total += (runners.len() * (Collective::ALL.len() + sweep::stream_jobs().len())) as u64
             + u64::from(!opts.no_peers) * 2;
     }
     if wants("simulate") {

@@ -56,18 +56,24 @@ pub(super) fn run(
             }
             bar.inc(1);
         }
-        for &bytes in STREAM_SIZES {
+        for (bytes, stage) in stream_jobs() {
             bar.set_message(format!(
-                "collectives: concurrent allreduces of {} over {tname}",
+                "collectives: concurrent {}allreduces of {} over {tname}",
+                if stage.is_some() { "staged " } else { "" },
                 fmt_bytes(bytes as f64)
             ));
             let job = Job::Streams {
                 bytes,
                 streams: stream_counts(),
+                stage,
                 warmup,
                 repeats: stream_repeats(opts.repeats, bytes),
             };
-            match runner.run(&format!("streams-{tname}-{bytes}"), &job) {
+            let name = match stage {
+                Some(p) => format!("streams-{tname}-{bytes}-staged{p}"),
+                None => format!("streams-{tname}-{bytes}"),
+            };
+            match runner.run(&name, &job) {
                 Ok(outs) => record
                     .streams
                     .extend(aggregate_streams(tname, opts.np, &outs)),
@@ -137,6 +143,23 @@ pub(super) fn run(
 /// and two sizes of fused groups, where the ranks' hand-offs weigh more than their copies.
 pub const STREAM_SIZES: &[usize] = &[256 << 10, 1 << 20, 16 << 20];
 
+/// Bytes of the staged group measured concurrently: a fused group of the engine's default
+/// partition size, run through its stage piece.
+pub const STAGED_GROUP: usize = 16 << 20;
+
+/// The concurrent measurements, as (bytes, stage piece): plain allreduces of each of
+/// [`STREAM_SIZES`], then a staged fused group of [`STAGED_GROUP`] through the engine's default
+/// stage piece (`FH_STAGE_BYTES`) packed, reduced and unpacked a piece at a time, as the
+/// engine runs fused groups on one host (which the model's staged groups are charged by).
+pub fn stream_jobs() -> Vec<(usize, Option<usize>)> {
+    let mut v: Vec<(usize, Option<usize>)> = STREAM_SIZES.iter().map(|&b| (b, None)).collect();
+    let stage = super::host::stage_bytes();
+    if stage > 0 && stage < STAGED_GROUP {
+        v.push((STAGED_GROUP, Some(stage)));
+    }
+    v
+}
+
 /// Fewest timed repeats of each concurrent allreduce count.
 pub const STREAM_REPEATS: usize = 9;
 
@@ -179,6 +202,7 @@ pub fn aggregate_streams(transport: &str, np: usize, outs: &[RankOutput]) -> Vec
                 np,
                 bytes: st.bytes,
                 streams: st.streams,
+                stage: st.stage,
                 time: Quantity::from_samples(&secs, "s").scaled(1e3, "ms"),
                 aggregate_algbw: Quantity::from_samples(&agg, "GB/s"),
             }

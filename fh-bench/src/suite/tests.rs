@@ -101,6 +101,7 @@ fn concurrent_allreduces_aggregate_the_slowest_rank_and_calibrate_the_model() {
     let times = |k: usize, secs: Vec<f64>| StreamTimes {
         streams: k,
         bytes: 1_000_000,
+        stage: None,
         seconds: secs,
     };
     let outs = vec![

@@ -17,6 +17,7 @@ fn link(alpha: f64, bw: f64, cap: Option<f64>) -> Link {
         bandwidth_bps: bw,
         stream_cap_bps: cap,
         concurrency: Vec::new(),
+        staged_concurrency: Vec::new(),
         host_bound: false,
         wire: fh_scheduler::Wire::Network,
         vectored_io: false,

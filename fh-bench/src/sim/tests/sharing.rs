@@ -77,6 +77,55 @@ fn staged_groups_share_the_link_at_their_pieces_factor() {
 }
 
 #[test]
+fn staged_groups_on_a_host_bound_link_share_at_their_measured_factor() {
+    // As above: plain 1 MiB allreduces two at once move 0.5 of one alone, but two staged
+    // groups (copies and hand-offs between pieces included) were measured at 0.25. On a link
+    // whose transfers are the host's own copies the staged groups go by 0.25: four times the
+    // wire time of one group alone; elsewhere (TCP) the staged measurement is not used.
+    let mut l = link(1e-5, 1e9, None);
+    l.concurrency = at_size(1 << 20, &[(2, 0.5)]);
+    l.concurrency.extend(at_size(4 << 20, &[(2, 1.0)]));
+    l.staged_concurrency = at_size(16 << 20, &[(2, 0.25), (4, 0.2)]);
+    let sizes = [2 << 20, 2 << 20, 2 << 20, 2 << 20];
+    let mut s = Schedule::fasthorovod(2);
+    s.inline_bytes = 0;
+    s.fusion_bytes = 4 << 20;
+    let staged = Overheads {
+        staged_copy_bps: Some(1e9),
+        ..NO_OVERHEAD
+    };
+    let wire = 2.0 * (4 << 20) as f64 / 1e9;
+    let network = simulate_step(&sizes, &[0.0; 4], 2, &l, &s, &staged);
+    assert!(
+        close(network.step_s, 1e-5 + 2e-5 + 2.0 * wire),
+        "{network:?}"
+    );
+    let host = Link {
+        host_bound: true,
+        ..l.clone()
+    };
+    let on_host = simulate_step(&sizes, &[0.0; 4], 2, &host, &s, &staged);
+    assert!(
+        close(on_host.step_s, 1e-5 + 2e-5 + 4.0 * wire),
+        "{on_host:?}"
+    );
+    // Groups that are not staged (whole, 4 MiB) keep the plain factor at their size.
+    let whole = simulate_step(&sizes, &[0.0; 4], 2, &host, &s, &NO_OVERHEAD);
+    assert!(close(whole.step_s, 1e-5 + 2e-5 + wire), "{whole:?}");
+}
+
+#[test]
+fn staged_factor_interpolates_between_measured_counts() {
+    let mut l = link(1e-5, 1e9, None);
+    assert_eq!(l.staged_factor(4), None, "not measured");
+    l.staged_concurrency = at_size(16 << 20, &[(2, 0.9), (4, 0.7)]);
+    assert_eq!(l.staged_factor(1), Some(1.0));
+    assert!(close(l.staged_factor(2).unwrap(), 0.9));
+    assert!(close(l.staged_factor(3).unwrap(), 0.8));
+    assert!(close(l.staged_factor(8).unwrap(), 0.7));
+}
+
+#[test]
 fn aggregate_factor_interpolates_between_measured_counts() {
     let mut l = link(1e-5, 1e9, None);
     assert_eq!(
