@@ -135,6 +135,10 @@ impl Transfer {
     }
 }
 
+/// A group queued on its channel: (bytes, seconds of host copies, (bytes of each allreduce it
+/// runs, whether it is staged)).
+type Queued = (usize, f64, (usize, bool));
+
 /// Simulates one step of `sizes` (bytes, in release order) released at `ready` (seconds).
 pub fn simulate_step(
     sizes: &[usize],
@@ -211,8 +215,7 @@ pub fn simulate_step(
     let mut pending: Vec<usize> = Vec::new(); // ready, not yet negotiated
     let mut negotiating: Option<(f64, Vec<usize>, u64)> = None; // (end, tensors, idle channels)
                                                                 // Per channel: queued groups as (bytes, seconds of host copies).
-    let mut queues: Vec<std::collections::VecDeque<(usize, f64, (usize, bool))>> =
-        vec![Default::default(); k];
+    let mut queues: Vec<std::collections::VecDeque<Queued>> = vec![Default::default(); k];
     let mut queued_bytes = vec![0usize; k];
     let mut active: Vec<Option<Transfer>> = (0..k).map(|_| None).collect();
     let mut loop_start = 0.0f64; // horovod: start of the current loop
