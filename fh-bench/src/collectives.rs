@@ -245,7 +245,13 @@ pub fn staged_allreduce(
     stage: &mut [u8],
     piece: usize,
 ) -> fh_transport::Result<()> {
-    let piece = piece.clamp(4, stage.len().max(4)) / 4 * 4;
+    if stage.len() < 4 {
+        return Err(fh_transport::TransportError::InvalidArgument(format!(
+            "a staged allreduce needs a stage buffer of at least one f32; it has {} bytes",
+            stage.len()
+        )));
+    }
+    let piece = piece.clamp(4, stage.len()) / 4 * 4;
     let n = comm.size();
     for window in buf.chunks_mut(piece) {
         let st = &mut stage[..window.len()];
@@ -283,11 +289,16 @@ pub fn run_streams(
     let mut stages: Vec<Vec<u8>> = (0..most)
         .map(|_| vec![0u8; stage.map_or(0, |p| p.clamp(4, len * 4))])
         .collect();
-    // Each buffer starts as ones (outside the timed part).
+    // Each buffer starts as ones (outside the timed part); staged, as rank + 1, so that the
+    // average, (n + 1) / 2, differs from what a rank started with unless every piece came back.
+    let start = match stage {
+        Some(_) => (rank + 1) as f32,
+        None => 1.0,
+    };
     let fill = |bufs: &mut [Vec<u8>], k: usize| {
         for b in bufs.iter_mut().take(k) {
             b.clear();
-            b.extend((0..len).flat_map(|_| 1.0f32.to_ne_bytes()));
+            b.extend((0..len).flat_map(|_| start.to_ne_bytes()));
         }
     };
     // One run of `k` allreduces at once.
@@ -329,8 +340,7 @@ pub fn run_streams(
             if i == 0 {
                 for b in bufs.iter().take(k) {
                     let checked = match stage {
-                        // The average of ones.
-                        Some(_) => check(Collective::Allreduce, b, &[], 1, rank),
+                        Some(_) => check_average(b, (n + 1) as f32 / 2.0),
                         None => check(Collective::Allreduce, b, &[], n, rank),
                     };
                     checked.map_err(|e| {
@@ -370,6 +380,17 @@ fn f32_at(buf: &[u8], i: usize) -> f32 {
     let mut b = [0u8; 4];
     b.copy_from_slice(&buf[i * 4..i * 4 + 4]);
     f32::from_ne_bytes(b)
+}
+
+/// Checks that every element of `buf` (f32) is `want`.
+fn check_average(buf: &[u8], want: f32) -> Result<(), String> {
+    match (0..buf.len() / 4).find(|&i| f32_at(buf, i) != want) {
+        Some(i) => Err(format!(
+            "element {i} is {} instead of {want}",
+            f32_at(buf, i)
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Checks the result of the first run of a case (first and last elements).
@@ -498,6 +519,19 @@ mod tests {
                     .all(|s| s.seconds.len() == 2 && s.bytes == 4000 && s.stage == stage));
             }
         }
+    }
+
+    #[test]
+    fn a_staged_allreduce_without_room_for_one_element_is_an_error() {
+        use fh_transport::{local::LocalWorld, Transport};
+        let mut t = LocalWorld::new(1).pop().unwrap();
+        let mut comm = t.open("staged").unwrap();
+        let mut buf = 2.0f32.to_ne_bytes().repeat(3);
+        let err = staged_allreduce(comm.as_mut(), &mut buf, &mut [0u8; 3], 1 << 20).unwrap_err();
+        assert!(err.to_string().contains("3 bytes"), "{err}");
+        // One rank: the average is the value itself, piece by piece.
+        staged_allreduce(comm.as_mut(), &mut buf, &mut [0u8; 4], 1 << 20).unwrap();
+        assert_eq!(buf, 2.0f32.to_ne_bytes().repeat(3));
     }
 
     #[test]
