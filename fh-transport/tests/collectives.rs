@@ -41,7 +41,7 @@ fn allreduce_every_dtype_op_size_and_algorithm() {
                         for len in LENS {
                             seed += 1;
                             let ins = inputs(dtype, op, len, n, seed);
-                            let want = reference(&ins, dtype, op);
+                            let want = reference(dtype, op, &ins);
                             let mut buf = Placed::new(&ins[rank], (seed % 2) as usize);
                             allreduce_with(comm, buf.get(), dtype, op, algo).unwrap();
                             assert_eq!(
@@ -70,7 +70,7 @@ fn allreduce_scaled_applies_pre_and_post_factors() {
                         for x in &mut ins {
                             kernels::scale(dtype, x, pre).unwrap();
                         }
-                        let mut want = reference(&ins, dtype, op);
+                        let mut want = reference(dtype, op, &ins);
                         kernels::scale(dtype, &mut want, post).unwrap();
                         let mut buf = input(dtype, op, len, rank, 77 + n as u64);
                         comm.allreduce_scaled(&mut buf, dtype, op, pre, post)
@@ -164,7 +164,7 @@ fn large_allreduce_is_exact() {
     for (n, dtype, op, len, algo) in cases {
         world(n, TIMEOUT, move |comm| {
             let ins = inputs(dtype, op, len, n, len as u64);
-            let want = reference(&ins, dtype, op);
+            let want = reference(dtype, op, &ins);
             let mut buf = ins[comm.rank()].clone();
             allreduce_with(comm, &mut buf, dtype, op, algo).unwrap();
             assert!(buf == want, "n={n} {dtype} {op} {algo} len={len} differs");
@@ -197,7 +197,7 @@ proptest! {
         let algo = ALGOS[algo];
         world(n, TIMEOUT, move |comm| {
             let ins = inputs(dtype, op, len, n, seed);
-            let want = reference(&ins, dtype, op);
+            let want = reference(dtype, op, &ins);
             let mut buf = Placed::new(&ins[comm.rank()], offset);
             allreduce_with(comm, buf.get(), dtype, op, algo).unwrap();
             assert_eq!(buf.get(), &want[..], "n={n} {dtype} {op} {algo} len={len}");
@@ -217,7 +217,7 @@ proptest! {
         // ring above the threshold, recursive doubling below it).
         world(n, TIMEOUT, move |comm| {
             let ins = inputs(dtype, op, len, n, seed);
-            let want = reference(&ins, dtype, op);
+            let want = reference(dtype, op, &ins);
             let esz = dtype.size();
             let mut at: Vec<usize> = cuts.iter().map(|c| c * len / 1000 * esz).collect();
             at.sort_unstable();
@@ -256,7 +256,7 @@ proptest! {
             let rank = comm.rank();
             let total: usize = counts.iter().sum();
             let ins = inputs(dtype, op, total, n, seed);
-            let want = reference(&ins, dtype, op);
+            let want = reference(dtype, op, &ins);
             let esz = dtype.size();
             let start = counts[..rank].iter().sum::<usize>() * esz;
             let mut recv = Placed::new(&vec![0xAB; counts[rank] * esz], offset);
@@ -325,7 +325,7 @@ fn reduce_scatter_every_dtype_and_op_with_zero_blocks() {
                     ] {
                         let total: usize = counts.iter().sum();
                         let ins = inputs(dtype, op, total, n, total as u64 + 5);
-                        let want = reference(&ins, dtype, op);
+                        let want = reference(dtype, op, &ins);
                         let esz = dtype.size();
                         let start = counts[..rank].iter().sum::<usize>() * esz;
                         let mut recv = vec![0u8; counts[rank] * esz];
@@ -355,7 +355,7 @@ fn large_reduce_scatter_and_allgatherv() {
             let rank = comm.rank();
             let total: usize = counts.iter().sum();
             let ins = inputs(DType::F32, ReduceOp::Sum, total, n, 9);
-            let want = reference(&ins, DType::F32, ReduceOp::Sum);
+            let want = reference(DType::F32, ReduceOp::Sum, &ins);
             let start = counts[..rank].iter().sum::<usize>() * 4;
             let mut recv = vec![0u8; counts[rank] * 4];
             comm.reduce_scatter(&ins[rank], &mut recv, &counts, DType::F32, ReduceOp::Sum)

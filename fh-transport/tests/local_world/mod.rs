@@ -97,17 +97,10 @@ pub fn inputs(dtype: DType, op: ReduceOp, len: usize, n: usize, seed: u64) -> Ve
     (0..n).map(|r| input(dtype, op, len, r, seed)).collect()
 }
 
-/// Sequential reference: fold the inputs in rank order, then divide once for `Average`.
-pub fn reference(inputs: &[Vec<u8>], dtype: DType, op: ReduceOp) -> Vec<u8> {
-    let mut acc = inputs[0].clone();
-    for x in &inputs[1..] {
-        kernels::reduce(dtype, op.combining(), &mut acc, x).unwrap();
-    }
-    if op == ReduceOp::Average {
-        kernels::divide(dtype, &mut acc, inputs.len()).unwrap();
-    }
-    acc
-}
+#[path = "../reference/mod.rs"]
+mod reference;
+#[allow(unused_imports)] // not every test file checks against it
+pub use reference::reference;
 
 /// A copy of `data` at byte offset `offset` of a fresh allocation (to test unaligned buffers).
 pub struct Placed {

@@ -96,17 +96,9 @@ pub fn values(dtype: DType, seed: u64, case: u64, rank: usize, len: usize) -> Ve
     out
 }
 
-/// Sequential reference: fold the inputs in rank order, then divide for Average.
-pub fn reference(dtype: DType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
-    let mut acc = inputs[0].clone();
-    for x in &inputs[1..] {
-        kernels::reduce(dtype, op.combining(), &mut acc, x).unwrap();
-    }
-    if op == ReduceOp::Average {
-        kernels::divide(dtype, &mut acc, inputs.len()).unwrap();
-    }
-    acc
-}
+#[path = "../reference/mod.rs"]
+mod reference;
+pub use reference::reference;
 
 /// Every supported (dtype, op) pair.
 pub fn pairs() -> Vec<(DType, ReduceOp)> {
