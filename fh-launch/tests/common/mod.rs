@@ -258,3 +258,15 @@ pub fn read_pids(dir: &Path, names: &[String], limit: Duration) -> Vec<i32> {
         })
         .collect()
 }
+
+/// Lines of `text` that start with `[rank]<stream>:`, as (rank, rest).
+pub fn prefixed<'a>(text: &'a str, stream: &str) -> Vec<(usize, &'a str)> {
+    text.lines()
+        .filter_map(|l| {
+            let l = l.strip_prefix('[')?;
+            let (rank, rest) = l.split_once(']')?;
+            let rest = rest.strip_prefix(&format!("<{stream}>:"))?;
+            Some((rank.parse().ok()?, rest))
+        })
+        .collect()
+}

@@ -1,0 +1,218 @@
+//! fhrun end to end: hosts and slots, the `--mpi` command (dry run and a real `mpirun` when Open
+//! MPI is installed) and the local dry run.
+
+mod common;
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use common::*;
+
+const LIMIT: Duration = Duration::from_secs(30);
+
+#[test]
+fn remote_hosts_need_mpi_and_slots_are_checked() {
+    let out = fhrun(&["-np", "2", "-H", "fh-remote-node-7:2", "true"], LIMIT);
+    assert_eq!(out.code(), Some(2), "{out:?}");
+    assert!(
+        out.stderr.contains("fh-remote-node-7") && out.stderr.contains("add --mpi"),
+        "{}",
+        out.stderr
+    );
+
+    let out = fhrun(&["-np", "3", "-H", "localhost:2", "true"], LIMIT);
+    assert_eq!(out.code(), Some(2), "{out:?}");
+    assert!(
+        out.stderr.contains("needs 3 slots") && out.stderr.contains("only 2"),
+        "{}",
+        out.stderr
+    );
+
+    // Local hosts (from a hostfile) run locally.
+    let dir = TempDir::new("hostfile");
+    let hf = dir.path().join("hosts");
+    std::fs::write(&hf, "# this machine\nlocalhost slots=1\n127.0.0.1:1\n").unwrap();
+    let out = fhrun(
+        &[
+            "-np",
+            "2",
+            "--hostfile",
+            hf.to_str().unwrap(),
+            "sh",
+            "-c",
+            "echo $FH_SIZE",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert_eq!(prefixed(&out.stdout, "stdout").len(), 2);
+
+    std::fs::write(&hf, "localhost slots=two\n").unwrap();
+    let out = fhrun(
+        &["-np", "1", "--hostfile", hf.to_str().unwrap(), "true"],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(2));
+    assert!(
+        out.stderr.contains(":1:") && out.stderr.contains("two"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn mpi_dry_run_builds_the_mpirun_command() {
+    let out = fhrun(
+        &[
+            "-np",
+            "4",
+            "-H",
+            "fh-node-a:2,fh-node-b:2",
+            "--mpi",
+            "--dry-run",
+            "--channels",
+            "2",
+            "--mpi-args",
+            "--mca btl_tcp_if_include eth0",
+            "-x",
+            "FOO=bar",
+            "-x",
+            "HOME",
+            "--",
+            "python",
+            "train.py",
+            "--epochs",
+            "3",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    let line = out.stdout.trim();
+    let (env, cmd) = line.split_once(" mpirun ").expect(line);
+    assert!(env.starts_with("env "), "{line}");
+    assert!(env.contains("FH_RENDEZVOUS_ADDR=fh-node-a:"), "{line}");
+    assert!(
+        env.contains("FH_CHANNELS=2") && env.contains("FOO=bar"),
+        "{line}"
+    );
+    // The token is passed through the environment and never shown.
+    assert!(env.contains("'FH_JOB_TOKEN=<redacted>'"), "{line}");
+    let root = unsafe { libc::geteuid() } == 0;
+    let expected = format!(
+        "{}-np 4 -H fh-node-a:2,fh-node-b:2 --bind-to none --map-by slot --tag-output \
+         -x FH_RENDEZVOUS_ADDR -x FH_JOB_TOKEN -x FH_CHANNELS -x FOO -x HOME \
+         --mca btl_tcp_if_include eth0 python train.py --epochs 3",
+        if root { "--allow-run-as-root " } else { "" }
+    );
+    assert_eq!(cmd, expected);
+
+    // On this machine only: oversubscription allowed, rendezvous on loopback.
+    let out = fhrun(&["-np", "2", "--mpi", "--dry-run", "true"], LIMIT);
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert!(
+        out.stdout.contains("FH_RENDEZVOUS_ADDR=127.0.0.1:"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains(" --oversubscribe ") && out.stdout.trim_end().ends_with(" true"),
+        "{}",
+        out.stdout
+    );
+}
+
+#[test]
+fn mpi_without_mpirun_says_how_to_get_it() {
+    let dir = TempDir::new("nompi");
+    let out = Running::start_cmd(
+        std::process::Command::new(FHRUN)
+            .env("PATH", dir.str())
+            .args(["-np", "2", "--mpi", "true"]),
+    )
+    .wait(LIMIT);
+    assert_eq!(out.code(), Some(127), "{out:?}");
+    assert!(
+        out.stderr.contains("mpirun") && out.stderr.contains("openmpi-bin"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn local_dry_run_lists_every_rank() {
+    let out = fhrun(
+        &[
+            "-np",
+            "3",
+            "--dry-run",
+            "--log-level",
+            "warn",
+            "echo",
+            "hi there",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines.len(), 3);
+    for (r, l) in lines.iter().enumerate() {
+        assert!(
+            l.starts_with(&format!("rank {r}: env FH_RANK={r} FH_SIZE=3 ")),
+            "{l}"
+        );
+        assert!(
+            l.contains("FH_LOG_LEVEL=warn") && l.ends_with("echo 'hi there'"),
+            "{l}"
+        );
+    }
+}
+
+fn mpirun_on_path() -> bool {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("mpirun").is_file()))
+        .unwrap_or(false)
+}
+
+#[test]
+fn mpi_mode_runs_through_a_real_mpirun() {
+    if !mpirun_on_path() {
+        eprintln!("skipped: mpirun is not on PATH (Debian: apt-get install openmpi-bin)");
+        return;
+    }
+    let out = fhrun(
+        &[
+            "-np",
+            "2",
+            "--mpi",
+            "--channels",
+            "3",
+            "-x",
+            "MY_VAR=abc",
+            "--",
+            "sh",
+            "-c",
+            "echo \"$OMPI_COMM_WORLD_RANK $OMPI_COMM_WORLD_SIZE $FH_RENDEZVOUS_ADDR \
+             $FH_JOB_TOKEN $FH_CHANNELS $MY_VAR\"",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    // mpirun --tag-output writes `[jobid,rank]<stdout>:`.
+    let mut seen = BTreeSet::new();
+    let mut tokens = BTreeSet::new();
+    for line in out.stdout.lines() {
+        let Some((tag, rest)) = line.split_once("]<stdout>:") else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split(' ').collect();
+        assert_eq!(f.len(), 6, "{line}");
+        assert!(tag.ends_with(&format!(",{}", f[0])), "{line}");
+        assert_eq!(f[1], "2");
+        assert!(f[2].starts_with("127.0.0.1:"), "{line}");
+        assert!(f[3].len() >= 32, "{line}");
+        assert_eq!((f[4], f[5]), ("3", "abc"));
+        seen.insert(f[0].to_string());
+        tokens.insert(f[3].to_string());
+    }
+    assert_eq!(seen, ["0", "1"].map(String::from).into(), "{out:?}");
+    assert_eq!(tokens.len(), 1);
+}
