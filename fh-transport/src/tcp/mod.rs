@@ -36,17 +36,21 @@ mod accept;
 mod comm;
 mod frame;
 mod handshake;
+mod link;
+mod rendezvous;
 mod sys;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::{Arc, Mutex};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use accept::{AcceptRules, Acceptor, RefusalLog};
 pub use comm::TcpComm;
-use handshake::{client_handshake, connect_handshake, read_msg, write_by, ReadFail};
+use handshake::{connect_handshake, read_msg, write_by, ReadFail};
+pub(crate) use link::{AbortBoard, Key, Link};
+use rendezvous::resolve;
 use wire::{ConnKind, Hello};
 
 use crate::bootstrap::LaunchInfo;
@@ -99,118 +103,6 @@ impl TcpOptions {
     }
 }
 
-/// The job token as the key of the handshake's HMAC. Its `Debug` never shows it.
-#[derive(Clone)]
-pub(crate) struct Key(Arc<[u8]>);
-
-impl Key {
-    pub(crate) fn new(bytes: &[u8]) -> Key {
-        Key(Arc::from(bytes))
-    }
-
-    pub(crate) fn bytes(&self) -> &[u8] {
-        &self.0
-    }
-
-    /// HMAC-SHA-256 keyed with the token over `parts` (each length-prefixed).
-    pub(crate) fn mac(&self, parts: &[&[u8]]) -> [u8; 32] {
-        use hmac::{Hmac, Mac};
-        let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(self.bytes())
-            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-        for p in parts {
-            mac.update(&(p.len() as u64).to_le_bytes());
-            mac.update(p);
-        }
-        mac.finalize().into_bytes().into()
-    }
-}
-
-impl std::fmt::Debug for Key {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Key(<redacted>)")
-    }
-}
-
-/// Abort notices received out of band: communicator sequence number → (reporting rank, lost
-/// rank). Only authenticated peers write here, at most one entry per communicator.
-#[derive(Debug, Default)]
-pub(crate) struct AbortBoard {
-    notices: Mutex<HashMap<u64, (usize, usize)>>,
-}
-
-impl AbortBoard {
-    fn post(&self, seq: u64, from: usize, lost: usize) {
-        if let Ok(mut n) = self.notices.lock() {
-            n.entry(seq).or_insert((from, lost));
-        }
-    }
-
-    /// The notice about communicator `seq`, if one arrived.
-    pub(crate) fn get(&self, seq: u64) -> Option<(usize, usize)> {
-        self.notices.lock().ok().and_then(|n| n.get(&seq).copied())
-    }
-}
-
-/// What a communicator needs to reach its peers outside its own connections.
-#[derive(Debug)]
-pub(crate) struct Link {
-    pub(crate) book: Vec<SocketAddr>,
-    key: Key,
-    pub(crate) board: Arc<AbortBoard>,
-    pub(crate) handshake_timeout: Duration,
-}
-
-impl Link {
-    /// Tell every rank in `peers`, each over a fresh connection and all at once, that this rank
-    /// gave up on communicator `seq` because it lost rank `lost`. Best effort, bounded by the
-    /// handshake timeout (at most 2 s) in all, however many peers there are.
-    pub(crate) fn send_aborts(&self, rank: usize, peers: &[usize], seq: u64, lost: usize) {
-        match peers {
-            [] => {}
-            [peer] => self.send_abort(rank, *peer, seq, lost),
-            _ => std::thread::scope(|s| {
-                for &peer in peers {
-                    let spawned = std::thread::Builder::new()
-                        .name("fh-tcp-abort".into())
-                        .spawn_scoped(s, move || self.send_abort(rank, peer, seq, lost));
-                    if spawned.is_err() {
-                        // No thread to spare: tell this one in line.
-                        self.send_abort(rank, peer, seq, lost);
-                    }
-                }
-            }),
-        }
-    }
-
-    /// Tell `peer`, over a fresh connection, that this rank gave up on communicator `seq`
-    /// because it lost rank `lost`. Best effort, bounded by the handshake timeout (≤ 2 s).
-    fn send_abort(&self, rank: usize, peer: usize, seq: u64, lost: usize) {
-        let Some(addr) = self.book.get(peer) else {
-            return;
-        };
-        let timeout = self.handshake_timeout.min(Duration::from_secs(2));
-        let deadline = Instant::now() + timeout;
-        let Ok(mut s) = TcpStream::connect_timeout(addr, timeout) else {
-            return;
-        };
-        let hello = Hello {
-            version: wire::PROTOCOL_VERSION,
-            kind: ConnKind::Abort,
-            size: self.book.len() as u32,
-            rank: rank as u32,
-            seq,
-            port: 0,
-            lost: lost as u32,
-            nonce: [0; wire::NONCE_LEN],
-        };
-        if let Err(e) =
-            client_handshake(&mut s, hello, &self.key, &format!("rank {peer}"), deadline)
-        {
-            tracing::debug!(peer, error = %e.into_error(), "could not deliver an abort notice");
-        }
-    }
-}
-
 /// Make room for `extra` more descriptors than this process has open now: raise the soft
 /// `RLIMIT_NOFILE` (up to the hard limit) if needed, or fail naming the limit and the fix.
 fn ensure_descriptors(extra: usize, what: &str) -> Result<()> {
@@ -254,23 +146,6 @@ fn ensure_descriptors(extra: usize, what: &str) -> Result<()> {
     })?;
     tracing::debug!(from = soft, to = new, "raised the soft RLIMIT_NOFILE");
     Ok(())
-}
-
-fn resolve(addr: &str) -> Result<Vec<SocketAddr>> {
-    let addrs: Vec<SocketAddr> = addr
-        .to_socket_addrs()
-        .map_err(|e| TransportError::Config {
-            var: "FH_RENDEZVOUS_ADDR".into(),
-            reason: format!("cannot resolve {addr:?}: {e}"),
-        })?
-        .collect();
-    if addrs.is_empty() {
-        return Err(TransportError::Config {
-            var: "FH_RENDEZVOUS_ADDR".into(),
-            reason: format!("{addr:?} resolves to no address"),
-        });
-    }
-    Ok(addrs)
 }
 
 /// The TCP world of one rank.
@@ -384,200 +259,6 @@ impl TcpTransport {
             board: Arc::clone(&self.board),
             log: RefusalLog::new(),
         }
-    }
-
-    fn rendezvous_root(&mut self, addrs: &[SocketAddr], rdv: &str) -> Result<()> {
-        let size = self.topology.size;
-        let mut bind_errors = Vec::new();
-        let mut bound = None;
-        for a in addrs {
-            match TcpListener::bind(a) {
-                Ok(l) => {
-                    bound = Some((l, *a));
-                    break;
-                }
-                Err(e) => bind_errors.push(format!("{a}: {e}")),
-            }
-        }
-        let Some((rdv_listener, rdv_addr)) = bound else {
-            return Err(TransportError::Config {
-                var: "FH_RENDEZVOUS_ADDR".into(),
-                reason: format!(
-                    "rank 0 cannot listen on {rdv} ({}); it must be a free port on an address \
-                     of rank 0's host",
-                    bind_errors.join(", ")
-                ),
-            });
-        };
-        let data = TcpListener::bind(SocketAddr::new(rdv_addr.ip(), 0)).map_err(|e| {
-            TransportError::io(format!("binding a data listener on {}", rdv_addr.ip()), e)
-        })?;
-        let my_addr = data
-            .local_addr()
-            .map_err(|e| TransportError::io("reading the data listener's address", e))?;
-        self.acceptor = Some(Acceptor::spawn(data, self.rules(ConnKind::Data))?);
-        let mut rdv_acceptor = Acceptor::spawn(rdv_listener, self.rules(ConnKind::Rendezvous))?;
-        tracing::info!(%rdv_addr, size, "rank 0 waiting for the other ranks");
-
-        let deadline = Instant::now() + self.opts.timeout;
-        let mut members: Vec<Option<(TcpStream, SocketAddr)>> = (0..size).map(|_| None).collect();
-        let mut missing = size - 1;
-        while missing > 0 {
-            let Some((hello, stream, from)) = rdv_acceptor.next(deadline) else {
-                let absent: Vec<usize> = (1..size).filter(|&r| members[r].is_none()).collect();
-                return Err(TransportError::Handshake {
-                    peer: format!("rank(s) {absent:?}"),
-                    reason: format!(
-                        "they did not join the rendezvous at {rdv_addr} within {:?} (did they \
-                         start, with the same FH_RENDEZVOUS_ADDR and FH_JOB_TOKEN?){}",
-                        self.opts.timeout,
-                        rdv_acceptor.refusal_note()
-                    ),
-                });
-            };
-            let r = hello.rank as usize;
-            if members[r].is_some() {
-                tracing::warn!(rank = r, %from, "a second connection claims an already joined rank; dropped");
-                continue;
-            }
-            members[r] = Some((stream, SocketAddr::new(from.ip(), hello.port)));
-            missing -= 1;
-        }
-        drop(rdv_acceptor);
-
-        let mut book = vec![my_addr];
-        let mut entries = vec![format!(":{}", my_addr.port())];
-        for m in members.iter().skip(1) {
-            let (_, addr) = m
-                .as_ref()
-                .ok_or_else(|| TransportError::Closed("rendezvous bookkeeping".into()))?;
-            book.push(*addr);
-            entries.push(addr.to_string());
-        }
-        let encoded = wire::encode_book(&entries);
-        // A book is small (it fits in any socket buffer), so these writes do not wait on a
-        // slow reader; one deadline bounds them all.
-        let book_deadline = Instant::now() + self.opts.timeout;
-        for (r, m) in members.iter_mut().enumerate().skip(1) {
-            if let Some((stream, _)) = m {
-                write_by(stream, &encoded, book_deadline).map_err(|e| {
-                    TransportError::PeerLost {
-                        rank: r,
-                        detail: format!("sending the address book failed: {e}"),
-                    }
-                })?;
-            }
-        }
-        self.book = book;
-        Ok(())
-    }
-
-    fn rendezvous_member(&mut self, addrs: &[SocketAddr], rdv: &str) -> Result<()> {
-        let (rank, size) = (self.topology.rank, self.topology.size);
-        let deadline = Instant::now() + self.opts.timeout;
-        // The data listener goes on the interface this rank reaches rank 0 through, learnt from
-        // the first connection (and kept for the retries).
-        let mut data_port: Option<u16> = None;
-        let rules = self.rules(ConnKind::Data);
-        let mut rules = Some(rules);
-        let mut acceptor = None;
-        let peer = format!("rank 0 (rendezvous at {rdv})");
-        let mut stream = connect_handshake(
-            addrs,
-            |s| {
-                let port = match data_port {
-                    Some(p) => p,
-                    None => {
-                        let local_ip = s.local_addr().map_err(|e| {
-                            TransportError::io("reading the rendezvous connection's address", e)
-                        })?;
-                        let data =
-                            TcpListener::bind(SocketAddr::new(local_ip.ip(), 0)).map_err(|e| {
-                                TransportError::io(
-                                    format!("binding a data listener on {}", local_ip.ip()),
-                                    e,
-                                )
-                            })?;
-                        let port = data
-                            .local_addr()
-                            .map_err(|e| {
-                                TransportError::io("reading the data listener's address", e)
-                            })?
-                            .port();
-                        let r = rules.take().ok_or_else(|| {
-                            TransportError::Closed("data listener set up twice".into())
-                        })?;
-                        acceptor = Some(Acceptor::spawn(data, r)?);
-                        data_port = Some(port);
-                        port
-                    }
-                };
-                Ok(Hello {
-                    version: wire::PROTOCOL_VERSION,
-                    kind: ConnKind::Rendezvous,
-                    size: size as u32,
-                    rank: rank as u32,
-                    seq: 0,
-                    port,
-                    lost: 0,
-                    nonce: [0; wire::NONCE_LEN],
-                })
-            },
-            &self.key.clone(),
-            &peer,
-            deadline,
-            self.opts.handshake_timeout,
-            None,
-        )?;
-        self.acceptor = acceptor;
-        let _ = stream.set_nodelay(true);
-        let root_ip: IpAddr = stream
-            .peer_addr()
-            .map_err(|e| TransportError::io("reading rank 0's address", e))?
-            .ip();
-
-        // Rank 0 answers once everybody is in: wait up to its timeout, plus a margin, in all.
-        let book_deadline = Instant::now() + self.opts.timeout + self.opts.handshake_timeout;
-        let (entries, _) = read_msg(&mut stream, book_deadline, wire::max_book_len(size), |b| {
-            wire::decode_book(b, size)
-        })
-        .map_err(|f| match f {
-            ReadFail::Closed(_) => TransportError::PeerLost {
-                rank: 0,
-                detail: "rank 0 closed the rendezvous before sending the address book (see rank \
-                         0's log)"
-                    .into(),
-            },
-            ReadFail::TimedOut => TransportError::Timeout {
-                rank: 0,
-                op: "rendezvous (waiting for the address book)",
-                after: self.opts.timeout,
-            },
-            ReadFail::Decode(e) => TransportError::Protocol {
-                rank: 0,
-                detail: format!("bad address book: {e}"),
-            },
-            ReadFail::Io(e) => TransportError::PeerLost {
-                rank: 0,
-                detail: format!("reading the address book failed: {e}"),
-            },
-        })?;
-        let mut book = Vec::with_capacity(size);
-        for (r, e) in entries.iter().enumerate() {
-            let addr = if r == 0 {
-                e.strip_prefix(':')
-                    .and_then(|p| p.parse::<u16>().ok())
-                    .map(|p| SocketAddr::new(root_ip, p))
-            } else {
-                e.parse::<SocketAddr>().ok()
-            };
-            book.push(addr.ok_or_else(|| TransportError::Protocol {
-                rank: 0,
-                detail: format!("bad address book entry for rank {r}: {e:?}"),
-            })?);
-        }
-        self.book = book;
-        Ok(())
     }
 
     fn open_mesh(&mut self, label: &str, seq: u64) -> Result<Vec<Option<TcpStream>>> {

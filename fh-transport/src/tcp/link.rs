@@ -1,0 +1,122 @@
+//! What reaches a rank's peers outside a communicator's own connections: the job token as the
+//! handshake's key, and abort notices (sent over fresh connections, collected on a board).
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::handshake::client_handshake;
+use super::wire::{self, ConnKind, Hello};
+
+/// The job token as the key of the handshake's HMAC. Its `Debug` never shows it.
+#[derive(Clone)]
+pub(crate) struct Key(Arc<[u8]>);
+
+impl Key {
+    pub(crate) fn new(bytes: &[u8]) -> Key {
+        Key(Arc::from(bytes))
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// HMAC-SHA-256 keyed with the token over `parts` (each length-prefixed).
+    pub(crate) fn mac(&self, parts: &[&[u8]]) -> [u8; 32] {
+        use hmac::{Hmac, Mac};
+        let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(self.bytes())
+            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+        for p in parts {
+            mac.update(&(p.len() as u64).to_le_bytes());
+            mac.update(p);
+        }
+        mac.finalize().into_bytes().into()
+    }
+}
+
+impl std::fmt::Debug for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Key(<redacted>)")
+    }
+}
+
+/// Abort notices received out of band: communicator sequence number → (reporting rank, lost
+/// rank). Only authenticated peers write here, at most one entry per communicator.
+#[derive(Debug, Default)]
+pub(crate) struct AbortBoard {
+    notices: Mutex<HashMap<u64, (usize, usize)>>,
+}
+
+impl AbortBoard {
+    pub(crate) fn post(&self, seq: u64, from: usize, lost: usize) {
+        if let Ok(mut n) = self.notices.lock() {
+            n.entry(seq).or_insert((from, lost));
+        }
+    }
+
+    /// The notice about communicator `seq`, if one arrived.
+    pub(crate) fn get(&self, seq: u64) -> Option<(usize, usize)> {
+        self.notices.lock().ok().and_then(|n| n.get(&seq).copied())
+    }
+}
+
+/// What a communicator needs to reach its peers outside its own connections.
+#[derive(Debug)]
+pub(crate) struct Link {
+    pub(crate) book: Vec<SocketAddr>,
+    pub(crate) key: Key,
+    pub(crate) board: Arc<AbortBoard>,
+    pub(crate) handshake_timeout: Duration,
+}
+
+impl Link {
+    /// Tell every rank in `peers`, each over a fresh connection and all at once, that this rank
+    /// gave up on communicator `seq` because it lost rank `lost`. Best effort, bounded by the
+    /// handshake timeout (at most 2 s) in all, however many peers there are.
+    pub(crate) fn send_aborts(&self, rank: usize, peers: &[usize], seq: u64, lost: usize) {
+        match peers {
+            [] => {}
+            [peer] => self.send_abort(rank, *peer, seq, lost),
+            _ => std::thread::scope(|s| {
+                for &peer in peers {
+                    let spawned = std::thread::Builder::new()
+                        .name("fh-tcp-abort".into())
+                        .spawn_scoped(s, move || self.send_abort(rank, peer, seq, lost));
+                    if spawned.is_err() {
+                        // No thread to spare: tell this one in line.
+                        self.send_abort(rank, peer, seq, lost);
+                    }
+                }
+            }),
+        }
+    }
+
+    /// Tell `peer`, over a fresh connection, that this rank gave up on communicator `seq`
+    /// because it lost rank `lost`. Best effort, bounded by the handshake timeout (≤ 2 s).
+    fn send_abort(&self, rank: usize, peer: usize, seq: u64, lost: usize) {
+        let Some(addr) = self.book.get(peer) else {
+            return;
+        };
+        let timeout = self.handshake_timeout.min(Duration::from_secs(2));
+        let deadline = Instant::now() + timeout;
+        let Ok(mut s) = TcpStream::connect_timeout(addr, timeout) else {
+            return;
+        };
+        let hello = Hello {
+            version: wire::PROTOCOL_VERSION,
+            kind: ConnKind::Abort,
+            size: self.book.len() as u32,
+            rank: rank as u32,
+            seq,
+            port: 0,
+            lost: lost as u32,
+            nonce: [0; wire::NONCE_LEN],
+        };
+        if let Err(e) =
+            client_handshake(&mut s, hello, &self.key, &format!("rank {peer}"), deadline)
+        {
+            tracing::debug!(peer, error = %e.into_error(), "could not deliver an abort notice");
+        }
+    }
+}

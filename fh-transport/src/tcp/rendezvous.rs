@@ -1,0 +1,219 @@
+//! The rendezvous: rank 0 collects every rank's data-listener address at the rendezvous
+//! address and sends back the address book (`FH_RENDEZVOUS_ADDR`).
+
+use std::net::{SocketAddr, ToSocketAddrs};
+
+use super::*;
+
+impl TcpTransport {
+    pub(super) fn rendezvous_root(&mut self, addrs: &[SocketAddr], rdv: &str) -> Result<()> {
+        let size = self.topology.size;
+        let mut bind_errors = Vec::new();
+        let mut bound = None;
+        for a in addrs {
+            match TcpListener::bind(a) {
+                Ok(l) => {
+                    bound = Some((l, *a));
+                    break;
+                }
+                Err(e) => bind_errors.push(format!("{a}: {e}")),
+            }
+        }
+        let Some((rdv_listener, rdv_addr)) = bound else {
+            return Err(TransportError::Config {
+                var: "FH_RENDEZVOUS_ADDR".into(),
+                reason: format!(
+                    "rank 0 cannot listen on {rdv} ({}); it must be a free port on an address \
+                     of rank 0's host",
+                    bind_errors.join(", ")
+                ),
+            });
+        };
+        let data = TcpListener::bind(SocketAddr::new(rdv_addr.ip(), 0)).map_err(|e| {
+            TransportError::io(format!("binding a data listener on {}", rdv_addr.ip()), e)
+        })?;
+        let my_addr = data
+            .local_addr()
+            .map_err(|e| TransportError::io("reading the data listener's address", e))?;
+        self.acceptor = Some(Acceptor::spawn(data, self.rules(ConnKind::Data))?);
+        let mut rdv_acceptor = Acceptor::spawn(rdv_listener, self.rules(ConnKind::Rendezvous))?;
+        tracing::info!(%rdv_addr, size, "rank 0 waiting for the other ranks");
+
+        let deadline = Instant::now() + self.opts.timeout;
+        let mut members: Vec<Option<(TcpStream, SocketAddr)>> = (0..size).map(|_| None).collect();
+        let mut missing = size - 1;
+        while missing > 0 {
+            let Some((hello, stream, from)) = rdv_acceptor.next(deadline) else {
+                let absent: Vec<usize> = (1..size).filter(|&r| members[r].is_none()).collect();
+                return Err(TransportError::Handshake {
+                    peer: format!("rank(s) {absent:?}"),
+                    reason: format!(
+                        "they did not join the rendezvous at {rdv_addr} within {:?} (did they \
+                         start, with the same FH_RENDEZVOUS_ADDR and FH_JOB_TOKEN?){}",
+                        self.opts.timeout,
+                        rdv_acceptor.refusal_note()
+                    ),
+                });
+            };
+            let r = hello.rank as usize;
+            if members[r].is_some() {
+                tracing::warn!(rank = r, %from, "a second connection claims an already joined rank; dropped");
+                continue;
+            }
+            members[r] = Some((stream, SocketAddr::new(from.ip(), hello.port)));
+            missing -= 1;
+        }
+        drop(rdv_acceptor);
+
+        let mut book = vec![my_addr];
+        let mut entries = vec![format!(":{}", my_addr.port())];
+        for m in members.iter().skip(1) {
+            let (_, addr) = m
+                .as_ref()
+                .ok_or_else(|| TransportError::Closed("rendezvous bookkeeping".into()))?;
+            book.push(*addr);
+            entries.push(addr.to_string());
+        }
+        let encoded = wire::encode_book(&entries);
+        // A book is small (it fits in any socket buffer), so these writes do not wait on a
+        // slow reader; one deadline bounds them all.
+        let book_deadline = Instant::now() + self.opts.timeout;
+        for (r, m) in members.iter_mut().enumerate().skip(1) {
+            if let Some((stream, _)) = m {
+                write_by(stream, &encoded, book_deadline).map_err(|e| {
+                    TransportError::PeerLost {
+                        rank: r,
+                        detail: format!("sending the address book failed: {e}"),
+                    }
+                })?;
+            }
+        }
+        self.book = book;
+        Ok(())
+    }
+
+    pub(super) fn rendezvous_member(&mut self, addrs: &[SocketAddr], rdv: &str) -> Result<()> {
+        let (rank, size) = (self.topology.rank, self.topology.size);
+        let deadline = Instant::now() + self.opts.timeout;
+        // The data listener goes on the interface this rank reaches rank 0 through, learnt from
+        // the first connection (and kept for the retries).
+        let mut data_port: Option<u16> = None;
+        let rules = self.rules(ConnKind::Data);
+        let mut rules = Some(rules);
+        let mut acceptor = None;
+        let peer = format!("rank 0 (rendezvous at {rdv})");
+        let mut stream = connect_handshake(
+            addrs,
+            |s| {
+                let port = match data_port {
+                    Some(p) => p,
+                    None => {
+                        let local_ip = s.local_addr().map_err(|e| {
+                            TransportError::io("reading the rendezvous connection's address", e)
+                        })?;
+                        let data =
+                            TcpListener::bind(SocketAddr::new(local_ip.ip(), 0)).map_err(|e| {
+                                TransportError::io(
+                                    format!("binding a data listener on {}", local_ip.ip()),
+                                    e,
+                                )
+                            })?;
+                        let port = data
+                            .local_addr()
+                            .map_err(|e| {
+                                TransportError::io("reading the data listener's address", e)
+                            })?
+                            .port();
+                        let r = rules.take().ok_or_else(|| {
+                            TransportError::Closed("data listener set up twice".into())
+                        })?;
+                        acceptor = Some(Acceptor::spawn(data, r)?);
+                        data_port = Some(port);
+                        port
+                    }
+                };
+                Ok(Hello {
+                    version: wire::PROTOCOL_VERSION,
+                    kind: ConnKind::Rendezvous,
+                    size: size as u32,
+                    rank: rank as u32,
+                    seq: 0,
+                    port,
+                    lost: 0,
+                    nonce: [0; wire::NONCE_LEN],
+                })
+            },
+            &self.key.clone(),
+            &peer,
+            deadline,
+            self.opts.handshake_timeout,
+            None,
+        )?;
+        self.acceptor = acceptor;
+        let _ = stream.set_nodelay(true);
+        let root_ip: IpAddr = stream
+            .peer_addr()
+            .map_err(|e| TransportError::io("reading rank 0's address", e))?
+            .ip();
+
+        // Rank 0 answers once everybody is in: wait up to its timeout, plus a margin, in all.
+        let book_deadline = Instant::now() + self.opts.timeout + self.opts.handshake_timeout;
+        let (entries, _) = read_msg(&mut stream, book_deadline, wire::max_book_len(size), |b| {
+            wire::decode_book(b, size)
+        })
+        .map_err(|f| match f {
+            ReadFail::Closed(_) => TransportError::PeerLost {
+                rank: 0,
+                detail: "rank 0 closed the rendezvous before sending the address book (see rank \
+                         0's log)"
+                    .into(),
+            },
+            ReadFail::TimedOut => TransportError::Timeout {
+                rank: 0,
+                op: "rendezvous (waiting for the address book)",
+                after: self.opts.timeout,
+            },
+            ReadFail::Decode(e) => TransportError::Protocol {
+                rank: 0,
+                detail: format!("bad address book: {e}"),
+            },
+            ReadFail::Io(e) => TransportError::PeerLost {
+                rank: 0,
+                detail: format!("reading the address book failed: {e}"),
+            },
+        })?;
+        let mut book = Vec::with_capacity(size);
+        for (r, e) in entries.iter().enumerate() {
+            let addr = if r == 0 {
+                e.strip_prefix(':')
+                    .and_then(|p| p.parse::<u16>().ok())
+                    .map(|p| SocketAddr::new(root_ip, p))
+            } else {
+                e.parse::<SocketAddr>().ok()
+            };
+            book.push(addr.ok_or_else(|| TransportError::Protocol {
+                rank: 0,
+                detail: format!("bad address book entry for rank {r}: {e:?}"),
+            })?);
+        }
+        self.book = book;
+        Ok(())
+    }
+}
+
+pub(super) fn resolve(addr: &str) -> Result<Vec<SocketAddr>> {
+    let addrs: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|e| TransportError::Config {
+            var: "FH_RENDEZVOUS_ADDR".into(),
+            reason: format!("cannot resolve {addr:?}: {e}"),
+        })?
+        .collect();
+    if addrs.is_empty() {
+        return Err(TransportError::Config {
+            var: "FH_RENDEZVOUS_ADDR".into(),
+            reason: format!("{addr:?} resolves to no address"),
+        });
+    }
+    Ok(addrs)
+}
