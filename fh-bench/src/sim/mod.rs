@@ -348,25 +348,21 @@ pub fn simulate_step(
         // share the cores too).
         let host_shared = o.shared_host && link.host_bound;
         let sharing = |t: &&Transfer| t.on_wire(now) || (host_shared && t.copying());
-        let staged_factor = link
-            .host_bound
-            .then(|| link.staged_factor(2))
-            .flatten()
-            .is_some();
+        let by_staged = link.host_bound && !link.staged_concurrency.is_empty();
         let (n_sharing, n_staged, plain_bytes) = active.iter().flatten().filter(sharing).fold(
             (0usize, 0usize, 0usize),
-            |(n, s, b), t| match t.staged && staged_factor {
+            |(n, s, b), t| match t.staged && by_staged {
                 true => (n + 1, s + 1, b),
                 false => (n + 1, s, b + t.unit),
             },
         );
         let n_plain = n_sharing - n_staged;
-        let factor = match (n_staged, link.staged_factor(n_sharing)) {
-            (s, Some(f)) if s > 0 && staged_factor => {
-                let plain = link.aggregate_factor(n_sharing, plain_bytes / n_plain.max(1));
-                (f * s as f64 + plain * n_plain as f64) / n_sharing as f64
+        let plain = link.aggregate_factor(n_sharing, plain_bytes / n_plain.max(1));
+        let factor = match link.staged_factor(n_sharing) {
+            Some(f) if n_staged > 0 && by_staged => {
+                (f * n_staged as f64 + plain * n_plain as f64) / n_sharing as f64
             }
-            _ => link.aggregate_factor(n_sharing, plain_bytes / n_plain.max(1)),
+            _ => plain,
         };
         // Each transfer sharing gets its share of the factor (only those on the wire use `rate`).
         let share = factor / n_sharing.max(1) as f64;

@@ -44,6 +44,20 @@ fn concurrent_transfers_move_the_measured_share_of_the_link() {
     assert!(close(m2.step_s, 1e-5 + 2e-5 + 4e-3), "{m2:?}");
 }
 
+/// Four 2 MiB tensors ready at once, fused into two 4 MiB groups on two channels
+/// (`fasthorovod` K=2, every group on its channel), and overheads under which the groups are
+/// staged (a staged copy rate given, copies free).
+fn two_fused_groups() -> ([usize; 4], Schedule, Overheads) {
+    let mut s = Schedule::fasthorovod(2);
+    s.inline_bytes = 0;
+    s.fusion_bytes = 4 << 20;
+    let staged = Overheads {
+        staged_copy_bps: Some(1e9),
+        ..NO_OVERHEAD
+    };
+    ([2 << 20; 4], s, staged)
+}
+
 #[test]
 fn staged_groups_share_the_link_at_their_pieces_factor() {
     // Two transfers at once move 0.5 of one alone at 1 MiB pieces, without loss at 4 MiB. Two
@@ -53,14 +67,7 @@ fn staged_groups_share_the_link_at_their_pieces_factor() {
     let mut l = link(1e-5, 1e9, None);
     l.concurrency = at_size(1 << 20, &[(2, 0.5)]);
     l.concurrency.extend(at_size(4 << 20, &[(2, 1.0)]));
-    let sizes = [2 << 20, 2 << 20, 2 << 20, 2 << 20];
-    let mut s = Schedule::fasthorovod(2);
-    s.inline_bytes = 0;
-    s.fusion_bytes = 4 << 20;
-    let staged = Overheads {
-        staged_copy_bps: Some(1e9),
-        ..NO_OVERHEAD
-    };
+    let (sizes, s, staged) = two_fused_groups();
     let whole = simulate_step(&sizes, &[0.0; 4], 2, &l, &s, &NO_OVERHEAD);
     let pieces = simulate_step(&sizes, &[0.0; 4], 2, &l, &s, &staged);
     let wire = 2.0 * (4 << 20) as f64 / 1e9; // both groups, 2(p-1)/p = 1 on 2 ranks
@@ -86,14 +93,7 @@ fn staged_groups_on_a_host_bound_link_share_at_their_measured_factor() {
     l.concurrency = at_size(1 << 20, &[(2, 0.5)]);
     l.concurrency.extend(at_size(4 << 20, &[(2, 1.0)]));
     l.staged_concurrency = at_size(16 << 20, &[(2, 0.25), (4, 0.2)]);
-    let sizes = [2 << 20, 2 << 20, 2 << 20, 2 << 20];
-    let mut s = Schedule::fasthorovod(2);
-    s.inline_bytes = 0;
-    s.fusion_bytes = 4 << 20;
-    let staged = Overheads {
-        staged_copy_bps: Some(1e9),
-        ..NO_OVERHEAD
-    };
+    let (sizes, s, staged) = two_fused_groups();
     let wire = 2.0 * (4 << 20) as f64 / 1e9;
     let network = simulate_step(&sizes, &[0.0; 4], 2, &l, &s, &staged);
     assert!(
