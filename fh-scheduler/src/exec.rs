@@ -156,7 +156,7 @@ impl Executor {
                 c.queued.fetch_sub(bytes as u64, Ordering::Relaxed);
             }
             for (op, _, _) in &job.parts {
-                op.part_done(&self.inner, Some(e.clone()));
+                op.part_done(Some(e.clone()));
             }
             return;
         }
@@ -217,11 +217,15 @@ impl Executor {
                     .unwrap_or_else(|| SchedulerError::from_transport(&e));
                 tracing::error!(channel = self.channel, error = %e, "collective failed; shutting the engine down");
                 self.inner.fail(se.clone());
+                // Peers waiting for this rank on this channel blame the lost rank, not this one.
+                if let Some(lost) = se.lost_rank() {
+                    self.comm.abort(lost);
+                }
                 Some(se)
             }
         };
         for (op, _, _) in &job.parts {
-            op.part_done(&self.inner, err.clone());
+            op.part_done(err.clone());
         }
     }
 

@@ -8,16 +8,19 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use fh_core::message::{Response, Signature};
 
-use crate::handle::Completion;
-use crate::shared::Inner;
+use crate::shared::Resolver;
 use crate::{SchedulerError, Tensor};
 
 /// What an operation holds while it runs: its tensor (taken back at the end), alltoall
-/// splits, and the first error of any of its parts.
+/// splits, the first error of any of its parts, and the owner of its completion.
 pub(crate) struct OpState {
     pub tensor: Option<Tensor>,
     pub splits: Option<Vec<usize>>,
     pub error: Option<SchedulerError>,
+    /// `None` for the zero tensors a joined rank contributes. Taken by the last part; an op
+    /// dropped before that (a job lost with its channel) resolves its handle through the
+    /// resolver's drop.
+    pub resolver: Option<Resolver>,
 }
 
 /// One negotiated operation on its way through a channel (possibly split over several).
@@ -27,8 +30,6 @@ pub(crate) struct Op {
     pub state: Mutex<OpState>,
     /// Parts (chunks) not yet done.
     pub remaining: AtomicUsize,
-    /// `None` for the zero tensors a joined rank contributes.
-    pub cell: Option<Arc<Completion>>,
     /// Set for an allreduce split into chunks that each run alone on a channel: its buffer,
     /// taken once at dispatch, so that every chunk is reduced in place, concurrently with the
     /// other chunks, without packing and unpacking.
@@ -94,7 +95,7 @@ impl Op {
     }
 
     /// One part finished; the last one completes the operation.
-    pub(crate) fn part_done(&self, inner: &Inner, err: Option<SchedulerError>) {
+    pub(crate) fn part_done(&self, err: Option<SchedulerError>) {
         if let Some(e) = err {
             let mut st = self.lock();
             if st.error.is_none() {
@@ -111,9 +112,10 @@ impl Op {
                     self.name()
                 ))),
             };
+            let resolver = st.resolver.take();
             drop(st);
-            if let Some(cell) = &self.cell {
-                inner.finish(self.name(), cell, result);
+            if let Some(r) = resolver {
+                r.resolve(result);
             }
         }
     }

@@ -94,6 +94,7 @@ pub mod error;
 mod exec;
 mod gpu;
 pub mod handle;
+mod inject;
 mod job;
 mod negotiate;
 mod options;

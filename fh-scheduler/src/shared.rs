@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::time::Instant;
 
 use crossbeam_channel::Sender;
@@ -20,20 +20,137 @@ pub(crate) struct Entry {
     pub req: Request,
     pub tensor: Tensor,
     pub splits: Option<Vec<usize>>,
-    pub cell: Arc<Completion>,
+    pub cell: Resolver,
     pub submitted: Instant,
 }
 
 pub(crate) enum Msg {
     Submit(Box<Entry>),
-    Join(Arc<Completion>),
-    Shutdown,
+    Join(Resolver),
+    /// Shut down, with the reason the others are told (`None`: none given).
+    Shutdown(Option<String>),
     Wake,
 }
 
 pub(crate) struct Gate {
     pub(crate) closed: Option<SchedulerError>,
     pub(crate) tx: Sender<Msg>,
+    /// Completions dropped unresolved while the engine was running: resolved with the stop
+    /// reason when the gate closes ([`Inner::close`]); the control thread stops the engine
+    /// as soon as it sees one (a lost result is an internal error, never a silent wait).
+    pub(crate) orphans: Vec<(Arc<str>, Arc<Completion>)>,
+}
+
+/// The engine's side of one submitted operation: whoever holds it owns the operation's
+/// completion, and it resolves the caller's [`crate::Handle`] exactly once.
+///
+/// [`Resolver::resolve`] delivers the result. A resolver dropped unresolved (work taken for a
+/// round that failed, a job dropped by a channel that stopped or panicked, an entry left in a
+/// queue) resolves its handle with the engine's stop reason: at once when the engine has
+/// stopped, else when it stops, which the control thread brings about as soon as it sees the
+/// orphan. So no path, early return or panic between submission and completion can leave a
+/// `wait` blocked.
+pub(crate) struct Resolver {
+    name: Arc<str>,
+    cell: Option<Arc<Completion>>,
+    inner: Weak<Inner>,
+    /// Whether the name is in [`Inner::in_flight`] and counts as a completed operation (not so
+    /// for `join`).
+    tracked: bool,
+    /// Handed to the control thread ([`Resolver::arm`]): from then on a drop unresolved is an
+    /// orphan. Before, the submission is being built or refused and its handle never reaches
+    /// the caller.
+    armed: bool,
+}
+
+impl Resolver {
+    /// The resolver of `cell` for an operation named `name` on the engine `inner`.
+    pub(crate) fn new(inner: &Arc<Inner>, name: Arc<str>, cell: Arc<Completion>) -> Self {
+        Resolver {
+            name,
+            cell: Some(cell),
+            inner: Arc::downgrade(inner),
+            tracked: true,
+            armed: false,
+        }
+    }
+
+    /// A resolver for an operation that has no name in flight (`join`).
+    pub(crate) fn untracked(inner: &Arc<Inner>, name: Arc<str>, cell: Arc<Completion>) -> Self {
+        let mut r = Resolver::new(inner, name, cell);
+        r.tracked = false;
+        r
+    }
+
+    /// Mark the submission as handed to the control thread (see `armed`).
+    pub(crate) fn arm(&mut self) {
+        self.armed = true;
+    }
+
+    /// Deliver the result (the name leaves the in-flight set first).
+    pub(crate) fn resolve(mut self, result: OpResult) {
+        if let Some(cell) = self.cell.take() {
+            deliver(
+                self.inner.upgrade().as_deref(),
+                &self.name,
+                &cell,
+                self.tracked,
+                result,
+            );
+        }
+    }
+}
+
+impl Resolver {
+    /// Complete a submission that was refused (its handle never reached the caller, and its
+    /// name was not put in flight for it): the cell gets `err`, the in-flight set is left
+    /// alone.
+    pub(crate) fn refuse(mut self, err: SchedulerError) {
+        if let Some(cell) = self.cell.take() {
+            cell.complete(Err(err));
+        }
+    }
+}
+
+fn deliver(inner: Option<&Inner>, name: &str, cell: &Completion, tracked: bool, r: OpResult) {
+    match inner {
+        Some(inner) if tracked => inner.finish(name, cell, r),
+        _ => cell.complete(r),
+    }
+}
+
+impl Drop for Resolver {
+    fn drop(&mut self) {
+        let Some(cell) = self.cell.take() else {
+            return;
+        };
+        if !self.armed {
+            cell.complete(Err(SchedulerError::InvalidArgument(format!(
+                "'{}' was never submitted",
+                self.name
+            ))));
+            return;
+        }
+        let Some(inner) = self.inner.upgrade() else {
+            cell.complete(Err(SchedulerError::ShutDown {
+                reason: format!("the engine is gone; '{}' was never run", self.name),
+            }));
+            return;
+        };
+        let mut g = lock(&inner.gate);
+        match g.closed.clone() {
+            Some(err) => {
+                drop(g);
+                deliver(Some(&inner), &self.name, &cell, self.tracked, Err(err));
+            }
+            None => {
+                // The engine still runs: park it; the control thread stops the engine and
+                // the close resolves it with the stop reason.
+                g.orphans.push((Arc::clone(&self.name), cell));
+                let _ = g.tx.send(Msg::Wake);
+            }
+        }
+    }
 }
 
 /// State shared by the public API, the control thread and the channel workers.
@@ -105,11 +222,33 @@ impl Inner {
 
     /// Stop the engine with `err` (first reason wins) and wake the control thread.
     pub(crate) fn fail(&self, err: SchedulerError) {
-        let mut g = lock(&self.gate);
-        if g.closed.is_none() {
-            g.closed = Some(err);
+        let orphans = {
+            let mut g = lock(&self.gate);
+            if g.closed.is_none() {
+                g.closed = Some(err);
+            }
+            let _ = g.tx.send(Msg::Wake);
+            std::mem::take(&mut g.orphans)
+        };
+        self.resolve_orphans(orphans);
+    }
+
+    /// The first completion dropped unresolved while the engine runs, if any (the control
+    /// thread then stops the engine).
+    pub(crate) fn orphaned(&self) -> Option<Arc<str>> {
+        lock(&self.gate).orphans.first().map(|(n, _)| Arc::clone(n))
+    }
+
+    fn resolve_orphans(&self, orphans: Vec<(Arc<str>, Arc<Completion>)>) {
+        if orphans.is_empty() {
+            return;
         }
-        let _ = g.tx.send(Msg::Wake);
+        let err = self.failure().unwrap_or_else(|| SchedulerError::ShutDown {
+            reason: "the engine stopped".into(),
+        });
+        for (name, cell) in orphans {
+            self.finish(&name, &cell, Err(err.clone()));
+        }
     }
 
     /// A channel has just finished all its queued work: wake the control thread if it defers
@@ -144,9 +283,51 @@ impl Inner {
     /// a refused member of a grouped submission leaves no other member in flight.
     pub(crate) fn submit(&self, entries: Vec<Entry>) -> Result<(), SchedulerError> {
         let g = lock(&self.gate);
-        if let Some(e) = &g.closed {
-            return Err(e.clone());
+        let refused = match &g.closed {
+            Some(e) => Some(e.clone()),
+            None => self.reserve_names(&entries).err(),
+        };
+        if let Some(err) = refused {
+            // Resolvers take the gate's lock when dropped: let go of it first.
+            drop(g);
+            for e in entries {
+                e.cell.refuse(err.clone());
+            }
+            return Err(err);
         }
+        let mut rest = entries.into_iter();
+        let mut sent: Vec<Arc<str>> = Vec::new();
+        while let Some(mut e) = rest.next() {
+            e.cell.arm();
+            let name = Arc::clone(&e.req.name);
+            if let Err(failed) = g.tx.send(Msg::Submit(Box::new(e))) {
+                // The control thread is gone: nothing sent will ever run.
+                drop(g);
+                let err = SchedulerError::ShutDown {
+                    reason: "the control thread is gone".into(),
+                };
+                let mut in_flight = lock(&self.in_flight);
+                for n in sent.iter().chain(std::iter::once(&name)) {
+                    in_flight.remove(&**n);
+                }
+                for e in rest.by_ref() {
+                    in_flight.remove(&*e.req.name);
+                    e.cell.refuse(err.clone());
+                }
+                drop(in_flight);
+                if let Msg::Submit(e) = failed.0 {
+                    e.cell.refuse(err.clone());
+                }
+                return Err(err);
+            }
+            sent.push(name);
+        }
+        Ok(())
+    }
+
+    /// Put the entries' names in flight, or refuse them all when one is in flight already
+    /// (or named twice among them).
+    fn reserve_names(&self, entries: &[Entry]) -> Result<(), SchedulerError> {
         let mut in_flight = lock(&self.in_flight);
         for (i, e) in entries.iter().enumerate() {
             let name = &e.req.name;
@@ -156,31 +337,8 @@ impl Inner {
                 });
             }
         }
-        for e in &entries {
-            in_flight.insert(Arc::clone(&e.req.name));
-        }
-        drop(in_flight);
-        // The names to withdraw should the control thread be gone (kept aside only for a
-        // grouped submission: a single entry comes back with the failed send).
-        let names: Vec<Arc<str>> = if entries.len() > 1 {
-            entries.iter().map(|e| Arc::clone(&e.req.name)).collect()
-        } else {
-            Vec::new()
-        };
         for e in entries {
-            if let Err(failed) = g.tx.send(Msg::Submit(Box::new(e))) {
-                // The control thread is gone: nothing sent will ever run.
-                let mut in_flight = lock(&self.in_flight);
-                if let Msg::Submit(e) = failed.0 {
-                    in_flight.remove(&*e.req.name);
-                }
-                for n in &names {
-                    in_flight.remove(&**n);
-                }
-                return Err(SchedulerError::ShutDown {
-                    reason: "the control thread is gone".into(),
-                });
-            }
+            in_flight.insert(Arc::clone(&e.req.name));
         }
         Ok(())
     }
@@ -190,16 +348,31 @@ impl Inner {
         if let Some(e) = &g.closed {
             return Err(e.clone());
         }
-        g.tx.send(msg).map_err(|_| SchedulerError::ShutDown {
-            reason: "the control thread is gone".into(),
-        })
+        let failed = g.tx.send(msg).err();
+        // A message that holds a resolver is dropped only after the gate's lock (its drop
+        // takes the lock).
+        drop(g);
+        match failed {
+            None => Ok(()),
+            Some(m) => {
+                drop(m);
+                Err(SchedulerError::ShutDown {
+                    reason: "the control thread is gone".into(),
+                })
+            }
+        }
     }
 
-    /// Close the gate (no more submissions) and return whether it was open.
+    /// Close the gate (no more submissions) and resolve every completion parked as an
+    /// orphan with the stop reason (the first reason wins).
     pub(crate) fn close(&self, err: SchedulerError) {
-        let mut g = lock(&self.gate);
-        if g.closed.is_none() {
-            g.closed = Some(err);
-        }
+        let orphans = {
+            let mut g = lock(&self.gate);
+            if g.closed.is_none() {
+                g.closed = Some(err);
+            }
+            std::mem::take(&mut g.orphans)
+        };
+        self.resolve_orphans(orphans);
     }
 }

@@ -195,6 +195,16 @@ pub trait Communicator: Send {
     fn barrier(&mut self) -> Result<()> {
         algorithms::barrier(self)
     }
+
+    /// Give up on this communicator because rank `lost` failed or left (numbered as this
+    /// communicator's errors name ranks; this rank itself when it is the one failing): peers
+    /// waiting for this rank fail at once, or when they next wait for it, naming `lost`
+    /// rather than this rank, so that a rank that stops because of another is never blamed
+    /// for it. The communicator is unusable afterwards. The default does nothing: peers then
+    /// blame this rank when the communicator is dropped.
+    fn abort(&mut self, lost: usize) {
+        let _ = lost;
+    }
 }
 
 /// Convenience forms of the collectives, available on every [`Communicator`]

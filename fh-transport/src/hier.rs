@@ -631,6 +631,20 @@ impl Communicator for HierComm {
     fn barrier(&mut self) -> Result<()> {
         self.guarded(|c| c.barrier_hier())
     }
+
+    fn abort(&mut self, lost: usize) {
+        if self.broken.is_some() {
+            return;
+        }
+        let err = TransportError::PeerLost {
+            rank: lost,
+            detail: format!("this rank gave up on communicator '{}'", self.label),
+        };
+        let external = (lost != self.topology.rank).then_some(lost);
+        self.shm.give_up(external, false, &err.to_string());
+        self.tcp.give_up(&err);
+        self.broken = Some(err.to_string());
+    }
 }
 
 /// A view of a communicator restricted to some of its ranks: peer `i` of the view is rank

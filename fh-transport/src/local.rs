@@ -23,6 +23,7 @@
 //! ```
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -101,6 +102,7 @@ impl Transport for LocalTransport {
 }
 
 fn build_group(size: usize, timeout: Duration) -> Vec<Option<LocalComm>> {
+    let blame: Arc<[AtomicUsize]> = (0..size).map(|_| AtomicUsize::new(0)).collect();
     // chans[src][dst]
     let mut senders: Vec<Vec<Option<Sender<Vec<u8>>>>> = Vec::with_capacity(size);
     let mut receivers: Vec<Vec<Option<Receiver<Vec<u8>>>>> = (0..size)
@@ -126,6 +128,7 @@ fn build_group(size: usize, timeout: Duration) -> Vec<Option<LocalComm>> {
                 timeout,
                 to: tx.into_iter().map(|s| s.expect("filled above")).collect(),
                 from: rx.into_iter().map(|r| r.expect("filled above")).collect(),
+                blame: Arc::clone(&blame),
             })
         })
         .collect()
@@ -139,9 +142,35 @@ pub struct LocalComm {
     timeout: Duration,
     to: Vec<Sender<Vec<u8>>>,
     from: Vec<Receiver<Vec<u8>>>,
+    /// For each rank of the communicator, `1 + ` the rank it blamed when it gave up
+    /// ([`Communicator::abort`]), or 0.
+    blame: Arc<[AtomicUsize]>,
 }
 
 impl LocalComm {
+    /// The error for `peer` having left: the rank it blamed when it gave up (followed along
+    /// a chain of ranks that gave up), else `peer` itself.
+    fn lost(&self, peer: usize) -> TransportError {
+        let mut cause = peer;
+        for _ in 0..self.size {
+            match self.blame[cause].load(Ordering::Acquire) {
+                0 => break,
+                b if b - 1 == cause || b - 1 == self.rank => break,
+                b => cause = b - 1,
+            }
+        }
+        TransportError::PeerLost {
+            rank: cause,
+            detail: if cause == peer {
+                "its in-process communicator was dropped".into()
+            } else {
+                format!(
+                    "rank {peer} gave up on its in-process communicator after losing rank {cause}"
+                )
+            },
+        }
+    }
+
     fn check_peer(&self, peer: usize) -> Result<()> {
         if peer >= self.size {
             return Err(TransportError::InvalidArgument(format!(
@@ -170,10 +199,7 @@ impl Communicator for LocalComm {
         self.check_peer(peer)?;
         self.to[peer]
             .send(data.to_vec())
-            .map_err(|_| TransportError::PeerLost {
-                rank: peer,
-                detail: "its in-process communicator was dropped".into(),
-            })
+            .map_err(|_| self.lost(peer))
     }
 
     fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
@@ -186,10 +212,7 @@ impl Communicator for LocalComm {
                     op: "recv",
                     after: self.timeout,
                 },
-                RecvTimeoutError::Disconnected => TransportError::PeerLost {
-                    rank: peer,
-                    detail: "its in-process communicator was dropped".into(),
-                },
+                RecvTimeoutError::Disconnected => self.lost(peer),
             })?;
         if msg.len() != buf.len() {
             return Err(TransportError::Protocol {
@@ -209,5 +232,15 @@ impl Communicator for LocalComm {
         // Sends never block here, so sending first cannot deadlock.
         self.send(to, send)?;
         self.recv(from, recv)
+    }
+
+    fn abort(&mut self, lost: usize) {
+        if lost < self.size {
+            self.blame[self.rank].store(lost + 1, Ordering::Release);
+        }
+        // Peers waiting for this rank see it leave now, and read the blame.
+        let (to, from) = (self.to.len(), self.from.len());
+        self.to = (0..to).map(|_| unbounded().0).collect();
+        self.from = (0..from).map(|_| unbounded().1).collect();
     }
 }

@@ -309,6 +309,11 @@ impl Communicator for SubsetComm {
         let (t, f) = (self.world(to)?, self.world(from)?);
         self.inner.send_recv_vectored(t, send, f, recv)
     }
+
+    fn abort(&mut self, lost: usize) {
+        // Errors name world ranks here, as the carrying communicator does.
+        self.inner.abort(lost);
+    }
 }
 
 /// A communicator the backend opened over the members themselves
@@ -425,6 +430,13 @@ impl Communicator for GroupComm {
     fn barrier(&mut self) -> Result<()> {
         let r = self.inner.barrier();
         self.map(r)
+    }
+
+    fn abort(&mut self, lost: usize) {
+        // Errors name world ranks: blame the member's place in the group, if it is one.
+        if let Some(i) = self.members.iter().position(|&m| m == lost) {
+            self.inner.abort(i);
+        }
     }
 }
 

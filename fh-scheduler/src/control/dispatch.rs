@@ -3,6 +3,7 @@
 //! to its channel's worker thread, or, when small and its channel is idle, runs on this thread.
 
 use super::*;
+use crate::inject::{self, Point};
 
 /// Where a dispatched operation's tensor comes from.
 pub(super) enum Source {
@@ -37,7 +38,7 @@ pub(super) struct ChannelSlot {
 impl ChannelSlot {
     /// The executor, if nobody else holds it (a poisoned lock is taken anyway: `run` leaves
     /// the executor consistent between groups).
-    fn try_exec(&self) -> Option<std::sync::MutexGuard<'_, Executor>> {
+    pub(super) fn try_exec(&self) -> Option<std::sync::MutexGuard<'_, Executor>> {
         match self.exec.try_lock() {
             Ok(g) => Some(g),
             Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
@@ -66,15 +67,15 @@ pub(super) fn try_zeros(sig: &fh_core::message::Signature) -> Result<Tensor, Str
     Tensor::new(sig.dtype, shape, data).map_err(|e| e.to_string())
 }
 
-/// Test hook: `(rank, name)` pairs for which dispatch behaves as if the tensor could not be
-/// made on that rank. Names are unique per test, so tests running in parallel do not meet.
-#[cfg(test)]
-pub(crate) static INJECTED_FAULTS: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
-
 /// Test hook: `(rank, name)` pairs whose groups that rank hands to a channel thread even when
 /// they could run on the control thread.
 #[cfg(test)]
 pub(crate) static QUEUE_ANYWAY: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+
+/// The name of a job's first tensor (what the fault-injection seam matches).
+pub(super) fn job_name(job: &Job) -> &str {
+    job.parts.first().map_or("", |(op, _, _)| op.name())
+}
 
 /// An id for a tensor's timeline track (stable per submission).
 pub(super) fn e_id(name: &str, submitted: Instant) -> u64 {
@@ -89,8 +90,7 @@ impl Control {
     /// This rank's tensor for a negotiated response, taken out of the pending set (or a
     /// joined rank's zeros); `Err` says why there is none.
     pub(super) fn take_tensor(&mut self, r: &Response) -> Result<Source, String> {
-        #[cfg(test)]
-        if self.injected(&r.name) {
+        if inject::hit(self.inner.rank, Point::TakeTensor, &r.name) {
             return Err("injected allocation failure".into());
         }
         if let Some(seq) = self.by_name.remove(&*r.name) {
@@ -102,15 +102,6 @@ impl Control {
             return try_zeros(&r.sig).map(Source::Zeros);
         }
         Err("this rank never submitted it".into())
-    }
-
-    #[cfg(test)]
-    pub(super) fn injected(&self, name: &str) -> bool {
-        INJECTED_FAULTS
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .any(|(r, n)| *r == self.inner.rank && n == name)
     }
 
     /// Put tensors taken for a round that is not dispatched back into the pending set.
@@ -237,9 +228,9 @@ impl Control {
                     tensor: Some(tensor),
                     splits,
                     error: None,
+                    resolver: cell,
                 }),
                 remaining: AtomicUsize::new(0),
-                cell,
                 chunks: std::sync::OnceLock::new(),
             }));
         }
@@ -309,6 +300,10 @@ impl Control {
                         match slot.try_exec() {
                             Some(mut ex) => {
                                 Counters::add(&self.inner.counters.inline_groups, 1);
+                                if inject::hit(self.inner.rank, Point::InlinePanic, job_name(&job))
+                                {
+                                    panic!("injected panic on the control thread");
+                                }
                                 ex.run(job);
                                 continue;
                             }
@@ -319,20 +314,35 @@ impl Control {
                     };
                     slot.outstanding.fetch_add(1, Ordering::Relaxed);
                     if let Some(q) = queues.get(g.channel) {
-                        if let Err(e) = q.send(job) {
+                        let sent =
+                            if inject::hit(self.inner.rank, Point::ChannelQueue, job_name(&job)) {
+                                Err(crossbeam_channel::SendError(job))
+                            } else {
+                                q.send(job)
+                            };
+                        if let Err(e) = sent {
                             slot.outstanding.fetch_sub(1, Ordering::Relaxed);
                             // The worker is gone: fail its parts.
                             if let Some(c) = self.inner.counters.channels().get(g.channel) {
                                 c.queued
                                     .fetch_sub(g.bytes(), std::sync::atomic::Ordering::Relaxed);
                             }
+                            // The worker is gone: this rank cannot run the channel's
+                            // groups, so every rank stops through the agreed fault.
+                            let rank = self.inner.rank;
                             for (op, _, _) in e.0.parts {
-                                op.part_done(
-                                    &self.inner,
-                                    Some(SchedulerError::ShutDown {
-                                        reason: "a channel thread stopped".into(),
-                                    }),
+                                let what = format!(
+                                    "rank {rank} could not hand it to channel {} (the channel's \
+                                     thread is gone)",
+                                    g.channel
                                 );
+                                if self.fault.is_none() {
+                                    self.fault = Some((op.name().to_string(), what.clone()));
+                                }
+                                op.part_done(Some(SchedulerError::Negotiation {
+                                    name: op.name().to_string(),
+                                    reason: what,
+                                }));
                             }
                         }
                     }

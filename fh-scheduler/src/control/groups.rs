@@ -10,7 +10,7 @@ impl Control {
             .remove(name)
             .and_then(|seq| self.pending.remove(&seq))
         {
-            self.inner.finish(name, &p.entry.cell, Err(err));
+            p.entry.cell.resolve(Err(err));
         }
     }
 

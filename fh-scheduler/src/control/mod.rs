@@ -42,12 +42,11 @@ use fh_core::{wire, DType, ReduceOp};
 use fh_transport::Communicator;
 
 use crate::exec::Executor;
-use crate::handle::Completion;
 use crate::job::{Job, Op, OpState};
 use crate::negotiate::coordinator::{joins_with_zeros, Table};
 use crate::negotiate::readiness::ReadyTimes;
-use crate::negotiate::{collect, fault, stall};
-use crate::shared::{Entry, Inner, Msg};
+use crate::negotiate::{collect, fault, shutdown, stall};
+use crate::shared::{Entry, Inner, Msg, Resolver};
 use crate::stats::{Counters, GroupRecord};
 use crate::{Preset, SchedulerError, Tensor};
 
@@ -57,9 +56,9 @@ mod round;
 #[cfg(test)]
 mod tests;
 
-use dispatch::{ChannelSlot, Dispatch};
 #[cfg(test)]
-pub(crate) use dispatch::{INJECTED_FAULTS, QUEUE_ANYWAY};
+pub(crate) use dispatch::QUEUE_ANYWAY;
+use dispatch::{ChannelSlot, Dispatch};
 
 /// Longest back-off between rounds while every rank waits on another.
 const MAX_BACKOFF: Duration = Duration::from_micros(500);
@@ -81,6 +80,25 @@ struct Pending {
     reported: bool,
 }
 
+/// Closes the engine's gate when the control thread ends, however it ends (see
+/// [`Control::run`]).
+struct CloseOnExit(Arc<Inner>);
+
+impl Drop for CloseOnExit {
+    fn drop(&mut self) {
+        let reason = if std::thread::panicking() {
+            format!(
+                "the engine's control thread on rank {} panicked (a bug in FastHorovod: please \
+                 report it)",
+                self.0.rank
+            )
+        } else {
+            "the engine stopped".into()
+        };
+        self.0.close(SchedulerError::ShutDown { reason });
+    }
+}
+
 /// How often a rank deferring its round under back-pressure looks at its channels again
 /// (besides being woken by a channel that drains).
 const BACKPRESSURE_POLL: Duration = Duration::from_millis(1);
@@ -96,7 +114,9 @@ pub(crate) struct Control {
     table: Table,
     dispatch: Dispatch,
     local_shutdown: bool,
-    join_cells: Vec<Arc<Completion>>,
+    /// Why this rank asked to shut down, told to the others in the agreed shutdown.
+    shutdown_reason: Option<String>,
+    join_cells: Vec<Resolver>,
     joined: bool,
     joined_set: Vec<bool>,
     /// The rank that joined last (highest rank among those that joined in the same round).
@@ -165,6 +185,7 @@ impl Control {
                 for ex in executors {
                     let (tx, rx) = crossbeam_channel::unbounded::<Job>();
                     let name = format!("fh-channel-{}-{}", inner.rank, ex.channel);
+                    let rank = inner.rank;
                     let slot = Arc::new(ChannelSlot {
                         exec: Mutex::new(ex),
                         outstanding: AtomicUsize::new(0),
@@ -174,6 +195,13 @@ impl Control {
                         .name(name)
                         .spawn(move || {
                             while let Ok(job) = rx.recv() {
+                                if crate::inject::hit(
+                                    rank,
+                                    crate::inject::Point::ChannelPanic,
+                                    dispatch::job_name(&job),
+                                ) {
+                                    panic!("injected panic on a channel thread");
+                                }
                                 crate::shared::lock(&slot.exec).run(job);
                                 slot.outstanding.fetch_sub(1, Ordering::Release);
                             }
@@ -207,6 +235,7 @@ impl Control {
             table: Table::default(),
             dispatch,
             local_shutdown: false,
+            shutdown_reason: None,
             join_cells: Vec::new(),
             joined: false,
             fresh: false,
@@ -225,6 +254,10 @@ impl Control {
 
     /// The thread body.
     pub(crate) fn run(mut self) {
+        // Dropped before `self` (locals go before parameters), also when the loop panics: the
+        // gate is closed first, so that every resolver `self` still holds resolves its handle
+        // with the stop reason as it drops.
+        let _close = CloseOnExit(Arc::clone(&self.inner));
         let outcome = self.main_loop();
         let err = match outcome {
             Ok(reason) => SchedulerError::ShutDown { reason },
@@ -236,25 +269,27 @@ impl Control {
             }
         };
         self.inner.close(err.clone());
+        self.abort_communicators(&err);
         // Whatever was submitted and not negotiated fails now, including submissions that
         // raced with the close.
         for (_, p) in std::mem::take(&mut self.pending) {
-            self.inner
-                .finish(&p.entry.req.name, &p.entry.cell, Err(err.clone()));
+            p.entry.cell.resolve(Err(err.clone()));
         }
         while let Ok(msg) = self.rx.try_recv() {
             match msg {
-                Msg::Submit(e) => self.inner.finish(&e.req.name, &e.cell, Err(err.clone())),
-                Msg::Join(c) => c.complete(Err(err.clone())),
-                Msg::Shutdown | Msg::Wake => {}
+                Msg::Submit(e) => e.cell.resolve(Err(err.clone())),
+                Msg::Join(c) => c.resolve(Err(err.clone())),
+                Msg::Shutdown(_) | Msg::Wake => {}
             }
         }
         for c in self.join_cells.drain(..) {
-            c.complete(Err(err.clone()));
+            c.resolve(Err(err.clone()));
         }
         // Let the channels finish what every rank dispatched, then stop them.
         if let Dispatch::Workers {
-            queues, threads, ..
+            queues,
+            threads,
+            slots,
         } = std::mem::replace(
             &mut self.dispatch,
             Dispatch::Workers {
@@ -269,8 +304,36 @@ impl Control {
                     tracing::error!(rank = self.inner.rank, "a channel thread panicked");
                 }
             }
+            // The channels that were busy above are free now.
+            if let Some(lost) = err.lost_rank() {
+                for slot in &slots {
+                    if let Some(mut ex) = slot.try_exec() {
+                        ex.comm.abort(lost);
+                    }
+                }
+            }
         }
         tracing::debug!(rank = self.inner.rank, "control thread stopped");
+    }
+
+    /// Stopping because a rank was lost: tell the peers on every communicator this rank can
+    /// reach (a channel busy in a collective fails on its own), so that a rank that stops
+    /// because of another is never blamed for it.
+    fn abort_communicators(&mut self, err: &SchedulerError) {
+        let Some(lost) = err.lost_rank() else {
+            return;
+        };
+        self.comm.abort(lost);
+        match &mut self.dispatch {
+            Dispatch::Inline(ex) => ex.comm.abort(lost),
+            Dispatch::Workers { slots, .. } => {
+                for slot in slots.iter() {
+                    if let Some(mut ex) = slot.try_exec() {
+                        ex.comm.abort(lost);
+                    }
+                }
+            }
+        }
     }
 
     fn main_loop(&mut self) -> Result<String, SchedulerError> {
@@ -278,12 +341,28 @@ impl Control {
             if let Some(e) = self.inner.failure() {
                 return Err(e);
             }
+            self.check_orphans();
             self.wait();
             if let Some(e) = self.inner.failure() {
                 return Err(e);
             }
             if let Some(reason) = self.round()? {
                 return Ok(reason);
+            }
+        }
+    }
+
+    /// A completion dropped unresolved while the engine runs (a result lost: a bug) stops the
+    /// engine on every rank through the agreed fault, naming this rank and the tensor; the
+    /// close then resolves the orphan's handle with that error.
+    fn check_orphans(&mut self) {
+        if self.fault.is_none() {
+            if let Some(name) = self.inner.orphaned() {
+                tracing::error!(rank = self.inner.rank, %name, "an operation's result was lost; stopping the engine on every rank");
+                self.fault = Some((
+                    name.to_string(),
+                    "internal error: its result was lost before it completed".into(),
+                ));
             }
         }
     }
@@ -308,8 +387,11 @@ impl Control {
                 self.join_cells.push(cell);
                 self.fresh = true;
             }
-            Msg::Shutdown => {
+            Msg::Shutdown(reason) => {
                 self.local_shutdown = true;
+                if self.shutdown_reason.is_none() {
+                    self.shutdown_reason = reason;
+                }
                 self.fresh = true;
             }
             Msg::Wake => {}

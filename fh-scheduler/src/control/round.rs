@@ -95,11 +95,11 @@ impl Control {
             return Err(err);
         }
         if agreed.status(Status::Shutdown) {
-            return Ok(Some(if self.local_shutdown {
-                "shutdown requested on this rank".into()
-            } else {
-                "shutdown requested by another rank".into()
-            }));
+            // Every rank learns who asked and why (one exchange, at the end of the job).
+            let mine = shutdown::encode(self.local_shutdown, self.shutdown_reason.as_deref());
+            self.add_bytes(mine.len());
+            let all = collect::allgather_blobs(self.comm.as_mut(), &mine)?;
+            return Ok(Some(shutdown::describe(&all, self.inner.rank, |r| r)));
         }
 
         // 3. Readiness reports for rank 0's timeline (only while it writes one).
@@ -220,7 +220,7 @@ impl Control {
         if all_joined {
             let last = self.last_joined.take().unwrap_or(self.inner.rank) as i64;
             for c in self.join_cells.drain(..) {
-                c.complete(Ok(Tensor::from_slice(&[last])));
+                c.resolve(Ok(Tensor::from_slice(&[last])));
             }
             self.joined = false;
         }

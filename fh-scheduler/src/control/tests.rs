@@ -22,10 +22,7 @@ fn a_local_fault_stops_every_rank_with_the_same_error() {
     ];
     for (k, inline, preset) in cases {
         let name = format!("faulty-{k}-{inline}-{preset:?}");
-        INJECTED_FAULTS
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((1, name.clone()));
+        crate::inject::arm(1, crate::inject::Point::TakeTensor, &name);
         let threads: Vec<_> = LocalWorld::with_timeout(3, Duration::from_secs(10))
             .into_iter()
             .map(|t| {

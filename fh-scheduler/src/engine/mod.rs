@@ -76,14 +76,27 @@ impl Engine {
         };
         let wire = Wire::of(transport.backend(), topo.cross_size);
         let mut control = transport.open("fh-control")?;
-        crate::config::agree(control.as_mut(), &config, wire)?;
         let k = config.effective_channels();
         let mut data = Vec::with_capacity(k);
-        for c in 0..k {
-            data.push(transport.open(&format!("fh-channel-{c}"))?);
-        }
-        let (gpu, devices) =
-            crate::gpu::open(transport.as_mut(), control.as_mut(), &config, topo, k)?;
+        let opened = crate::config::agree(control.as_mut(), &config, wire).and_then(|()| {
+            for c in 0..k {
+                data.push(transport.open(&format!("fh-channel-{c}"))?);
+            }
+            crate::gpu::open(transport.as_mut(), control.as_mut(), &config, topo, k)
+        });
+        let (gpu, devices) = match opened {
+            Ok(g) => g,
+            Err(e) => {
+                // A rank lost during start-up: the peers blame it, not this rank.
+                if let Some(lost) = e.lost_rank() {
+                    control.abort(lost);
+                    for d in &mut data {
+                        d.abort(lost);
+                    }
+                }
+                return Err(e);
+            }
+        };
         let timeline = match (&config.timeline, topo.rank) {
             (Some(path), 0) => match Timeline::create(path, k) {
                 Ok(t) => Some(Arc::new(t)),
@@ -102,7 +115,11 @@ impl Engine {
             size: topo.size,
             pacing: config.pacing(topo.size, wire),
             config: config.clone(),
-            gate: Mutex::new(Gate { closed: None, tx }),
+            gate: Mutex::new(Gate {
+                closed: None,
+                tx,
+                orphans: Vec::new(),
+            }),
             in_flight: Mutex::new(HashSet::new()),
             counters: Counters::default(),
             stalls: Mutex::new(Vec::new()),
@@ -157,7 +174,15 @@ impl Engine {
     /// Shut the engine down through a shared reference (as [`Engine::shutdown`]; for an
     /// engine held in an `Arc`). Later submissions fail with [`SchedulerError::ShutDown`].
     pub fn close(&self) -> Result<(), SchedulerError> {
-        self.stop()
+        self.stop(None)
+    }
+
+    /// Shut the engine down as [`Engine::close`] does, telling the other ranks why: their
+    /// engines stop with an error naming this rank and `reason` (for example "raised
+    /// ValueError: bad batch"), so that a rank that leaves because of a failure is named as
+    /// the cause on every rank.
+    pub fn close_with_reason(&self, reason: &str) -> Result<(), SchedulerError> {
+        self.stop(Some(reason.to_string()))
     }
 
     /// This rank.
@@ -263,11 +288,11 @@ impl Engine {
     /// [`SchedulerError::ShutDown`], the threads are joined. Returns the communication error
     /// that stopped the engine, if one did.
     pub fn shutdown(self) -> Result<(), SchedulerError> {
-        self.stop()
+        self.stop(None)
     }
 
-    fn stop(&self) -> Result<(), SchedulerError> {
-        let _ = self.inner.send(Msg::Shutdown);
+    fn stop(&self, reason: Option<String>) -> Result<(), SchedulerError> {
+        let _ = self.inner.send(Msg::Shutdown(reason));
         let handle = lock(&self.control).take();
         if let Some(h) = handle {
             if h.join().is_err() {
@@ -286,7 +311,7 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        let _ = self.stop();
+        let _ = self.stop(None);
     }
 }
 

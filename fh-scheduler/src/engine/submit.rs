@@ -11,7 +11,7 @@ use fh_core::{kernels, DType, ReduceOp};
 use super::Engine;
 use crate::handle::{Completion, GroupHandle, Handle};
 use crate::options::{no_reduction, AllreduceOptions, CollectiveOptions};
-use crate::shared::{Entry, Msg};
+use crate::shared::{Entry, Msg, Resolver};
 use crate::{SchedulerError, Tensor};
 
 impl Engine {
@@ -122,7 +122,7 @@ impl Engine {
             req,
             tensor,
             splits,
-            cell: Arc::clone(&cell),
+            cell: Resolver::new(&self.inner, Arc::clone(&name), Arc::clone(&cell)),
             submitted: Instant::now(),
         };
         Ok((entry, Handle::new(name, cell)))
@@ -344,7 +344,9 @@ impl Engine {
     /// the same negotiation round, the highest). Do not submit on this rank until then.
     pub fn join(&self) -> Result<Handle, SchedulerError> {
         let cell = Completion::new();
-        self.inner.send(Msg::Join(Arc::clone(&cell)))?;
+        let mut resolver = Resolver::untracked(&self.inner, "__join".into(), Arc::clone(&cell));
+        resolver.arm();
+        self.inner.send(Msg::Join(resolver))?;
         Ok(Handle::new("__join".into(), cell))
     }
 }

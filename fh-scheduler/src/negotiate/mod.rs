@@ -7,6 +7,7 @@
 //!   rank (that has not joined) asked;
 //! - [`stall`]: which names some ranks have submitted and others have not, for how long;
 //! - [`fault`]: the agreed error when a rank cannot run a negotiated tensor;
+//! - [`shutdown`]: which ranks asked for an agreed shutdown, and why;
 //! - [`readiness`]: rank 0's record, while it writes a timeline, of when each rank had each
 //!   tensor ready (from the readiness reports).
 //!
@@ -16,4 +17,5 @@ pub(crate) mod collect;
 pub(crate) mod coordinator;
 pub(crate) mod fault;
 pub(crate) mod readiness;
+pub(crate) mod shutdown;
 pub(crate) mod stall;

@@ -99,23 +99,28 @@ pub(super) fn init(py: Python<'_>) -> PyResult<()> {
 }
 
 /// Shut the runtime down (collective); pending operations fail. A no-op when not running.
+///
+/// `reason` is told to the other ranks, whose engines stop with an error naming this rank
+/// and the reason ("rank 1 shut down: raised ValueError: ..."), when they still had work.
+/// Stops the engine at once even while another thread is inside a call (its operations fail).
 #[pyfunction]
-pub(super) fn shutdown(py: Python<'_>) -> PyResult<()> {
-    let prev = std::mem::replace(
-        &mut *state(),
-        State::ShutDown("hvd.shutdown() was called".into()),
-    );
+#[pyo3(signature = (reason = None))]
+pub(super) fn shutdown(py: Python<'_>, reason: Option<String>) -> PyResult<()> {
+    let why = reason
+        .clone()
+        .unwrap_or_else(|| "hvd.shutdown() was called".into());
+    let prev = std::mem::replace(&mut *state(), State::ShutDown(why));
     let sets = SETS.lock().unwrap_or_else(|p| p.into_inner()).take();
     match prev {
         State::Running(engine, _) => {
             let r = py.detach(move || {
                 // The sets first (each shutdown is agreed among its members), then the world.
                 let r = sets.map_or(Ok(()), |s| s.close_all());
-                r.and(match Arc::try_unwrap(engine) {
-                    Ok(e) => e.shutdown(),
-                    // Another thread is inside a call; the engine stops when it lets go.
-                    Err(_) => Ok(()),
-                })
+                let stopped = match &reason {
+                    Some(why) => engine.close_with_reason(why),
+                    None => engine.close(),
+                };
+                r.and(stopped)
             });
             r.map_err(to_py)
         }

@@ -80,7 +80,7 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_ranks(script, n, transport, timeout):
+def run_ranks(script, n, transport, timeout, args=()):
     """Run ``script`` as ``n`` ranks on this host (the FH_* environment a launcher gives);
     returns the processes and their outputs. Every wait is bounded; leftovers are killed."""
     port = free_port()
@@ -91,7 +91,7 @@ def run_ranks(script, n, transport, timeout):
                    FH_LOCAL_SIZE=str(n), FH_CROSS_RANK="0", FH_CROSS_SIZE="1",
                    FH_RENDEZVOUS_ADDR=f"127.0.0.1:{port}", FH_JOB_TOKEN=token,
                    FH_TRANSPORT=transport, FH_TIMEOUT_SECONDS="20")
-        procs.append(subprocess.Popen([PYTHON, str(script)], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([PYTHON, str(script), *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
     outs = []

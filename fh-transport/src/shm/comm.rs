@@ -695,6 +695,19 @@ impl Communicator for ShmComm {
         }
         self.guarded(|c| c.barrier_inner())
     }
+
+    fn abort(&mut self, lost: usize) {
+        if self.broken.is_some() {
+            return;
+        }
+        self.broken = Some(format!("this rank gave up after losing rank {lost}"));
+        let info = self.seg.info(self.rank);
+        if lost != self.rank && (lost as u32) < BLAME_RANK {
+            info.blame.store(lost as u32 + 1, Relaxed);
+        }
+        info.state.store(ST_ABORTED, Release);
+        self.notify_others();
+    }
 }
 
 #[cfg(test)]

@@ -536,4 +536,11 @@ impl Communicator for TcpComm {
     ) -> Result<()> {
         self.transfer("send_recv", Some((to, send)), Some((from, recv)))
     }
+
+    fn abort(&mut self, lost: usize) {
+        self.give_up(&TransportError::PeerLost {
+            rank: lost,
+            detail: format!("this rank gave up on communicator '{}'", self.label),
+        });
+    }
 }

@@ -6,6 +6,7 @@ Horovod training script stays as it is. Launch with ``fhrun -np N python train.p
 """
 
 import atexit
+import sys
 
 from fasthorovod import _core
 from fasthorovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
@@ -60,12 +61,48 @@ def init(comm=None, process_sets=None):
 
 def shutdown():
     """Stop the runtime (every rank should call it; also done at interpreter exit).
-    Pending operations fail."""
+    Pending operations fail; on the other ranks, operations that needed this rank fail with
+    an error naming it."""
     _forget_sets()
-    _core.shutdown()
+    _core.shutdown("hvd.shutdown() was called")
 
 
-atexit.register(shutdown)
+# Why this process is leaving, told to the other ranks when the runtime shuts down: set by
+# the exception hook below, else "the process exited".
+_exit_reason = None
+
+
+def _shutdown_at_exit():
+    _forget_sets()
+    _core.shutdown(_exit_reason or "the process exited")
+
+
+atexit.register(_shutdown_at_exit)
+
+
+def _describe(kind, value):
+    lines = str(value).strip().splitlines()
+    text = f"raised {kind.__name__}"
+    return f"{text}: {lines[0][:200]}" if lines else text
+
+
+def _excepthook(kind, value, tb, _previous=sys.excepthook):
+    """An uncaught exception: print it as Python does, then shut the runtime down at once,
+    telling the other ranks which exception this rank raised (they fail at once with an error
+    naming this rank, instead of waiting for this interpreter to finish exiting)."""
+    global _exit_reason
+    _previous(kind, value, tb)
+    if _exit_reason is None:
+        _exit_reason = _describe(kind, value)
+    try:
+        if _core.is_initialized():
+            _forget_sets()
+            _core.shutdown(_exit_reason)
+    except Exception:  # the engine had stopped already: the others know why
+        pass
+
+
+sys.excepthook = _excepthook
 
 
 def is_initialized():
@@ -169,4 +206,4 @@ def stop_timeline():
     _core.stop_timeline()
 
 
-__all__ = [name for name in dir() if not name.startswith("_") and name != "atexit"]
+__all__ = [name for name in dir() if not name.startswith("_") and name not in ("atexit", "sys")]
