@@ -93,8 +93,8 @@ impl Control {
         if inject::hit(self.inner.rank, Point::TakeTensor, &r.name) {
             return Err("injected allocation failure".into());
         }
-        if let Some(seq) = self.by_name.remove(&*r.name) {
-            if let Some(p) = self.pending.remove(&seq) {
+        if let Some(seq) = self.work.by_name.remove(&*r.name) {
+            if let Some(p) = self.work.pending.remove(&seq) {
                 return Ok(Source::Submitted(seq, p));
             }
         }
@@ -108,8 +108,8 @@ impl Control {
     pub(super) fn put_back(&mut self, taken: Vec<Source>) {
         for src in taken {
             if let Source::Submitted(seq, p) = src {
-                self.by_name.insert(Arc::clone(&p.entry.req.name), seq);
-                self.pending.insert(seq, p);
+                self.work.by_name.insert(Arc::clone(&p.entry.req.name), seq);
+                self.work.pending.insert(seq, p);
             }
         }
     }

@@ -52,6 +52,7 @@ use crate::{Preset, SchedulerError, Tensor};
 
 mod dispatch;
 mod groups;
+mod in_flight;
 mod round;
 #[cfg(test)]
 mod tests;
@@ -59,26 +60,10 @@ mod tests;
 #[cfg(test)]
 pub(crate) use dispatch::QUEUE_ANYWAY;
 use dispatch::{ChannelSlot, Dispatch};
+use in_flight::{Announce, InFlight, Pending};
 
 /// Longest back-off between rounds while every rank waits on another.
 const MAX_BACKOFF: Duration = Duration::from_micros(500);
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Announce {
-    /// Not yet sent to the coordinator.
-    New,
-    /// Sent to the coordinator; waiting for the response.
-    Sent,
-    /// Ready everywhere, held until the rest of its group is ready.
-    Held,
-}
-
-struct Pending {
-    entry: Entry,
-    state: Announce,
-    /// Already in a readiness report to rank 0 (timeline).
-    reported: bool,
-}
 
 /// Closes the engine's gate when the control thread ends, however it ends (see
 /// [`Control::run`]).
@@ -108,15 +93,13 @@ pub(crate) struct Control {
     comm: Box<dyn Communicator>,
     rx: Receiver<Msg>,
     cache: ResponseCache,
-    pending: BTreeMap<u64, Pending>,
-    by_name: HashMap<Arc<str>, u64>,
-    seq: u64,
+    /// What this rank submitted and the engine has not completed: its one owner.
+    work: InFlight,
     table: Table,
     dispatch: Dispatch,
     local_shutdown: bool,
     /// Why this rank asked to shut down, told to the others in the agreed shutdown.
     shutdown_reason: Option<String>,
-    join_cells: Vec<Resolver>,
     joined: bool,
     joined_set: Vec<bool>,
     /// The rank that joined last (highest rank among those that joined in the same round).
@@ -132,10 +115,6 @@ pub(crate) struct Control {
     /// The channels idle on every rank when this round started (agreed in the round's bit
     /// vector): the planner puts the round's fused groups there.
     idle_channels: u64,
-    /// Members of grouped submissions ready everywhere, waiting for the rest of their group.
-    held: BTreeMap<String, Vec<Arc<Response>>>,
-    /// Groups with a failed member: the error and the members still to come.
-    failed_groups: HashMap<String, (SchedulerError, u32)>,
     /// A local inconsistency met while dispatching (tensor name, what went wrong): raised in
     /// the next round so that every rank stops with the same error.
     fault: Option<(String, String)>,
@@ -229,14 +208,11 @@ impl Control {
             inner,
             comm,
             rx,
-            pending: BTreeMap::new(),
-            by_name: HashMap::new(),
-            seq: 0,
             table: Table::default(),
             dispatch,
+            work: InFlight::default(),
             local_shutdown: false,
             shutdown_reason: None,
-            join_cells: Vec::new(),
             joined: false,
             fresh: false,
             last_progress: false,
@@ -246,8 +222,6 @@ impl Control {
             plan_opts,
             load: ChannelLoad::new(plan_opts.channels),
             idle_channels: 0,
-            held: BTreeMap::new(),
-            failed_groups: HashMap::new(),
             fault: None,
         })
     }
@@ -272,19 +246,10 @@ impl Control {
         self.abort_communicators(&err);
         // Whatever was submitted and not negotiated fails now, including submissions that
         // raced with the close.
-        for (_, p) in std::mem::take(&mut self.pending) {
-            p.entry.cell.resolve(Err(err.clone()));
-        }
         while let Ok(msg) = self.rx.try_recv() {
-            match msg {
-                Msg::Submit(e) => e.cell.resolve(Err(err.clone())),
-                Msg::Join(c) => c.resolve(Err(err.clone())),
-                Msg::Shutdown(_) | Msg::Wake => {}
-            }
+            self.accept(msg);
         }
-        for c in self.join_cells.drain(..) {
-            c.resolve(Err(err.clone()));
-        }
+        self.work.fail_all(&err);
         // Let the channels finish what every rank dispatched, then stop them.
         if let Dispatch::Workers {
             queues,
@@ -370,21 +335,12 @@ impl Control {
     fn accept(&mut self, msg: Msg) {
         match msg {
             Msg::Submit(entry) => {
-                self.seq += 1;
-                self.by_name.insert(Arc::clone(&entry.req.name), self.seq);
-                self.pending.insert(
-                    self.seq,
-                    Pending {
-                        entry: *entry,
-                        state: Announce::New,
-                        reported: false,
-                    },
-                );
+                self.work.add(*entry);
                 self.fresh = true;
             }
             Msg::Join(cell) => {
                 self.joined = true;
-                self.join_cells.push(cell);
+                self.work.join_cells.push(cell);
                 self.fresh = true;
             }
             Msg::Shutdown(reason) => {
@@ -474,7 +430,7 @@ impl Control {
             }
             return;
         }
-        if !self.pending.is_empty() || self.joined {
+        if !self.work.pending.is_empty() || self.joined {
             // Announced work is pending here. Sit in the next round (a blocking collective)
             // so that a peer's submission completes it at once; back off briefly only while
             // rounds make no progress, so ranks waiting on each other do not spin.

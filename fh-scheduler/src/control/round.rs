@@ -36,7 +36,7 @@ impl Control {
         let mut uncached = false;
         let mut invalid = Vec::new();
         let mut oldest = Duration::ZERO;
-        for p in self.pending.values() {
+        for p in self.work.pending.values() {
             oldest = oldest.max(start.saturating_duration_since(p.entry.submitted));
             if p.state == Announce::Held {
                 continue;
@@ -70,7 +70,7 @@ impl Control {
         vec.set_status(Status::Invalidated, !invalid.is_empty());
         vec.set_status(Status::Stalled, stall_due);
         vec.set_status(Status::Joined, self.joined);
-        vec.set_status(Status::Pending, !self.pending.is_empty());
+        vec.set_status(Status::Pending, !self.work.pending.is_empty());
         vec.set_status(Status::Fault, self.fault.is_some());
         vec.set_status(Status::Trace, self.tracing());
 
@@ -176,7 +176,7 @@ impl Control {
         if coordinate {
             Counters::add(&self.inner.counters.coordinator_rounds, 1);
             let mut mine = Vec::new();
-            for p in self.pending.values_mut() {
+            for p in self.work.pending.values_mut() {
                 if p.state == Announce::New
                     && self.cache.lookup(
                         &p.entry.req.name,
@@ -219,7 +219,7 @@ impl Control {
         // 9. Join completes once everybody has joined.
         if all_joined {
             let last = self.last_joined.take().unwrap_or(self.inner.rank) as i64;
-            for c in self.join_cells.drain(..) {
+            for c in self.work.join_cells.drain(..) {
                 c.resolve(Ok(Tensor::from_slice(&[last])));
             }
             self.joined = false;
@@ -279,7 +279,7 @@ impl Control {
     pub(super) fn report_readiness(&mut self) -> Result<(), SchedulerError> {
         let now = Instant::now();
         let mut mine = Vec::new();
-        for p in self.pending.values_mut() {
+        for p in self.work.pending.values_mut() {
             if !p.reported && p.state != Announce::Held {
                 p.reported = true;
                 let age = now.saturating_duration_since(p.entry.submitted);
@@ -351,6 +351,7 @@ impl Control {
     /// Compare pending names across ranks and report those some ranks lack.
     pub(super) fn inspect_stall(&mut self, now: Instant) -> Result<(), SchedulerError> {
         let mine: Vec<(String, u64)> = self
+            .work
             .pending
             .values()
             .map(|p| {
