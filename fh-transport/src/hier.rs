@@ -137,7 +137,10 @@ pub fn connect_auto(info: &LaunchInfo) -> Result<Box<dyn Transport>> {
 }
 
 /// [`connect_auto`] over a world whose rendezvous is done (every rank passes its own).
-pub(crate) fn connect_auto_over(tcp: TcpTransport, info: &LaunchInfo) -> Result<Box<dyn Transport>> {
+pub(crate) fn connect_auto_over(
+    tcp: TcpTransport,
+    info: &LaunchInfo,
+) -> Result<Box<dyn Transport>> {
     match HierTransport::setup(tcp, info, false)? {
         Setup::Hier(t) => Ok(t),
         Setup::Tcp(t, why) => {

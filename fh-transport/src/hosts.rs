@@ -308,7 +308,10 @@ struct Reader<'a> {
 impl Reader<'_> {
     fn take<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
         let end = self.pos + N;
-        let bytes = self.buf.get(self.pos..end).ok_or(DecodeError::NeedMore(end))?;
+        let bytes = self
+            .buf
+            .get(self.pos..end)
+            .ok_or(DecodeError::NeedMore(end))?;
         self.pos = end;
         let mut out = [0u8; N];
         out.copy_from_slice(bytes);
@@ -317,7 +320,10 @@ impl Reader<'_> {
 
     fn text(&mut self, len: usize) -> Result<String, DecodeError> {
         let end = self.pos + len;
-        let bytes = self.buf.get(self.pos..end).ok_or(DecodeError::NeedMore(end))?;
+        let bytes = self
+            .buf
+            .get(self.pos..end)
+            .ok_or(DecodeError::NeedMore(end))?;
         self.pos = end;
         String::from_utf8(bytes.to_vec())
             .map_err(|_| DecodeError::Invalid("a host identity that is not UTF-8".into()))
@@ -403,21 +409,43 @@ fn ranges(ranks: &[usize]) -> String {
     parts.join(", ")
 }
 
+fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
 /// The hosts as the facts see them, for messages.
 fn describe(hosts: &[Vec<usize>], places: &[Place]) -> String {
     let mut parts: Vec<String> = hosts
         .iter()
         .take(LISTED)
-        .map(|h| format!("ranks {} on {:?}", ranges(h), places[h[0]].host.as_str()))
+        .map(|h| {
+            let who = if h.len() == 1 { "rank" } else { "ranks" };
+            format!("{who} {} on {:?}", ranges(h), places[h[0]].host.as_str())
+        })
         .collect();
     if hosts.len() > LISTED {
-        parts.push(format!("and {} more hosts", hosts.len() - LISTED));
+        parts.push(format!(
+            "and {} more",
+            plural(hosts.len() - LISTED, "host", "hosts")
+        ));
     }
-    format!("{} host(s): {}", hosts.len(), parts.join("; "))
+    format!(
+        "{}: {}",
+        plural(hosts.len(), "host", "hosts"),
+        parts.join("; ")
+    )
 }
 
-fn contradiction(what: &Claim, detail: String, hosts: &[Vec<usize>], places: &[Place]) -> Contradiction {
-    let facts = if places.iter().any(|p| p.host.as_str().starts_with(HOST_ID_VAR)) {
+fn contradiction(
+    what: &Claim,
+    detail: String,
+    hosts: &[Vec<usize>],
+    places: &[Place],
+) -> Contradiction {
+    let facts = if places
+        .iter()
+        .any(|p| p.host.as_str().starts_with(HOST_ID_VAR))
+    {
         "FH_HOST_ID and the host facts (host name, boot id, /dev/shm, pid namespace)"
     } else {
         "the host facts (host name, boot id, /dev/shm, pid namespace)"
@@ -425,11 +453,11 @@ fn contradiction(what: &Claim, detail: String, hosts: &[Vec<usize>], places: &[P
     Contradiction {
         var: what.vars.clone(),
         reason: format!(
-            "the launcher's {vars} contradict the hosts the ranks run on: {detail}, but by \
-             {facts} the job has {}. Every rank stops here rather than choose a transport on a \
-             wrong picture of the hosts. Fix: set FH_HOST_ID on every rank to a name shared by \
-             exactly the ranks of one host (e.g. FH_HOST_ID=$(hostname)) if the facts are wrong, \
-             or fix (or unset) {vars} in the launcher if the launcher is",
+            "the launcher's {vars} contradict the hosts the ranks run on: {detail}. By {facts} \
+             the job has {}. Every rank stops here rather than choose a transport on a wrong \
+             picture of the hosts. Fix: if the facts are wrong, set FH_HOST_ID on every rank to \
+             a name shared by exactly the ranks of one host (e.g. FH_HOST_ID=$(hostname)); if \
+             the launcher is wrong, fix or unset {vars}",
             describe(hosts, places),
             vars = what.vars.replace('/', " and "),
         ),
@@ -464,12 +492,16 @@ pub fn settle(places: &[Place]) -> Result<Layout, Contradiction> {
         let n = hosts[host_of[r]].len();
         if c.size != n || c.rank >= c.size {
             let detail = format!(
-                "rank {r} has {}={} ({} rank(s) on its host), while {} rank(s) share its host \
-                 (ranks {})",
+                "rank {r} has {}={} and {}={}, but {} its host ({})",
+                c.rank_var(),
+                c.rank,
                 c.size_var(),
                 c.size,
-                c.size,
-                n,
+                if n == 1 {
+                    "it alone runs on".to_string()
+                } else {
+                    format!("{n} ranks share")
+                },
                 ranges(&hosts[host_of[r]])
             );
             return Err(contradiction(c, detail, &hosts, places));
@@ -502,11 +534,7 @@ pub fn settle(places: &[Place]) -> Result<Layout, Contradiction> {
                 let c = cross[r];
                 let first = cross[host[0]];
                 let detail = if c.size != hosts.len() || c.rank >= c.size {
-                    Some(format!(
-                        "rank {r} has {}={} hosts",
-                        c.size_var(),
-                        c.size
-                    ))
+                    Some(format!("rank {r} has {}={} hosts", c.size_var(), c.size))
                 } else if c.rank != first.rank {
                     Some(format!(
                         "ranks {} and {r} share a host but have {}={} and {}",

@@ -13,7 +13,11 @@ fn place(host: &str) -> Place {
 
 fn claimed(host: &str, local: (usize, usize)) -> Place {
     Place {
-        local: Some(Claim::new(local.0, local.1, ("FH_LOCAL_RANK", "FH_LOCAL_SIZE"))),
+        local: Some(Claim::new(
+            local.0,
+            local.1,
+            ("FH_LOCAL_RANK", "FH_LOCAL_SIZE"),
+        )),
         ..place(host)
     }
 }
@@ -107,9 +111,8 @@ fn a_local_size_against_the_facts_is_a_contradiction() {
     let c = settle(&places).unwrap_err();
     assert_eq!(c.var, "FH_LOCAL_RANK/FH_LOCAL_SIZE");
     for part in [
-        "rank 0 has FH_LOCAL_SIZE=4",
-        "2 rank(s) share its host (ranks 0-1)",
-        "2 host(s): ranks 0-1 on \"FH_HOST_ID=a\"; ranks 2-3 on \"FH_HOST_ID=b\"",
+        "rank 0 has FH_LOCAL_RANK=0 and FH_LOCAL_SIZE=4, but 2 ranks share its host (0-1)",
+        "2 hosts: ranks 0-1 on \"FH_HOST_ID=a\"; ranks 2-3 on \"FH_HOST_ID=b\"",
         "set FH_HOST_ID",
         "FH_LOCAL_RANK and FH_LOCAL_SIZE",
     ] {
@@ -123,18 +126,31 @@ fn a_local_size_against_the_facts_is_a_contradiction() {
 fn other_contradictions() {
     let dup = vec![claimed("a", (0, 2)), claimed("a", (0, 2))];
     let c = settle(&dup).unwrap_err();
-    assert!(c.reason.contains("ranks 0 and 1 both have FH_LOCAL_RANK=0"), "{}", c.reason);
+    assert!(
+        c.reason.contains("ranks 0 and 1 both have FH_LOCAL_RANK=0"),
+        "{}",
+        c.reason
+    );
     let cross = |h: usize, n: usize| Some(Claim::new(h, n, ("FH_CROSS_RANK", "FH_CROSS_SIZE")));
     let mut p = vec![place("a"), place("b")];
     p[0].cross = cross(0, 1);
     p[1].cross = cross(0, 1);
     let c = settle(&p).unwrap_err();
     assert_eq!(c.var, "FH_CROSS_RANK/FH_CROSS_SIZE");
-    assert!(c.reason.contains("rank 0 has FH_CROSS_SIZE=1 hosts"), "{}", c.reason);
+    assert!(
+        c.reason.contains("rank 0 has FH_CROSS_SIZE=1 hosts"),
+        "{}",
+        c.reason
+    );
     p[0].cross = cross(1, 2);
     p[1].cross = cross(1, 2);
     let c = settle(&p).unwrap_err();
-    assert!(c.reason.contains("on different hosts but both have FH_CROSS_RANK=1"), "{}", c.reason);
+    assert!(
+        c.reason
+            .contains("on different hosts but both have FH_CROSS_RANK=1"),
+        "{}",
+        c.reason
+    );
     let mut same = vec![place("a"), place("a")];
     same[0].cross = cross(0, 2);
     same[1].cross = cross(1, 2);
