@@ -25,6 +25,11 @@
 //! authenticates nothing. Rank 0 says so once on stderr, with the fix. `FH_REQUIRE_TOKEN=1`
 //! turns that fallback into an error.
 //!
+//! **Hosts.** The local and cross values a launcher gives are claims: every rank's host is
+//! settled from facts at the TCP rendezvous ([`crate::hosts`]; `FH_HOST_ID` names it instead),
+//! and a claim that contradicts them stops every rank at start-up. Without local values every
+//! rank is first assumed on one host ([`LaunchInfo::local_vars`] is then `None`).
+//!
 //! **The rendezvous address** must name an address of rank 0's host: a wildcard (`0.0.0.0`,
 //! `::`) would make rank 0 listen on every interface and is refused unless
 //! `FH_ALLOW_WILDCARD=1`.
