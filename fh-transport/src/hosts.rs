@@ -519,7 +519,7 @@ pub fn settle(places: &[Place]) -> Result<Layout, Contradiction> {
                     c.rank_var(),
                     c.rank
                 );
-                return Err(contradiction(c, detail, &[host.clone()], places));
+                return Err(contradiction(c, detail, std::slice::from_ref(host), places));
             }
             by_local[c.rank] = Some(r);
         }
