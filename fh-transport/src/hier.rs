@@ -121,8 +121,10 @@ impl HostLayout {
     }
 }
 
-/// Whether `FH_TRANSPORT=auto` should consider the hierarchical backend: several ranks on
-/// several hosts. The final choice is made collectively by [`connect_auto`].
+/// Whether the hierarchical backend is worth considering for this launch as its launcher
+/// describes it: several ranks on several hosts. (`FH_TRANSPORT=auto` decides from the hosts
+/// settled at the rendezvous instead, [`crate::hosts::choose`]; the final choice is made
+/// collectively by [`connect_auto`].)
 pub fn suits(info: &LaunchInfo) -> bool {
     info.size > 1 && info.cross_size > 1
 }

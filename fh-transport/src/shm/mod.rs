@@ -223,8 +223,9 @@ pub fn cleanup_stale_segments() -> Vec<String> {
     segment::cleanup_stale()
 }
 
-/// Whether `FH_TRANSPORT=auto` should use shared memory for this launch: several ranks, all on
-/// this host, and room in `/dev/shm` for a few communicators.
+/// Whether shared memory suits this launch as its launcher describes it: several ranks, all on
+/// this host, and room in `/dev/shm` for a few communicators. (`FH_TRANSPORT=auto` decides from
+/// the hosts settled at the rendezvous instead, [`crate::hosts::choose`].)
 pub fn suits(info: &LaunchInfo) -> bool {
     if info.size < 2 || info.cross_size != 1 || info.local_size != info.size {
         return false;
