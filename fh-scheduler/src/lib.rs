@@ -43,6 +43,7 @@
 //! | `FH_BACKPRESSURE_MAX_MS` | never defer a round longer than this, 0–1000 | 50 |
 //! | `FH_CUDA` | open the GPU path at start-up (`0`/`1`; every rank must agree) | 0 |
 //! | `FH_LOG_LEVEL` | validated here; the application installs the `tracing` subscriber | — |
+//! | `FH_LOG_COLOR` | colour in log lines: `auto` (only when stderr is a terminal), `always`, `never`; `NO_COLOR` wins ([`config::log_colour`]) | `auto` |
 //!
 //! Every rank must use the same schedule, channel count, cache capacity, fusion threshold,
 //! partition size, priority order, stall-shutdown time and back-pressure settings;

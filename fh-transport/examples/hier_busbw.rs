@@ -64,6 +64,8 @@ mod imp {
                 .env("FH_LOCAL_SIZE", per_host.to_string())
                 .env("FH_CROSS_RANK", (rank / per_host).to_string())
                 .env("FH_CROSS_SIZE", hosts.to_string())
+                // The simulated hosts share this machine: name them, or the facts say one host.
+                .env("FH_HOST_ID", format!("simulated-host-{}", rank / per_host))
                 .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
                 .env("FH_JOB_TOKEN", &token)
                 .stdin(Stdio::null())

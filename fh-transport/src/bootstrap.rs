@@ -25,6 +25,11 @@
 //! authenticates nothing. Rank 0 says so once on stderr, with the fix. `FH_REQUIRE_TOKEN=1`
 //! turns that fallback into an error.
 //!
+//! **Hosts.** The local and cross values a launcher gives are claims: every rank's host is
+//! settled from facts at the TCP rendezvous ([`crate::hosts`]; `FH_HOST_ID` names it instead),
+//! and a claim that contradicts them stops every rank at start-up. Without local values every
+//! rank is first assumed on one host ([`LaunchInfo::local_vars`] is then `None`).
+//!
 //! **The rendezvous address** must name an address of rank 0's host: a wildcard (`0.0.0.0`,
 //! `::`) would make rank 0 listen on every interface and is refused unless
 //! `FH_ALLOW_WILDCARD=1`.
@@ -149,6 +154,16 @@ pub struct LaunchInfo {
     pub launcher: Launcher,
     /// How long to wait for a peer before giving up (`FH_TIMEOUT_SECONDS`).
     pub timeout: Duration,
+    /// The host identity given in `FH_HOST_ID`, which replaces the one computed from facts
+    /// ([`crate::hosts::HostId`]); `None` when unset.
+    pub host_id: Option<String>,
+    /// The launcher's variables that gave [`LaunchInfo::local_rank`] and
+    /// [`LaunchInfo::local_size`] (rank variable, size variable); `None` when the launcher
+    /// gave none and the values are only assumed (every rank on one host).
+    pub local_vars: Option<(&'static str, &'static str)>,
+    /// The launcher's variables that gave [`LaunchInfo::cross_rank`] and
+    /// [`LaunchInfo::cross_size`]; `None` when they are only derived.
+    pub cross_vars: Option<(&'static str, &'static str)>,
 }
 
 impl fmt::Debug for LaunchInfo {
@@ -167,6 +182,9 @@ impl fmt::Debug for LaunchInfo {
             .field("allow_wildcard", &self.allow_wildcard)
             .field("launcher", &self.launcher)
             .field("timeout", &self.timeout)
+            .field("host_id", &self.host_id)
+            .field("local_vars", &self.local_vars)
+            .field("cross_vars", &self.cross_vars)
             .finish()
     }
 }
@@ -187,6 +205,21 @@ impl LaunchInfo {
             allow_wildcard: false,
             launcher: Launcher::Single,
             timeout: DEFAULT_TIMEOUT,
+            host_id: None,
+            local_vars: None,
+            cross_vars: None,
+        }
+    }
+
+    /// This launch with the topology `t` settled from the facts
+    /// ([`crate::hosts::settle`]) in place of the launcher's.
+    pub fn with_topology(&self, t: Topology) -> LaunchInfo {
+        LaunchInfo {
+            local_rank: t.local_rank,
+            local_size: t.local_size,
+            cross_rank: t.cross_rank,
+            cross_size: t.cross_size,
+            ..self.clone()
         }
     }
 
@@ -229,6 +262,7 @@ impl LaunchInfo {
             LaunchInfo::single()
         };
         info.timeout = timeout;
+        info.host_id = parse_host_id(&get)?;
         info.allow_wildcard = parse_flag(&get, "FH_ALLOW_WILDCARD")?;
         let require_token = parse_flag(&get, "FH_REQUIRE_TOKEN")?;
         info.check_topology()?;
@@ -398,7 +432,13 @@ fn derive_rest(
     size: usize,
     local: Option<(usize, usize)>,
     cross: (Option<usize>, Option<usize>),
+    vars: Vars,
 ) -> LaunchInfo {
+    let local_vars = local.and(vars.local);
+    let cross_vars = match cross {
+        (Some(_), Some(_)) => vars.cross,
+        _ => None,
+    };
     let (local_rank, local_size) = local.unwrap_or((rank, size));
     let ls = local_size.max(1);
     let cross_rank = cross.0.unwrap_or(rank / ls);
@@ -416,7 +456,37 @@ fn derive_rest(
         allow_wildcard: false,
         launcher,
         timeout: DEFAULT_TIMEOUT,
+        host_id: None,
+        local_vars,
+        cross_vars,
     }
+}
+
+/// The variables a launcher's local and cross values come from (when it sets them).
+#[derive(Default)]
+struct Vars {
+    local: Option<(&'static str, &'static str)>,
+    cross: Option<(&'static str, &'static str)>,
+}
+
+/// Longest `FH_HOST_ID` accepted, in bytes.
+pub const MAX_HOST_ID_LEN: usize = 255;
+
+fn parse_host_id(get: &Get<'_>) -> Result<Option<String>> {
+    let Some(v) = get("FH_HOST_ID") else {
+        return Ok(None);
+    };
+    let v = v.trim();
+    if v.len() > MAX_HOST_ID_LEN || !v.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(config(
+            "FH_HOST_ID",
+            format!(
+                "expected a name of at most {MAX_HOST_ID_LEN} printable ASCII characters without \
+                 spaces, shared by exactly the ranks of one host (e.g. the host name), got {v:?}"
+            ),
+        ));
+    }
+    Ok(Some(v.to_owned()))
 }
 
 fn local_pair(get: &Get<'_>, rank_var: &str, size_var: &str) -> Result<Option<(usize, usize)>> {
@@ -443,7 +513,11 @@ fn from_fhrun(get: &Get<'_>) -> Result<LaunchInfo> {
         parse_usize(get, "FH_CROSS_RANK")?,
         parse_usize(get, "FH_CROSS_SIZE")?,
     );
-    Ok(derive_rest(l, rank, size, local, cross))
+    let vars = Vars {
+        local: Some(("FH_LOCAL_RANK", "FH_LOCAL_SIZE")),
+        cross: Some(("FH_CROSS_RANK", "FH_CROSS_SIZE")),
+    };
+    Ok(derive_rest(l, rank, size, local, cross, vars))
 }
 
 fn from_openmpi(get: &Get<'_>) -> Result<LaunchInfo> {
@@ -455,7 +529,11 @@ fn from_openmpi(get: &Get<'_>) -> Result<LaunchInfo> {
         "OMPI_COMM_WORLD_LOCAL_RANK",
         "OMPI_COMM_WORLD_LOCAL_SIZE",
     )?;
-    Ok(derive_rest(l, rank, size, local, (None, None)))
+    let vars = Vars {
+        local: Some(("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")),
+        cross: None,
+    };
+    Ok(derive_rest(l, rank, size, local, (None, None), vars))
 }
 
 fn from_mpich(get: &Get<'_>) -> Result<LaunchInfo> {
@@ -463,7 +541,11 @@ fn from_mpich(get: &Get<'_>) -> Result<LaunchInfo> {
     let rank = require_usize(get, "PMI_RANK", l, "PMI_SIZE")?;
     let size = require_usize(get, "PMI_SIZE", l, "PMI_RANK")?;
     let local = local_pair(get, "MPI_LOCALRANKID", "MPI_LOCALNRANKS")?;
-    Ok(derive_rest(l, rank, size, local, (None, None)))
+    let vars = Vars {
+        local: Some(("MPI_LOCALRANKID", "MPI_LOCALNRANKS")),
+        cross: None,
+    };
+    Ok(derive_rest(l, rank, size, local, (None, None), vars))
 }
 
 /// Parse Slurm's `SLURM_TASKS_PER_NODE` (`"2(x3),1"`) and return the count of node `node`.
@@ -519,6 +601,7 @@ fn from_slurm(get: &Get<'_>) -> Result<LaunchInfo> {
             "SLURM_TASKS_PER_NODE",
         ],
     );
+    let local_size_var = spec.as_ref().map(|(name, _)| *name);
     let local_size = match spec {
         None => None,
         Some((name, spec)) => {
@@ -551,11 +634,16 @@ fn from_slurm(get: &Get<'_>) -> Result<LaunchInfo> {
             ))
         }
     };
-    let nodes = match first_set(get, &["SLURM_STEP_NUM_NODES", "SLURM_NNODES"]) {
-        Some((name, _)) => parse_usize(get, name)?,
+    let nodes_var = first_set(get, &["SLURM_STEP_NUM_NODES", "SLURM_NNODES"]).map(|(n, _)| n);
+    let nodes = match nodes_var {
+        Some(name) => parse_usize(get, name)?,
         None => None,
     };
-    Ok(derive_rest(l, rank, size, local, (node, nodes)))
+    let vars = Vars {
+        local: local_size_var.map(|s| ("SLURM_LOCALID", s)),
+        cross: nodes_var.map(|n| ("SLURM_NODEID", n)),
+    };
+    Ok(derive_rest(l, rank, size, local, (node, nodes), vars))
 }
 
 fn from_torchrun(get: &Get<'_>) -> Result<LaunchInfo> {
@@ -567,7 +655,11 @@ fn from_torchrun(get: &Get<'_>) -> Result<LaunchInfo> {
         parse_usize(get, "GROUP_RANK")?,
         parse_usize(get, "GROUP_WORLD_SIZE")?,
     );
-    Ok(derive_rest(l, rank, size, local, cross))
+    let vars = Vars {
+        local: Some(("LOCAL_RANK", "LOCAL_WORLD_SIZE")),
+        cross: Some(("GROUP_RANK", "GROUP_WORLD_SIZE")),
+    };
+    Ok(derive_rest(l, rank, size, local, cross, vars))
 }
 
 fn check_addr(var: &str, addr: &str) -> Result<()> {

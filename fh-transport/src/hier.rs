@@ -26,10 +26,11 @@
 //!
 //! # Layout
 //!
-//! `FH_CROSS_RANK` must be the index of the rank's host (`0..FH_CROSS_SIZE`, the number of
-//! hosts) and `FH_LOCAL_RANK`/`FH_LOCAL_SIZE` its place among the ranks of its host, as `fhrun`
-//! and [`LaunchInfo`] set them. [`HierTransport::connect`] checks this on every rank (one
-//! allgather over TCP) and fails with [`TransportError::Config`] if the ranks disagree;
+//! Which ranks share a host is settled from facts during the TCP rendezvous
+//! ([`crate::hosts`]; a launcher's `FH_CROSS_RANK`, `FH_LOCAL_RANK`/`FH_LOCAL_SIZE` that
+//! contradict them stop every rank there). [`HierTransport::connect`] then checks the layout on
+//! every rank (one allgather over TCP) and fails with [`TransportError::Config`] if the ranks
+//! disagree;
 //! `FH_TRANSPORT=auto` ([`connect_auto`]) then falls back to plain TCP instead, as it does when
 //! every host runs a single rank or `/dev/shm` lacks room somewhere.
 //!
@@ -120,8 +121,10 @@ impl HostLayout {
     }
 }
 
-/// Whether `FH_TRANSPORT=auto` should consider the hierarchical backend: several ranks on
-/// several hosts. The final choice is made collectively by [`connect_auto`].
+/// Whether the hierarchical backend is worth considering for this launch as its launcher
+/// describes it: several ranks on several hosts. (`FH_TRANSPORT=auto` decides from the hosts
+/// settled at the rendezvous instead, [`crate::hosts::choose`]; the final choice is made
+/// collectively by [`connect_auto`].)
 pub fn suits(info: &LaunchInfo) -> bool {
     info.size > 1 && info.cross_size > 1
 }
@@ -131,7 +134,16 @@ pub fn suits(info: &LaunchInfo) -> bool {
 /// `/dev/shm`; plain TCP otherwise. Every rank reaches the same decision (it is taken from one
 /// allgather).
 pub fn connect_auto(info: &LaunchInfo) -> Result<Box<dyn Transport>> {
-    match HierTransport::setup(info, false)? {
+    let tcp = TcpTransport::connect(info, TcpOptions::from_info(info))?;
+    connect_auto_over(tcp, info)
+}
+
+/// [`connect_auto`] over a world whose rendezvous is done (every rank passes its own).
+pub(crate) fn connect_auto_over(
+    tcp: TcpTransport,
+    info: &LaunchInfo,
+) -> Result<Box<dyn Transport>> {
+    match HierTransport::setup(tcp, info, false)? {
         Setup::Hier(t) => Ok(t),
         Setup::Tcp(t, why) => {
             tracing::info!(reason = %why, "FH_TRANSPORT=auto: using plain TCP between all ranks");
@@ -161,7 +173,8 @@ impl HierTransport {
     /// world. Fails with [`TransportError::Config`] when the ranks' `FH_CROSS_*`/`FH_LOCAL_*`
     /// do not describe a consistent layout.
     pub fn connect(info: &LaunchInfo) -> Result<HierTransport> {
-        match Self::setup(info, true)? {
+        let tcp = TcpTransport::connect(info, TcpOptions::from_info(info))?;
+        match Self::setup(tcp, info, true)? {
             Setup::Hier(t) => Ok(*t),
             Setup::Tcp(_, why) => Err(TransportError::Config {
                 var: "FH_TRANSPORT".into(),
@@ -170,8 +183,9 @@ impl HierTransport {
         }
     }
 
-    fn setup(info: &LaunchInfo, explicit: bool) -> Result<Setup> {
-        let mut tcp = TcpTransport::connect(info, TcpOptions::from_info(info))?;
+    fn setup(mut tcp: TcpTransport, info: &LaunchInfo, explicit: bool) -> Result<Setup> {
+        // Where the ranks sit is what the rendezvous settled from facts (`crate::hosts`).
+        let info = &info.with_topology(tcp.topology());
         let room = crate::shm::has_room(info.local_size);
         let mine = [
             info.cross_rank as u64,

@@ -16,7 +16,8 @@
 //! `FH_TRANSPORT` picks the backend — by default `auto`: [`shm`] when every rank is on one
 //! host, [`hier`] (shared memory within hosts, TCP between them) on several hosts, else [`tcp`],
 //! which meets the other ranks at rank 0's rendezvous address and authenticates every
-//! connection with the job token.
+//! connection with the job token. Which ranks share a host is settled from facts exchanged at
+//! that rendezvous ([`hosts`]), not taken from the launcher's word.
 //!
 //! ```no_run
 //! use fh_core::ReduceOp;
@@ -40,6 +41,7 @@ pub mod cuda;
 pub mod error;
 #[cfg(target_os = "linux")]
 pub mod hier;
+pub mod hosts;
 pub mod local;
 pub mod mpi;
 #[cfg(target_os = "linux")]
@@ -74,6 +76,7 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_REQUIRE_TOKEN",
     "FH_ALLOW_WILDCARD",
     "FH_TIMEOUT_SECONDS",
+    "FH_HOST_ID",
     "FH_SHM_SLOT_BYTES",
     "FH_MPI_THREAD_LEVEL",
     "FH_NCCL_LIBRARY",
@@ -87,13 +90,15 @@ pub const TRANSPORT_CHOICES: &str =
 /// and the backend chosen by `FH_TRANSPORT` (`auto` — the default — or `tcp`, `shm`, `hier`,
 /// `mpi`, `local`), and connect.
 ///
-/// `auto` picks shared memory when every rank is on this host and `/dev/shm` has room
-/// ([`shm::suits`]); on several hosts ([`hier::suits`]) the hierarchical backend — shared
-/// memory within each host, TCP between hosts — when some host runs several ranks and the
-/// ranks agree on the host layout ([`hier::connect_auto`] decides on every rank alike); TCP
-/// otherwise. `hier` asks for the hierarchical backend explicitly (Linux; `FH_CROSS_RANK` must
-/// be the host index). `local` is only valid for a single process. `shm` needs every rank on
-/// one host (Linux).
+/// Every backend but `mpi` and `local` starts with the TCP rendezvous through rank 0, where
+/// the ranks exchange their host identities ([`hosts`]): the host layout is settled from those
+/// facts on every rank alike, and a launcher whose local ranks or sizes contradict them stops
+/// every rank with the same [`TransportError::Config`]. `auto` then picks shared memory when
+/// every rank is on one host and `/dev/shm` has room on every rank; on several hosts, the
+/// hierarchical backend — shared memory within each host, TCP between hosts — when some host
+/// runs several ranks and every host has room ([`hier::connect_auto`] decides on every rank
+/// alike); TCP otherwise. `hier` asks for the hierarchical backend explicitly (Linux).
+/// `local` is only valid for a single process. `shm` needs every rank on one host (Linux).
 /// `mpi` needs the `mpi` Cargo feature (else [`TransportError::BackendUnavailable`] says how to
 /// build it) and ranks started by `mpirun`. `CONTROL+DATA` (e.g. `mpi+tcp`) opens control
 /// communicators on the first backend and data communicators on the second
@@ -127,9 +132,7 @@ pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<B
     }
     match choice.to_ascii_lowercase().as_str() {
         #[cfg(target_os = "linux")]
-        "auto" if shm::suits(info) => Ok(Box::new(shm::ShmTransport::from_info(info)?)),
-        #[cfg(target_os = "linux")]
-        "auto" if hier::suits(info) => hier::connect_auto(info),
+        "auto" if info.size > 1 => connect_auto(info),
         "auto" | "tcp" => {
             let opts = tcp::TcpOptions::from_info(info);
             Ok(Box::new(tcp::TcpTransport::connect(info, opts)?))
@@ -153,7 +156,7 @@ pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<B
                 .ok_or_else(|| TransportError::Closed("empty in-process world".into()))
         }
         #[cfg(target_os = "linux")]
-        "shm" => Ok(Box::new(shm::ShmTransport::from_info(info)?)),
+        "shm" => connect_shm(info),
         #[cfg(target_os = "linux")]
         "hier" => Ok(Box::new(hier::HierTransport::connect(info)?)),
         #[cfg(not(target_os = "linux"))]
@@ -173,4 +176,55 @@ pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<B
             reason: format!("unknown transport {other:?}; expected one of: {TRANSPORT_CHOICES}"),
         }),
     }
+}
+
+/// `FH_TRANSPORT=auto` for several ranks: the rendezvous settles the hosts, and
+/// [`hosts::choose`] picks the backend from them, the same on every rank.
+#[cfg(target_os = "linux")]
+fn connect_auto(info: &bootstrap::LaunchInfo) -> Result<Box<dyn Transport>> {
+    let tcp = tcp::TcpTransport::connect(info, tcp::TcpOptions::from_info(info))?;
+    match hosts::choose(tcp.layout(), tcp.places(), shm::room_needed) {
+        hosts::Choice::Shm => {
+            let settled = info.with_topology(tcp.topology());
+            drop(tcp);
+            Ok(Box::new(shm::ShmTransport::from_info(&settled)?))
+        }
+        hosts::Choice::Hier => hier::connect_auto_over(tcp, info),
+        hosts::Choice::Tcp(why) => {
+            tracing::info!(reason = %why, "FH_TRANSPORT=auto: using plain TCP between all ranks");
+            Ok(Box::new(tcp))
+        }
+    }
+}
+
+/// `FH_TRANSPORT=shm`: a launcher that spreads the ranks over several hosts is refused at
+/// once; otherwise the rendezvous checks the facts, which must put every rank on one host.
+#[cfg(target_os = "linux")]
+fn connect_shm(info: &bootstrap::LaunchInfo) -> Result<Box<dyn Transport>> {
+    shm::check_one_host(info)?;
+    if info.size == 1 {
+        return Ok(Box::new(shm::ShmTransport::from_info(info)?));
+    }
+    let tcp = tcp::TcpTransport::connect(info, tcp::TcpOptions::from_info(info))?;
+    let hosts = tcp.layout().hosts();
+    if hosts.len() != 1 {
+        let listed: Vec<String> = hosts
+            .iter()
+            .take(4)
+            .map(|h| format!("{:?}", tcp.places()[h[0]].host.as_str()))
+            .collect();
+        return Err(TransportError::Config {
+            var: "FH_TRANSPORT".into(),
+            reason: format!(
+                "'shm' needs every rank on one host, but the ranks run on {} hosts ({}{}); use \
+                 'auto' or 'tcp' (or set FH_HOST_ID if the ranks really share a host)",
+                hosts.len(),
+                listed.join(", "),
+                if hosts.len() > 4 { ", ..." } else { "" }
+            ),
+        });
+    }
+    let settled = info.with_topology(tcp.topology());
+    drop(tcp);
+    Ok(Box::new(shm::ShmTransport::from_info(&settled)?))
 }

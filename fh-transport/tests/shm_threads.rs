@@ -364,12 +364,18 @@ fn fh_transport_shm_builds_a_shm_world_on_one_host() {
     {
         let choice = "shm";
         let tok = token();
+        // The ranks meet at a rendezvous first, where the facts confirm one host.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
         let handles: Vec<_> = (0..3)
             .map(|r| {
                 let tok = tok.clone();
                 std::thread::spawn(move || {
-                    let mut t =
-                        fh_transport::world_for(&launch(r, 3, 1, &tok), Some(choice)).unwrap();
+                    let mut info = launch(r, 3, 1, &tok);
+                    info.rendezvous = Some(format!("127.0.0.1:{port}"));
+                    let mut t = fh_transport::world_for(&info, Some(choice)).unwrap();
                     assert_eq!(t.backend(), "shm", "FH_TRANSPORT={choice}");
                     assert_eq!(t.topology(), Topology::single_host(r, 3));
                     let mut c = t.open("env").unwrap();

@@ -7,7 +7,6 @@
 //! passes, 1 on any error (the message names the lost rank when a peer died), 2 on bad usage,
 //! 143 when terminated by SIGTERM.
 
-use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -48,7 +47,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
+        .with_ansi(fh_scheduler::config::log_colour())
         .init();
     // SIGTERM is taken by a watcher thread (blocked here, before any thread starts), so that a
     // rank stopped by its launcher can still report a lost peer it was already noticing.

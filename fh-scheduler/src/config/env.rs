@@ -6,7 +6,8 @@ use std::time::Duration;
 use super::parse::{parse_bytes, parse_seconds, parse_seconds_at_most, parse_switch, parse_u64};
 use super::*;
 
-/// The variables [`Config::from_env`] reads.
+/// The variables [`Config::from_env`] reads, and the logging variables read where a log
+/// subscriber is installed (`FH_LOG_LEVEL`, `FH_LOG_COLOR`: [`super::log_colour`]).
 pub const ENV_VARIABLES: &[&str] = &[
     "FH_SCHEDULE",
     "FH_CHANNELS",
@@ -28,6 +29,7 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_STALL_SHUTDOWN_SECONDS",
     "FH_TIMEOUT_SECONDS",
     "FH_LOG_LEVEL",
+    "FH_LOG_COLOR",
 ];
 
 /// Variables of FastHorovod's own tools (the build and test scripts, the benchmarks).

@@ -7,6 +7,8 @@ use crate::SchedulerError;
 
 mod agree;
 mod builder;
+mod colour;
+pub use colour::{colour_for, log_colour, LOG_COLOR_VAR};
 mod env;
 pub use env::{unknown_variables, UnknownVariable, ENV_VARIABLES};
 mod parse;

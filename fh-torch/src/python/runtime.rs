@@ -55,6 +55,7 @@ pub(super) fn install_logging(lookup: &impl Fn(&str) -> Option<String>) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(fh_scheduler::config::log_colour())
         .try_init();
 }
 

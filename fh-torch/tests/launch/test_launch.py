@@ -49,6 +49,22 @@ def test_calls_before_init_say_to_call_init():
     assert "after shutdown" in out
 
 
+@pytest.mark.parametrize("env,coloured", [
+    ({}, False),
+    ({"FH_LOG_COLOR": "always", "NO_COLOR": "1"}, False),
+    ({"FH_LOG_COLOR": "always"}, True),
+])
+def test_log_lines_through_a_pipe_carry_no_colour(env, coloured):
+    # Output to a pipe (as through fhrun, or into a CI log) stays plain text; NO_COLOR wins.
+    script = ("import torch, fasthorovod.torch as hvd; hvd.init(); "
+              "hvd.allreduce(torch.ones(2)); hvd.shutdown()")
+    base = {"NO_COLOR": "", "FH_LOG_COLOR": "", "FH_LOG_LEVEL": "debug"}
+    code, out = run([PYTHON, "-c", script], env={**base, **env}, timeout=120)
+    assert code == 0, out
+    assert "DEBUG" in out, out
+    assert ("\x1b[" in out) == coloured, out
+
+
 def test_horovod_variables_are_honoured_and_bad_ones_named():
     code, out = run([PYTHON, "-c", "import fasthorovod.torch as hvd; hvd.init()"],
                     env={"HOROVOD_CACHE_CAPACITY": "lots"}, timeout=120)

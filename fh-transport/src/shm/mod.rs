@@ -223,8 +223,9 @@ pub fn cleanup_stale_segments() -> Vec<String> {
     segment::cleanup_stale()
 }
 
-/// Whether `FH_TRANSPORT=auto` should use shared memory for this launch: several ranks, all on
-/// this host, and room in `/dev/shm` for a few communicators.
+/// Whether shared memory suits this launch as its launcher describes it: several ranks, all on
+/// this host, and room in `/dev/shm` for a few communicators. (`FH_TRANSPORT=auto` decides from
+/// the hosts settled at the rendezvous instead, [`crate::hosts::choose`].)
 pub fn suits(info: &LaunchInfo) -> bool {
     if info.size < 2 || info.cross_size != 1 || info.local_size != info.size {
         return false;
@@ -235,10 +236,36 @@ pub fn suits(info: &LaunchInfo) -> bool {
 
 /// Whether `/dev/shm` has room for a few communicators of `size` ranks with the default sizes.
 pub(crate) fn has_room(size: usize) -> bool {
-    let Ok(layout) = ShmOptions::default().layout(size) else {
-        return false;
-    };
-    sys::available_bytes(sys::SHM_DIR).is_some_and(|free| free >= 16 * layout.total as u64)
+    free_bytes().is_some_and(|free| free >= room_needed(size))
+}
+
+/// The room in `/dev/shm` that `FH_TRANSPORT=auto` wants before it takes shared memory among
+/// `size` ranks: a few communicators with the default sizes (`u64::MAX` when none fits).
+pub(crate) fn room_needed(size: usize) -> u64 {
+    ShmOptions::default()
+        .layout(size)
+        .map_or(u64::MAX, |layout| 16 * layout.total as u64)
+}
+
+/// Free bytes in `/dev/shm`, if it can be read.
+pub(crate) fn free_bytes() -> Option<u64> {
+    sys::available_bytes(sys::SHM_DIR)
+}
+
+/// Refuse at once a launch whose launcher puts the ranks on several hosts: shared memory alone
+/// cannot join them.
+pub(crate) fn check_one_host(info: &LaunchInfo) -> Result<()> {
+    if info.cross_size != 1 || info.local_size != info.size {
+        return Err(TransportError::Config {
+            var: "FH_TRANSPORT".into(),
+            reason: format!(
+                "'shm' needs every rank on one host, but this job has {} ranks on {} hosts \
+                 ({} here); use 'auto' or 'tcp'",
+                info.size, info.cross_size, info.local_size
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// One rank's handle on a shared-memory world: the ranks of one host that share a job token.
@@ -305,16 +332,7 @@ impl ShmTransport {
     /// Join the world described by a launch (`FH_TRANSPORT=shm`): its rank, size, job token and
     /// timeout, with the default sizes. Every rank must run on this host.
     pub fn from_info(info: &LaunchInfo) -> Result<Self> {
-        if info.cross_size != 1 || info.local_size != info.size {
-            return Err(TransportError::Config {
-                var: "FH_TRANSPORT".into(),
-                reason: format!(
-                    "'shm' needs every rank on one host, but this job has {} ranks on {} hosts \
-                     ({} here); use 'auto' or 'tcp'",
-                    info.size, info.cross_size, info.local_size
-                ),
-            });
-        }
+        check_one_host(info)?;
         // A single process has no token; any name private to it will do.
         let token = info
             .token

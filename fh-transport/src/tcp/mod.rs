@@ -6,6 +6,12 @@
 //! wildcard address), and sends a handshake with its listener's port. Once all ranks are in,
 //! rank 0 sends everybody the address book and closes the rendezvous listener.
 //!
+//! With its address every rank sends its [`Place`](crate::hosts::Place) — its host identity
+//! and what its launcher claimed of its host — and receives everybody's with the book; every
+//! rank settles the same list into the same host layout ([`crate::hosts::settle`]), so the
+//! world's [`Topology`] comes from facts, and a launcher whose local ranks contradict them
+//! stops every rank at once with the same error.
+//!
 //! **Communicators.** Each [`Transport::open`] builds a fresh full mesh: every rank connects
 //! to each lower rank's data listener, with a handshake naming the communicator's sequence
 //! number, so connections of different communicators can never be mixed up. Listeners are
@@ -54,6 +60,7 @@ use rendezvous::resolve;
 use wire::{ConnKind, Hello};
 
 use crate::bootstrap::LaunchInfo;
+use crate::hosts::{self, Layout, Place};
 use crate::{Communicator, Result, Topology, Transport, TransportError};
 
 /// Default largest message the backend sends or accepts (16 GiB).
@@ -161,6 +168,10 @@ pub struct TcpTransport {
     stash: HashMap<(u64, usize), TcpStream>,
     board: Arc<AbortBoard>,
     link: Option<Arc<Link>>,
+    /// Every rank's place, by rank, as exchanged at the rendezvous.
+    places: Vec<Place>,
+    /// The host layout settled from [`TcpTransport::places`].
+    layout: Layout,
 }
 
 impl std::fmt::Debug for TcpTransport {
@@ -174,10 +185,14 @@ impl std::fmt::Debug for TcpTransport {
 }
 
 impl TcpTransport {
-    /// Join the job described by `info`: rendezvous through rank 0 and learn every rank's
-    /// address. Blocks until every rank has arrived, at most about the timeout.
+    /// Join the job described by `info`: rendezvous through rank 0, learn every rank's
+    /// address and place, and settle the host layout from them ([`hosts::settle`]: the
+    /// transport's topology is the settled one). Blocks until every rank has arrived, at most
+    /// about the timeout. Fails on every rank alike with [`TransportError::Config`] when the
+    /// launcher's local ranks contradict the hosts the ranks run on.
     pub fn connect(info: &LaunchInfo, opts: TcpOptions) -> Result<TcpTransport> {
         let topology = info.topology();
+        let me = Place::of(info);
         let mut t = TcpTransport {
             topology,
             opts,
@@ -188,8 +203,12 @@ impl TcpTransport {
             stash: HashMap::new(),
             board: Arc::new(AbortBoard::default()),
             link: None,
+            places: Vec::new(),
+            layout: Layout::single(),
         };
         if info.size == 1 {
+            t.topology = Topology::single_host(0, 1);
+            t.places = vec![me];
             return Ok(t);
         }
         t.key = Key::new(
@@ -228,24 +247,37 @@ impl TcpTransport {
             max_pending_handshakes(info.size) + 2 * info.size,
             "the TCP rendezvous",
         )?;
-        if info.rank == 0 {
-            t.rendezvous_root(&addrs, rdv)?;
+        t.places = if info.rank == 0 {
+            t.rendezvous_root(&addrs, rdv, me)?
         } else {
-            t.rendezvous_member(&addrs, rdv)?;
-        }
+            t.rendezvous_member(&addrs, rdv, me)?
+        };
+        t.layout = hosts::settle(&t.places)?;
+        t.topology = t.layout.topology(info.rank);
         t.link = Some(Arc::new(Link {
             book: t.book.clone(),
             key: t.key.clone(),
             board: Arc::clone(&t.board),
             handshake_timeout: t.opts.handshake_timeout,
         }));
-        tracing::debug!(rank = info.rank, book = ?t.book, "TCP rendezvous complete");
+        tracing::debug!(rank = info.rank, book = ?t.book, hosts = ?t.layout.hosts(), "TCP rendezvous complete");
         Ok(t)
     }
 
     /// Every rank's data-listener address, by rank (empty for a single process).
     pub fn peer_addresses(&self) -> &[SocketAddr] {
         &self.book
+    }
+
+    /// Every rank's place (host identity, launcher's claims), by rank, as exchanged at the
+    /// rendezvous.
+    pub fn places(&self) -> &[Place] {
+        &self.places
+    }
+
+    /// The host layout settled from [`TcpTransport::places`].
+    pub fn layout(&self) -> &Layout {
+        &self.layout
     }
 
     fn rules(&self, kind: ConnKind) -> AcceptRules {

@@ -1,12 +1,44 @@
-//! The rendezvous: rank 0 collects every rank's data-listener address at the rendezvous
-//! address and sends back the address book (`FH_RENDEZVOUS_ADDR`).
+//! The rendezvous: rank 0 collects every rank's data-listener address and [`Place`] (its host
+//! identity and its launcher's claims, [`crate::hosts`]) at the rendezvous address
+//! (`FH_RENDEZVOUS_ADDR`) and sends back the address book and every rank's place.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 
 use super::*;
+use crate::hosts::{self, Place};
+
+/// Why reading the rendezvous's answer from rank 0 failed, as an error.
+fn from_root(f: ReadFail, what: &'static str, timeout: Duration) -> TransportError {
+    match f {
+        ReadFail::Closed(_) => TransportError::PeerLost {
+            rank: 0,
+            detail: format!(
+                "rank 0 closed the rendezvous before sending {what} (see rank 0's log)"
+            ),
+        },
+        ReadFail::TimedOut => TransportError::Timeout {
+            rank: 0,
+            op: "rendezvous (waiting for rank 0's answer)",
+            after: timeout,
+        },
+        ReadFail::Decode(e) => TransportError::Protocol {
+            rank: 0,
+            detail: format!("bad {what}: {e}"),
+        },
+        ReadFail::Io(e) => TransportError::PeerLost {
+            rank: 0,
+            detail: format!("reading {what} failed: {e}"),
+        },
+    }
+}
 
 impl TcpTransport {
-    pub(super) fn rendezvous_root(&mut self, addrs: &[SocketAddr], rdv: &str) -> Result<()> {
+    pub(super) fn rendezvous_root(
+        &mut self,
+        addrs: &[SocketAddr],
+        rdv: &str,
+        me: Place,
+    ) -> Result<Vec<Place>> {
         let size = self.topology.size;
         let mut bind_errors = Vec::new();
         let mut bound = None;
@@ -41,6 +73,8 @@ impl TcpTransport {
 
         let deadline = Instant::now() + self.opts.timeout;
         let mut members: Vec<Option<(TcpStream, SocketAddr)>> = (0..size).map(|_| None).collect();
+        let mut places: Vec<Option<Place>> = (0..size).map(|_| None).collect();
+        places[0] = Some(me);
         let mut missing = size - 1;
         while missing > 0 {
             let Some((hello, stream, from)) = rdv_acceptor.next(deadline) else {
@@ -60,6 +94,35 @@ impl TcpTransport {
                 tracing::warn!(rank = r, %from, "a second connection claims an already joined rank; dropped");
                 continue;
             }
+            // A member sends its place right after its handshake.
+            let mut stream = stream;
+            let place_deadline = Instant::now() + self.opts.handshake_timeout;
+            let (place, _) = read_msg(
+                &mut stream,
+                place_deadline,
+                hosts::MAX_PLACE_LEN,
+                Place::decode,
+            )
+            .map_err(|f| match f {
+                ReadFail::Decode(e) => TransportError::Protocol {
+                    rank: r,
+                    detail: format!("bad host place at the rendezvous: {e}"),
+                },
+                ReadFail::TimedOut => TransportError::Timeout {
+                    rank: r,
+                    op: "rendezvous (waiting for its host place)",
+                    after: self.opts.handshake_timeout,
+                },
+                ReadFail::Closed(_) => TransportError::PeerLost {
+                    rank: r,
+                    detail: "it closed the rendezvous before sending its host place".into(),
+                },
+                ReadFail::Io(e) => TransportError::PeerLost {
+                    rank: r,
+                    detail: format!("reading its host place failed: {e}"),
+                },
+            })?;
+            places[r] = Some(place);
             members[r] = Some((stream, SocketAddr::new(from.ip(), hello.port)));
             missing -= 1;
         }
@@ -74,7 +137,12 @@ impl TcpTransport {
             book.push(*addr);
             entries.push(addr.to_string());
         }
-        let encoded = wire::encode_book(&entries);
+        let places: Vec<Place> = places.into_iter().flatten().collect();
+        if places.len() != size {
+            return Err(TransportError::Closed("rendezvous bookkeeping".into()));
+        }
+        let mut encoded = wire::encode_book(&entries);
+        encoded.extend_from_slice(&hosts::encode_places(&places));
         // A book is small (it fits in any socket buffer), so these writes do not wait on a
         // slow reader; one deadline bounds them all.
         let book_deadline = Instant::now() + self.opts.timeout;
@@ -89,10 +157,15 @@ impl TcpTransport {
             }
         }
         self.book = book;
-        Ok(())
+        Ok(places)
     }
 
-    pub(super) fn rendezvous_member(&mut self, addrs: &[SocketAddr], rdv: &str) -> Result<()> {
+    pub(super) fn rendezvous_member(
+        &mut self,
+        addrs: &[SocketAddr],
+        rdv: &str,
+        me: Place,
+    ) -> Result<Vec<Place>> {
         let (rank, size) = (self.topology.rank, self.topology.size);
         let deadline = Instant::now() + self.opts.timeout;
         // The data listener goes on the interface this rank reaches rank 0 through, learnt from
@@ -151,6 +224,10 @@ impl TcpTransport {
         )?;
         self.acceptor = acceptor;
         let _ = stream.set_nodelay(true);
+        write_by(&mut stream, &me.encode(), deadline).map_err(|e| TransportError::PeerLost {
+            rank: 0,
+            detail: format!("sending this rank's host place to the rendezvous failed: {e}"),
+        })?;
         let root_ip: IpAddr = stream
             .peer_addr()
             .map_err(|e| TransportError::io("reading rank 0's address", e))?
@@ -158,30 +235,18 @@ impl TcpTransport {
 
         // Rank 0 answers once everybody is in: wait up to its timeout, plus a margin, in all.
         let book_deadline = Instant::now() + self.opts.timeout + self.opts.handshake_timeout;
+        let timeout = self.opts.timeout;
         let (entries, _) = read_msg(&mut stream, book_deadline, wire::max_book_len(size), |b| {
             wire::decode_book(b, size)
         })
-        .map_err(|f| match f {
-            ReadFail::Closed(_) => TransportError::PeerLost {
-                rank: 0,
-                detail: "rank 0 closed the rendezvous before sending the address book (see rank \
-                         0's log)"
-                    .into(),
-            },
-            ReadFail::TimedOut => TransportError::Timeout {
-                rank: 0,
-                op: "rendezvous (waiting for the address book)",
-                after: self.opts.timeout,
-            },
-            ReadFail::Decode(e) => TransportError::Protocol {
-                rank: 0,
-                detail: format!("bad address book: {e}"),
-            },
-            ReadFail::Io(e) => TransportError::PeerLost {
-                rank: 0,
-                detail: format!("reading the address book failed: {e}"),
-            },
-        })?;
+        .map_err(|f| from_root(f, "the address book", timeout))?;
+        let (places, _) = read_msg(
+            &mut stream,
+            book_deadline,
+            hosts::max_places_len(size),
+            |b| hosts::decode_places(b, size),
+        )
+        .map_err(|f| from_root(f, "the host list", timeout))?;
         let mut book = Vec::with_capacity(size);
         for (r, e) in entries.iter().enumerate() {
             let addr = if r == 0 {
@@ -197,7 +262,7 @@ impl TcpTransport {
             })?);
         }
         self.book = book;
-        Ok(())
+        Ok(places)
     }
 }
 

@@ -40,6 +40,13 @@
 //! magic `FHTR`, status (0 accepted, 1 refused), a 2-byte reason length (≤ [`MAX_REASON_LEN`])
 //! and the UTF-8 reason. A refusal is followed by closing the connection.
 //!
+//! ## Rendezvous
+//!
+//! On an accepted rendezvous connection the member sends its host place
+//! ([`crate::hosts::Place::encode`]); once every rank is in, rank 0 answers with the address
+//! book ([`encode_book`]) followed by every rank's place ([`crate::hosts::encode_places`]).
+//! Both decoders check every length against the world size before using it.
+//!
 //! ## Frames (on data connections)
 //!
 //! An 8-byte little-endian header followed by the payload. A header below [`CONTROL_BIT`] is a
@@ -61,8 +68,9 @@ pub const REPLY_MAGIC: [u8; 4] = *b"FHTR";
 pub const CHALLENGE_MAGIC: [u8; 4] = *b"FHTC";
 /// Magic opening the connector's proof.
 pub const PROOF_MAGIC: [u8; 4] = *b"FHTK";
-/// Protocol version spoken by this build (2: mutual HMAC challenge–response).
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Protocol version spoken by this build (2: mutual HMAC challenge–response; 3: the
+/// rendezvous carries every rank's host place, [`crate::hosts::Place`]).
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Longest job token accepted.
 pub const MAX_TOKEN_LEN: usize = 255;
 /// Longest refusal reason sent or accepted.

@@ -64,6 +64,10 @@ pub fn launcher_env(
         .env("FH_RENDEZVOUS_ADDR", rendezvous)
         .env("FH_JOB_TOKEN", token)
         .env("FH_TIMEOUT_SECONDS", timeout_s.to_string());
+    // Hosts simulated on this machine are told apart by name: the facts say one host.
+    if place.cross_size > 1 {
+        cmd.env("FH_HOST_ID", format!("simulated-host-{}", place.cross_rank));
+    }
 }
 
 /// Kills and reaps the children it holds when dropped.
