@@ -40,6 +40,8 @@ pub(crate) struct Gate {
 pub(crate) struct Inner {
     pub rank: usize,
     pub size: usize,
+    /// Each rank's world rank, for an engine over a process set (errors name world ranks).
+    pub world_ranks: Option<Arc<[usize]>>,
     /// The pacing policy (back-pressure) this world runs under, resolved once at start-up
     /// from the configuration, the world size and the data channels' wire (agreed).
     pub pacing: fh_core::fusion::Pacing,

@@ -193,6 +193,7 @@ impl Control {
         };
         let plan_opts = cfg.plan_options();
         let now = Instant::now();
+        let table = Table::with_world_ranks(inner.world_ranks.clone());
         Ok(Control {
             cache: ResponseCache::new(cfg.cache_capacity),
             joined_set: vec![false; inner.size],
@@ -204,7 +205,7 @@ impl Control {
             pending: BTreeMap::new(),
             by_name: HashMap::new(),
             seq: 0,
-            table: Table::default(),
+            table,
             dispatch,
             local_shutdown: false,
             join_cells: Vec::new(),
