@@ -182,7 +182,8 @@ pub struct Request {
     pub group: Option<GroupTag>,
 }
 
-/// A field on which ranks disagreed.
+/// A field on which ranks disagreed. Validation checks them in this order (that of
+/// [`MismatchField::ALL`]) and reports the first on which not every rank agrees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum MismatchField {

@@ -2,7 +2,8 @@
 //!
 //! Every message starts with a three-byte magic (`FHq` for a request list, `FHr` for a
 //! response list, `FHn` for a name list) and a version byte ([`VERSION`]). Integers are little
-//! endian; strings and sequences are prefixed by a `u32` length. The decoders check every
+//! endian; strings and sequences are prefixed by a `u32` length; a set of ranks is a
+//! sequence of inclusive `(first, last)` runs, checked to be ascending and separated on decoding. The decoders check every
 //! length against the bytes actually present before allocating, so arbitrary input yields
 //! [`CoreError::Decode`], never a panic or a huge allocation.
 
