@@ -241,7 +241,7 @@ impl Disagreement {
     }
 
     /// A disagreement from its parts, checked: at most [`Self::MAX_SHOWN`] values, each sent
-    /// by some rank, no rank in two places, and values left out (`more_values`) exactly when
+    /// by some rank and at most [`Self::MAX_VALUE`] bytes long, no rank in two places, and values left out (`more_values`) exactly when
     /// `more_ranks` has ranks, no more of them than ranks, and only once `MAX_SHOWN` values
     /// are shown. Used by decoders of untrusted input; the error says what is wrong.
     pub fn from_parts(
@@ -258,6 +258,13 @@ impl Disagreement {
         }
         if sent.iter().any(|s| s.ranks.is_empty()) {
             return Err("a value sent by no rank".into());
+        }
+        if let Some(s) = sent.iter().find(|s| s.value.len() > Self::MAX_VALUE) {
+            return Err(format!(
+                "a value of {} bytes, at most {} allowed",
+                s.value.len(),
+                Self::MAX_VALUE
+            ));
         }
         if (more_values == 0) != more_ranks.is_empty() {
             return Err(format!(

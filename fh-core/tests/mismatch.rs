@@ -186,6 +186,9 @@ fn parts_are_checked() {
         Disagreement::from_parts(vec![sent("a", &[0, 1]), sent("b", &[1])], 0, RankSet::new());
     assert!(overlap.unwrap_err().contains("two values"));
     assert!(Disagreement::from_parts(vec![sent("a", &[])], 0, RankSet::new()).is_err());
+    let long = sent(&"x".repeat(Disagreement::MAX_VALUE + 1), &[0]);
+    let too_long = Disagreement::from_parts(vec![long], 0, RankSet::new()).unwrap_err();
+    assert!(too_long.contains("bytes"), "{too_long}");
     assert!(Disagreement::from_parts(vec![sent("a", &[0])], 1, RankSet::new()).is_err());
     assert!(Disagreement::from_parts(vec![sent("a", &[0])], 0, set(&[1])).is_err());
     let full: Vec<Sent> = (0..16).map(|r| sent(&r.to_string(), &[r])).collect();

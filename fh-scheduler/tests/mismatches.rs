@@ -7,8 +7,9 @@ mod common;
 use common::{configs, run_world, LIMIT};
 use fh_core::message::MismatchField;
 use fh_scheduler::{
-    AllreduceOptions, Config, DType, Handle, ProcessSets, ReduceOp, SchedulerError, Tensor,
+    AllreduceOptions, Config, DType, Engine, Handle, ProcessSets, ReduceOp, SchedulerError, Tensor,
 };
+use fh_transport::local::LocalWorld;
 
 fn sum() -> AllreduceOptions {
     AllreduceOptions::with_op(ReduceOp::Sum)
@@ -171,4 +172,15 @@ fn a_process_sets_mismatch_names_world_ranks() {
             "world rank {rank}"
         );
     }
+}
+
+#[test]
+fn world_ranks_must_name_every_rank_of_the_engine() {
+    // Refused before any collective, so one rank alone gets the error without waiting.
+    let t = LocalWorld::new(2).into_iter().next().unwrap();
+    let err = Engine::start_with_world_ranks(Box::new(t), Config::default(), &[3]).unwrap_err();
+    assert!(
+        matches!(err, SchedulerError::InvalidArgument(ref m) if m.contains("1 world ranks")),
+        "{err}"
+    );
 }
