@@ -2,7 +2,8 @@
 //!
 //! The pure heart of FastHorovod: element types ([`DType`]), reduction operators
 //! ([`ReduceOp`]), host reduction kernels ([`kernels`]), the error type ([`CoreError`]), the
-//! negotiation messages ([`message`]) and their wire encoding ([`wire`]), the bit vectors of
+//! negotiation messages ([`message`]) and their wire encoding ([`wire`]), who sent what when
+//! ranks disagree ([`mismatch`]), the bit vectors of
 //! the readiness negotiation ([`bitvec`]), the response cache ([`cache`]) and the fusion
 //! planner ([`fusion`]).
 //!
@@ -17,6 +18,7 @@ pub mod error;
 pub mod fusion;
 pub mod kernels;
 pub mod message;
+pub mod mismatch;
 pub mod op;
 pub mod wire;
 

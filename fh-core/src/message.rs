@@ -6,6 +6,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use crate::mismatch::Disagreement;
 use crate::{DType, ReduceOp};
 
 /// The kind of collective a named tensor takes part in.
@@ -181,7 +182,8 @@ pub struct Request {
     pub group: Option<GroupTag>,
 }
 
-/// A field on which ranks disagreed.
+/// A field on which ranks disagreed. Validation checks them in this order (that of
+/// [`MismatchField::ALL`]) and reports the first on which not every rank agrees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum MismatchField {
@@ -206,7 +208,8 @@ pub enum MismatchField {
 }
 
 impl MismatchField {
-    const ALL: [MismatchField; 9] = [
+    /// Every field, in the order validation checks them (and wire order).
+    pub const ALL: [MismatchField; 9] = [
         MismatchField::Kind,
         MismatchField::DType,
         MismatchField::Shape,
@@ -247,19 +250,37 @@ impl MismatchField {
 /// Why a name could not be negotiated. The same value reaches every rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NegotiationError {
-    /// Two ranks submitted the name with different values of one field.
+    /// Ranks submitted the name with different values of one field: the first field, in the
+    /// order of [`MismatchField`], on which not every rank agrees.
     Mismatch {
         /// The collective (as submitted by the lowest rank).
         kind: CollectiveKind,
         /// What differed.
         field: MismatchField,
-        /// The value one rank sent (rendered).
-        first: String,
-        /// The value another rank sent (rendered).
-        second: String,
+        /// Which ranks sent which value of that field.
+        senders: Disagreement,
     },
     /// Any other reason (e.g. an unsupported combination).
     Other(String),
+}
+
+impl NegotiationError {
+    /// The same error with every rank `r` it names renamed `f(r)` (a process set's engine
+    /// numbers its members `0..n`; its errors name world ranks).
+    pub fn map_ranks(&self, f: impl FnMut(u32) -> u32) -> NegotiationError {
+        match self {
+            NegotiationError::Mismatch {
+                kind,
+                field,
+                senders,
+            } => NegotiationError::Mismatch {
+                kind: *kind,
+                field: *field,
+                senders: senders.map_ranks(f),
+            },
+            NegotiationError::Other(s) => NegotiationError::Other(s.clone()),
+        }
+    }
 }
 
 impl fmt::Display for NegotiationError {
@@ -268,13 +289,8 @@ impl fmt::Display for NegotiationError {
             NegotiationError::Mismatch {
                 kind,
                 field,
-                first,
-                second,
-            } => write!(
-                f,
-                "Mismatched {kind} {}: one rank sent {first}, another sent {second}",
-                field.describe()
-            ),
+                senders,
+            } => write!(f, "Mismatched {kind} {}: {senders}", field.describe()),
             NegotiationError::Other(s) => f.write_str(s),
         }
     }
@@ -296,96 +312,32 @@ pub struct Response {
     pub error: Option<NegotiationError>,
 }
 
-fn render_shape(shape: &[u64]) -> String {
-    let parts: Vec<String> = shape.iter().map(u64::to_string).collect();
+/// A shape as the ranks see it: `[17, 17]`; for allgather and alltoall, whose first
+/// dimension may differ per rank, that dimension reads `*` (`[*, 4]`).
+fn render_shape(kind: CollectiveKind, shape: &[u64]) -> String {
+    let free_first = matches!(kind, CollectiveKind::Allgather | CollectiveKind::Alltoall);
+    let parts: Vec<String> = shape
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            if i == 0 && free_first {
+                "*".to_string()
+            } else {
+                d.to_string()
+            }
+        })
+        .collect();
     format!("[{}]", parts.join(", "))
 }
 
-fn mismatch(kind: CollectiveKind, field: MismatchField, a: String, b: String) -> NegotiationError {
-    NegotiationError::Mismatch {
-        kind,
-        field,
-        first: a,
-        second: b,
+/// A scale factor, distinct for distinct bit patterns (`1.0`, `-0.0`, `NaN`, and a NaN
+/// other than the usual one with its bits).
+fn render_scale(x: f64) -> String {
+    if x.is_nan() && x.to_bits() != f64::NAN.to_bits() {
+        format!("NaN(0x{:016x})", x.to_bits())
+    } else {
+        format!("{x:?}")
     }
-}
-
-/// Compare two ranks' signatures for one name; `None` when they are compatible.
-pub fn compare(a: &Signature, b: &Signature) -> Option<NegotiationError> {
-    let k = a.kind;
-    if a.kind != b.kind {
-        return Some(mismatch(
-            k,
-            MismatchField::Kind,
-            a.kind.to_string(),
-            b.kind.to_string(),
-        ));
-    }
-    if a.dtype != b.dtype {
-        return Some(mismatch(
-            k,
-            MismatchField::DType,
-            a.dtype.to_string(),
-            b.dtype.to_string(),
-        ));
-    }
-    let shapes_agree = match k {
-        // The first dimension may differ per rank.
-        CollectiveKind::Allgather | CollectiveKind::Alltoall => {
-            a.shape.len() == b.shape.len()
-                && a.shape.get(1..).unwrap_or(&[]) == b.shape.get(1..).unwrap_or(&[])
-        }
-        _ => a.shape == b.shape,
-    };
-    if !shapes_agree {
-        return Some(mismatch(
-            k,
-            MismatchField::Shape,
-            render_shape(&a.shape),
-            render_shape(&b.shape),
-        ));
-    }
-    if a.op != b.op {
-        return Some(mismatch(
-            k,
-            MismatchField::Op,
-            a.op.to_string(),
-            b.op.to_string(),
-        ));
-    }
-    if a.root != b.root {
-        return Some(mismatch(
-            k,
-            MismatchField::Root,
-            a.root.to_string(),
-            b.root.to_string(),
-        ));
-    }
-    if a.device != b.device {
-        return Some(mismatch(
-            k,
-            MismatchField::Device,
-            a.device.to_string(),
-            b.device.to_string(),
-        ));
-    }
-    if a.prescale.to_bits() != b.prescale.to_bits() {
-        return Some(mismatch(
-            k,
-            MismatchField::Prescale,
-            a.prescale.to_string(),
-            b.prescale.to_string(),
-        ));
-    }
-    if a.postscale.to_bits() != b.postscale.to_bits() {
-        return Some(mismatch(
-            k,
-            MismatchField::Postscale,
-            a.postscale.to_string(),
-            b.postscale.to_string(),
-        ));
-    }
-    None
 }
 
 fn render_group(g: Option<&GroupTag>) -> String {
@@ -395,31 +347,76 @@ fn render_group(g: Option<&GroupTag>) -> String {
     }
 }
 
-/// Compare two ranks' requests for one name: their signatures, then their group membership.
-fn compare_requests(a: &Request, b: &Request) -> Option<NegotiationError> {
-    compare(&a.sig, &b.sig).or_else(|| {
-        (a.group != b.group).then(|| {
-            mismatch(
-                a.sig.kind,
-                MismatchField::Group,
-                render_group(a.group.as_ref()),
-                render_group(b.group.as_ref()),
-            )
-        })
-    })
+impl MismatchField {
+    /// Whether two requests agree on this field (shapes by the rule of `a`'s kind: for
+    /// allgather and alltoall the first dimension may differ; scale factors bit for bit).
+    pub fn agree(self, a: &Request, b: &Request) -> bool {
+        let (x, y) = (&a.sig, &b.sig);
+        match self {
+            MismatchField::Kind => x.kind == y.kind,
+            MismatchField::DType => x.dtype == y.dtype,
+            MismatchField::Shape => match x.kind {
+                CollectiveKind::Allgather | CollectiveKind::Alltoall => {
+                    x.shape.len() == y.shape.len()
+                        && x.shape.get(1..).unwrap_or(&[]) == y.shape.get(1..).unwrap_or(&[])
+                }
+                _ => x.shape == y.shape,
+            },
+            MismatchField::Op => x.op == y.op,
+            MismatchField::Root => x.root == y.root,
+            MismatchField::Device => x.device == y.device,
+            MismatchField::Prescale => x.prescale.to_bits() == y.prescale.to_bits(),
+            MismatchField::Postscale => x.postscale.to_bits() == y.postscale.to_bits(),
+            MismatchField::Group => a.group == b.group,
+        }
+    }
+
+    /// The request's value of this field as error messages show it. Two requests whose
+    /// earlier fields agree render the same exactly when they [`agree`](Self::agree) on this
+    /// one (shapes of allgather and alltoall show their first dimension as `*`).
+    pub fn render(self, r: &Request) -> String {
+        let s = &r.sig;
+        match self {
+            MismatchField::Kind => s.kind.to_string(),
+            MismatchField::DType => s.dtype.to_string(),
+            MismatchField::Shape => render_shape(s.kind, &s.shape),
+            MismatchField::Op => s.op.to_string(),
+            MismatchField::Root => s.root.to_string(),
+            MismatchField::Device => s.device.to_string(),
+            MismatchField::Prescale => render_scale(s.prescale),
+            MismatchField::Postscale => render_scale(s.postscale),
+            MismatchField::Group => render_group(r.group.as_ref()),
+        }
+    }
 }
 
-/// Turn the requests of every rank for one name into a response: the first disagreement
-/// (against the lowest rank's request) becomes an error response. `requests` must not be
-/// empty; ranks are compared in ascending rank order so every coordinator decides the same.
+/// The first field, in the order of [`MismatchField`], on which two requests for one name
+/// disagree (signature fields, then group membership); `None` when they are compatible.
+pub fn compare(a: &Request, b: &Request) -> Option<MismatchField> {
+    MismatchField::ALL.into_iter().find(|f| !f.agree(a, b))
+}
+
+/// Turn the requests of every rank for one name into a response. When the ranks disagree, the
+/// response carries an error for the first field, in the order of [`MismatchField`], on which
+/// not every rank agrees, naming the ranks that sent each value of it. `requests` must not be
+/// empty (`None` otherwise); the outcome does not depend on their order, so every coordinator
+/// decides the same.
 pub fn validate(requests: &[Request]) -> Option<Response> {
     let mut sorted: Vec<&Request> = requests.iter().collect();
     sorted.sort_by_key(|r| r.rank);
     let first = *sorted.first()?;
-    let error = sorted
+    // The first field some rank disagrees with the lowest rank on is the first field on
+    // which not every rank agrees.
+    let field = sorted
         .iter()
         .skip(1)
-        .find_map(|r| compare_requests(first, r));
+        .filter_map(|r| compare(first, r))
+        .min_by_key(|f| f.code());
+    let error = field.map(|field| NegotiationError::Mismatch {
+        kind: first.sig.kind,
+        field,
+        senders: Disagreement::tally(sorted.iter().map(|r| (r.rank, field.render(r)))),
+    });
     Some(Response {
         name: first.name.clone(),
         sig: first.sig.clone(),
@@ -456,24 +453,57 @@ mod tests {
         }
     }
 
+    fn error(reqs: &[Request]) -> String {
+        validate(reqs).unwrap().error.unwrap().to_string()
+    }
+
     #[test]
-    fn shape_mismatch_message_names_both_values() {
-        let r = validate(&[req(1, sig(&[18, 18])), req(0, sig(&[17, 17]))]).unwrap();
+    fn shape_mismatch_names_the_ranks_on_each_side() {
         assert_eq!(
-            r.error.unwrap().to_string(),
-            "Mismatched allreduce tensor shapes: one rank sent [17, 17], another sent [18, 18]"
+            error(&[req(1, sig(&[18, 18])), req(0, sig(&[17, 17]))]),
+            "Mismatched allreduce tensor shapes: rank 0 sent [17, 17]; rank 1 sent [18, 18]"
+        );
+        assert_eq!(
+            error(&[
+                req(2, sig(&[1000])),
+                req(1, sig(&[1001])),
+                req(0, sig(&[1000]))
+            ]),
+            "Mismatched allreduce tensor shapes: rank 1 sent [1001]; ranks 0 and 2 sent [1000]"
         );
     }
 
     #[test]
-    fn allgather_first_dim_may_differ() {
-        let mut a = sig(&[3, 4]);
-        a.kind = CollectiveKind::Allgather;
+    fn the_first_field_in_check_order_is_reported_whatever_the_rank_order() {
+        // Rank 1 differs in the op, rank 2 in the dtype (checked earlier): dtype is reported.
+        let mut op = sig(&[2]);
+        op.op = ReduceOp::Max;
+        let mut dt = sig(&[2]);
+        dt.dtype = DType::F64;
+        let reqs = [req(0, sig(&[2])), req(1, op), req(2, dt)];
+        let want = "Mismatched allreduce data types: rank 2 sent f64; ranks 0 and 1 sent f32";
+        assert_eq!(error(&reqs), want);
+        let mut rev = reqs.clone();
+        rev.reverse();
+        assert_eq!(error(&rev), want);
+    }
+
+    #[test]
+    fn allgather_first_dim_may_differ_and_shows_as_a_star() {
+        let mut a = req(0, sig(&[3, 4]));
+        a.sig.kind = CollectiveKind::Allgather;
         let mut b = a.clone();
-        b.shape = vec![5, 4];
-        assert!(compare(&a, &b).is_none());
-        b.shape = vec![5, 5];
-        assert!(compare(&a, &b).is_some());
+        b.rank = 1;
+        b.sig.shape = vec![5, 4];
+        assert_eq!(compare(&a, &b), None);
+        let mut c = b.clone();
+        c.rank = 2;
+        c.sig.shape = vec![5, 5];
+        assert_eq!(compare(&a, &c), Some(MismatchField::Shape));
+        assert_eq!(
+            error(&[a, b, c]),
+            "Mismatched allgather tensor shapes: rank 2 sent [*, 5]; ranks 0 and 1 sent [*, 4]"
+        );
     }
 
     #[test]
@@ -490,17 +520,13 @@ mod tests {
             index: 0,
             size: 2,
         });
-        let e = validate(&[a.clone(), b]).unwrap().error.unwrap();
         assert_eq!(
-            e.to_string(),
-            "Mismatched allreduce group memberships: one rank sent member 0 of 3 in group 'g', \
-             another sent member 0 of 2 in group 'g'"
+            error(&[a.clone(), b]),
+            "Mismatched allreduce group memberships: rank 0 sent member 0 of 3 in group 'g'; \
+             rank 1 sent member 0 of 2 in group 'g'"
         );
-        let e = validate(&[a.clone(), req(1, sig(&[2]))])
-            .unwrap()
-            .error
-            .unwrap();
-        assert!(e.to_string().ends_with("another sent no group"), "{e}");
+        let e = error(&[a.clone(), req(1, sig(&[2]))]);
+        assert!(e.ends_with("rank 1 sent no group"), "{e}");
         assert!(validate(&[a.clone(), Request { rank: 1, ..a }])
             .unwrap()
             .error
@@ -508,16 +534,104 @@ mod tests {
     }
 
     #[test]
-    fn dtype_and_op_mismatches() {
-        let a = sig(&[2]);
-        let mut b = a.clone();
-        b.dtype = DType::F64;
-        assert_eq!(
-            compare(&a, &b).unwrap().to_string(),
-            "Mismatched allreduce data types: one rank sent f32, another sent f64"
+    fn every_field_has_its_message() {
+        type Edit = fn(&mut Request);
+        let cases: [(MismatchField, Edit, &str); 9] = [
+            (
+                MismatchField::Kind,
+                |r| r.sig.kind = CollectiveKind::Broadcast,
+                "operations: rank 1 sent broadcast; ranks 0 and 2 sent allreduce",
+            ),
+            (
+                MismatchField::DType,
+                |r| r.sig.dtype = DType::I32,
+                "data types: rank 1 sent i32; ranks 0 and 2 sent f32",
+            ),
+            (
+                MismatchField::Shape,
+                |r| r.sig.shape = vec![3],
+                "tensor shapes: rank 1 sent [3]; ranks 0 and 2 sent [2]",
+            ),
+            (
+                MismatchField::Op,
+                |r| r.sig.op = ReduceOp::Min,
+                "reduce ops: rank 1 sent min; ranks 0 and 2 sent sum",
+            ),
+            (
+                MismatchField::Root,
+                |r| r.sig.root = 1,
+                "root ranks: rank 1 sent 1; ranks 0 and 2 sent 0",
+            ),
+            (
+                MismatchField::Device,
+                |r| r.sig.device = Device::Gpu(1),
+                "devices: rank 1 sent gpu:1; ranks 0 and 2 sent cpu",
+            ),
+            (
+                MismatchField::Prescale,
+                |r| r.sig.prescale = 0.5,
+                "prescale factors: rank 1 sent 0.5; ranks 0 and 2 sent 1.0",
+            ),
+            (
+                MismatchField::Postscale,
+                |r| r.sig.postscale = f64::NAN,
+                "postscale factors: rank 1 sent NaN; ranks 0 and 2 sent 1.0",
+            ),
+            (
+                MismatchField::Group,
+                |r| {
+                    r.group = Some(GroupTag {
+                        name: "g".into(),
+                        index: 1,
+                        size: 2,
+                    })
+                },
+                "group memberships: rank 1 sent member 1 of 2 in group 'g'; ranks 0 and 2 \
+                 sent no group",
+            ),
+        ];
+        for (field, edit, want) in cases {
+            let mut odd = req(1, sig(&[2]));
+            edit(&mut odd);
+            let reqs = [req(0, sig(&[2])), odd, req(2, sig(&[2]))];
+            let e = validate(&reqs).unwrap().error.unwrap();
+            assert!(
+                matches!(e, NegotiationError::Mismatch { field: f, .. } if f == field),
+                "{e}"
+            );
+            assert!(e.to_string().ends_with(want), "{field:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn scale_factors_differing_only_in_bits_are_told_apart() {
+        let mut a = req(1, sig(&[1]));
+        a.sig.prescale = f64::from_bits(f64::NAN.to_bits() | 1);
+        let mut b = req(2, sig(&[1]));
+        b.sig.prescale = -0.0;
+        let mut c = req(0, sig(&[1]));
+        c.sig.prescale = f64::NAN;
+        let e = error(&[a, b, c]);
+        assert!(
+            e.contains("rank 0 sent NaN;")
+                && e.contains("rank 1 sent NaN(0x7ff8000000000001)")
+                && e.contains("rank 2 sent -0.0"),
+            "{e}"
         );
-        let mut c = a.clone();
-        c.op = ReduceOp::Max;
-        assert!(compare(&a, &c).unwrap().to_string().contains("reduce ops"));
+    }
+
+    #[test]
+    fn errors_rename_their_ranks() {
+        let e = validate(&[req(0, sig(&[1])), req(1, sig(&[2])), req(2, sig(&[1]))])
+            .unwrap()
+            .error
+            .unwrap();
+        let world = [3u32, 5, 9];
+        assert_eq!(
+            e.map_ranks(|r| world[r as usize]).to_string(),
+            "Mismatched allreduce tensor shapes: rank 5 sent [2]; ranks 3 and 9 sent [1]"
+        );
+        let other = NegotiationError::Other("x".into());
+        assert_eq!(other.map_ranks(|r| r + 1), other);
     }
 }

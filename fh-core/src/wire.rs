@@ -2,7 +2,8 @@
 //!
 //! Every message starts with a three-byte magic (`FHq` for a request list, `FHr` for a
 //! response list, `FHn` for a name list) and a version byte ([`VERSION`]). Integers are little
-//! endian; strings and sequences are prefixed by a `u32` length. The decoders check every
+//! endian; strings and sequences are prefixed by a `u32` length; a set of ranks is a
+//! sequence of inclusive `(first, last)` runs, checked to be ascending and separated on decoding. The decoders check every
 //! length against the bytes actually present before allocating, so arbitrary input yields
 //! [`CoreError::Decode`], never a panic or a huge allocation.
 
@@ -11,10 +12,12 @@ use bytes::BufMut;
 use crate::message::{
     CollectiveKind, Device, GroupTag, MismatchField, NegotiationError, Request, Response, Signature,
 };
+use crate::mismatch::{Disagreement, RankSet, Sent};
 use crate::{CoreError, DType, ReduceOp};
 
-/// Version of the wire format; decoders refuse any other.
-pub const VERSION: u8 = 1;
+/// Version of the wire format; decoders refuse any other. Version 2: a mismatch names the
+/// ranks that sent each value ([`Disagreement`]) instead of two values.
+pub const VERSION: u8 = 2;
 
 const REQUESTS: &[u8; 3] = b"FHq";
 const RESPONSES: &[u8; 3] = b"FHr";
@@ -56,6 +59,27 @@ fn put_group(out: &mut Vec<u8>, g: &Option<GroupTag>) {
     }
 }
 
+/// A rank set: the number of runs, then each run's first and last rank.
+fn put_ranks(out: &mut Vec<u8>, r: &RankSet) {
+    out.put_u32_le(r.runs().len() as u32);
+    for &(a, b) in r.runs() {
+        out.put_u32_le(a);
+        out.put_u32_le(b);
+    }
+}
+
+/// A disagreement: the number of values shown, each value and its ranks, then the number of
+/// values left out and their ranks.
+fn put_disagreement(out: &mut Vec<u8>, d: &Disagreement) {
+    out.put_u32_le(d.sent().len() as u32);
+    for s in d.sent() {
+        put_str(out, &s.value);
+        put_ranks(out, &s.ranks);
+    }
+    out.put_u32_le(d.more_values());
+    put_ranks(out, d.more_ranks());
+}
+
 fn header(out: &mut Vec<u8>, magic: &[u8; 3], count: usize) {
     out.put_slice(magic);
     out.put_u8(VERSION);
@@ -90,14 +114,12 @@ pub fn encode_responses(resps: &[Response]) -> Vec<u8> {
             Some(NegotiationError::Mismatch {
                 kind,
                 field,
-                first,
-                second,
+                senders,
             }) => {
                 out.put_u8(1);
                 out.put_u8(kind.code());
                 out.put_u8(field.code());
-                put_str(&mut out, first);
-                put_str(&mut out, second);
+                put_disagreement(&mut out, senders);
             }
             Some(NegotiationError::Other(s)) => {
                 out.put_u8(2);
@@ -252,6 +274,34 @@ impl<'a> Reader<'a> {
         }
     }
 
+    fn ranks(&mut self) -> Result<RankSet, CoreError> {
+        let n = self.count(8)?;
+        let mut runs = Vec::with_capacity(n);
+        for _ in 0..n {
+            runs.push((self.u32()?, self.u32()?));
+        }
+        RankSet::from_runs(runs).map_err(|e| self.err(e))
+    }
+
+    fn disagreement(&mut self) -> Result<Disagreement, CoreError> {
+        let n = self.count(4 + 4)?;
+        if n > Disagreement::MAX_SHOWN {
+            return Err(self.err(format!(
+                "{n} values in a mismatch, at most {} are sent",
+                Disagreement::MAX_SHOWN
+            )));
+        }
+        let mut sent = Vec::with_capacity(n);
+        for _ in 0..n {
+            let value = self.string()?;
+            let ranks = self.ranks()?;
+            sent.push(Sent { value, ranks });
+        }
+        let more_values = self.u32()?;
+        let more_ranks = self.ranks()?;
+        Disagreement::from_parts(sent, more_values, more_ranks).map_err(|e| self.err(e))
+    }
+
     fn finish(&self) -> Result<(), CoreError> {
         if !self.buf.is_empty() {
             return Err(self.err(format!("{} trailing bytes", self.buf.len())));
@@ -313,13 +363,11 @@ pub fn decode_responses(bytes: &[u8]) -> Result<Vec<Response>, CoreError> {
                 let fc = r.u8()?;
                 let field = MismatchField::from_code(fc)
                     .ok_or_else(|| r.err(format!("unknown mismatch field {fc}")))?;
-                let first = r.string()?;
-                let second = r.string()?;
+                let senders = r.disagreement()?;
                 Some(NegotiationError::Mismatch {
                     kind,
                     field,
-                    first,
-                    second,
+                    senders,
                 })
             }
             2 => Some(NegotiationError::Other(r.string()?)),
@@ -418,14 +466,16 @@ mod tests {
     fn arb_error() -> impl Strategy<Value = Option<NegotiationError>> {
         prop_oneof![
             Just(None),
-            (0u8..7, 0u8..9, ".{0,8}", ".{0,8}").prop_map(|(k, f, a, b)| Some(
-                NegotiationError::Mismatch {
+            (
+                0u8..7,
+                0u8..9,
+                proptest::collection::vec((any::<u32>(), ".{0,8}"), 0..40)
+            )
+                .prop_map(|(k, f, values)| Some(NegotiationError::Mismatch {
                     kind: CollectiveKind::from_code(k).unwrap(),
                     field: MismatchField::from_code(f).unwrap(),
-                    first: a,
-                    second: b,
-                }
-            )),
+                    senders: Disagreement::tally(values),
+                })),
             ".{0,16}".prop_map(|s| Some(NegotiationError::Other(s))),
         ]
     }

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fh_core::message::{CollectiveKind, MismatchField, NegotiationError};
+use fh_core::mismatch::Disagreement;
 use fh_core::CoreError;
 use fh_transport::TransportError;
 
@@ -15,19 +16,20 @@ use fh_transport::TransportError;
 #[non_exhaustive]
 pub enum SchedulerError {
     /// Ranks submitted the same name with different values of one field; the name failed on
-    /// every rank with this same error.
-    #[error("tensor '{name}': Mismatched {kind} {}: one rank sent {first}, another sent {second}", field.describe())]
+    /// every rank with this same error, which names the ranks that sent each value, e.g.
+    /// `tensor 'w': Mismatched allreduce tensor shapes: rank 1 sent [1001]; ranks 0 and 2
+    /// sent [1000]` (world ranks, also in a process set's engine).
+    #[error("tensor '{name}': Mismatched {kind} {}: {senders}", field.describe())]
     Mismatch {
         /// The tensor name.
         name: String,
         /// The collective (as the lowest rank submitted it).
         kind: CollectiveKind,
-        /// What differed.
+        /// What differed: the first field, in the order of [`MismatchField::ALL`], on which
+        /// not every rank agreed.
         field: MismatchField,
-        /// One rank's value.
-        first: String,
-        /// Another rank's value.
-        second: String,
+        /// Which ranks sent which value of that field.
+        senders: Disagreement,
     },
     /// Negotiation refused the name for another reason (same text on every rank).
     #[error("tensor '{name}': {reason}")]
@@ -102,14 +104,12 @@ impl SchedulerError {
             NegotiationError::Mismatch {
                 kind,
                 field,
-                first,
-                second,
+                senders,
             } => SchedulerError::Mismatch {
                 name: name.to_string(),
                 kind: *kind,
                 field: *field,
-                first: first.clone(),
-                second: second.clone(),
+                senders: senders.clone(),
             },
             NegotiationError::Other(reason) => SchedulerError::Negotiation {
                 name: name.to_string(),
@@ -197,20 +197,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mismatch_message_states_both_values() {
+    fn mismatch_message_names_the_tensor_the_field_and_the_ranks() {
         let e = SchedulerError::from_negotiation(
             "w",
             &NegotiationError::Mismatch {
                 kind: CollectiveKind::Allreduce,
                 field: MismatchField::Shape,
-                first: "[17, 17]".into(),
-                second: "[18, 18]".into(),
+                senders: Disagreement::tally([(0, "[1000]"), (1, "[1001]"), (2, "[1000]")]),
             },
         );
         assert!(e.is_mismatch());
-        assert!(e.to_string().ends_with(
-            "Mismatched allreduce tensor shapes: one rank sent [17, 17], another sent [18, 18]"
-        ));
+        assert_eq!(
+            e.to_string(),
+            "tensor 'w': Mismatched allreduce tensor shapes: rank 1 sent [1001]; ranks 0 and 2 \
+             sent [1000]"
+        );
     }
 
     #[test]

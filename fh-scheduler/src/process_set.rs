@@ -202,7 +202,8 @@ impl ProcessSets {
         labels.extend((0..k).map(|c| format!("fh-ps{id}-channel-{c}")));
         let sub = world.open_subset(&members, &labels)?;
         let (engine, outside, started) = if sub.is_member() {
-            match Engine::start(Box::new(sub), config.clone()) {
+            // The set's engine numbers the members 0..n; its errors name their world ranks.
+            match Engine::start_with_world_ranks(Box::new(sub), config.clone(), &members) {
                 Ok(e) => (Some(Arc::new(e)), None, Ok(())),
                 Err(e) => (None, None, Err(e)),
             }

@@ -157,6 +157,8 @@ impl Drop for Resolver {
 pub(crate) struct Inner {
     pub rank: usize,
     pub size: usize,
+    /// Each rank's world rank, for an engine over a process set (errors name world ranks).
+    pub world_ranks: Option<Arc<[usize]>>,
     /// The pacing policy (back-pressure) this world runs under, resolved once at start-up
     /// from the configuration, the world size and the data channels' wire (agreed).
     pub pacing: fh_core::fusion::Pacing,
@@ -181,6 +183,15 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Inner {
+    /// The job's (world) rank of this engine's rank `r`: itself, except in a process set's
+    /// engine, whose ranks are its members numbered `0..n`. Messages name world ranks.
+    pub(crate) fn world_rank(&self, r: usize) -> usize {
+        self.world_ranks
+            .as_ref()
+            .and_then(|w| w.get(r).copied())
+            .unwrap_or(r)
+    }
+
     /// The timeline being written, if any (rank 0 only).
     pub(crate) fn timeline(&self) -> Option<Arc<Timeline>> {
         self.timeline

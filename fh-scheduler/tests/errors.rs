@@ -64,7 +64,7 @@ fn mismatched_shapes_fail_that_name_on_every_rank_and_others_proceed() {
             assert_eq!(first, &out[0].0, "{label}: same error on every rank");
             assert!(
                 first.to_string().ends_with(
-                    "Mismatched allreduce tensor shapes: one rank sent [17, 17], another sent [18, 18]"
+                    "Mismatched allreduce tensor shapes: rank 0 sent [17, 17]; rank 1 sent [18, 18]"
                 ),
                 "{label}: {first}"
             );
@@ -78,7 +78,12 @@ fn mismatched_shapes_fail_that_name_on_every_rank_and_others_proceed() {
                 ),
                 "{label}: {second}"
             );
-            assert!(second.to_string().contains("[4]") && second.to_string().contains("[5]"));
+            assert!(
+                second
+                    .to_string()
+                    .ends_with("rank 0 sent [4]; rank 1 sent [5]"),
+                "{label}: {second}"
+            );
             assert_eq!(again, &[4; 4], "{label}");
         }
     }
@@ -112,16 +117,16 @@ fn mismatched_dtype_op_and_root() {
         assert_eq!(d, &out[0].0);
         assert_eq!(
             d.to_string(),
-            "tensor 'd': Mismatched allreduce data types: one rank sent f32, another sent f64"
+            "tensor 'd': Mismatched allreduce data types: rank 0 sent f32; rank 1 sent f64"
         );
         assert!(
             o.to_string()
-                .contains("reduce ops: one rank sent sum, another sent max"),
+                .contains("reduce ops: rank 0 sent sum; rank 1 sent max"),
             "{o}"
         );
         assert!(
             b.to_string()
-                .contains("root ranks: one rank sent 0, another sent 1"),
+                .contains("root ranks: rank 0 sent 0; rank 1 sent 1"),
             "{b}"
         );
     }

@@ -77,7 +77,7 @@ fn mismatch_over_tcp_fails_the_name_on_every_rank() {
         assert!(ok, "{text}");
         assert_eq!(
             result_line(text),
-            "tensor 'w': Mismatched allreduce tensor shapes: one rank sent [17, 17], another sent [18, 18]"
+            "tensor 'w': Mismatched allreduce tensor shapes: rank 0 sent [17, 17]; rank 1 sent [18, 18]"
         );
     }
 }

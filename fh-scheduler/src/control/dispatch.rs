@@ -329,7 +329,7 @@ impl Control {
                             }
                             // The worker is gone: this rank cannot run the channel's
                             // groups, so every rank stops through the agreed fault.
-                            let rank = self.inner.rank;
+                            let rank = self.inner.world_rank(self.inner.rank);
                             for (op, _, _) in e.0.parts {
                                 let what = format!(
                                     "rank {rank} could not hand it to channel {} (the channel's \

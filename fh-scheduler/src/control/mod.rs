@@ -75,7 +75,7 @@ impl Drop for CloseOnExit {
             format!(
                 "the engine's control thread on rank {} panicked (a bug in FastHorovod: please \
                  report it)",
-                self.0.rank
+                self.0.world_rank(self.0.rank)
             )
         } else {
             "the engine stopped".into()
@@ -200,6 +200,7 @@ impl Control {
         };
         let plan_opts = cfg.plan_options();
         let now = Instant::now();
+        let table = Table::with_world_ranks(inner.world_ranks.clone());
         Ok(Control {
             cache: ResponseCache::new(cfg.cache_capacity),
             joined_set: vec![false; inner.size],
@@ -208,7 +209,7 @@ impl Control {
             inner,
             comm,
             rx,
-            table: Table::default(),
+            table,
             dispatch,
             work: InFlight::default(),
             local_shutdown: false,

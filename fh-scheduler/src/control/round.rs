@@ -99,7 +99,10 @@ impl Control {
             let mine = shutdown::encode(self.local_shutdown, self.shutdown_reason.as_deref());
             self.add_bytes(mine.len());
             let all = collect::allgather_blobs(self.comm.as_mut(), &mine)?;
-            return Ok(Some(shutdown::describe(&all, self.inner.rank, |r| r)));
+            let inner = &self.inner;
+            return Ok(Some(shutdown::describe(&all, inner.rank, |r| {
+                inner.world_rank(r)
+            })));
         }
 
         // 3. Readiness reports for rank 0's timeline (only while it writes one).
@@ -345,7 +348,7 @@ impl Control {
         let mine = fault::encode(self.fault.as_ref());
         self.add_bytes(mine.len() + 8);
         let all = collect::allgather_blobs(self.comm.as_mut(), &mine)?;
-        Ok(fault::agreed(&all))
+        Ok(fault::agreed(&all, |r| self.inner.world_rank(r)))
     }
 
     /// Compare pending names across ranks and report those some ranks lack.

@@ -63,9 +63,34 @@ impl Engine {
     /// Start an engine on a world. Collective: every rank must call it (it opens the control
     /// communicator and one communicator per data channel, and checks that the ranks'
     /// configurations agree).
-    pub fn start(
+    pub fn start(transport: Box<dyn Transport>, config: Config) -> Result<Engine, SchedulerError> {
+        Self::start_inner(transport, config, None)
+    }
+
+    /// Start an engine on a world whose ranks stand for other ranks: rank `r` of `transport`
+    /// is rank `world_ranks[r]` of the job (a process set's members, numbered `0..n` by their
+    /// communicators). The engine works on `transport`'s ranks as [`Engine::start`] does; its
+    /// negotiation errors name the world ranks. `world_ranks` must have one entry per rank of
+    /// `transport`, the same on every rank. Collective, as [`Engine::start`].
+    pub fn start_with_world_ranks(
+        transport: Box<dyn Transport>,
+        config: Config,
+        world_ranks: &[usize],
+    ) -> Result<Engine, SchedulerError> {
+        let size = transport.size();
+        if world_ranks.len() != size {
+            return Err(SchedulerError::InvalidArgument(format!(
+                "{} world ranks given for an engine over {size} ranks",
+                world_ranks.len()
+            )));
+        }
+        Self::start_inner(transport, config, Some(world_ranks.into()))
+    }
+
+    fn start_inner(
         mut transport: Box<dyn Transport>,
         config: Config,
+        world_ranks: Option<Arc<[usize]>>,
     ) -> Result<Engine, SchedulerError> {
         config.validate()?;
         let topo = transport.topology();
@@ -113,6 +138,7 @@ impl Engine {
         let inner = Arc::new(Inner {
             rank: topo.rank,
             size: topo.size,
+            world_ranks,
             pacing: config.pacing(topo.size, wire),
             config: config.clone(),
             gate: Mutex::new(Gate {

@@ -1,6 +1,9 @@
 //! Rank 0's coordinator table: uncached requests, counted per name until every rank that has
 //! not joined asked, then validated into a response (or an error response naming what
-//! differed). Pure: the same calls give the same responses.
+//! differed and which ranks sent what). Pure: the same calls give the same responses.
+//!
+//! The engine of a process set numbers its members `0..n`; its table knows their world ranks
+//! and names those in errors, so a user reads the ranks they launched.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,9 +16,28 @@ use fh_core::ReduceOp;
 pub(crate) struct Table {
     order: Vec<Arc<str>>,
     reqs: HashMap<Arc<str>, Vec<Request>>,
+    /// The world rank of each rank of this engine (a process set's members), if it is not
+    /// the world's own engine.
+    world_ranks: Option<Arc<[usize]>>,
 }
 
 impl Table {
+    /// A table whose errors name rank `r` as `world_ranks[r]` (none: as `r`).
+    pub(crate) fn with_world_ranks(world_ranks: Option<Arc<[usize]>>) -> Self {
+        Table {
+            world_ranks,
+            ..Table::default()
+        }
+    }
+
+    /// How errors name this engine's rank `r`.
+    fn world_rank(&self, r: usize) -> usize {
+        self.world_ranks
+            .as_ref()
+            .and_then(|w| w.get(r).copied())
+            .unwrap_or(r)
+    }
+
     pub(crate) fn add(&mut self, r: Request) {
         let v = self.reqs.entry(r.name.clone()).or_default();
         if v.is_empty() {
@@ -29,7 +51,10 @@ impl Table {
     /// Responses for every name all non-joined ranks have requested, in first-seen order.
     pub(crate) fn take_ready(&mut self, joined: &[bool]) -> Vec<Response> {
         let needed = joined.iter().filter(|j| !**j).count();
-        let joined_ranks: Vec<usize> = (0..joined.len()).filter(|&r| joined[r]).collect();
+        let joined_ranks: Vec<usize> = (0..joined.len())
+            .filter(|&r| joined[r])
+            .map(|r| self.world_rank(r))
+            .collect();
         let mut out = Vec::new();
         let mut keep = Vec::new();
         for name in std::mem::take(&mut self.order) {
@@ -49,6 +74,11 @@ impl Table {
                 continue;
             };
             if let Some(mut resp) = validate(&reqs) {
+                if self.world_ranks.is_some() {
+                    resp.error = resp.error.map(|e| {
+                        e.map_ranks(|r| u32::try_from(self.world_rank(r as usize)).unwrap_or(r))
+                    });
+                }
                 if resp.error.is_none()
                     && !joined_ranks.is_empty()
                     && resp.sig.kind != CollectiveKind::Allreduce
@@ -126,6 +156,31 @@ mod tests {
             .contains("tensor shapes"));
         assert!(r[1].error.is_none());
         assert!(t.take_ready(&[false; 2]).is_empty());
+    }
+
+    #[test]
+    fn a_process_sets_table_names_world_ranks() {
+        let mut t = Table::with_world_ranks(Some(Arc::from([1usize, 4, 6].as_slice())));
+        t.add(req("w", 0, 4, ReduceOp::Sum));
+        t.add(req("w", 1, 5, ReduceOp::Sum));
+        t.add(req("w", 2, 4, ReduceOp::Sum));
+        let r = t.take_ready(&[false; 3]);
+        assert_eq!(
+            r[0].error.as_ref().unwrap().to_string(),
+            "Mismatched allreduce tensor shapes: rank 4 sent [5]; ranks 1 and 6 sent [4]"
+        );
+        t.add(req("m", 0, 4, ReduceOp::Max));
+        t.add(req("m", 1, 4, ReduceOp::Max));
+        let r = t.take_ready(&[false, false, true]);
+        assert!(
+            r[0].error
+                .as_ref()
+                .unwrap()
+                .to_string()
+                .contains("ranks [6]"),
+            "{:?}",
+            r[0].error
+        );
     }
 
     #[test]

@@ -24,8 +24,9 @@ pub(crate) fn encode(fault: Option<&(String, String)>) -> Vec<u8> {
 }
 
 /// The error every rank stops with, from every rank's [`encode`]d fault (in rank order): the
-/// lowest faulty rank's, naming it, its tensor and what went wrong.
-pub(crate) fn agreed(all: &[Vec<u8>]) -> SchedulerError {
+/// lowest faulty rank's, naming it (as `world` maps it: a process set's engine names world
+/// ranks), its tensor and what went wrong.
+pub(crate) fn agreed(all: &[Vec<u8>], world: impl Fn(usize) -> usize) -> SchedulerError {
     let Some((rank, blob)) = all.iter().enumerate().find(|(_, b)| !b.is_empty()) else {
         return SchedulerError::Transport {
             lost_rank: None,
@@ -33,6 +34,7 @@ pub(crate) fn agreed(all: &[Vec<u8>]) -> SchedulerError {
             source: None,
         };
     };
+    let rank = world(rank);
     let text = String::from_utf8_lossy(blob);
     let (name, what) = text.split_once('\0').unwrap_or(("?", &text));
     SchedulerError::Negotiation {
@@ -53,12 +55,18 @@ mod tests {
         let f = |n: &str, t: &str| encode(Some(&(n.to_string(), t.to_string())));
         let all = vec![Vec::new(), f("w", "no memory"), f("v", "other")];
         assert_eq!(
-            agreed(&all).to_string(),
+            agreed(&all, |r| r).to_string(),
             "tensor 'w': rank 1 could not run this negotiated tensor (no memory); the engine \
              stopped on every rank"
         );
         assert!(encode(None).is_empty());
         assert!(f("x", &"é".repeat(5000)).len() <= 2 + MAX_FAULT_TEXT);
-        assert!(agreed(&[Vec::new()]).to_string().contains("no fault"));
+        assert!(agreed(&[Vec::new()], |r| r)
+            .to_string()
+            .contains("no fault"));
+        // A process set's engine names the member's world rank.
+        assert!(agreed(&all, |r| [3, 5, 6][r])
+            .to_string()
+            .contains("rank 5 could not run"));
     }
 }

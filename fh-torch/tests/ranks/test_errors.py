@@ -9,35 +9,77 @@ from fasthorovod.common.exceptions import HorovodInternalError
 needs_two = pytest.mark.skipif("hvd.size() < 2", reason="needs 2 ranks")
 
 
+def _ranks(ranks):
+    """How a mismatch message names a set of ranks: "rank 1", "ranks 0 and 2", "ranks 0, 2
+    and 5", runs of three or more as ranges ("ranks 0-7 and 9")."""
+    rs = sorted(set(ranks))
+    items, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        if j - i >= 2:
+            items.append(f"{rs[i]}-{rs[j]}")
+        else:
+            items.extend(str(r) for r in rs[i:j + 1])
+        i = j + 1
+    if len(items) == 1 and "-" not in items[0]:
+        return f"rank {items[0]}"
+    if len(items) == 1:
+        return f"ranks {items[0]}"
+    return "ranks " + ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _rank0_against_the_rest(what, mine, theirs):
+    """The message when rank 0 alone sent `mine` and every other rank `theirs`."""
+    rest = _ranks(range(1, hvd.size()))
+    return f"Mismatched {what}: rank 0 sent {mine}; {rest} sent {theirs}"
+
+
+def test_rank_phrases():
+    assert _ranks([1]) == "rank 1"
+    assert _ranks([2, 0]) == "ranks 0 and 2"
+    assert _ranks([0, 2, 5]) == "ranks 0, 2 and 5"
+    assert _ranks([0, 1]) == "ranks 0 and 1"
+    assert _ranks(list(range(8)) + [9]) == "ranks 0-7 and 9"
+
+
 @needs_two
-def test_dtype_mismatch_names_both_dtypes():
+def test_dtype_mismatch_names_both_dtypes_and_their_ranks():
     dtype = torch.float32 if hvd.rank() == 0 else torch.float64
     with pytest.raises(HorovodInternalError) as e:
         hvd.allreduce(torch.ones(3, dtype=dtype), name="dtype_mismatch")
     assert isinstance(e.value, RuntimeError)
     msg = str(e.value)
-    assert "f32" in msg and "f64" in msg, msg
+    assert _rank0_against_the_rest("allreduce data types", "f32", "f64") in msg, msg
 
 
 @needs_two
-def test_shape_mismatch_names_both_shapes():
+def test_shape_mismatch_names_both_shapes_and_their_ranks():
     shape = (17, 17) if hvd.rank() == 0 else (18, 18)
     with pytest.raises(HorovodInternalError) as e:
         hvd.allreduce(torch.ones(shape), name="shape_mismatch")
     msg = str(e.value)
-    assert "[17, 17]" in msg and "[18, 18]" in msg, msg
+    want = _rank0_against_the_rest("allreduce tensor shapes", "[17, 17]", "[18, 18]")
+    assert want in msg, msg
 
 
 @needs_two
 def test_op_root_and_scale_mismatch():
+    every_rank_its_own = "; ".join(f"rank {r} sent {{{r}}}" for r in range(hvd.size()))
     op = hvd.Sum if hvd.rank() == 0 else hvd.Max
-    with pytest.raises(HorovodInternalError):
+    with pytest.raises(HorovodInternalError) as e:
         hvd.allreduce(torch.ones(2), name="op_mismatch", op=op)
-    with pytest.raises(HorovodInternalError):
+    assert _rank0_against_the_rest("allreduce reduce ops", "sum", "max") in str(e.value)
+    with pytest.raises(HorovodInternalError) as e:
         hvd.broadcast(torch.ones(2), root_rank=hvd.rank(), name="root_mismatch")
-    with pytest.raises(HorovodInternalError):
+    roots = every_rank_its_own.format(*range(hvd.size()))
+    assert f"Mismatched broadcast root ranks: {roots}" in str(e.value), str(e.value)
+    with pytest.raises(HorovodInternalError) as e:
         hvd.allreduce(torch.ones(2), name="scale_mismatch",
                       prescale_factor=1.0 + hvd.rank())
+    scales = every_rank_its_own.format(*(f"{1.0 + r}" for r in range(hvd.size())))
+    assert f"Mismatched allreduce prescale factors: {scales}" in str(e.value), str(e.value)
     # The engine goes on after refused names.
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after"),
                        torch.full((2,), float(hvd.size())))

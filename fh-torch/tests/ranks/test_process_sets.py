@@ -22,6 +22,23 @@ def _sum_of(ranks, f):
 
 
 @needs3
+def test_a_mismatch_in_a_set_names_world_ranks(dynamic):
+    from fasthorovod.common.exceptions import HorovodInternalError
+
+    ps = hvd.add_process_set([1, 2])
+    try:
+        if ps.included():
+            # World rank 2 is the set's rank 1: the message names world ranks.
+            n = 5 if hvd.rank() == 2 else 4
+            with pytest.raises(HorovodInternalError) as e:
+                hvd.allreduce(torch.ones(n), name="ps_mismatch", process_set=ps)
+            msg = str(e.value)
+            assert "Mismatched allreduce tensor shapes: rank 1 sent [4]; rank 2 sent [5]" in msg, msg
+    finally:
+        hvd.remove_process_set(ps)
+
+
+@needs3
 def test_collectives_in_disjoint_sets(dynamic):
     even = hvd.add_process_set([2, 0])  # any order: kept sorted
     odd = hvd.add_process_set(hvd.ProcessSet([1]))
