@@ -425,3 +425,39 @@ fn allreduce_segments_over_tcp_matches_the_contiguous_allreduce() {
         );
     }
 }
+
+/// A rank that never joins the rendezvous (killed or stopped before it started): rank 0 gives
+/// up at its timeout and tells the ranks that joined whom to blame, so that every rank names
+/// the absent one, not rank 0.
+#[test]
+fn a_rank_absent_from_the_rendezvous_is_named_by_every_rank() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let handles: Vec<_> = [0usize, 1, 3]
+        .into_iter()
+        .map(|rank| {
+            let info = info(rank, 4, port, "2");
+            std::thread::spawn(move || {
+                TcpTransport::connect(&info, TcpOptions::from_info(&info))
+                    .err()
+                    .map(|e| e.to_string())
+            })
+        })
+        .collect();
+    for (rank, h) in [0, 1, 3].into_iter().zip(handles) {
+        let err = h
+            .join()
+            .unwrap()
+            .expect("the rendezvous succeeded without rank 2");
+        assert!(err.contains("rank(s) [2]"), "rank {rank}: {err}");
+        if rank != 0 {
+            assert!(
+                err.contains("rank 2 is gone") && err.contains("rank 0 ended the rendezvous"),
+                "rank {rank}: {err}"
+            );
+        }
+    }
+}

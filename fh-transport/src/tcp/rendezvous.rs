@@ -79,6 +79,15 @@ impl TcpTransport {
         while missing > 0 {
             let Some((hello, stream, from)) = rdv_acceptor.next(deadline) else {
                 let absent: Vec<usize> = (1..size).filter(|&r| members[r].is_none()).collect();
+                let lost = absent.first().copied().unwrap_or(0);
+                tell_failure(
+                    &mut members,
+                    lost,
+                    &format!(
+                        "rank(s) {absent:?} did not join the rendezvous within {:?}",
+                        self.opts.timeout
+                    ),
+                );
                 return Err(TransportError::Handshake {
                     peer: format!("rank(s) {absent:?}"),
                     reason: format!(
@@ -97,7 +106,7 @@ impl TcpTransport {
             // A member sends its place right after its handshake.
             let mut stream = stream;
             let place_deadline = Instant::now() + self.opts.handshake_timeout;
-            let (place, _) = read_msg(
+            let place = read_msg(
                 &mut stream,
                 place_deadline,
                 hosts::MAX_PLACE_LEN,
@@ -121,7 +130,14 @@ impl TcpTransport {
                     rank: r,
                     detail: format!("reading its host place failed: {e}"),
                 },
-            })?;
+            });
+            let place = match place {
+                Ok((p, _)) => p,
+                Err(e) => {
+                    tell_failure(&mut members, r, &e.to_string());
+                    return Err(e);
+                }
+            };
             places[r] = Some(place);
             members[r] = Some((stream, SocketAddr::new(from.ip(), hello.port)));
             missing -= 1;
@@ -236,10 +252,22 @@ impl TcpTransport {
         // Rank 0 answers once everybody is in: wait up to its timeout, plus a margin, in all.
         let book_deadline = Instant::now() + self.opts.timeout + self.opts.handshake_timeout;
         let timeout = self.opts.timeout;
-        let (entries, _) = read_msg(&mut stream, book_deadline, wire::max_book_len(size), |b| {
-            wire::decode_book(b, size)
-        })
+        let (answer, _) = read_msg(
+            &mut stream,
+            book_deadline,
+            wire::max_rendezvous_answer_len(size),
+            |b| wire::decode_rendezvous_answer(b, size),
+        )
         .map_err(|f| from_root(f, "the address book", timeout))?;
+        let entries = match answer {
+            wire::RendezvousAnswer::Book(entries) => entries,
+            wire::RendezvousAnswer::Failed { lost, reason } => {
+                return Err(TransportError::PeerLost {
+                    rank: lost as usize,
+                    detail: format!("rank 0 ended the rendezvous: {reason}"),
+                })
+            }
+        };
         let (places, _) = read_msg(
             &mut stream,
             book_deadline,
@@ -263,6 +291,16 @@ impl TcpTransport {
         }
         self.book = book;
         Ok(places)
+    }
+}
+
+/// Rank 0 gives up: tell every member that joined whom to blame (best effort, bounded), so
+/// that they name that rank rather than rank 0.
+fn tell_failure(members: &mut [Option<(TcpStream, SocketAddr)>], lost: usize, reason: &str) {
+    let notice = wire::encode_rendezvous_failure(lost as u32, reason);
+    let deadline = Instant::now() + Duration::from_secs(1);
+    for (stream, _) in members.iter_mut().flatten() {
+        let _ = write_by(stream, &notice, deadline);
     }
 }
 

@@ -485,6 +485,74 @@ pub fn decode_book(buf: &[u8], size: usize) -> Result<(Vec<String>, usize), Deco
     Ok((out, pos))
 }
 
+/// The count that marks rank 0's answer at the rendezvous as a failure notice instead of an
+/// address book ([`encode_rendezvous_failure`]).
+const RENDEZVOUS_FAILED: u32 = u32::MAX;
+
+/// Longest reason in a rendezvous failure notice.
+const MAX_FAILURE_TEXT: usize = 1024;
+
+/// Rank 0's answer at the rendezvous when it gives up (a rank never joined, or failed while
+/// joining): which rank to blame and why, so that the members name that rank, not rank 0.
+pub fn encode_rendezvous_failure(lost: u32, reason: &str) -> Vec<u8> {
+    let mut end = reason.len().min(MAX_FAILURE_TEXT);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut out = RENDEZVOUS_FAILED.to_le_bytes().to_vec();
+    out.extend_from_slice(&lost.to_le_bytes());
+    out.extend_from_slice(&(end as u16).to_le_bytes());
+    out.extend_from_slice(&reason.as_bytes()[..end]);
+    out
+}
+
+/// Rank 0's answer at the rendezvous.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RendezvousAnswer {
+    /// The address book: one entry per rank.
+    Book(Vec<String>),
+    /// Rank 0 gave up, blaming `lost`.
+    Failed {
+        /// The rank rank 0 blames.
+        lost: u32,
+        /// Why (rank 0's error).
+        reason: String,
+    },
+}
+
+/// Decode rank 0's answer: an address book of exactly `size` entries, or a failure notice.
+pub fn decode_rendezvous_answer(
+    buf: &[u8],
+    size: usize,
+) -> Result<(RendezvousAnswer, usize), DecodeError> {
+    if buf.len() < 4 {
+        return Err(DecodeError::NeedMore(4));
+    }
+    if u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) != RENDEZVOUS_FAILED {
+        return decode_book(buf, size).map(|(b, n)| (RendezvousAnswer::Book(b), n));
+    }
+    if buf.len() < 10 {
+        return Err(DecodeError::NeedMore(10));
+    }
+    let lost = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]);
+    let len = usize::from(u16::from_le_bytes([buf[8], buf[9]]));
+    if len > MAX_FAILURE_TEXT {
+        return Err(DecodeError::Invalid(format!(
+            "rendezvous failure notice of {len} bytes (at most {MAX_FAILURE_TEXT})"
+        )));
+    }
+    let Some(text) = buf.get(10..10 + len) else {
+        return Err(DecodeError::NeedMore(10 + len));
+    };
+    let reason = String::from_utf8_lossy(text).into_owned();
+    Ok((RendezvousAnswer::Failed { lost, reason }, 10 + len))
+}
+
+/// Longest answer of rank 0 at the rendezvous for `size` ranks.
+pub fn max_rendezvous_answer_len(size: usize) -> usize {
+    max_book_len(size).max(10 + MAX_FAILURE_TEXT)
+}
+
 /// A decoded frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Header {
@@ -594,8 +662,28 @@ mod tests {
         }
         let book = vec![":1".to_string(), "127.0.0.1:2".into(), "10.0.0.2:3".into()];
         let b = encode_book(&book);
-        assert_eq!(decode_book(&b, 3), Ok((book, b.len())));
+        assert_eq!(decode_book(&b, 3), Ok((book.clone(), b.len())));
         assert!(decode_book(&b, 4).is_err());
+        assert_eq!(
+            decode_rendezvous_answer(&b, 3),
+            Ok((RendezvousAnswer::Book(book), b.len()))
+        );
+        let f = encode_rendezvous_failure(2, "rank 2 never joined");
+        assert_eq!(
+            decode_rendezvous_answer(&f, 3),
+            Ok((
+                RendezvousAnswer::Failed {
+                    lost: 2,
+                    reason: "rank 2 never joined".into()
+                },
+                f.len()
+            ))
+        );
+        assert_eq!(
+            decode_rendezvous_answer(&f[..f.len() - 1], 3),
+            Err(DecodeError::NeedMore(f.len()))
+        );
+        assert!(encode_rendezvous_failure(1, &"é".repeat(2000)).len() <= 10 + MAX_FAILURE_TEXT);
     }
 
     #[test]
