@@ -210,8 +210,9 @@ fn a_silent_peer_times_out_naming_it() {
     let mut t0 = w.pop().unwrap();
     let h = std::thread::spawn(move || {
         let c = t0.open("c").unwrap();
-        // Hold the communicator open without sending anything.
-        std::thread::sleep(Duration::from_secs(3));
+        // Hold the communicator open without sending anything, longer than the timeout and
+        // the one extension a peer that still answers the liveness probe gets (1 s + 2.5 s).
+        std::thread::sleep(Duration::from_secs(6));
         drop(c);
     });
     let mut c1 = t1.open("c").unwrap();

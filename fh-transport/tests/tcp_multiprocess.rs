@@ -392,6 +392,44 @@ fn killed_peer_is_reported_by_rank_np4() {
     killed_peer(4, 3);
 }
 
+/// A stopped rank (SIGSTOP: alive, silent) in a ring: the survivors time out on whoever
+/// they wait for, but a survivor whose process still answers the liveness probe gets one
+/// more timeout and gives up first naming the stopped rank; so every survivor names it.
+#[test]
+fn stopped_peer_is_named_by_every_survivor() {
+    let (size, victim) = (4, 2);
+    let mut job = Job::new(size, "killed_peer");
+    job.timeout_s = 2;
+    let mut world = World::new();
+    for r in 0..size {
+        world.spawn(&job, r, &[("FH_TEST_VICTIM", victim.to_string())]);
+    }
+    let all: Vec<usize> = (0..size).collect();
+    world.wait_lines(&all, "ITER", WORLD_DEADLINE);
+    let pid = world.children.0[victim].id().to_string();
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .expect("run kill");
+    assert!(stopped.success(), "SIGSTOP the victim");
+    let survivors: Vec<usize> = all.iter().copied().filter(|&r| r != victim).collect();
+    let ok = world.wait(&survivors, Duration::from_secs(60));
+    let _ = world.children.0[victim].kill();
+    assert!(
+        ok.iter().all(|&b| b),
+        "survivors must report the stopped rank {victim}: {ok:?}\n{}",
+        world.all_output()
+    );
+    for &r in &survivors {
+        let out = world.stdout[r].lock().unwrap().clone();
+        assert!(
+            out.contains(&format!("LOST rank={victim} ")),
+            "rank {r} did not name rank {victim}\n{}",
+            world.all_output()
+        );
+    }
+}
+
 #[test]
 fn strangers_at_the_rendezvous_do_not_disturb_the_job() {
     let job = Job::new(3, "strangers");

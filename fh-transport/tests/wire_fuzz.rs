@@ -6,7 +6,7 @@ use proptest::prelude::*;
 
 fn hello_strategy() -> impl Strategy<Value = Hello> {
     (
-        0u8..3,
+        0u8..4,
         any::<u32>(),
         any::<u32>(),
         any::<u64>(),
@@ -16,7 +16,12 @@ fn hello_strategy() -> impl Strategy<Value = Hello> {
     )
         .prop_map(|(kind, size, rank, seq, port, lost, nonce)| Hello {
             version: wire::PROTOCOL_VERSION,
-            kind: [ConnKind::Rendezvous, ConnKind::Data, ConnKind::Abort][usize::from(kind)],
+            kind: [
+                ConnKind::Rendezvous,
+                ConnKind::Data,
+                ConnKind::Abort,
+                ConnKind::Probe,
+            ][usize::from(kind)],
             size,
             rank,
             seq,

@@ -266,8 +266,9 @@ impl ShmComm {
             if checked.is_err() || now >= deadline {
                 bell.aux.store(0, Relaxed);
                 checked?;
+                // Waiting for `who`, which may itself wait for a stopped process: name that.
                 return Err(TransportError::Timeout {
-                    rank: who,
+                    rank: self.stopped_peer().unwrap_or(who),
                     op,
                     after: self.timeout,
                 });
@@ -275,6 +276,15 @@ impl ShmComm {
             sys::futex_wait(&bell.word, seen, self.liveness.min(deadline - now));
             bell.aux.store(0, Relaxed);
         }
+    }
+
+    /// A peer whose process is stopped (alive, but making no progress), if any.
+    fn stopped_peer(&self) -> Option<usize> {
+        (0..self.size).filter(|&r| r != self.rank).find(|&r| {
+            let info = self.seg.info(r);
+            let pid = info.pid.load(Acquire);
+            pid != 0 && sys::process_stopped(pid, info.start_time.load(Relaxed))
+        })
     }
 
     /// Fail if a peer aborted, if `who` (the rank waited for) closed its communicator, or (at

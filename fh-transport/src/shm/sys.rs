@@ -181,13 +181,25 @@ pub(crate) fn pid() -> u32 {
 /// Start time of a process (clock ticks since boot, field 22 of `/proc/PID/stat`) and whether
 /// it is a zombie; `None` if there is no such process.
 fn proc_stat(pid: u32) -> Option<(u64, bool)> {
+    proc_state(pid).map(|(start, state)| (start, state == "Z" || state == "X"))
+}
+
+/// Start time and state letter of process `pid`, from `/proc/<pid>/stat`.
+fn proc_state(pid: u32) -> Option<(u64, String)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may contain spaces: parse after it.
     let rest = &text[text.rfind(')')? + 1..];
     let mut fields = rest.split_ascii_whitespace();
-    let state = fields.next()?; // field 3
+    let state = fields.next()?.to_string(); // field 3
     let start = fields.nth(18)?.parse().ok()?; // field 22
-    Some((start, state == "Z" || state == "X"))
+    Some((start, state))
+}
+
+/// Whether process `pid`, started at `start` (0 = unknown), is stopped (SIGSTOP, a
+/// debugger): alive but never to make progress by itself.
+pub(crate) fn process_stopped(pid: u32, start: u64) -> bool {
+    proc_state(pid)
+        .is_some_and(|(s, state)| (start == 0 || s == start) && (state == "T" || state == "t"))
 }
 
 /// Start time of this process, used with the pid to recognise it (pids are reused).

@@ -113,7 +113,7 @@ impl Acceptor {
         let stop2 = Arc::clone(&stop);
         let name = match rules.kind {
             ConnKind::Rendezvous => "fh-tcp-rendezvous",
-            ConnKind::Data | ConnKind::Abort => "fh-tcp-accept",
+            ConnKind::Data | ConnKind::Abort | ConnKind::Probe => "fh-tcp-accept",
         };
         let thread = std::thread::Builder::new()
             .name(name.into())
@@ -235,6 +235,11 @@ fn accept_loop(
                             pending2.fetch_sub(1, Ordering::Relaxed);
                             return;
                         }
+                        // The completed handshake was the answer: this process is alive.
+                        Ok((hello, _)) if hello.kind == ConnKind::Probe => {
+                            pending2.fetch_sub(1, Ordering::Relaxed);
+                            return;
+                        }
                         Ok((hello, stream)) => Incoming::Accepted {
                             hello,
                             stream,
@@ -337,7 +342,8 @@ fn serve_handshake(
 }
 
 fn check_hello(hello: &Hello, rules: &AcceptRules) -> Option<String> {
-    let abort_at_data = hello.kind == ConnKind::Abort && rules.kind == ConnKind::Data;
+    let abort_at_data =
+        matches!(hello.kind, ConnKind::Abort | ConnKind::Probe) && rules.kind == ConnKind::Data;
     if hello.kind != rules.kind && !abort_at_data {
         return Some(format!(
             "a {:?} handshake arrived at the {:?} listener",
@@ -355,7 +361,7 @@ fn check_hello(hello: &Hello, rules: &AcceptRules) -> Option<String> {
         ConnKind::Rendezvous => rank != 0 && rank < rules.size,
         ConnKind::Data if abort_at_data => rank != rules.rank && rank < rules.size,
         ConnKind::Data => rank > rules.rank && rank < rules.size,
-        ConnKind::Abort => false,
+        ConnKind::Abort | ConnKind::Probe => false,
     };
     if !ok_rank {
         return Some(format!(

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::frame::{RecvState, SendState};
+use super::link::{PROBE_MARGIN, PROBE_TIMEOUT};
 use super::wire::{self, Header};
 use super::{sys, Link, TcpOptions};
 use crate::{Communicator, Result, TransportError};
@@ -378,6 +379,8 @@ impl TcpComm {
             _ => false,
         };
         let mut last_progress = Instant::now();
+        // Whether this wait was extended once already for a peer that still answers.
+        let mut extended = false;
         loop {
             let mut progressed = false;
             if let (Some(t), Some(fd)) = (tx.as_mut(), tx_fd) {
@@ -450,6 +453,26 @@ impl TcpComm {
                     .as_ref()
                     .filter(|t| t.done > 0 && !t.finished())
                     .map(|t| t.peer);
+                // A peer that gave up first said whom it blames (out of band).
+                if let Some((from, lost)) = self.link.as_ref().and_then(|l| l.board.get(self.seq)) {
+                    let err = self.abort_error(from, lost as u32);
+                    return Err(self.fail(err, half));
+                }
+                // The peer may itself be waiting for a rank that stopped: when its process
+                // still answers, give it one more timeout (and its probe), within which it
+                // gives up and tells this rank whom to blame; a peer that does not answer is
+                // the one stuck.
+                if !extended && peer != self.rank {
+                    if let Some(link) = &self.link {
+                        if link.probe(self.rank, peer) {
+                            tracing::debug!(peer, op, "timed out waiting for a peer that still answers; waiting once more");
+                            // Long enough for the peer's own timeout and its probe.
+                            extended = true;
+                            last_progress = Instant::now() + PROBE_TIMEOUT + PROBE_MARGIN;
+                            continue;
+                        }
+                    }
+                }
                 let err = TransportError::Timeout {
                     rank: peer,
                     op,

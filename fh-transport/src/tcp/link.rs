@@ -41,6 +41,13 @@ impl std::fmt::Debug for Key {
     }
 }
 
+/// The longest a liveness probe ([`Link::probe`]) waits for the peer's answer.
+pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Slack for a loaded machine, on top of a peer's timeout and probe, in the one extension a
+/// wait gets for a peer that still answers.
+pub(crate) const PROBE_MARGIN: Duration = Duration::from_millis(500);
+
 /// Abort notices received out of band: communicator sequence number → (reporting rank, lost
 /// rank). Only authenticated peers write here, at most one entry per communicator.
 #[derive(Debug, Default)]
@@ -90,6 +97,31 @@ impl Link {
                 }
             }),
         }
+    }
+
+    /// Whether `peer`'s process still answers: a handshake over a fresh connection, which its
+    /// acceptor thread completes even while its ranks wait in a collective, but which nothing
+    /// answers in a stopped or frozen process. Bounded by [`PROBE_TIMEOUT`].
+    pub(crate) fn probe(&self, rank: usize, peer: usize) -> bool {
+        let Some(addr) = self.book.get(peer) else {
+            return false;
+        };
+        let timeout = self.handshake_timeout.min(PROBE_TIMEOUT);
+        let deadline = Instant::now() + timeout;
+        let Ok(mut s) = TcpStream::connect_timeout(addr, timeout) else {
+            return false;
+        };
+        let hello = Hello {
+            version: wire::PROTOCOL_VERSION,
+            kind: ConnKind::Probe,
+            size: self.book.len() as u32,
+            rank: rank as u32,
+            seq: 0,
+            port: 0,
+            lost: 0,
+            nonce: [0; wire::NONCE_LEN],
+        };
+        client_handshake(&mut s, hello, &self.key, &format!("rank {peer}"), deadline).is_ok()
     }
 
     /// Tell `peer`, over a fresh connection, that this rank gave up on communicator `seq`

@@ -107,6 +107,9 @@ pub enum ConnKind {
     /// A one-shot notice that the connector gave up on communicator `seq` because it lost
     /// rank `lost`, sent when the notice cannot travel on the data connection itself.
     Abort,
+    /// A liveness probe: the connector timed out waiting for this rank and asks whether its
+    /// process still answers (a completed handshake is the answer; nothing follows).
+    Probe,
 }
 
 /// A decoded handshake.
@@ -165,6 +168,7 @@ impl Hello {
             ConnKind::Rendezvous => 0,
             ConnKind::Data => 1,
             ConnKind::Abort => 2,
+            ConnKind::Probe => 3,
         });
         out.push(0);
         out.extend_from_slice(&self.size.to_le_bytes());
@@ -200,6 +204,7 @@ impl Hello {
             0 => ConnKind::Rendezvous,
             1 => ConnKind::Data,
             2 => ConnKind::Abort,
+            3 => ConnKind::Probe,
             k => return Err(DecodeError::Invalid(format!("unknown connection kind {k}"))),
         };
         if buf[7] != 0 {
