@@ -67,6 +67,13 @@ struct Stopping {
 /// at once over the transports) and exit on their own before fhrun sends them SIGTERM.
 const REPORT_WINDOW: Duration = Duration::from_millis(1000);
 
+/// After a rank's notice that it fails, how long the others may take to end on their own
+/// before fhrun sends them SIGTERM. Shorter than [`REPORT_WINDOW`]: the cause is known, and the
+/// failing rank tells the others right after its notice (its atexit `hvd.shutdown()`, within
+/// milliseconds), so their own errors come well within it; its interpreter's finalization
+/// (a second or more with torch loaded, after stdout and stderr are flushed) is not waited for.
+const NOTICE_WINDOW: Duration = Duration::from_millis(500);
+
 /// The longest fhrun sleeps between two looks at the notice pipe (a SIGCHLD or a signal for
 /// fhrun wakes it earlier).
 const NOTICE_POLL: Duration = Duration::from_millis(50);
@@ -311,8 +318,8 @@ fn run_ranks(
             exit_code = 1;
             stopping = Some(Stopping {
                 reason: StopReason::RankNotice(rank),
-                term_at: Some(at + REPORT_WINDOW),
-                kill_at: at + REPORT_WINDOW + job.kill_grace,
+                term_at: Some(at + NOTICE_WINDOW),
+                kill_at: at + NOTICE_WINDOW + job.kill_grace,
                 killed: false,
             });
         }

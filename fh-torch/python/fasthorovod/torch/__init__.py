@@ -6,7 +6,6 @@ Horovod training script stays as it is. Launch with ``fhrun -np N python train.p
 """
 
 import atexit
-import gc
 import os
 import stat
 import sys
@@ -69,19 +68,7 @@ def shutdown():
     _core.shutdown()
 
 
-def _at_exit():
-    """The interpreter's exit: stop the runtime. After an uncaught exception, also freeze the
-    objects alive (``gc.freeze``) so that the finalization's garbage collections skip them:
-    with torch loaded those walks cost 0.6-1.2 s of CPU per process (more on a loaded
-    machine), which a failing rank would spend before its exit tells the launcher. Memory goes
-    with the process anyway; finalizers of objects in reference cycles, which Python does not
-    promise to run at exit, are skipped."""
-    shutdown()
-    if _exit_reason is not None:
-        gc.freeze()
-
-
-atexit.register(_at_exit)
+atexit.register(shutdown)
 
 # Why this process is exiting, when an uncaught exception ends it ("raised ValueError: boom");
 # set by the excepthook below before the interpreter's exit runs ``shutdown()``.
@@ -255,4 +242,4 @@ def stop_timeline():
 
 
 __all__ = [name for name in dir()
-           if not name.startswith("_") and name not in ("atexit", "gc", "os", "stat", "sys")]
+           if not name.startswith("_") and name not in ("atexit", "os", "stat", "sys")]
