@@ -11,7 +11,8 @@ const LIMIT: Duration = Duration::from_secs(30);
 
 /// A rank's notice, written the way a shell can: through `/proc/self/fd` (the variable is
 /// `FD:INODE`).
-const NOTICE: &str = "echo \"$FH_RANK raised ValueError: boom\" > /proc/self/fd/${FH_NOTICE_FD%%:*}";
+const NOTICE: &str =
+    "echo \"$FH_RANK raised ValueError: boom\" > /proc/self/fd/${FH_NOTICE_FD%%:*}";
 
 #[test]
 fn the_rank_that_says_it_fails_is_blamed_not_the_first_to_exit() {
