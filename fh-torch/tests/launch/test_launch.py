@@ -237,3 +237,47 @@ def test_fhrun_names_the_rank_that_raised_within_2s(fhrun, tmp_path, transport):
     assert not any(line.startswith(("fhrun: rank 0 (", "fhrun: rank 2 (")) for line in blamed), out
     took = ended - raised[0]
     assert took < 2.0, f"fhrun exited {took:.2f} s after rank 1 raised:\n{out}"
+
+
+NOTICE_SCRIPT = textwrap.dedent("""
+    import sys
+    import fasthorovod.torch as hvd
+    from fasthorovod.common.exceptions import HorovodInternalError
+    def own():
+        raise KeyError("x")
+    def caused():
+        try:
+            raise HorovodInternalError("rank 2 is gone")
+        except HorovodInternalError:
+            raise RuntimeError("training failed")
+    {"own": own, "caused": caused}[sys.argv[1]]()
+""")
+
+
+@pytest.mark.parametrize("case", ["own", "caused", "stale"])
+def test_an_uncaught_exception_is_noticed_only_when_the_rank_is_its_cause(tmp_path, case):
+    """fasthorovod.torch's excepthook writes ``RANK raised T: msg`` to fhrun's notice pipe
+    (FH_NOTICE_FD=FD:INODE) after the usual traceback; not when the runtime's error caused the
+    exception, and not into a descriptor that is not that pipe."""
+    script = tmp_path / "notice.py"
+    script.write_text(NOTICE_SCRIPT)
+    r, w = os.pipe()
+    try:
+        os.set_blocking(r, False)
+        ino = os.fstat(w).st_ino + (1 if case == "stale" else 0)
+        env = dict(os.environ, FH_RANK="3", FH_NOTICE_FD=f"{w}:{ino}")
+        p = subprocess.run([PYTHON, str(script), "own" if case == "stale" else case],
+                           env=env, pass_fds=(w,), capture_output=True, text=True, timeout=120)
+        try:
+            said = os.read(r, 65536).decode()
+        except BlockingIOError:
+            said = ""
+    finally:
+        os.close(r)
+        os.close(w)
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" in p.stderr, p.stderr  # the previous hook still runs
+    if case == "own":
+        assert said == "3 raised KeyError: 'x'\n", (said, p.stderr)
+    else:
+        assert said == "", said
