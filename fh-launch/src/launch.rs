@@ -395,7 +395,7 @@ fn run_ranks(
             if s.term_at.is_some_and(|t| now >= t) {
                 s.term_at = None;
                 for r in ranks.iter().filter(|r| r.child.is_some()) {
-                    sys::kill_group(r.pid, libc::SIGTERM);
+                    stop_group(r.pid, libc::SIGTERM);
                 }
             }
             if !s.killed && now >= s.kill_at {
@@ -513,9 +513,17 @@ fn run_ranks(
     exit_code
 }
 
+/// Sends `sig` to a rank's process group, then SIGCONT: a stopped process (SIGSTOP, a hung
+/// rank's stand-in, or Ctrl-Z) acts on `sig` only once it runs again, and would otherwise
+/// last until the SIGKILL after the kill grace.
+fn stop_group(pgid: u32, sig: i32) {
+    sys::kill_group(pgid, sig);
+    sys::kill_group(pgid, libc::SIGCONT);
+}
+
 fn begin_stop(ranks: &[Rank], sig: i32, reason: StopReason, grace: Duration) -> Stopping {
     for r in ranks.iter().filter(|r| r.child.is_some()) {
-        sys::kill_group(r.pid, sig);
+        stop_group(r.pid, sig);
     }
     Stopping {
         reason,

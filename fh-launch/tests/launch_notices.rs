@@ -96,3 +96,23 @@ fn a_rank_without_the_pipe_sees_no_variable_and_bad_lines_are_ignored() {
     }
     assert!(!out.stderr.contains("(pid "), "{}", out.stderr);
 }
+
+#[test]
+fn a_stopped_rank_ends_with_the_sigterm_not_the_sigkill() {
+    // Rank 1 stops itself (SIGSTOP: a hung rank's stand-in); rank 0 then fails. A stopped
+    // process acts on SIGTERM only once it runs again: fhrun sends SIGCONT with it, so the job
+    // ends after the report window, not after the 10 s kill grace as well.
+    let script = "if [ $FH_RANK = 1 ]; then kill -STOP $$; exec sleep 60; fi; sleep 0.3; exit 3";
+    let started = Instant::now();
+    let out = fhrun(
+        &["-np", "2", "--kill-grace", "10", "sh", "-c", script],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(3), "{out:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}: {}",
+        started.elapsed(),
+        out.stderr
+    );
+}
