@@ -7,6 +7,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::guardian::Guardian;
+use crate::notice::{Notice, NoticeChannel, NOTICE_VAR};
 use crate::output::{pump, Sink};
 use crate::sys;
 
@@ -44,6 +45,9 @@ pub struct LocalJob {
 enum StopReason {
     /// A rank failed (its exit status becomes fhrun's).
     RankFailed(i32),
+    /// This rank said it is failing (a notice; its exit status becomes fhrun's if it ends
+    /// before fhrun signals it, else 1).
+    RankNotice(usize),
     /// fhrun got this signal.
     Signal(i32),
     /// `--timeout` expired.
@@ -62,6 +66,17 @@ struct Stopping {
 /// After a rank fails, how long the other ranks may take to notice (a lost peer is reported
 /// at once over the transports) and exit on their own before fhrun sends them SIGTERM.
 const REPORT_WINDOW: Duration = Duration::from_millis(1000);
+
+/// After a rank's notice that it fails, how long the others may take to end on their own
+/// before fhrun sends them SIGTERM. Shorter than [`REPORT_WINDOW`]: the cause is known, and the
+/// failing rank tells the others right after its notice (its atexit `hvd.shutdown()`, within
+/// milliseconds), so their own errors come well within it; its interpreter's finalization
+/// (a second or more with torch loaded, after stdout and stderr are flushed) is not waited for.
+const NOTICE_WINDOW: Duration = Duration::from_millis(500);
+
+/// The longest fhrun sleeps between two looks at the notice pipe (a SIGCHLD or a signal for
+/// fhrun wakes it earlier).
+const NOTICE_POLL: Duration = Duration::from_millis(50);
 
 struct Rank {
     rank: usize,
@@ -86,7 +101,11 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-fn spawn_rank(job: &LocalJob, spec: &RankSpec) -> std::io::Result<Child> {
+fn spawn_rank(
+    job: &LocalJob,
+    spec: &RankSpec,
+    notices: Option<&NoticeChannel>,
+) -> std::io::Result<Child> {
     let mut cmd = Command::new(&job.command[0]);
     cmd.args(&job.command[1..])
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
@@ -95,10 +114,24 @@ fn spawn_rank(job: &LocalJob, spec: &RankSpec) -> std::io::Result<Child> {
     if job.prefix {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     }
+    // The notice pipe's write end, or no variable at all (not one inherited from a launcher
+    // around fhrun, whose descriptor the rank does not have).
+    let notice_fd = notices.and_then(|n| Some((n.write_fd()?, n.env_value()?)));
+    match &notice_fd {
+        Some((_, value)) => cmd.env(NOTICE_VAR, value),
+        None => cmd.env_remove(NOTICE_VAR),
+    };
+    let notice_fd = notice_fd.map(|(fd, _)| fd);
     let parent = sys::getpid();
-    // SAFETY: child_setup only makes async-signal-safe calls.
+    // SAFETY: child_setup and inherit_in_child only make async-signal-safe calls.
     unsafe {
-        cmd.pre_exec(move || sys::child_setup(parent));
+        cmd.pre_exec(move || {
+            sys::child_setup(parent)?;
+            if let Some(fd) = notice_fd {
+                NoticeChannel::inherit_in_child(fd)?;
+            }
+            Ok(())
+        });
     }
     cmd.spawn()
 }
@@ -117,7 +150,19 @@ pub fn run(job: &LocalJob) -> i32 {
         }
     }
     let mut guardian = Guardian::start();
-    let code = run_ranks(job, guardian.as_mut());
+    let notices = match NoticeChannel::open() {
+        Ok(n) => Some(n),
+        Err(e) => {
+            if job.verbose {
+                eprintln!(
+                    "fhrun: cannot open the notice pipe ({e}); a failing rank is blamed by its \
+                     exit alone"
+                );
+            }
+            None
+        }
+    };
+    let code = run_ranks(job, guardian.as_mut(), notices);
     stop_orphans(&guardian, job.kill_grace);
     if let Some(g) = guardian {
         g.dismiss();
@@ -165,7 +210,11 @@ fn stop_orphans(guardian: &Option<Guardian>, grace: Duration) {
     }
 }
 
-fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
+fn run_ranks(
+    job: &LocalJob,
+    mut guardian: Option<&mut Guardian>,
+    mut notices: Option<NoticeChannel>,
+) -> i32 {
     let started = Instant::now();
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let mut pumps = 0usize;
@@ -174,7 +223,7 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
     let mut exit_code = 0;
 
     for spec in &job.ranks {
-        match spawn_rank(job, spec) {
+        match spawn_rank(job, spec, notices.as_ref()) {
             Ok(mut child) => {
                 let pid = child.id();
                 if let Some(g) = guardian.as_mut() {
@@ -244,9 +293,37 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
         }
     }
     drop(done_tx);
+    // Only the ranks write notices: fhrun's copy of the write end goes.
+    if let Some(n) = notices.as_mut() {
+        n.close_write();
+    }
 
     let deadline = job.timeout.map(|t| started + t);
     loop {
+        // Notices first: one written before a rank's exit is seen before that exit, and before
+        // the exits of the others it caused.
+        let said = notices
+            .as_mut()
+            .map(|n| n.drain(job.ranks.len()))
+            .unwrap_or_default();
+        for Notice { rank, reason, at } in said {
+            let pid = ranks.iter().find(|r| r.rank == rank).map_or(0, |r| r.pid);
+            if stopping.is_some() {
+                if job.verbose {
+                    eprintln!("fhrun: rank {rank} (pid {pid}) also failed: {reason}");
+                }
+                continue;
+            }
+            eprintln!("fhrun: rank {rank} (pid {pid}) {reason}; stopping the other ranks");
+            exit_code = 1;
+            stopping = Some(Stopping {
+                reason: StopReason::RankNotice(rank),
+                term_at: Some(at + NOTICE_WINDOW),
+                kill_at: at + NOTICE_WINDOW + job.kill_grace,
+                killed: false,
+            });
+        }
+
         // Reap whatever has ended.
         for r in ranks.iter_mut() {
             let Some(child) = r.child.as_mut() else {
@@ -271,6 +348,17 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
             sys::kill_group(r.pid, libc::SIGKILL);
             if let Some(g) = guardian.as_mut() {
                 g.forget(r.pid);
+            }
+            if let Some(Stopping {
+                reason: StopReason::RankNotice(blamed),
+                term_at: Some(_),
+                ..
+            }) = &stopping
+            {
+                // The rank that said it fails ended on its own: its status is fhrun's.
+                if *blamed == r.rank && !status.success() {
+                    exit_code = status_code(status);
+                }
             }
             let blame = !status.success() && stopping.is_none();
             if job.verbose && !blame {
@@ -307,7 +395,7 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
             if s.term_at.is_some_and(|t| now >= t) {
                 s.term_at = None;
                 for r in ranks.iter().filter(|r| r.child.is_some()) {
-                    sys::kill_group(r.pid, libc::SIGTERM);
+                    stop_group(r.pid, libc::SIGTERM);
                 }
             }
             if !s.killed && now >= s.kill_at {
@@ -339,7 +427,11 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
         }
 
         // Sleep until a signal (a child ended, or the user's Ctrl-C) or the next deadline.
-        let mut wait = Duration::from_millis(200);
+        let mut wait = if notices.is_some() {
+            NOTICE_POLL
+        } else {
+            Duration::from_millis(200)
+        };
         if let Some(s) = &stopping {
             if let Some(t) = s.term_at {
                 wait = wait.min(t.saturating_duration_since(now));
@@ -409,6 +501,9 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
         if job.verbose {
             let why = match s.reason {
                 StopReason::RankFailed(code) => format!("a rank failed; exit status {code}"),
+                StopReason::RankNotice(rank) => {
+                    format!("rank {rank} failed; exit status {exit_code}")
+                }
                 StopReason::Signal(sig) => format!("fhrun received {}", sys::signal_name(sig)),
                 StopReason::Timeout => "timed out".to_string(),
             };
@@ -418,9 +513,17 @@ fn run_ranks(job: &LocalJob, mut guardian: Option<&mut Guardian>) -> i32 {
     exit_code
 }
 
+/// Sends `sig` to a rank's process group, then SIGCONT: a stopped process (SIGSTOP, a hung
+/// rank's stand-in, or Ctrl-Z) acts on `sig` only once it runs again, and would otherwise
+/// last until the SIGKILL after the kill grace.
+fn stop_group(pgid: u32, sig: i32) {
+    sys::kill_group(pgid, sig);
+    sys::kill_group(pgid, libc::SIGCONT);
+}
+
 fn begin_stop(ranks: &[Rank], sig: i32, reason: StopReason, grace: Duration) -> Stopping {
     for r in ranks.iter().filter(|r| r.child.is_some()) {
-        sys::kill_group(r.pid, sig);
+        stop_group(r.pid, sig);
     }
     Stopping {
         reason,

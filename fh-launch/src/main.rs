@@ -10,6 +10,7 @@ mod guardian;
 mod hosts;
 mod launch;
 mod mpi;
+mod notice;
 mod output;
 mod sys;
 

@@ -1,6 +1,7 @@
 //! The Python half of `cargo xtask test`: a virtual environment under `target/` with PyTorch,
 //! maturin and pytest from the package registry; the `fasthorovod` wheel built from source
-//! with `pip install ./fh-torch`; the pytest suites of `fh-torch/tests` on 1, 2 and 3 ranks.
+//! with `pip install ./fh-torch`; the pytest suites of `fh-torch/tests` on 1, 2 and 3 ranks,
+//! the launch tests and the chaos suite.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -124,5 +125,23 @@ pub(crate) fn ranks_suite(root: &Path, np: usize) -> Command {
 pub(crate) fn launch_suite(root: &Path) -> Command {
     let mut c = Command::new(python(root));
     pytest(root, &mut c, "fh-torch/tests/launch");
+    c
+}
+
+/// Runs of the chaos suite in `cargo xtask test` (its CI mode; about 5 minutes on 2 cores).
+pub(crate) const CHAOS_RUNS: u32 = 60;
+
+/// The chaos suite (`fh-torch/tests/chaos`): at np 4, one rank killed, stopped or raising at a
+/// random moment, every survivor (and fhrun) must end naming it in bounded time. Runs
+/// [`CHAOS_RUNS`] runs from a fresh seed (printed, for replay), or `FH_CHAOS_RUNS` when that
+/// asks for more (a soak).
+pub(crate) fn chaos_suite(root: &Path) -> Command {
+    let runs = std::env::var("FH_CHAOS_RUNS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .map_or(CHAOS_RUNS, |n| n.max(CHAOS_RUNS));
+    let mut c = Command::new(python(root));
+    pytest(root, &mut c, "fh-torch/tests/chaos");
+    c.env("FH_CHAOS_RUNS", runs.to_string());
     c
 }

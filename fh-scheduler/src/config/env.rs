@@ -32,8 +32,10 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_LOG_COLOR",
 ];
 
-/// Variables of FastHorovod's own tools (the build and test scripts, the benchmarks).
+/// Variables of FastHorovod's own tools (the build and test scripts, the benchmarks) and
+/// fhrun's notice pipe (`FH_NOTICE_FD`, read by `fasthorovod.torch`'s excepthook).
 const TOOL_VARIABLES: &[&str] = &[
+    "FH_NOTICE_FD",
     "FH_VENV",
     "FH_FHRUN",
     "FH_NCCL_INCLUDE",
@@ -51,6 +53,7 @@ const TOOL_PREFIXES: &[&str] = &[
     "FH_SHM_TEST_",
     "FH_HIER_TEST_",
     "FH_MPI_SUITE_",
+    "FH_CHAOS_",
 ];
 
 /// Names people reach for that FastHorovod spells otherwise.

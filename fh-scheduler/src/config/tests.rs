@@ -208,6 +208,8 @@ fn unknown_fh_variables_are_named_with_the_closest_known_one() {
         "FH_BENCH_WORKLOADS",
         "FH_TEST_SCENARIO",
         "FH_VENV",
+        "FH_NOTICE_FD",
+        "FH_CHAOS_RUNS",
         // Not ours.
         "HOROVOD_FUSION_THRESHOLD",
         "PATH",

@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -199,7 +200,13 @@ def free_port():
 
 
 class Proc:
-    """A child in a session (process group) of its own: a forked rank, or an exec'ed one."""
+    """A child in a session (process group) of its own: a forked rank, or an exec'ed one.
+
+    A thread of its own waits for it, so that its exit status and time are exact however long
+    the harness's loop is busy elsewhere (another run's 1 s stack dump or its clean-up), and so
+    that its pid is known to be ours for exactly as long as it is not reaped: after that the
+    number may belong to anyone (pid_max is 32768 on the 2-core VM, and the ranks' threads
+    use pids up fast)."""
 
     def __init__(self, pid, popen=None, out_path=None):
         self.pid = pid
@@ -208,38 +215,60 @@ class Proc:
         self.code = None      # exit status: >= 0 exit code, < 0 killed by that signal
         self.t_exit = None
         self.killed_by_harness = False
+        self.reaped = threading.Event()
+        threading.Thread(target=self._reap, name=f"reap-{pid}", daemon=True).start()
+
+    def _reap(self):
+        if self.popen is not None:
+            c = self.popen.wait()
+        else:
+            while True:
+                try:
+                    _, status = os.waitpid(self.pid, 0)
+                    c = os.waitstatus_to_exitcode(status)
+                    break
+                except InterruptedError:
+                    continue
+                except ChildProcessError:  # not expected: only this thread reaps it
+                    c = 0
+                    break
+        self.t_exit = time.time()
+        self.code = c
+        self.reaped.set()
 
     def poll(self):
-        if self.code is not None:
-            return self.code
-        if self.popen is not None:
-            c = self.popen.poll()
-        else:
+        return self.code
+
+    def signal(self, sig):
+        """Signal the process itself, while it is ours (not reaped)."""
+        if self.code is None:
             try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                pid, status = self.pid, 0
-            if pid == 0:
-                return None
-            c = os.waitstatus_to_exitcode(status)
-        if c is not None:
-            self.code = c
-            self.t_exit = time.time()
-        return c
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def signal_group(self, sig):
-        try:
-            os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """Signal its process group: through the leader's id while the leader is not reaped,
+        else each remaining member (a member's pid differs from the group id; a new process
+        that reuses the id as its own group's leader does not)."""
+        if self.code is None:
+            try:
+                os.killpg(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            return
+        for pid in group_members(self.pid):
+            if pid != self.pid:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def kill_and_reap(self):
-        if self.poll() is None:
+        if self.code is None:
             self.killed_by_harness = True
             self.signal_group(signal.SIGKILL)
-            deadline = time.time() + 10
-            while self.poll() is None and time.time() < deadline:
-                time.sleep(0.01)
+            self.reaped.wait(10)
         # Whatever it left in its group goes too.
         self.signal_group(signal.SIGKILL)
 
@@ -248,6 +277,22 @@ class Proc:
             return pathlib.Path(self.out_path).read_text(errors="replace")
         except OSError:
             return ""
+
+
+def group_members(pgid):
+    """The live processes whose process group is ``pgid`` (from /proc)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[0] != "Z" and fields[2] == str(pgid):
+            out.append(int(name))
+    return out
 
 
 def fork_rank(env, out_path):
@@ -291,12 +336,16 @@ def pid_alive(pid):
         return False
 
 
-def pid_cmdline(pid):
+def pid_of_run(pid, run_dir):
+    """Whether ``pid`` is a live process started for this run (its environment at exec names
+    the run's directory): a pid read from a file may have been reused by anything since."""
+    if not pid_alive(pid):
+        return False
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return os.fsencode(str(run_dir)) in f.read()
     except OSError:
-        return ""
+        return False
 
 
 # ---------------------------------------------------------------------------------------
@@ -473,7 +522,7 @@ class Run:
         if len(self.rank_pid) < NP:
             self.rank_pid.update(self.rank_pids())
         for r, pid in self.rank_pid.items():
-            if r not in self.rank_exit and not pid_alive(pid):
+            if r not in self.rank_exit and not pid_of_run(pid, self.dir):
                 self.rank_exit[r] = now
 
     def limit_after_fault(self):
@@ -483,19 +532,17 @@ class Run:
     def dump_and_kill(self, procs):
         """Hung ranks: their Python stacks (faulthandler on SIGUSR1), then SIGKILL."""
         for pr in procs:
-            if pr.poll() is None:
-                try:
-                    os.kill(pr.pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
+            pr.signal(signal.SIGUSR1)
         time.sleep(1.0)
         for pr in procs:
             pr.kill_and_reap()
 
     def dump_and_kill_fhrun(self):
-        pids = self.rank_pids()
+        # The ranks are fhrun's children, known by their pid files: only those that are still
+        # this run's processes are signalled.
+        pids = {r: pid for r, pid in self.rank_pids().items() if pid_of_run(pid, self.dir)}
         for r, pid in pids.items():
-            if pid_alive(pid):
+            if pid_of_run(pid, self.dir):
                 self.hung[r] = None
                 try:
                     os.kill(pid, signal.SIGUSR1)
@@ -505,9 +552,9 @@ class Run:
         time.sleep(1.0)
         self.fhrun.kill_and_reap()
         for pid in pids.values():
-            if pid_alive(pid):
+            if pid_of_run(pid, self.dir):
                 try:
-                    os.killpg(pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
 
@@ -527,26 +574,25 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def leftovers(self):
-        """Processes of this run still alive after the clean-up (each is then killed)."""
-        left = []
-        pids = set(self.rank_pids().values()) | {pr.pid for pr in self.procs.values()}
-        if self.fhrun is not None:
-            pids.add(self.fhrun.pid)
+        """Processes of this run still alive after the clean-up (each is then killed): our own
+        children not reaped, and ranks (fhrun's children, by their pid files) whose environment
+        still names this run; a pid is never trusted on its number alone."""
         deadline = time.time() + 3  # fhrun reaps its ranks as it exits; give it a moment
+        mine = list(self.procs.values()) + ([self.fhrun] if self.fhrun is not None else [])
         while True:
-            left = [pid for pid in pids if pid_alive(pid) and
-                    ("chaos_worker" in pid_cmdline(pid) or "fhrun" in pid_cmdline(pid)
-                     or pid in {pr.pid for pr in self.procs.values()})]
+            left = sorted({pr.pid for pr in mine if pr.poll() is None}
+                          | {pid for pid in self.rank_pids().values()
+                             if pid_of_run(pid, self.dir)})
             if not left or time.time() > deadline:
                 break
             time.sleep(0.05)
         for pid in left:
-            for kill in (lambda: os.killpg(pid, signal.SIGKILL),
-                         lambda: os.kill(pid, signal.SIGKILL)):
-                try:
-                    kill()
-                except (ProcessLookupError, PermissionError):
-                    pass
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pr in mine:
+            pr.kill_and_reap()
         return left
 
     def judge(self, leftovers):

@@ -250,8 +250,14 @@ def run_forked():
         code = main(forked=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
-    except BaseException:  # noqa: BLE001 - what the interpreter would print
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - what the interpreter does with it
+        # The interpreter hands an uncaught exception to sys.excepthook, which
+        # fasthorovod.torch wraps (it records why this rank exits and tells fhrun):
+        # do the same.
+        try:
+            sys.excepthook(*sys.exc_info())
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
         sys.stderr.flush()
         code = 1
     finally:

@@ -5,6 +5,7 @@ import secrets
 import signal
 import subprocess
 import textwrap
+import time
 
 import pytest
 import torch
@@ -210,3 +211,89 @@ def test_static_process_sets_and_a_killed_member(tmp_path, transport):
         assert procs[r].returncode == 0, outs[r]
     assert "set a ok" in outs[0] and "set a ok" in outs[1], outs[:2]
     assert "set b failed" in outs[2] and "rank 3" in outs[2], outs[2]
+
+
+RAISE_SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    import fasthorovod.torch as hvd
+    hvd.init()
+    hvd.allreduce(torch.ones(4), name="warmup")
+    if hvd.rank() == 1:
+        print(f"T_RAISE={time.time():.6f}", flush=True)
+        raise ValueError("boom")
+    hvd.allreduce(torch.ones(1 << 16), name="after")
+    sys.exit("the allreduce went on without rank 1")
+""")
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "shm"])
+def test_fhrun_names_the_rank_that_raised_within_2s(fhrun, tmp_path, transport):
+    """Rank 1 of 3 raises before an allreduce: fhrun names rank 1 and its exception (not a
+    survivor that exited first with the runtime's error) and exits within 2 s of the raise."""
+    script = tmp_path / "raise.py"
+    script.write_text(RAISE_SCRIPT)
+    env = dict(os.environ, FH_TIMEOUT_SECONDS="20", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([fhrun, "-np", "3", "--transport", transport, "--timeout", "120",
+                             PYTHON, str(script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"fhrun did not finish in 150 s:\n{out}")
+    ended = time.time()
+    assert proc.returncode == 1, out
+    raised = [float(line.split("T_RAISE=")[1]) for line in out.splitlines()
+              if line.startswith("[1]<stdout>:T_RAISE=")]
+    assert raised, out
+    blamed = [line for line in out.splitlines() if line.startswith("fhrun: rank ")]
+    assert blamed and blamed[0].startswith("fhrun: rank 1 (pid "), out
+    assert "raised ValueError: boom" in blamed[0], out
+    assert not any(line.startswith(("fhrun: rank 0 (", "fhrun: rank 2 (")) for line in blamed), out
+    took = ended - raised[0]
+    assert took < 2.0, f"fhrun exited {took:.2f} s after rank 1 raised:\n{out}"
+
+
+NOTICE_SCRIPT = textwrap.dedent("""
+    import sys
+    import fasthorovod.torch as hvd
+    from fasthorovod.common.exceptions import HorovodInternalError
+    def own():
+        raise KeyError("x")
+    def caused():
+        try:
+            raise HorovodInternalError("rank 2 is gone")
+        except HorovodInternalError:
+            raise RuntimeError("training failed")
+    {"own": own, "caused": caused}[sys.argv[1]]()
+""")
+
+
+@pytest.mark.parametrize("case", ["own", "caused", "stale"])
+def test_an_uncaught_exception_is_noticed_only_when_the_rank_is_its_cause(tmp_path, case):
+    """fasthorovod.torch's excepthook writes ``RANK raised T: msg`` to fhrun's notice pipe
+    (FH_NOTICE_FD=FD:INODE) after the usual traceback; not when the runtime's error caused the
+    exception, and not into a descriptor that is not that pipe."""
+    script = tmp_path / "notice.py"
+    script.write_text(NOTICE_SCRIPT)
+    r, w = os.pipe()
+    try:
+        os.set_blocking(r, False)
+        ino = os.fstat(w).st_ino + (1 if case == "stale" else 0)
+        env = dict(os.environ, FH_RANK="3", FH_NOTICE_FD=f"{w}:{ino}")
+        p = subprocess.run([PYTHON, str(script), "own" if case == "stale" else case],
+                           env=env, pass_fds=(w,), capture_output=True, text=True, timeout=120)
+        try:
+            said = os.read(r, 65536).decode()
+        except BlockingIOError:
+            said = ""
+    finally:
+        os.close(r)
+        os.close(w)
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" in p.stderr, p.stderr  # the previous hook still runs
+    if case == "own":
+        assert said == "3 raised KeyError: 'x'\n", (said, p.stderr)
+    else:
+        assert said == "", said

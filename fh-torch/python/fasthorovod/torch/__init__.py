@@ -6,6 +6,8 @@ Horovod training script stays as it is. Launch with ``fhrun -np N python train.p
 """
 
 import atexit
+import os
+import stat
 import sys
 
 from fasthorovod import _core
@@ -67,9 +69,11 @@ def shutdown():
     _core.shutdown("hvd.shutdown() was called")
 
 
-# Why this process is leaving, told to the other ranks when the runtime shuts down: set by
-# the exception hook below, else "the process exited".
+# Why this process is exiting, when an uncaught exception ends it ("raised ValueError: boom");
+# set by the excepthook below, and told to the other ranks when the runtime shuts down (else
+# "the process exited").
 _exit_reason = None
+_notified = False
 
 
 def _shutdown_at_exit():
@@ -80,29 +84,77 @@ def _shutdown_at_exit():
 atexit.register(_shutdown_at_exit)
 
 
-def _describe(kind, value):
-    lines = str(value).strip().splitlines()
-    text = f"raised {kind.__name__}"
-    return f"{text}: {lines[0][:200]}" if lines else text
+def _describe_exception(etype, value):
+    """One line for an uncaught exception: ``raised ValueError: boom`` (cut at 500 chars)."""
+    text = " ".join(str(value).split()) if value is not None else ""
+    name = getattr(etype, "__name__", str(etype))
+    line = f"raised {name}: {text}" if text else f"raised {name}"
+    return line if len(line) <= 500 else line[:497] + "..."
 
 
-def _excepthook(kind, value, tb, _previous=sys.excepthook):
-    """An uncaught exception: print it as Python does, then shut the runtime down at once,
-    telling the other ranks which exception this rank raised (they fail at once with an error
-    naming this rank, instead of waiting for this interpreter to finish exiting)."""
-    global _exit_reason
-    _previous(kind, value, tb)
-    if _exit_reason is None:
-        _exit_reason = _describe(kind, value)
+def _caused_by_runtime(value):
+    """Whether the exception is (or was raised while handling) an error of the runtime: then
+    another rank, or the job as a whole, failed first, and this rank is not the cause."""
+    seen = 0
+    while value is not None and seen < 32:
+        if isinstance(value, HorovodInternalError):
+            return True
+        value = value.__cause__ or value.__context__
+        seen += 1
+    return False
+
+
+def _notify_launcher(reason):
+    """Tell fhrun (``FH_NOTICE_FD=FD:INODE``, the write end of its notice pipe) that this rank
+    fails and why, before the interpreter's exit tells the other ranks: fhrun then blames this
+    rank, not a survivor that exits first. A descriptor that is not that pipe (the variable
+    was inherited without it) is left alone; nothing here blocks or raises."""
+    global _notified
+    spec = os.environ.get("FH_NOTICE_FD", "")
+    rank = os.environ.get("FH_RANK", "")
+    if _notified or not spec or not rank.isdigit():
+        return
     try:
-        if _core.is_initialized():
-            _forget_sets()
-            _core.shutdown(_exit_reason)
-    except Exception:  # the engine had stopped already: the others know why
+        fd_text, _, ino_text = spec.partition(":")
+        fd, ino = int(fd_text), int(ino_text)
+        st = os.fstat(fd)
+        if not stat.S_ISFIFO(st.st_mode) or st.st_ino != ino:
+            return
+        line = f"{rank} {reason}\n".encode("utf-8", "replace")[:4000]
+        os.write(fd, line if line.endswith(b"\n") else line[:-1] + b"\n")
+        _notified = True
+    except (OSError, ValueError):
         pass
 
 
-sys.excepthook = _excepthook
+def _excepthook(etype, value, tb):
+    """Records the uncaught exception as ``_exit_reason``, prints it through the previous hook,
+    tells the launcher this rank is failing (unless the runtime's own error is the cause) and
+    shuts the runtime down with that reason."""
+    global _exit_reason
+    try:
+        _exit_reason = _describe_exception(etype, value)
+    except Exception:  # noqa: BLE001 - the traceback must still be printed
+        _exit_reason = f"raised {getattr(etype, '__name__', etype)}"
+    try:
+        _previous_excepthook(etype, value, tb)
+    finally:
+        if not _caused_by_runtime(value):
+            _notify_launcher(_exit_reason)
+        # Shut down at once, telling the other ranks why: they fail now with an error naming
+        # this rank, not when this interpreter has finished exiting.
+        try:
+            if _core.is_initialized():
+                _forget_sets()
+                _core.shutdown(_exit_reason)
+        except Exception:  # noqa: BLE001 - the engine had stopped already: the others know why
+            pass
+
+
+if not getattr(sys.excepthook, "_fasthorovod", False):
+    _previous_excepthook = sys.excepthook
+    _excepthook._fasthorovod = True
+    sys.excepthook = _excepthook
 
 
 def is_initialized():
@@ -206,4 +258,5 @@ def stop_timeline():
     _core.stop_timeline()
 
 
-__all__ = [name for name in dir() if not name.startswith("_") and name not in ("atexit", "sys")]
+__all__ = [name for name in dir()
+           if not name.startswith("_") and name not in ("atexit", "os", "stat", "sys")]
