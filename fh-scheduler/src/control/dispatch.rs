@@ -8,7 +8,7 @@ use crate::inject::{self, Point};
 /// Where a dispatched operation's tensor comes from.
 pub(super) enum Source {
     /// Submitted on this rank (its pending sequence number and entry).
-    Submitted(u64, Pending),
+    Submitted(u64, Box<Pending>),
     /// Zeros a joined rank contributes.
     Zeros(Tensor),
 }
@@ -95,7 +95,7 @@ impl Control {
         }
         if let Some(seq) = self.work.by_name.remove(&*r.name) {
             if let Some(p) = self.work.pending.remove(&seq) {
-                return Ok(Source::Submitted(seq, p));
+                return Ok(Source::Submitted(seq, Box::new(p)));
             }
         }
         if self.joined && r.sig.kind == CollectiveKind::Allreduce {
@@ -108,6 +108,7 @@ impl Control {
     pub(super) fn put_back(&mut self, taken: Vec<Source>) {
         for src in taken {
             if let Source::Submitted(seq, p) = src {
+                let p = *p;
                 self.work.by_name.insert(Arc::clone(&p.entry.req.name), seq);
                 self.work.pending.insert(seq, p);
             }
