@@ -245,6 +245,7 @@ impl Control {
         };
         self.inner.close(err.clone());
         self.abort_communicators(&err);
+        self.notify_launcher(&err);
         // Whatever was submitted and not negotiated fails now, including submissions that
         // raced with the close.
         while let Ok(msg) = self.rx.try_recv() {
@@ -300,6 +301,24 @@ impl Control {
                 }
             }
         }
+    }
+
+    /// Stopping because a rank was lost: tell the launcher (fhrun) now, naming that rank, so
+    /// that it stops the job at once rather than when the first process has finished exiting.
+    /// Only the world's engine does (a process set's losses reach the world's engine too).
+    fn notify_launcher(&self, err: &SchedulerError) {
+        let Some(lost) = err.lost_rank() else {
+            return;
+        };
+        if self.inner.world_ranks.is_some() {
+            return;
+        }
+        let reason = if lost == self.inner.rank {
+            format!("failed: {err}")
+        } else {
+            format!("was lost (rank {} reports: {err})", self.inner.rank)
+        };
+        fh_transport::bootstrap::notify_launcher(lost, &reason);
     }
 
     fn main_loop(&mut self) -> Result<String, SchedulerError> {

@@ -132,6 +132,13 @@ pub(super) fn shutdown(py: Python<'_>, reason: Option<String>) -> PyResult<()> {
     }
 }
 
+/// Tell the launcher (fhrun's notice pipe, `FH_NOTICE_FD`) that rank `rank` fails and why;
+/// a no-op without a launcher that listens (see `fh_transport::bootstrap::notify_launcher`).
+#[pyfunction]
+pub(super) fn notify_launcher(rank: usize, reason: &str) {
+    fh_transport::bootstrap::notify_launcher(rank, reason);
+}
+
 /// Whether `init()` has been called (and `shutdown()` has not).
 #[pyfunction]
 pub(super) fn is_initialized() -> bool {

@@ -214,16 +214,17 @@ def test_grouped_reducescatter():
 def test_poll_sees_an_unfinished_operation():
     # Rank 0 submits first and polls before the others have submitted: the operation cannot
     # have finished. The others submit only after rank 0 says (through a barrier) it polled.
+    # Alone, rank 0 needs nobody else: its operation may be done by the time it polls.
     t = torch.ones(4)
     if hvd.rank() == 0:
         h = hvd.allreduce_async(t, name="poll_me", op=hvd.Sum)
-        assert hvd.poll(h) is False
+        if hvd.size() > 1:
+            assert hvd.poll(h) is False
         hvd.barrier()
     else:
         hvd.barrier()
         h = hvd.allreduce_async(t, name="poll_me", op=hvd.Sum)
     out = hvd.synchronize(h)
-    assert hvd.size() == 1 or True
     assert torch.equal(out, torch.full((4,), float(hvd.size())))
     with pytest.raises(ValueError):
         hvd.poll(h)  # already synchronized

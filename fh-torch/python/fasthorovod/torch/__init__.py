@@ -7,7 +7,6 @@ Horovod training script stays as it is. Launch with ``fhrun -np N python train.p
 
 import atexit
 import os
-import stat
 import sys
 
 from fasthorovod import _core
@@ -105,25 +104,17 @@ def _caused_by_runtime(value):
 
 
 def _notify_launcher(reason):
-    """Tell fhrun (``FH_NOTICE_FD=FD:INODE``, the write end of its notice pipe) that this rank
-    fails and why, before the interpreter's exit tells the other ranks: fhrun then blames this
-    rank, not a survivor that exits first. A descriptor that is not that pipe (the variable
-    was inherited without it) is left alone; nothing here blocks or raises."""
+    """Tell fhrun (its notice pipe, ``FH_NOTICE_FD``) that this rank fails and why, before the
+    runtime tells the other ranks: fhrun then blames this rank, not a survivor that exits
+    first. Once; nothing here blocks or raises."""
     global _notified
-    spec = os.environ.get("FH_NOTICE_FD", "")
     rank = os.environ.get("FH_RANK", "")
-    if _notified or not spec or not rank.isdigit():
+    if _notified or not rank.isdigit():
         return
+    _notified = True
     try:
-        fd_text, _, ino_text = spec.partition(":")
-        fd, ino = int(fd_text), int(ino_text)
-        st = os.fstat(fd)
-        if not stat.S_ISFIFO(st.st_mode) or st.st_ino != ino:
-            return
-        line = f"{rank} {reason}\n".encode("utf-8", "replace")[:4000]
-        os.write(fd, line if line.endswith(b"\n") else line[:-1] + b"\n")
-        _notified = True
-    except (OSError, ValueError):
+        _core.notify_launcher(int(rank), reason)
+    except Exception:  # noqa: BLE001 - a notice is best effort
         pass
 
 
@@ -259,4 +250,4 @@ def stop_timeline():
 
 
 __all__ = [name for name in dir()
-           if not name.startswith("_") and name not in ("atexit", "os", "stat", "sys")]
+           if not name.startswith("_") and name not in ("atexit", "os", "sys")]
