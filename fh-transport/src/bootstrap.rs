@@ -871,22 +871,6 @@ fn derive_token(get: &Get<'_>, info: &LaunchInfo) -> String {
     format!("derived-{a:016x}{b:016x}")
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tasks_per_node_syntax() {
-        assert_eq!(slurm_tasks_on_node("2(x3),1", 0), Some(2));
-        assert_eq!(slurm_tasks_on_node("2(x3),1", 2), Some(2));
-        assert_eq!(slurm_tasks_on_node("2(x3),1", 3), Some(1));
-        assert_eq!(slurm_tasks_on_node("2(x3),1", 4), None);
-        assert_eq!(slurm_tasks_on_node("4", 0), Some(4));
-        assert_eq!(slurm_tasks_on_node("4", 3), Some(4));
-        assert_eq!(slurm_tasks_on_node("x", 0), None);
-    }
-}
-
 /// The variable through which `fhrun` gives each rank the write end of its notice pipe,
 /// `FD:INODE` (see `fh-launch`'s notice channel).
 pub const NOTICE_VAR: &str = "FH_NOTICE_FD";
@@ -932,4 +916,20 @@ pub fn notify_launcher(rank: usize, reason: &str) {
     line.truncate(end);
     line.push('\n');
     let _ = rustix::io::write(fd, line.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tasks_per_node_syntax() {
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 0), Some(2));
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 2), Some(2));
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 3), Some(1));
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 4), None);
+        assert_eq!(slurm_tasks_on_node("4", 0), Some(4));
+        assert_eq!(slurm_tasks_on_node("4", 3), Some(4));
+        assert_eq!(slurm_tasks_on_node("x", 0), None);
+    }
 }
