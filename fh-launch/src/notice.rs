@@ -11,8 +11,11 @@
 //! fhrun reads the pipe without blocking in its main loop. The first notice decides whom to
 //! blame: a rank that failed on its own writes it before its interpreter runs the atexit
 //! `hvd.shutdown()` that tells the others, so it comes before any survivor can exit with the
-//! error it got from the runtime, and a survivor (whose error comes from the runtime) writes
-//! none.
+//! error it got from the runtime, and a survivor's Python code (whose error comes from the
+//! runtime) writes none. The runtime itself writes one when a rank's engine stops because
+//! another rank was lost, naming the lost rank (`fh_transport::bootstrap::notify_launcher`),
+//! so that a dead or stopped rank is blamed as soon as a survivor sees it, not when the first
+//! survivor has finished exiting.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
