@@ -53,6 +53,9 @@ pub(crate) const PROBE_MARGIN: Duration = Duration::from_millis(500);
 #[derive(Debug, Default)]
 pub(crate) struct AbortBoard {
     notices: Mutex<HashMap<u64, (usize, usize)>>,
+    /// Peers that did not answer a liveness probe: later timeouts on them (on any
+    /// communicator) blame them at once instead of probing again.
+    silent: Mutex<Vec<usize>>,
 }
 
 impl AbortBoard {
@@ -60,6 +63,20 @@ impl AbortBoard {
         if let Ok(mut n) = self.notices.lock() {
             n.entry(seq).or_insert((from, lost));
         }
+    }
+
+    /// Remember that `peer` did not answer a liveness probe.
+    pub(crate) fn mark_silent(&self, peer: usize) {
+        if let Ok(mut s) = self.silent.lock() {
+            if !s.contains(&peer) {
+                s.push(peer);
+            }
+        }
+    }
+
+    /// Whether `peer` failed a liveness probe already.
+    pub(crate) fn is_silent(&self, peer: usize) -> bool {
+        self.silent.lock().is_ok_and(|s| s.contains(&peer))
     }
 
     /// The notice about communicator `seq`, if one arrived.
@@ -106,9 +123,13 @@ impl Link {
         let Some(addr) = self.book.get(peer) else {
             return false;
         };
+        if self.board.is_silent(peer) {
+            return false;
+        }
         let timeout = self.handshake_timeout.min(PROBE_TIMEOUT);
         let deadline = Instant::now() + timeout;
         let Ok(mut s) = TcpStream::connect_timeout(addr, timeout) else {
+            self.board.mark_silent(peer);
             return false;
         };
         let hello = Hello {
@@ -121,7 +142,12 @@ impl Link {
             lost: 0,
             nonce: [0; wire::NONCE_LEN],
         };
-        client_handshake(&mut s, hello, &self.key, &format!("rank {peer}"), deadline).is_ok()
+        let alive =
+            client_handshake(&mut s, hello, &self.key, &format!("rank {peer}"), deadline).is_ok();
+        if !alive {
+            self.board.mark_silent(peer);
+        }
+        alive
     }
 
     /// Tell `peer`, over a fresh connection, that this rank gave up on communicator `seq`
