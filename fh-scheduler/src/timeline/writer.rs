@@ -114,6 +114,13 @@ pub(super) fn micros(start: Instant, t: Instant) -> f64 {
     (us * 1e3).round() / 1e3
 }
 
+/// Microseconds from `begin` to `end` (0 if `end` is earlier), to the nanosecond. Taken from
+/// the interval itself, not as a difference of two [`micros`] (which is off in the last bits).
+pub(super) fn span_micros(begin: Instant, end: Instant) -> f64 {
+    let ns = end.saturating_duration_since(begin).as_nanos();
+    ns as f64 / 1e3
+}
+
 impl Writer {
     pub(super) fn run(
         mut self,
@@ -219,7 +226,7 @@ impl Writer {
             } => {
                 let mut ev = TraceEvent::new(name, "X", lane);
                 ev.ts = Some(us(begin));
-                ev.dur = Some((us(end) - us(begin)).max(0.0));
+                ev.dur = Some(span_micros(begin, end));
                 self.event(&ev)
             }
             Record::Round {
@@ -235,7 +242,7 @@ impl Writer {
                 };
                 let mut ev = TraceEvent::new(name, "X", 0);
                 ev.ts = Some(us(begin));
-                ev.dur = Some((us(end) - us(begin)).max(0.0));
+                ev.dur = Some(span_micros(begin, end));
                 ev.args = Args::Round { ready };
                 self.event(&ev)
             }
@@ -250,7 +257,7 @@ impl Writer {
                 let name = format!("{kind} x{}", names.len());
                 let mut ev = TraceEvent::new(&name, "X", lane);
                 ev.ts = Some(us(begin));
-                ev.dur = Some((us(end) - us(begin)).max(0.0));
+                ev.dur = Some(span_micros(begin, end));
                 ev.args = Args::Group {
                     names: &names,
                     bytes,
