@@ -1,9 +1,10 @@
 //! The extension module `fasthorovod._core` (feature `python`).
 //!
 //! A thin layer: it owns one [`Engine`] per process, turns tensors handed over by the Python
-//! side (a contiguous CPU tensor's address, length, dtype and shape, plus the tensor object
-//! itself as the owner guard) into engine [`Tensor`]s over that memory, and turns engine
-//! errors into Python exceptions. Waits release the GIL; engine threads never take it (a
+//! side (the `torch.Tensor` itself: its address, length, dtype, shape and device are read
+//! from it, and it is the owner guard) into engine [`Tensor`]s over that memory, one
+//! function per collective with keyword-only arguments, and turns engine errors into Python
+//! exceptions. Waits release the GIL; engine threads never take it (a
 //! Python reference dropped there is released later by PyO3, when a thread next holds the
 //! GIL).
 
@@ -67,8 +68,12 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;
-    m.add_function(wrap_pyfunction!(submit::submit, m)?)?;
-    m.add_function(wrap_pyfunction!(submit_group, m)?)?;
+    m.add_function(wrap_pyfunction!(submit::allreduce, m)?)?;
+    m.add_function(wrap_pyfunction!(submit::grouped_allreduce, m)?)?;
+    m.add_function(wrap_pyfunction!(submit::allgather, m)?)?;
+    m.add_function(wrap_pyfunction!(submit::broadcast, m)?)?;
+    m.add_function(wrap_pyfunction!(submit::alltoall, m)?)?;
+    m.add_function(wrap_pyfunction!(submit::reducescatter, m)?)?;
     m.add_function(wrap_pyfunction!(barrier, m)?)?;
     m.add_function(wrap_pyfunction!(join, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;

@@ -57,133 +57,293 @@ pub(super) unsafe fn wrap(
     }
 }
 
-/// The arguments of one submission, as the Python side passes them.
-#[allow(clippy::too_many_arguments)]
-#[pyfunction]
-#[pyo3(signature = (kind, name, owner, address, nbytes, dtype, shape, op="average", prescale=1.0, postscale=1.0, root=0, splits=None, priority=0, device=-1, stream=0, process_set_id=0))]
-pub(super) fn submit(
-    kind: &str,
-    name: &str,
+/// A framework tensor as the engine will see it, read from the tensor object itself (never
+/// from numbers the caller computed): its address, byte length, dtype, shape and device.
+pub(super) struct TensorView {
     owner: Py<PyAny>,
     address: usize,
     nbytes: usize,
-    dtype: &str,
+    dtype: fh_core::DType,
     shape: Vec<usize>,
+    /// The CUDA device, or -1 for host memory.
+    device: i64,
+}
+
+impl TensorView {
+    /// Reads a contiguous `torch.Tensor` (CPU or CUDA); a clear `ValueError` for anything else.
+    pub(super) fn of(what: &str, tensor: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let not_a_tensor = |_| {
+            PyValueError::new_err(format!(
+                "{what} takes a torch.Tensor, got {}",
+                tensor
+                    .get_type()
+                    .name()
+                    .map_or_else(|_| "an object".to_string(), |n| n.to_string())
+            ))
+        };
+        let contiguous: bool = tensor
+            .call_method0("is_contiguous")
+            .and_then(|c| c.extract())
+            .map_err(not_a_tensor)?;
+        if !contiguous {
+            return Err(PyValueError::new_err(format!(
+                "{what}: the tensor must be contiguous (call .contiguous() first)"
+            )));
+        }
+        let address: usize = tensor.call_method0("data_ptr")?.extract()?;
+        let numel: usize = tensor.call_method0("numel")?.extract()?;
+        let element: usize = tensor.call_method0("element_size")?.extract()?;
+        let nbytes = numel.checked_mul(element).ok_or_else(|| {
+            PyValueError::new_err(format!("{what}: the tensor's byte length overflows"))
+        })?;
+        let dtype_name = tensor.getattr("dtype")?.str()?.to_string();
+        let dtype = names::dtype(&dtype_name).map_err(PyValueError::new_err)?;
+        let shape: Vec<usize> = tensor.getattr("shape")?.extract()?;
+        let device = tensor.getattr("device")?;
+        let kind = device.getattr("type")?.str()?.to_string();
+        let device = match kind.as_str() {
+            "cpu" => -1,
+            "cuda" => device
+                .getattr("index")?
+                .extract::<Option<i64>>()?
+                .unwrap_or(0),
+            other => {
+                return Err(pyo3::exceptions::PyNotImplementedError::new_err(format!(
+                    "{what}: {other} tensors are not supported by FastHorovod (CPU and CUDA \
+                     tensors only): move the tensor to the CPU with .cpu()"
+                )))
+            }
+        };
+        Ok(TensorView {
+            owner: tensor.clone().unbind(),
+            address,
+            nbytes,
+            dtype,
+            shape,
+            device,
+        })
+    }
+
+    /// The engine's tensor over this memory; `stream` is the raw current stream of a CUDA
+    /// tensor's device (ignored for host memory).
+    fn into_tensor(self, stream: u64) -> PyResult<Tensor> {
+        // SAFETY: `address..address + nbytes` was read from the contiguous tensor `owner`
+        // itself (CPU, or CUDA on `device`), and the guard keeps it (and so its storage) alive
+        // until the engine lets go of the `Tensor`. The Python side does not touch the
+        // tensor's memory until the handle has completed (Horovod's contract for in-flight
+        // tensors; for CUDA, `synchronize` makes the current stream wait for the completion
+        // events first), and passes the current stream of the tensor's device.
+        unsafe {
+            wrap(
+                self.owner,
+                self.address,
+                self.nbytes,
+                self.dtype,
+                self.shape,
+                self.device,
+                stream,
+            )
+        }
+    }
+}
+
+/// The checked scale factors and reduce op of a reducing collective.
+fn reduction(
     op: &str,
     prescale: f64,
     postscale: f64,
-    root: i64,
-    splits: Option<Vec<i64>>,
     priority: i64,
-    device: i64,
-    stream: u64,
-    process_set_id: u32,
-) -> PyResult<PyHandle> {
-    let engine = engine_for(process_set_id)?;
-    let dtype = names::dtype(dtype).map_err(PyValueError::new_err)?;
+) -> PyResult<CollectiveOptions> {
     let op = names::reduce_op(op).map_err(PyValueError::new_err)?;
     if !(prescale.is_finite() && postscale.is_finite()) {
         return Err(PyValueError::new_err(format!(
             "scale factors must be finite, got prescale={prescale}, postscale={postscale}"
         )));
     }
-    // SAFETY: the Python side passes the address and byte length of a contiguous tensor (CPU,
-    // or CUDA on `device` with its device's current stream), and `owner` is that tensor: the
-    // guard keeps it (and so its storage) alive until the engine lets go of the `Tensor`. The
-    // Python side does not touch the tensor's memory until the handle has completed
-    // (Horovod's contract for in-flight tensors; for CUDA, `synchronize` makes the current
-    // stream wait for the completion events first).
-    let tensor = unsafe { wrap(owner, address, nbytes, dtype, shape, device, stream) }?;
-    let opts = CollectiveOptions {
+    Ok(CollectiveOptions {
         op,
         prescale,
         postscale,
         priority,
         ..CollectiveOptions::default()
-    };
-    let size = engine.size();
-    let root = usize::try_from(root)
-        .ok()
-        .filter(|&r| r < size)
-        .ok_or_else(|| {
-            PyValueError::new_err(format!("root_rank {root} is out of range 0..{size}"))
-        });
-    let h = match kind {
-        "allreduce" => engine.allreduce(name, tensor, opts),
-        "allgather" => engine.allgather_with(name, tensor, opts.op(fh_core::ReduceOp::Sum)),
-        "broadcast" => engine.broadcast_with(name, tensor, root?, opts.op(fh_core::ReduceOp::Sum)),
-        "alltoall" => {
-            let splits = match splits {
-                None => None,
-                Some(s) => Some(
-                    s.into_iter()
-                        .map(|x| {
-                            usize::try_from(x).map_err(|_| {
-                                PyValueError::new_err(format!(
-                                    "alltoall splits must be non-negative, got {x}"
-                                ))
-                            })
-                        })
-                        .collect::<PyResult<Vec<usize>>>()?,
-                ),
-            };
-            engine.alltoall_with(name, tensor, splits, opts.op(fh_core::ReduceOp::Sum))
-        }
-        "reducescatter" => engine.reduce_scatter_with(name, tensor, opts),
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "unknown collective '{other}'"
-            )))
-        }
-    }
-    .map_err(to_py)?;
-    Ok(PyHandle::on_device(h, device.max(-1)))
+    })
 }
 
-/// One member of a grouped allreduce: `(tensor, address, nbytes, dtype, shape)`.
-pub(super) type Member = (Py<PyAny>, usize, usize, String, Vec<usize>);
+/// Options of a collective that does not reduce.
+fn moving() -> CollectiveOptions {
+    CollectiveOptions::default().op(fh_core::ReduceOp::Sum)
+}
 
-/// Submit a grouped allreduce (members released together, fused where they can be); returns
-/// one handle per member.
+/// Start an allreduce of `tensor` in its own memory; returns its handle.
+#[allow(clippy::too_many_arguments)] // keyword-only: every argument is named at the call
 #[pyfunction]
-#[pyo3(signature = (name, members, op="average", prescale=1.0, postscale=1.0, priority=0, device=-1, stream=0, process_set_id=0))]
-#[allow(clippy::too_many_arguments)]
-pub(super) fn submit_group(
+#[pyo3(signature = (tensor, *, name, op, prescale=1.0, postscale=1.0, priority=0, stream=0, process_set_id=0))]
+pub(super) fn allreduce(
+    tensor: &Bound<'_, PyAny>,
     name: &str,
-    members: Vec<Member>,
     op: &str,
     prescale: f64,
     postscale: f64,
     priority: i64,
-    device: i64,
+    stream: u64,
+    process_set_id: u32,
+) -> PyResult<PyHandle> {
+    let engine = engine_for(process_set_id)?;
+    let opts = reduction(op, prescale, postscale, priority)?;
+    let view = TensorView::of("allreduce", tensor)?;
+    let device = view.device;
+    let h = engine
+        .allreduce(name, view.into_tensor(stream)?, opts)
+        .map_err(to_py)?;
+    Ok(PyHandle::on_device(h, device))
+}
+
+/// Start a grouped allreduce (members released together, fused where they can be), each in
+/// its own memory; returns one handle per member.
+#[allow(clippy::too_many_arguments)] // keyword-only: every argument is named at the call
+#[pyfunction]
+#[pyo3(signature = (tensors, *, name, op, prescale=1.0, postscale=1.0, priority=0, stream=0, process_set_id=0))]
+pub(super) fn grouped_allreduce(
+    tensors: Vec<Bound<'_, PyAny>>,
+    name: &str,
+    op: &str,
+    prescale: f64,
+    postscale: f64,
+    priority: i64,
     stream: u64,
     process_set_id: u32,
 ) -> PyResult<Vec<PyHandle>> {
     let engine = engine_for(process_set_id)?;
-    let op = names::reduce_op(op).map_err(PyValueError::new_err)?;
-    let mut tensors = Vec::with_capacity(members.len());
-    for (owner, address, nbytes, dtype, shape) in members {
-        let dtype = names::dtype(&dtype).map_err(PyValueError::new_err)?;
-        // SAFETY: as in `submit`: the address and length of a contiguous tensor (every member
-        // on `device`) that `owner` (the tensor) keeps alive while the engine holds it.
-        let t = unsafe { wrap(owner, address, nbytes, dtype, shape, device, stream) }?;
-        tensors.push(t);
-    }
-    let opts = CollectiveOptions {
-        op,
-        prescale,
-        postscale,
-        priority,
-        ..CollectiveOptions::default()
+    let opts = reduction(op, prescale, postscale, priority)?;
+    let views = tensors
+        .iter()
+        .map(|t| TensorView::of("grouped_allreduce", t))
+        .collect::<PyResult<Vec<_>>>()?;
+    let Some(device) = views.first().map(|v| v.device) else {
+        return Err(PyValueError::new_err(
+            "grouped_allreduce needs at least one tensor",
+        ));
     };
+    if views.iter().any(|v| v.device != device) {
+        return Err(PyValueError::new_err(
+            "grouped_allreduce: the tensors of a group must be on one device",
+        ));
+    }
+    let tensors = views
+        .into_iter()
+        .map(|v| v.into_tensor(stream))
+        .collect::<PyResult<Vec<_>>>()?;
     let group = engine
         .grouped_allreduce(name, tensors, opts)
         .map_err(to_py)?;
     Ok(group
         .into_handles()
         .into_iter()
-        .map(|h| PyHandle::on_device(h, device.max(-1)))
+        .map(|h| PyHandle::on_device(h, device))
         .collect())
+}
+
+/// Start an allgather of `tensor` (first dimensions may differ per rank); the handle's result
+/// is a new tensor.
+#[pyfunction]
+#[pyo3(signature = (tensor, *, name, stream=0, process_set_id=0))]
+pub(super) fn allgather(
+    tensor: &Bound<'_, PyAny>,
+    name: &str,
+    stream: u64,
+    process_set_id: u32,
+) -> PyResult<PyHandle> {
+    let engine = engine_for(process_set_id)?;
+    let view = TensorView::of("allgather", tensor)?;
+    let device = view.device;
+    let h = engine
+        .allgather_with(name, view.into_tensor(stream)?, moving())
+        .map_err(to_py)?;
+    Ok(PyHandle::on_device(h, device))
+}
+
+/// Start a broadcast of rank `root`'s (a rank of the process set) `tensor` into every rank's
+/// `tensor`; returns its handle.
+#[pyfunction]
+#[pyo3(signature = (tensor, *, name, root, stream=0, process_set_id=0))]
+pub(super) fn broadcast(
+    tensor: &Bound<'_, PyAny>,
+    name: &str,
+    root: i64,
+    stream: u64,
+    process_set_id: u32,
+) -> PyResult<PyHandle> {
+    let engine = engine_for(process_set_id)?;
+    let size = engine.size();
+    let root = usize::try_from(root)
+        .ok()
+        .filter(|&r| r < size)
+        .ok_or_else(|| {
+            PyValueError::new_err(format!("root_rank {root} is out of range 0..{size}"))
+        })?;
+    let view = TensorView::of("broadcast", tensor)?;
+    let device = view.device;
+    let h = engine
+        .broadcast_with(name, view.into_tensor(stream)?, root, moving())
+        .map_err(to_py)?;
+    Ok(PyHandle::on_device(h, device))
+}
+
+/// Start an alltoall: `splits[r]` first-dimension rows go to rank r (equal parts without
+/// `splits`); the handle's result is a new tensor.
+#[pyfunction]
+#[pyo3(signature = (tensor, *, name, splits=None, stream=0, process_set_id=0))]
+pub(super) fn alltoall(
+    tensor: &Bound<'_, PyAny>,
+    name: &str,
+    splits: Option<Vec<i64>>,
+    stream: u64,
+    process_set_id: u32,
+) -> PyResult<PyHandle> {
+    let engine = engine_for(process_set_id)?;
+    let splits = splits
+        .map(|s| {
+            s.into_iter()
+                .map(|x| {
+                    usize::try_from(x).map_err(|_| {
+                        PyValueError::new_err(format!(
+                            "alltoall splits must be non-negative, got {x}"
+                        ))
+                    })
+                })
+                .collect::<PyResult<Vec<usize>>>()
+        })
+        .transpose()?;
+    let view = TensorView::of("alltoall", tensor)?;
+    let device = view.device;
+    let h = engine
+        .alltoall_with(name, view.into_tensor(stream)?, splits, moving())
+        .map_err(to_py)?;
+    Ok(PyHandle::on_device(h, device))
+}
+
+/// Start a reduce-scatter of `tensor`; the handle's result is this rank's slice of the first
+/// dimension (a new tensor).
+#[allow(clippy::too_many_arguments)] // keyword-only: every argument is named at the call
+#[pyfunction]
+#[pyo3(signature = (tensor, *, name, op, prescale=1.0, postscale=1.0, stream=0, process_set_id=0))]
+pub(super) fn reducescatter(
+    tensor: &Bound<'_, PyAny>,
+    name: &str,
+    op: &str,
+    prescale: f64,
+    postscale: f64,
+    stream: u64,
+    process_set_id: u32,
+) -> PyResult<PyHandle> {
+    let engine = engine_for(process_set_id)?;
+    let opts = reduction(op, prescale, postscale, 0)?;
+    let view = TensorView::of("reducescatter", tensor)?;
+    let device = view.device;
+    let h = engine
+        .reduce_scatter_with(name, view.into_tensor(stream)?, opts)
+        .map_err(to_py)?;
+    Ok(PyHandle::on_device(h, device))
 }
 
 /// Start a barrier over the ranks of process set `process_set_id` (0: every rank); returns

@@ -39,7 +39,9 @@ def test_reducescatter_and_alltoall_gradients():
     n = hvd.size()
     x = torch.ones(2 * n, 2, requires_grad=True)
     hvd.reducescatter(x, op=hvd.Sum).sum().backward()
-    assert torch.equal(x.grad, torch.ones(2 * n, 2))
+    # Horovod's convention: the allgather of the incoming gradients (ones) times size() for
+    # Sum (test_gradients.py has the full cases).
+    assert torch.equal(x.grad, torch.full((2 * n, 2), float(n)))
     z = torch.ones(n, 2, requires_grad=True)
     (hvd.alltoall(z) * 3).sum().backward()
     assert torch.equal(z.grad, torch.full((n, 2), 3.0))

@@ -14,21 +14,26 @@ from fasthorovod.common.exceptions import HorovodInternalError, HostsUpdatedInte
 from fasthorovod.common.process_sets import (ProcessSet, _forget_sets, _init_sets,
                                              add_process_set, global_process_set,
                                              remove_process_set)
+from fasthorovod.torch import elastic
 from fasthorovod.torch.compression import Compression
 from fasthorovod.torch.functions import (allgather_object, broadcast_object,
                                          broadcast_optimizer_state, broadcast_parameters)
+from fasthorovod.torch import mpi_ops as _mpi_ops
 from fasthorovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather,
                                        allgather_async, allreduce, allreduce_, allreduce_async,
                                        allreduce_async_, alltoall, alltoall_async, barrier,
                                        broadcast, broadcast_, broadcast_async, broadcast_async_,
-                                       grouped_allgather, grouped_allgather_async,
-                                       grouped_allreduce, grouped_allreduce_,
-                                       grouped_allreduce_async, grouped_allreduce_async_,
-                                       grouped_reducescatter, grouped_reducescatter_async, join,
-                                       poll, reducescatter, reducescatter_async, synchronize)
+                                       ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+                                       gloo_built, gloo_enabled, grouped_allgather,
+                                       grouped_allgather_async, grouped_allreduce,
+                                       grouped_allreduce_, grouped_allreduce_async,
+                                       grouped_allreduce_async_, grouped_reducescatter,
+                                       grouped_reducescatter_async, is_homogeneous,
+                                       is_initialized, join, local_rank, local_size, mpi_built,
+                                       mpi_enabled, mpi_threads_supported, nccl_built, poll,
+                                       rank, reducescatter, reducescatter_async, rocm_built,
+                                       size, synchronize)
 from fasthorovod.torch.optimizer import DistributedOptimizer
-
-_homogeneous = None
 
 
 def init(comm=None, process_sets=None):
@@ -39,7 +44,6 @@ def init(comm=None, process_sets=None):
     ``process_sets``: a list of ``ProcessSet`` to register now (collectively, in this order,
     with the same ids on every rank), or ``"dynamic"`` to allow ``add_process_set`` /
     ``remove_process_set`` later (as ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` does)."""
-    global _homogeneous
     if comm is not None:
         raise NotImplementedError("init(comm=...) is not supported by FastHorovod: the world "
                                   "is the launcher's (fhrun, torchrun, mpirun, srun)")
@@ -56,7 +60,7 @@ def init(comm=None, process_sets=None):
 
     local = torch.tensor([local_size()], dtype=torch.int64)
     sizes = synchronize(allgather_async(local, name="fasthorovod.init.local_sizes"))
-    _homogeneous = bool((sizes == sizes[0]).all())
+    _mpi_ops._homogeneous = bool((sizes == sizes[0]).all())
     _init_sets(process_sets)
 
 
@@ -148,97 +152,6 @@ if not getattr(sys.excepthook, "_fasthorovod", False):
     sys.excepthook = _excepthook
 
 
-def is_initialized():
-    """Whether ``init()`` has been called (and ``shutdown()`` has not)."""
-    return _core.is_initialized()
-
-
-def rank():
-    """This process's rank (0 .. size() - 1)."""
-    return _core.topology()[0]
-
-
-def size():
-    """Number of ranks."""
-    return _core.topology()[1]
-
-
-def local_rank():
-    """This process's rank among the ranks of its host."""
-    return _core.topology()[2]
-
-
-def local_size():
-    """Number of ranks on this host."""
-    return _core.topology()[3]
-
-
-def cross_rank():
-    """Index of this process's host among the hosts."""
-    return _core.topology()[4]
-
-
-def cross_size():
-    """Number of hosts."""
-    return _core.topology()[5]
-
-
-def is_homogeneous():
-    """Whether every host runs the same number of ranks."""
-    _core.topology()  # raises when not initialized
-    return bool(_homogeneous)
-
-
-def mpi_built():
-    """Whether this build can use MPI as its transport."""
-    return _core.mpi_built()
-
-
-def mpi_enabled():
-    """Whether the running job uses MPI as its transport."""
-    return _core.backend().startswith("mpi")
-
-
-def mpi_threads_supported():
-    """Whether MPI is in use with multi-threading support (the MPI transport requires it)."""
-    return mpi_enabled()
-
-
-def gloo_built():
-    """FastHorovod has no Gloo: always False."""
-    return False
-
-
-def gloo_enabled():
-    """FastHorovod has no Gloo: always False."""
-    return False
-
-
-def nccl_built():
-    """Whether NCCL support is compiled in."""
-    return _core.nccl_built()
-
-
-def cuda_built():
-    """Whether CUDA support is compiled in."""
-    return _core.cuda_built()
-
-
-def rocm_built():
-    """FastHorovod has no ROCm support: always False."""
-    return False
-
-
-def ddl_built():
-    """Always False."""
-    return False
-
-
-def ccl_built():
-    """Always False."""
-    return False
-
-
 def start_timeline(file_path, mark_cycles=False):
     """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it)."""
     _core.start_timeline(str(file_path))
@@ -251,3 +164,10 @@ def stop_timeline():
 
 __all__ = [name for name in dir()
            if not name.startswith("_") and name not in ("atexit", "os", "sys")]
+
+# Horovod's mpi_ops defines the lifecycle functions too: the same functions, defined here
+# (they own the process sets and the exit handling of this package).
+_mpi_ops.init = init
+_mpi_ops.shutdown = shutdown
+_mpi_ops.start_timeline = start_timeline
+_mpi_ops.stop_timeline = stop_timeline

@@ -84,14 +84,14 @@ def _contiguous(tensor):
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
-def _device_and_stream(tensor):
-    """``(device index, raw current stream)`` of a CUDA tensor, ``(-1, 0)`` for a CPU one: the
-    engine records the tensor's readiness on that stream (the work enqueued so far)."""
+def _stream(tensor):
+    """The raw current stream of a CUDA tensor's device, 0 for a CPU tensor: the engine records
+    the tensor's readiness on that stream (the work enqueued so far)."""
     if tensor.device.type != "cuda":
-        return -1, 0
+        return 0
     index = tensor.device.index if tensor.device.index is not None else \
         torch.cuda.current_device()
-    return index, int(torch.cuda.current_stream(index).cuda_stream)
+    return int(torch.cuda.current_stream(index).cuda_stream)
 
 
 def _stream_of(core):
@@ -102,15 +102,42 @@ def _stream_of(core):
     return int(torch.cuda.current_stream(core.device).cuda_stream)
 
 
-def _submit(kind, tensor, name, op=Average, prescale=1.0, postscale=1.0, root=0, splits=None,
-            priority=0, ps=0):
-    """Hand ``tensor`` (contiguous; CPU, or CUDA with its device's current stream) to the
-    engine of process set ``ps``; the core handle keeps it alive."""
-    nbytes = tensor.numel() * tensor.element_size()
-    device, stream = _device_and_stream(tensor)
-    return _core.submit(kind, name, tensor, tensor.data_ptr(), nbytes, str(tensor.dtype),
-                        list(tensor.shape), op, float(prescale), float(postscale), int(root),
-                        splits, int(priority), device, stream, int(ps))
+# Submission to the engine of process set ``ps``: one function of ``_core`` per collective,
+# keyword-only. Each takes the contiguous tensor itself (CPU, or CUDA with its device's current
+# stream): the engine reads its address, length, dtype, shape and device from it, and the core
+# handle keeps it alive until the operation has completed.
+
+
+def _allreduce(tensor, name, op, prescale, postscale, priority=0, ps=0):
+    return _core.allreduce(tensor, name=name, op=op, prescale=float(prescale),
+                           postscale=float(postscale), priority=int(priority),
+                           stream=_stream(tensor), process_set_id=int(ps))
+
+
+def _grouped_allreduce(tensors, name, op, prescale, postscale, ps=0):
+    return _core.grouped_allreduce(list(tensors), name=name, op=op, prescale=float(prescale),
+                                   postscale=float(postscale), stream=_stream(tensors[0]),
+                                   process_set_id=int(ps))
+
+
+def _allgather(tensor, name, ps=0):
+    return _core.allgather(tensor, name=name, stream=_stream(tensor), process_set_id=int(ps))
+
+
+def _broadcast(tensor, name, root, ps=0):
+    return _core.broadcast(tensor, name=name, root=int(root), stream=_stream(tensor),
+                           process_set_id=int(ps))
+
+
+def _alltoall(tensor, name, splits=None, ps=0):
+    return _core.alltoall(tensor, name=name, splits=splits, stream=_stream(tensor),
+                          process_set_id=int(ps))
+
+
+def _reducescatter(tensor, name, op, prescale, postscale, ps=0):
+    return _core.reducescatter(tensor, name=name, op=op, prescale=float(prescale),
+                               postscale=float(postscale), stream=_stream(tensor),
+                               process_set_id=int(ps))
 
 
 def _register(core_handles, finish):
@@ -159,7 +186,6 @@ def synchronize(handle):
     if error is not None:
         raise error
     return finish(results)
-
 
 
 def _check_group(tensors, what):

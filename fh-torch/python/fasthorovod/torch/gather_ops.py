@@ -7,8 +7,9 @@ from fasthorovod import _core
 from fasthorovod.common.process_sets import _check as _check_process_set
 from fasthorovod.common.process_sets import _rank_of, _root_in_set, _size_of
 from fasthorovod.common.process_sets import global_process_set
-from fasthorovod.torch._ops import (Average, _check_group, _check_tensor, _contiguous,
-                                    _from_bytes, _op_name, _register, _submit, synchronize)
+from fasthorovod.torch._ops import (Average, _allgather, _alltoall, _broadcast, _check_group,
+                                    _check_tensor, _contiguous, _from_bytes, _op_name,
+                                    _register, synchronize)
 from fasthorovod.torch import reduce_ops as _reduce
 
 
@@ -16,37 +17,54 @@ from fasthorovod.torch import reduce_ops as _reduce
 # allgather
 
 
+def _allgather_work(tensor):
+    work = _contiguous(tensor.detach())
+    return work.reshape(1) if work.dim() == 0 else work
+
+
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start an allgather: every rank's tensor concatenated along the first dimension (which
     may differ per rank; the other dimensions must agree)."""
     _check_tensor(tensor, "allgather")
     ps = _check_process_set(process_set)
-    work = _contiguous(tensor.detach())
-    if work.dim() == 0:
-        work = work.reshape(1)
-    dtype = work.dtype
-    core = _submit("allgather", work, _op_name("allgather", name, ps), ps=ps)
-    return _register([core], lambda r: _from_bytes(r[0], dtype))
+    work = _allgather_work(tensor)
+    core = _allgather(work, _op_name("allgather", name, ps), ps)
+    return _register([core], lambda r: _from_bytes(r[0], work.dtype))
+
+
+def _rows_of_every_rank(rows, process_set):
+    """``rows[i]`` (this rank's first dimension of member i) of every rank of the set: a list
+    of per-member lists, one entry per rank. One allgather for all members."""
+    mine = torch.tensor(rows, dtype=torch.int64)
+    every = synchronize(allgather_async(mine, process_set=process_set))
+    every = every.reshape(_size_of(process_set), len(rows))
+    return [every[:, i].tolist() for i in range(len(rows))]
+
+
+def _my_rows(grad, rows_per_rank, process_set):
+    """This rank's rows of a gathered tensor's gradient."""
+    offset = sum(rows_per_rank[:_rank_of(process_set)])
+    mine = rows_per_rank[_rank_of(process_set)]
+    return grad.narrow(0, offset, mine)
 
 
 class HorovodAllgather(torch.autograd.Function):
-    """Differentiable allgather: the gradient is this rank's slice of the averaged incoming
-    gradient."""
+    """Differentiable allgather: the gradient is this rank's rows of the incoming gradient
+    averaged over the ranks (Horovod's convention: the objective is the mean of the ranks'
+    losses)."""
 
     @staticmethod
     def forward(ctx, tensor, name, process_set):
-        ctx.dim = tensor.shape[0] if tensor.dim() > 0 else 1
+        ctx.rows = tensor.shape[0] if tensor.dim() > 0 else 1
         ctx.scalar = tensor.dim() == 0
         ctx.process_set = process_set
         return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_reduced = _reduce.allreduce(grad_output, op=Average, process_set=ctx.process_set)
-        dims = synchronize(allgather_async(torch.tensor([ctx.dim], dtype=torch.int64),
-                                           process_set=ctx.process_set))
-        offset = int(dims[:_rank_of(ctx.process_set)].sum())
-        grad = grad_reduced.narrow(0, offset, ctx.dim)
+        averaged = _reduce.allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        (rows,) = _rows_of_every_rank([ctx.rows], ctx.process_set)
+        grad = _my_rows(averaged, rows, ctx.process_set)
         if ctx.scalar:
             grad = grad.reshape(())
         return grad, None, None
@@ -59,23 +77,42 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
-    """Start an allgather of each tensor of a list."""
+    """Start an allgather of each tensor of a list (members ``<base>_<i>of<n>``)."""
     _check_group(tensors, "grouped_allgather")
     ps = _check_process_set(process_set)
     base = _op_name("grouped_allgather", name, ps)
-    cores, dtypes = [], []
-    for i, t in enumerate(tensors):
-        work = _contiguous(t.detach())
-        if work.dim() == 0:
-            work = work.reshape(1)
-        dtypes.append(work.dtype)
-        cores.append(_submit("allgather", work, f"{base}_{i}of{len(tensors)}", ps=ps))
-    return _register(cores, lambda rs: [_from_bytes(r, d) for r, d in zip(rs, dtypes)])
+    works = [_allgather_work(t) for t in tensors]
+    cores = [_allgather(w, f"{base}_{i}of{len(works)}", ps) for i, w in enumerate(works)]
+    return _register(cores, lambda rs: [_from_bytes(r, w.dtype) for r, w in zip(rs, works)])
+
+
+class HorovodGroupedAllgather(torch.autograd.Function):
+    """Differentiable grouped allgather: each member's gradient as in ``HorovodAllgather``,
+    the reductions grouped."""
+
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.rows = [t.shape[0] if t.dim() > 0 else 1 for t in tensors]
+        ctx.scalars = [t.dim() == 0 for t in tensors]
+        ctx.process_set = process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        averaged = _reduce.grouped_allreduce(list(grad_output), op=Average,
+                                             process_set=ctx.process_set)
+        every = _rows_of_every_rank(ctx.rows, ctx.process_set)
+        grads = []
+        for g, rows, scalar in zip(averaged, every, ctx.scalars):
+            g = _my_rows(g, rows, ctx.process_set)
+            grads.append(g.reshape(()) if scalar else g)
+        return (None, None, *grads)
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    """Allgather each tensor of a list; returns new tensors."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    """Allgather each tensor of a list (differentiable); returns new tensors."""
+    _check_group(tensors, "grouped_allgather")
+    return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,7 +121,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 def _broadcast_into(out, root_rank, name, ps=0):
     work = _contiguous(out)
-    core = _submit("broadcast", work, _op_name("broadcast", name, ps), root=root_rank, ps=ps)
+    core = _broadcast(work, _op_name("broadcast", name, ps), root_rank, ps)
 
     def finish(_results):
         if work is not out:
@@ -175,64 +212,56 @@ def _splits_list(splits, size):
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     """Start an alltoall: ``splits[r]`` first-dimension rows go to rank r (equal parts when
-    ``splits`` is None). ``synchronize`` returns the output, plus the received splits (int32)
-    when ``splits`` was given."""
+    ``splits`` is None). ``synchronize`` returns ``(output, received_splits)`` (int32, the
+    rows received from each rank), as Horovod's does, with or without ``splits``."""
     _check_tensor(tensor, "alltoall")
     ps = _check_process_set(process_set)
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
     size = _size_of(process_set)
     work = _contiguous(tensor.detach())
-    dtype = work.dtype
     base = _op_name("alltoall", name, ps)
     if splits is None:
         if work.shape[0] % size != 0:
             raise ValueError(f"alltoall without splits needs a first dimension divisible by "
                              f"the number of ranks ({size}), got {work.shape[0]}")
-        core = _submit("alltoall", work, base, ps=ps)
-        return _register([core], lambda r: _from_bytes(r[0], dtype))
-    values = _splits_list(splits, size)
-    if sum(values) != work.shape[0]:
-        raise ValueError(f"alltoall splits {values} must add up to the first dimension "
-                         f"{work.shape[0]}")
+        values = [work.shape[0] // size] * size
+        core = _alltoall(work, base, None, ps)
+    else:
+        values = _splits_list(splits, size)
+        if sum(values) != work.shape[0]:
+            raise ValueError(f"alltoall splits {values} must add up to the first dimension "
+                             f"{work.shape[0]}")
+        core = _alltoall(work, base, values, ps)
+    # Each rank tells every other how many rows it sends it (an alltoall of the splits): the
+    # received splits, which the gradient travels back with.
     send = torch.tensor(values, dtype=torch.int32)
-    recv = torch.empty(size, dtype=torch.int32)
-    core = _submit("alltoall", work, base, splits=values, ps=ps)
-    # Each rank tells every other how many rows it sends it: an alltoall of the splits.
-    core_splits = _submit("alltoall", send, base + ".splits", ps=ps)
+    core_splits = _alltoall(send, base + ".splits", None, ps)
 
     def finish(results):
-        out = _from_bytes(results[0], dtype)
-        got = _from_bytes(results[1], torch.int32)
-        recv.copy_(got)
-        return out, recv
+        return (_from_bytes(results[0], work.dtype),
+                _from_bytes(results[1], torch.int32).clone())
 
     return _register([core, core_splits], finish)
 
 
 class HorovodAlltoall(torch.autograd.Function):
-    """Differentiable alltoall: the gradient travels back with the received splits."""
+    """Differentiable alltoall: the gradient travels back with the received splits (each rank
+    gets back the gradient of the rows it sent)."""
 
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
         ctx.process_set = process_set
-        size = _size_of(process_set)
+        out, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received = received
         if splits is None:
-            out = synchronize(alltoall_async(tensor, None, name, process_set))
-            ctx.recv_splits = None
-            return out, torch.full((size,), tensor.shape[0] // size if tensor.dim() else 0,
-                                   dtype=torch.int32)
-        out, recv = synchronize(alltoall_async(tensor, splits, name, process_set))
-        ctx.recv_splits = recv
-        return out, recv
+            return out
+        ctx.mark_non_differentiable(received)
+        return out, received
 
     @staticmethod
-    def backward(ctx, grad_output, _grad_splits):
-        if ctx.recv_splits is None:
-            grad = alltoall(grad_output, process_set=ctx.process_set)
-        else:
-            grad, _ = alltoall(grad_output, splits=ctx.recv_splits,
-                               process_set=ctx.process_set)
+    def backward(ctx, grad_output, *_dead):
+        grad, _ = alltoall(grad_output, splits=ctx.received, process_set=ctx.process_set)
         return grad, None, None, None
 
 
@@ -242,10 +271,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     _check_tensor(tensor, "alltoall")
     if splits is not None:
         _splits_list(splits, _size_of(process_set))
-    out, recv = HorovodAlltoall.apply(tensor, splits, name, process_set)
-    if splits is None:
-        return out
-    return out, recv
+    return HorovodAlltoall.apply(tensor, splits, name, process_set)
 
 
 __all__ = [
@@ -253,6 +279,7 @@ __all__ = [
     "HorovodAllgather",
     "allgather",
     "grouped_allgather_async",
+    "HorovodGroupedAllgather",
     "grouped_allgather",
     "broadcast_async",
     "broadcast_async_",

@@ -3,13 +3,13 @@ reduce-scatter."""
 
 import torch
 
-from fasthorovod import _core
 from fasthorovod.common.process_sets import _check as _check_process_set
 from fasthorovod.common.process_sets import _size_of
 from fasthorovod.common.process_sets import global_process_set
-from fasthorovod.torch._ops import (Average, _check_group, _check_tensor, _contiguous,
-                                    _device_and_stream, _from_bytes, _op_name, _register,
-                                    _resolve_op, _submit, synchronize)
+from fasthorovod.torch._ops import (Average, Sum, _allreduce, _check_group, _check_tensor,
+                                    _contiguous, _from_bytes, _grouped_allreduce, _op_name,
+                                    _reducescatter, _register, _resolve_op, synchronize)
+from fasthorovod.torch.compression import Compression
 from fasthorovod.torch import gather_ops as _gather
 
 
@@ -22,7 +22,7 @@ def _allreduce_into(out, tensor, name, op, prescale, postscale, priority, prefix
     """Reduce into ``out`` (same shape as ``tensor``; may be ``tensor`` itself)."""
     work = _contiguous(out)
     name = _op_name(prefix, name, ps)
-    core = _submit("allreduce", work, name, op, prescale, postscale, priority=priority, ps=ps)
+    core = _allreduce(work, name, op, prescale, postscale, priority, ps)
 
     def finish(_results):
         if work is not out:
@@ -34,9 +34,9 @@ def _allreduce_into(out, tensor, name, op, prescale, postscale, priority, prefix
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=global_process_set, _priority=0):
+                    postscale_factor=1.0, process_set=global_process_set, *, _priority=0):
     """Start an allreduce of ``tensor`` into a new tensor; returns a handle for
-    ``synchronize``."""
+    ``synchronize``. ``_priority`` (FastHorovod's, keyword-only): higher goes first."""
     _check_tensor(tensor, "allreduce")
     ps = _check_process_set(process_set)
     op = _resolve_op(op, average)
@@ -46,7 +46,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0, process_set=global_process_set, _priority=0):
+                     postscale_factor=1.0, process_set=global_process_set, *, _priority=0):
     """Start an in-place allreduce of ``tensor``; returns a handle for ``synchronize``."""
     _check_tensor(tensor, "allreduce")
     ps = _check_process_set(process_set)
@@ -77,12 +77,11 @@ class HorovodAllreduce(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, process_set=global_process_set):
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Allreduce ``tensor`` across ranks and return the result in a new tensor
-    (differentiable). ``op`` defaults to Average."""
-    from fasthorovod.torch.compression import Compression
-
+    (differentiable: the gradient is the same allreduce of the incoming gradient, as in
+    Horovod). ``op`` defaults to Average."""
     compression = compression or Compression.none
     _check_tensor(tensor, "allreduce")
     compressed, ctx = compression.compress(tensor)
@@ -105,13 +104,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 def _grouped_into(outs, tensors, name, op, prescale, postscale, ps=0):
     works = [_contiguous(o) for o in outs]
     base = _op_name("grouped_allreduce", name, ps)
-    members = []
-    for i, w in enumerate(works):
-        members.append((w, w.data_ptr(), w.numel() * w.element_size(), str(w.dtype),
-                        list(w.shape)))
-    device, stream = _device_and_stream(works[0])
-    cores = _core.submit_group(base, members, op, float(prescale), float(postscale), 0, device,
-                               stream, int(ps))
+    cores = _grouped_allreduce(works, base, op, prescale, postscale, ps)
 
     def finish(_results):
         with torch.no_grad():
@@ -167,12 +160,10 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
         return (None, None, None, None, None, None, *grads)
 
 
-def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None,
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set):
     """Allreduce a list of tensors as one group; returns new tensors (differentiable)."""
-    from fasthorovod.torch.compression import Compression
-
     compression = compression or Compression.none
     _check_group(tensors, "grouped_allreduce")
     pairs = [compression.compress(t) for t in tensors]
@@ -190,54 +181,66 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 # ---------------------------------------------------------------------------------------------
 # reducescatter
+#
+# Gradients follow Horovod's convention (the objective's gradient as Horovod's backward computes
+# it; not the derivative of one rank's loss): this rank's gradient for the slice that rank r
+# kept is rank r's incoming gradient, times size() for Sum (times 1 for Average), times the
+# prescale and postscale factors. So the backward pass scales the incoming gradient and
+# allgathers it.
 
 
-def reducescatter_async(tensor, name=None, compression=None, op=Average,
-                        process_set=global_process_set, prescale_factor=1.0,
-                        postscale_factor=1.0):
+def _reducescatter_work(tensor, what):
+    if tensor.dim() == 0:
+        raise ValueError(f"{what} needs tensors with at least one dimension, got a scalar")
+    return _contiguous(tensor.detach())
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0):
     """Start a reduce-scatter: the reduction of every rank's tensor, of which this rank keeps
     its slice of the first dimension (the lowest ranks get one extra row when it does not
-    divide evenly)."""
+    divide evenly). Returns a handle; ``synchronize`` returns the slice."""
     _check_tensor(tensor, "reducescatter")
     ps = _check_process_set(process_set)
     op = _resolve_op(op, None)
-    if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
-    work = _contiguous(tensor.detach())
-    dtype = work.dtype
-    core = _submit("reducescatter", work, _op_name("reducescatter", name, ps), op, prescale_factor,
-                   postscale_factor, ps=ps)
-    return _register([core], lambda r: _from_bytes(r[0], dtype))
+    work = _reducescatter_work(tensor, "reducescatter")
+    core = _reducescatter(work, _op_name("reducescatter", name, ps), op, prescale_factor,
+                          postscale_factor, ps)
+    return _register([core], lambda r: _from_bytes(r[0], work.dtype))
+
+
+def _reducescatter_grad_scale(ctx):
+    """The factor of the incoming gradient (Horovod's convention, above)."""
+    scale = ctx.prescale_factor * ctx.postscale_factor
+    if ctx.op == Sum:
+        scale *= _size_of(ctx.process_set)
+    return scale
 
 
 class HorovodReducescatter(torch.autograd.Function):
-    """Differentiable reduce-scatter: the gradient is the allgather of the incoming
-    gradient, scaled as the forward pass scaled."""
+    """Differentiable reduce-scatter: the gradient is the allgather of the incoming gradients
+    times ``size()`` for Sum (1 for Average) and the scale factors."""
 
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
         ctx.op = op
-        ctx.scale = prescale_factor * postscale_factor
         ctx.process_set = process_set
-        return synchronize(reducescatter_async(tensor, name, None, op, process_set,
-                                               prescale_factor, postscale_factor))
+        ctx.prescale_factor = prescale_factor
+        ctx.postscale_factor = postscale_factor
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                               postscale_factor))
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = _gather.allgather(grad_output, process_set=ctx.process_set)
-        scale = ctx.scale
-        if ctx.op == Average:
-            scale = scale / _size_of(ctx.process_set)
-        if scale != 1.0:
-            grad = grad * scale
+        scale = _reducescatter_grad_scale(ctx)
+        grad = grad_output * scale if scale != 1.0 else grad_output
+        grad = _gather.allgather(grad, process_set=ctx.process_set)
         return grad, None, None, None, None, None
 
 
-def reducescatter(tensor, name=None, compression=None, op=Average,
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Reduce-scatter ``tensor`` (differentiable); returns this rank's slice."""
-    from fasthorovod.torch.compression import Compression
-
     compression = compression or Compression.none
     _check_tensor(tensor, "reducescatter")
     op = _resolve_op(op, None)
@@ -247,32 +250,51 @@ def reducescatter(tensor, name=None, compression=None, op=Average,
     return compression.decompress(out, ctx)
 
 
-def grouped_reducescatter_async(tensors, name=None, compression=None, op=Average,
-                                process_set=global_process_set, prescale_factor=1.0,
-                                postscale_factor=1.0):
-    """Start a reduce-scatter of each tensor of a list."""
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    """Start a reduce-scatter of each tensor of a list (members ``<base>_<i>of<n>``)."""
     _check_group(tensors, "grouped_reducescatter")
     ps = _check_process_set(process_set)
     op = _resolve_op(op, None)
     base = _op_name("grouped_reducescatter", name, ps)
-    cores, dtypes = [], []
-    for i, t in enumerate(tensors):
-        if t.dim() == 0:
-            raise ValueError("reducescatter needs tensors with at least one dimension")
-        work = _contiguous(t.detach())
-        dtypes.append(work.dtype)
-        cores.append(_submit("reducescatter", work, f"{base}_{i}of{len(tensors)}", op,
-                             prescale_factor, postscale_factor, ps=ps))
-    return _register(cores, lambda rs: [_from_bytes(r, d) for r, d in zip(rs, dtypes)])
+    works = [_reducescatter_work(t, "grouped_reducescatter") for t in tensors]
+    cores = [_reducescatter(w, f"{base}_{i}of{len(works)}", op, prescale_factor,
+                            postscale_factor, ps) for i, w in enumerate(works)]
+    return _register(cores, lambda rs: [_from_bytes(r, w.dtype) for r, w in zip(rs, works)])
 
 
-def grouped_reducescatter(tensors, name=None, compression=None, op=Average,
+class HorovodGroupedReducescatter(torch.autograd.Function):
+    """Differentiable grouped reduce-scatter: each member's gradient as in
+    ``HorovodReducescatter``, the allgathers grouped."""
+
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.op = op
+        ctx.process_set = process_set
+        ctx.prescale_factor = prescale_factor
+        ctx.postscale_factor = postscale_factor
+        return tuple(synchronize(grouped_reducescatter_async(
+            list(tensors), name, op, process_set, prescale_factor, postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        scale = _reducescatter_grad_scale(ctx)
+        grads = [g * scale if scale != 1.0 else g for g in grad_output]
+        grads = _gather.grouped_allgather(grads, process_set=ctx.process_set)
+        return (None, None, None, None, None, *grads)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
-    """Reduce-scatter each tensor of a list; returns this rank's slices."""
-    return synchronize(grouped_reducescatter_async(tensors, name, compression, op,
-                                                   process_set, prescale_factor,
-                                                   postscale_factor))
+    """Reduce-scatter each tensor of a list (differentiable); returns this rank's slices."""
+    compression = compression or Compression.none
+    _check_group(tensors, "grouped_reducescatter")
+    op = _resolve_op(op, None)
+    pairs = [compression.compress(t) for t in tensors]
+    outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor,
+                                             postscale_factor, *[p[0] for p in pairs])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
 __all__ = [
@@ -290,5 +312,6 @@ __all__ = [
     "HorovodReducescatter",
     "reducescatter",
     "grouped_reducescatter_async",
+    "HorovodGroupedReducescatter",
     "grouped_reducescatter",
 ]
