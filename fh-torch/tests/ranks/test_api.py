@@ -231,3 +231,29 @@ def test_what_fasthorovod_lacks_says_so():
         hvd.allreduce(torch.ones(2), op=hvd.Adasum)
     with pytest.raises(NotImplementedError, match="comm"):
         hvd.init(comm=object())
+
+
+def test_core_boundary_is_typed():
+    # One function per collective, keyword-only, checked before anything is submitted (so no
+    # rank waits for another here).
+    from fasthorovod import _core
+
+    t = torch.ones(4)
+    with pytest.raises(TypeError):
+        _core.allreduce(t, "api.pos", "sum")
+    with pytest.raises(TypeError):
+        _core.allreduce(t, name="api.scale", op="sum", prescale="2")
+    with pytest.raises(ValueError, match="takes a torch.Tensor"):
+        _core.allreduce([1.0, 2.0], name="api.list", op="sum")
+    with pytest.raises(ValueError, match="contiguous"):
+        _core.allreduce(torch.ones(3, 2).t(), name="api.t", op="sum")
+    with pytest.raises(ValueError, match="hvd.Average"):
+        _core.reducescatter(t, name="api.op", op="median")
+    with pytest.raises(ValueError, match="finite"):
+        _core.allreduce(t, name="api.inf", op="sum", postscale=float("inf"))
+    with pytest.raises(ValueError, match="non-negative"):
+        _core.alltoall(t, name="api.splits", splits=[-1] + [1] * hvd.size())
+    with pytest.raises(ValueError, match="root_rank"):
+        _core.broadcast(t, name="api.root", root=hvd.size())
+    with pytest.raises(ValueError, match="at least one tensor"):
+        _core.grouped_allreduce([], name="api.empty", op="sum")

@@ -192,3 +192,38 @@ def test_grouped_reducescatter_gradient(op):
     check(a.grad, _reducescatter_want(n, 2 * n + 1, factor), f"grouped_reducescatter({op}) "
           "grad[0]")
     check(b.grad, _reducescatter_want(n, n, 5 * factor), f"grouped_reducescatter({op}) grad[1]")
+
+
+@pytest.mark.skipif(hvd.size() < 3 if hvd.is_initialized() else True,
+                    reason="needs at least 3 ranks")
+def test_gradients_within_a_process_set(monkeypatch):
+    # The set {0, 2}: sizes, ranks and offsets are the set's (m = 2, k = its rank in it).
+    monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+    ps = hvd.add_process_set([0, 2])
+    try:
+        if not ps.included():
+            return
+        m, k = ps.size(), ps.rank()
+        total = 2 * m + 1
+        x = torch.ones(total, 2, dtype=torch.float64, requires_grad=True)
+        out = hvd.reducescatter(x, op=hvd.Sum, process_set=ps)
+        (out * _reducescatter_weights(k, rows_of(total, m)[k])).sum().backward()
+        check(x.grad, _reducescatter_want(m, total, m), "reducescatter(sum) in a set: grad")
+
+        every = [[q + 1] * m for q in range(m)]
+        z = torch.ones(m * (k + 1), 2, dtype=torch.float64, requires_grad=True)
+        out = hvd.alltoall(z, process_set=ps)
+        (out * _alltoall_weights(k, [every[q][k] for q in range(m)])).sum().backward()
+        check(z.grad, _alltoall_want(k, every[k], every), "alltoall in a set: grad")
+
+        a = torch.ones(k + 1, 2, requires_grad=True)
+        (ga,) = hvd.grouped_allgather([a], process_set=ps)
+        rows = m * (m + 1) // 2
+        w = torch.arange(rows, dtype=torch.float32).reshape(rows, 1).expand(rows, 2) + k
+        (ga * w).sum().backward()
+        offset = k * (k + 1) // 2
+        want = (torch.arange(k + 1, dtype=torch.float32).reshape(k + 1, 1).expand(k + 1, 2)
+                + offset + (m - 1) / 2)
+        check(a.grad, want, "grouped_allgather in a set: grad")
+    finally:
+        hvd.remove_process_set(ps)
