@@ -227,3 +227,10 @@ def test_gradients_within_a_process_set(monkeypatch):
         check(a.grad, want, "grouped_allgather in a set: grad")
     finally:
         hvd.remove_process_set(ps)
+
+
+def test_reducescatter_gradient_through_min_is_refused():
+    x = torch.ones(2 * hvd.size(), 2, requires_grad=True)
+    out = hvd.reducescatter(x, op=hvd.Min)
+    with pytest.raises(NotImplementedError, match="op=hvd.Sum or hvd.Average"):
+        out.sum().backward()

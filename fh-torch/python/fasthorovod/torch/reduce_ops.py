@@ -209,8 +209,15 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     return _register([core], lambda r: _from_bytes(r[0], work.dtype))
 
 
-def _reducescatter_grad_scale(ctx):
-    """The factor of the incoming gradient (Horovod's convention, above)."""
+def _reducescatter_grad_scale(ctx, what):
+    """The factor of the incoming gradient (Horovod's convention, above). Horovod's
+    reduce-scatter reduces with Sum or Average only; the gradient through Min, Max or Product
+    is refused rather than given a formula that would be wrong."""
+    if ctx.op not in (Sum, Average):
+        raise NotImplementedError(
+            f"the gradient of {what} with op={ctx.op!r} is not supported (Horovod's "
+            "reducescatter has Sum and Average only): use op=hvd.Sum or hvd.Average, or "
+            "detach the input")
     scale = ctx.prescale_factor * ctx.postscale_factor
     if ctx.op == Sum:
         scale *= _size_of(ctx.process_set)
@@ -232,7 +239,7 @@ class HorovodReducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        scale = _reducescatter_grad_scale(ctx)
+        scale = _reducescatter_grad_scale(ctx, "reducescatter")
         grad = grad_output * scale if scale != 1.0 else grad_output
         grad = _gather.allgather(grad, process_set=ctx.process_set)
         return grad, None, None, None, None, None
@@ -278,7 +285,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_output):
-        scale = _reducescatter_grad_scale(ctx)
+        scale = _reducescatter_grad_scale(ctx, "grouped_reducescatter")
         grads = [g * scale if scale != 1.0 else g for g in grad_output]
         grads = _gather.grouped_allgather(grads, process_set=ctx.process_set)
         return (None, None, None, None, None, *grads)
