@@ -3,6 +3,8 @@
 //! - `cargo xtask test`: the whole test suite (prerequisites, format, tidy, `cargo test`, extra
 //!   suites); ends with `N passed, M failed[, K skipped]` and a non-zero exit on any failure.
 //! - `cargo xtask ci`: what `.ci/run` runs (the same as `test`).
+//! - `cargo xtask multihost`: the multi-host checks on an emulated cluster (network namespaces,
+//!   root only; also a stage of `test`, skipped with a message where it cannot run).
 //! - `cargo xtask tidy`: the repository's structural checks (also run as `#[test]`s).
 //! - `cargo xtask bench [--quick] [--np N] [--hosts H,..|--launcher mpirun|srun] [--out DIR]
 //!   [suite..]`: builds `fh-bench` in release mode and runs it.
@@ -12,6 +14,8 @@
 //! Dependency-free on purpose: `cargo xtask` must build in seconds on a fresh machine.
 
 mod bench;
+mod cluster;
+mod multihost;
 mod nccl;
 mod python;
 mod test;
@@ -31,6 +35,9 @@ tasks:
            cargo xtask bench [--quick] [--np N] [--hosts H1,H2|--launcher mpirun|srun]
                              [--out DIR] [SUITE..]   (suites: collectives replay negotiation simulate)
            anything else after `bench` is passed to `fh-bench suite` (see `fh-bench suite --help`)
+  multihost
+           the multi-host checks on an emulated cluster (network namespaces; needs root),
+           also a stage of `test`
   nccl-bindings [--check] [--header PATH]
            regenerate fh-nccl-sys/src/bindings.rs from the NCCL wheel's nccl.h (bindgen)
 ";
@@ -56,6 +63,7 @@ fn main() -> ExitCode {
             }
         }
         "bench" => bench::run(&root, &rest),
+        "multihost" => multihost::task(&root, &rest),
         "nccl-bindings" => nccl::run(&root, &rest),
         "" | "help" | "-h" | "--help" => {
             eprint!("{USAGE}");

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use crate::{cargo, python, tidy};
+use crate::{cargo, multihost, python, tidy};
 
 /// Debian packages the suites need. `openmpi-bin libopenmpi-dev libclang-dev`: the MPI suite
 /// (the `mpi` crate builds its bindings with libclang against `mpicc`) and fh-bench's OpenMPI
@@ -324,6 +324,23 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
             Outcome::Passed
         }));
     }
+
+    // 7. Across hosts: the emulated cluster's checks (skipped, and counted, where the machine
+    //    cannot run network namespaces).
+    stages.push(stage(
+        "multi-host on an emulated cluster (network namespaces)",
+        || match multihost::run(root, None) {
+            multihost::Verdict::Passed(s) => {
+                eprintln!("==> {s}");
+                Outcome::Passed
+            }
+            multihost::Verdict::Failed(s) => Outcome::Failed(s),
+            multihost::Verdict::Skipped(s) => {
+                eprintln!("==> skipped: {s}");
+                Outcome::Skipped(s)
+            }
+        },
+    ));
 
     // Summary.
     let (mut passed, mut failed, mut skipped) = (0, 0, 0);
