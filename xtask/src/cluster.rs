@@ -395,6 +395,22 @@ impl Cluster {
         Ok(path)
     }
 
+    /// The processes running on host `host` (in its network namespace), but its holder.
+    pub(crate) fn processes(&self, host: usize) -> Vec<u32> {
+        let holder = self.hosts[host].holder.id();
+        Command::new("ip")
+            .args(["netns", "pids", &format!("{}-h{host}", self.id)])
+            .output()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .split_whitespace()
+                    .filter_map(|p| p.parse().ok())
+                    .filter(|&p| p != holder)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Cuts host `host` off the network (`up == false`) or reconnects it.
     pub(crate) fn set_link(&self, host: usize, up: bool) -> Result<(), String> {
         let l = &self.hosts[host].link;
@@ -642,6 +658,13 @@ mod tests {
         assert_eq!(on(&c, 0, "getent hosts h1"), "10.77.0.2       h1");
         // A long-running process on a host, and a severed link, are both cleaned up.
         let mut sleeper = c.command(1, "sleep").arg("1000").spawn().unwrap();
+        // (nsenter enters the namespaces, then execs sleep: wait until it is in.)
+        let t = Instant::now();
+        while c.processes(1).is_empty() && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(c.processes(1), [sleeper.id()]);
+        assert!(c.processes(0).is_empty());
         c.set_link(1, false).unwrap();
         c.down().unwrap();
         assert!(left_over(&id).is_empty(), "{:?}", left_over(&id));
