@@ -687,6 +687,68 @@ mod tests {
         assert!(!dir.exists());
     }
 
+    /// Not a test of its own: the child of `a_killed_owner_leaves_nothing`, which runs it in a
+    /// process of its own (`--ignored --exact`, with `FH_TEST_CLUSTER_CHILD` set). It brings up
+    /// a cluster, says its id, and waits to be killed.
+    #[test]
+    #[ignore = "run by a_killed_owner_leaves_nothing"]
+    fn child_holding_a_cluster() {
+        if std::env::var_os("FH_TEST_CLUSTER_CHILD").is_none() {
+            return;
+        }
+        let c = Cluster::up(2, Some("1gbit")).unwrap();
+        let mut sleeper = c.command(1, "sleep").arg("1000").spawn().unwrap();
+        println!("cluster-id {} {}", c.id, sleeper.id());
+        let _ = sleeper.wait();
+    }
+
+    #[test]
+    fn a_killed_owner_leaves_nothing() {
+        if let Some(why) = unavailable() {
+            eprintln!("SKIPPED: emulated cluster unavailable: {why}");
+            return;
+        }
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "cluster::tests::child_holding_a_cluster",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("FH_TEST_CLUSTER_CHILD", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut id = String::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !id.starts_with("cluster-id ") && Instant::now() < deadline {
+            id.clear();
+            if std::io::BufRead::read_line(&mut out, &mut id).unwrap() == 0 {
+                break;
+            }
+        }
+        let (id, sleeper) = id
+            .trim()
+            .strip_prefix("cluster-id ")
+            .unwrap()
+            .split_once(' ')
+            .unwrap();
+        let (id, sleeper) = (id.to_string(), sleeper.parse::<u32>().unwrap());
+        assert!(!left_over(&id).is_empty());
+        assert!(alive(sleeper));
+        // SIGKILL: no destructor runs; the guardian must do it all.
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while (!left_over(&id).is_empty() || alive(sleeper)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(left_over(&id).is_empty(), "{:?}", left_over(&id));
+        assert!(!alive(sleeper), "the host's process {sleeper} survived");
+    }
+
     #[test]
     fn the_rsh_agent_runs_commands_on_the_named_host() {
         if let Some(why) = unavailable() {
