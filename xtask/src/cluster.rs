@@ -87,6 +87,93 @@ pub(crate) fn unavailable() -> Option<String> {
     None
 }
 
+/// `cargo xtask cluster [--hosts N] [--link RATE] -- COMMAND [ARGS]`: runs COMMAND on host h0
+/// of an emulated cluster of N hosts (default 2) whose links run at RATE (a `tc` rate such as
+/// `1gbit`; default unshaped), with `FH_RSH_AGENT` and `OMPI_MCA_plm_rsh_agent` naming the
+/// cluster's rsh agent (so `fhrun -H h0:2,h1:2 ...` and `mpirun -H h0,h1 ...` reach the other
+/// hosts); tears the cluster down when COMMAND ends (or this process dies); exits with
+/// COMMAND's status.
+pub(crate) fn task(args: &[String]) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    const USAGE: &str = "usage: cargo xtask cluster [--hosts N] [--link RATE] -- COMMAND [ARGS]";
+    let mut hosts = 2usize;
+    let mut link: Option<String> = None;
+    let mut it = args.iter();
+    let mut command: Vec<String> = Vec::new();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--hosts" => match it.next().and_then(|v| v.parse().ok()) {
+                Some(n) => hosts = n,
+                None => {
+                    eprintln!("--hosts wants a number of hosts\n{USAGE}");
+                    return ExitCode::from(2);
+                }
+            },
+            "--link" => match it.next() {
+                Some(v) => link = Some(v.clone()),
+                None => {
+                    eprintln!("--link wants a rate such as 1gbit\n{USAGE}");
+                    return ExitCode::from(2);
+                }
+            },
+            "--" => {
+                command = it.cloned().collect();
+                break;
+            }
+            other => {
+                eprintln!("unexpected argument `{other}`\n{USAGE}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    if command.is_empty() {
+        eprintln!("{USAGE}");
+        return ExitCode::from(2);
+    }
+    let c = match Cluster::up(hosts, link.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("xtask cluster: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let agent = match c.rsh_agent() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("xtask cluster: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let names: Vec<String> = c
+        .hosts
+        .iter()
+        .map(|h| format!("{} ({})", h.name, h.addr))
+        .collect();
+    eprintln!(
+        "xtask cluster: hosts {}, links {}; running on h0 with FH_RSH_AGENT={}",
+        names.join(", "),
+        link.as_deref().unwrap_or("unshaped"),
+        agent.display()
+    );
+    let status = c
+        .command(0, &command[0])
+        .args(&command[1..])
+        .env("FH_RSH_AGENT", &agent)
+        .env("OMPI_MCA_plm_rsh_agent", &agent)
+        .status();
+    let down = c.down();
+    if let Err(e) = down {
+        eprintln!("xtask cluster: {e}");
+    }
+    match status {
+        Ok(s) => ExitCode::from(s.code().and_then(|c| u8::try_from(c).ok()).unwrap_or(1)),
+        Err(e) => {
+            eprintln!("xtask cluster: cannot run {}: {e}", command[0]);
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// One emulated host.
 pub(crate) struct Host {
     /// Its UTS host name, `h<i>` (what `hostname` says inside it; a name for `-H` lists).

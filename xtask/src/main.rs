@@ -5,6 +5,8 @@
 //! - `cargo xtask ci`: what `.ci/run` runs (the same as `test`).
 //! - `cargo xtask multihost`: the multi-host checks on an emulated cluster (network namespaces,
 //!   root only; also a stage of `test`, skipped with a message where it cannot run).
+//! - `cargo xtask cluster [--hosts N] [--link RATE] -- COMMAND`: COMMAND on host h0 of an
+//!   emulated cluster (root only), torn down afterwards.
 //! - `cargo xtask tidy`: the repository's structural checks (also run as `#[test]`s).
 //! - `cargo xtask bench [--quick] [--np N] [--hosts H,..|--launcher mpirun|srun] [--out DIR]
 //!   [suite..]`: builds `fh-bench` in release mode and runs it.
@@ -38,6 +40,8 @@ tasks:
   multihost
            the multi-host checks on an emulated cluster (network namespaces; needs root),
            also a stage of `test`
+  cluster [--hosts N] [--link RATE] -- COMMAND [ARGS]
+           run COMMAND on host h0 of an emulated cluster (hosts h0..; FH_RSH_AGENT set)
   nccl-bindings [--check] [--header PATH]
            regenerate fh-nccl-sys/src/bindings.rs from the NCCL wheel's nccl.h (bindgen)
 ";
@@ -64,6 +68,7 @@ fn main() -> ExitCode {
         }
         "bench" => bench::run(&root, &rest),
         "multihost" => multihost::task(&root, &rest),
+        "cluster" => cluster::task(&rest),
         "nccl-bindings" => nccl::run(&root, &rest),
         "" | "help" | "-h" | "--help" => {
             eprint!("{USAGE}");

@@ -10,12 +10,22 @@
 //!   variables; `auto` must pick `hier` where a host runs several ranks and `tcp` otherwise;
 //! - **mpirun**: `mpirun --map-by node` through the cluster's rsh agent (ranks alternate hosts:
 //!   every rank must find itself on the host mpirun put it on), and `fhrun -H h0:2,h1:2 --mpi`;
+//! - **fhrun across hosts without MPI** (`fhrun -H h0:2,h1:2`, the agent in a session of its
+//!   own as ssh would be): ranks placed host by host, nothing but host, path and flag on the
+//!   agent's command line; a far rank failing stops the job with its status and leaves no
+//!   process on either host; SIGINT to fhrun reaches every far rank; fhrun SIGKILLed leaves no
+//!   process on either host;
+//! - **training**: `fh-torch/examples/train_synthetic_cnn.py` on 2 × 2 through fhrun: every
+//!   rank's parameters bit-identical, and equal (to float tolerance) to one process training on
+//!   the four ranks' batches concatenated;
 //! - **losses** (`fh-selftest --loop`, 2 × 2, `FH_TIMEOUT_SECONDS=5`): a host's link cut, a
 //!   rank on the far host killed, and both ranks of a host killed: every survivor must fail
-//!   on its own (not be killed at the deadline) with an error naming a rank it lost.
+//!   on its own (not be killed at the deadline) with an error naming a rank it lost (with the
+//!   link cut, a rank it waited for).
 //!
 //! Where the machine cannot emulate a cluster ([`cluster::unavailable`]) every check is skipped
-//! and the stage says how many and why; checks needing `mpirun` are skipped without it.
+//! and the stage says how many and why; checks needing `mpirun` are skipped without it, the
+//! training check without a `target/fh-venv` that imports `fasthorovod.torch`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus, Stdio};
@@ -86,7 +96,7 @@ pub(crate) fn task(root: &Path, args: &[String]) -> ExitCode {
 
 /// Number of checks [`run`] makes (reported as skipped when none can run).
 fn total_checks() -> usize {
-    LAYOUTS.len() * 3 + 2 + 4 + 3
+    LAYOUTS.len() * 3 + 2 + 4 + 1 + 3
 }
 
 /// Builds the programs and runs every check (whose name contains `filter`, when given).
@@ -233,6 +243,23 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             })
             .map(End::Passed);
         note(name.to_string(), r, t);
+    }
+
+    {
+        let name = "fasthorovod.torch training 2x2 (fhrun through the rsh agent)";
+        if wanted(name) {
+            let t = Instant::now();
+            let r = match torch_python(root) {
+                Err(why) => Ok(End::Skipped(why)),
+                Ok(py) => Cluster::up(2, Some(LINK))
+                    .and_then(|c| {
+                        let r = training(&c, &bins, root, &py);
+                        c.down().and(r)
+                    })
+                    .map(End::Passed),
+            };
+            note(name.to_string(), r, t);
+        }
     }
 
     for (name, loss) in [
@@ -666,6 +693,111 @@ fn fhrun_remote_killed(c: &Cluster, bins: &Bins) -> Result<String, String> {
         "both hosts empty {:.1} s after the SIGKILL",
         t.elapsed().as_secs_f64()
     ))
+}
+
+/// The Python of `target/fh-venv` when it can import `fasthorovod.torch` (the Python stages of
+/// `cargo xtask test` make it), or why not.
+fn torch_python(root: &Path) -> Result<PathBuf, String> {
+    let py = root
+        .join("target")
+        .join("fh-venv")
+        .join("bin")
+        .join("python");
+    let mut cmd = Command::new(&py);
+    cmd.args(["-c", "import fasthorovod.torch"]);
+    match bounded(
+        cmd,
+        &root.join("target").join("fh-import-check.log"),
+        Duration::from_secs(120),
+    ) {
+        Ok((Some(s), _)) if s.success() => Ok(py),
+        Ok((_, out)) => Err(format!(
+            "{} cannot import fasthorovod.torch (the Python stages of `cargo xtask test` set it \
+             up): {}",
+            py.display(),
+            tail(&out)
+        )),
+        Err(e) => Err(format!("no Python environment at {}: {e}", py.display())),
+    }
+}
+
+/// Compares the saved parameters: every rank's equal to rank 0's bit for bit, and rank 0's
+/// equal to one process's on the ranks' batches concatenated (to float tolerance: the sum
+/// runs in another order). Prints the largest difference from one process.
+const COMPARE_PARAMS: &str = r#"
+import sys, torch
+n, ranks, ref = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+ps = [torch.load(ranks.format(rank=r)) for r in range(n)]
+want = torch.load(ref)
+for r in range(1, n):
+    for k in ps[0]:
+        if not torch.equal(ps[0][k], ps[r][k]):
+            sys.exit(f"{k}: rank {r} differs from rank 0")
+worst = 0.0
+for k in ps[0]:
+    if not torch.allclose(ps[0][k], want[k], rtol=1e-4, atol=1e-5):
+        sys.exit(f"{k}: {n} ranks and one process differ")
+    worst = max(worst, (ps[0][k] - want[k]).abs().max().item())
+print(f"{n} ranks bit-identical; largest difference from one process {worst:.3g}")
+"#;
+
+/// `fh-torch/examples/train_synthetic_cnn.py` on 2 × 2 through fhrun's rsh agent (rank 0 on h0,
+/// ranks 2 and 3 on h1): bit-identical parameters on every rank, equal to one process.
+fn training(c: &Cluster, bins: &Bins, root: &Path, py: &Path) -> Result<String, String> {
+    let agent = c.rsh_agent()?;
+    let example = root
+        .join("fh-torch")
+        .join("examples")
+        .join("train_synthetic_cnn.py");
+    let ranks = c.dir().join("params-{rank}.pt");
+    let reference = c.dir().join("params-ref.pt");
+    let steps = "12";
+    let mut cmd = c.command(0, &bins.fhrun);
+    cmd.args([
+        "-np",
+        "4",
+        "-H",
+        "h0:2,h1:2",
+        "-x",
+        "FH_TIMEOUT_SECONDS",
+        "-x",
+        "OMP_NUM_THREADS",
+    ])
+    .arg(py)
+    .arg(&example)
+    .args(["--steps", steps, "--save"])
+    .arg(&ranks)
+    .env("FH_RSH_AGENT", &agent)
+    .env("FH_TIMEOUT_SECONDS", "60")
+    .env("OMP_NUM_THREADS", "1");
+    let (status, out) = bounded(cmd, &c.dir().join("train.log"), Duration::from_secs(300))?;
+    if !matches!(status, Some(s) if s.success()) {
+        return Err(format!(
+            "the 4-rank run ended with {status:?}; output:\n{}",
+            tail(&out)
+        ));
+    }
+    let mut one = Command::new(py);
+    one.arg(&example)
+        .args(["--steps", steps, "--concat-ranks", "4", "--save"])
+        .arg(&reference)
+        .env("OMP_NUM_THREADS", "1");
+    let (status, out1) = bounded(one, &c.dir().join("one.log"), Duration::from_secs(300))?;
+    if !matches!(status, Some(s) if s.success()) {
+        return Err(format!(
+            "the one-process run ended with {status:?}; output:\n{}",
+            tail(&out1)
+        ));
+    }
+    let mut cmp = Command::new(py);
+    cmp.args(["-c", COMPARE_PARAMS, "4"])
+        .arg(&ranks)
+        .arg(&reference);
+    let (status, said) = bounded(cmp, &c.dir().join("compare.log"), Duration::from_secs(120))?;
+    if !matches!(status, Some(s) if s.success()) {
+        return Err(format!("the parameters differ: {}", tail(&said)));
+    }
+    Ok(said.trim().to_string())
 }
 
 /// What the loss checks do to a running 2 × 2 job.
