@@ -354,11 +354,13 @@ fn run_ranks(
             }
         }
     }
-    for spec in job
-        .remotes
-        .iter()
-        .take(if stopping.is_some() { 0 } else { usize::MAX })
-    {
+    // The other hosts' parts, unless a local rank already failed to start.
+    let remotes = if stopping.is_none() {
+        &job.remotes[..]
+    } else {
+        &[]
+    };
+    for spec in remotes {
         match spawn_remote(spec) {
             Ok((mut child, control)) => {
                 let pid = child.id();

@@ -797,7 +797,7 @@ fn training(c: &Cluster, bins: &Bins, root: &Path, py: &Path) -> Result<String, 
     if !matches!(status, Some(s) if s.success()) {
         return Err(format!("the parameters differ: {}", tail(&said)));
     }
-    Ok(said.trim().to_string())
+    Ok(said.lines().last().unwrap_or("").trim().to_string())
 }
 
 /// What the loss checks do to a running 2 × 2 job.
