@@ -133,6 +133,8 @@ pub(crate) fn extra_suites() -> Vec<ExtraSuite> {
 #[derive(Debug)]
 enum Outcome {
     Passed,
+    /// Passed, with a note for the summary (e.g. how many of its checks were skipped).
+    PassedNoting(String),
     Failed(String),
     Skipped(String),
 }
@@ -332,7 +334,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         || match multihost::run(root, None) {
             multihost::Verdict::Passed(s) => {
                 eprintln!("==> {s}");
-                Outcome::Passed
+                Outcome::PassedNoting(s)
             }
             multihost::Verdict::Failed(s) => Outcome::Failed(s),
             multihost::Verdict::Skipped(s) => {
@@ -350,6 +352,10 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
             Outcome::Passed => {
                 passed += 1;
                 ("ok     ", String::new())
+            }
+            Outcome::PassedNoting(note) => {
+                passed += 1;
+                ("ok     ", format!(": {note}"))
             }
             Outcome::Failed(why) => {
                 failed += 1;
