@@ -174,6 +174,67 @@ pub(crate) fn task(args: &[String]) -> std::process::ExitCode {
     }
 }
 
+/// The hidden `cargo xtask __link-probe` that [`Cluster::link_rate`] runs inside the hosts:
+/// `recv ADDR:PORT` accepts one connection, reads it to the end and prints `BYTES SECONDS`
+/// (from the first byte to the end); `send ADDR:PORT SECONDS` sends as fast as one TCP stream
+/// goes for that long.
+pub(crate) fn link_probe(args: &[String]) -> std::process::ExitCode {
+    use std::io::Read;
+    use std::net::{TcpListener, TcpStream};
+    use std::process::ExitCode;
+    let fail = |e: String| {
+        eprintln!("link probe: {e}");
+        ExitCode::FAILURE
+    };
+    match args {
+        [role, addr] if role == "recv" => {
+            let l = match TcpListener::bind(addr) {
+                Ok(l) => l,
+                Err(e) => return fail(format!("bind {addr}: {e}")),
+            };
+            println!("listening");
+            let (mut s, _) = match l.accept() {
+                Ok(c) => c,
+                Err(e) => return fail(format!("accept: {e}")),
+            };
+            let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
+            let mut buf = vec![0u8; 1 << 20];
+            let (mut n, mut start) = (0u64, None);
+            loop {
+                match s.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(k) => {
+                        start.get_or_insert_with(Instant::now);
+                        n += k as u64;
+                    }
+                    Err(e) => return fail(format!("read: {e}")),
+                }
+            }
+            let secs = start.map_or(0.0, |t| t.elapsed().as_secs_f64());
+            println!("{n} {secs}");
+            ExitCode::SUCCESS
+        }
+        [role, addr, secs] if role == "send" => {
+            let Ok(secs) = secs.parse::<f64>() else {
+                return fail(format!("not seconds: {secs}"));
+            };
+            let mut s = match TcpStream::connect(addr) {
+                Ok(s) => s,
+                Err(e) => return fail(format!("connect {addr}: {e}")),
+            };
+            let buf = vec![0x5au8; 1 << 20];
+            let t = Instant::now();
+            while t.elapsed().as_secs_f64() < secs {
+                if let Err(e) = s.write_all(&buf) {
+                    return fail(format!("write: {e}"));
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        _ => fail("usage: __link-probe recv ADDR:PORT | send ADDR:PORT SECONDS".into()),
+    }
+}
+
 /// One emulated host.
 pub(crate) struct Host {
     /// Its UTS host name, `h<i>` (what `hostname` says inside it; a name for `-H` lists).
@@ -480,6 +541,62 @@ impl Cluster {
         fs::set_permissions(&path, fs::Permissions::from_mode(0o755))
             .map_err(|e| format!("cannot make {} executable: {e}", path.display()))?;
         Ok(path)
+    }
+
+    /// The rate one TCP stream reaches from host `from` to host `to` in `secs` seconds, in
+    /// bits per second: [`link_probe`] on both ends, run as this executable with the arguments
+    /// `probe` adds to a command (`__link-probe` and the probe's own arguments, for xtask).
+    pub(crate) fn link_rate(
+        &self,
+        from: usize,
+        to: usize,
+        secs: f64,
+        probe: &dyn Fn(&mut Command, &[&str]),
+    ) -> Result<f64, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("cannot find xtask: {e}"))?;
+        let addr = format!("{}:5201", self.hosts[to].addr);
+        let mut recv = self.command(to, &exe);
+        probe(&mut recv, &["recv", &addr]);
+        let mut recv = recv
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start the link probe: {e}"))?;
+        let mut out = std::io::BufReader::new(recv.stdout.take().expect("piped"));
+        // Lines until the one asked for (a test harness may print its own around them).
+        let mut next_line = |want: &dyn Fn(&str) -> bool| -> Option<String> {
+            let mut line = String::new();
+            loop {
+                line.clear();
+                match std::io::BufRead::read_line(&mut out, &mut line) {
+                    Ok(0) | Err(_) => return None,
+                    Ok(_) if want(line.trim()) => return Some(line.trim().to_string()),
+                    Ok(_) => {}
+                }
+            }
+        };
+        if next_line(&|l| l == "listening").is_none() {
+            let _ = recv.kill();
+            let _ = recv.wait();
+            return Err("the link probe's receiver did not start".into());
+        }
+        let mut send = self.command(from, &exe);
+        probe(&mut send, &["send", &addr, &secs.to_string()]);
+        let sent = send.stdout(Stdio::null()).status();
+        let two_numbers = |l: &str| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            w.len() == 2 && w.iter().all(|x| x.parse::<f64>().is_ok())
+        };
+        let said = next_line(&two_numbers).unwrap_or_default();
+        let _ = recv.kill();
+        let _ = recv.wait();
+        if !matches!(sent, Ok(s) if s.success()) {
+            return Err(format!("the link probe's sender failed: {sent:?}"));
+        }
+        let mut it = said.split_whitespace().map(str::parse::<f64>);
+        match (it.next(), it.next()) {
+            (Some(Ok(bytes)), Some(Ok(took))) if took > 0.0 => Ok(bytes * 8.0 / took),
+            _ => Err(format!("the link probe said {said:?}")),
+        }
     }
 
     /// The processes running on host `host` (in its network namespace), but its holder.
@@ -834,6 +951,43 @@ mod tests {
         }
         assert!(left_over(&id).is_empty(), "{:?}", left_over(&id));
         assert!(!alive(sleeper), "the host's process {sleeper} survived");
+    }
+
+    /// Not a test of its own: [`link_probe`] for `a_link_runs_at_its_rate`, whose arguments
+    /// come in `FH_TEST_LINK_PROBE`.
+    #[test]
+    #[ignore = "run by a_link_runs_at_its_rate"]
+    fn link_probe_child() {
+        let Ok(args) = std::env::var("FH_TEST_LINK_PROBE") else {
+            return;
+        };
+        let args: Vec<String> = args.split(' ').map(str::to_string).collect();
+        assert_eq!(link_probe(&args), std::process::ExitCode::SUCCESS);
+    }
+
+    #[test]
+    fn a_link_runs_at_its_rate() {
+        if let Some(why) = unavailable() {
+            eprintln!("SKIPPED: emulated cluster unavailable: {why}");
+            return;
+        }
+        // The shaper caps the link: one stream never exceeds 100 Mbit/s by more than the
+        // bucket (1 MB over the 1.5 s) and the probe's own timing allow. (No lower bound: a
+        // loaded machine may be slower than the link.)
+        let c = Cluster::up(2, Some("100mbit")).unwrap();
+        let rate = c
+            .link_rate(0, 1, 1.5, &|c: &mut Command, a: &[&str]| {
+                c.args(["cluster::tests::link_probe_child", "--exact", "--ignored"])
+                    .args(["--nocapture", "--quiet", "--test-threads", "1"])
+                    .env("FH_TEST_LINK_PROBE", a.join(" "));
+            })
+            .unwrap();
+        eprintln!("one stream: {:.1} Mbit/s on a 100 Mbit/s link", rate / 1e6);
+        assert!(
+            rate > 0.0 && rate < 125e6,
+            "one stream at {:.1} Mbit/s on a 100 Mbit/s link",
+            rate / 1e6
+        );
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //!   emulated cluster (root only), torn down afterwards.
 //! - `cargo xtask tidy`: the repository's structural checks (also run as `#[test]`s).
 //! - `cargo xtask bench [--quick] [--np N] [--hosts H,..|--launcher mpirun|srun] [--out DIR]
-//!   [suite..]`: builds `fh-bench` in release mode and runs it.
+//!   [suite..]`: builds `fh-bench` in release mode and runs it; `--emulate HxR [--link RATE]`
+//!   runs it on an emulated cluster (root only).
 //! - `cargo xtask nccl-bindings [--check]`: regenerates (or checks) the committed NCCL bindings
 //!   of `fh-nccl-sys` with bindgen (feature `nccl-bindings`, the only dependency of xtask).
 //!
@@ -69,6 +70,7 @@ fn main() -> ExitCode {
         "bench" => bench::run(&root, &rest),
         "multihost" => multihost::task(&root, &rest),
         "cluster" => cluster::task(&rest),
+        "__link-probe" => cluster::link_probe(&rest),
         "nccl-bindings" => nccl::run(&root, &rest),
         "" | "help" | "-h" | "--help" => {
             eprint!("{USAGE}");
