@@ -1,9 +1,10 @@
-//! An emulated cluster on one machine: N hosts, each a Linux network namespace, for multi-host
-//! tests (`cargo xtask test`'s multi-host stage) and, later, the bench across hosts.
+//! An emulated cluster on one machine: N hosts, each a Linux network namespace, for the
+//! multi-host checks (`cargo xtask multihost`, a stage of `cargo xtask test`), the bench across
+//! hosts (`cargo xtask bench --emulate`) and by hand (`cargo xtask cluster -- COMMAND`).
 //!
 //! Each host gets
-//! - its own network namespace `<id>-h<i>` with one interface, `eth0`, addressed `10.77.0.<i+1>/24`,
-//!   the far end of a veth pair whose near end (`<id>h<i>`) is enslaved to a bridge (`<id>b`) in
+//! - its own network namespace `<id>-h<i>` with one interface, `eth0`, addressed
+//!   `10.77.0.<i+1>/24`, the far end of a veth pair whose near end (`<id>h<i>`) is enslaved to a bridge (`<id>b`) in
 //!   the root namespace. The bridge has no address: the hosts reach each other and nothing else,
 //!   and only addresses inside the namespaces made here are used;
 //! - its own UTS name (`h<i>`), its own `/dev/shm` (a fresh tmpfs) and an `/etc/hosts` naming
@@ -22,6 +23,11 @@
 //! guardian kills every process in the hosts' namespaces, deletes the namespaces, the bridge and
 //! the links, and removes the cluster's directory. A run that finds namespaces of a dead process
 //! (both it and its guardian killed) removes them too.
+//!
+//! Ranks start with the launcher's variables ([`Cluster::launch`]) or through a launcher run on
+//! a host ([`Cluster::command`]) that reaches the others with the cluster's rsh agent
+//! ([`Cluster::rsh_agent`]: `agent HOST COMMAND...` enters that host's namespaces).
+//! [`Cluster::set_link`] cuts a host off; [`Cluster::link_rate`] measures one TCP stream.
 //!
 //! [`unavailable`] says why a machine cannot run it (not root, no `ip`/`tc`/`nsenter`/`unshare`,
 //! network namespaces not permitted); callers skip and say so.
