@@ -43,13 +43,13 @@ pub struct Cli {
 
     /// The command that runs a command on another host, as `AGENT [OPTIONS] HOST COMMAND`
     /// (default `ssh`; e.g. "ssh -p 2222"). fhrun runs itself there, at its own path, and sends
-    /// the job — the job token included — on the agent's stdin, never on a command line.
+    /// the job — the job token included — on the agent's stdin, never on a command line. Not
+    /// used with --mpi (mpirun has its own: `--mca plm_rsh_agent`).
     #[arg(
         long = "rsh-agent",
         value_name = "COMMAND",
         env = "FH_RSH_AGENT",
-        default_value = "ssh",
-        conflicts_with = "mpi"
+        default_value = "ssh"
     )]
     pub rsh_agent: String,
 
