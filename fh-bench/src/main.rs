@@ -137,8 +137,9 @@ struct SuiteArgs {
     #[arg(long, value_delimiter = ',')]
     tensor_counts: Vec<usize>,
     /// Transports of the collectives sweep (tcp: processes over loopback; shm: processes over
-    /// shared memory; local: threads). The replay runs over tcp and shm when listed (else the
-    /// first), interleaved; the negotiation runs over the first.
+    /// shared memory; hier, auto: across --hosts, shared memory within a host and TCP between;
+    /// local: threads). The replay runs over every process transport listed (else the first),
+    /// interleaved; the negotiation runs over the first.
     #[arg(long, value_delimiter = ',', default_value = "tcp,shm,local")]
     transports: Vec<String>,
     /// Do not run the peers (OpenMPI, PyTorch DDP, Horovod).

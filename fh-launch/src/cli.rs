@@ -7,14 +7,15 @@ use clap::{Parser, ValueEnum};
 
 /// Launch a FastHorovod job: N ranks of COMMAND, each with the FH_* environment.
 ///
-/// Local jobs (no host list, or only this machine) are started by fhrun itself; jobs on other
-/// hosts are handed to `mpirun` with --mpi.
+/// Local jobs (no host list, or only this machine) are started by fhrun itself; on other hosts
+/// fhrun starts the ranks through an rsh agent (ssh by default), or hands the whole job to
+/// `mpirun` with --mpi.
 #[derive(Debug, Parser)]
 #[command(
     name = "fhrun",
     version,
     override_usage = "fhrun -np N [-H HOST:SLOTS,... | --hostfile FILE] [--mpi] [OPTIONS] [--] COMMAND [ARGS]...",
-    after_help = "Examples:\n  fhrun -np 4 python train.py\n  fhrun -np 2 --channels 2 --log-level debug -- ./my_job --flag\n  fhrun -np 8 -H node1:4,node2:4 --mpi python train.py\n\n`-np N` is accepted as a synonym of `-n N` / `--num-proc N`."
+    after_help = "Examples:\n  fhrun -np 4 python train.py\n  fhrun -np 2 --channels 2 --log-level debug -- ./my_job --flag\n  fhrun -np 8 -H node1:4,node2:4 python train.py\n  fhrun -np 8 -H node1:4,node2:4 --mpi python train.py\n\n`-np N` is accepted as a synonym of `-n N` / `--num-proc N`."
 )]
 pub struct Cli {
     /// Number of ranks to start.
@@ -35,9 +36,22 @@ pub struct Cli {
     #[arg(long = "hostfile", visible_alias = "host-file", value_name = "FILE")]
     pub hostfile: Option<PathBuf>,
 
-    /// Run the job through `mpirun` (required for hosts other than this one).
+    /// Run the job through `mpirun` instead of starting the ranks of other hosts through the
+    /// rsh agent.
     #[arg(long)]
     pub mpi: bool,
+
+    /// The command that runs a command on another host, as `AGENT [OPTIONS] HOST COMMAND`
+    /// (default `ssh`; e.g. "ssh -p 2222"). fhrun runs itself there, at its own path, and sends
+    /// the job — the job token included — on the agent's stdin, never on a command line. Not
+    /// used with --mpi (mpirun has its own: `--mca plm_rsh_agent`).
+    #[arg(
+        long = "rsh-agent",
+        value_name = "COMMAND",
+        env = "FH_RSH_AGENT",
+        default_value = "ssh"
+    )]
+    pub rsh_agent: String,
 
     /// Extra arguments appended to the mpirun command line (with --mpi), e.g. "--mca btl ^openib".
     #[arg(

@@ -1,8 +1,9 @@
 //! Running a job's ranks on this machine: spawn, prefix output, watch, fail fast, forward
 //! signals, reap everything.
 
+use std::io::Write;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -23,13 +24,26 @@ pub struct RankSpec {
     pub env: Vec<(String, String)>,
 }
 
-/// A local job.
+/// The ranks of another host, started through the rsh agent (see [`crate::remote`]).
+#[derive(Debug, Clone)]
+pub struct RemoteSpec {
+    /// What fhrun calls it in messages, e.g. `ranks 4-7 on node2`.
+    pub label: String,
+    /// The agent's command line: agent, its options, the host, the remote part's command.
+    pub argv: Vec<String>,
+    /// What the remote part reads on its stdin ([`crate::remote::Part::encode`]).
+    pub input: String,
+}
+
+/// A job: ranks on this machine, and remote parts on other hosts.
 #[derive(Debug, Clone)]
 pub struct LocalJob {
     /// The command and its arguments (the same for every rank).
     pub command: Vec<String>,
-    /// The ranks.
+    /// The ranks on this machine.
     pub ranks: Vec<RankSpec>,
+    /// The other hosts' ranks.
+    pub remotes: Vec<RemoteSpec>,
     /// Prefix output lines with the rank.
     pub prefix: bool,
     /// Time between SIGTERM and SIGKILL.
@@ -80,8 +94,54 @@ const NOTICE_POLL: Duration = Duration::from_millis(50);
 
 struct Rank {
     rank: usize,
+    /// `rank N`, or a remote part's label.
+    label: String,
     pid: u32,
     child: Option<Child>,
+    /// A remote part's control channel (its agent's stdin): signals go there as `signal N`.
+    control: Option<ChildStdin>,
+}
+
+impl Rank {
+    /// Sends `sig` to the rank's process group, or asks a remote part to send it to its ranks.
+    fn signal(&mut self, sig: i32) {
+        match self.control.as_mut() {
+            Some(c) => {
+                if writeln!(c, "signal {sig}").and_then(|_| c.flush()).is_err() {
+                    self.control = None;
+                }
+            }
+            None => stop_group(self.pid, sig),
+        }
+    }
+}
+
+/// Starts a remote part: its agent in a process group of its own, the part's job on its stdin,
+/// its output copied as it is (the remote part prefixes its ranks' lines itself).
+fn spawn_remote(spec: &RemoteSpec) -> std::io::Result<(Child, ChildStdin)> {
+    let mut cmd = Command::new(&spec.argv[0]);
+    cmd.args(&spec.argv[1..])
+        .env_remove(NOTICE_VAR)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let parent = sys::getpid();
+    // SAFETY: child_setup only makes async-signal-safe calls.
+    unsafe {
+        cmd.pre_exec(move || sys::child_setup(parent));
+    }
+    let mut child = cmd.spawn()?;
+    let mut stdin = child.stdin.take().expect("stdin is piped");
+    if let Err(e) = stdin
+        .write_all(spec.input.as_bytes())
+        .and_then(|_| stdin.flush())
+    {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(e);
+    }
+    Ok((child, stdin))
 }
 
 /// fhrun's exit code for a rank's exit status.
@@ -267,8 +327,10 @@ fn run_ranks(
                 }
                 ranks.push(Rank {
                     rank: spec.rank,
+                    label: format!("rank {}", spec.rank),
                     pid,
                     child: Some(child),
+                    control: None,
                 });
             }
             Err(e) => {
@@ -292,6 +354,73 @@ fn run_ranks(
             }
         }
     }
+    // The other hosts' parts, unless a local rank already failed to start.
+    let remotes = if stopping.is_none() {
+        &job.remotes[..]
+    } else {
+        &[]
+    };
+    for spec in remotes {
+        match spawn_remote(spec) {
+            Ok((mut child, control)) => {
+                let pid = child.id();
+                if let Some(g) = guardian.as_mut() {
+                    g.watch(pid);
+                }
+                if job.verbose {
+                    eprintln!("fhrun: started {} (agent pid {pid})", spec.label);
+                }
+                let streams = [
+                    child
+                        .stdout
+                        .take()
+                        .map(|s| (Box::new(s) as Box<dyn std::io::Read + Send>, Sink::Stdout)),
+                    child
+                        .stderr
+                        .take()
+                        .map(|s| (Box::new(s) as Box<dyn std::io::Read + Send>, Sink::Stderr)),
+                ];
+                for (src, sink) in streams.into_iter().flatten() {
+                    let tx = done_tx.clone();
+                    let spawned = std::thread::Builder::new()
+                        .name("remote-output".into())
+                        .spawn(move || {
+                            pump(src, sink, String::new());
+                            let _ = tx.send(());
+                        });
+                    match spawned {
+                        Ok(_) => pumps += 1,
+                        Err(e) => eprintln!(
+                            "fhrun: cannot start the output thread of {}: {e}",
+                            spec.label
+                        ),
+                    }
+                }
+                ranks.push(Rank {
+                    rank: usize::MAX,
+                    label: spec.label.clone(),
+                    pid,
+                    child: Some(child),
+                    control: Some(control),
+                });
+            }
+            Err(e) => {
+                eprintln!(
+                    "fhrun: cannot start {} (`{}`): {e}",
+                    spec.label, spec.argv[0]
+                );
+                exit_code = 1;
+                let now = Instant::now();
+                stopping = Some(Stopping {
+                    reason: StopReason::RankFailed(exit_code),
+                    term_at: Some(now + REPORT_WINDOW),
+                    kill_at: now + REPORT_WINDOW + job.kill_grace,
+                    killed: false,
+                });
+                break;
+            }
+        }
+    }
     drop(done_tx);
     // Only the ranks write notices: fhrun's copy of the write end goes.
     if let Some(n) = notices.as_mut() {
@@ -304,7 +433,7 @@ fn run_ranks(
         // the exits of the others it caused.
         let said = notices
             .as_mut()
-            .map(|n| n.drain(job.ranks.len()))
+            .map(|n| n.drain(job.ranks.iter().map(|r| r.rank + 1).max().unwrap_or(0)))
             .unwrap_or_default();
         for Notice { rank, reason, at } in said {
             let pid = ranks.iter().find(|r| r.rank == rank).map_or(0, |r| r.pid);
@@ -335,8 +464,8 @@ fn run_ranks(
                 Err(e) => {
                     // Not expected (only fhrun reaps its children); do not spin on it.
                     eprintln!(
-                        "fhrun: cannot wait for rank {} (pid {}): {e}; no longer watching it",
-                        r.rank, r.pid
+                        "fhrun: cannot wait for {} (pid {}): {e}; no longer watching it",
+                        r.label, r.pid
                     );
                     r.child = None;
                     sys::kill_group(r.pid, libc::SIGKILL);
@@ -344,6 +473,7 @@ fn run_ranks(
                 }
             };
             r.child = None;
+            r.control = None;
             // Whatever the rank left running in its process group goes with it.
             sys::kill_group(r.pid, libc::SIGKILL);
             if let Some(g) = guardian.as_mut() {
@@ -362,17 +492,12 @@ fn run_ranks(
             }
             let blame = !status.success() && stopping.is_none();
             if job.verbose && !blame {
-                eprintln!(
-                    "fhrun: rank {} (pid {}) {}",
-                    r.rank,
-                    r.pid,
-                    describe(status)
-                );
+                eprintln!("fhrun: {} (pid {}) {}", r.label, r.pid, describe(status));
             }
             if blame {
                 eprintln!(
-                    "fhrun: rank {} (pid {}) {}; stopping the other ranks",
-                    r.rank,
+                    "fhrun: {} (pid {}) {}; stopping the other ranks",
+                    r.label,
                     r.pid,
                     describe(status)
                 );
@@ -394,16 +519,16 @@ fn run_ranks(
         if let Some(s) = stopping.as_mut() {
             if s.term_at.is_some_and(|t| now >= t) {
                 s.term_at = None;
-                for r in ranks.iter().filter(|r| r.child.is_some()) {
-                    stop_group(r.pid, libc::SIGTERM);
+                for r in ranks.iter_mut().filter(|r| r.child.is_some()) {
+                    r.signal(libc::SIGTERM);
                 }
             }
             if !s.killed && now >= s.kill_at {
                 for r in ranks.iter().filter(|r| r.child.is_some()) {
                     if job.verbose {
                         eprintln!(
-                            "fhrun: rank {} (pid {}) still running after {:?}; sending SIGKILL",
-                            r.rank, r.pid, job.kill_grace
+                            "fhrun: {} (pid {}) still running after {:?}; sending SIGKILL",
+                            r.label, r.pid, job.kill_grace
                         );
                     }
                     sys::kill_group(r.pid, libc::SIGKILL);
@@ -418,7 +543,7 @@ fn run_ranks(
                 );
                 exit_code = EXIT_TIMEOUT;
                 stopping = Some(begin_stop(
-                    &ranks,
+                    &mut ranks,
                     libc::SIGTERM,
                     StopReason::Timeout,
                     job.kill_grace,
@@ -445,14 +570,21 @@ fn run_ranks(
         let sig = sys::wait_signal(wait.max(Duration::from_millis(1)));
         match sig {
             // Ctrl-Z: the ranks (in process groups of their own) stop with fhrun.
+            // (Remote parts are not stopped: their agent's control channel would stop too.)
             Some(libc::SIGTSTP) => {
-                for r in ranks.iter().filter(|r| r.child.is_some()) {
+                for r in ranks
+                    .iter()
+                    .filter(|r| r.child.is_some() && r.control.is_none())
+                {
                     sys::kill_group(r.pid, libc::SIGTSTP);
                 }
                 sys::stop_self();
             }
             Some(libc::SIGCONT) => {
-                for r in ranks.iter().filter(|r| r.child.is_some()) {
+                for r in ranks
+                    .iter()
+                    .filter(|r| r.child.is_some() && r.control.is_none())
+                {
                     sys::kill_group(r.pid, libc::SIGCONT);
                 }
             }
@@ -467,7 +599,7 @@ fn run_ranks(
                     );
                     exit_code = 128 + sig;
                     stopping = Some(begin_stop(
-                        &ranks,
+                        &mut ranks,
                         sig,
                         StopReason::Signal(sig),
                         job.kill_grace,
@@ -521,9 +653,9 @@ fn stop_group(pgid: u32, sig: i32) {
     sys::kill_group(pgid, libc::SIGCONT);
 }
 
-fn begin_stop(ranks: &[Rank], sig: i32, reason: StopReason, grace: Duration) -> Stopping {
-    for r in ranks.iter().filter(|r| r.child.is_some()) {
-        stop_group(r.pid, sig);
+fn begin_stop(ranks: &mut [Rank], sig: i32, reason: StopReason, grace: Duration) -> Stopping {
+    for r in ranks.iter_mut().filter(|r| r.child.is_some()) {
+        r.signal(sig);
     }
     Stopping {
         reason,

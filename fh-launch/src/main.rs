@@ -2,8 +2,9 @@
 //!
 //! Starts N ranks of a command with the `FH_*` environment the runtime reads (rank, size, local
 //! and cross rank/size, the rendezvous address where rank 0 listens, a fresh job token, and the
-//! runtime knobs given as flags). Local jobs are run by fhrun itself, which prefixes their
-//! output, forwards signals and fails fast; jobs spanning hosts go through `mpirun` (`--mpi`).
+//! runtime knobs given as flags). fhrun runs the job itself, which prefixes their output,
+//! forwards signals and fails fast; the ranks of other hosts it starts through an rsh agent
+//! (`remote`), or it hands the whole job to `mpirun` (`--mpi`).
 
 mod cli;
 mod guardian;
@@ -12,6 +13,7 @@ mod launch;
 mod mpi;
 mod notice;
 mod output;
+mod remote;
 mod sys;
 
 use std::net::TcpListener;
@@ -32,6 +34,12 @@ fn main() {
         .is_some_and(|a| a == guardian::GUARDIAN_ARG)
     {
         std::process::exit(guardian::serve());
+    }
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == remote::REMOTE_ARG)
+    {
+        std::process::exit(remote::serve());
     }
     let args = cli::normalize_args(std::env::args_os().map(|a| a.to_string_lossy().into_owned()));
     let cli = Cli::parse_from(args);
@@ -95,15 +103,6 @@ fn run(cli: Cli) -> Result<i32, Failure> {
                 list.join(",")
             )));
         }
-    }
-    if !remote.is_empty() && !cli.mpi {
-        let names: Vec<&str> = remote.iter().map(|h| h.name.as_str()).collect();
-        return Err(usage(format!(
-            "{} {} not this machine, and fhrun starts ranks on other hosts only through mpirun: \
-             add --mpi (or launch with mpirun or srun directly; see fh-launch/README.md)",
-            names.join(", "),
-            if names.len() == 1 { "is" } else { "are" }
-        )));
     }
 
     let token = sys::random_hex(32).map_err(|e| {
@@ -204,6 +203,33 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         return Err((126, format!("cannot run {}: {err}", mpirun.display())));
     }
 
+    if !remote.is_empty() {
+        let host_list = hosts.unwrap_or_default();
+        let rendezvous = match &cli.rendezvous_addr {
+            Some(a) => a.clone(),
+            None => format!(
+                "{}:{}",
+                hosts::rendezvous_host(&host_list, &hostname),
+                free_local_port()?
+            ),
+        };
+        let mut common: Vec<(String, String)> = vec![
+            ("FH_SIZE".into(), np.to_string()),
+            ("FH_RENDEZVOUS_ADDR".into(), rendezvous),
+            ("FH_JOB_TOKEN".into(), token),
+        ];
+        common.extend(knobs);
+        common.extend(user_env);
+        let job = across_hosts(&cli, &host_list, &hostname, np, &common)?;
+        if cli.dry_run || cli.verbose {
+            show_plan(&job, cli.dry_run);
+            if cli.dry_run {
+                return Ok(0);
+            }
+        }
+        return Ok(launch::run(&job));
+    }
+
     let rendezvous = match &cli.rendezvous_addr {
         Some(a) => a.clone(),
         None => format!("127.0.0.1:{}", free_local_port()?),
@@ -253,9 +279,138 @@ fn run(cli: Cli) -> Result<i32, Failure> {
     Ok(launch::run(&launch::LocalJob {
         command: cli.command.clone(),
         ranks,
+        remotes: Vec::new(),
         prefix: !cli.no_prefix,
         kill_grace: cli.kill_grace,
         timeout: cli.timeout,
         verbose: cli.verbose,
     }))
+}
+
+/// The ranks of a job across hosts, placed host by host in the list's order (each host's slots
+/// filled before the next: rank 0 on the first host): this machine's ranks run here, every
+/// other host's through the rsh agent as a remote part. `common` holds what every rank gets.
+fn across_hosts(
+    cli: &Cli,
+    host_list: &[Host],
+    hostname: &str,
+    np: usize,
+    common: &[(String, String)],
+) -> Result<launch::LocalJob, Failure> {
+    let agent = mpi::split_words(&cli.rsh_agent)
+        .map_err(|e| usage(format!("--rsh-agent/FH_RSH_AGENT: {e}")))?;
+    if agent.is_empty() {
+        return Err(usage(
+            "--rsh-agent/FH_RSH_AGENT is empty: name the command that runs a command on \
+             another host (default ssh)",
+        ));
+    }
+    let exe = std::env::current_exe().map_err(|e| {
+        (
+            1,
+            format!("cannot find fhrun's own path for the other hosts: {e}"),
+        )
+    })?;
+    let cwd = std::env::current_dir()
+        .map_err(|e| (1, format!("cannot read the current directory: {e}")))?;
+    // (host, its first rank, its number of ranks)
+    let mut placed: Vec<(&Host, usize, usize)> = Vec::new();
+    let mut next = 0;
+    for h in host_list {
+        let n = h.slots.min(np - next);
+        if n > 0 {
+            placed.push((h, next, n));
+            next += n;
+        }
+    }
+    let forwarded: Vec<(String, String)> = remote::FORWARDED_VARS
+        .iter()
+        .filter_map(|&k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
+        .collect();
+    let mut job = launch::LocalJob {
+        command: cli.command.clone(),
+        ranks: Vec::new(),
+        remotes: Vec::new(),
+        prefix: !cli.no_prefix,
+        kill_grace: cli.kill_grace,
+        timeout: cli.timeout,
+        verbose: cli.verbose,
+    };
+    let cross_size = placed.len();
+    for (cross, &(h, first, n)) in placed.iter().enumerate() {
+        let mut env: Vec<(String, String)> = common.to_vec();
+        env.extend([
+            ("FH_LOCAL_SIZE".to_string(), n.to_string()),
+            ("FH_CROSS_RANK".to_string(), cross.to_string()),
+            ("FH_CROSS_SIZE".to_string(), cross_size.to_string()),
+        ]);
+        if hosts::is_local(&h.name, hostname) {
+            for local in 0..n {
+                let mut e = env.clone();
+                e.push(("FH_RANK".into(), (first + local).to_string()));
+                e.push(("FH_LOCAL_RANK".into(), local.to_string()));
+                job.ranks.push(launch::RankSpec {
+                    rank: first + local,
+                    env: e,
+                });
+            }
+            continue;
+        }
+        let mut part_env = forwarded.clone();
+        part_env.extend(env);
+        let part = remote::Part {
+            cwd: cwd.to_string_lossy().into_owned(),
+            command: cli.command.clone(),
+            env: part_env,
+            ranks: (first..first + n).collect(),
+            prefix: !cli.no_prefix,
+            kill_grace: cli.kill_grace,
+            verbose: cli.verbose,
+        };
+        let mut argv = agent.clone();
+        argv.push(h.name.clone());
+        argv.push(mpi::shell_quote(&exe.to_string_lossy()));
+        argv.push(remote::REMOTE_ARG.to_string());
+        let label = if n == 1 {
+            format!("rank {first} on {}", h.name)
+        } else {
+            format!("ranks {first}-{} on {}", first + n - 1, h.name)
+        };
+        job.remotes.push(launch::RemoteSpec {
+            label,
+            argv,
+            input: part.encode(),
+        });
+    }
+    Ok(job)
+}
+
+/// Prints (`--dry-run`: to stdout) or tells (`--verbose`: to stderr) the plan of a job across
+/// hosts, the job token redacted.
+fn show_plan(job: &launch::LocalJob, to_stdout: bool) {
+    let say = |line: String| {
+        if to_stdout {
+            println!("{line}");
+        } else {
+            eprintln!("fhrun: {line}");
+        }
+    };
+    let vars = |env: &[(String, String)]| -> String {
+        env.iter()
+            .map(|(k, v)| mpi::shell_quote(&mpi::show_var(k, v)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let cmd: Vec<String> = job.command.iter().map(|a| mpi::shell_quote(a)).collect();
+    for r in &job.ranks {
+        say(format!(
+            "rank {}: env {} {}",
+            r.rank,
+            vars(&r.env),
+            cmd.join(" ")
+        ));
+    }
+    for r in &job.remotes {
+        say(format!("{}: {}", r.label, r.argv.join(" ")));
+    }
 }

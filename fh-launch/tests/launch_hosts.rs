@@ -10,14 +10,83 @@ use common::*;
 const LIMIT: Duration = Duration::from_secs(30);
 
 #[test]
-fn remote_hosts_need_mpi_and_slots_are_checked() {
-    let out = fhrun(&["-np", "2", "-H", "fh-remote-node-7:2", "true"], LIMIT);
-    assert_eq!(out.code(), Some(2), "{out:?}");
+fn remote_hosts_go_through_the_rsh_agent_and_slots_are_checked() {
+    // An agent that cannot be started: a clear error naming the ranks, the host and the agent.
+    let out = fhrun(
+        &[
+            "-np",
+            "2",
+            "-H",
+            "fh-remote-node-7:2",
+            "--rsh-agent",
+            "/nonexistent/fh-agent",
+            "true",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(1), "{out:?}");
     assert!(
-        out.stderr.contains("fh-remote-node-7") && out.stderr.contains("add --mpi"),
+        out.stderr.contains("ranks 0-1 on fh-remote-node-7")
+            && out.stderr.contains("/nonexistent/fh-agent"),
         "{}",
         out.stderr
     );
+
+    // The plan: local ranks with their variables (the token redacted), the remote ranks through
+    // the agent, whose command line holds only the host, fhrun's path and the remote flag.
+    let out = fhrun(
+        &[
+            "-np",
+            "3",
+            "-H",
+            "localhost:1,fh-remote-node-7:2",
+            "--rsh-agent",
+            "ssh -p 2222",
+            "--dry-run",
+            "true",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{}", out.stdout);
+    assert!(lines[0].starts_with("rank 0: env "), "{}", lines[0]);
+    for want in [
+        "FH_RANK=0",
+        "FH_SIZE=3",
+        "FH_LOCAL_SIZE=1",
+        "FH_CROSS_RANK=0",
+        "FH_CROSS_SIZE=2",
+        "FH_JOB_TOKEN=<redacted>",
+    ] {
+        assert!(lines[0].contains(want), "{want}: {}", lines[0]);
+    }
+    let remote: Vec<&str> = lines[1].split(' ').collect();
+    assert_eq!(
+        remote[..7],
+        [
+            "ranks",
+            "1-2",
+            "on",
+            "fh-remote-node-7:",
+            "ssh",
+            "-p",
+            "2222"
+        ]
+    );
+    assert_eq!(remote[7], "fh-remote-node-7");
+    assert!(remote[8].ends_with("fhrun"), "{}", lines[1]);
+    assert_eq!(remote[9..], ["--internal-fhrun-remote"]);
+
+    // With --mpi the agent is mpirun's business: one set in the environment is no error.
+    let out = Running::start_cmd(
+        std::process::Command::new(FHRUN)
+            .args(["-np", "2", "-H", "a:1,b:1", "--mpi", "--dry-run", "true"])
+            .env("FH_RSH_AGENT", "ssh -p 2222"),
+    )
+    .wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert!(out.stdout.contains("mpirun "), "{}", out.stdout);
 
     let out = fhrun(&["-np", "3", "-H", "localhost:2", "true"], LIMIT);
     assert_eq!(out.code(), Some(2), "{out:?}");

@@ -20,9 +20,11 @@
 //! compared with the reference each rank computes from the deterministic inputs of all ranks.
 //! Then a shape mismatch (the same error on every rank while another tensor proceeds), a
 //! duplicate in-flight name (refused), and a consistency check: the hash of each rank's group log,
-//! stats counters and mismatch message is allgathered and must be identical on every rank.
-//! Exits non-zero on any difference (every rank learns of every other rank's failures); every
-//! wait is bounded, and a failed wait exits at once (the launcher ends the job).
+//! stats counters and mismatch message is allgathered and must be identical on every rank. Last a
+//! join: every rank but the last joins at once, the last one's allreduce proceeds with zeros from
+//! the joined ranks, and every join names the last rank. Exits non-zero on any difference (every
+//! rank learns of every other rank's failures); every wait is bounded, and a failed wait exits at
+//! once (the launcher ends the job).
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -435,11 +437,38 @@ fn run_config(
     if !others.is_empty() {
         fails.push(format!("{here}: ranks {others:?} reported failures"));
     }
+
+    // Join: every rank but the last runs out of data at once; the last rank's allreduce then
+    // proceeds with zeros from the joined ranks (so its sum is its own value, n), and once it
+    // joins too, every rank's join names it as the rank that joined last.
+    let last = n - 1;
+    if rank == last {
+        let h = e
+            .allreduce(
+                "suite.after_join",
+                Tensor::from_slice(&[(rank + 1) as f32; 4]),
+                sum(),
+            )
+            .map_err(|err| format!("{here}: submitting suite.after_join: {err}"))?;
+        fails.extend(compare(
+            &format!("{here} suite.after_join"),
+            &wait(h, &here)?,
+            &Tensor::from_slice(&[n as f32; 4]),
+        ));
+    }
+    let joined = wait(e.join().map_err(|x| x.to_string())?, &here)?
+        .to_vec::<i64>()
+        .map_err(|x| x.to_string())?;
+    if joined != [last as i64] {
+        fails.push(format!(
+            "{here}: join returned {joined:?}, expected [{last}] (the rank that joined last)"
+        ));
+    }
     e.shutdown()
         .map_err(|err| format!("{here}: shutdown: {err}"))?;
     if rank == 0 && fails.len() == before {
         println!(
-            "sched_suite {label}: np={n} ok ({} steps x {} allreduces + 5 other collectives, {} groups, mismatch and duplicate checks)",
+            "sched_suite {label}: np={n} ok ({} steps x {} allreduces + 5 other collectives, {} groups, mismatch, duplicate and join checks)",
             o.steps,
             o.tensors,
             log.len()

@@ -1,14 +1,66 @@
-//! `cargo xtask bench`: build `fh-bench` in release mode and run its suite.
+//! `cargo xtask bench`: build `fh-bench` in release mode and run its suite; with
+//! `--emulate HxR [--link RATE]`, on an emulated cluster of H hosts with R ranks each
+//! ([`crate::cluster`]), after measuring the rate one TCP stream reaches across its link.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 use crate::cargo;
 
+/// `--emulate HxR` and `--link RATE`, taken out of the arguments.
+struct Emulate {
+    hosts: usize,
+    ranks: usize,
+    link: Option<String>,
+}
+
+/// Takes `--emulate HxR` and `--link RATE` out of `args`.
+fn take_emulate(args: &[String]) -> Result<(Option<Emulate>, Vec<String>), String> {
+    let mut rest = Vec::new();
+    let (mut layout, mut link) = (None, None);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--emulate" => layout = Some(it.next().ok_or("--emulate wants HOSTSxRANKS, e.g. 2x2")?),
+            "--link" => link = Some(it.next().ok_or("--link wants a rate, e.g. 1gbit")?.clone()),
+            _ => rest.push(a.clone()),
+        }
+    }
+    let Some(layout) = layout else {
+        return match link {
+            Some(_) => Err("--link needs --emulate HOSTSxRANKS".into()),
+            None => Ok((None, rest)),
+        };
+    };
+    let parsed = layout
+        .split_once('x')
+        .and_then(|(h, r)| Some((h.parse::<usize>().ok()?, r.parse::<usize>().ok()?)))
+        .filter(|&(h, r)| h >= 2 && r >= 1);
+    match parsed {
+        Some((hosts, ranks)) => Ok((Some(Emulate { hosts, ranks, link }), rest)),
+        None => Err(format!(
+            "--emulate {layout}: expected HOSTSxRANKS with at least 2 hosts, e.g. 2x2"
+        )),
+    }
+}
+
 pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
     if args.iter().any(|a| a == "-h" || a == "--help") {
-        eprintln!("cargo xtask bench: builds fh-bench (release) and runs `fh-bench suite ARGS`:\n");
+        eprintln!(
+            "cargo xtask bench [--emulate HOSTSxRANKS [--link RATE]] ARGS: builds fh-bench \
+             (release) and runs `fh-bench suite ARGS` (with --emulate: on an emulated cluster, \
+             as root, through mpirun with --hosts h0:R,h1:R,...; default --transports hier,tcp \
+             --no-peers):\n"
+        );
     }
+    let (emulate, args) = match take_emulate(args) {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("xtask bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let args = &args[..];
     let target_dir: PathBuf = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("target"));
@@ -29,11 +81,45 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         }
     }
     let exe = target_dir.join("release").join("fh-bench");
-    let mut cmd = Command::new(&exe);
+    let (cluster, measured_rate) = match &emulate {
+        None => (None, None),
+        Some(e) => match emulated(e) {
+            Ok((c, rate)) => (Some(c), Some(rate)),
+            Err(why) => {
+                eprintln!("xtask bench: --emulate: {why}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    let mut cmd = match &cluster {
+        None => Command::new(&exe),
+        Some(c) => c.command(0, &exe),
+    };
     cmd.current_dir(root)
         .arg("suite")
         .args(args)
         .env("FH_BENCH_TARGET_DIR", &target_dir);
+    if let (Some(c), Some(e)) = (&cluster, &emulate) {
+        let hosts: Vec<String> = (0..e.hosts).map(|h| format!("h{h}:{}", e.ranks)).collect();
+        cmd.args(["--hosts", &hosts.join(",")])
+            .args(["--np", &(e.hosts * e.ranks).to_string()]);
+        if !args.iter().any(|a| a.starts_with("--transports")) {
+            cmd.args(["--transports", "hier,tcp"]);
+        }
+        if !args.iter().any(|a| a == "--no-peers") {
+            // The Python peers start their ranks on this host only.
+            cmd.arg("--no-peers");
+        }
+        match c.rsh_agent() {
+            Ok(agent) => {
+                cmd.env("OMPI_MCA_plm_rsh_agent", agent);
+            }
+            Err(why) => {
+                eprintln!("xtask bench: --emulate: {why}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     // The Python peers (PyTorch DDP, Horovod, fasthorovod.torch) run under the project's
     // environment when `cargo xtask test` has made one, unless FH_BENCH_PYTHON names another.
     let venv_python = crate::python::python(root);
@@ -45,6 +131,26 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         cmd.env("FH_BENCH_PYTHON", &venv_python);
     }
     let status = cmd.status();
+    if let (Some(e), Some(rate)) = (&emulate, measured_rate) {
+        let text = link_table(root, args, e, rate);
+        eprintln!("\n{text}");
+        if let Some(out) = arg_value(args, "--out") {
+            let report = root.join(out).join("report.md");
+            let appended = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&report)
+                .and_then(|mut f| {
+                    std::io::Write::write_all(&mut f, format!("\n{text}").as_bytes())
+                });
+            if let Err(why) = appended {
+                eprintln!(
+                    "xtask bench: cannot add the link table to {}: {why}",
+                    report.display()
+                );
+            }
+        }
+    }
+    drop(cluster);
     match status {
         Ok(s) if s.success() => ExitCode::SUCCESS,
         Ok(s) => {
@@ -54,6 +160,162 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         Err(e) => {
             eprintln!("xtask bench: could not start {}: {e}", exe.display());
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Brings up the emulated cluster and says what it is: the layout, the link's shaping and the
+/// rate one TCP stream measured across it (h0 → h1, 3 s).
+fn emulated(e: &Emulate) -> Result<(crate::cluster::Cluster, f64), String> {
+    let c = crate::cluster::Cluster::up(e.hosts, e.link.as_deref())?;
+    let rate = c.link_rate(0, 1, 3.0, &|c: &mut Command, a: &[&str]| {
+        c.arg("__link-probe").args(a);
+    })?;
+    eprintln!(
+        "==> emulated cluster: {} hosts x {} ranks (h0..h{}), links {} (tc tbf on both ends), \
+         one TCP stream h0 -> h1 measured at {:.3} Gbit/s",
+        e.hosts,
+        e.ranks,
+        e.hosts - 1,
+        e.link.as_deref().unwrap_or("unshaped"),
+        rate / 1e9
+    );
+    Ok((c, rate))
+}
+
+/// The value after `name` in `args` (`--name VALUE` or `--name=VALUE`).
+fn arg_value<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    let eq = format!("{name}=");
+    args.iter().enumerate().find_map(|(i, a)| {
+        if a == name {
+            args.get(i + 1).map(String::as_str)
+        } else {
+            a.strip_prefix(&eq)
+        }
+    })
+}
+
+/// A model's gradient bytes per step: `parameters_total` of its workload file × 4 (float32).
+fn gradient_bytes(root: &Path, model: &str) -> Option<f64> {
+    let text = std::fs::read_to_string(
+        root.join("fh-bench")
+            .join("workloads")
+            .join(format!("{model}.json")),
+    )
+    .ok()?;
+    if !text.contains("\"dtype\": \"float32\"") {
+        return None;
+    }
+    let at = text.find("\"parameters_total\":")? + "\"parameters_total\":".len();
+    let digits: String = text[at..]
+        .trim_start()
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    Some(digits.parse::<f64>().ok()? * 4.0)
+}
+
+/// What must cross each host's link per step, per direction, and the exposed time that implies
+/// at the measured rate (bytes ÷ rate − backward, the backward hiding the rest at best):
+/// hierarchical allreduce (a ring among the hosts, each host's share reduced within it first)
+/// sends 2(H−1)/H of the gradients out of each host; a flat ring over all N ranks, hosts taken
+/// one after the other, crosses each host's link in each direction on one ring edge, which
+/// carries 2(N−1)/N of the gradients.
+fn link_table(root: &Path, args: &[String], e: &Emulate, rate: f64) -> String {
+    let backward_ms: f64 = arg_value(args, "--backward-ms")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100.0);
+    let models: Vec<String> = match arg_value(args, "--models") {
+        Some(m) => m.split(',').map(str::to_string).collect(),
+        None => ["resnet50", "bert-base"].map(String::from).to_vec(),
+    };
+    let (h, n) = (e.hosts as f64, (e.hosts * e.ranks) as f64);
+    let mut t = format!(
+        "## Across the emulated link\n\n{} hosts x {} ranks, links {} (`tc tbf`), one TCP stream \
+         measured at {:.3} Gbit/s; backward {backward_ms} ms. Bytes per step across each host's \
+         link, per direction, and the link bound (those bytes at the measured rate, minus the \
+         backward):\n\n| workload | gradients | hier: bytes | hier: bound | flat ring: bytes | \
+         flat ring: bound |\n|---|---|---|---|---|---|\n",
+        e.hosts,
+        e.ranks,
+        e.link.as_deref().unwrap_or("unshaped"),
+        rate / 1e9
+    );
+    for m in &models {
+        let Some(s) = gradient_bytes(root, m) else {
+            t += &format!("| {m} | (no float32 workload file) | | | | |\n");
+            continue;
+        };
+        let hier = 2.0 * (h - 1.0) / h * s;
+        let ring = 2.0 * (n - 1.0) / n * s;
+        let bound = |b: f64| (b * 8.0 / rate * 1e3 - backward_ms).max(0.0);
+        t += &format!(
+            "| {m} | {:.1} MB | {:.1} MB | {:.0} ms | {:.1} MB | {:.0} ms |\n",
+            s / 1e6,
+            hier / 1e6,
+            bound(hier),
+            ring / 1e6,
+            bound(ring)
+        );
+    }
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn emulate_and_link_are_taken_out() {
+        let (e, rest) = take_emulate(&args(&[
+            "--quick",
+            "--emulate",
+            "2x3",
+            "--link",
+            "1gbit",
+            "replay",
+        ]))
+        .unwrap();
+        let e = e.unwrap();
+        assert_eq!((e.hosts, e.ranks, e.link.as_deref()), (2, 3, Some("1gbit")));
+        assert_eq!(rest, ["--quick", "replay"]);
+        let (e, rest) = take_emulate(&args(&["--quick"])).unwrap();
+        assert!(e.is_none());
+        assert_eq!(rest, ["--quick"]);
+    }
+
+    #[test]
+    fn the_link_table_counts_what_crosses() {
+        let root = crate::project_root();
+        let e = Emulate {
+            hosts: 2,
+            ranks: 2,
+            link: Some("1gbit".into()),
+        };
+        // ResNet-50: 25,557,032 float32 parameters = 102.228128 MB. Two hosts: hierarchical
+        // sends all of it out of each host (2·1/2), a ring of 4 sends 1.5 times it (2·3/4); at
+        // 1 Gbit/s that is 817.8 ms and 1226.7 ms, less the 100 ms backward.
+        let t = link_table(&root, &args(&["--models", "resnet50"]), &e, 1e9);
+        assert!(
+            t.contains("| resnet50 | 102.2 MB | 102.2 MB | 718 ms | 153.3 MB | 1127 ms |"),
+            "{t}"
+        );
+    }
+
+    #[test]
+    fn bad_layouts_are_refused() {
+        for (a, want) in [
+            (&["--emulate", "1x4"][..], "at least 2 hosts"),
+            (&["--emulate", "2by2"][..], "HOSTSxRANKS"),
+            (&["--emulate"][..], "wants HOSTSxRANKS"),
+            (&["--link", "1gbit"][..], "needs --emulate"),
+        ] {
+            let err = take_emulate(&args(a)).err().unwrap();
+            assert!(err.contains(want), "{a:?}: {err}");
         }
     }
 }

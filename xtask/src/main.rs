@@ -3,15 +3,22 @@
 //! - `cargo xtask test`: the whole test suite (prerequisites, format, tidy, `cargo test`, extra
 //!   suites); ends with `N passed, M failed[, K skipped]` and a non-zero exit on any failure.
 //! - `cargo xtask ci`: what `.ci/run` runs (the same as `test`).
+//! - `cargo xtask multihost`: the multi-host checks on an emulated cluster (network namespaces,
+//!   root only; also a stage of `test`, skipped with a message where it cannot run).
+//! - `cargo xtask cluster [--hosts N] [--link RATE] -- COMMAND`: COMMAND on host h0 of an
+//!   emulated cluster (root only), torn down afterwards.
 //! - `cargo xtask tidy`: the repository's structural checks (also run as `#[test]`s).
 //! - `cargo xtask bench [--quick] [--np N] [--hosts H,..|--launcher mpirun|srun] [--out DIR]
-//!   [suite..]`: builds `fh-bench` in release mode and runs it.
+//!   [suite..]`: builds `fh-bench` in release mode and runs it; `--emulate HxR [--link RATE]`
+//!   runs it on an emulated cluster (root only).
 //! - `cargo xtask nccl-bindings [--check]`: regenerates (or checks) the committed NCCL bindings
 //!   of `fh-nccl-sys` with bindgen (feature `nccl-bindings`, the only dependency of xtask).
 //!
 //! Dependency-free on purpose: `cargo xtask` must build in seconds on a fresh machine.
 
 mod bench;
+mod cluster;
+mod multihost;
 mod nccl;
 mod python;
 mod test;
@@ -31,6 +38,11 @@ tasks:
            cargo xtask bench [--quick] [--np N] [--hosts H1,H2|--launcher mpirun|srun]
                              [--out DIR] [SUITE..]   (suites: collectives replay negotiation simulate)
            anything else after `bench` is passed to `fh-bench suite` (see `fh-bench suite --help`)
+  multihost
+           the multi-host checks on an emulated cluster (network namespaces; needs root),
+           also a stage of `test`
+  cluster [--hosts N] [--link RATE] -- COMMAND [ARGS]
+           run COMMAND on host h0 of an emulated cluster (hosts h0..; FH_RSH_AGENT set)
   nccl-bindings [--check] [--header PATH]
            regenerate fh-nccl-sys/src/bindings.rs from the NCCL wheel's nccl.h (bindgen)
 ";
@@ -56,6 +68,9 @@ fn main() -> ExitCode {
             }
         }
         "bench" => bench::run(&root, &rest),
+        "multihost" => multihost::task(&root, &rest),
+        "cluster" => cluster::task(&rest),
+        "__link-probe" => cluster::link_probe(&rest),
         "nccl-bindings" => nccl::run(&root, &rest),
         "" | "help" | "-h" | "--help" => {
             eprint!("{USAGE}");

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use crate::{cargo, python, tidy};
+use crate::{cargo, multihost, python, tidy};
 
 /// Debian packages the suites need. `openmpi-bin libopenmpi-dev libclang-dev`: the MPI suite
 /// (the `mpi` crate builds its bindings with libclang against `mpicc`) and fh-bench's OpenMPI
@@ -133,6 +133,8 @@ pub(crate) fn extra_suites() -> Vec<ExtraSuite> {
 #[derive(Debug)]
 enum Outcome {
     Passed,
+    /// Passed, with a note for the summary (e.g. how many of its checks were skipped).
+    PassedNoting(String),
     Failed(String),
     Skipped(String),
 }
@@ -325,6 +327,23 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         }));
     }
 
+    // 7. Across hosts: the emulated cluster's checks (skipped, and counted, where the machine
+    //    cannot run network namespaces).
+    stages.push(stage(
+        "multi-host on an emulated cluster (network namespaces)",
+        || match multihost::run(root, None) {
+            multihost::Verdict::Passed(s) => {
+                eprintln!("==> {s}");
+                Outcome::PassedNoting(s)
+            }
+            multihost::Verdict::Failed(s) => Outcome::Failed(s),
+            multihost::Verdict::Skipped(s) => {
+                eprintln!("==> skipped: {s}");
+                Outcome::Skipped(s)
+            }
+        },
+    ));
+
     // Summary.
     let (mut passed, mut failed, mut skipped) = (0, 0, 0);
     eprintln!("\n==> summary ({:.0?} in all)", started.elapsed());
@@ -333,6 +352,10 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
             Outcome::Passed => {
                 passed += 1;
                 ("ok     ", String::new())
+            }
+            Outcome::PassedNoting(note) => {
+                passed += 1;
+                ("ok     ", format!(": {note}"))
             }
             Outcome::Failed(why) => {
                 failed += 1;

@@ -165,7 +165,8 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     for t in &opts.transports {
         let launch = match t.as_str() {
             "local" => Launch::Threads,
-            "tcp" | "shm" => {
+            // hier and auto: across hosts (--hosts; shared memory within a host, TCP between).
+            "tcp" | "shm" | "hier" | "auto" => {
                 if let Err(why) = world::tcp_available() {
                     record.skipped.push(Skipped {
                         suite: "all".into(),
@@ -180,7 +181,8 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 record.skipped.push(Skipped {
                     suite: "all".into(),
                     what: format!("{other} transport"),
-                    reason: "not supported by fh-bench yet (use tcp, shm or local)".into(),
+                    reason: "not supported by fh-bench yet (use tcp, shm, hier, auto or local)"
+                        .into(),
                 });
                 continue;
             }

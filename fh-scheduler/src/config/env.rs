@@ -32,10 +32,12 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_LOG_COLOR",
 ];
 
-/// Variables of FastHorovod's own tools (the build and test scripts, the benchmarks) and
-/// fhrun's notice pipe (`FH_NOTICE_FD`, read by `fasthorovod.torch`'s excepthook).
+/// Variables of FastHorovod's own tools (the build and test scripts, the benchmarks, fhrun's
+/// rsh agent `FH_RSH_AGENT`) and fhrun's notice pipe (`FH_NOTICE_FD`, read by
+/// `fasthorovod.torch`'s excepthook).
 const TOOL_VARIABLES: &[&str] = &[
     "FH_NOTICE_FD",
+    "FH_RSH_AGENT",
     "FH_VENV",
     "FH_FHRUN",
     "FH_NCCL_INCLUDE",

@@ -1,0 +1,298 @@
+//! Ranks on other hosts without MPI: fhrun starts, through an rsh agent (`ssh` by default;
+//! `--rsh-agent` or `FH_RSH_AGENT`), one *remote part* per other host — fhrun itself on that
+//! host, run as `fhrun --internal-fhrun-remote` — which starts that host's ranks with the
+//! machinery of a local job (process groups, a guardian, prefixed output, notices, fail fast).
+//!
+//! Nothing secret is on a command line: the remote part's command line is only the path of
+//! fhrun and [`REMOTE_ARG`]; everything else — the working directory, the ranks, the command,
+//! and the ranks' environment with the job token — goes in a [`Part`] over the agent's stdin,
+//! which then stays open as a control channel: a line `signal N` makes the remote part send
+//! signal N to its ranks (fhrun forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT that way), and the
+//! end of stdin — the agent gone because fhrun stopped it or died (fhrun's guardian kills the
+//! agent's process group) — makes it stop its ranks (SIGTERM, then SIGKILL after the grace).
+//! The remote part exits with its job's status, which the agent returns to fhrun; a failure
+//! there stops the whole job (fail fast across hosts).
+//!
+//! fhrun must be at the same path on every host (as Horovod's launcher assumes of Python).
+
+use std::io::{BufRead, Read};
+use std::time::Duration;
+
+use crate::launch::{self, LocalJob, RankSpec};
+use crate::sys;
+
+/// The hidden first argument that makes fhrun act as a remote part.
+pub const REMOTE_ARG: &str = "--internal-fhrun-remote";
+
+/// Variables of fhrun's own environment that the remote ranks get too (besides the `FH_*`
+/// ones fhrun sets and the ones named with `-x`), so that a command found here is found there.
+pub const FORWARDED_VARS: &[&str] = &["PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV"];
+
+/// What a remote part runs: sent on the agent's stdin, one `key value` line each, ended by
+/// `go`. Values are escaped (`\\` and `\n`), so any value fits on a line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Part {
+    /// Directory the ranks start in.
+    pub cwd: String,
+    /// The ranks' command and its arguments.
+    pub command: Vec<String>,
+    /// Variables every rank of the part gets.
+    pub env: Vec<(String, String)>,
+    /// The global ranks of this part; the n-th gets `FH_LOCAL_RANK=n`.
+    pub ranks: Vec<usize>,
+    /// Prefix output lines with the rank.
+    pub prefix: bool,
+    /// Time between SIGTERM and SIGKILL.
+    pub kill_grace: Duration,
+    /// Say more.
+    pub verbose: bool,
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('\n', "\\n")
+}
+
+fn unescape(s: &str) -> Result<String, String> {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('\\') => out.push('\\'),
+            Some('n') => out.push('\n'),
+            other => return Err(format!("bad escape \\{other:?} in {s:?}")),
+        }
+    }
+    Ok(out)
+}
+
+impl Part {
+    /// The text sent on the agent's stdin (ends with `go`).
+    pub fn encode(&self) -> String {
+        let mut t = format!("cwd {}\n", escape(&self.cwd));
+        for a in &self.command {
+            t += &format!("arg {}\n", escape(a));
+        }
+        for (k, v) in &self.env {
+            t += &format!("env {}={}\n", escape(k), escape(v));
+        }
+        for r in &self.ranks {
+            t += &format!("rank {r}\n");
+        }
+        t += &format!(
+            "prefix {}\ngrace_ms {}\nverbose {}\ngo\n",
+            u8::from(self.prefix),
+            self.kill_grace.as_millis(),
+            u8::from(self.verbose)
+        );
+        t
+    }
+
+    /// Reads a part from `input` up to its `go` line.
+    pub fn decode(input: &mut impl BufRead) -> Result<Part, String> {
+        let mut part = Part {
+            cwd: String::new(),
+            command: Vec::new(),
+            env: Vec::new(),
+            ranks: Vec::new(),
+            prefix: true,
+            kill_grace: Duration::from_secs(2),
+            verbose: false,
+        };
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = input
+                .read_line(&mut line)
+                .map_err(|e| format!("reading the job from stdin: {e}"))?;
+            if n == 0 {
+                return Err("stdin ended before the job was complete (no `go`)".into());
+            }
+            let l = line.trim_end_matches('\n');
+            if l == "go" {
+                break;
+            }
+            let (key, value) = l.split_once(' ').unwrap_or((l, ""));
+            let num = |v: &str| {
+                v.parse::<u64>()
+                    .map_err(|_| format!("`{key}` wants a number, not {v:?}"))
+            };
+            match key {
+                "cwd" => part.cwd = unescape(value)?,
+                "arg" => part.command.push(unescape(value)?),
+                "env" => {
+                    let (k, v) = value
+                        .split_once('=')
+                        .ok_or_else(|| format!("`env` wants NAME=VALUE, not {value:?}"))?;
+                    part.env.push((unescape(k)?, unescape(v)?));
+                }
+                "rank" => part.ranks.push(num(value)? as usize),
+                "prefix" => part.prefix = num(value)? != 0,
+                "grace_ms" => part.kill_grace = Duration::from_millis(num(value)?),
+                "verbose" => part.verbose = num(value)? != 0,
+                other => return Err(format!("unknown line `{other}` in the job")),
+            }
+        }
+        if part.command.is_empty() || part.ranks.is_empty() {
+            return Err("the job names no command or no ranks".into());
+        }
+        Ok(part)
+    }
+
+    /// The local job this part runs: each rank with its `FH_RANK` and `FH_LOCAL_RANK`.
+    pub fn job(&self) -> LocalJob {
+        let ranks = self
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(local, &rank)| {
+                let mut env = self.env.clone();
+                env.push(("FH_RANK".into(), rank.to_string()));
+                env.push(("FH_LOCAL_RANK".into(), local.to_string()));
+                RankSpec { rank, env }
+            })
+            .collect();
+        LocalJob {
+            command: self.command.clone(),
+            ranks,
+            remotes: Vec::new(),
+            prefix: self.prefix,
+            kill_grace: self.kill_grace,
+            timeout: None,
+            verbose: self.verbose,
+        }
+    }
+}
+
+/// The remote part's side: read the job, run it, obey the control channel.
+pub fn serve() -> i32 {
+    // Blocked before any thread starts, so that the control thread's signals to this process
+    // are taken by the job's loop (launch::run blocks them too; doing it twice is harmless).
+    if let Err(e) = sys::block_handled_signals() {
+        eprintln!("fhrun (remote part): cannot set up signal handling: {e}");
+        return 1;
+    }
+    let mut stdin = std::io::BufReader::new(std::io::stdin());
+    let part = match Part::decode(&mut stdin) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!(
+                "fhrun (remote part on {}): {e}",
+                crate::hosts::this_hostname()
+            );
+            return 1;
+        }
+    };
+    if let Err(e) = std::env::set_current_dir(&part.cwd) {
+        eprintln!(
+            "fhrun (remote part on {}): cannot change to {}: {e} (the ranks start in the \
+             directory fhrun was started in, which must exist on every host)",
+            crate::hosts::this_hostname(),
+            part.cwd
+        );
+        return 1;
+    }
+    let control = std::thread::Builder::new()
+        .name("control".into())
+        .spawn(move || {
+            let me = std::process::id();
+            let mut line = String::new();
+            loop {
+                line.clear();
+                match stdin.read_line(&mut line) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {
+                        if let Some(sig) = line
+                            .trim()
+                            .strip_prefix("signal ")
+                            .and_then(|s| s.parse::<i32>().ok())
+                        {
+                            sys::kill_pid(me, sig);
+                        }
+                    }
+                }
+            }
+            // fhrun (or its agent) is gone: stop the ranks as on SIGTERM.
+            sys::kill_pid(me, libc::SIGTERM);
+            let _ = stdin.read(&mut [0u8; 1]);
+        });
+    if let Err(e) = control {
+        eprintln!("fhrun (remote part): cannot start the control thread: {e}");
+        return 1;
+    }
+    launch::run(&part.job())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part() -> Part {
+        Part {
+            cwd: "/work/a dir".into(),
+            command: vec!["python".into(), "-c".into(), "print('a\\nb')\nx".into()],
+            env: vec![
+                ("FH_JOB_TOKEN".into(), "0123456789abcdef".into()),
+                ("ODD".into(), "a=b\\c\nd".into()),
+            ],
+            ranks: vec![4, 5, 6],
+            prefix: false,
+            kill_grace: Duration::from_millis(1500),
+            verbose: true,
+        }
+    }
+
+    #[test]
+    fn a_part_survives_the_trip() {
+        let p = part();
+        let text = p.encode();
+        let mut input = std::io::Cursor::new(format!("{text}signal 2\n"));
+        assert_eq!(Part::decode(&mut input).unwrap(), p);
+        // The control channel's lines are left for the control thread.
+        let mut rest = String::new();
+        input.read_to_string(&mut rest).unwrap();
+        assert_eq!(rest, "signal 2\n");
+    }
+
+    #[test]
+    fn every_value_is_on_one_line() {
+        let text = part().encode();
+        assert_eq!(text.lines().count(), 1 + 3 + 2 + 3 + 3 + 1);
+        assert!(text.contains("env ODD=a=b\\\\c\\nd\n"));
+    }
+
+    #[test]
+    fn ranks_get_their_global_and_local_numbers() {
+        let job = part().job();
+        let ranks: Vec<usize> = job.ranks.iter().map(|r| r.rank).collect();
+        assert_eq!(ranks, [4, 5, 6]);
+        let get = |i: usize, k: &str| {
+            job.ranks[i]
+                .env
+                .iter()
+                .rev()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(get(2, "FH_RANK").as_deref(), Some("6"));
+        assert_eq!(get(2, "FH_LOCAL_RANK").as_deref(), Some("2"));
+        assert_eq!(get(0, "FH_JOB_TOKEN").as_deref(), Some("0123456789abcdef"));
+    }
+
+    #[test]
+    fn broken_input_is_an_error() {
+        for (text, wanted) in [
+            ("cwd /\narg x\nrank 0\n", "no `go`"),
+            ("cwd /\ngo\n", "no command"),
+            ("cwd /\narg x\nrank zero\ngo\n", "wants a number"),
+            ("bogus 1\ngo\n", "unknown line `bogus`"),
+            ("env NOEQUALS\ngo\n", "NAME=VALUE"),
+        ] {
+            let err = Part::decode(&mut std::io::Cursor::new(text)).unwrap_err();
+            assert!(err.contains(wanted), "{text:?}: {err}");
+        }
+    }
+}

@@ -1,0 +1,1021 @@
+//! An emulated cluster on one machine: N hosts, each a Linux network namespace, for the
+//! multi-host checks (`cargo xtask multihost`, a stage of `cargo xtask test`), the bench across
+//! hosts (`cargo xtask bench --emulate`) and by hand (`cargo xtask cluster -- COMMAND`).
+//!
+//! Each host gets
+//! - its own network namespace `<id>-h<i>` with one interface, `eth0`, addressed
+//!   `10.77.0.<i+1>/24`, the far end of a veth pair whose near end (`<id>h<i>`) is enslaved to a bridge (`<id>b`) in
+//!   the root namespace. The bridge has no address: the hosts reach each other and nothing else,
+//!   and only addresses inside the namespaces made here are used;
+//! - its own UTS name (`h<i>`), its own `/dev/shm` (a fresh tmpfs) and an `/etc/hosts` naming
+//!   every host of the cluster (`h<i>` resolves to its address there), through a mount and UTS
+//!   namespace held open by a *holder* process (`sleep`) that every process of the host joins
+//!   with `nsenter`, so that the ranks of one host share memory and those of two hosts cannot,
+//!   exactly as FastHorovod's host detection expects (`fh_transport::hosts`);
+//! - when a rate is given, a `tc tbf` qdisc at that rate on both ends of its link (each direction
+//!   of the host's link is limited).
+//!
+//! Names carry the pid of the process that made them and a per-process counter (`fhc<pid><x>`),
+//! so concurrent runs never clash. Teardown is certain: before anything is made, a *guardian*
+//! process (its own process group, so a Ctrl-C on the terminal does not reach it) waits for
+//! end-of-file on a pipe that only this process holds; when the pipe closes — [`Cluster::down`],
+//! `Drop` on a failed test's unwind, or this process dying of anything, SIGKILL included — the
+//! guardian kills every process in the hosts' namespaces, deletes the namespaces, the bridge and
+//! the links, and removes the cluster's directory. A run that finds namespaces of a dead process
+//! (both it and its guardian killed) removes them too.
+//!
+//! Ranks start with the launcher's variables ([`Cluster::launch`]) or through a launcher run on
+//! a host ([`Cluster::command`]) that reaches the others with the cluster's rsh agent
+//! ([`Cluster::rsh_agent`]: `agent HOST COMMAND...` enters that host's namespaces).
+//! [`Cluster::set_link`] cuts a host off; [`Cluster::link_rate`] measures one TCP stream.
+//!
+//! [`unavailable`] says why a machine cannot run it (not root, no `ip`/`tc`/`nsenter`/`unshare`,
+//! network namespaces not permitted); callers skip and say so.
+
+use std::ffi::OsStr;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// Prefix of everything a cluster makes (namespaces, links, directories).
+const PREFIX: &str = "fhc";
+
+/// Clusters made by this process so far (one letter of the id each).
+static MADE: AtomicUsize = AtomicUsize::new(0);
+
+/// The port rank 0 listens on for the rendezvous (each host has its own port space).
+pub(crate) const RENDEZVOUS_PORT: u16 = 29400;
+
+/// Why this machine cannot run an emulated cluster, or `None` when it can.
+pub(crate) fn unavailable() -> Option<String> {
+    let ok = |prog: &str, args: &[&str]| {
+        Command::new(prog)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+    {
+        return Some("not root (network namespaces need root; CI runs as root)".into());
+    }
+    for (prog, args, pkg) in [
+        ("ip", &["-V"][..], "iproute2"),
+        ("tc", &["-V"][..], "iproute2"),
+        ("nsenter", &["--version"][..], "util-linux"),
+        ("unshare", &["--version"][..], "util-linux"),
+    ] {
+        if !ok(prog, args) {
+            return Some(format!(
+                "no `{prog}` on PATH (install Debian's {pkg}: `apt-get install {pkg}`)"
+            ));
+        }
+    }
+    let probe = format!(
+        "{PREFIX}{}probe{}",
+        std::process::id(),
+        MADE.fetch_add(1, Ordering::SeqCst)
+    );
+    if !ok("ip", &["netns", "add", &probe]) {
+        return Some(format!(
+            "`ip netns add {probe}` failed: this machine (or container) does not permit network \
+             namespaces"
+        ));
+    }
+    let _ = ok("ip", &["netns", "del", &probe]);
+    None
+}
+
+/// `cargo xtask cluster [--hosts N] [--link RATE] -- COMMAND [ARGS]`: runs COMMAND on host h0
+/// of an emulated cluster of N hosts (default 2) whose links run at RATE (a `tc` rate such as
+/// `1gbit`; default unshaped), with `FH_RSH_AGENT` and `OMPI_MCA_plm_rsh_agent` naming the
+/// cluster's rsh agent (so `fhrun -H h0:2,h1:2 ...` and `mpirun -H h0,h1 ...` reach the other
+/// hosts); tears the cluster down when COMMAND ends (or this process dies); exits with
+/// COMMAND's status.
+pub(crate) fn task(args: &[String]) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    const USAGE: &str = "usage: cargo xtask cluster [--hosts N] [--link RATE] -- COMMAND [ARGS]";
+    let mut hosts = 2usize;
+    let mut link: Option<String> = None;
+    let mut it = args.iter();
+    let mut command: Vec<String> = Vec::new();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--hosts" => match it.next().and_then(|v| v.parse().ok()) {
+                Some(n) => hosts = n,
+                None => {
+                    eprintln!("--hosts wants a number of hosts\n{USAGE}");
+                    return ExitCode::from(2);
+                }
+            },
+            "--link" => match it.next() {
+                Some(v) => link = Some(v.clone()),
+                None => {
+                    eprintln!("--link wants a rate such as 1gbit\n{USAGE}");
+                    return ExitCode::from(2);
+                }
+            },
+            "--" => {
+                command = it.cloned().collect();
+                break;
+            }
+            other => {
+                eprintln!("unexpected argument `{other}`\n{USAGE}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    if command.is_empty() {
+        eprintln!("{USAGE}");
+        return ExitCode::from(2);
+    }
+    let c = match Cluster::up(hosts, link.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("xtask cluster: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let agent = match c.rsh_agent() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("xtask cluster: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let names: Vec<String> = c
+        .hosts
+        .iter()
+        .map(|h| format!("{} ({})", h.name, h.addr))
+        .collect();
+    eprintln!(
+        "xtask cluster: hosts {}, links {}; running on h0 with FH_RSH_AGENT={}",
+        names.join(", "),
+        link.as_deref().unwrap_or("unshaped"),
+        agent.display()
+    );
+    let status = c
+        .command(0, &command[0])
+        .args(&command[1..])
+        .env("FH_RSH_AGENT", &agent)
+        .env("OMPI_MCA_plm_rsh_agent", &agent)
+        .status();
+    let down = c.down();
+    if let Err(e) = down {
+        eprintln!("xtask cluster: {e}");
+    }
+    match status {
+        Ok(s) => ExitCode::from(s.code().and_then(|c| u8::try_from(c).ok()).unwrap_or(1)),
+        Err(e) => {
+            eprintln!("xtask cluster: cannot run {}: {e}", command[0]);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The hidden `cargo xtask __link-probe` that [`Cluster::link_rate`] runs inside the hosts:
+/// `recv ADDR:PORT` accepts one connection, reads it to the end and prints `BYTES SECONDS`
+/// (from the first byte to the end); `send ADDR:PORT SECONDS` sends as fast as one TCP stream
+/// goes for that long.
+pub(crate) fn link_probe(args: &[String]) -> std::process::ExitCode {
+    use std::io::Read;
+    use std::net::{TcpListener, TcpStream};
+    use std::process::ExitCode;
+    let fail = |e: String| {
+        eprintln!("link probe: {e}");
+        ExitCode::FAILURE
+    };
+    match args {
+        [role, addr] if role == "recv" => {
+            let l = match TcpListener::bind(addr) {
+                Ok(l) => l,
+                Err(e) => return fail(format!("bind {addr}: {e}")),
+            };
+            println!("listening");
+            let (mut s, _) = match l.accept() {
+                Ok(c) => c,
+                Err(e) => return fail(format!("accept: {e}")),
+            };
+            let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
+            let mut buf = vec![0u8; 1 << 20];
+            let (mut n, mut start) = (0u64, None);
+            loop {
+                match s.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(k) => {
+                        start.get_or_insert_with(Instant::now);
+                        n += k as u64;
+                    }
+                    Err(e) => return fail(format!("read: {e}")),
+                }
+            }
+            let secs = start.map_or(0.0, |t| t.elapsed().as_secs_f64());
+            println!("{n} {secs}");
+            ExitCode::SUCCESS
+        }
+        [role, addr, secs] if role == "send" => {
+            let Ok(secs) = secs.parse::<f64>() else {
+                return fail(format!("not seconds: {secs}"));
+            };
+            let mut s = match TcpStream::connect(addr) {
+                Ok(s) => s,
+                Err(e) => return fail(format!("connect {addr}: {e}")),
+            };
+            let buf = vec![0x5au8; 1 << 20];
+            let t = Instant::now();
+            while t.elapsed().as_secs_f64() < secs {
+                if let Err(e) = s.write_all(&buf) {
+                    return fail(format!("write: {e}"));
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        _ => fail("usage: __link-probe recv ADDR:PORT | send ADDR:PORT SECONDS".into()),
+    }
+}
+
+/// One emulated host.
+pub(crate) struct Host {
+    /// Its UTS host name, `h<i>` (what `hostname` says inside it; a name for `-H` lists).
+    pub name: String,
+    /// Its address on the cluster's network.
+    pub addr: String,
+    /// The near end of its link, in the root namespace (set down to cut the host off).
+    link: String,
+    /// The process holding its mount and UTS namespaces.
+    holder: Child,
+}
+
+/// An emulated cluster; torn down by [`Cluster::down`] or on drop (see the module docs).
+pub(crate) struct Cluster {
+    id: String,
+    dir: PathBuf,
+    hosts: Vec<Host>,
+    /// The guardian and the write end of its pipe (dropping it starts the teardown).
+    guardian: Option<(Child, ChildStdin)>,
+}
+
+/// A command's failure, as text for the operator.
+fn sh(cmd: &mut Command) -> Result<(), String> {
+    let shown = format!("{cmd:?}");
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {shown}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{shown} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    sh(Command::new("ip").args(args))
+}
+
+/// Whether process `pid` exists.
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Removes what dead runs left: namespaces, links and directories named `fhc<pid>...` whose
+/// process is gone (a run killed together with its guardian).
+fn remove_orphans(base: &Path) {
+    let dead = |name: &str| -> bool {
+        let Some(rest) = name.strip_prefix(PREFIX) else {
+            return false;
+        };
+        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+        digits
+            .parse::<u32>()
+            .is_ok_and(|pid| pid != std::process::id() && !alive(pid))
+    };
+    if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let ns = line.split_whitespace().next().unwrap_or("");
+            if dead(ns) {
+                kill_namespace(ns);
+                let _ = ip(&["netns", "del", ns]);
+            }
+        }
+    }
+    if let Ok(out) = Command::new("ip").args(["-o", "link", "show"]).output() {
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let name = line.split(':').nth(1).unwrap_or("").trim();
+            let name = name.split('@').next().unwrap_or("");
+            if dead(name) {
+                let _ = ip(&["link", "del", name]);
+            }
+        }
+    }
+    if let Ok(entries) = fs::read_dir(base) {
+        for e in entries.flatten() {
+            if dead(&e.file_name().to_string_lossy()) {
+                let _ = fs::remove_dir_all(e.path());
+            }
+        }
+    }
+}
+
+/// SIGKILLs every process in network namespace `ns`.
+fn kill_namespace(ns: &str) {
+    if let Ok(out) = Command::new("ip").args(["netns", "pids", ns]).output() {
+        for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            let _ = Command::new("kill").args(["-KILL", pid]).status();
+        }
+    }
+}
+
+impl Cluster {
+    /// Brings up `hosts` hosts (1 to 200) whose links run at `rate` (a `tc` rate such as
+    /// `1gbit`; `None`: unshaped). Everything made so far is removed again on an error.
+    pub(crate) fn up(hosts: usize, rate: Option<&str>) -> Result<Cluster, String> {
+        if !(1..=200).contains(&hosts) {
+            return Err(format!(
+                "an emulated cluster has 1 to 200 hosts, not {hosts}"
+            ));
+        }
+        if let Some(why) = unavailable() {
+            return Err(format!("cannot emulate a cluster here: {why}"));
+        }
+        let base = std::env::temp_dir().join("fh-cluster");
+        remove_orphans(&base);
+        let n = MADE.fetch_add(1, Ordering::SeqCst);
+        let id = format!(
+            "{PREFIX}{}{}",
+            std::process::id(),
+            char::from(b'a' + (n % 26) as u8)
+        );
+        let dir = base.join(&id);
+        fs::create_dir_all(dir.join("hosts"))
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let bridge = format!("{id}b");
+        let netns: Vec<String> = (0..hosts).map(|i| format!("{id}-h{i}")).collect();
+        let links: Vec<String> = (0..hosts).map(|i| format!("{id}h{i}")).collect();
+
+        // The guardian first, so that a failure below leaves nothing behind either.
+        let mut script = String::from("cat >/dev/null\n");
+        for ns in &netns {
+            script += &format!(
+                "for p in $(ip netns pids {ns} 2>/dev/null); do kill -KILL $p 2>/dev/null; done\n"
+            );
+        }
+        script += "sleep 0.2\n";
+        for ns in &netns {
+            script += &format!("ip netns del {ns} 2>/dev/null\n");
+        }
+        for l in &links {
+            script += &format!("ip link del {l} 2>/dev/null\n");
+        }
+        script += &format!(
+            "ip link del {bridge} 2>/dev/null\nrm -rf '{}'\n",
+            dir.display()
+        );
+        let mut guardian = {
+            use std::os::unix::process::CommandExt;
+            Command::new("sh")
+                .args(["-c", &script])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::null())
+                .process_group(0)
+                .spawn()
+                .map_err(|e| format!("cannot start the cluster's guardian (sh): {e}"))?
+        };
+        let pipe = guardian.stdin.take().expect("stdin is piped");
+        let mut cluster = Cluster {
+            id,
+            dir,
+            hosts: Vec::new(),
+            guardian: Some((guardian, pipe)),
+        };
+        cluster.build(&bridge, &netns, &links, rate)?;
+        Ok(cluster)
+    }
+
+    fn build(
+        &mut self,
+        bridge: &str,
+        netns: &[String],
+        links: &[String],
+        rate: Option<&str>,
+    ) -> Result<(), String> {
+        // The cluster's /etc/hosts, mounted over the real one inside every host: the hosts'
+        // names resolve to their addresses there, and nothing changes outside.
+        let mut names = String::from("127.0.0.1 localhost\n::1 localhost\n");
+        for i in 0..netns.len() {
+            names += &format!("10.77.0.{} h{i}\n", i + 1);
+        }
+        let etc_hosts = self.dir.join("etc-hosts");
+        fs::write(&etc_hosts, names)
+            .map_err(|e| format!("cannot write {}: {e}", etc_hosts.display()))?;
+        ip(&["link", "add", bridge, "type", "bridge"])?;
+        ip(&["link", "set", bridge, "up"])?;
+        for (i, (ns, link)) in netns.iter().zip(links).enumerate() {
+            let inner = format!("{}i{i}", self.id);
+            let addr = format!("10.77.0.{}", i + 1);
+            ip(&["netns", "add", ns])?;
+            ip(&["link", "add", link, "type", "veth", "peer", "name", &inner])?;
+            ip(&["link", "set", &inner, "netns", ns])?;
+            ip(&["link", "set", link, "master", bridge, "up"])?;
+            ip(&["-n", ns, "link", "set", &inner, "name", "eth0"])?;
+            ip(&[
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("{addr}/24"),
+                "dev",
+                "eth0",
+            ])?;
+            ip(&["-n", ns, "link", "set", "eth0", "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            if let Some(rate) = rate {
+                // burst: a few milliseconds at 10 Gbit/s, so that one timer tick never starves
+                // the link; latency bounds the queue.
+                let tbf = [
+                    "root", "tbf", "rate", rate, "burst", "1mb", "latency", "50ms",
+                ];
+                sh(Command::new("tc")
+                    .args(["qdisc", "add", "dev", link])
+                    .args(tbf))?;
+                sh(Command::new("tc")
+                    .args(["-n", ns, "qdisc", "add", "dev", "eth0"])
+                    .args(tbf))?;
+            }
+            let name = format!("h{i}");
+            // The holder: a mount namespace with a fresh /dev/shm and a UTS namespace named
+            // `name`, inside the host's network namespace; it prints `ready` once set up.
+            let mut holder = Command::new("ip")
+                .args(["netns", "exec", ns, "unshare", "--mount", "--uts"])
+                .args(["--propagation", "private", "sh", "-c"])
+                .arg(format!(
+                    "mount -t tmpfs -o mode=1777 fh-shm /dev/shm && \
+                     mount --bind '{}' /etc/hosts && hostname {name} && \
+                     echo ready && exec sleep 1000000",
+                    etc_hosts.display()
+                ))
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .map_err(|e| format!("cannot start host {name}'s holder: {e}"))?;
+            let mut line = String::new();
+            let mut out = std::io::BufReader::new(holder.stdout.take().expect("piped"));
+            let _ = std::io::BufRead::read_line(&mut out, &mut line);
+            if line.trim() != "ready" {
+                let _ = holder.kill();
+                let _ = holder.wait();
+                let mut err = String::new();
+                if let Some(mut e) = holder.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut err);
+                }
+                return Err(format!(
+                    "host {name}: cannot set up its mount and UTS namespaces: {}",
+                    err.trim()
+                ));
+            }
+            fs::write(self.dir.join("hosts").join(&name), holder.id().to_string())
+                .map_err(|e| format!("cannot record host {name}: {e}"))?;
+            self.hosts.push(Host {
+                name,
+                addr,
+                link: link.clone(),
+                holder,
+            });
+        }
+        Ok(())
+    }
+
+    /// The cluster's directory (its scratch space; removed at teardown).
+    pub(crate) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A command that runs `program` on host `host` (in its network, mount and UTS namespaces,
+    /// in the current directory, with this process's environment).
+    pub(crate) fn command(&self, host: usize, program: impl AsRef<OsStr>) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg("-t")
+            .arg(self.hosts[host].holder.id().to_string())
+            .args(["-n", "-m", "-u"]);
+        if let Ok(cwd) = std::env::current_dir() {
+            c.arg(format!("--wd={}", cwd.display()));
+        }
+        c.arg("--").arg(program);
+        c
+    }
+
+    /// Writes the cluster's rsh agent (an `ssh` stand-in: `agent HOST COMMAND...` runs the
+    /// command through `sh -c` on the emulated host named HOST, by UTS name or address) and
+    /// returns its path. For `mpirun --mca plm_rsh_agent` and `fhrun --rsh-agent`.
+    pub(crate) fn rsh_agent(&self) -> Result<PathBuf, String> {
+        let path = self.dir.join("rsh-agent");
+        let hosts = self.dir.join("hosts");
+        let mut map = String::new();
+        for h in &self.hosts {
+            map += &format!("    {}|{}) name={} ;;\n", h.name, h.addr, h.name);
+        }
+        let text = format!(
+            "#!/bin/sh\n\
+             # rsh agent of an emulated FastHorovod cluster: agent [-x] HOST COMMAND...\n\
+             while [ $# -gt 0 ]; do case \"$1\" in -*) shift ;; *) break ;; esac; done\n\
+             host=\"${{1:?usage: rsh-agent HOST COMMAND...}}\"; shift\n\
+             host=\"${{host#*@}}\"\n\
+             case \"$host\" in\n{map}    *) echo \"rsh-agent: no emulated host $host\" >&2; exit 255 ;;\n\
+             esac\n\
+             pid=$(cat '{}'/\"$name\") || exit 255\n\
+             exec nsenter -t \"$pid\" -n -m -u --wd=\"$PWD\" -- sh -c \"$*\"\n",
+            hosts.display()
+        );
+        let mut f =
+            fs::File::create(&path).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        f.write_all(text.as_bytes())
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        drop(f);
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o755))
+            .map_err(|e| format!("cannot make {} executable: {e}", path.display()))?;
+        Ok(path)
+    }
+
+    /// The rate one TCP stream reaches from host `from` to host `to` in `secs` seconds, in
+    /// bits per second: [`link_probe`] on both ends, run as this executable with the arguments
+    /// `probe` adds to a command (`__link-probe` and the probe's own arguments, for xtask).
+    pub(crate) fn link_rate(
+        &self,
+        from: usize,
+        to: usize,
+        secs: f64,
+        probe: &dyn Fn(&mut Command, &[&str]),
+    ) -> Result<f64, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("cannot find xtask: {e}"))?;
+        let addr = format!("{}:5201", self.hosts[to].addr);
+        let mut recv = self.command(to, &exe);
+        probe(&mut recv, &["recv", &addr]);
+        let mut recv = recv
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start the link probe: {e}"))?;
+        let mut out = std::io::BufReader::new(recv.stdout.take().expect("piped"));
+        // Lines until the one asked for (a test harness may print its own around them).
+        let mut next_line = |want: &dyn Fn(&str) -> bool| -> Option<String> {
+            let mut line = String::new();
+            loop {
+                line.clear();
+                match std::io::BufRead::read_line(&mut out, &mut line) {
+                    Ok(0) | Err(_) => return None,
+                    Ok(_) if want(line.trim()) => return Some(line.trim().to_string()),
+                    Ok(_) => {}
+                }
+            }
+        };
+        if next_line(&|l| l == "listening").is_none() {
+            let _ = recv.kill();
+            let _ = recv.wait();
+            return Err("the link probe's receiver did not start".into());
+        }
+        let mut send = self.command(from, &exe);
+        probe(&mut send, &["send", &addr, &secs.to_string()]);
+        let sent = send.stdout(Stdio::null()).status();
+        let two_numbers = |l: &str| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            w.len() == 2 && w.iter().all(|x| x.parse::<f64>().is_ok())
+        };
+        let said = next_line(&two_numbers).unwrap_or_default();
+        let _ = recv.kill();
+        let _ = recv.wait();
+        if !matches!(sent, Ok(s) if s.success()) {
+            return Err(format!("the link probe's sender failed: {sent:?}"));
+        }
+        let mut it = said.split_whitespace().map(str::parse::<f64>);
+        match (it.next(), it.next()) {
+            (Some(Ok(bytes)), Some(Ok(took))) if took > 0.0 => Ok(bytes * 8.0 / took),
+            _ => Err(format!("the link probe said {said:?}")),
+        }
+    }
+
+    /// The processes running on host `host` (in its network namespace), but its holder.
+    pub(crate) fn processes(&self, host: usize) -> Vec<u32> {
+        let holder = self.hosts[host].holder.id();
+        Command::new("ip")
+            .args(["netns", "pids", &format!("{}-h{host}", self.id)])
+            .output()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .split_whitespace()
+                    .filter_map(|p| p.parse().ok())
+                    .filter(|&p| p != holder)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Cuts host `host` off the network (`up == false`) or reconnects it.
+    pub(crate) fn set_link(&self, host: usize, up: bool) -> Result<(), String> {
+        let l = &self.hosts[host].link;
+        ip(&["link", "set", l, if up { "up" } else { "down" }])
+    }
+
+    /// Starts a job of `per_host[h]` ranks on host `h` (ranks numbered host by host), each
+    /// running `program args` with the launcher's variables (`FH_RANK`, `FH_SIZE`,
+    /// `FH_LOCAL_*`, `FH_CROSS_*`, `FH_RENDEZVOUS_ADDR` on host 0, a fresh `FH_JOB_TOKEN`) and
+    /// `env`; each rank's stdout and stderr go to a file under the cluster's directory.
+    pub(crate) fn launch(
+        &self,
+        per_host: &[usize],
+        program: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Job, String> {
+        if per_host.len() > self.hosts.len() || per_host.contains(&0) {
+            return Err(format!(
+                "layout {per_host:?} does not fit {} hosts with at least one rank each",
+                self.hosts.len()
+            ));
+        }
+        let size: usize = per_host.iter().sum();
+        let token = fresh_token()?;
+        let n = MADE.fetch_add(1, Ordering::SeqCst);
+        let logs = self.dir.join(format!("job{n}"));
+        fs::create_dir_all(&logs).map_err(|e| format!("cannot create {}: {e}", logs.display()))?;
+        let mut ranks = Vec::new();
+        let mut rank = 0;
+        for (h, &m) in per_host.iter().enumerate() {
+            for local in 0..m {
+                let log = logs.join(format!("rank{rank}.log"));
+                let file = fs::File::create(&log)
+                    .map_err(|e| format!("cannot create {}: {e}", log.display()))?;
+                let err = file
+                    .try_clone()
+                    .map_err(|e| format!("cannot create {}: {e}", log.display()))?;
+                let mut c = self.command(h, program);
+                c.args(args)
+                    .env("FH_RANK", rank.to_string())
+                    .env("FH_SIZE", size.to_string())
+                    .env("FH_LOCAL_RANK", local.to_string())
+                    .env("FH_LOCAL_SIZE", m.to_string())
+                    .env("FH_CROSS_RANK", h.to_string())
+                    .env("FH_CROSS_SIZE", per_host.len().to_string())
+                    .env(
+                        "FH_RENDEZVOUS_ADDR",
+                        format!("{}:{RENDEZVOUS_PORT}", self.hosts[0].addr),
+                    )
+                    .env("FH_JOB_TOKEN", &token)
+                    .envs(env.iter().copied())
+                    .stdin(Stdio::null())
+                    .stdout(file)
+                    .stderr(err);
+                let child = c
+                    .spawn()
+                    .map_err(|e| format!("cannot start rank {rank} on h{h}: {e}"))?;
+                ranks.push((child, log));
+                rank += 1;
+            }
+        }
+        Ok(Job { ranks })
+    }
+
+    /// Tears the cluster down now and waits (bounded) until it is gone.
+    pub(crate) fn down(mut self) -> Result<(), String> {
+        self.teardown()
+    }
+
+    fn teardown(&mut self) -> Result<(), String> {
+        let Some((mut guardian, pipe)) = self.guardian.take() else {
+            return Ok(());
+        };
+        drop(pipe);
+        let start = Instant::now();
+        let status = loop {
+            match guardian.try_wait() {
+                Ok(Some(s)) => break Some(s),
+                Ok(None) if start.elapsed() < Duration::from_secs(30) => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                _ => break None,
+            }
+        };
+        for h in &mut self.hosts {
+            let _ = h.holder.kill();
+            let _ = h.holder.wait();
+        }
+        match status {
+            Some(_) => Ok(()),
+            None => Err(format!(
+                "the teardown of cluster {} did not finish within 30 s",
+                self.id
+            )),
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Err(e) = self.teardown() {
+            eprintln!("cluster: {e}");
+        }
+    }
+}
+
+/// 32 random bytes from the kernel, as 64 hex digits.
+fn fresh_token() -> Result<String, String> {
+    let mut buf = [0u8; 32];
+    fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut buf))
+        .map_err(|e| format!("cannot read /dev/urandom for a job token: {e}"))?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// A rank's end: its exit status (`None`: killed by the harness at the deadline) and output.
+pub(crate) struct RankEnd {
+    pub status: Option<ExitStatus>,
+    pub output: String,
+}
+
+/// The ranks of a job started by [`Cluster::launch`]. Dropping it kills what still runs.
+pub(crate) struct Job {
+    ranks: Vec<(Child, PathBuf)>,
+}
+
+impl Job {
+    /// SIGKILLs rank `rank`.
+    pub(crate) fn kill(&mut self, rank: usize) {
+        let _ = self.ranks[rank].0.kill();
+    }
+
+    /// What rank `rank` has written so far (stdout and stderr).
+    pub(crate) fn output(&self, rank: usize) -> String {
+        fs::read_to_string(&self.ranks[rank].1).unwrap_or_default()
+    }
+
+    /// Waits until every rank's output contains `text`, at most `limit`; `false` when some rank
+    /// did not write it in time (or exited).
+    pub(crate) fn wait_for_all(&mut self, text: &str, limit: Duration) -> bool {
+        let start = Instant::now();
+        loop {
+            if (0..self.ranks.len()).all(|r| self.output(r).contains(text)) {
+                return true;
+            }
+            let exited = self
+                .ranks
+                .iter_mut()
+                .any(|(c, _)| matches!(c.try_wait(), Ok(Some(_))));
+            if exited || start.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits for every rank, at most `limit` in all; ranks still running then are killed (their
+    /// status is `None`).
+    pub(crate) fn wait(mut self, limit: Duration) -> Vec<RankEnd> {
+        let start = Instant::now();
+        let mut ends: Vec<Option<Option<ExitStatus>>> = vec![None; self.ranks.len()];
+        while ends.iter().any(Option::is_none) {
+            for (i, (child, _)) in self.ranks.iter_mut().enumerate() {
+                if ends[i].is_none() {
+                    if let Ok(Some(s)) = child.try_wait() {
+                        ends[i] = Some(Some(s));
+                    }
+                }
+            }
+            if start.elapsed() > limit {
+                for (i, (child, _)) in self.ranks.iter_mut().enumerate() {
+                    if ends[i].is_none() {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        ends[i] = Some(None);
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let ranks = std::mem::take(&mut self.ranks);
+        ranks
+            .into_iter()
+            .zip(ends)
+            .map(|((_, log), status)| RankEnd {
+                status: status.flatten(),
+                output: fs::read_to_string(&log).unwrap_or_default(),
+            })
+            .collect()
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for (child, _) in &mut self.ranks {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `script` on host `h` and returns its stdout.
+    fn on(c: &Cluster, h: usize, script: &str) -> String {
+        let out = c.command(h, "sh").args(["-c", script]).output().unwrap();
+        assert!(out.status.success(), "{script}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    fn left_over(id: &str) -> Vec<String> {
+        let mut found = Vec::new();
+        for args in [&["netns", "list"][..], &["-o", "link", "show"][..]] {
+            let out = Command::new("ip").args(args).output().unwrap();
+            found.extend(
+                String::from_utf8_lossy(&out.stdout)
+                    .lines()
+                    .filter(|l| l.contains(id))
+                    .map(str::to_string),
+            );
+        }
+        found
+    }
+
+    #[test]
+    fn hosts_are_separate_and_teardown_leaves_nothing() {
+        if let Some(why) = unavailable() {
+            eprintln!("SKIPPED: emulated cluster unavailable: {why}");
+            return;
+        }
+        let c = Cluster::up(2, Some("100mbit")).unwrap();
+        let id = c.id.clone();
+        assert_eq!(on(&c, 0, "hostname"), "h0");
+        assert_eq!(on(&c, 1, "hostname"), "h1");
+        // Each host's /dev/shm is its own: a file made on h0 is not seen on h1, nor here.
+        on(&c, 0, "touch /dev/shm/fh-cluster-probe");
+        assert_eq!(on(&c, 0, "ls /dev/shm"), "fh-cluster-probe");
+        assert_eq!(on(&c, 1, "ls /dev/shm"), "");
+        assert!(!Path::new("/dev/shm/fh-cluster-probe").exists());
+        // Addresses: each host has its own, and only inside its namespace.
+        assert!(on(&c, 1, "ip -o -4 addr show eth0").contains("10.77.0.2/24"));
+        assert_eq!(on(&c, 0, "getent hosts h1"), "10.77.0.2       h1");
+        // A long-running process on a host, and a severed link, are both cleaned up.
+        let mut sleeper = c.command(1, "sleep").arg("1000").spawn().unwrap();
+        // (nsenter enters the namespaces, then execs sleep: wait until it is in.)
+        let t = Instant::now();
+        while c.processes(1).is_empty() && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(c.processes(1), [sleeper.id()]);
+        assert!(c.processes(0).is_empty());
+        c.set_link(1, false).unwrap();
+        c.down().unwrap();
+        assert!(left_over(&id).is_empty(), "{:?}", left_over(&id));
+        // The sleeper was killed by the teardown (not by us).
+        let status = sleeper.wait().unwrap();
+        assert!(!status.success());
+    }
+
+    #[test]
+    fn a_dropped_cluster_is_torn_down() {
+        if let Some(why) = unavailable() {
+            eprintln!("SKIPPED: emulated cluster unavailable: {why}");
+            return;
+        }
+        let c = Cluster::up(1, None).unwrap();
+        let (id, dir) = (c.id.clone(), c.dir.clone());
+        assert!(!left_over(&id).is_empty());
+        drop(c);
+        assert!(left_over(&id).is_empty(), "{:?}", left_over(&id));
+        assert!(!dir.exists());
+    }
+
+    /// Not a test of its own: the child of `a_killed_owner_leaves_nothing`, which runs it in a
+    /// process of its own (`--ignored --exact`, with `FH_TEST_CLUSTER_CHILD` set). It brings up
+    /// a cluster, says its id, and waits to be killed.
+    #[test]
+    #[ignore = "run by a_killed_owner_leaves_nothing"]
+    fn child_holding_a_cluster() {
+        if std::env::var_os("FH_TEST_CLUSTER_CHILD").is_none() {
+            return;
+        }
+        let c = Cluster::up(2, Some("1gbit")).unwrap();
+        let mut sleeper = c.command(1, "sleep").arg("1000").spawn().unwrap();
+        println!("cluster-id {} {}", c.id, sleeper.id());
+        let _ = sleeper.wait();
+    }
+
+    #[test]
+    fn a_killed_owner_leaves_nothing() {
+        if let Some(why) = unavailable() {
+            eprintln!("SKIPPED: emulated cluster unavailable: {why}");
+            return;
+        }
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "cluster::tests::child_holding_a_cluster",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("FH_TEST_CLUSTER_CHILD", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut id = String::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !id.starts_with("cluster-id ") && Instant::now() < deadline {
+            id.clear();
+            if std::io::BufRead::read_line(&mut out, &mut id).unwrap() == 0 {
+                break;
+            }
+        }
+        let (id, sleeper) = id
+            .trim()
+            .strip_prefix("cluster-id ")
+            .unwrap()
+            .split_once(' ')
+            .unwrap();
+        let (id, sleeper) = (id.to_string(), sleeper.parse::<u32>().unwrap());
+        assert!(!left_over(&id).is_empty());
+        assert!(alive(sleeper));
+        // SIGKILL: no destructor runs; the guardian must do it all.
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while (!left_over(&id).is_empty() || alive(sleeper)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(left_over(&id).is_empty(), "{:?}", left_over(&id));
+        assert!(!alive(sleeper), "the host's process {sleeper} survived");
+    }
+
+    /// Not a test of its own: [`link_probe`] for `a_link_runs_at_its_rate`, whose arguments
+    /// come in `FH_TEST_LINK_PROBE`.
+    #[test]
+    #[ignore = "run by a_link_runs_at_its_rate"]
+    fn link_probe_child() {
+        let Ok(args) = std::env::var("FH_TEST_LINK_PROBE") else {
+            return;
+        };
+        let args: Vec<String> = args.split(' ').map(str::to_string).collect();
+        assert_eq!(link_probe(&args), std::process::ExitCode::SUCCESS);
+    }
+
+    #[test]
+    fn a_link_runs_at_its_rate() {
+        if let Some(why) = unavailable() {
+            eprintln!("SKIPPED: emulated cluster unavailable: {why}");
+            return;
+        }
+        // The shaper caps the link: one stream never exceeds 100 Mbit/s by more than the
+        // bucket (1 MB over the 1.5 s) and the probe's own timing allow. (No lower bound: a
+        // loaded machine may be slower than the link.)
+        let c = Cluster::up(2, Some("100mbit")).unwrap();
+        let rate = c
+            .link_rate(0, 1, 1.5, &|c: &mut Command, a: &[&str]| {
+                c.args(["cluster::tests::link_probe_child", "--exact", "--ignored"])
+                    .args(["--nocapture", "--quiet", "--test-threads", "1"])
+                    .env("FH_TEST_LINK_PROBE", a.join(" "));
+            })
+            .unwrap();
+        eprintln!("one stream: {:.1} Mbit/s on a 100 Mbit/s link", rate / 1e6);
+        assert!(
+            rate > 0.0 && rate < 125e6,
+            "one stream at {:.1} Mbit/s on a 100 Mbit/s link",
+            rate / 1e6
+        );
+    }
+
+    #[test]
+    fn the_rsh_agent_runs_commands_on_the_named_host() {
+        if let Some(why) = unavailable() {
+            eprintln!("SKIPPED: emulated cluster unavailable: {why}");
+            return;
+        }
+        let c = Cluster::up(2, None).unwrap();
+        let agent = c.rsh_agent().unwrap();
+        let out = Command::new(&agent)
+            .args(["h1", "hostname;", "echo", "$((1+2))"])
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "h1\n3\n");
+        let out = Command::new(&agent)
+            .args(["10.77.0.1", "hostname"])
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "h0\n");
+        let out = Command::new(&agent).args(["h7", "true"]).output().unwrap();
+        assert_eq!(out.status.code(), Some(255));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("no emulated host h7"));
+    }
+}

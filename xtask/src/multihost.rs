@@ -1,0 +1,930 @@
+//! `cargo xtask multihost` (also a stage of `cargo xtask test`): FastHorovod across hosts, on an
+//! emulated cluster ([`crate::cluster`]: one network namespace per host, links at 1 Gbit/s).
+//!
+//! Checks, each on a fresh cluster or job, every wait bounded:
+//! - **collectives**: the scheduler's multi-rank suite (`fh-scheduler/examples/sched_suite.rs`:
+//!   allreduce with sum/average/max/min over f32/f64/i32, grouped allreduce, broadcast,
+//!   allgather with different rows per rank, alltoall with uneven splits, reduce-scatter,
+//!   barrier, join, a mismatch and a duplicate name; both presets) at 2 × 2, 3 × 1 and 2 × 3
+//!   under `FH_TRANSPORT` = `auto`, `hier` and `tcp`, ranks started with the launcher's
+//!   variables; `auto` must pick `hier` where a host runs several ranks and `tcp` otherwise;
+//! - **mpirun**: `mpirun --map-by node` through the cluster's rsh agent (ranks alternate hosts:
+//!   every rank must find itself on the host mpirun put it on), and `fhrun -H h0:2,h1:2 --mpi`;
+//! - **fhrun across hosts without MPI** (`fhrun -H h0:2,h1:2`, the agent in a session of its
+//!   own as ssh would be): ranks placed host by host, nothing but host, path and flag on the
+//!   agent's command line; a far rank failing stops the job with its status and leaves no
+//!   process on either host; SIGINT to fhrun reaches every far rank; fhrun SIGKILLed leaves no
+//!   process on either host;
+//! - **training**: `fh-torch/examples/train_synthetic_cnn.py` on 2 × 2 through fhrun: every
+//!   rank's parameters bit-identical, and equal (to float tolerance) to one process training on
+//!   the four ranks' batches concatenated;
+//! - **losses** (`fh-selftest --loop`, 2 × 2, `FH_TIMEOUT_SECONDS=5`): a host's link cut, a
+//!   rank on the far host killed, and both ranks of a host killed: every survivor must fail
+//!   on its own (not be killed at the deadline) with an error naming a rank it lost (with the
+//!   link cut, a rank it waited for).
+//!
+//! Where the machine cannot emulate a cluster ([`cluster::unavailable`]) every check is skipped
+//! and the stage says how many and why; checks needing `mpirun` are skipped without it, the
+//! training check without a `target/fh-venv` that imports `fasthorovod.torch`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::cargo;
+use crate::cluster::{self, Cluster, RankEnd};
+
+/// How a stage of checks ended.
+pub(crate) enum Verdict {
+    /// Every check that ran passed (the text says how many, and how many were skipped).
+    Passed(String),
+    /// Some check failed.
+    Failed(String),
+    /// Nothing could run.
+    Skipped(String),
+}
+
+/// The layouts of the collective checks: ranks per host, and what `auto` must pick there.
+const LAYOUTS: [(&[usize], &str); 3] = [(&[2, 2], "hier"), (&[1, 1, 1], "tcp"), (&[3, 3], "hier")];
+
+/// The link rate of the emulated hosts.
+const LINK: &str = "1gbit";
+
+/// The runtime's timeout in the loss checks (seconds), and the bound on a survivor's exit.
+const LOSS_TIMEOUT_S: u64 = 5;
+const LOSS_BOUND: Duration = Duration::from_secs(60);
+
+/// The programs the checks run.
+struct Bins {
+    sched_suite: PathBuf,
+    selftest: PathBuf,
+    fhrun: PathBuf,
+}
+
+/// How a check ended: passed (with what it saw), skipped (why) or failed (why).
+enum End {
+    Passed(String),
+    Skipped(String),
+}
+
+/// One check's name and result.
+type Ran = (String, Result<End, String>);
+
+/// `cargo xtask multihost`.
+pub(crate) fn task(root: &Path, args: &[String]) -> ExitCode {
+    if args.len() > 1 || args.first().is_some_and(|a| a.starts_with('-')) {
+        eprintln!(
+            "usage: cargo xtask multihost [FILTER]   (runs the checks whose name contains FILTER)"
+        );
+        return ExitCode::from(2);
+    }
+    match run(root, args.first().map(String::as_str)) {
+        Verdict::Passed(s) => {
+            eprintln!("multihost: {s}");
+            ExitCode::SUCCESS
+        }
+        Verdict::Skipped(s) => {
+            eprintln!("multihost: skipped: {s}");
+            ExitCode::SUCCESS
+        }
+        Verdict::Failed(s) => {
+            eprintln!("multihost: FAILED: {s}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Number of checks [`run`] makes (reported as skipped when none can run).
+fn total_checks() -> usize {
+    LAYOUTS.len() * 3 + 2 + 4 + 1 + 3
+}
+
+/// Builds the programs and runs every check (whose name contains `filter`, when given).
+pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
+    let wanted = |name: &str| filter.is_none_or(|f| name.contains(f));
+    if let Some(why) = cluster::unavailable() {
+        return Verdict::Skipped(format!(
+            "{} multi-host checks skipped: cannot emulate a cluster: {why}",
+            total_checks()
+        ));
+    }
+    let target = root.join("target");
+    for args in [
+        &["build", "--profile", "test", "-p", "fh-launch", "--bins"][..],
+        &[
+            "build",
+            "--profile",
+            "test",
+            "-p",
+            "fh-scheduler",
+            "--example",
+            "sched_suite",
+        ][..],
+    ] {
+        let status = Command::new(cargo())
+            .current_dir(root)
+            .args(args)
+            .env("CARGO_TARGET_DIR", &target)
+            .status();
+        if !matches!(status, Ok(s) if s.success()) {
+            return Verdict::Failed(format!("cargo {} failed: {status:?}", args.join(" ")));
+        }
+    }
+    let debug = target.join("debug");
+    let bins = Bins {
+        sched_suite: debug.join("examples").join("sched_suite"),
+        selftest: debug.join("fh-selftest"),
+        fhrun: debug.join("fhrun"),
+    };
+    let mut ran: Vec<Ran> = Vec::new();
+    let mut note = |name: String, r: Result<End, String>, t: Instant| {
+        match &r {
+            Ok(End::Passed(saw)) => eprintln!(
+                "multihost: {name}: ok ({:.1} s): {saw}",
+                t.elapsed().as_secs_f64()
+            ),
+            Ok(End::Skipped(why)) => eprintln!("multihost: {name}: skipped: {why}"),
+            Err(e) => eprintln!("multihost: {name}: FAILED: {e}"),
+        }
+        ran.push((name, r));
+    };
+
+    for (layout, auto_picks) in LAYOUTS {
+        let shape = format!("{}x{}", layout.len(), layout[0]);
+        if !["auto", "hier", "tcp"]
+            .iter()
+            .any(|t| wanted(&format!("collectives {shape} {t}")))
+        {
+            continue;
+        }
+        match Cluster::up(layout.len(), Some(LINK)) {
+            Ok(c) => {
+                for transport in ["auto", "hier", "tcp"] {
+                    if !wanted(&format!("collectives {shape} {transport}")) {
+                        continue;
+                    }
+                    let t = Instant::now();
+                    let want = if transport == "auto" {
+                        auto_picks
+                    } else {
+                        transport
+                    };
+                    let r = collectives(&c, &bins, layout, transport, want).map(End::Passed);
+                    note(format!("collectives {shape} {transport}"), r, t);
+                }
+                if let Err(e) = c.down() {
+                    note(format!("teardown {shape}"), Err(e), Instant::now());
+                }
+            }
+            Err(e) => {
+                for transport in ["auto", "hier", "tcp"] {
+                    note(
+                        format!("collectives {shape} {transport}"),
+                        Err(format!("cluster: {e}")),
+                        Instant::now(),
+                    );
+                }
+            }
+        }
+    }
+
+    let mpirun = which("mpirun");
+    for (name, f) in [
+        (
+            "mpirun --map-by node (2x2, rsh agent)",
+            mpirun_map_by_node as fn(&Cluster, &Bins) -> Result<String, String>,
+        ),
+        ("fhrun -H h0:2,h1:2 --mpi (rsh agent)", fhrun_mpi),
+    ] {
+        if !wanted(name) {
+            continue;
+        }
+        let t = Instant::now();
+        let r = match &mpirun {
+            None => Ok(End::Skipped(
+                "no mpirun on PATH (Debian: apt-get install openmpi-bin)".to_string(),
+            )),
+            Some(_) => Cluster::up(2, Some(LINK))
+                .and_then(|c| {
+                    let r = f(&c, &bins);
+                    c.down().and(r)
+                })
+                .map(End::Passed),
+        };
+        note(name.to_string(), r, t);
+    }
+
+    for (name, f) in [
+        (
+            "fhrun -H h0:2,h1:2 through the rsh agent (no MPI)",
+            fhrun_remote as fn(&Cluster, &Bins) -> Result<String, String>,
+        ),
+        (
+            "fhrun across hosts: a far rank fails, the job stops",
+            fhrun_remote_fails_fast,
+        ),
+        (
+            "fhrun across hosts: SIGINT reaches the far ranks",
+            fhrun_remote_signal,
+        ),
+        (
+            "fhrun across hosts: fhrun SIGKILLed, far ranks cleaned up",
+            fhrun_remote_killed,
+        ),
+    ] {
+        if !wanted(name) {
+            continue;
+        }
+        let t = Instant::now();
+        let r = Cluster::up(2, Some(LINK))
+            .and_then(|c| {
+                let r = f(&c, &bins);
+                c.down().and(r)
+            })
+            .map(End::Passed);
+        note(name.to_string(), r, t);
+    }
+
+    {
+        let name = "fasthorovod.torch training 2x2 (fhrun through the rsh agent)";
+        if wanted(name) {
+            let t = Instant::now();
+            let r = match torch_python(root) {
+                Err(why) => Ok(End::Skipped(why)),
+                Ok(py) => Cluster::up(2, Some(LINK))
+                    .and_then(|c| {
+                        let r = training(&c, &bins, root, &py);
+                        c.down().and(r)
+                    })
+                    .map(End::Passed),
+            };
+            note(name.to_string(), r, t);
+        }
+    }
+
+    for (name, loss) in [
+        ("link of h1 cut (2x2)", Loss::LinkDown),
+        ("rank 3 on h1 killed (2x2)", Loss::Ranks(&[3])),
+        ("both ranks of h1 killed (2x2)", Loss::Ranks(&[2, 3])),
+    ] {
+        if !wanted(name) {
+            continue;
+        }
+        let t = Instant::now();
+        let r = Cluster::up(2, Some(LINK))
+            .and_then(|c| {
+                let r = losses(&c, &bins, &loss);
+                c.down().and(r)
+            })
+            .map(End::Passed);
+        note(name.to_string(), r, t);
+    }
+
+    let failed: Vec<String> = ran
+        .iter()
+        .filter_map(|(n, r)| r.as_ref().err().map(|e| format!("{n}: {e}")))
+        .collect();
+    let skipped = ran
+        .iter()
+        .filter(|(_, r)| matches!(r, Ok(End::Skipped(_))))
+        .count();
+    let passed = ran.len() - failed.len() - skipped;
+    if !failed.is_empty() {
+        Verdict::Failed(format!(
+            "{} of {} multi-host checks failed: {}",
+            failed.len(),
+            ran.len(),
+            failed.join("; ")
+        ))
+    } else {
+        Verdict::Passed(format!(
+            "{passed} multi-host checks passed, {skipped} skipped"
+        ))
+    }
+}
+
+/// The scheduler's suite on `layout` under `FH_TRANSPORT=transport`; rank 0 must report the
+/// backend `want`.
+fn collectives(
+    c: &Cluster,
+    bins: &Bins,
+    layout: &[usize],
+    transport: &str,
+    want: &str,
+) -> Result<String, String> {
+    let job = c.launch(
+        layout,
+        &bins.sched_suite,
+        &["--schedule", "all", "--channels", "1,2,4"],
+        &[("FH_TRANSPORT", transport), ("FH_TIMEOUT_SECONDS", "20")],
+    )?;
+    let ends = job.wait(Duration::from_secs(240));
+    all_passed(&ends)?;
+    let over = format!("sched_suite over {want}: passed");
+    match ends[0].output.lines().find(|l| l.contains(&over)) {
+        Some(line) => Ok(line.trim().to_string()),
+        None => Err(format!(
+            "rank 0 did not report `{over}`; its output:\n{}",
+            tail(&ends[0].output)
+        )),
+    }
+}
+
+/// Every rank exited 0, or an error quoting the first that did not.
+fn all_passed(ends: &[RankEnd]) -> Result<(), String> {
+    for (rank, e) in ends.iter().enumerate() {
+        match e.status {
+            Some(s) if s.success() => {}
+            Some(s) => {
+                return Err(format!(
+                    "rank {rank} exited with {s}; its output:\n{}",
+                    tail(&e.output)
+                ))
+            }
+            None => {
+                return Err(format!(
+                    "rank {rank} was still running at the deadline; its output:\n{}",
+                    tail(&e.output)
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The last lines of `s` (for error messages).
+fn tail(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// Where fh-selftest says each rank is: `(rank, local size, cross rank)` from its lines
+/// `fh-selftest: rank R of N (local L/LS, cross C/CS), ...`.
+fn places(output: &str) -> Vec<(usize, usize, usize)> {
+    let mut found = Vec::new();
+    for line in output.lines() {
+        let Some(at) = line.find("fh-selftest: rank ") else {
+            continue;
+        };
+        let rest = &line[at + "fh-selftest: rank ".len()..];
+        let nums: Vec<usize> = rest
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| s.parse().ok())
+            .collect();
+        // R, N, L, LS, C, CS
+        if rest.contains(" of ") && rest.contains("cross") && nums.len() >= 6 {
+            found.push((nums[0], nums[3], nums[4]));
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Runs `cmd`, at most `limit`, output to a file; returns the status (`None`: killed at the
+/// deadline) and the output.
+fn bounded(
+    mut cmd: Command,
+    log: &Path,
+    limit: Duration,
+) -> Result<(Option<ExitStatus>, String), String> {
+    let file = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let err = file
+        .try_clone()
+        .map_err(|e| format!("{}: {e}", log.display()))?;
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(file)
+        .stderr(err)
+        .spawn()
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    let start = Instant::now();
+    let status = loop {
+        if let Ok(Some(s)) = child.try_wait() {
+            break Some(s);
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Ok((status, std::fs::read_to_string(log).unwrap_or_default()))
+}
+
+/// Checks that a 4-rank fh-selftest run passed with ranks placed as `hosts[r]` says (the
+/// host index mpirun put rank r on; the settled cross ranks must group the ranks the same way).
+fn check_placed(
+    status: Option<ExitStatus>,
+    out: &str,
+    hosts: [usize; 4],
+) -> Result<String, String> {
+    if !matches!(status, Some(s) if s.success()) {
+        return Err(format!("ended with {status:?}; output:\n{}", tail(out)));
+    }
+    let p = places(out);
+    if p.len() != 4 || out.matches("PASSED").count() != 4 {
+        return Err(format!(
+            "expected four ranks to report and pass; output:\n{}",
+            tail(out)
+        ));
+    }
+    for a in 0..4 {
+        for b in 0..4 {
+            let same = hosts[a] == hosts[b];
+            if (p[a].2 == p[b].2) != same || p[a].1 != 2 {
+                return Err(format!(
+                    "ranks {a} and {b} should be on {} host{} (2 ranks each); they report \
+                     (rank, local size, cross rank) {:?} and {:?}",
+                    if same { "the same" } else { "different" },
+                    if same { "" } else { "s" },
+                    p[a],
+                    p[b]
+                ));
+            }
+        }
+    }
+    Ok(format!(
+        "cross ranks of ranks 0-3: {:?}",
+        p.iter().map(|x| x.2).collect::<Vec<_>>()
+    ))
+}
+
+/// `mpirun --map-by node -H h0:2,h1:2` from h0 through the rsh agent: ranks 0 and 2 on h0,
+/// 1 and 3 on h1.
+fn mpirun_map_by_node(c: &Cluster, bins: &Bins) -> Result<String, String> {
+    let agent = c.rsh_agent()?;
+    let token = std::fs::read_to_string("/proc/sys/kernel/random/uuid")
+        .map_err(|e| format!("cannot make a token: {e}"))?;
+    let mut cmd = c.command(0, "mpirun");
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+    ])
+    .args(["-np", "4", "-H", "h0:2,h1:2", "--map-by", "node"])
+    .args(["--mca", "plm_rsh_agent"])
+    .arg(&agent)
+    .args([
+        "-x",
+        "FH_RENDEZVOUS_ADDR",
+        "-x",
+        "FH_JOB_TOKEN",
+        "-x",
+        "FH_TIMEOUT_SECONDS",
+    ])
+    .arg(&bins.selftest)
+    .args(["--iters", "2", "--bytes", "1048576"])
+    .env(
+        "FH_RENDEZVOUS_ADDR",
+        format!("h0:{}", cluster::RENDEZVOUS_PORT),
+    )
+    .env("FH_JOB_TOKEN", token.trim())
+    .env("FH_TIMEOUT_SECONDS", "20");
+    let (status, out) = bounded(cmd, &c.dir().join("mpirun.log"), Duration::from_secs(120))?;
+    check_placed(status, &out, [0, 1, 0, 1])
+}
+
+/// `fhrun -np 4 -H h0:2,h1:2 --mpi` from h0, Open MPI pointed at the rsh agent: ranks 0 and 1
+/// on h0, 2 and 3 on h1.
+fn fhrun_mpi(c: &Cluster, bins: &Bins) -> Result<String, String> {
+    let agent = c.rsh_agent()?;
+    let mut cmd = c.command(0, &bins.fhrun);
+    cmd.args([
+        "-np",
+        "4",
+        "-H",
+        "h0:2,h1:2",
+        "--mpi",
+        "-x",
+        "FH_TIMEOUT_SECONDS",
+    ])
+    .arg(&bins.selftest)
+    .args(["--iters", "2", "--bytes", "1048576"])
+    .env("OMPI_MCA_plm_rsh_agent", &agent)
+    .env("FH_TIMEOUT_SECONDS", "20");
+    let (status, out) = bounded(cmd, &c.dir().join("fhrun.log"), Duration::from_secs(120))?;
+    check_placed(status, &out, [0, 0, 1, 1])
+}
+
+/// An rsh agent that records its arguments (one per line, in `args.log` beside it) and runs
+/// the cluster's agent in a session of its own, as ssh would: the remote side is then in no
+/// process group of this host, and learns of fhrun's end only from its stdin, as over ssh.
+fn recording_agent(c: &Cluster) -> Result<(PathBuf, PathBuf), String> {
+    let agent = c.rsh_agent()?;
+    let path = c.dir().join("recording-agent");
+    let log = c.dir().join("args.log");
+    let text = format!(
+        "#!/bin/sh\nfor a in \"$@\"; do printf '%s\\n' \"$a\"; done >> '{}'\nexec setsid -w '{}' \"$@\"\n",
+        log.display(),
+        agent.display()
+    );
+    std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Command::new("chmod")
+        .arg("+x")
+        .arg(&path)
+        .status()
+        .map_err(|e| format!("chmod: {e}"))?;
+    Ok((path, log))
+}
+
+/// `fhrun -np 4 -H h0:2,h1:2` from h0, no MPI: ranks 2 and 3 through the rsh agent, whose
+/// command line carries nothing but the host, fhrun's path and the remote part's flag.
+fn fhrun_remote(c: &Cluster, bins: &Bins) -> Result<String, String> {
+    let (agent, args) = recording_agent(c)?;
+    let mut cmd = c.command(0, &bins.fhrun);
+    cmd.args(["-np", "4", "-H", "h0:2,h1:2", "-x", "FH_TIMEOUT_SECONDS"])
+        .arg(&bins.selftest)
+        .args(["--iters", "2", "--bytes", "1048576"])
+        .env("FH_RSH_AGENT", &agent)
+        .env("FH_TIMEOUT_SECONDS", "20");
+    let (status, out) = bounded(cmd, &c.dir().join("fhrun.log"), Duration::from_secs(120))?;
+    let placed = check_placed(status, &out, [0, 0, 1, 1])?;
+    let seen = std::fs::read_to_string(&args).unwrap_or_default();
+    let want = format!("h1\n{}\n--internal-fhrun-remote\n", bins.fhrun.display());
+    if seen != want {
+        return Err(format!(
+            "the agent was called with {seen:?}, expected only {want:?} (nothing else may be on \
+             a command line)"
+        ));
+    }
+    Ok(format!(
+        "{placed}; agent arguments: {:?}",
+        seen.lines().collect::<Vec<_>>()
+    ))
+}
+
+/// A shell command for every rank: rank 3 (on h1) fails with status 7 after a moment, the
+/// others sleep.
+const FAR_RANK_FAILS: &str = "if [ \"$FH_RANK\" = 3 ]; then sleep 1; exit 7; fi; exec sleep 300";
+
+/// A far rank fails: fhrun stops every rank on both hosts and exits with its status.
+fn fhrun_remote_fails_fast(c: &Cluster, bins: &Bins) -> Result<String, String> {
+    let (agent, _) = recording_agent(c)?;
+    let mut cmd = c.command(0, &bins.fhrun);
+    cmd.args(["-np", "4", "-H", "h0:2,h1:2", "sh", "-c", FAR_RANK_FAILS])
+        .env("FH_RSH_AGENT", &agent);
+    let (status, out) = bounded(cmd, &c.dir().join("fhrun.log"), Duration::from_secs(60))?;
+    if status.and_then(|s| s.code()) != Some(7) {
+        return Err(format!(
+            "fhrun ended with {status:?}, expected exit status 7 (rank 3's); output:\n{}",
+            tail(&out)
+        ));
+    }
+    if !out.contains("rank 3") {
+        return Err(format!(
+            "fhrun did not name rank 3; output:\n{}",
+            tail(&out)
+        ));
+    }
+    let left: Vec<u32> = [0, 1].iter().flat_map(|&h| c.processes(h)).collect();
+    if !left.is_empty() {
+        return Err(format!(
+            "processes left on the hosts after fhrun ended: {left:?}"
+        ));
+    }
+    let said: Vec<&str> = out.lines().filter(|l| l.contains("fhrun")).collect();
+    Ok(said.join(" | "))
+}
+
+/// Waits (bounded) until host `h` runs at least `n` processes.
+fn wait_processes(c: &Cluster, h: usize, n: usize) -> bool {
+    let t = Instant::now();
+    while c.processes(h).len() < n {
+        if t.elapsed() > Duration::from_secs(60) {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    true
+}
+
+/// SIGINT to fhrun reaches the ranks of the far host, which say so and exit.
+fn fhrun_remote_signal(c: &Cluster, bins: &Bins) -> Result<String, String> {
+    let (agent, _) = recording_agent(c)?;
+    let log = c.dir().join("fhrun.log");
+    let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let err = file.try_clone().map_err(|e| e.to_string())?;
+    let script = "trap 'echo \"rank $FH_RANK got SIGINT\"; exit 3' INT; sleep 300 & wait";
+    let mut fhrun = c
+        .command(0, &bins.fhrun)
+        .args(["-np", "4", "-H", "h0:2,h1:2", "sh", "-c", script])
+        .env("FH_RSH_AGENT", &agent)
+        .stdout(file)
+        .stderr(err)
+        .spawn()
+        .map_err(|e| format!("cannot start fhrun: {e}"))?;
+    // h1: the remote part, two shells and their sleeps.
+    if !wait_processes(c, 1, 5) {
+        let _ = fhrun.kill();
+        return Err(format!("the far ranks did not start: {:?}", c.processes(1)));
+    }
+    let _ = Command::new("kill")
+        .args(["-INT", &fhrun.id().to_string()])
+        .status();
+    let t = Instant::now();
+    let status = loop {
+        if let Ok(Some(s)) = fhrun.try_wait() {
+            break Some(s);
+        }
+        if t.elapsed() > Duration::from_secs(60) {
+            let _ = fhrun.kill();
+            let _ = fhrun.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = std::fs::read_to_string(&log).unwrap_or_default();
+    if status.and_then(|s| s.code()) != Some(130) {
+        return Err(format!(
+            "fhrun ended with {status:?}, expected 130 (SIGINT); output:\n{}",
+            tail(&out)
+        ));
+    }
+    for r in 0..4 {
+        if !out.contains(&format!("rank {r} got SIGINT")) {
+            return Err(format!(
+                "rank {r} did not get SIGINT; output:\n{}",
+                tail(&out)
+            ));
+        }
+    }
+    let left: Vec<u32> = [0, 1].iter().flat_map(|&h| c.processes(h)).collect();
+    if !left.is_empty() {
+        return Err(format!(
+            "processes left on the hosts after fhrun ended: {left:?}"
+        ));
+    }
+    Ok("every rank, on both hosts, got SIGINT; fhrun exited 130".into())
+}
+
+/// fhrun SIGKILLed: its guardian and the remote part clean up the far host.
+fn fhrun_remote_killed(c: &Cluster, bins: &Bins) -> Result<String, String> {
+    let (agent, _) = recording_agent(c)?;
+    let mut fhrun = c
+        .command(0, &bins.fhrun)
+        .args(["-np", "4", "-H", "h0:2,h1:2", "sleep", "300"])
+        .env("FH_RSH_AGENT", &agent)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start fhrun: {e}"))?;
+    // h1: the remote part, its guardian and two sleeps.
+    if !wait_processes(c, 1, 4) {
+        let _ = fhrun.kill();
+        return Err(format!("the far ranks did not start: {:?}", c.processes(1)));
+    }
+    let _ = fhrun.kill();
+    let _ = fhrun.wait();
+    let t = Instant::now();
+    while !(c.processes(0).is_empty() && c.processes(1).is_empty()) {
+        if t.elapsed() > Duration::from_secs(30) {
+            return Err(format!(
+                "30 s after fhrun was killed, processes remain: h0 {:?}, h1 {:?}",
+                c.processes(0),
+                c.processes(1)
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(format!(
+        "both hosts empty {:.1} s after the SIGKILL",
+        t.elapsed().as_secs_f64()
+    ))
+}
+
+/// The Python of `target/fh-venv` when it can import `fasthorovod.torch` (the Python stages of
+/// `cargo xtask test` make it), or why not.
+fn torch_python(root: &Path) -> Result<PathBuf, String> {
+    let py = root
+        .join("target")
+        .join("fh-venv")
+        .join("bin")
+        .join("python");
+    let mut cmd = Command::new(&py);
+    cmd.args(["-c", "import fasthorovod.torch"]);
+    match bounded(
+        cmd,
+        &root.join("target").join("fh-import-check.log"),
+        Duration::from_secs(120),
+    ) {
+        Ok((Some(s), _)) if s.success() => Ok(py),
+        Ok((_, out)) => Err(format!(
+            "{} cannot import fasthorovod.torch (the Python stages of `cargo xtask test` set it \
+             up): {}",
+            py.display(),
+            tail(&out)
+        )),
+        Err(e) => Err(format!("no Python environment at {}: {e}", py.display())),
+    }
+}
+
+/// Compares the saved parameters: every rank's equal to rank 0's bit for bit, and rank 0's
+/// equal to one process's on the ranks' batches concatenated (to float tolerance: the sum
+/// runs in another order). Prints the largest difference from one process.
+const COMPARE_PARAMS: &str = r#"
+import sys, torch
+n, ranks, ref = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+ps = [torch.load(ranks.format(rank=r)) for r in range(n)]
+want = torch.load(ref)
+for r in range(1, n):
+    for k in ps[0]:
+        if not torch.equal(ps[0][k], ps[r][k]):
+            sys.exit(f"{k}: rank {r} differs from rank 0")
+worst = 0.0
+for k in ps[0]:
+    if not torch.allclose(ps[0][k], want[k], rtol=1e-4, atol=1e-5):
+        sys.exit(f"{k}: {n} ranks and one process differ")
+    worst = max(worst, (ps[0][k] - want[k]).abs().max().item())
+print(f"{n} ranks bit-identical; largest difference from one process {worst:.3g}")
+"#;
+
+/// `fh-torch/examples/train_synthetic_cnn.py` on 2 × 2 through fhrun's rsh agent (rank 0 on h0,
+/// ranks 2 and 3 on h1): bit-identical parameters on every rank, equal to one process.
+fn training(c: &Cluster, bins: &Bins, root: &Path, py: &Path) -> Result<String, String> {
+    let agent = c.rsh_agent()?;
+    let example = root
+        .join("fh-torch")
+        .join("examples")
+        .join("train_synthetic_cnn.py");
+    let ranks = c.dir().join("params-{rank}.pt");
+    let reference = c.dir().join("params-ref.pt");
+    let steps = "12";
+    let mut cmd = c.command(0, &bins.fhrun);
+    cmd.args([
+        "-np",
+        "4",
+        "-H",
+        "h0:2,h1:2",
+        "-x",
+        "FH_TIMEOUT_SECONDS",
+        "-x",
+        "OMP_NUM_THREADS",
+    ])
+    .arg(py)
+    .arg(&example)
+    .args(["--steps", steps, "--save"])
+    .arg(&ranks)
+    .env("FH_RSH_AGENT", &agent)
+    .env("FH_TIMEOUT_SECONDS", "60")
+    .env("OMP_NUM_THREADS", "1");
+    let (status, out) = bounded(cmd, &c.dir().join("train.log"), Duration::from_secs(300))?;
+    if !matches!(status, Some(s) if s.success()) {
+        return Err(format!(
+            "the 4-rank run ended with {status:?}; output:\n{}",
+            tail(&out)
+        ));
+    }
+    let mut one = Command::new(py);
+    one.arg(&example)
+        .args(["--steps", steps, "--concat-ranks", "4", "--save"])
+        .arg(&reference)
+        .env("OMP_NUM_THREADS", "1");
+    let (status, out1) = bounded(one, &c.dir().join("one.log"), Duration::from_secs(300))?;
+    if !matches!(status, Some(s) if s.success()) {
+        return Err(format!(
+            "the one-process run ended with {status:?}; output:\n{}",
+            tail(&out1)
+        ));
+    }
+    let mut cmp = Command::new(py);
+    cmp.args(["-c", COMPARE_PARAMS, "4"])
+        .arg(&ranks)
+        .arg(&reference);
+    let (status, said) = bounded(cmp, &c.dir().join("compare.log"), Duration::from_secs(120))?;
+    if !matches!(status, Some(s) if s.success()) {
+        return Err(format!("the parameters differ: {}", tail(&said)));
+    }
+    Ok(said.lines().last().unwrap_or("").trim().to_string())
+}
+
+/// What the loss checks do to a running 2 × 2 job.
+enum Loss {
+    /// Cut h1's link.
+    LinkDown,
+    /// SIGKILL these ranks (all on h1).
+    Ranks(&'static [usize]),
+}
+
+/// Whether `msg` names one of `ranks` as `rank N` (not a prefix of a longer number).
+fn names_rank(msg: &str, ranks: &[usize]) -> bool {
+    ranks.iter().any(|r| {
+        let pat = format!("rank {r}");
+        msg.match_indices(&pat).any(|(i, _)| {
+            !msg[i + pat.len()..]
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_digit())
+        })
+    })
+}
+
+/// fh-selftest looping on 2 × 2; once every rank loops, `loss` happens; every survivor must
+/// then fail by itself within [`LOSS_BOUND`], its error naming a rank it lost.
+fn losses(c: &Cluster, bins: &Bins, loss: &Loss) -> Result<String, String> {
+    let timeout = LOSS_TIMEOUT_S.to_string();
+    let mut job = c.launch(
+        &[2, 2],
+        &bins.selftest,
+        &["--loop", "--bytes", "262144"],
+        &[("FH_TIMEOUT_SECONDS", &timeout)],
+    )?;
+    if !job.wait_for_all("looping", Duration::from_secs(60)) {
+        let outs: Vec<String> = (0..4)
+            .map(|r| format!("rank {r}: {}", tail(&job.output(r))))
+            .collect();
+        return Err(format!(
+            "the job did not start looping:\n{}",
+            outs.join("\n")
+        ));
+    }
+    let killed: &[usize] = match loss {
+        Loss::LinkDown => {
+            c.set_link(1, false)?;
+            &[]
+        }
+        Loss::Ranks(r) => {
+            for &rank in *r {
+                job.kill(rank);
+            }
+            r
+        }
+    };
+    let lost_at = Instant::now();
+    let ends = job.wait(LOSS_BOUND);
+    let took = lost_at.elapsed();
+    let mut said = Vec::new();
+    for (rank, e) in ends.iter().enumerate() {
+        if killed.contains(&rank) {
+            continue;
+        }
+        // A survivor of killed ranks must name one of them. With the link cut nobody died:
+        // every rank must still fail by itself naming another rank (which one depends on who
+        // timed out first: a rank waiting for a peer of its own host that waits across the
+        // cut may name that peer; the detail lists who named whom).
+        let lost: Vec<usize> = match loss {
+            Loss::LinkDown => (0..4).filter(|&r| r != rank).collect(),
+            Loss::Ranks(r) => r.to_vec(),
+        };
+        let failure = e
+            .output
+            .lines()
+            .find_map(|l| l.split_once("FAILED: ").map(|(_, m)| m.to_string()));
+        match (e.status, failure) {
+            (None, _) => {
+                return Err(format!(
+                    "rank {rank} was still running {LOSS_BOUND:?} after the loss; its output:\n{}",
+                    tail(&e.output)
+                ))
+            }
+            (Some(s), _) if s.success() => {
+                return Err(format!("rank {rank} passed after losing ranks {lost:?}"))
+            }
+            (Some(_), Some(msg)) if names_rank(&msg, &lost) => {
+                said.push(format!("rank {rank}: {msg}"))
+            }
+            (Some(s), _) => {
+                return Err(format!(
+                    "rank {rank} exited with {s} without an error naming one of ranks \
+                     {lost:?}; its output:\n{}",
+                    tail(&e.output)
+                ))
+            }
+        }
+    }
+    Ok(format!(
+        "every survivor failed within {:.1} s: {}",
+        took.as_secs_f64(),
+        said.join(" | ")
+    ))
+}
+
+/// Finds `prog` on `PATH`.
+fn which(prog: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(prog))
+        .find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn places_are_read_from_selftest_lines() {
+        let out = "[1,2]<stdout>:fh-selftest: rank 2 of 4 (local 1/2, cross 0/2), backend hier, connected in 0.1 s\n\
+                   fh-selftest: rank 0 of 4 (local 0/2, cross 1/2), backend hier, connected in 0.2 s\n\
+                   fh-selftest: rank 0: PASSED\n";
+        assert_eq!(places(out), vec![(0, 2, 1), (2, 2, 0)]);
+    }
+
+    #[test]
+    fn a_rank_is_named_only_in_full() {
+        assert!(names_rank("timed out waiting for rank 3 during recv", &[3]));
+        assert!(names_rank("rank 2 is gone: reset", &[2, 3]));
+        assert!(!names_rank("rank 31 is gone", &[3]));
+        assert!(!names_rank("rank 1 is gone", &[2, 3]));
+    }
+}
