@@ -27,6 +27,8 @@ from fasthorovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, 
                                        grouped_reducescatter, grouped_reducescatter_async, join,
                                        poll, reducescatter, reducescatter_async, synchronize)
 from fasthorovod.torch.optimizer import DistributedOptimizer
+from fasthorovod.torch.sparse import sparse_allreduce_async
+from fasthorovod.torch.sync_batch_norm import SyncBatchNorm
 
 _homogeneous = None
 
