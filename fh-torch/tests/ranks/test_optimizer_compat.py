@@ -157,7 +157,7 @@ def _rank_sparse(r, shape=(7, 3)):
     values = torch.stack([torch.full((shape[1],), float(r + 1)),
                           torch.arange(shape[1], dtype=torch.float32) + 10 * r,
                           torch.full((shape[1],), 0.5)])
-    return torch.sparse_coo_tensor(rows, values, shape)
+    return torch.sparse_coo_tensor(rows, values, shape, check_invariants=True)
 
 
 @pytest.mark.parametrize("op", [hvd.Sum, hvd.Average])
