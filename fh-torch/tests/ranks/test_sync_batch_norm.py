@@ -105,11 +105,12 @@ def test_sync_batch_norm_without_affine_or_running_stats():
     assert sync.running_mean is None and sync.weight is None
     full, weights = _batch(4, 0)
     x_ref = full.clone().requires_grad_(True)
-    (ref(x_ref) * weights).sum().backward()
+    y_ref = ref(x_ref)
+    (y_ref * weights).sum().backward()
     x = _mine(full).clone().requires_grad_(True)
     y = sync(x)
     (y * _mine(weights)).sum().backward()
-    assert_close(y, _mine(ref(full)), "output")
+    assert_close(y, _mine(y_ref), "output")
     assert_close(x.grad, _mine(x_ref.grad), "input grad")
     # Without running statistics, evaluation normalizes with the local batch's (as
     # BatchNorm on that batch does).
@@ -148,3 +149,25 @@ def test_sync_batch_norm_input_checks():
         sync(torch.ones(C))
     with pytest.raises(ValueError, match="channels"):
         sync(torch.ones(4, C + 1))
+
+
+def test_sync_batch_norm_with_an_empty_batch_on_the_last_rank():
+    n, me = hvd.size(), hvd.rank()
+    sizes = [3] * (n - 1) + [0] if n > 1 else [4]
+    sync, ref = _pair(4)
+    g = torch.Generator().manual_seed(8)
+    full = torch.randn(sum(sizes), C, 2, 2, generator=g)
+    weights = torch.randn(full.shape, generator=g)
+    start = sum(sizes[:me])
+    mine = slice(start, start + sizes[me])
+    x_ref = full.clone().requires_grad_(True)
+    y_ref = ref(x_ref)
+    (y_ref * weights).sum().backward()
+    x = full[mine].clone().requires_grad_(True)
+    y = sync(x)
+    (y * weights[mine]).sum().backward()
+    assert_close(y, y_ref[mine], "output")
+    assert_close(x.grad, x_ref.grad[mine], "input grad")
+    assert_close(hvd.allreduce(sync.weight.grad, op=hvd.Sum), ref.weight.grad,
+                 "weight grad summed")
+    assert_close(sync.running_var, ref.running_var, "running_var")
