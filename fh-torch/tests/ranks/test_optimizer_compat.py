@@ -383,3 +383,16 @@ def test_wrapping_keeps_the_optimizers_state():
     assert opt.param_groups[0]["lr"] == 0.1
     with pytest.raises(ValueError, match="already"):
         hvd.DistributedOptimizer(opt, named_parameters=[("kw", w)])
+
+
+def test_wrapping_after_an_lr_scheduler_still_reduces():
+    w = torch.nn.Parameter(torch.zeros(2))
+    base = torch.optim.SGD([w], lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)  # patches base.step
+    opt = hvd.DistributedOptimizer(base, named_parameters=[("sw", w)], op=hvd.Sum)
+    (w * float(hvd.rank() + 1)).sum().backward()
+    opt.step()
+    assert_close(w, torch.full((2,), -float(sum(r + 1 for r in range(hvd.size())))),
+                 "w after a step of the wrapper")
+    sched.step()  # the shared parameter groups see the new rate
+    assert opt.param_groups[0]["lr"] == 0.5

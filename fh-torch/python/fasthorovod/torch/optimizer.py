@@ -420,9 +420,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("this optimizer is a DistributedOptimizer already")
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
     wrapped = cls.__new__(cls)
-    # Share the wrapped optimizer's data (parameter groups, state, defaults, hooks), not its
-    # instance-level callables (an LR scheduler's wrapper of the original's step, say).
-    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if not callable(v)})
+    # Share the wrapped optimizer's data (parameter groups, state, defaults, hooks), not the
+    # instance attributes that patch its methods (an LR scheduler's wrapper of its step(),
+    # bound to the original, would bypass the reduction).
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                             if not (callable(v) and hasattr(base, k))})
     wrapped._fh_setup(named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, sparse_as_dense, process_set)
     return wrapped
