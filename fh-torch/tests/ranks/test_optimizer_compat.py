@@ -396,3 +396,29 @@ def test_wrapping_after_an_lr_scheduler_still_reduces():
                  "w after a step of the wrapper")
     sched.step()  # the shared parameter groups see the new rate
     assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_groups_agree_on_the_parameter_order():
+    me, n = hvd.rank(), hvd.size()
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    # The ranks list the parameters in different orders: the set's first rank's order wins,
+    # so that the grouped allreduce's members line up (a with a, b with b).
+    params = [a, b] if me % 2 == 0 else [b, a]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=1.0),
+                                   named_parameters=[("oa", a), ("ob", b)], groups=1,
+                                   op=hvd.Sum)
+    (a.sum() * (me + 1) + b.sum() * 10 * (me + 1)).backward()
+    opt.synchronize()
+    total = float(sum(r + 1 for r in range(n)))
+    assert_close(a.grad, torch.full((2,), total), "a.grad")
+    assert_close(b.grad, torch.full((3,), 10 * total), "b.grad")
+
+
+def test_groups_with_different_parameters_on_the_ranks_fail_on_every_rank():
+    w = torch.nn.Parameter(torch.zeros(2))
+    name = "same" if hvd.rank() == 0 else f"other{hvd.rank()}"
+    if hvd.size() == 1:
+        pytest.skip("needs 2 ranks")
+    with pytest.raises(ValueError, match="train different parameters"):
+        hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[(name, w)],
+                                 groups=1)

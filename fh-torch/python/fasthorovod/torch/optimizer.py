@@ -159,24 +159,26 @@ class _DistributedOptimizer:
             self._register_hooks()
 
     def _make_buckets(self):
-        """The bucket of every trained parameter. With ``groups``, the order of the
-        parameters is agreed over the ranks first (their names must be the same on all)."""
+        """The bucket of every trained parameter. With ``groups``, the ranks first agree on
+        the order of the parameters: that of the set's first rank, as Horovod takes rank 0's
+        (every rank must train parameters of the same names, else ``ValueError`` on all)."""
         trained = self._trained
         if self._groups is None:
             return {p: _Bucket([p], self._names[p]) for p in trained}
         from fasthorovod.torch.functions import allgather_object
 
-        order = [self._names[p] for p in trained]
-        everyone = allgather_object(order, name="fasthorovod.optimizer.groups",
+        mine = [self._names[p] for p in trained]
+        everyone = allgather_object(mine, name="fasthorovod.optimizer.groups",
                                     process_set=self.process_set)
         for r, theirs in enumerate(everyone):
-            if theirs != order:
-                missing = sorted(set(order) ^ set(theirs))
+            if sorted(theirs) != sorted(everyone[0]):
+                differ = sorted(set(everyone[0]) ^ set(theirs))
                 raise ValueError(
                     "DistributedOptimizer(groups=...): the ranks' optimizers train different "
-                    f"parameters (set rank {r} differs from this rank"
-                    + (f", e.g. {missing[:3]}" if missing else ", in their order")
-                    + "); every rank must wrap the same model")
+                    f"parameters (rank {r} of the set differs from its rank 0 in "
+                    f"{differ[:3] or 'repeated names'}); every rank must wrap the same model")
+        position = {name: i for i, name in enumerate(everyone[0])}
+        trained = sorted(trained, key=lambda p: position[self._names[p]])
         if isinstance(self._groups, int):
             runs = _split(trained, self._groups)
         else:
