@@ -36,11 +36,13 @@ from fasthorovod.torch.sparse import sparse_allreduce_async
 # or the sparse gradient (allgathered).
 _DENSE, _DENSIFIED, _SPARSE = "dense", "densified", "sparse"
 
+# Starts with Horovod's words, which scripts and tests search for.
 _STEP_WARNING = (
     "optimizer.step() called without optimizer.skip_synchronize() context after "
-    "optimizer.synchronize(): step() reduces the gradients a second time, which slows "
-    "training down (and multiplies them again with op=Sum). Call step() inside `with "
-    "optimizer.skip_synchronize():` when your code calls optimizer.synchronize() itself.")
+    "optimizer.synchronize(). This can cause training slowdown: step() reduces the "
+    "gradients a second time (with op=Sum, that multiplies them again). Call step() inside "
+    "`with optimizer.skip_synchronize():` when your code calls optimizer.synchronize() "
+    "itself.")
 
 
 class _Bucket:
