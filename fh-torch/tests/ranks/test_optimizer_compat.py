@@ -173,6 +173,14 @@ def test_sparse_allreduce_async(op):
     # Horovod's optimizer calls its sparse handles: that works too.
     h2 = hvd.sparse_allreduce_async(_rank_sparse(me), f"sparse_test2.{op}", op)
     assert_close(h2(), want, f"sparse allreduce via handle() ({op})")
+    # Integers: summed, then divided once, truncating toward zero (as a dense Average).
+    ints = [(_rank_sparse(r) * 3).to(torch.int64) for r in range(n)]
+    want_int = sum(t.to_dense() for t in ints)
+    if op == hvd.Average:
+        want_int = torch.div(want_int, n, rounding_mode="trunc")
+    got_int = hvd.synchronize(hvd.sparse_allreduce_async(ints[me], f"sparse_int.{op}", op))
+    assert got_int.dtype == torch.int64, f"rank {me}: {got_int.dtype}"
+    assert_close(got_int, want_int, f"integer sparse allreduce ({op})", atol=0, rtol=0)
     with pytest.raises(ValueError, match="sparse COO"):
         hvd.sparse_allreduce_async(torch.ones(3), "dense", op)
     with pytest.raises(ValueError, match="Sum or hvd.Average"):

@@ -19,7 +19,7 @@ class _Pending:
     an engine handle (``poll``, ``wait``, ``device``): waiting synchronizes the allgather's
     own handle, which returns the gathered tensor."""
 
-    device = -1  # the allgather's own handle deals with CUDA streams
+    device = -1  # host tensors: no CUDA stream to wait on
 
     def __init__(self, handle):
         self._handle = handle
@@ -69,10 +69,12 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     if name is not None and not isinstance(name, str):
         raise ValueError(f"name must be a string or None, got {type(name).__name__}")
     local = tensor.detach().coalesce()
-    shape = local.shape
+    shape, device = local.shape, local.device
     # Rows of the allgathers: one per non-zero entry (indices transposed to [nnz, sparse_dim]).
-    indices = local.indices().t().contiguous()
-    values = local.values().contiguous()
+    # They travel from host memory (a sparse gradient's entries are few); the result is made
+    # on the tensor's device.
+    indices = local.indices().t().contiguous().cpu()
+    values = local.values().contiguous().cpu()
     h_indices = allgather_async(indices, name=None if name is None else f"{name}.indices",
                                 process_set=process_set)
     h_values = allgather_async(values, name=None if name is None else f"{name}.values",
@@ -82,16 +84,16 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     def finish(results):
         all_indices, all_values = results
         out = torch.sparse_coo_tensor(all_indices.t(), all_values, shape,
-                                      dtype=local.dtype, device=local.device).coalesce()
-        if divisor == 1:
-            return out
-        # Sum first, then divide (as a dense Average does): integer values truncate once.
-        if out.dtype.is_floating_point or out.dtype.is_complex:
-            scaled = out.values() / divisor
-        else:
-            scaled = torch.div(out.values(), divisor, rounding_mode="trunc")
-        return torch.sparse_coo_tensor(out.indices(), scaled, shape,
-                                       is_coalesced=True).coalesce()
+                                      dtype=local.dtype).coalesce()
+        if divisor != 1:
+            # Sum first, then divide (as a dense Average does): integers truncate once.
+            if out.dtype.is_floating_point or out.dtype.is_complex:
+                scaled = out.values() / divisor
+            else:
+                scaled = torch.div(out.values(), divisor, rounding_mode="trunc")
+            out = torch.sparse_coo_tensor(out.indices(), scaled, shape,
+                                          is_coalesced=True).coalesce()
+        return out.to(device)
 
     return SparseHandle(_register([_Pending(h_indices), _Pending(h_values)], finish))
 
