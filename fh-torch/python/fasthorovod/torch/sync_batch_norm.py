@@ -14,8 +14,9 @@ in one process on the whole batch, forward and backward:
   reduces them like any other parameter's gradient.
 
 Every rank must run the layer's forward and backward the same number of times, in the same
-order as its other collectives. In evaluation mode (or on a single rank) it is a plain
-``BatchNorm`` on the local batch.
+order as its other collectives. In evaluation mode with running statistics (or on a single
+rank) it is a plain ``BatchNorm`` on the local batch; without running statistics, evaluation
+synchronizes the batch statistics too, as Horovod's does.
 """
 
 import torch
@@ -126,8 +127,9 @@ class SyncBatchNorm(_BatchNorm):
     (biased) variance of the concatenation of every rank's batch (batch sizes may differ
     per rank) and updates the running statistics with them (unbiased variance; ``momentum=
     None`` keeps a cumulative average), so that the layer behaves as ``BatchNorm`` would in
-    one process on the whole batch. In evaluation mode, or on a single rank, it is a plain
-    local ``BatchNorm``."""
+    one process on the whole batch. Without running statistics, evaluation also normalizes
+    with the statistics of every rank's batch (as Horovod's does). In evaluation mode with
+    running statistics, or on a single rank, it is a plain local ``BatchNorm``."""
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
                  track_running_stats=True):
@@ -149,15 +151,14 @@ class SyncBatchNorm(_BatchNorm):
             if self.momentum is None:  # cumulative moving average
                 factor = 1.0 / float(self.num_batches_tracked)
         use_batch_stats = self.training or not self.track_running_stats
-        if not self.training or _core.topology()[1] == 1:
-            return F.batch_norm(input,
-                                self.running_mean if not self.training or
-                                self.track_running_stats else None,
-                                self.running_var if not self.training or
-                                self.track_running_stats else None,
-                                self.weight, self.bias, use_batch_stats, factor, self.eps)
+        if not use_batch_stats or _core.topology()[1] == 1:
+            # Evaluation with running statistics (or a single rank): a local BatchNorm.
+            return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
+                                self.bias, use_batch_stats, factor, self.eps)
+        # Batch statistics (training; or evaluation without running statistics, which Horovod
+        # synchronizes too): those of every rank's batch.
         mean, var, unbiased, total = _global_stats(input)
-        if self.track_running_stats and self.running_mean is not None:
+        if self.training and self.track_running_stats and self.running_mean is not None:
             with torch.no_grad():
                 self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype),
                                                         alpha=factor)
