@@ -149,6 +149,10 @@ def test_sync_batch_norm_input_checks():
         sync(torch.ones(C))
     with pytest.raises(ValueError, match="channels"):
         sync(torch.ones(4, C + 1))
+    # One value per channel over all ranks together: refused on every rank (as BatchNorm
+    # refuses it in one process).
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        sync(torch.ones(1 if hvd.rank() == 0 else 0, C))
 
 
 def test_sync_batch_norm_with_an_empty_batch_on_the_last_rank():

@@ -40,27 +40,27 @@ def _channel_view(t, x):
 
 
 def _global_stats(x):
-    """``(mean, biased var, unbiased var, count)`` per channel over every rank's batch, in
-    float64 (one allgather)."""
+    """``(mean, biased var, unbiased var, count)`` per channel over every rank's batch,
+    combined in float64 (one allgather)."""
     channels = x.shape[1]
     dims = _reduce_dims(x)
     n = x.numel() // channels if channels else 0
-    xd = x.detach().to(torch.float64)
     if n > 0:
-        mean = xd.mean(dims)
-        m2 = ((xd - _channel_view(mean, xd)) ** 2).sum(dims)
+        compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        var, mean = torch.var_mean(x.detach().to(compute), dim=dims, correction=0)
+        mean, m2 = mean.double().cpu(), var.double().cpu() * n
     else:
         mean = torch.zeros(channels, dtype=torch.float64)
         m2 = torch.zeros(channels, dtype=torch.float64)
-    row = torch.cat([torch.tensor([float(n)], dtype=torch.float64), mean.cpu(), m2.cpu()])
+    row = torch.cat([torch.tensor([float(n)], dtype=torch.float64), mean, m2])
     # Ranks whose inputs differ in channels fail here (the engine's shape check).
     rows = synchronize(allgather_async(row.unsqueeze(0), name=None))
     counts = rows[:, 0]
     total = float(counts.sum())
     if total <= 1:
-        raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel when "
-                         f"training over all ranks, got {int(total)} (input size "
-                         f"{list(x.shape)} on this rank)")
+        raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel over all "
+                         f"ranks' batches, got {int(total)} (input size {list(x.shape)} on "
+                         "this rank)")
     means = rows[:, 1:1 + channels]
     m2s = rows[:, 1 + channels:]
     mean_all = (counts.unsqueeze(1) * means).sum(0) / total
