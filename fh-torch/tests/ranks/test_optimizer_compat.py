@@ -433,3 +433,43 @@ def test_groups_with_different_parameters_on_the_ranks_fail_on_every_rank():
     with pytest.raises(ValueError, match="train different parameters"):
         hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[(name, w)],
                                  groups=1)
+
+
+def test_sparse_gradient_on_some_ranks_only_in_the_first_step():
+    # Rank 0 alone has a gradient for the embedding in the first step: the others must not
+    # send dense zeros where rank 0 allgathers sparse entries (that would never meet).
+    me, n = hvd.rank(), hvd.size()
+    torch.manual_seed(5)
+    emb = torch.nn.Embedding(6, 2, sparse=True)
+    w0 = emb.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                   named_parameters=emb.named_parameters(), op=hvd.Sum)
+    if me == 0:
+        emb(torch.tensor([1, 4, 1])).sum().backward()
+    opt.step()
+    assert emb.weight.grad.is_sparse, f"rank {me}: {emb.weight.grad.layout}"
+    want = w0.clone()
+    want[1] -= 2.0  # row 1 looked up twice, once per unit of the sum
+    want[4] -= 1.0
+    assert_close(emb.weight, want, "embedding after the first step")
+    # Later steps: every rank looks up row r, reduced sparse.
+    opt.zero_grad()
+    emb(torch.tensor([me % 6])).sum().backward()
+    opt.step()
+    for r in range(n):
+        want[r % 6] -= 1.0
+    assert_close(emb.weight, want, "embedding after the second step")
+
+
+def test_zero_grad_between_accumulated_passes_is_refused():
+    # As Horovod: once a backward pass has reached the optimizer, zero_grad() before step()
+    # or synchronize() is refused, also while passes are being accumulated.
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("zz", w)],
+                                   backward_passes_per_step=2)
+    w.sum().backward()
+    with pytest.raises(AssertionError, match="zero_grad"):
+        opt.zero_grad()
+    w.sum().backward()
+    opt.step()
+    opt.zero_grad()  # allowed again

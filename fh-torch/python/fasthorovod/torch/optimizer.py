@@ -13,7 +13,12 @@ rank waits for it), waits for all of them and writes the results into the gradie
 A gradient travels dense, or sparse when it is a sparse tensor (``nn.Embedding(sparse=True)``)
 and ``sparse_as_dense`` is off: then the indices and values of every rank are allgathered
 (``sparse_allreduce_async``). Either way ``p.grad`` stays the tensor the user has: dense
-gradients are overwritten in place, sparse ones stay sparse.
+gradients are overwritten in place, sparse ones stay sparse. Which way a parameter's gradient
+travels must be the same on every rank, even on a rank that computed no gradient for it: the
+ranks agree on it (one small allreduce) at the first ``synchronize()`` where some gradient of a
+parameter exists; until then that parameter's reduction waits for ``synchronize()`` instead of
+starting during the backward pass. Only parameters that travel alone need this (with
+``sparse_as_dense`` or in a group, gradients always travel dense).
 
 On a rank outside ``process_set`` the optimizer is a plain local one (no hooks, no reduction),
 as Horovod makes it.
@@ -26,15 +31,18 @@ import torch
 
 from fasthorovod.common.process_sets import ProcessSet, global_process_set
 from fasthorovod.common.process_sets import _check as _check_process_set
-from fasthorovod.torch._ops import Average, _resolve_op
+from fasthorovod.torch._ops import Average, Max, _resolve_op
 from fasthorovod.torch.compression import Compression
-from fasthorovod.torch.mpi_ops import (allreduce_async_, grouped_allreduce_async_,
+from fasthorovod.torch.mpi_ops import (allreduce, allreduce_async_, grouped_allreduce_async_,
                                        synchronize)
 from fasthorovod.torch.sparse import sparse_allreduce_async
 
 # What travels for a gradient: the dense gradient itself, a dense copy of a sparse gradient,
 # or the sparse gradient (allgathered).
 _DENSE, _DENSIFIED, _SPARSE = "dense", "densified", "sparse"
+
+# Codes of a gradient's layout in the agreement (reduced with Max: sparse anywhere wins).
+_NO_GRAD, _DENSE_GRAD, _SPARSE_GRAD = 0, 1, 2
 
 # Starts with Horovod's words, which scripts and tests search for.
 _STEP_WARNING = (
@@ -147,9 +155,11 @@ class _DistributedOptimizer:
         self._priority = {p: i for i, p in enumerate(params)}
         self._trained = [p for p in params if p.requires_grad]
         self._delay = {p: backward_passes_per_step for p in params}
-        self._sparse_layout = {}  # parameter -> (sparse_dim, dense_dim) of its sparse grads
+        self._sparse_dims = {}  # parameter -> sparse_dim of its sparse gradients here
+        self._layout = {}  # parameter -> _DENSE_GRAD or _SPARSE_GRAD, agreed over the ranks
         self._in_flight = []
         self._submitted = set()  # buckets submitted this step
+        self._passes_seen = False  # a backward pass reached a hook since the last reset
         self._hooks = []
         self._synchronized = False
         self._should_synchronize = True
@@ -216,32 +226,54 @@ class _DistributedOptimizer:
                     "before call to step(). Increase backward_passes_per_step to "
                     "accumulate gradients locally.")
             self._delay[p] -= 1
+            self._passes_seen = True
             if self._delay[p] == 0:
                 bucket = self._bucket_of[p]
                 bucket.ready += 1
-                if bucket.ready == len(bucket.params):
+                if bucket.ready == len(bucket.params) and not self._undecided(bucket):
                     self._submit(bucket)
 
         return hook
 
     # -- reduction ------------------------------------------------------------------------
 
+    def _undecided(self, bucket):
+        """Whether the bucket's way of travelling is still to be agreed (see the module's
+        doc): a lone parameter, without ``sparse_as_dense``, whose layout is not known."""
+        return len(bucket.params) == 1 and not self.sparse_as_dense and \
+            bucket.params[0] not in self._layout
+
+    def _agree_layouts(self):
+        """Agree with the other ranks on how the gradients of the undecided parameters
+        travel: sparse if any rank has a sparse one, else dense if any rank has one (a
+        parameter without a gradient anywhere stays undecided and sends dense zeros)."""
+        undecided = [p for p in self._trained if self._undecided(self._bucket_of[p])]
+        if not undecided:
+            return
+        codes = torch.tensor([_NO_GRAD if p.grad is None else
+                              _SPARSE_GRAD if p.grad.is_sparse else _DENSE_GRAD
+                              for p in undecided], dtype=torch.int32)
+        agreed = allreduce(codes, name="fasthorovod.optimizer.layouts", op=Max,
+                           process_set=self.process_set)
+        for p, code in zip(undecided, agreed.tolist()):
+            if code != _NO_GRAD:
+                self._layout[p] = code
+
     def _gradient_of(self, p):
-        """``p.grad``, made zeros (of the layout this parameter's gradients have had) when
-        this rank computed none: the other ranks may have one."""
+        """``p.grad``, made zeros when this rank computed none (the other ranks may have
+        one): sparse when the parameter's gradients travel sparse, else dense."""
         if p.grad is None:
-            layout = self._sparse_layout.get(p)
-            if layout is None:
-                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            else:
-                sparse_dim, _dense_dim = layout
+            if self._layout.get(p) == _SPARSE_GRAD and not self.sparse_as_dense:
+                sparse_dim = self._sparse_dims.get(p, min(1, p.dim()))
                 p.grad = torch.sparse_coo_tensor(
                     torch.zeros((sparse_dim, 0), dtype=torch.int64, device=p.device),
                     torch.zeros((0,) + tuple(p.shape[sparse_dim:]), dtype=p.dtype,
                                 device=p.device),
                     p.shape)
+            else:
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
         elif p.grad.is_sparse:
-            self._sparse_layout[p] = (p.grad.sparse_dim(), p.grad.dense_dim())
+            self._sparse_dims[p] = p.grad.sparse_dim()
         return p.grad
 
     def _scales(self):
@@ -252,8 +284,13 @@ class _DistributedOptimizer:
     def _submit(self, bucket):
         self._submitted.add(bucket)
         grads = [self._gradient_of(p) for p in bucket.params]
-        if len(bucket.params) == 1 and grads[0].is_sparse and not self.sparse_as_dense:
-            handle = sparse_allreduce_async(grads[0], bucket.name, self.op,
+        if len(bucket.params) == 1 and not self.sparse_as_dense and \
+                self._layout.get(bucket.params[0]) == _SPARSE_GRAD:
+            grad = grads[0]
+            if not grad.is_sparse:  # dense here, sparse elsewhere: travels sparse too
+                grad = grad.to_sparse(self._sparse_dims.get(bucket.params[0],
+                                                            min(1, grad.dim())))
+            handle = sparse_allreduce_async(grad, bucket.name, self.op,
                                             process_set=self.process_set)
             self._in_flight.append(_InFlight(handle, [(bucket.params[0], _SPARSE, None,
                                                        None)]))
@@ -282,7 +319,9 @@ class _DistributedOptimizer:
         outputs = output if isinstance(output, list) else [output]
         for (p, kind, sent, ctx), out in zip(flight.members, outputs):
             with torch.no_grad():
-                if kind == _SPARSE:
+                if kind == _SPARSE and not p.grad.is_sparse:
+                    p.grad.copy_(out.to_dense())
+                elif kind == _SPARSE:
                     # Sparse tensors have no set_: empty the user's tensor and add the sum.
                     p.grad.zero_().add_(out)
                 elif kind == _DENSIFIED:
@@ -295,6 +334,7 @@ class _DistributedOptimizer:
         """Forget this step's submissions and pass counts (the handles are dropped)."""
         self._in_flight = []
         self._submitted = set()
+        self._passes_seen = False
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
         for bucket in set(self._bucket_of.values()):
@@ -307,6 +347,7 @@ class _DistributedOptimizer:
         if not self._active:
             self._synchronized = True
             return
+        self._agree_layouts()
         for p in self._trained:
             bucket = self._bucket_of[p]
             if bucket not in self._submitted:
@@ -361,8 +402,9 @@ class _DistributedOptimizer:
         return super().step(closure)
 
     def zero_grad(self, *args, **kwargs):
-        """As the wrapped optimizer's, refused while gradients are being reduced."""
-        if self._in_flight:
+        """As the wrapped optimizer's, refused between a backward pass and the reduction of
+        its gradients (``step()`` or ``synchronize()``), as Horovod refuses it."""
+        if self._passes_seen or self._in_flight:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
                                  "but before optimizer.step() or optimizer.synchronize(). "
                                  "This is prohibited as it can cause a race condition.")
