@@ -152,7 +152,7 @@ def _rank_sparse(r, shape=(7, 3)):
     last rank of three sends no entry at all."""
     if r == 2:
         return torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64),
-                                       torch.zeros((0, shape[1])), shape)
+                                       torch.zeros((0, shape[1])), shape, check_invariants=True)
     rows = torch.tensor([[r, r + 2, r]])  # row r twice: uncoalesced on purpose
     values = torch.stack([torch.full((shape[1],), float(r + 1)),
                           torch.arange(shape[1], dtype=torch.float32) + 10 * r,
@@ -181,6 +181,12 @@ def test_sparse_allreduce_async(op):
     got_int = hvd.synchronize(hvd.sparse_allreduce_async(ints[me], f"sparse_int.{op}", op))
     assert got_int.dtype == torch.int64, f"rank {me}: {got_int.dtype}"
     assert_close(got_int, want_int, f"integer sparse allreduce ({op})", atol=0, rtol=0)
+    if n > 1:
+        # Tensors of different sizes: an error on every rank (not indices out of range).
+        odd = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 3),
+                                      (7 + me, 3), check_invariants=True)
+        with pytest.raises(ValueError, match="differ in shape"):
+            hvd.synchronize(hvd.sparse_allreduce_async(odd, f"sparse_odd.{op}", op))
     with pytest.raises(ValueError, match="sparse COO"):
         hvd.sparse_allreduce_async(torch.ones(3), "dense", op)
     with pytest.raises(ValueError, match="Sum or hvd.Average"):
@@ -405,7 +411,11 @@ def test_wrapping_after_an_lr_scheduler_still_reduces():
     opt.step()
     assert_close(w, torch.full((2,), -float(sum(r + 1 for r in range(hvd.size())))),
                  "w after a step of the wrapper")
-    sched.step()  # the shared parameter groups see the new rate
+    with warnings.catch_warnings():
+        # The scheduler watches the wrapped optimizer's step(), not the wrapper's (as with
+        # Horovod, whose wrapper is a new object too): it warns about the order.
+        warnings.simplefilter("ignore")
+        sched.step()  # the shared parameter groups see the new rate
     assert opt.param_groups[0]["lr"] == 0.5
 
 

@@ -269,7 +269,7 @@ class _DistributedOptimizer:
                     torch.zeros((sparse_dim, 0), dtype=torch.int64, device=p.device),
                     torch.zeros((0,) + tuple(p.shape[sparse_dim:]), dtype=p.dtype,
                                 device=p.device),
-                    p.shape)
+                    p.shape, check_invariants=False)
             else:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
         elif p.grad.is_sparse:

@@ -57,9 +57,10 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     tensors. The tensor's shape must be the same on every rank; the number of non-zero
     entries may differ (or be 0).
 
-    ``name`` names the two allgathers (``<name>.indices`` and ``<name>.values``); ``None``
-    leaves them unnamed, and then every rank must issue the same sequence of unnamed
-    operations."""
+    ``name`` names the allgathers (``<name>.indices``, ``<name>.values`` and
+    ``<name>.shape``); ``None`` leaves them unnamed, and then every rank must issue the same
+    sequence of unnamed operations. Ranks whose tensors differ in shape (or in their numbers
+    of sparse and dense dimensions) get an error on every rank."""
     _check_sparse(tensor)
     _check_process_set(process_set)
     op = _resolve_op(op, None)
@@ -79,23 +80,31 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
                                 process_set=process_set)
     h_values = allgather_async(values, name=None if name is None else f"{name}.values",
                                process_set=process_set)
+    # The shapes too: the allgathers cannot tell that the ranks' tensors differ in size.
+    h_shape = allgather_async(torch.tensor([list(shape)], dtype=torch.int64),
+                              name=None if name is None else f"{name}.shape",
+                              process_set=process_set)
     divisor = _size_of(process_set) if op == Average else 1
 
     def finish(results):
-        all_indices, all_values = results
-        out = torch.sparse_coo_tensor(all_indices.t(), all_values, shape,
-                                      dtype=local.dtype).coalesce()
+        all_indices, all_values, shapes = results
+        if not bool((shapes == shapes[0]).all()):
+            raise ValueError(f"sparse_allreduce_async: the ranks' tensors differ in shape: "
+                             f"{[list(s) for s in shapes.tolist()]} (in the set's rank order)")
+        out = torch.sparse_coo_tensor(all_indices.t(), all_values, shape, dtype=local.dtype,
+                                      check_invariants=False).coalesce()
         if divisor != 1:
             # Sum first, then divide (as a dense Average does): integers truncate once.
             if out.dtype.is_floating_point or out.dtype.is_complex:
                 scaled = out.values() / divisor
             else:
                 scaled = torch.div(out.values(), divisor, rounding_mode="trunc")
-            out = torch.sparse_coo_tensor(out.indices(), scaled, shape,
-                                          is_coalesced=True).coalesce()
+            out = torch.sparse_coo_tensor(out.indices(), scaled, shape, is_coalesced=True,
+                                          check_invariants=False)
         return out.to(device)
 
-    return SparseHandle(_register([_Pending(h_indices), _Pending(h_values)], finish))
+    return SparseHandle(_register([_Pending(h_indices), _Pending(h_values), _Pending(h_shape)],
+                                  finish))
 
 
 __all__ = ["sparse_allreduce_async", "SparseHandle"]
