@@ -86,11 +86,6 @@ PACKAGE = {
 CONSTANTS = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet",
              "global_process_set", "HorovodInternalError", "Compression"]
 
-# Being fixed on the branch compat-optim (issue 24): checked there; expected to fail here
-# until it is merged.
-ON_COMPAT_OPTIM = {"sparse_allreduce_async", "broadcast_optimizer_state", "SyncBatchNorm"}
-
-
 def horovod_signature(text):
     """The signature that ``text`` spells, with Horovod's defaults as FastHorovod's objects."""
     namespace = {"Compression": hvd.Compression, "global_process_set": hvd.global_process_set,
@@ -129,20 +124,17 @@ def differences(name, ours, theirs):
 
 def _check_module(module, table):
     problems = []
-    pending = []
     for name, text in table.items():
         obj = getattr(module, name, None)
         if obj is None:
-            (pending if name in ON_COMPAT_OPTIM else problems).append(f"{name}: missing")
+            problems.append(f"{name}: missing")
             continue
         found = differences(name, inspect.signature(obj), horovod_signature(text))
-        (pending if name in ON_COMPAT_OPTIM else problems).extend(found)
+        problems.extend(found)
     for name in CONSTANTS:
         if not hasattr(module, name):
             problems.append(f"{name}: missing")
     assert not problems, f"{module.__name__} differs from Horovod 0.28:\n" + "\n".join(problems)
-    if pending:
-        pytest.xfail("fixed on branch compat-optim: " + "; ".join(pending))
 
 
 def test_package_signatures_are_horovods():

@@ -34,6 +34,8 @@ from fasthorovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, 
                                        rank, reducescatter, reducescatter_async, rocm_built,
                                        size, synchronize)
 from fasthorovod.torch.optimizer import DistributedOptimizer
+from fasthorovod.torch.sparse import sparse_allreduce_async
+from fasthorovod.torch.sync_batch_norm import SyncBatchNorm
 
 
 def init(comm=None, process_sets=None):

@@ -36,34 +36,54 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set):
         synchronize(h)
 
 
-def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_set):
-    """Copy ``root_rank``'s optimizer state (tensors and scalar options) into every rank's."""
+def _makes_sparse_gradients(module):
+    """Whether ``module`` produces sparse gradients for its parameters."""
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and \
+        bool(getattr(module, "sparse", False))
+
+
+def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=global_process_set):
+    """Copy ``root_rank``'s optimizer state (tensors and scalar options) into every rank's.
+
+    A new optimizer has no state yet: it is made first, by a step of the (local) optimizer
+    on zero gradients, which stay in ``p.grad`` afterwards (as Horovod leaves them); the
+    parameters themselves are kept as they were. ``model``: the module the optimizer
+    trains; the zero gradients of its parameters that get sparse gradients
+    (``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``) are made sparse, as they are
+    for every parameter of a ``torch.optim.SparseAdam``."""
     _check_process_set(process_set)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    base = optimizer.__class__.__mro__[1] if getattr(optimizer, "_fh_distributed", False) \
-        else optimizer.__class__
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if len(optimizer.state_dict()["state"]) == 0:
-        # A new optimizer has no state yet: make it with a step on zero gradients, keeping
-        # the parameters as they are (weight decay would otherwise move them).
+        sparse = set()
+        if model is not None:
+            for module in model.modules():
+                if _makes_sparse_gradients(module):
+                    sparse.update(id(p) for p in module.parameters(recurse=False))
+        all_sparse = isinstance(optimizer, torch.optim.SparseAdam)
         saved = []
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
-                    saved.append((p, p.data.clone(), p.grad))
-                    p.grad = torch.zeros_like(p)
-        base.step(optimizer)
+                    saved.append((p, p.data.clone()))
+                    zero = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    p.grad = zero.to_sparse() if all_sparse or id(p) in sparse else zero
+        # The wrapped optimizer's own step: a DistributedOptimizer's would reduce.
+        getattr(optimizer, "_fh_local_step", optimizer.step)()
         with torch.no_grad():
-            for p, data, grad in saved:
+            for p, data in saved:
                 p.data.copy_(data)
-                p.grad = grad
     state_dict = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    # Dense tensors are broadcast in place; the rest (numbers, None, sparse tensors such as
+    # SGD's momentum for a sparse gradient) travel pickled, with the options.
     tensors, scalars = [], {}
     for pid in sorted(state_dict["state"]):
         for key in sorted(state_dict["state"][pid]):
             value = state_dict["state"][pid][key]
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and not value.is_sparse:
                 tensors.append((f"optimizer.state.{pid}.{key}", value))
             else:
                 scalars.setdefault(pid, {})[key] = value

@@ -178,3 +178,8 @@ __all__ = [
     "HorovodGroupedAllgather", "HorovodBroadcast", "HorovodAlltoall", "HorovodReducescatter",
     "HorovodGroupedReducescatter",
 ]
+
+# Sparse tensors (allgathered indices and values), as Horovod's mpi_ops has them.
+from fasthorovod.torch.sparse import sparse_allreduce_async  # noqa: E402
+
+__all__.append("sparse_allreduce_async")
