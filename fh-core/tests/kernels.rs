@@ -56,6 +56,7 @@ macro_rules! int_scalar {
 
 int_scalar!(u8, U8);
 int_scalar!(i8, I8);
+int_scalar!(i16, I16);
 int_scalar!(i32, I32);
 int_scalar!(i64, I64);
 
@@ -258,6 +259,7 @@ macro_rules! by_dtype {
         match $dtype {
             DType::U8 => $f::<u8>($($arg),*),
             DType::I8 => $f::<i8>($($arg),*),
+            DType::I16 => $f::<i16>($($arg),*),
             DType::I32 => $f::<i32>($($arg),*),
             DType::I64 => $f::<i64>($($arg),*),
             DType::F16 => $f::<f16>($($arg),*),

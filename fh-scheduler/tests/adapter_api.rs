@@ -149,6 +149,8 @@ fn join_returns_the_last_rank_to_join_on_every_rank() {
         let out = run_world(3, cfg, |e, r| {
             if r == 1 {
                 // Rank 1 works alone for a while (the others have joined), then joins last.
+                // The default op averages over every rank, joined ones included (zeros, as
+                // in Horovod): 2 / 3.
                 let mut h = e
                     .allreduce(
                         "solo",
@@ -158,7 +160,7 @@ fn join_returns_the_last_rank_to_join_on_every_rank() {
                     .unwrap();
                 assert_eq!(
                     h.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap(),
-                    [2.0; 3]
+                    [2.0f32 / 3.0; 3]
                 );
             }
             let mut j = e.join().unwrap();
