@@ -382,7 +382,8 @@ fn other_collectives_fail_on_every_submitting_rank_while_a_rank_is_joined() {
             let label = &l;
             // Cache every name with all three ranks first.
             let warm = [
-                e.allgather("ag", Tensor::from_slice(&[r as f32; 2])).unwrap(),
+                e.allgather("ag", Tensor::from_slice(&[r as f32; 2]))
+                    .unwrap(),
                 e.broadcast("bc", Tensor::from_slice(&[r as f32; 2]), 0)
                     .unwrap(),
                 e.alltoall("a2a", Tensor::from_slice(&[r as f32; 3]), None)
@@ -411,8 +412,12 @@ fn other_collectives_fail_on_every_submitting_rank_while_a_rank_is_joined() {
                         .unwrap(),
                     e.broadcast(&format!("bc{sfx}"), Tensor::from_slice(&[r as f32; 2]), 0)
                         .unwrap(),
-                    e.alltoall(&format!("a2a{sfx}"), Tensor::from_slice(&[r as f32; 3]), None)
-                        .unwrap(),
+                    e.alltoall(
+                        &format!("a2a{sfx}"),
+                        Tensor::from_slice(&[r as f32; 3]),
+                        None,
+                    )
+                    .unwrap(),
                     e.reduce_scatter(
                         &format!("rs{sfx}"),
                         Tensor::from_slice(&[1.0f32; 3]),
@@ -436,7 +441,10 @@ fn other_collectives_fail_on_every_submitting_rank_while_a_rank_is_joined() {
                     .allreduce(&format!("s{sfx}"), Tensor::from_slice(&[1.0f32; 2]), sum())
                     .unwrap();
                 let s = s.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap();
-                assert_eq!(s, [2.0; 2], "{label}: rank {r} sum after the refusals ({pass})");
+                assert_eq!(
+                    s, [2.0; 2],
+                    "{label}: rank {r} sum after the refusals ({pass})"
+                );
             }
             if r == 2 {
                 // Alone (ranks 0 and 1 joined: this waits for rank 0's join), then last.
@@ -454,13 +462,22 @@ fn other_collectives_fail_on_every_submitting_rank_while_a_rank_is_joined() {
             if rank == 1 {
                 continue;
             }
-            let kinds = ["allgather", "broadcast", "alltoall", "reducescatter", "max", "barrier"];
-            assert_eq!(errs.len(), 2 * kinds.len(), "{label}: rank {rank}: {errs:?}");
+            let kinds = [
+                "allgather",
+                "broadcast",
+                "alltoall",
+                "reducescatter",
+                "max",
+                "barrier",
+            ];
+            assert_eq!(
+                errs.len(),
+                2 * kinds.len(),
+                "{label}: rank {rank}: {errs:?}"
+            );
             for ((pass, e), kind) in errs.iter().zip(kinds.iter().cycle()) {
                 assert!(
-                    e.to_lowercase().contains(kind)
-                        && e.contains("joined")
-                        && e.contains("[1]"),
+                    e.to_lowercase().contains(kind) && e.contains("joined") && e.contains("[1]"),
                     "{label}: rank {rank} {kind} ({pass}): {e}"
                 );
             }

@@ -206,9 +206,17 @@ mod tests {
             ("FH_TIMELINE", "/tmp/t.json"),
         ]))
         .unwrap();
-        assert_eq!(c.timeline.as_deref(), Some(std::path::Path::new("/tmp/t.json")));
+        assert_eq!(
+            c.timeline.as_deref(),
+            Some(std::path::Path::new("/tmp/t.json"))
+        );
         // Empty: no timeline, as in Horovod.
-        assert_eq!(config_from(env(&[("HOROVOD_TIMELINE", "")])).unwrap().timeline, None);
+        assert_eq!(
+            config_from(env(&[("HOROVOD_TIMELINE", "")]))
+                .unwrap()
+                .timeline,
+            None
+        );
         // Horovod's log level words, in any case: FATAL is error, WARNING is warn.
         for (h, fh) in [("FATAL", "error"), ("Warning", "warn"), ("fatal", "error")] {
             assert_eq!(

@@ -943,14 +943,24 @@ mod tests {
     #[test]
     fn each_incarnation_has_its_own_key() {
         let t = JobToken::new("0123456789abcdef0123456789abcdef");
-        assert_eq!(t.for_incarnation(0), t, "the first world keeps the launcher's token");
+        assert_eq!(
+            t.for_incarnation(0),
+            t,
+            "the first world keeps the launcher's token"
+        );
         let (one, two) = (t.for_incarnation(1), t.for_incarnation(2));
         assert_ne!(one, t);
         assert_ne!(one, two);
         // The same on every rank (a function of the token and the number only).
-        assert_eq!(one, JobToken::new("0123456789abcdef0123456789abcdef").for_incarnation(1));
+        assert_eq!(
+            one,
+            JobToken::new("0123456789abcdef0123456789abcdef").for_incarnation(1)
+        );
         // Another job's token gives another key for the same incarnation.
-        assert_ne!(one, JobToken::new("fedcba9876543210fedcba9876543210").for_incarnation(1));
+        assert_ne!(
+            one,
+            JobToken::new("fedcba9876543210fedcba9876543210").for_incarnation(1)
+        );
         assert_eq!(one.expose().len(), 64);
         assert!(one.expose().bytes().all(|b| b.is_ascii_hexdigit()));
         assert!(!format!("{one:?}").contains(one.expose()), "redacted");

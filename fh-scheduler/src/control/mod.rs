@@ -38,7 +38,7 @@ use fh_core::bitvec::{BitVec, NegotiationVec, Status};
 use fh_core::cache::{Lookup, ResponseCache};
 use fh_core::fusion::{plan_round_on, runs_inline, ChannelLoad, PlanItem, PlanMode, PlanOptions};
 use fh_core::message::{CollectiveKind, GroupTag, Request, Response};
-use fh_core::{wire, DType, ReduceOp};
+use fh_core::{wire, ReduceOp};
 use fh_transport::Communicator;
 
 use crate::exec::Executor;

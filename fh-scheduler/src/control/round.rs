@@ -119,7 +119,12 @@ impl Control {
             jv.set(self.inner.rank, self.joined);
             let mut b = jv.to_bytes();
             self.add_bytes(b.len() + 16);
-            collect::reduce_bits(self.comm.as_mut(), &mut b, ReduceOp::BitOr, self.incarnation)?;
+            collect::reduce_bits(
+                self.comm.as_mut(),
+                &mut b,
+                ReduceOp::BitOr,
+                self.incarnation,
+            )?;
             let jv = BitVec::from_bytes(&b, size).ok_or_else(|| {
                 SchedulerError::InvalidArgument("internal error: joined vector length".into())
             })?;
@@ -151,7 +156,12 @@ impl Control {
             }
             let mut b = iv.to_bytes();
             self.add_bytes(b.len() + 16);
-            collect::reduce_bits(self.comm.as_mut(), &mut b, ReduceOp::BitOr, self.incarnation)?;
+            collect::reduce_bits(
+                self.comm.as_mut(),
+                &mut b,
+                ReduceOp::BitOr,
+                self.incarnation,
+            )?;
             let iv = BitVec::from_bytes(&b, cap).ok_or_else(|| {
                 SchedulerError::InvalidArgument("internal error: invalidation vector length".into())
             })?;
@@ -327,7 +337,8 @@ impl Control {
         if self.inner.rank != 0 {
             self.add_bytes(bytes.len() + 16);
         }
-        let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes, self.incarnation)? else {
+        let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes, self.incarnation)?
+        else {
             return Ok(());
         };
         let learned = Instant::now();
@@ -351,7 +362,8 @@ impl Control {
             self.add_bytes(bytes.len() + 16);
         }
         let mut out = Vec::new();
-        if let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes, self.incarnation)? {
+        if let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes, self.incarnation)?
+        {
             for (r, list) in lists.iter().enumerate() {
                 let reqs = wire::decode_requests(list).map_err(|e| SchedulerError::Transport {
                     lost_rank: Some(r),
