@@ -29,11 +29,14 @@ pub enum DType {
     F64 = 7,
     /// Boolean, one byte per element (0 or 1).
     Bool = 8,
+    /// Signed 16-bit integer (PyTorch's `int16`/`ShortTensor`; last, so that the older
+    /// codes keep their values).
+    I16 = 9,
 }
 
 impl DType {
     /// Every dtype, in wire order.
-    pub const ALL: [DType; 9] = [
+    pub const ALL: [DType; 10] = [
         DType::U8,
         DType::I8,
         DType::I32,
@@ -43,13 +46,14 @@ impl DType {
         DType::F32,
         DType::F64,
         DType::Bool,
+        DType::I16,
     ];
 
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {
         match self {
             DType::U8 | DType::I8 | DType::Bool => 1,
-            DType::F16 | DType::BF16 => 2,
+            DType::I16 | DType::F16 | DType::BF16 => 2,
             DType::I32 | DType::F32 => 4,
             DType::I64 | DType::F64 => 8,
         }
@@ -60,6 +64,7 @@ impl DType {
         match self {
             DType::U8 => "u8",
             DType::I8 => "i8",
+            DType::I16 => "i16",
             DType::I32 => "i32",
             DType::I64 => "i64",
             DType::F16 => "f16",
@@ -118,6 +123,7 @@ impl FromStr for DType {
         let d = match s.to_ascii_lowercase().trim_start_matches("torch.") {
             "u8" | "uint8" => DType::U8,
             "i8" | "int8" => DType::I8,
+            "i16" | "int16" | "short" => DType::I16,
             "i32" | "int32" | "int" => DType::I32,
             "i64" | "int64" | "long" => DType::I64,
             "f16" | "float16" | "half" => DType::F16,
@@ -129,7 +135,7 @@ impl FromStr for DType {
                 return Err(CoreError::UnknownName {
                     what: "dtype",
                     value: s.to_string(),
-                    expected: "u8, i8, i32, i64, f16, bf16, f32, f64, bool",
+                    expected: "u8, i8, i16, i32, i64, f16, bf16, f32, f64, bool",
                 })
             }
         };
@@ -161,6 +167,7 @@ macro_rules! impl_element {
 impl_element!(
     u8 => U8,
     i8 => I8,
+    i16 => I16,
     i32 => I32,
     i64 => I64,
     half::f16 => F16,
@@ -182,6 +189,7 @@ mod tests {
         for (a, b) in [
             size_of::<u8>(),
             size_of::<i8>(),
+            size_of::<i16>(),
             size_of::<i32>(),
             size_of::<i64>(),
             size_of::<half::f16>(),

@@ -56,6 +56,7 @@ macro_rules! int_scalar {
 
 int_scalar!(u8, U8);
 int_scalar!(i8, I8);
+int_scalar!(i16, I16);
 int_scalar!(i32, I32);
 int_scalar!(i64, I64);
 
@@ -258,6 +259,7 @@ macro_rules! by_dtype {
         match $dtype {
             DType::U8 => $f::<u8>($($arg),*),
             DType::I8 => $f::<i8>($($arg),*),
+            DType::I16 => $f::<i16>($($arg),*),
             DType::I32 => $f::<i32>($($arg),*),
             DType::I64 => $f::<i64>($($arg),*),
             DType::F16 => $f::<f16>($($arg),*),
@@ -378,4 +380,46 @@ fn bad_arguments_are_errors() {
     assert!(kernels::divide(DType::F32, &mut a, 0).is_err());
     assert!(kernels::scale(DType::Bool, &mut a, 2.0).is_err());
     assert!(kernels::scale(DType::F32, &mut a[..3], 2.0).is_err());
+}
+
+/// int16 by hand: three ranks' [1, -1000, 300, 7], [2, -2000, 300, 5], [3, -3000, 300, 3],
+/// reduced left to right as the collectives do.
+#[test]
+fn int16_reductions_worked_out_by_hand() {
+    let bytes = |v: &[i16]| v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>();
+    let back = |b: &[u8]| {
+        b.chunks_exact(2)
+            .map(|c| i16::from_ne_bytes([c[0], c[1]]))
+            .collect::<Vec<i16>>()
+    };
+    let ranks: [[i16; 4]; 3] = [[1, -1000, 300, 7], [2, -2000, 300, 5], [3, -3000, 300, 3]];
+    let run = |op: ReduceOp| {
+        let mut acc = bytes(&ranks[0]);
+        for r in &ranks[1..] {
+            kernels::reduce(DType::I16, op, &mut acc, &bytes(r)).unwrap();
+        }
+        acc
+    };
+    assert_eq!(back(&run(ReduceOp::Sum)), [6, -6000, 900, 15]);
+    assert_eq!(back(&run(ReduceOp::Min)), [1, -3000, 300, 3]);
+    assert_eq!(back(&run(ReduceOp::Max)), [3, -1000, 300, 7]);
+    // 1*2*3 = 6; (-1000)(-2000) = 2e6 wraps in 16 bits, as integer products do: only the
+    // first and last columns are checked: 7*5*3 = 105.
+    let p = back(&run(ReduceOp::Product));
+    assert_eq!((p[0], p[3]), (6, 105));
+    // Average: the sum, then division truncating toward zero: [2, -2000, 300, 5]; and of
+    // [-7, 7] over 2 ranks: -3 and 3 (toward zero, not down).
+    let mut avg = run(ReduceOp::Average);
+    kernels::divide(DType::I16, &mut avg, 3).unwrap();
+    assert_eq!(back(&avg), [2, -2000, 300, 5]);
+    let mut odd = bytes(&[-7, 7]);
+    kernels::divide(DType::I16, &mut odd, 2).unwrap();
+    assert_eq!(back(&odd), [-3, 3]);
+    // Scaling truncates toward zero and saturates at the type's range.
+    let mut s = bytes(&[3, -3, 20000, -20000]);
+    kernels::scale(DType::I16, &mut s, 2.5).unwrap();
+    assert_eq!(back(&s), [7, -7, i16::MAX, i16::MIN]);
+    // The name PyTorch gives it, and its size.
+    assert_eq!("torch.int16".parse::<DType>().unwrap(), DType::I16);
+    assert_eq!(DType::I16.size(), 2);
 }

@@ -245,6 +245,18 @@ fn run(cli: Cli) -> Result<i32, Failure> {
                 ("FH_CROSS_SIZE", "1".to_string()),
                 ("FH_RENDEZVOUS_ADDR", rendezvous.clone()),
                 ("FH_JOB_TOKEN", token.clone()),
+                // What horovodrun's launcher exports, which Horovod scripts read before
+                // `init()` (to pick a device or a log file); and the PMI pair MPI launchers
+                // set. Every rank runs on this host.
+                ("HOROVOD_HOSTNAME", hostname.clone()),
+                ("HOROVOD_RANK", rank.to_string()),
+                ("HOROVOD_SIZE", np.to_string()),
+                ("HOROVOD_LOCAL_RANK", rank.to_string()),
+                ("HOROVOD_LOCAL_SIZE", np.to_string()),
+                ("HOROVOD_CROSS_RANK", "0".to_string()),
+                ("HOROVOD_CROSS_SIZE", "1".to_string()),
+                ("PMI_RANK", rank.to_string()),
+                ("PMI_SIZE", np.to_string()),
             ]
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))

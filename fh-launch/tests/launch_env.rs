@@ -66,6 +66,56 @@ fn every_rank_gets_the_fh_environment() {
     }
 }
 
+/// The variables horovodrun's launcher gives each rank, which Horovod scripts read before
+/// `init()`, and the PMI pair: on one host, rank = local rank, cross rank 0 of 1.
+#[test]
+fn every_rank_gets_horovods_variables() {
+    let host = std::process::Command::new("hostname")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    for np in [2usize, 3] {
+        let nps = np.to_string();
+        let out = fhrun(
+            &[
+                "-np",
+                &nps,
+                "sh",
+                "-c",
+                "echo \"$HOROVOD_RANK $HOROVOD_SIZE $HOROVOD_LOCAL_RANK $HOROVOD_LOCAL_SIZE \
+                 $HOROVOD_CROSS_RANK $HOROVOD_CROSS_SIZE $PMI_RANK $PMI_SIZE $HOROVOD_HOSTNAME\"",
+            ],
+            LIMIT,
+        );
+        assert_eq!(out.code(), Some(0), "{out:?}");
+        let lines = prefixed(&out.stdout, "stdout");
+        assert_eq!(lines.len(), np, "{out:?}");
+        let mut seen = BTreeSet::new();
+        for (rank, line) in lines {
+            let f: Vec<&str> = line.split(' ').collect();
+            assert_eq!(f.len(), 9, "np {np} rank {rank}: {line}");
+            let r = rank.to_string();
+            let want = [
+                r.as_str(),
+                nps.as_str(),
+                r.as_str(),
+                nps.as_str(),
+                "0",
+                "1",
+                r.as_str(),
+                nps.as_str(),
+            ];
+            assert_eq!(f[..8], want, "np {np} rank {rank}: {line}");
+            assert!(!f[8].is_empty(), "np {np} rank {rank}: no HOROVOD_HOSTNAME");
+            if !host.is_empty() {
+                assert_eq!(f[8], host, "np {np} rank {rank}: HOROVOD_HOSTNAME");
+            }
+            seen.insert(rank);
+        }
+        assert_eq!(seen, (0..np).collect(), "np {np}");
+    }
+}
+
 #[test]
 fn each_job_gets_a_fresh_token() {
     let token = || {

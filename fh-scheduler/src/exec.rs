@@ -40,15 +40,15 @@ fn reduce_in_place(
     comm: &mut dyn Communicator,
     buf: &mut [u8],
     sig: &Signature,
-    active: usize,
+    divisor: usize,
     own_block: bool,
 ) -> Result<(), TransportError> {
     if own_block {
-        return reduce_segments(comm, &mut [buf], sig, active);
+        return reduce_segments(comm, &mut [buf], sig, divisor);
     }
     reduce_unfinished(comm, buf, sig)?;
     // The average's division (if any) and the postscale in one pass.
-    kernels::divide_and_scale(sig.dtype, buf, finish_divisor(sig, active), sig.postscale)?;
+    kernels::divide_and_scale(sig.dtype, buf, finish_divisor(sig, divisor), sig.postscale)?;
     Ok(())
 }
 
@@ -59,9 +59,9 @@ fn reduce_segments(
     comm: &mut dyn Communicator,
     segs: &mut [&mut [u8]],
     sig: &Signature,
-    active: usize,
+    divisor: usize,
 ) -> Result<(), TransportError> {
-    let (dtype, n, post) = (sig.dtype, finish_divisor(sig, active), sig.postscale);
+    let (dtype, n, post) = (sig.dtype, finish_divisor(sig, divisor), sig.postscale);
     for s in segs.iter_mut() {
         kernels::scale(dtype, s, sig.prescale)?;
     }
@@ -82,11 +82,11 @@ fn reduce_unfinished(
     Ok(())
 }
 
-/// The divisor the finalisation applies with the postscale: the contributing ranks for an
-/// average, 1 otherwise.
-fn finish_divisor(sig: &Signature, active: usize) -> usize {
+/// The divisor the finalisation applies with the postscale: the engine's ranks for an average
+/// (joined ones included, see [`Job::divisor`]), 1 otherwise.
+fn finish_divisor(sig: &Signature, divisor: usize) -> usize {
     if sig.op == ReduceOp::Average {
-        active.max(1)
+        divisor.max(1)
     } else {
         1
     }
@@ -277,7 +277,7 @@ impl Executor {
         } else {
             let mut segs: Vec<&mut [u8]> =
                 tensors.iter_mut().flatten().map(|t| t.data_mut()).collect();
-            reduce_segments(self.comm.as_mut(), &mut segs, sig, job.active)
+            reduce_segments(self.comm.as_mut(), &mut segs, sig, job.divisor)
         };
         for ((op, _, _), t) in job.parts.iter().zip(tensors) {
             if t.is_some() {
@@ -328,7 +328,7 @@ impl Executor {
         if self.buf.len() < piece {
             self.buf.resize(piece, 0);
         }
-        let n = finish_divisor(sig, job.active);
+        let n = finish_divisor(sig, job.divisor);
         let (mut packing, mut reducing, mut unpacking) = (
             std::time::Duration::ZERO,
             std::time::Duration::ZERO,
@@ -406,7 +406,7 @@ impl Executor {
                         ))
                     })?;
                     let own = self.on_ring_in_place(sig, *len0);
-                    return reduce_in_place(self.comm.as_mut(), chunk, sig, job.active, own);
+                    return reduce_in_place(self.comm.as_mut(), chunk, sig, job.divisor, own);
                 }
                 let whole = job.parts.len() == 1
                     && *off0 == 0
@@ -417,7 +417,7 @@ impl Executor {
                     let r = match &mut t {
                         Some(t) => {
                             let own = self.on_ring_in_place(sig, *len0);
-                            reduce_in_place(self.comm.as_mut(), t.data_mut(), sig, job.active, own)
+                            reduce_in_place(self.comm.as_mut(), t.data_mut(), sig, job.divisor, own)
                         }
                         None => Ok(()),
                     };
@@ -527,7 +527,7 @@ impl Executor {
                 };
                 comm.reduce_scatter(input, &mut out, &counts, sig.dtype, sig.op.combining())?;
                 if sig.op == ReduceOp::Average {
-                    kernels::divide(sig.dtype, &mut out, job.active.max(1))?;
+                    kernels::divide(sig.dtype, &mut out, job.divisor.max(1))?;
                 }
                 kernels::scale(sig.dtype, &mut out, sig.postscale)?;
                 let mut shape = t.shape().to_vec();

@@ -58,6 +58,13 @@ pub(crate) fn device_supports(
     let float = matches!(dtype, DType::F16 | DType::BF16 | DType::F32 | DType::F64);
     match kind {
         CollectiveKind::Allreduce => {
+            if dtype == DType::I16 {
+                return Err(
+                    "NCCL has no 16-bit integer type: allreduce an int16 device tensor on the \
+                     host, or as int32"
+                        .into(),
+                );
+            }
             if matches!(op, ReduceOp::BitAnd | ReduceOp::BitOr) && dtype != DType::Bool {
                 return Err(format!(
                     "NCCL has no bitwise reductions ({op} on {dtype}); reduce this tensor on \
@@ -354,8 +361,10 @@ mod tests {
             for op in ReduceOp::ALL {
                 let r = device_supports(K::Allreduce, dtype, op, 1.0, 1.0);
                 let bitwise = matches!(op, ReduceOp::BitAnd | ReduceOp::BitOr);
-                let refused =
-                    (bitwise && dtype != DType::Bool) || (op == ReduceOp::Average && !float);
+                // NCCL has no int16 type: every int16 reduction stays on the host.
+                let refused = (bitwise && dtype != DType::Bool)
+                    || (op == ReduceOp::Average && !float)
+                    || dtype == DType::I16;
                 assert_eq!(r.is_err(), refused, "{dtype:?} {op:?}: {r:?}");
                 let scaled = device_supports(K::Allreduce, dtype, ReduceOp::Max, 2.0, 1.0);
                 assert_eq!(scaled.is_err(), !float, "{dtype:?}");

@@ -124,6 +124,7 @@ impl Op {
 /// A fused group for one channel.
 pub(crate) struct Job {
     pub parts: Vec<(Arc<Op>, usize, usize)>,
-    /// Ranks contributing (not joined): the `Average` divisor.
-    pub active: usize,
+    /// The `Average` divisor: every rank of the engine, joined ranks included (they contribute
+    /// zeros), as Horovod divides by `size()`.
+    pub divisor: usize,
 }

@@ -149,6 +149,8 @@ fn join_returns_the_last_rank_to_join_on_every_rank() {
         let out = run_world(3, cfg, |e, r| {
             if r == 1 {
                 // Rank 1 works alone for a while (the others have joined), then joins last.
+                // The default op averages over every rank, joined ones included (zeros, as
+                // in Horovod): 2 / 3.
                 let mut h = e
                     .allreduce(
                         "solo",
@@ -158,7 +160,7 @@ fn join_returns_the_last_rank_to_join_on_every_rank() {
                     .unwrap();
                 assert_eq!(
                     h.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap(),
-                    [2.0; 3]
+                    [2.0f32 / 3.0; 3]
                 );
             }
             let mut j = e.join().unwrap();
@@ -199,4 +201,100 @@ fn a_timed_out_wait_keeps_the_handle() {
     );
     assert_eq!(v, &[2.0; 4]);
     assert!(again.to_string().contains("already taken"), "{again}");
+}
+
+/// int16 through every collective at np 3, expected values worked out by hand: rank r holds
+/// [r + 1, -1000 (r + 1), 300].
+#[test]
+fn int16_through_every_collective() {
+    for (label, cfg) in configs() {
+        let out = run_world(3, cfg, |e, r| {
+            let r16 = r as i16;
+            let mine = [r16 + 1, -1000 * (r16 + 1), 300];
+            let mut sum = e
+                .allreduce(
+                    "s16",
+                    Tensor::from_slice(&mine),
+                    CollectiveOptions::with_op(ReduceOp::Sum),
+                )
+                .unwrap();
+            let mut avg = e
+                .allreduce(
+                    "a16",
+                    Tensor::from_slice(&mine),
+                    CollectiveOptions::default(),
+                )
+                .unwrap();
+            let mut max = e
+                .allreduce(
+                    "m16",
+                    Tensor::from_slice(&mine),
+                    CollectiveOptions::with_op(ReduceOp::Max),
+                )
+                .unwrap();
+            // Rank r gathers r + 1 rows of [r, -r].
+            let rows: Vec<i16> = (0..=r).flat_map(|_| [r16, -r16]).collect();
+            let rows = Tensor::new(
+                fh_scheduler::DType::I16,
+                vec![r + 1, 2],
+                rows.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+            )
+            .unwrap();
+            let mut ag = e.allgather("g16", rows).unwrap();
+            let mut bc = e
+                .broadcast("b16", Tensor::from_slice(&[i16::MIN, i16::MAX, r16]), 2)
+                .unwrap();
+            // Rank x sends 1000 x + y to rank y.
+            let send: Vec<i16> = (0..3).map(|y| 1000 * r16 + y).collect();
+            let mut a2a = e.alltoall("t16", Tensor::from_slice(&send), None).unwrap();
+            // Reduce-scatter of [[r + 1, -r]; 3]: every rank gets [1 + 2 + 3, -(0 + 1 + 2)].
+            let rs = Tensor::new(
+                fh_scheduler::DType::I16,
+                vec![3, 2],
+                [r16 + 1, -r16]
+                    .repeat(3)
+                    .iter()
+                    .flat_map(|x| x.to_ne_bytes())
+                    .collect(),
+            )
+            .unwrap();
+            let mut red = e.reduce_scatter("r16", rs, ReduceOp::Sum).unwrap();
+            let v = |h: &mut fh_scheduler::Handle| {
+                h.wait_timeout(LIMIT).unwrap().to_vec::<i16>().unwrap()
+            };
+            let got = [
+                v(&mut sum),
+                v(&mut avg),
+                v(&mut max),
+                v(&mut ag),
+                v(&mut bc),
+                v(&mut a2a),
+                v(&mut red),
+            ];
+            (r16, got)
+        });
+        for (r, got) in out {
+            let want: [Vec<i16>; 7] = [
+                vec![6, -6000, 900],
+                vec![2, -2000, 300],
+                vec![3, -1000, 300],
+                vec![0, 0, 1, -1, 1, -1, 2, -2, 2, -2, 2, -2],
+                vec![i16::MIN, i16::MAX, 2],
+                vec![r, 1000 + r, 2000 + r],
+                vec![6, -3],
+            ];
+            let names = [
+                "sum",
+                "average",
+                "max",
+                "allgather",
+                "broadcast",
+                "alltoall",
+                "reducescatter",
+            ];
+            for ((g, w), what) in got.iter().zip(&want).zip(names) {
+                assert_eq!(g, w, "{label}: rank {r} {what}");
+            }
+        }
+    }
 }

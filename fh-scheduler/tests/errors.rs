@@ -329,13 +329,15 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
 }
 
 #[test]
-fn joined_rank_contributes_zeros_and_average_divides_by_the_others() {
+fn joined_rank_contributes_zeros_and_average_divides_by_every_rank() {
     for (label, cfg) in configs() {
         let out = run_world(3, cfg, |e, r| {
             if r == 2 {
                 e.join().unwrap().wait_timeout(LIMIT).unwrap();
                 return None;
             }
+            // Rank 0 sends 1, rank 1 sends 2, rank 2 (joined) zeros: Horovod's average is
+            // (1 + 2 + 0) / 3 = 1, its sum 3.
             let mut a = e
                 .allreduce(
                     "a",
@@ -346,15 +348,139 @@ fn joined_rank_contributes_zeros_and_average_divides_by_the_others() {
             let mut s = e
                 .allreduce("s", Tensor::from_slice(&[r as f64 + 1.0; 2]), sum())
                 .unwrap();
+            // Integers truncate: (4 + 8 + 0) / 3 = 4 exactly, (5 + 9 + 0) / 3 = 4.67 -> 4.
+            let mut i = e
+                .allreduce(
+                    "i",
+                    Tensor::from_slice(&[4 + 4 * r as i32, 5 + 4 * r as i32]),
+                    AllreduceOptions::default(),
+                )
+                .unwrap();
             let a = a.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap();
             let s = s.wait_timeout(LIMIT).unwrap().to_vec::<f64>().unwrap();
+            let i = i.wait_timeout(LIMIT).unwrap().to_vec::<i32>().unwrap();
             e.join().unwrap().wait_timeout(LIMIT).unwrap();
-            Some((a, s))
+            Some((a, s, i))
         });
-        for v in out.into_iter().take(2) {
-            let (a, s) = v.unwrap();
-            assert_eq!(a, [1.5; 4], "{label}");
-            assert_eq!(s, [3.0; 2], "{label}");
+        for (rank, v) in out.into_iter().take(2).enumerate() {
+            let (a, s, i) = v.unwrap();
+            assert_eq!(a, [1.0; 4], "{label}: rank {rank} average");
+            assert_eq!(s, [3.0; 2], "{label}: rank {rank} sum");
+            assert_eq!(i, [4, 4], "{label}: rank {rank} integer average");
+        }
+    }
+}
+
+/// What each non-allreduce collective reports on the ranks that submitted it while rank 1 has
+/// joined (np 3), once uncached and once after the name was cached by a run with every rank
+/// (a cached response must not wait for the joined rank's bit: that was a hang).
+#[test]
+fn other_collectives_fail_on_every_submitting_rank_while_a_rank_is_joined() {
+    for (label, cfg) in configs() {
+        let l = label.clone();
+        let out = run_world(3, cfg, move |e, r| {
+            let label = &l;
+            // Cache every name with all three ranks first.
+            let warm = [
+                e.allgather("ag", Tensor::from_slice(&[r as f32; 2]))
+                    .unwrap(),
+                e.broadcast("bc", Tensor::from_slice(&[r as f32; 2]), 0)
+                    .unwrap(),
+                e.alltoall("a2a", Tensor::from_slice(&[r as f32; 3]), None)
+                    .unwrap(),
+                e.reduce_scatter("rs", Tensor::from_slice(&[1.0f32; 3]), ReduceOp::Sum)
+                    .unwrap(),
+                e.allreduce(
+                    "mx",
+                    Tensor::from_slice(&[-1.0f32; 2]),
+                    AllreduceOptions::with_op(ReduceOp::Max),
+                )
+                .unwrap(),
+            ];
+            for mut h in warm {
+                h.wait_timeout(LIMIT).unwrap();
+            }
+            if r == 1 {
+                let last = e.join().unwrap().wait_timeout(LIMIT).unwrap();
+                return (Vec::new(), last.to_vec::<i64>().unwrap());
+            }
+            let mut errs = Vec::new();
+            for pass in ["cached", "uncached"] {
+                let sfx = if pass == "cached" { "" } else { "-new" };
+                let hs = vec![
+                    e.allgather(&format!("ag{sfx}"), Tensor::from_slice(&[r as f32; 2]))
+                        .unwrap(),
+                    e.broadcast(&format!("bc{sfx}"), Tensor::from_slice(&[r as f32; 2]), 0)
+                        .unwrap(),
+                    e.alltoall(
+                        &format!("a2a{sfx}"),
+                        Tensor::from_slice(&[r as f32; 3]),
+                        None,
+                    )
+                    .unwrap(),
+                    e.reduce_scatter(
+                        &format!("rs{sfx}"),
+                        Tensor::from_slice(&[1.0f32; 3]),
+                        ReduceOp::Sum,
+                    )
+                    .unwrap(),
+                    e.allreduce(
+                        &format!("mx{sfx}"),
+                        Tensor::from_slice(&[-1.0f32; 2]),
+                        AllreduceOptions::with_op(ReduceOp::Max),
+                    )
+                    .unwrap(),
+                    e.barrier().unwrap(),
+                ];
+                for mut h in hs {
+                    let err = h.wait_timeout(LIMIT).map(|_| ()).unwrap_err();
+                    errs.push((pass, err.to_string()));
+                }
+                // An allreduce still runs with the joined rank's zeros: 1 + 1 + 0.
+                let mut s = e
+                    .allreduce(&format!("s{sfx}"), Tensor::from_slice(&[1.0f32; 2]), sum())
+                    .unwrap();
+                let s = s.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap();
+                assert_eq!(
+                    s, [2.0; 2],
+                    "{label}: rank {r} sum after the refusals ({pass})"
+                );
+            }
+            if r == 2 {
+                // Alone (ranks 0 and 1 joined: this waits for rank 0's join), then last.
+                let mut h = e
+                    .allreduce("solo", Tensor::from_slice(&[5.0f32]), sum())
+                    .unwrap();
+                let v = h.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap();
+                assert_eq!(v, [5.0], "{label}: rank 2 alone");
+            }
+            let last = e.join().unwrap().wait_timeout(LIMIT).unwrap();
+            (errs, last.to_vec::<i64>().unwrap())
+        });
+        for (rank, (errs, last)) in out.into_iter().enumerate() {
+            assert_eq!(last, [2], "{label}: rank {rank} join's last rank");
+            if rank == 1 {
+                continue;
+            }
+            let kinds = [
+                "allgather",
+                "broadcast",
+                "alltoall",
+                "reducescatter",
+                "max",
+                "barrier",
+            ];
+            assert_eq!(
+                errs.len(),
+                2 * kinds.len(),
+                "{label}: rank {rank}: {errs:?}"
+            );
+            for ((pass, e), kind) in errs.iter().zip(kinds.iter().cycle()) {
+                assert!(
+                    e.to_lowercase().contains(kind) && e.contains("joined") && e.contains("[1]"),
+                    "{label}: rank {rank} {kind} ({pass}): {e}"
+                );
+            }
         }
     }
 }

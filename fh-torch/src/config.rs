@@ -105,9 +105,15 @@ pub fn aliased(lookup: &impl Fn(&str) -> Option<String>, var: &str) -> Option<St
             "fatal" => "error".into(),
             _ => v,
         },
+        // Horovod's `DYNAMIC`: no timeline at start-up, `start_timeline()` later. An empty
+        // `FH_TIMELINE` means no timeline; never a file called `DYNAMIC`.
+        "FH_TIMELINE" if v.trim() == TIMELINE_DYNAMIC => String::new(),
         _ => v,
     })
 }
+
+/// `HOROVOD_TIMELINE`'s special value: no timeline at `init`, one may be started later.
+pub const TIMELINE_DYNAMIC: &str = "DYNAMIC";
 
 fn truthy(v: Option<&str>) -> bool {
     matches!(
@@ -179,6 +185,67 @@ mod tests {
         );
         assert_eq!(c.stall_check, Some(Duration::from_secs(9)));
         assert_eq!(c.stall_shutdown, Some(Duration::from_secs(30)));
+    }
+
+    #[test]
+    fn horovod_special_values_are_mapped_not_taken_literally() {
+        // DYNAMIC: no timeline file at start-up (Horovod's `start_timeline()` comes later).
+        let c = config_from(env(&[("HOROVOD_TIMELINE", "DYNAMIC")])).unwrap();
+        assert_eq!(c.timeline, None);
+        let c = config_from(env(&[("HOROVOD_TIMELINE", " DYNAMIC ")])).unwrap();
+        assert_eq!(c.timeline, None);
+        // Any other value is a path, even one that merely contains the word.
+        let c = config_from(env(&[("HOROVOD_TIMELINE", "/tmp/DYNAMIC.json")])).unwrap();
+        assert_eq!(
+            c.timeline.as_deref(),
+            Some(std::path::Path::new("/tmp/DYNAMIC.json"))
+        );
+        // An explicit FH_TIMELINE still wins over Horovod's DYNAMIC.
+        let c = config_from(env(&[
+            ("HOROVOD_TIMELINE", "DYNAMIC"),
+            ("FH_TIMELINE", "/tmp/t.json"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            c.timeline.as_deref(),
+            Some(std::path::Path::new("/tmp/t.json"))
+        );
+        // Empty: no timeline, as in Horovod.
+        assert_eq!(
+            config_from(env(&[("HOROVOD_TIMELINE", "")]))
+                .unwrap()
+                .timeline,
+            None
+        );
+        // Horovod's log level words, in any case: FATAL is error, WARNING is warn.
+        for (h, fh) in [("FATAL", "error"), ("Warning", "warn"), ("fatal", "error")] {
+            assert_eq!(
+                aliased(&env(&[("HOROVOD_LOG_LEVEL", h)]), "FH_LOG_LEVEL").as_deref(),
+                Some(fh),
+                "{h}"
+            );
+            config_from(env(&[("HOROVOD_LOG_LEVEL", h)])).unwrap();
+        }
+        // Horovod's cycle time is fractional milliseconds; a fusion threshold and a cache
+        // capacity of 0 turn fusion and the cache off; a stall shutdown time of 0 means never.
+        let c = config_from(env(&[
+            ("HOROVOD_CYCLE_TIME", "0.5"),
+            ("HOROVOD_FUSION_THRESHOLD", "0"),
+            ("HOROVOD_CACHE_CAPACITY", "0"),
+            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0"),
+        ]))
+        .unwrap();
+        assert_eq!(c.cycle_time, Duration::from_micros(500));
+        assert_eq!(c.fusion_threshold, 0);
+        assert_eq!(c.cache_capacity, 0);
+        assert_eq!(c.stall_shutdown, None);
+        // HOROVOD_STALL_CHECK_DISABLE takes Horovod's true words.
+        for on in ["1", "true", "TRUE", "yes", "on"] {
+            let c = config_from(env(&[("HOROVOD_STALL_CHECK_DISABLE", on)])).unwrap();
+            assert_eq!(c.stall_check, None, "{on}");
+        }
+        let c = config_from(env(&[("HOROVOD_STALL_CHECK_DISABLE", "0")])).unwrap();
+        assert_eq!(c.stall_check, Config::default().stall_check);
     }
 
     #[test]

@@ -4,8 +4,8 @@ use fh_core::{DType, ReduceOp};
 
 /// The dtypes `fasthorovod.torch` accepts, as PyTorch names them.
 pub const SUPPORTED_DTYPES: &str =
-    "torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16, \
-     torch.float32, torch.float64, torch.bool";
+    "torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, \
+     torch.bfloat16, torch.float32, torch.float64, torch.bool";
 
 /// The engine dtype of a PyTorch dtype (`"torch.float32"`, `"float32"`, ...).
 pub fn dtype(torch_name: &str) -> Result<DType, String> {
@@ -45,9 +45,11 @@ mod tests {
         assert_eq!(dtype("torch.bfloat16").unwrap(), DType::BF16);
         assert_eq!(dtype("torch.uint8").unwrap(), DType::U8);
         assert_eq!(dtype("torch.bool").unwrap(), DType::Bool);
-        let e = dtype("torch.int16").unwrap_err();
+        assert_eq!(dtype("torch.int16").unwrap(), DType::I16);
+        assert_eq!(dtype("torch.short").unwrap(), DType::I16);
+        let e = dtype("torch.uint16").unwrap_err();
         assert!(
-            e.contains("torch.int16") && e.contains("torch.int32"),
+            e.contains("torch.uint16") && e.contains("torch.int16"),
             "{e}"
         );
         assert!(dtype("torch.complex64").is_err());

@@ -68,6 +68,24 @@ impl JobToken {
     pub fn as_bytes(&self) -> &[u8] {
         self.0.as_bytes()
     }
+
+    /// The token of the process's `incarnation`-th world (0: the first, this token itself;
+    /// later ones, after a `shutdown()` and a new `init()`, a key derived from it with
+    /// HMAC-SHA-256 and the incarnation number, in hex). Worlds of different incarnations
+    /// authenticate with different keys and name their shared-memory segments differently, so
+    /// nothing of one can reach another.
+    pub fn for_incarnation(&self, incarnation: u64) -> JobToken {
+        use hmac::{Hmac, Mac};
+        if incarnation == 0 {
+            return self.clone();
+        }
+        let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(self.as_bytes())
+            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+        mac.update(b"fasthorovod world incarnation\0");
+        mac.update(&incarnation.to_le_bytes());
+        let tag = mac.finalize().into_bytes();
+        JobToken(tag.iter().map(|b| format!("{b:02x}")).collect())
+    }
 }
 
 impl fmt::Debug for JobToken {
@@ -921,6 +939,32 @@ pub fn notify_launcher(rank: usize, reason: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_incarnation_has_its_own_key() {
+        let t = JobToken::new("0123456789abcdef0123456789abcdef");
+        assert_eq!(
+            t.for_incarnation(0),
+            t,
+            "the first world keeps the launcher's token"
+        );
+        let (one, two) = (t.for_incarnation(1), t.for_incarnation(2));
+        assert_ne!(one, t);
+        assert_ne!(one, two);
+        // The same on every rank (a function of the token and the number only).
+        assert_eq!(
+            one,
+            JobToken::new("0123456789abcdef0123456789abcdef").for_incarnation(1)
+        );
+        // Another job's token gives another key for the same incarnation.
+        assert_ne!(
+            one,
+            JobToken::new("fedcba9876543210fedcba9876543210").for_incarnation(1)
+        );
+        assert_eq!(one.expose().len(), 64);
+        assert!(one.expose().bytes().all(|b| b.is_ascii_hexdigit()));
+        assert!(!format!("{one:?}").contains(one.expose()), "redacted");
+    }
 
     #[test]
     fn tasks_per_node_syntax() {

@@ -103,6 +103,14 @@ pub const TRANSPORT_CHOICES: &str =
 /// build it) and ranks started by `mpirun`. `CONTROL+DATA` (e.g. `mpi+tcp`) opens control
 /// communicators on the first backend and data communicators on the second
 /// ([`split::SplitTransport`]).
+///
+/// Each call is a new *incarnation* of the process's world (a script that calls `shutdown()`
+/// and `init()` again): the `n`-th world of a process authenticates with the job token's key
+/// for incarnation `n` ([`bootstrap::JobToken::for_incarnation`]). Every rank builds its worlds
+/// in the same order, so the ranks of one incarnation share a key, and anything left of an
+/// earlier one — a late connection, an abort notice or a liveness probe, a shared-memory
+/// segment under the earlier names — fails authentication or is never found: it cannot
+/// reach the new world.
 pub fn from_env() -> Result<Box<dyn Transport>> {
     let choice = std::env::var("FH_TRANSPORT").ok();
     // MPI learns its world from the MPI runtime (plain `mpirun -np N` sets no rendezvous
@@ -113,9 +121,14 @@ pub fn from_env() -> Result<Box<dyn Transport>> {
     {
         return mpi::world();
     }
-    let info = bootstrap::LaunchInfo::from_env()?;
+    let mut info = bootstrap::LaunchInfo::from_env()?;
+    let incarnation = WORLDS_BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    info.token = info.token.map(|t| t.for_incarnation(incarnation));
     world_for(&info, choice.as_deref())
 }
+
+/// Worlds [`from_env`] has started building in this process: the next one's incarnation.
+static WORLDS_BUILT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Build the world for `info` with the backend named `choice` (the value of `FH_TRANSPORT`;
 /// `None` means `auto`). This is [`from_env`] without reading the environment.

@@ -522,6 +522,7 @@ fn encode(dtype: DType, vals: impl Iterator<Item = i64>) -> Vec<u8> {
         match dtype {
             DType::U8 => out.push(v as u8),
             DType::I8 => out.push(v as i8 as u8),
+            DType::I16 => out.extend_from_slice(&(v as i16).to_ne_bytes()),
             DType::I32 => out.extend_from_slice(&(v as i32).to_ne_bytes()),
             DType::I64 => out.extend_from_slice(&v.to_ne_bytes()),
             DType::F16 => out.extend_from_slice(&half::f16::from_f64(v as f64).to_ne_bytes()),

@@ -141,6 +141,7 @@ fn reduce_aligned(dtype: DType, op: ReduceOp, acc: &mut [u8], src: &[u8]) -> boo
             true
         }
         DType::I8 => typed!(i8, int_loop),
+        DType::I16 => typed!(i16, int_loop),
         DType::I32 => typed!(i32, int_loop),
         DType::I64 => typed!(i64, int_loop),
         DType::F16 => typed!(f16, half_reduce_loop),

@@ -33,6 +33,10 @@ macro_rules! map_elems {
                 let $x = v as f64;
                 sat_i8($body)
             }),
+            DType::I16 => map_in_place::<i16>(buf, |v| {
+                let $x = v as f64;
+                ($body) as i16
+            }),
             DType::I32 => map_in_place::<i32>(buf, |v| {
                 let $x = v as f64;
                 ($body) as i32
@@ -110,6 +114,7 @@ pub fn divide(dtype: DType, buf: &mut [u8], n: usize) -> Result<(), CoreError> {
     match dtype {
         DType::U8 => map_in_place::<u8>(buf, |v| (v as usize / n) as u8),
         DType::I8 => map_in_place::<i8>(buf, |v| (v as i64 / n as i64) as i8),
+        DType::I16 => map_in_place::<i16>(buf, |v| (v as i64 / n as i64) as i16),
         DType::I32 => map_in_place::<i32>(buf, |v| (v as i64 / n as i64) as i32),
         DType::I64 => map_in_place::<i64>(buf, |v| v / n as i64),
         DType::F16 => half_apply::<f16>(buf, |v| v / n as f32),

@@ -87,3 +87,37 @@ pub(crate) fn agree(
     }
     Ok(())
 }
+
+/// The engine's incarnation: a value rank 0 draws afresh for every engine it starts and
+/// broadcasts over the control communicator at start-up. Every control message of the engine
+/// carries it (`negotiate::collect`), so that a message of an earlier engine of the same
+/// processes (a script that calls `shutdown()` and `init()` again) is refused on every rank,
+/// never taken for one of this engine's. Collective over `comm`.
+pub(crate) fn agree_incarnation(
+    comm: &mut dyn fh_transport::Communicator,
+) -> Result<u64, SchedulerError> {
+    let mut b = if comm.rank() == 0 {
+        fresh_incarnation()
+    } else {
+        0
+    }
+    .to_le_bytes();
+    comm.broadcast(&mut b, 0)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+/// A value unlikely to repeat: the clock, the process and a count of the engines this process
+/// started, through the standard library's randomly keyed hasher.
+fn fresh_incarnation() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static STARTED: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(STARTED.fetch_add(1, Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    h.write_u128(now.as_nanos());
+    h.finish()
+}

@@ -15,7 +15,7 @@ mod parse;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use agree::agree;
+pub(crate) use agree::{agree, agree_incarnation};
 
 const MIB: u64 = 1024 * 1024;
 

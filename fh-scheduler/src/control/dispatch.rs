@@ -117,9 +117,14 @@ impl Control {
 
     /// Whether every rank can run the round (each says whether it can; one byte, AND).
     pub(super) fn agree_can_run(&mut self, mine: bool) -> Result<bool, SchedulerError> {
-        let mut b = [u8::from(mine)];
-        self.add_bytes(b.len());
-        self.comm.allreduce(&mut b, DType::U8, ReduceOp::BitAnd)?;
+        let mut b = vec![u8::from(mine)];
+        self.add_bytes(b.len() + 16);
+        crate::negotiate::collect::reduce_bits(
+            self.comm.as_mut(),
+            &mut b,
+            ReduceOp::BitAnd,
+            self.incarnation,
+        )?;
         Ok(b[0] == 1)
     }
 
@@ -154,7 +159,8 @@ impl Control {
     /// dispatches anything and the next round agrees on the fault. The plan itself depends on
     /// the agreed responses alone.
     pub(super) fn dispatch(&mut self, ready: Vec<Arc<Response>>) -> Result<(), SchedulerError> {
-        let active = self.joined_set.iter().filter(|j| !**j).count();
+        // Horovod's convention: an average divides by every rank, a joined one included.
+        let divisor = self.inner.size;
         // 1. The plan (a function of the agreed responses and the carried load only).
         let mut items: Vec<PlanItem> = Vec::with_capacity(ready.len());
         let mut group_ids: HashMap<&str, u32> = HashMap::new();
@@ -283,7 +289,7 @@ impl Control {
                     .iter()
                     .map(|p| (Arc::clone(&ops[p.item]), p.offset as usize, p.len as usize))
                     .collect(),
-                active,
+                divisor,
             };
             let queue_anyway = self.queue_anyway(&job);
             match &mut self.dispatch {

@@ -38,12 +38,12 @@ use fh_core::bitvec::{BitVec, NegotiationVec, Status};
 use fh_core::cache::{Lookup, ResponseCache};
 use fh_core::fusion::{plan_round_on, runs_inline, ChannelLoad, PlanItem, PlanMode, PlanOptions};
 use fh_core::message::{CollectiveKind, GroupTag, Request, Response};
-use fh_core::{wire, DType, ReduceOp};
+use fh_core::{wire, ReduceOp};
 use fh_transport::Communicator;
 
 use crate::exec::Executor;
 use crate::job::{Job, Op, OpState};
-use crate::negotiate::coordinator::{joins_with_zeros, Table};
+use crate::negotiate::coordinator::{refused_while_joined, Table};
 use crate::negotiate::readiness::ReadyTimes;
 use crate::negotiate::{collect, fault, shutdown, stall};
 use crate::shared::{Entry, Inner, Msg, Resolver};
@@ -121,6 +121,8 @@ pub(crate) struct Control {
     /// Rank 0 while writing a timeline: for each tensor not yet agreed, when each rank had it
     /// ready (from the readiness reports). Empty when no timeline is written.
     ready_times: ReadyTimes,
+    /// This engine's incarnation (agreed at start-up), carried by every control message.
+    incarnation: u64,
 }
 
 impl Control {
@@ -130,6 +132,7 @@ impl Control {
         data: Vec<Box<dyn Communicator>>,
         devices: Vec<crate::gpu::DeviceChannelSlot>,
         rx: Receiver<Msg>,
+        incarnation: u64,
     ) -> Result<Self, SchedulerError> {
         let cfg = inner.config.clone();
         inner.counters.init_channels(data.len());
@@ -206,6 +209,7 @@ impl Control {
             joined_set: vec![false; inner.size],
             last_joined: None,
             ready_times: ReadyTimes::new(inner.size),
+            incarnation,
             inner,
             comm,
             rx,

@@ -52,12 +52,11 @@ impl Control {
             }
         }
         if self.joined {
-            // A joined rank is ready for every cached allreduce its zeros are right for; the
-            // others wait for it (the stall inspector names them) rather than go wrong.
+            // A joined rank is ready for every cached response: an allreduce its zeros are
+            // right for runs with them, any other fails on the ranks that submitted it (step 6),
+            // rather than wait forever for this rank's bit.
             for slot in 0..cap {
-                if self.cache.get(slot).is_some_and(|r| {
-                    r.sig.kind == CollectiveKind::Allreduce && joins_with_zeros(r.sig.op)
-                }) {
+                if self.cache.get(slot).is_some() {
                     vec.set_slot(slot, true);
                 }
             }
@@ -76,9 +75,13 @@ impl Control {
 
         // 2. The bit-vector allreduce.
         let mut bytes = vec.to_bytes();
-        self.add_bytes(bytes.len());
-        self.comm
-            .allreduce(&mut bytes, DType::U8, ReduceOp::BitAnd)?;
+        self.add_bytes(bytes.len() + 16);
+        collect::reduce_bits(
+            self.comm.as_mut(),
+            &mut bytes,
+            ReduceOp::BitAnd,
+            self.incarnation,
+        )?;
         let agreed = NegotiationVec::from_bytes_with_channels(&bytes, cap, channel_bits)
             .ok_or_else(|| {
                 SchedulerError::InvalidArgument("internal error: negotiation vector length".into())
@@ -98,7 +101,7 @@ impl Control {
             // Every rank learns who asked and why (one exchange, at the end of the job).
             let mine = shutdown::encode(self.local_shutdown, self.shutdown_reason.as_deref());
             self.add_bytes(mine.len());
-            let all = collect::allgather_blobs(self.comm.as_mut(), &mine)?;
+            let all = collect::allgather_blobs(self.comm.as_mut(), &mine, self.incarnation)?;
             let inner = &self.inner;
             return Ok(Some(shutdown::describe(&all, inner.rank, |r| {
                 inner.world_rank(r)
@@ -115,8 +118,13 @@ impl Control {
             let mut jv = BitVec::zeros(size);
             jv.set(self.inner.rank, self.joined);
             let mut b = jv.to_bytes();
-            self.add_bytes(b.len());
-            self.comm.allreduce(&mut b, DType::U8, ReduceOp::BitOr)?;
+            self.add_bytes(b.len() + 16);
+            collect::reduce_bits(
+                self.comm.as_mut(),
+                &mut b,
+                ReduceOp::BitOr,
+                self.incarnation,
+            )?;
             let jv = BitVec::from_bytes(&b, size).ok_or_else(|| {
                 SchedulerError::InvalidArgument("internal error: joined vector length".into())
             })?;
@@ -147,8 +155,13 @@ impl Control {
                 iv.set(s, true);
             }
             let mut b = iv.to_bytes();
-            self.add_bytes(b.len());
-            self.comm.allreduce(&mut b, DType::U8, ReduceOp::BitOr)?;
+            self.add_bytes(b.len() + 16);
+            collect::reduce_bits(
+                self.comm.as_mut(),
+                &mut b,
+                ReduceOp::BitOr,
+                self.incarnation,
+            )?;
             let iv = BitVec::from_bytes(&b, cap).ok_or_else(|| {
                 SchedulerError::InvalidArgument("internal error: invalidation vector length".into())
             })?;
@@ -162,14 +175,22 @@ impl Control {
         // Cache hits share the cached response (a reference count, no copy).
         let mut ready: Vec<Arc<Response>> = Vec::new();
         if !all_joined {
+            let joined_ranks = self.joined_world_ranks();
             for slot in agreed.pending_slots() {
                 if evicted.contains(&slot) {
                     continue;
                 }
-                if let Some(r) = self.cache.get(slot) {
-                    ready.push(Arc::clone(r));
-                    self.cache.touch(slot);
+                let Some(r) = self.cache.get(slot).map(Arc::clone) else {
+                    continue;
+                };
+                self.cache.touch(slot);
+                // The same decision on every rank: the response and the joined set are agreed.
+                if let Some(e) = refused_while_joined(&r.sig, &joined_ranks) {
+                    self.ready_times.take(&r.name);
+                    self.fail_response(&r, SchedulerError::from_negotiation(&r.name, &e));
+                    continue;
                 }
+                ready.push(r);
             }
         }
         Counters::add(&self.inner.counters.cache_hits, ready.len() as u64);
@@ -200,10 +221,7 @@ impl Control {
                 if let Some(e) = &r.error {
                     self.ready_times.take(&r.name);
                     let err = SchedulerError::from_negotiation(&r.name, e);
-                    self.fail_name(&r.name, err.clone());
-                    if let Some(g) = &r.group {
-                        self.fail_group(g, err);
-                    }
+                    self.fail_response(&r, err);
                     continue;
                 }
                 let r = Arc::new(r);
@@ -254,6 +272,31 @@ impl Control {
         Ok(None)
     }
 
+    /// The ranks that have joined, as errors name them (world ranks).
+    pub(super) fn joined_world_ranks(&self) -> Vec<usize> {
+        (0..self.joined_set.len())
+            .filter(|&r| self.joined_set[r])
+            .map(|r| self.inner.world_rank(r))
+            .collect()
+    }
+
+    /// A response that failed on every rank: its submission here (if any) fails with `err`,
+    /// and so does the rest of its group. A rank that holds no part of the group (a joined
+    /// rank, which never submitted it) remembers nothing, so that a later group of the same
+    /// name is not failed by it.
+    pub(super) fn fail_response(&mut self, r: &Response, err: SchedulerError) {
+        let mine = self.work.by_name.contains_key(&*r.name)
+            || r.group
+                .as_ref()
+                .is_some_and(|g| self.work.held.contains_key(&g.name));
+        self.fail_name(&r.name, err.clone());
+        if let Some(g) = &r.group {
+            if mine || !self.joined {
+                self.fail_group(g, err);
+            }
+        }
+    }
+
     /// Whether this rank asks for readiness reports: rank 0 while it writes a timeline. A
     /// timeline that ended on a write error is dropped here; without one, rank 0 forgets the
     /// ready times it collected.
@@ -292,9 +335,10 @@ impl Control {
         }
         let bytes = wire::encode_names(&mine);
         if self.inner.rank != 0 {
-            self.add_bytes(bytes.len() + 8);
+            self.add_bytes(bytes.len() + 16);
         }
-        let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes)? else {
+        let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes, self.incarnation)?
+        else {
             return Ok(());
         };
         let learned = Instant::now();
@@ -315,10 +359,11 @@ impl Control {
     pub(super) fn coordinate(&mut self, mine: &[Request]) -> Result<Vec<Response>, SchedulerError> {
         let bytes = wire::encode_requests(mine);
         if self.inner.rank != 0 {
-            self.add_bytes(bytes.len() + 8);
+            self.add_bytes(bytes.len() + 16);
         }
         let mut out = Vec::new();
-        if let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes)? {
+        if let Some(lists) = collect::gather_to_root(self.comm.as_mut(), &bytes, self.incarnation)?
+        {
             for (r, list) in lists.iter().enumerate() {
                 let reqs = wire::decode_requests(list).map_err(|e| SchedulerError::Transport {
                     lost_rank: Some(r),
@@ -332,9 +377,9 @@ impl Control {
             }
             let responses = self.table.take_ready(&self.joined_set);
             out = wire::encode_responses(&responses);
-            self.add_bytes(out.len() + 8);
+            self.add_bytes(out.len() + 16);
         }
-        let out = collect::broadcast_blob(self.comm.as_mut(), out)?;
+        let out = collect::broadcast_blob(self.comm.as_mut(), out, self.incarnation)?;
         wire::decode_responses(&out).map_err(|e| SchedulerError::Transport {
             lost_rank: Some(0),
             message: format!("rank 0 sent a malformed response list: {e}"),
@@ -346,8 +391,8 @@ impl Control {
     /// the same error, naming the lowest faulty rank, its tensor and what went wrong.
     pub(super) fn agree_on_fault(&mut self) -> Result<SchedulerError, SchedulerError> {
         let mine = fault::encode(self.fault.as_ref());
-        self.add_bytes(mine.len() + 8);
-        let all = collect::allgather_blobs(self.comm.as_mut(), &mine)?;
+        self.add_bytes(mine.len() + 16);
+        let all = collect::allgather_blobs(self.comm.as_mut(), &mine, self.incarnation)?;
         Ok(fault::agreed(&all, |r| self.inner.world_rank(r)))
     }
 
@@ -365,8 +410,8 @@ impl Control {
             })
             .collect();
         let bytes = wire::encode_names(&mine);
-        self.add_bytes(bytes.len() + 8);
-        let all = collect::allgather_blobs(self.comm.as_mut(), &bytes)?;
+        self.add_bytes(bytes.len() + 16);
+        let all = collect::allgather_blobs(self.comm.as_mut(), &bytes, self.incarnation)?;
         let mut lists = Vec::with_capacity(all.len());
         for (r, b) in all.iter().enumerate() {
             lists.push(

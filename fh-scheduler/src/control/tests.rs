@@ -3,6 +3,7 @@
 use super::dispatch::try_zeros;
 use super::*;
 use crate::{AllreduceOptions, Config, Engine};
+use fh_core::DType;
 use fh_transport::local::LocalWorld;
 
 /// A rank that cannot run a negotiated tensor (here: an injected allocation failure on

@@ -103,7 +103,9 @@ impl Engine {
         let mut control = transport.open("fh-control")?;
         let k = config.effective_channels();
         let mut data = Vec::with_capacity(k);
+        let mut incarnation = 0;
         let opened = crate::config::agree(control.as_mut(), &config, wire).and_then(|()| {
+            incarnation = crate::config::agree_incarnation(control.as_mut())?;
             for c in 0..k {
                 data.push(transport.open(&format!("fh-channel-{c}"))?);
             }
@@ -155,7 +157,7 @@ impl Engine {
             gpu,
             pacing_wait: AtomicBool::new(false),
         });
-        let ctl = Control::new(Arc::clone(&inner), control, data, devices, rx)?;
+        let ctl = Control::new(Arc::clone(&inner), control, data, devices, rx, incarnation)?;
         let handle = std::thread::Builder::new()
             .name(format!("fh-control-{}", topo.rank))
             .spawn(move || ctl.run())

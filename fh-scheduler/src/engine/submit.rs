@@ -337,8 +337,10 @@ impl Engine {
     }
 
     /// Declare that this rank has run out of data. Until every rank has joined, the other
-    /// ranks' allreduces proceed with this rank contributing zeros (`Average` divides by the
-    /// number of ranks that have not joined); other collectives fail while a rank is joined.
+    /// ranks' allreduces with `Sum` or `Average` proceed with this rank contributing zeros
+    /// (`Average` divides by every rank, joined ones included, as Horovod does); an allreduce
+    /// with another op and every other collective (broadcast, allgather, alltoall,
+    /// reducescatter, barrier) fail on the ranks that submitted them while a rank is joined.
     /// The handle completes once every rank has joined, with a one-element `i64` tensor
     /// holding the rank that joined last (the same on every rank; among ranks that joined in
     /// the same negotiation round, the highest). Do not submit on this rank until then.

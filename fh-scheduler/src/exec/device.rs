@@ -76,9 +76,9 @@ pub(crate) fn run_job(
         .collect();
     match sig.kind {
         CollectiveKind::Allreduce => {
-            // Average: sum, then divide by the contributing ranks (fewer after a join).
+            // Average: sum, then divide by every rank (a joined one contributes zeros).
             let (op, post) = if sig.op == ReduceOp::Average {
-                (ReduceOp::Sum, sig.postscale / job.active.max(1) as f64)
+                (ReduceOp::Sum, sig.postscale / job.divisor.max(1) as f64)
             } else {
                 (sig.op, sig.postscale)
             };

@@ -1,5 +1,12 @@
-//! Variable-length byte lists between ranks, over the control communicator.
+//! Variable-length byte lists between ranks, over the control communicator, and the bitwise
+//! reductions of the negotiation's vectors.
+//!
+//! Every one of them carries the engine's incarnation (`config::agree_incarnation`): each
+//! length word travels with it, each reduced vector with it and its complement. A message of
+//! another engine of the same processes (an earlier `init()`) is refused on every rank that
+//! receives it, with an error that says so, instead of being read as one of this engine's.
 
+use fh_core::{DType, ReduceOp};
 use fh_transport::{CollectivesExt, Communicator};
 
 use crate::SchedulerError;
@@ -24,22 +31,83 @@ fn len_of(b: [u8; 8]) -> usize {
     usize::try_from(u64::from_le_bytes(b)).unwrap_or(usize::MAX)
 }
 
-/// Every rank's `mine`, in rank order (an allgather of lengths, then of the bytes).
+/// The error for a control message of rank `from` that belongs to another engine.
+fn stale(from: Option<usize>, theirs: u64, mine: u64) -> SchedulerError {
+    let who = from.map_or_else(|| "a peer".to_string(), |r| format!("rank {r}"));
+    SchedulerError::Transport {
+        lost_rank: from,
+        message: format!(
+            "{who} sent a control message of another engine (incarnation {theirs:016x}, this \
+             engine's is {mine:016x}): a message of an earlier init() reached this one; \
+             refused"
+        ),
+        source: None,
+    }
+}
+
+/// A length word with the engine's incarnation: 16 bytes.
+fn header(tag: u64, len: usize) -> [u8; 16] {
+    let mut h = [0u8; 16];
+    h[..8].copy_from_slice(&tag.to_le_bytes());
+    h[8..].copy_from_slice(&(len as u64).to_le_bytes());
+    h
+}
+
+/// The length in a header from rank `from`, once its incarnation is checked.
+fn read_header(h: &[u8], tag: u64, from: usize) -> Result<usize, SchedulerError> {
+    let mut t = [0u8; 8];
+    t.copy_from_slice(&h[..8]);
+    let theirs = u64::from_le_bytes(t);
+    if theirs != tag {
+        return Err(stale(Some(from), theirs, tag));
+    }
+    let mut l = [0u8; 8];
+    l.copy_from_slice(&h[8..16]);
+    Ok(len_of(l))
+}
+
+/// Reduce `bits` bytewise with `op` (`BitAnd` or `BitOr`) over every rank, the engine's
+/// incarnation `tag` and its complement appended: when every rank sent the same tag the
+/// result carries it unchanged, and when any two differ, some bit is set in one and clear in
+/// the other, so the reduced pair is no longer a tag and its complement, on every rank.
+pub(crate) fn reduce_bits(
+    comm: &mut dyn Communicator,
+    bits: &mut Vec<u8>,
+    op: ReduceOp,
+    tag: u64,
+) -> Result<(), SchedulerError> {
+    let n = bits.len();
+    bits.extend_from_slice(&tag.to_le_bytes());
+    bits.extend_from_slice(&(!tag).to_le_bytes());
+    comm.allreduce(bits, DType::U8, op)?;
+    let word = |at: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&bits[at..at + 8]);
+        u64::from_le_bytes(w)
+    };
+    let (t, c) = (word(n), word(n + 8));
+    bits.truncate(n);
+    if t != tag || c != !tag {
+        return Err(stale(None, t, tag));
+    }
+    Ok(())
+}
+
+/// Every rank's `mine`, in rank order (an allgather of lengths, then of the bytes); `tag`:
+/// the engine's incarnation.
 pub(crate) fn allgather_blobs(
     comm: &mut dyn Communicator,
     mine: &[u8],
+    tag: u64,
 ) -> Result<Vec<Vec<u8>>, SchedulerError> {
     let size = comm.size();
-    let mut lens = vec![0u8; 8 * size];
-    comm.allgather(&(mine.len() as u64).to_le_bytes(), &mut lens)?;
-    let counts: Vec<usize> = lens
-        .chunks_exact(8)
-        .map(|c| {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(c);
-            len_of(a)
-        })
-        .collect();
+    let mut lens = vec![0u8; 16 * size];
+    comm.allgather(&header(tag, mine.len()), &mut lens)?;
+    let counts = lens
+        .chunks_exact(16)
+        .enumerate()
+        .map(|(r, h)| read_header(h, tag, r))
+        .collect::<Result<Vec<usize>, _>>()?;
     let mut all = vec![0u8; checked_total(&counts)?];
     comm.allgatherv(mine, &mut all, &counts)?;
     let mut out = Vec::with_capacity(size);
@@ -53,13 +121,14 @@ pub(crate) fn allgather_blobs(
 
 /// Gather every rank's `mine` to rank 0: rank 0 gets them in rank order, the others `None`.
 /// Each rank sends a length and then (when not empty) its bytes, point to point: O(N) bytes
-/// in all, where an allgather would move O(N²).
+/// in all, where an allgather would move O(N²). `tag`: the engine's incarnation.
 pub(crate) fn gather_to_root(
     comm: &mut dyn Communicator,
     mine: &[u8],
+    tag: u64,
 ) -> Result<Option<Vec<Vec<u8>>>, SchedulerError> {
     if comm.rank() != 0 {
-        comm.send(0, &(mine.len() as u64).to_le_bytes())?;
+        comm.send(0, &header(tag, mine.len()))?;
         if !mine.is_empty() {
             comm.send(0, mine)?;
         }
@@ -70,9 +139,9 @@ pub(crate) fn gather_to_root(
     lists.push(mine.to_vec());
     let mut total = mine.len();
     for r in 1..size {
-        let mut len = [0u8; 8];
-        comm.recv(r, &mut len)?;
-        let n = len_of(len);
+        let mut h = [0u8; 16];
+        comm.recv(r, &mut h)?;
+        let n = read_header(&h, tag, r)?;
         total = checked_total(&[total, n])?;
         let mut b = vec![0u8; n];
         if n > 0 {
@@ -83,14 +152,16 @@ pub(crate) fn gather_to_root(
     Ok(Some(lists))
 }
 
-/// Broadcast rank 0's `bytes` (of a length only rank 0 knows) to every rank.
+/// Broadcast rank 0's `bytes` (of a length only rank 0 knows) to every rank; `tag`: the
+/// engine's incarnation.
 pub(crate) fn broadcast_blob(
     comm: &mut dyn Communicator,
     mut bytes: Vec<u8>,
+    tag: u64,
 ) -> Result<Vec<u8>, SchedulerError> {
-    let mut len = (bytes.len() as u64).to_le_bytes();
-    comm.broadcast(&mut len, 0)?;
-    let n = checked_total(&[len_of(len)])?;
+    let mut h = header(tag, bytes.len());
+    comm.broadcast(&mut h, 0)?;
+    let n = checked_total(&[read_header(&h, tag, 0)?])?;
     bytes.resize(n, 0);
     if n > 0 {
         comm.broadcast(&mut bytes, 0)?;
@@ -126,10 +197,10 @@ mod tests {
         for n in [1, 2, 5] {
             let out = on_ranks(n, |c| {
                 let mine = vec![c.rank() as u8; c.rank()];
-                let g = gather_to_root(c, &mine).unwrap();
-                let a = allgather_blobs(c, &mine).unwrap();
+                let g = gather_to_root(c, &mine, 9).unwrap();
+                let a = allgather_blobs(c, &mine, 9).unwrap();
                 let root = if c.rank() == 0 { vec![7; 3] } else { vec![] };
-                let b = broadcast_blob(c, root).unwrap();
+                let b = broadcast_blob(c, root, 9).unwrap();
                 (g, a, b)
             });
             let want: Vec<Vec<u8>> = (0..n).map(|r| vec![r as u8; r]).collect();
@@ -149,12 +220,87 @@ mod tests {
         // A peer announcing an absurd length: rank 0 refuses it.
         let out = on_ranks(2, |c| {
             if c.rank() == 1 {
-                c.send(0, &u64::MAX.to_le_bytes()).unwrap();
+                c.send(0, &header(5, usize::MAX)).unwrap();
                 None
             } else {
-                Some(gather_to_root(c, &[]).unwrap_err().to_string())
+                Some(gather_to_root(c, &[], 5).unwrap_err().to_string())
             }
         });
         assert!(out[0].as_ref().unwrap().contains("refusing"), "{out:?}");
+    }
+
+    /// Rank `r`'s incarnation in the stale-message tests: rank 1 still speaks for an earlier
+    /// engine.
+    fn tag_of(r: usize) -> u64 {
+        if r == 1 {
+            0x0123_4567_89ab_cdef
+        } else {
+            0xfeed_f00d_0000_0001
+        }
+    }
+
+    #[test]
+    fn a_message_of_another_incarnation_is_refused_on_every_rank_that_reads_it() {
+        for n in [2, 3] {
+            // Reduced vectors: every rank sees the mismatch, with AND and with OR, whatever
+            // the bits of the two tags (one a subset of the other included).
+            for (a, b) in [(tag_of(0), tag_of(1)), (0b1011, 0b0011), (0, u64::MAX)] {
+                for op in [ReduceOp::BitAnd, ReduceOp::BitOr] {
+                    let out = on_ranks(n, move |c| {
+                        let tag = if c.rank() == 1 { b } else { a };
+                        let mut v = vec![0b1010u8, 0xff];
+                        reduce_bits(c, &mut v, op, tag).map_err(|e| e.to_string())
+                    });
+                    for (r, res) in out.iter().enumerate() {
+                        let e = res.as_ref().unwrap_err();
+                        assert!(e.contains("another engine"), "np {n} rank {r} {op:?}: {e}");
+                    }
+                }
+            }
+            // The same tag: the vector reduces as without it.
+            let out = on_ranks(n, |c| {
+                let mut v = vec![0b1010u8 | c.rank() as u8, 0xff];
+                reduce_bits(c, &mut v, ReduceOp::BitAnd, 77).unwrap();
+                v
+            });
+            for (r, v) in out.iter().enumerate() {
+                let want = (0..n).fold(0xffu8, |a, x| a & (0b1010 | x as u8));
+                assert_eq!(v, &vec![want, 0xff], "np {n} rank {r}");
+            }
+            // Gathers, allgathers and broadcasts name the rank whose message is stale.
+            let out = on_ranks(n, |c| {
+                let tag = tag_of(c.rank());
+                gather_to_root(c, b"x", tag)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            });
+            let e = out[0].as_ref().unwrap_err();
+            assert!(e.contains("rank 1") && e.contains("earlier init()"), "{e}");
+            let out = on_ranks(n, |c| {
+                let tag = tag_of(c.rank());
+                allgather_blobs(c, b"y", tag)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            });
+            for (r, a) in out.iter().enumerate() {
+                let e = a.as_ref().unwrap_err();
+                if r == 1 {
+                    // Rank 1 reads rank 0's message first: from its point of view rank 0 is
+                    // the other engine.
+                    assert!(e.contains("rank 0") && e.contains("another engine"), "{e}");
+                } else {
+                    assert!(e.contains("rank 1") && e.contains("another engine"), "{e}");
+                }
+            }
+            let out = on_ranks(n, |c| {
+                let tag = tag_of(c.rank());
+                broadcast_blob(c, vec![1, 2], tag)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            });
+            assert!(out[0].is_ok(), "rank 0 sends only");
+            let e = out[1].as_ref().unwrap_err();
+            assert!(e.contains("rank 0") && e.contains("another engine"), "{e}");
+        }
     }
 }

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use fh_core::message::{validate, CollectiveKind, NegotiationError, Request, Response};
+use fh_core::message::{validate, CollectiveKind, NegotiationError, Request, Response, Signature};
 use fh_core::ReduceOp;
 
 /// Rank 0's table of uncached requests.
@@ -79,23 +79,8 @@ impl Table {
                         e.map_ranks(|r| u32::try_from(self.world_rank(r as usize)).unwrap_or(r))
                     });
                 }
-                if resp.error.is_none()
-                    && !joined_ranks.is_empty()
-                    && resp.sig.kind != CollectiveKind::Allreduce
-                {
-                    resp.error = Some(NegotiationError::Other(format!(
-                        "{} is not supported while ranks {joined_ranks:?} have joined",
-                        resp.sig.kind
-                    )));
-                } else if resp.error.is_none()
-                    && !joined_ranks.is_empty()
-                    && !joins_with_zeros(resp.sig.op)
-                {
-                    resp.error = Some(NegotiationError::Other(format!(
-                        "allreduce with op {} is not supported while ranks {joined_ranks:?} have \
-                         joined: joined ranks contribute zeros, which only Sum and Average allow",
-                        resp.sig.op
-                    )));
+                if resp.error.is_none() {
+                    resp.error = refused_while_joined(&resp.sig, &joined_ranks);
                 }
                 out.push(resp);
             }
@@ -106,15 +91,49 @@ impl Table {
 }
 
 /// Whether a joined rank's zeros give the right result for `op` (Sum, and Average, which
-/// divides by the ranks that have not joined).
-pub(crate) fn joins_with_zeros(op: ReduceOp) -> bool {
+/// divides by every rank, joined ones included, as Horovod does).
+fn joins_with_zeros(op: ReduceOp) -> bool {
     matches!(op, ReduceOp::Sum | ReduceOp::Average)
+}
+
+/// Why a collective of signature `sig` cannot run while the ranks `joined_ranks` (as errors
+/// name them) have joined, or `None` when it can (or nobody has joined).
+///
+/// Horovod's rules: an allreduce goes on, each joined rank contributing zeros (an average
+/// divides by every rank); broadcast, allgather, alltoall and reducescatter are refused. Where
+/// Horovod would let a joined rank's zeros take part in a Min, Max or Product (a zero would
+/// silently win or annul the result), the collective is refused too. A barrier waits for every
+/// rank, so it cannot complete while one has joined: refused as well.
+pub(crate) fn refused_while_joined(
+    sig: &Signature,
+    joined_ranks: &[usize],
+) -> Option<NegotiationError> {
+    if joined_ranks.is_empty() {
+        return None;
+    }
+    if sig.kind != CollectiveKind::Allreduce {
+        return Some(NegotiationError::Other(format!(
+            "{} is not supported while ranks {joined_ranks:?} have joined (as in Horovod, only \
+             allreduce goes on after a join, the joined ranks contributing zeros): run it \
+             before hvd.join()",
+            sig.kind
+        )));
+    }
+    if !joins_with_zeros(sig.op) {
+        return Some(NegotiationError::Other(format!(
+            "allreduce with op {} is not supported while ranks {joined_ranks:?} have joined: \
+             joined ranks contribute zeros, which only Sum and Average allow (a zero would take \
+             part in the {}); reduce before hvd.join()",
+            sig.op, sig.op
+        )));
+    }
+    None
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fh_core::message::{Device, Signature};
+    use fh_core::message::Device;
     use fh_core::DType;
 
     fn req(name: &str, rank: u32, len: u64, op: ReduceOp) -> Request {

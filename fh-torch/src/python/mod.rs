@@ -28,8 +28,10 @@ use handle::PyHandle;
 use runtime::*;
 use submit::*;
 
+// Named, printed and pickled as `fasthorovod.common.exceptions.HorovodInternalError`, where
+// that module re-exports it (Horovod's is `horovod.common.exceptions.HorovodInternalError`).
 create_exception!(
-    _core,
+    fasthorovod.common.exceptions,
     HorovodInternalError,
     PyRuntimeError,
     "A collective failed on every rank (ranks disagreed, a rank was lost, the runtime shut down)."

@@ -16,7 +16,11 @@ pub(crate) fn nccl_types(
     fh_nccl_sys::sys::ncclRedOp_t,
 )> {
     use fh_nccl_sys::sys::ncclRedOp_t as O;
-    let t = nccl_dtype(dtype);
+    let t = nccl_dtype(dtype).ok_or_else(|| {
+        TransportError::InvalidArgument(format!(
+            "NCCL has no {dtype} type; reduce this tensor on the host"
+        ))
+    })?;
     let o = match (dtype, op) {
         (DType::Bool, ReduceOp::Sum | ReduceOp::BitOr | ReduceOp::Max) => O::ncclMax,
         (DType::Bool, ReduceOp::Product | ReduceOp::BitAnd | ReduceOp::Min) => O::ncclMin,
@@ -35,19 +39,21 @@ pub(crate) fn nccl_types(
     Ok((t, o))
 }
 
-/// NCCL's data type for `dtype` (`bool` as `u8`): the one `DType → ncclDataType_t` mapping.
-pub(crate) fn nccl_dtype(dtype: DType) -> fh_nccl_sys::sys::ncclDataType_t {
+/// NCCL's data type for `dtype` (`bool` as `u8`): the one `DType → ncclDataType_t` mapping;
+/// `None` for `i16`, which NCCL lacks.
+pub(crate) fn nccl_dtype(dtype: DType) -> Option<fh_nccl_sys::sys::ncclDataType_t> {
     use fh_nccl_sys::sys::ncclDataType_t as T;
-    match dtype {
+    Some(match dtype {
         DType::U8 | DType::Bool => T::ncclUint8,
         DType::I8 => T::ncclInt8,
+        DType::I16 => return None,
         DType::I32 => T::ncclInt32,
         DType::I64 => T::ncclInt64,
         DType::F16 => T::ncclFloat16,
         DType::BF16 => T::ncclBfloat16,
         DType::F32 => T::ncclFloat32,
         DType::F64 => T::ncclFloat64,
-    }
+    })
 }
 
 #[cfg(test)]
@@ -82,14 +88,18 @@ mod tests {
         let mut seen = HashSet::new();
         for dtype in DType::ALL {
             let t = nccl_dtype(dtype);
-            // One NCCL type per dtype; only bool shares u8's.
-            assert!(seen.insert(t.0) || dtype == DType::Bool, "{dtype:?}");
+            // One NCCL type per dtype; only bool shares u8's; NCCL lacks i16.
+            match t {
+                Some(t) => assert!(seen.insert(t.0) || dtype == DType::Bool, "{dtype:?}"),
+                None => assert_eq!(dtype, DType::I16),
+            }
             for op in ReduceOp::ALL {
                 let bitwise = matches!(op, ReduceOp::BitAnd | ReduceOp::BitOr);
                 let refused = (bitwise && dtype != DType::Bool)
-                    || (dtype == DType::Bool && op == ReduceOp::Average);
+                    || (dtype == DType::Bool && op == ReduceOp::Average)
+                    || dtype == DType::I16;
                 match nccl_types(dtype, op) {
-                    Ok((tt, _)) => assert!(!refused && tt == t, "{dtype:?} {op:?}"),
+                    Ok((tt, _)) => assert!(!refused && Some(tt) == t, "{dtype:?} {op:?}"),
                     Err(e) => assert!(
                         refused && e.to_string().contains("on the host"),
                         "{dtype:?} {op:?}: {e}"

@@ -457,6 +457,7 @@ unsafe fn native_datatype(dtype: DType) -> ffi::MPI_Datatype {
         match dtype {
             DType::U8 | DType::Bool => ffi::RSMPI_UINT8_T,
             DType::I8 => ffi::RSMPI_INT8_T,
+            DType::I16 => ffi::RSMPI_INT16_T,
             DType::I32 => ffi::RSMPI_INT32_T,
             DType::I64 => ffi::RSMPI_INT64_T,
             DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,

@@ -82,6 +82,7 @@ pub fn input(dtype: DType, op: ReduceOp, len: usize, rank: usize, seed: u64) -> 
         match dtype {
             DType::U8 | DType::I8 => out.push(h as u8),
             DType::Bool => out.push((h & 1) as u8),
+            DType::I16 => out.extend_from_slice(&(h as i16).to_ne_bytes()),
             DType::I32 => out.extend_from_slice(&(h as i32).to_ne_bytes()),
             DType::I64 => out.extend_from_slice(&(h as i64).to_ne_bytes()),
             DType::F16 => out.extend_from_slice(&f16::from_f32(small).to_bits().to_ne_bytes()),

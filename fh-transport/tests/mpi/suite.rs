@@ -14,9 +14,10 @@ use fh_transport::mpi::{MpiComm, MpiTransport, ThreadMode};
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
 
 /// Every dtype.
-pub const DTYPES: [DType; 9] = [
+pub const DTYPES: [DType; 10] = [
     DType::U8,
     DType::I8,
+    DType::I16,
     DType::I32,
     DType::I64,
     DType::F16,
@@ -82,6 +83,7 @@ fn encode(dtype: DType, vals: impl Iterator<Item = f64>) -> Vec<u8> {
         match dtype {
             DType::U8 | DType::Bool => out.push(v as u8),
             DType::I8 => out.extend((v as i8).to_ne_bytes()),
+            DType::I16 => out.extend((v as i16).to_ne_bytes()),
             DType::I32 => out.extend((v as i32).to_ne_bytes()),
             DType::I64 => out.extend((v as i64).to_ne_bytes()),
             DType::F16 => out.extend(half::f16::from_f64(v).to_ne_bytes()),

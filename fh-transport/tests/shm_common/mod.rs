@@ -85,6 +85,7 @@ pub fn values(dtype: DType, seed: u64, case: u64, rank: usize, len: usize) -> Ve
         match dtype {
             DType::U8 | DType::I8 => out.push(r as u8),
             DType::Bool => out.push((r & 1) as u8),
+            DType::I16 => out.extend_from_slice(&(r as i16).to_le_bytes()),
             DType::I32 => out.extend_from_slice(&(r as i32).to_le_bytes()),
             DType::I64 => out.extend_from_slice(&(r as i64).to_le_bytes()),
             DType::F16 => out.extend_from_slice(&half::f16::from_f32(small).to_le_bytes()),
