@@ -457,6 +457,7 @@ fn strangers_at_the_rendezvous_do_not_disturb_the_job() {
         seq: 0,
         port: 1,
         lost: 0,
+        world: [0; wire::WORLD_ID_LEN],
         nonce: [3; wire::NONCE_LEN],
     };
     let hello_bytes = hello.encode();

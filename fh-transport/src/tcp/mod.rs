@@ -52,7 +52,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use accept::{AcceptRules, Acceptor, RefusalLog};
+use accept::{AcceptRules, Acceptor, RefusalLog, WorldCell};
 pub use comm::TcpComm;
 use handshake::{connect_handshake, read_msg, write_by, ReadFail};
 pub(crate) use link::{AbortBoard, Key, Link};
@@ -67,11 +67,12 @@ use crate::{Communicator, Result, Topology, Transport, TransportError};
 pub const DEFAULT_MAX_FRAME: usize = 16 << 30;
 /// Default time a connecting stranger has to complete its whole handshake.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Handshakes served at once by a listener of a world of `size` ranks: room for every rank to
-/// connect at once, twice over, plus a margin for strangers. Further connections are dropped
-/// (their ranks retry) until some finish.
+/// Handshakes in progress at once on a listener of a world of `size` ranks: room for every
+/// rank to connect at once, twice over, plus a margin. Beyond it the listener evicts a silent
+/// connection (a stranger's) for each new one, so strangers never keep a member out (see
+/// *A door no crowd can hold* in the module documentation).
 pub fn max_pending_handshakes(size: usize) -> usize {
-    64 + 2 * size
+    128 + 2 * size
 }
 /// Descriptors kept free beyond what a mesh needs (logs, libraries, the user's files).
 const FD_MARGIN: u64 = 64;
@@ -172,6 +173,14 @@ pub struct TcpTransport {
     places: Vec<Place>,
     /// The host layout settled from [`TcpTransport::places`].
     layout: Layout,
+    /// The job's world id, drawn by rank 0 ([`wire::Hello::world`]); all zeros for one rank.
+    world: [u8; wire::WORLD_ID_LEN],
+    /// The world id as the data listener's acceptor knows it (set once known).
+    world_cell: WorldCell,
+    /// Rank 0: the rendezvous listener, kept for the life of the transport so that the port
+    /// stays taken (another job with the same address cannot start a second world on it) and
+    /// a late claimant of a rank is refused naming this world.
+    rendezvous: Option<Acceptor>,
 }
 
 impl std::fmt::Debug for TcpTransport {
@@ -205,6 +214,9 @@ impl TcpTransport {
             link: None,
             places: Vec::new(),
             layout: Layout::single(),
+            world: [0; wire::WORLD_ID_LEN],
+            world_cell: WorldCell::default(),
+            rendezvous: None,
         };
         if info.size == 1 {
             t.topology = Topology::single_host(0, 1);
@@ -259,6 +271,7 @@ impl TcpTransport {
             key: t.key.clone(),
             board: Arc::clone(&t.board),
             handshake_timeout: t.opts.handshake_timeout,
+            world: t.world,
         }));
         tracing::debug!(rank = info.rank, book = ?t.book, hosts = ?t.layout.hosts(), "TCP rendezvous complete");
         Ok(t)
@@ -280,6 +293,14 @@ impl TcpTransport {
         &self.layout
     }
 
+    /// The job's world id: random bytes rank 0 draws for each job and sends with the address
+    /// book. Every connection after the rendezvous names it (a rank of another job with the
+    /// same token is refused), and the shared-memory backends key their segment names with it.
+    /// All zeros in a world of one rank.
+    pub fn world_id(&self) -> [u8; wire::WORLD_ID_LEN] {
+        self.world
+    }
+
     fn rules(&self, kind: ConnKind) -> AcceptRules {
         AcceptRules {
             kind,
@@ -290,6 +311,10 @@ impl TcpTransport {
             max_pending: max_pending_handshakes(self.topology.size),
             board: Arc::clone(&self.board),
             log: RefusalLog::new(),
+            world: match kind {
+                ConnKind::Rendezvous => WorldCell::default(),
+                _ => Arc::clone(&self.world_cell),
+            },
         }
     }
 
@@ -309,6 +334,7 @@ impl TcpTransport {
                 seq,
                 port: 0,
                 lost: 0,
+                world: self.world,
                 nonce: [0; wire::NONCE_LEN],
             };
             // Every data listener has been up since the rendezvous: a refused connection
