@@ -147,18 +147,8 @@ impl ShmOptions {
     /// As [`ShmOptions::from_env`], reading variables through `get` (for tests).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let mut o = ShmOptions::default();
-        if let Some(v) = get("FH_TIMEOUT_SECONDS") {
-            let secs: f64 = v.trim().parse().map_err(|_| TransportError::Config {
-                var: "FH_TIMEOUT_SECONDS".into(),
-                reason: format!("'{v}' is not a number of seconds"),
-            })?;
-            if !(secs > 0.0 && secs < 1e9) {
-                return Err(TransportError::Config {
-                    var: "FH_TIMEOUT_SECONDS".into(),
-                    reason: format!("{secs} is not a positive number of seconds"),
-                });
-            }
-            o.timeout = Duration::from_secs_f64(secs);
+        if let Some(v) = get("FH_TIMEOUT_SECONDS").filter(|v| !v.trim().is_empty()) {
+            o.timeout = crate::bootstrap::parse_timeout_value(&v)?;
         }
         if let Some(v) = get("FH_SHM_SLOT_BYTES") {
             o.slot_bytes = v.trim().parse().map_err(|_| TransportError::Config {
