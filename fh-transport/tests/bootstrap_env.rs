@@ -357,7 +357,10 @@ fn tokens_with_too_little_variety_are_refused() {
         let (var, reason) = config_err(&with_token(token));
         assert_eq!(var, "FH_JOB_TOKEN", "{token}");
         assert!(reason.contains("distinct character"), "{token}: {reason}");
-        assert!(!reason.contains(token), "the error shows the token: {reason}");
+        assert!(
+            !reason.contains(token),
+            "the error shows the token: {reason}"
+        );
     }
     // Six distinct characters are enough; so is any real random token.
     for token in ["0123450123450123", "5f1d0c3a9e8b7a6d5c4b3a2918070605"] {
