@@ -57,7 +57,10 @@ pub const MIN_TOKEN_DISTINCT: usize = 6;
 pub const MIN_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// How to make a good token, quoted in the errors about bad ones.
-const TOKEN_FIX: &str = "export a random secret in every rank's environment, e.g.      `export FH_JOB_TOKEN=$(openssl rand -hex 32)` or, without openssl,      `export FH_JOB_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')`, or      launch with fhrun, which draws one per job";
+const TOKEN_FIX: &str = "export a random secret in every rank's environment, e.g. \
+ `export FH_JOB_TOKEN=$(openssl rand -hex 32)` or, without openssl, \
+ `export FH_JOB_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')`, or \
+ launch with fhrun, which draws one per job";
 
 /// The job's shared secret. Its `Debug` output is redacted; [`JobToken::expose`] is the only
 /// way to the text, so that every use is visible in the code.
@@ -449,7 +452,9 @@ pub fn parse_timeout_value(v: &str) -> Result<Duration> {
         return Err(config(
             "FH_TIMEOUT_SECONDS",
             format!(
-                "{v:?} is too short: every wait of a job (start-up, the rendezvous, a                  handshake, a collective) needs at least {} s; set FH_TIMEOUT_SECONDS to {} or                  more (the default is {} s)",
+                "{v:?} is too short: every wait of a job (start-up, the rendezvous, a \
+                 handshake, a collective) needs at least {} s; set FH_TIMEOUT_SECONDS to {} or \
+                 more (the default is {} s)",
                 MIN_TIMEOUT.as_secs_f64(),
                 MIN_TIMEOUT.as_secs_f64(),
                 DEFAULT_TIMEOUT.as_secs()
@@ -826,8 +831,13 @@ pub fn check_token(token: &str) -> Result<()> {
         return Err(config(
             "FH_JOB_TOKEN",
             format!(
-                "FH_JOB_TOKEN is set but empty{}: an empty token is no secret (was it made by a                  command that failed, such as openssl missing?). Unset it, or {TOKEN_FIX}",
-                if token.is_empty() { "" } else { " (only whitespace)" }
+                "FH_JOB_TOKEN is set but empty{}: an empty token is no secret (was it made by a \
+                 command that failed, such as openssl missing?). Unset it, or {TOKEN_FIX}",
+                if token.is_empty() {
+                    ""
+                } else {
+                    " (only whitespace)"
+                }
             ),
         ));
     }
@@ -866,7 +876,9 @@ pub fn check_token(token: &str) -> Result<()> {
         return Err(config(
             "FH_JOB_TOKEN",
             format!(
-                "the token has only {distinct} distinct character(s); at least                  {MIN_TOKEN_DISTINCT} are needed, as a repeated character or a short pattern                  can be guessed: {TOKEN_FIX}"
+                "the token has only {distinct} distinct character(s); at least \
+                 {MIN_TOKEN_DISTINCT} are needed, as a repeated character or a short pattern \
+                 can be guessed: {TOKEN_FIX}"
             ),
         ));
     }

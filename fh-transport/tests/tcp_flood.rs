@@ -242,7 +242,7 @@ struct Figures {
 /// Run the job, flooding every port with `flood` silent connections (0: no flood).
 fn run(flood: usize, tag: &str) -> Figures {
     let token = format!(
-        "{:032x}",
+        "tok-5f1d0c3a-{:032x}",
         u128::from(std::process::id()) << 32 | u128::from(free_port())
     );
     let mut job = Job::new(tag);

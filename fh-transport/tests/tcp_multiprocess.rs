@@ -53,7 +53,7 @@ impl Job {
             size,
             port: free_port(),
             token: format!(
-                "{:032x}",
+                "tok-5f1d0c3a-{:032x}",
                 u128::from(std::process::id()) << 64 | u128::from(free_port())
             ),
             scenario,

@@ -197,13 +197,42 @@ impl ShmOptions {
     }
 }
 
-/// The `/dev/shm` name prefix (`fh-<hash>-`) of the segments of the job with this token:
-/// `<hash>` is 128 bits of HMAC-SHA-256 keyed with the token, so a name tells nothing about the
-/// token and cannot be predicted without it. Useful to check that nothing is left behind.
+/// The `/dev/shm` name prefix (`fh-<tag>-`) of the segments of the jobs with this token:
+/// `<tag>` is 128 bits of HMAC-SHA-256 keyed with the token, so it tells nothing about the
+/// token; it only groups a token's segments (useful to check that nothing is left behind).
+/// The rest of each name is keyed independently ([`segment_name`]).
 pub fn segment_prefix(job_token: &str) -> String {
     let mac = Key::new(job_token.as_bytes()).mac(&[b"fasthorovod shm v2 segment name"]);
-    let hex: String = mac[..16].iter().map(|b| format!("{b:02x}")).collect();
-    format!("{NAME_PREFIX}{hex}-")
+    format!("{NAME_PREFIX}{}-", hex16(&mac))
+}
+
+fn hex16(mac: &[u8; 32]) -> String {
+    mac[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The `/dev/shm` file name of communicator `seq`'s segment in the world `world` (the job's
+/// nonce, [`TcpTransport::world_id`](crate::tcp::TcpTransport::world_id); `None` for a world
+/// joined without a rendezvous, [`ShmTransport::join`]) of the job with this token:
+/// [`segment_prefix`] followed by 128 bits of HMAC-SHA-256 keyed with the token over the world
+/// and `seq`. Each name is drawn independently: seeing one (or all earlier ones, or those of an
+/// earlier job with the same token) tells nothing about the next, so nobody without the token
+/// can create a segment's name before rank 0 does.
+pub fn segment_name(
+    job_token: &str,
+    world: Option<&[u8; crate::tcp::wire::WORLD_ID_LEN]>,
+    seq: u64,
+) -> String {
+    name_of(&Key::new(job_token.as_bytes()), world, seq)
+}
+
+fn name_of(key: &Key, world: Option<&[u8; crate::tcp::wire::WORLD_ID_LEN]>, seq: u64) -> String {
+    let tag = key.mac(&[b"fasthorovod shm v2 segment name"]);
+    let mac = key.mac(&[
+        b"fasthorovod shm v3 segment",
+        world.map_or(&[][..], |w| &w[..]),
+        &seq.to_le_bytes(),
+    ]);
+    format!("{NAME_PREFIX}{}-{}", hex16(&tag), hex16(&mac))
 }
 
 /// Remove segments left in `/dev/shm` by jobs whose every process died (see *Clean-up* in the
@@ -261,7 +290,8 @@ pub(crate) fn check_one_host(info: &LaunchInfo) -> Result<()> {
 /// One rank's handle on a shared-memory world: the ranks of one host that share a job token.
 #[derive(Debug)]
 pub struct ShmTransport {
-    prefix: String,
+    /// The job's world id, when the world was joined through a rendezvous.
+    world: Option<[u8; crate::tcp::wire::WORLD_ID_LEN]>,
     /// The job token, as the key of the segments' proofs (redacted in `Debug`).
     key: Key,
     rank: usize,
@@ -279,6 +309,31 @@ impl ShmTransport {
     /// Nothing is mapped until [`Transport::open`]; rank 0 first removes stale segments of
     /// dead jobs. Every rank must pass the same token, size and options.
     pub fn join(job_token: &str, rank: usize, size: usize, opts: ShmOptions) -> Result<Self> {
+        Self::join_in(job_token, None, rank, size, opts)
+    }
+
+    /// As [`ShmTransport::join`], in the world `world` (the job's nonce that rank 0 drew and
+    /// sent at the TCP rendezvous, [`TcpTransport::world_id`](crate::tcp::TcpTransport::world_id)):
+    /// every segment's name is keyed with it too ([`segment_name`]), so segment names never
+    /// repeat from one job to the next, even with the same token, and two jobs with the same
+    /// token on one host never meet in shared memory.
+    pub fn join_world(
+        job_token: &str,
+        world: [u8; crate::tcp::wire::WORLD_ID_LEN],
+        rank: usize,
+        size: usize,
+        opts: ShmOptions,
+    ) -> Result<Self> {
+        Self::join_in(job_token, Some(world), rank, size, opts)
+    }
+
+    fn join_in(
+        job_token: &str,
+        world: Option<[u8; crate::tcp::wire::WORLD_ID_LEN]>,
+        rank: usize,
+        size: usize,
+        opts: ShmOptions,
+    ) -> Result<Self> {
         if job_token.is_empty() {
             return Err(TransportError::Config {
                 var: "FH_JOB_TOKEN".into(),
@@ -308,7 +363,7 @@ impl ShmTransport {
             }
         }
         Ok(ShmTransport {
-            prefix: segment_prefix(job_token),
+            world,
             key: Key::new(job_token.as_bytes()),
             rank,
             size,
@@ -322,6 +377,15 @@ impl ShmTransport {
     /// Join the world described by a launch (`FH_TRANSPORT=shm`): its rank, size, job token and
     /// timeout, with the default sizes. Every rank must run on this host.
     pub fn from_info(info: &LaunchInfo) -> Result<Self> {
+        Self::from_info_in(info, None)
+    }
+
+    /// As [`ShmTransport::from_info`], in the world `world` of the TCP rendezvous
+    /// ([`ShmTransport::join_world`]).
+    pub fn from_info_in(
+        info: &LaunchInfo,
+        world: Option<[u8; crate::tcp::wire::WORLD_ID_LEN]>,
+    ) -> Result<Self> {
         check_one_host(info)?;
         // A single process has no token; any name private to it will do.
         let token = info
@@ -333,7 +397,7 @@ impl ShmTransport {
             timeout: info.timeout,
             ..ShmOptions::default()
         };
-        Self::join(&token, info.rank, info.size, opts)
+        Self::join_in(&token, world, info.rank, info.size, opts)
     }
 
     /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.
@@ -391,7 +455,7 @@ impl ShmTransport {
         size: usize,
         layout: Layout,
     ) -> Result<ShmComm> {
-        let name = format!("/{}{seq}", self.prefix);
+        let name = format!("/{}", name_of(&self.key, self.world.as_ref(), seq));
         let start = Instant::now();
         let deadline = start + self.opts.timeout;
         let seg = if rank == 0 {

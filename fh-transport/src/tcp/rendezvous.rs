@@ -115,7 +115,10 @@ impl TcpTransport {
                 // token and rendezvous address are starting together. Never mix them: stop
                 // this world, telling every member (the second claimant too).
                 let reason = format!(
-                    "two processes claim rank {r} at the rendezvous (one from {first}, one from                      {from}): another job with the same FH_JOB_TOKEN and rendezvous address is                      starting; give every job its own token (fhrun draws one per job) and                      rendezvous port"
+                    "two processes claim rank {r} at the rendezvous (one from {first}, one from \
+                     {from}): another job with the same FH_JOB_TOKEN and rendezvous address is \
+                     starting; give every job its own token (fhrun draws one per job) and \
+                     rendezvous port"
                 );
                 let mut stream = stream;
                 let _ = write_by(
@@ -174,7 +177,9 @@ impl TcpTransport {
         let late = Instant::now();
         while let Some((hello, mut stream, from)) = rdv_acceptor.next(late) {
             let reason = format!(
-                "rank {} (claimed, from {from}): the rendezvous of this job (world {}) is                  complete and that rank joined it already: is another job with the same                  FH_JOB_TOKEN and rendezvous address running? Give every job its own token",
+                "rank {} (claimed, from {from}): the rendezvous of this job (world {}) is \
+                 complete and that rank joined it already: is another job with the same \
+                 FH_JOB_TOKEN and rendezvous address running? Give every job its own token",
                 hello.rank,
                 wire::world_hex(&world)
             );
