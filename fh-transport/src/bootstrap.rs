@@ -16,7 +16,10 @@
 //! `torchrun`, whose agent already holds `MASTER_PORT`, rank 0 listens on `MASTER_PORT + 1`.
 //!
 //! **The job token.** `FH_JOB_TOKEN` is the job's shared secret: at least [`MIN_TOKEN_LEN`]
-//! bytes of printable ASCII (`fhrun` makes 64 random hex digits per job). It is held in a
+//! bytes of printable ASCII with at least [`MIN_TOKEN_DISTINCT`] distinct characters (`fhrun`
+//! makes 64 random hex digits per job); [`check_token`] says what is wrong and how to fix it.
+//! A set but empty (or blank) `FH_JOB_TOKEN` is an error, never taken for an unset one — that
+//! is what `export FH_JOB_TOKEN=$(openssl rand -hex 32)` leaves on a host without openssl. It is held in a
 //! [`JobToken`], whose `Debug` never shows it, and never crosses the network (the TCP backend
 //! proves knowledge of it with HMAC-SHA-256 over fresh nonces). Without `FH_JOB_TOKEN` (plain
 //! `torchrun`, `srun` or `mpirun`) a token is *derived* from what all ranks share (rendezvous
@@ -33,6 +36,9 @@
 //! **The rendezvous address** must name an address of rank 0's host: a wildcard (`0.0.0.0`,
 //! `::`) would make rank 0 listen on every interface and is refused unless
 //! `FH_ALLOW_WILDCARD=1`.
+//!
+//! **The timeout** (`FH_TIMEOUT_SECONDS`, seconds, may be fractional) is at least
+//! [`MIN_TIMEOUT`] and at most a year.
 //!
 //! Every bad value is a [`TransportError::Config`] naming the variable and what is expected.
 

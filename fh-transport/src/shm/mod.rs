@@ -19,9 +19,14 @@
 //! # Segments
 //!
 //! Each communicator ([`Transport::open`]) gets its own segment, named
-//! `/dev/shm/fh-<hash>-<seq>`: `<hash>` is 128 bits of HMAC-SHA-256 keyed with the job token
-//! (nothing about the token can be learnt from a name, and a name cannot be predicted without
-//! it) and `<seq>` the communicator's sequence number. Rank 0 creates it exclusively
+//! `/dev/shm/fh-<tag>-<name>` ([`segment_name`]): `<tag>` is 128 bits of HMAC-SHA-256 keyed with
+//! the job token (it groups a token's segments and tells nothing about the token), and `<name>`
+//! another 128 bits keyed with the token over the job's world id (a random nonce rank 0 draws
+//! and sends at the TCP rendezvous, [`ShmTransport::join_world`]) and the communicator's
+//! sequence number. Each name is drawn independently: seeing one, or every earlier one, or those
+//! of an earlier job with the same token, tells nothing about the next, so another user who
+//! watches `/dev/shm` cannot create a name before rank 0 does (and one that guessed it would be
+//! refused, naming its owner, on every rank at once, never waited on). Rank 0 creates it exclusively
 //! (`O_EXCL`) with mode `0600`, reserves its memory (so a full `/dev/shm` is an error at open,
 //! not a `SIGBUS` later), fills in a header with a keyed proof that it knows the token (HMAC
 //! over the name, the layout and its own pid and start time) and publishes a magic number and
@@ -44,9 +49,11 @@
 //! and there is a ring buffer per directed pair of ranks for point-to-point messages, so the
 //! generic algorithms work too.
 //!
-//! Names repeat when a job re-joins with the same token (sequence numbers restart at 0), which
-//! is fine one world after another; two worlds with the same token must not open
-//! communicators at the same time on one host.
+//! Worlds joined through the rendezvous (`FH_TRANSPORT=shm`, `auto`, `hier`) never share a
+//! name, even with the same token. A world joined directly with [`ShmTransport::join`] has no
+//! world id: its names repeat when a job re-joins with the same token, which is fine one world
+//! after another, but two such worlds with the same token must not open communicators at the
+//! same time on one host.
 //!
 //! # Clean-up
 //!

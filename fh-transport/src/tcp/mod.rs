@@ -24,11 +24,31 @@
 //! token first — a process that grabs the rendezvous port learns nothing. A peer that gets
 //! anything wrong receives a refusal stating why and is disconnected; refusals are logged on
 //! the accepting side at a bounded rate (and quoted in its error if the expected peer never
-//! comes). Strangers — garbage, wrong tokens, connections that never say anything — are dropped
-//! after a short handshake deadline (for the whole handshake, not per read) without disturbing
-//! the job: the number of handshakes served at once grows with the world size, and a rank whose
-//! connection was dropped or timed out retries until the job's timeout. Frame lengths are
-//! checked against what the receiver expects before a byte of payload is accepted.
+//! comes). Frame lengths are checked against what the receiver expects before a byte of
+//! payload is accepted.
+//!
+//! **A door no crowd can hold.** Each listener is served by one thread that runs every
+//! handshake itself over nonblocking sockets (no thread per connection): a stranger's
+//! connection costs one descriptor and a few hundred bytes. It must send its first bytes
+//! within a second and finish the handshake within the handshake deadline; when
+//! [`max_pending_handshakes`] are in progress, each new connection evicts a silent one (from
+//! the source holding the most, the oldest first) — a member sends its hello at once and so
+//! moves past the silent crowd in one round trip; the listen backlog is deep and drained
+//! continuously; and a member whose attempt is dropped anyway retries with backoff until the
+//! job's timeout. So a listener holds at most `max_pending_handshakes + 1` descriptors and one
+//! thread however many strangers connect, and a flood of silent connections re-opened as fast
+//! as they are dropped, at the rendezvous port and at every data port, only delays the start
+//! (`tests/tcp_flood.rs` measures it).
+//!
+//! **One world per job.** Rank 0 draws a random world id for every job and sends it with the
+//! address book; every later connection names it in its hello (which both proofs cover), so a
+//! rank of another job with the same token is refused, the refusal naming both world ids.
+//! Rank 0 keeps the rendezvous port for the life of the transport: a second job started on the
+//! same address cannot listen there, a late claimant of a rank is refused naming this world,
+//! and two claimants of one rank during the rendezvous stop it on every rank that joined (with
+//! one token and one address, the ranks of two jobs cannot otherwise be told apart; give every
+//! job its own token). The shared-memory backends key their segment names with the world id
+//! ([`crate::shm::segment_name`]).
 //!
 //! Connections are authenticated, not encrypted: someone who can watch the network sees the
 //! data (but never the token).
