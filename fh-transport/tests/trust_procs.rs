@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
 use fh_transport::shm;
-use fh_transport::{CollectivesExt, Transport};
+use fh_transport::CollectivesExt;
 use support::{free_port, launcher_env, rank_command, Children, Place};
 
 const SCENARIO: &str = "FH_TEST_TRUST";
@@ -48,17 +48,26 @@ fn token(tag: &str) -> String {
     )
 }
 
-/// Start the `size` ranks of one job (`job` numbers it) with this scenario.
-fn spawn_job(
-    kids: &mut Children,
+/// One job to start: its ranks, transport, rendezvous address, token, scenario and number.
+struct Spec<'a> {
     size: usize,
-    transport: &str,
-    rdv: &str,
-    token: &str,
-    scenario: &str,
+    transport: &'a str,
+    rdv: &'a str,
+    token: &'a str,
+    scenario: &'a str,
     job: usize,
-    extra: &[(&str, String)],
-) {
+}
+
+/// Start the ranks of the job `spec`, with `extra` environment on top.
+fn spawn_job(kids: &mut Children, spec: &Spec<'_>, extra: &[(&str, String)]) {
+    let Spec {
+        size,
+        transport,
+        rdv,
+        token,
+        scenario,
+        job,
+    } = *spec;
     for rank in 0..size {
         let mut cmd = rank_command("child_rank", true);
         let place = Place {
@@ -269,7 +278,18 @@ fn a_local_user_squatting_every_name_it_can_derive_does_not_stop_a_shm_job() {
     for job in 0..2 {
         let mut kids = Children(Vec::new());
         let rdv = format!("127.0.0.1:{}", free_port());
-        spawn_job(&mut kids, 3, "shm", &rdv, &tok, "shm_many", job, &[]);
+        spawn_job(
+            &mut kids,
+            &Spec {
+                size: 3,
+                transport: "shm",
+                rdv: &rdv,
+                token: &tok,
+                scenario: "shm_many",
+                job,
+            },
+            &[],
+        );
         let st = kids
             .wait_for(&[0, 1, 2], LIMIT, Duration::from_millis(10))
             .unwrap_or_else(|_| panic!("the shm job {job} hung\n{}", all_stderr(&mut kids)));
@@ -307,26 +327,18 @@ fn two_jobs_with_one_token_started_together_never_mix() {
         let tok = token("twins");
         let mut kids = Children(Vec::new());
         let (a, b) = (free_port(), free_port());
-        spawn_job(
-            &mut kids,
-            3,
-            transport,
-            &format!("127.0.0.1:{a}"),
-            &tok,
-            "job",
-            1,
-            &[],
-        );
-        spawn_job(
-            &mut kids,
-            3,
-            transport,
-            &format!("127.0.0.1:{b}"),
-            &tok,
-            "job",
-            2,
-            &[],
-        );
+        for (job, port) in [(1, a), (2, b)] {
+            let rdv = format!("127.0.0.1:{port}");
+            let spec = Spec {
+                size: 3,
+                transport,
+                rdv: &rdv,
+                token: &tok,
+                scenario: "job",
+                job,
+            };
+            spawn_job(&mut kids, &spec, &[]);
+        }
         let all: Vec<usize> = (0..6).collect();
         let st = kids
             .wait_for(&all, LIMIT, Duration::from_millis(10))
@@ -348,14 +360,22 @@ fn a_second_job_on_a_running_jobs_rendezvous_address_is_refused() {
     let _ = std::fs::remove_file(&go);
     let mut kids = Children(Vec::new());
     let go_env = [(GO_VAR, go.to_string_lossy().into_owned())];
-    spawn_job(&mut kids, 2, "tcp", &rdv, &tok, "job", 1, &go_env);
+    let spec = |job| Spec {
+        size: 2,
+        transport: "tcp",
+        rdv: &rdv,
+        token: &tok,
+        scenario: "job",
+        job,
+    };
+    spawn_job(&mut kids, &spec(1), &go_env);
     // Job 1 is in its world once its ranks wait for the go file; its rank 0 holds the port.
     let ready = std::env::temp_dir().join(format!("fh-trust-go-{}.ready1", std::process::id()));
     wait_for_file(&ready, &mut kids);
     // Job 2, same token and address: its rank 0 cannot listen, and its rank 1 is refused
     // by job 1's rank 0, naming the conflict; neither joins job 1.
     let mut late = Children(Vec::new());
-    spawn_job(&mut late, 2, "tcp", &rdv, &tok, "job", 2, &[]);
+    spawn_job(&mut late, &spec(2), &[]);
     let st = late
         .wait_for(&[0, 1], LIMIT, Duration::from_millis(10))
         .unwrap_or_else(|_| panic!("the late job hung\n{}", all_stderr(&mut late)));
