@@ -136,6 +136,30 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             },
         }
     }
+    // A token the user forwards replaces fhrun's fresh one: it must be a real secret. An empty
+    // one (`FH_JOB_TOKEN= fhrun -x FH_JOB_TOKEN …`, or a failed `$(openssl …)`) would make the
+    // ranks fall back to a public token.
+    for name in mpi::SECRET_VARS {
+        let value = user_env
+            .iter()
+            .rev()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+            .or_else(|| {
+                pass_through
+                    .iter()
+                    .any(|k| k == name)
+                    .then(|| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
+                    .flatten()
+            });
+        if let Some(v) = value {
+            if let Err(e) = fh_transport::bootstrap::check_token(&v) {
+                return Err(usage(format!(
+                    "-x {name}: {e}; or drop -x {name} and let fhrun draw a fresh token"
+                )));
+            }
+        }
+    }
     // A misspelt FH_* variable would reach every rank and change nothing: say so once, here.
     let mut names: Vec<String> = std::env::vars_os()
         .filter_map(|(k, _)| k.into_string().ok())

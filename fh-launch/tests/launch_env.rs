@@ -197,6 +197,38 @@ fn verbose_and_dry_run_never_show_the_token() {
 }
 
 #[test]
+fn an_empty_or_guessable_forwarded_token_is_refused_with_the_fix() {
+    // `FH_JOB_TOKEN= fhrun -x FH_JOB_TOKEN …` (e.g. after `$(openssl rand -hex 32)` failed)
+    // would replace fhrun's fresh token with nothing: refused before any rank starts.
+    for (value, says) in [
+        ("", "set but empty"),
+        ("   ", "only whitespace"),
+        ("aaaaaaaaaaaaaaaa", "distinct character"),
+    ] {
+        let out = Running::start_cmd(
+            std::process::Command::new(FHRUN)
+                .env("FH_JOB_TOKEN", value)
+                .args(["-np", "2", "-x", "FH_JOB_TOKEN", "sh", "-c", "echo started"]),
+        )
+        .wait(LIMIT);
+        assert_eq!(out.code(), Some(2), "{value:?}: {out:?}");
+        assert!(!out.stdout.contains("started"), "{value:?}: {out:?}");
+        assert!(
+            out.stderr.contains("FH_JOB_TOKEN")
+                && out.stderr.contains(says)
+                && out.stderr.contains("openssl rand -hex 32")
+                && out.stderr.contains("fresh token"),
+            "{value:?}: {}",
+            out.stderr
+        );
+    }
+    // The same with the value on the command line.
+    let out = fhrun(&["-np", "1", "-x", "FH_JOB_TOKEN=", "true"], LIMIT);
+    assert_eq!(out.code(), Some(2), "{out:?}");
+    assert!(out.stderr.contains("set but empty"), "{}", out.stderr);
+}
+
+#[test]
 fn misspelt_fh_variables_are_named_once_with_the_likely_one() {
     let out = Running::start_cmd(
         std::process::Command::new(FHRUN)

@@ -182,6 +182,7 @@ fn strangers_on_the_rendezvous_port_do_not_break_the_job() {
                         seq: 0,
                         port: 1,
                         lost: 0,
+                        world: [0; wire::WORLD_ID_LEN],
                         nonce: [1; wire::NONCE_LEN],
                     };
                     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));

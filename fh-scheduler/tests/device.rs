@@ -335,7 +335,7 @@ mod gpu {
             .map(|a| a.port())
             .expect("an ephemeral port");
         let token = format!(
-            "{:032x}",
+            "tok-5f1d0c3a-{:032x}",
             (u128::from(std::process::id()) << 64) | (u128::from(port) << 16) | 0xd1ce
         );
         let exe = std::env::current_exe().expect("current exe");

@@ -51,7 +51,7 @@ mod imp {
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port();
-        let token = format!("{:016x}{:016x}", std::process::id(), port);
+        let token = format!("fh-example-{:016x}{:016x}", std::process::id(), port);
         let size = hosts * per_host;
         let mut children = Vec::new();
         for rank in 0..size {

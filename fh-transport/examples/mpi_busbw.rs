@@ -79,7 +79,10 @@ fn main() {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_nanos())
                 .unwrap_or(1);
-            let token = format!("{:032x}", seed ^ (u128::from(std::process::id()) << 64));
+            let token = format!(
+                "fh-example-{:032x}",
+                seed ^ (u128::from(std::process::id()) << 64)
+            );
             msg[2..].copy_from_slice(&token.as_bytes()[..32]);
         }
         ctl.broadcast(&mut msg, 0).expect("broadcast rendezvous");

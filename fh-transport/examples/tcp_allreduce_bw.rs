@@ -33,7 +33,7 @@ fn launch_self(np: usize, rest: &[String]) -> std::io::Result<bool> {
         .local_addr()?
         .port();
     let token = format!(
-        "{:016x}{:016x}",
+        "fh-example-{:016x}{:016x}",
         std::process::id(),
         port as u64 * 0x9e37_79b9
     );

@@ -16,7 +16,10 @@
 //! `torchrun`, whose agent already holds `MASTER_PORT`, rank 0 listens on `MASTER_PORT + 1`.
 //!
 //! **The job token.** `FH_JOB_TOKEN` is the job's shared secret: at least [`MIN_TOKEN_LEN`]
-//! bytes of printable ASCII (`fhrun` makes 64 random hex digits per job). It is held in a
+//! bytes of printable ASCII with at least [`MIN_TOKEN_DISTINCT`] distinct characters (`fhrun`
+//! makes 64 random hex digits per job); [`check_token`] says what is wrong and how to fix it.
+//! A set but empty (or blank) `FH_JOB_TOKEN` is an error, never taken for an unset one — that
+//! is what `export FH_JOB_TOKEN=$(openssl rand -hex 32)` leaves on a host without openssl. It is held in a
 //! [`JobToken`], whose `Debug` never shows it, and never crosses the network (the TCP backend
 //! proves knowledge of it with HMAC-SHA-256 over fresh nonces). Without `FH_JOB_TOKEN` (plain
 //! `torchrun`, `srun` or `mpirun`) a token is *derived* from what all ranks share (rendezvous
@@ -34,6 +37,9 @@
 //! `::`) would make rank 0 listen on every interface and is refused unless
 //! `FH_ALLOW_WILDCARD=1`.
 //!
+//! **The timeout** (`FH_TIMEOUT_SECONDS`, seconds, may be fractional) is at least
+//! [`MIN_TIMEOUT`] and at most a year.
+//!
 //! Every bad value is a [`TransportError::Config`] naming the variable and what is expected.
 
 use std::fmt;
@@ -46,6 +52,21 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Shortest `FH_JOB_TOKEN` accepted, in bytes.
 pub const MIN_TOKEN_LEN: usize = 16;
+
+/// Fewest distinct characters an `FH_JOB_TOKEN` must hold: a token of one repeated character
+/// (or a short pattern) can be guessed. A random hex token of 32 or more digits always has more
+/// (16 random hex digits fall short about once in 40,000 draws).
+pub const MIN_TOKEN_DISTINCT: usize = 6;
+
+/// Shortest `FH_TIMEOUT_SECONDS` accepted: every wait of a job (process start-up, the
+/// rendezvous, a handshake, a collective) must be allowed at least this long.
+pub const MIN_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How to make a good token, quoted in the errors about bad ones.
+const TOKEN_FIX: &str = "export a random secret in every rank's environment, e.g. \
+ `export FH_JOB_TOKEN=$(openssl rand -hex 32)` or, without openssl, \
+ `export FH_JOB_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')`, or \
+ launch with fhrun, which draws one per job";
 
 /// The job's shared secret. Its `Debug` output is redacted; [`JobToken::expose`] is the only
 /// way to the text, so that every use is visible in the code.
@@ -256,7 +277,13 @@ impl LaunchInfo {
     /// Parse from any variable source; `var(name)` returns the value of `name` if set.
     /// Pure: this is what [`LaunchInfo::from_env`] calls with the process environment.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
-        // Treat empty values as unset: launchers and shells often export empty variables.
+        // A set-but-empty token is not a missing one: deriving a public token in its place
+        // would let anyone in (`export FH_JOB_TOKEN=$(openssl rand -hex 32)` on a host without
+        // openssl sets it empty).
+        if let Some(t) = var("FH_JOB_TOKEN") {
+            check_token(&t)?;
+        }
+        // Treat other empty values as unset: launchers and shells often export empty variables.
         let get = |name: &str| var(name).filter(|v| !v.trim().is_empty());
         let timeout = parse_timeout(&get)?;
 
@@ -424,9 +451,15 @@ fn require_usize(get: &Get<'_>, name: &str, launcher: Launcher, other: &str) -> 
 }
 
 fn parse_timeout(get: &Get<'_>) -> Result<Duration> {
-    let Some(v) = get("FH_TIMEOUT_SECONDS") else {
-        return Ok(DEFAULT_TIMEOUT);
-    };
+    match get("FH_TIMEOUT_SECONDS") {
+        None => Ok(DEFAULT_TIMEOUT),
+        Some(v) => parse_timeout_value(&v),
+    }
+}
+
+/// Parse a value of `FH_TIMEOUT_SECONDS`: a number of seconds (may be fractional) from
+/// [`MIN_TIMEOUT`] to a year; anything else is an error naming the variable and the fix.
+pub fn parse_timeout_value(v: &str) -> Result<Duration> {
     let secs: f64 = v.trim().parse().map_err(|_| {
         config(
             "FH_TIMEOUT_SECONDS",
@@ -437,6 +470,19 @@ fn parse_timeout(get: &Get<'_>) -> Result<Duration> {
         return Err(config(
             "FH_TIMEOUT_SECONDS",
             format!("expected a positive number of seconds (at most a year), got {v:?}"),
+        ));
+    }
+    if secs < MIN_TIMEOUT.as_secs_f64() {
+        return Err(config(
+            "FH_TIMEOUT_SECONDS",
+            format!(
+                "{v:?} is too short: every wait of a job (start-up, the rendezvous, a \
+                 handshake, a collective) needs at least {} s; set FH_TIMEOUT_SECONDS to {} or \
+                 more (the default is {} s)",
+                MIN_TIMEOUT.as_secs_f64(),
+                MIN_TIMEOUT.as_secs_f64(),
+                DEFAULT_TIMEOUT.as_secs()
+            ),
         ));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -798,8 +844,27 @@ fn rendezvous(get: &Get<'_>, launcher: Launcher, allow_wildcard: bool) -> Result
     }
 }
 
-fn check_token(token: &str) -> Result<()> {
+/// Check a job token as `FH_JOB_TOKEN` must be (the runtime and `fhrun` both apply it): not
+/// empty or blank, at most [`MAX_TOKEN_LEN`](crate::tcp::wire::MAX_TOKEN_LEN) printable ASCII
+/// bytes without spaces, at least [`MIN_TOKEN_LEN`] bytes of at least [`MIN_TOKEN_DISTINCT`]
+/// distinct characters. Surrounding whitespace is ignored. The error names the variable, the
+/// problem and the fix (without showing the token).
+pub fn check_token(token: &str) -> Result<()> {
     let t = token.trim();
+    if t.is_empty() {
+        return Err(config(
+            "FH_JOB_TOKEN",
+            format!(
+                "FH_JOB_TOKEN is set but empty{}: an empty token is no secret (was it made by a \
+                 command that failed, such as openssl missing?). Unset it, or {TOKEN_FIX}",
+                if token.is_empty() {
+                    ""
+                } else {
+                    " (only whitespace)"
+                }
+            ),
+        ));
+    }
     if t.len() > crate::tcp::wire::MAX_TOKEN_LEN {
         return Err(config(
             "FH_JOB_TOKEN",
@@ -823,6 +888,21 @@ fn check_token(token: &str) -> Result<()> {
                 "the token is {} bytes long; at least {MIN_TOKEN_LEN} are needed so that it \
                  cannot be guessed (e.g. `export FH_JOB_TOKEN=$(openssl rand -hex 32)`)",
                 t.len()
+            ),
+        ));
+    }
+    let mut seen = [false; 128];
+    for b in t.bytes() {
+        seen[usize::from(b & 0x7f)] = true;
+    }
+    let distinct = seen.iter().filter(|&&x| x).count();
+    if distinct < MIN_TOKEN_DISTINCT {
+        return Err(config(
+            "FH_JOB_TOKEN",
+            format!(
+                "the token has only {distinct} distinct character(s); at least \
+                 {MIN_TOKEN_DISTINCT} are needed, as a repeated character or a short pattern \
+                 can be guessed: {TOKEN_FIX}"
             ),
         ));
     }

@@ -250,7 +250,13 @@ impl HierTransport {
             timeout: info.timeout,
             ..ShmOptions::from_env()?
         };
-        let shm = ShmTransport::join(&host_token, info.local_rank, info.local_size, opts)?;
+        let shm = ShmTransport::join_world(
+            &host_token,
+            tcp.world_id(),
+            info.local_rank,
+            info.local_size,
+            opts,
+        )?;
         let topology = Topology {
             rank: info.rank,
             size: info.size,

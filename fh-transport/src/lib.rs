@@ -199,8 +199,12 @@ fn connect_auto(info: &bootstrap::LaunchInfo) -> Result<Box<dyn Transport>> {
     match hosts::choose(tcp.layout(), tcp.places(), shm::room_needed) {
         hosts::Choice::Shm => {
             let settled = info.with_topology(tcp.topology());
+            let world = tcp.world_id();
             drop(tcp);
-            Ok(Box::new(shm::ShmTransport::from_info(&settled)?))
+            Ok(Box::new(shm::ShmTransport::from_info_in(
+                &settled,
+                Some(world),
+            )?))
         }
         hosts::Choice::Hier => hier::connect_auto_over(tcp, info),
         hosts::Choice::Tcp(why) => {
@@ -238,6 +242,10 @@ fn connect_shm(info: &bootstrap::LaunchInfo) -> Result<Box<dyn Transport>> {
         });
     }
     let settled = info.with_topology(tcp.topology());
+    let world = tcp.world_id();
     drop(tcp);
-    Ok(Box::new(shm::ShmTransport::from_info(&settled)?))
+    Ok(Box::new(shm::ShmTransport::from_info_in(
+        &settled,
+        Some(world),
+    )?))
 }

@@ -313,6 +313,85 @@ fn torchrun_variables() {
     assert_eq!(explicit.rendezvous.as_deref(), Some("10.0.0.7:31000"));
 }
 
+/// `FHRUN` with `FH_JOB_TOKEN` set to `token`.
+fn with_token(token: &'static str) -> Vec<(&'static str, &'static str)> {
+    let mut vars: Vec<_> = FHRUN
+        .iter()
+        .filter(|(k, _)| *k != "FH_JOB_TOKEN")
+        .copied()
+        .collect();
+    vars.push(("FH_JOB_TOKEN", token));
+    vars
+}
+
+#[test]
+fn an_empty_token_is_an_error_with_the_fix_never_a_derived_one() {
+    // Set but empty or blank: refused, on a job of several ranks and on a single process alike
+    // (never treated as unset, which would derive a public token).
+    for token in ["", " ", "\t \n"] {
+        let (var, reason) = config_err(&with_token(token));
+        assert_eq!(var, "FH_JOB_TOKEN");
+        assert!(reason.contains("set but empty"), "{reason}");
+        assert!(reason.contains("openssl rand -hex 32"), "{reason}");
+        assert!(reason.contains("secrets.token_hex"), "{reason}");
+        let (var, _) = config_err(&[("FH_JOB_TOKEN", token)]);
+        assert_eq!(var, "FH_JOB_TOKEN");
+    }
+    // Unset under a launcher without a token is still derived (and said so).
+    let vars: Vec<_> = FHRUN
+        .iter()
+        .filter(|(k, _)| *k != "FH_JOB_TOKEN")
+        .copied()
+        .collect();
+    assert!(parse(&vars).unwrap().token_derived);
+}
+
+#[test]
+fn tokens_with_too_little_variety_are_refused() {
+    for token in [
+        "aaaaaaaaaaaaaaaa",
+        "0000000000000000000000000000000000000000",
+        "abababababababababab",
+        "0123401234012340",
+    ] {
+        let (var, reason) = config_err(&with_token(token));
+        assert_eq!(var, "FH_JOB_TOKEN", "{token}");
+        assert!(reason.contains("distinct character"), "{token}: {reason}");
+        assert!(
+            !reason.contains(token),
+            "the error shows the token: {reason}"
+        );
+    }
+    // Six distinct characters are enough; so is any real random token.
+    for token in ["0123450123450123", "5f1d0c3a9e8b7a6d5c4b3a2918070605"] {
+        let info = parse(&with_token(token)).unwrap();
+        assert_eq!(info.token.unwrap().expose(), token);
+    }
+}
+
+#[test]
+fn timeouts_below_the_minimum_are_refused() {
+    for bad in ["1e-12", "0.000001", "0.5", "0.999"] {
+        let mut vars = FHRUN.to_vec();
+        vars.push(("FH_TIMEOUT_SECONDS", bad));
+        let (var, reason) = config_err(&vars);
+        assert_eq!(var, "FH_TIMEOUT_SECONDS", "{bad}");
+        assert!(reason.contains("too short"), "{reason}");
+        assert!(reason.contains("at least 1 s"), "{reason}");
+    }
+    let mut vars = FHRUN.to_vec();
+    vars.push(("FH_TIMEOUT_SECONDS", "1"));
+    assert_eq!(parse(&vars).unwrap().timeout, Duration::from_secs(1));
+    // The shared-memory options read the same variable with the same rule.
+    let shm = fh_transport::shm::ShmOptions::from_lookup(|v| {
+        (v == "FH_TIMEOUT_SECONDS").then(|| "1e-12".to_string())
+    });
+    assert!(
+        matches!(shm, Err(TransportError::Config { ref var, .. }) if var == "FH_TIMEOUT_SECONDS"),
+        "{shm:?}"
+    );
+}
+
 #[test]
 fn timeout_variable() {
     let mut vars = FHRUN.to_vec();

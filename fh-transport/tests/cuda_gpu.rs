@@ -254,7 +254,7 @@ fn readiness_and_completion_events() {
 fn run_pair(visible: Option<&str>, expect: DeviceMode) {
     let port = free_port();
     let token = format!(
-        "{:032x}",
+        "tok-5f1d0c3a-{:032x}",
         u128::from(std::process::id()) << 32 | u128::from(port)
     );
     let mut children = Children(Vec::new());

@@ -42,7 +42,7 @@ fn another_users_planted_segment_is_refused_never_attached() {
         return;
     }
     let tok = format!("planted-{}-5f1d0c3a9e8b7a6d5c4b", std::process::id());
-    let name = format!("{}0", shm::segment_prefix(&tok));
+    let name = shm::segment_name(&tok, None, 0);
     plant_as_nobody(&name, 1 << 20);
     assert_eq!(owner(&name), Some(NOBODY));
     let opts = ShmOptions::with_timeout(Duration::from_secs(20));

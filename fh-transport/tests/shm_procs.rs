@@ -173,7 +173,7 @@ fn from_env_builds_a_shm_world() {
     {
         let choice = "shm";
         let tok = format!(
-            "{:032x}",
+            "tok-5f1d0c3a-{:032x}",
             std::process::id() as u128 * 7919 + choice.len() as u128
         );
         let mut kids = Children::spawn_with(3, "env", &tok, |r| {

@@ -89,6 +89,7 @@ fn hello(version: u16, size: u32, rank: u32) -> wire::Hello {
         seq: 0,
         port: 0,
         lost: 0,
+        world: [0; wire::WORLD_ID_LEN],
         nonce: [9; wire::NONCE_LEN],
     }
 }

@@ -21,6 +21,8 @@ use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
 use support::{free_port, launcher_env, rank_command, Children, Place};
 
 const SCENARIO: &str = "FH_TEST_SCENARIO";
+/// An `extra` value that removes the variable from a child's environment.
+const UNSET: &str = "\u{0}unset";
 /// Upper bound for a whole world to finish (generous: the machine may be busy compiling).
 const WORLD_DEADLINE: Duration = Duration::from_secs(180);
 
@@ -53,7 +55,7 @@ impl Job {
             size,
             port: free_port(),
             token: format!(
-                "{:032x}",
+                "tok-5f1d0c3a-{:032x}",
                 u128::from(std::process::id()) << 64 | u128::from(free_port())
             ),
             scenario,
@@ -102,7 +104,11 @@ impl World {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         for (k, v) in extra {
-            cmd.env(k, v);
+            if v == UNSET {
+                cmd.env_remove(k);
+            } else {
+                cmd.env(k, v);
+            }
         }
         let mut child = cmd.spawn().expect("spawn a child rank");
         let out = Arc::new(Mutex::new(String::new()));
@@ -269,8 +275,8 @@ fn a_derived_token_is_announced_once_by_rank_0() {
     let job = Job::new(2, "collectives");
     let mut world = World::new();
     for r in 0..2 {
-        // An empty FH_JOB_TOKEN counts as unset: the token is derived.
-        world.spawn(&job, r, &[("FH_JOB_TOKEN", String::new())]);
+        // Without FH_JOB_TOKEN the token is derived.
+        world.spawn(&job, r, &[("FH_JOB_TOKEN", UNSET.into())]);
     }
     world.wait_all_ok();
     let err0 = world.stderr[0].lock().unwrap().clone();
@@ -291,7 +297,7 @@ fn a_derived_token_is_announced_once_by_rank_0() {
             &job,
             r,
             &[
-                ("FH_JOB_TOKEN", String::new()),
+                ("FH_JOB_TOKEN", UNSET.into()),
                 ("FH_REQUIRE_TOKEN", "1".into()),
                 ("FH_TEST_NOFILE", "4096:4096".into()),
             ],
@@ -305,6 +311,35 @@ fn a_derived_token_is_announced_once_by_rank_0() {
             "rank {r}\n{}",
             world.all_output()
         );
+    }
+    // A set but empty (or blank) FH_JOB_TOKEN is never taken for a missing one: every rank
+    // refuses to start, with the fix, and nothing is derived.
+    for empty in ["", "  "] {
+        let job = Job::new(2, "fd_limit");
+        let mut world = World::new();
+        for r in 0..2 {
+            world.spawn(
+                &job,
+                r,
+                &[
+                    ("FH_JOB_TOKEN", empty.into()),
+                    ("FH_TEST_NOFILE", "4096:4096".into()),
+                ],
+            );
+        }
+        world.wait_all_ok();
+        for r in 0..2 {
+            let out = world.stdout[r].lock().unwrap().clone();
+            let err = world.stderr[r].lock().unwrap().clone();
+            assert!(
+                out.contains("SETUP FAILED")
+                    && out.contains("set but empty")
+                    && out.contains("openssl rand -hex 32"),
+                "rank {r}\n{}",
+                world.all_output()
+            );
+            assert!(!err.contains("FH_JOB_TOKEN is not set"), "{err}");
+        }
     }
 }
 
@@ -457,6 +492,7 @@ fn strangers_at_the_rendezvous_do_not_disturb_the_job() {
         seq: 0,
         port: 1,
         lost: 0,
+        world: [0; wire::WORLD_ID_LEN],
         nonce: [3; wire::NONCE_LEN],
     };
     let hello_bytes = hello.encode();

@@ -131,6 +131,7 @@ fn a_replayed_handshake_is_refused() {
         seq: 1000,
         port: 0,
         lost: 0,
+        world: w[0].world_id(),
         nonce: wire::fresh_nonce().unwrap(),
     };
     let hello_bytes = hello.encode();

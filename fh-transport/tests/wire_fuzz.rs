@@ -12,9 +12,10 @@ fn hello_strategy() -> impl Strategy<Value = Hello> {
         any::<u64>(),
         any::<u16>(),
         any::<u32>(),
+        any::<[u8; wire::WORLD_ID_LEN]>(),
         any::<[u8; wire::NONCE_LEN]>(),
     )
-        .prop_map(|(kind, size, rank, seq, port, lost, nonce)| Hello {
+        .prop_map(|(kind, size, rank, seq, port, lost, world, nonce)| Hello {
             version: wire::PROTOCOL_VERSION,
             kind: [
                 ConnKind::Rendezvous,
@@ -27,6 +28,7 @@ fn hello_strategy() -> impl Strategy<Value = Hello> {
             seq,
             port,
             lost,
+            world,
             nonce,
         })
 }

@@ -32,7 +32,7 @@ pub fn run_ranks(
         .map(|a| a.port())
         .expect("an ephemeral port");
     let token = format!(
-        "{:032x}",
+        "tok-5f1d0c3a-{:032x}",
         (u128::from(std::process::id()) << 64) | u128::from(port) << 16 | 0xbeef
     );
     let exe = std::env::current_exe().expect("current exe");

@@ -19,9 +19,14 @@
 //! # Segments
 //!
 //! Each communicator ([`Transport::open`]) gets its own segment, named
-//! `/dev/shm/fh-<hash>-<seq>`: `<hash>` is 128 bits of HMAC-SHA-256 keyed with the job token
-//! (nothing about the token can be learnt from a name, and a name cannot be predicted without
-//! it) and `<seq>` the communicator's sequence number. Rank 0 creates it exclusively
+//! `/dev/shm/fh-<tag>-<name>` ([`segment_name`]): `<tag>` is 128 bits of HMAC-SHA-256 keyed with
+//! the job token (it groups a token's segments and tells nothing about the token), and `<name>`
+//! another 128 bits keyed with the token over the job's world id (a random nonce rank 0 draws
+//! and sends at the TCP rendezvous, [`ShmTransport::join_world`]) and the communicator's
+//! sequence number. Each name is drawn independently: seeing one, or every earlier one, or those
+//! of an earlier job with the same token, tells nothing about the next, so another user who
+//! watches `/dev/shm` cannot create a name before rank 0 does (and one that guessed it would be
+//! refused, naming its owner, on every rank at once, never waited on). Rank 0 creates it exclusively
 //! (`O_EXCL`) with mode `0600`, reserves its memory (so a full `/dev/shm` is an error at open,
 //! not a `SIGBUS` later), fills in a header with a keyed proof that it knows the token (HMAC
 //! over the name, the layout and its own pid and start time) and publishes a magic number and
@@ -44,9 +49,11 @@
 //! and there is a ring buffer per directed pair of ranks for point-to-point messages, so the
 //! generic algorithms work too.
 //!
-//! Names repeat when a job re-joins with the same token (sequence numbers restart at 0), which
-//! is fine one world after another; two worlds with the same token must not open
-//! communicators at the same time on one host.
+//! Worlds joined through the rendezvous (`FH_TRANSPORT=shm`, `auto`, `hier`) never share a
+//! name, even with the same token. A world joined directly with [`ShmTransport::join`] has no
+//! world id: its names repeat when a job re-joins with the same token, which is fine one world
+//! after another, but two such worlds with the same token must not open communicators at the
+//! same time on one host.
 //!
 //! # Clean-up
 //!
@@ -147,18 +154,8 @@ impl ShmOptions {
     /// As [`ShmOptions::from_env`], reading variables through `get` (for tests).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let mut o = ShmOptions::default();
-        if let Some(v) = get("FH_TIMEOUT_SECONDS") {
-            let secs: f64 = v.trim().parse().map_err(|_| TransportError::Config {
-                var: "FH_TIMEOUT_SECONDS".into(),
-                reason: format!("'{v}' is not a number of seconds"),
-            })?;
-            if !(secs > 0.0 && secs < 1e9) {
-                return Err(TransportError::Config {
-                    var: "FH_TIMEOUT_SECONDS".into(),
-                    reason: format!("{secs} is not a positive number of seconds"),
-                });
-            }
-            o.timeout = Duration::from_secs_f64(secs);
+        if let Some(v) = get("FH_TIMEOUT_SECONDS").filter(|v| !v.trim().is_empty()) {
+            o.timeout = crate::bootstrap::parse_timeout_value(&v)?;
         }
         if let Some(v) = get("FH_SHM_SLOT_BYTES") {
             o.slot_bytes = v.trim().parse().map_err(|_| TransportError::Config {
@@ -207,13 +204,42 @@ impl ShmOptions {
     }
 }
 
-/// The `/dev/shm` name prefix (`fh-<hash>-`) of the segments of the job with this token:
-/// `<hash>` is 128 bits of HMAC-SHA-256 keyed with the token, so a name tells nothing about the
-/// token and cannot be predicted without it. Useful to check that nothing is left behind.
+/// The `/dev/shm` name prefix (`fh-<tag>-`) of the segments of the jobs with this token:
+/// `<tag>` is 128 bits of HMAC-SHA-256 keyed with the token, so it tells nothing about the
+/// token; it only groups a token's segments (useful to check that nothing is left behind).
+/// The rest of each name is keyed independently ([`segment_name`]).
 pub fn segment_prefix(job_token: &str) -> String {
     let mac = Key::new(job_token.as_bytes()).mac(&[b"fasthorovod shm v2 segment name"]);
-    let hex: String = mac[..16].iter().map(|b| format!("{b:02x}")).collect();
-    format!("{NAME_PREFIX}{hex}-")
+    format!("{NAME_PREFIX}{}-", hex16(&mac))
+}
+
+fn hex16(mac: &[u8; 32]) -> String {
+    mac[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The `/dev/shm` file name of communicator `seq`'s segment in the world `world` (the job's
+/// nonce, [`TcpTransport::world_id`](crate::tcp::TcpTransport::world_id); `None` for a world
+/// joined without a rendezvous, [`ShmTransport::join`]) of the job with this token:
+/// [`segment_prefix`] followed by 128 bits of HMAC-SHA-256 keyed with the token over the world
+/// and `seq`. Each name is drawn independently: seeing one (or all earlier ones, or those of an
+/// earlier job with the same token) tells nothing about the next, so nobody without the token
+/// can create a segment's name before rank 0 does.
+pub fn segment_name(
+    job_token: &str,
+    world: Option<&[u8; crate::tcp::wire::WORLD_ID_LEN]>,
+    seq: u64,
+) -> String {
+    name_of(&Key::new(job_token.as_bytes()), world, seq)
+}
+
+fn name_of(key: &Key, world: Option<&[u8; crate::tcp::wire::WORLD_ID_LEN]>, seq: u64) -> String {
+    let tag = key.mac(&[b"fasthorovod shm v2 segment name"]);
+    let mac = key.mac(&[
+        b"fasthorovod shm v3 segment",
+        world.map_or(&[][..], |w| &w[..]),
+        &seq.to_le_bytes(),
+    ]);
+    format!("{NAME_PREFIX}{}-{}", hex16(&tag), hex16(&mac))
 }
 
 /// Remove segments left in `/dev/shm` by jobs whose every process died (see *Clean-up* in the
@@ -271,7 +297,8 @@ pub(crate) fn check_one_host(info: &LaunchInfo) -> Result<()> {
 /// One rank's handle on a shared-memory world: the ranks of one host that share a job token.
 #[derive(Debug)]
 pub struct ShmTransport {
-    prefix: String,
+    /// The job's world id, when the world was joined through a rendezvous.
+    world: Option<[u8; crate::tcp::wire::WORLD_ID_LEN]>,
     /// The job token, as the key of the segments' proofs (redacted in `Debug`).
     key: Key,
     rank: usize,
@@ -289,6 +316,31 @@ impl ShmTransport {
     /// Nothing is mapped until [`Transport::open`]; rank 0 first removes stale segments of
     /// dead jobs. Every rank must pass the same token, size and options.
     pub fn join(job_token: &str, rank: usize, size: usize, opts: ShmOptions) -> Result<Self> {
+        Self::join_in(job_token, None, rank, size, opts)
+    }
+
+    /// As [`ShmTransport::join`], in the world `world` (the job's nonce that rank 0 drew and
+    /// sent at the TCP rendezvous, [`TcpTransport::world_id`](crate::tcp::TcpTransport::world_id)):
+    /// every segment's name is keyed with it too ([`segment_name`]), so segment names never
+    /// repeat from one job to the next, even with the same token, and two jobs with the same
+    /// token on one host never meet in shared memory.
+    pub fn join_world(
+        job_token: &str,
+        world: [u8; crate::tcp::wire::WORLD_ID_LEN],
+        rank: usize,
+        size: usize,
+        opts: ShmOptions,
+    ) -> Result<Self> {
+        Self::join_in(job_token, Some(world), rank, size, opts)
+    }
+
+    fn join_in(
+        job_token: &str,
+        world: Option<[u8; crate::tcp::wire::WORLD_ID_LEN]>,
+        rank: usize,
+        size: usize,
+        opts: ShmOptions,
+    ) -> Result<Self> {
         if job_token.is_empty() {
             return Err(TransportError::Config {
                 var: "FH_JOB_TOKEN".into(),
@@ -318,7 +370,7 @@ impl ShmTransport {
             }
         }
         Ok(ShmTransport {
-            prefix: segment_prefix(job_token),
+            world,
             key: Key::new(job_token.as_bytes()),
             rank,
             size,
@@ -332,6 +384,15 @@ impl ShmTransport {
     /// Join the world described by a launch (`FH_TRANSPORT=shm`): its rank, size, job token and
     /// timeout, with the default sizes. Every rank must run on this host.
     pub fn from_info(info: &LaunchInfo) -> Result<Self> {
+        Self::from_info_in(info, None)
+    }
+
+    /// As [`ShmTransport::from_info`], in the world `world` of the TCP rendezvous
+    /// ([`ShmTransport::join_world`]).
+    pub fn from_info_in(
+        info: &LaunchInfo,
+        world: Option<[u8; crate::tcp::wire::WORLD_ID_LEN]>,
+    ) -> Result<Self> {
         check_one_host(info)?;
         // A single process has no token; any name private to it will do.
         let token = info
@@ -343,7 +404,7 @@ impl ShmTransport {
             timeout: info.timeout,
             ..ShmOptions::default()
         };
-        Self::join(&token, info.rank, info.size, opts)
+        Self::join_in(&token, world, info.rank, info.size, opts)
     }
 
     /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.
@@ -401,7 +462,7 @@ impl ShmTransport {
         size: usize,
         layout: Layout,
     ) -> Result<ShmComm> {
-        let name = format!("/{}{seq}", self.prefix);
+        let name = format!("/{}", name_of(&self.key, self.world.as_ref(), seq));
         let start = Instant::now();
         let deadline = start + self.opts.timeout;
         let seg = if rank == 0 {

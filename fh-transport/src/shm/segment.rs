@@ -544,7 +544,9 @@ fn stale_fd(fd: &Fd, uninit_age: Duration) -> io::Result<bool> {
     Ok(!any_alive)
 }
 
-/// Whether `file` is a name this scheme makes: `fh-`, 32 hex digits, `-`, a sequence number.
+/// Whether `file` is a name this scheme makes: `fh-`, 32 hex digits (the job's tag), `-`, and
+/// either 32 hex digits (the segment's own keyed name) or a sequence number (the names of
+/// earlier versions, still cleaned up).
 pub(crate) fn is_scheme_name(file: &str) -> bool {
     let Some(rest) = file.strip_prefix(NAME_PREFIX) else {
         return false;
@@ -552,13 +554,14 @@ pub(crate) fn is_scheme_name(file: &str) -> bool {
     let Some((hash, seq)) = rest.split_once('-') else {
         return false;
     };
-    hash.len() == 32
-        && hash
-            .bytes()
+    let lower_hex = |s: &str| {
+        s.bytes()
             .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
-        && !seq.is_empty()
-        && seq.len() <= 20
-        && seq.bytes().all(|b| b.is_ascii_digit())
+    };
+    hash.len() == 32
+        && lower_hex(hash)
+        && ((seq.len() == 32 && lower_hex(seq))
+            || (!seq.is_empty() && seq.len() <= 20 && seq.bytes().all(|b| b.is_ascii_digit())))
 }
 
 /// Remove FastHorovod segments in `/dev/shm` left by jobs whose every process died (e.g. all
@@ -598,6 +601,12 @@ mod tests {
     #[test]
     fn scheme_names() {
         assert!(is_scheme_name("fh-0123456789abcdef0123456789abcdef-0"));
+        assert!(is_scheme_name(
+            "fh-0123456789abcdef0123456789abcdef-fedcba9876543210fedcba9876543210"
+        ));
+        assert!(!is_scheme_name(
+            "fh-0123456789abcdef0123456789abcdef-fedcba9876543210fedcba987654321"
+        ));
         assert!(is_scheme_name("fh-0123456789abcdef0123456789abcdef-17"));
         assert!(
             !is_scheme_name("fh-0123456789ab-0"),

@@ -1,21 +1,48 @@
-//! The accepting side of the TCP backend's door: a background thread per listener that serves
-//! each connection's handshake ([`wire`](super::wire)) on a thread of its own, within the
-//! handshake deadline and up to a number of handshakes at once that grows with the world size,
-//! hands authenticated connections to the transport, and logs refusals at a bounded rate.
+//! The accepting side of the TCP backend's door: one background thread per listener serves
+//! every handshake ([`wire`](super::wire)) itself, as a small state machine per connection over
+//! nonblocking sockets and poll(2) — no thread per connection — and hands authenticated
+//! connections to the transport, logging refusals at a bounded rate.
+//!
+//! **No stranger can hold the door.** An unauthenticated connection costs the listener one
+//! descriptor and a few hundred bytes, and holds it only briefly:
+//!
+//! - it must send its first bytes within [`FIRST_BYTES_TIMEOUT`] and complete the whole
+//!   handshake within the handshake timeout;
+//! - at most [`AcceptRules::max_pending`] handshakes are in progress; when a new connection
+//!   arrives while that many are, the listener evicts one to make room: a connection that has
+//!   not yet sent a valid hello before one that has, from the source address that holds the
+//!   most of them, the oldest first. A member sends its hello at once, so its handshake moves
+//!   past the silent crowd in one round trip; a stranger who re-opens connections as fast as
+//!   they are dropped only evicts other strangers;
+//! - the listen backlog is as deep as the system allows ([`LISTEN_BACKLOG`]), and the loop
+//!   drains it continuously, so a flood does not make the kernel drop a member's SYN;
+//! - a member whose connection is dropped anyway retries with backoff until the job's timeout
+//!   ([`super::handshake::connect_handshake`]).
+//!
+//! So the descriptors of a listener are bounded by `max_pending` + 1 and its threads by one,
+//! however many strangers connect.
 
-use std::io::{self, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 
-use super::handshake::{read_msg, write_by, ReadFail};
-use super::wire::{self, Answer, ConnKind, Hello, Reply};
+use super::wire::{self, Answer, ConnKind, DecodeError, Hello, Reply, WORLD_ID_LEN};
 use super::{sys, AbortBoard, Key};
 use crate::{Result, TransportError};
+
+/// How long a new connection may stay silent before it is dropped (its first bytes must come
+/// sooner; a member sends its hello right after connecting).
+pub(super) const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(1);
+/// The listen backlog asked for (the kernel caps it at `net.core.somaxconn`).
+pub(super) const LISTEN_BACKLOG: i32 = 4096;
+/// Connections accepted per turn of the loop before the pending handshakes are served again.
+const ACCEPTS_PER_TURN: usize = 256;
 
 /// Refusals queued for the transport beyond which further ones are only logged.
 const MAX_QUEUED_REFUSALS: usize = 256;
@@ -82,6 +109,11 @@ impl RefusalLog {
     }
 }
 
+/// The job's world id as an acceptor knows it: set once rank 0 has drawn it (rank 0 at once;
+/// the other ranks when the address book arrives). For the rendezvous listener, set once the
+/// rendezvous is complete, after which late claimants are refused naming it.
+pub(super) type WorldCell = Arc<OnceLock<[u8; WORLD_ID_LEN]>>;
+
 /// What an acceptor checks in a handshake.
 pub(super) struct AcceptRules {
     pub(super) kind: ConnKind,
@@ -89,9 +121,12 @@ pub(super) struct AcceptRules {
     pub(super) size: usize,
     pub(super) rank: usize,
     pub(super) handshake_timeout: Duration,
+    /// Handshakes in progress at once, at most (see the module documentation).
     pub(super) max_pending: usize,
     pub(super) board: Arc<AbortBoard>,
     pub(super) log: RefusalLog,
+    /// The job's world id (data listeners), or the completed rendezvous's (rendezvous listener).
+    pub(super) world: WorldCell,
 }
 
 /// A background thread serving one listener.
@@ -108,6 +143,9 @@ impl Acceptor {
         listener
             .set_nonblocking(true)
             .map_err(|e| TransportError::io("making a listener nonblocking", e))?;
+        // A deeper backlog than std's default of 128: re-listening on a listening socket only
+        // changes its backlog. Failure leaves the default, which still works.
+        let _ = rustix::net::listen(&listener, LISTEN_BACKLOG);
         let (tx, rx) = unbounded();
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = Arc::clone(&stop);
@@ -117,7 +155,7 @@ impl Acceptor {
         };
         let thread = std::thread::Builder::new()
             .name(name.into())
-            .spawn(move || accept_loop(listener, Arc::new(rules), tx, stop2))
+            .spawn(move || accept_loop(listener, &rules, &tx, &stop2))
             .map_err(|e| TransportError::io("spawning the TCP acceptor thread", e))?;
         Ok(Acceptor {
             stop,
@@ -173,23 +211,325 @@ impl Drop for Acceptor {
     }
 }
 
+/// Where one connection's handshake stands.
+enum Stage {
+    /// Waiting for the hello (`got` bytes so far in `buf`).
+    Hello,
+    /// The challenge went out; waiting for the connector's proof.
+    Proof {
+        hello: Hello,
+        hello_bytes: Vec<u8>,
+        nonce: [u8; wire::NONCE_LEN],
+    },
+    /// Authenticated and checked, but this rank does not know the job's world id yet (the
+    /// connector got the address book first): held until it does, within the deadline.
+    Held { hello: Hello },
+}
+
+/// One connection whose handshake is in progress.
+struct Pending {
+    stream: TcpStream,
+    from: SocketAddr,
+    since: Instant,
+    buf: Vec<u8>,
+    stage: Stage,
+}
+
+impl Pending {
+    /// Whether it has sent a valid hello (evicted only after every silent one).
+    fn spoke(&self) -> bool {
+        !matches!(self.stage, Stage::Hello)
+    }
+}
+
+/// What became of a connection after some progress.
+enum Step {
+    /// Still in progress.
+    Wait,
+    /// Done with, one way or another (nothing more to do: dropped).
+    Gone,
+    /// Refused, with the reason (logged and reported).
+    Refused(String),
+    /// Authenticated: hand it over.
+    Done(Hello),
+}
+
+/// Why reading stopped: the peer closed, or the socket failed.
+enum Read0 {
+    Closed,
+    Failed,
+}
+
+/// Read what is there (nonblocking) until `buf` holds `want` bytes; `Ok(true)` when it does.
+fn fill(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    want: usize,
+) -> std::result::Result<bool, Read0> {
+    while buf.len() < want {
+        let got = buf.len();
+        buf.resize(want, 0);
+        match stream.read(&mut buf[got..]) {
+            Ok(0) => {
+                buf.truncate(got);
+                return Err(Read0::Closed);
+            }
+            Ok(k) => buf.truncate(got + k),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => buf.truncate(got),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                buf.truncate(got);
+                return Ok(false);
+            }
+            Err(_) => {
+                buf.truncate(got);
+                return Err(Read0::Failed);
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// Write a small message at once (a fresh socket's buffer always takes it); anything less is
+/// a failure.
+fn put(stream: &mut TcpStream, bytes: &[u8]) -> io::Result<()> {
+    match stream.write(bytes) {
+        Ok(n) if n == bytes.len() => Ok(()),
+        Ok(_) => Err(io::Error::other(
+            "the socket took only part of a handshake message",
+        )),
+        Err(e) => Err(e),
+    }
+}
+
+/// Make what progress the bytes at hand allow on `p`'s handshake.
+fn advance(p: &mut Pending, rules: &AcceptRules) -> Step {
+    loop {
+        match &p.stage {
+            Stage::Hello => {
+                let want = match Hello::decode(&p.buf) {
+                    Ok(_) => 0,
+                    Err(DecodeError::NeedMore(n)) if n <= wire::MAX_HELLO_LEN => n,
+                    Err(e) => return refuse_now(p, e.to_string()),
+                };
+                if want > 0 {
+                    match fill(&mut p.stream, &mut p.buf, want) {
+                        Ok(true) => continue,
+                        Ok(false) => return Step::Wait,
+                        Err(Read0::Closed | Read0::Failed) => return Step::Gone,
+                    }
+                }
+                let Ok((hello, used)) = Hello::decode(&p.buf) else {
+                    return Step::Gone;
+                };
+                let hello_bytes = p.buf[..used].to_vec();
+                p.buf.clear();
+                let Ok(nonce) = wire::fresh_nonce() else {
+                    return Step::Refused("no random nonce for the challenge".into());
+                };
+                let proof = wire::acceptor_proof(rules.key.bytes(), &hello_bytes, &nonce);
+                if put(&mut p.stream, &Answer::encode_challenge(&nonce, &proof)).is_err() {
+                    return Step::Gone;
+                }
+                p.stage = Stage::Proof {
+                    hello,
+                    hello_bytes,
+                    nonce,
+                };
+            }
+            Stage::Proof {
+                hello,
+                hello_bytes,
+                nonce,
+            } => {
+                match fill(&mut p.stream, &mut p.buf, wire::PROOF_LEN) {
+                    Ok(true) => {}
+                    Ok(false) => return Step::Wait,
+                    Err(Read0::Closed) => {
+                        return Step::Refused(format!(
+                            "wrong job token, or a stranger: rank {} (claimed) hung up after our \
+                             challenge (it could not verify this rank's proof of FH_JOB_TOKEN)",
+                            hello.rank
+                        ))
+                    }
+                    Err(Read0::Failed) => return Step::Gone,
+                }
+                let tag = match wire::decode_proof(&p.buf) {
+                    Ok((tag, _)) => tag,
+                    Err(e) => return refuse_now(p, e.to_string()),
+                };
+                if !wire::verify_connector_proof(rules.key.bytes(), hello_bytes, nonce, &tag) {
+                    let reason = "wrong job token (or a replayed handshake): this connection \
+                                  does not belong to this job (every rank must have the same \
+                                  FH_JOB_TOKEN)";
+                    let claimed = hello.rank;
+                    return refuse_now(p, format!("rank {claimed} (claimed): {reason}"));
+                }
+                if let Some(reason) = check_hello(hello, rules) {
+                    let claimed = hello.rank;
+                    return refuse_now(p, format!("rank {claimed} (claimed): {reason}"));
+                }
+                let hello = hello.clone();
+                p.stage = Stage::Held { hello };
+            }
+            Stage::Held { hello } => {
+                let hello = hello.clone();
+                if rules.kind == ConnKind::Rendezvous {
+                    if let Some(world) = rules.world.get() {
+                        return refuse_now(
+                            p,
+                            format!(
+                                "rank {} (claimed): the rendezvous of this job (world {}) is \
+                                 complete and rank {} joined it already: two processes claim \
+                                 that rank — is another job with the same FH_JOB_TOKEN and \
+                                 rendezvous address running? Give every job its own token \
+                                 (fhrun draws one per job)",
+                                hello.rank,
+                                wire::world_hex(world),
+                                hello.rank
+                            ),
+                        );
+                    }
+                } else {
+                    let Some(world) = rules.world.get() else {
+                        return Step::Wait;
+                    };
+                    if hello.world != *world {
+                        return refuse_now(
+                            p,
+                            format!(
+                                "rank {} (claimed) belongs to another job with the same \
+                                 FH_JOB_TOKEN: it names world {}, this rank is in world {} \
+                                 (two jobs share a token: give every job its own)",
+                                hello.rank,
+                                wire::world_hex(&hello.world),
+                                wire::world_hex(world)
+                            ),
+                        );
+                    }
+                }
+                if put(&mut p.stream, &Reply::Accept.encode()).is_err() {
+                    return Step::Gone;
+                }
+                return Step::Done(hello);
+            }
+        }
+    }
+}
+
+/// Refuse `p` with `reason` (sent if the socket takes it, then the connection is closed).
+fn refuse_now(p: &mut Pending, reason: String) -> Step {
+    let _ = put(&mut p.stream, &Reply::Refuse(reason.clone()).encode());
+    let _ = p.stream.flush();
+    let _ = p.stream.shutdown(std::net::Shutdown::Write);
+    Step::Refused(reason)
+}
+
+/// The connection to drop to make room: a silent one before one that has spoken, from the
+/// source holding the most of those, the oldest first.
+fn victim(pending: &[Pending]) -> Option<usize> {
+    let silent = pending.iter().any(|p| !p.spoke());
+    let class = |p: &Pending| p.spoke() != silent;
+    let mut per_source: HashMap<IpAddr, usize> = HashMap::new();
+    for p in pending.iter().filter(|p| class(p)) {
+        *per_source.entry(p.from.ip()).or_default() += 1;
+    }
+    let (&busiest, _) = per_source.iter().max_by_key(|(_, &n)| n)?;
+    pending
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| class(p) && p.from.ip() == busiest)
+        .min_by_key(|(_, p)| p.since)
+        .map(|(i, _)| i)
+}
+
+/// Counters of what the loop shed, logged at powers of two.
+#[derive(Default)]
+struct Shed {
+    evicted: u64,
+    silent: u64,
+}
+
 fn accept_loop(
     listener: TcpListener,
-    rules: Arc<AcceptRules>,
-    tx: Sender<Incoming>,
-    stop: Arc<AtomicBool>,
+    rules: &AcceptRules,
+    tx: &Sender<Incoming>,
+    stop: &AtomicBool,
 ) {
     use std::os::fd::AsRawFd;
-    let pending = Arc::new(AtomicUsize::new(0));
-    let mut dropped = 0u64;
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut shed = Shed::default();
+    let first_bytes = FIRST_BYTES_TIMEOUT.min(rules.handshake_timeout);
+    let mut fds = Vec::new();
     while !stop.load(Ordering::Relaxed) {
-        let mut fds = [sys::pollfd(listener.as_raw_fd(), sys::POLLIN)];
-        if let Err(e) = sys::poll(&mut fds, ACCEPT_POLL) {
+        // Wait for the listener or any pending connection, at most until the nearest deadline.
+        let now = Instant::now();
+        let mut wait = ACCEPT_POLL;
+        fds.clear();
+        fds.push(sys::pollfd(listener.as_raw_fd(), sys::POLLIN));
+        for p in &pending {
+            let held = matches!(p.stage, Stage::Held { .. });
+            // A held connection waits for the world id, not for bytes.
+            fds.push(sys::pollfd(
+                if held { -1 } else { p.stream.as_raw_fd() },
+                sys::POLLIN,
+            ));
+            let limit = if p.buf.is_empty() && !p.spoke() {
+                first_bytes
+            } else {
+                rules.handshake_timeout
+            };
+            wait = wait.min((p.since + limit).saturating_duration_since(now));
+        }
+        if let Err(e) = sys::poll(&mut fds, wait) {
             tracing::error!(error = %e, "poll on a TCP listener failed; it stops accepting");
             return;
         }
-        // Under a flood the listener is always readable: check `stop` for every connection.
-        while !stop.load(Ordering::Relaxed) {
+        // Serve the connections that have bytes (or were closed), and the held ones; from the
+        // last, so that removing one (`swap_remove`) moves only an entry already served.
+        let ready: Vec<usize> = fds[1..]
+            .iter()
+            .zip(&pending)
+            .enumerate()
+            .filter(|(_, (f, p))| f.revents != 0 || matches!(p.stage, Stage::Held { .. }))
+            .map(|(i, _)| i)
+            .collect();
+        for &i in ready.iter().rev() {
+            let step = advance(&mut pending[i], rules);
+            settle(&mut pending, i, step, rules, tx);
+        }
+        // Drop the connections past their deadline.
+        let now = Instant::now();
+        let mut i = 0;
+        while i < pending.len() {
+            let p = &pending[i];
+            let silent = p.buf.is_empty() && !p.spoke();
+            let limit = if silent {
+                first_bytes
+            } else {
+                rules.handshake_timeout
+            };
+            if now >= p.since + limit {
+                let p = pending.swap_remove(i);
+                shed.silent += 1;
+                let reason = if silent {
+                    format!("no bytes within {limit:?} (a silent connection)")
+                } else {
+                    format!(
+                        "no complete handshake within {limit:?} (a slow, silent or half-open \
+                         connection)"
+                    )
+                };
+                report(rules, tx, p.from, reason);
+                continue;
+            }
+            i += 1;
+        }
+        // Accept what the backlog holds (a bounded batch per turn), each new connection served
+        // at once: a member's hello is usually there already.
+        for _ in 0..ACCEPTS_PER_TURN {
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
             let (stream, from) = match listener.accept() {
                 Ok(x) => x,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -203,142 +543,97 @@ fn accept_loop(
                     break;
                 }
             };
-            if pending.load(Ordering::Relaxed) >= rules.max_pending {
-                dropped += 1;
-                if dropped.is_power_of_two() {
-                    tracing::warn!(
-                        %from,
-                        dropped,
-                        limit = rules.max_pending,
-                        "too many handshakes in progress; dropping connections (ranks retry)"
-                    );
-                }
+            if stream.set_nonblocking(true).is_err() {
                 continue;
             }
-            pending.fetch_add(1, Ordering::Relaxed);
-            let (rules2, tx, pending2) = (Arc::clone(&rules), tx.clone(), Arc::clone(&pending));
-            let spawned = std::thread::Builder::new()
-                .name("fh-tcp-handshake".into())
-                .spawn(move || {
-                    let rules = rules2;
-                    let msg = match serve_handshake(stream, &rules) {
-                        Ok((hello, _)) if hello.kind == ConnKind::Abort => {
-                            tracing::warn!(
-                                from = hello.rank,
-                                lost = hello.lost,
-                                seq = hello.seq,
-                                "a peer gave up on a communicator"
-                            );
-                            rules
-                                .board
-                                .post(hello.seq, hello.rank as usize, hello.lost as usize);
-                            pending2.fetch_sub(1, Ordering::Relaxed);
-                            return;
-                        }
-                        // The completed handshake was the answer: this process is alive.
-                        Ok((hello, _)) if hello.kind == ConnKind::Probe => {
-                            pending2.fetch_sub(1, Ordering::Relaxed);
-                            return;
-                        }
-                        Ok((hello, stream)) => Incoming::Accepted {
-                            hello,
-                            stream,
-                            from,
-                        },
-                        Err(reason) => {
-                            let _ = rules.log.log(from, &reason);
-                            Incoming::Refused { from, reason }
-                        }
-                    };
-                    pending2.fetch_sub(1, Ordering::Relaxed);
-                    // Under a flood of strangers, keep memory bounded: refusals are only
-                    // explanations (and were logged), so drop them when nobody is reading.
-                    if matches!(msg, Incoming::Refused { .. }) && tx.len() >= MAX_QUEUED_REFUSALS {
-                        return;
+            if pending.len() >= rules.max_pending.max(1) {
+                if let Some(v) = victim(&pending) {
+                    pending.swap_remove(v);
+                    shed.evicted += 1;
+                    if shed.evicted.is_power_of_two() {
+                        tracing::warn!(
+                            %from,
+                            evicted = shed.evicted,
+                            limit = rules.max_pending,
+                            "too many handshakes in progress; dropping the oldest silent \
+                             connections (a flood of strangers? members retry)"
+                        );
                     }
-                    // The transport may be gone already; then nobody needs the connection.
-                    let _ = tx.send(msg);
-                });
-            if let Err(e) = spawned {
-                pending.fetch_sub(1, Ordering::Relaxed);
-                let _ = rules
-                    .log
-                    .log(from, &format!("could not spawn a handshake thread: {e}"));
+                }
             }
+            pending.push(Pending {
+                stream,
+                from,
+                since: Instant::now(),
+                buf: Vec::new(),
+                stage: Stage::Hello,
+            });
+            let last = pending.len() - 1;
+            let step = advance(&mut pending[last], rules);
+            settle(&mut pending, last, step, rules, tx);
         }
     }
 }
 
-/// Serve one handshake (see [`wire`]), all of it within the handshake timeout: read the
-/// hello, answer with a challenge and this side's proof, check the connector's proof and the
-/// hello, accept or refuse.
-fn serve_handshake(
-    mut stream: TcpStream,
+/// Act on `step` for `pending[i]`; returns whether the entry was removed.
+fn settle(
+    pending: &mut Vec<Pending>,
+    i: usize,
+    step: Step,
     rules: &AcceptRules,
-) -> std::result::Result<(Hello, TcpStream), String> {
-    let deadline = Instant::now() + rules.handshake_timeout;
-    let _ = stream.set_nonblocking(false);
-    let silent = || {
-        format!(
-            "no complete handshake within {:?} (a slow, silent or half-open connection)",
-            rules.handshake_timeout
-        )
-    };
-    let (hello, hello_bytes) = match read_msg(&mut stream, deadline, wire::MAX_HELLO_LEN, |b| {
-        Hello::decode(b)
-    }) {
-        Ok(x) => x,
-        Err(ReadFail::Decode(e)) => {
-            let reason = e.to_string();
-            refuse(&mut stream, &reason, deadline);
-            return Err(reason);
+    tx: &Sender<Incoming>,
+) -> bool {
+    match step {
+        Step::Wait => false,
+        Step::Gone => {
+            pending.swap_remove(i);
+            true
         }
-        Err(ReadFail::Closed(got)) => {
-            return Err(format!(
-                "connection closed after {got} bytes, before a complete handshake"
-            ))
+        Step::Refused(reason) => {
+            let p = pending.swap_remove(i);
+            report(rules, tx, p.from, reason);
+            true
         }
-        Err(ReadFail::TimedOut) => return Err(silent()),
-        Err(ReadFail::Io(e)) => return Err(format!("reading the handshake failed: {e}")),
-    };
-    let nonce = wire::fresh_nonce().map_err(|e| format!("no random nonce: {e}"))?;
-    let proof = wire::acceptor_proof(rules.key.bytes(), &hello_bytes, &nonce);
-    write_by(
-        &mut stream,
-        &Answer::encode_challenge(&nonce, &proof),
-        deadline,
-    )
-    .map_err(|e| format!("sending the challenge failed: {e}"))?;
-    let tag = match read_msg(&mut stream, deadline, wire::PROOF_LEN, wire::decode_proof) {
-        Ok((tag, _)) => tag,
-        Err(ReadFail::Decode(e)) => {
-            let reason = e.to_string();
-            refuse(&mut stream, &reason, deadline);
-            return Err(reason);
+        Step::Done(hello) => {
+            let p = pending.swap_remove(i);
+            match hello.kind {
+                ConnKind::Abort if rules.kind == ConnKind::Data => {
+                    tracing::warn!(
+                        from = hello.rank,
+                        lost = hello.lost,
+                        seq = hello.seq,
+                        "a peer gave up on a communicator"
+                    );
+                    rules
+                        .board
+                        .post(hello.seq, hello.rank as usize, hello.lost as usize);
+                }
+                // The completed handshake was the answer: this process is alive.
+                ConnKind::Probe if rules.kind == ConnKind::Data => {}
+                _ => {
+                    let stream = p.stream;
+                    if stream.set_nonblocking(false).is_ok() {
+                        // The transport may be gone already; then nobody needs it.
+                        let _ = tx.send(Incoming::Accepted {
+                            hello,
+                            stream,
+                            from: p.from,
+                        });
+                    }
+                }
+            }
+            true
         }
-        Err(ReadFail::Closed(_)) => {
-            return Err(format!(
-                "wrong job token, or a stranger: rank {} (claimed) hung up after our challenge \
-                 (it could not verify this rank's proof of FH_JOB_TOKEN)",
-                hello.rank
-            ))
-        }
-        Err(ReadFail::TimedOut) => return Err(silent()),
-        Err(ReadFail::Io(e)) => return Err(format!("reading the handshake proof failed: {e}")),
-    };
-    if !wire::verify_connector_proof(rules.key.bytes(), &hello_bytes, &nonce, &tag) {
-        let reason = "wrong job token (or a replayed handshake): this connection does not \
-                      belong to this job (every rank must have the same FH_JOB_TOKEN)";
-        refuse(&mut stream, reason, deadline);
-        return Err(format!("rank {} (claimed): {reason}", hello.rank));
     }
-    if let Some(reason) = check_hello(&hello, rules) {
-        refuse(&mut stream, &reason, deadline);
-        return Err(format!("rank {} (claimed): {reason}", hello.rank));
+}
+
+/// Log a refusal (at a bounded rate) and keep it for the transport's error messages (unless
+/// nobody reads them: under a flood of strangers memory stays bounded).
+fn report(rules: &AcceptRules, tx: &Sender<Incoming>, from: SocketAddr, reason: String) {
+    let _ = rules.log.log(from, &reason);
+    if tx.len() < MAX_QUEUED_REFUSALS {
+        let _ = tx.send(Incoming::Refused { from, reason });
     }
-    write_by(&mut stream, &Reply::Accept.encode(), deadline)
-        .map_err(|e| format!("sending the acceptance failed: {e}"))?;
-    Ok((hello, stream))
 }
 
 fn check_hello(hello: &Hello, rules: &AcceptRules) -> Option<String> {
@@ -372,15 +667,106 @@ fn check_hello(hello: &Hello, rules: &AcceptRules) -> Option<String> {
     None
 }
 
-fn refuse(stream: &mut TcpStream, reason: &str, deadline: Instant) {
-    let _ = write_by(stream, &Reply::Refuse(reason.into()).encode(), deadline);
-    let _ = stream.flush();
-    let _ = stream.shutdown(std::net::Shutdown::Write);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An acceptor for rank 0 of 2 whose table holds `max_pending` handshakes, in world `world`.
+    fn acceptor(max_pending: usize, world: [u8; WORLD_ID_LEN]) -> (Acceptor, SocketAddr, Key) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let key = Key::new(b"accept-unit-test-token-5f1d0c3a");
+        let cell = WorldCell::default();
+        cell.set(world).unwrap();
+        let rules = AcceptRules {
+            kind: ConnKind::Data,
+            key: key.clone(),
+            size: 2,
+            rank: 0,
+            handshake_timeout: Duration::from_secs(5),
+            max_pending,
+            board: Arc::new(AbortBoard::default()),
+            log: RefusalLog::new(),
+            world: cell,
+        };
+        (Acceptor::spawn(listener, rules).unwrap(), addr, key)
+    }
+
+    fn hello(world: [u8; WORLD_ID_LEN]) -> Hello {
+        Hello {
+            version: wire::PROTOCOL_VERSION,
+            kind: ConnKind::Data,
+            size: 2,
+            rank: 1,
+            seq: 0,
+            port: 0,
+            lost: 0,
+            world,
+            nonce: [0; wire::NONCE_LEN],
+        }
+    }
+
+    #[test]
+    fn silent_connections_filling_the_table_do_not_keep_a_member_out() {
+        let world = [7; WORLD_ID_LEN];
+        let (mut acc, addr, key) = acceptor(4, world);
+        // Twice as many silent connections as the table holds, kept open.
+        let silent: Vec<TcpStream> = (0..8).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        std::thread::sleep(Duration::from_millis(50));
+        // One attempt, no retry: the member's connection evicts a silent one.
+        let mut s = TcpStream::connect(addr).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let done = super::super::handshake::client_handshake(
+            &mut s,
+            hello(world),
+            &key,
+            "rank 0",
+            deadline,
+        );
+        assert!(done.is_ok(), "{}", done.err().unwrap().into_error());
+        let (h, _, _) = acc.next(deadline).expect("the member is handed over");
+        assert_eq!(h.rank, 1);
+        // The listener dropped silent connections (evicted, or cut off after their first-bytes
+        // deadline): at least those beyond the table's room.
+        let closed = silent
+            .into_iter()
+            .filter(|c| {
+                let mut c = c;
+                let _ = c.set_read_timeout(Some(Duration::from_secs(3)));
+                matches!(c.read(&mut [0u8; 8]), Ok(0) | Err(_))
+            })
+            .count();
+        assert!(
+            closed >= 4,
+            "only {closed} of 8 silent connections were dropped"
+        );
+    }
+
+    #[test]
+    fn a_rank_of_another_world_with_the_same_token_is_refused_naming_both_worlds() {
+        let (mut acc, addr, key) = acceptor(4, [7; WORLD_ID_LEN]);
+        let mut s = TcpStream::connect(addr).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let Err(e) = super::super::handshake::client_handshake(
+            &mut s,
+            hello([9; WORLD_ID_LEN]),
+            &key,
+            "rank 0",
+            deadline,
+        ) else {
+            panic!("a rank of another world was accepted");
+        };
+        let text = e.into_error().to_string();
+        assert!(
+            text.contains(&"09".repeat(WORLD_ID_LEN))
+                && text.contains(&"07".repeat(WORLD_ID_LEN))
+                && text.contains("another job with the same"),
+            "{text}"
+        );
+        assert!(acc
+            .next(Instant::now() + Duration::from_millis(200))
+            .is_none());
+    }
 
     #[test]
     fn refusals_are_logged_at_a_bounded_rate() {

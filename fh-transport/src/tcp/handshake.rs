@@ -13,8 +13,8 @@ use crate::{Result, TransportError};
 
 /// Why reading a message failed.
 pub(super) enum ReadFail {
-    /// The peer closed the connection after this many bytes.
-    Closed(usize),
+    /// The peer closed the connection.
+    Closed,
     /// The deadline passed.
     TimedOut,
     /// The bytes are not a valid message.
@@ -47,7 +47,7 @@ pub(super) fn read_msg<T>(
                 }
                 stream.set_read_timeout(Some(left)).map_err(ReadFail::Io)?;
                 match stream.read(&mut buf[got..]) {
-                    Ok(0) => return Err(ReadFail::Closed(got)),
+                    Ok(0) => return Err(ReadFail::Closed),
                     Ok(k) => buf.truncate(got + k),
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => buf.truncate(got),
                     Err(e)
@@ -114,7 +114,7 @@ pub(super) fn client_handshake(
     let retry_io =
         |what: &str, e: io::Error| Attempt::Retry(TransportError::io(format!("{what} {peer}"), e));
     let read_fail = |what: &str, f: ReadFail| match f {
-        ReadFail::Closed(_) => Attempt::Retry(handshake(format!(
+        ReadFail::Closed => Attempt::Retry(handshake(format!(
             "the connection was closed before the {what} arrived (a busy listener sheds \
              connections; retried until the timeout)"
         ))),

@@ -92,6 +92,8 @@ pub(crate) struct Link {
     pub(crate) key: Key,
     pub(crate) board: Arc<AbortBoard>,
     pub(crate) handshake_timeout: Duration,
+    /// The job's world id, named in every hello.
+    pub(crate) world: [u8; wire::WORLD_ID_LEN],
 }
 
 impl Link {
@@ -140,6 +142,7 @@ impl Link {
             seq: 0,
             port: 0,
             lost: 0,
+            world: self.world,
             nonce: [0; wire::NONCE_LEN],
         };
         let alive =
@@ -169,6 +172,7 @@ impl Link {
             seq,
             port: 0,
             lost: lost as u32,
+            world: self.world,
             nonce: [0; wire::NONCE_LEN],
         };
         if let Err(e) =

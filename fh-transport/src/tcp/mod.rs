@@ -24,11 +24,31 @@
 //! token first — a process that grabs the rendezvous port learns nothing. A peer that gets
 //! anything wrong receives a refusal stating why and is disconnected; refusals are logged on
 //! the accepting side at a bounded rate (and quoted in its error if the expected peer never
-//! comes). Strangers — garbage, wrong tokens, connections that never say anything — are dropped
-//! after a short handshake deadline (for the whole handshake, not per read) without disturbing
-//! the job: the number of handshakes served at once grows with the world size, and a rank whose
-//! connection was dropped or timed out retries until the job's timeout. Frame lengths are
-//! checked against what the receiver expects before a byte of payload is accepted.
+//! comes). Frame lengths are checked against what the receiver expects before a byte of
+//! payload is accepted.
+//!
+//! **A door no crowd can hold.** Each listener is served by one thread that runs every
+//! handshake itself over nonblocking sockets (no thread per connection): a stranger's
+//! connection costs one descriptor and a few hundred bytes. It must send its first bytes
+//! within a second and finish the handshake within the handshake deadline; when
+//! [`max_pending_handshakes`] are in progress, each new connection evicts a silent one (from
+//! the source holding the most, the oldest first) — a member sends its hello at once and so
+//! moves past the silent crowd in one round trip; the listen backlog is deep and drained
+//! continuously; and a member whose attempt is dropped anyway retries with backoff until the
+//! job's timeout. So a listener holds at most `max_pending_handshakes + 1` descriptors and one
+//! thread however many strangers connect, and a flood of silent connections re-opened as fast
+//! as they are dropped, at the rendezvous port and at every data port, only delays the start
+//! (`tests/tcp_flood.rs` measures it).
+//!
+//! **One world per job.** Rank 0 draws a random world id for every job and sends it with the
+//! address book; every later connection names it in its hello (which both proofs cover), so a
+//! rank of another job with the same token is refused, the refusal naming both world ids.
+//! Rank 0 keeps the rendezvous port for the life of the transport: a second job started on the
+//! same address cannot listen there, a late claimant of a rank is refused naming this world,
+//! and two claimants of one rank during the rendezvous stop it on every rank that joined (with
+//! one token and one address, the ranks of two jobs cannot otherwise be told apart; give every
+//! job its own token). The shared-memory backends key their segment names with the world id
+//! ([`crate::shm::segment_name`]).
 //!
 //! Connections are authenticated, not encrypted: someone who can watch the network sees the
 //! data (but never the token).
@@ -52,7 +72,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use accept::{AcceptRules, Acceptor, RefusalLog};
+use accept::{AcceptRules, Acceptor, RefusalLog, WorldCell};
 pub use comm::TcpComm;
 use handshake::{connect_handshake, read_msg, write_by, ReadFail};
 pub(crate) use link::{AbortBoard, Key, Link};
@@ -67,11 +87,12 @@ use crate::{Communicator, Result, Topology, Transport, TransportError};
 pub const DEFAULT_MAX_FRAME: usize = 16 << 30;
 /// Default time a connecting stranger has to complete its whole handshake.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Handshakes served at once by a listener of a world of `size` ranks: room for every rank to
-/// connect at once, twice over, plus a margin for strangers. Further connections are dropped
-/// (their ranks retry) until some finish.
+/// Handshakes in progress at once on a listener of a world of `size` ranks: room for every
+/// rank to connect at once, twice over, plus a margin. Beyond it the listener evicts a silent
+/// connection (a stranger's) for each new one, so strangers never keep a member out (see
+/// *A door no crowd can hold* in the module documentation).
 pub fn max_pending_handshakes(size: usize) -> usize {
-    64 + 2 * size
+    128 + 2 * size
 }
 /// Descriptors kept free beyond what a mesh needs (logs, libraries, the user's files).
 const FD_MARGIN: u64 = 64;
@@ -172,6 +193,14 @@ pub struct TcpTransport {
     places: Vec<Place>,
     /// The host layout settled from [`TcpTransport::places`].
     layout: Layout,
+    /// The job's world id, drawn by rank 0 ([`wire::Hello::world`]); all zeros for one rank.
+    world: [u8; wire::WORLD_ID_LEN],
+    /// The world id as the data listener's acceptor knows it (set once known).
+    world_cell: WorldCell,
+    /// Rank 0: the rendezvous listener, kept for the life of the transport so that the port
+    /// stays taken (another job with the same address cannot start a second world on it) and
+    /// a late claimant of a rank is refused naming this world.
+    rendezvous: Option<Acceptor>,
 }
 
 impl std::fmt::Debug for TcpTransport {
@@ -205,6 +234,9 @@ impl TcpTransport {
             link: None,
             places: Vec::new(),
             layout: Layout::single(),
+            world: [0; wire::WORLD_ID_LEN],
+            world_cell: WorldCell::default(),
+            rendezvous: None,
         };
         if info.size == 1 {
             t.topology = Topology::single_host(0, 1);
@@ -259,6 +291,7 @@ impl TcpTransport {
             key: t.key.clone(),
             board: Arc::clone(&t.board),
             handshake_timeout: t.opts.handshake_timeout,
+            world: t.world,
         }));
         tracing::debug!(rank = info.rank, book = ?t.book, hosts = ?t.layout.hosts(), "TCP rendezvous complete");
         Ok(t)
@@ -280,6 +313,14 @@ impl TcpTransport {
         &self.layout
     }
 
+    /// The job's world id: random bytes rank 0 draws for each job and sends with the address
+    /// book. Every connection after the rendezvous names it (a rank of another job with the
+    /// same token is refused), and the shared-memory backends key their segment names with it.
+    /// All zeros in a world of one rank.
+    pub fn world_id(&self) -> [u8; wire::WORLD_ID_LEN] {
+        self.world
+    }
+
     fn rules(&self, kind: ConnKind) -> AcceptRules {
         AcceptRules {
             kind,
@@ -290,6 +331,10 @@ impl TcpTransport {
             max_pending: max_pending_handshakes(self.topology.size),
             board: Arc::clone(&self.board),
             log: RefusalLog::new(),
+            world: match kind {
+                ConnKind::Rendezvous => WorldCell::default(),
+                _ => Arc::clone(&self.world_cell),
+            },
         }
     }
 
@@ -309,6 +354,7 @@ impl TcpTransport {
                 seq,
                 port: 0,
                 lost: 0,
+                world: self.world,
                 nonce: [0; wire::NONCE_LEN],
             };
             // Every data listener has been up since the rendezvous: a refused connection

@@ -10,7 +10,7 @@ use crate::hosts::{self, Place};
 /// Why reading the rendezvous's answer from rank 0 failed, as an error.
 fn from_root(f: ReadFail, what: &'static str, timeout: Duration) -> TransportError {
     match f {
-        ReadFail::Closed(_) => TransportError::PeerLost {
+        ReadFail::Closed => TransportError::PeerLost {
             rank: 0,
             detail: format!(
                 "rank 0 closed the rendezvous before sending {what} (see rank 0's log)"
@@ -67,8 +67,19 @@ impl TcpTransport {
         let my_addr = data
             .local_addr()
             .map_err(|e| TransportError::io("reading the data listener's address", e))?;
+        // The job's world id: fresh random bytes, never all zeros (that means "unknown").
+        let mut world = [0u8; wire::WORLD_ID_LEN];
+        while world == [0; wire::WORLD_ID_LEN] {
+            getrandom::fill(&mut world).map_err(|e| {
+                TransportError::io("drawing the world id", std::io::Error::other(e.to_string()))
+            })?;
+        }
+        self.world = world;
+        let _ = self.world_cell.set(world);
         self.acceptor = Some(Acceptor::spawn(data, self.rules(ConnKind::Data))?);
-        let mut rdv_acceptor = Acceptor::spawn(rdv_listener, self.rules(ConnKind::Rendezvous))?;
+        let rdv_rules = self.rules(ConnKind::Rendezvous);
+        let rdv_done = Arc::clone(&rdv_rules.world);
+        let mut rdv_acceptor = Acceptor::spawn(rdv_listener, rdv_rules)?;
         tracing::info!(%rdv_addr, size, "rank 0 waiting for the other ranks");
 
         let deadline = Instant::now() + self.opts.timeout;
@@ -99,9 +110,27 @@ impl TcpTransport {
                 });
             };
             let r = hello.rank as usize;
-            if members[r].is_some() {
-                tracing::warn!(rank = r, %from, "a second connection claims an already joined rank; dropped");
-                continue;
+            if let Some((_, first)) = &members[r] {
+                // Two processes that know the token claim one rank: two jobs with the same
+                // token and rendezvous address are starting together. Never mix them: stop
+                // this world, telling every member (the second claimant too).
+                let reason = format!(
+                    "two processes claim rank {r} at the rendezvous (one from {first}, one from \
+                     {from}): another job with the same FH_JOB_TOKEN and rendezvous address is \
+                     starting; give every job its own token (fhrun draws one per job) and \
+                     rendezvous port"
+                );
+                let mut stream = stream;
+                let _ = write_by(
+                    &mut stream,
+                    &wire::encode_rendezvous_failure(0, &reason),
+                    Instant::now() + Duration::from_secs(1),
+                );
+                tell_failure(&mut members, 0, &reason);
+                return Err(TransportError::Config {
+                    var: "FH_JOB_TOKEN".into(),
+                    reason,
+                });
             }
             // A member sends its place right after its handshake.
             let mut stream = stream;
@@ -122,7 +151,7 @@ impl TcpTransport {
                     op: "rendezvous (waiting for its host place)",
                     after: self.opts.handshake_timeout,
                 },
-                ReadFail::Closed(_) => TransportError::PeerLost {
+                ReadFail::Closed => TransportError::PeerLost {
                     rank: r,
                     detail: "it closed the rendezvous before sending its host place".into(),
                 },
@@ -142,7 +171,25 @@ impl TcpTransport {
             members[r] = Some((stream, SocketAddr::new(from.ip(), hello.port)));
             missing -= 1;
         }
-        drop(rdv_acceptor);
+        // From now on the rendezvous listener refuses every claimant, naming this world; the
+        // port stays taken for the life of the transport.
+        let _ = rdv_done.set(world);
+        let late = Instant::now();
+        while let Some((hello, mut stream, from)) = rdv_acceptor.next(late) {
+            let reason = format!(
+                "rank {} (claimed, from {from}): the rendezvous of this job (world {}) is \
+                 complete and that rank joined it already: is another job with the same \
+                 FH_JOB_TOKEN and rendezvous address running? Give every job its own token",
+                hello.rank,
+                wire::world_hex(&world)
+            );
+            let _ = write_by(
+                &mut stream,
+                &wire::encode_rendezvous_failure(0, &reason),
+                Instant::now() + Duration::from_secs(1),
+            );
+        }
+        self.rendezvous = Some(rdv_acceptor);
 
         let mut book = vec![my_addr];
         let mut entries = vec![format!(":{}", my_addr.port())];
@@ -159,6 +206,7 @@ impl TcpTransport {
         }
         let mut encoded = wire::encode_book(&entries);
         encoded.extend_from_slice(&hosts::encode_places(&places));
+        encoded.extend_from_slice(&world);
         // A book is small (it fits in any socket buffer), so these writes do not wait on a
         // slow reader; one deadline bounds them all.
         let book_deadline = Instant::now() + self.opts.timeout;
@@ -229,6 +277,7 @@ impl TcpTransport {
                     seq: 0,
                     port,
                     lost: 0,
+                    world: [0; wire::WORLD_ID_LEN],
                     nonce: [0; wire::NONCE_LEN],
                 })
             },
@@ -275,6 +324,12 @@ impl TcpTransport {
             |b| hosts::decode_places(b, size),
         )
         .map_err(|f| from_root(f, "the host list", timeout))?;
+        let (world, _) = read_msg(&mut stream, book_deadline, wire::WORLD_ID_LEN, |b| {
+            wire::decode_world_id(b)
+        })
+        .map_err(|f| from_root(f, "the world id", timeout))?;
+        self.world = world;
+        let _ = self.world_cell.set(world);
         let mut book = Vec::with_capacity(size);
         for (r, e) in entries.iter().enumerate() {
             let addr = if r == 0 {

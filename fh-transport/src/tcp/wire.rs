@@ -22,6 +22,7 @@
 //!    | 8 | communicator sequence number |
 //!    | 2 | data-listener port (rendezvous only; else 0) |
 //!    | 4 | the lost rank (abort notices only; else 0) |
+//!    | 16 | the world id: the job's nonce, drawn by rank 0 and sent with the address book (0 on rendezvous connections) |
 //!    | 32 | the connector's nonce |
 //!
 //! 2. **Challenge** (acceptor → connector), [`CHALLENGE_LEN`] bytes: magic `FHTC`, the
@@ -45,7 +46,9 @@
 //! On an accepted rendezvous connection the member sends its host place
 //! ([`crate::hosts::Place::encode`]); once every rank is in, rank 0 answers with the address
 //! book ([`encode_book`]) followed by every rank's place ([`crate::hosts::encode_places`]).
-//! Both decoders check every length against the world size before using it.
+//! Both decoders check every length against the world size before using it. Then rank 0 sends
+//! the job's world id ([`WORLD_ID_LEN`] random bytes, [`Hello::world`]), which every later
+//! connection of the job names.
 //!
 //! ## Frames (on data connections)
 //!
@@ -69,8 +72,9 @@ pub const CHALLENGE_MAGIC: [u8; 4] = *b"FHTC";
 /// Magic opening the connector's proof.
 pub const PROOF_MAGIC: [u8; 4] = *b"FHTK";
 /// Protocol version spoken by this build (2: mutual HMAC challenge–response; 3: the
-/// rendezvous carries every rank's host place, [`crate::hosts::Place`]).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// rendezvous carries every rank's host place, [`crate::hosts::Place`]; 4: every connection
+/// after the rendezvous names the job's world id, [`Hello::world`]).
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Longest job token accepted.
 pub const MAX_TOKEN_LEN: usize = 255;
 /// Longest refusal reason sent or accepted.
@@ -79,8 +83,10 @@ pub const MAX_REASON_LEN: usize = 1024;
 pub const NONCE_LEN: usize = 32;
 /// Bytes of a proof (an HMAC-SHA-256 tag).
 pub const PROOF_TAG_LEN: usize = 32;
+/// Bytes of a world id (the job's nonce, [`Hello::world`]).
+pub const WORLD_ID_LEN: usize = 16;
 /// Size of a handshake.
-pub const HELLO_LEN: usize = 30 + NONCE_LEN;
+pub const HELLO_LEN: usize = 30 + WORLD_ID_LEN + NONCE_LEN;
 /// Largest possible handshake (all handshakes have the same size).
 pub const MAX_HELLO_LEN: usize = HELLO_LEN;
 /// Size of a challenge.
@@ -129,6 +135,10 @@ pub struct Hello {
     pub port: u16,
     /// The rank whose loss made the connector give up (abort notices only).
     pub lost: u32,
+    /// The job's world id: a random nonce rank 0 draws for each job and sends with the address
+    /// book; every connection after the rendezvous names it (and the proofs cover it), so a
+    /// rank of another job with the same token is refused. All zeros on rendezvous connections.
+    pub world: [u8; WORLD_ID_LEN],
     /// The connector's fresh nonce.
     pub nonce: [u8; NONCE_LEN],
 }
@@ -176,6 +186,7 @@ impl Hello {
         out.extend_from_slice(&self.seq.to_le_bytes());
         out.extend_from_slice(&self.port.to_le_bytes());
         out.extend_from_slice(&self.lost.to_le_bytes());
+        out.extend_from_slice(&self.world);
         out.extend_from_slice(&self.nonce);
         out
     }
@@ -215,8 +226,10 @@ impl Hello {
         let u32_at = |i: usize| u32::from_le_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
         let mut seq = [0u8; 8];
         seq.copy_from_slice(&buf[16..24]);
+        let mut world = [0u8; WORLD_ID_LEN];
+        world.copy_from_slice(&buf[30..30 + WORLD_ID_LEN]);
         let mut nonce = [0u8; NONCE_LEN];
-        nonce.copy_from_slice(&buf[30..HELLO_LEN]);
+        nonce.copy_from_slice(&buf[30 + WORLD_ID_LEN..HELLO_LEN]);
         Ok((
             Hello {
                 version,
@@ -226,6 +239,7 @@ impl Hello {
                 seq: u64::from_le_bytes(seq),
                 port: u16::from_le_bytes([buf[24], buf[25]]),
                 lost: u32_at(26),
+                world,
                 nonce,
             },
             HELLO_LEN,
@@ -553,6 +567,24 @@ pub fn decode_rendezvous_answer(
     Ok((RendezvousAnswer::Failed { lost, reason }, 10 + len))
 }
 
+/// Decode the world id rank 0 sends after the address book and the host places.
+pub fn decode_world_id(buf: &[u8]) -> Result<([u8; WORLD_ID_LEN], usize), DecodeError> {
+    let Some(bytes) = buf.get(..WORLD_ID_LEN) else {
+        return Err(DecodeError::NeedMore(WORLD_ID_LEN));
+    };
+    let mut id = [0u8; WORLD_ID_LEN];
+    id.copy_from_slice(bytes);
+    if id == [0; WORLD_ID_LEN] {
+        return Err(DecodeError::Invalid("a world id of all zeros".into()));
+    }
+    Ok((id, WORLD_ID_LEN))
+}
+
+/// A world id as text (hex), for messages.
+pub fn world_hex(id: &[u8; WORLD_ID_LEN]) -> String {
+    id.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Longest answer of rank 0 at the rendezvous for `size` ranks.
 pub fn max_rendezvous_answer_len(size: usize) -> usize {
     max_book_len(size).max(10 + MAX_FAILURE_TEXT)
@@ -635,6 +667,7 @@ mod tests {
             seq: 77,
             port: 4242,
             lost: 9,
+            world: [5; WORLD_ID_LEN],
             nonce: [7; NONCE_LEN],
         };
         let bytes = h.encode();

@@ -85,15 +85,16 @@ FH_TRANSPORT=mpi FH_SCHEDULE=fasthorovod FH_CHANNELS=3 FH_MPI_THREAD_LEVEL=seria
 # Engine mixing: control plane over MPI and data over TCP, and the reverse (TCP needs a
 # rendezvous address and a token: a free local port and a fixed test token).
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-export FH_RENDEZVOUS_ADDR="${FH_RENDEZVOUS_ADDR:-}" FH_JOB_TOKEN="${FH_JOB_TOKEN:-}"
-if [ ${#FLAGS[@]} -gt 0 ]; then FLAGS+=(-x FH_RENDEZVOUS_ADDR -x FH_JOB_TOKEN); fi
+# (Forwarded only to these runs, which set both: an empty FH_JOB_TOKEN is an error.)
+MIXFLAGS=(-x FH_RENDEZVOUS_ADDR -x FH_JOB_TOKEN)
+if [ ${#FLAGS[@]} -gt 0 ]; then MIXFLAGS=("${FLAGS[@]}" "${MIXFLAGS[@]}"); fi
 mixes="mpi+tcp tcp+mpi"
 command -v python3 >/dev/null 2>&1 || { echo "mpi: engine mixing SKIPPED (needs python3 to pick a free port)"; mixes=""; }
 for mix in $mixes; do
     for sch in fasthorovod horovod; do
         FH_RENDEZVOUS_ADDR="127.0.0.1:$(free_port)" FH_JOB_TOKEN=6d70692d6d6978696e672d7465737421 \
             FH_TRANSPORT=$mix FH_SCHEDULE=$sch FH_CHANNELS=2 FH_MPI_THREAD_LEVEL=multiple \
-            run "scheduler $sch np=3 FH_TRANSPORT=$mix" mpirun -np 3 "${FLAGS[@]}" "$TRAIN" 100
+            run "scheduler $sch np=3 FH_TRANSPORT=$mix" mpirun -np 3 "${MIXFLAGS[@]}" "$TRAIN" 100
     done
 done
 
