@@ -121,6 +121,15 @@ pub(crate) fn ranks_suite(root: &Path, np: usize) -> Command {
     c
 }
 
+/// CUDA tensors on a real GPU, one process (`fh-torch/tests/gpu`): each test skips, saying
+/// why, without a GPU, without a `cuda` build of the wheel, or without `FH_CUDA=1`.
+pub(crate) fn gpu_suite(root: &Path) -> Command {
+    let mut c = Command::new(python(root));
+    pytest(root, &mut c, "fh-torch/tests/gpu");
+    c.arg("-rs");
+    c
+}
+
 /// The suite that launches jobs itself (fhrun, torchrun, killed ranks, the example).
 pub(crate) fn launch_suite(root: &Path) -> Command {
     let mut c = Command::new(python(root));

@@ -252,9 +252,10 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
                 vec![fhrun, lint, python::install_wheel(root)]
             },
         ),
-        ("pytest fh-torch/tests/ranks, one process", |root| {
-            vec![python::ranks_suite(root, 1)]
-        }),
+        (
+            "pytest fh-torch/tests/ranks and tests/gpu (skips without a GPU), one process",
+            |root| vec![python::ranks_suite(root, 1), python::gpu_suite(root)],
+        ),
         (
             "pytest fh-torch/tests/ranks under fhrun -np 2, -np 3",
             |root| vec![python::ranks_suite(root, 2), python::ranks_suite(root, 3)],
