@@ -6,7 +6,10 @@
 //! - two jobs with the same token started at the same moment both finish with their own
 //!   results (over shared memory and over TCP): they never meet;
 //! - a second job on the same rendezvous address as a running one is refused, its rank 0 and
-//!   its member alike, with errors naming the conflict; the running job is undisturbed.
+//!   its member alike, with errors naming the conflict; the running job is undisturbed;
+//! - two jobs with the same token *and* rendezvous address (what a derived token gives)
+//!   started together never finish with each other's values: a world that may hold the other
+//!   job's rank stops on every rank with an error naming the cause.
 //!
 //! The local-user attack needs root (it creates a throwaway user with `useradd`, runs the
 //! attacker under it with `runuser`, and removes user and files afterwards); without root or
@@ -372,6 +375,9 @@ fn a_second_job_on_a_running_jobs_rendezvous_address_is_refused() {
     // Job 1 is in its world once its ranks wait for the go file; its rank 0 holds the port.
     let ready = std::env::temp_dir().join(format!("fh-trust-go-{}.ready1", std::process::id()));
     wait_for_file(&ready, &mut kids);
+    // Job 2 starts later than job 1 (past the 3 s in which a second claim of a rank makes the
+    // world stop, as it may then be mixed: see the test below).
+    std::thread::sleep(Duration::from_millis(3500));
     // Job 2, same token and address: its rank 0 cannot listen, and its rank 1 is refused
     // by job 1's rank 0, naming the conflict; neither joins job 1.
     let mut late = Children(Vec::new());
@@ -398,6 +404,70 @@ fn a_second_job_on_a_running_jobs_rendezvous_address_is_refused() {
         "{st:?}\n{}",
         all_stderr(&mut kids)
     );
+}
+
+/// The case of a derived token: two jobs with the same token *and* rendezvous address (a
+/// derived token comes from the address), started at the same moment. One rank 0 holds the
+/// address, the other cannot listen; the members of both race to claim their ranks there, so
+/// the world may hold a rank of the other job. No rank may finish with another job's values:
+/// a world that saw a second claim of a rank as its rendezvous completed stops with an error
+/// naming the cause, on every rank. The ranks take a moment before their first collective, as
+/// a job does (the runtime cannot undo a collective already run in a mixed world).
+#[test]
+fn two_jobs_with_one_token_and_one_address_never_finish_mixed() {
+    let _serial = support::serial();
+    let (mut finished, mut stopped) = (0, 0);
+    for round in 0..4 {
+        let tok = token("door");
+        let rdv = format!("127.0.0.1:{}", free_port());
+        let mut kids = Children(Vec::new());
+        for job in [1, 2] {
+            let spec = Spec {
+                size: 2,
+                transport: "tcp",
+                rdv: &rdv,
+                token: &tok,
+                scenario: "job_settle",
+                job,
+            };
+            spawn_job(&mut kids, &spec, &[]);
+        }
+        let all: Vec<usize> = (0..4).collect();
+        let st = kids
+            .wait_for(&all, LIMIT, Duration::from_millis(10))
+            .unwrap_or_else(|_| panic!("round {round}: hung\n{}", all_stderr(&mut kids)));
+        let errs: Vec<String> = (0..4).map(|i| stderr_of(&mut kids.0[i])).collect();
+        let report = || {
+            errs.iter()
+                .enumerate()
+                .map(|(i, e)| format!("--- child {i} ({:?}) ---\n{e}", st[i]))
+                .collect::<String>()
+        };
+        for (i, e) in errs.iter().enumerate() {
+            assert!(
+                !e.contains("MIXED"),
+                "round {round}: child {i} computed with another job's rank\n{}",
+                report()
+            );
+            if !st[i].success() {
+                assert!(
+                    e.contains("FH_JOB_TOKEN")
+                        || e.contains("gave up")
+                        || e.contains("cannot listen"),
+                    "round {round}: child {i} failed without naming the cause\n{}",
+                    report()
+                );
+            }
+        }
+        for job in 0..2 {
+            if st[2 * job].success() && st[2 * job + 1].success() {
+                finished += 1;
+            } else {
+                stopped += 1;
+            }
+        }
+    }
+    eprintln!("two jobs on one token and address, 4 rounds: {finished} jobs finished, {stopped} stopped with an error");
 }
 
 fn wait_for_file(p: &Path, kids: &mut Children) {
@@ -464,6 +534,31 @@ fn child_rank() {
                 let mut v = vec![(1000 * job + rank + i) as f64; 256];
                 c.allreduce_typed(&mut v, ReduceOp::Sum).unwrap();
                 assert!(v.iter().all(|&x| x == want(i)), "job {job} mixed: {v:?}");
+            }
+        }
+        "job_settle" => {
+            // A job's own set-up before its first collective.
+            std::thread::sleep(Duration::from_millis(500));
+            for i in 0..3 {
+                let run =
+                    |world: &mut Box<dyn fh_transport::Transport>| -> Result<Vec<f64>, String> {
+                        let mut c = world.open(&format!("c{i}")).map_err(|e| e.to_string())?;
+                        let mut v = vec![(1000 * job + rank + i) as f64; 256];
+                        c.allreduce_typed(&mut v, ReduceOp::Sum)
+                            .map_err(|e| e.to_string())?;
+                        Ok(v)
+                    };
+                match run(&mut world) {
+                    Ok(v) if v.iter().all(|&x| x == want(i)) => {}
+                    Ok(v) => {
+                        eprintln!("MIXED: job {job} rank {rank} got {}", v[0]);
+                        std::process::exit(4);
+                    }
+                    Err(e) => {
+                        eprintln!("the runtime stopped: {e}");
+                        std::process::exit(3);
+                    }
+                }
             }
         }
         other => panic!("unknown scenario {other}"),

@@ -375,19 +375,20 @@ fn advance(p: &mut Pending, rules: &AcceptRules) -> Step {
                 let hello = hello.clone();
                 if rules.kind == ConnKind::Rendezvous {
                     if let Some(world) = rules.world.get() {
-                        return refuse_now(
-                            p,
-                            format!(
-                                "rank {} (claimed): the rendezvous of this job (world {}) is \
-                                 complete and rank {} joined it already: two processes claim \
-                                 that rank — is another job with the same FH_JOB_TOKEN and \
-                                 rendezvous address running? Give every job its own token \
-                                 (fhrun draws one per job)",
-                                hello.rank,
-                                wire::world_hex(world),
-                                hello.rank
-                            ),
+                        let reason = format!(
+                            "rank {} (claimed): the rendezvous of this job (world {}) is \
+                             complete and rank {} joined it already: two processes claim \
+                             that rank — is another job with the same FH_JOB_TOKEN and \
+                             rendezvous address running? Give every job its own token \
+                             (fhrun draws one per job)",
+                            hello.rank,
+                            wire::world_hex(world),
+                            hello.rank
                         );
+                        // Started together with this job, the claimant may be the job's own
+                        // member and the world may hold a rank of the other job: it stops.
+                        rules.board.late_claim(hello.rank, p.from);
+                        return refuse_now(p, reason);
                     }
                 } else {
                     let Some(world) = rules.world.get() else {

@@ -199,7 +199,7 @@ impl TcpComm {
 
     fn abort_error(&self, from: usize, lost: u32) -> TransportError {
         let lost = lost as usize;
-        if lost == self.rank || lost >= self.size {
+        if lost == self.rank || lost == from || lost >= self.size {
             TransportError::PeerLost {
                 rank: from,
                 detail: format!(
@@ -319,6 +319,13 @@ impl TcpComm {
         recv: Option<(usize, &mut [&mut [u8]])>,
     ) -> Result<()> {
         self.check_usable()?;
+        if let Some(why) = self.link.as_ref().and_then(|l| l.board.world_fault()) {
+            let err = TransportError::Config {
+                var: "FH_JOB_TOKEN".into(),
+                reason: why,
+            };
+            return Err(self.fail(err, None));
+        }
         let send = send.map(|(p, d)| (p, d, d.iter().map(|s| s.len()).sum::<usize>()));
         let recv = recv.map(|(p, b)| {
             let len = b.iter().map(|s| s.len()).sum::<usize>();

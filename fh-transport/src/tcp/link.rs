@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::handshake::client_handshake;
@@ -56,7 +56,19 @@ pub(crate) struct AbortBoard {
     /// Peers that did not answer a liveness probe: later timeouts on them (on any
     /// communicator) blame them at once instead of probing again.
     silent: Mutex<Vec<usize>>,
+    /// Set when this world can no longer be trusted to hold only this job's ranks (rank 0 saw
+    /// a second process with the job's token claim a rank after the rendezvous): every
+    /// communicator's next operation fails with this reason, telling its peers.
+    world_fault: Mutex<Option<String>>,
+    /// When rank 0's rendezvous completed (rank 0 only).
+    rendezvous_done: OnceLock<Instant>,
 }
+
+/// A second claim of a rank this soon after the rendezvous completed comes from a process
+/// started together with the job: it may be the job's own member, whose place another job's
+/// rank took, so the world stops ([`AbortBoard::late_claim`]). A claim after that is a job
+/// started later, refused without disturbing this one.
+pub(crate) const TWIN_WINDOW: Duration = Duration::from_secs(3);
 
 impl AbortBoard {
     pub(crate) fn post(&self, seq: u64, from: usize, lost: usize) {
@@ -77,6 +89,44 @@ impl AbortBoard {
     /// Whether `peer` failed a liveness probe already.
     pub(crate) fn is_silent(&self, peer: usize) -> bool {
         self.silent.lock().is_ok_and(|s| s.contains(&peer))
+    }
+
+    /// Record that this world holds, or may hold, a rank of another job (the first reason
+    /// stays).
+    pub(crate) fn post_world_fault(&self, reason: String) {
+        if let Ok(mut f) = self.world_fault.lock() {
+            f.get_or_insert(reason);
+        }
+    }
+
+    /// Note that rank 0's rendezvous completed now.
+    pub(crate) fn rendezvous_completed(&self) {
+        let _ = self.rendezvous_done.set(Instant::now());
+    }
+
+    /// A process with the job's token claimed `rank`, which joined already, from `from`: within
+    /// [`TWIN_WINDOW`] of the rendezvous' end the world may hold the other job's rank and
+    /// stops; later the claimant is only refused. Returns whether the world stops.
+    pub(crate) fn late_claim(&self, rank: u32, from: SocketAddr) -> bool {
+        let recent = self
+            .rendezvous_done
+            .get()
+            .is_none_or(|t| t.elapsed() < TWIN_WINDOW);
+        if recent {
+            self.post_world_fault(format!(
+                "a second process with this job's FH_JOB_TOKEN claimed rank {rank}, from {from}, \
+                 as the rendezvous completed: another job with the same token and rendezvous \
+                 address started together with this one, and this world may hold one of its \
+                 ranks, so it stops rather than mix two jobs; give every job its own \
+                 FH_JOB_TOKEN (fhrun draws one per job)"
+            ));
+        }
+        recent
+    }
+
+    /// Why this world can no longer be trusted, if it cannot.
+    pub(crate) fn world_fault(&self) -> Option<String> {
+        self.world_fault.lock().ok().and_then(|f| f.clone())
     }
 
     /// The notice about communicator `seq`, if one arrived.

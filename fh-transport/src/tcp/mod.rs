@@ -44,10 +44,15 @@
 //! address book; every later connection names it in its hello (which both proofs cover), so a
 //! rank of another job with the same token is refused, the refusal naming both world ids.
 //! Rank 0 keeps the rendezvous port for the life of the transport: a second job started on the
-//! same address cannot listen there, a late claimant of a rank is refused naming this world,
-//! and two claimants of one rank during the rendezvous stop it on every rank that joined (with
-//! one token and one address, the ranks of two jobs cannot otherwise be told apart; give every
-//! job its own token). The shared-memory backends key their segment names with the world id
+//! same address cannot listen there, and two claimants of one rank during the rendezvous stop
+//! it on every rank that joined. With one token and one address (a derived token comes from
+//! the address) the ranks of two jobs started together cannot be told apart, and a member of
+//! one may have taken a place in the other's world: so a second claim of a rank within
+//! `TWIN_WINDOW` (3 s) of the rendezvous' end also stops the world — every communicator's next
+//! operation fails with the cause and tells its peers — rather than let two jobs mix; a claim
+//! after that comes from a job started later and is only refused, naming this world. (A
+//! collective run in a mixed world before the second claim arrives cannot be undone; give every
+//! job its own token, as fhrun does.) The shared-memory backends key their segment names with the world id
 //! ([`crate::shm::segment_name`]).
 //!
 //! Connections are authenticated, not encrypted: someone who can watch the network sees the

@@ -174,6 +174,7 @@ impl TcpTransport {
         // From now on the rendezvous listener refuses every claimant, naming this world; the
         // port stays taken for the life of the transport.
         let _ = rdv_done.set(world);
+        self.board.rendezvous_completed();
         let late = Instant::now();
         while let Some((hello, mut stream, from)) = rdv_acceptor.next(late) {
             let reason = format!(
@@ -188,6 +189,8 @@ impl TcpTransport {
                 &wire::encode_rendezvous_failure(0, &reason),
                 Instant::now() + Duration::from_secs(1),
             );
+            // Every rank had joined: this claimant or that rank's member is another job's.
+            self.board.late_claim(hello.rank, from);
         }
         self.rendezvous = Some(rdv_acceptor);
 
