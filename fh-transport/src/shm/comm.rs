@@ -348,8 +348,8 @@ impl ShmComm {
     /// Mark this rank as waiting outside this communicator (`Some`: in a step of an
     /// enclosing communicator, waiting for that communicator's rank `far` on another host when
     /// known) or no longer (`None`). A local peer that times out waiting for this rank
-    /// meanwhile gives it one more timeout to publish whom it blames ([`ShmComm::give_up`])
-    /// instead of blaming it, and blames `far` if nothing comes.
+    /// meanwhile gives it a bounded grace ([`ShmComm::set_outside_grace`]) to publish whom it
+    /// blames ([`ShmComm::give_up`]) instead of blaming it, and blames `far` if nothing comes.
     pub(crate) fn waiting_outside(&self, far: Option<Option<usize>>) {
         self.outside_word().set(far);
     }
