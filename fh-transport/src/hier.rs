@@ -40,6 +40,16 @@
 //! its shared-memory communicator (its local peers stop waiting and report the rank the error
 //! blamed), and an error on the shared-memory side makes it give up its TCP communicator (the
 //! other hosts are told which rank to blame). Every error names global ranks.
+//!
+//! A rank is never blamed for waiting across hosts. While a rank waits on TCP it says so in
+//! its shared-memory slot, with the rank it waits for when that rank is on another host
+//! (`ShmComm::waiting_outside`, set per message by the views the steps run on). A local
+//! peer whose shared-memory wait for it times out meanwhile does not blame it: it waits once
+//! more, at most as long as a TCP wait can take to fail (`TcpComm::longest_stall`), for the
+//! rank's verdict (its TCP error, published when it gives up its shared-memory half), and
+//! reports the rank that verdict names; with no verdict by then, it names the rank on the
+//! other host that the peer waits for. So when a host becomes unreachable (its link cut),
+//! every rank names a rank across the cut.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,7 +57,7 @@ use std::time::Duration;
 use fh_core::{kernels, CoreError, DType, ReduceOp};
 
 use crate::bootstrap::LaunchInfo;
-use crate::shm::{ShmComm, ShmOptions, ShmTransport};
+use crate::shm::{OutsideWord, ShmComm, ShmOptions, ShmTransport};
 use crate::tcp::{TcpComm, TcpOptions, TcpTransport};
 use crate::{algorithms, Communicator, Result, Topology, Transport, TransportError};
 
@@ -109,6 +119,17 @@ impl HostLayout {
             out.push(ranks.ok_or_else(|| format!("host {h} misses some of its local ranks"))?);
         }
         Ok(HostLayout { hosts: out })
+    }
+
+    /// The host of every global rank.
+    fn host_of(&self) -> Vec<usize> {
+        let mut of = vec![0; self.hosts.iter().map(Vec::len).sum()];
+        for (h, ranks) in self.hosts.iter().enumerate() {
+            for &r in ranks {
+                of[r] = h;
+            }
+        }
+        of
     }
 
     fn homogeneous(&self) -> bool {
@@ -278,7 +299,10 @@ impl HierTransport {
     /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.
     pub fn open_hier(&mut self, label: &str) -> Result<HierComm> {
         let tcp = self.tcp.open_tcp(label)?;
-        let shm = self.shm.open_shm(label)?;
+        let mut shm = self.shm.open_shm(label)?;
+        // A local peer waiting across hosts fails within its TCP wait's bound and then
+        // publishes whom it blames: a rank waiting for it in shared memory waits that long once.
+        shm.set_outside_grace(tcp.longest_stall());
         let t = self.topology;
         let hosts = &self.layout.hosts;
         let group = if self.layout.homogeneous() {
@@ -298,6 +322,8 @@ impl HierTransport {
             group_rank: t.cross_rank,
             group,
             leaders: hosts.iter().map(|h| h[0]).collect(),
+            host_of: self.layout.host_of(),
+            all: (0..t.size).collect(),
             scratch: Vec::new(),
             broken: None,
             timeout: self.timeout,
@@ -334,9 +360,23 @@ pub struct HierComm {
     group_rank: usize,
     /// The host leaders' global ranks, by host.
     leaders: Vec<usize>,
+    /// The host of every global rank.
+    host_of: Vec<usize>,
+    /// Every global rank (the full world's view, `0..size`).
+    all: Vec<usize>,
     scratch: Vec<u8>,
     broken: Option<String>,
     timeout: Duration,
+}
+
+/// The views of the TCP communicator that a [`HierComm`] runs steps on.
+enum View {
+    /// This rank's cross-host group: its lane, or the leaders when hosts differ in size.
+    Across,
+    /// The host leaders.
+    Leaders,
+    /// Every rank.
+    World,
 }
 
 /// Which part of the communicator failed.
@@ -429,6 +469,15 @@ impl HierComm {
                 }
             };
         }
+        if let Some(rank) = self.shm.outside_blame() {
+            // This rank timed out on a local peer that was (and stayed) waiting across hosts
+            // for `rank`, without a verdict: blame that rank, not the live local peer.
+            return TransportError::Timeout {
+                rank,
+                op: "a collective (a rank of this host waited across hosts for it)",
+                after: self.timeout,
+            };
+        }
         let host = &self.layout.hosts[self.topology.cross_rank];
         let global = |r: usize| host.get(r).copied().unwrap_or(r);
         match err {
@@ -501,12 +550,9 @@ impl HierComm {
     /// Allreduce `buf` with this rank's cross-host group (its lane, or the leaders) over TCP,
     /// dividing by the world size for `Average`.
     fn allreduce_across(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Step<()> {
-        let mut view = Group {
-            inner: &mut self.tcp,
-            members: &self.group,
-            rank: self.group_rank,
-        };
-        on_tcp(algorithms::allreduce(&mut view, buf, dtype, op.combining()))?;
+        self.on_view(View::Across, |g| {
+            algorithms::allreduce(g, buf, dtype, op.combining())
+        })?;
         if op == ReduceOp::Average {
             on_tcp(kernels::divide(dtype, buf, self.topology.size).map_err(Into::into))?;
         }
@@ -525,14 +571,45 @@ impl HierComm {
 }
 
 impl HierComm {
-    /// Run `f` over the host leaders' view of the TCP communicator (leaders only).
-    fn on_leaders<T>(&mut self, f: impl FnOnce(&mut Group<'_>) -> Result<T>) -> Step<T> {
-        let mut view = Group {
-            inner: &mut self.tcp,
-            members: &self.leaders,
-            rank: self.topology.cross_rank,
+    /// Run `f` over a view of the TCP communicator, which marks whom this rank waits for
+    /// (see [`Marks`]) until `f` returns.
+    fn on_view<T>(&mut self, view: View, f: impl FnOnce(&mut Group<'_>) -> Result<T>) -> Step<T> {
+        let (members, rank) = match view {
+            View::Across => (&self.group, self.group_rank),
+            View::Leaders => (&self.leaders, self.topology.cross_rank),
+            View::World => (&self.all, self.topology.rank),
         };
-        on_tcp(f(&mut view))
+        let mut group = Group {
+            inner: &mut self.tcp,
+            members,
+            rank,
+            marks: Marks {
+                word: self.shm.outside_word(),
+                host_of: &self.host_of,
+                host: self.topology.cross_rank,
+            },
+        };
+        let res = f(&mut group);
+        self.shm.waiting_outside(None);
+        on_tcp(res)
+    }
+
+    /// Run `f` on the full-world TCP communicator itself (point to point, where its own
+    /// messages name a bad peer), marking that this rank waits for `peer` (see [`Marks`]).
+    fn on_world_p2p<T>(
+        &mut self,
+        peer: usize,
+        f: impl FnOnce(&mut TcpComm) -> Result<T>,
+    ) -> Step<T> {
+        Marks {
+            word: self.shm.outside_word(),
+            host_of: &self.host_of,
+            host: self.topology.cross_rank,
+        }
+        .waiting_for(peer);
+        let res = f(&mut self.tcp);
+        self.shm.waiting_outside(None);
+        on_tcp(res)
     }
 
     /// Shared-memory broadcast on the root's host, TCP broadcast among the leaders from the
@@ -555,7 +632,7 @@ impl HierComm {
             on_shm(self.shm.broadcast(buf, root_local))?;
         }
         if t.local_rank == 0 && self.leaders.len() > 1 {
-            self.on_leaders(|g| algorithms::broadcast(g, buf, root_host))?;
+            self.on_view(View::Leaders, |g| algorithms::broadcast(g, buf, root_host))?;
         }
         if t.cross_rank != root_host {
             on_shm(self.shm.broadcast(buf, 0))?;
@@ -568,7 +645,7 @@ impl HierComm {
     fn barrier_hier(&mut self) -> Step<()> {
         on_shm(self.shm.barrier())?;
         if self.topology.local_rank == 0 && self.leaders.len() > 1 {
-            self.on_leaders(|g| algorithms::barrier(g))?;
+            self.on_view(View::Leaders, |g| algorithms::barrier(g))?;
         }
         on_shm(self.shm.barrier())
     }
@@ -588,15 +665,16 @@ impl Communicator for HierComm {
     }
 
     fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
-        self.guarded(|c| on_tcp(c.tcp.send(peer, data)))
+        self.guarded(|c| c.on_world_p2p(peer, |t| t.send(peer, data)))
     }
 
     fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
-        self.guarded(|c| on_tcp(c.tcp.recv(peer, buf)))
+        self.guarded(|c| c.on_world_p2p(peer, |t| t.recv(peer, buf)))
     }
 
     fn send_recv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
-        self.guarded(|c| on_tcp(c.tcp.send_recv(to, send, from, recv)))
+        let waits_for = if from == self.topology.rank { to } else { from };
+        self.guarded(|c| c.on_world_p2p(waits_for, |t| t.send_recv(to, send, from, recv)))
     }
 
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
@@ -616,7 +694,7 @@ impl Communicator for HierComm {
     }
 
     fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
-        self.guarded(|c| on_tcp(c.tcp.allgatherv(send, recv, counts)))
+        self.guarded(|c| c.on_view(View::World, |g| g.allgatherv(send, recv, counts)))
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
@@ -634,7 +712,11 @@ impl Communicator for HierComm {
         recv: &mut [u8],
         recv_counts: &[usize],
     ) -> Result<()> {
-        self.guarded(|c| on_tcp(c.tcp.alltoallv(send, send_counts, recv, recv_counts)))
+        self.guarded(|c| {
+            c.on_view(View::World, |g| {
+                g.alltoallv(send, send_counts, recv, recv_counts)
+            })
+        })
     }
 
     fn reduce_scatter(
@@ -645,7 +727,11 @@ impl Communicator for HierComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        self.guarded(|c| on_tcp(c.tcp.reduce_scatter(send, recv, counts, dtype, op)))
+        self.guarded(|c| {
+            c.on_view(View::World, |g| {
+                g.reduce_scatter(send, recv, counts, dtype, op)
+            })
+        })
     }
 
     fn barrier(&mut self) -> Result<()> {
@@ -667,12 +753,33 @@ impl Communicator for HierComm {
     }
 }
 
+/// How a rank waiting on TCP tells the ranks of its host whom it waits for: through its
+/// shared-memory communicator's `outside` word ([`ShmComm::waiting_outside`]), set before each
+/// message (the rank it receives from, when that rank is on another host) and cleared after the
+/// step. A local peer that times out waiting for this rank meanwhile then waits for this rank's
+/// verdict instead of blaming it.
+struct Marks<'a> {
+    word: OutsideWord<'a>,
+    host_of: &'a [usize],
+    /// This rank's host.
+    host: usize,
+}
+
+impl Marks<'_> {
+    /// This rank is about to wait for global rank `peer`.
+    fn waiting_for(&self, peer: usize) {
+        let far = matches!(self.host_of.get(peer), Some(&h) if h != self.host).then_some(peer);
+        self.word.set(Some(far));
+    }
+}
+
 /// A view of a communicator restricted to some of its ranks: peer `i` of the view is rank
 /// `members[i]` of the inner communicator. Errors name the inner communicator's ranks.
 struct Group<'a> {
     inner: &'a mut TcpComm,
     members: &'a [usize],
     rank: usize,
+    marks: Marks<'a>,
 }
 
 impl Group<'_> {
@@ -701,17 +808,38 @@ impl Communicator for Group<'_> {
 
     fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
         let p = self.member(peer)?;
+        self.marks.waiting_for(p);
         self.inner.send(p, data)
     }
 
     fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
         let p = self.member(peer)?;
+        self.marks.waiting_for(p);
         self.inner.recv(p, buf)
     }
 
     fn send_recv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
         let (t, f) = (self.member(to)?, self.member(from)?);
+        self.marks
+            .waiting_for(if from == self.rank { t } else { f });
         self.inner.send_recv(t, send, f, recv)
+    }
+
+    fn vectored_io(&self) -> bool {
+        self.inner.vectored_io()
+    }
+
+    fn send_recv_vectored(
+        &mut self,
+        to: usize,
+        send: &[&[u8]],
+        from: usize,
+        recv: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let (t, f) = (self.member(to)?, self.member(from)?);
+        self.marks
+            .waiting_for(if from == self.rank { t } else { f });
+        self.inner.send_recv_vectored(t, send, f, recv)
     }
 }
 

@@ -19,6 +19,7 @@ use support::{free_port, launcher_env, rank_command, serial, Children};
 const ROLE: &str = "FH_HIER_TEST_ROLE";
 const VICTIM: &str = "FH_HIER_TEST_VICTIM";
 const HOSTS: &str = "FH_HIER_TEST_HOSTS";
+const DIR: &str = "FH_HIER_TEST_DIR";
 
 /// `hosts[h]` lists the global ranks on simulated host `h`, by local rank.
 fn layout_string(hosts: &[Vec<usize>]) -> String {
@@ -237,6 +238,41 @@ fn child() {
             // Later calls fail at once.
             assert!(c.allreduce_typed(&mut buf, ReduceOp::Sum).is_err());
         }
+        "cut" => {
+            // The ranks of the host the parent stops (an unreachable host, as seen from the
+            // others): every other rank must fail naming one of them.
+            let far: Vec<usize> = std::env::var(VICTIM)
+                .unwrap()
+                .split(',')
+                .map(|r| r.parse().unwrap())
+                .collect();
+            let dir = std::path::PathBuf::from(std::env::var(DIR).unwrap());
+            let mut world = fh_transport::from_env().unwrap();
+            let mut c = world.open("cut").unwrap();
+            let fill = |buf: &mut Vec<f32>, rank: usize| {
+                buf.clear();
+                buf.resize(50_000, rank as f32 + 1.0);
+            };
+            let mut buf = Vec::new();
+            for _ in 0..3 {
+                fill(&mut buf, c.rank());
+                c.allreduce_typed(&mut buf, ReduceOp::Sum).unwrap();
+            }
+            std::fs::write(dir.join(format!("looping-{}", c.rank())), b"").unwrap();
+            let err = loop {
+                fill(&mut buf, c.rank());
+                if let Err(e) = c.allreduce_typed(&mut buf, ReduceOp::Sum) {
+                    break e;
+                }
+            };
+            eprintln!("cut: rank {}: {err}", c.rank());
+            assert!(
+                err.is_peer_failure() && err.blamed_rank().is_some_and(|r| far.contains(&r)),
+                "rank {}: expected an error naming one of ranks {far:?} (the host it cannot \
+                 reach), got: {err}",
+                c.rank()
+            );
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -316,4 +352,69 @@ fn killed_remote_host_is_named_by_the_ranks_waiting_for_their_leader() {
     // Hosts of different sizes: rank 1 waits in shared memory for its leader, which learns
     // of the loss over TCP and must pass the name on.
     kill_test(&[vec![0, 1], vec![2]], 2);
+}
+
+/// The ranks of the last host of `hosts` stop (SIGSTOP: their host is unreachable, as after a
+/// cut link, since a stopped process answers nothing) while every rank loops over allreduces;
+/// every rank of the other hosts must fail by itself with an error naming a rank of the stopped
+/// host, never a live peer of its own host that waits across hosts itself.
+fn cut_test(hosts: &[Vec<usize>], transport: &str) {
+    let tok = hier_token();
+    let far = hosts.last().unwrap().clone();
+    let dir = std::env::temp_dir().join(format!("fh-hier-cut-{tok}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let list: Vec<String> = far.iter().map(usize::to_string).collect();
+    let extra = [
+        (VICTIM, list.join(",")),
+        (DIR, dir.display().to_string()),
+        ("FH_TIMEOUT_SECONDS", "3".to_string()),
+    ];
+    let mut kids = Children::spawn(hosts, transport, "cut", &tok, &extra);
+    let size = kids.0.len();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !(0..size).all(|r| dir.join(format!("looping-{r}")).exists()) {
+        let exited: Vec<usize> = (0..size)
+            .filter(|&r| matches!(kids.0[r].try_wait(), Ok(Some(_))))
+            .collect();
+        assert!(exited.is_empty(), "ranks {exited:?} exited before the cut");
+        assert!(Instant::now() < deadline, "the ranks did not start looping");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for &r in &far {
+        // SAFETY: a signal to a child process of this test.
+        let rc = unsafe { libc::kill(kids.0[r].id() as libc::pid_t, libc::SIGSTOP) };
+        assert_eq!(rc, 0, "SIGSTOP rank {r}");
+    }
+    let survivors: Vec<usize> = (0..size).filter(|r| !far.contains(r)).collect();
+    let st = kids
+        .wait_for(
+            &survivors,
+            Duration::from_secs(90),
+            Duration::from_millis(10),
+        )
+        .unwrap_or_else(|done| panic!("survivors still running: {done:?}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (r, s) in survivors.iter().zip(&st) {
+        assert!(s.success(), "rank {r} (see its message above): {s:?}");
+    }
+}
+
+#[test]
+fn an_unreachable_host_is_named_by_a_rank_waiting_for_its_leader() {
+    let _s = serial();
+    // Rank 1 waits in shared memory for its leader's broadcast while the leader waits across
+    // hosts for rank 2: rank 1 must wait for the leader's verdict, not blame the leader.
+    cut_test(&[vec![0, 1], vec![2]], "hier");
+}
+
+#[test]
+fn an_unreachable_host_is_named_by_every_rank_of_the_other_host() {
+    let _s = serial();
+    cut_test(&[vec![0, 1], vec![2, 3]], "hier");
+}
+
+#[test]
+fn an_unreachable_host_is_named_by_every_rank_of_the_other_host_over_tcp() {
+    let _s = serial();
+    cut_test(&[vec![0, 1], vec![2, 3]], "tcp");
 }

@@ -737,10 +737,12 @@ fn fresh_token() -> Result<String, String> {
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// A rank's end: its exit status (`None`: killed by the harness at the deadline) and output.
+/// A rank's end: its exit status (`None`: killed by the harness at the deadline), output, and
+/// when its exit was seen, counted from the call to [`Job::wait`] (to 20 ms).
 pub(crate) struct RankEnd {
     pub status: Option<ExitStatus>,
     pub output: String,
+    pub after: Duration,
 }
 
 /// The ranks of a job started by [`Cluster::launch`]. Dropping it kills what still runs.
@@ -782,12 +784,12 @@ impl Job {
     /// status is `None`).
     pub(crate) fn wait(mut self, limit: Duration) -> Vec<RankEnd> {
         let start = Instant::now();
-        let mut ends: Vec<Option<Option<ExitStatus>>> = vec![None; self.ranks.len()];
+        let mut ends: Vec<Option<(Option<ExitStatus>, Duration)>> = vec![None; self.ranks.len()];
         while ends.iter().any(Option::is_none) {
             for (i, (child, _)) in self.ranks.iter_mut().enumerate() {
                 if ends[i].is_none() {
                     if let Ok(Some(s)) = child.try_wait() {
-                        ends[i] = Some(Some(s));
+                        ends[i] = Some((Some(s), start.elapsed()));
                     }
                 }
             }
@@ -796,7 +798,7 @@ impl Job {
                     if ends[i].is_none() {
                         let _ = child.kill();
                         let _ = child.wait();
-                        ends[i] = Some(None);
+                        ends[i] = Some((None, start.elapsed()));
                     }
                 }
             }
@@ -806,9 +808,13 @@ impl Job {
         ranks
             .into_iter()
             .zip(ends)
-            .map(|((_, log), status)| RankEnd {
-                status: status.flatten(),
-                output: fs::read_to_string(&log).unwrap_or_default(),
+            .map(|((_, log), end)| {
+                let (status, after) = end.unwrap_or((None, start.elapsed()));
+                RankEnd {
+                    status,
+                    output: fs::read_to_string(&log).unwrap_or_default(),
+                    after,
+                }
             })
             .collect()
     }

@@ -18,10 +18,12 @@
 //! - **training**: `fh-torch/examples/train_synthetic_cnn.py` on 2 × 2 through fhrun: every
 //!   rank's parameters bit-identical, and equal (to float tolerance) to one process training on
 //!   the four ranks' batches concatenated;
-//! - **losses** (`fh-selftest --loop`, 2 × 2, `FH_TIMEOUT_SECONDS=5`): a host's link cut, a
-//!   rank on the far host killed, and both ranks of a host killed: every survivor must fail
-//!   on its own (not be killed at the deadline) with an error naming a rank it lost (with the
-//!   link cut, a rank it waited for).
+//! - **losses** (`fh-selftest --loop`, 2 × 2, `FH_TIMEOUT_SECONDS=5`): a host's link cut
+//!   (under `FH_TRANSPORT` = `auto`, which picks `hier`, and `tcp`), a rank on the far host
+//!   killed, and both ranks of a host killed: every survivor must fail on its own (not be
+//!   killed at the deadline) with an error naming a rank it lost; with the link cut nobody
+//!   died, and every rank must name a rank of the other host (never a live peer of its own);
+//!   the check reports when each rank failed, counted from the loss.
 //!
 //! Where the machine cannot emulate a cluster ([`cluster::unavailable`]) every check is skipped
 //! and the stage says how many and why; checks needing `mpirun` are skipped without it, the
@@ -96,7 +98,7 @@ pub(crate) fn task(root: &Path, args: &[String]) -> ExitCode {
 
 /// Number of checks [`run`] makes (reported as skipped when none can run).
 fn total_checks() -> usize {
-    LAYOUTS.len() * 3 + 2 + 4 + 1 + 3
+    LAYOUTS.len() * 3 + 2 + 4 + 1 + 4
 }
 
 /// Builds the programs and runs every check (whose name contains `filter`, when given).
@@ -262,10 +264,15 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
         }
     }
 
-    for (name, loss) in [
-        ("link of h1 cut (2x2)", Loss::LinkDown),
-        ("rank 3 on h1 killed (2x2)", Loss::Ranks(&[3])),
-        ("both ranks of h1 killed (2x2)", Loss::Ranks(&[2, 3])),
+    for (name, loss, transport) in [
+        ("link of h1 cut (2x2, auto)", Loss::LinkDown, "auto"),
+        ("link of h1 cut (2x2, tcp)", Loss::LinkDown, "tcp"),
+        ("rank 3 on h1 killed (2x2)", Loss::Ranks(&[3]), "auto"),
+        (
+            "both ranks of h1 killed (2x2)",
+            Loss::Ranks(&[2, 3]),
+            "auto",
+        ),
     ] {
         if !wanted(name) {
             continue;
@@ -273,7 +280,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
         let t = Instant::now();
         let r = Cluster::up(2, Some(LINK))
             .and_then(|c| {
-                let r = losses(&c, &bins, &loss);
+                let r = losses(&c, &bins, &loss, transport);
                 c.down().and(r)
             })
             .map(End::Passed);
@@ -821,16 +828,47 @@ fn names_rank(msg: &str, ranks: &[usize]) -> bool {
     })
 }
 
-/// fh-selftest looping on 2 × 2; once every rank loops, `loss` happens; every survivor must
-/// then fail by itself within [`LOSS_BOUND`], its error naming a rank it lost.
-fn losses(c: &Cluster, bins: &Bins, loss: &Loss) -> Result<String, String> {
+/// The ranks of a 2 × 2 job (numbered host by host) on the host other than `rank`'s.
+fn other_host(rank: usize) -> Vec<usize> {
+    (0..4).filter(|&r| r / 2 != rank / 2).collect()
+}
+
+/// The median and the largest of `times` (seconds; the median of an even count is the mean of
+/// the middle two).
+fn median_and_worst(times: &[f64]) -> (f64, f64) {
+    let mut t = times.to_vec();
+    t.sort_by(f64::total_cmp);
+    let n = t.len();
+    match n {
+        0 => (0.0, 0.0),
+        _ if n % 2 == 1 => (t[n / 2], t[n - 1]),
+        _ => ((t[n / 2 - 1] + t[n / 2]) / 2.0, t[n - 1]),
+    }
+}
+
+/// fh-selftest looping on 2 × 2 under `FH_TRANSPORT=transport` (`auto` must pick `hier`);
+/// once every rank loops, `loss` happens; every survivor must then fail by itself within
+/// [`LOSS_BOUND`], its error naming a rank it lost (with the link cut: a rank of the other
+/// host). Reports when each rank failed, counted from the loss.
+fn losses(c: &Cluster, bins: &Bins, loss: &Loss, transport: &str) -> Result<String, String> {
     let timeout = LOSS_TIMEOUT_S.to_string();
     let mut job = c.launch(
         &[2, 2],
         &bins.selftest,
         &["--loop", "--bytes", "262144"],
-        &[("FH_TIMEOUT_SECONDS", &timeout)],
+        &[
+            ("FH_TIMEOUT_SECONDS", &timeout),
+            ("FH_TRANSPORT", transport),
+        ],
     )?;
+    let backend = format!(
+        "backend {}",
+        if transport == "auto" {
+            "hier"
+        } else {
+            transport
+        }
+    );
     if !job.wait_for_all("looping", Duration::from_secs(60)) {
         let outs: Vec<String> = (0..4)
             .map(|r| format!("rank {r}: {}", tail(&job.output(r))))
@@ -856,16 +894,23 @@ fn losses(c: &Cluster, bins: &Bins, loss: &Loss) -> Result<String, String> {
     let ends = job.wait(LOSS_BOUND);
     let took = lost_at.elapsed();
     let mut said = Vec::new();
+    let mut times = Vec::new();
     for (rank, e) in ends.iter().enumerate() {
         if killed.contains(&rank) {
             continue;
         }
+        if !e.output.contains(&backend) {
+            return Err(format!(
+                "rank {rank} did not report `{backend}` under FH_TRANSPORT={transport}; its \
+                 output:\n{}",
+                tail(&e.output)
+            ));
+        }
         // A survivor of killed ranks must name one of them. With the link cut nobody died:
-        // every rank must still fail by itself naming another rank (which one depends on who
-        // timed out first: a rank waiting for a peer of its own host that waits across the
-        // cut may name that peer; the detail lists who named whom).
+        // every rank must fail by itself naming a rank across the cut, never a live peer of
+        // its own host (which may itself be waiting across the cut).
         let lost: Vec<usize> = match loss {
-            Loss::LinkDown => (0..4).filter(|&r| r != rank).collect(),
+            Loss::LinkDown => other_host(rank),
             Loss::Ranks(r) => r.to_vec(),
         };
         let failure = e
@@ -883,7 +928,11 @@ fn losses(c: &Cluster, bins: &Bins, loss: &Loss) -> Result<String, String> {
                 return Err(format!("rank {rank} passed after losing ranks {lost:?}"))
             }
             (Some(_), Some(msg)) if names_rank(&msg, &lost) => {
-                said.push(format!("rank {rank}: {msg}"))
+                times.push(e.after.as_secs_f64());
+                said.push(format!(
+                    "rank {rank} after {:.1} s: {msg}",
+                    e.after.as_secs_f64()
+                ))
             }
             (Some(s), _) => {
                 return Err(format!(
@@ -894,8 +943,10 @@ fn losses(c: &Cluster, bins: &Bins, loss: &Loss) -> Result<String, String> {
             }
         }
     }
+    let (median, worst) = median_and_worst(&times);
     Ok(format!(
-        "every survivor failed within {:.1} s: {}",
+        "every survivor failed within {:.1} s of the loss (median {median:.1} s, worst \
+         {worst:.1} s): {}",
         took.as_secs_f64(),
         said.join(" | ")
     ))
@@ -918,6 +969,21 @@ mod tests {
                    fh-selftest: rank 0 of 4 (local 0/2, cross 1/2), backend hier, connected in 0.2 s\n\
                    fh-selftest: rank 0: PASSED\n";
         assert_eq!(places(out), vec![(0, 2, 1), (2, 2, 0)]);
+    }
+
+    #[test]
+    fn the_other_host_of_a_2x2_job() {
+        assert_eq!(other_host(0), vec![2, 3]);
+        assert_eq!(other_host(1), vec![2, 3]);
+        assert_eq!(other_host(2), vec![0, 1]);
+        assert_eq!(other_host(3), vec![0, 1]);
+    }
+
+    #[test]
+    fn median_and_worst_of_failure_times() {
+        assert_eq!(median_and_worst(&[6.0, 5.0, 9.0]), (6.0, 9.0));
+        assert_eq!(median_and_worst(&[6.0, 5.0, 9.0, 7.0]), (6.5, 9.0));
+        assert_eq!(median_and_worst(&[]), (0.0, 0.0));
     }
 
     #[test]

@@ -28,7 +28,12 @@
 //! waiter's *doorbell* in slices of at most the liveness interval; whoever publishes something
 //! increments the doorbells of the ranks that may wait for it and `FUTEX_WAKE`s those that
 //! flagged themselves as sleeping. Between slices the waiter checks its peers (state words,
-//! then process liveness) and its deadline, so no wait is unbounded.
+//! then process liveness) and its deadline, so no wait is unbounded. At the deadline it blames
+//! a stopped peer if there is one; else, when a live peer says it waits *outside* the
+//! communicator (in an enclosing communicator's step, [`ShmComm::waiting_outside`]), it waits
+//! once more, for a bounded grace, for that peer's verdict (its `give_up`), and without one
+//! records the rank that peer waits for, for the enclosing communicator to name
+//! ([`ShmComm::outside_blame`]); otherwise it blames the rank it waits for.
 //!
 //! Point-to-point messages go through one single-producer single-consumer ring per directed
 //! pair, each message framed by its 8-byte length.
@@ -40,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use fh_core::{kernels, CoreError, DType, ReduceOp};
 
-use super::segment::{Segment, ST_ABORTED, ST_CLOSED};
+use super::segment::{Segment, ST_ABORTED, ST_ATTACHED, ST_CLOSED};
 use super::sys;
 use super::ShmOptions;
 use crate::algorithms;
@@ -67,6 +72,11 @@ const BLAME_TIMEOUT: u32 = 1 << 24;
 /// rank of an enclosing world (see [`ShmComm::give_up`]); peers then blame the aborted rank
 /// itself and an enclosing communicator reads the rank with [`ShmComm::external_blame`].
 const BLAME_EXTERNAL: u32 = 1 << 25;
+
+/// A rank's `outside` word: set while it waits outside this communicator (see
+/// [`ShmComm::waiting_outside`]); the low bits are then 1 + the enclosing-world rank it waits
+/// for on another host, or 0 when that is not known (or the rank is on this host).
+const OUTSIDE: u32 = 1 << 31;
 
 fn tag_name(tag: u64) -> &'static str {
     match tag & 0xff {
@@ -151,6 +161,22 @@ fn reduce_blocked(dtype: DType, op: ReduceOp, acc: &mut [u8], srcs: &[&[u8]]) ->
     Ok(())
 }
 
+/// A rank's `outside` word in its communicator's segment (see [`ShmComm::waiting_outside`]).
+#[derive(Clone, Copy)]
+pub(crate) struct OutsideWord<'a>(&'a AtomicU32);
+
+impl OutsideWord<'_> {
+    /// As [`ShmComm::waiting_outside`].
+    pub(crate) fn set(self, far: Option<Option<usize>>) {
+        let word = match far {
+            None => 0,
+            Some(Some(r)) if (r as u32) < BLAME_RANK => OUTSIDE | (r as u32 + 1),
+            Some(_) => OUTSIDE,
+        };
+        self.0.store(word, Relaxed);
+    }
+}
+
 /// A communicator of the shared-memory backend. Created by
 /// [`ShmTransport::open`](super::ShmTransport); see the [module documentation](super).
 #[derive(Debug)]
@@ -168,6 +194,13 @@ pub struct ShmComm {
     /// Set after a failure that left the shared state inconsistent.
     broken: Option<String>,
     last_check: Cell<Instant>,
+    /// Set by a wait that timed out on a local peer while another waited outside this
+    /// communicator for this enclosing-world rank on another host: the rank to blame instead
+    /// (see [`ShmComm::outside_blame`]).
+    blame_outside: Cell<Option<usize>>,
+    /// How much longer a wait that timed out on a peer waiting outside this communicator
+    /// waits, once, for that peer's verdict (see [`ShmComm::set_outside_grace`]).
+    outside_grace: Duration,
 }
 
 impl ShmComm {
@@ -184,6 +217,8 @@ impl ShmComm {
             round: 0,
             broken: None,
             last_check: Cell::new(Instant::now()),
+            blame_outside: Cell::new(None),
+            outside_grace: opts.timeout,
         }
     }
 
@@ -253,7 +288,9 @@ impl ShmComm {
             }
         }
         let bell = &self.seg.ctl(self.rank).bell;
-        let deadline = start + self.timeout;
+        let mut deadline = start + self.timeout;
+        // Whether the deadline was extended once for a peer waiting outside this communicator.
+        let mut extended = false;
         loop {
             let seen = bell.word.load(SeqCst);
             bell.aux.store(1, SeqCst);
@@ -267,8 +304,38 @@ impl ShmComm {
                 bell.aux.store(0, Relaxed);
                 checked?;
                 // Waiting for `who`, which may itself wait for a stopped process: name that.
+                if let Some(stopped) = self.stopped_peer() {
+                    return Err(TransportError::Timeout {
+                        rank: stopped,
+                        op,
+                        after: self.timeout,
+                    });
+                }
+                match self.peer_waiting_outside() {
+                    // A live peer waits outside this communicator (another host, for the
+                    // hierarchical backend): its own wait there is bounded, and when it fails
+                    // the peer publishes whom it blames (`give_up`), which `check_peers`
+                    // reports. Give it that time, once, rather than blame a live peer.
+                    Some((peer, _)) if !extended => {
+                        tracing::debug!(
+                            communicator = %self.label,
+                            rank = self.rank,
+                            waiting_for = who,
+                            peer,
+                            op,
+                            "timed out while a peer waits outside this communicator; waiting \
+                             once more for its verdict"
+                        );
+                        extended = true;
+                        deadline = now + self.outside_grace;
+                        continue;
+                    }
+                    // Still no verdict: blame the rank that peer waits for, when known.
+                    Some((_, Some(far))) => self.blame_outside.set(Some(far)),
+                    _ => {}
+                }
                 return Err(TransportError::Timeout {
-                    rank: self.stopped_peer().unwrap_or(who),
+                    rank: who,
                     op,
                     after: self.timeout,
                 });
@@ -276,6 +343,44 @@ impl ShmComm {
             sys::futex_wait(&bell.word, seen, self.liveness.min(deadline - now));
             bell.aux.store(0, Relaxed);
         }
+    }
+
+    /// Mark this rank as waiting outside this communicator (`Some`: in a step of an
+    /// enclosing communicator, waiting for that communicator's rank `far` on another host when
+    /// known) or no longer (`None`). A local peer that times out waiting for this rank
+    /// meanwhile gives it a bounded grace ([`ShmComm::set_outside_grace`]) to publish whom it
+    /// blames ([`ShmComm::give_up`]) instead of blaming it, and blames `far` if nothing comes.
+    pub(crate) fn waiting_outside(&self, far: Option<Option<usize>>) {
+        self.outside_word().set(far);
+    }
+
+    /// This rank's `outside` word, to set while the communicator is borrowed elsewhere (see
+    /// [`ShmComm::waiting_outside`]).
+    pub(crate) fn outside_word(&self) -> OutsideWord<'_> {
+        OutsideWord(&self.seg.info(self.rank).outside)
+    }
+
+    /// How much longer (default: one more timeout) a wait that timed out on a local peer waits
+    /// once for a verdict when some live peer waits outside this communicator (see
+    /// [`ShmComm::waiting_outside`]): an enclosing communicator sets the longest its own waits
+    /// can take to fail and publish whom they blame.
+    pub(crate) fn set_outside_grace(&mut self, grace: Duration) {
+        self.outside_grace = grace;
+    }
+
+    /// A peer that is attached, alive and waiting outside this communicator (see
+    /// [`ShmComm::waiting_outside`]), with the enclosing-world rank it waits for when known.
+    fn peer_waiting_outside(&self) -> Option<(usize, Option<usize>)> {
+        (0..self.size).filter(|&r| r != self.rank).find_map(|r| {
+            let info = self.seg.info(r);
+            let word = info.outside.load(Relaxed);
+            let pid = info.pid.load(Acquire);
+            (word & OUTSIDE != 0
+                && info.state.load(Acquire) == ST_ATTACHED
+                && pid != 0
+                && sys::process_alive(pid, info.start_time.load(Relaxed)))
+            .then(|| (r, (word & BLAME_RANK).checked_sub(1).map(|f| f as usize)))
+        })
     }
 
     /// A peer whose process is stopped (alive, but making no progress), if any.
@@ -373,6 +478,7 @@ impl ShmComm {
         }
         self.broken = Some(why.to_owned());
         let info = self.seg.info(self.rank);
+        info.outside.store(0, Relaxed);
         if let Some(r) = external.filter(|&r| (r as u32) < BLAME_RANK) {
             let kind = if timeout { BLAME_TIMEOUT } else { 0 };
             info.blame
@@ -400,6 +506,19 @@ impl ShmComm {
         })
     }
 
+    /// The enclosing-world rank this rank blamed when its wait for a local peer timed out while
+    /// a peer waited outside this communicator for that rank and published no verdict (see
+    /// [`ShmComm::waiting_outside`]); `None` otherwise.
+    pub(crate) fn outside_blame(&self) -> Option<usize> {
+        let info = self.seg.info(self.rank);
+        let word = info.blame.load(Relaxed);
+        (self.broken.is_some()
+            && info.state.load(Acquire) == ST_ABORTED
+            && word & BLAME_EXTERNAL != 0
+            && word & BLAME_RANK != 0)
+            .then(|| ((word & BLAME_RANK) - 1) as usize)
+    }
+
     /// Run `f`; on failure (other than a rejected argument, which is detected before any shared
     /// state changes) mark this communicator and this rank's slot as unusable so that the peers
     /// stop waiting for it.
@@ -419,7 +538,12 @@ impl ShmComm {
             ) {
                 self.broken = Some(e.to_string());
                 let info = self.seg.info(self.rank);
-                if let Some(r) = e.blamed_rank() {
+                info.outside.store(0, Relaxed);
+                if let Some(far) = self.blame_outside.take() {
+                    // A rank outside this communicator, numbered in the enclosing world.
+                    info.blame
+                        .store((far as u32 + 1) | BLAME_EXTERNAL | BLAME_TIMEOUT, Relaxed);
+                } else if let Some(r) = e.blamed_rank() {
                     let kind = if matches!(e, TransportError::Timeout { .. }) {
                         BLAME_TIMEOUT
                     } else {
@@ -712,6 +836,7 @@ impl Communicator for ShmComm {
         }
         self.broken = Some(format!("this rank gave up after losing rank {lost}"));
         let info = self.seg.info(self.rank);
+        info.outside.store(0, Relaxed);
         if lost != self.rank && (lost as u32) < BLAME_RANK {
             info.blame.store(lost as u32 + 1, Relaxed);
         }
@@ -775,6 +900,79 @@ mod tests {
             "{err}"
         );
         assert!(err.to_string().contains(what), "{err}");
+    }
+
+    /// Rank 1 (a thread) marks itself as waiting outside the communicator for enclosing-world
+    /// rank 7 and keeps rank 0 waiting in a barrier well past rank 0's timeout; `verdict`
+    /// then decides whether rank 1 gives up blaming rank 7 or stays silent. Returns rank 0's
+    /// error and its communicator (for what it recorded), after rank 1 has finished.
+    fn wait_on_a_peer_waiting_outside(
+        tag: &str,
+        verdict: bool,
+    ) -> (TransportError, super::ShmComm) {
+        let timeout = Duration::from_millis(300);
+        let opts = move || ShmOptions {
+            ring_bytes: 4096,
+            ..ShmOptions::with_timeout(timeout)
+        };
+        let tok = token(tag);
+        let tok1 = tok.clone();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let h = std::thread::spawn(move || {
+            let mut t = ShmTransport::join(&tok1, 1, 2, opts()).unwrap();
+            let mut c = t.open_shm("c").unwrap();
+            c.waiting_outside(Some(Some(7)));
+            if verdict {
+                // Its own wait outside fails after rank 0's timeout has passed.
+                std::thread::sleep(timeout * 3);
+                c.give_up(Some(7), true, "rank 7 timed out");
+            }
+            // Stay attached (and, without a verdict, waiting outside) until rank 0 is done.
+            let _ = done_rx.recv_timeout(Duration::from_secs(60));
+        });
+        let mut t = ShmTransport::join(&tok, 0, 2, opts()).unwrap();
+        let mut c = t.open_shm("c").unwrap();
+        let grace = if verdict {
+            Duration::from_secs(30)
+        } else {
+            timeout
+        };
+        c.set_outside_grace(grace);
+        let err = c.barrier().unwrap_err();
+        done_tx.send(()).unwrap();
+        h.join().unwrap();
+        (err, c)
+    }
+
+    #[test]
+    fn a_wait_on_a_peer_waiting_outside_ends_with_that_peers_verdict() {
+        let (err, c) = wait_on_a_peer_waiting_outside("verdict", true);
+        // Rank 0 waited past its timeout for rank 1's verdict: it reports rank 1's giving up
+        // (not a timeout on rank 1), and the rank rank 1 blamed is there for the enclosing
+        // communicator to name.
+        assert!(
+            matches!(&err, TransportError::PeerLost { rank: 1, detail } if detail.contains("gave up")),
+            "{err}"
+        );
+        assert_eq!(c.external_blame(), Some((7, true)));
+        assert_eq!(c.outside_blame(), None);
+    }
+
+    #[test]
+    fn without_a_verdict_the_rank_waited_for_outside_is_blamed() {
+        let (err, c) = wait_on_a_peer_waiting_outside("no-verdict", false);
+        // The shared-memory error names the local rank waited for; the rank recorded for the
+        // enclosing communicator is the one rank 1 waits for outside.
+        assert!(
+            matches!(err, TransportError::Timeout { rank: 1, .. }),
+            "{err}"
+        );
+        assert_eq!(c.external_blame(), None);
+        assert_eq!(c.outside_blame(), Some(7));
+        // A peer reading this rank's slot sees the outside rank, as after a `give_up`.
+        let word = c.seg.info(0).blame.load(SeqCst);
+        assert_eq!(word & super::BLAME_RANK, 8);
+        assert_ne!(word & super::BLAME_EXTERNAL, 0);
     }
 
     #[test]

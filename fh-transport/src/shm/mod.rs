@@ -90,6 +90,7 @@ mod sys;
 
 use std::time::{Duration, Instant};
 
+pub(crate) use comm::OutsideWord;
 pub use comm::ShmComm;
 
 use crate::bootstrap::LaunchInfo;

@@ -91,6 +91,10 @@ pub(crate) struct RankInfo {
     pub(crate) start_time: AtomicU64,
     /// After an abort: 1 + the rank this one blamed for its failure (0: nobody).
     pub(crate) blame: AtomicU32,
+    /// While the rank waits outside this communicator (in an enclosing communicator's step, see
+    /// `ShmComm::waiting_outside`): non-zero, with the rank it waits for; 0 otherwise. Fits in
+    /// the line's padding: the layout is unchanged.
+    pub(crate) outside: AtomicU32,
 }
 
 /// Per-rank synchronisation words, each on its own cache line.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::frame::{RecvState, SendState};
-use super::link::{PROBE_MARGIN, PROBE_TIMEOUT};
+use super::link::{NOTICE_TIMEOUT, PROBE_MARGIN, PROBE_TIMEOUT};
 use super::wire::{self, Header};
 use super::{sys, Link, TcpOptions};
 use crate::{Communicator, Result, TransportError};
@@ -75,6 +75,13 @@ impl TcpComm {
     /// The communicator's sequence number (the n-th communicator opened from its transport).
     pub fn seq(&self) -> u64 {
         self.seq
+    }
+
+    /// The longest a wait on this communicator lasts without progress before the call returns
+    /// its error: the timeout, a liveness probe, one more timeout (with its probe and slack) for
+    /// a peer that still answers, and the delivery of abort notices out of band.
+    pub(crate) fn longest_stall(&self) -> Duration {
+        (self.timeout + PROBE_TIMEOUT) * 2 + PROBE_MARGIN + NOTICE_TIMEOUT
     }
 
     fn check_usable(&self) -> Result<()> {

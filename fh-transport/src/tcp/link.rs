@@ -48,6 +48,10 @@ pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// wait gets for a peer that still answers.
 pub(crate) const PROBE_MARGIN: Duration = Duration::from_millis(500);
 
+/// The longest the delivery of abort notices out of band may take ([`Link::send_aborts`]),
+/// however many peers there are.
+pub(crate) const NOTICE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Abort notices received out of band: communicator sequence number → (reporting rank, lost
 /// rank). Only authenticated peers write here, at most one entry per communicator.
 #[derive(Debug, Default)]
@@ -209,7 +213,7 @@ impl Link {
         let Some(addr) = self.book.get(peer) else {
             return;
         };
-        let timeout = self.handshake_timeout.min(Duration::from_secs(2));
+        let timeout = self.handshake_timeout.min(NOTICE_TIMEOUT);
         let deadline = Instant::now() + timeout;
         let Ok(mut s) = TcpStream::connect_timeout(addr, timeout) else {
             return;
