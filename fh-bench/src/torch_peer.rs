@@ -636,6 +636,65 @@ mod tests {
     }
 
     #[test]
+    fn hosts_are_parsed_and_filled_in_order() {
+        let h = Hosts::parse("h0:2, h1:2", "agent".into(), "fhrun".into()).unwrap();
+        assert_eq!(h.slots(), 4);
+        // Ranks 0, 1 on h0 and 2, 3 on h1, each with its local rank and the host's size.
+        assert_eq!(
+            h.placement(),
+            [("h0", 0, 2), ("h0", 1, 2), ("h1", 0, 2), ("h1", 1, 2)]
+        );
+        let one = Hosts::parse("a,b:3", "ssh".into(), "fhrun".into()).unwrap();
+        assert_eq!(one.list, [("a".to_string(), 1), ("b".to_string(), 3)]);
+        for bad in ["h0:0", "h0:x", "", " , "] {
+            assert!(
+                Hosts::parse(bad, "ssh".into(), "fhrun".into()).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn shell_words_survive_sh() {
+        assert_eq!(shell_word("/a/b.py"), "/a/b.py");
+        assert_eq!(shell_word("MASTER_ADDR=h0"), "MASTER_ADDR=h0");
+        assert_eq!(shell_word("a b"), "'a b'");
+        assert_eq!(shell_word(""), "''");
+        // A quote inside: closed, escaped, reopened; sh gives the word back.
+        let w = shell_word("it's $HOME");
+        let out = Command::new("sh")
+            .args(["-c", &format!("printf %s {w}")])
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "it's $HOME");
+    }
+
+    #[test]
+    fn across_hosts_the_slots_must_match_the_ranks() {
+        let hosts = Hosts::parse("h0:2,h1:1", "agent".into(), "fhrun".into()).unwrap();
+        let dir = std::env::temp_dir().join(format!("fh-bench-slots-{}", std::process::id()));
+        let run = PeerRun {
+            peer: PEERS_ACROSS_HOSTS[0],
+            python: "python3",
+            script: Path::new("x.py"),
+            workload: Path::new("w.json"),
+            np: 4,
+            backward_ms: 100.0,
+            warmup: 1,
+            steps: 1,
+            log_dir: &dir,
+            timeout: Duration::from_secs(5),
+            hosts: Some(&hosts),
+        };
+        let e = run.run("slots").unwrap_err();
+        assert!(e.contains("3 slots for --np 4"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+        // Across hosts, fasthorovod.torch runs over hier and tcp, never shm.
+        let t: Vec<&str> = PEERS_ACROSS_HOSTS.iter().map(|p| p.transport).collect();
+        assert_eq!(t, ["gloo", "horovodrun", "hier", "tcp"]);
+    }
+
+    #[test]
     fn the_adapter_is_valid_python() {
         let dir = std::env::temp_dir().join(format!("fh-bench-pycompile-{}", std::process::id()));
         let script = write_script(&dir).unwrap();
