@@ -343,6 +343,7 @@ fn across_hosts(md: &mut String, a: &crate::across::Across, backward_ms: f64) {
                 .map_or("–".into(), |v| format!("{v:.2}")),
         );
     }
+    md.push('\n');
 }
 
 /// Per workload and transport: the transport's own bound on exposed communication (the
