@@ -5,6 +5,7 @@
 //! (re-generate the report of a recorded `run.json`) and `worker` (internal: one rank of a job).
 //! Output goes to `target/fh-bench/<timestamp>/`: `run.json`, PNG/SVG plots and `report.md`.
 
+mod across;
 mod collectives;
 mod mpi_peer;
 mod plots;
@@ -148,10 +149,38 @@ struct SuiteArgs {
     /// A run.json whose measurements calibrate the simulation (default: this run's).
     #[arg(long)]
     calibration: Option<PathBuf>,
+    /// The rate one TCP stream reaches across a host's link, Gbit/s, as measured by the caller
+    /// (`cargo xtask bench --emulate` passes its measurement): with --hosts, the replay report
+    /// gives each row's bytes across the link, its link bound and the model calibrated on it.
+    #[arg(long, value_parser = parse_gbps)]
+    link_gbps: Option<f64>,
     /// Longest one job (one collective over one transport, one replay configuration) may take,
     /// seconds.
     #[arg(long, default_value_t = 300)]
     job_timeout: u64,
+}
+
+fn parse_gbps(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(g) if g.is_finite() && g > 0.0 => Ok(g),
+        _ => Err(format!(
+            "bad link rate '{s}': want a positive number of Gbit/s, e.g. 0.95"
+        )),
+    }
+}
+
+/// `fhrun` for the `fasthorovod.torch` peer across hosts: `$FH_BENCH_FHRUN`, else the build's
+/// (`<target>/release/fhrun`, then `debug`), else `fhrun` on `PATH`.
+fn fhrun_path(target: &std::path::Path) -> PathBuf {
+    if let Some(p) = std::env::var_os("FH_BENCH_FHRUN") {
+        return PathBuf::from(p);
+    }
+    ["release", "debug"]
+        .iter()
+        .map(|d| target.join(d).join("fhrun"))
+        .find(|p| p.is_file())
+        .map(|p| std::fs::canonicalize(&p).unwrap_or(p))
+        .unwrap_or_else(|| PathBuf::from("fhrun"))
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -231,6 +260,21 @@ fn run_suite(a: SuiteArgs, only: Option<&str>) -> Result<(), String> {
         .out
         .clone()
         .unwrap_or_else(|| target.join("fh-bench").join(suite::timestamp()));
+    // The Python peers across --hosts: started through the rsh agent ($FH_RSH_AGENT, else ssh).
+    let peer_hosts = match &a.hosts {
+        Some(h) => Some(torch_peer::Hosts::parse(
+            h,
+            std::env::var("FH_RSH_AGENT")
+                .ok()
+                .filter(|s| !s.trim().is_empty())
+                .unwrap_or_else(|| "ssh".into()),
+            fhrun_path(&target),
+        )?),
+        None => None,
+    };
+    if a.link_gbps.is_some() && a.hosts.is_none() {
+        return Err("--link-gbps is the link between hosts: give --hosts too".into());
+    }
     let opts = suite::Options {
         quick: a.quick,
         np: a.np,
@@ -257,6 +301,8 @@ fn run_suite(a: SuiteArgs, only: Option<&str>) -> Result<(), String> {
         no_peers: a.no_peers,
         calibration: a.calibration.clone(),
         job_timeout: Duration::from_secs(a.job_timeout),
+        peer_hosts,
+        link_gbps: a.link_gbps,
         rendezvous_host: a.rendezvous_host.clone().unwrap_or_else(|| {
             a.hosts
                 .as_deref()

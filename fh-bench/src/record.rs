@@ -45,6 +45,10 @@ pub struct RunRecord {
     /// Scale simulation (a model).
     #[serde(default)]
     pub simulation: Option<SimResult>,
+    /// The replay across hosts: each row's bytes across a host's link, its link bound and the
+    /// model on that link (runs with `--hosts` and `--link-gbps`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub across: Option<crate::across::Across>,
     /// What was not run, and why.
     #[serde(default)]
     pub skipped: Vec<Skipped>,

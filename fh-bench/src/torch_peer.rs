@@ -77,6 +77,23 @@ pub const PEERS: [Peer; 4] = [
     },
 ];
 
+/// The peers when the ranks span hosts, in report order: shared memory alone cannot span
+/// hosts, so `fasthorovod.torch` runs over `hier` (shared memory within a host, TCP between)
+/// and over TCP.
+pub const PEERS_ACROSS_HOSTS: [Peer; 4] = [
+    PEERS[0],
+    PEERS[1],
+    Peer {
+        what: "fasthorovod.torch over hier",
+        label: "fasthorovod-torch",
+        module: "fasthorovod.torch",
+        mode: "fasthorovod",
+        install: "pip install ./fh-torch",
+        transport: "hier",
+    },
+    PEERS[3],
+];
+
 /// The `peer` that the adapter prints in each mode.
 fn printed_name(mode: &str) -> &'static str {
     match mode {
@@ -228,7 +245,74 @@ pub fn parse_output(text: &str) -> Result<PeerResult, String> {
     Ok(r)
 }
 
-/// One replay of `workload` through `peer` on `np` local ranks.
+/// Where a peer's ranks run when they span hosts: the hosts with their slots (`--hosts
+/// h0:2,h1:2`), the rsh agent that starts commands on them (`FH_RSH_AGENT`, else `ssh`) and
+/// `fhrun` (which starts `fasthorovod.torch` across them). The first host is rank 0's and this
+/// one's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hosts {
+    /// `(host, slots)`, rank 0's first.
+    pub list: Vec<(String, usize)>,
+    /// The rsh agent (`agent HOST COMMAND...`).
+    pub agent: String,
+    /// The `fhrun` executable.
+    pub fhrun: PathBuf,
+}
+
+impl Hosts {
+    /// Parses `h0:2,h1:2` (a host without `:slots` has one slot).
+    pub fn parse(list: &str, agent: String, fhrun: PathBuf) -> Result<Hosts, String> {
+        let mut v = Vec::new();
+        for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (h, n) = match item.rsplit_once(':') {
+                Some((h, n)) => (
+                    h,
+                    n.parse::<usize>()
+                        .ok()
+                        .filter(|&n| n > 0)
+                        .ok_or_else(|| format!("--hosts: bad slot count in '{item}'"))?,
+                ),
+                None => (item, 1),
+            };
+            v.push((h.to_string(), n));
+        }
+        if v.is_empty() {
+            return Err("--hosts: no host given".into());
+        }
+        Ok(Hosts {
+            list: v,
+            agent,
+            fhrun,
+        })
+    }
+
+    /// Total slots.
+    pub fn slots(&self) -> usize {
+        self.list.iter().map(|(_, n)| n).sum()
+    }
+
+    /// `(host, local rank, local size)` of each rank: the hosts' slots filled in order.
+    pub fn placement(&self) -> Vec<(&str, usize, usize)> {
+        self.list
+            .iter()
+            .flat_map(|(h, n)| (0..*n).map(move |l| (h.as_str(), l, *n)))
+            .collect()
+    }
+}
+
+/// A word for `sh -c`: single-quoted unless plain.
+fn shell_word(s: &str) -> String {
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@+".contains(c))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// One replay of `workload` through `peer` on `np` ranks (on this host, or across `hosts`).
 pub struct PeerRun<'a> {
     /// The peer.
     pub peer: Peer,
@@ -250,6 +334,8 @@ pub struct PeerRun<'a> {
     pub log_dir: &'a Path,
     /// Longest the whole run may take.
     pub timeout: Duration,
+    /// The ranks span these hosts (None: all on this one).
+    pub hosts: Option<&'a Hosts>,
 }
 
 /// Writes the adapter into `dir`.
@@ -281,7 +367,9 @@ impl PeerRun<'_> {
                 .stdin(Stdio::null());
         };
         let mut children = Children::default();
-        let log0 = if self.peer.mode == "fasthorovod" {
+        let log0 = if let Some(hosts) = self.hosts {
+            self.spawn_across(hosts, name, &mut children)?
+        } else if self.peer.mode == "fasthorovod" {
             let port = free_port()?;
             let token = random_token()?;
             for rank in 0..self.np {
@@ -343,6 +431,97 @@ impl PeerRun<'_> {
             ));
         }
         Ok(r)
+    }
+}
+
+impl PeerRun<'_> {
+    /// The adapter's arguments (after the interpreter), as words.
+    fn adapter_words(&self) -> Vec<String> {
+        vec![
+            self.script.display().to_string(),
+            "--mode".into(),
+            self.peer.mode.into(),
+            "--workload".into(),
+            self.workload.display().to_string(),
+            "--backward-ms".into(),
+            self.backward_ms.to_string(),
+            "--warmup".into(),
+            self.warmup.to_string(),
+            "--steps".into(),
+            self.steps.to_string(),
+            "--timeout".into(),
+            self.timeout.as_secs().max(1).to_string(),
+        ]
+    }
+
+    /// Starts the ranks across `hosts`; returns rank 0's log. `fasthorovod.torch`: `fhrun -H`
+    /// with the rsh agent and `--transport` (the token travels on the agent's stdin);
+    /// DDP: each rank through the agent with torch's `env://` variables, `MASTER_ADDR` the
+    /// first host; Horovod: `horovodrun -H`.
+    fn spawn_across(
+        &self,
+        hosts: &Hosts,
+        name: &str,
+        children: &mut Children,
+    ) -> Result<PathBuf, String> {
+        if hosts.slots() != self.np {
+            return Err(format!(
+                "--hosts has {} slots for --np {}",
+                hosts.slots(),
+                self.np
+            ));
+        }
+        let host_list: Vec<String> = hosts.list.iter().map(|(h, n)| format!("{h}:{n}")).collect();
+        let host_list = host_list.join(",");
+        match self.peer.mode {
+            "fasthorovod" => {
+                let mut c = Command::new(&hosts.fhrun);
+                c.args(["-np", &self.np.to_string(), "-H", &host_list])
+                    .args(["--rsh-agent", &hosts.agent])
+                    .args(["--transport", self.peer.transport])
+                    .args(["-x", "OMP_NUM_THREADS=1", "-x", "PYTHONUNBUFFERED=1"])
+                    .arg(self.python)
+                    .args(self.adapter_words())
+                    .stdin(Stdio::null());
+                children.spawn(c, self.log_dir, name)?;
+                Ok(self.log_dir.join(format!("{name}.log")))
+            }
+            "horovod" => {
+                let mut c = Command::new(horovodrun(self.python));
+                c.args(["-np", &self.np.to_string(), "-H", &host_list])
+                    .arg(self.python)
+                    .args(self.adapter_words())
+                    .stdin(Stdio::null());
+                children.spawn(c, self.log_dir, name)?;
+                Ok(self.log_dir.join(format!("{name}.log")))
+            }
+            _ => {
+                let port = free_port()?;
+                let master = &hosts.list[0].0;
+                for (rank, (host, local, local_size)) in hosts.placement().into_iter().enumerate() {
+                    let mut words = vec!["env".to_string()];
+                    for (k, v) in [
+                        ("RANK", rank.to_string()),
+                        ("WORLD_SIZE", self.np.to_string()),
+                        ("LOCAL_RANK", local.to_string()),
+                        ("LOCAL_WORLD_SIZE", local_size.to_string()),
+                        ("MASTER_ADDR", master.clone()),
+                        ("MASTER_PORT", port.to_string()),
+                        ("OMP_NUM_THREADS", "1".into()),
+                        ("PYTHONUNBUFFERED", "1".into()),
+                    ] {
+                        words.push(format!("{k}={v}"));
+                    }
+                    words.push(self.python.to_string());
+                    words.extend(self.adapter_words());
+                    let line: Vec<String> = words.iter().map(|w| shell_word(w)).collect();
+                    let mut c = Command::new(&hosts.agent);
+                    c.arg(host).arg(line.join(" ")).stdin(Stdio::null());
+                    children.spawn(c, self.log_dir, &format!("{name}.rank{rank}"))?;
+                }
+                Ok(self.log_dir.join(format!("{name}.rank0.log")))
+            }
+        }
     }
 }
 
@@ -454,6 +633,65 @@ mod tests {
             "sys",
             Duration::from_secs(30)
         ));
+    }
+
+    #[test]
+    fn hosts_are_parsed_and_filled_in_order() {
+        let h = Hosts::parse("h0:2, h1:2", "agent".into(), "fhrun".into()).unwrap();
+        assert_eq!(h.slots(), 4);
+        // Ranks 0, 1 on h0 and 2, 3 on h1, each with its local rank and the host's size.
+        assert_eq!(
+            h.placement(),
+            [("h0", 0, 2), ("h0", 1, 2), ("h1", 0, 2), ("h1", 1, 2)]
+        );
+        let one = Hosts::parse("a,b:3", "ssh".into(), "fhrun".into()).unwrap();
+        assert_eq!(one.list, [("a".to_string(), 1), ("b".to_string(), 3)]);
+        for bad in ["h0:0", "h0:x", "", " , "] {
+            assert!(
+                Hosts::parse(bad, "ssh".into(), "fhrun".into()).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn shell_words_survive_sh() {
+        assert_eq!(shell_word("/a/b.py"), "/a/b.py");
+        assert_eq!(shell_word("MASTER_ADDR=h0"), "MASTER_ADDR=h0");
+        assert_eq!(shell_word("a b"), "'a b'");
+        assert_eq!(shell_word(""), "''");
+        // A quote inside: closed, escaped, reopened; sh gives the word back.
+        let w = shell_word("it's $HOME");
+        let out = Command::new("sh")
+            .args(["-c", &format!("printf %s {w}")])
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "it's $HOME");
+    }
+
+    #[test]
+    fn across_hosts_the_slots_must_match_the_ranks() {
+        let hosts = Hosts::parse("h0:2,h1:1", "agent".into(), "fhrun".into()).unwrap();
+        let dir = std::env::temp_dir().join(format!("fh-bench-slots-{}", std::process::id()));
+        let run = PeerRun {
+            peer: PEERS_ACROSS_HOSTS[0],
+            python: "python3",
+            script: Path::new("x.py"),
+            workload: Path::new("w.json"),
+            np: 4,
+            backward_ms: 100.0,
+            warmup: 1,
+            steps: 1,
+            log_dir: &dir,
+            timeout: Duration::from_secs(5),
+            hosts: Some(&hosts),
+        };
+        let e = run.run("slots").unwrap_err();
+        assert!(e.contains("3 slots for --np 4"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+        // Across hosts, fasthorovod.torch runs over hier and tcp, never shm.
+        let t: Vec<&str> = PEERS_ACROSS_HOSTS.iter().map(|p| p.transport).collect();
+        assert_eq!(t, ["gloo", "horovodrun", "hier", "tcp"]);
     }
 
     #[test]

@@ -49,8 +49,9 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         eprintln!(
             "cargo xtask bench [--emulate HOSTSxRANKS [--link RATE]] ARGS: builds fh-bench \
              (release) and runs `fh-bench suite ARGS` (with --emulate: on an emulated cluster, \
-             as root, through mpirun with --hosts h0:R,h1:R,...; default --transports hier,tcp \
-             --no-peers):\n"
+             as root, through mpirun with --hosts h0:R,h1:R,... and --link-gbps MEASURED; default \
+             --transports hier,tcp; the Python peers across the hosts, fasthorovod.torch through \
+             fhrun -H and the cluster's rsh agent, DDP through the agent with MASTER_ADDR h0):\n"
         );
     }
     let (emulate, args) = match take_emulate(args) {
@@ -64,10 +65,17 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
     let target_dir: PathBuf = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("target"));
-    eprintln!("==> cargo build --release -p fh-bench");
+    // Across hosts, fhrun starts the fasthorovod.torch peer's ranks.
+    let packages: &[&str] = if emulate.is_some() {
+        &["-p", "fh-bench", "-p", "fh-launch"]
+    } else {
+        &["-p", "fh-bench"]
+    };
+    eprintln!("==> cargo build --release {}", packages.join(" "));
     let built = Command::new(cargo())
         .current_dir(root)
-        .args(["build", "--release", "-p", "fh-bench"])
+        .args(["build", "--release"])
+        .args(packages)
         .status();
     match built {
         Ok(s) if s.success() => {}
@@ -106,13 +114,14 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         if !args.iter().any(|a| a.starts_with("--transports")) {
             cmd.args(["--transports", "hier,tcp"]);
         }
-        if !args.iter().any(|a| a == "--no-peers") {
-            // The Python peers start their ranks on this host only.
-            cmd.arg("--no-peers");
+        if let Some(rate) = measured_rate {
+            cmd.args(["--link-gbps", &format!("{:.4}", rate / 1e9)]);
         }
+        cmd.env("FH_BENCH_FHRUN", target_dir.join("release").join("fhrun"));
         match c.rsh_agent() {
             Ok(agent) => {
-                cmd.env("OMPI_MCA_plm_rsh_agent", agent);
+                cmd.env("OMPI_MCA_plm_rsh_agent", &agent)
+                    .env("FH_RSH_AGENT", &agent);
             }
             Err(why) => {
                 eprintln!("xtask bench: --emulate: {why}");

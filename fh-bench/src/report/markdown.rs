@@ -69,6 +69,9 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
         }
         link_images(&mut md, plots, "replay-exposed");
         transport_bounds(&mut md, r);
+        if let Some(a) = &r.across {
+            across_hosts(&mut md, a, c.backward_ms);
+        }
     }
 
     if !r.collectives.is_empty() {
@@ -297,6 +300,50 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
     }
     let _ = writeln!(md, "Run time: {:.1} s.", r.wall.median);
     md
+}
+
+/// The replay across hosts: layout, measured link, and per row the bytes across each host's
+/// link, the link bound and the model on that link.
+fn across_hosts(md: &mut String, a: &crate::across::Across, backward_ms: f64) {
+    let _ = writeln!(
+        md,
+        "\n### Across the hosts' links\n\nLayout {} ({} hosts, {} ranks); one TCP stream across \
+         a host's link measured at {:.3} Gbit/s. Bytes across: what must leave each host per \
+         step (and enter it) under the row's schedule: hierarchical 2(H−1)/H of the gradients, \
+         a flat ring over every rank (tcp, DDP's Gloo ring) 2(N−1)/N. Link bound: those bytes \
+         at the measured rate minus the {backward_ms} ms backward. Model: `simulate` calibrated \
+         on this link (the measured rate; H ranks on it for hierarchical, N for a flat ring; \
+         work within a host taken as free).\n",
+        a.layout, a.hosts, a.ranks, a.link_gbps
+    );
+    let _ = writeln!(
+        md,
+        "| workload | schedule (transport) | route | bytes across | link bound | exposed | exposed ÷ bound | model exposed | model ÷ measured |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|");
+    for x in &a.rows {
+        let label = if x.transport.is_empty() {
+            x.schedule.clone()
+        } else {
+            format!("{} ({})", x.schedule, x.transport)
+        };
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {:.0} ms | {:.0} ms | {} | {} | {} |",
+            x.workload,
+            label,
+            x.route.name(),
+            fmt_bytes(x.bytes_across),
+            x.bound_ms,
+            x.exposed_ms,
+            x.vs_bound().map_or("–".into(), |v| format!("{v:.2}")),
+            x.model_exposed_ms
+                .map_or("–".into(), |v| format!("{v:.0} ms")),
+            x.model_vs_measured()
+                .map_or("–".into(), |v| format!("{v:.2}")),
+        );
+    }
+    md.push('\n');
 }
 
 /// Per workload and transport: the transport's own bound on exposed communication (the

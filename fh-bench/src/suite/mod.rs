@@ -67,6 +67,12 @@ pub struct Options {
     pub job_timeout: Duration,
     /// Rank 0's host for the TCP rendezvous under mpirun/srun.
     pub rendezvous_host: String,
+    /// Where the Python peers' ranks run when they span hosts (`--hosts`); None: this host.
+    pub peer_hosts: Option<torch_peer::Hosts>,
+    /// The rate one TCP stream measured across a host's link, Gbit/s (`--link-gbps`, given by
+    /// whoever measured it, e.g. `cargo xtask bench --emulate`): the replay's link bounds and
+    /// the model calibrated on that link.
+    pub link_gbps: Option<f64>,
 }
 
 /// Default sizes of the sweep: quick → 8 B, 4 KiB, 1 MiB, 16 MiB (+64 MiB for allreduce);
@@ -154,6 +160,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
         replay_allreduce: vec![],
         negotiation: vec![],
         simulation: None,
+        across: None,
         skipped: vec![],
         wall: Quantity::exact(0.0, "s"),
     };
@@ -219,7 +226,12 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     let python = torch_peer::python();
     let mut peers = Vec::new();
     if wants("replay") {
-        for peer in torch_peer::PEERS {
+        let list = if opts.peer_hosts.is_some() {
+            torch_peer::PEERS_ACROSS_HOSTS
+        } else {
+            torch_peer::PEERS
+        };
+        for peer in list {
             let reason = if opts.no_peers {
                 Some("skipped: --no-peers".to_string())
             } else if !torch_peer::imports(&python, peer.module, Duration::from_secs(120)) {
@@ -304,6 +316,9 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
         let result = simulate::run(&workloads, opts.backward_ms, source.0, source.1, opts.quick);
         record.simulation = Some(result);
         bar.inc(1);
+    }
+    if let (Some(g), Launch::Mpirun { hosts: Some(h) }) = (opts.link_gbps, &opts.launch) {
+        record.across = crate::across::rows(&record, &workloads, h, g);
     }
     bar.finish_and_clear();
     record.wall = Quantity::exact(started.elapsed().as_secs_f64(), "s");

@@ -182,6 +182,7 @@ pub(super) fn run(
                             steps: opts.steps,
                             log_dir: work_dir,
                             timeout: opts.job_timeout,
+                            hosts: opts.peer_hosts.as_ref(),
                         }
                         .run(&name)
                         .map(|r| r.step_seconds),

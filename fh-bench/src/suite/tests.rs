@@ -160,6 +160,7 @@ fn concurrent_allreduces_aggregate_the_slowest_rank_and_calibrate_the_model() {
         replay_allreduce: vec![],
         negotiation: vec![],
         simulation: None,
+        across: None,
         skipped: vec![],
         wall: Quantity::exact(0.0, "s"),
     };
