@@ -310,19 +310,10 @@ fn run_ranks(
                 ];
                 for (src, sink, name) in streams.into_iter().flatten() {
                     let prefix = format!("[{}]<{name}>:", spec.rank);
-                    let tx = done_tx.clone();
-                    let spawned = std::thread::Builder::new()
-                        .name(format!("rank{}-{name}", spec.rank))
-                        .spawn(move || {
-                            pump(src, sink, prefix);
-                            let _ = tx.send(());
-                        });
-                    match spawned {
-                        Ok(_) => pumps += 1,
-                        Err(e) => eprintln!(
-                            "fhrun: cannot start the output thread of rank {}: {e}",
-                            spec.rank
-                        ),
+                    let thread = format!("rank{}-{name}", spec.rank);
+                    let whose = format!("rank {}", spec.rank);
+                    if spawn_pump(thread, src, sink, prefix, &done_tx, &whose) {
+                        pumps += 1;
                     }
                 }
                 ranks.push(Rank {
@@ -381,19 +372,9 @@ fn run_ranks(
                         .map(|s| (Box::new(s) as Box<dyn std::io::Read + Send>, Sink::Stderr)),
                 ];
                 for (src, sink) in streams.into_iter().flatten() {
-                    let tx = done_tx.clone();
-                    let spawned = std::thread::Builder::new()
-                        .name("remote-output".into())
-                        .spawn(move || {
-                            pump(src, sink, String::new());
-                            let _ = tx.send(());
-                        });
-                    match spawned {
-                        Ok(_) => pumps += 1,
-                        Err(e) => eprintln!(
-                            "fhrun: cannot start the output thread of {}: {e}",
-                            spec.label
-                        ),
+                    let thread = "remote-output".to_string();
+                    if spawn_pump(thread, src, sink, String::new(), &done_tx, &spec.label) {
+                        pumps += 1;
                     }
                 }
                 ranks.push(Rank {
@@ -662,5 +643,30 @@ fn begin_stop(ranks: &mut [Rank], sig: i32, reason: StopReason, grace: Duration)
         term_at: None,
         kill_at: Instant::now() + grace,
         killed: false,
+    }
+}
+
+/// Copy `src` to `sink` (each line after `prefix`) on a thread of its own named `thread`, which
+/// says so on `done` when the stream ends. Returns whether the thread started; when it cannot,
+/// says so naming `whose` output it was.
+fn spawn_pump(
+    thread: String,
+    src: Box<dyn std::io::Read + Send>,
+    sink: Sink,
+    prefix: String,
+    done: &mpsc::Sender<()>,
+    whose: &str,
+) -> bool {
+    let tx = done.clone();
+    let spawned = std::thread::Builder::new().name(thread).spawn(move || {
+        pump(src, sink, prefix);
+        let _ = tx.send(());
+    });
+    match spawned {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("fhrun: cannot start the output thread of {whose}: {e}");
+            false
+        }
     }
 }
