@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fasthorovod.torch as hvd
+from _checks import assert_close
 
 _BN = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d,
        5: torch.nn.BatchNorm3d}
@@ -13,18 +14,6 @@ _SPATIAL = {2: (), 3: (5,), 4: (3, 4), 5: (2, 3, 2)}
 C = 3
 
 
-def assert_close(got, want, what, atol=1e-5, rtol=1e-4):
-    """Elementwise comparison whose message names this rank and the first element off."""
-    got, want = got.detach(), want.detach()
-    me = hvd.rank()
-    assert got.shape == want.shape, f"rank {me}: {what}: shape {list(got.shape)}, want " \
-                                    f"{list(want.shape)}"
-    bad = ~torch.isclose(got.to(torch.float64), want.to(torch.float64), atol=atol, rtol=rtol)
-    if bad.any():
-        idx = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"rank {me}: {what} element {idx}: got {got[idx].item()}, want "
-                             f"{want[idx].item()} ({int(bad.sum())} of {bad.numel()} "
-                             "elements differ)")
 
 
 def _sizes():
