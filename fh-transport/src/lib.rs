@@ -38,6 +38,7 @@ pub mod algorithms;
 pub mod bootstrap;
 pub mod comm;
 pub mod cuda;
+pub mod elastic;
 pub mod error;
 #[cfg(target_os = "linux")]
 pub mod hier;
@@ -80,6 +81,9 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_SHM_SLOT_BYTES",
     "FH_MPI_THREAD_LEVEL",
     "FH_NCCL_LIBRARY",
+    "FH_ELASTIC_ADDR",
+    "FH_ELASTIC_WORKER",
+    "FH_ELASTIC_TIMEOUT",
 ];
 
 /// The accepted values of `FH_TRANSPORT`, for error messages.
@@ -111,7 +115,11 @@ pub const TRANSPORT_CHOICES: &str =
 /// earlier one — a late connection, an abort notice or a liveness probe, a shared-memory
 /// segment under the earlier names — fails authentication or is never found: it cannot
 /// reach the new world.
+///
+/// An elastic worker (`FH_ELASTIC_ADDR` set) is refused: its worlds come from the driver,
+/// through [`elastic::Client`], not from rank variables.
 pub fn from_env() -> Result<Box<dyn Transport>> {
+    refuse_elastic(|n| std::env::var(n).ok())?;
     let choice = std::env::var("FH_TRANSPORT").ok();
     // MPI learns its world from the MPI runtime (plain `mpirun -np N` sets no rendezvous
     // variables), so it needs nothing from the launch environment.
@@ -125,6 +133,22 @@ pub fn from_env() -> Result<Box<dyn Transport>> {
     let incarnation = WORLDS_BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     info.token = info.token.map(|t| t.for_incarnation(incarnation));
     world_for(&info, choice.as_deref())
+}
+
+/// An error when `var` says this process is an elastic worker.
+fn refuse_elastic(var: impl Fn(&str) -> Option<String>) -> Result<()> {
+    match var(elastic::ADDR_VAR).filter(|v| !v.trim().is_empty()) {
+        None => Ok(()),
+        Some(_) => Err(TransportError::Config {
+            var: elastic::ADDR_VAR.into(),
+            reason: format!(
+                "this process is a worker of an elastic job ({} is set): its worlds come from \
+                 the elastic driver (fh_transport::elastic::Client, or fh-scheduler's \
+                 elastic::Elastic), not from fh_transport::from_env",
+                elastic::ADDR_VAR
+            ),
+        }),
+    }
 }
 
 /// Worlds [`from_env`] has started building in this process: the next one's incarnation.
