@@ -18,10 +18,12 @@ use clap::{Parser, ValueEnum};
     after_help = "Examples:\n  fhrun -np 4 python train.py\n  fhrun -np 2 --channels 2 --log-level debug -- ./my_job --flag\n  fhrun -np 8 -H node1:4,node2:4 python train.py\n  fhrun -np 8 -H node1:4,node2:4 --mpi python train.py\n\n`-np N` is accepted as a synonym of `-n N` / `--num-proc N`."
 )]
 pub struct Cli {
-    /// Number of ranks to start.
+    /// Number of ranks to start (elastic jobs: how many to wait for before the first world;
+    /// default --min-np).
     #[arg(short = 'n', long = "num-proc", visible_alias = "np", value_name = "N",
+          required_unless_present = "host_discovery_script",
           value_parser = clap::value_parser!(u32).range(1..=65536))]
-    pub num_proc: u32,
+    pub num_proc: Option<u32>,
 
     /// Hosts and their slots, e.g. `node1:4,node2:4` (a host without `:N` has one slot).
     #[arg(
@@ -97,6 +99,9 @@ pub struct Cli {
     pub rendezvous_addr: Option<String>,
 
     #[command(flatten)]
+    pub elastic: ElasticArgs,
+
+    #[command(flatten)]
     pub knobs: Knobs,
 
     /// The command each rank runs, and its arguments.
@@ -107,6 +112,43 @@ pub struct Cli {
         value_name = "COMMAND"
     )]
     pub command: Vec<String>,
+}
+
+/// Elastic training (as `horovodrun --host-discovery-script`): given a discovery script, fhrun
+/// is an elastic driver (see `crate::elastic`).
+#[derive(Debug, Clone, Default, clap::Args)]
+#[command(next_help_heading = "Elastic training")]
+pub struct ElasticArgs {
+    /// Run an elastic job: this executable prints the usable hosts, one `host` or `host:slots`
+    /// a line; fhrun runs it every second.
+    #[arg(long, value_name = "SCRIPT")]
+    pub host_discovery_script: Option<PathBuf>,
+
+    /// Fewest ranks the job may run on (elastic; default -np, else 1).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub min_np: Option<u32>,
+
+    /// Most ranks the job may run on (elastic; default: no limit).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub max_np: Option<u32>,
+
+    /// Slots of a host the discovery script names without `:slots` (elastic; default 1).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub slots: Option<u32>,
+
+    /// Seconds to wait for every expected worker to register, and for new hosts when fewer than
+    /// --min-np ranks remain (elastic; default 600).
+    #[arg(long, value_name = "SECONDS", value_parser = parse_positive_duration)]
+    pub elastic_timeout: Option<Duration>,
+
+    /// A failing host is blacklisted for a random time between MIN and MAX seconds, not for
+    /// good (elastic).
+    #[arg(long, num_args = 2, value_names = ["MIN", "MAX"], value_parser = clap::value_parser!(u64).range(0..=31_536_000))]
+    pub blacklist_cooldown_range: Option<Vec<u64>>,
+
+    /// Most times the world may be re-formed after the first (elastic; default: no limit).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32))]
+    pub reset_limit: Option<u32>,
 }
 
 /// The runtime's knobs, each exported to every rank as an `FH_*` variable when given.
@@ -413,10 +455,10 @@ mod tests {
     #[test]
     fn np_and_command() {
         let c = parse(&["-np", "4", "python", "train.py", "--lr", "0.1"]).unwrap();
-        assert_eq!(c.num_proc, 4);
+        assert_eq!(c.num_proc, Some(4));
         assert_eq!(c.command, ["python", "train.py", "--lr", "0.1"]);
         let c = parse(&["-n", "2", "--", "sh", "-c", "echo hi"]).unwrap();
-        assert_eq!(c.num_proc, 2);
+        assert_eq!(c.num_proc, Some(2));
         assert_eq!(c.command, ["sh", "-c", "echo hi"]);
         // The command's own -np is not touched.
         let c = parse(&["-np", "2", "--", "mpirun", "-np", "3"]).unwrap();
@@ -529,6 +571,32 @@ mod tests {
             args.push("true");
             assert!(parse(&args).is_err(), "{bad:?} was accepted");
         }
+    }
+
+    #[test]
+    fn elastic_flags() {
+        let c = parse(&[
+            "--host-discovery-script",
+            "./d.sh",
+            "--min-np",
+            "2",
+            "--max-np",
+            "4",
+            "--blacklist-cooldown-range",
+            "5",
+            "10",
+            "--elastic-timeout",
+            "3",
+            "true",
+        ])
+        .unwrap();
+        assert_eq!(c.num_proc, None);
+        assert_eq!(c.elastic.min_np, Some(2));
+        assert_eq!(c.elastic.blacklist_cooldown_range, Some(vec![5, 10]));
+        assert_eq!(c.elastic.elastic_timeout, Some(Duration::from_secs(3)));
+        assert_eq!(c.command, ["true"]);
+        // Without a discovery script -np is required.
+        assert!(parse(&["--min-np", "2", "true"]).is_err());
     }
 
     #[test]

@@ -18,7 +18,7 @@ impl fmt::Display for Host {
 /// Parses one `host` / `host:N` item of a `-H` list (`N` defaults to 1). Also returns whether
 /// the item gave its slot count explicitly. An unbracketed item with several colons is an IPv6
 /// address without a slot count.
-fn parse_host_colon(item: &str, origin: &str) -> Result<(Host, bool), String> {
+pub(crate) fn parse_host_colon(item: &str, origin: &str) -> Result<(Host, bool), String> {
     let item = item.trim();
     if item.is_empty() {
         return Err(format!("{origin}: empty host name"));

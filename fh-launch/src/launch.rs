@@ -22,6 +22,24 @@ pub struct RankSpec {
     pub rank: usize,
     /// Variables set for it (on top of fhrun's environment).
     pub env: Vec<(String, String)>,
+    /// What its output lines and messages call it instead of its rank (an elastic worker's
+    /// `host:slot`, which has no fixed rank).
+    pub tag: Option<String>,
+}
+
+impl RankSpec {
+    /// `[3]`'s `3`, or the tag.
+    fn name(&self) -> String {
+        self.tag.clone().unwrap_or_else(|| self.rank.to_string())
+    }
+
+    /// `rank 3`, or `worker h1:0`.
+    fn label(&self) -> String {
+        match &self.tag {
+            Some(t) => format!("worker {t}"),
+            None => format!("rank {}", self.rank),
+        }
+    }
 }
 
 /// The ranks of another host, started through the rsh agent (see [`crate::remote`]).
@@ -52,6 +70,9 @@ pub struct LocalJob {
     pub timeout: Option<Duration>,
     /// Say more.
     pub verbose: bool,
+    /// Report every rank's end on stdout as a line `MARKER NAME exit CODE` or
+    /// `MARKER NAME signal N` (an elastic part tells its driver; see `crate::elastic`).
+    pub report_exits: Option<String>,
 }
 
 /// Why fhrun is stopping the job.
@@ -118,7 +139,7 @@ impl Rank {
 
 /// Starts a remote part: its agent in a process group of its own, the part's job on its stdin,
 /// its output copied as it is (the remote part prefixes its ranks' lines itself).
-fn spawn_remote(spec: &RemoteSpec) -> std::io::Result<(Child, ChildStdin)> {
+pub(crate) fn spawn_remote(spec: &RemoteSpec) -> std::io::Result<(Child, ChildStdin)> {
     let mut cmd = Command::new(&spec.argv[0]);
     cmd.args(&spec.argv[1..])
         .env_remove(NOTICE_VAR)
@@ -153,7 +174,7 @@ fn status_code(status: ExitStatus) -> i32 {
     }
 }
 
-fn describe(status: ExitStatus) -> String {
+pub(crate) fn describe(status: ExitStatus) -> String {
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exited with code {c}"),
         (None, Some(s)) => format!("was killed by signal {s} ({})", sys::signal_name(s)),
@@ -233,7 +254,7 @@ pub fn run(job: &LocalJob) -> i32 {
 /// Stop and reap every remaining child of fhrun but the guardian: descendants of the ranks that
 /// were orphaned and re-parented to fhrun (fhrun is a subreaper) and left their rank's process
 /// group. SIGTERM first, SIGKILL after `grace` (at most 2 s).
-fn stop_orphans(guardian: &Option<Guardian>, grace: Duration) {
+pub(crate) fn stop_orphans(guardian: &Option<Guardian>, grace: Duration) {
     let keep = guardian.as_ref().map(Guardian::pid);
     let others = || -> Vec<(u32, bool)> {
         sys::children()
@@ -290,7 +311,7 @@ fn run_ranks(
                     g.watch(pid);
                 }
                 if job.verbose {
-                    eprintln!("fhrun: started rank {} (pid {pid})", spec.rank);
+                    eprintln!("fhrun: started {} (pid {pid})", spec.label());
                 }
                 let streams = [
                     child.stdout.take().map(|s| {
@@ -309,16 +330,16 @@ fn run_ranks(
                     }),
                 ];
                 for (src, sink, name) in streams.into_iter().flatten() {
-                    let prefix = format!("[{}]<{name}>:", spec.rank);
-                    let thread = format!("rank{}-{name}", spec.rank);
-                    let whose = format!("rank {}", spec.rank);
+                    let prefix = format!("[{}]<{name}>:", spec.name());
+                    let thread = format!("rank{}-{name}", spec.name());
+                    let whose = spec.label();
                     if spawn_pump(thread, src, sink, prefix, &done_tx, &whose) {
                         pumps += 1;
                     }
                 }
                 ranks.push(Rank {
                     rank: spec.rank,
-                    label: format!("rank {}", spec.rank),
+                    label: spec.label(),
                     pid,
                     child: Some(child),
                     control: None,
@@ -326,8 +347,9 @@ fn run_ranks(
             }
             Err(e) => {
                 eprintln!(
-                    "fhrun: cannot start rank {} (`{}`): {e}",
-                    spec.rank, job.command[0]
+                    "fhrun: cannot start {} (`{}`): {e}",
+                    spec.label(),
+                    job.command[0]
                 );
                 exit_code = match e.kind() {
                     std::io::ErrorKind::NotFound => 127,
@@ -455,6 +477,9 @@ fn run_ranks(
             };
             r.child = None;
             r.control = None;
+            if let Some(marker) = &job.report_exits {
+                report_exit(marker, r, status);
+            }
             // Whatever the rank left running in its process group goes with it.
             sys::kill_group(r.pid, libc::SIGKILL);
             if let Some(g) = guardian.as_mut() {
@@ -626,6 +651,18 @@ fn run_ranks(
     exit_code
 }
 
+/// Tells an elastic driver on stdout that `r` ended (see [`LocalJob::report_exits`]).
+fn report_exit(marker: &str, r: &Rank, status: ExitStatus) {
+    let name = r.label.strip_prefix("worker ").unwrap_or(&r.label);
+    let what = match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit {c}"),
+        (None, Some(s)) => format!("signal {s}"),
+        _ => "exit 1".to_string(),
+    };
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{marker} {name} {what}").and_then(|_| out.flush());
+}
+
 /// Sends `sig` to a rank's process group, then SIGCONT: a stopped process (SIGSTOP, a hung
 /// rank's stand-in, or Ctrl-Z) acts on `sig` only once it runs again, and would otherwise
 /// last until the SIGKILL after the kill grace.
@@ -649,7 +686,7 @@ fn begin_stop(ranks: &mut [Rank], sig: i32, reason: StopReason, grace: Duration)
 /// Copy `src` to `sink` (each line after `prefix`) on a thread of its own named `thread`, which
 /// says so on `done` when the stream ends. Returns whether the thread started; when it cannot,
 /// says so naming `whose` output it was.
-fn spawn_pump(
+pub(crate) fn spawn_pump(
     thread: String,
     src: Box<dyn std::io::Read + Send>,
     sink: Sink,

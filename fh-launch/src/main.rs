@@ -7,6 +7,7 @@
 //! (`remote`), or it hands the whole job to `mpirun` (`--mpi`).
 
 mod cli;
+mod elastic;
 mod guardian;
 mod hosts;
 mod launch;
@@ -85,7 +86,12 @@ fn read_hosts(cli: &Cli) -> Result<Option<Vec<Host>>, Failure> {
 }
 
 fn run(cli: Cli) -> Result<i32, Failure> {
-    let np = cli.num_proc as usize;
+    let is_elastic = cli.elastic.host_discovery_script.is_some();
+    if !is_elastic {
+        elastic::refuse_without_script(&cli)?;
+    }
+    // clap requires -np unless the job is elastic.
+    let np = cli.num_proc.unwrap_or(0) as usize;
     let hosts = read_hosts(&cli)?;
     let hostname = hosts::this_hostname();
     let remote: Vec<&Host> = hosts
@@ -173,6 +179,17 @@ fn run(cli: Cli) -> Result<i32, Failure> {
     }
     let knobs = cli.knobs.to_env();
 
+    if is_elastic {
+        let token = user_env
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "FH_JOB_TOKEN")
+            .map_or(token, |(_, v)| v.clone());
+        let mut env = knobs;
+        env.extend(user_env);
+        return elastic::run(&cli, token, env);
+    }
+
     if cli.mpi {
         let host_list = hosts.clone().unwrap_or_default();
         let rendezvous = match &cli.rendezvous_addr {
@@ -194,7 +211,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             None => Vec::new(),
         };
         let cmd = mpi::build(&mpi::MpiJob {
-            np: cli.num_proc,
+            np: np as u32,
             hosts: &host_list,
             local_only: remote.is_empty(),
             tag_output: !cli.no_prefix,
@@ -287,7 +304,11 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             .collect();
             env.extend(knobs.iter().cloned());
             env.extend(user_env.iter().cloned());
-            launch::RankSpec { rank, env }
+            launch::RankSpec {
+                rank,
+                env,
+                tag: None,
+            }
         })
         .collect();
 
@@ -320,6 +341,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         kill_grace: cli.kill_grace,
         timeout: cli.timeout,
         verbose: cli.verbose,
+        report_exits: None,
     }))
 }
 
@@ -371,6 +393,7 @@ fn across_hosts(
         kill_grace: cli.kill_grace,
         timeout: cli.timeout,
         verbose: cli.verbose,
+        report_exits: None,
     };
     let cross_size = placed.len();
     for (cross, &(h, first, n)) in placed.iter().enumerate() {
@@ -388,6 +411,7 @@ fn across_hosts(
                 job.ranks.push(launch::RankSpec {
                     rank: first + local,
                     env: e,
+                    tag: None,
                 });
             }
             continue;
@@ -402,6 +426,8 @@ fn across_hosts(
             prefix: !cli.no_prefix,
             kill_grace: cli.kill_grace,
             verbose: cli.verbose,
+            workers: Vec::new(),
+            report: None,
         };
         let mut argv = agent.clone();
         argv.push(h.name.clone());

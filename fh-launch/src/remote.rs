@@ -40,6 +40,13 @@ pub struct Part {
     pub env: Vec<(String, String)>,
     /// The global ranks of this part; the n-th gets `FH_LOCAL_RANK=n`.
     pub ranks: Vec<usize>,
+    /// An elastic part's workers instead of ranks: their ids (`host:slot`), each given as
+    /// `FH_ELASTIC_WORKER` and used as its output prefix; no `FH_RANK`/`FH_LOCAL_RANK` (an
+    /// elastic worker's rank comes from its driver, per generation).
+    pub workers: Vec<String>,
+    /// The marker of the lines that report each rank's end on stdout
+    /// ([`LocalJob::report_exits`]); elastic parts only.
+    pub report: Option<String>,
     /// Prefix output lines with the rank.
     pub prefix: bool,
     /// Time between SIGTERM and SIGKILL.
@@ -82,6 +89,12 @@ impl Part {
         for r in &self.ranks {
             t += &format!("rank {r}\n");
         }
+        for w in &self.workers {
+            t += &format!("worker {}\n", escape(w));
+        }
+        if let Some(m) = &self.report {
+            t += &format!("report {}\n", escape(m));
+        }
         t += &format!(
             "prefix {}\ngrace_ms {}\nverbose {}\ngo\n",
             u8::from(self.prefix),
@@ -98,6 +111,8 @@ impl Part {
             command: Vec::new(),
             env: Vec::new(),
             ranks: Vec::new(),
+            workers: Vec::new(),
+            report: None,
             prefix: true,
             kill_grace: Duration::from_secs(2),
             verbose: false,
@@ -130,20 +145,34 @@ impl Part {
                     part.env.push((unescape(k)?, unescape(v)?));
                 }
                 "rank" => part.ranks.push(num(value)? as usize),
+                "worker" => part.workers.push(unescape(value)?),
+                "report" => part.report = Some(unescape(value)?),
                 "prefix" => part.prefix = num(value)? != 0,
                 "grace_ms" => part.kill_grace = Duration::from_millis(num(value)?),
                 "verbose" => part.verbose = num(value)? != 0,
                 other => return Err(format!("unknown line `{other}` in the job")),
             }
         }
-        if part.command.is_empty() || part.ranks.is_empty() {
-            return Err("the job names no command or no ranks".into());
+        if part.command.is_empty() || part.ranks.is_empty() == part.workers.is_empty() {
+            return Err(
+                "the job names no command, or not exactly one of ranks and elastic workers".into(),
+            );
         }
         Ok(part)
     }
 
-    /// The local job this part runs: each rank with its `FH_RANK` and `FH_LOCAL_RANK`.
+    /// The local job this part runs: each rank with its `FH_RANK` and `FH_LOCAL_RANK`; or
+    /// each elastic worker with its `FH_ELASTIC_WORKER` (and no rank variable).
     pub fn job(&self) -> LocalJob {
+        let workers = self.workers.iter().enumerate().map(|(i, w)| {
+            let mut env = self.env.clone();
+            env.push((fh_transport::elastic::WORKER_VAR.into(), w.clone()));
+            RankSpec {
+                rank: i,
+                env,
+                tag: Some(w.clone()),
+            }
+        });
         let ranks = self
             .ranks
             .iter()
@@ -152,8 +181,13 @@ impl Part {
                 let mut env = self.env.clone();
                 env.push(("FH_RANK".into(), rank.to_string()));
                 env.push(("FH_LOCAL_RANK".into(), local.to_string()));
-                RankSpec { rank, env }
+                RankSpec {
+                    rank,
+                    env,
+                    tag: None,
+                }
             })
+            .chain(workers)
             .collect();
         LocalJob {
             command: self.command.clone(),
@@ -163,6 +197,7 @@ impl Part {
             kill_grace: self.kill_grace,
             timeout: None,
             verbose: self.verbose,
+            report_exits: self.report.clone(),
         }
     }
 }
@@ -239,6 +274,8 @@ mod tests {
                 ("ODD".into(), "a=b\\c\nd".into()),
             ],
             ranks: vec![4, 5, 6],
+            workers: Vec::new(),
+            report: None,
             prefix: false,
             kill_grace: Duration::from_millis(1500),
             verbose: true,
@@ -283,10 +320,29 @@ mod tests {
     }
 
     #[test]
+    fn an_elastic_part_names_workers_not_ranks() {
+        let mut p = part();
+        p.ranks.clear();
+        p.workers = vec!["h1:0".into(), "h1:1".into()];
+        p.report = Some("fhrun-exit-abc".into());
+        let text = p.encode();
+        assert_eq!(Part::decode(&mut std::io::Cursor::new(text)).unwrap(), p);
+        let job = p.job();
+        assert_eq!(job.report_exits.as_deref(), Some("fhrun-exit-abc"));
+        let env = &job.ranks[1].env;
+        let get = |k: &str| env.iter().rev().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("FH_ELASTIC_WORKER"), Some("h1:1"));
+        assert_eq!(get("FH_RANK"), None);
+        assert_eq!(get("FH_LOCAL_RANK"), None);
+        assert_eq!(job.ranks[1].tag.as_deref(), Some("h1:1"));
+    }
+
+    #[test]
     fn broken_input_is_an_error() {
         for (text, wanted) in [
             ("cwd /\narg x\nrank 0\n", "no `go`"),
             ("cwd /\ngo\n", "no command"),
+            ("cwd /\narg x\nrank 0\nworker h:0\ngo\n", "exactly one"),
             ("cwd /\narg x\nrank zero\ngo\n", "wants a number"),
             ("bogus 1\ngo\n", "unknown line `bogus`"),
             ("env NOEQUALS\ngo\n", "NAME=VALUE"),

@@ -1,0 +1,665 @@
+//! The elastic driver's loop: hosts from discovery, parts started and stopped, workers'
+//! registrations gathered into generations, failures blacklisting hosts, the job's end.
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use fh_transport::elastic::{Assignment, Event, Membership, Server};
+
+use super::discovery::Discovery;
+use super::generation::{self, Candidate};
+use super::state::{Change, HostState};
+use super::workers::{End, Exit, PartContext, PartProc};
+use crate::guardian::Guardian;
+use crate::hosts::{self, Host};
+use crate::launch::EXIT_TIMEOUT;
+use crate::sys;
+
+/// The driver's settings, from the flags.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// `--min-np`.
+    pub min_np: usize,
+    /// `--max-np`.
+    pub max_np: Option<usize>,
+    /// `-np`: workers to wait for before the first world.
+    pub initial_np: usize,
+    /// `--elastic-timeout`.
+    pub elastic_timeout: Duration,
+    /// `--reset-limit`.
+    pub reset_limit: Option<u32>,
+    /// `--timeout` of the whole job.
+    pub timeout: Option<Duration>,
+    /// Whether the session listener is on loopback (every host was this machine at start):
+    /// other hosts cannot reach it.
+    pub loopback: bool,
+}
+
+struct Worker {
+    id: String,
+    host: String,
+    part: usize,
+    slot: usize,
+    /// Its rank in the last generation, when it is a member of it.
+    rank: Option<usize>,
+    registered: Option<String>,
+    session_closed: Option<Instant>,
+    end: Option<End>,
+    removed: bool,
+}
+
+/// The driver.
+pub struct Driver {
+    s: Settings,
+    ctx: PartContext,
+    server: Server,
+    hosts: HostState,
+    hostname: String,
+    parts: Vec<PartProc>,
+    workers: Vec<Worker>,
+    exits_tx: mpsc::Sender<(usize, Exit)>,
+    exits: mpsc::Receiver<(usize, Exit)>,
+    generation: Option<u64>,
+    resets: u32,
+    round: Option<Instant>,
+    starve: Option<Instant>,
+    /// Hosts lost since the last generation, and over the whole job: (host, why).
+    lost_since: Vec<(String, String)>,
+    lost_all: Vec<(String, String)>,
+    began: Instant,
+    started: bool,
+    finishing: bool,
+    discovered_once: bool,
+    last_discovery_error: Option<String>,
+    /// Stopping everything; fhrun's exit status when the parts have ended.
+    stopping_all: Option<i32>,
+}
+
+/// How long a worker whose session ended may take to report its exit before it counts lost.
+const SESSION_GRACE: Duration = Duration::from_secs(2);
+
+impl Driver {
+    /// A driver serving `server`, starting parts with `ctx`.
+    pub fn new(s: Settings, ctx: PartContext, server: Server, cooldown: Option<(u64, u64)>) -> Self {
+        let (exits_tx, exits) = mpsc::channel();
+        Driver {
+            s,
+            ctx,
+            server,
+            hosts: HostState::new(cooldown),
+            hostname: hosts::this_hostname(),
+            parts: Vec::new(),
+            workers: Vec::new(),
+            exits_tx,
+            exits,
+            generation: None,
+            resets: 0,
+            round: None,
+            starve: None,
+            lost_since: Vec::new(),
+            lost_all: Vec::new(),
+            began: Instant::now(),
+            started: false,
+            finishing: false,
+            discovered_once: false,
+            last_discovery_error: None,
+            stopping_all: None,
+        }
+    }
+
+    fn publish(&self, change: Option<Change>) {
+        if let Some(c) = change {
+            self.server.set_hosts(c.stamp, c.added, c.removed);
+        }
+    }
+
+    /// Take a discovery result.
+    pub fn discovered(&mut self, found: Result<Vec<Host>, String>) {
+        match found {
+            Ok(hosts) => {
+                self.discovered_once = true;
+                self.last_discovery_error = None;
+                let c = self.hosts.discovered(hosts);
+                self.publish(c);
+            }
+            Err(e) if !self.discovered_once => self.fail(e),
+            Err(e) => {
+                if self.last_discovery_error.as_ref() != Some(&e) {
+                    eprintln!("fhrun: warning: {e}; keeping the hosts found before");
+                    self.last_discovery_error = Some(e);
+                }
+            }
+        }
+    }
+
+    fn alive(&self, w: &Worker) -> bool {
+        w.end.is_none() && self.parts[w.part].running()
+    }
+
+    fn expected(&self, w: &Worker) -> bool {
+        self.alive(w)
+            && !w.removed
+            && self.parts[w.part].stopping.is_none()
+            && self.hosts.is_usable(&w.host)
+    }
+
+    fn find(&self, id: &str) -> Option<usize> {
+        self.workers
+            .iter()
+            .rposition(|w| w.id == id && self.parts[w.part].running())
+    }
+
+    fn describe_loss(&self, w: &Worker, what: &str) -> String {
+        match w.rank {
+            Some(r) => format!("rank {r} {what}"),
+            None => format!("worker {} {what}", w.id),
+        }
+    }
+
+    /// `host` is lost because `why`: blacklisted (once) and its workers stopped.
+    fn lose_host(&mut self, host: &str, why: String) {
+        let now = Instant::now();
+        if !self.hosts.is_blacklisted(host) {
+            let (c, cooldown) = self.hosts.blacklist(host, now, draw);
+            self.publish(c);
+            let until = match cooldown {
+                Some(d) => format!("for {} s", d.as_secs()),
+                None => "for the rest of the job".into(),
+            };
+            eprintln!("fhrun: lost {host} ({why}); blacklisted {until}");
+            self.lost_since.push((host.to_string(), why.clone()));
+            self.lost_all.push((host.to_string(), why));
+        }
+        for p in self.parts.iter_mut().filter(|p| p.host == host) {
+            p.stop(now);
+        }
+    }
+
+    fn lost_list(&self) -> String {
+        if self.lost_all.is_empty() {
+            return "no host was lost".into();
+        }
+        let l: Vec<String> = self
+            .lost_all
+            .iter()
+            .map(|(h, why)| format!("{h} ({why})"))
+            .collect();
+        format!("lost: {}", l.join(", "))
+    }
+
+    /// The job cannot go on: say why, tell the waiting workers, stop everything.
+    fn fail(&mut self, why: String) {
+        if self.stopping_all.is_some() {
+            return;
+        }
+        eprintln!("fhrun: elastic job failed: {why}");
+        for w in &self.workers {
+            if w.registered.is_some() && w.end.is_none() {
+                let _ = self.server.answer(&w.id, &Membership::Failed(why.clone()));
+            }
+        }
+        self.stop_all(1);
+    }
+
+    fn stop_all(&mut self, code: i32) {
+        self.stopping_all = Some(code);
+        let now = Instant::now();
+        for p in &mut self.parts {
+            p.stop(now);
+        }
+    }
+
+    fn on_event(&mut self, e: Event) {
+        match e {
+            Event::Connected { worker } => {
+                if self.ctx.verbose {
+                    eprintln!("fhrun: worker {worker} connected");
+                }
+            }
+            Event::HostUpdatesAsked { .. } => {}
+            Event::Closed { worker, .. } => {
+                if let Some(i) = self.find(&worker) {
+                    self.workers[i].session_closed = Some(Instant::now());
+                    self.workers[i].registered = None;
+                }
+            }
+            Event::Registered { worker, candidate } => {
+                let Some(i) = self.find(&worker) else {
+                    let why = format!("fhrun does not know a running worker {worker}");
+                    let _ = self.server.answer(&worker, &Membership::Removed(why));
+                    return;
+                };
+                let host = self.workers[i].host.clone();
+                if self.stopping_all.is_some() {
+                    let why = "the job is stopping".to_string();
+                    let _ = self.server.answer(&worker, &Membership::Failed(why));
+                } else if !self.hosts.is_usable(&host) || self.workers[i].removed {
+                    let why = if self.hosts.is_blacklisted(&host) {
+                        format!("host {host} is blacklisted")
+                    } else if self.workers[i].removed {
+                        format!("worker {worker} was removed")
+                    } else {
+                        format!("host {host} is no longer listed by the host discovery script")
+                    };
+                    let _ = self.server.answer(&worker, &Membership::Removed(why));
+                    self.workers[i].removed = true;
+                    self.stop_idle_part(self.workers[i].part);
+                } else {
+                    self.workers[i].registered = Some(candidate);
+                }
+            }
+        }
+    }
+
+    /// Stop a part whose every live worker was removed.
+    fn stop_idle_part(&mut self, part: usize) {
+        let idle = self
+            .workers
+            .iter()
+            .filter(|w| w.part == part && w.end.is_none())
+            .all(|w| w.removed);
+        if idle {
+            self.parts[part].stop(Instant::now());
+        }
+    }
+
+    fn on_exit(&mut self, part: usize, e: Exit) {
+        let Some(i) = self
+            .workers
+            .iter()
+            .position(|w| w.part == part && w.id == e.worker)
+        else {
+            return;
+        };
+        if self.workers[i].end.is_some() {
+            return;
+        }
+        self.workers[i].end = Some(e.end);
+        let w = &self.workers[i];
+        if e.end.success() {
+            if w.rank.is_some() {
+                self.finishing = true;
+            }
+        } else if !w.removed && self.parts[part].stopping.is_none() {
+            let why = self.describe_loss(w, &e.end.describe());
+            let host = w.host.clone();
+            self.lose_host(&host, why);
+        }
+    }
+
+    fn poll_parts(&mut self, now: Instant, guardian: &mut Option<&mut Guardian>) {
+        let grace = self.ctx.kill_grace + Duration::from_secs(1);
+        for p in 0..self.parts.len() {
+            let Some(status) = self.parts[p].poll(now, grace) else {
+                continue;
+            };
+            if let Some(g) = guardian.as_mut() {
+                g.forget(self.parts[p].pid);
+            }
+            // Reports still in the pipe first.
+            while let Ok((part, e)) = self.exits.try_recv() {
+                self.on_exit(part, e);
+            }
+            for w in self.workers.iter_mut().filter(|w| w.part == p) {
+                if w.end.is_none() {
+                    w.end = Some(End::PartGone);
+                }
+            }
+            let host = self.parts[p].host.clone();
+            if !status.success() && self.parts[p].stopping.is_none() {
+                let why = format!(
+                    "the fhrun part running its workers {}",
+                    crate::launch::describe(status)
+                );
+                self.lose_host(&host, why);
+            }
+        }
+    }
+
+    fn start_workers(&mut self, now: Instant, guardian: &mut Option<&mut Guardian>) {
+        if self.stopping_all.is_some() || self.finishing || !self.discovered_once {
+            return;
+        }
+        let usable: Vec<Host> = self.hosts.usable().into_iter().cloned().collect();
+        let cap = self.s.max_np.unwrap_or(usize::MAX);
+        if !self.started {
+            let slots: usize = usable.iter().map(|h| h.slots).sum();
+            let want = self.s.initial_np.min(cap);
+            if slots < want {
+                if now >= self.began + self.s.elastic_timeout {
+                    self.fail(format!(
+                        "the host discovery script offers {slots} slots, fewer than the {want} \
+                         to start with (-np, default --min-np), after --elastic-timeout {} s",
+                        self.s.elastic_timeout.as_secs_f64()
+                    ));
+                }
+                return;
+            }
+            self.started = true;
+        }
+        for h in usable {
+            if self.parts.iter().any(|p| p.host == h.name && p.running()) {
+                continue;
+            }
+            let alive = self.workers.iter().filter(|w| self.expected(w)).count();
+            let n = h.slots.min(cap.saturating_sub(alive));
+            if n == 0 {
+                continue;
+            }
+            let local = hosts::is_local(&h.name, &self.hostname);
+            if !local && self.s.loopback {
+                self.lose_host(
+                    &h.name,
+                    "it is not this machine, and fhrun's elastic listener is on 127.0.0.1 \
+                     because every host was local at the start"
+                        .into(),
+                );
+                continue;
+            }
+            let ids: Vec<String> = (0..n).map(|s| format!("{}:{s}", h.name)).collect();
+            let index = self.parts.len();
+            match PartProc::start(&self.ctx, &h.name, local, ids.clone(), index, &self.exits_tx) {
+                Ok(part) => {
+                    if let Some(g) = guardian.as_mut() {
+                        g.watch(part.pid);
+                    }
+                    if self.ctx.verbose {
+                        eprintln!("fhrun: started {} on {} (pid {})", ids.join(", "), h.name, part.pid);
+                    }
+                    self.parts.push(part);
+                    for (slot, id) in ids.into_iter().enumerate() {
+                        self.workers.push(Worker {
+                            id,
+                            host: h.name.clone(),
+                            part: index,
+                            slot,
+                            rank: None,
+                            registered: None,
+                            session_closed: None,
+                            end: None,
+                            removed: false,
+                        });
+                    }
+                }
+                Err(e) => self.lose_host(&h.name, e),
+            }
+        }
+    }
+
+    fn check_sessions(&mut self, now: Instant) {
+        let grace = SESSION_GRACE + self.ctx.kill_grace;
+        let lost: Vec<usize> = (0..self.workers.len())
+            .filter(|&i| {
+                let w = &self.workers[i];
+                w.session_closed.is_some_and(|t| now >= t + grace)
+                    && self.alive(w)
+                    && !w.removed
+                    && self.parts[w.part].stopping.is_none()
+            })
+            .collect();
+        for i in lost {
+            let why = self.describe_loss(&self.workers[i], "closed its session to fhrun but still ran");
+            let host = self.workers[i].host.clone();
+            self.lose_host(&host, why);
+        }
+    }
+
+    fn rounds(&mut self, now: Instant) {
+        if self.stopping_all.is_some() {
+            return;
+        }
+        let any = self
+            .workers
+            .iter()
+            .any(|w| w.registered.is_some() && self.expected(w));
+        if self.round.is_none() && any {
+            self.round = Some(now + self.s.elastic_timeout);
+        }
+        let Some(deadline) = self.round else {
+            return;
+        };
+        let expected: Vec<usize> = (0..self.workers.len())
+            .filter(|&i| self.expected(&self.workers[i]))
+            .collect();
+        let registered = expected
+            .iter()
+            .filter(|&&i| self.workers[i].registered.is_some())
+            .count();
+        if registered == expected.len() && registered >= self.s.min_np {
+            return self.form();
+        }
+        if now < deadline {
+            return;
+        }
+        let t = self.s.elastic_timeout.as_secs_f64();
+        for &i in &expected {
+            if self.workers[i].registered.is_none() {
+                let why = self.describe_loss(
+                    &self.workers[i],
+                    &format!("did not register within --elastic-timeout {t} s"),
+                );
+                let host = self.workers[i].host.clone();
+                self.lose_host(&host, why);
+            }
+        }
+        let left = (0..self.workers.len())
+            .filter(|&i| self.expected(&self.workers[i]) && self.workers[i].registered.is_some())
+            .count();
+        if left >= self.s.min_np.max(1) {
+            self.form();
+        } else {
+            self.fail(format!(
+                "fewer than --min-np {} ranks remain ({})",
+                self.s.min_np,
+                self.lost_list()
+            ));
+        }
+    }
+
+    fn form(&mut self) {
+        self.round = None;
+        if let (Some(limit), Some(_)) = (self.s.reset_limit, self.generation) {
+            if self.resets >= limit {
+                return self.fail(format!(
+                    "the world was re-formed {} times, the --reset-limit ({})",
+                    self.resets,
+                    self.lost_list()
+                ));
+            }
+        }
+        let candidates: Vec<Candidate> = self
+            .workers
+            .iter()
+            .filter(|w| self.expected(w) && w.registered.is_some())
+            .map(|w| Candidate {
+                id: w.id.clone(),
+                host: w.host.clone(),
+                slot: w.slot,
+                previous: w.rank,
+                host_order: self.hosts.order(&w.host),
+            })
+            .collect();
+        let plan = generation::plan(candidates, self.s.max_np);
+        let g = match self.generation {
+            Some(g) => {
+                self.resets += 1;
+                g + 1
+            }
+            None => 0,
+        };
+        self.generation = Some(g);
+        let rank0 = plan.members.first().and_then(|m| self.find(&m.0));
+        let rendezvous = rank0
+            .and_then(|i| self.workers[i].registered.clone())
+            .unwrap_or_default();
+        for w in &mut self.workers {
+            w.rank = None;
+        }
+        for (id, _, topology) in &plan.members {
+            let a = Assignment {
+                generation: g,
+                topology: *topology,
+                rendezvous: rendezvous.clone(),
+                hosts_stamp: self.hosts.stamp(),
+            };
+            // A worker gone meanwhile makes the world fail and re-form: nothing to do here.
+            let _ = self.server.answer(id, &Membership::Member(a));
+            if let Some(i) = self.find(id) {
+                self.workers[i].rank = Some(topology.rank);
+            }
+        }
+        for id in &plan.above_max {
+            let why = format!("above --max-np {}", self.s.max_np.unwrap_or(0));
+            let _ = self.server.answer(id, &Membership::Removed(why));
+            if let Some(i) = self.find(id) {
+                self.workers[i].removed = true;
+            }
+        }
+        for w in &mut self.workers {
+            w.registered = None;
+        }
+        let mut on: Vec<&str> = Vec::new();
+        for (_, host, _) in &plan.members {
+            if !on.contains(&host.as_str()) {
+                on.push(host);
+            }
+        }
+        let lost = if self.lost_since.is_empty() {
+            String::new()
+        } else {
+            let l: Vec<String> = self
+                .lost_since
+                .iter()
+                .map(|(h, why)| format!("{h}: {why}"))
+                .collect();
+            format!(" (lost {})", l.join(", "))
+        };
+        eprintln!(
+            "fhrun: generation {g}: {} rank{} on {}{lost}",
+            plan.members.len(),
+            if plan.members.len() == 1 { "" } else { "s" },
+            on.join(", ")
+        );
+        self.lost_since.clear();
+        // Parts on hosts no longer usable have no member left: stop them.
+        let now = Instant::now();
+        for p in 0..self.parts.len() {
+            if self.parts[p].running() && !self.hosts.is_usable(&self.parts[p].host.clone()) {
+                self.parts[p].stop(now);
+            }
+        }
+    }
+
+    fn starvation(&mut self, now: Instant) {
+        if self.stopping_all.is_some() || self.finishing || !self.started || self.round.is_some() {
+            self.starve = None;
+            return;
+        }
+        let alive = self.workers.iter().filter(|w| self.expected(w)).count();
+        if alive >= self.s.min_np {
+            self.starve = None;
+            return;
+        }
+        let at = *self.starve.get_or_insert(now + self.s.elastic_timeout);
+        if now >= at {
+            self.fail(format!(
+                "fewer than --min-np {} ranks remain ({})",
+                self.s.min_np,
+                self.lost_list()
+            ));
+        }
+    }
+
+    /// The job's status once every worker has ended, if it has.
+    fn finished(&self) -> Option<i32> {
+        if self.parts.iter().any(PartProc::running) {
+            return None;
+        }
+        if let Some(code) = self.stopping_all {
+            return Some(code);
+        }
+        if !self.started {
+            return None;
+        }
+        if !self.finishing {
+            return None;
+        }
+        let clean = self
+            .workers
+            .iter()
+            .filter(|w| w.rank.is_some())
+            .all(|w| w.end.is_some_and(End::success));
+        if clean {
+            Some(0)
+        } else {
+            eprintln!(
+                "fhrun: elastic job failed: not every worker of the last generation exited 0 ({})",
+                self.lost_list()
+            );
+            Some(1)
+        }
+    }
+
+    /// Run the job to its end; returns fhrun's exit status.
+    pub fn run(mut self, discovery: &Discovery, mut guardian: Option<&mut Guardian>) -> i32 {
+        loop {
+            for r in discovery.drain() {
+                self.discovered(r);
+            }
+            let now = Instant::now();
+            let (back, c) = self.hosts.expire(now);
+            for h in back {
+                eprintln!("fhrun: {h}'s blacklist cooldown is over");
+            }
+            self.publish(c);
+            if let Some(e) = self.server.next_event(Duration::from_millis(50)) {
+                self.on_event(e);
+                while let Some(e) = self.server.next_event(Duration::ZERO) {
+                    self.on_event(e);
+                }
+            }
+            while let Ok((part, e)) = self.exits.try_recv() {
+                self.on_exit(part, e);
+            }
+            let now = Instant::now();
+            self.poll_parts(now, &mut guardian);
+            self.check_sessions(now);
+            while let Some(sig) = sys::wait_signal(Duration::from_millis(1)) {
+                if matches!(sig, libc::SIGINT | libc::SIGTERM | libc::SIGHUP | libc::SIGQUIT) {
+                    if self.stopping_all.is_none() {
+                        eprintln!("fhrun: received {}; stopping all workers", sys::signal_name(sig));
+                        self.stop_all(128 + sig);
+                    } else {
+                        for p in &mut self.parts {
+                            p.stopping = Some(now - self.ctx.kill_grace - Duration::from_secs(2));
+                        }
+                    }
+                }
+            }
+            if let Some(t) = self.s.timeout {
+                if self.stopping_all.is_none() && now >= self.began + t {
+                    eprintln!(
+                        "fhrun: the job timed out after {:.1} s (--timeout); stopping all workers",
+                        t.as_secs_f64()
+                    );
+                    self.stop_all(EXIT_TIMEOUT);
+                }
+            }
+            self.start_workers(now, &mut guardian);
+            self.rounds(now);
+            self.starvation(now);
+            if let Some(code) = self.finished() {
+                return code;
+            }
+        }
+    }
+}
+
+/// A cooldown in `lo..=hi` seconds, drawn from the kernel's random numbers.
+fn draw(lo: u64, hi: u64) -> u64 {
+    let r = sys::random_hex(8)
+        .ok()
+        .and_then(|h| u64::from_str_radix(&h, 16).ok())
+        .unwrap_or(0);
+    lo + r % (hi - lo + 1).max(1)
+}

@@ -1,0 +1,225 @@
+//! `fhrun --host-discovery-script SCRIPT ...`: the elastic driver (issue 28; the design is
+//! Horovod elastic's).
+//!
+//! fhrun runs SCRIPT every second ([`discovery`]: lines `host` or `host:slots`), keeps the
+//! usable hosts — discovered and not blacklisted, in discovery order — and a stamp bumped at
+//! every change ([`state`]), and starts each usable host's workers (at most `--max-np` in all)
+//! as one *part* ([`workers`]): `fhrun --internal-fhrun-remote` on that host, through the rsh
+//! agent for another host and as a plain child process for this one, so every host is handled
+//! alike. A worker has no rank of its own: it gets `FH_ELASTIC_ADDR` (the driver's session
+//! listener, [`fh_transport::elastic::Server`]), `FH_ELASTIC_WORKER=host:slot`,
+//! `FH_JOB_TOKEN`, `HOROVOD_HOSTNAME`, `HOROVOD_ELASTIC=1`, the knobs and the `-x` variables,
+//! and asks the driver for each world. The driver ([`driver`]) answers all registered workers
+//! at once when every worker it expects has registered (bounded by `--elastic-timeout`), with
+//! ranks from [`generation`]: survivors first by previous rank, then new workers in discovery
+//! and slot order. A worker's failure blacklists its host (for good, or for a cooldown drawn
+//! from `--blacklist-cooldown-range`) and stops the host's other workers. The job fails when
+//! fewer than `--min-np` ranks remain and no host comes within `--elastic-timeout`, naming
+//! the lost hosts; it ends with 0 when every worker of the last generation exited 0.
+//!
+//! fhrun prints one line per generation: `fhrun: generation 3: 2 ranks on h0, h1 (lost h2:
+//! rank 2 killed by SIGKILL)`.
+//!
+//! The session listener is on 127.0.0.1 when every host of the first discovery is this
+//! machine (a later remote host is then refused and blacklisted, with the reason); otherwise
+//! on the address this machine's host name resolves to.
+
+mod discovery;
+mod driver;
+mod generation;
+mod state;
+mod workers;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+
+use fh_transport::bootstrap::JobToken;
+use fh_transport::elastic::{Server, ADDR_VAR};
+
+use crate::cli::Cli;
+use crate::guardian::Guardian;
+use crate::{hosts, launch, mpi, remote, sys, usage, Failure};
+
+/// Default `--elastic-timeout`.
+pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// The flags that only an elastic job takes, given without `--host-discovery-script`.
+pub fn refuse_without_script(cli: &Cli) -> Result<(), Failure> {
+    let e = &cli.elastic;
+    let given: Vec<&str> = [
+        (e.min_np.is_some(), "--min-np"),
+        (e.max_np.is_some(), "--max-np"),
+        (e.slots.is_some(), "--slots"),
+        (e.elastic_timeout.is_some(), "--elastic-timeout"),
+        (e.blacklist_cooldown_range.is_some(), "--blacklist-cooldown-range"),
+        (e.reset_limit.is_some(), "--reset-limit"),
+    ]
+    .into_iter()
+    .filter_map(|(g, name)| g.then_some(name))
+    .collect();
+    if given.is_empty() {
+        return Ok(());
+    }
+    Err(usage(format!(
+        "{} {} only for an elastic job: add --host-discovery-script SCRIPT (a program that \
+         prints the usable hosts, one `host` or `host:slots` a line), or drop {}",
+        given.join(", "),
+        if given.len() == 1 { "is" } else { "are" },
+        if given.len() == 1 { "it" } else { "them" }
+    )))
+}
+
+/// The address the session listener binds: loopback when every host is this machine, else
+/// an address of this machine's host name that is not loopback.
+fn listen_ip(found: &[hosts::Host], hostname: &str) -> Result<(IpAddr, bool), Failure> {
+    if found.iter().all(|h| hosts::is_local(&h.name, hostname)) {
+        return Ok((IpAddr::V4(Ipv4Addr::LOCALHOST), true));
+    }
+    (hostname, 0)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.find(|a| !a.ip().is_loopback()))
+        .map(|a| (a.ip(), false))
+        .ok_or_else(|| {
+            (
+                1,
+                format!(
+                    "the discovered hosts include other machines, but this machine's host name \
+                     {hostname:?} does not resolve to an address they could reach (only \
+                     loopback or nothing); fix /etc/hosts or DNS so that it does"
+                ),
+            )
+        })
+}
+
+/// Run an elastic job. `token`: the job token (fhrun's or the one forwarded with `-x`);
+/// `env`: what every worker gets besides the elastic variables (token, knobs, `-x`).
+pub fn run(cli: &Cli, token: String, env: Vec<(String, String)>) -> Result<i32, Failure> {
+    let e = &cli.elastic;
+    let Some(script) = e.host_discovery_script.clone() else {
+        return Err(usage("an elastic job needs --host-discovery-script"));
+    };
+    for (bad, flag) in [
+        (cli.hosts.is_some(), "-H/--hosts"),
+        (cli.hostfile.is_some(), "--hostfile"),
+        (cli.mpi, "--mpi"),
+        (cli.rendezvous_addr.is_some(), "--rendezvous-addr"),
+        (cli.dry_run, "--dry-run"),
+    ] {
+        if bad {
+            return Err(usage(format!(
+                "{flag} cannot be used with --host-discovery-script: an elastic job's hosts \
+                 come from the script, and each world's rendezvous from its rank 0"
+            )));
+        }
+    }
+    let min_np = e.min_np.or(cli.num_proc).unwrap_or(1) as usize;
+    let max_np = e.max_np.map(|m| m as usize);
+    let initial_np = cli.num_proc.map_or(min_np, |n| n as usize);
+    if let Some(max) = max_np {
+        if max < min_np {
+            return Err(usage(format!("--max-np {max} is below --min-np {min_np}")));
+        }
+        if initial_np > max {
+            return Err(usage(format!("-np {initial_np} is above --max-np {max}")));
+        }
+    }
+    if initial_np < min_np {
+        return Err(usage(format!(
+            "-np {initial_np} is below --min-np {min_np}: -np is how many workers to wait for \
+             before the first world"
+        )));
+    }
+    let cooldown = match e.blacklist_cooldown_range.as_deref() {
+        None => None,
+        Some([lo, hi]) if lo <= hi => Some((*lo, *hi)),
+        Some(v) => {
+            return Err(usage(format!(
+                "--blacklist-cooldown-range MIN MAX wants MIN <= MAX, got {v:?}"
+            )))
+        }
+    };
+    let slots = e.slots.unwrap_or(1) as usize;
+    let elastic_timeout = e.elastic_timeout.unwrap_or(DEFAULT_TIMEOUT);
+    let agent = mpi::split_words(&cli.rsh_agent)
+        .map_err(|e| usage(format!("--rsh-agent/FH_RSH_AGENT: {e}")))?;
+    if agent.is_empty() {
+        return Err(usage("--rsh-agent/FH_RSH_AGENT is empty"));
+    }
+
+    // The first discovery decides where the listener binds; a bad script fails here.
+    let found = discovery::run_once(&script, discovery::RUN_LIMIT)
+        .and_then(|t| discovery::parse(&t, slots))
+        .map_err(|e| (1, e))?;
+    let hostname = hosts::this_hostname();
+    let (ip, loopback) = listen_ip(&found, &hostname)?;
+
+    // Signals are blocked before any thread starts (the listener's, discovery's).
+    sys::block_handled_signals()
+        .map_err(|e| (1, format!("cannot set up signal handling: {e}")))?;
+    let server = Server::bind(
+        SocketAddr::new(ip, 0),
+        JobToken::from(token.as_str()),
+        elastic_timeout,
+    )
+    .map_err(|e| (1, format!("cannot start the elastic driver: {e}")))?;
+    let exe = std::env::current_exe()
+        .map_err(|e| (1, format!("cannot find fhrun's own path: {e}")))?;
+    let cwd = std::env::current_dir()
+        .map_err(|e| (1, format!("cannot read the current directory: {e}")))?;
+    let mut worker_env = vec![
+        (ADDR_VAR.to_string(), server.local_addr().to_string()),
+        ("FH_JOB_TOKEN".to_string(), token),
+        ("HOROVOD_ELASTIC".to_string(), "1".to_string()),
+    ];
+    worker_env.extend(env);
+    let marker = sys::random_hex(8).map_err(|e| (1, format!("cannot read /dev/urandom: {e}")))?;
+    let ctx = workers::PartContext {
+        exe: exe.to_string_lossy().into_owned(),
+        agent,
+        cwd: cwd.to_string_lossy().into_owned(),
+        command: cli.command.clone(),
+        env: worker_env,
+        forwarded: remote::FORWARDED_VARS
+            .iter()
+            .filter_map(|&k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
+            .collect(),
+        prefix: !cli.no_prefix,
+        kill_grace: cli.kill_grace,
+        verbose: cli.verbose,
+        marker: format!("fhrun-elastic-exit-{marker}"),
+    };
+    let settings = driver::Settings {
+        min_np,
+        max_np,
+        initial_np,
+        elastic_timeout,
+        reset_limit: e.reset_limit,
+        timeout: cli.timeout,
+        loopback,
+    };
+    if cli.verbose {
+        eprintln!(
+            "fhrun: elastic driver listening on {} (min-np {min_np}, max-np {}, waiting for \
+             {initial_np} to start)",
+            server.local_addr(),
+            max_np.map_or("unlimited".into(), |m| m.to_string())
+        );
+    }
+    let disc = discovery::Discovery::start(script, slots)
+        .map_err(|e| (1, format!("cannot start the host discovery thread: {e}")))?;
+    if let Err(e) = sys::become_subreaper() {
+        if cli.verbose {
+            eprintln!("fhrun: cannot become a subreaper ({e}); orphans of the workers go to init");
+        }
+    }
+    let mut guardian = Guardian::start();
+    let mut d = driver::Driver::new(settings, ctx, server, cooldown);
+    d.discovered(Ok(found));
+    let code = d.run(&disc, guardian.as_mut());
+    drop(disc);
+    launch::stop_orphans(&guardian, cli.kill_grace);
+    if let Some(g) = guardian {
+        g.dismiss();
+    }
+    Ok(code)
+}
