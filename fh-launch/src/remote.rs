@@ -330,7 +330,12 @@ mod tests {
         let job = p.job();
         assert_eq!(job.report_exits.as_deref(), Some("fhrun-exit-abc"));
         let env = &job.ranks[1].env;
-        let get = |k: &str| env.iter().rev().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        let get = |k: &str| {
+            env.iter()
+                .rev()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.as_str())
+        };
         assert_eq!(get("FH_ELASTIC_WORKER"), Some("h1:1"));
         assert_eq!(get("FH_RANK"), None);
         assert_eq!(get("FH_LOCAL_RANK"), None);

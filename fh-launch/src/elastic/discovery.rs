@@ -88,7 +88,14 @@ pub fn run_once(script: &Path, limit: Duration) -> Result<String, String> {
     let stdout = out.join().unwrap_or_default();
     let stderr = err.join().unwrap_or_default();
     if !status.success() {
-        let tail: String = stderr.trim().lines().last().unwrap_or("").chars().take(300).collect();
+        let tail: String = stderr
+            .trim()
+            .lines()
+            .last()
+            .unwrap_or("")
+            .chars()
+            .take(300)
+            .collect();
         return Err(format!(
             "the host discovery script {name} {}{}",
             crate::launch::describe(status),
@@ -119,8 +126,8 @@ impl Discovery {
             .spawn(move || {
                 while !flag.load(Ordering::SeqCst) {
                     let began = Instant::now();
-                    let found = run_once(&script, RUN_LIMIT)
-                        .and_then(|text| parse(&text, default_slots));
+                    let found =
+                        run_once(&script, RUN_LIMIT).and_then(|text| parse(&text, default_slots));
                     if tx.send(found).is_err() {
                         return;
                     }

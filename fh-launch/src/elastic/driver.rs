@@ -80,7 +80,12 @@ const SESSION_GRACE: Duration = Duration::from_secs(2);
 
 impl Driver {
     /// A driver serving `server`, starting parts with `ctx`.
-    pub fn new(s: Settings, ctx: PartContext, server: Server, cooldown: Option<(u64, u64)>) -> Self {
+    pub fn new(
+        s: Settings,
+        ctx: PartContext,
+        server: Server,
+        cooldown: Option<(u64, u64)>,
+    ) -> Self {
         let (exits_tx, exits) = mpsc::channel();
         Driver {
             s,
@@ -358,13 +363,25 @@ impl Driver {
             }
             let ids: Vec<String> = (0..n).map(|s| format!("{}:{s}", h.name)).collect();
             let index = self.parts.len();
-            match PartProc::start(&self.ctx, &h.name, local, ids.clone(), index, &self.exits_tx) {
+            match PartProc::start(
+                &self.ctx,
+                &h.name,
+                local,
+                ids.clone(),
+                index,
+                &self.exits_tx,
+            ) {
                 Ok(part) => {
                     if let Some(g) = guardian.as_mut() {
                         g.watch(part.pid);
                     }
                     if self.ctx.verbose {
-                        eprintln!("fhrun: started {} on {} (pid {})", ids.join(", "), h.name, part.pid);
+                        eprintln!(
+                            "fhrun: started {} on {} (pid {})",
+                            ids.join(", "),
+                            h.name,
+                            part.pid
+                        );
                     }
                     self.parts.push(part);
                     for (slot, id) in ids.into_iter().enumerate() {
@@ -398,7 +415,10 @@ impl Driver {
             })
             .collect();
         for i in lost {
-            let why = self.describe_loss(&self.workers[i], "closed its session to fhrun but still ran");
+            let why = self.describe_loss(
+                &self.workers[i],
+                "closed its session to fhrun but still ran",
+            );
             let host = self.workers[i].host.clone();
             self.lose_host(&host, why);
         }
@@ -625,9 +645,15 @@ impl Driver {
             self.poll_parts(now, &mut guardian);
             self.check_sessions(now);
             while let Some(sig) = sys::wait_signal(Duration::from_millis(1)) {
-                if matches!(sig, libc::SIGINT | libc::SIGTERM | libc::SIGHUP | libc::SIGQUIT) {
+                if matches!(
+                    sig,
+                    libc::SIGINT | libc::SIGTERM | libc::SIGHUP | libc::SIGQUIT
+                ) {
                     if self.stopping_all.is_none() {
-                        eprintln!("fhrun: received {}; stopping all workers", sys::signal_name(sig));
+                        eprintln!(
+                            "fhrun: received {}; stopping all workers",
+                            sys::signal_name(sig)
+                        );
                         self.stop_all(128 + sig);
                     } else {
                         for p in &mut self.parts {

@@ -38,7 +38,11 @@ pub fn plan(mut candidates: Vec<Candidate>, max_np: Option<usize>) -> Plan {
         (None, None) => (a.host_order, &a.host, a.slot).cmp(&(b.host_order, &b.host, b.slot)),
     });
     let keep = max_np.unwrap_or(usize::MAX).min(candidates.len());
-    let above_max = candidates.split_off(keep).into_iter().map(|c| c.id).collect();
+    let above_max = candidates
+        .split_off(keep)
+        .into_iter()
+        .map(|c| c.id)
+        .collect();
     let size = candidates.len();
     // Hosts in the order of their first rank.
     let mut hosts: Vec<&str> = Vec::new();
@@ -51,7 +55,10 @@ pub fn plan(mut candidates: Vec<Candidate>, max_np: Option<usize>) -> Plan {
         .iter()
         .enumerate()
         .map(|(rank, c)| {
-            let local_rank = candidates[..rank].iter().filter(|o| o.host == c.host).count();
+            let local_rank = candidates[..rank]
+                .iter()
+                .filter(|o| o.host == c.host)
+                .count();
             let local_size = candidates.iter().filter(|o| o.host == c.host).count();
             let cross_rank = hosts.iter().position(|h| *h == c.host).unwrap_or(0);
             (
@@ -107,7 +114,10 @@ mod tests {
         assert_eq!(ids(&p), ["h1:1", "h0:0", "h0:1", "h3:0", "h2:0", "h2:1"]);
         assert!(p.above_max.is_empty());
         let t: Vec<_> = p.members.iter().map(|m| m.2).collect();
-        assert!(t.iter().enumerate().all(|(r, t)| t.rank == r && t.size == 6));
+        assert!(t
+            .iter()
+            .enumerate()
+            .all(|(r, t)| t.rank == r && t.size == 6));
         // Rank 0 is the lowest survivor: state is synced from it.
         assert_eq!(p.members[0].0, "h1:1");
         // Local and cross values from the hosts, hosts in the order of their first rank.

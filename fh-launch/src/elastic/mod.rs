@@ -50,7 +50,10 @@ pub fn refuse_without_script(cli: &Cli) -> Result<(), Failure> {
         (e.max_np.is_some(), "--max-np"),
         (e.slots.is_some(), "--slots"),
         (e.elastic_timeout.is_some(), "--elastic-timeout"),
-        (e.blacklist_cooldown_range.is_some(), "--blacklist-cooldown-range"),
+        (
+            e.blacklist_cooldown_range.is_some(),
+            "--blacklist-cooldown-range",
+        ),
         (e.reset_limit.is_some(), "--reset-limit"),
     ]
     .into_iter()
@@ -154,16 +157,15 @@ pub fn run(cli: &Cli, token: String, env: Vec<(String, String)>) -> Result<i32, 
     let (ip, loopback) = listen_ip(&found, &hostname)?;
 
     // Signals are blocked before any thread starts (the listener's, discovery's).
-    sys::block_handled_signals()
-        .map_err(|e| (1, format!("cannot set up signal handling: {e}")))?;
+    sys::block_handled_signals().map_err(|e| (1, format!("cannot set up signal handling: {e}")))?;
     let server = Server::bind(
         SocketAddr::new(ip, 0),
         JobToken::from(token.as_str()),
         elastic_timeout,
     )
     .map_err(|e| (1, format!("cannot start the elastic driver: {e}")))?;
-    let exe = std::env::current_exe()
-        .map_err(|e| (1, format!("cannot find fhrun's own path: {e}")))?;
+    let exe =
+        std::env::current_exe().map_err(|e| (1, format!("cannot find fhrun's own path: {e}")))?;
     let cwd = std::env::current_dir()
         .map_err(|e| (1, format!("cannot read the current directory: {e}")))?;
     let mut worker_env = vec![

@@ -184,7 +184,10 @@ mod tests {
             15
         });
         assert_eq!(cooldown, Some(Duration::from_secs(15)));
-        assert_eq!(s.expire(now + Duration::from_secs(14)).0, Vec::<String>::new());
+        assert_eq!(
+            s.expire(now + Duration::from_secs(14)).0,
+            Vec::<String>::new()
+        );
         let (back, c) = s.expire(now + Duration::from_secs(15));
         assert_eq!(back, ["a"]);
         let c = c.unwrap();

@@ -77,6 +77,11 @@ impl Running {
         }
     }
 
+    /// fhrun's stdout so far.
+    pub fn stdout_now(&self) -> String {
+        String::from_utf8_lossy(&self.out_now.lock().unwrap()).into_owned()
+    }
+
     /// fhrun's stderr so far.
     pub fn stderr_now(&self) -> String {
         String::from_utf8_lossy(&self.err_now.lock().unwrap()).into_owned()

@@ -1,0 +1,166 @@
+//! fhrun's elastic driver end to end, with `fh-elastic-probe` as the worker.
+//!
+//! The "hosts" are names of this machine — `localhost`, `127.0.0.1`, `127.0.0.2`,
+//! `127.0.0.3` (every 127.x address is loopback, so fhrun starts their parts directly, as it
+//! would start this machine's part in a real job). They are distinct hosts to the driver (its
+//! blacklist, its generations, its output prefixes); to the transport they are one machine
+//! (the rendezvous settles hosts from facts), which the probe does not care about.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+use std::time::Duration;
+
+use common::{alive, kill_all, survivors_after, Running, TempDir};
+
+const PROBE: &str = env!("CARGO_BIN_EXE_fh-elastic-probe");
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// A discovery script printing `dir/hosts`, which the test rewrites (atomically).
+fn discovery(dir: &TempDir, hosts: &[&str]) -> String {
+    set_hosts(dir, hosts);
+    let script = dir.path().join("discover.sh");
+    std::fs::write(&script, format!("#!/bin/sh\ncat '{}/hosts'\n", dir.str())).unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    script.to_str().unwrap().to_string()
+}
+
+fn set_hosts(dir: &TempDir, hosts: &[&str]) {
+    let tmp = dir.path().join("hosts.new");
+    std::fs::write(&tmp, hosts.join("\n") + "\n").unwrap();
+    std::fs::rename(tmp, dir.path().join("hosts")).unwrap();
+}
+
+/// The pid the probe of `worker` printed for `generation`.
+fn probe_pid(stdout: &str, generation: u64, worker: &str) -> Option<i32> {
+    stdout.lines().find_map(|l| {
+        let (_, rest) = l.split_once(">:")?;
+        let rest = rest.strip_prefix(&format!("generation {generation} "))?;
+        let (_, pid) = rest.split_once(&format!(" worker {worker} pid "))?;
+        pid.trim().parse().ok()
+    })
+}
+
+/// Every probe pid printed.
+fn all_pids(stdout: &str) -> Vec<i32> {
+    stdout
+        .lines()
+        .filter_map(|l| l.rsplit_once(" pid ")?.1.trim().parse().ok())
+        .collect()
+}
+
+fn start(script: &str, dir: &TempDir, extra: &[&str]) -> Running {
+    let stop = format!("PROBE_STOP={}/stop", dir.str());
+    let mut args = vec!["--host-discovery-script", script];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["-x", &stop, "--kill-grace", "1", "--timeout", "120", PROBE]);
+    Running::start_cmd(Command::new(common::FHRUN).args(&args))
+}
+
+#[test]
+fn a_lost_host_shrinks_the_world_and_a_new_host_grows_it() {
+    let dir = TempDir::new("elastic-grow");
+    let script = discovery(&dir, &["localhost", "127.0.0.1", "127.0.0.2"]);
+    let mut run = start(
+        &script,
+        &dir,
+        &["-np", "3", "--min-np", "2", "--elastic-timeout", "30"],
+    );
+    run.wait_for(LIMIT, |out, err| {
+        err.contains("generation 0: 3 ranks on localhost, 127.0.0.1, 127.0.0.2")
+            && probe_pid(out, 0, "127.0.0.2:0").is_some()
+    });
+    let first = run.stdout_now();
+    let victim = probe_pid(&first, 0, "127.0.0.2:0").unwrap();
+    let keeper = probe_pid(&first, 0, "localhost:0").unwrap();
+    kill_all(&[victim]);
+    run.wait_for(LIMIT, |_, err| {
+        err.contains(
+            "generation 1: 2 ranks on localhost, 127.0.0.1 (lost 127.0.0.2: rank 2 killed by \
+             SIGKILL)",
+        )
+    });
+    // A fourth host appears: the world grows at the workers' next host-update check.
+    set_hosts(&dir, &["localhost", "127.0.0.1", "127.0.0.2", "127.0.0.3"]);
+    run.wait_for(LIMIT, |out, err| {
+        err.contains("generation 2: 3 ranks on localhost, 127.0.0.1, 127.0.0.3")
+            && probe_pid(out, 2, "127.0.0.3:0").is_some()
+            && probe_pid(out, 2, "localhost:0").is_some()
+            && probe_pid(out, 2, "127.0.0.1:0").is_some()
+    });
+    let out = run.stdout_now();
+    // The survivors are the same processes, with their ranks kept; the new worker is last.
+    assert_eq!(probe_pid(&out, 2, "localhost:0"), Some(keeper));
+    assert!(
+        out.contains("generation 2 rank 0 size 3 sum 3 worker localhost:0"),
+        "{out}"
+    );
+    assert!(
+        out.contains("generation 2 rank 2 size 3 sum 3 worker 127.0.0.3:0"),
+        "{out}"
+    );
+    // The blacklisted host never came back.
+    assert_eq!(probe_pid(&out, 2, "127.0.0.2:0"), None);
+    std::fs::write(dir.path().join("stop"), "").unwrap();
+    let pids = all_pids(&out);
+    let done = run.wait(LIMIT);
+    assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    assert!(!alive(victim));
+}
+
+#[test]
+fn fewer_than_min_np_fails_naming_the_lost_host() {
+    let dir = TempDir::new("elastic-min");
+    let script = discovery(&dir, &["localhost", "127.0.0.2"]);
+    let mut run = start(&script, &dir, &["--min-np", "2", "--elastic-timeout", "2"]);
+    run.wait_for(LIMIT, |out, err| {
+        err.contains("generation 0: 2 ranks") && probe_pid(out, 0, "127.0.0.2:0").is_some()
+    });
+    let out = run.stdout_now();
+    kill_all(&[probe_pid(&out, 0, "127.0.0.2:0").unwrap()]);
+    let pids = all_pids(&out);
+    let done = run.wait(LIMIT);
+    assert_eq!(done.code(), Some(1), "{}\n{}", done.stdout, done.stderr);
+    assert!(
+        done.stderr.contains(
+            "fhrun: elastic job failed: fewer than --min-np 2 ranks remain (lost: 127.0.0.2 \
+             (rank 1 killed by SIGKILL))"
+        ),
+        "{}",
+        done.stderr
+    );
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+}
+
+#[test]
+fn a_bad_discovery_line_is_an_error_naming_it() {
+    let dir = TempDir::new("elastic-bad");
+    let script = discovery(&dir, &["localhost", "127.0.0.2:zero"]);
+    let done = start(&script, &dir, &["--min-np", "1"]).wait(LIMIT);
+    assert_eq!(done.code(), Some(1), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("line 2") && done.stderr.contains("invalid slot count 'zero'"),
+        "{}",
+        done.stderr
+    );
+}
+
+#[test]
+fn elastic_flags_need_a_discovery_script() {
+    let done = common::fhrun(&["-np", "2", "--min-np", "2", "true"], LIMIT);
+    assert_eq!(done.code(), Some(2), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("--min-np is only for an elastic job")
+            && done.stderr.contains("--host-discovery-script"),
+        "{}",
+        done.stderr
+    );
+    let done = common::fhrun(&["--min-np", "2", "true"], LIMIT);
+    assert_eq!(done.code(), Some(2), "{}", done.stderr);
+}
