@@ -97,7 +97,7 @@ fn register_and_answer() {
     assert_eq!(c0.elastic_timeout(), Duration::from_secs(5));
     let waiting = std::thread::spawn(move || (c0.next_world(), c0));
     let mut registered = Vec::new();
-    while registered.len() < 1 {
+    while registered.is_empty() {
         if let Event::Registered { worker, candidate } = event(&s) {
             assert!(candidate.starts_with("127.0.0.1:"), "{candidate}");
             registered.push(worker);
