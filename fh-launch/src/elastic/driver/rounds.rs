@@ -1,0 +1,208 @@
+//! Registration rounds: a generation is formed when every expected worker has registered (or
+//! `--elastic-timeout` has passed), and the job's end.
+
+use std::time::Instant;
+
+use fh_transport::elastic::{Assignment, Membership};
+
+use super::super::generation::{self, Candidate};
+use super::super::workers::{End, PartProc};
+use super::Driver;
+
+impl Driver {
+    pub(super) fn rounds(&mut self, now: Instant) {
+        if self.stopping_all.is_some() {
+            return;
+        }
+        let any = self
+            .workers
+            .iter()
+            .any(|w| w.registered.is_some() && self.expected(w));
+        if self.round.is_none() && any {
+            self.round = Some(now + self.s.elastic_timeout);
+        }
+        let Some(deadline) = self.round else {
+            return;
+        };
+        let expected: Vec<usize> = (0..self.workers.len())
+            .filter(|&i| self.expected(&self.workers[i]))
+            .collect();
+        let registered = expected
+            .iter()
+            .filter(|&&i| self.workers[i].registered.is_some())
+            .count();
+        if registered == expected.len() && registered >= self.s.min_np {
+            return self.form();
+        }
+        if now < deadline {
+            return;
+        }
+        let t = self.s.elastic_timeout.as_secs_f64();
+        for &i in &expected {
+            if self.workers[i].registered.is_none() {
+                let why = self.describe_loss(
+                    &self.workers[i],
+                    &format!("did not register within --elastic-timeout {t} s"),
+                );
+                let host = self.workers[i].host.clone();
+                self.lose_host(&host, why);
+            }
+        }
+        let left = (0..self.workers.len())
+            .filter(|&i| self.expected(&self.workers[i]) && self.workers[i].registered.is_some())
+            .count();
+        if left >= self.s.min_np.max(1) {
+            self.form();
+        } else {
+            self.fail(format!(
+                "fewer than --min-np {} ranks remain ({})",
+                self.s.min_np,
+                self.lost_list()
+            ));
+        }
+    }
+
+    fn form(&mut self) {
+        self.round = None;
+        if let (Some(limit), Some(_)) = (self.s.reset_limit, self.generation) {
+            if self.resets >= limit {
+                return self.fail(format!(
+                    "the world was re-formed {} times, the --reset-limit ({})",
+                    self.resets,
+                    self.lost_list()
+                ));
+            }
+        }
+        let candidates: Vec<Candidate> = self
+            .workers
+            .iter()
+            .filter(|w| self.expected(w) && w.registered.is_some())
+            .map(|w| Candidate {
+                id: w.id.clone(),
+                host: w.host.clone(),
+                slot: w.slot,
+                previous: w.rank,
+                host_order: self.hosts.order(&w.host),
+            })
+            .collect();
+        let plan = generation::plan(candidates, self.s.max_np);
+        let g = match self.generation {
+            Some(g) => {
+                self.resets += 1;
+                g + 1
+            }
+            None => 0,
+        };
+        self.generation = Some(g);
+        let rank0 = plan.members.first().and_then(|m| self.find(&m.0));
+        let rendezvous = rank0
+            .and_then(|i| self.workers[i].registered.clone())
+            .unwrap_or_default();
+        for w in &mut self.workers {
+            w.rank = None;
+        }
+        for (id, _, topology) in &plan.members {
+            let a = Assignment {
+                generation: g,
+                topology: *topology,
+                rendezvous: rendezvous.clone(),
+                hosts_stamp: self.hosts.stamp(),
+            };
+            // A worker gone meanwhile makes the world fail and re-form: nothing to do here.
+            let _ = self.server.answer(id, &Membership::Member(a));
+            if let Some(i) = self.find(id) {
+                self.workers[i].rank = Some(topology.rank);
+            }
+        }
+        for id in &plan.above_max {
+            let why = format!("above --max-np {}", self.s.max_np.unwrap_or(0));
+            let _ = self.server.answer(id, &Membership::Removed(why));
+            if let Some(i) = self.find(id) {
+                self.workers[i].removed = true;
+            }
+        }
+        for w in &mut self.workers {
+            w.registered = None;
+        }
+        let mut on: Vec<&str> = Vec::new();
+        for (_, host, _) in &plan.members {
+            if !on.contains(&host.as_str()) {
+                on.push(host);
+            }
+        }
+        let lost = if self.lost_since.is_empty() {
+            String::new()
+        } else {
+            let l: Vec<String> = self
+                .lost_since
+                .iter()
+                .map(|(h, why)| format!("{h}: {why}"))
+                .collect();
+            format!(" (lost {})", l.join(", "))
+        };
+        eprintln!(
+            "fhrun: generation {g}: {} rank{} on {}{lost}",
+            plan.members.len(),
+            if plan.members.len() == 1 { "" } else { "s" },
+            on.join(", ")
+        );
+        self.lost_since.clear();
+        // Parts on hosts no longer usable have no member left: stop them.
+        let now = Instant::now();
+        for p in 0..self.parts.len() {
+            if self.parts[p].running() && !self.hosts.is_usable(&self.parts[p].host.clone()) {
+                self.parts[p].stop(now);
+            }
+        }
+    }
+
+    pub(super) fn starvation(&mut self, now: Instant) {
+        if self.stopping_all.is_some() || self.finishing || !self.started || self.round.is_some() {
+            self.starve = None;
+            return;
+        }
+        let alive = self.workers.iter().filter(|w| self.expected(w)).count();
+        if alive >= self.s.min_np {
+            self.starve = None;
+            return;
+        }
+        let at = *self.starve.get_or_insert(now + self.s.elastic_timeout);
+        if now >= at {
+            self.fail(format!(
+                "fewer than --min-np {} ranks remain ({})",
+                self.s.min_np,
+                self.lost_list()
+            ));
+        }
+    }
+
+    /// The job's status once every worker has ended, if it has.
+    pub(super) fn finished(&self) -> Option<i32> {
+        if self.parts.iter().any(PartProc::running) {
+            return None;
+        }
+        if let Some(code) = self.stopping_all {
+            return Some(code);
+        }
+        if !self.started {
+            return None;
+        }
+        if !self.finishing {
+            return None;
+        }
+        let clean = self
+            .workers
+            .iter()
+            .filter(|w| w.rank.is_some())
+            .all(|w| w.end.is_some_and(End::success));
+        if clean {
+            Some(0)
+        } else {
+            eprintln!(
+                "fhrun: elastic job failed: not every worker of the last generation exited 0 ({})",
+                self.lost_list()
+            );
+            Some(1)
+        }
+    }
+}
