@@ -164,3 +164,89 @@ fn elastic_flags_need_a_discovery_script() {
     let done = common::fhrun(&["--min-np", "2", "true"], LIMIT);
     assert_eq!(done.code(), Some(2), "{}", done.stderr);
 }
+
+#[test]
+fn max_np_caps_the_workers_and_np_waits_for_enough_slots() {
+    let dir = TempDir::new("elastic-cap");
+    // Two slots offered; -np 3 waits for a third.
+    let script = discovery(&dir, &["localhost", "127.0.0.1"]);
+    let mut run = start(
+        &script,
+        &dir,
+        &[
+            "-np",
+            "3",
+            "--min-np",
+            "1",
+            "--max-np",
+            "3",
+            "--elastic-timeout",
+            "30",
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        !run.stderr_now().contains("generation 0"),
+        "{}",
+        run.stderr_now()
+    );
+    assert!(
+        !run.stdout_now().contains("generation 0"),
+        "{}",
+        run.stdout_now()
+    );
+    set_hosts(&dir, &["localhost", "127.0.0.1", "127.0.0.2:2"]);
+    run.wait_for(LIMIT, |out, err| {
+        err.contains("generation 0: 3 ranks on localhost, 127.0.0.1, 127.0.0.2")
+            && probe_pid(out, 0, "127.0.0.2:0").is_some()
+    });
+    std::fs::write(dir.path().join("stop"), "").unwrap();
+    let out = run.stdout_now();
+    let pids = all_pids(&out);
+    let done = run.wait(LIMIT);
+    assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
+    // --max-np 3: the second slot of 127.0.0.2 never started.
+    assert!(!done.stdout.contains("[127.0.0.2:1]"), "{}", done.stdout);
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+}
+
+#[test]
+fn the_reset_limit_ends_the_job() {
+    let dir = TempDir::new("elastic-reset");
+    let script = discovery(&dir, &["localhost", "127.0.0.1", "127.0.0.2"]);
+    let mut run = start(
+        &script,
+        &dir,
+        &[
+            "--min-np",
+            "1",
+            "--reset-limit",
+            "0",
+            "--elastic-timeout",
+            "30",
+        ],
+    );
+    run.wait_for(LIMIT, |out, err| {
+        err.contains("generation 0: 3 ranks") && probe_pid(out, 0, "127.0.0.2:0").is_some()
+    });
+    let out = run.stdout_now();
+    kill_all(&[probe_pid(&out, 0, "127.0.0.2:0").unwrap()]);
+    let pids = all_pids(&out);
+    let done = run.wait(LIMIT);
+    assert_eq!(done.code(), Some(1), "{}\n{}", done.stdout, done.stderr);
+    assert!(
+        done.stderr
+            .contains("elastic job failed: --reset-limit 0 reached")
+            && done
+                .stderr
+                .contains("lost: 127.0.0.2 (rank 2 killed by SIGKILL)"),
+        "{}",
+        done.stderr
+    );
+    assert!(!done.stderr.contains("generation 1"), "{}", done.stderr);
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+}

@@ -2,7 +2,7 @@
 //!
 //! Under `fhrun --host-discovery-script ...` it asks the driver for each world
 //! (`fh_transport::elastic::Client`), builds it over TCP, checks an allreduce and prints
-//! `generation G rank R size S` once per world; then it "trains": an allreduce every
+//! `generation G rank R size S` once per world (over TCP, or `PROBE_TRANSPORT`); then it "trains": an allreduce every
 //! `PROBE_STEP_MS` (default 100), rank 0 asking the driver for host updates and every rank
 //! leaving the world at the same step when they changed (as Horovod's `commit()` does). A
 //! failed collective (a lost peer) makes it register again. When the file named by
@@ -31,8 +31,9 @@ fn world(
     stop_file: Option<&str>,
 ) -> Result<Next, String> {
     let info = a.launch_info(base);
+    let choice = std::env::var("PROBE_TRANSPORT").unwrap_or_else(|_| "tcp".into());
     let mut world =
-        fh_transport::world_for(&info, Some("tcp")).map_err(|e| format!("world: {e}"))?;
+        fh_transport::world_for(&info, Some(&choice)).map_err(|e| format!("world: {e}"))?;
     let mut comm = world.open("probe").map_err(|e| format!("open: {e}"))?;
     let mut one = [1.0f64];
     comm.allreduce_typed(&mut one, ReduceOp::Sum)

@@ -67,7 +67,8 @@ impl Driver {
         if let (Some(limit), Some(_)) = (self.s.reset_limit, self.generation) {
             if self.resets >= limit {
                 return self.fail(format!(
-                    "the world was re-formed {} times, the --reset-limit ({})",
+                    "--reset-limit {limit} reached: the world was re-formed {} times and may not be \
+                     again ({})",
                     self.resets,
                     self.lost_list()
                 ));
