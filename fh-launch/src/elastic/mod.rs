@@ -22,7 +22,8 @@
 //!
 //! The session listener is on 127.0.0.1 when every host of the first discovery is this
 //! machine (a later remote host is then refused and blacklisted, with the reason); otherwise
-//! on the address this machine's host name resolves to.
+//! on this machine's address on the route to the first other host (as the kernel picks the
+//! source address; never the wildcard).
 
 mod discovery;
 mod driver;
@@ -72,10 +73,16 @@ pub fn refuse_without_script(cli: &Cli) -> Result<(), Failure> {
 }
 
 /// The address the session listener binds: loopback when every host is this machine, else
-/// an address of this machine's host name that is not loopback.
+/// this machine's address on the route to the first other host (which that host reaches),
+/// or failing that an address of this machine's host name that is not loopback.
 fn listen_ip(found: &[hosts::Host], hostname: &str) -> Result<(IpAddr, bool), Failure> {
-    if found.iter().all(|h| hosts::is_local(&h.name, hostname)) {
+    let Some(remote) = found.iter().find(|h| !hosts::is_local(&h.name, hostname)) else {
         return Ok((IpAddr::V4(Ipv4Addr::LOCALHOST), true));
+    };
+    if let Ok(ip) = fh_transport::elastic::local_ip_towards(&remote.name) {
+        if !ip.is_loopback() && !ip.is_unspecified() {
+            return Ok((ip, false));
+        }
     }
     (hostname, 0)
         .to_socket_addrs()
@@ -86,9 +93,11 @@ fn listen_ip(found: &[hosts::Host], hostname: &str) -> Result<(IpAddr, bool), Fa
             (
                 1,
                 format!(
-                    "the discovered hosts include other machines, but this machine's host name \
-                     {hostname:?} does not resolve to an address they could reach (only \
-                     loopback or nothing); fix /etc/hosts or DNS so that it does"
+                    "the discovered hosts include other machines ({}), but fhrun finds no \
+                     address of this machine they could reach: no route to {} and this \
+                     machine's host name {hostname:?} resolves only to loopback, or not at all; \
+                     fix /etc/hosts or DNS",
+                    remote.name, remote.name
                 ),
             )
         })

@@ -110,6 +110,30 @@ pub struct HostUpdate {
     pub removed: bool,
 }
 
+/// This machine's address on the route to `host` (the source address the kernel would use to
+/// reach it; no packet is sent): where a driver listens so that `host` can reach it.
+pub fn local_ip_towards(host: &str) -> Result<std::net::IpAddr> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs, UdpSocket};
+    let io = |e: std::io::Error| TransportError::io(format!("finding the route to {host}"), e);
+    let target = (host, 9)
+        .to_socket_addrs()
+        .map_err(io)?
+        .next()
+        .ok_or_else(|| {
+            TransportError::io(
+                format!("resolving {host}"),
+                std::io::Error::other("no address"),
+            )
+        })?;
+    let any = match target {
+        std::net::SocketAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        std::net::SocketAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    };
+    let socket = UdpSocket::bind((any, 0)).map_err(io)?;
+    socket.connect(target).map_err(io)?;
+    Ok(socket.local_addr().map_err(io)?.ip())
+}
+
 /// The variables an elastic worker's base `LaunchInfo` is read from: no rank variable of any
 /// launcher (a driver run inside `srun` or `mpirun` leaves theirs in the environment).
 const BASE_VARS: &[&str] = &[

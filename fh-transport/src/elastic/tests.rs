@@ -286,3 +286,8 @@ fn from_env_refuses_an_elastic_worker() {
     assert!(err.contains(ADDR_VAR) && err.contains("elastic"), "{err}");
     assert!(crate::refuse_elastic(|_| None).is_ok());
 }
+
+#[test]
+fn the_route_to_this_machine_starts_at_loopback() {
+    assert!(local_ip_towards("127.0.0.1").unwrap().is_loopback());
+}
