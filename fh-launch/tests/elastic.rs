@@ -250,3 +250,26 @@ fn the_reset_limit_ends_the_job() {
     kill_all(&left);
     assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
 }
+
+#[test]
+fn ctrl_c_stops_every_worker() {
+    let dir = TempDir::new("elastic-int");
+    let script = discovery(&dir, &["localhost", "127.0.0.2"]);
+    let mut run = start(&script, &dir, &["--min-np", "2"]);
+    run.wait_for(LIMIT, |out, err| {
+        err.contains("generation 0: 2 ranks") && all_pids(out).len() == 2
+    });
+    let pids = all_pids(&run.stdout_now());
+    run.signal(libc::SIGINT);
+    let done = run.wait(LIMIT);
+    assert_eq!(done.code(), Some(130), "{}\n{}", done.stdout, done.stderr);
+    assert!(
+        done.stderr
+            .contains("received SIGINT; stopping all workers"),
+        "{}",
+        done.stderr
+    );
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+}

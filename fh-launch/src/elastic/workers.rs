@@ -192,9 +192,14 @@ impl PartProc {
     /// Stop the part: SIGTERM to its workers now, SIGKILL to the part after `grace` (see
     /// [`PartProc::poll`]).
     pub fn stop(&mut self, now: Instant) {
+        self.stop_with(now, libc::SIGTERM);
+    }
+
+    /// [`PartProc::stop`] with `sig` in place of SIGTERM (a signal fhrun got, forwarded).
+    pub fn stop_with(&mut self, now: Instant, sig: i32) {
         if self.stopping.is_none() && self.running() {
             self.stopping = Some(now);
-            self.signal(libc::SIGTERM);
+            self.signal(sig);
         }
     }
 

@@ -205,14 +205,15 @@ impl Driver {
                 let _ = self.server.answer(&w.id, &Membership::Failed(why.clone()));
             }
         }
-        self.stop_all(1);
+        self.stop_all(1, libc::SIGTERM);
     }
 
-    fn stop_all(&mut self, code: i32) {
+    /// Stop every part with `sig`; fhrun exits with `code` once they have ended.
+    fn stop_all(&mut self, code: i32, sig: i32) {
         self.stopping_all = Some(code);
         let now = Instant::now();
         for p in &mut self.parts {
-            p.stop(now);
+            p.stop_with(now, sig);
         }
     }
 
@@ -460,7 +461,7 @@ impl Driver {
                             "fhrun: received {}; stopping all workers",
                             sys::signal_name(sig)
                         );
-                        self.stop_all(128 + sig);
+                        self.stop_all(128 + sig, sig);
                     } else {
                         for p in &mut self.parts {
                             p.stopping = Some(now - self.ctx.kill_grace - Duration::from_secs(2));
@@ -474,7 +475,7 @@ impl Driver {
                         "fhrun: the job timed out after {:.1} s (--timeout); stopping all workers",
                         t.as_secs_f64()
                     );
-                    self.stop_all(EXIT_TIMEOUT);
+                    self.stop_all(EXIT_TIMEOUT, libc::SIGTERM);
                 }
             }
             self.start_workers(now, &mut guardian);
