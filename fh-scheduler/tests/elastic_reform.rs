@@ -20,13 +20,14 @@
 use std::io::Read;
 use std::net::TcpListener;
 use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fh_scheduler::{AllreduceOptions, Config, Engine, ReduceOp, SchedulerError, Tensor};
 use fh_transport::bootstrap::{JobToken, LaunchInfo, Launcher};
 
-/// The child's schedule: `world,port,rank,size;...` (the worlds this process joins, in order).
+/// The child's schedule: `world,rank,size;...` (the worlds this process joins, in order).
 const WORLDS: &str = "FH_REFORM_WORLDS";
 /// `long` (lives through every cycle) or `victim` (kills itself in its world's round).
 const ROLE: &str = "FH_REFORM_ROLE";
@@ -34,6 +35,9 @@ const BACKEND: &str = "FH_REFORM_BACKEND";
 const TOKEN: &str = "FH_REFORM_TOKEN";
 /// This process's simulated host (hier).
 const HOST: &str = "FH_REFORM_HOST";
+/// A directory of the parent's where rank 0 of world `w` leaves its rendezvous port in
+/// `w.port` (picked just before the world forms, as an elastic worker picks its candidate).
+const DIR: &str = "FH_REFORM_DIR";
 const CYCLES: usize = 3;
 const WAIT: Duration = Duration::from_secs(30);
 const LIMIT: Duration = Duration::from_secs(150);
@@ -52,22 +56,16 @@ impl Drop for Kids {
     }
 }
 
-/// `n` distinct ports on 127.0.0.1 that were free a moment ago.
-fn ports(n: usize) -> Vec<u16> {
-    let mut out = Vec::new();
-    while out.len() < n {
-        let p = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("an ephemeral port");
-        if !out.contains(&p) {
-            out.push(p);
-        }
+/// A directory removed when dropped.
+struct TempDir(std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
-    out
 }
 
-fn spawn(role: &str, backend: &str, token: &str, host: &str, worlds: &str) -> Child {
+fn spawn(role: &str, backend: &str, token: &str, host: &str, worlds: &str, dir: &Path) -> Child {
     Command::new(std::env::current_exe().expect("test binary"))
         .args([
             "reform_child",
@@ -81,6 +79,7 @@ fn spawn(role: &str, backend: &str, token: &str, host: &str, worlds: &str) -> Ch
         .env(TOKEN, token)
         .env(HOST, host)
         .env(WORLDS, worlds)
+        .env(DIR, dir)
         .env_remove("FH_RANK")
         .env_remove("FH_SIZE")
         .stdin(Stdio::null())
@@ -126,7 +125,8 @@ fn reform(backend: &str) {
         std::process::id(),
         Instant::now().elapsed().subsec_nanos() ^ 0x5eed
     );
-    let ports = ports(2 * CYCLES);
+    let dir = TempDir(std::env::temp_dir().join(format!("fh-reform-{}", token)));
+    std::fs::create_dir_all(&dir.0).expect("a temporary directory");
     // Cycle c: world 2c = {long 0, long 1, victim c} with the victim at rank c % 3; world 2c+1
     // = {long 0, long 1}, long 0 at rank c % 2.
     let mut long = [String::new(), String::new()];
@@ -135,21 +135,22 @@ fn reform(backend: &str) {
         let v = c % 3;
         let others: Vec<usize> = (0..3).filter(|&r| r != v).collect();
         for (l, s) in long.iter_mut().enumerate() {
-            s.push_str(&format!("{},{},{},3;", 2 * c, ports[2 * c], others[l]));
+            s.push_str(&format!("{},{},3;", 2 * c, others[l]));
             let r2 = (c + l) % 2;
-            s.push_str(&format!("{},{},{r2},2;", 2 * c + 1, ports[2 * c + 1]));
+            s.push_str(&format!("{},{r2},2;", 2 * c + 1));
         }
-        victims.push(format!("{},{},{v},3", 2 * c, ports[2 * c]));
+        victims.push(format!("{},{v},3", 2 * c));
     }
     // Simulated hosts (hier): long 0 and the victims on "a", long 1 on "b".
     let deadline = Instant::now() + LIMIT;
     let mut kids = Kids(vec![
-        spawn("long", backend, &token, "a", &long[0]),
-        spawn("long", backend, &token, "b", &long[1]),
+        spawn("long", backend, &token, "a", &long[0], &dir.0),
+        spawn("long", backend, &token, "b", &long[1], &dir.0),
     ]);
     let mut failure = None;
     for (c, worlds) in victims.iter().enumerate() {
-        kids.0.push(spawn("victim", backend, &token, "a", worlds));
+        kids.0
+            .push(spawn("victim", backend, &token, "a", worlds, &dir.0));
         let k = kids.0.len() - 1;
         let status = wait_exit(&mut kids.0[k], deadline, "a victim");
         if status.signal() != Some(9) {
@@ -284,7 +285,6 @@ fn check_released(base: &Held, when: &str) -> Result<(), String> {
 
 struct World {
     w: usize,
-    port: u16,
     rank: usize,
     size: usize,
 }
@@ -296,30 +296,64 @@ fn parse_worlds(s: &str) -> Vec<World> {
             let v: Vec<usize> = e.split(',').map(|x| x.parse().expect("number")).collect();
             World {
                 w: v[0],
-                port: v[1] as u16,
-                rank: v[2],
-                size: v[3],
+                rank: v[1],
+                size: v[2],
             }
         })
         .collect()
 }
 
-fn launch(world: &World, backend: &str, token: &str, host: &str) -> LaunchInfo {
-    LaunchInfo {
+/// World `w`'s rendezvous port: rank 0 finds a free one and leaves it in the directory; the
+/// others wait for it (at most [`WAIT`]).
+fn rendezvous_port(world: &World) -> Result<u16, String> {
+    let dir = std::path::PathBuf::from(std::env::var(DIR).map_err(|_| "no FH_REFORM_DIR")?);
+    let file = dir.join(format!("{}.port", world.w));
+    if world.rank == 0 {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .map_err(|e| format!("no free port: {e}"))?;
+        let tmp = dir.join(format!("{}.port.tmp", world.w));
+        std::fs::write(&tmp, port.to_string())
+            .and_then(|()| std::fs::rename(&tmp, &file))
+            .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+        return Ok(port);
+    }
+    let t0 = Instant::now();
+    loop {
+        if let Some(p) = std::fs::read_to_string(&file)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+        {
+            return Ok(p);
+        }
+        if t0.elapsed() > WAIT {
+            return Err(format!(
+                "no rendezvous port for world {} in {WAIT:?}",
+                world.w
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn launch(world: &World, backend: &str, token: &str, host: &str) -> Result<LaunchInfo, String> {
+    let port = rendezvous_port(world)?;
+    Ok(LaunchInfo {
         rank: world.rank,
         size: world.size,
         local_rank: world.rank,
         local_size: world.size,
         cross_rank: 0,
         cross_size: 1,
-        rendezvous: Some(format!("127.0.0.1:{}", world.port)),
+        rendezvous: Some(format!("127.0.0.1:{port}")),
         token: Some(world_token(token, world.w)),
         launcher: Launcher::Fhrun,
         timeout: Duration::from_secs(20),
         // Two simulated hosts for the hierarchical backend; the others run on one host.
         host_id: (backend == "hier").then(|| format!("reform-host-{host}")),
         ..LaunchInfo::single()
-    }
+    })
 }
 
 /// The engine's configuration: two channels, and a timeline written by rank 0 (its writer
@@ -401,7 +435,7 @@ fn run_long(backend: &str, token: &str, host: &str, worlds: &[World]) -> Result<
     let base = held();
     for world in worlds {
         let tag = format!("world {} (rank {} of {})", world.w, world.rank, world.size);
-        let info = launch(world, backend, token, host);
+        let info = launch(world, backend, token, host)?;
         let transport = fh_transport::world_for(&info, Some(backend))
             .map_err(|e| format!("{tag}: world: {e}"))?;
         let (config, timeline) = config(world);
@@ -452,7 +486,7 @@ fn run_long(backend: &str, token: &str, host: &str, worlds: &[World]) -> Result<
 
 fn run_victim(backend: &str, token: &str, host: &str, world: &World) -> Result<(), String> {
     let tag = format!("victim world {} (rank {})", world.w, world.rank);
-    let info = launch(world, backend, token, host);
+    let info = launch(world, backend, token, host)?;
     let transport =
         fh_transport::world_for(&info, Some(backend)).map_err(|e| format!("{tag}: world: {e}"))?;
     let (config, timeline) = config(world);
