@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 use fh_scheduler::{AllreduceOptions, Config, Engine, ReduceOp, SchedulerError, Tensor};
 use fh_transport::bootstrap::{JobToken, LaunchInfo, Launcher};
 
-/// The child's schedule: `world,rank,size;...` (the worlds this process joins, in order).
+/// The child's schedule: `world,rank,size,how;...` (the worlds this process joins, in order;
+/// how each ends: `r` a victim killed in a round, `s` a victim killed as the engine starts,
+/// `c` a peer that closes).
 const WORLDS: &str = "FH_REFORM_WORLDS";
 /// `long` (lives through every cycle) or `victim` (kills itself in its world's round).
 const ROLE: &str = "FH_REFORM_ROLE";
@@ -38,6 +40,8 @@ const HOST: &str = "FH_REFORM_HOST";
 /// A directory of the parent's where rank 0 of world `w` leaves its rendezvous port in
 /// `w.port` (picked just before the world forms, as an elastic worker picks its candidate).
 const DIR: &str = "FH_REFORM_DIR";
+/// Cycles whose victim dies in a round (its rank rotating); one more follows whose victim
+/// dies between the rendezvous and the engine's start.
 const CYCLES: usize = 3;
 const WAIT: Duration = Duration::from_secs(30);
 const LIMIT: Duration = Duration::from_secs(150);
@@ -127,19 +131,20 @@ fn reform(backend: &str) {
     );
     let dir = TempDir(std::env::temp_dir().join(format!("fh-reform-{}", token)));
     std::fs::create_dir_all(&dir.0).expect("a temporary directory");
-    // Cycle c: world 2c = {long 0, long 1, victim c} with the victim at rank c % 3; world 2c+1
-    // = {long 0, long 1}, long 0 at rank c % 2.
+    // Cycle c: world 2c = {long 0, long 1, victim c} with the victim at rank c % 3, killed in
+    // a round (the last cycle: at rank 0, as the engine starts, so that the world fails to
+    // form); world 2c+1 = {long 0, long 1}, long 0 at rank c % 2, ended by a peer that closes.
     let mut long = [String::new(), String::new()];
     let mut victims = Vec::new();
-    for c in 0..CYCLES {
-        let v = c % 3;
+    for c in 0..=CYCLES {
+        let (v, how) = if c < CYCLES { (c % 3, 'r') } else { (0, 's') };
         let others: Vec<usize> = (0..3).filter(|&r| r != v).collect();
         for (l, s) in long.iter_mut().enumerate() {
-            s.push_str(&format!("{},{},3;", 2 * c, others[l]));
+            s.push_str(&format!("{},{},3,{how};", 2 * c, others[l]));
             let r2 = (c + l) % 2;
-            s.push_str(&format!("{},{r2},2;", 2 * c + 1));
+            s.push_str(&format!("{},{r2},2,c;", 2 * c + 1));
         }
-        victims.push(format!("{},{v},3", 2 * c));
+        victims.push(format!("{},{v},3,{how}", 2 * c));
     }
     // Simulated hosts (hier): long 0 and the victims on "a", long 1 on "b".
     let deadline = Instant::now() + LIMIT;
@@ -186,7 +191,7 @@ fn reform(backend: &str) {
         all(&outs)
     );
     // Nothing of any world in /dev/shm.
-    for w in 0..2 * CYCLES {
+    for w in 0..2 * (CYCLES + 1) {
         let t = world_token(&token, w);
         let mut prefixes = vec![fh_transport::shm::segment_prefix(t.expose())];
         for h in 0..3 {
@@ -287,17 +292,21 @@ struct World {
     w: usize,
     rank: usize,
     size: usize,
+    /// How the world ends (see [`WORLDS`]).
+    how: char,
 }
 
 fn parse_worlds(s: &str) -> Vec<World> {
     s.split(';')
         .filter(|e| !e.is_empty())
         .map(|e| {
-            let v: Vec<usize> = e.split(',').map(|x| x.parse().expect("number")).collect();
+            let v: Vec<&str> = e.split(',').collect();
+            let n = |i: usize| v[i].parse::<usize>().expect("number");
             World {
-                w: v[0],
-                rank: v[1],
-                size: v[2],
+                w: n(0),
+                rank: n(1),
+                size: n(2),
+                how: v[3].chars().next().expect("how the world ends"),
             }
         })
         .collect()
@@ -349,7 +358,9 @@ fn launch(world: &World, backend: &str, token: &str, host: &str) -> Result<Launc
         rendezvous: Some(format!("127.0.0.1:{port}")),
         token: Some(world_token(token, world.w)),
         launcher: Launcher::Fhrun,
-        timeout: Duration::from_secs(20),
+        // A world whose rank 0 dies before it creates a shared-memory segment is given up
+        // only after the timeout (its peers cannot tell it is gone before then): keep it short.
+        timeout: Duration::from_secs(if world.how == 's' { 5 } else { 20 }),
         // Two simulated hosts for the hierarchical backend; the others run on one host.
         host_id: (backend == "hier").then(|| format!("reform-host-{host}")),
         ..LaunchInfo::single()
@@ -436,9 +447,21 @@ fn run_long(backend: &str, token: &str, host: &str, worlds: &[World]) -> Result<
     for world in worlds {
         let tag = format!("world {} (rank {} of {})", world.w, world.rank, world.size);
         let info = launch(world, backend, token, host)?;
+        let (config, timeline) = config(world);
+        if world.how == 's' {
+            // The victim dies as the engine starts: the world or the engine fails to form.
+            let started = fh_transport::world_for(&info, Some(backend))
+                .map_err(SchedulerError::from)
+                .and_then(|t| Engine::start(t, config));
+            if let Ok(engine) = started {
+                return Err(format!("{tag}: started without the victim: {engine:?}"));
+            }
+            let _ = std::fs::remove_file(&timeline);
+            check_released(&base, &format!("after {tag} failed to start"))?;
+            continue;
+        }
         let transport = fh_transport::world_for(&info, Some(backend))
             .map_err(|e| format!("{tag}: world: {e}"))?;
-        let (config, timeline) = config(world);
         let engine = Engine::start(transport, config).map_err(|e| format!("{tag}: engine: {e}"))?;
         if engine.topology().rank != world.rank || engine.size() != world.size {
             return Err(format!("{tag}: got topology {:?}", engine.topology()));
@@ -489,6 +512,10 @@ fn run_victim(backend: &str, token: &str, host: &str, world: &World) -> Result<(
     let info = launch(world, backend, token, host)?;
     let transport =
         fh_transport::world_for(&info, Some(backend)).map_err(|e| format!("{tag}: world: {e}"))?;
+    if world.how == 's' {
+        // Die between the rendezvous and the engine's start.
+        kill_self();
+    }
     let (config, timeline) = config(world);
     let engine = Engine::start(transport, config).map_err(|e| format!("{tag}: engine: {e}"))?;
     // The file's name stays open in the writer; unlinked now, nothing is left when it dies.
@@ -503,11 +530,17 @@ fn run_victim(backend: &str, token: &str, host: &str, world: &World) -> Result<(
             sum(),
         )
         .map_err(|e| format!("{tag}: submit: {e}"))?;
+    kill_self();
+}
+
+/// SIGKILL this process.
+fn kill_self() -> ! {
     let _ = Command::new("kill")
         .args(["-KILL", &std::process::id().to_string()])
         .status();
     std::thread::sleep(Duration::from_secs(30));
-    Err(format!("{tag}: still alive after SIGKILL"))
+    println!("RESULT still alive after SIGKILL");
+    std::process::exit(1);
 }
 
 /// The body of one rank process (run only by the tests above).
