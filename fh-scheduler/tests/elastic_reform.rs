@@ -10,8 +10,11 @@
 //! their engines, check that `/proc/self/task` and `/proc/self/fd` hold exactly what they held
 //! before the first world (and that nothing of `/dev/shm` is mapped), form a 2-rank world, run
 //! collectives with checked results, and end it with one rank closing (its reason reaches the
-//! other) — checked again — before the next cycle. Over `tcp`, `shm` and `hier` (two simulated
-//! hosts through `FH_HOST_ID`).
+//! other) — checked again — before the next cycle. In a last cycle the newcomer, rank 0, dies
+//! between the rendezvous and the engine's start, so that the survivors' world fails to form:
+//! that failed start must leave nothing either. Each rank's engine writes a timeline (its
+//! writer thread is joined too). Over `tcp`, `shm` and `hier` (two simulated hosts through
+//! `FH_HOST_ID`).
 //!
 //! The test binary re-runs itself as the ranks (the ignored test `reform_child`); a guard kills
 //! and reaps every child, also when an assertion fails, and every wait is bounded.
