@@ -12,7 +12,7 @@
 //! collectives with checked results, and end it with one rank closing (its reason reaches the
 //! other) — checked again — before the next cycle. In a last cycle the newcomer, rank 0, dies
 //! between the rendezvous and the engine's start, so that the survivors' world fails to form:
-//! that failed start must leave nothing either. Each rank's engine writes a timeline (its
+//! that failed start must leave nothing either. Rank 0's engine writes a timeline (its
 //! writer thread is joined too). Over `tcp`, `shm` and `hier` (two simulated hosts through
 //! `FH_HOST_ID`).
 //!
