@@ -92,6 +92,14 @@ pub enum SchedulerError {
         /// What was wrong and what is accepted.
         reason: String,
     },
+    /// The elastic job cannot go on (the driver answered `Failed`, e.g. fewer than `--min-np`
+    /// ranks remain); `reason` is the driver's, naming the lost hosts and why they were lost
+    /// ([`crate::elastic`]).
+    #[error("the elastic job cannot go on: {reason}")]
+    ElasticFailed {
+        /// The driver's reason.
+        reason: String,
+    },
     /// A pure-logic error from `fh-core`.
     #[error(transparent)]
     Core(#[from] CoreError),

@@ -17,6 +17,9 @@
 //!   `horovod` preset instead runs Horovod 0.28's schedule (one thread, 1 ms cycle, one
 //!   channel, packing into its fusion buffer) for comparison.
 //!
+//! - [`elastic`]: an engine re-started on a new world each time an elastic job's membership
+//!   changes ([`elastic::Elastic`]: start, train, on an error close and start again, check
+//!   host updates at a commit).
 //! - [`ProcessSets`] runs collectives over subsets of the ranks: each process set is an engine
 //!   of its own over communicators of its members ([`process_set`]).
 //!
@@ -90,6 +93,7 @@
 
 pub mod config;
 mod control;
+pub mod elastic;
 mod engine;
 pub mod error;
 mod exec;
