@@ -32,6 +32,7 @@ import glob
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -133,6 +134,10 @@ def train_step(model, optimizer, x, y):
     return loss.item()
 
 
+# The arguments a replay must share with the run.
+REPLAYED = ["epochs", "samples", "lr", "momentum", "seed"]
+
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=3)
@@ -160,14 +165,18 @@ def main(argv=None):
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
     state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0, step=0)
     log = Log(os.environ.get("ELASTIC_LOG"))
+    log.event("config", rank=hvd.rank(), **{k: getattr(args, k) for k in REPLAYED})
     state.register_reset_callbacks([lambda: log.event("reset", rank=hvd.rank(),
                                                       size=hvd.size())])
 
     def commit():
         try:
             state.commit()
-        finally:
-            log.event("commit", rank=hvd.rank(), step=state.step)
+        except hvd.HostsUpdatedInterrupt:
+            # Saved; the world changes now.
+            log.event("commit", rank=hvd.rank(), step=state.step, hosts_updated=True)
+            raise
+        log.event("commit", rank=hvd.rank(), step=state.step)
 
     @hvd.elastic.run
     def train(state):
@@ -184,7 +193,6 @@ def main(argv=None):
                 state.batch += 1
                 state.sampler.record_batch(state.batch, len(indices))
                 if args.step_delay:
-                    import time
                     time.sleep(args.step_delay)
                 if state.batch % args.commit_every == 0:
                     commit()
@@ -204,11 +212,18 @@ def main(argv=None):
 
 
 def read_logs(directory):
+    """Every worker's events; a last line cut short (a worker killed while writing it) is
+    left out."""
     events = []
     for path in sorted(glob.glob(os.path.join(directory, "*.jsonl"))):
         with open(path, encoding="utf-8") as f:
-            events += [dict(json.loads(line), worker=os.path.basename(path))
-                       for line in f if line.strip()]
+            lines = [line for line in f.read().split("\n") if line.strip()]
+        for n, line in enumerate(lines):
+            try:
+                events.append(dict(json.loads(line), worker=os.path.basename(path)))
+            except json.JSONDecodeError:
+                if n != len(lines) - 1:
+                    raise ValueError(f"{path}: line {n + 1} is not JSON: {line[:100]!r}")
     if not events:
         raise ValueError(f"no *.jsonl logs in {directory}")
     return events
@@ -268,6 +283,14 @@ def replay(args, events):
 def check_replay(args):
     events = read_logs(args.replay)
     problems = []
+    for e in events:
+        if e["event"] == "config":
+            differ = [f"--{k.replace('_', '-')} {e[k]}" for k in REPLAYED
+                      if e[k] != getattr(args, k)]
+            if differ:
+                print(f"replay: {e['worker']} ran with {', '.join(differ)}: replay with the "
+                      "run's arguments", file=sys.stderr, flush=True)
+                return 1
     seq = committed_steps(events)
     trained = {}
     for _, records in seq:
