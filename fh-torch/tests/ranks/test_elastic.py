@@ -99,6 +99,13 @@ def test_torch_state_sync_takes_rank_0s_model_optimizer_and_values():
     for i, (got, want) in enumerate(zip(_momentum(optimizer), _momentum(want_opt))):
         assert torch.equal(got, want), f"rank {r}: momentum {i} is not rank 0's"
     assert (state.epoch, state.tag) == (100, "rank0"), f"rank {r}: {state.epoch, state.tag}"
+    # Values changed since the last save travel as they are, as the models' do; the restore
+    # point stays this rank's own.
+    state.epoch = 200 + r
+    state.sync()
+    assert state.epoch == 200, f"rank {r}: {state.epoch}"
+    state.restore()
+    assert state.epoch == 100 + r, f"rank {r}: {state.epoch}"
 
 
 def test_torch_state_restore_undoes_everything_since_the_commit():
@@ -116,6 +123,60 @@ def test_torch_state_restore_undoes_everything_since_the_commit():
         assert torch.equal(got, want), "restore left an uncommitted parameter"
     for got, want in zip(_momentum(optimizer), committed[1]):
         assert torch.equal(got, want), "restore left an uncommitted momentum"
+
+
+def test_a_commit_that_fails_leaves_the_previous_commit_whole(monkeypatch):
+    from fasthorovod.torch.elastic import state as state_module
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sampler = hvd.elastic.ElasticSampler(range(8))
+    # The model first: saved before the sampler's merge, were the save not in two steps.
+    state = hvd.elastic.TorchState(net=model, opt=optimizer, sampler=sampler, epoch=1)
+    _rank_values(model, optimizer, 1)
+    state.commit()
+    committed = _params(model)
+    _rank_values(model, optimizer, 2)
+    state.epoch = 2
+
+    def lost(*args, **kwargs):
+        raise HorovodInternalError("simulated: rank 9 lost")
+
+    monkeypatch.setattr(state_module, "allgather_object", lost)
+    with pytest.raises(HorovodInternalError):
+        state.commit()  # the sampler's merge fails: nothing of this commit is kept
+    state.restore()
+    assert state.epoch == 1
+    for got, want in zip(_params(model), committed):
+        assert torch.equal(got, want), "a failed commit kept the model's new values"
+
+
+def test_schedulers_and_assigned_models_are_handled():
+    r = hvd.rank()
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    state = hvd.elastic.TorchState(model, optimizer, scheduler=scheduler)
+    for _ in range(r + 1):
+        optimizer.step()
+        scheduler.step()
+    state.sync()
+    assert scheduler.last_epoch == 1, f"rank {r}: the scheduler is not rank 0's"
+    state.commit()
+    scheduler.step()
+    state.restore()
+    assert scheduler.last_epoch == 1
+    # Assigning a new model saves it: a restore goes back to it, not to the old one.
+    other = _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.fill_(3.0)
+    state.model = other
+    with torch.no_grad():
+        for p in other.parameters():
+            p.fill_(4.0)
+    state.restore()
+    assert state.model is other and all(torch.all(p == 3.0) for p in other.parameters())
 
 
 @pytest.mark.parametrize("added,removed,skip", [(True, False, False), (False, True, True),
@@ -200,8 +261,8 @@ def test_run_through_a_host_update_skips_the_sync_only_when_hosts_were_removed(m
         return state.n
 
     resets = []
-    # n: 1 (raise, kept: no sync), 2 (raise), back to the saved 0 by the sync, then 1.
-    assert common_elastic.run_fn(train, lambda: resets.append(1))(state) == 1
+    # n: 1 (raise, no sync), 2 (raise, synchronised as it is), 3.
+    assert common_elastic.run_fn(train, lambda: resets.append(1))(state) == 3
     # Sync at the start, none after the removal, one after the addition; never a restore.
     assert (len(syncs), len(restores), len(resets)) == (2, 0, 2)
 

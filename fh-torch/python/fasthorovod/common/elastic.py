@@ -111,7 +111,7 @@ class ObjectState(State):
     """State of plain Python objects, given as keyword arguments and kept as attributes
     (``state.epoch``, ``state.batch``...). ``save`` keeps a deep copy of each (so changing a
     list in place after a commit does not change the commit); ``sync`` broadcasts rank 0's
-    saved values with ``bcast_object`` (the objects must pickle)."""
+    values with ``bcast_object`` (the objects must pickle)."""
 
     def __init__(self, bcast_object, get_rank, **kwargs):
         self._saved_state = {k: _copy(v) for k, v in kwargs.items()}
@@ -126,12 +126,16 @@ class ObjectState(State):
         self._set_attrs()
 
     def sync(self):
+        # Rank 0's current values (Horovod's: its saved ones). They are the same after a
+        # restore or a commit; after a host change found by check_host_updates() between
+        # commits they are the ones that go with the models', which are synchronised as they
+        # are. The saved values stay this rank's restore point.
         if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state)
-            self._set_attrs()
+            current = {attr: getattr(self, attr) for attr in self._saved_state}
+            self._set_attrs(self._bcast_object(current))
 
-    def _set_attrs(self):
-        for attr, value in self._saved_state.items():
+    def _set_attrs(self, values=None):
+        for attr, value in (self._saved_state if values is None else values).items():
             setattr(self, attr, _copy(value))
 
 
