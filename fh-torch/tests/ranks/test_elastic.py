@@ -267,6 +267,30 @@ def test_run_through_a_host_update_skips_the_sync_only_when_hosts_were_removed(m
     assert (len(syncs), len(restores), len(resets)) == (2, 0, 2)
 
 
+def test_run_synchronises_every_rank_when_one_needs_it(monkeypatch):
+    # The last rank stands for a worker that joined a world formed after hosts were only
+    # removed: it needs the sync, the others would skip it; all must sync, or it waits alone.
+    FakeDriver(monkeypatch)
+    r, n = hvd.rank(), hvd.size()
+    syncs = []
+
+    class Counting(hvd.elastic.ObjectState):
+        def sync(self):
+            syncs.append(1)
+            super().sync()
+
+    state = Counting(hvd.broadcast_object, hvd.rank, n=0)
+    from fasthorovod.torch import elastic as torch_elastic
+
+    def train(state):
+        if len(syncs) == 1:
+            raise HostsUpdatedInterrupt(skip_sync=r != n - 1)
+        return len(syncs)
+
+    runner = common_elastic.run_fn(train, lambda: None, torch_elastic._agree_sync)
+    assert runner(state) == 2, f"rank {r}: {len(syncs)} syncs"
+
+
 def test_run_outside_an_elastic_job_reraises_a_lost_rank():
     state = hvd.elastic.ObjectState(hvd.broadcast_object, hvd.rank, n=0)
     resets = []
@@ -396,3 +420,33 @@ def test_example_replays_through_a_lost_rank_and_host_changes(tmp_path, monkeypa
     steps = example.committed_steps(events)
     assert len(mine) == len(steps) + 1, "the step after the failed commit was not undone"
     assert example.check_replay(args) == 0
+
+
+def test_a_joining_workers_optimizer_meets_the_survivors():
+    # In a new world a joining worker's DistributedOptimizer has agreed nothing with the
+    # others yet (how each gradient travels), where the survivors' had in the old world:
+    # every rank agrees anew after init().
+    r, n = hvd.rank(), hvd.size()
+
+    def make():
+        torch.manual_seed(5)
+        model = torch.nn.Linear(3, 2)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                       named_parameters=model.named_parameters())
+        return model, opt
+
+    def step(model, opt):
+        opt.zero_grad()
+        model(torch.full((1, 3), float(r + 1))).sum().backward()
+        opt.step()
+
+    model, opt = make()
+    step(model, opt)
+    hvd.shutdown()
+    hvd.init()
+    if r == n - 1:
+        model, opt = make()  # the joining worker (its state would come from the sync)
+    before = model.weight.detach().clone()
+    step(model, opt)
+    # The weight's gradient is the input, (r + 1) everywhere: averaged, (n + 1) / 2.
+    assert torch.allclose(before - model.weight.detach(), torch.full((2, 3), (n + 1) / 2))

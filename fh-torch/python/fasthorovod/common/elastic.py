@@ -147,16 +147,24 @@ def leave(error):
     sys.exit(0)
 
 
-def run_fn(func, reset):
+def run_fn(func, reset, agree_sync=None):
     """``func(state, *args, **kwargs)`` run until it returns, re-forming the world with
-    ``reset()`` (no arguments) after each failure or host change; see the module's text."""
+    ``reset()`` (no arguments) after each failure or host change; see the module's text.
+
+    ``agree_sync(needed)``: whether any rank needs the state synchronised (a collective), so
+    that a worker that joined a world formed after hosts were only removed (it was started
+    after rank 0's last look at the hosts) is synchronised with the others, not alone (which
+    would wait forever: Horovod's race). Without it each rank decides alone, as Horovod."""
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         skip_sync = False
         while True:
             try:
-                if not skip_sync:
+                sync = not skip_sync
+                if agree_sync is not None:
+                    sync = agree_sync(sync)
+                if sync:
                     state.sync()
                 return func(state, *args, **kwargs)
             except HorovodInternalError:

@@ -67,6 +67,7 @@ def init(comm=None, process_sets=None):
         _core.init()
     except _elastic_core.WorkerRemovedError as e:
         _common_elastic.leave(e)
+    _mpi_ops._world_count += 1
     import torch
 
     local = torch.tensor([local_size()], dtype=torch.int64)

@@ -31,7 +31,17 @@ def run(func):
     ``func`` must not begin with a collective of its own outside ``state``: a new worker
     synchronises the state while the others do, and must meet them there. A worker that the
     driver leaves out of the new world exits with status 0 (a line on stderr says why)."""
-    return run_fn(func, _reset)
+    return run_fn(func, _reset, _agree_sync)
+
+
+def _agree_sync(needed):
+    """Whether any rank needs the state synchronised (a Max allreduce)."""
+    import torch
+
+    from fasthorovod.torch.mpi_ops import Max, allreduce
+
+    flag = torch.tensor([1 if needed else 0], dtype=torch.int32)
+    return bool(allreduce(flag, op=Max, name="fasthorovod.elastic.sync_needed").item())
 
 
 def _reset():
