@@ -23,8 +23,8 @@ parameters::
     ELASTIC_LOG=/tmp/elog fhrun ... python elastic_train.py --epochs 3
     python elastic_train.py --epochs 3 --replay /tmp/elog
 
-It exits 1, saying what differs, when a worker's parameters are not the replay's, or when a
-completed epoch did not train on every sample.
+It exits 1, saying what differs, when the workers' final parameters are not bit-identical or
+not the replay's (to 1e-9), or when an epoch did not train on every sample.
 """
 
 import argparse
@@ -304,6 +304,10 @@ def check_replay(args):
     finals = [e for e in events if e["event"] == "final"]
     if not finals:
         problems.append("no worker logged its final parameters")
+    for e in finals[1:]:
+        if e["params"] != finals[0]["params"]:
+            problems.append(f"{e['worker']} and {finals[0]['worker']} ended with different "
+                            "parameters (the ranks of a world must be bit-identical)")
     for e in finals:
         diff = max(abs(a - b) for a, b in zip(e["params"], want))
         if len(e["params"]) != len(want) or diff > 1e-9:
