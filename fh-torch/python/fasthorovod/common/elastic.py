@@ -153,8 +153,9 @@ def run_fn(func, reset, agree_sync=None):
 
     ``agree_sync(needed)``: whether any rank needs the state synchronised (a collective), so
     that a worker that joined a world formed after hosts were only removed (it was started
-    after rank 0's last look at the hosts) is synchronised with the others, not alone (which
-    would wait forever: Horovod's race). Without it each rank decides alone, as Horovod."""
+    after rank 0's last look at the hosts) is synchronised with the others, not alone (where
+    it would wait for them in vain: Horovod's race). Without it each rank decides alone, as
+    in Horovod."""
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
