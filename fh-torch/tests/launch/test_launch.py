@@ -1,4 +1,4 @@
-"""Launching jobs: a single process, fhrun, torchrun; a killed rank; the training example."""
+"""Launching jobs: a single process, fhrun, torchrun; a killed rank; the training examples."""
 
 import os
 import secrets
@@ -156,6 +156,19 @@ def test_example_trains_to_identical_parameters(fhrun, tmp_path):
     # It learns.
     losses = [float(line.split()[-1]) for line in out.splitlines() if "loss" in line]
     assert losses and losses[-1] < losses[0], out
+
+
+def test_elastic_example_on_a_fixed_world_matches_its_replay(fhrun, tmp_path):
+    # The elastic example on `fhrun -np 3` (a fixed world: one generation), then its replay.
+    example = str(EXAMPLES / "elastic_train.py")
+    log = str(tmp_path / "log")
+    args = ["--epochs", "2", "--samples", "40"]
+    code, out = run([fhrun, "-np", "3", "--timeout", "200", PYTHON, example, *args],
+                    env={"ELASTIC_LOG": log}, timeout=240)
+    assert code == 0, out
+    assert len(os.listdir(log)) == 3, os.listdir(log)
+    code, out = run([PYTHON, example, *args, "--replay", log], timeout=240)
+    assert code == 0 and "3 workers' final parameters compared" in out, out
 
 
 def test_torchrun_launches_it(tmp_path):

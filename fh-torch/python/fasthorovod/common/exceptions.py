@@ -9,9 +9,11 @@ from fasthorovod._core import HorovodInternalError
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Raised by Horovod's elastic mode when hosts change. FastHorovod has no elastic mode
-    yet; the class exists so that ``except HostsUpdatedInterrupt`` clauses keep working.
-    ``skip_sync`` says whether the state may skip its synchronisation (as in Horovod)."""
+    """Raised in an elastic job by ``State.commit()`` (``check_host_updates()``), on every
+    rank at the same commit, when the driver reports that the job's hosts changed;
+    ``hvd.elastic.run`` catches it and re-forms the world. ``skip_sync``: hosts were only
+    removed, so the survivors, which hold the same committed state, need not synchronise it
+    (as in Horovod)."""
 
     def __init__(self, skip_sync=False):
         super().__init__("hosts updated")

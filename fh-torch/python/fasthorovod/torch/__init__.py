@@ -10,6 +10,8 @@ import os
 import sys
 
 from fasthorovod import _core
+from fasthorovod.common import _elastic_core
+from fasthorovod.common import elastic as _common_elastic
 from fasthorovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from fasthorovod.common.process_sets import (ProcessSet, _forget_sets, _init_sets,
                                              add_process_set, global_process_set,
@@ -45,7 +47,11 @@ def init(comm=None, process_sets=None):
 
     ``process_sets``: a list of ``ProcessSet`` to register now (collectively, in this order,
     with the same ids on every rank), or ``"dynamic"`` to allow ``add_process_set`` /
-    ``remove_process_set`` later (as ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` does)."""
+    ``remove_process_set`` later (as ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` does).
+
+    In an elastic job (``fhrun --host-discovery-script``) the world is the driver's next
+    one; a worker that the driver leaves out of it exits here with status 0 (a line on
+    stderr says why)."""
     if comm is not None:
         raise NotImplementedError("init(comm=...) is not supported by FastHorovod: the world "
                                   "is the launcher's (fhrun, torchrun, mpirun, srun)")
@@ -57,7 +63,11 @@ def init(comm=None, process_sets=None):
                                  f"'dynamic', got {ps!r}")
     if _core.is_initialized():
         return
-    _core.init()
+    try:
+        _core.init()
+    except _elastic_core.WorkerRemovedError as e:
+        _common_elastic.leave(e)
+    _mpi_ops._world_count += 1
     import torch
 
     local = torch.tensor([local_size()], dtype=torch.int64)

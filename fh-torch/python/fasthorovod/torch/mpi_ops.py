@@ -34,6 +34,9 @@ from fasthorovod.torch.reduce_ops import (HorovodAllreduce, HorovodGroupedAllred
 
 # Whether every host runs the same number of ranks (found by ``init``).
 _homogeneous = None
+# How many times init() has started the runtime in this process: a cache agreed over the
+# ranks of one world (DistributedOptimizer's gradient layouts) is dropped when it changes.
+_world_count = 0
 
 # ---------------------------------------------------------------------------------------------
 # topology and build queries

@@ -32,6 +32,7 @@ import torch
 from fasthorovod.common.process_sets import ProcessSet, global_process_set
 from fasthorovod.common.process_sets import _check as _check_process_set
 from fasthorovod.torch._ops import Average, Max, _resolve_op
+from fasthorovod.torch import mpi_ops
 from fasthorovod.torch.compression import Compression
 from fasthorovod.torch.mpi_ops import (allreduce, allreduce_async_, grouped_allreduce_async_,
                                        synchronize)
@@ -156,7 +157,10 @@ class _DistributedOptimizer:
         self._trained = [p for p in params if p.requires_grad]
         self._delay = {p: backward_passes_per_step for p in params}
         self._sparse_dims = {}  # parameter -> sparse_dim of its sparse gradients here
-        self._layout = {}  # parameter -> _DENSE_GRAD or _SPARSE_GRAD, agreed over the ranks
+        # parameter -> _DENSE_GRAD or _SPARSE_GRAD, agreed over the ranks of one world (see
+        # _layout).
+        self._layouts = {}
+        self._layouts_world = mpi_ops._world_count
         self._in_flight = []
         self._submitted = set()  # buckets submitted this step
         self._passes_seen = False  # a backward pass reached a hook since the last reset
@@ -236,6 +240,16 @@ class _DistributedOptimizer:
         return hook
 
     # -- reduction ------------------------------------------------------------------------
+
+    @property
+    def _layout(self):
+        """The layouts agreed in the running world: forgotten after each ``init()`` (an
+        elastic job's new world may hold a joining worker's optimizer, which agreed nothing
+        yet, so every rank agrees anew)."""
+        if self._layouts_world != mpi_ops._world_count:
+            self._layouts = {}
+            self._layouts_world = mpi_ops._world_count
+        return self._layouts
 
     def _undecided(self, bucket):
         """Whether the bucket's way of travelling is still to be agreed (see the module's
