@@ -31,6 +31,7 @@ import argparse
 import glob
 import json
 import os
+import socket
 import sys
 import time
 
@@ -108,15 +109,26 @@ class Log:
                 f"rank{os.environ.get('FH_RANK', hvd.rank())}-pid{os.getpid()}"
             name = "".join(c if c.isalnum() or c in "-." else "_" for c in worker)
             self.f = open(os.path.join(directory, f"{name}.jsonl"), "a", encoding="utf-8")
+            self.progress = open(os.path.join(directory, f"{name}.progress"), "a",
+                                 encoding="utf-8")
 
     def event(self, kind, **fields):
         if self.f is not None:
-            self.f.write(json.dumps(dict(event=kind, generation=generation(), **fields)) + "\n")
+            g = generation()
+            self.f.write(json.dumps(dict(event=kind, generation=g, **fields)) + "\n")
             self.f.flush()
+            if kind in ("step", "commit"):
+                # One text line a step or commit in <worker>.progress, for a test that watches
+                # the job: `step|commit UNIX_TIME GENERATION RANK SIZE HOST`.
+                host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+                self.progress.write(f"{kind} {time.time():.3f} {g} {fields['rank']} "
+                                    f"{hvd.size()} {host}\n")
+                self.progress.flush()
 
     def close(self):
         if self.f is not None:
             self.f.close()
+            self.progress.close()
 
 
 def generation():
@@ -149,6 +161,9 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="seconds to sleep after each step (to give a test time to act)")
+    p.add_argument("--stop-file", metavar="PATH",
+                   help="end the training at the first commit after PATH exists (rank 0 "
+                        "looks, every rank stops at the same commit)")
     p.add_argument("--replay", metavar="DIR", help="replay the logs in DIR and compare")
     return p.parse_args(argv)
 
@@ -178,6 +193,14 @@ def main(argv=None):
             raise
         log.event("commit", rank=hvd.rank(), step=state.step)
 
+    def stop_requested():
+        """Whether rank 0 sees the stop file (broadcast: every rank stops at this commit)."""
+        if not args.stop_file:
+            return False
+        seen = hvd.rank() == 0 and os.path.exists(args.stop_file)
+        flag = torch.tensor([1 if seen else 0], dtype=torch.int32)
+        return bool(hvd.broadcast(flag, root_rank=0, name="elastic_train.stop").item())
+
     @hvd.elastic.run
     def train(state):
         log.event("world", rank=hvd.rank(), size=hvd.size(), step=state.step,
@@ -196,17 +219,23 @@ def main(argv=None):
                     time.sleep(args.step_delay)
                 if state.batch % args.commit_every == 0:
                     commit()
+                    if stop_requested():
+                        return True
             state.epoch += 1
             state.batch = 0
             state.sampler.set_epoch(state.epoch)
             commit()
+            if stop_requested():
+                return True
+        return False
 
-    train(state)
-    log.event("final", rank=hvd.rank(), size=hvd.size(), step=state.step,
+    stopped = train(state)
+    log.event("final", rank=hvd.rank(), size=hvd.size(), step=state.step, stopped=stopped,
+              epoch=state.epoch,
               params=flat_params(state.model))
     log.close()
     if hvd.rank() == 0:
-        print(f"elastic_train: {state.step} steps in {args.epochs} epochs, final world of "
+        print(f"elastic_train: {state.step} steps, {state.epoch} epochs done, final world of "
               f"{hvd.size()}", flush=True)
     return 0
 
@@ -296,12 +325,15 @@ def check_replay(args):
     for _, records in seq:
         for r in records:
             trained.setdefault(r["epoch"], set()).update(r["indices"])
-    for epoch in range(args.epochs):
+    # Every epoch before the last is complete; the last is too unless the stop file ended it.
+    finals = [e for e in events if e["event"] == "final"]
+    stopped = any(e.get("stopped") for e in finals)
+    complete = max((e["epoch"] for e in finals), default=0) if stopped else args.epochs
+    for epoch in range(complete):
         missing = set(range(args.samples)) - trained.get(epoch, set())
         if missing:
             problems.append(f"epoch {epoch} never trained on samples {sorted(missing)[:10]}")
     want = replay(args, events)
-    finals = [e for e in events if e["event"] == "final"]
     if not finals:
         problems.append("no worker logged its final parameters")
     for e in finals[1:]:

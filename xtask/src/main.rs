@@ -18,6 +18,7 @@
 
 mod bench;
 mod cluster;
+mod elastic_check;
 mod multihost;
 mod nccl;
 mod python;

@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use crate::cargo;
 use crate::cluster::{self, Cluster, RankEnd};
+use crate::elastic_check;
 
 /// How a stage of checks ended.
 pub(crate) enum Verdict {
@@ -74,11 +75,22 @@ type Ran = (String, Result<End, String>);
 
 /// `cargo xtask multihost`.
 pub(crate) fn task(root: &Path, args: &[String]) -> ExitCode {
-    if args.len() > 1 || args.first().is_some_and(|a| a.starts_with('-')) {
+    let usage = || {
         eprintln!(
-            "usage: cargo xtask multihost [FILTER]   (runs the checks whose name contains FILTER)"
+            "usage: cargo xtask multihost [FILTER]   (runs the checks whose name contains FILTER)\n\
+             \x20      cargo xtask multihost --elastic-runs N   (the elastic check N times: \
+             recovery and growth times, median and worst)"
         );
-        return ExitCode::from(2);
+        ExitCode::from(2)
+    };
+    if args.first().is_some_and(|a| a == "--elastic-runs") {
+        return match args.get(1).map(|n| n.parse::<usize>()) {
+            Some(Ok(n)) if n > 0 && args.len() == 2 => elastic_runs(root, n),
+            _ => usage(),
+        };
+    }
+    if args.len() > 1 || args.first().is_some_and(|a| a.starts_with('-')) {
+        return usage();
     }
     match run(root, args.first().map(String::as_str)) {
         Verdict::Passed(s) => {
@@ -98,7 +110,70 @@ pub(crate) fn task(root: &Path, args: &[String]) -> ExitCode {
 
 /// Number of checks [`run`] makes (reported as skipped when none can run).
 fn total_checks() -> usize {
-    LAYOUTS.len() * 3 + 2 + 4 + 1 + 4
+    LAYOUTS.len() * 3 + 2 + 4 + 1 + 4 + 1
+}
+
+/// The name of the elastic check.
+const ELASTIC_CHECK: &str = "elastic training: h2 lost, h3 added (fhrun --host-discovery-script)";
+
+/// `cargo xtask multihost --elastic-runs N`: the elastic check `n` times, each on a fresh
+/// cluster; prints each run's recovery and growth times, then their median and worst.
+fn elastic_runs(root: &Path, n: usize) -> ExitCode {
+    if let Some(why) = cluster::unavailable() {
+        eprintln!("multihost: cannot emulate a cluster: {why}");
+        return ExitCode::FAILURE;
+    }
+    let Ok(fhrun) = build_fhrun(root) else {
+        return ExitCode::FAILURE;
+    };
+    let py = match torch_python(root) {
+        Ok(py) => py,
+        Err(why) => {
+            eprintln!("multihost: {why}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (mut recovery, mut growth) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let r = Cluster::up(4, Some(LINK)).and_then(|c| {
+            let r = elastic_check::run_once(&c, &fhrun, root, &py, i);
+            c.down().and(r)
+        });
+        match r {
+            Ok(run) => {
+                eprintln!("multihost: elastic run {}/{n}: {}", i + 1, run.summary);
+                recovery.push(run.recovery);
+                growth.push(run.growth);
+            }
+            Err(e) => {
+                eprintln!("multihost: elastic run {}/{n} FAILED: {e}", i + 1);
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let (rm, rw) = median_and_worst(&recovery);
+    let (gm, gw) = median_and_worst(&growth);
+    eprintln!(
+        "multihost: {n} elastic runs: from h2's SIGKILL to training on 2 ranks: median \
+         {rm:.2} s, worst {rw:.2} s; from h3's addition to training with it: median {gm:.2} s, \
+         worst {gw:.2} s"
+    );
+    ExitCode::SUCCESS
+}
+
+/// Builds fhrun (test profile, as [`run`] does) and returns its path.
+fn build_fhrun(root: &Path) -> Result<PathBuf, ()> {
+    let target = root.join("target");
+    let status = Command::new(cargo())
+        .current_dir(root)
+        .args(["build", "--profile", "test", "-p", "fh-launch", "--bins"])
+        .env("CARGO_TARGET_DIR", &target)
+        .status();
+    if !matches!(status, Ok(s) if s.success()) {
+        eprintln!("multihost: cargo build -p fh-launch failed: {status:?}");
+        return Err(());
+    }
+    Ok(target.join("debug").join("fhrun"))
 }
 
 /// Builds the programs and runs every check (whose name contains `filter`, when given).
@@ -285,6 +360,23 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             })
             .map(End::Passed);
         note(name.to_string(), r, t);
+    }
+
+    {
+        let name = ELASTIC_CHECK;
+        if wanted(name) {
+            let t = Instant::now();
+            let r = match torch_python(root) {
+                Err(why) => Ok(End::Skipped(why)),
+                Ok(py) => Cluster::up(4, Some(LINK))
+                    .and_then(|c| {
+                        let r = elastic_check::run_once(&c, &bins.fhrun, root, &py, 0);
+                        c.down().and(r.map(|run| run.summary))
+                    })
+                    .map(End::Passed),
+            };
+            note(name.to_string(), r, t);
+        }
     }
 
     let failed: Vec<String> = ran

@@ -132,13 +132,10 @@
 //! }
 //! ```
 
-mod spec_types;
-
 use fh_transport::bootstrap::LaunchInfo;
 
-// TODO(merge, issue 28): import these from `fh_transport::elastic` and delete `spec_types`.
-pub use spec_types::{Assignment, HostUpdate, Membership};
-use spec_types::{ADDR_VAR, ELASTIC_INCARNATION_BASE};
+use fh_transport::elastic::ELASTIC_INCARNATION_BASE;
+pub use fh_transport::elastic::{Assignment, HostUpdate, Membership};
 
 use crate::{Config, Engine, SchedulerError};
 
@@ -193,23 +190,16 @@ impl Elastic {
     /// `FH_JOB_TOKEN`. `None` when the process is not a worker of an elastic job. The backend
     /// is chosen by `FH_TRANSPORT`, as for [`fh_transport::from_env`].
     pub fn from_env() -> Result<Option<Elastic>, SchedulerError> {
-        if std::env::var_os(ADDR_VAR).is_none() {
+        let Some(client) = fh_transport::elastic::Client::from_env()? else {
             return Ok(None);
-        }
-        // TODO(merge, issue 28): once `fh_transport::elastic` is merged, replace the error
-        // below with (and delete the `#[cfg(any())]` on `ClientSource` further down):
-        //
-        //     let Some(client) = fh_transport::elastic::Client::from_env()? else {
-        //         return Ok(None);
-        //     };
-        //     let base = fh_transport::elastic::base_info()?;
-        //     let choice = std::env::var("FH_TRANSPORT").ok();
-        //     Ok(Some(Elastic::with_source(Box::new(ClientSource(client)), base, choice)))
-        Err(SchedulerError::config(
-            ADDR_VAR,
-            "this build of fh-scheduler has no client for the elastic driver yet \
-             (fh_transport::elastic); unset FH_ELASTIC_ADDR to run a fixed world",
-        ))
+        };
+        let base = fh_transport::elastic::base_info()?;
+        let choice = std::env::var("FH_TRANSPORT").ok();
+        Ok(Some(Elastic::with_source(
+            Box::new(ClientSource(client)),
+            base,
+            choice,
+        )))
     }
 
     /// An elastic engine whose worlds come from `source`: each generation's world is built
@@ -311,12 +301,8 @@ impl Elastic {
 }
 
 /// The driver's session as a [`WorldSource`].
-// TODO(merge, issue 28): delete this `cfg` once `fh_transport::elastic` exists.
-#[cfg(any())]
 struct ClientSource(fh_transport::elastic::Client);
 
-// TODO(merge, issue 28): delete this `cfg` once `fh_transport::elastic` exists.
-#[cfg(any())]
 impl WorldSource for ClientSource {
     fn next_world(&mut self) -> Result<Membership, SchedulerError> {
         Ok(self.0.next_world()?)

@@ -45,6 +45,7 @@ mod submit;
 pub struct Engine {
     inner: Arc<Inner>,
     topology: Topology,
+    backend: &'static str,
     control: Mutex<Option<JoinHandle<()>>>,
     transport: Mutex<Option<Box<dyn Transport>>>,
 }
@@ -175,6 +176,7 @@ impl Engine {
         Ok(Engine {
             inner,
             topology: topo,
+            backend: transport.backend(),
             control: Mutex::new(Some(handle)),
             transport: Mutex::new(Some(transport)),
         })
@@ -246,6 +248,11 @@ impl Engine {
     /// Where this rank sits: rank, size, local and cross ranks and sizes.
     pub fn topology(&self) -> Topology {
         self.topology
+    }
+
+    /// The backend of the world the engine runs on (`tcp`, `shm`, `hier`, `mpi`, `local`, ...).
+    pub fn backend(&self) -> &'static str {
+        self.backend
     }
 
     /// Start writing a Chrome-trace timeline to `path` (rank 0 writes; other ranks accept

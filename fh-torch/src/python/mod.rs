@@ -37,6 +37,16 @@ create_exception!(
     "A collective failed on every rank (ranks disagreed, a rank was lost, the runtime shut down)."
 );
 
+// Raised by `init()` in an elastic worker that the driver left out of the new world (its host
+// was removed or blacklisted, or it is above `--max-np`); `hvd.elastic.run` ends the process
+// quietly on it.
+create_exception!(
+    fasthorovod._core,
+    WorkerRemovedError,
+    PyRuntimeError,
+    "This elastic worker is not in the new world; the driver stops it."
+);
+
 /// An engine error as the Python exception Horovod users expect.
 fn to_py(e: SchedulerError) -> PyErr {
     let msg = e.to_string();
@@ -56,6 +66,10 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add(
         "HorovodInternalError",
         m.py().get_type::<HorovodInternalError>(),
+    )?;
+    m.add(
+        "WorkerRemovedError",
+        m.py().get_type::<WorkerRemovedError>(),
     )?;
     m.add_class::<PyHandle>()?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
@@ -82,6 +96,9 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(process_set_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(process_set_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(elastic_enabled, m)?)?;
+    m.add_function(wrap_pyfunction!(elastic_assignment, m)?)?;
+    m.add_function(wrap_pyfunction!(elastic_host_updates, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

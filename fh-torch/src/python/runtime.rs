@@ -2,6 +2,8 @@
 
 use super::*;
 
+use fh_scheduler::elastic::{Elastic, ElasticStart};
+
 pub(super) enum State {
     Uninitialized,
     Running(Arc<Engine>, &'static str),
@@ -82,6 +84,13 @@ pub(super) fn init(py: Python<'_>) -> PyResult<()> {
         tracing::warn!("{u}; it has no effect");
     }
     let cfg = config::config_from(lookup).map_err(to_py)?;
+    if fh_transport::elastic::enabled() {
+        let engine = start_elastic(py, cfg)?;
+        let backend = engine.backend();
+        *state() = State::Running(Arc::new(engine), backend);
+        *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
+        return Ok(());
+    }
     let started = py.detach(move || -> Result<(Engine, &'static str), SchedulerError> {
         let world = fh_transport::from_env().map_err(SchedulerError::from)?;
         let backend = world.backend();
@@ -256,4 +265,114 @@ pub(super) fn process_set_ids() -> PyResult<Vec<u32>> {
     let mut ids = vec![0];
     ids.extend(sets()?.list().into_iter().map(|(id, _)| id));
     Ok(ids)
+}
+
+/// The session of this process with the elastic driver (a worker of `fhrun
+/// --host-discovery-script`), opened at its first `init` and kept for the process's life.
+static ELASTIC: Mutex<Option<Elastic>> = Mutex::new(None);
+
+/// `(generation, hosts_stamp)` of the running elastic world.
+static ASSIGNMENT: Mutex<Option<(u64, u64)>> = Mutex::new(None);
+
+fn elastic_session() -> MutexGuard<'static, Option<Elastic>> {
+    ELASTIC.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `init` of an elastic worker: register with the driver for the next generation and start
+/// the engine on its world. `WorkerRemovedError` when the driver leaves this worker out;
+/// `HorovodInternalError` when the job cannot go on or the world fails to form (the elastic
+/// loop then tries the next one).
+fn start_elastic(py: Python<'_>, cfg: fh_scheduler::Config) -> PyResult<Engine> {
+    let mut session = elastic_session();
+    if session.is_none() {
+        let opened = py.detach(Elastic::from_env).map_err(|e| {
+            HorovodInternalError::new_err(format!(
+                "hvd.init() cannot reach the elastic driver: {e}"
+            ))
+        })?;
+        *session = Some(opened.ok_or_else(|| {
+            HorovodInternalError::new_err(
+                "hvd.init(): FH_ELASTIC_ADDR is set but names no elastic session (is \
+                 FH_ELASTIC_WORKER set? fhrun --host-discovery-script sets both)",
+            )
+        })?);
+    }
+    let Some(elastic) = session.as_mut() else {
+        return Err(not_initialized());
+    };
+    // A world that fails to form (a peer lost during its rendezvous or start-up) fails on
+    // every member, and each registers again for the next: the driver forms that one from
+    // the workers still alive. Bounded: the driver's own limits (--elastic-timeout,
+    // --reset-limit) end a job that cannot form a world long before these attempts run out.
+    let started = py.detach(|| {
+        let mut attempt = 1;
+        loop {
+            match elastic.start(cfg.clone()) {
+                Err(e) if is_transient(&e) && attempt < FORM_ATTEMPTS => {
+                    tracing::warn!(
+                        attempt,
+                        "an elastic world failed to form ({e}); registering for the next"
+                    );
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    });
+    match started {
+        Ok(ElasticStart::Started { engine, assignment }) => {
+            *ASSIGNMENT.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some((assignment.generation, assignment.hosts_stamp));
+            Ok(engine)
+        }
+        Ok(ElasticStart::Removed(why)) => Err(WorkerRemovedError::new_err(why)),
+        Err(e) => Err(HorovodInternalError::new_err(format!(
+            "hvd.init() could not form the next elastic world: {e}"
+        ))),
+    }
+}
+
+/// How many worlds in a row `init` may see fail to form before it gives up.
+const FORM_ATTEMPTS: u32 = 10;
+
+/// Whether an error of [`Elastic::start`] is a world that failed to form (try the next),
+/// rather than the end of the job or a bad assignment.
+fn is_transient(e: &SchedulerError) -> bool {
+    !matches!(
+        e,
+        SchedulerError::ElasticFailed { .. } | SchedulerError::InvalidArgument(_)
+    )
+}
+
+/// Whether this process is a worker of an elastic job (`FH_ELASTIC_ADDR` set by `fhrun
+/// --host-discovery-script`).
+#[pyfunction]
+pub(super) fn elastic_enabled() -> bool {
+    fh_transport::elastic::enabled()
+}
+
+/// `(generation, hosts_stamp)` of the running elastic world.
+#[pyfunction]
+pub(super) fn elastic_assignment() -> PyResult<(u64, u64)> {
+    engine()?;
+    ASSIGNMENT
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .ok_or_else(|| PyValueError::new_err("this process is not a worker of an elastic job"))
+}
+
+/// `(stamp, added, removed)`: the driver's changes of the usable host set after stamp
+/// `since` (rank 0 asks at a commit and broadcasts the answer).
+#[pyfunction]
+pub(super) fn elastic_host_updates(py: Python<'_>, since: u64) -> PyResult<(u64, bool, bool)> {
+    let mut session = elastic_session();
+    let Some(elastic) = session.as_mut() else {
+        return Err(PyValueError::new_err(
+            "this process is not a worker of an elastic job (no session with a driver)",
+        ));
+    };
+    let u = py
+        .detach(|| elastic.host_updates(since))
+        .map_err(|e| HorovodInternalError::new_err(format!("asking the elastic driver: {e}")))?;
+    Ok((u.stamp, u.added, u.removed))
 }

@@ -49,7 +49,11 @@ def _reset():
     next world)."""
     import fasthorovod.torch as hvd
 
-    hvd.shutdown()
+    try:
+        hvd.shutdown()
+    except HorovodInternalError:
+        # The engine had failed (the error that brought us here); it is stopped all the same.
+        pass
     hvd.init()
 
 
