@@ -361,7 +361,11 @@ pub(crate) fn run_once(
             "worlds: generation {first} (3 ranks), h2 SIGKILLed, generation {two} (2 ranks), h3 \
              added, generation {three} (3 ranks with h3); recovery {recovery:.1} s, growth \
              {growth:.1} s; {}",
-            text.lines().last().unwrap_or("").trim()
+            String::from_utf8_lossy(&said.stdout)
+                .lines()
+                .last()
+                .unwrap_or("")
+                .trim()
         ),
     })
 }

@@ -41,7 +41,9 @@ tasks:
            anything else after `bench` is passed to `fh-bench suite` (see `fh-bench suite --help`)
   multihost
            the multi-host checks on an emulated cluster (network namespaces; needs root),
-           also a stage of `test`
+           also a stage of `test`: cargo xtask multihost [FILTER]
+           cargo xtask multihost --elastic-runs N   (the elastic check N times: recovery
+           and growth times, median and worst)
   cluster [--hosts N] [--link RATE] -- COMMAND [ARGS]
            run COMMAND on host h0 of an emulated cluster (hosts h0..; FH_RSH_AGENT set)
   nccl-bindings [--check] [--header PATH]

@@ -24,10 +24,15 @@
 //!   killed at the deadline) with an error naming a rank it lost; with the link cut nobody
 //!   died, and every rank must name a rank of the other host (never a live peer of its own);
 //!   the check reports when each rank failed, counted from the loss.
+//! - **elastic training** ([`crate::elastic_check`], 4 hosts): `fh-torch/examples/elastic_train.py`
+//!   under `fhrun --host-discovery-script`: h2 lost (SIGKILL), h3 added, the final parameters
+//!   bit-identical on every rank and equal to a one-process replay of the committed worlds;
+//!   `cargo xtask multihost --elastic-runs N` runs it N times and reports the recovery and
+//!   growth times (median, worst).
 //!
 //! Where the machine cannot emulate a cluster ([`cluster::unavailable`]) every check is skipped
 //! and the stage says how many and why; checks needing `mpirun` are skipped without it, the
-//! training check without a `target/fh-venv` that imports `fasthorovod.torch`.
+//! training and elastic checks without a `target/fh-venv` that imports `fasthorovod.torch`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus, Stdio};
@@ -706,19 +711,42 @@ fn fhrun_remote_signal(c: &Cluster, bins: &Bins) -> Result<String, String> {
     let log = c.dir().join("fhrun.log");
     let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
     let err = file.try_clone().map_err(|e| e.to_string())?;
-    let script = "trap 'echo \"rank $FH_RANK got SIGINT\"; exit 3' INT; sleep 300 & wait";
+    // Each rank says it is ready once its trap is set (a file in the cluster's directory,
+    // which every host sees): a SIGINT before that would end a shell without a word.
+    let ready = c.dir().join("sigint-ready");
+    std::fs::create_dir_all(&ready).map_err(|e| format!("{}: {e}", ready.display()))?;
+    let script = "trap 'echo \"rank $FH_RANK got SIGINT\"; exit 3' INT; \
+                  sleep 300 & touch \"$READY/$FH_RANK\"; wait";
     let mut fhrun = c
         .command(0, &bins.fhrun)
-        .args(["-np", "4", "-H", "h0:2,h1:2", "sh", "-c", script])
+        .args([
+            "-np",
+            "4",
+            "-H",
+            "h0:2,h1:2",
+            "-x",
+            "READY",
+            "sh",
+            "-c",
+            script,
+        ])
         .env("FH_RSH_AGENT", &agent)
+        .env("READY", &ready)
         .stdout(file)
         .stderr(err)
         .spawn()
         .map_err(|e| format!("cannot start fhrun: {e}"))?;
-    // h1: the remote part, two shells and their sleeps.
-    if !wait_processes(c, 1, 5) {
-        let _ = fhrun.kill();
-        return Err(format!("the far ranks did not start: {:?}", c.processes(1)));
+    let t = Instant::now();
+    while !(0..4).all(|r| ready.join(r.to_string()).exists()) {
+        if t.elapsed() > Duration::from_secs(60) {
+            let _ = fhrun.kill();
+            return Err(format!(
+                "the ranks did not all start within 60 s (processes on h0 {:?}, h1 {:?})",
+                c.processes(0),
+                c.processes(1)
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
     let _ = Command::new("kill")
         .args(["-INT", &fhrun.id().to_string()])
