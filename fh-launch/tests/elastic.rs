@@ -139,6 +139,35 @@ fn fewer_than_min_np_fails_naming_the_lost_host() {
 }
 
 #[test]
+fn a_command_that_never_joins_fails_at_once() {
+    let dir = TempDir::new("elastic-never");
+    let script = discovery(&dir, &["localhost", "127.0.0.2"]);
+    // The elastic timeout is far longer than the test's bound: the failure must not wait it.
+    let done = Running::start_cmd(Command::new(common::FHRUN).args([
+        "--host-discovery-script",
+        &script,
+        "--min-np",
+        "2",
+        "--elastic-timeout",
+        "600",
+        "--kill-grace",
+        "1",
+        "sh",
+        "-c",
+        "echo no such module >&2; exit 3",
+    ]))
+    .wait(LIMIT);
+    assert_eq!(done.code(), Some(1), "{}\n{}", done.stdout, done.stderr);
+    assert!(
+        done.stderr.contains(
+            "fhrun: elastic job failed: every worker ended before the first world formed"
+        ) && done.stderr.contains("exited with code 3"),
+        "{}",
+        done.stderr
+    );
+}
+
+#[test]
 fn a_bad_discovery_line_is_an_error_naming_it() {
     let dir = TempDir::new("elastic-bad");
     let script = discovery(&dir, &["localhost", "127.0.0.2:zero"]);

@@ -158,6 +158,23 @@ impl Driver {
     }
 
     pub(super) fn starvation(&mut self, now: Instant) {
+        // Every worker started so far ended, in failure, before the first world formed: the
+        // command cannot run (a typo, a missing module), and waiting --elastic-timeout for
+        // hosts that would run it the same way helps nobody.
+        if self.stopping_all.is_none()
+            && self.generation.is_none()
+            && !self.workers.is_empty()
+            && self
+                .workers
+                .iter()
+                .all(|w| w.end.is_some_and(|e| !e.success()))
+        {
+            return self.fail(format!(
+                "every worker ended before the first world formed ({}); does the command run \
+                 on its own? (its output is above)",
+                self.lost_list()
+            ));
+        }
         if self.stopping_all.is_some() || self.finishing || !self.started || self.round.is_some() {
             self.starve = None;
             return;
