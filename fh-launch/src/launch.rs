@@ -231,9 +231,14 @@ pub fn run(job: &LocalJob) -> i32 {
         }
     }
     let mut guardian = Guardian::start();
-    let notices = match NoticeChannel::open() {
-        Ok(n) => Some(n),
-        Err(e) => {
+    // An elastic part's workers get no notice pipe: a worker's engine that loses a peer
+    // notifies the launcher naming the lost rank, which there is a rank of the generation's
+    // world, not of this part — and the driver, not the part, decides what a loss means (the
+    // survivors re-form the world; only a worker's own end counts, reported by its exit).
+    let notices = match (job.report_exits.is_some(), NoticeChannel::open()) {
+        (true, _) => None,
+        (false, Ok(n)) => Some(n),
+        (false, Err(e)) => {
             if job.verbose {
                 eprintln!(
                     "fhrun: cannot open the notice pipe ({e}); a failing rank is blamed by its \

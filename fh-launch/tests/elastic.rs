@@ -113,6 +113,62 @@ fn a_lost_host_shrinks_the_world_and_a_new_host_grows_it() {
 }
 
 #[test]
+fn losing_rank_0_leaves_the_survivors_running() {
+    // Rank 0 is the rendezvous root and the coordinator; its loss is reported by every
+    // survivor's engine naming rank 0, which must not stop a survivor (its part has a worker
+    // at index 0 too).
+    let dir = TempDir::new("elastic-rank0");
+    let script = discovery(&dir, &["localhost", "127.0.0.1", "127.0.0.2"]);
+    let mut run = start(
+        &script,
+        &dir,
+        &["-np", "3", "--min-np", "2", "--elastic-timeout", "30"],
+    );
+    run.wait_for(LIMIT, |out, err| {
+        err.contains("generation 0: 3 ranks on localhost, 127.0.0.1, 127.0.0.2")
+            && probe_pid(out, 0, "localhost:0").is_some()
+            && probe_pid(out, 0, "127.0.0.1:0").is_some()
+            && probe_pid(out, 0, "127.0.0.2:0").is_some()
+    });
+    let first = run.stdout_now();
+    let victim = probe_pid(&first, 0, "localhost:0").unwrap();
+    let keepers = [
+        probe_pid(&first, 0, "127.0.0.1:0").unwrap(),
+        probe_pid(&first, 0, "127.0.0.2:0").unwrap(),
+    ];
+    kill_all(&[victim]);
+    run.wait_for(LIMIT, |out, _| {
+        out.contains("generation 1 rank 0 size 2 sum 2 worker 127.0.0.1:0")
+            && out.contains("generation 1 rank 1 size 2 sum 2 worker 127.0.0.2:0")
+    });
+    let out = run.stdout_now();
+    assert_eq!(probe_pid(&out, 1, "127.0.0.1:0"), Some(keepers[0]));
+    assert_eq!(probe_pid(&out, 1, "127.0.0.2:0"), Some(keepers[1]));
+    // Longer than a part would wait before stopping its workers on another's word (a notice
+    // window and the kill grace): the survivors must still train.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(
+        keepers.iter().all(|&p| alive(p)),
+        "a survivor was stopped after rank 0's loss:\n{}",
+        run.stderr_now()
+    );
+    std::fs::write(dir.path().join("stop"), "").unwrap();
+    let done = run.wait(LIMIT);
+    assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
+    assert!(
+        done.stderr.contains(
+            "generation 1: 2 ranks on 127.0.0.1, 127.0.0.2 (lost localhost: rank 0 killed by \
+             SIGKILL)"
+        ),
+        "{}",
+        done.stderr
+    );
+    let left = survivors_after(&all_pids(&out), Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+}
+
+#[test]
 fn fewer_than_min_np_fails_naming_the_lost_host() {
     let dir = TempDir::new("elastic-min");
     let script = discovery(&dir, &["localhost", "127.0.0.2"]);

@@ -1,13 +1,15 @@
 //! The elastic check of `cargo xtask multihost`: `fh-torch/examples/elastic_train.py` under
-//! `fhrun --host-discovery-script` on an emulated cluster of four hosts, with a host lost and a
-//! host added while it trains.
+//! `fhrun --host-discovery-script` on an emulated cluster of five hosts, with a host lost and a
+//! host added while it trains. fhrun (the driver) runs on h0, which runs no worker.
 //!
-//! 1. The discovery script lists h0, h1 and h2 (one slot each): the job starts on 3 ranks.
-//! 2. After two commits in that world, every process on h2 is killed with SIGKILL (the host is
-//!    lost). The survivors must restore their last commit and train on as 2 ranks; the time
-//!    from the kill to their first step in the new world is the *recovery time*.
-//! 3. h3 is then added to the discovery script; it must join at the next commit (a world of
-//!    3 ranks with a rank on h3); the time from the edit to the first step there is the
+//! 1. The discovery script lists h1, h2 and h3 (one slot each): the job starts on 3 ranks,
+//!    rank 0 on h1.
+//! 2. After two commits in that world, every process on h1 is killed with SIGKILL: the host of
+//!    rank 0 — the rendezvous root and the coordinator — is lost. The survivors must restore
+//!    their last commit and train on as 2 ranks; the time from the kill to their first step
+//!    in the new world is the *recovery time*.
+//! 3. h4 is then added to the discovery script; it must join at the next commit (a world of
+//!    3 ranks with a rank on h4); the time from the edit to the first step there is the
 //!    *growth time*.
 //! 4. After two commits in that world the check creates the stop file: the ranks end at their
 //!    next commit, and fhrun must exit 0 naming the lost host.
@@ -92,9 +94,9 @@ fn now() -> f64 {
 
 /// What one run of the check measured.
 pub(crate) struct ElasticRun {
-    /// Seconds from the SIGKILL of h2 to the first step of the smaller world.
+    /// Seconds from the SIGKILL of h1 to the first step of the smaller world.
     pub recovery: f64,
-    /// Seconds from h3's addition to the first step of the world with h3.
+    /// Seconds from h4's addition to the first step of the world with h4.
     pub growth: f64,
     /// What the check saw (worlds, the replay's verdict).
     pub summary: String,
@@ -180,7 +182,7 @@ fn commits(p: &[Progress], g: u64) -> usize {
         .count()
 }
 
-/// One run of the check on `c` (at least 4 hosts): see the module's docs.
+/// One run of the check on `c` (at least 5 hosts): see the module's docs.
 pub(crate) fn run_once(
     c: &Cluster,
     fhrun: &Path,
@@ -196,7 +198,7 @@ pub(crate) fn run_once(
         let text: String = hosts.iter().map(|h| format!("{h}\n")).collect();
         std::fs::write(&hosts_file, text).map_err(|e| format!("{}: {e}", hosts_file.display()))
     };
-    write_hosts(&["h0", "h1", "h2"])?;
+    write_hosts(&["h1", "h2", "h3"])?;
     let script = dir.join("discover.sh");
     std::fs::write(
         &script,
@@ -249,24 +251,33 @@ pub(crate) fn run_once(
 
     // 1. Three ranks, two commits.
     let first = job.wait_for(&logs, "two commits in a world of 3 ranks", |p| {
-        worlds(p, 3, Some("h2"), 0.0)
+        worlds(p, 3, Some("h1"), 0.0)
             .into_iter()
             .find(|&g| commits(p, g) >= COMMITS)
             .map(|g| g as f64)
     })? as u64;
 
-    // 2. h2 lost.
+    // 2. h1 lost, with rank 0.
+    let rank0 = read_progress(&logs)
+        .iter()
+        .find(|x| x.generation == first && x.rank == 0)
+        .map(|x| x.host.clone());
+    if rank0.as_deref() != Some("h1") {
+        return Err(format!(
+            "rank 0 of the first world ran on {rank0:?}, not on h1"
+        ));
+    }
     let killed = now();
-    let pids = c.processes(2);
+    let pids = c.processes(1);
     if pids.is_empty() {
-        return Err("no process runs on h2 to kill".into());
+        return Err("no process runs on h1 to kill".into());
     }
     for pid in &pids {
         let _ = Command::new("kill")
             .args(["-KILL", &pid.to_string()])
             .status();
     }
-    let smaller = job.wait_for(&logs, "a step in a world of 2 ranks after h2's loss", |p| {
+    let smaller = job.wait_for(&logs, "a step in a world of 2 ranks after h1's loss", |p| {
         p.iter()
             .filter(|x| x.kind == "step" && x.size == 2 && x.generation > first && x.time > killed)
             .map(|x| x.time)
@@ -280,18 +291,18 @@ pub(crate) fn run_once(
             .map(|g| g as f64)
     })? as u64;
 
-    // 3. h3 added.
-    write_hosts(&["h0", "h1", "h3"])?;
+    // 3. h4 added (h1 stays listed: it is blacklisted, and must not come back).
+    write_hosts(&["h1", "h2", "h3", "h4"])?;
     let added = now();
-    let bigger = job.wait_for(&logs, "a step in a world with h3", |p| {
+    let bigger = job.wait_for(&logs, "a step in a world with h4", |p| {
         p.iter()
-            .filter(|x| x.kind == "step" && x.host == "h3" && x.generation > two)
+            .filter(|x| x.kind == "step" && x.host == "h4" && x.generation > two)
             .map(|x| x.time)
             .reduce(f64::min)
     })?;
     let growth = bigger - added;
-    let three = job.wait_for(&logs, "two commits in the world with h3", |p| {
-        worlds(p, 3, Some("h3"), added)
+    let three = job.wait_for(&logs, "two commits in the world with h4", |p| {
+        worlds(p, 3, Some("h4"), added)
             .into_iter()
             .find(|&g| commits(p, g) >= COMMITS)
             .map(|g| g as f64)
@@ -319,13 +330,19 @@ pub(crate) fn run_once(
             tail(&out)
         ));
     }
-    if !out.contains("h2") {
+    if !out.contains("lost h1 (rank 0 gone") {
         return Err(format!(
-            "fhrun's output does not name the lost host h2:\n{}",
+            "fhrun's output does not name the lost host h1 and its rank 0:\n{}",
             tail(&out)
         ));
     }
-    for h in 0..4 {
+    if read_progress(&logs)
+        .iter()
+        .any(|x| x.host == "h1" && x.time > killed)
+    {
+        return Err("h1 trained again after its loss (it is blacklisted)".into());
+    }
+    for h in 0..5 {
         let left = c.processes(h);
         if !left.is_empty() {
             return Err(format!(
@@ -358,9 +375,9 @@ pub(crate) fn run_once(
         recovery,
         growth,
         summary: format!(
-            "worlds: generation {first} (3 ranks), h2 SIGKILLed, generation {two} (2 ranks), h3 \
-             added, generation {three} (3 ranks with h3); recovery {recovery:.1} s, growth \
-             {growth:.1} s; {}",
+            "worlds: generation {first} (3 ranks), h1 (rank 0) SIGKILLed, generation {two} (2 \
+             ranks), h4 added, generation {three} (3 ranks with h4); recovery {recovery:.2} s, \
+             growth {growth:.2} s; {}",
             String::from_utf8_lossy(&said.stdout)
                 .lines()
                 .last()

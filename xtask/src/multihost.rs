@@ -24,8 +24,8 @@
 //!   killed at the deadline) with an error naming a rank it lost; with the link cut nobody
 //!   died, and every rank must name a rank of the other host (never a live peer of its own);
 //!   the check reports when each rank failed, counted from the loss.
-//! - **elastic training** ([`crate::elastic_check`], 4 hosts): `fh-torch/examples/elastic_train.py`
-//!   under `fhrun --host-discovery-script`: h2 lost (SIGKILL), h3 added, the final parameters
+//! - **elastic training** ([`crate::elastic_check`], 5 hosts): `fh-torch/examples/elastic_train.py`
+//!   under `fhrun --host-discovery-script`: h1 lost with rank 0 (SIGKILL), h4 added, the final parameters
 //!   bit-identical on every rank and equal to a one-process replay of the committed worlds;
 //!   `cargo xtask multihost --elastic-runs N` runs it N times and reports the recovery and
 //!   growth times (median, worst).
@@ -119,7 +119,8 @@ fn total_checks() -> usize {
 }
 
 /// The name of the elastic check.
-const ELASTIC_CHECK: &str = "elastic training: h2 lost, h3 added (fhrun --host-discovery-script)";
+const ELASTIC_CHECK: &str =
+    "elastic training: h1 (rank 0) lost, h4 added (fhrun --host-discovery-script)";
 
 /// `cargo xtask multihost --elastic-runs N`: the elastic check `n` times, each on a fresh
 /// cluster; prints each run's recovery and growth times, then their median and worst.
@@ -140,7 +141,7 @@ fn elastic_runs(root: &Path, n: usize) -> ExitCode {
     };
     let (mut recovery, mut growth) = (Vec::new(), Vec::new());
     for i in 0..n {
-        let r = Cluster::up(4, Some(LINK)).and_then(|c| {
+        let r = Cluster::up(5, Some(LINK)).and_then(|c| {
             let r = elastic_check::run_once(&c, &fhrun, root, &py, i);
             c.down().and(r)
         });
@@ -159,8 +160,8 @@ fn elastic_runs(root: &Path, n: usize) -> ExitCode {
     let (rm, rw) = median_and_worst(&recovery);
     let (gm, gw) = median_and_worst(&growth);
     eprintln!(
-        "multihost: {n} elastic runs: from h2's SIGKILL to training on 2 ranks: median \
-         {rm:.2} s, worst {rw:.2} s; from h3's addition to training with it: median {gm:.2} s, \
+        "multihost: {n} elastic runs: from h1's SIGKILL to training on 2 ranks: median \
+         {rm:.2} s, worst {rw:.2} s; from h4's addition to training with it: median {gm:.2} s, \
          worst {gw:.2} s"
     );
     ExitCode::SUCCESS
@@ -373,7 +374,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             let t = Instant::now();
             let r = match torch_python(root) {
                 Err(why) => Ok(End::Skipped(why)),
-                Ok(py) => Cluster::up(4, Some(LINK))
+                Ok(py) => Cluster::up(5, Some(LINK))
                     .and_then(|c| {
                         let r = elastic_check::run_once(&c, &bins.fhrun, root, &py, 0);
                         c.down().and(r.map(|run| run.summary))

@@ -1,7 +1,9 @@
 //! `fh-elastic-probe`: a tiny elastic worker for fhrun's elastic tests (no Python).
 //!
-//! Under `fhrun --host-discovery-script ...` it asks the driver for each world
-//! (`fh_transport::elastic::Client`), builds it over TCP, checks an allreduce and prints
+//! Under `fhrun --host-discovery-script ...` it asks the driver for each world and starts an
+//! engine on it (`fh_scheduler::elastic::Elastic`, as a Rust user's elastic loop does: the
+//! engine's own failure handling, its notices to the launcher included, takes part), checks
+//! an allreduce and prints
 //! `generation G rank R size S` once per world (over TCP, or `PROBE_TRANSPORT`); then it "trains": an allreduce every
 //! `PROBE_STEP_MS` (default 100), rank 0 asking the driver for host updates and every rank
 //! leaving the world at the same step when they changed (as Horovod's `commit()` does). A
@@ -12,9 +14,8 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use fh_core::ReduceOp;
-use fh_transport::elastic::{self, Client, Membership};
-use fh_transport::CollectivesExt;
+use fh_scheduler::elastic::{Assignment, Elastic, ElasticStart};
+use fh_scheduler::{AllreduceOptions, Config, Engine, ReduceOp, SchedulerError, Tensor};
 
 enum Next {
     /// Register again (a lost peer, or the hosts changed).
@@ -23,49 +24,61 @@ enum Next {
     Stop,
 }
 
+/// A Sum allreduce of `v` through the engine.
+fn sum(engine: &Engine, name: &str, v: &[f64]) -> Result<Vec<f64>, SchedulerError> {
+    engine
+        .allreduce(
+            name,
+            Tensor::from_slice(v),
+            AllreduceOptions::with_op(ReduceOp::Sum),
+        )?
+        .wait()?
+        .to_vec::<f64>()
+}
+
+/// Runs one generation's world until the ranks agree to stop or re-form.
 fn world(
-    a: &elastic::Assignment,
-    base: &fh_transport::bootstrap::LaunchInfo,
-    client: &mut Client,
+    a: &Assignment,
+    engine: &Engine,
+    elastic: &mut Elastic,
+    worker: &str,
     step: Duration,
     stop_file: Option<&str>,
 ) -> Result<Next, String> {
-    let info = a.launch_info(base);
-    let choice = std::env::var("PROBE_TRANSPORT").unwrap_or_else(|_| "tcp".into());
-    let mut world =
-        fh_transport::world_for(&info, Some(&choice)).map_err(|e| format!("world: {e}"))?;
-    let mut comm = world.open("probe").map_err(|e| format!("open: {e}"))?;
-    let mut one = [1.0f64];
-    comm.allreduce_typed(&mut one, ReduceOp::Sum)
-        .map_err(|e| format!("allreduce: {e}"))?;
-    let (rank, size) = (info.rank, info.size);
+    let (rank, size) = (a.topology.rank, a.topology.size);
+    let one = sum(engine, "probe.hello", &[1.0]).map_err(|e| format!("allreduce: {e}"))?;
     println!(
-        "generation {} rank {rank} size {size} sum {} worker {} pid {}",
+        "generation {} rank {rank} size {size} sum {} worker {worker} pid {}",
         a.generation,
         one[0],
-        client.worker(),
         std::process::id()
     );
     if one[0] as usize != size {
         return Err(format!("allreduce gave {} on {size} ranks", one[0]));
     }
-    loop {
+    for n in 0u64.. {
         std::thread::sleep(step);
         // [stop votes, host stamp seen by rank 0]
         let stop = stop_file.is_some_and(|f| std::path::Path::new(f).exists());
         let stamp = if rank == 0 {
-            client
+            elastic
                 .host_updates(a.hosts_stamp)
                 .map_err(|e| format!("host updates: {e}"))?
                 .stamp as f64
         } else {
             0.0
         };
-        let mut v = [f64::from(u8::from(stop)), stamp];
-        if let Err(e) = comm.allreduce_typed(&mut v, ReduceOp::Sum) {
-            eprintln!("probe: generation {} lost a peer: {e}", a.generation);
-            return Ok(Next::Again);
-        }
+        let v = match sum(
+            engine,
+            &format!("probe.step{n}"),
+            &[f64::from(u8::from(stop)), stamp],
+        ) {
+            Ok(v) => v,
+            Err(e) => {
+                eprintln!("probe: generation {} lost a peer: {e}", a.generation);
+                return Ok(Next::Again);
+            }
+        };
         if v[0] > 0.0 {
             return Ok(Next::Stop);
         }
@@ -74,6 +87,7 @@ fn world(
             return Ok(Next::Again);
         }
     }
+    unreachable!("the step counter does not run out")
 }
 
 fn main() -> ExitCode {
@@ -82,8 +96,9 @@ fn main() -> ExitCode {
         .and_then(|v| v.parse().ok())
         .map_or(Duration::from_millis(100), Duration::from_millis);
     let stop_file = std::env::var("PROBE_STOP").ok();
-    let mut client = match Client::from_env() {
-        Ok(Some(c)) => c,
+    let worker = std::env::var("FH_ELASTIC_WORKER").unwrap_or_default();
+    let mut elastic = match Elastic::from_env() {
+        Ok(Some(e)) => e,
         Ok(None) => {
             eprintln!("probe: not an elastic worker (FH_ELASTIC_ADDR is not set)");
             return ExitCode::from(2);
@@ -93,39 +108,41 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let base = match elastic::base_info() {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("probe: {e}");
-            return ExitCode::from(1);
-        }
-    };
+    let transport = std::env::var("PROBE_TRANSPORT").unwrap_or_else(|_| "tcp".into());
+    elastic.set_transport_choice(Some(transport));
     loop {
-        match client.next_world() {
-            Ok(Membership::Member(a)) => {
-                match world(&a, &base, &mut client, step, stop_file.as_deref()) {
+        match elastic.start(Config::default()) {
+            Ok(ElasticStart::Started { engine, assignment }) => {
+                let next = world(
+                    &assignment,
+                    &engine,
+                    &mut elastic,
+                    &worker,
+                    step,
+                    stop_file.as_deref(),
+                );
+                let _ = engine.close();
+                match next {
                     Ok(Next::Stop) => {
-                        println!("probe: done in generation {}", a.generation);
+                        println!("probe: done in generation {}", assignment.generation);
                         return ExitCode::SUCCESS;
                     }
                     Ok(Next::Again) => {}
-                    Err(e) => {
-                        eprintln!("probe: generation {}: {e}; registering again", a.generation)
-                    }
+                    Err(e) => eprintln!(
+                        "probe: generation {}: {e}; registering again",
+                        assignment.generation
+                    ),
                 }
             }
-            Ok(Membership::Removed(why)) => {
+            Ok(ElasticStart::Removed(why)) => {
                 println!("probe: removed: {why}");
                 return ExitCode::SUCCESS;
             }
-            Ok(Membership::Failed(why)) => {
-                eprintln!("probe: the job failed: {why}");
+            Err(SchedulerError::ElasticFailed { reason }) => {
+                eprintln!("probe: the job failed: {reason}");
                 return ExitCode::from(1);
             }
-            Err(e) => {
-                eprintln!("probe: {e}");
-                return ExitCode::from(1);
-            }
+            Err(e) => eprintln!("probe: a world failed to form: {e}; registering again"),
         }
     }
 }

@@ -219,6 +219,12 @@ impl Elastic {
         }
     }
 
+    /// Build the next worlds on the backend named `choice` (as `FH_TRANSPORT`; `None`:
+    /// `auto`) instead of the one given at construction.
+    pub fn set_transport_choice(&mut self, choice: Option<String>) {
+        self.transport_choice = choice;
+    }
+
     /// The next world's engine: register with the source, build the world
     /// ([`fh_transport::world_for`] with the generation's [`LaunchInfo`]:
     /// [`Assignment::launch_info`]) and [`Engine::start`] it with `config`. Collective over

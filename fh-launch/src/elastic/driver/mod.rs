@@ -308,15 +308,31 @@ impl Driver {
             while let Ok((part, e)) = self.exits.try_recv() {
                 self.on_exit(part, e);
             }
+            // The ranks of the last generation that the part still ran, for the blame.
+            let mut held: Vec<usize> = Vec::new();
             for w in self.workers.iter_mut().filter(|w| w.part == p) {
                 if w.end.is_none() {
                     w.end = Some(End::PartGone);
+                    held.extend(w.rank);
                 }
             }
+            held.sort_unstable();
             let host = self.parts[p].host.clone();
             if !status.success() && self.parts[p].stopping.is_none() {
+                let whose = match held.as_slice() {
+                    [] => "its workers".to_string(),
+                    [r] => format!("rank {r}"),
+                    rs => format!(
+                        "ranks {}",
+                        rs.iter()
+                            .map(|r| r.to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                };
                 let why = format!(
-                    "the fhrun part running its workers {}",
+                    "{whose} gone: the fhrun part running {} {}",
+                    if held.len() == 1 { "it" } else { "them" },
                     crate::launch::describe(status)
                 );
                 self.lose_host(&host, why);
