@@ -230,13 +230,29 @@ impl Elastic {
     /// [`Assignment::launch_info`]) and [`Engine::start`] it with `config`. Collective over
     /// the new world's ranks. Close the previous generation's engine first.
     ///
-    /// Errors: [`SchedulerError::ElasticFailed`] when the job cannot go on (the source answered
+    /// Errors: [`SchedulerError::Config`] for a backend that cannot form elastic worlds
+    /// (`mpi`); [`SchedulerError::ElasticFailed`] when the job cannot go on (the source answered
     /// `Failed(reason)`: the error carries the reason; or the source itself failed, e.g. the
     /// session to the driver is lost); [`SchedulerError::InvalidArgument`] for an assignment
     /// that makes no sense (a rank outside the world, a generation not after the last one);
     /// any other error is this world failing to form (a peer lost during the rendezvous or
     /// the engine's start-up): call `start` again to register for the next.
     pub fn start(&mut self, config: Config) -> Result<ElasticStart, SchedulerError> {
+        // MPI's world is the one mpirun started: it cannot shrink or grow.
+        if let Some(choice) = &self.transport_choice {
+            if choice
+                .split('+')
+                .any(|b| b.trim().eq_ignore_ascii_case("mpi"))
+            {
+                return Err(SchedulerError::config(
+                    "FH_TRANSPORT",
+                    format!(
+                        "{choice:?} cannot carry an elastic job: an MPI world is fixed by \
+                         mpirun; use tcp, shm, hier or auto (the default)"
+                    ),
+                ));
+            }
+        }
         let membership = self
             .source
             .next_world()

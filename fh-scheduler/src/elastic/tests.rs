@@ -173,3 +173,19 @@ fn from_env_is_none_outside_an_elastic_job() {
         assert!(Elastic::from_env().expect("no error").is_none());
     }
 }
+
+#[test]
+fn an_mpi_backend_is_refused_before_registering() {
+    let mut e = Elastic::with_source(
+        Box::new(Script(VecDeque::new())),
+        LaunchInfo::single(),
+        Some("mpi+tcp".into()),
+    );
+    match e.start(Config::default()) {
+        Err(SchedulerError::Config { var, reason }) => {
+            assert_eq!(var, "FH_TRANSPORT");
+            assert!(reason.contains("fixed by mpirun"), "{reason}");
+        }
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
+}

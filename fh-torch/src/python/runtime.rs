@@ -326,6 +326,7 @@ fn start_elastic(py: Python<'_>, cfg: fh_scheduler::Config) -> PyResult<Engine> 
             Ok(engine)
         }
         Ok(ElasticStart::Removed(why)) => Err(WorkerRemovedError::new_err(why)),
+        Err(e @ SchedulerError::Config { .. }) => Err(to_py(e)),
         Err(e) => Err(HorovodInternalError::new_err(format!(
             "hvd.init() could not form the next elastic world: {e}"
         ))),
@@ -340,7 +341,9 @@ const FORM_ATTEMPTS: u32 = 10;
 fn is_transient(e: &SchedulerError) -> bool {
     !matches!(
         e,
-        SchedulerError::ElasticFailed { .. } | SchedulerError::InvalidArgument(_)
+        SchedulerError::ElasticFailed { .. }
+            | SchedulerError::InvalidArgument(_)
+            | SchedulerError::Config { .. }
     )
 }
 
