@@ -39,6 +39,10 @@ pub struct TcpComm {
 /// abort notice (which names the rank really lost) before blaming the peer itself.
 const BLAME_GRACE: Duration = Duration::from_millis(500);
 
+/// After a closed peer's listener refused a connection (its process is gone), how long a
+/// notice already on its way may take to be posted.
+const NOTICE_SETTLE: Duration = Duration::from_millis(20);
+
 fn would_block(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::WouldBlock
 }
@@ -176,14 +180,24 @@ impl TcpComm {
     fn lost(&self, peer: usize, what: &str, e: Option<io::Error>) -> TransportError {
         // The peer may have hung up on purpose after losing another rank, in the middle of a
         // frame to us; then its notice comes out of band, shortly. Wait for it briefly.
+        // Unless its process is gone: then its listener refuses a connection at once, and a
+        // notice it sent before it died was delivered before it closed (it tells its peers
+        // first): a moment for that one to be posted, and the peer itself is to blame.
         if let Some(link) = &self.link {
-            let deadline = Instant::now() + BLAME_GRACE;
+            let mut deadline = Instant::now() + BLAME_GRACE;
+            let mut looked = false;
             loop {
                 if let Some((from, lost)) = link.board.get(self.seq) {
                     return self.abort_error(from, lost as u32);
                 }
                 if Instant::now() >= deadline {
                     break;
+                }
+                if !looked {
+                    looked = true;
+                    if link.refuses(peer) {
+                        deadline = deadline.min(Instant::now() + NOTICE_SETTLE);
+                    }
                 }
                 std::thread::sleep(Duration::from_millis(2));
             }

@@ -48,6 +48,9 @@ pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// wait gets for a peer that still answers.
 pub(crate) const PROBE_MARGIN: Duration = Duration::from_millis(500);
 
+/// How long [`Link::refuses`] waits for a peer's listener to answer or refuse.
+pub(crate) const GONE_CHECK: Duration = Duration::from_millis(50);
+
 /// The longest the delivery of abort notices out of band may take ([`Link::send_aborts`]),
 /// however many peers there are.
 pub(crate) const NOTICE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -170,6 +173,20 @@ impl Link {
                 }
             }),
         }
+    }
+
+    /// Whether `peer`'s process is certainly gone: its data listener refuses a connection.
+    /// The kernel of a live host refuses for a process that has died; a host that is gone or
+    /// cut off does not answer at all, which proves nothing (`false` after [`GONE_CHECK`]).
+    /// A connection that is accepted is dropped at once (the acceptor cuts it off as silent).
+    pub(crate) fn refuses(&self, peer: usize) -> bool {
+        let Some(addr) = self.book.get(peer) else {
+            return false;
+        };
+        matches!(
+            TcpStream::connect_timeout(addr, GONE_CHECK),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused
+        )
     }
 
     /// Whether `peer`'s process still answers: a handshake over a fresh connection, which its
