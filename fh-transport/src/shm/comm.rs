@@ -231,7 +231,22 @@ impl ShmComm {
         );
         if let Err(e) = &res {
             tracing::warn!(segment = name, error = %e, "opening shm communicator failed");
-            self.seg.info(self.rank).state.store(ST_ABORTED, Release);
+            let info = self.seg.info(self.rank);
+            // Whom this rank blames goes with its mark, as on every other failure path, so
+            // that the ranks that waited on it name the rank that never mapped the segment,
+            // not this one.
+            if let Some(r) = e
+                .blamed_rank()
+                .filter(|&r| r != self.rank && (r as u32) < BLAME_RANK)
+            {
+                let kind = if matches!(e, TransportError::Timeout { .. }) {
+                    BLAME_TIMEOUT
+                } else {
+                    0
+                };
+                info.blame.store((r as u32 + 1) | kind, Relaxed);
+            }
+            info.state.store(ST_ABORTED, Release);
             self.notify_others();
         }
         res
@@ -887,6 +902,33 @@ mod tests {
         let err = g(&mut c).unwrap_err();
         h.join().unwrap();
         err
+    }
+
+    #[test]
+    fn a_rank_that_never_maps_the_segment_is_named_by_every_rank() {
+        // Rank 1 joins but never opens the communicator: rank 0 times out waiting for it to
+        // map the segment, and rank 2, which waited on rank 0, must name rank 1 too (rank 0's
+        // mark carries whom it blames), not rank 0.
+        let tok = token("never-maps");
+        let opts = || ShmOptions {
+            ring_bytes: 4096,
+            ..ShmOptions::with_timeout(Duration::from_millis(500))
+        };
+        let (tok1, tok2) = (tok.clone(), tok.clone());
+        let idle = std::thread::spawn(move || {
+            let _t = ShmTransport::join(&tok1, 1, 3, opts()).unwrap();
+            std::thread::sleep(Duration::from_secs(3));
+        });
+        let other = std::thread::spawn(move || {
+            let mut t = ShmTransport::join(&tok2, 2, 3, opts()).unwrap();
+            t.open_shm("c").map(|_| ()).unwrap_err()
+        });
+        let mut t = ShmTransport::join(&tok, 0, 3, opts()).unwrap();
+        let root = t.open_shm("c").map(|_| ()).unwrap_err();
+        let err = other.join().unwrap();
+        idle.join().unwrap();
+        assert_eq!(root.blamed_rank(), Some(1), "rank 0: {root}");
+        assert_eq!(err.blamed_rank(), Some(1), "rank 2: {err}");
     }
 
     /// As [`corrupt_then`], rank 0 receiving from rank 1.
