@@ -338,7 +338,7 @@ pub(crate) fn run_once(
     }
     if read_progress(&logs)
         .iter()
-        .any(|x| x.host == "h1" && x.time > killed)
+        .any(|x| x.host == "h1" && x.generation > first)
     {
         return Err("h1 trained again after its loss (it is blacklisted)".into());
     }

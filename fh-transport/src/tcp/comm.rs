@@ -43,6 +43,9 @@ const BLAME_GRACE: Duration = Duration::from_millis(500);
 /// notice already on its way may take to be posted.
 const NOTICE_SETTLE: Duration = Duration::from_millis(20);
 
+/// How often a closed peer's listener is tried again during the blame grace.
+const LOOK_AGAIN: Duration = Duration::from_millis(25);
+
 fn would_block(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::WouldBlock
 }
@@ -184,19 +187,23 @@ impl TcpComm {
         // notice it sent before it died was delivered before it closed (it tells its peers
         // first): a moment for that one to be posted, and the peer itself is to blame.
         if let Some(link) = &self.link {
+            // Looked at again and again: a process being killed may close our connection a
+            // moment before its listener, which meanwhile still accepts.
             let mut deadline = Instant::now() + BLAME_GRACE;
-            let mut looked = false;
+            let mut look_at = Instant::now();
             loop {
                 if let Some((from, lost)) = link.board.get(self.seq) {
                     return self.abort_error(from, lost as u32);
                 }
-                if Instant::now() >= deadline {
+                let now = Instant::now();
+                if now >= deadline {
                     break;
                 }
-                if !looked {
-                    looked = true;
+                if now >= look_at && deadline > now + NOTICE_SETTLE {
                     if link.refuses(peer) {
-                        deadline = deadline.min(Instant::now() + NOTICE_SETTLE);
+                        deadline = Instant::now() + NOTICE_SETTLE;
+                    } else {
+                        look_at = Instant::now() + LOOK_AGAIN;
                     }
                 }
                 std::thread::sleep(Duration::from_millis(2));
