@@ -29,11 +29,10 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use hmac::Mac;
 
 use super::{Assignment, HostUpdate, Membership};
-use crate::tcp::wire::{NONCE_LEN, PROOF_TAG_LEN};
+use crate::tcp::wire::{proof, NONCE_LEN, PROOF_TAG_LEN};
 use crate::{Topology, TransportError};
 
 /// Largest frame body accepted or sent.
@@ -330,19 +329,9 @@ impl Reader<'_> {
     }
 }
 
-fn mac(token: &[u8], label: &[u8], hello: &[u8], nonce: &[u8; NONCE_LEN]) -> Hmac<Sha256> {
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(token)
-        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-    mac.update(label);
-    mac.update(&(hello.len() as u32).to_le_bytes());
-    mac.update(hello);
-    mac.update(nonce);
-    mac
-}
-
 /// The driver's proof over the hello body and its nonce.
 pub fn driver_proof(token: &[u8], hello: &[u8], nonce: &[u8; NONCE_LEN]) -> [u8; PROOF_TAG_LEN] {
-    mac(token, DRIVER_LABEL, hello, nonce)
+    proof(token, DRIVER_LABEL, hello, nonce)
         .finalize()
         .into_bytes()
         .into()
@@ -350,7 +339,7 @@ pub fn driver_proof(token: &[u8], hello: &[u8], nonce: &[u8; NONCE_LEN]) -> [u8;
 
 /// The worker's proof over the hello body and the driver's nonce.
 pub fn worker_proof(token: &[u8], hello: &[u8], nonce: &[u8; NONCE_LEN]) -> [u8; PROOF_TAG_LEN] {
-    mac(token, WORKER_LABEL, hello, nonce)
+    proof(token, WORKER_LABEL, hello, nonce)
         .finalize()
         .into_bytes()
         .into()
@@ -365,7 +354,7 @@ pub fn verify(
     tag: &[u8],
 ) -> bool {
     let label = if driver { DRIVER_LABEL } else { WORKER_LABEL };
-    mac(token, label, hello, nonce).verify_slice(tag).is_ok()
+    proof(token, label, hello, nonce).verify_slice(tag).is_ok()
 }
 
 /// Why a frame could not be read.

@@ -247,7 +247,15 @@ impl Hello {
     }
 }
 
-fn proof(token: &[u8], label: &[u8], hello: &[u8], nonce: &[u8; NONCE_LEN]) -> Hmac<Sha256> {
+/// HMAC-SHA-256 keyed with the token over `label`, the hello's length and bytes, and `nonce`:
+/// the one construction of every proof of the job token (the TCP handshake's and the elastic
+/// session's, each with labels of its own).
+pub(crate) fn proof(
+    token: &[u8],
+    label: &[u8],
+    hello: &[u8],
+    nonce: &[u8; NONCE_LEN],
+) -> Hmac<Sha256> {
     // HMAC accepts keys of any length; `new_from_slice` cannot fail for it.
     let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(token)
         .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
