@@ -25,7 +25,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::cluster::Cluster;
+use std::process::ExitCode;
+
+use crate::cargo;
+use crate::cluster::{self, Cluster};
+use crate::multihost::{median_and_worst, torch_python, LINK};
 
 /// The most any phase of the check may wait.
 const PHASE_LIMIT: Duration = Duration::from_secs(240);
@@ -385,6 +389,66 @@ pub(crate) fn run_once(
                 .trim()
         ),
     })
+}
+
+/// `cargo xtask multihost --elastic-runs N`: the elastic check `n` times, each on a fresh
+/// cluster; prints each run's recovery and growth times, then their median and worst.
+pub(crate) fn elastic_runs(root: &Path, n: usize) -> ExitCode {
+    if let Some(why) = cluster::unavailable() {
+        eprintln!("multihost: cannot emulate a cluster: {why}");
+        return ExitCode::FAILURE;
+    }
+    let Ok(fhrun) = build_fhrun(root) else {
+        return ExitCode::FAILURE;
+    };
+    let py = match torch_python(root) {
+        Ok(py) => py,
+        Err(why) => {
+            eprintln!("multihost: {why}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (mut recovery, mut growth) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let r = Cluster::up(5, Some(LINK)).and_then(|c| {
+            let r = run_once(&c, &fhrun, root, &py, i);
+            c.down().and(r)
+        });
+        match r {
+            Ok(run) => {
+                eprintln!("multihost: elastic run {}/{n}: {}", i + 1, run.summary);
+                recovery.push(run.recovery);
+                growth.push(run.growth);
+            }
+            Err(e) => {
+                eprintln!("multihost: elastic run {}/{n} FAILED: {e}", i + 1);
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let (rm, rw) = median_and_worst(&recovery);
+    let (gm, gw) = median_and_worst(&growth);
+    eprintln!(
+        "multihost: {n} elastic runs: from h1's SIGKILL to training on 2 ranks: median \
+         {rm:.2} s, worst {rw:.2} s; from h4's addition to training with it: median {gm:.2} s, \
+         worst {gw:.2} s"
+    );
+    ExitCode::SUCCESS
+}
+
+/// Builds fhrun (test profile, as [`run`] does) and returns its path.
+fn build_fhrun(root: &Path) -> Result<PathBuf, ()> {
+    let target = root.join("target");
+    let status = Command::new(cargo())
+        .current_dir(root)
+        .args(["build", "--profile", "test", "-p", "fh-launch", "--bins"])
+        .env("CARGO_TARGET_DIR", &target)
+        .status();
+    if !matches!(status, Ok(s) if s.success()) {
+        eprintln!("multihost: cargo build -p fh-launch failed: {status:?}");
+        return Err(());
+    }
+    Ok(target.join("debug").join("fhrun"))
 }
 
 #[cfg(test)]

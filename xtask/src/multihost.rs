@@ -42,6 +42,18 @@ use crate::cargo;
 use crate::cluster::{self, Cluster, RankEnd};
 use crate::elastic_check;
 
+mod launchers;
+mod losses;
+
+use launchers::{
+    fhrun_mpi, fhrun_remote, fhrun_remote_fails_fast, fhrun_remote_killed, fhrun_remote_signal,
+    mpirun_map_by_node,
+};
+pub(crate) use losses::median_and_worst;
+use losses::{losses, Loss};
+#[cfg(test)]
+use losses::{names_rank, other_host};
+
 /// How a stage of checks ended.
 pub(crate) enum Verdict {
     /// Every check that ran passed (the text says how many, and how many were skipped).
@@ -56,11 +68,7 @@ pub(crate) enum Verdict {
 const LAYOUTS: [(&[usize], &str); 3] = [(&[2, 2], "hier"), (&[1, 1, 1], "tcp"), (&[3, 3], "hier")];
 
 /// The link rate of the emulated hosts.
-const LINK: &str = "1gbit";
-
-/// The runtime's timeout in the loss checks (seconds), and the bound on a survivor's exit.
-const LOSS_TIMEOUT_S: u64 = 5;
-const LOSS_BOUND: Duration = Duration::from_secs(60);
+pub(crate) const LINK: &str = "1gbit";
 
 /// The programs the checks run.
 struct Bins {
@@ -90,7 +98,7 @@ pub(crate) fn task(root: &Path, args: &[String]) -> ExitCode {
     };
     if args.first().is_some_and(|a| a == "--elastic-runs") {
         return match args.get(1).map(|n| n.parse::<usize>()) {
-            Some(Ok(n)) if n > 0 && args.len() == 2 => elastic_runs(root, n),
+            Some(Ok(n)) if n > 0 && args.len() == 2 => elastic_check::elastic_runs(root, n),
             _ => usage(),
         };
     }
@@ -121,66 +129,6 @@ fn total_checks() -> usize {
 /// The name of the elastic check.
 const ELASTIC_CHECK: &str =
     "elastic training: h1 (rank 0) lost, h4 added (fhrun --host-discovery-script)";
-
-/// `cargo xtask multihost --elastic-runs N`: the elastic check `n` times, each on a fresh
-/// cluster; prints each run's recovery and growth times, then their median and worst.
-fn elastic_runs(root: &Path, n: usize) -> ExitCode {
-    if let Some(why) = cluster::unavailable() {
-        eprintln!("multihost: cannot emulate a cluster: {why}");
-        return ExitCode::FAILURE;
-    }
-    let Ok(fhrun) = build_fhrun(root) else {
-        return ExitCode::FAILURE;
-    };
-    let py = match torch_python(root) {
-        Ok(py) => py,
-        Err(why) => {
-            eprintln!("multihost: {why}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let (mut recovery, mut growth) = (Vec::new(), Vec::new());
-    for i in 0..n {
-        let r = Cluster::up(5, Some(LINK)).and_then(|c| {
-            let r = elastic_check::run_once(&c, &fhrun, root, &py, i);
-            c.down().and(r)
-        });
-        match r {
-            Ok(run) => {
-                eprintln!("multihost: elastic run {}/{n}: {}", i + 1, run.summary);
-                recovery.push(run.recovery);
-                growth.push(run.growth);
-            }
-            Err(e) => {
-                eprintln!("multihost: elastic run {}/{n} FAILED: {e}", i + 1);
-                return ExitCode::FAILURE;
-            }
-        }
-    }
-    let (rm, rw) = median_and_worst(&recovery);
-    let (gm, gw) = median_and_worst(&growth);
-    eprintln!(
-        "multihost: {n} elastic runs: from h1's SIGKILL to training on 2 ranks: median \
-         {rm:.2} s, worst {rw:.2} s; from h4's addition to training with it: median {gm:.2} s, \
-         worst {gw:.2} s"
-    );
-    ExitCode::SUCCESS
-}
-
-/// Builds fhrun (test profile, as [`run`] does) and returns its path.
-fn build_fhrun(root: &Path) -> Result<PathBuf, ()> {
-    let target = root.join("target");
-    let status = Command::new(cargo())
-        .current_dir(root)
-        .args(["build", "--profile", "test", "-p", "fh-launch", "--bins"])
-        .env("CARGO_TARGET_DIR", &target)
-        .status();
-    if !matches!(status, Ok(s) if s.success()) {
-        eprintln!("multihost: cargo build -p fh-launch failed: {status:?}");
-        return Err(());
-    }
-    Ok(target.join("debug").join("fhrun"))
-}
 
 /// Builds the programs and runs every check (whose name contains `filter`, when given).
 pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
@@ -556,276 +504,9 @@ fn check_placed(
     ))
 }
 
-/// `mpirun --map-by node -H h0:2,h1:2` from h0 through the rsh agent: ranks 0 and 2 on h0,
-/// 1 and 3 on h1.
-fn mpirun_map_by_node(c: &Cluster, bins: &Bins) -> Result<String, String> {
-    let agent = c.rsh_agent()?;
-    let token = std::fs::read_to_string("/proc/sys/kernel/random/uuid")
-        .map_err(|e| format!("cannot make a token: {e}"))?;
-    let mut cmd = c.command(0, "mpirun");
-    cmd.args([
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-    ])
-    .args(["-np", "4", "-H", "h0:2,h1:2", "--map-by", "node"])
-    .args(["--mca", "plm_rsh_agent"])
-    .arg(&agent)
-    .args([
-        "-x",
-        "FH_RENDEZVOUS_ADDR",
-        "-x",
-        "FH_JOB_TOKEN",
-        "-x",
-        "FH_TIMEOUT_SECONDS",
-    ])
-    .arg(&bins.selftest)
-    .args(["--iters", "2", "--bytes", "1048576"])
-    .env(
-        "FH_RENDEZVOUS_ADDR",
-        format!("h0:{}", cluster::RENDEZVOUS_PORT),
-    )
-    .env("FH_JOB_TOKEN", token.trim())
-    .env("FH_TIMEOUT_SECONDS", "20");
-    let (status, out) = bounded(cmd, &c.dir().join("mpirun.log"), Duration::from_secs(120))?;
-    check_placed(status, &out, [0, 1, 0, 1])
-}
-
-/// `fhrun -np 4 -H h0:2,h1:2 --mpi` from h0, Open MPI pointed at the rsh agent: ranks 0 and 1
-/// on h0, 2 and 3 on h1.
-fn fhrun_mpi(c: &Cluster, bins: &Bins) -> Result<String, String> {
-    let agent = c.rsh_agent()?;
-    let mut cmd = c.command(0, &bins.fhrun);
-    cmd.args([
-        "-np",
-        "4",
-        "-H",
-        "h0:2,h1:2",
-        "--mpi",
-        "-x",
-        "FH_TIMEOUT_SECONDS",
-    ])
-    .arg(&bins.selftest)
-    .args(["--iters", "2", "--bytes", "1048576"])
-    .env("OMPI_MCA_plm_rsh_agent", &agent)
-    .env("FH_TIMEOUT_SECONDS", "20");
-    let (status, out) = bounded(cmd, &c.dir().join("fhrun.log"), Duration::from_secs(120))?;
-    check_placed(status, &out, [0, 0, 1, 1])
-}
-
-/// An rsh agent that records its arguments (one per line, in `args.log` beside it) and runs
-/// the cluster's agent in a session of its own, as ssh would: the remote side is then in no
-/// process group of this host, and learns of fhrun's end only from its stdin, as over ssh.
-fn recording_agent(c: &Cluster) -> Result<(PathBuf, PathBuf), String> {
-    let agent = c.rsh_agent()?;
-    let path = c.dir().join("recording-agent");
-    let log = c.dir().join("args.log");
-    let text = format!(
-        "#!/bin/sh\nfor a in \"$@\"; do printf '%s\\n' \"$a\"; done >> '{}'\nexec setsid -w '{}' \"$@\"\n",
-        log.display(),
-        agent.display()
-    );
-    std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
-    Command::new("chmod")
-        .arg("+x")
-        .arg(&path)
-        .status()
-        .map_err(|e| format!("chmod: {e}"))?;
-    Ok((path, log))
-}
-
-/// `fhrun -np 4 -H h0:2,h1:2` from h0, no MPI: ranks 2 and 3 through the rsh agent, whose
-/// command line carries nothing but the host, fhrun's path and the remote part's flag.
-fn fhrun_remote(c: &Cluster, bins: &Bins) -> Result<String, String> {
-    let (agent, args) = recording_agent(c)?;
-    let mut cmd = c.command(0, &bins.fhrun);
-    cmd.args(["-np", "4", "-H", "h0:2,h1:2", "-x", "FH_TIMEOUT_SECONDS"])
-        .arg(&bins.selftest)
-        .args(["--iters", "2", "--bytes", "1048576"])
-        .env("FH_RSH_AGENT", &agent)
-        .env("FH_TIMEOUT_SECONDS", "20");
-    let (status, out) = bounded(cmd, &c.dir().join("fhrun.log"), Duration::from_secs(120))?;
-    let placed = check_placed(status, &out, [0, 0, 1, 1])?;
-    let seen = std::fs::read_to_string(&args).unwrap_or_default();
-    let want = format!("h1\n{}\n--internal-fhrun-remote\n", bins.fhrun.display());
-    if seen != want {
-        return Err(format!(
-            "the agent was called with {seen:?}, expected only {want:?} (nothing else may be on \
-             a command line)"
-        ));
-    }
-    Ok(format!(
-        "{placed}; agent arguments: {:?}",
-        seen.lines().collect::<Vec<_>>()
-    ))
-}
-
-/// A shell command for every rank: rank 3 (on h1) fails with status 7 after a moment, the
-/// others sleep.
-const FAR_RANK_FAILS: &str = "if [ \"$FH_RANK\" = 3 ]; then sleep 1; exit 7; fi; exec sleep 300";
-
-/// A far rank fails: fhrun stops every rank on both hosts and exits with its status.
-fn fhrun_remote_fails_fast(c: &Cluster, bins: &Bins) -> Result<String, String> {
-    let (agent, _) = recording_agent(c)?;
-    let mut cmd = c.command(0, &bins.fhrun);
-    cmd.args(["-np", "4", "-H", "h0:2,h1:2", "sh", "-c", FAR_RANK_FAILS])
-        .env("FH_RSH_AGENT", &agent);
-    let (status, out) = bounded(cmd, &c.dir().join("fhrun.log"), Duration::from_secs(60))?;
-    if status.and_then(|s| s.code()) != Some(7) {
-        return Err(format!(
-            "fhrun ended with {status:?}, expected exit status 7 (rank 3's); output:\n{}",
-            tail(&out)
-        ));
-    }
-    if !out.contains("rank 3") {
-        return Err(format!(
-            "fhrun did not name rank 3; output:\n{}",
-            tail(&out)
-        ));
-    }
-    let left: Vec<u32> = [0, 1].iter().flat_map(|&h| c.processes(h)).collect();
-    if !left.is_empty() {
-        return Err(format!(
-            "processes left on the hosts after fhrun ended: {left:?}"
-        ));
-    }
-    let said: Vec<&str> = out.lines().filter(|l| l.contains("fhrun")).collect();
-    Ok(said.join(" | "))
-}
-
-/// Waits (bounded) until host `h` runs at least `n` processes.
-fn wait_processes(c: &Cluster, h: usize, n: usize) -> bool {
-    let t = Instant::now();
-    while c.processes(h).len() < n {
-        if t.elapsed() > Duration::from_secs(60) {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    true
-}
-
-/// SIGINT to fhrun reaches the ranks of the far host, which say so and exit.
-fn fhrun_remote_signal(c: &Cluster, bins: &Bins) -> Result<String, String> {
-    let (agent, _) = recording_agent(c)?;
-    let log = c.dir().join("fhrun.log");
-    let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-    let err = file.try_clone().map_err(|e| e.to_string())?;
-    // Each rank says it is ready once its trap is set (a file in the cluster's directory,
-    // which every host sees): a SIGINT before that would end a shell without a word.
-    let ready = c.dir().join("sigint-ready");
-    std::fs::create_dir_all(&ready).map_err(|e| format!("{}: {e}", ready.display()))?;
-    let script = "trap 'echo \"rank $FH_RANK got SIGINT\"; exit 3' INT; \
-                  sleep 300 & touch \"$READY/$FH_RANK\"; wait";
-    let mut fhrun = c
-        .command(0, &bins.fhrun)
-        .args([
-            "-np",
-            "4",
-            "-H",
-            "h0:2,h1:2",
-            "-x",
-            "READY",
-            "sh",
-            "-c",
-            script,
-        ])
-        .env("FH_RSH_AGENT", &agent)
-        .env("READY", &ready)
-        .stdout(file)
-        .stderr(err)
-        .spawn()
-        .map_err(|e| format!("cannot start fhrun: {e}"))?;
-    let t = Instant::now();
-    while !(0..4).all(|r| ready.join(r.to_string()).exists()) {
-        if t.elapsed() > Duration::from_secs(60) {
-            let _ = fhrun.kill();
-            return Err(format!(
-                "the ranks did not all start within 60 s (processes on h0 {:?}, h1 {:?})",
-                c.processes(0),
-                c.processes(1)
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = Command::new("kill")
-        .args(["-INT", &fhrun.id().to_string()])
-        .status();
-    let t = Instant::now();
-    let status = loop {
-        if let Ok(Some(s)) = fhrun.try_wait() {
-            break Some(s);
-        }
-        if t.elapsed() > Duration::from_secs(60) {
-            let _ = fhrun.kill();
-            let _ = fhrun.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let out = std::fs::read_to_string(&log).unwrap_or_default();
-    if status.and_then(|s| s.code()) != Some(130) {
-        return Err(format!(
-            "fhrun ended with {status:?}, expected 130 (SIGINT); output:\n{}",
-            tail(&out)
-        ));
-    }
-    for r in 0..4 {
-        if !out.contains(&format!("rank {r} got SIGINT")) {
-            return Err(format!(
-                "rank {r} did not get SIGINT; output:\n{}",
-                tail(&out)
-            ));
-        }
-    }
-    let left: Vec<u32> = [0, 1].iter().flat_map(|&h| c.processes(h)).collect();
-    if !left.is_empty() {
-        return Err(format!(
-            "processes left on the hosts after fhrun ended: {left:?}"
-        ));
-    }
-    Ok("every rank, on both hosts, got SIGINT; fhrun exited 130".into())
-}
-
-/// fhrun SIGKILLed: its guardian and the remote part clean up the far host.
-fn fhrun_remote_killed(c: &Cluster, bins: &Bins) -> Result<String, String> {
-    let (agent, _) = recording_agent(c)?;
-    let mut fhrun = c
-        .command(0, &bins.fhrun)
-        .args(["-np", "4", "-H", "h0:2,h1:2", "sleep", "300"])
-        .env("FH_RSH_AGENT", &agent)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot start fhrun: {e}"))?;
-    // h1: the remote part, its guardian and two sleeps.
-    if !wait_processes(c, 1, 4) {
-        let _ = fhrun.kill();
-        return Err(format!("the far ranks did not start: {:?}", c.processes(1)));
-    }
-    let _ = fhrun.kill();
-    let _ = fhrun.wait();
-    let t = Instant::now();
-    while !(c.processes(0).is_empty() && c.processes(1).is_empty()) {
-        if t.elapsed() > Duration::from_secs(30) {
-            return Err(format!(
-                "30 s after fhrun was killed, processes remain: h0 {:?}, h1 {:?}",
-                c.processes(0),
-                c.processes(1)
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(format!(
-        "both hosts empty {:.1} s after the SIGKILL",
-        t.elapsed().as_secs_f64()
-    ))
-}
-
 /// The Python of `target/fh-venv` when it can import `fasthorovod.torch` (the Python stages of
 /// `cargo xtask test` make it), or why not.
-fn torch_python(root: &Path) -> Result<PathBuf, String> {
+pub(crate) fn torch_python(root: &Path) -> Result<PathBuf, String> {
     let py = root
         .join("target")
         .join("fh-venv")
@@ -926,151 +607,6 @@ fn training(c: &Cluster, bins: &Bins, root: &Path, py: &Path) -> Result<String, 
         return Err(format!("the parameters differ: {}", tail(&said)));
     }
     Ok(said.lines().last().unwrap_or("").trim().to_string())
-}
-
-/// What the loss checks do to a running 2 × 2 job.
-enum Loss {
-    /// Cut h1's link.
-    LinkDown,
-    /// SIGKILL these ranks (all on h1).
-    Ranks(&'static [usize]),
-}
-
-/// Whether `msg` names one of `ranks` as `rank N` (not a prefix of a longer number).
-fn names_rank(msg: &str, ranks: &[usize]) -> bool {
-    ranks.iter().any(|r| {
-        let pat = format!("rank {r}");
-        msg.match_indices(&pat).any(|(i, _)| {
-            !msg[i + pat.len()..]
-                .chars()
-                .next()
-                .is_some_and(|c| c.is_ascii_digit())
-        })
-    })
-}
-
-/// The ranks of a 2 × 2 job (numbered host by host) on the host other than `rank`'s.
-fn other_host(rank: usize) -> Vec<usize> {
-    (0..4).filter(|&r| r / 2 != rank / 2).collect()
-}
-
-/// The median and the largest of `times` (seconds; the median of an even count is the mean of
-/// the middle two).
-fn median_and_worst(times: &[f64]) -> (f64, f64) {
-    let mut t = times.to_vec();
-    t.sort_by(f64::total_cmp);
-    let n = t.len();
-    match n {
-        0 => (0.0, 0.0),
-        _ if n % 2 == 1 => (t[n / 2], t[n - 1]),
-        _ => ((t[n / 2 - 1] + t[n / 2]) / 2.0, t[n - 1]),
-    }
-}
-
-/// fh-selftest looping on 2 × 2 under `FH_TRANSPORT=transport` (`auto` must pick `hier`);
-/// once every rank loops, `loss` happens; every survivor must then fail by itself within
-/// [`LOSS_BOUND`], its error naming a rank it lost (with the link cut: a rank of the other
-/// host). Reports when each rank failed, counted from the loss.
-fn losses(c: &Cluster, bins: &Bins, loss: &Loss, transport: &str) -> Result<String, String> {
-    let timeout = LOSS_TIMEOUT_S.to_string();
-    let mut job = c.launch(
-        &[2, 2],
-        &bins.selftest,
-        &["--loop", "--bytes", "262144"],
-        &[
-            ("FH_TIMEOUT_SECONDS", &timeout),
-            ("FH_TRANSPORT", transport),
-        ],
-    )?;
-    let backend = format!(
-        "backend {}",
-        if transport == "auto" {
-            "hier"
-        } else {
-            transport
-        }
-    );
-    if !job.wait_for_all("looping", Duration::from_secs(60)) {
-        let outs: Vec<String> = (0..4)
-            .map(|r| format!("rank {r}: {}", tail(&job.output(r))))
-            .collect();
-        return Err(format!(
-            "the job did not start looping:\n{}",
-            outs.join("\n")
-        ));
-    }
-    let killed: &[usize] = match loss {
-        Loss::LinkDown => {
-            c.set_link(1, false)?;
-            &[]
-        }
-        Loss::Ranks(r) => {
-            for &rank in *r {
-                job.kill(rank);
-            }
-            r
-        }
-    };
-    let lost_at = Instant::now();
-    let ends = job.wait(LOSS_BOUND);
-    let took = lost_at.elapsed();
-    let mut said = Vec::new();
-    let mut times = Vec::new();
-    for (rank, e) in ends.iter().enumerate() {
-        if killed.contains(&rank) {
-            continue;
-        }
-        if !e.output.contains(&backend) {
-            return Err(format!(
-                "rank {rank} did not report `{backend}` under FH_TRANSPORT={transport}; its \
-                 output:\n{}",
-                tail(&e.output)
-            ));
-        }
-        // A survivor of killed ranks must name one of them. With the link cut nobody died:
-        // every rank must fail by itself naming a rank across the cut, never a live peer of
-        // its own host (which may itself be waiting across the cut).
-        let lost: Vec<usize> = match loss {
-            Loss::LinkDown => other_host(rank),
-            Loss::Ranks(r) => r.to_vec(),
-        };
-        let failure = e
-            .output
-            .lines()
-            .find_map(|l| l.split_once("FAILED: ").map(|(_, m)| m.to_string()));
-        match (e.status, failure) {
-            (None, _) => {
-                return Err(format!(
-                    "rank {rank} was still running {LOSS_BOUND:?} after the loss; its output:\n{}",
-                    tail(&e.output)
-                ))
-            }
-            (Some(s), _) if s.success() => {
-                return Err(format!("rank {rank} passed after losing ranks {lost:?}"))
-            }
-            (Some(_), Some(msg)) if names_rank(&msg, &lost) => {
-                times.push(e.after.as_secs_f64());
-                said.push(format!(
-                    "rank {rank} after {:.1} s: {msg}",
-                    e.after.as_secs_f64()
-                ))
-            }
-            (Some(s), _) => {
-                return Err(format!(
-                    "rank {rank} exited with {s} without an error naming one of ranks \
-                     {lost:?}; its output:\n{}",
-                    tail(&e.output)
-                ))
-            }
-        }
-    }
-    let (median, worst) = median_and_worst(&times);
-    Ok(format!(
-        "every survivor failed within {:.1} s of the loss (median {median:.1} s, worst \
-         {worst:.1} s): {}",
-        took.as_secs_f64(),
-        said.join(" | ")
-    ))
 }
 
 /// Finds `prog` on `PATH`.
