@@ -2,8 +2,7 @@
 //! signals, reap everything.
 
 use std::io::Write;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -11,6 +10,11 @@ use crate::guardian::Guardian;
 use crate::notice::{Notice, NoticeChannel, NOTICE_VAR};
 use crate::output::{pump, Sink};
 use crate::sys;
+
+mod process;
+
+pub(crate) use process::{describe, spawn_pump, spawn_remote};
+use process::{report_exit, spawn_rank, status_code, stop_group};
 
 /// Exit status of fhrun when the job ran past `--timeout`.
 pub const EXIT_TIMEOUT: i32 = 124;
@@ -135,86 +139,6 @@ impl Rank {
             None => stop_group(self.pid, sig),
         }
     }
-}
-
-/// Starts a remote part: its agent in a process group of its own, the part's job on its stdin,
-/// its output copied as it is (the remote part prefixes its ranks' lines itself).
-pub(crate) fn spawn_remote(spec: &RemoteSpec) -> std::io::Result<(Child, ChildStdin)> {
-    let mut cmd = Command::new(&spec.argv[0]);
-    cmd.args(&spec.argv[1..])
-        .env_remove(NOTICE_VAR)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let parent = sys::getpid();
-    // SAFETY: child_setup only makes async-signal-safe calls.
-    unsafe {
-        cmd.pre_exec(move || sys::child_setup(parent));
-    }
-    let mut child = cmd.spawn()?;
-    let mut stdin = child.stdin.take().expect("stdin is piped");
-    if let Err(e) = stdin
-        .write_all(spec.input.as_bytes())
-        .and_then(|_| stdin.flush())
-    {
-        let _ = child.kill();
-        let _ = child.wait();
-        return Err(e);
-    }
-    Ok((child, stdin))
-}
-
-/// fhrun's exit code for a rank's exit status.
-fn status_code(status: ExitStatus) -> i32 {
-    match (status.code(), status.signal()) {
-        (Some(c), _) => c,
-        (None, Some(s)) => 128 + s,
-        _ => 1,
-    }
-}
-
-pub(crate) fn describe(status: ExitStatus) -> String {
-    match (status.code(), status.signal()) {
-        (Some(c), _) => format!("exited with code {c}"),
-        (None, Some(s)) => format!("was killed by signal {s} ({})", sys::signal_name(s)),
-        _ => format!("ended with status {status}"),
-    }
-}
-
-fn spawn_rank(
-    job: &LocalJob,
-    spec: &RankSpec,
-    notices: Option<&NoticeChannel>,
-) -> std::io::Result<Child> {
-    let mut cmd = Command::new(&job.command[0]);
-    cmd.args(&job.command[1..])
-        .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
-        .process_group(0);
-    if job.prefix {
-        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    }
-    // The notice pipe's write end, or no variable at all (not one inherited from a launcher
-    // around fhrun, whose descriptor the rank does not have).
-    let notice_fd = notices.and_then(|n| Some((n.write_fd()?, n.env_value()?)));
-    match &notice_fd {
-        Some((_, value)) => cmd.env(NOTICE_VAR, value),
-        None => cmd.env_remove(NOTICE_VAR),
-    };
-    let notice_fd = notice_fd.map(|(fd, _)| fd);
-    let parent = sys::getpid();
-    // SAFETY: child_setup and inherit_in_child only make async-signal-safe calls.
-    unsafe {
-        cmd.pre_exec(move || {
-            sys::child_setup(parent)?;
-            if let Some(fd) = notice_fd {
-                NoticeChannel::inherit_in_child(fd)?;
-            }
-            Ok(())
-        });
-    }
-    cmd.spawn()
 }
 
 /// Runs the job to completion and returns fhrun's exit status.
@@ -656,26 +580,6 @@ fn run_ranks(
     exit_code
 }
 
-/// Tells an elastic driver on stdout that `r` ended (see [`LocalJob::report_exits`]).
-fn report_exit(marker: &str, r: &Rank, status: ExitStatus) {
-    let name = r.label.strip_prefix("worker ").unwrap_or(&r.label);
-    let what = match (status.code(), status.signal()) {
-        (Some(c), _) => format!("exit {c}"),
-        (None, Some(s)) => format!("signal {s}"),
-        _ => "exit 1".to_string(),
-    };
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{marker} {name} {what}").and_then(|_| out.flush());
-}
-
-/// Sends `sig` to a rank's process group, then SIGCONT: a stopped process (SIGSTOP, a hung
-/// rank's stand-in, or Ctrl-Z) acts on `sig` only once it runs again, and would otherwise
-/// last until the SIGKILL after the kill grace.
-fn stop_group(pgid: u32, sig: i32) {
-    sys::kill_group(pgid, sig);
-    sys::kill_group(pgid, libc::SIGCONT);
-}
-
 fn begin_stop(ranks: &mut [Rank], sig: i32, reason: StopReason, grace: Duration) -> Stopping {
     for r in ranks.iter_mut().filter(|r| r.child.is_some()) {
         r.signal(sig);
@@ -685,30 +589,5 @@ fn begin_stop(ranks: &mut [Rank], sig: i32, reason: StopReason, grace: Duration)
         term_at: None,
         kill_at: Instant::now() + grace,
         killed: false,
-    }
-}
-
-/// Copy `src` to `sink` (each line after `prefix`) on a thread of its own named `thread`, which
-/// says so on `done` when the stream ends. Returns whether the thread started; when it cannot,
-/// says so naming `whose` output it was.
-pub(crate) fn spawn_pump(
-    thread: String,
-    src: Box<dyn std::io::Read + Send>,
-    sink: Sink,
-    prefix: String,
-    done: &mpsc::Sender<()>,
-    whose: &str,
-) -> bool {
-    let tx = done.clone();
-    let spawned = std::thread::Builder::new().name(thread).spawn(move || {
-        pump(src, sink, prefix);
-        let _ = tx.send(());
-    });
-    match spawned {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("fhrun: cannot start the output thread of {whose}: {e}");
-            false
-        }
     }
 }
