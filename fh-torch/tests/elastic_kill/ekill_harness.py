@@ -27,6 +27,7 @@ import os
 import pathlib
 import random
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -76,6 +77,7 @@ class Config:
     bound_s: float = 120.0       # a run still going after this is a hang
     scenarios: tuple = tuple(SCENARIOS)
     transports: tuple = ("tcp", "shm")
+    cooldown_share: float = 0.3  # runs whose lost hosts come back (--blacklist-cooldown-range)
     keep: str = None             # keep every run's files here
     report: str = None           # write the summary as JSON here
 
@@ -100,6 +102,7 @@ class Config:
         if os.environ.get("FH_EKILL_TRANSPORTS"):
             c.transports = tuple(t.strip() for t in
                                  os.environ["FH_EKILL_TRANSPORTS"].split(",") if t.strip())
+        c.cooldown_share = _env_float("FH_EKILL_COOLDOWN_SHARE", c.cooldown_share)
         c.keep = os.environ.get("FH_EKILL_KEEP") or None
         c.report = os.environ.get("FH_EKILL_REPORT") or None
         return c
@@ -130,7 +133,7 @@ class Plan:
             + (f" +{k['delay_ms']}ms" if k.get("delay_ms") else "") for k in self.kills)
         extra = ""
         if self.add_host_after is not None:
-            extra += f", 127.0.0.3 added after {self.add_host_after} commits"
+            extra += f", {HOSTS[self.np]} added after {self.add_host_after} commits"
         if self.cooldown:
             extra += f", cooldown {self.cooldown[0]}-{self.cooldown[1]} s"
         return (f"run {self.index} (seed {self.seed}): {self.scenario} over {self.transport}, "
@@ -166,7 +169,7 @@ def plan_run(cfg, index):
     names = [s for s in SCENARIOS if s in cfg.scenarios]
     scenario = rng.choices(names, weights=[SCENARIOS[s] for s in names])[0]
     transport = rng.choice(list(cfg.transports))
-    cooldown = (1, 2) if rng.random() < 0.3 else None
+    cooldown = (1, 2) if rng.random() < cfg.cooldown_share else None
     add_host_after = None
     if scenario == "below-min":
         np_, min_np, max_np = 2, 2, 2
@@ -266,7 +269,9 @@ def _progress(log_dir):
 
 
 def _train_args(plan):
-    return list(TRAIN)
+    # A joining worker needs seconds to start (torch's import): slow the steps down so that
+    # the training is still going when it arrives.
+    return TRAIN + (["--step-delay", "0.15"] if plan.add_host_after is not None else [])
 
 
 def _command(plan, fhrun, run_dir, script):
@@ -382,13 +387,19 @@ def _recoveries(kills, progress):
 
 def judge(result, cfg, run_dir, output, hung, leftover):
     plan = result.plan
-    kills = _kills_done(run_dir)
+    # A kill counts once its record is written and fhrun saw the worker die of it.
+    kills = [k for k in _kills_done(run_dir)
+             if re.search(rf"worker {re.escape(k['worker'])} \(pid \d+\) was killed by signal 9",
+                          output)]
     done = {k["worker"] for k in kills}
     result.missed = [k["worker"] for k in plan.kills if k["worker"] not in done]
     log_dir = run_dir / "log"
     progress = _progress(log_dir)
     result.generations = len({p[2] for p in progress})
-    tail = "\n".join(output.splitlines()[-40:])
+    # The runtime's own log lines (every survivor's view of the loss) make the tail long.
+    kept = [line for line in output.splitlines()
+            if not re.search(r"<stderr>:\d{4}-\d\d-\d\dT\S+ +(ERROR|WARN|INFO) fh_", line)]
+    tail = "\n".join(kept[-40:])
     if hung:
         result.outcome = "hang"
         result.detail = f"still running after {cfg.bound_s:.0f} s; fhrun's output:\n" + tail
@@ -482,17 +493,20 @@ def run_suite(cfg, log=print):
             mark = "ok" if r.ok else "FAILED"
             rec = f", back to training in {max(r.recoveries):.1f} s" if r.recoveries else ""
             log(f"[{n}/{len(plans)}] {mark} {r.outcome} in {r.wall_s:.1f} s, "
-                f"{r.generations} worlds{rec}: {plan.describe()}"
+                f"trained in {r.generations} worlds{rec}: {plan.describe()}"
                 + (f"; missed kills {r.missed}" if r.missed else ""))
             if not r.ok:
                 log(f"    {plan.replay_line()}\n    " + r.detail.replace("\n", "\n    "))
 
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     threads = [threading.Thread(target=worker) for _ in range(min(cfg.jobs, len(plans)))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.monotonic() - started
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (used.ru_utime - cpu.ru_utime) + (used.ru_stime - cpu.ru_stime)
     results.sort(key=lambda r: r.plan.index)
     failed = [r for r in results if not r.ok]
     if not cfg.keep:
@@ -510,6 +524,7 @@ def run_suite(cfg, log=print):
         by[r.outcome] += 1
     summary = {
         "seed": cfg.seed, "runs": len(results), "wall_s": round(wall, 1),
+        "cpu_s": round(cpu_s, 1),
         "finished": by.get("finished", 0), "failed_as_planned": by.get("failed-as-planned", 0),
         "failed_runs": len(failed), "outcomes": by,
         "kills": sum(len(r.plan.kills) - len(r.missed) for r in results),
@@ -537,7 +552,8 @@ def run_suite(cfg, log=print):
 
 def format_summary(s, details=True):
     rec = s["recovery_s"]
-    lines = [f"fh-ekill summary: seed {s['seed']}: {s['runs']} runs in {s['wall_s']} s; "
+    lines = [f"fh-ekill summary: seed {s['seed']}: {s['runs']} runs in {s['wall_s']} s "
+             f"({s['cpu_s']} s of CPU); "
              f"{s['finished']} finished (replay equal), {s['failed_as_planned']} failed as "
              f"planned (fewer than --min-np, cause named), {s['failed_runs']} failed; "
              f"{s['kills']} kills ({s['missed_kills']} planned kills not reached); "

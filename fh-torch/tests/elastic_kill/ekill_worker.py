@@ -22,7 +22,7 @@ process started again for the same worker has none). Counting in this process:
   begins (its registration, the rendezvous, the synchronisation that follows).
 
 Before the kill it writes ``$EKILL_DIR/kills/<worker>.json`` (the time, the phase and the
-generation it was in; flushed to disk), so the harness knows when it died. SIGUSR1 dumps
+generation it was in), so the harness knows when it died. SIGUSR1 dumps
 every thread's stack (the harness sends it to a hung run before killing it)."""
 
 import faulthandler
@@ -71,14 +71,24 @@ def _generation():
         return None
 
 
+# Set once this worker logged its final parameters: a kill planned by a timer that fires
+# after the training (fast steps) is not a kill during the training: it is dropped.
+_finished = threading.Event()
+
+
 def die(where):
-    """Record the kill (flushed to disk), then SIGKILL this process."""
+    """Record the kill, then SIGKILL this process."""
+    if _finished.is_set():
+        print(f"EKILL worker={WORKER} where={where}: dropped, the training is over",
+              flush=True)
+        return
     path = os.path.join(KILL_DIR, WORKER.replace(":", "_") + ".json")
     record = dict(worker=WORKER, time=time.time(), where=where, generation=_generation(),
                   **{k: KILL[k] for k in ("phase", "nth")})
+    # No fsync: the harness reads it once this process is dead (the page cache has it), and
+    # on a loaded disk an fsync takes long enough for the training to end first.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.write(fd, json.dumps(record).encode())
-    os.fsync(fd)
     os.close(fd)
     print(f"EKILL worker={WORKER} where={where}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -107,6 +117,14 @@ def install():
     """Patch the moments of this worker's kill (nothing without one)."""
     if KILL is None:
         return
+    event = elastic_train.Log.event
+
+    def logged(self, kind, **fields):
+        if kind == "final":
+            _finished.set()
+        return event(self, kind, **fields)
+
+    elastic_train.Log.event = logged
     phase, point, delay = KILL["phase"], KILL.get("point"), KILL.get("delay_ms", 0)
 
     if phase in ("backward", "step"):
@@ -186,9 +204,11 @@ def install():
             return reset()
 
         def shutdown_then():
-            shutdown()
-            if armed.pop("shutdown", False):
-                die("reform shut down")
+            try:
+                shutdown()  # raises the failed engine's error
+            finally:
+                if armed.pop("shutdown", False):
+                    die("reform shut down")
 
         def start_then(process_sets):
             if armed.pop("start", False):
@@ -220,7 +240,6 @@ def install():
             return init(*args, **kwargs)
 
         hvd.init = init_then
-        elastic_train.hvd = hvd
 
 
 if __name__ == "__main__":
