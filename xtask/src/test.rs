@@ -221,7 +221,8 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
 
     // 5. PyTorch: a virtual environment under target/ (torch, maturin, pytest from the
     //    registry), `pip install ./fh-torch`, pytest on 1, 2 and 3 ranks, the launch tests,
-    //    then the chaos suite (CI mode: python::CHAOS_RUNS runs).
+    //    then the chaos suite (CI mode: python::CHAOS_RUNS runs) and the random-kill elastic
+    //    stage (python::EKILL_RUNS runs).
     let venv = stage(
         "python environment (target/fh-venv: torch, maturin, pytest)",
         || match python::ensure_venv(root) {
@@ -231,7 +232,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
     );
     let venv_ok = matches!(venv.outcome, Outcome::Passed);
     stages.push(venv);
-    let python_stages: [(&str, Commands); 5] = [
+    let python_stages: [(&str, Commands); 6] = [
         (
             "pip install ./fh-torch (maturin, from source; clippy)",
             |root| {
@@ -266,6 +267,10 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         (
             "pytest fh-torch/tests/chaos (killed, stopped, raising ranks)",
             |root| vec![python::chaos_suite(root)],
+        ),
+        (
+            "pytest fh-torch/tests/elastic_kill (elastic jobs, a worker SIGKILLed at random)",
+            |root| vec![python::elastic_kill_suite(root)],
         ),
     ];
     let mut python_ok = venv_ok;
