@@ -75,6 +75,7 @@ class Config:
     timeout_s: int = 10          # FH_TIMEOUT_SECONDS given to the workers
     elastic_timeout_s: int = 30  # fhrun --elastic-timeout (below-min runs: 5)
     bound_s: float = 120.0       # a run still going after this is a hang
+    slow_s: float = 60.0         # a run longer than this keeps its files (and is listed)
     scenarios: tuple = tuple(SCENARIOS)
     transports: tuple = ("tcp", "shm")
     cooldown_share: float = 0.3  # runs whose lost hosts come back (--blacklist-cooldown-range)
@@ -92,6 +93,7 @@ class Config:
         c.jobs = max(1, _env_int("FH_EKILL_JOBS", c.jobs))
         c.timeout_s = _env_int("FH_EKILL_TIMEOUT", c.timeout_s)
         c.bound_s = _env_float("FH_EKILL_BOUND", c.bound_s)
+        c.slow_s = _env_float("FH_EKILL_SLOW", c.slow_s)
         if os.environ.get("FH_EKILL_SCENARIOS"):
             c.scenarios = tuple(s.strip() for s in os.environ["FH_EKILL_SCENARIOS"].split(",")
                                 if s.strip())
@@ -509,10 +511,12 @@ def run_suite(cfg, log=print):
     cpu_s = (used.ru_utime - cpu.ru_utime) + (used.ru_stime - cpu.ru_stime)
     results.sort(key=lambda r: r.plan.index)
     failed = [r for r in results if not r.ok]
+    slow = [r for r in results if r.ok and r.wall_s > cfg.slow_s]
+    kept = failed + slow
     if not cfg.keep:
-        if failed:
+        if kept:
             for r in results:
-                if r.ok:
+                if r not in kept:
                     shutil.rmtree(pathlib.Path(base) / f"run{r.plan.index:03d}",
                                   ignore_errors=True)
         else:
@@ -538,7 +542,9 @@ def run_suite(cfg, log=print):
         "failures": [{"run": r.plan.index, "outcome": r.outcome, "plan": r.plan.describe(),
                       "replay": r.plan.replay_line(), "detail": r.detail[:4000]}
                      for r in failed],
-        "kept": base if (cfg.keep or failed) else None,
+        "slow": [{"run": r.plan.index, "wall_s": round(r.wall_s, 1), "plan": r.plan.describe()}
+                 for r in slow],
+        "kept": base if (cfg.keep or kept) else None,
     }
     if cfg.report:
         with open(cfg.report, "w") as f:
@@ -560,6 +566,8 @@ def format_summary(s, details=True):
              f"kill to training again: median {rec['median']} s, worst {rec['worst']} s "
              f"over {rec['count']} kills",
              f"outcomes: {s['outcomes']}; scenarios: {s['by_scenario']}"]
+    for r in s["slow"]:
+        lines.append(f"slow (over FH_EKILL_SLOW, files kept): {r['wall_s']} s: {r['plan']}")
     if s["kept"]:
         lines.append(f"files kept in {s['kept']}")
     if details:
