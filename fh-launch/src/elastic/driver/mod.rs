@@ -320,13 +320,12 @@ impl Driver {
     /// The job is finishing because `why`: no worker starts or joins any more, the parts with
     /// no member of the last world are stopped, and the job ends when every part has.
     fn finish(&mut self, why: String) {
-        if self.ctx.verbose || self.generation.is_none() {
-            eprintln!("fhrun: {why}; no new world forms");
-        }
+        let mut turned_away: Vec<String> = Vec::new();
         for i in 0..self.workers.len() {
             let w = &self.workers[i];
             if w.registered.is_some() && w.end.is_none() && !w.removed {
                 let _ = self.server.answer(&w.id, &Membership::Removed(why.clone()));
+                turned_away.push(w.id.clone());
                 self.workers[i].registered = None;
                 self.workers[i].removed = true;
             }
@@ -340,7 +339,25 @@ impl Driver {
                 .any(|w| w.part == p && w.rank.is_some() && w.end.is_none());
             if self.parts[p].running() && !has_member {
                 self.parts[p].stop(now);
+                let more: Vec<String> = self
+                    .workers
+                    .iter()
+                    .filter(|w| w.part == p && w.end.is_none() && !turned_away.contains(&w.id))
+                    .map(|w| w.id.clone())
+                    .collect();
+                turned_away.extend(more);
             }
+        }
+        if self.generation.is_none() || self.ctx.verbose || !turned_away.is_empty() {
+            let stopped = if turned_away.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " (stopping {}, which joined no world)",
+                    turned_away.join(", ")
+                )
+            };
+            eprintln!("fhrun: {why}; no new world forms{stopped}");
         }
         self.finishing = Some(why);
     }
