@@ -14,6 +14,7 @@ use clap::{Parser, ValueEnum};
 #[command(
     name = "fhrun",
     version,
+    allow_negative_numbers = true,
     override_usage = "fhrun -np N [-H HOST:SLOTS,... | --hostfile FILE] [--mpi] [OPTIONS] [--] COMMAND [ARGS]...",
     after_help = "Examples:\n  fhrun -np 4 python train.py\n  fhrun -np 2 --channels 2 --log-level debug -- ./my_job --flag\n  fhrun -np 8 -H node1:4,node2:4 python train.py\n  fhrun -np 8 -H node1:4,node2:4 --mpi python train.py\n\n`-np N` is accepted as a synonym of `-n N` / `--num-proc N`."
 )]
@@ -21,7 +22,7 @@ pub struct Cli {
     /// Number of ranks to start (elastic jobs: how many to wait for before the first world;
     /// default --min-np).
     #[arg(short = 'n', long = "num-proc", visible_alias = "np", value_name = "N",
-          required_unless_present = "host_discovery_script",
+          required_unless_present_any = ["host_discovery_script", "min_np"],
           value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub num_proc: Option<u32>,
 
@@ -104,13 +105,10 @@ pub struct Cli {
     #[command(flatten)]
     pub knobs: Knobs,
 
-    /// The command each rank runs, and its arguments.
-    #[arg(
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true,
-        value_name = "COMMAND"
-    )]
+    /// The command each rank runs, and its arguments. Its first word may not begin with `-`
+    /// (an option fhrun does not know is refused by name, never run as the command); after
+    /// `--` anything goes.
+    #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
     pub command: Vec<String>,
 }
 
@@ -124,25 +122,37 @@ pub struct ElasticArgs {
     #[arg(long, value_name = "SCRIPT")]
     pub host_discovery_script: Option<PathBuf>,
 
-    /// Fewest ranks the job may run on (elastic; default -np, else 1).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    /// Fewest ranks the job may run on (elastic; default -np, else 1). Given without a
+    /// discovery script, it makes the job elastic on fixed hosts (-H, --hostfile, or -np
+    /// slots of this machine): fault tolerance without new hosts, as horovodrun's.
+    #[arg(long, visible_alias = "min-num-proc", value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub min_np: Option<u32>,
 
     /// Most ranks the job may run on (elastic; default: no limit).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(long, visible_alias = "max-num-proc", value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub max_np: Option<u32>,
 
     /// Slots of a host the discovery script names without `:slots` (elastic; default 1).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(long, visible_alias = "slots-per-host", value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub slots: Option<u32>,
 
-    /// Seconds to wait for every expected worker to register, and for new hosts when fewer than
-    /// --min-np ranks remain (elastic; default 600).
+    /// Seconds to wait for hosts: for -np slots before the first world, and for new hosts when
+    /// fewer than --min-np ranks remain (elastic; default 600).
     #[arg(long, value_name = "SECONDS", value_parser = parse_positive_duration)]
     pub elastic_timeout: Option<Duration>,
 
-    /// A failing host is blacklisted for a random time between MIN and MAX seconds, not for
-    /// good (elastic).
+    /// Seconds a worker has to register with the driver, counted from its start or from the
+    /// start of the registration round, whichever is later (a new worker's interpreter start
+    /// and imports; a survivor's way to its next collective); --elastic-timeout when that is
+    /// longer (elastic; default 30).
+    #[arg(long, value_name = "SECONDS", value_parser = parse_positive_duration)]
+    pub start_timeout: Option<Duration>,
+
+    /// A failing host is blacklisted for a cooldown, not for good (elastic): MIN·2^n plus a
+    /// random share of MIN seconds after its n-th failure, kept within MIN..MAX.
     #[arg(long, num_args = 2, value_names = ["MIN", "MAX"], value_parser = clap::value_parser!(u64).range(0..=31_536_000))]
     pub blacklist_cooldown_range: Option<Vec<u64>>,
 
@@ -207,8 +217,8 @@ pub struct Knobs {
     #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..=86400))]
     pub timeout_seconds: Option<u64>,
 
-    /// Runtime log level (FH_LOG_LEVEL).
-    #[arg(long, value_enum)]
+    /// Runtime log level (FH_LOG_LEVEL); any case, and horovodrun's `warning` and `fatal`.
+    #[arg(long, value_enum, ignore_case = true)]
     pub log_level: Option<LogLevel>,
 }
 
@@ -257,8 +267,10 @@ pub enum LogLevel {
     /// Informational.
     Info,
     /// Warnings and errors.
+    #[value(alias = "warning")]
     Warn,
     /// Errors only.
+    #[value(alias = "fatal")]
     Error,
 }
 

@@ -100,6 +100,8 @@ struct Stopping {
     term_at: Option<Instant>,
     kill_at: Instant,
     killed: bool,
+    /// A signal asked fhrun to stop after the stop began (see the signal handling).
+    signalled: bool,
 }
 
 /// After a rank fails, how long the other ranks may take to notice (a lost peer is reported
@@ -291,6 +293,7 @@ fn run_ranks(
                     term_at: Some(now + REPORT_WINDOW),
                     kill_at: now + REPORT_WINDOW + job.kill_grace,
                     killed: false,
+                    signalled: false,
                 });
                 break;
             }
@@ -348,6 +351,7 @@ fn run_ranks(
                     term_at: Some(now + REPORT_WINDOW),
                     kill_at: now + REPORT_WINDOW + job.kill_grace,
                     killed: false,
+                    signalled: false,
                 });
                 break;
             }
@@ -382,6 +386,7 @@ fn run_ranks(
                 term_at: Some(at + NOTICE_WINDOW),
                 kill_at: at + NOTICE_WINDOW + job.kill_grace,
                 killed: false,
+                signalled: false,
             });
         }
 
@@ -443,6 +448,7 @@ fn run_ranks(
                     term_at: Some(now + REPORT_WINDOW),
                     kill_at: now + REPORT_WINDOW + job.kill_grace,
                     killed: false,
+                    signalled: false,
                 });
             }
         }
@@ -540,6 +546,20 @@ fn run_ranks(
                         job.kill_grace,
                     ));
                 }
+                Some(s) if !s.signalled && !matches!(s.reason, StopReason::Signal(_)) => {
+                    // The first signal while a failure stops the job (an elastic driver
+                    // stopping this part as a worker of it failed, or a user's Ctrl-C): the
+                    // pending SIGTERM goes out now, with the whole grace before SIGKILL. Only
+                    // a second signal ends the patience.
+                    let now = Instant::now();
+                    if s.term_at.is_some() {
+                        s.term_at = Some(now);
+                    }
+                    if !s.killed {
+                        s.kill_at = s.kill_at.max(now + job.kill_grace);
+                    }
+                    s.signalled = true;
+                }
                 Some(s) => {
                     // A second request: no more patience.
                     if !s.killed {
@@ -589,5 +609,6 @@ fn begin_stop(ranks: &mut [Rank], sig: i32, reason: StopReason, grace: Duration)
         term_at: None,
         kill_at: Instant::now() + grace,
         killed: false,
+        signalled: false,
     }
 }

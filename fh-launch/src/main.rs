@@ -86,20 +86,19 @@ fn read_hosts(cli: &Cli) -> Result<Option<Vec<Host>>, Failure> {
 }
 
 fn run(cli: Cli) -> Result<i32, Failure> {
-    let is_elastic = cli.elastic.host_discovery_script.is_some();
-    if !is_elastic {
-        elastic::refuse_without_script(&cli)?;
-    }
+    let hosts = read_hosts(&cli)?;
+    // An elastic job: hosts from a discovery script, or fixed ones with --min-np.
+    let elastic_source = elastic::source(&cli, hosts.as_deref())?;
+    let is_elastic = elastic_source.is_some();
     // clap requires -np unless the job is elastic.
     let np = cli.num_proc.unwrap_or(0) as usize;
-    let hosts = read_hosts(&cli)?;
     let hostname = hosts::this_hostname();
     let remote: Vec<&Host> = hosts
         .iter()
         .flatten()
         .filter(|h| !hosts::is_local(&h.name, &hostname))
         .collect();
-    if let Some(hosts) = &hosts {
+    if let (Some(hosts), false) = (&hosts, is_elastic) {
         let total = hosts::total_slots(hosts);
         if np > total {
             let list: Vec<String> = hosts.iter().map(|h| h.to_string()).collect();
@@ -179,7 +178,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
     }
     let knobs = cli.knobs.to_env();
 
-    if is_elastic {
+    if let Some(source) = elastic_source {
         let token = user_env
             .iter()
             .rev()
@@ -187,7 +186,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             .map_or(token, |(_, v)| v.clone());
         let mut env = knobs;
         env.extend(user_env);
-        return elastic::run(&cli, token, env);
+        return elastic::run(&cli, source, token, env);
     }
 
     if cli.mpi {
@@ -427,6 +426,7 @@ fn across_hosts(
             kill_grace: cli.kill_grace,
             verbose: cli.verbose,
             workers: Vec::new(),
+            worker_env: Vec::new(),
             report: None,
         };
         let mut argv = agent.clone();

@@ -44,6 +44,9 @@ pub struct Part {
     /// `FH_ELASTIC_WORKER` and used as its output prefix; no `FH_RANK`/`FH_LOCAL_RANK` (an
     /// elastic worker's rank comes from its driver, per generation).
     pub workers: Vec<String>,
+    /// Variables of one elastic worker only: `(index in workers, name, value)` (Horovod's
+    /// launch variables of its slot).
+    pub worker_env: Vec<(usize, String, String)>,
     /// The marker of the lines that report each rank's end on stdout
     /// ([`LocalJob::report_exits`]); elastic parts only.
     pub report: Option<String>,
@@ -92,6 +95,9 @@ impl Part {
         for w in &self.workers {
             t += &format!("worker {}\n", escape(w));
         }
+        for (i, k, v) in &self.worker_env {
+            t += &format!("wenv {i} {}={}\n", escape(k), escape(v));
+        }
         if let Some(m) = &self.report {
             t += &format!("report {}\n", escape(m));
         }
@@ -112,6 +118,7 @@ impl Part {
             env: Vec::new(),
             ranks: Vec::new(),
             workers: Vec::new(),
+            worker_env: Vec::new(),
             report: None,
             prefix: true,
             kill_grace: Duration::from_secs(2),
@@ -146,12 +153,32 @@ impl Part {
                 }
                 "rank" => part.ranks.push(num(value)? as usize),
                 "worker" => part.workers.push(unescape(value)?),
+                "wenv" => {
+                    let (i, kv) = value
+                        .split_once(' ')
+                        .ok_or_else(|| format!("`wenv` wants INDEX NAME=VALUE, not {value:?}"))?;
+                    let (k, v) = kv
+                        .split_once('=')
+                        .ok_or_else(|| format!("`wenv` wants INDEX NAME=VALUE, not {value:?}"))?;
+                    part.worker_env
+                        .push((num(i)? as usize, unescape(k)?, unescape(v)?));
+                }
                 "report" => part.report = Some(unescape(value)?),
                 "prefix" => part.prefix = num(value)? != 0,
                 "grace_ms" => part.kill_grace = Duration::from_millis(num(value)?),
                 "verbose" => part.verbose = num(value)? != 0,
                 other => return Err(format!("unknown line `{other}` in the job")),
             }
+        }
+        if let Some((i, k, _)) = part
+            .worker_env
+            .iter()
+            .find(|(i, ..)| *i >= part.workers.len())
+        {
+            return Err(format!(
+                "`wenv {i} {k}=…` names worker {i}, but the job has {} workers",
+                part.workers.len()
+            ));
         }
         if part.command.is_empty() || part.ranks.is_empty() == part.workers.is_empty() {
             return Err(
@@ -166,6 +193,12 @@ impl Part {
     pub fn job(&self) -> LocalJob {
         let workers = self.workers.iter().enumerate().map(|(i, w)| {
             let mut env = self.env.clone();
+            env.extend(
+                self.worker_env
+                    .iter()
+                    .filter(|(j, ..)| *j == i)
+                    .map(|(_, k, v)| (k.clone(), v.clone())),
+            );
             env.push((fh_transport::elastic::WORKER_VAR.into(), w.clone()));
             RankSpec {
                 rank: i,
@@ -275,6 +308,7 @@ mod tests {
             ],
             ranks: vec![4, 5, 6],
             workers: Vec::new(),
+            worker_env: Vec::new(),
             report: None,
             prefix: false,
             kill_grace: Duration::from_millis(1500),
@@ -324,6 +358,11 @@ mod tests {
         let mut p = part();
         p.ranks.clear();
         p.workers = vec!["h1:0".into(), "h1:1".into()];
+        p.worker_env = vec![
+            (0, "HOROVOD_RANK".into(), "2".into()),
+            (1, "HOROVOD_RANK".into(), "3".into()),
+            (1, "ODD".into(), "x=\ny".into()),
+        ];
         p.report = Some("fhrun-exit-abc".into());
         let text = p.encode();
         assert_eq!(Part::decode(&mut std::io::Cursor::new(text)).unwrap(), p);
@@ -337,6 +376,11 @@ mod tests {
                 .map(|(_, v)| v.as_str())
         };
         assert_eq!(get("FH_ELASTIC_WORKER"), Some("h1:1"));
+        assert_eq!(get("HOROVOD_RANK"), Some("3"));
+        assert_eq!(get("ODD"), Some("x=\ny"));
+        let first = &job.ranks[0].env;
+        assert!(first.contains(&("HOROVOD_RANK".into(), "2".into())));
+        assert!(!first.iter().any(|(k, _)| k == "MINE"));
         assert_eq!(get("FH_RANK"), None);
         assert_eq!(get("FH_LOCAL_RANK"), None);
         assert_eq!(job.ranks[1].tag.as_deref(), Some("h1:1"));
@@ -348,6 +392,14 @@ mod tests {
             ("cwd /\narg x\nrank 0\n", "no `go`"),
             ("cwd /\ngo\n", "no command"),
             ("cwd /\narg x\nrank 0\nworker h:0\ngo\n", "exactly one"),
+            (
+                "cwd /\narg x\nworker h:0\nwenv 1 A=b\ngo\n",
+                "names worker 1",
+            ),
+            (
+                "cwd /\narg x\nworker h:0\nwenv 0 A\ngo\n",
+                "INDEX NAME=VALUE",
+            ),
             ("cwd /\narg x\nrank zero\ngo\n", "wants a number"),
             ("bogus 1\ngo\n", "unknown line `bogus`"),
             ("env NOEQUALS\ngo\n", "NAME=VALUE"),

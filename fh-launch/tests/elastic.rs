@@ -237,17 +237,290 @@ fn a_bad_discovery_line_is_an_error_naming_it() {
 }
 
 #[test]
-fn elastic_flags_need_a_discovery_script() {
-    let done = common::fhrun(&["-np", "2", "--min-np", "2", "true"], LIMIT);
+fn elastic_flags_need_a_discovery_script_or_min_np() {
+    let done = common::fhrun(&["-np", "2", "--max-np", "2", "true"], LIMIT);
     assert_eq!(done.code(), Some(2), "{}", done.stderr);
     assert!(
-        done.stderr.contains("--min-np is only for an elastic job")
-            && done.stderr.contains("--host-discovery-script"),
+        done.stderr.contains("--max-np is only for an elastic job")
+            && done.stderr.contains("--host-discovery-script")
+            && done.stderr.contains("--min-np N"),
         "{}",
         done.stderr
     );
+    // --min-np alone makes the job elastic, but it needs hosts.
     let done = common::fhrun(&["--min-np", "2", "true"], LIMIT);
     assert_eq!(done.code(), Some(2), "{}", done.stderr);
+    assert!(done.stderr.contains("which needs hosts"), "{}", done.stderr);
+    // Fixed hosts offering fewer slots than -np.
+    let done = common::fhrun(
+        &["-np", "3", "--min-np", "1", "-H", "localhost:2", "true"],
+        LIMIT,
+    );
+    assert_eq!(done.code(), Some(2), "{}", done.stderr);
+    assert!(done.stderr.contains("offer only 2"), "{}", done.stderr);
+}
+
+/// Horovod's elastic examples run as `horovodrun -np 2 --min-np 1 -H h1:1,h2:1 ...`: fault
+/// tolerance on fixed hosts, no discovery script.
+#[test]
+fn min_np_on_fixed_hosts_survives_a_lost_host() {
+    let dir = TempDir::new("elastic-fixed");
+    let stop = format!("PROBE_STOP={}/stop", dir.str());
+    let mut run = Running::start_cmd(Command::new(common::FHRUN).args([
+        "-np",
+        "2",
+        "--min-num-proc",
+        "1",
+        "-H",
+        "localhost:1,127.0.0.2:1",
+        "-x",
+        &stop,
+        "--kill-grace",
+        "1",
+        "--timeout",
+        "120",
+        PROBE,
+    ]));
+    run.wait_for(LIMIT, |out, err| {
+        err.contains("generation 0: 2 ranks on localhost, 127.0.0.2")
+            && probe_pid(out, 0, "127.0.0.2:0").is_some()
+    });
+    kill_all(&[probe_pid(&run.stdout_now(), 0, "127.0.0.2:0").unwrap()]);
+    run.wait_for(LIMIT, |out, err| {
+        err.contains("generation 1: 1 rank on localhost (lost 127.0.0.2: rank 1 killed by SIGKILL)")
+            && probe_pid(out, 1, "localhost:0").is_some()
+    });
+    std::fs::write(dir.path().join("stop"), "").unwrap();
+    let pids = all_pids(&run.stdout_now());
+    let done = run.wait(LIMIT);
+    assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+}
+
+/// A worker fhrun starts while the job finishes (a host just discovered) must not train
+/// again from the start once the job's last workers exited 0: the job ends at its first
+/// success, as Horovod's does (its scenario ran 10 epochs instead of 5).
+#[test]
+fn a_worker_started_while_the_job_finishes_never_trains() {
+    let dir = TempDir::new("elastic-late");
+    let script = discovery(&dir, &["localhost"]);
+    let mut cmd = Command::new(common::FHRUN);
+    cmd.args([
+        "--host-discovery-script",
+        &script,
+        "-np",
+        "1",
+        "--min-np",
+        "1",
+        "--max-np",
+        "2",
+        "-x",
+        &format!("PROBE_STOP={}/stop", dir.str()),
+        "-x",
+        "PROBE_LINGER_MS=4000",
+        "--kill-grace",
+        "1",
+        "--timeout",
+        "120",
+        PROBE,
+    ]);
+    let mut run = Running::start_cmd(&mut cmd);
+    run.wait_for(LIMIT, |out, _| probe_pid(out, 0, "localhost:0").is_some());
+    // The last rank agrees to stop and lingers; a second host appears meanwhile.
+    std::fs::write(dir.path().join("stop"), "").unwrap();
+    run.wait_for(LIMIT, |out, _| out.contains("probe: done in generation 0"));
+    set_hosts(&dir, &["localhost", "127.0.0.2"]);
+    let done = run.wait(LIMIT);
+    assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
+    assert!(!done.stderr.contains("generation 1"), "{}", done.stderr);
+    assert!(
+        !done.stdout.contains("generation 1 rank"),
+        "the late worker trained: {}",
+        done.stdout
+    );
+}
+
+/// `sh -c 'exit 0'` never joins a world: its success ends the job (it was restarted ~36
+/// times a second, for ever).
+#[test]
+fn a_command_that_exits_0_before_joining_ends_the_job() {
+    let dir = TempDir::new("elastic-exit0");
+    let script = discovery(&dir, &["localhost"]);
+    let done = Running::start_cmd(Command::new(common::FHRUN).args([
+        "--host-discovery-script",
+        &script,
+        "-np",
+        "1",
+        "sh",
+        "-c",
+        "echo ran; exit 0",
+    ]))
+    .wait(LIMIT);
+    assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
+    assert_eq!(done.stdout.matches("ran").count(), 1, "{}", done.stdout);
+    assert!(
+        done.stderr
+            .contains("the job is finishing: worker localhost:0 exited 0"),
+        "{}",
+        done.stderr
+    );
+}
+
+/// When every rank of the running world fails, no worker holds the state: the job fails at
+/// once, not after --elastic-timeout.
+#[test]
+fn every_rank_failing_fails_the_job_at_once() {
+    let dir = TempDir::new("elastic-allfail");
+    let script = discovery(&dir, &["localhost", "127.0.0.2"]);
+    let mut run = start(
+        &script,
+        &dir,
+        &["--min-np", "1", "--elastic-timeout", "600"],
+    );
+    run.wait_for(LIMIT, |out, err| {
+        err.contains("generation 0: 2 ranks") && all_pids(out).len() == 2
+    });
+    let pids = all_pids(&run.stdout_now());
+    kill_all(&pids);
+    let done = run.wait(LIMIT);
+    assert_eq!(done.code(), Some(1), "{}\n{}", done.stdout, done.stderr);
+    assert!(
+        done.stderr.contains(
+            "fhrun: elastic job failed: every rank of generation 0 has ended, so no worker holds \
+             the training state any more"
+        ) && done.stderr.contains("killed by SIGKILL"),
+        "{}",
+        done.stderr
+    );
+}
+
+/// A world with none of the last one's members would start training over: refused. The only
+/// member freezes (it never registers again) while a new host's worker registers.
+#[test]
+fn a_world_without_a_member_of_the_last_one_is_refused() {
+    let dir = TempDir::new("elastic-nostate");
+    let script = discovery(&dir, &["localhost"]);
+    let mut run = start(
+        &script,
+        &dir,
+        &[
+            "--min-np",
+            "1",
+            "--start-timeout",
+            "2",
+            "--elastic-timeout",
+            "1",
+        ],
+    );
+    run.wait_for(LIMIT, |out, _| probe_pid(out, 0, "localhost:0").is_some());
+    let frozen = probe_pid(&run.stdout_now(), 0, "localhost:0").unwrap();
+    // SAFETY: a signal to a process this test started.
+    unsafe { libc::kill(frozen, libc::SIGSTOP) };
+    set_hosts(&dir, &["localhost", "127.0.0.2"]);
+    let done = run.wait(LIMIT);
+    kill_all(&[frozen]);
+    assert_eq!(done.code(), Some(1), "{}\n{}", done.stdout, done.stderr);
+    assert!(
+        done.stderr.contains(
+            "elastic job failed: no worker of generation 0 remains to synchronise the training \
+             state from, and the new workers (127.0.0.2:0) hold none"
+        ) && done.stderr.contains("did not register within 2 s"),
+        "{}",
+        done.stderr
+    );
+    assert!(!done.stderr.contains("generation 1"), "{}", done.stderr);
+}
+
+/// A worker whose interpreter starts slowly is not lost to a short --elastic-timeout (Horovod's
+/// tests use 1 s): registration has its own bound, --start-timeout.
+#[test]
+fn a_slow_starting_worker_joins_despite_a_short_elastic_timeout() {
+    let dir = TempDir::new("elastic-slow");
+    let script = discovery(&dir, &["localhost", "127.0.0.2"]);
+    let slow =
+        format!("if [ \"$FH_ELASTIC_WORKER\" = 127.0.0.2:0 ]; then sleep 3; fi; exec {PROBE}");
+    let mut run = Running::start_cmd(Command::new(common::FHRUN).args([
+        "--host-discovery-script",
+        &script,
+        "--min-np",
+        "1",
+        "--elastic-timeout",
+        "1",
+        "-x",
+        &format!("PROBE_STOP={}/stop", dir.str()),
+        "--kill-grace",
+        "1",
+        "--timeout",
+        "120",
+        "sh",
+        "-c",
+        &slow,
+    ]));
+    run.wait_for(LIMIT, |out, err| {
+        err.contains("generation 0") && probe_pid(out, 0, "localhost:0").is_some()
+    });
+    std::fs::write(dir.path().join("stop"), "").unwrap();
+    let done = run.wait(LIMIT);
+    assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
+    assert!(
+        done.stderr
+            .contains("generation 0: 2 ranks on localhost, 127.0.0.2"),
+        "{}",
+        done.stderr
+    );
+    assert!(!done.stderr.contains("lost"), "{}", done.stderr);
+}
+
+/// Each worker gets horovodrun's launch variables of its slot in the first world, which
+/// scripts read before `init()`.
+#[test]
+fn workers_get_horovods_launch_variables() {
+    let dir = TempDir::new("elastic-vars");
+    let script = discovery(&dir, &["localhost:2", "127.0.0.2"]);
+    let show = format!(
+        "echo \"vars $FH_ELASTIC_WORKER $HOROVOD_RANK $HOROVOD_SIZE $HOROVOD_LOCAL_RANK \
+         $HOROVOD_LOCAL_SIZE $HOROVOD_CROSS_RANK $HOROVOD_CROSS_SIZE\"; exec {PROBE}"
+    );
+    let mut run = Running::start_cmd(Command::new(common::FHRUN).args([
+        "--host-discovery-script",
+        &script,
+        "-np",
+        "3",
+        "-x",
+        &format!("PROBE_STOP={}/stop", dir.str()),
+        "--kill-grace",
+        "1",
+        "--timeout",
+        "120",
+        "sh",
+        "-c",
+        &show,
+    ]));
+    run.wait_for(LIMIT, |_, err| err.contains("generation 0: 3 ranks"));
+    std::fs::write(dir.path().join("stop"), "").unwrap();
+    let done = run.wait(LIMIT);
+    assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
+    for (worker, vars, rank) in [
+        ("localhost:0", "0 3 0 2 0 2", 0),
+        ("localhost:1", "1 3 1 2 0 2", 1),
+        ("127.0.0.2:0", "2 3 0 1 1 2", 2),
+    ] {
+        assert!(
+            done.stdout.contains(&format!("vars {worker} {vars}")),
+            "{worker}: {}",
+            done.stdout
+        );
+        // The world that formed is the one the variables announced.
+        assert!(
+            done.stdout.contains(&format!(
+                "generation 0 rank {rank} size 3 sum 3 worker {worker}"
+            )),
+            "{worker}: {}",
+            done.stdout
+        );
+    }
 }
 
 #[test]

@@ -9,7 +9,8 @@
 //! leaving the world at the same step when they changed (as Horovod's `commit()` does). A
 //! failed collective (a lost peer) makes it register again. When the file named by
 //! `PROBE_STOP` exists, every rank agrees at the next step and exits 0. `Removed` exits 0,
-//! `Failed` exits 1.
+//! `Failed` exits 1. `PROBE_LINGER_MS`: how long a rank waits after that agreement before it
+//! exits (the last seconds of a job, e.g. writing a checkpoint; default 0).
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -96,6 +97,10 @@ fn main() -> ExitCode {
         .and_then(|v| v.parse().ok())
         .map_or(Duration::from_millis(100), Duration::from_millis);
     let stop_file = std::env::var("PROBE_STOP").ok();
+    let linger = std::env::var("PROBE_LINGER_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::ZERO, Duration::from_millis);
     let worker = std::env::var("FH_ELASTIC_WORKER").unwrap_or_default();
     let mut elastic = match Elastic::from_env() {
         Ok(Some(e)) => e,
@@ -125,6 +130,7 @@ fn main() -> ExitCode {
                 match next {
                     Ok(Next::Stop) => {
                         println!("probe: done in generation {}", assignment.generation);
+                        std::thread::sleep(linger);
                         return ExitCode::SUCCESS;
                     }
                     Ok(Next::Again) => {}

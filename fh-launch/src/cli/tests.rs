@@ -152,8 +152,58 @@ fn elastic_flags() {
     assert_eq!(c.elastic.blacklist_cooldown_range, Some(vec![5, 10]));
     assert_eq!(c.elastic.elastic_timeout, Some(Duration::from_secs(3)));
     assert_eq!(c.command, ["true"]);
-    // Without a discovery script -np is required.
-    assert!(parse(&["--min-np", "2", "true"]).is_err());
+    // Without a discovery script or --min-np, -np is required.
+    assert!(parse(&["--max-np", "2", "true"]).is_err());
+    assert!(parse(&["--min-np", "2", "true"]).is_ok());
+}
+
+#[test]
+fn horovodrun_spellings() {
+    let c = parse(&[
+        "-np",
+        "2",
+        "--min-num-proc",
+        "1",
+        "--max-num-proc",
+        "4",
+        "--slots-per-host",
+        "2",
+        "--start-timeout",
+        "5",
+        "--log-level",
+        "DEBUG",
+        "python",
+        "train.py",
+        "--lr",
+        "0.1",
+    ])
+    .unwrap();
+    assert_eq!(
+        (c.elastic.min_np, c.elastic.max_np, c.elastic.slots),
+        (Some(1), Some(4), Some(2))
+    );
+    assert_eq!(c.elastic.start_timeout, Some(Duration::from_secs(5)));
+    assert_eq!(c.knobs.log_level, Some(LogLevel::Debug));
+    // The command's own options stay the command's.
+    assert_eq!(c.command, ["python", "train.py", "--lr", "0.1"]);
+    for (given, level) in [
+        ("WARNING", LogLevel::Warn),
+        ("warn", LogLevel::Warn),
+        ("FATAL", LogLevel::Error),
+        ("Info", LogLevel::Info),
+    ] {
+        let c = parse(&["-np", "1", "--log-level", given, "true"]).unwrap();
+        assert_eq!(c.knobs.log_level, Some(level), "{given}");
+    }
+}
+
+#[test]
+fn an_unknown_option_is_refused_by_name_not_run() {
+    let e = parse(&["-np", "2", "--no-such-option", "python", "x.py"]).unwrap_err();
+    assert!(e.to_string().contains("--no-such-option"), "{e}");
+    // After `--`, anything is the command.
+    let c = parse(&["-np", "2", "--", "--odd-program", "x"]).unwrap();
+    assert_eq!(c.command, ["--odd-program", "x"]);
 }
 
 #[test]

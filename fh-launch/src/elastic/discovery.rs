@@ -109,16 +109,48 @@ pub fn run_once(script: &Path, limit: Duration) -> Result<String, String> {
     Ok(stdout)
 }
 
+/// Where an elastic job's hosts come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// `--host-discovery-script`: run every [`PERIOD`].
+    Script(PathBuf),
+    /// Fixed hosts (`--min-np` with `-H`, `--hostfile` or `-np`): they never change, but a
+    /// lost one is blacklisted like a discovered one.
+    Fixed(Vec<Host>),
+}
+
+impl Source {
+    /// The hosts now: the script run once (bounded by [`RUN_LIMIT`]), or the fixed list.
+    pub fn first(&self, default_slots: usize) -> Result<Vec<Host>, String> {
+        match self {
+            Source::Script(script) => {
+                run_once(script, RUN_LIMIT).and_then(|t| parse(&t, default_slots))
+            }
+            Source::Fixed(hosts) => Ok(hosts.clone()),
+        }
+    }
+}
+
 /// The script run every [`PERIOD`] on a thread of its own; each result arrives on a channel.
+/// Fixed hosts need no thread: they never change.
 pub struct Discovery {
     stop: Arc<AtomicBool>,
-    results: mpsc::Receiver<Result<Vec<Host>, String>>,
+    results: Option<mpsc::Receiver<Result<Vec<Host>, String>>>,
 }
 
 impl Discovery {
-    /// Start running `script`.
-    pub fn start(script: PathBuf, default_slots: usize) -> std::io::Result<Discovery> {
+    /// Start running the script of `source` (nothing to run for fixed hosts).
+    pub fn start(source: Source, default_slots: usize) -> std::io::Result<Discovery> {
         let stop = Arc::new(AtomicBool::new(false));
+        let script = match source {
+            Source::Script(script) => script,
+            Source::Fixed(_) => {
+                return Ok(Discovery {
+                    stop,
+                    results: None,
+                })
+            }
+        };
         let (tx, rx) = mpsc::channel();
         let flag = stop.clone();
         std::thread::Builder::new()
@@ -137,12 +169,18 @@ impl Discovery {
                     }
                 }
             })?;
-        Ok(Discovery { stop, results: rx })
+        Ok(Discovery {
+            stop,
+            results: Some(rx),
+        })
     }
 
     /// Every result that has arrived.
     pub fn drain(&self) -> Vec<Result<Vec<Host>, String>> {
-        self.results.try_iter().collect()
+        self.results
+            .as_ref()
+            .map(|r| r.try_iter().collect())
+            .unwrap_or_default()
     }
 }
 

@@ -1,21 +1,24 @@
-//! `fhrun --host-discovery-script SCRIPT ...`: the elastic driver (issue 28; the design is
-//! Horovod elastic's).
+//! `fhrun --host-discovery-script SCRIPT ...` (or `--min-np N` on fixed hosts): the elastic
+//! driver (the design is Horovod elastic's).
 //!
-//! fhrun runs SCRIPT every second ([`discovery`]: lines `host` or `host:slots`), keeps the
-//! usable hosts — discovered and not blacklisted, in discovery order — and a stamp bumped at
-//! every change ([`state`]), and starts each usable host's workers (at most `--max-np` in all)
-//! as one *part* ([`workers`]): `fhrun --internal-fhrun-remote` on that host, through the rsh
-//! agent for another host and as a plain child process for this one, so every host is handled
-//! alike. A worker has no rank of its own: it gets `FH_ELASTIC_ADDR` (the driver's session
-//! listener, [`fh_transport::elastic::Server`]), `FH_ELASTIC_WORKER=host:slot`,
-//! `FH_JOB_TOKEN`, `HOROVOD_HOSTNAME`, `HOROVOD_ELASTIC=1`, the knobs and the `-x` variables,
-//! and asks the driver for each world. The driver ([`driver`]) answers all registered workers
-//! at once when every worker it expects has registered (bounded by `--elastic-timeout`), with
-//! ranks from [`generation`]: survivors first by previous rank, then new workers in discovery
-//! and slot order. A worker's failure blacklists its host (for good, or for a cooldown drawn
-//! from `--blacklist-cooldown-range`) and stops the host's other workers. The job fails when
-//! fewer than `--min-np` ranks remain and no host comes within `--elastic-timeout`, naming
-//! the lost hosts; it ends with 0 when every worker of the last generation exited 0.
+//! fhrun runs SCRIPT every second ([`discovery`]: lines `host` or `host:slots`; fixed hosts
+//! need no script), keeps the usable hosts — discovered and not blacklisted, in discovery
+//! order — and a stamp bumped at every change ([`state`]), and starts each usable host's
+//! workers (at most `--max-np` in all) as one *part* ([`workers`]): `fhrun
+//! --internal-fhrun-remote` on that host, through the rsh agent for another host and as a plain
+//! child process for this one, so every host is handled alike. A worker has no rank of its
+//! own: it gets `FH_ELASTIC_ADDR` (the driver's session listener,
+//! [`fh_transport::elastic::Server`]), `FH_ELASTIC_WORKER=host:slot`, `FH_JOB_TOKEN`,
+//! `HOROVOD_HOSTNAME`, `HOROVOD_ELASTIC=1`, horovodrun's `HOROVOD_RANK`... of its slot in the
+//! world about to form, the knobs and the `-x` variables, and asks the driver for each world.
+//! The driver ([`driver`]) answers all registered workers at once when every worker it expects
+//! has registered (each within `--start-timeout`), with ranks from [`generation`]: survivors
+//! first by previous rank, then new workers in discovery and slot order; never a world without
+//! a survivor. A worker's failure blacklists its host (for good, or for a cooldown that grows
+//! with each failure) and stops the host's other workers. The job ends at the first worker
+//! that exits 0, as Horovod's; it fails at once when every member of the last world has ended,
+//! and when fewer than `--min-np` ranks remain and no host comes within `--elastic-timeout`,
+//! naming the lost hosts.
 //!
 //! fhrun prints one line per generation: `fhrun: generation 3: 2 ranks on h0, h1 (lost h2:
 //! rank 2 killed by SIGKILL)`.
@@ -40,17 +43,52 @@ use crate::cli::Cli;
 use crate::guardian::Guardian;
 use crate::{hosts, launch, mpi, remote, sys, usage, Failure};
 
+pub use discovery::Source;
+
 /// Default `--elastic-timeout`.
 pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
-/// The flags that only an elastic job takes, given without `--host-discovery-script`.
-pub fn refuse_without_script(cli: &Cli) -> Result<(), Failure> {
+/// Default `--start-timeout` (horovodrun's default too).
+pub const DEFAULT_START_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Where an elastic job's hosts come from, from the flags; `None` for a fixed job.
+///
+/// A discovery script makes the job elastic (hosts come and go). `--min-np` without one makes
+/// it elastic on fixed hosts, as horovodrun's: the hosts of `-H`/`--hostfile`, else `-np` slots
+/// of this machine; a lost worker's host is blacklisted and the survivors go on. The other
+/// elastic flags without either are refused, naming them.
+pub fn source(cli: &Cli, hosts: Option<&[hosts::Host]>) -> Result<Option<Source>, Failure> {
     let e = &cli.elastic;
+    if let Some(script) = &e.host_discovery_script {
+        return Ok(Some(Source::Script(script.clone())));
+    }
+    if e.min_np.is_some() {
+        let fixed = match (hosts, cli.num_proc) {
+            (Some(h), _) => h.to_vec(),
+            (None, Some(np)) => vec![hosts::Host {
+                name: "localhost".into(),
+                slots: np as usize,
+            }],
+            (None, None) => {
+                return Err(usage(
+                    "--min-np makes the job elastic, which needs hosts: --host-discovery-script                      SCRIPT (hosts that may change), -H HOST:SLOTS,... or --hostfile FILE (fixed                      hosts), or -np N (N slots of this machine)",
+                ))
+            }
+        };
+        let total = hosts::total_slots(&fixed);
+        if let Some(np) = cli.num_proc.filter(|&np| np as usize > total) {
+            return Err(usage(format!(
+                "-np {np} needs {np} slots but the fixed hosts of this elastic job offer only \
+                 {total}; add hosts or slots, or lower -np"
+            )));
+        }
+        return Ok(Some(Source::Fixed(fixed)));
+    }
     let given: Vec<&str> = [
-        (e.min_np.is_some(), "--min-np"),
         (e.max_np.is_some(), "--max-np"),
         (e.slots.is_some(), "--slots"),
         (e.elastic_timeout.is_some(), "--elastic-timeout"),
+        (e.start_timeout.is_some(), "--start-timeout"),
         (
             e.blacklist_cooldown_range.is_some(),
             "--blacklist-cooldown-range",
@@ -61,11 +99,12 @@ pub fn refuse_without_script(cli: &Cli) -> Result<(), Failure> {
     .filter_map(|(g, name)| g.then_some(name))
     .collect();
     if given.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
     Err(usage(format!(
         "{} {} only for an elastic job: add --host-discovery-script SCRIPT (a program that \
-         prints the usable hosts, one `host` or `host:slots` a line), or drop {}",
+         prints the usable hosts, one `host` or `host:slots` a line), or --min-np N (fault \
+         tolerance on the fixed hosts of -H, --hostfile or -np), or drop {}",
         given.join(", "),
         if given.len() == 1 { "is" } else { "are" },
         if given.len() == 1 { "it" } else { "them" }
@@ -105,22 +144,26 @@ fn listen_ip(found: &[hosts::Host], hostname: &str) -> Result<(IpAddr, bool), Fa
 
 /// Run an elastic job. `token`: the job token (fhrun's or the one forwarded with `-x`);
 /// `env`: what every worker gets besides the elastic variables (token, knobs, `-x`).
-pub fn run(cli: &Cli, token: String, env: Vec<(String, String)>) -> Result<i32, Failure> {
+pub fn run(
+    cli: &Cli,
+    source: Source,
+    token: String,
+    env: Vec<(String, String)>,
+) -> Result<i32, Failure> {
     let e = &cli.elastic;
-    let Some(script) = e.host_discovery_script.clone() else {
-        return Err(usage("an elastic job needs --host-discovery-script"));
-    };
+    let scripted = matches!(source, Source::Script(_));
     for (bad, flag) in [
-        (cli.hosts.is_some(), "-H/--hosts"),
-        (cli.hostfile.is_some(), "--hostfile"),
+        (scripted && cli.hosts.is_some(), "-H/--hosts"),
+        (scripted && cli.hostfile.is_some(), "--hostfile"),
         (cli.mpi, "--mpi"),
         (cli.rendezvous_addr.is_some(), "--rendezvous-addr"),
         (cli.dry_run, "--dry-run"),
     ] {
         if bad {
             return Err(usage(format!(
-                "{flag} cannot be used with --host-discovery-script: an elastic job's hosts \
-                 come from the script, and each world's rendezvous from its rank 0"
+                "{flag} cannot be used in an elastic job (--host-discovery-script or --min-np): \
+                 its hosts come from the script or the fixed host list, and each world's \
+                 rendezvous from its rank 0"
             )));
         }
     }
@@ -159,9 +202,7 @@ pub fn run(cli: &Cli, token: String, env: Vec<(String, String)>) -> Result<i32, 
     }
 
     // The first discovery decides where the listener binds; a bad script fails here.
-    let found = discovery::run_once(&script, discovery::RUN_LIMIT)
-        .and_then(|t| discovery::parse(&t, slots))
-        .map_err(|e| (1, e))?;
+    let found = source.first(slots).map_err(|e| (1, e))?;
     let hostname = hosts::this_hostname();
     let (ip, loopback) = listen_ip(&found, &hostname)?;
 
@@ -204,6 +245,7 @@ pub fn run(cli: &Cli, token: String, env: Vec<(String, String)>) -> Result<i32, 
         max_np,
         initial_np,
         elastic_timeout,
+        start_timeout: e.start_timeout.unwrap_or(DEFAULT_START_TIMEOUT),
         reset_limit: e.reset_limit,
         timeout: cli.timeout,
         loopback,
@@ -216,7 +258,7 @@ pub fn run(cli: &Cli, token: String, env: Vec<(String, String)>) -> Result<i32, 
             max_np.map_or("unlimited".into(), |m| m.to_string())
         );
     }
-    let disc = discovery::Discovery::start(script, slots)
+    let disc = discovery::Discovery::start(source, slots)
         .map_err(|e| (1, format!("cannot start the host discovery thread: {e}")))?;
     if let Err(e) = sys::become_subreaper() {
         if cli.verbose {

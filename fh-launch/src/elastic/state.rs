@@ -26,6 +26,8 @@ pub struct HostState {
     blacklist: HashMap<String, Option<Instant>>,
     /// `--blacklist-cooldown-range MIN MAX`, seconds.
     cooldown: Option<(u64, u64)>,
+    /// How many times each host was blacklisted (its cooldown doubles each time).
+    strikes: HashMap<String, u32>,
     stamp: u64,
 }
 
@@ -95,19 +97,21 @@ impl HostState {
         self.commit(before)
     }
 
-    /// Blacklist `host` at `now`: for good, or for `draw(MIN, MAX)` seconds with a cooldown
-    /// range. Returns the change of the usable set, and the cooldown given.
+    /// Blacklist `host` at `now`: for good, or, with a cooldown range `MIN..MAX`, for
+    /// [`cooldown`]`(MIN, MAX, n, draw())` seconds after its n-th blacklisting (`draw()`: a
+    /// uniform number in `[0, 1)`). Returns the change of the usable set, and the cooldown
+    /// given.
     pub fn blacklist(
         &mut self,
         host: &str,
         now: Instant,
-        draw: impl FnOnce(u64, u64) -> u64,
+        draw: impl FnOnce() -> f64,
     ) -> (Option<Change>, Option<Duration>) {
         let before = self.names();
-        let cooldown = self.cooldown.map(|(lo, hi)| {
-            let (lo, hi) = (lo.min(hi), lo.max(hi));
-            Duration::from_secs(draw(lo, hi).clamp(lo, hi))
-        });
+        let strikes = self.strikes.entry(host.to_string()).or_insert(0);
+        *strikes += 1;
+        let n = *strikes;
+        let cooldown = self.cooldown.map(|(lo, hi)| cooldown(lo, hi, n, draw()));
         self.blacklist
             .insert(host.to_string(), cooldown.map(|c| now + c));
         (self.commit(before), cooldown)
@@ -127,6 +131,15 @@ impl HostState {
         }
         (done, self.commit(before))
     }
+}
+
+/// A host's cooldown after its `n`-th blacklisting (n >= 1), as Horovod's driver draws it:
+/// `lo·2^n + u·lo` seconds (`u` uniform in `[0, 1)`), kept within `lo..=hi`. A host that
+/// keeps failing waits longer each time, up to `hi`.
+pub fn cooldown(lo: u64, hi: u64, n: u32, u: f64) -> Duration {
+    let (lo, hi) = (lo.min(hi) as f64, lo.max(hi) as f64);
+    let grown = lo * 2f64.powi(n.min(62) as i32) + u.clamp(0.0, 1.0) * lo;
+    Duration::from_secs_f64(grown.clamp(lo, hi))
 }
 
 #[cfg(test)]
@@ -162,7 +175,7 @@ mod tests {
         let mut s = HostState::new(None);
         let now = Instant::now();
         s.discovered(vec![h("a", 1), h("b", 1)]);
-        let (c, cooldown) = s.blacklist("b", now, |_, _| unreachable!());
+        let (c, cooldown) = s.blacklist("b", now, || unreachable!());
         assert_eq!(cooldown, None);
         let c = c.unwrap();
         assert_eq!((c.stamp, c.added, c.removed), (2, false, true));
@@ -175,27 +188,47 @@ mod tests {
     }
 
     #[test]
-    fn a_cooldown_brings_the_host_back() {
-        let mut s = HostState::new(Some((10, 20)));
+    fn a_cooldown_brings_the_host_back_and_grows_with_each_failure() {
+        let mut s = HostState::new(Some((5, 100)));
         let now = Instant::now();
         s.discovered(vec![h("a", 1), h("b", 1)]);
-        let (_, cooldown) = s.blacklist("a", now, |lo, hi| {
-            assert_eq!((lo, hi), (10, 20));
-            15
-        });
-        assert_eq!(cooldown, Some(Duration::from_secs(15)));
+        // First failure: 5·2 + 0.5·5 = 12.5 s.
+        let (_, cooldown) = s.blacklist("a", now, || 0.5);
+        assert_eq!(cooldown, Some(Duration::from_secs_f64(12.5)));
         assert_eq!(
-            s.expire(now + Duration::from_secs(14)).0,
+            s.expire(now + Duration::from_secs(12)).0,
             Vec::<String>::new()
         );
-        let (back, c) = s.expire(now + Duration::from_secs(15));
+        let (back, c) = s.expire(now + Duration::from_secs(13));
         assert_eq!(back, ["a"]);
         let c = c.unwrap();
         assert!(c.added && !c.removed);
         // Discovery order, not blacklist order.
         assert_eq!(names(&s), ["a", "b"]);
-        // A draw outside the range is clamped into it.
-        let (_, cooldown) = s.blacklist("b", now, |_, _| 99);
+        // Its second failure doubles the wait (5·4 = 20 s), another host starts afresh, and
+        // the growth stops at MAX.
+        let (_, cooldown) = s.blacklist("a", now, || 0.0);
         assert_eq!(cooldown, Some(Duration::from_secs(20)));
+        let (_, cooldown) = s.blacklist("b", now, || 0.0);
+        assert_eq!(cooldown, Some(Duration::from_secs(10)));
+        s.expire(now + Duration::from_secs(1000));
+        for _ in 0..5 {
+            s.blacklist("a", now, || 0.99);
+        }
+        assert_eq!(s.strikes["a"], 7);
+        let (_, cooldown) = s.blacklist("a", now, || 0.99);
+        assert_eq!(cooldown, Some(Duration::from_secs(100)));
+    }
+
+    #[test]
+    fn cooldowns_follow_horovods_formula_within_the_range() {
+        assert_eq!(cooldown(1, 3600, 1, 0.0), Duration::from_secs(2));
+        assert_eq!(cooldown(1, 3600, 3, 0.5), Duration::from_secs_f64(8.5));
+        assert_eq!(cooldown(10, 15, 1, 0.0), Duration::from_secs(15));
+        // A range given backwards is taken in order; huge strike counts do not overflow.
+        assert_eq!(cooldown(20, 10, 1, 0.0), Duration::from_secs(20));
+        assert_eq!(cooldown(2, 50, 10_000, 1.0), Duration::from_secs(50));
+        // A cooldown never falls below MIN.
+        assert_eq!(cooldown(7, 9, 0, 0.0), Duration::from_secs(7));
     }
 }

@@ -107,13 +107,14 @@ pub struct PartProc {
 }
 
 impl PartProc {
-    /// Start `workers` (`host:slot` ids) on `host`; `local`: this machine (no agent). Exit
-    /// reports go to `exits`, with `index` (this part's index in the driver's list).
+    /// Start `workers` (`host:slot` ids, each with variables of its own) on `host`; `local`:
+    /// this machine (no agent). Exit reports go to `exits`, with `index` (this part's index in
+    /// the driver's list).
     pub fn start(
         ctx: &PartContext,
         host: &str,
         local: bool,
-        workers: Vec<String>,
+        workers: Vec<(String, Vec<(String, String)>)>,
         index: usize,
         exits: &mpsc::Sender<(usize, Exit)>,
     ) -> Result<PartProc, String> {
@@ -129,7 +130,12 @@ impl PartProc {
             command: ctx.command.clone(),
             env,
             ranks: Vec::new(),
-            workers,
+            worker_env: workers
+                .iter()
+                .enumerate()
+                .flat_map(|(i, (_, env))| env.iter().map(move |(k, v)| (i, k.clone(), v.clone())))
+                .collect(),
+            workers: workers.into_iter().map(|(id, _)| id).collect(),
             report: Some(ctx.marker.clone()),
             prefix: ctx.prefix,
             kill_grace: ctx.kill_grace,

@@ -120,12 +120,7 @@ impl TcpTransport {
                      starting; give every job its own token (fhrun draws one per job) and \
                      rendezvous port"
                 );
-                let mut stream = stream;
-                let _ = write_by(
-                    &mut stream,
-                    &wire::encode_rendezvous_failure(0, &reason),
-                    Instant::now() + Duration::from_secs(1),
-                );
+                refuse(stream, &reason);
                 tell_failure(&mut members, 0, &reason);
                 return Err(TransportError::Config {
                     var: "FH_JOB_TOKEN".into(),
@@ -176,7 +171,7 @@ impl TcpTransport {
         let _ = rdv_done.set(world);
         self.board.rendezvous_completed();
         let late = Instant::now();
-        while let Some((hello, mut stream, from)) = rdv_acceptor.next(late) {
+        while let Some((hello, stream, from)) = rdv_acceptor.next(late) {
             let reason = format!(
                 "rank {} (claimed, from {from}): the rendezvous of this job (world {}) is \
                  complete and that rank joined it already: is another job with the same \
@@ -184,11 +179,7 @@ impl TcpTransport {
                 hello.rank,
                 wire::world_hex(&world)
             );
-            let _ = write_by(
-                &mut stream,
-                &wire::encode_rendezvous_failure(0, &reason),
-                Instant::now() + Duration::from_secs(1),
-            );
+            refuse(stream, &reason);
             // Every rank had joined: this claimant or that rank's member is another job's.
             self.board.late_claim(hello.rank, from);
         }
@@ -296,10 +287,10 @@ impl TcpTransport {
             rank: 0,
             detail: format!("sending this rank's host place to the rendezvous failed: {e}"),
         })?;
-        let root_ip: IpAddr = stream
-            .peer_addr()
-            .map_err(|e| TransportError::io("reading rank 0's address", e))?
-            .ip();
+        // Rank 0's address, for its entry of the book. Read now, but not yet an error when it
+        // fails: rank 0 may have closed the connection after sending why (two jobs claiming
+        // one rendezvous), and that reason, read below, is the error to give.
+        let root_ip: Option<IpAddr> = stream.peer_addr().ok().map(|a| a.ip());
 
         // Rank 0 answers once everybody is in: wait up to its timeout, plus a margin, in all.
         let book_deadline = Instant::now() + self.opts.timeout + self.opts.handshake_timeout;
@@ -331,6 +322,12 @@ impl TcpTransport {
             wire::decode_world_id(b)
         })
         .map_err(|f| from_root(f, "the world id", timeout))?;
+        let root_ip = root_ip.ok_or_else(|| TransportError::PeerLost {
+            rank: 0,
+            detail: "rank 0 closed the rendezvous connection while sending the address book \
+                     (see rank 0's log)"
+                .into(),
+        })?;
         self.world = world;
         let _ = self.world_cell.set(world);
         let mut book = Vec::with_capacity(size);
@@ -350,6 +347,20 @@ impl TcpTransport {
         self.book = book;
         Ok(places)
     }
+}
+
+/// Refuse a claimant at the rendezvous, saying why: its host place (sent right after the
+/// handshake) is read first, so that closing leaves no unread data, which would make the close
+/// a reset that can destroy the reason before the claimant reads it. Bounded (about 1 s).
+fn refuse(mut stream: TcpStream, reason: &str) {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let _ = read_msg(&mut stream, deadline, hosts::MAX_PLACE_LEN, Place::decode);
+    let _ = write_by(
+        &mut stream,
+        &wire::encode_rendezvous_failure(0, reason),
+        deadline,
+    );
+    let _ = stream.shutdown(std::net::Shutdown::Write);
 }
 
 /// Rank 0 gives up: tell every member that joined whom to blame (best effort, bounded), so

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use fh_transport::elastic::{Event, Membership, Server};
 
 use super::discovery::Discovery;
+use super::generation::{self, Candidate};
 use super::state::{Change, HostState};
 use super::workers::{End, Exit, PartContext, PartProc};
 use crate::guardian::Guardian;
@@ -26,8 +27,10 @@ pub struct Settings {
     pub max_np: Option<usize>,
     /// `-np`: workers to wait for before the first world.
     pub initial_np: usize,
-    /// `--elastic-timeout`.
+    /// `--elastic-timeout`: how long to wait for hosts.
     pub elastic_timeout: Duration,
+    /// `--start-timeout`: how long a worker has to register (or `elastic_timeout`, if longer).
+    pub start_timeout: Duration,
     /// `--reset-limit`.
     pub reset_limit: Option<u32>,
     /// `--timeout` of the whole job.
@@ -45,6 +48,8 @@ struct Worker {
     /// Its rank in the last generation, when it is a member of it.
     rank: Option<usize>,
     registered: Option<String>,
+    /// When its part was started.
+    started: Instant,
     session_closed: Option<Instant>,
     end: Option<End>,
     removed: bool,
@@ -70,7 +75,9 @@ pub struct Driver {
     lost_all: Vec<(String, String)>,
     began: Instant,
     started: bool,
-    finishing: bool,
+    /// Why the job is finishing (a worker exited 0): no worker starts or joins any more, and
+    /// no world forms.
+    finishing: Option<String>,
     discovered_once: bool,
     last_discovery_error: Option<String>,
     /// Stopping everything; fhrun's exit status when the parts have ended.
@@ -107,7 +114,7 @@ impl Driver {
             lost_all: Vec::new(),
             began: Instant::now(),
             started: false,
-            finishing: false,
+            finishing: None,
             discovered_once: false,
             last_discovery_error: None,
             stopping_all: None,
@@ -167,7 +174,7 @@ impl Driver {
     fn lose_host(&mut self, host: &str, why: String) {
         let now = Instant::now();
         if !self.hosts.is_blacklisted(host) {
-            let (c, cooldown) = self.hosts.blacklist(host, now, draw);
+            let (c, cooldown) = self.hosts.blacklist(host, now, uniform);
             self.publish(c);
             let until = match cooldown {
                 Some(d) => format!("for {} s", d.as_secs()),
@@ -241,6 +248,13 @@ impl Driver {
                 if self.stopping_all.is_some() {
                     let why = "the job is stopping".to_string();
                     let _ = self.server.answer(&worker, &Membership::Failed(why));
+                } else if let Some(why) = self.finishing.clone() {
+                    // The job has ended for one of its workers: a world formed now would
+                    // train again from a state nobody holds any more (Horovod's driver stops
+                    // the job at its first successful exit).
+                    let _ = self.server.answer(&worker, &Membership::Removed(why));
+                    self.workers[i].removed = true;
+                    self.stop_idle_part(self.workers[i].part);
                 } else if !self.hosts.is_usable(&host) || self.workers[i].removed {
                     let why = if self.hosts.is_blacklisted(&host) {
                         format!("host {host} is blacklisted")
@@ -285,14 +299,67 @@ impl Driver {
         self.workers[i].end = Some(e.end);
         let w = &self.workers[i];
         if e.end.success() {
-            if w.rank.is_some() {
-                self.finishing = true;
+            // A worker that ends its script with success ends the job (as in Horovod: the
+            // first success stops the driver), unless fhrun sent it away: a member of the
+            // last world, or a worker that exited 0 before joining any (its command does not
+            // train elastically: restarting it would run it again).
+            if !w.removed && self.parts[part].stopping.is_none() && self.finishing.is_none() {
+                let who = match w.rank {
+                    Some(r) => format!("worker {} (rank {r})", w.id),
+                    None => format!("worker {}", w.id),
+                };
+                self.finish(format!("the job is finishing: {who} exited 0"));
             }
         } else if !w.removed && self.parts[part].stopping.is_none() {
             let why = self.describe_loss(w, &e.end.describe());
             let host = w.host.clone();
             self.lose_host(&host, why);
         }
+    }
+
+    /// The job is finishing because `why`: no worker starts or joins any more, the parts with
+    /// no member of the last world are stopped, and the job ends when every part has.
+    fn finish(&mut self, why: String) {
+        let mut turned_away: Vec<String> = Vec::new();
+        for i in 0..self.workers.len() {
+            let w = &self.workers[i];
+            if w.registered.is_some() && w.end.is_none() && !w.removed {
+                let _ = self.server.answer(&w.id, &Membership::Removed(why.clone()));
+                turned_away.push(w.id.clone());
+                self.workers[i].registered = None;
+                self.workers[i].removed = true;
+            }
+        }
+        self.round = None;
+        let now = Instant::now();
+        for p in 0..self.parts.len() {
+            let has_member = self
+                .workers
+                .iter()
+                .any(|w| w.part == p && w.rank.is_some() && w.end.is_none());
+            if self.parts[p].running() && !has_member {
+                self.parts[p].stop(now);
+                let more: Vec<String> = self
+                    .workers
+                    .iter()
+                    .filter(|w| w.part == p && w.end.is_none() && !turned_away.contains(&w.id))
+                    .map(|w| w.id.clone())
+                    .collect();
+                turned_away.extend(more);
+            }
+        }
+        if self.generation.is_none() || self.ctx.verbose || !turned_away.is_empty() {
+            let stopped = if turned_away.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " (stopping {}, which joined no world)",
+                    turned_away.join(", ")
+                )
+            };
+            eprintln!("fhrun: {why}; no new world forms{stopped}");
+        }
+        self.finishing = Some(why);
     }
 
     fn poll_parts(&mut self, now: Instant, guardian: &mut Option<&mut Guardian>) {
@@ -341,7 +408,7 @@ impl Driver {
     }
 
     fn start_workers(&mut self, now: Instant, guardian: &mut Option<&mut Guardian>) {
-        if self.stopping_all.is_some() || self.finishing || !self.discovered_once {
+        if self.stopping_all.is_some() || self.finishing.is_some() || !self.discovered_once {
             return;
         }
         let usable: Vec<Host> = self.hosts.usable().into_iter().cloned().collect();
@@ -361,11 +428,13 @@ impl Driver {
             }
             self.started = true;
         }
+        // The workers to start now, host by host.
+        let mut alive = self.workers.iter().filter(|w| self.expected(w)).count();
+        let mut to_start: Vec<(Host, usize, bool)> = Vec::new();
         for h in usable {
             if self.parts.iter().any(|p| p.host == h.name && p.running()) {
                 continue;
             }
-            let alive = self.workers.iter().filter(|w| self.expected(w)).count();
             let n = h.slots.min(cap.saturating_sub(alive));
             if n == 0 {
                 continue;
@@ -380,16 +449,21 @@ impl Driver {
                 );
                 continue;
             }
+            alive += n;
+            to_start.push((h, n, local));
+        }
+        if to_start.is_empty() {
+            return;
+        }
+        let env = self.horovod_env(&to_start);
+        for (h, n, local) in to_start {
             let ids: Vec<String> = (0..n).map(|s| format!("{}:{s}", h.name)).collect();
+            let workers: Vec<(String, Vec<(String, String)>)> = ids
+                .iter()
+                .map(|id| (id.clone(), env.get(id).cloned().unwrap_or_default()))
+                .collect();
             let index = self.parts.len();
-            match PartProc::start(
-                &self.ctx,
-                &h.name,
-                local,
-                ids.clone(),
-                index,
-                &self.exits_tx,
-            ) {
+            match PartProc::start(&self.ctx, &h.name, local, workers, index, &self.exits_tx) {
                 Ok(part) => {
                     if let Some(g) = guardian.as_mut() {
                         g.watch(part.pid);
@@ -411,6 +485,7 @@ impl Driver {
                             slot,
                             rank: None,
                             registered: None,
+                            started: now,
                             session_closed: None,
                             end: None,
                             removed: false,
@@ -420,6 +495,58 @@ impl Driver {
                 Err(e) => self.lose_host(&h.name, e),
             }
         }
+    }
+
+    /// Horovod's launch variables for the workers about to start (`HOROVOD_RANK`, `_SIZE`,
+    /// `LOCAL_*`, `CROSS_*`), as horovodrun gives them: each worker's place in the world that
+    /// forms when every expected worker and these register (survivors keep their order). A
+    /// script reads them before `init()` to pick a device or a log file; the world itself, and
+    /// every later one, comes from the driver.
+    fn horovod_env(
+        &self,
+        to_start: &[(Host, usize, bool)],
+    ) -> std::collections::HashMap<String, Vec<(String, String)>> {
+        let mut candidates: Vec<Candidate> = self
+            .workers
+            .iter()
+            .filter(|w| self.expected(w))
+            .map(|w| Candidate {
+                id: w.id.clone(),
+                host: w.host.clone(),
+                slot: w.slot,
+                previous: w.rank,
+                host_order: self.hosts.order(&w.host),
+            })
+            .collect();
+        for (h, n, _) in to_start {
+            for slot in 0..*n {
+                candidates.push(Candidate {
+                    id: format!("{}:{slot}", h.name),
+                    host: h.name.clone(),
+                    slot,
+                    previous: None,
+                    host_order: self.hosts.order(&h.name),
+                });
+            }
+        }
+        generation::plan(candidates, self.s.max_np)
+            .members
+            .into_iter()
+            .map(|(id, _, t)| {
+                let vars = [
+                    ("HOROVOD_RANK", t.rank),
+                    ("HOROVOD_SIZE", t.size),
+                    ("HOROVOD_LOCAL_RANK", t.local_rank),
+                    ("HOROVOD_LOCAL_SIZE", t.local_size),
+                    ("HOROVOD_CROSS_RANK", t.cross_rank),
+                    ("HOROVOD_CROSS_SIZE", t.cross_size),
+                ]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+                (id, vars)
+            })
+            .collect()
     }
 
     fn check_sessions(&mut self, now: Instant) {
@@ -504,11 +631,11 @@ impl Driver {
     }
 }
 
-/// A cooldown in `lo..=hi` seconds, drawn from the kernel's random numbers.
-fn draw(lo: u64, hi: u64) -> u64 {
+/// A uniform number in `[0, 1)`, from the kernel's random numbers (0 if they cannot be read).
+fn uniform() -> f64 {
     let r = sys::random_hex(8)
         .ok()
         .and_then(|h| u64::from_str_radix(&h, 16).ok())
         .unwrap_or(0);
-    lo + r % (hi - lo + 1).max(1)
+    (r >> 11) as f64 / (1u64 << 53) as f64
 }

@@ -1,5 +1,7 @@
-//! Registration rounds: a generation is formed when every expected worker has registered (or
-//! `--elastic-timeout` has passed), and the job's end.
+//! Registration rounds: a generation is formed when every expected worker has registered (a
+//! worker that does not within `--start-timeout` is lost), never without a member of the last
+//! one; the job fails at once when every member of the last world has ended, and ends when
+//! one worker exits 0.
 
 use std::time::Instant;
 
@@ -11,7 +13,7 @@ use super::Driver;
 
 impl Driver {
     pub(super) fn rounds(&mut self, now: Instant) {
-        if self.stopping_all.is_some() {
+        if self.stopping_all.is_some() || self.finishing.is_some() {
             return;
         }
         let any = self
@@ -19,11 +21,34 @@ impl Driver {
             .iter()
             .any(|w| w.registered.is_some() && self.expected(w));
         if self.round.is_none() && any {
-            self.round = Some(now + self.s.elastic_timeout);
+            self.round = Some(now);
         }
-        let Some(deadline) = self.round else {
+        let Some(began) = self.round else {
             return;
         };
+        // A worker has --start-timeout (or --elastic-timeout, if longer) to register, from its
+        // start or from the round's, whichever is later: a new worker's interpreter and
+        // imports, a survivor's way to its next collective. One that does not is lost.
+        let bound = self.s.start_timeout.max(self.s.elastic_timeout);
+        let late: Vec<usize> = (0..self.workers.len())
+            .filter(|&i| {
+                let w = &self.workers[i];
+                self.expected(w) && w.registered.is_none() && now >= began.max(w.started) + bound
+            })
+            .collect();
+        for i in late {
+            let why = self.describe_loss(
+                &self.workers[i],
+                &format!(
+                    "did not register within {} s (--start-timeout {} s, --elastic-timeout {} s)",
+                    bound.as_secs_f64(),
+                    self.s.start_timeout.as_secs_f64(),
+                    self.s.elastic_timeout.as_secs_f64()
+                ),
+            );
+            let host = self.workers[i].host.clone();
+            self.lose_host(&host, why);
+        }
         let expected: Vec<usize> = (0..self.workers.len())
             .filter(|&i| self.expected(&self.workers[i]))
             .collect();
@@ -31,29 +56,14 @@ impl Driver {
             .iter()
             .filter(|&&i| self.workers[i].registered.is_some())
             .count();
-        if registered == expected.len() && registered >= self.s.min_np {
-            return self.form();
-        }
-        if now < deadline {
+        if registered < expected.len() {
             return;
         }
-        let t = self.s.elastic_timeout.as_secs_f64();
-        for &i in &expected {
-            if self.workers[i].registered.is_none() {
-                let why = self.describe_loss(
-                    &self.workers[i],
-                    &format!("did not register within --elastic-timeout {t} s"),
-                );
-                let host = self.workers[i].host.clone();
-                self.lose_host(&host, why);
-            }
+        if registered >= self.s.min_np.max(1) {
+            return self.form();
         }
-        let left = (0..self.workers.len())
-            .filter(|&i| self.expected(&self.workers[i]) && self.workers[i].registered.is_some())
-            .count();
-        if left >= self.s.min_np.max(1) {
-            self.form();
-        } else {
+        // Everyone registered, but too few: new hosts may still come within --elastic-timeout.
+        if now >= began + self.s.elastic_timeout {
             self.fail(format!(
                 "fewer than --min-np {} ranks remain ({})",
                 self.s.min_np,
@@ -86,6 +96,23 @@ impl Driver {
                 host_order: self.hosts.order(&w.host),
             })
             .collect();
+        // The state is synchronised from the new rank 0, the lowest survivor: a world without
+        // a member of the last one would start training over from the script's initial
+        // state (Horovod refuses too: "No hosts from previous set remaining").
+        if let Some(g) = self.generation {
+            if !candidates.iter().any(|c| c.previous.is_some()) {
+                return self.fail(format!(
+                    "no worker of generation {g} remains to synchronise the training state from, \
+                     and the new workers ({}) hold none ({})",
+                    candidates
+                        .iter()
+                        .map(|c| c.id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    self.lost_list()
+                ));
+            }
+        }
         let plan = generation::plan(candidates, self.s.max_np);
         let g = match self.generation {
             Some(g) => {
@@ -175,7 +202,26 @@ impl Driver {
                 self.lost_list()
             ));
         }
-        if self.stopping_all.is_some() || self.finishing || !self.started || self.round.is_some() {
+        // Every member of the last world has ended (none with success: that would be the
+        // job's end): nobody holds the training state any more, and new hosts could only
+        // start it over. Fail at once, as Horovod does when every worker failed.
+        if self.stopping_all.is_none() && self.finishing.is_none() {
+            if let Some(g) = self.generation {
+                let mut members = self.workers.iter().filter(|w| w.rank.is_some()).peekable();
+                if members.peek().is_some() && members.all(|w| w.end.is_some()) {
+                    return self.fail(format!(
+                        "every rank of generation {g} has ended, so no worker holds the \
+                         training state any more ({})",
+                        self.lost_list()
+                    ));
+                }
+            }
+        }
+        if self.stopping_all.is_some()
+            || self.finishing.is_some()
+            || !self.started
+            || self.round.is_some()
+        {
             self.starve = None;
             return;
         }
@@ -205,9 +251,7 @@ impl Driver {
         if !self.started {
             return None;
         }
-        if !self.finishing {
-            return None;
-        }
+        self.finishing.as_ref()?;
         let clean = self
             .workers
             .iter()
