@@ -71,7 +71,7 @@ class Config:
     runs: int = 50
     seed: int = 0
     only: list = None            # replay these run indices of the seed
-    jobs: int = 1                # runs at once
+    jobs: int = 2                # runs at once
     timeout_s: int = 10          # FH_TIMEOUT_SECONDS given to the workers
     elastic_timeout_s: int = 30  # fhrun --elastic-timeout (below-min runs: 5)
     bound_s: float = 120.0       # a run still going after this is a hang
@@ -122,6 +122,7 @@ class Plan:
     kills: list                 # for EKILL_PLAN
     add_host_after: int = None  # commits of the first world before 127.0.0.3 is added
     cooldown: tuple = None      # --blacklist-cooldown-range, or None (blacklisted for good)
+    slow_start: dict = None     # worker -> seconds its start is delayed
 
     @property
     def expect_failure(self):
@@ -138,6 +139,8 @@ class Plan:
             extra += f", {HOSTS[self.np]} added after {self.add_host_after} commits"
         if self.cooldown:
             extra += f", cooldown {self.cooldown[0]}-{self.cooldown[1]} s"
+        for worker, delay in (self.slow_start or {}).items():
+            extra += f", {worker} starts {delay} s late"
         return (f"run {self.index} (seed {self.seed}): {self.scenario} over {self.transport}, "
                 f"-np {self.np} --min-np {self.min_np} --max-np {self.max_np}{extra}: "
                 f"kill {kills}")
@@ -173,6 +176,7 @@ def plan_run(cfg, index):
     transport = rng.choice(list(cfg.transports))
     cooldown = (1, 2) if rng.random() < cfg.cooldown_share else None
     add_host_after = None
+    slow_start = None
     if scenario == "below-min":
         np_, min_np, max_np = 2, 2, 2
         kills = [_first_kill(rng, f"{rng.choice(HOSTS[:2])}:0")]
@@ -186,6 +190,9 @@ def plan_run(cfg, index):
         min_np, max_np = 1, np_ + 1
         add_host_after = rng.randint(1, 3)
         joiner = HOSTS[np_]
+        # Sometimes the newcomer starts late (a slow host): the re-forming waits for it.
+        slow = rng.choice([0, 0, round(rng.uniform(1, 4), 1)])
+        slow_start = {f"{joiner}:0": slow} if slow else None
         if rng.random() < 0.5:
             kills = [{"worker": f"{joiner}:0", "phase": "join", "nth": 1,
                       "delay_ms": rng.randint(0, 2500)}]
@@ -196,7 +203,7 @@ def plan_run(cfg, index):
         min_np, max_np = 1, np_
         kills = [_first_kill(rng, f"{rng.choice(HOSTS[:np_])}:0", scenario)]
     return Plan(index, cfg.seed, scenario, transport, np_, min_np, max_np, kills,
-                add_host_after, cooldown)
+                add_host_after, cooldown, slow_start)
 
 
 # -------------------------------------------------------------------------------------------
@@ -301,7 +308,8 @@ def execute(plan, cfg, fhrun, base):
     script = run_dir / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat '{hosts}'\n")
     script.chmod(0o755)
-    env = dict(os.environ, EKILL_PLAN=json.dumps({"kills": plan.kills}),
+    env = dict(os.environ, EKILL_PLAN=json.dumps({"kills": plan.kills,
+                                                  "slow_start": plan.slow_start or {}}),
                EKILL_DIR=str(run_dir), ELASTIC_LOG=str(log_dir), OMP_NUM_THREADS="1",
                FH_TIMEOUT_SECONDS=str(cfg.timeout_s), PYTHONDONTWRITEBYTECODE="1")
     result = Result(plan)

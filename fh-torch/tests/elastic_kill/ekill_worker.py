@@ -1,7 +1,8 @@
 """A worker of the random-kill elastic stage: ``fh-torch/examples/elastic_train.py`` (its own
 ``main``, model, log and replay), with a SIGKILL of this process planned at one moment.
 
-The plan is ``EKILL_PLAN`` (JSON, the same for every worker of a run): ``{"kills": [...]}``,
+The plan is ``EKILL_PLAN`` (JSON, the same for every worker of a run): ``{"kills": [...]}``
+(and optionally ``"slow_start": {"HOST:SLOT": seconds}``, a worker whose start is delayed),
 each kill ``{"worker": "HOST:SLOT", "phase": ..., "nth": N, "point": ..., "delay_ms": D,
 "param": J}``. The kill whose ``worker`` is ``FH_ELASTIC_WORKER`` is this process's (a
 process started again for the same worker has none). Counting in this process:
@@ -34,6 +35,13 @@ import threading
 import time
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+# A plan may delay a worker's start ("slow_start": {"HOST:SLOT": seconds}): a newcomer that
+# arrives late, after a kill during the re-forming that waits for it.
+_delay = json.loads(os.environ.get("EKILL_PLAN") or "{}").get("slow_start", {}).get(
+    os.environ.get("FH_ELASTIC_WORKER", ""))
+if _delay:
+    time.sleep(float(_delay))
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
