@@ -234,8 +234,9 @@ def _fhrun():
     raise FileNotFoundError("fhrun is not built: run `cargo build -p fh-launch`")
 
 
-def _processes_of(run_dir):
-    """Pids of the processes whose environment names this run's directory (its workers)."""
+def _processes_of(run_dir, workers_only=False):
+    """Pids of the processes whose environment names this run's directory (fhrun, its parts
+    and its workers; ``workers_only``: the Python workers)."""
     marker = f"EKILL_DIR={run_dir}".encode()
     pids = []
     for pid in os.listdir("/proc"):
@@ -243,8 +244,16 @@ def _processes_of(run_dir):
             continue
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker in f.read().split(b"\0"):
-                    pids.append(int(pid))
+                if marker not in f.read().split(b"\0"):
+                    continue
+            if workers_only:
+                # The interpreter running the worker script (fhrun's own command line names
+                # the script too).
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+                if argv[0] != sys.executable.encode() or str(WORKER).encode() not in argv:
+                    continue
+            pids.append(int(pid))
         except OSError:
             continue
     return pids
@@ -336,9 +345,14 @@ def execute(plan, cfg, fhrun, base):
             time.sleep(0.05)
     finally:
         if hung or proc.poll() is None:
-            # Stacks first (faulthandler on SIGUSR1), then everything of the run is killed.
-            _signal_all(_processes_of(run_dir), signal.SIGUSR1)
-            time.sleep(1.0)
+            # The workers' stacks first (faulthandler on SIGUSR1; fhrun, which would die of
+            # it, still relays them), then everything of the run is killed.
+            dumped = _processes_of(run_dir, workers_only=True)
+            _signal_all(dumped, signal.SIGUSR1)
+            with open(out_path, "a") as out:
+                out.write(f"ekill harness: run still going after {cfg.bound_s:.0f} s; its "
+                          f"workers' stacks (SIGUSR1 to pids {dumped}) follow\n")
+            time.sleep(2.0)
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except OSError:
