@@ -409,6 +409,11 @@ def _recoveries(kills, progress):
     return out
 
 
+# Held while a replay's prints are captured (a process-wide redirection) and while the suite
+# prints, so that the runs of two threads never mix their output.
+_output_lock = threading.Lock()
+
+
 def judge(result, cfg, run_dir, output, hung, leftover):
     plan = result.plan
     # A kill counts once its record is written and fhrun saw the worker die of it.
@@ -472,7 +477,8 @@ def judge(result, cfg, run_dir, output, hung, leftover):
         return
     args = elastic_train.parse(TRAIN + ["--replay", str(log_dir)])
     said = io.StringIO()
-    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+    # check_replay prints; sys.stdout is the process's: no other thread prints meanwhile.
+    with _output_lock, contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
         try:
             rc = elastic_train.check_replay(args)
         except ValueError as e:  # an inconsistent committed sequence
@@ -491,6 +497,12 @@ def judge(result, cfg, run_dir, output, hung, leftover):
 
 
 def run_suite(cfg, log=print):
+    printer = log
+
+    def log(message):
+        with _output_lock:
+            printer(message)
+
     fhrun = _fhrun()
     indices = cfg.only if cfg.only else list(range(cfg.runs))
     plans = [plan_run(cfg, i) for i in indices]
