@@ -156,7 +156,7 @@ pub(crate) fn chaos_suite(root: &Path) -> Command {
 }
 
 /// Runs of the random-kill elastic stage in `cargo xtask test` (its CI mode: about 400 s of
-/// CPU, mostly the workers' `import torch`; 7 to 9 minutes on a busy 2-core VM).
+X
 pub(crate) const EKILL_RUNS: u32 = 50;
 
 /// The random-kill elastic stage (`fh-torch/tests/elastic_kill`): elastic jobs under `fhrun
