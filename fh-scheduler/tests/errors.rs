@@ -311,6 +311,9 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
         control
             .allreduce(&mut b, DType::I64, ReduceOp::Max)
             .unwrap();
+        // The engine's incarnation, broadcast by rank 0 (taken, so that rank 0's send cannot
+        // meet a communicator already dropped).
+        control.broadcast(&mut [0u8; 8], 0).unwrap();
         let data: Vec<_> = (0..2)
             .map(|c| t1.open(&format!("fh-channel-{c}")).unwrap())
             .collect();

@@ -24,6 +24,13 @@
 //!   killed at the deadline) with an error naming a rank it lost; with the link cut nobody
 //!   died, and every rank must name a rank of the other host (never a live peer of its own);
 //!   the check reports when each rank failed, counted from the loss.
+//! - **host chaos** ([`chaos`], 2 × 2, `FH_TIMEOUT_SECONDS=60`): a rank killed or stopped, a
+//!   host's link cut, a host partitioned both ways (nftables), a whole host frozen, packet loss
+//!   of 1–5 % (nftables `numgen`), delay spikes (tbf), a CPU-throttled host (cgroup), over
+//!   `tcp` and `hier`, ranks started directly or by fhrun: no hang, the right rank or host
+//!   named (by the heartbeats, long before the timeout), and under loss, delay and a slow host
+//!   the job finishes with exact results and nobody blamed; `FH_HOST_CHAOS_FAULTS=1000` is the
+//!   long mode;
 //! - **elastic training** ([`crate::elastic_check`], 5 hosts): `fh-torch/examples/elastic_train.py`
 //!   under `fhrun --host-discovery-script`: h1 lost with rank 0 (SIGKILL), h4 added, the final parameters
 //!   bit-identical on every rank and equal to a one-process replay of the committed worlds;
@@ -159,6 +166,18 @@ fn host_chaos(bins: &Bins) -> Result<String, String> {
         Some(n) if n > 0 => chaos::random_plans(&mut rng, n),
         _ => chaos::ci_plans(&mut rng),
     };
+    // FH_HOST_CHAOS_KINDS=cut,stop and FH_HOST_CHAOS_LAUNCHER=fhrun|direct narrow the draw.
+    let kinds = std::env::var("FH_HOST_CHAOS_KINDS").unwrap_or_default();
+    let launcher = std::env::var("FH_HOST_CHAOS_LAUNCHER").unwrap_or_default();
+    let plans: Vec<chaos::Plan> = plans
+        .into_iter()
+        .filter(|p| kinds.is_empty() || kinds.split(',').any(|k| k == p.fault.name()))
+        .filter(|p| match launcher.as_str() {
+            "fhrun" => p.fhrun,
+            "direct" => !p.fhrun,
+            _ => true,
+        })
+        .collect();
     chaos::run_plans(bins, &plans, seed)
 }
 

@@ -276,10 +276,12 @@ impl Watch {
         self.0.wake.as_ref().map(|(_, rx)| rx.as_raw_fd())
     }
 
-    /// The verdict, when it names `rank` (a rank a wait is for) or this rank itself.
+    /// The verdict, when a wait for `rank` should end with it: it names `rank` or this rank,
+    /// or `rank` has been silent too (another rank of a host that is cut off: the verdict
+    /// names the lowest, and waits for the others end as well).
     pub fn verdict_on(&self, rank: usize) -> Option<Verdict> {
         self.verdict()
-            .filter(|v| v.lost == rank || v.lost == self.0.rank)
+            .filter(|v| v.lost == rank || v.lost == self.0.rank || self.is_quiet(rank))
     }
 
     /// Whether `peer` has not been heard for half the tolerated silence: a notice to it may

@@ -248,9 +248,19 @@ impl ShmComm {
     /// The heartbeats' verdict as this wait's error, when it names `who` (the rank waited for)
     /// or this rank itself.
     fn declared(&self, who: usize) -> Option<TransportError> {
-        let v = self.watch.as_ref()?.verdict()?;
-        let local = self.world_ranks.iter().position(|&g| g == v.lost)?;
-        (local == who || local == self.rank).then_some(TransportError::PeerLost {
+        let v = self
+            .watch
+            .as_ref()?
+            .verdict_on(*self.world_ranks.get(who)?)?;
+        // Named in this communicator's numbering when it is one of its ranks; else the rank
+        // waited for, silent too, stands for it here (an enclosing communicator names the
+        // verdict's rank from its own interrupt or the peers' external blame).
+        let local = self
+            .world_ranks
+            .iter()
+            .position(|&g| g == v.lost)
+            .unwrap_or(who);
+        Some(TransportError::PeerLost {
             rank: local,
             detail: v.detail,
         })
