@@ -176,6 +176,36 @@ pub(crate) struct Inner {
     /// The control thread is deferring a round under back-pressure: a channel that drains
     /// wakes it ([`Inner::channel_drained`]).
     pub(crate) pacing_wait: AtomicBool,
+    /// What a stop because of a lost rank sets off at once ([`Inner::fail`], [`Inner::close`]).
+    pub(crate) on_loss: OnLoss,
+}
+
+/// What the engine does the moment it stops because a rank was lost, from whichever thread
+/// finds it: every channel (and the control thread) blocked on a peer is interrupted, so
+/// that its error comes now rather than a timeout later; and the world's engine tells the
+/// other ranks through the heartbeats, so that every rank names the same rank.
+#[derive(Default)]
+pub(crate) struct OnLoss {
+    /// The interrupts of the control communicator and of every data channel's.
+    pub(crate) interrupts: Vec<fh_transport::Interrupt>,
+    /// The world's liveness watch (the world's engine only; a process set's engine names its
+    /// losses through the world's).
+    pub(crate) watch: Option<fh_transport::liveness::Watch>,
+}
+
+impl OnLoss {
+    fn fire(&self, err: &SchedulerError) {
+        let Some(lost) = err.lost_rank() else {
+            return;
+        };
+        let why = format!("the engine stopped: {err}");
+        for i in &self.interrupts {
+            i.raise(Some(lost), why.clone());
+        }
+        if let Some(w) = &self.watch {
+            w.declare(lost, err.to_string());
+        }
+    }
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -231,16 +261,22 @@ impl Inner {
         lock(&self.gate).closed.clone()
     }
 
-    /// Stop the engine with `err` (first reason wins) and wake the control thread.
+    /// Stop the engine with `err` (first reason wins) and wake the control thread; a first
+    /// reason that names a lost rank interrupts every communicator of the engine at once
+    /// ([`OnLoss`]).
     pub(crate) fn fail(&self, err: SchedulerError) {
-        let orphans = {
+        let (orphans, first) = {
             let mut g = lock(&self.gate);
-            if g.closed.is_none() {
+            let first = g.closed.is_none().then(|| err.clone());
+            if first.is_some() {
                 g.closed = Some(err);
             }
             let _ = g.tx.send(Msg::Wake);
-            std::mem::take(&mut g.orphans)
+            (std::mem::take(&mut g.orphans), first)
         };
+        if let Some(err) = first {
+            self.on_loss.fire(&err);
+        }
         self.resolve_orphans(orphans);
     }
 
@@ -377,13 +413,17 @@ impl Inner {
     /// Close the gate (no more submissions) and resolve every completion parked as an
     /// orphan with the stop reason (the first reason wins).
     pub(crate) fn close(&self, err: SchedulerError) {
-        let orphans = {
+        let (orphans, first) = {
             let mut g = lock(&self.gate);
-            if g.closed.is_none() {
+            let first = g.closed.is_none().then(|| err.clone());
+            if first.is_some() {
                 g.closed = Some(err);
             }
-            std::mem::take(&mut g.orphans)
+            (std::mem::take(&mut g.orphans), first)
         };
+        if let Some(err) = first {
+            self.on_loss.fire(&err);
+        }
         self.resolve_orphans(orphans);
     }
 }

@@ -285,8 +285,9 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
     // Rank 1 plays the engine's start-up protocol by hand, then vanishes.
     let ghost = std::thread::spawn(move || {
         let mut control = t1.open("fh-control").unwrap();
-        // The start-up agreement's fields (fh_scheduler::config::planning_fields).
-        let vals: [i64; 13] = [
+        // The start-up agreement's fields (fh_scheduler::config::planning_fields, then the
+        // heartbeats' silence and interval: none on the in-process transport).
+        let vals: [i64; 15] = [
             0,
             2,
             c2.cache_capacity as i64,
@@ -300,6 +301,8 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
             i64::from(c2.cuda),
             c2.inline_bytes as i64,
             c2.effective_stage_bytes(1) as i64,
+            0,
+            0,
         ];
         let mut b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         control
@@ -308,6 +311,9 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
         control
             .allreduce(&mut b, DType::I64, ReduceOp::Max)
             .unwrap();
+        // The engine's incarnation, broadcast by rank 0 (taken, so that rank 0's send cannot
+        // meet a communicator already dropped).
+        control.broadcast(&mut [0u8; 8], 0).unwrap();
         let data: Vec<_> = (0..2)
             .map(|c| t1.open(&format!("fh-channel-{c}")).unwrap())
             .collect();

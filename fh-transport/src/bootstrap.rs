@@ -38,7 +38,8 @@
 //! `FH_ALLOW_WILDCARD=1`.
 //!
 //! **The timeout** (`FH_TIMEOUT_SECONDS`, seconds, may be fractional) is at least
-//! [`MIN_TIMEOUT`] and at most a year.
+//! [`MIN_TIMEOUT`] and at most a year. The heartbeats' settings (`FH_HEARTBEAT_TIMEOUT_SECONDS`,
+//! `FH_HEARTBEAT_INTERVAL_MS`) are read here too ([`crate::liveness::Settings::from_vars`]).
 //!
 //! Every bad value is a [`TransportError::Config`] naming the variable and what is expected.
 
@@ -193,6 +194,9 @@ pub struct LaunchInfo {
     pub launcher: Launcher,
     /// How long to wait for a peer before giving up (`FH_TIMEOUT_SECONDS`).
     pub timeout: Duration,
+    /// The heartbeats' interval and tolerated silence (`FH_HEARTBEAT_INTERVAL_MS`,
+    /// `FH_HEARTBEAT_TIMEOUT_SECONDS`); `None` when turned off ([`crate::liveness`]).
+    pub liveness: Option<crate::liveness::Settings>,
     /// The host identity given in `FH_HOST_ID`, which replaces the one computed from facts
     /// ([`crate::hosts::HostId`]); `None` when unset.
     pub host_id: Option<String>,
@@ -221,6 +225,7 @@ impl fmt::Debug for LaunchInfo {
             .field("allow_wildcard", &self.allow_wildcard)
             .field("launcher", &self.launcher)
             .field("timeout", &self.timeout)
+            .field("liveness", &self.liveness)
             .field("host_id", &self.host_id)
             .field("local_vars", &self.local_vars)
             .field("cross_vars", &self.cross_vars)
@@ -244,6 +249,7 @@ impl LaunchInfo {
             allow_wildcard: false,
             launcher: Launcher::Single,
             timeout: DEFAULT_TIMEOUT,
+            liveness: Some(crate::liveness::Settings::default()),
             host_id: None,
             local_vars: None,
             cross_vars: None,
@@ -307,6 +313,7 @@ impl LaunchInfo {
             LaunchInfo::single()
         };
         info.timeout = timeout;
+        info.liveness = crate::liveness::Settings::from_vars(get)?;
         info.host_id = parse_host_id(&get)?;
         info.allow_wildcard = parse_flag(&get, "FH_ALLOW_WILDCARD")?;
         let require_token = parse_flag(&get, "FH_REQUIRE_TOKEN")?;
@@ -520,6 +527,7 @@ fn derive_rest(
         allow_wildcard: false,
         launcher,
         timeout: DEFAULT_TIMEOUT,
+        liveness: Some(crate::liveness::Settings::default()),
         host_id: None,
         local_vars,
         cross_vars,

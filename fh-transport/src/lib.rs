@@ -43,6 +43,8 @@ pub mod error;
 #[cfg(target_os = "linux")]
 pub mod hier;
 pub mod hosts;
+pub mod interrupt;
+pub mod liveness;
 pub mod local;
 pub mod mpi;
 #[cfg(target_os = "linux")]
@@ -53,6 +55,7 @@ pub mod tcp;
 
 pub use comm::{CollectivesExt, Communicator, Topology, Transport};
 pub use error::TransportError;
+pub use interrupt::Interrupt;
 
 /// Result type of this crate.
 pub type Result<T, E = TransportError> = std::result::Result<T, E>;
@@ -77,6 +80,8 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_REQUIRE_TOKEN",
     "FH_ALLOW_WILDCARD",
     "FH_TIMEOUT_SECONDS",
+    "FH_HEARTBEAT_TIMEOUT_SECONDS",
+    "FH_HEARTBEAT_INTERVAL_MS",
     "FH_HOST_ID",
     "FH_SHM_SLOT_BYTES",
     "FH_MPI_THREAD_LEVEL",
@@ -224,11 +229,12 @@ fn connect_auto(info: &bootstrap::LaunchInfo) -> Result<Box<dyn Transport>> {
         hosts::Choice::Shm => {
             let settled = info.with_topology(tcp.topology());
             let world = tcp.world_id();
+            let mut tcp = tcp;
+            let beats = tcp.take_liveness();
             drop(tcp);
-            Ok(Box::new(shm::ShmTransport::from_info_in(
-                &settled,
-                Some(world),
-            )?))
+            let mut shm = shm::ShmTransport::from_info_in(&settled, Some(world))?;
+            shm.set_liveness(beats);
+            Ok(Box::new(shm))
         }
         hosts::Choice::Hier => hier::connect_auto_over(tcp, info),
         hosts::Choice::Tcp(why) => {
@@ -267,9 +273,10 @@ fn connect_shm(info: &bootstrap::LaunchInfo) -> Result<Box<dyn Transport>> {
     }
     let settled = info.with_topology(tcp.topology());
     let world = tcp.world_id();
+    let mut tcp = tcp;
+    let beats = tcp.take_liveness();
     drop(tcp);
-    Ok(Box::new(shm::ShmTransport::from_info_in(
-        &settled,
-        Some(world),
-    )?))
+    let mut shm = shm::ShmTransport::from_info_in(&settled, Some(world))?;
+    shm.set_liveness(beats);
+    Ok(Box::new(shm))
 }

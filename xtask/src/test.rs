@@ -8,12 +8,14 @@ use crate::{cargo, multihost, python, tidy};
 
 /// Debian packages the suites need. `openmpi-bin libopenmpi-dev libclang-dev`: the MPI suite
 /// (the `mpi` crate builds its bindings with libclang against `mpicc`) and fh-bench's OpenMPI
-/// peer (`mpicc`, `mpirun`); `fonts-dejavu-core`: the font fh-bench's PNG plots use.
+/// peer (`mpicc`, `mpirun`); `fonts-dejavu-core`: the font fh-bench's PNG plots use;
+/// `nftables`: the packet loss and partitions of the chaos checks across hosts.
 pub(crate) const BASE_PACKAGES: &[&str] = &[
     "openmpi-bin",
     "libopenmpi-dev",
     "libclang-dev",
     "fonts-dejavu-core",
+    "nftables",
 ];
 
 /// A stage's commands, from the workspace root.

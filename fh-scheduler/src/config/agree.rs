@@ -60,13 +60,26 @@ pub(crate) fn planning_fields(
 /// [`planning_fields`], so that a difference is a clear configuration error naming the
 /// variable on every rank instead of diverging rounds later. Collective over `comm`; `wire` is
 /// the data channels' ([`Wire::of`] their transport).
+///
+/// The world's heartbeat settings (`liveness`, from its transport) are agreed too: a rank that
+/// beats less often than another tolerates would be declared lost while alive.
 pub(crate) fn agree(
     comm: &mut dyn fh_transport::Communicator,
     c: &Config,
     wire: Wire,
+    liveness: Option<fh_transport::liveness::Settings>,
 ) -> Result<(), SchedulerError> {
     use fh_core::{DType, ReduceOp};
-    let fields = planning_fields(c, comm.size(), wire);
+    let mut fields = planning_fields(c, comm.size(), wire);
+    let ms = |d: Duration| d.as_millis().min(i64::MAX as u128) as i64;
+    fields.push((
+        fh_transport::liveness::SILENCE_VAR,
+        liveness.map_or(0, |l| ms(l.silence)),
+    ));
+    fields.push((
+        fh_transport::liveness::INTERVAL_VAR,
+        liveness.map_or(0, |l| ms(l.interval)),
+    ));
     let vals: Vec<i64> = fields.iter().map(|f| f.1).collect();
     let mut lo: Vec<u8> = bytemuck::cast_slice(&vals).to_vec();
     let mut hi = lo.clone();

@@ -12,7 +12,7 @@ use fh_transport::{Topology, Transport};
 
 use crate::control::Control;
 pub use crate::options::{AllreduceOptions, CollectiveOptions};
-use crate::shared::{lock, Gate, Inner, Msg};
+use crate::shared::{lock, Gate, Inner, Msg, OnLoss};
 use crate::stats::{Counters, EngineStats, GroupRecord, StallReport};
 use crate::timeline::Timeline;
 use crate::{Config, SchedulerError, Wire};
@@ -105,7 +105,9 @@ impl Engine {
         let k = config.effective_channels();
         let mut data = Vec::with_capacity(k);
         let mut incarnation = 0;
-        let opened = crate::config::agree(control.as_mut(), &config, wire).and_then(|()| {
+        let watch = transport.liveness();
+        let beats = watch.as_ref().map(|w| w.settings());
+        let opened = crate::config::agree(control.as_mut(), &config, wire, beats).and_then(|()| {
             incarnation = crate::config::agree_incarnation(control.as_mut())?;
             for c in 0..k {
                 data.push(transport.open(&format!("fh-channel-{c}"))?);
@@ -137,6 +139,15 @@ impl Engine {
             },
             _ => None,
         };
+        let on_loss = OnLoss {
+            interrupts: std::iter::once(&control)
+                .chain(&data)
+                .filter_map(|c| c.interrupter())
+                .collect(),
+            // A process set's engine runs over the world's communicators: the world's engine
+            // speaks for the world.
+            watch: if world_ranks.is_none() { watch } else { None },
+        };
         let (tx, rx) = unbounded();
         let inner = Arc::new(Inner {
             rank: topo.rank,
@@ -157,7 +168,17 @@ impl Engine {
             timeline: RwLock::new(timeline),
             gpu,
             pacing_wait: AtomicBool::new(false),
+            on_loss,
         });
+        // The heartbeats' verdict stops the engine at once, also while it idles.
+        if let Some(w) = &inner.on_loss.watch {
+            let weak = Arc::downgrade(&inner);
+            w.subscribe(move |v| {
+                if let Some(inner) = weak.upgrade() {
+                    inner.fail(SchedulerError::from_transport_owned(v.error()));
+                }
+            });
+        }
         let ctl = Control::new(Arc::clone(&inner), control, data, devices, rx, incarnation)?;
         let handle = std::thread::Builder::new()
             .name(format!("fh-control-{}", topo.rank))
