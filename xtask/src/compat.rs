@@ -6,8 +6,8 @@
 //! at np 2 under the wheel's own `fhrun` ([`crate::wheel_env`]). Prints the table (torch ×
 //! Python → passed/failed) and writes it into README.md between its compat markers.
 //!
-//! Downloads are cached in `target/compat/pip-cache` (several GB: PyPI's torch wheels carry
-//! CUDA); each environment is removed once its suite has run.
+//! Downloads are kept in `target/compat/wheels` (several GB: PyPI's torch wheels carry CUDA)
+//! and installed from there; each environment is removed once its suite has run.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -36,9 +36,10 @@ struct Interpreter {
 enum Cell {
     /// PyTorch publishes no wheel of this release for this Python.
     NoWheel,
-    /// The suite ran: rank 0's counts, whether every rank passed, how long the pair took and
-    /// the environment's size.
-    Ran(Counts, bool, Duration, u64),
+    /// The suite ran: rank 0's counts, whether every rank passed, how long setting up (torch
+    /// fetched and installed, the wheel installed) and the suite took, and the environment's
+    /// size.
+    Ran(Counts, bool, (Duration, Duration), u64),
     /// Setting up failed before the suite could run.
     Broken(String),
 }
@@ -83,6 +84,11 @@ fn compat(
     pythons: Option<Vec<PathBuf>>,
 ) -> Result<bool, String> {
     let started = Instant::now();
+    // Only the default matrix goes into the README; a chosen one into target/compat alone.
+    let whole = torches.is_none() && pythons.is_none();
+    if whole {
+        write_readme(root, None)?;
+    }
     let built = wheel::build(root)?;
     let interpreters = match pythons {
         Some(paths) => paths
@@ -113,7 +119,7 @@ fn compat(
             newest_torch(root)?,
         ],
     };
-    let cache = dir(root).join("pip-cache");
+    let cache = dir(root).join("wheels");
     std::fs::create_dir_all(&cache)
         .map_err(|e| format!("cannot create {}: {e}", cache.display()))?;
     let logs = dir(root).join("logs");
@@ -125,8 +131,9 @@ fn compat(
             let cell = one_pair(root, &built.wheel, t, py, &cache, &logs);
             match &cell {
                 Cell::NoWheel => eprintln!("    no torch {t} wheel for Python {}", py.version),
-                Cell::Ran(c, ok, took, size) => eprintln!(
-                    "    {} passed, {} failed, {} skipped{} ({took:.0?}; environment {:.1} GB)",
+                Cell::Ran(c, ok, (setup, suite), size) => eprintln!(
+                    "    {} passed, {} failed, {} skipped{} (set up in {setup:.0?}, suite \
+                     {suite:.0?}; environment {:.1} GB)",
                     c.passed,
                     c.failed + c.errors,
                     c.skipped,
@@ -149,7 +156,14 @@ fn compat(
     );
     std::fs::write(dir(root).join("table.md"), &text)
         .map_err(|e| format!("cannot write the table: {e}"))?;
-    write_readme(root, &text)?;
+    if whole {
+        write_readme(root, Some(&text))?;
+    } else {
+        eprintln!(
+            "==> the table is in target/compat/table.md (README.md takes only the default \
+             matrix)"
+        );
+    }
     let all_ok = table.iter().all(|(_, _, c)| match c {
         Cell::NoWheel => true,
         Cell::Ran(c, ok, ..) => *ok && c.failed + c.errors == 0 && c.passed > 0,
@@ -274,11 +288,38 @@ fn du(p: &Path) -> u64 {
     }
 }
 
-fn pip(env: &Env, cache: &Path) -> Command {
+fn pip(env: &Env) -> Command {
     let mut c = env.command(&env.python, &env.venv);
-    c.args(["-m", "pip", "--disable-pip-version-check"])
-        .env("PIP_CACHE_DIR", cache);
+    c.args(["-m", "pip", "--disable-pip-version-check"]);
     c
+}
+
+/// `pip download` into `cache` (files already there are kept, not fetched again), then
+/// `pip install` from `cache` alone. `what` is `torch==V` (`--no-deps`) or `-r FILE`.
+fn fetch_and_install(env: &Env, cache: &Path, what: &[&str], no_deps: bool) -> Result<(), String> {
+    let mut c = pip(env);
+    c.args(["download", "--quiet", "--only-binary", ":all:", "-d"])
+        .arg(cache);
+    if no_deps {
+        c.arg("--no-deps");
+    }
+    c.args(what);
+    let o = c.output().map_err(|e| format!("cannot run pip: {e}"))?;
+    if !o.status.success() {
+        return Err(String::from_utf8_lossy(&o.stderr).into_owned());
+    }
+    let mut c = pip(env);
+    c.args(["install", "--quiet", "--no-index", "--find-links"])
+        .arg(cache);
+    if no_deps {
+        c.arg("--no-deps");
+    }
+    c.args(what);
+    let o = c.output().map_err(|e| format!("cannot run pip: {e}"))?;
+    if !o.status.success() {
+        return Err(String::from_utf8_lossy(&o.stderr).into_owned());
+    }
+    Ok(())
 }
 
 fn one_pair(
@@ -299,25 +340,12 @@ fn one_pair(
         Err(e) => return Cell::Broken(e),
     };
     // torch alone first: a release without a wheel for this Python ends the pair here.
-    let mut c = pip(&env, cache);
-    c.args([
-        "install",
-        "--quiet",
-        "--no-deps",
-        "--only-binary",
-        ":all:",
-        &format!("torch=={torch}"),
-    ]);
-    match c.output() {
-        Ok(o) if o.status.success() => {}
-        Ok(o) => {
-            let err = String::from_utf8_lossy(&o.stderr);
-            if err.contains("No matching distribution") {
-                return Cell::NoWheel;
-            }
-            return Cell::Broken(format!("pip install torch=={torch}: {err}"));
+    let spec = format!("torch=={torch}");
+    if let Err(e) = fetch_and_install(&env, cache, &[&spec], true) {
+        if e.contains("No matching distribution") {
+            return Cell::NoWheel;
         }
-        Err(e) => return Cell::Broken(format!("cannot run pip: {e}")),
+        return Cell::Broken(format!("pip install {spec}: {e}"));
     }
     // What torch needs to import, from its own metadata (pip evaluates the markers), less
     // triton; and pytest for the suite.
@@ -338,18 +366,9 @@ fn one_pair(
     }) {
         return Cell::Broken(format!("reading torch's requirements: {e}"));
     }
-    let mut c = pip(&env, cache);
-    c.args(["install", "--quiet", "--only-binary", ":all:", "-r"])
-        .arg(&reqs);
-    match c.output() {
-        Ok(o) if o.status.success() => {}
-        Ok(o) => {
-            return Cell::Broken(format!(
-                "installing what torch {torch} needs: {}",
-                String::from_utf8_lossy(&o.stderr)
-            ))
-        }
-        Err(e) => return Cell::Broken(format!("cannot run pip: {e}")),
+    let reqs_arg = reqs.to_string_lossy().into_owned();
+    if let Err(e) = fetch_and_install(&env, cache, &["-r", &reqs_arg], false) {
+        return Cell::Broken(format!("installing what torch {torch} needs: {e}"));
     }
     if let Err(e) = wheel_env::install(&env, wheel, true) {
         return Cell::Broken(e);
@@ -363,9 +382,10 @@ fn one_pair(
         Err(e) => return Cell::Broken(e),
     }
     let size = du(&env.venv);
+    let setup = t.elapsed();
     let log = logs.join(format!("torch-{torch}-py{}.log", py.version));
     match wheel_env::ranks_suite(&env, &work, 2, &log) {
-        Ok((counts, ok)) => Cell::Ran(counts, ok, t.elapsed(), size),
+        Ok((counts, ok)) => Cell::Ran(counts, ok, (setup, t.elapsed() - setup), size),
         Err(e) => Cell::Broken(e),
     }
 }
@@ -382,8 +402,8 @@ fn render(
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let mut t = format!(
-        "The ranks suite (`fh-torch/tests/ranks`) at np 2 under the wheel's `fhrun`, one wheel \
-         (`{name}`) for every pair, from `cargo xtask compat` on {}:\n\n| torch |",
+        "From `cargo xtask compat` on {}: one wheel,\n`{name}`,\nthe ranks suite \
+         (`fh-torch/tests/ranks`) at np 2 under its `fhrun` (rank 0's counts):\n\n| torch |",
         today()
     );
     for p in pythons {
@@ -432,15 +452,15 @@ fn today() -> String {
         .unwrap_or_else(|| "today".into())
 }
 
-/// Puts `table` between README.md's compat markers.
-fn write_readme(root: &Path, table: &str) -> Result<(), String> {
+/// Puts `table` between README.md's compat markers (`None`: only checks that they are there).
+fn write_readme(root: &Path, table: Option<&str>) -> Result<(), String> {
     let path = root.join("README.md");
     let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read README.md: {e}"))?;
     let (Some(b), Some(e)) = (text.find(BEGIN), text.find(END)) else {
-        return Err(format!(
-            "README.md has no compat markers ({BEGIN} … {END}); the table is in \
-             target/compat/table.md"
-        ));
+        return Err(format!("README.md has no compat markers ({BEGIN} … {END})"));
+    };
+    let Some(table) = table else {
+        return Ok(());
     };
     let new = format!("{}{BEGIN}\n{table}{}", &text[..b], &text[e..]);
     std::fs::write(&path, new).map_err(|e| format!("cannot write README.md: {e}"))?;
@@ -471,7 +491,7 @@ mod tests {
             (
                 "2.1.0".into(),
                 "3.9.0".into(),
-                Cell::Ran(counts, false, Duration::ZERO, 0),
+                Cell::Ran(counts, false, (Duration::ZERO, Duration::ZERO), 0),
             ),
             ("2.1.0".into(), "3.13.0".into(), Cell::NoWheel),
             ("2.15.0".into(), "3.9.0".into(), Cell::Broken("x".into())),

@@ -385,7 +385,11 @@ pub(crate) fn check_installed(env: &Env, root: &Path, cwd: &Path) -> Result<Stri
             return Err(format!("{tool} is on the environment's PATH {}", env.path));
         }
     }
-    Ok(format!("{} / fasthorovod, torch {versions}", said.trim()))
+    let (ours, torch) = versions.split_once(' ').unwrap_or((&versions, "?"));
+    Ok(format!(
+        "{}; fasthorovod {ours} from the wheel, torch {torch}",
+        said.trim()
+    ))
 }
 
 /// The 2-rank jobs: the example `train_synthetic_cnn.py` under the wheel's fhrun, whose two
