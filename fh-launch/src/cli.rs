@@ -5,6 +5,20 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 
+/// What `fhrun --version` prints after the name: the FastHorovod release (the same as the
+/// `fasthorovod` package's `__version__` when both come from one wheel) and the TCP wire
+/// protocol version.
+pub fn version_line() -> &'static str {
+    static LINE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        format!(
+            "{} (FastHorovod wire protocol {})",
+            fh_core::RELEASE,
+            fh_transport::tcp::wire::PROTOCOL_VERSION
+        )
+    });
+    &LINE
+}
+
 /// Launch a FastHorovod job: N ranks of COMMAND, each with the FH_* environment.
 ///
 /// Local jobs (no host list, or only this machine) are started by fhrun itself; on other hosts
@@ -13,7 +27,7 @@ use clap::{Parser, ValueEnum};
 #[derive(Debug, Parser)]
 #[command(
     name = "fhrun",
-    version,
+    version = version_line(),
     allow_negative_numbers = true,
     override_usage = "fhrun -np N [-H HOST:SLOTS,... | --hostfile FILE] [--mpi] [OPTIONS] [--] COMMAND [ARGS]...",
     after_help = "Examples:\n  fhrun -np 4 python train.py\n  fhrun -np 2 --channels 2 --log-level debug -- ./my_job --flag\n  fhrun -np 8 -H node1:4,node2:4 python train.py\n  fhrun -np 8 -H node1:4,node2:4 --mpi python train.py\n\n`-np N` is accepted as a synonym of `-n N` / `--num-proc N`."

@@ -176,7 +176,13 @@ fn run(cli: Cli) -> Result<i32, Failure> {
     for u in fh_scheduler::config::unknown_variables(names.iter().map(String::as_str)) {
         eprintln!("fhrun: warning: {u}; it has no effect");
     }
-    let knobs = cli.knobs.to_env();
+    let mut knobs = cli.knobs.to_env();
+    // Every rank checks that it is of fhrun's own release (a rank of another stops, naming
+    // both).
+    knobs.push((
+        fh_transport::bootstrap::FHRUN_VERSION_VAR.to_string(),
+        fh_core::RELEASE.to_string(),
+    ));
 
     if let Some(source) = elastic_source {
         let token = user_env

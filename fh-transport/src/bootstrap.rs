@@ -41,12 +41,21 @@
 //! [`MIN_TIMEOUT`] and at most a year. The heartbeats' settings (`FH_HEARTBEAT_TIMEOUT_SECONDS`,
 //! `FH_HEARTBEAT_INTERVAL_MS`) are read here too ([`crate::liveness::Settings::from_vars`]).
 //!
+//! **The launcher's release.** `fhrun` gives every rank its own release in
+//! [`FHRUN_VERSION_VAR`]; a rank of another release ([`fh_core::RELEASE`]) stops at start-up
+//! with an error naming both (the ranks' Python environment and the `fhrun` that started them
+//! come from different installs).
+//!
 //! Every bad value is a [`TransportError::Config`] naming the variable and what is expected.
 
 use std::fmt;
 use std::time::Duration;
 
 use crate::{Result, Topology, TransportError};
+
+/// The variable in which `fhrun` gives its ranks its release (`fh_core::RELEASE`), checked
+/// against the rank's own by [`LaunchInfo::from_vars`].
+pub const FHRUN_VERSION_VAR: &str = "FH_FHRUN_VERSION";
 
 /// Default for `FH_TIMEOUT_SECONDS`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -291,6 +300,8 @@ impl LaunchInfo {
         }
         // Treat other empty values as unset: launchers and shells often export empty variables.
         let get = |name: &str| var(name).filter(|v| !v.trim().is_empty());
+        // First: a launcher of another release may set anything else differently.
+        check_launcher_release(&get)?;
         let timeout = parse_timeout(&get)?;
 
         let mut info = if get("FH_RANK").is_some() || get("FH_SIZE").is_some() {
@@ -425,6 +436,24 @@ impl LaunchInfo {
             ));
         }
         Ok(())
+    }
+}
+
+/// A rank started by an `fhrun` of another release stops here, naming both releases.
+fn check_launcher_release(get: &impl Fn(&str) -> Option<String>) -> Result<()> {
+    match get(FHRUN_VERSION_VAR) {
+        Some(theirs) if theirs.trim() != fh_core::RELEASE => Err(config(
+            FHRUN_VERSION_VAR,
+            format!(
+                "this rank runs FastHorovod {}, but the fhrun that started it is FastHorovod \
+                 {}: install the same FastHorovod version on every host and launch with the \
+                 fhrun that comes with it (`pip install fasthorovod-….whl` puts it beside the \
+                 environment's python)",
+                fh_core::RELEASE,
+                theirs.trim()
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 

@@ -89,6 +89,7 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_ELASTIC_ADDR",
     "FH_ELASTIC_WORKER",
     "FH_ELASTIC_TIMEOUT",
+    bootstrap::FHRUN_VERSION_VAR,
 ];
 
 /// The accepted values of `FH_TRANSPORT`, for error messages.

@@ -99,6 +99,10 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(elastic_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(elastic_assignment, m)?)?;
     m.add_function(wrap_pyfunction!(elastic_host_updates, m)?)?;
-    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("__version__", fh_core::RELEASE)?;
+    m.add(
+        "PROTOCOL_VERSION",
+        fh_transport::tcp::wire::PROTOCOL_VERSION,
+    )?;
     Ok(())
 }

@@ -9,7 +9,15 @@ import atexit
 import os
 import sys
 
-from fasthorovod import _core
+from fasthorovod import _compat
+
+try:
+    import torch as _torch
+except ImportError as _e:
+    raise ImportError(_compat.missing_torch_message()) from _e
+_compat.check_torch_version(_torch.__version__, _torch.__file__)
+
+from fasthorovod import _core  # noqa: E402
 from fasthorovod.common import _elastic_core
 from fasthorovod.common import elastic as _common_elastic
 from fasthorovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
