@@ -161,6 +161,11 @@ impl Executor {
             return;
         }
         let begin = Instant::now();
+        self.inner.flight.started(
+            job.parts.iter().map(|(op, _, _)| op.rec),
+            self.channel,
+            begin,
+        );
         let span = tracing::debug_span!("group", channel = self.channel, parts = job.parts.len());
         let _g = span.enter();
         self.phases = None;

@@ -160,8 +160,67 @@ pub struct StallReport {
     pub names: Vec<String>,
     /// The ranks that have not submitted (some of) them, ascending.
     pub missing_ranks: Vec<usize>,
+    /// Each of those ranks with the stalled names it lacks (sorted), ascending by rank.
+    pub lacking: Vec<(usize, Vec<String>)>,
     /// How long the oldest stalled name has waited (on the rank that waited longest).
     pub waited: Duration,
+}
+
+impl StallReport {
+    /// The most names one line lists for a rank before it says how many more there are.
+    pub const MAX_NAMES: usize = 8;
+
+    /// The stalled names rank `rank` lacks, if it is one of the missing ranks.
+    pub fn lacked_by(&self, rank: usize) -> Option<&[String]> {
+        self.lacking
+            .iter()
+            .find(|(r, _)| *r == rank)
+            .map(|(_, names)| names.as_slice())
+    }
+}
+
+/// `["a", "b"]`, or `["a", ... ] and 3 more` past [`StallReport::MAX_NAMES`].
+pub(crate) fn name_list(names: &[String]) -> String {
+    let shown: Vec<String> = names
+        .iter()
+        .take(StallReport::MAX_NAMES)
+        .map(|n| format!("{n:?}"))
+        .collect();
+    let more = names.len().saturating_sub(StallReport::MAX_NAMES);
+    if more == 0 {
+        format!("[{}]", shown.join(", "))
+    } else {
+        format!("[{}] and {more} more", shown.join(", "))
+    }
+}
+
+/// `stall: rank 0 has not submitted ["b"]; rank 2 has not submitted ["a"] (other ranks
+/// submitted them up to 6.0s ago)`: ranks that lack the same names are named together
+/// (`ranks 1 and 2 have not submitted ...`), in the order of their lowest rank.
+impl std::fmt::Display for StallReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut by_names: Vec<(&[String], Vec<u32>)> = Vec::new();
+        for (r, names) in &self.lacking {
+            match by_names.iter_mut().find(|(n, _)| *n == names.as_slice()) {
+                Some((_, ranks)) => ranks.push(*r as u32),
+                None => by_names.push((names, vec![*r as u32])),
+            }
+        }
+        f.write_str("stall: ")?;
+        for (i, (names, ranks)) in by_names.iter().enumerate() {
+            let set = fh_core::mismatch::RankSet::from_ranks(ranks.iter().copied());
+            let verb = if ranks.len() == 1 { "has" } else { "have" };
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{set} {verb} not submitted {}", name_list(names))?;
+        }
+        write!(
+            f,
+            " (other ranks submitted them up to {:.1}s ago)",
+            self.waited.as_secs_f64()
+        )
+    }
 }
 
 /// One dispatched fused group, as recorded when `Config::record_groups` is on.

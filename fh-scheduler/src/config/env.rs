@@ -25,6 +25,8 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_CUDA",
     "FH_PRIORITY",
     "FH_TIMELINE",
+    "FH_FLIGHT_RECORDS",
+    "FH_FLIGHT_DIR",
     "FH_STALL_CHECK_SECONDS",
     "FH_STALL_SHUTDOWN_SECONDS",
     "FH_TIMEOUT_SECONDS",
@@ -232,6 +234,21 @@ impl Config {
             } else {
                 Some(PathBuf::from(v))
             };
+        }
+        if let Some(v) = get("FH_FLIGHT_RECORDS") {
+            let n = parse_u64("FH_FLIGHT_RECORDS", &v)?;
+            if n > MAX_FLIGHT_RECORDS as u64 {
+                return Err(SchedulerError::config(
+                    "FH_FLIGHT_RECORDS",
+                    format!(
+                        "'{v}' is out of range; accepted values: 0 (off) to {MAX_FLIGHT_RECORDS}"
+                    ),
+                ));
+            }
+            c.flight_records = n as usize;
+        }
+        if let Some(v) = get("FH_FLIGHT_DIR") {
+            c.flight_dir = (!v.trim().is_empty()).then(|| PathBuf::from(v));
         }
         if let Some(v) = get("FH_STALL_CHECK_SECONDS") {
             let d = parse_seconds("FH_STALL_CHECK_SECONDS", &v, 1.0)?;

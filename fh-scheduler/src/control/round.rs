@@ -432,20 +432,66 @@ impl Control {
                 missing_ranks = ?report.missing_ranks,
                 names = ?report.names,
                 waited = ?report.waited,
-                "stall: ranks {:?} have not submitted {:?} that other ranks submitted {:?} ago",
-                report.missing_ranks, report.names, report.waited
+                "{report}"
             );
         }
+        self.name_culprit(&report);
+        // The operations waiting here, with the ranks they wait for, in the flight record,
+        // which every rank writes now.
+        for p in self.work.pending.values() {
+            let waits: Vec<usize> = report
+                .lacking
+                .iter()
+                .filter(|(_, names)| names.iter().any(|n| **n == *p.entry.req.name))
+                .map(|(r, _)| *r)
+                .collect();
+            if !waits.is_empty() {
+                self.inner.flight.waiting_on(p.entry.cell.record(), &waits);
+            }
+        }
         self.inner.record_stall(report.clone());
+        self.inner.dump_flight(&report.to_string());
         if let Some(limit) = self.inner.config.stall_shutdown {
             if report.waited >= limit {
                 return Err(SchedulerError::Stalled {
                     names: report.names,
                     missing: report.missing_ranks,
+                    lacking: report.lacking,
                     after: report.waited,
                 });
             }
         }
         Ok(())
+    }
+
+    /// This rank is one the stall names as missing tensors: it says so itself, next to rank
+    /// 0's warning, and calls the engine's culprit hook (`fasthorovod` prints the Python stack
+    /// of every thread there), once for each new list of names it lacks, so that a stall that
+    /// lasts does not repeat the stack at every check.
+    fn name_culprit(&mut self, report: &StallReport) {
+        let Some(names) = report.lacked_by(self.inner.rank) else {
+            self.culprit_of = None;
+            return;
+        };
+        if self.culprit_of.as_deref() == Some(names) {
+            return;
+        }
+        self.culprit_of = Some(names.to_vec());
+        let hook = self.inner.culprit_hook();
+        tracing::warn!(
+            "stall: this rank ({}) has not submitted {}, which other ranks submitted up to \
+             {:.1}s ago{}",
+            self.inner.world_rank(self.inner.rank),
+            crate::stats::name_list(names),
+            report.waited.as_secs_f64(),
+            if hook.is_some() {
+                "; where it is instead follows"
+            } else {
+                ""
+            }
+        );
+        if let Some(hook) = hook {
+            hook(report);
+        }
     }
 }

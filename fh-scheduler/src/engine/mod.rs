@@ -11,6 +11,7 @@ use fh_transport::subset::SubsetTransport;
 use fh_transport::{Topology, Transport};
 
 use crate::control::Control;
+use crate::flight::Recorder;
 pub use crate::options::{AllreduceOptions, CollectiveOptions};
 use crate::shared::{lock, Gate, Inner, Msg};
 use crate::stats::{Counters, EngineStats, GroupRecord, StallReport};
@@ -157,6 +158,9 @@ impl Engine {
             timeline: RwLock::new(timeline),
             gpu,
             pacing_wait: AtomicBool::new(false),
+            culprit_hook: RwLock::new(None),
+            flight: Recorder::new(config.flight_records),
+            flight_told: AtomicBool::new(false),
         });
         let ctl = Control::new(Arc::clone(&inner), control, data, devices, rx, incarnation)?;
         let handle = std::thread::Builder::new()
@@ -304,6 +308,32 @@ impl Engine {
     /// Why the engine has stopped (shutdown, lost rank, stall), or `None` while it runs.
     pub fn stopped(&self) -> Option<SchedulerError> {
         self.inner.failure()
+    }
+
+    /// Run `hook` on the engine's control thread whenever the stall inspector names this rank
+    /// as one that has not submitted tensors the other ranks have (once per new list of
+    /// names), so that the rank can show where it is instead: `fasthorovod` prints the Python
+    /// stack of every thread. The hook must not block or wait on the engine; it replaces any
+    /// hook set before.
+    pub fn set_culprit_hook(&self, hook: crate::shared::CulpritHook) {
+        *self
+            .inner
+            .culprit_hook
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = Some(hook);
+    }
+
+    /// Write this rank's flight record now (its last operations and their timings; see
+    /// [`crate::flight`]) to the flight directory, with `reason`; returns the file written
+    /// (`None`: the recorder is off, or this is a process set's engine, whose operations the
+    /// world engine's record does not hold). `fasthorovod` calls it on `SIGUSR1`.
+    pub fn write_flight_record(
+        &self,
+        reason: &str,
+    ) -> Result<Option<std::path::PathBuf>, SchedulerError> {
+        self.inner.write_flight(reason).map_err(|e| {
+            SchedulerError::InvalidArgument(format!("cannot write the flight record: {e}"))
+        })
     }
 
     /// The stall inspector's reports so far.

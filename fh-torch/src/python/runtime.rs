@@ -86,6 +86,7 @@ pub(super) fn init(py: Python<'_>) -> PyResult<()> {
     let cfg = config::config_from(lookup).map_err(to_py)?;
     if fh_transport::elastic::enabled() {
         let engine = start_elastic(py, cfg)?;
+        super::observe::install_culprit_hook(&engine);
         let backend = engine.backend();
         *state() = State::Running(Arc::new(engine), backend);
         *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
@@ -103,6 +104,7 @@ pub(super) fn init(py: Python<'_>) -> PyResult<()> {
              `torchrun`, `mpirun` or `srun`, or run it alone for a single process."
         )),
     })?;
+    super::observe::install_culprit_hook(&engine);
     *state() = State::Running(Arc::new(engine), backend);
     *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
     Ok(())

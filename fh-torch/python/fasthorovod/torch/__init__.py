@@ -63,6 +63,7 @@ def init(comm=None, process_sets=None):
                                  f"'dynamic', got {ps!r}")
     if _core.is_initialized():
         return
+    _install_stack_dumps()
     try:
         _core.init()
     except _elastic_core.WorkerRemovedError as e:
@@ -74,6 +75,18 @@ def init(comm=None, process_sets=None):
     sizes = synchronize(allgather_async(local, name="fasthorovod.init.local_sizes"))
     _mpi_ops._homogeneous = bool((sizes == sizes[0]).all())
     _init_sets(process_sets)
+
+
+def _install_stack_dumps():
+    """Let the runtime show where this rank is when a stall names it: ``faulthandler`` writes
+    every thread's stack to stderr on the runtime's stack signal (from the engine's thread,
+    without the GIL). Best effort: without it the stall warning names the rank alone."""
+    import faulthandler
+    try:
+        faulthandler.register(_core.stack_signal(), file=2, all_threads=True, chain=False)
+    except Exception:  # noqa: BLE001 - no stack dumps, nothing else changes
+        return
+    _core.enable_stack_dumps()
 
 
 def shutdown():
