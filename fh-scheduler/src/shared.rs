@@ -211,6 +211,8 @@ pub(crate) struct Inner {
     pub(crate) flight: Recorder,
     /// Rank 0 has said where the flight records go (once per engine).
     pub(crate) flight_told: AtomicBool,
+    /// This rank and its clock's offset from rank 0's, for the timelines it writes.
+    pub(crate) clock: crate::timeline::Identity,
 }
 
 /// What a rank runs when the stall inspector names it as missing tensors (see

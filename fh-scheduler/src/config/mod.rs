@@ -15,7 +15,7 @@ mod parse;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use agree::{agree, agree_incarnation};
+pub(crate) use agree::{agree, agree_incarnation, measure_clock};
 
 const MIB: u64 = 1024 * 1024;
 

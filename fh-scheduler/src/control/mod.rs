@@ -125,6 +125,8 @@ pub(crate) struct Control {
     incarnation: u64,
     /// The names the last stall report said this rank lacks (the culprit hook ran for them).
     culprit_of: Option<Vec<String>>,
+    /// When the flight record was last written for tensors the ranks disagreed on.
+    last_mismatch_record: Option<Instant>,
 }
 
 impl Control {
@@ -231,6 +233,7 @@ impl Control {
             idle_channels: 0,
             fault: None,
             culprit_of: None,
+            last_mismatch_record: None,
         })
     }
 

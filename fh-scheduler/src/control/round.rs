@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// The shortest time between two flight records written for disagreeing tensors.
+const MISMATCH_RECORD_EVERY: Duration = Duration::from_secs(1);
+
 impl Control {
     /// Channel bits in the round's vector: one per data channel under the FastHorovod planner
     /// (the same count on every rank: it is part of the start-up agreement), none otherwise.
@@ -196,6 +199,7 @@ impl Control {
         Counters::add(&self.inner.counters.cache_hits, ready.len() as u64);
 
         // 7. The coordinator, when some rank has uncached names (or the joined set changed).
+        let mut mismatch = None;
         let coordinate = agreed.status(Status::Uncached) || !evicted.is_empty() || joined_changed;
         if coordinate {
             Counters::add(&self.inner.counters.coordinator_rounds, 1);
@@ -221,6 +225,7 @@ impl Control {
                 if let Some(e) = &r.error {
                     self.ready_times.take(&r.name);
                     let err = SchedulerError::from_negotiation(&r.name, e);
+                    mismatch.get_or_insert_with(|| err.to_string());
                     self.fail_response(&r, err);
                     continue;
                 }
@@ -232,9 +237,22 @@ impl Control {
             Counters::add(&self.inner.counters.bitvector_rounds, 1);
         }
 
+        // Ranks disagreed on a tensor: every rank got the same error this round and writes its
+        // flight record (at most one a second: a script may try disagreeing tensors in a loop).
+        if let Some(what) = mismatch {
+            if self
+                .last_mismatch_record
+                .is_none_or(|t| start.saturating_duration_since(t) >= MISMATCH_RECORD_EVERY)
+            {
+                self.last_mismatch_record = Some(start);
+                self.inner.dump_flight(&format!("ranks disagreed: {what}"));
+            }
+        }
+
         // 8. Stall inspector.
         if agreed.status(Status::Stalled) {
-            self.inspect_stall(start)?;
+            // Ages as of now: the round may have waited a heartbeat for an idle rank.
+            self.inspect_stall(Instant::now())?;
         }
 
         // 9. Join completes once everybody has joined.

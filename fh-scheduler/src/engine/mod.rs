@@ -5,6 +5,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use crossbeam_channel::unbounded;
 use fh_transport::subset::SubsetTransport;
@@ -15,7 +16,7 @@ use crate::flight::Recorder;
 pub use crate::options::{AllreduceOptions, CollectiveOptions};
 use crate::shared::{lock, Gate, Inner, Msg};
 use crate::stats::{Counters, EngineStats, GroupRecord, StallReport};
-use crate::timeline::Timeline;
+use crate::timeline::Identity;
 use crate::{Config, SchedulerError, Wire};
 
 mod submit;
@@ -106,8 +107,10 @@ impl Engine {
         let k = config.effective_channels();
         let mut data = Vec::with_capacity(k);
         let mut incarnation = 0;
+        let mut clock_offset_us = 0;
         let opened = crate::config::agree(control.as_mut(), &config, wire).and_then(|()| {
             incarnation = crate::config::agree_incarnation(control.as_mut())?;
+            clock_offset_us = crate::config::measure_clock(control.as_mut(), topo)?;
             for c in 0..k {
                 data.push(transport.open(&format!("fh-channel-{c}"))?);
             }
@@ -126,16 +129,21 @@ impl Engine {
                 return Err(e);
             }
         };
-        let timeline = match (&config.timeline, topo.rank) {
-            (Some(path), 0) => match Timeline::create(path, k) {
-                Ok(t) => Some(Arc::new(t)),
-                Err(e) => {
-                    return Err(SchedulerError::config(
+        // Every rank writes its own timeline when the path names a file per rank, else rank 0
+        // alone; a process set's engine writes none (its ranks' world engines do).
+        let who = Identity {
+            rank: topo.rank,
+            offset_us: clock_offset_us,
+        };
+        let timeline = match (&config.timeline, &world_ranks) {
+            (Some(pattern), None) => crate::timeline::create_rank_timeline(pattern, k, who)
+                .map_err(|(path, e)| {
+                    SchedulerError::config(
                         "FH_TIMELINE",
                         format!("cannot create {}: {e}", path.display()),
-                    ))
-                }
-            },
+                    )
+                })?
+                .map(Arc::new),
             _ => None,
         };
         let (tx, rx) = unbounded();
@@ -161,6 +169,7 @@ impl Engine {
             culprit_hook: RwLock::new(None),
             flight: Recorder::new(config.flight_records),
             flight_told: AtomicBool::new(false),
+            clock: who,
         });
         let ctl = Control::new(Arc::clone(&inner), control, data, devices, rx, incarnation)?;
         let handle = std::thread::Builder::new()
@@ -260,22 +269,40 @@ impl Engine {
     }
 
     /// Start writing a Chrome-trace timeline to `path` (rank 0 writes; other ranks accept
-    /// the call and do nothing), replacing any timeline being written. Every rank should call
-    /// it, as with Horovod's `start_timeline`.
+    /// the call and do nothing; a path holding `{rank}` names a file per rank, and every
+    /// rank writes its own), replacing any timeline being written. Every rank should call it,
+    /// as with Horovod's `start_timeline`.
     pub fn start_timeline(&self, path: &Path) -> Result<(), SchedulerError> {
-        if self.inner.rank != 0 {
+        let k = self.inner.config.effective_channels();
+        let made = crate::timeline::create_rank_timeline(path, k, self.inner.clock).map_err(
+            |(path, e)| {
+                SchedulerError::InvalidArgument(format!(
+                    "cannot create the timeline {}: {e}",
+                    path.display()
+                ))
+            },
+        )?;
+        let Some(t) = made else {
             return Ok(());
-        }
-        let t = Timeline::create(path, self.inner.config.effective_channels()).map_err(|e| {
-            SchedulerError::InvalidArgument(format!(
-                "cannot create the timeline {}: {e}",
-                path.display()
-            ))
-        })?;
+        };
         if let Some(old) = self.inner.replace_timeline(Some(Arc::new(t))) {
             old.finish(crate::timeline::STOP_WAIT);
         }
         Ok(())
+    }
+
+    /// Whether this rank writes a timeline now.
+    pub fn timeline_on(&self) -> bool {
+        self.inner.timeline().is_some()
+    }
+
+    /// Put a span of the framework's side on this rank's timeline (its Python lane), if one
+    /// is written: `name` (`submit`, `synchronize`, `optimizer.step`) from `begin` to `end`,
+    /// with a detail (a tensor's name, a count). Cheap, never blocks.
+    pub fn timeline_span(&self, name: &str, detail: &str, begin: Instant, end: Instant) {
+        if let Some(t) = self.inner.timeline() {
+            t.framework(name.to_string(), detail.to_string(), begin, end);
+        }
     }
 
     /// Stop writing the timeline: the events already handed to its writer thread are written,

@@ -2,9 +2,10 @@
 //! (track group) per rank and its lanes (negotiation, each channel, the Python side) as
 //! threads, on one clock.
 //!
-//! Each rank's file starts with an `fh_clock` metadata event: its rank, the wall-clock time
-//! (µs since the Unix epoch) of the file's zero, and the rank's clock offset from rank 0
-//! measured at start-up (zero for ranks on rank 0's host, which share its clock). An event at
+//! Each rank's file starts with its `process_name` metadata event, whose arguments hold its
+//! rank, the wall-clock time (µs since the Unix epoch) of the file's zero, and the rank's clock
+//! offset from rank 0 measured at start-up (zero for ranks on rank 0's host, which share its
+//! clock). An event at
 //! `ts` in rank r's file happened at `origin_unix_us + ts - offset_us` on rank 0's clock; the
 //! merged file's zero is the earliest rank's zero. Asynchronous spans (`b`/`e`, matched by
 //! id) get ids of their own per rank.
@@ -12,9 +13,6 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
-
-/// The metadata event name of a rank's clock.
-pub const CLOCK_EVENT: &str = "fh_clock";
 
 /// What one rank's file says about its clock.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -26,7 +24,7 @@ struct Clock {
 
 fn clock_of(events: &[Value]) -> Option<Clock> {
     events.iter().find_map(|e| {
-        if e.get("name")?.as_str()? != CLOCK_EVENT {
+        if e.get("name")?.as_str()? != "process_name" {
             return None;
         }
         let a = e.get("args")?;
@@ -92,9 +90,7 @@ pub fn merge(inputs: &[PathBuf], output: &Path) -> Result<usize, String> {
                 continue;
             };
             let name = obj.get("name").and_then(Value::as_str).unwrap_or("");
-            if obj.get("ph").and_then(Value::as_str) == Some("M")
-                && (name == "process_name" || name == CLOCK_EVENT)
-            {
+            if obj.get("ph").and_then(Value::as_str) == Some("M") && name == "process_name" {
                 continue;
             }
             obj.insert("pid".into(), json!(rank));
@@ -131,8 +127,7 @@ mod tests {
         // Rank 1's file starts 1 s after rank 0's and its clock is 200 µs ahead of rank 0's.
         std::fs::write(
             &r0,
-            r#"[{"name":"fh_clock","ph":"M","pid":0,"tid":0,"args":{"rank":0,"origin_unix_us":1000000,"offset_us":0}},
-{"name":"process_name","ph":"M","pid":0,"tid":0,"args":{"name":"fasthorovod rank 0"}},
+            r#"[{"name":"process_name","ph":"M","pid":0,"tid":0,"args":{"name":"fasthorovod rank 0","rank":0,"origin_unix_us":1000000,"offset_us":0}},
 {"name":"negotiate","ph":"X","pid":0,"tid":0,"ts":10,"dur":5},
 {"name":"queued","ph":"b","cat":"tensor","id":7,"pid":0,"tid":0,"ts":11}]"#,
         )
@@ -140,7 +135,7 @@ mod tests {
         // Cut short while writing (no closing bracket, a half event).
         std::fs::write(
             &r1,
-            "[{\"name\":\"fh_clock\",\"ph\":\"M\",\"pid\":0,\"tid\":0,\"args\":{\"rank\":1,\"origin_unix_us\":2000200,\"offset_us\":200}},\n{\"name\":\"allreduce x1\",\"ph\":\"X\",\"pid\":0,\"tid\":2,\"ts\":10,\"dur\":3},\n{\"name\":\"queued\",\"ph\":\"b\",\"cat\":\"tensor\",\"id\":7,\"pid\":0,\"tid\":0,\"ts\":4},\n{\"name\":\"half",
+            "[{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"tid\":0,\"args\":{\"name\":\"fasthorovod rank 1\",\"rank\":1,\"origin_unix_us\":2000200,\"offset_us\":200}},\n{\"name\":\"allreduce x1\",\"ph\":\"X\",\"pid\":0,\"tid\":2,\"ts\":10,\"dur\":3},\n{\"name\":\"queued\",\"ph\":\"b\",\"cat\":\"tensor\",\"id\":7,\"pid\":0,\"tid\":0,\"ts\":4},\n{\"name\":\"half",
         )
         .unwrap();
         let out = dir.join("merged.json");
@@ -160,7 +155,12 @@ mod tests {
         assert_eq!(find(1, "process_name")["args"]["name"], json!("rank 1"));
         // The same async id on two ranks becomes two ids.
         assert_ne!(find(0, "queued")["id"], find(1, "queued")["id"]);
-        assert!(!v.iter().any(|e| e["name"] == json!(CLOCK_EVENT)));
+        assert_eq!(
+            v.iter()
+                .filter(|e| e["name"] == json!("process_name"))
+                .count(),
+            2
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -87,6 +87,9 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(observe::stack_signal, m)?)?;
     m.add_function(wrap_pyfunction!(observe::enable_stack_dumps, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::timeline_on, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::timeline_span, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::explain, m)?)?;
     m.add_function(wrap_pyfunction!(submit::allreduce, m)?)?;
     m.add_function(wrap_pyfunction!(submit::grouped_allreduce, m)?)?;
     m.add_function(wrap_pyfunction!(submit::allgather, m)?)?;

@@ -70,6 +70,7 @@ pub(super) fn init(py: Python<'_>) -> PyResult<()> {
     }
     let lookup = |k: &str| std::env::var(k).ok();
     install_logging(&lookup);
+    super::observe::install_sigusr1();
     let ignored = config::ignored_set(lookup);
     if !ignored.is_empty() {
         tracing::info!(

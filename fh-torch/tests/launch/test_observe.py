@@ -1,9 +1,29 @@
-"""Seeing inside a job: a stall names which rank lacks which tensor, and the culprit rank prints
-its own Python stack next to the warning."""
+"""Seeing inside a job: a stall names which rank lacks which tensor, the culprit rank prints
+its own Python stack next to the warning, every rank's flight record explains a stall and a
+mismatch, and ``fhrun --timeline-filename`` gives one timeline of every rank."""
 
+import json
+import re
 import textwrap
 
 from conftest import PYTHON, run
+
+
+def flight_dir(out):
+    """The directory fhrun names for the ranks' flight records."""
+    m = re.search(r"fhrun: flight records of \d+ ranks \([\d, ]+\) are in (\S+);", out)
+    assert m, out
+    return m.group(1)
+
+
+def explain_both_ways(fhrun, directory):
+    """``fhrun --explain DIR`` and ``python -m fasthorovod.explain DIR``: the same report."""
+    code, by_fhrun = run([fhrun, "--explain", directory], timeout=60)
+    assert code == 0, by_fhrun
+    code, by_python = run([PYTHON, "-m", "fasthorovod.explain", directory], timeout=60)
+    assert code == 0, by_python
+    assert by_fhrun == by_python
+    return by_fhrun
 
 STALL_SCRIPT = textwrap.dedent("""
     import sys, time, torch
@@ -46,3 +66,74 @@ def test_a_stall_names_the_rank_that_lacks_the_tensor_and_shows_its_stack(fhrun,
     assert not any(ln.startswith(("[0]<stderr>:", "[1]<stderr>:")) and "File \"" in ln
                    for ln in lines), out
     assert sum("waiting_for_the_data_loader" in ln for ln in lines) == 1, out
+    # Every rank wrote its flight record at the warning; fhrun says where, and the records
+    # name the rank that never submitted the tensor and the last collective all completed.
+    report = explain_both_ways(fhrun, flight_dir(out))
+    assert "flight records of ranks 0-2 (of 3 ranks)" in report, report
+    assert ("first divergence: rank 2 has never submitted \"allreduce.grad.after_loader\" "
+            "(allreduce f32 [3]), which ranks 0 and 1 submitted and wait on") in report, report
+    assert "last collective every rank completed: \"allreduce.warmup\"" in report, report
+
+
+MISMATCH_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    import fasthorovod.torch as hvd
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="warmup")
+    side = 18 if hvd.rank() == 1 else 17
+    hvd.allreduce(torch.ones(side), name="layer3.weight.grad")
+""")
+
+
+def test_the_flight_records_name_the_rank_that_sent_a_different_shape(fhrun, tmp_path):
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH_SCRIPT)
+    code, out = run([fhrun, "-np", "3", "--timeout", "120", PYTHON, str(script)], timeout=150)
+    assert code != 0, out
+    # The job failed: fhrun prints what the records show.
+    assert ("fhrun: first divergence: rank 1 sent \"allreduce.layer3.weight.grad\" with shape "
+            "[18] where ranks 0 and 2 sent [17]") in out, out
+    report = explain_both_ways(fhrun, flight_dir(out))
+    assert "rank 1 sent \"allreduce.layer3.weight.grad\" with shape [18]" in report, report
+    assert "last collective every rank completed: \"allreduce.warmup\"" in report, report
+
+
+TIMELINE_SCRIPT = textwrap.dedent("""
+    import torch
+    import fasthorovod.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    hvd.allreduce(torch.ones(4), name="last")
+""")
+
+
+def test_fhrun_merges_every_rank_timeline_into_one(fhrun, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TIMELINE_SCRIPT)
+    out_file = tmp_path / "timeline.json"
+    code, out = run([fhrun, "-np", "2", "--timeline-filename", str(out_file), "--timeout", "120",
+                     PYTHON, str(script)], timeout=150)
+    assert code == 0, out
+    assert f"timeline of 2 ranks" in out and str(out_file) in out, out
+    events = json.loads(out_file.read_text())
+    for rank in (0, 1):
+        mine = [e for e in events if e.get("pid") == rank]
+        names = {e["name"] for e in mine}
+        assert {"submit", "synchronize", "optimizer.step"} <= names, (rank, sorted(names))
+        lanes = {e["args"]["name"] for e in mine if e["name"] == "thread_name"}
+        assert {"negotiation", "channel 0", "python"} <= lanes, (rank, lanes)
+        assert any(e["name"] == "queued" and e.get("args", {}).get("tensor") == "allreduce.last"
+                   for e in mine), rank
+        assert any("gb_per_s" in e.get("args", {}) for e in mine), rank
+    # One clock: both ranks' spans of the same step overlap in time.
+    steps = {r: [e for e in events if e.get("pid") == r and e["name"] == "optimizer.step"]
+             for r in (0, 1)}
+    first = [steps[r][0] for r in (0, 1)]
+    assert abs(first[0]["ts"] - first[1]["ts"]) < 5e6, first

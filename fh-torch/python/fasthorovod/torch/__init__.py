@@ -20,6 +20,7 @@ from fasthorovod.torch import elastic
 from fasthorovod.torch.compression import Compression
 from fasthorovod.torch.functions import (allgather_object, broadcast_object,
                                          broadcast_optimizer_state, broadcast_parameters)
+from fasthorovod.torch import _ops
 from fasthorovod.torch import mpi_ops as _mpi_ops
 from fasthorovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather,
                                        allgather_async, allreduce, allreduce_, allreduce_async,
@@ -69,6 +70,7 @@ def init(comm=None, process_sets=None):
     except _elastic_core.WorkerRemovedError as e:
         _common_elastic.leave(e)
     _mpi_ops._world_count += 1
+    _ops._refresh_tracing()
     import torch
 
     local = torch.tensor([local_size()], dtype=torch.int64)
@@ -178,13 +180,16 @@ if not getattr(sys.excepthook, "_fasthorovod", False):
 
 
 def start_timeline(file_path, mark_cycles=False):
-    """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it)."""
+    """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it; a path
+    holding ``{rank}`` names a file per rank, and every rank writes its own)."""
     _core.start_timeline(str(file_path))
+    _ops._refresh_tracing()
 
 
 def stop_timeline():
     """Stop writing the timeline."""
     _core.stop_timeline()
+    _ops._refresh_tracing()
 
 
 __all__ = [name for name in dir()
