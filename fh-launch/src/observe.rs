@@ -42,9 +42,14 @@ impl JobDir {
         })
     }
 
-    /// The variables every rank gets for it (replacing those of the same names).
+    /// The variables every rank gets for it (replacing those of the same names), and
+    /// `FH_SUMMARY=1`: each rank says in one line what it did when it ends (unless the user
+    /// set `FH_SUMMARY`).
     pub(crate) fn env(&self) -> Vec<(String, String)> {
         let mut env = Vec::new();
+        if std::env::var_os("FH_SUMMARY").is_none() {
+            env.push(("FH_SUMMARY".into(), "1".into()));
+        }
         if let Some(f) = &self.flight {
             env.push(("FH_FLIGHT_DIR".into(), f.display().to_string()));
         }

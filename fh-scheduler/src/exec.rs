@@ -198,6 +198,10 @@ impl Executor {
             }
         }
         let bytes: usize = job.parts.iter().map(|p| p.2).sum();
+        let bucket = crate::metrics::group_bucket(bytes as u64);
+        if let Some(n) = self.inner.counters.group_sizes.get(bucket) {
+            Counters::add(n, 1);
+        }
         if let Some(c) = self.inner.counters.channels().get(self.channel) {
             Counters::add(&c.bytes, bytes as u64);
             Counters::add(&c.groups, 1);

@@ -102,6 +102,7 @@ mod gpu;
 pub mod handle;
 mod inject;
 mod job;
+pub mod metrics;
 mod negotiate;
 mod options;
 pub mod process_set;

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A snapshot of an engine's counters (this rank).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -39,6 +39,15 @@ pub struct EngineStats {
     pub in_place_groups: u64,
     /// Per data channel, in channel order.
     pub channels: Vec<ChannelStats>,
+    /// Fused groups by size: the count in each bucket of
+    /// [`crate::metrics::GROUP_SIZE_BOUNDS`] (not cumulative), then those above the last.
+    pub group_sizes: Vec<u64>,
+    /// Training steps the framework reported ([`crate::Engine::record_step`]).
+    pub steps: u64,
+    /// Their exposed communication (the time they waited for their reductions), in all.
+    pub exposed: Duration,
+    /// Time since the engine started.
+    pub uptime: Duration,
 }
 
 /// What one data channel has done (this rank).
@@ -96,6 +105,12 @@ pub(crate) struct Counters {
     pub in_place_groups: AtomicU64,
     /// Set once, when the channels are created.
     pub channels: OnceLock<Vec<ChannelCounters>>,
+    /// Fused groups per size bucket ([`crate::metrics::GROUP_SIZE_BOUNDS`], then above).
+    pub group_sizes: [AtomicU64; crate::metrics::GROUP_SIZE_BOUNDS.len() + 1],
+    pub steps: AtomicU64,
+    pub exposed_nanos: AtomicU64,
+    /// When the engine started (set once, at start-up).
+    pub started: OnceLock<Instant>,
 }
 
 impl Counters {
@@ -118,6 +133,10 @@ impl Counters {
             stall_warnings: self.stall_warnings.load(Relaxed),
             inline_groups: self.inline_groups.load(Relaxed),
             in_place_groups: self.in_place_groups.load(Relaxed),
+            group_sizes: self.group_sizes.iter().map(|c| c.load(Relaxed)).collect(),
+            steps: self.steps.load(Relaxed),
+            exposed: Duration::from_nanos(self.exposed_nanos.load(Relaxed)),
+            uptime: self.started.get().map_or(Duration::ZERO, Instant::elapsed),
             channels: self
                 .channels()
                 .iter()

@@ -44,6 +44,7 @@ pub mod error;
 pub mod hier;
 pub mod hosts;
 pub mod local;
+pub mod metrics;
 pub mod mpi;
 #[cfg(target_os = "linux")]
 pub mod shm;

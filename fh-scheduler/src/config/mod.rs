@@ -198,6 +198,10 @@ pub struct Config {
     /// Where the flight records go (`FH_FLIGHT_DIR`; `None`: fhrun's job directory when fhrun
     /// sets it, else [`crate::flight::dump::default_dir`]).
     pub flight_dir: Option<PathBuf>,
+    /// Where the rank's figures are served in Prometheus' text format (`FH_METRICS_ADDR`:
+    /// `PORT`, `:PORT` or `IP:PORT`, the host 127.0.0.1 unless given; each rank listens on
+    /// the port plus its local rank). `None`: not served. `fasthorovod` serves it.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// Most operations `FH_FLIGHT_RECORDS` accepts (a slot is about 200 bytes).
@@ -252,6 +256,7 @@ impl Config {
             control_spin: Duration::from_micros(30),
             flight_records: crate::flight::DEFAULT_RECORDS,
             flight_dir: None,
+            metrics_addr: None,
         };
         match p {
             Preset::FastHorovod => base,

@@ -38,8 +38,20 @@ fn variables_are_read() {
         ("FH_TIMELINE", "/tmp/t.json"),
         ("FH_STALL_CHECK_SECONDS", "0"),
         ("FH_STALL_SHUTDOWN_SECONDS", "5"),
+        ("FH_FLIGHT_RECORDS", "100"),
+        ("FH_FLIGHT_DIR", "/tmp/flight"),
+        ("FH_METRICS_ADDR", ":9100"),
     ]))
     .unwrap();
+    assert_eq!(c.flight_records, 100);
+    assert_eq!(c.flight_dir, Some(PathBuf::from("/tmp/flight")));
+    assert_eq!(c.metrics_addr, Some("127.0.0.1:9100".parse().unwrap()));
+    let any = Config::from_lookup(env(&[("FH_METRICS_ADDR", "0.0.0.0:9200")])).unwrap();
+    assert_eq!(any.metrics_addr, Some("0.0.0.0:9200".parse().unwrap()));
+    assert_eq!(
+        Config::default().flight_records,
+        crate::flight::DEFAULT_RECORDS
+    );
     assert_eq!(c.channels, 2);
     assert_eq!(c.fusion_threshold, MIB);
     assert_eq!(c.partition_bytes, 4096);
@@ -144,6 +156,9 @@ fn bad_values_name_the_variable_and_accepted_values() {
         ("FH_CUDA", "maybe", "0, 1, true, false"),
         ("FH_INLINE_BYTES", "lots", "byte size"),
         ("FH_CONTROL_SPIN_US", "5000", "0 to 1000"),
+        ("FH_FLIGHT_RECORDS", "100000000", "0 (off) to 1048576"),
+        ("FH_METRICS_ADDR", "localhost:x", "PORT, :PORT or IP:PORT"),
+        ("FH_SUMMARY", "sometimes", "0, 1, true, false"),
     ] {
         let err = Config::from_lookup(env(&[(var, val)]))
             .unwrap_err()

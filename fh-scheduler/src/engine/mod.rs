@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::unbounded;
 use fh_transport::subset::SubsetTransport;
@@ -171,6 +171,7 @@ impl Engine {
             flight_told: AtomicBool::new(false),
             clock: who,
         });
+        let _ = inner.counters.started.set(Instant::now());
         let ctl = Control::new(Arc::clone(&inner), control, data, devices, rx, incarnation)?;
         let handle = std::thread::Builder::new()
             .name(format!("fh-control-{}", topo.rank))
@@ -330,6 +331,18 @@ impl Engine {
     /// A snapshot of this rank's counters.
     pub fn stats(&self) -> EngineStats {
         self.inner.counters.snapshot()
+    }
+
+    /// The framework finished a training step whose gradients' reductions it waited for
+    /// `exposed` (the communication the step did not hide behind its computation): counted in
+    /// [`EngineStats::steps`] and [`EngineStats::exposed`].
+    pub fn record_step(&self, exposed: Duration) {
+        let c = &self.inner.counters;
+        Counters::add(&c.steps, 1);
+        Counters::add(
+            &c.exposed_nanos,
+            u64::try_from(exposed.as_nanos()).unwrap_or(u64::MAX),
+        );
     }
 
     /// Why the engine has stopped (shutdown, lost rank, stall), or `None` while it runs.

@@ -288,5 +288,41 @@ impl Recorder {
     }
 }
 
+/// What recording costs: the mean time of one operation's four recorded steps (submitted,
+/// negotiated, started on a channel, done) on this thread, over `ops` operations through a
+/// recorder of the default size. For `fh-bench --flight-cost`; the engine pays it once per
+/// operation, on three threads.
+pub fn recording_cost(ops: usize) -> std::time::Duration {
+    use fh_core::message::{Device, Signature};
+    let rec = Recorder::new(DEFAULT_RECORDS);
+    let reqs: Vec<Request> = (0..64)
+        .map(|i| Request {
+            name: Arc::from(format!("layer{i}.weight.grad")),
+            rank: 0,
+            sig: Signature {
+                kind: CollectiveKind::Allreduce,
+                dtype: DType::F32,
+                shape: vec![1024, 64],
+                device: Device::Cpu,
+                op: fh_core::ReduceOp::Average,
+                root: 0,
+                prescale: 1.0,
+                postscale: 1.0,
+            },
+            priority: 0,
+            group: None,
+        })
+        .collect();
+    let start = Instant::now();
+    for i in 0..ops.max(1) {
+        let now = Instant::now();
+        let seq = rec.submitted(&reqs[i % reqs.len()], now);
+        rec.negotiated(seq, i as u64, now);
+        rec.started(std::iter::once(seq), i % 4, now);
+        rec.finished(seq, Instant::now(), None);
+    }
+    start.elapsed() / ops.max(1) as u32
+}
+
 #[cfg(test)]
 mod tests;

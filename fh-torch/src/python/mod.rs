@@ -90,6 +90,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(observe::timeline_on, m)?)?;
     m.add_function(wrap_pyfunction!(observe::timeline_span, m)?)?;
     m.add_function(wrap_pyfunction!(observe::explain, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::record_step, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::summary, m)?)?;
     m.add_function(wrap_pyfunction!(submit::allreduce, m)?)?;
     m.add_function(wrap_pyfunction!(submit::grouped_allreduce, m)?)?;
     m.add_function(wrap_pyfunction!(submit::allgather, m)?)?;

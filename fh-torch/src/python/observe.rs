@@ -1,6 +1,7 @@
 //! Seeing inside a running rank: the culprit's own Python stack when a stall names this rank,
-//! the flight record and the stacks on `SIGUSR1`, the Python side's spans on the timeline, and
-//! `explain` over a directory of flight records.
+//! the flight record and the stacks on `SIGUSR1`, the Python side's spans on the timeline,
+//! `explain` over a directory of flight records, and the rank's figures (a summary line, the
+//! Prometheus endpoint of `FH_METRICS_ADDR`, the steps' exposed communication).
 //!
 //! Python's `faulthandler` writes the stack of every thread from a signal handler, without
 //! the GIL. `fasthorovod.torch.init()` registers it for [`stack_signal`] and then calls
@@ -198,4 +199,54 @@ fn on_request() {
         }
     }
     raise_stack_signal();
+}
+
+/// The framework finished a training step that waited `exposed_ns` nanoseconds for its
+/// gradients' reductions (`fasthorovod.torch`'s optimizer reports each step).
+#[pyfunction]
+pub(super) fn record_step(exposed_ns: u64) {
+    if let State::Running(e, _) = &*state() {
+        e.record_step(Duration::from_nanos(exposed_ns));
+    }
+}
+
+/// One line of what this rank did (operations, groups, bytes and rates per channel,
+/// negotiation rounds per second, exposed communication per step); `None` when not running.
+#[pyfunction]
+pub(super) fn summary() -> Option<String> {
+    match &*state() {
+        State::Running(e, _) => Some(e.stats().summary_line(e.rank())),
+        _ => None,
+    }
+}
+
+/// The endpoint of `FH_METRICS_ADDR`, kept for the process's life (it serves the running
+/// engine, whichever that is).
+static METRICS: Mutex<Option<fh_transport::metrics::MetricsServer>> = Mutex::new(None);
+
+/// Serve this rank's figures in Prometheus' text format when `FH_METRICS_ADDR` asks for it:
+/// on the port given plus the rank's local rank. A port that cannot be had is a warning.
+pub(super) fn start_metrics(engine: &Engine) {
+    let Some(mut addr) = engine.config().metrics_addr else {
+        return;
+    };
+    let mut served = METRICS.lock().unwrap_or_else(|p| p.into_inner());
+    if served.is_some() {
+        return;
+    }
+    if addr.port() != 0 {
+        let port = usize::from(addr.port()) + engine.local_rank();
+        addr.set_port(u16::try_from(port).unwrap_or(addr.port()));
+    }
+    let render: fh_transport::metrics::Render = Arc::new(|| match &*state() {
+        State::Running(e, _) => e.stats().to_prometheus(e.rank()),
+        _ => String::new(),
+    });
+    match fh_transport::metrics::MetricsServer::start(addr, render) {
+        Ok(server) => {
+            tracing::info!("metrics served at http://{}/metrics", server.local_addr());
+            *served = Some(server);
+        }
+        Err(e) => tracing::warn!("FH_METRICS_ADDR: cannot listen on {addr}: {e}"),
+    }
 }

@@ -88,6 +88,7 @@ pub(super) fn init(py: Python<'_>) -> PyResult<()> {
     if fh_transport::elastic::enabled() {
         let engine = start_elastic(py, cfg)?;
         super::observe::install_culprit_hook(&engine);
+        super::observe::start_metrics(&engine);
         let backend = engine.backend();
         *state() = State::Running(Arc::new(engine), backend);
         *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
@@ -106,6 +107,7 @@ pub(super) fn init(py: Python<'_>) -> PyResult<()> {
         )),
     })?;
     super::observe::install_culprit_hook(&engine);
+    super::observe::start_metrics(&engine);
     *state() = State::Running(Arc::new(engine), backend);
     *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
     Ok(())

@@ -137,3 +137,73 @@ def test_fhrun_merges_every_rank_timeline_into_one(fhrun, tmp_path):
              for r in (0, 1)}
     first = [steps[r][0] for r in (0, 1)]
     assert abs(first[0]["ts"] - first[1]["ts"]) < 5e6, first
+
+
+TIMEOUT_SCRIPT = textwrap.dedent("""
+    import time, torch
+    import fasthorovod.torch as hvd
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="warmup")
+
+    def stuck_in_user_code():
+        time.sleep(120)
+
+    if hvd.rank() == 1:
+        stuck_in_user_code()
+    hvd.allreduce(torch.ones(5), name="grad")
+""")
+
+
+def test_at_its_timeout_fhrun_gathers_every_rank_record_and_stack(fhrun, tmp_path):
+    """--timeout: fhrun sends SIGUSR1 first; every rank writes its flight record and prints
+    its stacks; fhrun then stops the job and prints what the records show."""
+    script = tmp_path / "stuck.py"
+    script.write_text(TIMEOUT_SCRIPT)
+    code, out = run([fhrun, "-np", "3", "--no-stall-check", "--timeout", "10", PYTHON,
+                     str(script)], timeout=120)
+    assert code == 124, out
+    assert "timed out" in out, out
+    assert ("fhrun: first divergence: rank 1 has never submitted \"allreduce.grad\" "
+            "(allreduce f32 [5]), which ranks 0 and 2 submitted and wait on") in out, out
+    assert "written by ranks 0-2 for: SIGUSR1" in out, out
+    assert any(ln.startswith("[1]<stderr>:") and "stuck_in_user_code" in ln
+               for ln in out.splitlines()), out
+
+
+METRICS_SCRIPT = textwrap.dedent("""
+    import sys, urllib.request, torch
+    import fasthorovod.torch as hvd
+    hvd.init()
+    model = torch.nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    port = int(sys.argv[1]) + hvd.local_rank()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    r = hvd.rank()
+    assert f'fasthorovod_steps_total{{rank="{r}"}} 3' in text, text
+    assert f'fasthorovod_channel_bytes_total{{rank="{r}",channel="0"}}' in text, text
+    assert f'fasthorovod_fused_group_bytes_count{{rank="{r}"}}' in text, text
+    print("metrics ok", flush=True)
+""")
+
+
+def test_each_rank_serves_its_figures_and_says_what_it_did(fhrun, tmp_path):
+    """FH_METRICS_ADDR: each rank serves Prometheus text on the port plus its local rank; at
+    the end each rank prints one summary line (fhrun sets FH_SUMMARY=1)."""
+    from conftest import free_port
+    script = tmp_path / "metrics.py"
+    script.write_text(METRICS_SCRIPT)
+    port = free_port()
+    code, out = run([fhrun, "-np", "2", "-x", f"FH_METRICS_ADDR=:{port}", "--timeout", "120",
+                     PYTHON, str(script), str(port)], timeout=150)
+    assert code == 0, out
+    assert out.count("metrics ok") == 2, out
+    for r in (0, 1):
+        line = [ln for ln in out.splitlines()
+                if ln.startswith(f"[{r}]<stderr>:fasthorovod rank {r}: ")]
+        assert len(line) == 1, out
+        assert "negotiation rounds" in line[0] and "over 3 steps" in line[0], line

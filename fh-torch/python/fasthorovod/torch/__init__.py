@@ -95,8 +95,28 @@ def shutdown():
     """Stop the runtime (every rank should call it; also done at interpreter exit).
     Pending operations fail; on the other ranks, operations that needed this rank fail with
     an error naming it."""
+    _say_summary()
     _forget_sets()
     _core.shutdown("hvd.shutdown() was called")
+
+
+_summary_said = False
+
+
+def _say_summary():
+    """With ``FH_SUMMARY=1`` (fhrun sets it), one line on stderr of what this rank did, once,
+    before its runtime stops."""
+    global _summary_said
+    if _summary_said or os.environ.get("FH_SUMMARY", "").strip().lower() not in (
+            "1", "true", "yes", "on"):
+        return
+    try:
+        line = _core.summary()
+    except Exception:  # noqa: BLE001 - a summary never fails the shutdown
+        return
+    if line:
+        _summary_said = True
+        print(line, file=sys.stderr, flush=True)
 
 
 # Why this process is exiting, when an uncaught exception ends it ("raised ValueError: boom");
@@ -107,6 +127,7 @@ _notified = False
 
 
 def _shutdown_at_exit():
+    _say_summary()
     _forget_sets()
     _core.shutdown(_exit_reason or "the process exited")
 

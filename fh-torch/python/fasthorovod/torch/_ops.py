@@ -38,6 +38,14 @@ def _refresh_tracing():
     _tracing = _core.timeline_on()
 
 
+def _record_step(exposed_ns):
+    """Count a training step that waited ``exposed_ns`` for its reductions."""
+    try:
+        _core.record_step(max(0, int(exposed_ns)))
+    except Exception:  # noqa: BLE001 - a figure never fails the step
+        pass
+
+
 def _span(kind, detail, t0):
     """A span ``kind`` from ``t0`` (``time.monotonic_ns()``) until now on the timeline."""
     try:

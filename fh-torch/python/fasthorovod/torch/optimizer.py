@@ -362,6 +362,7 @@ class _DistributedOptimizer:
         if not self._active:
             self._synchronized = True
             return
+        t0 = time.monotonic_ns()
         self._agree_layouts()
         for p in self._trained:
             bucket = self._bucket_of[p]
@@ -380,6 +381,8 @@ class _DistributedOptimizer:
                 raise error
         finally:
             self._reset_step()
+        # What this step waited for its reductions: its exposed communication.
+        _ops._record_step(time.monotonic_ns() - t0)
         self._synchronized = True
 
     # -- the optimizer's interface ------------------------------------------------------
