@@ -100,7 +100,6 @@ fn colour(s: &Span, lane_name: &str) -> RGBColor {
     } else {
         match s.name.as_str() {
             "pack" | "unpack" => RGBColor(240, 190, 80),
-            "collective" => RGBColor(60, 120, 200),
             _ => RGBColor(90, 170, 220),
         }
     }
@@ -120,7 +119,7 @@ pub fn render(
     let rows: Vec<((u64, u64), String)> = t.lanes.iter().map(|(k, v)| (*k, v.clone())).collect();
     let row_of: BTreeMap<(u64, u64), usize> =
         rows.iter().enumerate().map(|(i, (k, _))| (*k, i)).collect();
-    let (width, row_h, left, top) = (1600u32, 22u32, 190i32, 40i32);
+    let (width, row_h, left, top) = (1600u32, 22u32, 190i32, 44i32);
     let height = top as u32 + row_h * rows.len() as u32 + 40;
     let root = BitMapBackend::new(output, (width, height)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
@@ -138,8 +137,26 @@ pub fn render(
             .file_name()
             .map_or(String::new(), |n| n.to_string_lossy().into_owned())
     );
-    root.draw(&Text::new(title, (10, 10), font.clone()))
+    root.draw(&Text::new(title, (10, 4), font.clone()))
         .map_err(|e| e.to_string())?;
+    // The legend, on the title's second line.
+    let legend = [
+        ("negotiation round", RGBColor(170, 170, 170)),
+        ("coordinator round", RGBColor(200, 80, 200)),
+        ("fused group", RGBColor(90, 170, 220)),
+        ("pack / unpack", RGBColor(240, 190, 80)),
+        ("submit", RGBColor(120, 160, 230)),
+        ("synchronize (waiting)", RGBColor(230, 120, 90)),
+        ("optimizer.step", RGBColor(140, 200, 140)),
+    ];
+    let mut lx = 10;
+    for (label, c) in legend {
+        root.draw(&Rectangle::new([(lx, 22), (lx + 12, 32)], c.filled()))
+            .map_err(|e| e.to_string())?;
+        root.draw(&Text::new(label, (lx + 16, 20), font.clone()))
+            .map_err(|e| e.to_string())?;
+        lx += 30 + 8 * label.len() as i32;
+    }
     let mut last_rank = None;
     for (i, ((rank, _), name)) in rows.iter().enumerate() {
         let y = top + (i as u32 * row_h) as i32;
@@ -155,7 +172,15 @@ pub fn render(
         root.draw(&Text::new(label, (8, y + 4), font.clone()))
             .map_err(|e| e.to_string())?;
     }
-    for s in &t.spans {
+    // Fused groups first, their packing and unpacking over them (a group's `collective`
+    // phase is the group itself, not drawn twice).
+    let phase = |s: &&Span| matches!(s.name.as_str(), "pack" | "unpack" | "collective");
+    let order = t.spans.iter().filter(|s| !phase(s)).chain(
+        t.spans
+            .iter()
+            .filter(|s| phase(s) && s.name != "collective"),
+    );
+    for s in order {
         if s.end < w0 || s.start > w1 {
             continue;
         }
