@@ -249,3 +249,40 @@ fn unknown_fh_variables_are_named_with_the_closest_known_one() {
     );
     assert!(found[3].to_string().contains("README"), "{}", found[3]);
 }
+
+#[test]
+fn clock_offsets_are_zero_on_rank_0s_host_and_measured_across_hosts() {
+    use fh_transport::local::LocalWorld;
+    use fh_transport::{Topology, Transport};
+    // Three ranks: 0 and 1 on host 0, rank 2 "on host 1" (the same machine, so its measured
+    // offset is the fastest delivery of a broadcast: small and not negative).
+    let threads: Vec<_> = LocalWorld::new(3)
+        .into_iter()
+        .map(|mut t| {
+            std::thread::spawn(move || {
+                let rank = t.rank();
+                let topo = Topology {
+                    rank,
+                    size: 3,
+                    local_rank: rank % 2,
+                    local_size: if rank < 2 { 2 } else { 1 },
+                    cross_rank: usize::from(rank == 2),
+                    cross_size: 2,
+                };
+                let mut comm = t.open("clock").unwrap();
+                let across = agree::measure_clock(comm.as_mut(), topo).unwrap();
+                let one_host = Topology {
+                    cross_rank: 0,
+                    cross_size: 1,
+                    ..topo
+                };
+                let alone = agree::measure_clock(comm.as_mut(), one_host).unwrap();
+                (across, alone)
+            })
+        })
+        .collect();
+    let out: Vec<(i64, i64)> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!((out[0].0, out[1].0), (0, 0));
+    assert!((0..1_000_000).contains(&out[2].0), "{out:?}");
+    assert!(out.iter().all(|o| o.1 == 0));
+}
