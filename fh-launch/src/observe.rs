@@ -1,8 +1,9 @@
 //! What fhrun keeps of a job to look inside it afterwards: a private directory per job where
 //! the ranks write their flight records (`FH_FLIGHT_DIR`, unless the user names one) and, for
 //! `--timeline-filename FILE`, their own timelines, which fhrun merges into FILE at the end
-//! (one track per rank, one clock). When the ranks wrote flight records, fhrun says where, and
-//! when the job failed it prints what `fhrun --explain DIR` says about them.
+//! (one track per rank, one clock). When the job failed, or a rank wrote its flight record for
+//! a stall or on SIGUSR1, fhrun keeps the records and says where, and when the job failed it
+//! prints what `fhrun --explain DIR` says about them.
 
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -69,7 +70,16 @@ impl JobDir {
         }
         let mut keep = false;
         if let Some(flight) = &self.flight {
-            if let Ok(dumps) = dump::read_dir(flight) {
+            // Kept when the job failed, or when a rank wrote its record for a stall or on
+            // request; a job that ended well, whose ranks only recorded errors they got and
+            // handled (a test's deliberate mismatch, say), leaves nothing behind.
+            let dumps = dump::read_dir(flight).ok().filter(|dumps| {
+                failed
+                    || dumps
+                        .iter()
+                        .any(|d| d.reason.starts_with("stall") || d.reason == "SIGUSR1")
+            });
+            if let Some(dumps) = dumps {
                 keep = true;
                 let ranks: Vec<usize> = dumps.iter().map(|d| d.rank).collect();
                 eprintln!(

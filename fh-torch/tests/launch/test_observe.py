@@ -3,7 +3,9 @@ its own Python stack next to the warning, every rank's flight record explains a 
 mismatch, and ``fhrun --timeline-filename`` gives one timeline of every rank."""
 
 import json
+import pathlib
 import re
+import shutil
 import textwrap
 
 from conftest import PYTHON, run
@@ -14,6 +16,13 @@ def flight_dir(out):
     m = re.search(r"fhrun: flight records of \d+ ranks \([\d, ]+\) are in (\S+);", out)
     assert m, out
     return m.group(1)
+
+
+def remove_job_dir(out):
+    """Remove the job directory fhrun kept for its flight records (a test leaves nothing)."""
+    job = pathlib.Path(flight_dir(out)).parent
+    if job.name.startswith("fhrun-"):
+        shutil.rmtree(job, ignore_errors=True)
 
 
 def explain_both_ways(fhrun, directory):
@@ -73,6 +82,7 @@ def test_a_stall_names_the_rank_that_lacks_the_tensor_and_shows_its_stack(fhrun,
     assert ("first divergence: rank 2 has never submitted \"allreduce.grad.after_loader\" "
             "(allreduce f32 [3]), which ranks 0 and 1 submitted and wait on") in report, report
     assert "last collective every rank completed: \"allreduce.warmup\"" in report, report
+    remove_job_dir(out)
 
 
 MISMATCH_SCRIPT = textwrap.dedent("""
@@ -96,6 +106,7 @@ def test_the_flight_records_name_the_rank_that_sent_a_different_shape(fhrun, tmp
     report = explain_both_ways(fhrun, flight_dir(out))
     assert "rank 1 sent \"allreduce.layer3.weight.grad\" with shape [18]" in report, report
     assert "last collective every rank completed: \"allreduce.warmup\"" in report, report
+    remove_job_dir(out)
 
 
 TIMELINE_SCRIPT = textwrap.dedent("""
@@ -168,6 +179,7 @@ def test_at_its_timeout_fhrun_gathers_every_rank_record_and_stack(fhrun, tmp_pat
     assert "written by ranks 0-2 for: SIGUSR1" in out, out
     assert any(ln.startswith("[1]<stderr>:") and "stuck_in_user_code" in ln
                for ln in out.splitlines()), out
+    remove_job_dir(out)
 
 
 METRICS_SCRIPT = textwrap.dedent("""
