@@ -113,6 +113,12 @@ pub struct Cli {
     #[arg(long, value_name = "HOST:PORT", value_parser = parse_host_port)]
     pub rendezvous_addr: Option<String>,
 
+    /// Print what the flight records in DIR (one file per rank, written on a stall, a failure
+    /// or SIGUSR1) show — the first divergence across ranks, the last collective every rank
+    /// completed — and exit without starting a job.
+    #[arg(long, value_name = "DIR", exclusive = true)]
+    pub explain: Option<PathBuf>,
+
     #[command(flatten)]
     pub elastic: ElasticArgs,
 
@@ -207,7 +213,9 @@ pub struct Knobs {
     #[arg(long, value_enum)]
     pub priority: Option<Priority>,
 
-    /// Write a Chrome-trace timeline to this path (rank 0) (FH_TIMELINE).
+    /// Write one Chrome-trace timeline of every rank to this path: each rank records its own,
+    /// fhrun merges them at the end (a track per rank, one clock). A path holding `{rank}`
+    /// names a file per rank instead, left unmerged (FH_TIMELINE).
     #[arg(long, value_name = "PATH")]
     pub timeline_filename: Option<PathBuf>,
 

@@ -13,6 +13,7 @@ mod hosts;
 mod launch;
 mod mpi;
 mod notice;
+mod observe;
 mod output;
 mod remote;
 mod sys;
@@ -86,6 +87,9 @@ fn read_hosts(cli: &Cli) -> Result<Option<Vec<Host>>, Failure> {
 }
 
 fn run(cli: Cli) -> Result<i32, Failure> {
+    if let Some(dir) = &cli.explain {
+        return Ok(observe::explain_dir(dir));
+    }
     let hosts = read_hosts(&cli)?;
     // An elastic job: hosts from a discovery script, or fixed ones with --min-np.
     let elastic_source = elastic::source(&cli, hosts.as_deref())?;
@@ -183,6 +187,30 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         fh_transport::bootstrap::FHRUN_VERSION_VAR.to_string(),
         fh_core::RELEASE.to_string(),
     ));
+    // A directory of the job's own for the ranks' flight records and timelines (not for a
+    // dry run, nor for jobs fhrun hands over: mpirun, or the elastic driver's).
+    let job_dir = if is_elastic || cli.mpi || cli.dry_run {
+        None
+    } else {
+        let user_flight_dir = user_env.iter().any(|(k, _)| k == "FH_FLIGHT_DIR")
+            || pass_through.iter().any(|k| k == "FH_FLIGHT_DIR")
+            || std::env::var_os("FH_FLIGHT_DIR").is_some();
+        match observe::JobDir::create(user_flight_dir, cli.knobs.timeline_filename.as_deref()) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                eprintln!(
+                    "fhrun: warning: cannot make the job's directory under {} ({e}); flight \
+                     records go to the runtime's default and the timeline is rank 0's alone",
+                    std::env::temp_dir().display()
+                );
+                None
+            }
+        }
+    };
+    for (k, v) in job_dir.iter().flat_map(observe::JobDir::env) {
+        knobs.retain(|(n, _)| *n != k);
+        knobs.push((k, v));
+    }
 
     if let Some(source) = elastic_source {
         let token = user_env
@@ -273,7 +301,11 @@ fn run(cli: Cli) -> Result<i32, Failure> {
                 return Ok(0);
             }
         }
-        return Ok(launch::run(&job));
+        let code = launch::run(&job);
+        if let Some(d) = job_dir {
+            d.finish(code != 0);
+        }
+        return Ok(code);
     }
 
     let rendezvous = match &cli.rendezvous_addr {
@@ -338,7 +370,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         }
     }
 
-    Ok(launch::run(&launch::LocalJob {
+    let code = launch::run(&launch::LocalJob {
         command: cli.command.clone(),
         ranks,
         remotes: Vec::new(),
@@ -347,7 +379,11 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         timeout: cli.timeout,
         verbose: cli.verbose,
         report_exits: None,
-    }))
+    });
+    if let Some(d) = job_dir {
+        d.finish(code != 0);
+    }
+    Ok(code)
 }
 
 /// The ranks of a job across hosts, placed host by host in the list's order (each host's slots

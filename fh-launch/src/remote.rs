@@ -7,9 +7,10 @@
 //! fhrun and [`REMOTE_ARG`]; everything else — the working directory, the ranks, the command,
 //! and the ranks' environment with the job token — goes in a [`Part`] over the agent's stdin,
 //! which then stays open as a control channel: a line `signal N` makes the remote part send
-//! signal N to its ranks (fhrun forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT that way), and the
-//! end of stdin — the agent gone because fhrun stopped it or died (fhrun's guardian kills the
-//! agent's process group) — makes it stop its ranks (SIGTERM, then SIGKILL after the grace).
+//! signal N to its ranks (fhrun forwards SIGINT, SIGTERM, SIGHUP, SIGQUIT and SIGUSR1 that
+//! way), and the end of stdin — the agent gone because fhrun stopped it or died (fhrun's
+//! guardian kills the agent's process group) — makes it stop its ranks (SIGTERM, then SIGKILL
+//! after the grace).
 //! The remote part exits with its job's status, which the agent returns to fhrun; a failure
 //! there stops the whole job (fail fast across hosts).
 //!

@@ -241,6 +241,54 @@ fn a_rank_that_stops_submitting_is_named_by_the_stall_inspector() {
 }
 
 #[test]
+fn the_rank_a_stall_names_runs_its_culprit_hook_once_per_lack() {
+    // Three ranks: rank 2 holds "b" back (it submits it late), every other name goes through.
+    // Only rank 2's hook runs, with a report that says it lacks "b", and only once however
+    // many checks see the same stall.
+    let gate = Arc::new(Barrier::new(3));
+    let cfg = Config::default()
+        .stall_check(Some(Duration::from_millis(100)))
+        .idle_heartbeat(Duration::from_millis(20));
+    let out = run_world(3, cfg, move |e, r| {
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = Arc::clone(&calls);
+        e.set_culprit_hook(Arc::new(move |report: &fh_scheduler::StallReport| {
+            seen.lock().unwrap().push(report.clone());
+        }));
+        let mut b = if r == 2 {
+            // Wait for at least two reports (two checks of the same stall), then submit.
+            let start = Instant::now();
+            while e.stall_reports().len() < 2 {
+                assert!(start.elapsed() < LIMIT, "no stall report");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            gate.wait();
+            e.allreduce("b", Tensor::from_slice(&[1.0f32]), sum())
+                .unwrap()
+        } else {
+            let b = e
+                .allreduce("b", Tensor::from_slice(&[1.0f32]), sum())
+                .unwrap();
+            gate.wait();
+            b
+        };
+        assert_eq!(
+            b.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap(),
+            [3.0]
+        );
+        let calls = calls.lock().unwrap().clone();
+        calls
+    });
+    assert!(out[0].is_empty() && out[1].is_empty(), "{out:?}");
+    assert_eq!(out[2].len(), 1, "{:?}", out[2]);
+    assert_eq!(out[2][0].lacked_by(2), Some(&["b".to_string()][..]));
+    assert_eq!(
+        out[2][0].to_string().split(" (").next(),
+        Some("stall: rank 2 has not submitted [\"b\"]")
+    );
+}
+
+#[test]
 fn stall_shutdown_stops_every_rank_naming_the_silent_one() {
     let cfg = Config::default()
         .stall_check(Some(Duration::from_millis(100)))

@@ -46,6 +46,7 @@ pub mod hosts;
 pub mod interrupt;
 pub mod liveness;
 pub mod local;
+pub mod metrics;
 pub mod mpi;
 #[cfg(target_os = "linux")]
 pub mod shm;

@@ -56,7 +56,7 @@ pub(super) fn run(
     // Every configuration: the engine's presets over each transport, then the peers.
     let mut configs: Vec<ReplayConfig> = Vec::new();
     for (tname, runner) in &replay_runners {
-        for s in schedules_over(tname, opts.np) {
+        for s in schedules_over(tname, opts.np, opts.flight_cost) {
             configs.push(ReplayConfig::Engine {
                 spec: s,
                 transport: tname.clone(),
@@ -208,6 +208,25 @@ pub(super) fn run(
             }
         }
     }
+    if opts.flight_cost {
+        // The replay's rows compare whole steps; this is the recorder's own cost per
+        // operation (its four steps, on one thread), which a step pays once per gradient.
+        let per_op = fh_scheduler::flight::recording_cost(200_000);
+        bar.suspend(|| {
+            eprintln!(
+                "flight recorder: {:.0} ns per operation (submitted, negotiated, started, done)",
+                per_op.as_secs_f64() * 1e9
+            );
+            for w in workloads {
+                eprintln!(
+                    "  {}: {} gradients, {:.1} µs of recording per step",
+                    w.model,
+                    w.tensors.len(),
+                    per_op.as_secs_f64() * 1e6 * w.tensors.len() as f64
+                );
+            }
+        });
+    }
     for ((tname, _, sizes), secs) in links.iter().zip(&link_secs) {
         for (&bytes, secs) in sizes.iter().zip(secs) {
             if !secs.is_empty() {
@@ -335,7 +354,10 @@ impl ReplayConfig {
 /// The schedules replayed over the transport named `transport` ([`ScheduleSpec::all_for`]).
 /// Its wire by name on one host: a replay transport that can span hosts is TCP, a network
 /// stack anywhere.
-pub(super) fn schedules_over(transport: &str, np: usize) -> Vec<ScheduleSpec> {
+pub(super) fn schedules_over(transport: &str, np: usize, flight_cost: bool) -> Vec<ScheduleSpec> {
+    if flight_cost {
+        return ScheduleSpec::flight_cost();
+    }
     ScheduleSpec::all_for(np, fh_scheduler::Wire::of(transport, 1))
 }
 

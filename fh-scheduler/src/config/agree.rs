@@ -101,6 +101,42 @@ pub(crate) fn agree(
     Ok(())
 }
 
+/// Broadcasts of rank 0's clock in [`measure_clock`].
+const CLOCK_SAMPLES: usize = 5;
+
+/// This rank's wall clock minus rank 0's, in microseconds, so that every rank's timeline can
+/// be put on one clock. Ranks on rank 0's host share its clock: 0. Between hosts (only there:
+/// every rank takes part, since `cross_size` is the same on all), rank 0 broadcasts its clock
+/// [`CLOCK_SAMPLES`] times and each rank keeps the smallest difference from its own on
+/// arrival: the delivery delay only adds, so the smallest is off by the fastest delivery.
+pub(crate) fn measure_clock(
+    comm: &mut dyn fh_transport::Communicator,
+    topo: fh_transport::Topology,
+) -> Result<i64, SchedulerError> {
+    if topo.cross_size <= 1 {
+        return Ok(0);
+    }
+    let now = || crate::flight::unix_micros(std::time::SystemTime::now());
+    let mut best = i64::MAX;
+    let mut host0 = 0;
+    for _ in 0..CLOCK_SAMPLES {
+        let mut b = [0u8; 16];
+        if comm.rank() == 0 {
+            b[..8].copy_from_slice(&now().to_le_bytes());
+            b[8..].copy_from_slice(&(topo.cross_rank as u64).to_le_bytes());
+        }
+        comm.broadcast(&mut b, 0)?;
+        let sent = i64::from_le_bytes(b[..8].try_into().unwrap_or_default());
+        host0 = u64::from_le_bytes(b[8..].try_into().unwrap_or_default());
+        best = best.min(now().saturating_sub(sent));
+    }
+    Ok(if topo.cross_rank as u64 == host0 {
+        0
+    } else {
+        best
+    })
+}
+
 /// The engine's incarnation: a value rank 0 draws afresh for every engine it starts and
 /// broadcasts over the control communicator at start-up. Every control message of the engine
 /// carries it (`negotiate::collect`), so that a message of an earlier engine of the same

@@ -21,6 +21,7 @@ use pyo3::types::PyByteArray;
 use crate::{config, names};
 
 mod handle;
+mod observe;
 mod runtime;
 mod submit;
 
@@ -84,6 +85,13 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::stack_signal, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::enable_stack_dumps, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::timeline_on, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::timeline_span, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::explain, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::record_step, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::summary, m)?)?;
     m.add_function(wrap_pyfunction!(submit::allreduce, m)?)?;
     m.add_function(wrap_pyfunction!(submit::grouped_allreduce, m)?)?;
     m.add_function(wrap_pyfunction!(submit::allgather, m)?)?;

@@ -70,6 +70,7 @@ pub(super) fn init(py: Python<'_>) -> PyResult<()> {
     }
     let lookup = |k: &str| std::env::var(k).ok();
     install_logging(&lookup);
+    super::observe::install_sigusr1();
     let ignored = config::ignored_set(lookup);
     if !ignored.is_empty() {
         tracing::info!(
@@ -86,6 +87,8 @@ pub(super) fn init(py: Python<'_>) -> PyResult<()> {
     let cfg = config::config_from(lookup).map_err(to_py)?;
     if fh_transport::elastic::enabled() {
         let engine = start_elastic(py, cfg)?;
+        super::observe::install_culprit_hook(&engine);
+        super::observe::start_metrics(&engine);
         let backend = engine.backend();
         *state() = State::Running(Arc::new(engine), backend);
         *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
@@ -103,6 +106,8 @@ pub(super) fn init(py: Python<'_>) -> PyResult<()> {
              `torchrun`, `mpirun` or `srun`, or run it alone for a single process."
         )),
     })?;
+    super::observe::install_culprit_hook(&engine);
+    super::observe::start_metrics(&engine);
     *state() = State::Running(Arc::new(engine), backend);
     *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
     Ok(())

@@ -28,6 +28,7 @@ from fasthorovod.torch import elastic
 from fasthorovod.torch.compression import Compression
 from fasthorovod.torch.functions import (allgather_object, broadcast_object,
                                          broadcast_optimizer_state, broadcast_parameters)
+from fasthorovod.torch import _ops
 from fasthorovod.torch import mpi_ops as _mpi_ops
 from fasthorovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather,
                                        allgather_async, allreduce, allreduce_, allreduce_async,
@@ -71,11 +72,13 @@ def init(comm=None, process_sets=None):
                                  f"'dynamic', got {ps!r}")
     if _core.is_initialized():
         return
+    _install_stack_dumps()
     try:
         _core.init()
     except _elastic_core.WorkerRemovedError as e:
         _common_elastic.leave(e)
     _mpi_ops._world_count += 1
+    _ops._refresh_tracing()
     import torch
 
     local = torch.tensor([local_size()], dtype=torch.int64)
@@ -84,12 +87,44 @@ def init(comm=None, process_sets=None):
     _init_sets(process_sets)
 
 
+def _install_stack_dumps():
+    """Let the runtime show where this rank is when a stall names it: ``faulthandler`` writes
+    every thread's stack to stderr on the runtime's stack signal (from the engine's thread,
+    without the GIL). Best effort: without it the stall warning names the rank alone."""
+    import faulthandler
+    try:
+        faulthandler.register(_core.stack_signal(), file=2, all_threads=True, chain=False)
+    except Exception:  # noqa: BLE001 - no stack dumps, nothing else changes
+        return
+    _core.enable_stack_dumps()
+
+
 def shutdown():
     """Stop the runtime (every rank should call it; also done at interpreter exit).
     Pending operations fail; on the other ranks, operations that needed this rank fail with
     an error naming it."""
+    _say_summary()
     _forget_sets()
     _core.shutdown("hvd.shutdown() was called")
+
+
+_summary_said = False
+
+
+def _say_summary():
+    """With ``FH_SUMMARY=1`` (fhrun sets it), one line on stderr of what this rank did, once,
+    before its runtime stops."""
+    global _summary_said
+    if _summary_said or os.environ.get("FH_SUMMARY", "").strip().lower() not in (
+            "1", "true", "yes", "on"):
+        return
+    try:
+        line = _core.summary()
+    except Exception:  # noqa: BLE001 - a summary never fails the shutdown
+        return
+    if line:
+        _summary_said = True
+        print(line, file=sys.stderr, flush=True)
 
 
 # Why this process is exiting, when an uncaught exception ends it ("raised ValueError: boom");
@@ -100,6 +135,7 @@ _notified = False
 
 
 def _shutdown_at_exit():
+    _say_summary()
     _forget_sets()
     _core.shutdown(_exit_reason or "the process exited")
 
@@ -173,13 +209,16 @@ if not getattr(sys.excepthook, "_fasthorovod", False):
 
 
 def start_timeline(file_path, mark_cycles=False):
-    """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it)."""
+    """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it; a path
+    holding ``{rank}`` names a file per rank, and every rank writes its own)."""
     _core.start_timeline(str(file_path))
+    _ops._refresh_tracing()
 
 
 def stop_timeline():
     """Stop writing the timeline."""
     _core.stop_timeline()
+    _ops._refresh_tracing()
 
 
 __all__ = [name for name in dir()
