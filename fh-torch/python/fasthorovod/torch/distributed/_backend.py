@@ -100,39 +100,43 @@ def _result(value, dtype):
     return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-class _Work(_C10dWork):
-    """A collective's ``Work``: ``wait()`` waits for its future (the GIL released) and raises
-    its error; ``get_future()`` is that future, on which DDP's communication hooks chain.
-    (torch's ``_create_work_from_future`` would do, but its ``wait()`` swallows the error.)"""
+class _Failed:
+    """What a failed collective's source future holds: the error, raised by ``_unwrap``."""
 
-    def __init__(self, future):
-        super().__init__()
-        self._future = future
+    __slots__ = ("error",)
 
-    def wait(self, timeout=None):
-        """Wait for completion; raises the collective's error (the engine's, naming ranks)."""
-        self._future.wait()
-        return True
+    def __init__(self, error):
+        self.error = error
 
-    def get_future(self):
-        """The future completed with the collective's result (the output tensors)."""
-        return self._future
+
+def _unwrap(source):
+    """The callback between a collective's source future and the future it hands out: an
+    error raised here completes that future *with an error* in C++, which is what DDP's
+    reducer and chained callbacks see (``Future.set_exception`` would complete it with the
+    exception as its value)."""
+    value = source.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
 
 
 class _Op:
-    """A submitted collective: its engine handles, how to turn their results into the
-    future's value, and the future."""
+    """A submitted collective: its engine handles, how to turn their results into its value,
+    and its futures: ``source``, completed once by the completer thread, and ``future``
+    (chained on it), which the Work hands out."""
 
-    __slots__ = ("what", "handles", "finish", "future")
+    __slots__ = ("what", "handles", "finish", "source", "future", "error")
 
     def __init__(self, what, handles, finish):
         self.what = what
         self.handles = handles
         self.finish = finish
-        self.future = torch.futures.Future()
+        self.error = None
+        self.source = torch.futures.Future()
+        self.future = self.source.then(_unwrap)
 
     def complete(self):
-        """Wait for every handle (the GIL released), then complete the future once."""
+        """Wait for every handle (the GIL released), then complete the source future once."""
         results, error = [], None
         for h in self.handles:
             try:
@@ -146,9 +150,48 @@ class _Op:
             except BaseException as e:  # noqa: BLE001 - the error goes to the future
                 error = e
         if error is not None:
-            self.future.set_exception(error)
+            if not isinstance(error, Exception):
+                error = RuntimeError(f"fasthorovod backend: {self.what}: {error!r}")
+            self.error = error
+            self.source.set_result(_Failed(error))
         else:
-            self.future.set_result(value)
+            self.source.set_result(value)
+
+
+class _Work(_C10dWork):
+    """A collective's ``Work``: ``wait()`` waits for it (the GIL released) and raises its
+    error as the engine gave it (``HorovodInternalError`` naming the ranks); ``get_future()``
+    is the future DDP's communication hooks chain on (failed with a ``RuntimeError`` of the
+    same text). (torch's ``_create_work_from_future`` would do, but its ``wait()`` swallows
+    the error.)"""
+
+    def __init__(self, op):
+        super().__init__()
+        self._op = op
+
+    def wait(self, timeout=None):
+        """Wait for completion; raises the collective's error."""
+        self._op.source.wait()
+        if self._op.error is not None:
+            raise self._op.error
+        self._op.future.wait()
+        return True
+
+    def get_future(self):
+        """The future completed with the collective's result (the output tensors)."""
+        return self._op.future
+
+
+class _WorkHandle:
+    """A Work waited for like an engine handle (see ``_each``)."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self):
+        self._work.wait()
 
 
 class _Completer:
@@ -242,13 +285,13 @@ class ProcessGroupFastHorovod(_C10dBackend):
         handles = submit(self._name())
         op = _Op(what, handles if isinstance(handles, list) else [handles], finish)
         self._completer.add(op)
-        return _Work(op.future)
+        return _Work(op)
 
     def _done(self, what, value):
-        """A Work completed already (nothing to send, e.g. a group of one)."""
-        fut = torch.futures.Future()
-        fut.set_result(value)
-        return _Work(fut)
+        """A Work completed already (nothing to send)."""
+        op = _Op(what, [], lambda _results: value)
+        op.complete()
+        return _Work(op)
 
     def _allreduce_one(self, what, t, reduce_op, name):
         """Submit the allreduce of ``t`` under ``name``; returns (handles, finish-of-t)."""
@@ -620,14 +663,12 @@ class ProcessGroupFastHorovod(_C10dBackend):
                       "only")
 
     def _each(self, what, starts, value):
-        """Run several collectives as one Work (each its own engine operation)."""
+        """Run several collectives as one Work (each its own engine operation; the group's
+        completer finishes them before this one, which it queues after them)."""
         works = [start() for start in starts]
-        if not works:
-            return self._done(what, value)
-        futs = [w.get_future() for w in works]
-        fut = torch.futures.collect_all(futs).then(
-            lambda f: ([x.value() for x in f.value()], value)[1])
-        return _Work(fut)
+        op = _Op(what, [_WorkHandle(w) for w in works], lambda _results: value)
+        self._completer.add(op)
+        return _Work(op)
 
     # -- lifecycle --------------------------------------------------------------------------
 
