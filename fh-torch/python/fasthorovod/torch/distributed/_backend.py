@@ -678,12 +678,15 @@ class ProcessGroupFastHorovod(_C10dBackend):
         if self._down:
             return
         self._down = True
-        if self._ps != 0:
-            _core.group_close(self._ps, None)
-        elif self._owns and _core.is_initialized():
-            import fasthorovod.torch as hvd
+        try:
+            if self._ps != 0:
+                _core.group_close(self._ps, None)
+            elif self._owns and _core.is_initialized():
+                import fasthorovod.torch as hvd
 
-            hvd.shutdown()
+                hvd.shutdown()
+        except Exception:  # noqa: BLE001 - an engine that failed told its operations why
+            pass
         self._completer.close(timeout=5.0)
 
     def abort(self):
