@@ -113,6 +113,20 @@ def test_all_gather_uneven_and_into_tensor(groups):
     assert torch.equal(out, torch.arange(n, dtype=torch.int32).repeat_interleave(3).reshape(n, 3))
 
 
+def test_complex_tensors_move_as_they_are(groups):
+    me, n = _me()
+    outs = [torch.zeros(3, dtype=torch.complex128) for _ in range(n)]
+    dist.all_gather(outs, torch.full((3,), complex(me, 2 * me), dtype=torch.complex128))
+    assert [o.tolist() for o in outs] == [[complex(r, 2 * r)] * 3 for r in range(n)]
+    got = torch.zeros(n, 2, dtype=torch.complex64)
+    dist.all_to_all_single(got, torch.tensor([[complex(me, r)] * 2 for r in range(n)],
+                                             dtype=torch.complex64))
+    assert got.tolist() == [[complex(r, me)] * 2 for r in range(n)]
+    t = torch.full((2,), complex(me, 1), dtype=torch.complex64)
+    dist.broadcast(t, src=n - 1)
+    assert t.tolist() == [complex(n - 1, 1)] * 2
+
+
 def test_reduce_scatter_and_tensor(groups):
     me, n = _me()
     out = torch.zeros(2)

@@ -83,6 +83,13 @@ def _flat(t):
     return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
 
 
+def _wire(t):
+    """``t`` (contiguous) as the engine can move it: a complex tensor as its real pairs (a
+    trailing dimension of 2, so that rows and splits stay as they were), anything else as it
+    is. Results come back as bytes, read with the complex dtype (``_result``)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def _engine_view(t):
     """The memory the engine reduces for ``t`` (contiguous, real) and what to copy back after:
     ``(view, writeback)``; ``writeback`` is None when ``view`` shares ``t``'s memory."""
@@ -438,7 +445,7 @@ class ProcessGroupFastHorovod(_C10dBackend):
         flat = _flat(t)
 
         def submit(name):
-            return _core.allgather(flat, name=name, process_set_id=self._ps)
+            return _core.allgather(_wire(flat), name=name, process_set_id=self._ps)
 
         def finish(results):
             gathered = _result(results[0], t.dtype)
@@ -457,7 +464,7 @@ class ProcessGroupFastHorovod(_C10dBackend):
         flat = _flat(input)
 
         def submit(name):
-            return _core.allgather(flat, name=name, process_set_id=self._ps)
+            return _core.allgather(_wire(flat), name=name, process_set_id=self._ps)
 
         def finish(results):
             output.copy_(_result(results[0], input.dtype).reshape(output.shape))
@@ -494,7 +501,8 @@ class ProcessGroupFastHorovod(_C10dBackend):
         splits = [flat.numel() if r == root else 0 for r in range(self._size)]
 
         def submit(name):
-            return _core.alltoall(flat, name=name, splits=splits, process_set_id=self._ps)
+            return _core.alltoall(_wire(flat), name=name, splits=splits,
+                                  process_set_id=self._ps)
 
         def finish(results):
             if self._rank == root:
@@ -523,7 +531,8 @@ class ProcessGroupFastHorovod(_C10dBackend):
             splits = [0] * self._size
 
         def submit(name):
-            return _core.alltoall(send, name=name, splits=splits, process_set_id=self._ps)
+            return _core.alltoall(_wire(send), name=name, splits=splits,
+                                  process_set_id=self._ps)
 
         def finish(results):
             out.copy_(_result(results[0], out.dtype).reshape(out.shape))
@@ -601,7 +610,8 @@ class ProcessGroupFastHorovod(_C10dBackend):
         splits = [t.numel() for t in input_tensors]
 
         def submit(name):
-            return _core.alltoall(send, name=name, splits=splits, process_set_id=self._ps)
+            return _core.alltoall(_wire(send), name=name, splits=splits,
+                                  process_set_id=self._ps)
 
         def finish(results):
             _scatter_into(what, _result(results[0], send.dtype), output_tensors)
@@ -622,7 +632,8 @@ class ProcessGroupFastHorovod(_C10dBackend):
                              "dimension")
 
         def submit(name):
-            return _core.alltoall(send, name=name, splits=splits, process_set_id=self._ps)
+            return _core.alltoall(_wire(send), name=name, splits=splits,
+                                  process_set_id=self._ps)
 
         def finish(results):
             got = _result(results[0], send.dtype)
