@@ -299,6 +299,32 @@ def test_ddp_buckets_are_engine_operations(groups):
         assert after["data_bytes"] - before["data_bytes"] >= steps * grad_bytes
 
 
+def test_repeating_steps_are_negotiated_through_the_cache(groups):
+    """DDP's steps repeat: the members agree on the period of their collectives, the names come
+    back, and the engine negotiates them through its bit-vector cache; a mismatch after that
+    still meets under one name and is named on every rank."""
+    me, n = _me()
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    before = dict(_core.stats())
+    for _ in range(40):
+        opt.zero_grad()
+        ddp(torch.randn(5, 12)).square().mean().backward()
+        opt.step()
+    after = dict(_core.stats())
+    assert backend.period > 0, "the members agreed on no period"
+    if n > 1:
+        assert after["cache_hits"] > before["cache_hits"], (before, after)
+        t = torch.ones(5 if me == n - 1 else 4)
+        with pytest.raises(HorovodInternalError, match=f"rank {n - 1} sent \\[5\\]"):
+            dist.all_reduce(t)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [float(n)] * 2
+
+
 def test_fsdp2_fully_shard_matches_gloo(groups):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

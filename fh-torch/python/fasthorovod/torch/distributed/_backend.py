@@ -10,10 +10,12 @@ and the callbacks DDP's communication hooks chain on it behave as on Gloo. Nothi
 between submissions: DDP's buckets are in flight together, negotiated, fused and dispatched
 over the engine's channels.
 
-Names: the ``n``-th collective of a group is ``tdist.<n>`` on every member (torch requires every
-member to issue a group's collectives in the same order), so ranks that disagree on a
-collective (its kind, shape, dtype, op or root) meet under one name and fail with the engine's
-error naming the ranks on each side.
+Names (``_Namer``): a function of the collective's place in the group's sequence and of a
+period the members agree on, never of the tensors, so that ranks that disagree on a collective
+(its kind, shape, dtype, op or root) meet under one name and fail with the engine's error
+naming the ranks on each side; and names come back when the group's sequence of collectives
+repeats (DDP's buckets, step after step), so that the engine negotiates them through its
+bit-vector cache.
 """
 
 import collections
@@ -165,6 +167,98 @@ class _Op:
             self.source.set_result(value)
 
 
+def _sig(*parts):
+    """A collective's signature for the period search: its kind and arguments, tensors by
+    dtype and shape."""
+    out = []
+    for p in parts:
+        if isinstance(p, torch.Tensor):
+            out.append((str(p.dtype), tuple(p.shape)))
+        elif isinstance(p, (list, tuple)):
+            out.append(_sig(*p))
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+class _Namer:
+    """The names of a group's collectives, the same on every member.
+
+    torch requires every member to issue a group's collectives in the same order, so the
+    ``n``-th collective is the same operation everywhere. Until the members agree on a period
+    it is named ``tdist.<n>`` (used once: negotiated through the engine's coordinator). Every
+    ``CHECK`` collectives the members agree, with one small allreduce issued at the same ``n``
+    everywhere, on the period of their recent sequence of signatures: each looks for the
+    shortest ``p`` (up to ``LONGEST``) such that its last ``2p`` signatures repeat with period
+    ``p``, and the period is taken when every member found the same one. From then on the
+    ``n``-th collective is ``tdist.<base>+<P>.<(n - base) mod P>``: the names of a training
+    step come back at the next step with the same signatures, and the engine negotiates them
+    through its bit-vector cache. A name is a function of ``n`` and the agreed period alone,
+    so members that disagree on a collective still meet under one name and fail with the
+    engine's error naming them; a sequence that stops repeating costs the cache a changed
+    slot, and the next agreement falls back to names used once. A name is reused only after
+    the collective that last had it has completed on this rank (and a period agreed anew, at
+    ``base``, starts names of its own)."""
+
+    CHECK = 32
+    LONGEST = 256
+
+    def __init__(self, process_set_id):
+        self._ps = process_set_id
+        self._n = 0
+        self._period = 0
+        self._base = 0
+        self._history = collections.deque(maxlen=2 * self.LONGEST)
+        self._holders = {}  # reused name -> the _Op that has it now
+        self._lock = threading.Lock()
+
+    @property
+    def period(self):
+        """The agreed period (0: none; names are used once)."""
+        return self._period
+
+    def claim(self, sig):
+        """The next name, for a collective of signature ``sig``, and the ``_Op`` that had that
+        name last (to be complete before the name is submitted again), or None."""
+        with self._lock:
+            n = self._n
+            if n and n % self.CHECK == 0:
+                self._agree(n)
+            self._n += 1
+            self._history.append(sig)
+            if not self._period:
+                return f"tdist.{n}", None
+            name = f"tdist.{self._base}+{self._period}.{(n - self._base) % self._period}"
+            return name, self._holders.get(name)
+
+    def hold(self, name, op):
+        """``op`` has ``name`` now (names used once are not kept)."""
+        if "+" not in name:
+            return
+        with self._lock:
+            self._holders[name] = op
+
+    def _local_period(self):
+        h = list(self._history)
+        last = len(h) - 1
+        for p in range(1, min(self.LONGEST, len(h) // 2) + 1):
+            if all(h[last - i] == h[last - i - p] for i in range(p)):
+                return p
+        return 0
+
+    def _agree(self, n):
+        """Agree on the period (collective over the group, at the same ``n`` everywhere)."""
+        mine = self._local_period()
+        both = torch.tensor([mine, -mine], dtype=torch.int64)
+        _core.allreduce(both, name=f"tdist.agree.{n}", op="max",
+                        process_set_id=self._ps).wait()
+        most, least = int(both[0]), -int(both[1])
+        agreed = most if most == least else 0
+        if agreed != self._period:
+            self._period, self._base = agreed, n
+            self._holders.clear()
+
+
 class _Work(_C10dWork):
     """A collective's ``Work``: ``wait()`` waits for it (the GIL released) and raises its
     error as the engine gave it (``HorovodInternalError`` naming the ranks); ``get_future()``
@@ -254,8 +348,7 @@ class ProcessGroupFastHorovod(_C10dBackend):
         self._ps = process_set_id
         self._owns = owns_engine
         self._group_name = group_name
-        self._lock = threading.Lock()
-        self._seq = 0
+        self._namer = _Namer(process_set_id)
         self._completer = _Completer(f"pg{group_name}")
         self._down = False
 
@@ -277,20 +370,24 @@ class ProcessGroupFastHorovod(_C10dBackend):
 
     # -- submission -------------------------------------------------------------------------
 
-    def _name(self):
-        with self._lock:
-            n = self._seq
-            self._seq += 1
-        return f"tdist.{n}"
+    @property
+    def period(self):
+        """The period of this group's collectives its members agreed on (0: none)."""
+        return self._namer.period
 
-    def _submit(self, what, submit, finish):
-        """Submit through ``submit(name)`` (returns the engine's handles) and return the Work
-        whose future ``finish(results)`` completes."""
+    def _submit(self, what, submit, finish, sig):
+        """Submit through ``submit(name)`` (returns the engine's handles) under the next name
+        (``sig``: the collective's signature) and return the Work whose future
+        ``finish(results)`` completes."""
         if self._down:
             raise RuntimeError(f"fasthorovod backend: {what} on a process group that was shut "
                                "down (destroy_process_group)")
-        handles = submit(self._name())
+        name, holder = self._namer.claim(sig)
+        if holder is not None:
+            holder.source.wait()  # the name's last collective is complete (the GIL released)
+        handles = submit(name)
         op = _Op(what, handles if isinstance(handles, list) else [handles], finish)
+        self._namer.hold(name, op)
         self._completer.add(op)
         return _Work(op)
 
@@ -361,7 +458,7 @@ class ProcessGroupFastHorovod(_C10dBackend):
             fin_box[0](results[0])
             return tensors
 
-        return self._submit(what, submit, finish)
+        return self._submit(what, submit, finish, _sig(what, t, _op_type(opts.reduceOp)))
 
     def allreduce_coalesced(self, tensors, opts):
         """``all_reduce_coalesced``: the tensors reduced as one grouped allreduce (fused)."""
@@ -385,7 +482,7 @@ class ProcessGroupFastHorovod(_C10dBackend):
                     t.copy_(torch.view_as_complex(writeback) if t.is_complex() else writeback)
             return tensors
 
-        return self._submit(what, submit, finish)
+        return self._submit(what, submit, finish, _sig(what, tensors, kind))
 
     def allreduce_sparse(self, tensors, opts):
         """Refused: sparse tensors."""
@@ -409,7 +506,7 @@ class ProcessGroupFastHorovod(_C10dBackend):
                 t.copy_(torch.view_as_complex(writeback) if t.is_complex() else writeback)
             return tensors
 
-        return self._submit(what, submit, finish)
+        return self._submit(what, submit, finish, _sig(what, t, opts.rootRank))
 
     def reduce(self, tensors, opts):
         """``reduce`` to group rank ``opts.rootRank`` (an allreduce whose result only the root
@@ -429,7 +526,8 @@ class ProcessGroupFastHorovod(_C10dBackend):
             fin_box[0](results[0])
             return tensors
 
-        return self._submit(what, submit, finish)
+        return self._submit(what, submit, finish,
+                            _sig(what, t, _op_type(opts.reduceOp), opts.rootRank))
 
     def allgather(self, output_tensors, input_tensors, opts):
         """``all_gather``: rank r's tensor into ``output_tensors[0][r]`` (sizes may differ per
@@ -452,7 +550,7 @@ class ProcessGroupFastHorovod(_C10dBackend):
             _scatter_into(what, gathered, outputs)
             return output_tensors
 
-        return self._submit(what, submit, finish)
+        return self._submit(what, submit, finish, _sig(what, t, outputs))
 
     def all_gather_single(self, output, input, opts):  # noqa: A002 - torch's name
         """``all_gather_into_tensor``: the ranks' tensors concatenated into ``output``."""
@@ -470,7 +568,7 @@ class ProcessGroupFastHorovod(_C10dBackend):
             output.copy_(_result(results[0], input.dtype).reshape(output.shape))
             return [output]
 
-        return self._submit(what, submit, finish)
+        return self._submit(what, submit, finish, _sig(what, input, output))
 
     _allgather_base = all_gather_single
 
@@ -509,7 +607,7 @@ class ProcessGroupFastHorovod(_C10dBackend):
                 _scatter_into(what, _result(results[0], t.dtype), outputs)
             return output_tensors
 
-        return self._submit(what, submit, finish)
+        return self._submit(what, submit, finish, _sig(what, t, root))
 
     def scatter(self, output_tensors, input_tensors, opts):
         """``scatter`` from group rank ``opts.rootRank``: an alltoall in which only the root
@@ -538,7 +636,7 @@ class ProcessGroupFastHorovod(_C10dBackend):
             out.copy_(_result(results[0], out.dtype).reshape(out.shape))
             return output_tensors
 
-        return self._submit(what, submit, finish)
+        return self._submit(what, submit, finish, _sig(what, out, root, splits))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         """``reduce_scatter``: the reduction of every rank's ``input_tensors[0][r]`` into rank
@@ -591,7 +689,7 @@ class ProcessGroupFastHorovod(_C10dBackend):
             out.copy_(_result(results[0], out.dtype).reshape(out.shape))
             return value
 
-        return self._submit(what, submit, finish)
+        return self._submit(what, submit, finish, _sig(what, rows, kind))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         """``reduce_scatter_tensor_coalesced``: one ``reduce_scatter_tensor`` per pair."""
@@ -617,7 +715,7 @@ class ProcessGroupFastHorovod(_C10dBackend):
             _scatter_into(what, _result(results[0], send.dtype), output_tensors)
             return output_tensors
 
-        return self._submit(what, submit, finish)
+        return self._submit(what, submit, finish, _sig(what, send, splits))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
                           opts):
@@ -644,14 +742,14 @@ class ProcessGroupFastHorovod(_C10dBackend):
             output.copy_(got.reshape(output.shape))
             return [output]
 
-        return self._submit(what, submit, finish)
+        return self._submit(what, submit, finish, _sig(what, send, splits))
 
     alltoall_base = all_to_all_single
 
     def barrier(self, opts):
         """``barrier`` over the group's ranks."""
         return self._submit("barrier", lambda _name: _core.barrier(self._ps),
-                            lambda _results: [])
+                            lambda _results: [], ("barrier",))
 
     def monitored_barrier(self, opts, wait_all_ranks=False):
         """``monitored_barrier``: a barrier (a rank that does not come is named by the engine
