@@ -60,16 +60,63 @@ fn usage(msg: impl Into<String>) -> Failure {
     (EXIT_USAGE, msg.into())
 }
 
-fn free_local_port() -> Result<u16, Failure> {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| {
+/// Two distinct free ports (the rendezvous' and the torch store's), held together while
+/// probed so that they differ.
+fn free_local_ports() -> Result<(u16, u16), Failure> {
+    let bind = || {
+        TcpListener::bind("127.0.0.1:0").map_err(|e| {
             (
                 1,
                 format!("cannot find a free port for the rendezvous: {e}"),
             )
         })
+    };
+    let (a, b) = (bind()?, bind()?);
+    let port = |l: &TcpListener| {
+        l.local_addr().map(|a| a.port()).map_err(|e| {
+            (
+                1,
+                format!("cannot find a free port for the rendezvous: {e}"),
+            )
+        })
+    };
+    Ok((port(&a)?, port(&b)?))
+}
+
+/// The rendezvous address (`--rendezvous-addr`, else `host` and a free port) and torchrun's
+/// `MASTER_ADDR` and `MASTER_PORT` for the ranks: the same host and another port (a second
+/// free one, or the one after a given rendezvous port), where `torch.distributed`'s default
+/// `env://` rendezvous puts its store, so that `init_process_group` (with the `fasthorovod`
+/// backend of `fasthorovod.torch.distributed`, or any other) works under fhrun as under
+/// torchrun.
+fn rendezvous_and_store(cli: &Cli, host: &str) -> Result<(String, [(String, String); 2]), Failure> {
+    let (addr, store_port) = match &cli.rendezvous_addr {
+        Some(a) => {
+            let next = a
+                .rsplit_once(':')
+                .and_then(|(_, p)| p.parse::<u16>().ok())
+                .and_then(|p| p.checked_add(1))
+                .unwrap_or(29500);
+            (a.clone(), next)
+        }
+        None => {
+            let (r, s) = free_local_ports()?;
+            (format!("{host}:{r}"), s)
+        }
+    };
+    let master = addr
+        .rsplit_once(':')
+        .map_or(addr.as_str(), |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    Ok((
+        addr,
+        [
+            ("MASTER_ADDR".to_string(), master),
+            ("MASTER_PORT".to_string(), store_port.to_string()),
+        ],
+    ))
 }
 
 fn read_hosts(cli: &Cli) -> Result<Option<Vec<Host>>, Failure> {
@@ -225,18 +272,13 @@ fn run(cli: Cli) -> Result<i32, Failure> {
 
     if cli.mpi {
         let host_list = hosts.clone().unwrap_or_default();
-        let rendezvous = match &cli.rendezvous_addr {
-            Some(a) => a.clone(),
-            None => format!(
-                "{}:{}",
-                hosts::rendezvous_host(&host_list, &hostname),
-                free_local_port()?
-            ),
-        };
+        let (rendezvous, store) =
+            rendezvous_and_store(&cli, &hosts::rendezvous_host(&host_list, &hostname))?;
         let mut env = vec![
             ("FH_RENDEZVOUS_ADDR".to_string(), rendezvous),
             ("FH_JOB_TOKEN".to_string(), token),
         ];
+        env.extend(store);
         env.extend(knobs);
         env.extend(user_env);
         let extra_args = match &cli.mpi_args {
@@ -279,19 +321,14 @@ fn run(cli: Cli) -> Result<i32, Failure> {
 
     if !remote.is_empty() {
         let host_list = hosts.unwrap_or_default();
-        let rendezvous = match &cli.rendezvous_addr {
-            Some(a) => a.clone(),
-            None => format!(
-                "{}:{}",
-                hosts::rendezvous_host(&host_list, &hostname),
-                free_local_port()?
-            ),
-        };
+        let (rendezvous, store) =
+            rendezvous_and_store(&cli, &hosts::rendezvous_host(&host_list, &hostname))?;
         let mut common: Vec<(String, String)> = vec![
             ("FH_SIZE".into(), np.to_string()),
             ("FH_RENDEZVOUS_ADDR".into(), rendezvous),
             ("FH_JOB_TOKEN".into(), token),
         ];
+        common.extend(store);
         common.extend(knobs);
         common.extend(user_env);
         let job = across_hosts(&cli, &host_list, &hostname, np, &common)?;
@@ -308,10 +345,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         return Ok(code);
     }
 
-    let rendezvous = match &cli.rendezvous_addr {
-        Some(a) => a.clone(),
-        None => format!("127.0.0.1:{}", free_local_port()?),
-    };
+    let (rendezvous, store) = rendezvous_and_store(&cli, "127.0.0.1")?;
     let ranks: Vec<launch::RankSpec> = (0..np)
         .map(|rank| {
             let mut env: Vec<(String, String)> = [
@@ -339,6 +373,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect();
+            env.extend(store.iter().cloned());
             env.extend(knobs.iter().cloned());
             env.extend(user_env.iter().cloned());
             launch::RankSpec {

@@ -126,6 +126,13 @@ pub const TRANSPORT_CHOICES: &str =
 /// An elastic worker (`FH_ELASTIC_ADDR` set) is refused: its worlds come from the driver,
 /// through [`elastic::Client`], not from rank variables.
 pub fn from_env() -> Result<Box<dyn Transport>> {
+    from_env_keyed().map(|(world, _)| world)
+}
+
+/// [`from_env`], also returning the token this world authenticates with (its incarnation's,
+/// `None` for a single process or MPI), from which a caller derives the keys of worlds it
+/// forms later among some of these ranks ([`bootstrap::JobToken::derive`]).
+pub fn from_env_keyed() -> Result<(Box<dyn Transport>, Option<bootstrap::JobToken>)> {
     refuse_elastic(|n| std::env::var(n).ok())?;
     let choice = std::env::var("FH_TRANSPORT").ok();
     // MPI learns its world from the MPI runtime (plain `mpirun -np N` sets no rendezvous
@@ -134,12 +141,13 @@ pub fn from_env() -> Result<Box<dyn Transport>> {
         .as_deref()
         .is_some_and(|c| c.trim().eq_ignore_ascii_case("mpi"))
     {
-        return mpi::world();
+        return Ok((mpi::world()?, None));
     }
     let mut info = bootstrap::LaunchInfo::from_env()?;
     let incarnation = WORLDS_BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     info.token = info.token.map(|t| t.for_incarnation(incarnation));
-    world_for(&info, choice.as_deref())
+    let world = world_for(&info, choice.as_deref())?;
+    Ok((world, info.token))
 }
 
 /// An error when `var` says this process is an elastic worker.

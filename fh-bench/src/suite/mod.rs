@@ -229,10 +229,10 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     let python = torch_peer::python();
     let mut peers = Vec::new();
     if wants("replay") {
-        let list = if opts.peer_hosts.is_some() {
-            torch_peer::PEERS_ACROSS_HOSTS
+        let list: &[torch_peer::Peer] = if opts.peer_hosts.is_some() {
+            &torch_peer::PEERS_ACROSS_HOSTS
         } else {
-            torch_peer::PEERS
+            &torch_peer::PEERS
         };
         for peer in list {
             let reason = if opts.no_peers {
@@ -243,7 +243,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 None
             };
             match reason {
-                None => peers.push(peer),
+                None => peers.push(*peer),
                 Some(reason) => record.skipped.push(Skipped {
                     suite: "replay".into(),
                     what: peer.what.into(),

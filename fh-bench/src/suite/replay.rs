@@ -318,6 +318,7 @@ pub fn replay_row_labelled(
         exposed_ratio_to_horovod: None,
         exposed_vs_ddp: None,
         exposed_vs_horovod_torch: None,
+        exposed_vs_fasthorovod_torch: None,
         channel_share: Vec::new(),
     }
 }
@@ -424,7 +425,8 @@ pub fn repeated_row(
 }
 
 /// Ratios inside the run: to the `horovod` preset (medians; same transport, else the first
-/// `horovod` row), and per repeat to the `ddp-gloo` and `horovod-torch` peers (the medians of
+/// `horovod` row), and per repeat to the `ddp-gloo`, `horovod-torch` and (same transport)
+/// `fasthorovod-torch` peers (the medians of
 /// the same round; rounds where either failed are left out). `per_repeat[i][k]` is row i's
 /// median exposed time in repeat k (`None`: that repeat failed).
 pub fn add_ratios(rows: &mut [ReplayRow], per_repeat: &[Vec<Option<f64>>]) {
@@ -437,6 +439,14 @@ pub fn add_ratios(rows: &mut [ReplayRow], per_repeat: &[Vec<Option<f64>>]) {
     let bases: Vec<Option<(f64, f64)>> = rows.iter().map(|r| horovod(&r.transport, rows)).collect();
     let peer = |label: &str| rows.iter().position(|r| r.schedule == label);
     let (ddp, hvd) = (peer("ddp-gloo"), peer("horovod-torch"));
+    // DistributedOptimizer over the row's own transport (the ddp-fasthorovod rows' base).
+    let fh_torch: Vec<Option<usize>> = rows
+        .iter()
+        .map(|r| {
+            rows.iter()
+                .position(|b| b.schedule == "fasthorovod-torch" && b.transport == r.transport)
+        })
+        .collect();
     let paired = |i: usize, base: Option<usize>| -> Option<Quantity> {
         let b = &per_repeat[base?];
         let ratios: Vec<f64> = per_repeat[i]
@@ -449,15 +459,16 @@ pub fn add_ratios(rows: &mut [ReplayRow], per_repeat: &[Vec<Option<f64>>]) {
             .collect();
         (!ratios.is_empty()).then(|| Quantity::from_samples(&ratios, "ratio"))
     };
-    let vs: Vec<(Option<Quantity>, Option<Quantity>)> = (0..rows.len())
-        .map(|i| (paired(i, ddp), paired(i, hvd)))
+    let vs: Vec<(Option<Quantity>, Option<Quantity>, Option<Quantity>)> = (0..rows.len())
+        .map(|i| (paired(i, ddp), paired(i, hvd), paired(i, fh_torch[i])))
         .collect();
-    for ((r, base), (d, h)) in rows.iter_mut().zip(bases).zip(vs) {
+    for ((r, base), (d, h, f)) in rows.iter_mut().zip(bases).zip(vs) {
         if let Some((step, exposed)) = base {
             r.step_ratio_to_horovod = Some(r.step.median / step);
             r.exposed_ratio_to_horovod = (exposed > 0.0).then(|| r.exposed.median / exposed);
         }
         r.exposed_vs_ddp = d;
         r.exposed_vs_horovod_torch = h;
+        r.exposed_vs_fasthorovod_torch = f;
     }
 }

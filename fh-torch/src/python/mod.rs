@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use fh_scheduler::{CollectiveOptions, Engine, Handle, ProcessSets, SchedulerError, Tensor};
+use fh_transport::bootstrap::JobToken;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
@@ -24,6 +25,7 @@ mod handle;
 mod observe;
 mod runtime;
 mod submit;
+mod worlds;
 
 use handle::PyHandle;
 use runtime::*;
@@ -107,6 +109,9 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(elastic_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(elastic_assignment, m)?)?;
     m.add_function(wrap_pyfunction!(elastic_host_updates, m)?)?;
+    m.add_function(wrap_pyfunction!(worlds::environment_world, m)?)?;
+    m.add_function(wrap_pyfunction!(worlds::group_start, m)?)?;
+    m.add_function(wrap_pyfunction!(worlds::group_close, m)?)?;
     m.add("__version__", fh_core::RELEASE)?;
     m.add(
         "PROTOCOL_VERSION",

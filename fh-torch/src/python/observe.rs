@@ -75,9 +75,9 @@ fn monotonic_ns() -> i64 {
     unsafe {
         libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts);
     }
-    i64::from(ts.tv_sec)
-        .saturating_mul(1_000_000_000)
-        .saturating_add(i64::from(ts.tv_nsec))
+    // time_t and c_long are i64 on the 64-bit Linux targets this builds for.
+    let (sec, nsec): (i64, i64) = (ts.tv_sec, ts.tv_nsec);
+    sec.saturating_mul(1_000_000_000).saturating_add(nsec)
 }
 
 /// Put a span of the Python side on this rank's timeline (a no-op without one): `name`

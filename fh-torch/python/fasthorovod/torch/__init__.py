@@ -70,11 +70,19 @@ def init(comm=None, process_sets=None):
             if not isinstance(ps, ProcessSet):
                 raise ValueError(f"init(process_sets=...) takes ProcessSet objects or "
                                  f"'dynamic', got {ps!r}")
+    _start(process_sets, _core.init)
+
+
+def _start(process_sets, start_engine):
+    """``init``'s work once its arguments are checked: start the engine with
+    ``start_engine()`` (``_core.init``, or ``fasthorovod.torch.distributed``'s start on a
+    world agreed through a torch store), then what every world gets: the homogeneity query
+    and the process sets. A no-op when the runtime runs already."""
     if _core.is_initialized():
         return
     _install_stack_dumps()
     try:
-        _core.init()
+        start_engine()
     except _elastic_core.WorkerRemovedError as e:
         _common_elastic.leave(e)
     _mpi_ops._world_count += 1

@@ -146,6 +146,8 @@ class _DistributedOptimizer:
                              f"{backward_passes_per_step}")
         self._compression = compression
         self._names = {p: k for k, p in named}
+        # Horovod's attribute (parameter -> name), which scripts and Horovod's tests read.
+        self._parameter_names = self._names
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
