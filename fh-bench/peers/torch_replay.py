@@ -14,6 +14,10 @@ Modes:
            backward would. The gradient buffer of the previous step is handed back, so autograd
            can take it without a copy. loss.backward() returns once DDP has reduced every
            bucket and written the averages back into .grad.
+  ddp-fasthorovod
+           the same DDP run, with its process group on FastHorovod's torch.distributed
+           backend: ``import fasthorovod.torch.distributed`` and init_process_group("fasthorovod")
+           (the one string changed), FH_TRANSPORT choosing shared memory or TCP.
   horovod  horovod.torch: at each deadline hvd.allreduce_async_(grad_i, name, Average), then
            hvd.synchronize on every handle.
   fasthorovod
@@ -36,7 +40,8 @@ FH_REPLAY_TRACE=1 makes the fasthorovod mode print, per step and rank, when it l
 (wall clock, to see the skew between ranks), how long the backward (the deadlines plus the
 optimizer's hooks) and the synchronize after it took (stderr).
 
-Ranks: torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for ddp;
+Ranks: torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for ddp and
+ddp-fasthorovod (with FH_JOB_TOKEN, FH_TRANSPORT and FH_RENDEZVOUS_ADDR for the latter);
 horovodrun's environment for horovod; fhrun's (FH_RANK, FH_SIZE, FH_RENDEZVOUS_ADDR,
 FH_JOB_TOKEN, FH_TRANSPORT, ...) for fasthorovod. Rank 0 prints one JSON line to stdout:
 
@@ -154,14 +159,16 @@ def check_ones(tensors, by_index):
             raise SystemExit(f"wrong result for {tensors[i][0]}: the average of ones is not one")
 
 
-def run_ddp(args, model_name, tensors, due):
+def run_ddp(args, model_name, tensors, due, backend="gloo"):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    if backend == "fasthorovod":
+        import fasthorovod.torch.distributed  # noqa: F401 - registers the backend
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
 
     model, by_index, pending, clock = emulated_model(tensors, due)
@@ -182,7 +189,11 @@ def run_ddp(args, model_name, tensors, due):
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     dist.barrier()
     dist.destroy_process_group()
-    return rank, world, slowest.tolist(), f"torch {torch.__version__}"
+    version = f"torch {torch.__version__}"
+    if backend == "fasthorovod":
+        import fasthorovod
+        version += f", fasthorovod {getattr(fasthorovod, '__version__', '?')}"
+    return rank, world, slowest.tolist(), version
 
 
 def run_horovod(args, model_name, tensors, due):
@@ -266,7 +277,8 @@ def main(argv=None):
     ap.add_argument("--backward-ms", type=float, default=100.0)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--mode", choices=["ddp", "horovod", "fasthorovod"], required=True)
+    ap.add_argument("--mode", choices=["ddp", "ddp-fasthorovod", "horovod", "fasthorovod"],
+                    required=True)
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="seconds a collective may wait for a peer (ddp)")
     args = ap.parse_args(argv)
@@ -277,6 +289,9 @@ def main(argv=None):
     if args.mode == "ddp":
         rank, world, slowest, version = run_ddp(args, model, tensors, due)
         peer = "ddp-gloo"
+    elif args.mode == "ddp-fasthorovod":
+        rank, world, slowest, version = run_ddp(args, model, tensors, due, "fasthorovod")
+        peer = "ddp-fasthorovod"
     elif args.mode == "horovod":
         rank, world, slowest, version = run_horovod(args, model, tensors, due)
         peer = "horovod"

@@ -2,7 +2,8 @@
 //!
 //! Subcommands: `suite` (everything selected, the default of `cargo xtask bench`),
 //! `collectives`, `replay`, `negotiation`, `simulate` (one suite each, same options), `report`
-//! (re-generate the report of a recorded `run.json`) and `worker` (internal: one rank of a job).
+//! (re-generate the report of a recorded `run.json`), `timeline-png` (a picture of a merged
+//! timeline) and `worker` (internal: one rank of a job).
 //! Output goes to `target/fh-bench/<timestamp>/`: `run.json`, PNG/SVG plots and `report.md`.
 
 mod across;
@@ -17,6 +18,7 @@ mod sim;
 mod simulate;
 mod stats;
 mod suite;
+mod timeline_png;
 mod torch_peer;
 mod workload;
 mod world;
@@ -59,6 +61,20 @@ enum Cmd {
         /// Output directory (default: the run.json's directory).
         #[arg(long)]
         out: Option<PathBuf>,
+    },
+    /// Draw a merged timeline (`fhrun --timeline-filename`) as a PNG: a band per rank, a row
+    /// per lane, a window of the trace.
+    TimelinePng {
+        /// The merged trace.
+        input: PathBuf,
+        /// The PNG to write.
+        output: PathBuf,
+        /// Where the window starts, ms after the trace's first span (default: the middle).
+        #[arg(long)]
+        from_ms: Option<f64>,
+        /// How long the window is, ms.
+        #[arg(long, default_value_t = 400.0)]
+        len_ms: f64,
     },
     /// Internal: one rank of a job (started by the driver or by mpirun/srun).
     #[command(hide = true)]
@@ -154,6 +170,10 @@ struct SuiteArgs {
     /// gives each row's bytes across the link, its link bound and the model calibrated on it.
     #[arg(long, value_parser = parse_gbps)]
     link_gbps: Option<f64>,
+    /// Replay only the shipped fasthorovod (K = 4) with the flight recorder on and off
+    /// (FH_FLIGHT_RECORDS=0), interleaved: what always-on recording costs.
+    #[arg(long)]
+    flight_cost: bool,
     /// Longest one job (one collective over one transport, one replay configuration) may take,
     /// seconds.
     #[arg(long, default_value_t = 300)]
@@ -214,6 +234,12 @@ fn main() -> ExitCode {
         Cmd::Simulate(a) => run_suite(a, Some("simulate")),
         Cmd::Report { run_json, out } => regenerate(run_json, out),
         Cmd::Worker { job, out } => worker(job, out),
+        Cmd::TimelinePng {
+            input,
+            output,
+            from_ms,
+            len_ms,
+        } => timeline_png::render(&input, &output, from_ms, len_ms),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -303,6 +329,7 @@ fn run_suite(a: SuiteArgs, only: Option<&str>) -> Result<(), String> {
         job_timeout: Duration::from_secs(a.job_timeout),
         peer_hosts,
         link_gbps: a.link_gbps,
+        flight_cost: a.flight_cost,
         rendezvous_host: a.rendezvous_host.clone().unwrap_or_else(|| {
             a.hosts
                 .as_deref()

@@ -215,8 +215,8 @@ impl StreamRow {
 pub struct ReplayRow {
     /// Workload (model).
     pub workload: String,
-    /// Schedule preset or peer (`horovod`, `fasthorovod K=2`, peers `ddp-gloo`, `horovod-torch`,
-    /// `fasthorovod-torch`).
+    /// Schedule preset or peer (`horovod`, `fasthorovod K=2`, peers `ddp-gloo`,
+    /// `ddp-fasthorovod`, `horovod-torch`, `fasthorovod-torch`).
     pub schedule: String,
     /// What carried the bytes: `tcp`, `shm` (the engine's transports, also under
     /// `fasthorovod-torch`), `gloo` (DDP), `horovodrun` (Horovod's own choice); empty in records
@@ -256,6 +256,10 @@ pub struct ReplayRow {
     /// The same against the `horovod-torch` peer.
     #[serde(default)]
     pub exposed_vs_horovod_torch: Option<Quantity>,
+    /// The same against the `fasthorovod-torch` peer over the same transport
+    /// (`DistributedOptimizer`; the base of the `ddp-fasthorovod` rows).
+    #[serde(default)]
+    pub exposed_vs_fasthorovod_torch: Option<Quantity>,
     /// Each data channel's share of the bytes over the timed steps (rank 0), in channel
     /// order; empty for peers.
     #[serde(default)]

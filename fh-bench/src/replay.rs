@@ -24,6 +24,10 @@ pub struct ScheduleSpec {
     /// as the preset ships (`auto`: on over a network stack and from 64 ranks).
     #[serde(default)]
     pub backpressure: Option<bool>,
+    /// The flight recorder turned off (`FH_FLIGHT_RECORDS=0`), to measure what recording
+    /// costs (`rec-off`); it is on as shipped.
+    #[serde(default)]
+    pub flight_off: bool,
 }
 
 impl ScheduleSpec {
@@ -38,6 +42,7 @@ impl ScheduleSpec {
             preset: "horovod".into(),
             channels: None,
             backpressure: None,
+            flight_off: false,
         }];
         for bp in [None, Some(!shipped)] {
             for k in CHANNEL_COUNTS {
@@ -45,15 +50,39 @@ impl ScheduleSpec {
                     preset: "fasthorovod".into(),
                     channels: Some(k),
                     backpressure: bp,
+                    flight_off: false,
                 });
             }
         }
         v
     }
 
+    /// The shipped `fasthorovod` (K = 4) with the flight recorder on (as shipped) and off:
+    /// what always-on recording costs, replayed side by side (`fh-bench suite --flight-cost`).
+    pub fn flight_cost() -> Vec<ScheduleSpec> {
+        [false, true]
+            .into_iter()
+            .map(|off| ScheduleSpec {
+                preset: "fasthorovod".into(),
+                channels: Some(4),
+                backpressure: None,
+                flight_off: off,
+            })
+            .collect()
+    }
+
     /// `horovod`, `fasthorovod K=k`, `fasthorovod K=k +bp` or `… -bp` (the labels the
-    /// simulation uses too).
+    /// simulation uses too), and ` rec-off` with the flight recorder off.
     pub fn label(&self) -> String {
+        let base = self.base_label();
+        if self.flight_off {
+            format!("{base} rec-off")
+        } else {
+            base
+        }
+    }
+
+    fn base_label(&self) -> String {
         match (self.channels, self.backpressure) {
             (Some(k), None) => format!("{} K={k}", self.preset),
             (Some(k), Some(true)) => format!("{} K={k} +bp", self.preset),
@@ -69,10 +98,14 @@ impl ScheduleSpec {
             Some(k) => c.channels(k),
             None => c,
         };
-        Ok(match preset {
+        let mut c = match preset {
             Preset::FastHorovod => c.backpressure(self.backpressure),
             Preset::Horovod => c,
-        })
+        };
+        if self.flight_off {
+            c.flight_records = 0;
+        }
+        Ok(c)
     }
 }
 

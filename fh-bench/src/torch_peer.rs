@@ -1,10 +1,13 @@
-//! The Python peers of the replay: PyTorch DDP on Gloo, Horovod and FastHorovod's own PyTorch
-//! adapter (`fasthorovod.torch`), replaying the same workload through their own APIs
+//! The Python peers of the replay: PyTorch DDP on Gloo, the same DDP on FastHorovod's
+//! `torch.distributed` backend (`fasthorovod.torch.distributed`), Horovod and FastHorovod's own
+//! PyTorch adapter (`fasthorovod.torch`), replaying the same workload through their own APIs
 //! (`peers/torch_replay.py`, written next to the run at bench time and run with
 //! `$FH_BENCH_PYTHON`, else `python3`).
 //!
 //! DDP: N Python processes on 127.0.0.1 with the torchrun environment (`RANK`, `WORLD_SIZE`,
-//! `MASTER_ADDR`, `MASTER_PORT`, ...). Horovod: `horovodrun -np N -H localhost:N`.
+//! `MASTER_ADDR`, `MASTER_PORT`, ...); on the `fasthorovod` backend also `FH_JOB_TOKEN`,
+//! `FH_TRANSPORT` and `FH_RENDEZVOUS_ADDR` (a port of its own, not torchrun's `MASTER_PORT + 1`).
+//! Horovod: `horovodrun -np N -H localhost:N`.
 //! `fasthorovod.torch`: N Python processes with fhrun's environment (`FH_RANK`, `FH_SIZE`,
 //! `FH_RENDEZVOUS_ADDR`, `FH_JOB_TOKEN`, `FH_TRANSPORT`, ...), over shared memory or TCP. Rank 0
 //! prints one JSON line with the slowest rank's time per step; every wait is bounded and every
@@ -42,7 +45,7 @@ pub struct Peer {
 }
 
 /// The peers, in report order.
-pub const PEERS: [Peer; 4] = [
+pub const PEERS: [Peer; 6] = [
     Peer {
         what: "PyTorch DDP (Gloo)",
         label: "ddp-gloo",
@@ -50,6 +53,22 @@ pub const PEERS: [Peer; 4] = [
         mode: "ddp",
         install: "pip install torch",
         transport: "gloo",
+    },
+    Peer {
+        what: "PyTorch DDP on the fasthorovod backend over shared memory",
+        label: "ddp-fasthorovod",
+        module: "fasthorovod.torch.distributed",
+        mode: "ddp-fasthorovod",
+        install: "pip install ./fh-torch",
+        transport: "shm",
+    },
+    Peer {
+        what: "PyTorch DDP on the fasthorovod backend over TCP",
+        label: "ddp-fasthorovod",
+        module: "fasthorovod.torch.distributed",
+        mode: "ddp-fasthorovod",
+        install: "pip install ./fh-torch",
+        transport: "tcp",
     },
     Peer {
         what: "Horovod",
@@ -82,7 +101,7 @@ pub const PEERS: [Peer; 4] = [
 /// and over TCP.
 pub const PEERS_ACROSS_HOSTS: [Peer; 4] = [
     PEERS[0],
-    PEERS[1],
+    PEERS[3],
     Peer {
         what: "fasthorovod.torch over hier",
         label: "fasthorovod-torch",
@@ -91,13 +110,14 @@ pub const PEERS_ACROSS_HOSTS: [Peer; 4] = [
         install: "pip install ./fh-torch",
         transport: "hier",
     },
-    PEERS[3],
+    PEERS[5],
 ];
 
 /// The `peer` that the adapter prints in each mode.
 fn printed_name(mode: &str) -> &'static str {
     match mode {
         "ddp" => "ddp-gloo",
+        "ddp-fasthorovod" => "ddp-fasthorovod",
         "horovod" => "horovod",
         _ => "fasthorovod-torch",
     }
@@ -369,6 +389,24 @@ impl PeerRun<'_> {
         let mut children = Children::default();
         let log0 = if let Some(hosts) = self.hosts {
             self.spawn_across(hosts, name, &mut children)?
+        } else if self.peer.mode == "ddp-fasthorovod" {
+            let (store_port, engine_port) = two_free_ports()?;
+            let token = random_token()?;
+            for rank in 0..self.np {
+                let mut c = Command::new(self.python);
+                args(&mut c);
+                c.env("RANK", rank.to_string())
+                    .env("WORLD_SIZE", self.np.to_string())
+                    .env("LOCAL_RANK", rank.to_string())
+                    .env("LOCAL_WORLD_SIZE", self.np.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", store_port.to_string())
+                    .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{engine_port}"))
+                    .env("FH_JOB_TOKEN", &token)
+                    .env("FH_TRANSPORT", self.peer.transport);
+                children.spawn(c, self.log_dir, &format!("{name}.rank{rank}"))?;
+            }
+            self.log_dir.join(format!("{name}.rank0.log"))
         } else if self.peer.mode == "fasthorovod" {
             let port = free_port()?;
             let token = random_token()?;
@@ -525,6 +563,21 @@ impl PeerRun<'_> {
     }
 }
 
+/// Two distinct free ports on 127.0.0.1 (held together while probed).
+fn two_free_ports() -> Result<(u16, u16), String> {
+    let bind = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .map_err(|e| format!("finding a free port on 127.0.0.1: {e}"))
+    };
+    let (a, b) = (bind()?, bind()?);
+    let port = |l: &std::net::TcpListener| {
+        l.local_addr()
+            .map(|a| a.port())
+            .map_err(|e| format!("finding a free port: {e}"))
+    };
+    Ok((port(&a)?, port(&b)?))
+}
+
 /// The loopback interface's name (`lo` on Linux, `lo0` on the BSDs and macOS).
 fn loopback_interface() -> &'static str {
     if cfg!(target_os = "linux") {
@@ -610,10 +663,13 @@ mod tests {
             "{r}"
         );
         assert!(r.contains("import torch") && r.contains(PYTHON_ENV), "{r}");
-        assert!(PEERS[1].not_installed("py").contains("horovod"));
-        assert!(PEERS[2]
+        assert!(PEERS[3].not_installed("py").contains("horovod"));
+        assert!(PEERS[4]
             .not_installed("py")
             .contains("import fasthorovod.torch"));
+        assert!(PEERS[1]
+            .not_installed("py")
+            .contains("import fasthorovod.torch.distributed"));
         // Every peer's rows are told apart by label and transport.
         for (i, a) in PEERS.iter().enumerate() {
             for b in &PEERS[i + 1..] {

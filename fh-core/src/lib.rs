@@ -23,5 +23,12 @@ pub mod op;
 pub mod wire;
 
 pub use dtype::{DType, Element};
+
+/// The FastHorovod release this build is (the workspace's version, which every crate of the
+/// workspace, the `fasthorovod` Python package and `fhrun` share). Ranks and launchers of one
+/// job must be of the same release: the TCP handshake, `fhrun`'s remote parts and the
+/// variable `fhrun` gives its ranks (`FH_FHRUN_VERSION`) carry it, and a difference is an error
+/// naming both releases.
+pub const RELEASE: &str = env!("CARGO_PKG_VERSION");
 pub use error::CoreError;
 pub use op::ReduceOp;

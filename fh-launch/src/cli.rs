@@ -5,6 +5,20 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 
+/// What `fhrun --version` prints after the name: the FastHorovod release (the same as the
+/// `fasthorovod` package's `__version__` when both come from one wheel) and the TCP wire
+/// protocol version.
+pub fn version_line() -> &'static str {
+    static LINE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        format!(
+            "{} (FastHorovod wire protocol {})",
+            fh_core::RELEASE,
+            fh_transport::tcp::wire::PROTOCOL_VERSION
+        )
+    });
+    &LINE
+}
+
 /// Launch a FastHorovod job: N ranks of COMMAND, each with the FH_* environment.
 ///
 /// Local jobs (no host list, or only this machine) are started by fhrun itself; on other hosts
@@ -13,7 +27,7 @@ use clap::{Parser, ValueEnum};
 #[derive(Debug, Parser)]
 #[command(
     name = "fhrun",
-    version,
+    version = version_line(),
     allow_negative_numbers = true,
     override_usage = "fhrun -np N [-H HOST:SLOTS,... | --hostfile FILE] [--mpi] [OPTIONS] [--] COMMAND [ARGS]...",
     after_help = "Examples:\n  fhrun -np 4 python train.py\n  fhrun -np 2 --channels 2 --log-level debug -- ./my_job --flag\n  fhrun -np 8 -H node1:4,node2:4 python train.py\n  fhrun -np 8 -H node1:4,node2:4 --mpi python train.py\n\n`-np N` is accepted as a synonym of `-n N` / `--num-proc N`."
@@ -98,6 +112,12 @@ pub struct Cli {
     /// local jobs; the first host and a free local port number with --mpi).
     #[arg(long, value_name = "HOST:PORT", value_parser = parse_host_port)]
     pub rendezvous_addr: Option<String>,
+
+    /// Print what the flight records in DIR (one file per rank, written on a stall, a failure
+    /// or SIGUSR1) show — the first divergence across ranks, the last collective every rank
+    /// completed — and exit without starting a job.
+    #[arg(long, value_name = "DIR", exclusive = true)]
+    pub explain: Option<PathBuf>,
 
     #[command(flatten)]
     pub elastic: ElasticArgs,
@@ -193,7 +213,9 @@ pub struct Knobs {
     #[arg(long, value_enum)]
     pub priority: Option<Priority>,
 
-    /// Write a Chrome-trace timeline to this path (rank 0) (FH_TIMELINE).
+    /// Write one Chrome-trace timeline of every rank to this path: each rank records its own,
+    /// fhrun merges them at the end (a track per rank, one clock). A path holding `{rank}`
+    /// names a file per rank instead, left unmerged (FH_TIMELINE).
     #[arg(long, value_name = "PATH")]
     pub timeline_filename: Option<PathBuf>,
 

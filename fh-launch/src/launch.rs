@@ -115,6 +115,10 @@ const REPORT_WINDOW: Duration = Duration::from_millis(1000);
 /// (a second or more with torch loaded, after stdout and stderr are flushed) is not waited for.
 const NOTICE_WINDOW: Duration = Duration::from_millis(500);
 
+/// At `--timeout`, how long the ranks have to write their flight records (fhrun sends them
+/// `SIGUSR1` first) before fhrun sends them SIGTERM.
+const RECORD_WINDOW: Duration = Duration::from_millis(1000);
+
 /// The longest fhrun sleeps between two looks at the notice pipe (a SIGCHLD or a signal for
 /// fhrun wakes it earlier).
 const NOTICE_POLL: Duration = Duration::from_millis(50);
@@ -130,6 +134,15 @@ struct Rank {
 }
 
 impl Rank {
+    /// Asks the rank to write its flight record and print its stacks: `SIGUSR1` to its process
+    /// (not its group: a wrapper around it keeps running), or, for a remote part, to its ranks.
+    fn request_record(&mut self) {
+        match self.control.as_mut() {
+            Some(_) => self.signal(libc::SIGUSR1),
+            None => sys::kill_pid(self.pid, libc::SIGUSR1),
+        }
+    }
+
     /// Sends `sig` to the rank's process group, or asks a remote part to send it to its ranks.
     fn signal(&mut self, sig: i32) {
         match self.control.as_mut() {
@@ -483,12 +496,17 @@ fn run_ranks(
                     started.elapsed().as_secs_f64()
                 );
                 exit_code = EXIT_TIMEOUT;
-                stopping = Some(begin_stop(
-                    &mut ranks,
-                    libc::SIGTERM,
-                    StopReason::Timeout,
-                    job.kill_grace,
-                ));
+                // First the flight records (and stacks) of the ranks, then SIGTERM.
+                for r in ranks.iter_mut().filter(|r| r.child.is_some()) {
+                    r.request_record();
+                }
+                stopping = Some(Stopping {
+                    reason: StopReason::Timeout,
+                    term_at: Some(now + RECORD_WINDOW),
+                    kill_at: now + RECORD_WINDOW + job.kill_grace,
+                    killed: false,
+                    signalled: false,
+                });
             }
         }
 
@@ -510,6 +528,12 @@ fn run_ranks(
         }
         let sig = sys::wait_signal(wait.max(Duration::from_millis(1)));
         match sig {
+            // Passed on: each rank writes its flight record and prints its stacks.
+            Some(libc::SIGUSR1) => {
+                for r in ranks.iter_mut().filter(|r| r.child.is_some()) {
+                    r.request_record();
+                }
+            }
             // Ctrl-Z: the ranks (in process groups of their own) stop with fhrun.
             // (Remote parts are not stopped: their agent's control channel would stop too.)
             Some(libc::SIGTSTP) => {

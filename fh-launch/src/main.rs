@@ -13,6 +13,7 @@ mod hosts;
 mod launch;
 mod mpi;
 mod notice;
+mod observe;
 mod output;
 mod remote;
 mod sys;
@@ -59,16 +60,63 @@ fn usage(msg: impl Into<String>) -> Failure {
     (EXIT_USAGE, msg.into())
 }
 
-fn free_local_port() -> Result<u16, Failure> {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| {
+/// Two distinct free ports (the rendezvous' and the torch store's), held together while
+/// probed so that they differ.
+fn free_local_ports() -> Result<(u16, u16), Failure> {
+    let bind = || {
+        TcpListener::bind("127.0.0.1:0").map_err(|e| {
             (
                 1,
                 format!("cannot find a free port for the rendezvous: {e}"),
             )
         })
+    };
+    let (a, b) = (bind()?, bind()?);
+    let port = |l: &TcpListener| {
+        l.local_addr().map(|a| a.port()).map_err(|e| {
+            (
+                1,
+                format!("cannot find a free port for the rendezvous: {e}"),
+            )
+        })
+    };
+    Ok((port(&a)?, port(&b)?))
+}
+
+/// The rendezvous address (`--rendezvous-addr`, else `host` and a free port) and torchrun's
+/// `MASTER_ADDR` and `MASTER_PORT` for the ranks: the same host and another port (a second
+/// free one, or the one after a given rendezvous port), where `torch.distributed`'s default
+/// `env://` rendezvous puts its store, so that `init_process_group` (with the `fasthorovod`
+/// backend of `fasthorovod.torch.distributed`, or any other) works under fhrun as under
+/// torchrun.
+fn rendezvous_and_store(cli: &Cli, host: &str) -> Result<(String, [(String, String); 2]), Failure> {
+    let (addr, store_port) = match &cli.rendezvous_addr {
+        Some(a) => {
+            let next = a
+                .rsplit_once(':')
+                .and_then(|(_, p)| p.parse::<u16>().ok())
+                .and_then(|p| p.checked_add(1))
+                .unwrap_or(29500);
+            (a.clone(), next)
+        }
+        None => {
+            let (r, s) = free_local_ports()?;
+            (format!("{host}:{r}"), s)
+        }
+    };
+    let master = addr
+        .rsplit_once(':')
+        .map_or(addr.as_str(), |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    Ok((
+        addr,
+        [
+            ("MASTER_ADDR".to_string(), master),
+            ("MASTER_PORT".to_string(), store_port.to_string()),
+        ],
+    ))
 }
 
 fn read_hosts(cli: &Cli) -> Result<Option<Vec<Host>>, Failure> {
@@ -86,6 +134,9 @@ fn read_hosts(cli: &Cli) -> Result<Option<Vec<Host>>, Failure> {
 }
 
 fn run(cli: Cli) -> Result<i32, Failure> {
+    if let Some(dir) = &cli.explain {
+        return Ok(observe::explain_dir(dir));
+    }
     let hosts = read_hosts(&cli)?;
     // An elastic job: hosts from a discovery script, or fixed ones with --min-np.
     let elastic_source = elastic::source(&cli, hosts.as_deref())?;
@@ -176,7 +227,37 @@ fn run(cli: Cli) -> Result<i32, Failure> {
     for u in fh_scheduler::config::unknown_variables(names.iter().map(String::as_str)) {
         eprintln!("fhrun: warning: {u}; it has no effect");
     }
-    let knobs = cli.knobs.to_env();
+    let mut knobs = cli.knobs.to_env();
+    // Every rank checks that it is of fhrun's own release (a rank of another stops, naming
+    // both).
+    knobs.push((
+        fh_transport::bootstrap::FHRUN_VERSION_VAR.to_string(),
+        fh_core::RELEASE.to_string(),
+    ));
+    // A directory of the job's own for the ranks' flight records and timelines (not for a
+    // dry run, nor for jobs fhrun hands over: mpirun, or the elastic driver's).
+    let job_dir = if is_elastic || cli.mpi || cli.dry_run {
+        None
+    } else {
+        let user_flight_dir = user_env.iter().any(|(k, _)| k == "FH_FLIGHT_DIR")
+            || pass_through.iter().any(|k| k == "FH_FLIGHT_DIR")
+            || std::env::var_os("FH_FLIGHT_DIR").is_some();
+        match observe::JobDir::create(user_flight_dir, cli.knobs.timeline_filename.as_deref()) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                eprintln!(
+                    "fhrun: warning: cannot make the job's directory under {} ({e}); flight \
+                     records go to the runtime's default and the timeline is rank 0's alone",
+                    std::env::temp_dir().display()
+                );
+                None
+            }
+        }
+    };
+    for (k, v) in job_dir.iter().flat_map(observe::JobDir::env) {
+        knobs.retain(|(n, _)| *n != k);
+        knobs.push((k, v));
+    }
 
     if let Some(source) = elastic_source {
         let token = user_env
@@ -191,18 +272,13 @@ fn run(cli: Cli) -> Result<i32, Failure> {
 
     if cli.mpi {
         let host_list = hosts.clone().unwrap_or_default();
-        let rendezvous = match &cli.rendezvous_addr {
-            Some(a) => a.clone(),
-            None => format!(
-                "{}:{}",
-                hosts::rendezvous_host(&host_list, &hostname),
-                free_local_port()?
-            ),
-        };
+        let (rendezvous, store) =
+            rendezvous_and_store(&cli, &hosts::rendezvous_host(&host_list, &hostname))?;
         let mut env = vec![
             ("FH_RENDEZVOUS_ADDR".to_string(), rendezvous),
             ("FH_JOB_TOKEN".to_string(), token),
         ];
+        env.extend(store);
         env.extend(knobs);
         env.extend(user_env);
         let extra_args = match &cli.mpi_args {
@@ -245,19 +321,14 @@ fn run(cli: Cli) -> Result<i32, Failure> {
 
     if !remote.is_empty() {
         let host_list = hosts.unwrap_or_default();
-        let rendezvous = match &cli.rendezvous_addr {
-            Some(a) => a.clone(),
-            None => format!(
-                "{}:{}",
-                hosts::rendezvous_host(&host_list, &hostname),
-                free_local_port()?
-            ),
-        };
+        let (rendezvous, store) =
+            rendezvous_and_store(&cli, &hosts::rendezvous_host(&host_list, &hostname))?;
         let mut common: Vec<(String, String)> = vec![
             ("FH_SIZE".into(), np.to_string()),
             ("FH_RENDEZVOUS_ADDR".into(), rendezvous),
             ("FH_JOB_TOKEN".into(), token),
         ];
+        common.extend(store);
         common.extend(knobs);
         common.extend(user_env);
         let job = across_hosts(&cli, &host_list, &hostname, np, &common)?;
@@ -267,13 +338,14 @@ fn run(cli: Cli) -> Result<i32, Failure> {
                 return Ok(0);
             }
         }
-        return Ok(launch::run(&job));
+        let code = launch::run(&job);
+        if let Some(d) = job_dir {
+            d.finish(code != 0);
+        }
+        return Ok(code);
     }
 
-    let rendezvous = match &cli.rendezvous_addr {
-        Some(a) => a.clone(),
-        None => format!("127.0.0.1:{}", free_local_port()?),
-    };
+    let (rendezvous, store) = rendezvous_and_store(&cli, "127.0.0.1")?;
     let ranks: Vec<launch::RankSpec> = (0..np)
         .map(|rank| {
             let mut env: Vec<(String, String)> = [
@@ -301,6 +373,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect();
+            env.extend(store.iter().cloned());
             env.extend(knobs.iter().cloned());
             env.extend(user_env.iter().cloned());
             launch::RankSpec {
@@ -332,7 +405,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         }
     }
 
-    Ok(launch::run(&launch::LocalJob {
+    let code = launch::run(&launch::LocalJob {
         command: cli.command.clone(),
         ranks,
         remotes: Vec::new(),
@@ -341,7 +414,11 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         timeout: cli.timeout,
         verbose: cli.verbose,
         report_exits: None,
-    }))
+    });
+    if let Some(d) = job_dir {
+        d.finish(code != 0);
+    }
+    Ok(code)
 }
 
 /// The ranks of a job across hosts, placed host by host in the list's order (each host's slots

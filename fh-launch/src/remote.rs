@@ -7,9 +7,10 @@
 //! fhrun and [`REMOTE_ARG`]; everything else — the working directory, the ranks, the command,
 //! and the ranks' environment with the job token — goes in a [`Part`] over the agent's stdin,
 //! which then stays open as a control channel: a line `signal N` makes the remote part send
-//! signal N to its ranks (fhrun forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT that way), and the
-//! end of stdin — the agent gone because fhrun stopped it or died (fhrun's guardian kills the
-//! agent's process group) — makes it stop its ranks (SIGTERM, then SIGKILL after the grace).
+//! signal N to its ranks (fhrun forwards SIGINT, SIGTERM, SIGHUP, SIGQUIT and SIGUSR1 that
+//! way), and the end of stdin — the agent gone because fhrun stopped it or died (fhrun's
+//! guardian kills the agent's process group) — makes it stop its ranks (SIGTERM, then SIGKILL
+//! after the grace).
 //! The remote part exits with its job's status, which the agent returns to fhrun; a failure
 //! there stops the whole job (fail fast across hosts).
 //!
@@ -29,7 +30,9 @@ pub const REMOTE_ARG: &str = "--internal-fhrun-remote";
 pub const FORWARDED_VARS: &[&str] = &["PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV"];
 
 /// What a remote part runs: sent on the agent's stdin, one `key value` line each, ended by
-/// `go`. Values are escaped (`\\` and `\n`), so any value fits on a line.
+/// `go`. Values are escaped (`\\` and `\n`), so any value fits on a line. The first line is
+/// `version RELEASE`, the sending fhrun's release: a remote part of another release refuses
+/// the job, naming both.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Part {
     /// Directory the ranks start in.
@@ -82,7 +85,8 @@ fn unescape(s: &str) -> Result<String, String> {
 impl Part {
     /// The text sent on the agent's stdin (ends with `go`).
     pub fn encode(&self) -> String {
-        let mut t = format!("cwd {}\n", escape(&self.cwd));
+        let mut t = format!("version {}\n", fh_core::RELEASE);
+        t += &format!("cwd {}\n", escape(&self.cwd));
         for a in &self.command {
             t += &format!("arg {}\n", escape(a));
         }
@@ -110,7 +114,8 @@ impl Part {
         t
     }
 
-    /// Reads a part from `input` up to its `go` line.
+    /// Reads a part from `input` up to its `go` line; a part from an fhrun of another release
+    /// is an error naming both.
     pub fn decode(input: &mut impl BufRead) -> Result<Part, String> {
         let mut part = Part {
             cwd: String::new(),
@@ -125,6 +130,7 @@ impl Part {
             verbose: false,
         };
         let mut line = String::new();
+        let mut first = true;
         loop {
             line.clear();
             let n = input
@@ -134,6 +140,10 @@ impl Part {
                 return Err("stdin ended before the job was complete (no `go`)".into());
             }
             let l = line.trim_end_matches('\n');
+            if std::mem::take(&mut first) {
+                check_release(l)?;
+                continue;
+            }
             if l == "go" {
                 break;
             }
@@ -235,6 +245,23 @@ impl Part {
     }
 }
 
+/// The first line of a job: the sending fhrun's release, which must be this one's.
+fn check_release(line: &str) -> Result<(), String> {
+    let mine = fh_core::RELEASE;
+    match line.strip_prefix("version ") {
+        Some(theirs) if theirs == mine => Ok(()),
+        Some(theirs) => Err(format!(
+            "this host's fhrun is FastHorovod {mine}, but the fhrun that sent the job is \
+             FastHorovod {theirs}: install the same FastHorovod version on every host (fhrun \
+             must be at the same path on each)"
+        )),
+        None => Err(format!(
+            "the job does not start with the sending fhrun's version: that fhrun is older than \
+             this host's, FastHorovod {mine}; install the same FastHorovod version on every host"
+        )),
+    }
+}
+
 /// The remote part's side: read the job, run it, obey the control channel.
 pub fn serve() -> i32 {
     // Blocked before any thread starts, so that the control thread's signals to this process
@@ -331,7 +358,7 @@ mod tests {
     #[test]
     fn every_value_is_on_one_line() {
         let text = part().encode();
-        assert_eq!(text.lines().count(), 1 + 3 + 2 + 3 + 3 + 1);
+        assert_eq!(text.lines().count(), 1 + 1 + 3 + 2 + 3 + 3 + 1);
         assert!(text.contains("env ODD=a=b\\\\c\\nd\n"));
     }
 
@@ -404,8 +431,32 @@ mod tests {
             ("bogus 1\ngo\n", "unknown line `bogus`"),
             ("env NOEQUALS\ngo\n", "NAME=VALUE"),
         ] {
-            let err = Part::decode(&mut std::io::Cursor::new(text)).unwrap_err();
+            let text = format!("version {}\n{text}", fh_core::RELEASE);
+            let err = Part::decode(&mut std::io::Cursor::new(&text)).unwrap_err();
             assert!(err.contains(wanted), "{text:?}: {err}");
         }
+    }
+
+    #[test]
+    fn a_job_from_an_fhrun_of_another_release_is_refused_naming_both() {
+        let text = part().encode();
+        assert!(text.starts_with(&format!("version {}\n", fh_core::RELEASE)));
+        let other = text.replacen(fh_core::RELEASE, "0.0.1-other", 1);
+        let err = Part::decode(&mut std::io::Cursor::new(other)).unwrap_err();
+        assert!(
+            err.contains(&format!(
+                "this host's fhrun is FastHorovod {}",
+                fh_core::RELEASE
+            )),
+            "{err}"
+        );
+        assert!(
+            err.contains("sent the job is FastHorovod 0.0.1-other"),
+            "{err}"
+        );
+        // An older fhrun's job starts without the line.
+        let older = text.split_once('\n').unwrap().1;
+        let err = Part::decode(&mut std::io::Cursor::new(older)).unwrap_err();
+        assert!(err.contains("older than this host's"), "{err}");
     }
 }

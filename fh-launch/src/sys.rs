@@ -4,7 +4,8 @@ use std::io;
 use std::time::Duration;
 
 /// The signals fhrun handles itself (blocked in every thread and taken with `sigtimedwait`).
-pub const HANDLED: [libc::c_int; 7] = [
+pub const HANDLED: [libc::c_int; 8] = [
+    libc::SIGUSR1,
     libc::SIGINT,
     libc::SIGTERM,
     libc::SIGHUP,

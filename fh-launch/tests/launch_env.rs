@@ -116,6 +116,44 @@ fn every_rank_gets_horovods_variables() {
     }
 }
 
+/// torch.distributed's `env://` store address: one `MASTER_ADDR:MASTER_PORT` for the job, on
+/// the rendezvous host, at a port other than the rendezvous one (which the engine's rank 0
+/// takes); with `--rendezvous-addr`, the port after it.
+#[test]
+fn every_rank_gets_a_torch_store_address_beside_the_rendezvous() {
+    let show = "echo \"$MASTER_ADDR $MASTER_PORT $FH_RENDEZVOUS_ADDR\"";
+    let out = fhrun(&["-np", "3", "sh", "-c", show], LIMIT);
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    let lines: BTreeSet<String> = prefixed(&out.stdout, "stdout")
+        .into_iter()
+        .map(|(_, l)| l.to_string())
+        .collect();
+    assert_eq!(lines.len(), 1, "one store address for the job: {lines:?}");
+    let line = lines.into_iter().next().unwrap();
+    let f: Vec<&str> = line.split(' ').collect();
+    assert_eq!(f.len(), 3, "{line}");
+    let (host, port) = f[2].rsplit_once(':').unwrap();
+    assert_eq!(f[0], host, "the store is on the rendezvous host: {line}");
+    let store: u16 = f[1].parse().unwrap();
+    assert!(store > 0 && store.to_string() != port, "{line}");
+    let given = fhrun(
+        &[
+            "-np",
+            "2",
+            "--rendezvous-addr",
+            "127.0.0.1:23456",
+            "sh",
+            "-c",
+            show,
+        ],
+        LIMIT,
+    );
+    assert_eq!(given.code(), Some(0), "{given:?}");
+    for (_, l) in prefixed(&given.stdout, "stdout") {
+        assert_eq!(l, "127.0.0.1 23457 127.0.0.1:23456");
+    }
+}
+
 #[test]
 fn each_job_gets_a_fresh_token() {
     let token = || {

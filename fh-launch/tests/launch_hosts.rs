@@ -159,6 +159,8 @@ fn mpi_dry_run_builds_the_mpirun_command() {
     let (env, cmd) = line.split_once(" mpirun ").expect(line);
     assert!(env.starts_with("env "), "{line}");
     assert!(env.contains("FH_RENDEZVOUS_ADDR=fh-node-a:"), "{line}");
+    // torch.distributed's env:// store beside it (see launch_env.rs).
+    assert!(env.contains("MASTER_ADDR=fh-node-a "), "{line}");
     assert!(
         env.contains("FH_CHANNELS=2") && env.contains("FOO=bar"),
         "{line}"
@@ -168,7 +170,8 @@ fn mpi_dry_run_builds_the_mpirun_command() {
     let root = unsafe { libc::geteuid() } == 0;
     let expected = format!(
         "{}-np 4 -H fh-node-a:2,fh-node-b:2 --bind-to none --map-by slot --tag-output \
-         -x FH_RENDEZVOUS_ADDR -x FH_JOB_TOKEN -x FH_CHANNELS -x FOO -x HOME \
+         -x FH_RENDEZVOUS_ADDR -x FH_JOB_TOKEN -x MASTER_ADDR -x MASTER_PORT -x FH_CHANNELS \
+         -x FH_FHRUN_VERSION -x FOO -x HOME \
          --mca btl_tcp_if_include eth0 python train.py --epochs 3",
         if root { "--allow-run-as-root " } else { "" }
     );

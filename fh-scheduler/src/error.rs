@@ -64,12 +64,17 @@ pub enum SchedulerError {
         source: Option<ErrorSource>,
     },
     /// The stall inspector shut the engine down: some ranks never submitted these names.
-    #[error("stalled for {after:?}: ranks {missing:?} never submitted {names:?} (FH_STALL_SHUTDOWN_SECONDS)")]
+    #[error(
+        "stalled for {after:?}: {} (FH_STALL_SHUTDOWN_SECONDS)",
+        never_submitted(lacking)
+    )]
     Stalled {
         /// The stalled names.
         names: Vec<String>,
         /// The ranks that did not submit them.
         missing: Vec<usize>,
+        /// Each of those ranks with the names it lacks.
+        lacking: Vec<(usize, Vec<String>)>,
         /// How long the oldest waited.
         after: Duration,
     },
@@ -198,6 +203,20 @@ impl PartialEq for ErrorSource {
     fn eq(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
     }
+}
+
+/// `rank 2 never submitted ["a"]; rank 0 never submitted ["b"]`.
+fn never_submitted(lacking: &[(usize, Vec<String>)]) -> String {
+    let parts: Vec<String> = lacking
+        .iter()
+        .map(|(r, names)| {
+            format!(
+                "rank {r} never submitted {}",
+                crate::stats::name_list(names)
+            )
+        })
+        .collect();
+    parts.join("; ")
 }
 
 #[cfg(test)]

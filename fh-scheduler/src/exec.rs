@@ -161,6 +161,11 @@ impl Executor {
             return;
         }
         let begin = Instant::now();
+        self.inner.flight.started(
+            job.parts.iter().map(|(op, _, _)| op.rec),
+            self.channel,
+            begin,
+        );
         let span = tracing::debug_span!("group", channel = self.channel, parts = job.parts.len());
         let _g = span.enter();
         self.phases = None;
@@ -193,6 +198,10 @@ impl Executor {
             }
         }
         let bytes: usize = job.parts.iter().map(|p| p.2).sum();
+        let bucket = crate::metrics::group_bucket(bytes as u64);
+        if let Some(n) = self.inner.counters.group_sizes.get(bucket) {
+            Counters::add(n, 1);
+        }
         if let Some(c) = self.inner.counters.channels().get(self.channel) {
             Counters::add(&c.bytes, bytes as u64);
             Counters::add(&c.groups, 1);

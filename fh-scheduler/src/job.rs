@@ -27,6 +27,8 @@ pub(crate) struct OpState {
 pub(crate) struct Op {
     /// The agreed response (shared with the response cache: no copy per step).
     pub resp: Arc<Response>,
+    /// Its flight-recorder number on this rank (0: none, e.g. a joined rank's zeros).
+    pub rec: u64,
     pub state: Mutex<OpState>,
     /// Parts (chunks) not yet done.
     pub remaining: AtomicUsize,

@@ -38,7 +38,11 @@
 //! | `FH_BATCHING_WINDOW_MS` | after waking on a submission, wait this long for more | 0 |
 //! | `FH_CACHE_CAPACITY` | response-cache slots (0 = coordinator every round) | 1024 |
 //! | `FH_PRIORITY` | `ready` or `forward` (lower caller priority first) | `ready` |
-//! | `FH_TIMELINE` | path of rank 0's Chrome-trace timeline (written by a thread of its own; each tensor's negotiation span names every rank's ready time and the last ready rank) | off |
+//! | `FH_TIMELINE` | path of rank 0's Chrome-trace timeline (written by a thread of its own; each tensor's negotiation span names every rank's ready time and the last ready rank); a path holding `{rank}` names a file per rank, which every rank writes ([`timeline_merge`] makes one trace of them) | off |
+//! | `FH_FLIGHT_RECORDS` | operations the flight recorder keeps ([`flight`]; 0 = off) | 4096 |
+//! | `FH_FLIGHT_DIR` | where each rank writes its flight record | [`flight::dump::default_dir`] |
+//! | `FH_METRICS_ADDR` | where the application serves [`metrics`] (validated here) | off |
+//! | `FH_SUMMARY` | the application prints [`EngineStats::summary_line`] at the end (validated here) | 0 |
 //! | `FH_STALL_CHECK_SECONDS` | warn about names some ranks lack for this long (0 = off) | 60 |
 //! | `FH_STALL_SHUTDOWN_SECONDS` | shut down when a stall lasts this long (0 = never) | 0 |
 //! | `FH_BACKPRESSURE` | defer the next round while every channel is busy (`auto`/`0`/`1`; auto: over TCP or between hosts, and from 64 ranks) | `auto` (`horovod`: 0) |
@@ -97,10 +101,12 @@ pub mod elastic;
 mod engine;
 pub mod error;
 mod exec;
+pub mod flight;
 mod gpu;
 pub mod handle;
 mod inject;
 mod job;
+pub mod metrics;
 mod negotiate;
 mod options;
 pub mod process_set;
@@ -116,5 +122,7 @@ pub use fh_core::message::Device;
 pub use fh_core::{DType, ReduceOp};
 pub use handle::{GroupHandle, Handle, OpResult};
 pub use process_set::ProcessSets;
+pub use shared::CulpritHook;
 pub use stats::{ChannelStats, EngineStats, GroupRecord, StallReport};
 pub use tensor::{DeviceMemory, OwnerGuard, Tensor};
+pub use timeline::merge::merge as timeline_merge;

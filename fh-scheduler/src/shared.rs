@@ -3,13 +3,16 @@
 //! reports and the timeline. It imports none of those modules, so they form no cycle.
 
 use std::collections::HashSet;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use crossbeam_channel::Sender;
 use fh_core::message::Request;
 
+use crate::flight::dump::{self, Dump, StallDump};
+use crate::flight::Recorder;
 use crate::handle::{Completion, OpResult};
 use crate::stats::{Counters, GroupRecord, StallReport};
 use crate::timeline::Timeline;
@@ -61,6 +64,8 @@ pub(crate) struct Resolver {
     /// orphan. Before, the submission is being built or refused and its handle never reaches
     /// the caller.
     armed: bool,
+    /// The operation's flight-recorder number (0: none), whose end the resolution records.
+    rec: u64,
 }
 
 impl Resolver {
@@ -72,6 +77,7 @@ impl Resolver {
             inner: Arc::downgrade(inner),
             tracked: true,
             armed: false,
+            rec: 0,
         }
     }
 
@@ -87,6 +93,16 @@ impl Resolver {
         self.armed = true;
     }
 
+    /// The operation's flight-recorder number (0: none).
+    pub(crate) fn record(&self) -> u64 {
+        self.rec
+    }
+
+    /// Set the operation's flight-recorder number (the control thread, on accepting it).
+    pub(crate) fn set_record(&mut self, rec: u64) {
+        self.rec = rec;
+    }
+
     /// Deliver the result (the name leaves the in-flight set first).
     pub(crate) fn resolve(mut self, result: OpResult) {
         if let Some(cell) = self.cell.take() {
@@ -94,7 +110,7 @@ impl Resolver {
                 self.inner.upgrade().as_deref(),
                 &self.name,
                 &cell,
-                self.tracked,
+                (self.tracked, self.rec),
                 result,
             );
         }
@@ -112,9 +128,16 @@ impl Resolver {
     }
 }
 
-fn deliver(inner: Option<&Inner>, name: &str, cell: &Completion, tracked: bool, r: OpResult) {
+/// `(tracked, rec)`: whether the name is in flight, and its flight-recorder number.
+fn deliver(
+    inner: Option<&Inner>,
+    name: &str,
+    cell: &Completion,
+    (tracked, rec): (bool, u64),
+    r: OpResult,
+) {
     match inner {
-        Some(inner) if tracked => inner.finish(name, cell, r),
+        Some(inner) if tracked => inner.finish(name, cell, rec, r),
         _ => cell.complete(r),
     }
 }
@@ -141,7 +164,13 @@ impl Drop for Resolver {
         match g.closed.clone() {
             Some(err) => {
                 drop(g);
-                deliver(Some(&inner), &self.name, &cell, self.tracked, Err(err));
+                deliver(
+                    Some(&inner),
+                    &self.name,
+                    &cell,
+                    (self.tracked, self.rec),
+                    Err(err),
+                );
             }
             None => {
                 // The engine still runs: park it; the control thread stops the engine and
@@ -176,7 +205,49 @@ pub(crate) struct Inner {
     /// The control thread is deferring a round under back-pressure: a channel that drains
     /// wakes it ([`Inner::channel_drained`]).
     pub(crate) pacing_wait: AtomicBool,
+    /// What a stop because of a lost rank sets off at once ([`Inner::fail`], [`Inner::close`]).
+    pub(crate) on_loss: OnLoss,
+    /// Called on the control thread when a stall names this rank as missing tensors.
+    pub(crate) culprit_hook: RwLock<Option<CulpritHook>>,
+    /// The flight recorder: this rank's last operations.
+    pub(crate) flight: Recorder,
+    /// Rank 0 has said where the flight records go (once per engine).
+    pub(crate) flight_told: AtomicBool,
+    /// This rank and its clock's offset from rank 0's, for the timelines it writes.
+    pub(crate) clock: crate::timeline::Identity,
 }
+
+/// What the engine does the moment it stops because a rank was lost, from whichever thread
+/// finds it: every channel (and the control thread) blocked on a peer is interrupted, so
+/// that its error comes now rather than a timeout later; and the world's engine tells the
+/// other ranks through the heartbeats, so that every rank names the same rank.
+#[derive(Default)]
+pub(crate) struct OnLoss {
+    /// The interrupts of the control communicator and of every data channel's.
+    pub(crate) interrupts: Vec<fh_transport::Interrupt>,
+    /// The world's liveness watch (the world's engine only; a process set's engine names its
+    /// losses through the world's).
+    pub(crate) watch: Option<fh_transport::liveness::Watch>,
+}
+
+impl OnLoss {
+    fn fire(&self, err: &SchedulerError) {
+        let Some(lost) = err.lost_rank() else {
+            return;
+        };
+        let why = format!("the engine stopped: {err}");
+        for i in &self.interrupts {
+            i.raise(Some(lost), why.clone());
+        }
+        if let Some(w) = &self.watch {
+            w.declare(lost, err.to_string());
+        }
+    }
+}
+
+/// What a rank runs when the stall inspector names it as missing tensors (see
+/// [`crate::Engine::set_culprit_hook`]).
+pub type CulpritHook = Arc<dyn Fn(&StallReport) + Send + Sync>;
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -190,6 +261,62 @@ impl Inner {
             .as_ref()
             .and_then(|w| w.get(r).copied())
             .unwrap_or(r)
+    }
+
+    /// Write this rank's flight record (see [`crate::flight`]) for `reason`; returns where.
+    /// Nothing is written by a process set's engine (the world's engine writes the rank's
+    /// file) or when the recorder is off. Rank 0 says once where the records go.
+    pub(crate) fn write_flight(&self, reason: &str) -> std::io::Result<Option<PathBuf>> {
+        if self.world_ranks.is_some() || !self.flight.enabled() {
+            return Ok(None);
+        }
+        let (dir, private) = match &self.config.flight_dir {
+            Some(d) => (d.clone(), false),
+            None => (dump::default_dir(), true),
+        };
+        let (recorded, ops) = self.flight.records(|r| self.world_rank(r));
+        let stall = lock(&self.stalls).last().map(|r| StallDump {
+            lacking: r.lacking.clone(),
+            waited_ms: u64::try_from(r.waited.as_millis()).unwrap_or(u64::MAX),
+        });
+        let d = Dump {
+            format: dump::FORMAT.into(),
+            rank: self.rank,
+            size: self.size,
+            reason: reason.to_string(),
+            written_unix_us: crate::flight::unix_micros(SystemTime::now()),
+            capacity: self.config.flight_records,
+            recorded,
+            stall,
+            stopped: self.failure().map(|e| e.to_string()),
+            ops,
+        };
+        let path = dump::write(&dir, private, &d)?;
+        if self.rank == 0 && !self.flight_told.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "flight records (a file per rank) are written to {}; `fhrun --explain {}` or \
+                 `python -m fasthorovod.explain {}` names the first divergence across ranks",
+                dir.display(),
+                dir.display(),
+                dir.display()
+            );
+        }
+        Ok(Some(path))
+    }
+
+    /// [`Inner::write_flight`], a failure said in the log (never an error of the caller's).
+    pub(crate) fn dump_flight(&self, reason: &str) {
+        if let Err(e) = self.write_flight(reason) {
+            tracing::warn!(rank = self.rank, error = %e, "cannot write the flight record");
+        }
+    }
+
+    /// The culprit hook, if one is set.
+    pub(crate) fn culprit_hook(&self) -> Option<CulpritHook> {
+        self.culprit_hook
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The timeline being written, if any (rank 0 only).
@@ -231,16 +358,22 @@ impl Inner {
         lock(&self.gate).closed.clone()
     }
 
-    /// Stop the engine with `err` (first reason wins) and wake the control thread.
+    /// Stop the engine with `err` (first reason wins) and wake the control thread; a first
+    /// reason that names a lost rank interrupts every communicator of the engine at once
+    /// ([`OnLoss`]).
     pub(crate) fn fail(&self, err: SchedulerError) {
-        let orphans = {
+        let (orphans, first) = {
             let mut g = lock(&self.gate);
-            if g.closed.is_none() {
+            let first = g.closed.is_none().then(|| err.clone());
+            if first.is_some() {
                 g.closed = Some(err);
             }
             let _ = g.tx.send(Msg::Wake);
-            std::mem::take(&mut g.orphans)
+            (std::mem::take(&mut g.orphans), first)
         };
+        if let Some(err) = first {
+            self.on_loss.fire(&err);
+        }
         self.resolve_orphans(orphans);
     }
 
@@ -258,7 +391,7 @@ impl Inner {
             reason: "the engine stopped".into(),
         });
         for (name, cell) in orphans {
-            self.finish(&name, &cell, Err(err.clone()));
+            self.finish(&name, &cell, 0, Err(err.clone()));
         }
     }
 
@@ -275,7 +408,11 @@ impl Inner {
 
     /// Deliver a result: the name leaves the in-flight set first, so that it can be submitted
     /// again as soon as the caller has the result.
-    pub(crate) fn finish(&self, name: &str, cell: &Completion, result: OpResult) {
+    pub(crate) fn finish(&self, name: &str, cell: &Completion, rec: u64, result: OpResult) {
+        if rec != 0 {
+            self.flight
+                .finished(rec, Instant::now(), result.as_ref().err());
+        }
         lock(&self.in_flight).remove(name);
         Counters::add(&self.counters.completed, 1);
         cell.complete(result);
@@ -377,13 +514,17 @@ impl Inner {
     /// Close the gate (no more submissions) and resolve every completion parked as an
     /// orphan with the stop reason (the first reason wins).
     pub(crate) fn close(&self, err: SchedulerError) {
-        let orphans = {
+        let (orphans, first) = {
             let mut g = lock(&self.gate);
-            if g.closed.is_none() {
+            let first = g.closed.is_none().then(|| err.clone());
+            if first.is_some() {
                 g.closed = Some(err);
             }
-            std::mem::take(&mut g.orphans)
+            (std::mem::take(&mut g.orphans), first)
         };
+        if let Some(err) = first {
+            self.on_loss.fire(&err);
+        }
         self.resolve_orphans(orphans);
     }
 }

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A snapshot of an engine's counters (this rank).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -39,6 +39,15 @@ pub struct EngineStats {
     pub in_place_groups: u64,
     /// Per data channel, in channel order.
     pub channels: Vec<ChannelStats>,
+    /// Fused groups by size: the count in each bucket of
+    /// [`crate::metrics::GROUP_SIZE_BOUNDS`] (not cumulative), then those above the last.
+    pub group_sizes: Vec<u64>,
+    /// Training steps the framework reported ([`crate::Engine::record_step`]).
+    pub steps: u64,
+    /// Their exposed communication (the time they waited for their reductions), in all.
+    pub exposed: Duration,
+    /// Time since the engine started.
+    pub uptime: Duration,
 }
 
 /// What one data channel has done (this rank).
@@ -96,6 +105,12 @@ pub(crate) struct Counters {
     pub in_place_groups: AtomicU64,
     /// Set once, when the channels are created.
     pub channels: OnceLock<Vec<ChannelCounters>>,
+    /// Fused groups per size bucket ([`crate::metrics::GROUP_SIZE_BOUNDS`], then above).
+    pub group_sizes: [AtomicU64; crate::metrics::GROUP_SIZE_BOUNDS.len() + 1],
+    pub steps: AtomicU64,
+    pub exposed_nanos: AtomicU64,
+    /// When the engine started (set once, at start-up).
+    pub started: OnceLock<Instant>,
 }
 
 impl Counters {
@@ -118,6 +133,10 @@ impl Counters {
             stall_warnings: self.stall_warnings.load(Relaxed),
             inline_groups: self.inline_groups.load(Relaxed),
             in_place_groups: self.in_place_groups.load(Relaxed),
+            group_sizes: self.group_sizes.iter().map(|c| c.load(Relaxed)).collect(),
+            steps: self.steps.load(Relaxed),
+            exposed: Duration::from_nanos(self.exposed_nanos.load(Relaxed)),
+            uptime: self.started.get().map_or(Duration::ZERO, Instant::elapsed),
             channels: self
                 .channels()
                 .iter()
@@ -160,8 +179,67 @@ pub struct StallReport {
     pub names: Vec<String>,
     /// The ranks that have not submitted (some of) them, ascending.
     pub missing_ranks: Vec<usize>,
+    /// Each of those ranks with the stalled names it lacks (sorted), ascending by rank.
+    pub lacking: Vec<(usize, Vec<String>)>,
     /// How long the oldest stalled name has waited (on the rank that waited longest).
     pub waited: Duration,
+}
+
+impl StallReport {
+    /// The most names one line lists for a rank before it says how many more there are.
+    pub const MAX_NAMES: usize = 8;
+
+    /// The stalled names rank `rank` lacks, if it is one of the missing ranks.
+    pub fn lacked_by(&self, rank: usize) -> Option<&[String]> {
+        self.lacking
+            .iter()
+            .find(|(r, _)| *r == rank)
+            .map(|(_, names)| names.as_slice())
+    }
+}
+
+/// `["a", "b"]`, or `["a", ... ] and 3 more` past [`StallReport::MAX_NAMES`].
+pub(crate) fn name_list(names: &[String]) -> String {
+    let shown: Vec<String> = names
+        .iter()
+        .take(StallReport::MAX_NAMES)
+        .map(|n| format!("{n:?}"))
+        .collect();
+    let more = names.len().saturating_sub(StallReport::MAX_NAMES);
+    if more == 0 {
+        format!("[{}]", shown.join(", "))
+    } else {
+        format!("[{}] and {more} more", shown.join(", "))
+    }
+}
+
+/// `stall: rank 0 has not submitted ["b"]; rank 2 has not submitted ["a"] (other ranks
+/// submitted them up to 6.0s ago)`: ranks that lack the same names are named together
+/// (`ranks 1 and 2 have not submitted ...`), in the order of their lowest rank.
+impl std::fmt::Display for StallReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut by_names: Vec<(&[String], Vec<u32>)> = Vec::new();
+        for (r, names) in &self.lacking {
+            match by_names.iter_mut().find(|(n, _)| *n == names.as_slice()) {
+                Some((_, ranks)) => ranks.push(*r as u32),
+                None => by_names.push((names, vec![*r as u32])),
+            }
+        }
+        f.write_str("stall: ")?;
+        for (i, (names, ranks)) in by_names.iter().enumerate() {
+            let set = fh_core::mismatch::RankSet::from_ranks(ranks.iter().copied());
+            let verb = if ranks.len() == 1 { "has" } else { "have" };
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{set} {verb} not submitted {}", name_list(names))?;
+        }
+        write!(
+            f,
+            " (other ranks submitted them up to {:.1}s ago)",
+            self.waited.as_secs_f64()
+        )
+    }
 }
 
 /// One dispatched fused group, as recorded when `Config::record_groups` is on.

@@ -361,9 +361,9 @@ fn launch(world: &World, backend: &str, token: &str, host: &str) -> Result<Launc
         rendezvous: Some(format!("127.0.0.1:{port}")),
         token: Some(world_token(token, world.w)),
         launcher: Launcher::Fhrun,
-        // A world whose rank 0 dies before it creates a shared-memory segment is given up
-        // only after the timeout (its peers cannot tell it is gone before then): keep it short.
-        timeout: Duration::from_secs(if world.how == 's' { 5 } else { 20 }),
+        // A world whose rank 0 dies as it forms is given up when the heartbeats name it, long
+        // before this timeout (checked in `run_long`).
+        timeout: Duration::from_secs(if world.how == 's' { 60 } else { 20 }),
         // Two simulated hosts for the hierarchical backend; the others run on one host.
         host_id: (backend == "hier").then(|| format!("reform-host-{host}")),
         ..LaunchInfo::single()
@@ -452,12 +452,26 @@ fn run_long(backend: &str, token: &str, host: &str, worlds: &[World]) -> Result<
         let info = launch(world, backend, token, host)?;
         let (config, timeline) = config(world);
         if world.how == 's' {
-            // The victim dies as the engine starts: the world or the engine fails to form.
+            // The victim (rank 0) dies as the engine starts: the world or the engine fails to
+            // form, naming it, long before the timeout of 60 s (the heartbeats that start at
+            // the rendezvous name it within seconds, also where no connection to it is
+            // refused: shared memory waits for rank 0's segment).
+            let t0 = Instant::now();
             let started = fh_transport::world_for(&info, Some(backend))
                 .map_err(SchedulerError::from)
                 .and_then(|t| Engine::start(t, config));
-            if let Ok(engine) = started {
-                return Err(format!("{tag}: started without the victim: {engine:?}"));
+            match started {
+                Ok(engine) => return Err(format!("{tag}: started without the victim: {engine:?}")),
+                Err(e) if e.lost_rank() != Some(0) => {
+                    return Err(format!("{tag}: the failed start does not name rank 0: {e}"))
+                }
+                Err(e) if t0.elapsed() > WAIT => {
+                    return Err(format!(
+                        "{tag}: the lost rank was named only after {:?} (timeout 60 s): {e}",
+                        t0.elapsed()
+                    ))
+                }
+                Err(e) => println!("{tag}: failed to form after {:?}: {e}", t0.elapsed()),
             }
             let _ = std::fs::remove_file(&timeline);
             check_released(&base, &format!("after {tag} failed to start"))?;

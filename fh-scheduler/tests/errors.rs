@@ -241,6 +241,54 @@ fn a_rank_that_stops_submitting_is_named_by_the_stall_inspector() {
 }
 
 #[test]
+fn the_rank_a_stall_names_runs_its_culprit_hook_once_per_lack() {
+    // Three ranks: rank 2 holds "b" back (it submits it late), every other name goes through.
+    // Only rank 2's hook runs, with a report that says it lacks "b", and only once however
+    // many checks see the same stall.
+    let gate = Arc::new(Barrier::new(3));
+    let cfg = Config::default()
+        .stall_check(Some(Duration::from_millis(100)))
+        .idle_heartbeat(Duration::from_millis(20));
+    let out = run_world(3, cfg, move |e, r| {
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = Arc::clone(&calls);
+        e.set_culprit_hook(Arc::new(move |report: &fh_scheduler::StallReport| {
+            seen.lock().unwrap().push(report.clone());
+        }));
+        let mut b = if r == 2 {
+            // Wait for at least two reports (two checks of the same stall), then submit.
+            let start = Instant::now();
+            while e.stall_reports().len() < 2 {
+                assert!(start.elapsed() < LIMIT, "no stall report");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            gate.wait();
+            e.allreduce("b", Tensor::from_slice(&[1.0f32]), sum())
+                .unwrap()
+        } else {
+            let b = e
+                .allreduce("b", Tensor::from_slice(&[1.0f32]), sum())
+                .unwrap();
+            gate.wait();
+            b
+        };
+        assert_eq!(
+            b.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap(),
+            [3.0]
+        );
+        let calls = calls.lock().unwrap().clone();
+        calls
+    });
+    assert!(out[0].is_empty() && out[1].is_empty(), "{out:?}");
+    assert_eq!(out[2].len(), 1, "{:?}", out[2]);
+    assert_eq!(out[2][0].lacked_by(2), Some(&["b".to_string()][..]));
+    assert_eq!(
+        out[2][0].to_string().split(" (").next(),
+        Some("stall: rank 2 has not submitted [\"b\"]")
+    );
+}
+
+#[test]
 fn stall_shutdown_stops_every_rank_naming_the_silent_one() {
     let cfg = Config::default()
         .stall_check(Some(Duration::from_millis(100)))
@@ -285,8 +333,9 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
     // Rank 1 plays the engine's start-up protocol by hand, then vanishes.
     let ghost = std::thread::spawn(move || {
         let mut control = t1.open("fh-control").unwrap();
-        // The start-up agreement's fields (fh_scheduler::config::planning_fields).
-        let vals: [i64; 13] = [
+        // The start-up agreement's fields (fh_scheduler::config::planning_fields, then the
+        // heartbeats' silence and interval: none on the in-process transport).
+        let vals: [i64; 15] = [
             0,
             2,
             c2.cache_capacity as i64,
@@ -300,6 +349,8 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
             i64::from(c2.cuda),
             c2.inline_bytes as i64,
             c2.effective_stage_bytes(1) as i64,
+            0,
+            0,
         ];
         let mut b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         control
@@ -308,6 +359,9 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
         control
             .allreduce(&mut b, DType::I64, ReduceOp::Max)
             .unwrap();
+        // The engine's incarnation, broadcast by rank 0 (taken, so that rank 0's send cannot
+        // meet a communicator already dropped).
+        control.broadcast(&mut [0u8; 8], 0).unwrap();
         let data: Vec<_> = (0..2)
             .map(|c| t1.open(&format!("fh-channel-{c}")).unwrap())
             .collect();

@@ -1,4 +1,4 @@
-//! Rank 0's Chrome-trace timeline: a valid JSON array after stop and shutdown, tensor names
+//! The Chrome-trace timeline: a valid JSON array after stop and shutdown, tensor names
 //! round-trip whatever they contain, and each tensor's negotiation span names every rank's
 //! ready time and the rank that held it back.
 
@@ -35,7 +35,7 @@ fn parse(path: &Path) -> Vec<Value> {
 fn negotiations<'a>(events: &'a [Value], name: &str) -> Vec<&'a Value> {
     events
         .iter()
-        .filter(|e| e["cat"] == "negotiate" && e["ph"] == "b" && e["name"] == name)
+        .filter(|e| e["cat"] == "negotiate" && e["ph"] == "b" && e["args"]["tensor"] == name)
         .collect()
 }
 
@@ -304,46 +304,7 @@ fn a_busy_timeline_follows_the_viewer_rules() {
         .channels(2)
         .partition_bytes(64 << 10)
         .timeline(&path);
-    run_world(n, cfg, move |e, r| {
-        for step in 0..4 {
-            if r == step % n {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let mut handles = Vec::new();
-            for i in 0..12 {
-                handles.push(
-                    e.allreduce(
-                        &format!("small.{i}"),
-                        Tensor::from_slice(&[1.0f32; 64]),
-                        AllreduceOptions::with_op(ReduceOp::Sum),
-                    )
-                    .unwrap(),
-                );
-            }
-            handles.push(
-                e.allreduce(
-                    "large",
-                    Tensor::from_slice(&vec![1.0f32; 256 << 10]),
-                    AllreduceOptions::with_op(ReduceOp::Average),
-                )
-                .unwrap(),
-            );
-            let group: Vec<Tensor> = (0..3)
-                .map(|_| Tensor::from_slice(&[1.0f32; 1000]))
-                .collect();
-            e.grouped_allreduce("group", group, AllreduceOptions::with_op(ReduceOp::Sum))
-                .unwrap()
-                .wait_timeout(LIMIT)
-                .unwrap();
-            e.broadcast("bcast", Tensor::from_slice(&[r as f32; 16]), 0)
-                .unwrap()
-                .wait_timeout(LIMIT)
-                .unwrap();
-            for mut h in handles {
-                h.wait_timeout(LIMIT).unwrap();
-            }
-        }
-    });
+    run_world(n, cfg, move |e, r| busy(e, r, n));
     let events = parse(&path);
     std::fs::remove_file(&path).ok();
     assert!(
@@ -354,4 +315,98 @@ fn a_busy_timeline_follows_the_viewer_rules() {
     if let Err(why) = check_viewer_rules(&events) {
         panic!("{why}");
     }
+}
+
+/// Four steps of mixed work, a different rank late in each (see the test above).
+fn busy(e: &fh_scheduler::Engine, r: usize, n: usize) {
+    for step in 0..4 {
+        if r == step % n {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mut handles = Vec::new();
+        for i in 0..12 {
+            handles.push(
+                e.allreduce(
+                    &format!("small.{i}"),
+                    Tensor::from_slice(&[1.0f32; 64]),
+                    AllreduceOptions::with_op(ReduceOp::Sum),
+                )
+                .unwrap(),
+            );
+        }
+        handles.push(
+            e.allreduce(
+                "large",
+                Tensor::from_slice(&vec![1.0f32; 256 << 10]),
+                AllreduceOptions::with_op(ReduceOp::Average),
+            )
+            .unwrap(),
+        );
+        let group: Vec<Tensor> = (0..3)
+            .map(|_| Tensor::from_slice(&[1.0f32; 1000]))
+            .collect();
+        e.grouped_allreduce("group", group, AllreduceOptions::with_op(ReduceOp::Sum))
+            .unwrap()
+            .wait_timeout(LIMIT)
+            .unwrap();
+        e.broadcast("bcast", Tensor::from_slice(&[r as f32; 16]), 0)
+            .unwrap()
+            .wait_timeout(LIMIT)
+            .unwrap();
+        for mut h in handles {
+            h.wait_timeout(LIMIT).unwrap();
+        }
+    }
+}
+
+/// Every rank writes its own timeline (`{rank}` in the path); merged, they make one trace with
+/// a track per rank (its negotiation, channels and Python lanes), which a viewer shows whole.
+#[test]
+fn every_rank_timeline_merges_into_one_trace() {
+    let n = 3;
+    let dir = std::env::temp_dir().join(format!("fh-tl-ranks-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = Config::default()
+        .channels(2)
+        .partition_bytes(64 << 10)
+        .timeline(dir.join("rank-{rank}.json"));
+    run_world(n, cfg, move |e, r| {
+        assert!(e.timeline_on());
+        let t0 = std::time::Instant::now();
+        busy(e, r, n);
+        e.timeline_span("optimizer.step", "4 steps", t0, std::time::Instant::now());
+    });
+    let files: Vec<PathBuf> = (0..n).map(|r| dir.join(format!("rank-{r}.json"))).collect();
+    let out = dir.join("merged.json");
+    let count = fh_scheduler::timeline_merge(&files, &out).unwrap();
+    let events = parse(&out);
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(events.len(), count);
+    if let Err(why) = check_viewer_rules(&events) {
+        panic!("{why}");
+    }
+    for r in 0..n as u64 {
+        let mine: Vec<&Value> = events.iter().filter(|e| e["pid"] == r).collect();
+        let named = |lane: &str| {
+            mine.iter()
+                .any(|e| e["name"] == "thread_name" && e["args"]["name"] == lane)
+        };
+        assert!(
+            named("negotiation") && named("channel 1") && named("python"),
+            "rank {r}"
+        );
+        assert!(mine
+            .iter()
+            .any(|e| e["name"] == "process_name" && e["args"]["name"] == format!("rank {r}")));
+        // Each rank's own ready time of each tensor (its queued span), and its groups.
+        assert!(mine
+            .iter()
+            .any(|e| e["name"] == "queued" && e["args"]["tensor"] == "large"));
+        assert!(mine.iter().any(|e| e["args"]["gb_per_s"].is_number()));
+        assert!(mine.iter().any(|e| e["name"] == "optimizer.step"));
+    }
+    // Rank 0's negotiation spans name the rank each tensor waited on.
+    assert!(events.iter().any(|e| e["pid"] == 0
+        && e["cat"] == "negotiate"
+        && e["name"].as_str().unwrap().contains("(waits on rank ")));
 }

@@ -38,7 +38,13 @@
 //! `FH_ALLOW_WILDCARD=1`.
 //!
 //! **The timeout** (`FH_TIMEOUT_SECONDS`, seconds, may be fractional) is at least
-//! [`MIN_TIMEOUT`] and at most a year.
+//! [`MIN_TIMEOUT`] and at most a year. The heartbeats' settings (`FH_HEARTBEAT_TIMEOUT_SECONDS`,
+//! `FH_HEARTBEAT_INTERVAL_MS`) are read here too ([`crate::liveness::Settings::from_vars`]).
+//!
+//! **The launcher's release.** `fhrun` gives every rank its own release in
+//! [`FHRUN_VERSION_VAR`]; a rank of another release ([`fh_core::RELEASE`]) stops at start-up
+//! with an error naming both (the ranks' Python environment and the `fhrun` that started them
+//! come from different installs).
 //!
 //! Every bad value is a [`TransportError::Config`] naming the variable and what is expected.
 
@@ -46,6 +52,10 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::{Result, Topology, TransportError};
+
+/// The variable in which `fhrun` gives its ranks its release (`fh_core::RELEASE`), checked
+/// against the rank's own by [`LaunchInfo::from_vars`].
+pub const FHRUN_VERSION_VAR: &str = "FH_FHRUN_VERSION";
 
 /// Default for `FH_TIMEOUT_SECONDS`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -104,6 +114,21 @@ impl JobToken {
             .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
         mac.update(b"fasthorovod world incarnation\0");
         mac.update(&incarnation.to_le_bytes());
+        let tag = mac.finalize().into_bytes();
+        JobToken(tag.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// A key for another world formed among ranks that share this token, named by `label`
+    /// (which every member knows, and which must differ for every such world: e.g. a group's
+    /// name and a nonce drawn for it): HMAC-SHA-256 of the label under this token, in hex. It
+    /// authenticates as well as this token does, and no world keyed by another label (or by
+    /// an incarnation, [`JobToken::for_incarnation`]) shares it.
+    pub fn derive(&self, label: &str) -> JobToken {
+        use hmac::{Hmac, Mac};
+        let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(self.as_bytes())
+            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+        mac.update(b"fasthorovod derived world\0");
+        mac.update(label.as_bytes());
         let tag = mac.finalize().into_bytes();
         JobToken(tag.iter().map(|b| format!("{b:02x}")).collect())
     }
@@ -193,6 +218,9 @@ pub struct LaunchInfo {
     pub launcher: Launcher,
     /// How long to wait for a peer before giving up (`FH_TIMEOUT_SECONDS`).
     pub timeout: Duration,
+    /// The heartbeats' interval and tolerated silence (`FH_HEARTBEAT_INTERVAL_MS`,
+    /// `FH_HEARTBEAT_TIMEOUT_SECONDS`); `None` when turned off ([`crate::liveness`]).
+    pub liveness: Option<crate::liveness::Settings>,
     /// The host identity given in `FH_HOST_ID`, which replaces the one computed from facts
     /// ([`crate::hosts::HostId`]); `None` when unset.
     pub host_id: Option<String>,
@@ -221,6 +249,7 @@ impl fmt::Debug for LaunchInfo {
             .field("allow_wildcard", &self.allow_wildcard)
             .field("launcher", &self.launcher)
             .field("timeout", &self.timeout)
+            .field("liveness", &self.liveness)
             .field("host_id", &self.host_id)
             .field("local_vars", &self.local_vars)
             .field("cross_vars", &self.cross_vars)
@@ -244,6 +273,7 @@ impl LaunchInfo {
             allow_wildcard: false,
             launcher: Launcher::Single,
             timeout: DEFAULT_TIMEOUT,
+            liveness: Some(crate::liveness::Settings::default()),
             host_id: None,
             local_vars: None,
             cross_vars: None,
@@ -285,6 +315,8 @@ impl LaunchInfo {
         }
         // Treat other empty values as unset: launchers and shells often export empty variables.
         let get = |name: &str| var(name).filter(|v| !v.trim().is_empty());
+        // First: a launcher of another release may set anything else differently.
+        check_launcher_release(&get)?;
         let timeout = parse_timeout(&get)?;
 
         let mut info = if get("FH_RANK").is_some() || get("FH_SIZE").is_some() {
@@ -307,6 +339,7 @@ impl LaunchInfo {
             LaunchInfo::single()
         };
         info.timeout = timeout;
+        info.liveness = crate::liveness::Settings::from_vars(get)?;
         info.host_id = parse_host_id(&get)?;
         info.allow_wildcard = parse_flag(&get, "FH_ALLOW_WILDCARD")?;
         let require_token = parse_flag(&get, "FH_REQUIRE_TOKEN")?;
@@ -421,6 +454,24 @@ impl LaunchInfo {
     }
 }
 
+/// A rank started by an `fhrun` of another release stops here, naming both releases.
+fn check_launcher_release(get: &impl Fn(&str) -> Option<String>) -> Result<()> {
+    match get(FHRUN_VERSION_VAR) {
+        Some(theirs) if theirs.trim() != fh_core::RELEASE => Err(config(
+            FHRUN_VERSION_VAR,
+            format!(
+                "this rank runs FastHorovod {}, but the fhrun that started it is FastHorovod \
+                 {}: install the same FastHorovod version on every host and launch with the \
+                 fhrun that comes with it (`pip install fasthorovod-….whl` puts it beside the \
+                 environment's python)",
+                fh_core::RELEASE,
+                theirs.trim()
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn config(var: impl Into<String>, reason: impl Into<String>) -> TransportError {
     TransportError::Config {
         var: var.into(),
@@ -520,6 +571,7 @@ fn derive_rest(
         allow_wildcard: false,
         launcher,
         timeout: DEFAULT_TIMEOUT,
+        liveness: Some(crate::liveness::Settings::default()),
         host_id: None,
         local_vars,
         cross_vars,
@@ -1044,6 +1096,26 @@ mod tests {
         assert_eq!(one.expose().len(), 64);
         assert!(one.expose().bytes().all(|b| b.is_ascii_hexdigit()));
         assert!(!format!("{one:?}").contains(one.expose()), "redacted");
+    }
+
+    #[test]
+    fn each_label_derives_its_own_key() {
+        let t = JobToken::new("0123456789abcdef0123456789abcdef");
+        let a = t.derive("group 1;nonce 7");
+        assert_eq!(
+            a,
+            t.clone().derive("group 1;nonce 7"),
+            "a function of token and label"
+        );
+        assert_ne!(a, t);
+        assert_ne!(a, t.derive("group 1;nonce 8"));
+        assert_ne!(a, t.for_incarnation(1));
+        assert_ne!(
+            a,
+            JobToken::new("fedcba9876543210fedcba9876543210").derive("group 1;nonce 7")
+        );
+        assert_eq!(a.expose().len(), 64);
+        check_token(a.expose()).expect("a derived key is a valid token");
     }
 
     #[test]

@@ -80,6 +80,13 @@ pub trait Transport: Send {
             self.backend()
         )))
     }
+
+    /// The world's liveness watch ([`crate::liveness`]), when its ranks exchange heartbeats
+    /// (every backend that starts with the TCP rendezvous, unless turned off); `None` otherwise.
+    /// Its verdict raises the interrupt of every communicator the world opened.
+    fn liveness(&self) -> Option<crate::liveness::Watch> {
+        None
+    }
 }
 
 /// Point-to-point messaging among a fixed group of ranks, and collectives on top of it.
@@ -204,6 +211,15 @@ pub trait Communicator: Send {
     /// blame this rank when the communicator is dropped.
     fn abort(&mut self, lost: usize) {
         let _ = lost;
+    }
+
+    /// The [`Interrupt`](crate::Interrupt) this communicator's waits watch: raised from any
+    /// thread, it ends the operation in progress (and every later one) with the error it
+    /// names, as if the communicator had lost that rank itself — peers are told whom to
+    /// blame. `None` when the backend's waits cannot be interrupted (they end at their
+    /// timeout).
+    fn interrupter(&self) -> Option<crate::Interrupt> {
+        None
     }
 }
 

@@ -59,7 +59,7 @@ use fh_core::{kernels, CoreError, DType, ReduceOp};
 use crate::bootstrap::LaunchInfo;
 use crate::shm::{OutsideWord, ShmComm, ShmOptions, ShmTransport};
 use crate::tcp::{TcpComm, TcpOptions, TcpTransport};
-use crate::{algorithms, Communicator, Result, Topology, Transport, TransportError};
+use crate::{algorithms, Communicator, Interrupt, Result, Topology, Transport, TransportError};
 
 /// Where every rank sits: the global ranks of each host, by local rank.
 #[derive(Debug)]
@@ -298,8 +298,22 @@ impl HierTransport {
 
     /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.
     pub fn open_hier(&mut self, label: &str) -> Result<HierComm> {
-        let tcp = self.tcp.open_tcp(label)?;
-        let mut shm = self.shm.open_shm(label)?;
+        // One interrupt for both halves: an engine that stops ends a wait on either side,
+        // naming a global rank; both halves watch the world's heartbeats.
+        let interrupt = Interrupt::new();
+        // Interrupted while opening (a rank lost as the world forms): the cause names the
+        // global rank.
+        let global = |e: TransportError| interrupt.cause().map_or(e, |c| c.error());
+        let tcp = self
+            .tcp
+            .open_tcp_with(label, interrupt.clone())
+            .map_err(global)?;
+        let host = self.layout.hosts[self.topology.cross_rank].clone();
+        let watch = self.tcp.liveness();
+        let mut shm = self
+            .shm
+            .open_shm_with(label, interrupt.clone(), Some(host), watch)
+            .map_err(global)?;
         // A local peer waiting across hosts fails within its TCP wait's bound and then
         // publishes whom it blames: a rank waiting for it in shared memory waits that long once.
         shm.set_outside_grace(tcp.longest_stall());
@@ -327,6 +341,7 @@ impl HierTransport {
             scratch: Vec::new(),
             broken: None,
             timeout: self.timeout,
+            interrupt,
         })
     }
 }
@@ -342,6 +357,10 @@ impl Transport for HierTransport {
 
     fn open(&mut self, label: &str) -> Result<Box<dyn Communicator>> {
         Ok(Box::new(self.open_hier(label)?))
+    }
+
+    fn liveness(&self) -> Option<crate::liveness::Watch> {
+        self.tcp.liveness()
     }
 }
 
@@ -367,6 +386,8 @@ pub struct HierComm {
     scratch: Vec<u8>,
     broken: Option<String>,
     timeout: Duration,
+    /// Shared by both halves (see [`HierTransport::open_hier`]).
+    interrupt: Interrupt,
 }
 
 /// The views of the TCP communicator that a [`HierComm`] runs steps on.
@@ -418,6 +439,11 @@ impl HierComm {
                 err @ (TransportError::InvalidArgument(_)
                 | TransportError::Core(CoreError::UnsupportedOp { .. })),
             )) => Err(err),
+            // Interrupted (on either side): the cause names the global rank.
+            Err((_, err)) if self.interrupt.is_raised() => {
+                let err = self.interrupt.cause().map_or(err, |c| c.error());
+                Err(self.fail(Side::Tcp, err))
+            }
             Err((side, err)) => Err(self.fail(side, err)),
         }
     }
@@ -750,6 +776,10 @@ impl Communicator for HierComm {
         self.shm.give_up(external, false, &err.to_string());
         self.tcp.give_up(&err);
         self.broken = Some(err.to_string());
+    }
+
+    fn interrupter(&self) -> Option<Interrupt> {
+        Some(self.interrupt.clone())
     }
 }
 

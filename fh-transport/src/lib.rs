@@ -43,7 +43,10 @@ pub mod error;
 #[cfg(target_os = "linux")]
 pub mod hier;
 pub mod hosts;
+pub mod interrupt;
+pub mod liveness;
 pub mod local;
+pub mod metrics;
 pub mod mpi;
 #[cfg(target_os = "linux")]
 pub mod shm;
@@ -53,6 +56,7 @@ pub mod tcp;
 
 pub use comm::{CollectivesExt, Communicator, Topology, Transport};
 pub use error::TransportError;
+pub use interrupt::Interrupt;
 
 /// Result type of this crate.
 pub type Result<T, E = TransportError> = std::result::Result<T, E>;
@@ -77,6 +81,8 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_REQUIRE_TOKEN",
     "FH_ALLOW_WILDCARD",
     "FH_TIMEOUT_SECONDS",
+    "FH_HEARTBEAT_TIMEOUT_SECONDS",
+    "FH_HEARTBEAT_INTERVAL_MS",
     "FH_HOST_ID",
     "FH_SHM_SLOT_BYTES",
     "FH_MPI_THREAD_LEVEL",
@@ -84,6 +90,7 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_ELASTIC_ADDR",
     "FH_ELASTIC_WORKER",
     "FH_ELASTIC_TIMEOUT",
+    bootstrap::FHRUN_VERSION_VAR,
 ];
 
 /// The accepted values of `FH_TRANSPORT`, for error messages.
@@ -119,6 +126,13 @@ pub const TRANSPORT_CHOICES: &str =
 /// An elastic worker (`FH_ELASTIC_ADDR` set) is refused: its worlds come from the driver,
 /// through [`elastic::Client`], not from rank variables.
 pub fn from_env() -> Result<Box<dyn Transport>> {
+    from_env_keyed().map(|(world, _)| world)
+}
+
+/// [`from_env`], also returning the token this world authenticates with (its incarnation's,
+/// `None` for a single process or MPI), from which a caller derives the keys of worlds it
+/// forms later among some of these ranks ([`bootstrap::JobToken::derive`]).
+pub fn from_env_keyed() -> Result<(Box<dyn Transport>, Option<bootstrap::JobToken>)> {
     refuse_elastic(|n| std::env::var(n).ok())?;
     let choice = std::env::var("FH_TRANSPORT").ok();
     // MPI learns its world from the MPI runtime (plain `mpirun -np N` sets no rendezvous
@@ -127,12 +141,13 @@ pub fn from_env() -> Result<Box<dyn Transport>> {
         .as_deref()
         .is_some_and(|c| c.trim().eq_ignore_ascii_case("mpi"))
     {
-        return mpi::world();
+        return Ok((mpi::world()?, None));
     }
     let mut info = bootstrap::LaunchInfo::from_env()?;
     let incarnation = WORLDS_BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     info.token = info.token.map(|t| t.for_incarnation(incarnation));
-    world_for(&info, choice.as_deref())
+    let world = world_for(&info, choice.as_deref())?;
+    Ok((world, info.token))
 }
 
 /// An error when `var` says this process is an elastic worker.
@@ -224,11 +239,12 @@ fn connect_auto(info: &bootstrap::LaunchInfo) -> Result<Box<dyn Transport>> {
         hosts::Choice::Shm => {
             let settled = info.with_topology(tcp.topology());
             let world = tcp.world_id();
+            let mut tcp = tcp;
+            let beats = tcp.take_liveness();
             drop(tcp);
-            Ok(Box::new(shm::ShmTransport::from_info_in(
-                &settled,
-                Some(world),
-            )?))
+            let mut shm = shm::ShmTransport::from_info_in(&settled, Some(world))?;
+            shm.set_liveness(beats);
+            Ok(Box::new(shm))
         }
         hosts::Choice::Hier => hier::connect_auto_over(tcp, info),
         hosts::Choice::Tcp(why) => {
@@ -267,9 +283,10 @@ fn connect_shm(info: &bootstrap::LaunchInfo) -> Result<Box<dyn Transport>> {
     }
     let settled = info.with_topology(tcp.topology());
     let world = tcp.world_id();
+    let mut tcp = tcp;
+    let beats = tcp.take_liveness();
     drop(tcp);
-    Ok(Box::new(shm::ShmTransport::from_info_in(
-        &settled,
-        Some(world),
-    )?))
+    let mut shm = shm::ShmTransport::from_info_in(&settled, Some(world))?;
+    shm.set_liveness(beats);
+    Ok(Box::new(shm))
 }

@@ -25,11 +25,11 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 
-use crate::{Communicator, Result, Topology, Transport, TransportError};
+use crate::{Communicator, Interrupt, Result, Topology, Transport, TransportError};
 
 /// Default receive timeout of the in-process backend.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -129,6 +129,7 @@ fn build_group(size: usize, timeout: Duration) -> Vec<Option<LocalComm>> {
                 to: tx.into_iter().map(|s| s.expect("filled above")).collect(),
                 from: rx.into_iter().map(|r| r.expect("filled above")).collect(),
                 blame: Arc::clone(&blame),
+                interrupt: Interrupt::new(),
             })
         })
         .collect()
@@ -145,7 +146,13 @@ pub struct LocalComm {
     /// For each rank of the communicator, `1 + ` the rank it blamed when it gave up
     /// ([`Communicator::abort`]), or 0.
     blame: Arc<[AtomicUsize]>,
+    /// Ends a wait from another thread ([`Communicator::interrupter`]); looked at every
+    /// [`INTERRUPT_POLL`] while a receive waits.
+    interrupt: Interrupt,
 }
+
+/// How often a waiting receive looks at its interrupt.
+const INTERRUPT_POLL: Duration = Duration::from_millis(20);
 
 impl LocalComm {
     /// The error for `peer` having left: the rank it blamed when it gave up (followed along
@@ -169,6 +176,18 @@ impl LocalComm {
                 )
             },
         }
+    }
+
+    /// Fail because the interrupt was raised: give up as [`Communicator::abort`] does (peers
+    /// waiting for this rank learn whom to blame) and return the cause's error.
+    fn check_interrupt(&mut self) -> Result<()> {
+        let Some(cause) = self.interrupt.cause() else {
+            return Ok(());
+        };
+        if let Some(lost) = cause.lost {
+            self.abort(lost);
+        }
+        Err(cause.error())
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
@@ -197,6 +216,7 @@ impl Communicator for LocalComm {
 
     fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
         self.check_peer(peer)?;
+        self.check_interrupt()?;
         self.to[peer]
             .send(data.to_vec())
             .map_err(|_| self.lost(peer))
@@ -204,16 +224,23 @@ impl Communicator for LocalComm {
 
     fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
         self.check_peer(peer)?;
-        let msg = self.from[peer]
-            .recv_timeout(self.timeout)
-            .map_err(|e| match e {
-                RecvTimeoutError::Timeout => TransportError::Timeout {
-                    rank: peer,
-                    op: "recv",
-                    after: self.timeout,
-                },
-                RecvTimeoutError::Disconnected => self.lost(peer),
-            })?;
+        let deadline = Instant::now() + self.timeout;
+        let msg = loop {
+            self.check_interrupt()?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.from[peer].recv_timeout(left.min(INTERRUPT_POLL)) {
+                Ok(m) => break m,
+                Err(RecvTimeoutError::Timeout) if !left.is_zero() => {}
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(TransportError::Timeout {
+                        rank: peer,
+                        op: "recv",
+                        after: self.timeout,
+                    })
+                }
+                Err(RecvTimeoutError::Disconnected) => return Err(self.lost(peer)),
+            }
+        };
         if msg.len() != buf.len() {
             return Err(TransportError::Protocol {
                 rank: peer,
@@ -242,5 +269,9 @@ impl Communicator for LocalComm {
         let (to, from) = (self.to.len(), self.from.len());
         self.to = (0..to).map(|_| unbounded().0).collect();
         self.from = (0..from).map(|_| unbounded().1).collect();
+    }
+
+    fn interrupter(&self) -> Option<Interrupt> {
+        Some(self.interrupt.clone())
     }
 }

@@ -83,6 +83,10 @@ impl Transport for SplitTransport {
             self.data.open(label)
         }
     }
+
+    fn liveness(&self) -> Option<crate::liveness::Watch> {
+        self.data.liveness().or_else(|| self.control.liveness())
+    }
 }
 
 #[cfg(test)]

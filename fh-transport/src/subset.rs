@@ -314,6 +314,11 @@ impl Communicator for SubsetComm {
         // Errors name world ranks here, as the carrying communicator does.
         self.inner.abort(lost);
     }
+
+    fn interrupter(&self) -> Option<crate::Interrupt> {
+        // World ranks, as for `abort`.
+        self.inner.interrupter()
+    }
 }
 
 /// A communicator the backend opened over the members themselves
@@ -437,6 +442,11 @@ impl Communicator for GroupComm {
         if let Some(i) = self.members.iter().position(|&m| m == lost) {
             self.inner.abort(i);
         }
+    }
+
+    fn interrupter(&self) -> Option<crate::Interrupt> {
+        // The backend's group communicator reads its interrupt's cause in world ranks.
+        self.inner.interrupter()
     }
 }
 

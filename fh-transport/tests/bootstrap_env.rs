@@ -72,6 +72,30 @@ fn fhrun_variables() {
 }
 
 #[test]
+fn a_rank_of_another_release_than_its_fhrun_stops_naming_both() {
+    let mine = [FHRUN, &[("FH_FHRUN_VERSION", fh_core::RELEASE)]].concat();
+    assert_eq!(parse(&mine).unwrap().rank, 3);
+    let theirs = [FHRUN, &[("FH_FHRUN_VERSION", "0.0.1-other")]].concat();
+    let (var, reason) = config_err(&theirs);
+    assert_eq!(var, "FH_FHRUN_VERSION");
+    assert!(
+        reason.contains("fhrun that started it is FastHorovod 0.0.1-other"),
+        "{reason}"
+    );
+    assert!(
+        reason.contains(&format!("this rank runs FastHorovod {}", fh_core::RELEASE)),
+        "{reason}"
+    );
+    // Checked before anything else the launcher set (which another release may set otherwise).
+    let broken = [
+        &[("FH_FHRUN_VERSION", "0.0.1-other"), ("FH_RANK", "x")][..],
+        &FHRUN[1..],
+    ]
+    .concat();
+    assert_eq!(config_err(&broken).0, "FH_FHRUN_VERSION");
+}
+
+#[test]
 fn fhrun_wins_over_other_launchers() {
     let mut vars = FHRUN.to_vec();
     vars.extend([

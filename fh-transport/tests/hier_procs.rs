@@ -359,16 +359,18 @@ fn killed_remote_host_is_named_by_the_ranks_waiting_for_their_leader() {
 /// every rank of the other hosts must fail by itself with an error naming a rank of the stopped
 /// host, never a live peer of its own host that waits across hosts itself.
 fn cut_test(hosts: &[Vec<usize>], transport: &str) {
+    cut_test_with(hosts, transport, &[("FH_TIMEOUT_SECONDS", "3")], 90);
+}
+
+/// [`cut_test`] with `env` on top, every survivor's end bounded by `bound_s` seconds.
+fn cut_test_with(hosts: &[Vec<usize>], transport: &str, env: &[(&str, &str)], bound_s: u64) {
     let tok = hier_token();
     let far = hosts.last().unwrap().clone();
     let dir = std::env::temp_dir().join(format!("fh-hier-cut-{tok}"));
     std::fs::create_dir_all(&dir).unwrap();
     let list: Vec<String> = far.iter().map(usize::to_string).collect();
-    let extra = [
-        (VICTIM, list.join(",")),
-        (DIR, dir.display().to_string()),
-        ("FH_TIMEOUT_SECONDS", "3".to_string()),
-    ];
+    let mut extra = vec![(VICTIM, list.join(",")), (DIR, dir.display().to_string())];
+    extra.extend(env.iter().map(|(k, v)| (*k, v.to_string())));
     let mut kids = Children::spawn(hosts, transport, "cut", &tok, &extra);
     let size = kids.0.len();
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -389,10 +391,10 @@ fn cut_test(hosts: &[Vec<usize>], transport: &str) {
     let st = kids
         .wait_for(
             &survivors,
-            Duration::from_secs(90),
+            Duration::from_secs(bound_s),
             Duration::from_millis(10),
         )
-        .unwrap_or_else(|done| panic!("survivors still running: {done:?}"));
+        .unwrap_or_else(|done| panic!("survivors still running after {bound_s} s: {done:?}"));
     let _ = std::fs::remove_dir_all(&dir);
     for (r, s) in survivors.iter().zip(&st) {
         assert!(s.success(), "rank {r} (see its message above): {s:?}");
@@ -417,4 +419,20 @@ fn an_unreachable_host_is_named_by_every_rank_of_the_other_host() {
 fn an_unreachable_host_is_named_by_every_rank_of_the_other_host_over_tcp() {
     let _s = serial();
     cut_test(&[vec![0, 1], vec![2, 3]], "tcp");
+}
+
+/// With a timeout of 60 s, a host that freezes (every rank of it stopped) is named by every
+/// rank of the other host through the heartbeats, far sooner than the timeout (the promise is
+/// 2 s; the bound here leaves room for a loaded machine), over `hier` and over plain `tcp`.
+#[test]
+fn a_frozen_host_is_named_long_before_the_timeout() {
+    let _s = serial();
+    for transport in ["hier", "tcp"] {
+        cut_test_with(
+            &[vec![0, 1], vec![2, 3]],
+            transport,
+            &[("FH_TIMEOUT_SECONDS", "60")],
+            30,
+        );
+    }
 }

@@ -144,6 +144,32 @@ fn child() {
                 );
             }
         }
+        "stop" => {
+            // Started from the environment (the rendezvous starts the heartbeats, which the
+            // shared-memory world runs on), with a timeout of 60 s.
+            let mut t = fh_transport::from_env().unwrap();
+            assert_eq!(t.backend(), "shm");
+            let mut c = t.open("stopped").unwrap();
+            let mut buf = vec![1.0f32; 5000];
+            for _ in 0..5 {
+                c.allreduce_typed(&mut buf, ReduceOp::Sum).unwrap();
+            }
+            if rank == size - 1 {
+                // SAFETY: sending a signal to ourselves; the parent kills us at the end.
+                unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+                std::thread::sleep(Duration::from_secs(600));
+            }
+            let err = loop {
+                if let Err(e) = c.allreduce_typed(&mut buf, ReduceOp::Sum) {
+                    break e;
+                }
+            };
+            assert!(
+                matches!(err, TransportError::PeerLost { rank: r, .. } if r == size - 1),
+                "rank {rank}: expected PeerLost naming rank {}, got {err}",
+                size - 1
+            );
+        }
         "env" => {
             let mut t = fh_transport::from_env().unwrap();
             assert_eq!(t.backend(), "shm");
@@ -202,6 +228,35 @@ fn killed_rank_is_named_without_a_hang() {
     let st = kids.wait_all(Duration::from_secs(60));
     assert!(st[0].success() && st[1].success(), "survivors: {st:?}");
     assert_eq!(st[2].signal(), Some(libc::SIGKILL), "victim: {:?}", st[2]);
+    assert_eq!(leftovers(&shm::segment_prefix(&tok)), Vec::<String>::new());
+}
+
+/// A rank stopped (SIGSTOP) with a timeout of 60 s is named by the others through the
+/// heartbeats, far sooner than the timeout (the promise is 2 s; the bound leaves room for a
+/// loaded machine, and still fails when the survivors wait for the timeout).
+#[test]
+fn a_stopped_rank_is_named_long_before_the_timeout() {
+    let _serial = serial();
+    let tok = format!("tok-5f1d0c3a-{:032x}", std::process::id() as u128 * 7907);
+    let port = support::free_port().to_string();
+    let mut kids = Children::spawn_with(3, "stop", &tok, |r| {
+        vec![
+            ("FH_TRANSPORT", "shm".to_string()),
+            ("FH_RANK", r.to_string()),
+            ("FH_SIZE", "3".into()),
+            ("FH_LOCAL_RANK", r.to_string()),
+            ("FH_LOCAL_SIZE", "3".into()),
+            ("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}")),
+            ("FH_JOB_TOKEN", tok.clone()),
+            ("FH_TIMEOUT_SECONDS", "60".into()),
+        ]
+    });
+    let st = kids
+        .wait_for(&[0, 1], Duration::from_secs(30), Duration::from_millis(10))
+        .unwrap_or_else(|done| panic!("survivors still running after 30 s: {done:?}"));
+    assert!(st.iter().all(ExitStatus::success), "survivors: {st:?}");
+    let _ = kids.0[2].kill();
+    let _ = kids.0[2].wait();
     assert_eq!(leftovers(&shm::segment_prefix(&tok)), Vec::<String>::new());
 }
 

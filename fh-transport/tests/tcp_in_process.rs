@@ -129,7 +129,24 @@ fn the_door_says_why_it_refuses() {
     let mut other_version = hello(wire::PROTOCOL_VERSION, 2, 1).encode();
     other_version[4..6].copy_from_slice(&7u16.to_le_bytes());
     let why = refusal(rank0, &other_version);
-    assert!(why.contains("protocol version 7"), "{why}");
+    assert!(why.contains("wire protocol 7"), "{why}");
+
+    // The same protocol from another release: refused before the challenge, naming both.
+    let mut other_release = hello(wire::PROTOCOL_VERSION, 2, 1).encode();
+    other_release[6..wire::PREAMBLE_LEN].fill(0);
+    other_release[6..11].copy_from_slice(b"0.0.1");
+    let why = refusal(rank0, &other_release);
+    assert!(
+        why.contains("the connecting rank runs FastHorovod 0.0.1"),
+        "{why}"
+    );
+    assert!(
+        why.contains(&format!(
+            "the listening rank runs FastHorovod {}",
+            fh_core::RELEASE
+        )),
+        "{why}"
+    );
 
     let why = knock(rank0, &hello(wire::PROTOCOL_VERSION, 3, 1), token).unwrap();
     assert!(why.contains("world size mismatch"), "{why}");

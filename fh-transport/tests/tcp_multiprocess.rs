@@ -465,6 +465,57 @@ fn stopped_peer_is_named_by_every_survivor() {
     }
 }
 
+/// With a timeout of 60 s, a stopped rank is named by every survivor through the heartbeats,
+/// far sooner than the timeout: the promise is 2 s, the bound here (30 s) leaves room for a
+/// loaded machine and still fails whenever the survivors wait for the timeout.
+#[test]
+fn a_stopped_peer_is_named_long_before_the_timeout() {
+    let (size, victim) = (3, 1);
+    let mut job = Job::new(size, "killed_peer");
+    job.timeout_s = 60;
+    let mut world = World::new();
+    for r in 0..size {
+        world.spawn(&job, r, &[("FH_TEST_VICTIM", victim.to_string())]);
+    }
+    let all: Vec<usize> = (0..size).collect();
+    world.wait_lines(&all, "ITER", WORLD_DEADLINE);
+    // SAFETY: a signal to a child process of this test.
+    let rc = unsafe { libc::kill(world.children.0[victim].id() as libc::pid_t, libc::SIGSTOP) };
+    assert_eq!(rc, 0, "SIGSTOP the victim");
+    let survivors: Vec<usize> = all.iter().copied().filter(|&r| r != victim).collect();
+    let ok = world.wait(&survivors, Duration::from_secs(30));
+    let _ = world.children.0[victim].kill();
+    assert!(ok.iter().all(|&b| b), "{ok:?}\n{}", world.all_output());
+    for &r in &survivors {
+        let out = world.stdout[r].lock().unwrap().clone();
+        assert!(
+            out.contains(&format!("LOST rank={victim} ")),
+            "rank {r} did not name rank {victim}\n{}",
+            world.all_output()
+        );
+    }
+}
+
+/// A rank whose caller leaves the world alone for many times the heartbeats' silence (a
+/// training step that computes for minutes, scaled down) is never blamed: its heartbeats come
+/// from the transport's own thread. Every rank then finishes its collectives.
+#[test]
+fn a_rank_that_computes_between_collectives_is_never_blamed() {
+    let job = Job::new(3, "computes");
+    let mut world = World::new();
+    for r in 0..job.size {
+        world.spawn(
+            &job,
+            r,
+            &[
+                ("FH_HEARTBEAT_TIMEOUT_SECONDS", "0.6".into()),
+                ("FH_HEARTBEAT_INTERVAL_MS", "100".into()),
+            ],
+        );
+    }
+    world.wait_all_ok();
+}
+
 #[test]
 fn strangers_at_the_rendezvous_do_not_disturb_the_job() {
     let job = Job::new(3, "strangers");
@@ -542,6 +593,7 @@ fn child_rank() {
         "killed_peer" => child_killed_peer(),
         "strangers" => child_strangers(),
         "fd_limit" => child_fd_limit(),
+        "computes" => child_computes(),
         other => panic!("unknown scenario {other}"),
     }
     println!("CHILD DONE");
@@ -814,6 +866,27 @@ fn child_killed_peer() {
             "no failure observed"
         );
     }
+}
+
+/// Allreduces, with rank 1 away (computing) for 4 s — several times the heartbeats' silence —
+/// before each of the later ones, while the others wait in the collective.
+fn child_computes() {
+    let mut t = world();
+    let rank = t.rank();
+    let mut c = t.open("data").expect("open");
+    let mut watch = t.liveness().expect("heartbeats run over TCP");
+    for step in 0..3 {
+        if rank == 1 && step > 0 {
+            std::thread::sleep(Duration::from_secs(4));
+        }
+        let mut buf = vec![1.0f32; 1000];
+        c.allreduce_typed(&mut buf, ReduceOp::Sum)
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
+        assert_eq!(buf[0], 3.0);
+        assert!(watch.verdict().is_none(), "{:?}", watch.verdict());
+    }
+    watch = t.liveness().expect("still");
+    assert!(watch.verdict().is_none());
 }
 
 fn child_strangers() {

@@ -621,6 +621,65 @@ impl Cluster {
             .unwrap_or_default()
     }
 
+    /// Shapes both directions of host `host`'s link to `rate` (a `tc` rate), its queue bounded
+    /// by `latency` (a `tc` time): a low rate with a long queue is a delay spike. The cluster
+    /// must have been brought up with a rate (its links have a `tbf` qdisc to change).
+    pub(crate) fn shape(&self, host: usize, rate: &str, latency: &str) -> Result<(), String> {
+        let tbf = [
+            "root", "tbf", "rate", rate, "burst", "1mb", "latency", latency,
+        ];
+        let ns = format!("{}-h{host}", self.id);
+        sh(Command::new("tc")
+            .args(["qdisc", "change", "dev", &self.hosts[host].link])
+            .args(tbf))?;
+        sh(Command::new("tc")
+            .args(["-n", &ns, "qdisc", "change", "dev", "eth0"])
+            .args(tbf))
+    }
+
+    /// The network namespace of host `host`.
+    pub(crate) fn netns(&self, host: usize) -> String {
+        format!("{}-h{host}", self.id)
+    }
+
+    /// The near end (in the root namespace) of host `host`'s link.
+    pub(crate) fn link(&self, host: usize) -> String {
+        self.hosts[host].link.clone()
+    }
+
+    /// Loads the nftables `rules` (`nft -f` syntax) in host `host`'s network namespace, or
+    /// with `rules` empty removes the table `fhchaos` from it.
+    pub(crate) fn nft(&self, host: usize, rules: &str) -> Result<(), String> {
+        if rules.is_empty() {
+            let _ = self
+                .command(host, "nft")
+                .args(["delete", "table", "inet", "fhchaos"])
+                .stderr(Stdio::null())
+                .status();
+            return Ok(());
+        }
+        let mut c = self
+            .command(host, "nft")
+            .args(["-f", "-"])
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot run nft (install Debian's nftables): {e}"))?;
+        if let Some(mut i) = c.stdin.take() {
+            i.write_all(rules.as_bytes())
+                .map_err(|e| format!("nft: {e}"))?;
+        }
+        let out = c.wait_with_output().map_err(|e| format!("nft: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "nft on h{host} failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    }
+
     /// Cuts host `host` off the network (`up == false`) or reconnects it.
     pub(crate) fn set_link(&self, host: usize, up: bool) -> Result<(), String> {
         let l = &self.hosts[host].link;

@@ -13,17 +13,24 @@
 //!   runs it on an emulated cluster (root only).
 //! - `cargo xtask nccl-bindings [--check]`: regenerates (or checks) the committed NCCL bindings
 //!   of `fh-nccl-sys` with bindgen (feature `nccl-bindings`, the only dependency of xtask).
+//! - `cargo xtask wheel [--test]`: the binary wheel of `fasthorovod` with `fhrun` inside, and
+//!   its sdist (tools from the package registry, in `target/wheel/tools`).
+//! - `cargo xtask compat`: that wheel against several torch releases and Pythons (outside the
+//!   default test run).
 //!
 //! Dependency-free on purpose: `cargo xtask` must build in seconds on a fresh machine.
 
 mod bench;
 mod cluster;
+mod compat;
 mod elastic_check;
 mod multihost;
 mod nccl;
 mod python;
 mod test;
 mod tidy;
+mod wheel;
+mod wheel_env;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -48,6 +55,12 @@ tasks:
            run COMMAND on host h0 of an emulated cluster (hosts h0..; FH_RSH_AGENT set)
   nccl-bindings [--check] [--header PATH]
            regenerate fh-nccl-sys/src/bindings.rs from the NCCL wheel's nccl.h (bindgen)
+  wheel    the binary wheel of fasthorovod (Linux x86_64, manylinux_2_17, abi3: every CPython
+           >= 3.9; fhrun and fh-selftest inside) and its sdist, in target/wheel/dist;
+           --test: then the wheel in a fresh environment outside the tree (a stage of test)
+  compat [--torch V1,V2,..] [--python PATH1,PATH2,..]
+           the wheel against several torch releases and Pythons (ranks suite at np 2 each);
+           the table into README.md (several GB of downloads, cached in target/compat)
 ";
 
 fn main() -> ExitCode {
@@ -75,6 +88,8 @@ fn main() -> ExitCode {
         "cluster" => cluster::task(&rest),
         "__link-probe" => cluster::link_probe(&rest),
         "nccl-bindings" => nccl::run(&root, &rest),
+        "wheel" => wheel::run(&root, &rest),
+        "compat" => compat::run(&root, &rest),
         "" | "help" | "-h" | "--help" => {
             eprint!("{USAGE}");
             if task.is_empty() {

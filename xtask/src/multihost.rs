@@ -24,6 +24,13 @@
 //!   killed at the deadline) with an error naming a rank it lost; with the link cut nobody
 //!   died, and every rank must name a rank of the other host (never a live peer of its own);
 //!   the check reports when each rank failed, counted from the loss.
+//! - **host chaos** ([`chaos`], 2 × 2, `FH_TIMEOUT_SECONDS=60`): a rank killed or stopped, a
+//!   host's link cut, a host partitioned both ways (nftables), a whole host frozen, packet loss
+//!   of 1–5 % (nftables `numgen`), delay spikes (tbf), a CPU-throttled host (cgroup), over
+//!   `tcp` and `hier`, ranks started directly or by fhrun: no hang, the right rank or host
+//!   named (by the heartbeats, long before the timeout), and under loss, delay and a slow host
+//!   the job finishes with exact results and nobody blamed; `FH_HOST_CHAOS_FAULTS=1000` is the
+//!   long mode;
 //! - **elastic training** ([`crate::elastic_check`], 5 hosts): `fh-torch/examples/elastic_train.py`
 //!   under `fhrun --host-discovery-script`: h1 lost with rank 0 (SIGKILL), h4 added, the final parameters
 //!   bit-identical on every rank and equal to a one-process replay of the committed worlds;
@@ -42,6 +49,7 @@ use crate::cargo;
 use crate::cluster::{self, Cluster, RankEnd};
 use crate::elastic_check;
 
+mod chaos;
 mod launchers;
 mod losses;
 
@@ -75,6 +83,7 @@ struct Bins {
     sched_suite: PathBuf,
     selftest: PathBuf,
     fhrun: PathBuf,
+    chaos_rank: PathBuf,
 }
 
 /// How a check ended: passed (with what it saw), skipped (why) or failed (why).
@@ -123,7 +132,53 @@ pub(crate) fn task(root: &Path, args: &[String]) -> ExitCode {
 
 /// Number of checks [`run`] makes (reported as skipped when none can run).
 fn total_checks() -> usize {
-    LAYOUTS.len() * 3 + 2 + 4 + 1 + 4 + 1
+    LAYOUTS.len() * 3 + 2 + 4 + 1 + 4 + 1 + 1
+}
+
+/// The name of the chaos check across hosts.
+const HOST_CHAOS_CHECK: &str =
+    "host chaos: kill, stop, cut, partition, frozen host, loss, delay, slow host (tcp, hier; direct, fhrun)";
+
+/// The chaos runs ([`chaos`]): the CI set, or `FH_HOST_CHAOS_FAULTS` runs drawn from
+/// `FH_HOST_CHAOS_SEED` (default: the clock); `nft` missing skips the check.
+fn host_chaos(bins: &Bins) -> Result<String, String> {
+    if Command::new("nft")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .map_or(true, |s| !s.success())
+    {
+        return Err("no `nft` on PATH (install Debian's nftables: cargo xtask test does)".into());
+    }
+    let seed = std::env::var("FH_HOST_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    let mut rng = chaos::Rng::new(seed);
+    let plans = match std::env::var("FH_HOST_CHAOS_FAULTS")
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok())
+    {
+        Some(n) if n > 0 => chaos::random_plans(&mut rng, n),
+        _ => chaos::ci_plans(&mut rng),
+    };
+    // FH_HOST_CHAOS_KINDS=cut,stop and FH_HOST_CHAOS_LAUNCHER=fhrun|direct narrow the draw.
+    let kinds = std::env::var("FH_HOST_CHAOS_KINDS").unwrap_or_default();
+    let launcher = std::env::var("FH_HOST_CHAOS_LAUNCHER").unwrap_or_default();
+    let plans: Vec<chaos::Plan> = plans
+        .into_iter()
+        .filter(|p| kinds.is_empty() || kinds.split(',').any(|k| k == p.fault.name()))
+        .filter(|p| match launcher.as_str() {
+            "fhrun" => p.fhrun,
+            "direct" => !p.fhrun,
+            _ => true,
+        })
+        .collect();
+    chaos::run_plans(bins, &plans, seed)
 }
 
 /// The name of the elastic check.
@@ -150,6 +205,8 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             "fh-scheduler",
             "--example",
             "sched_suite",
+            "--example",
+            "chaos_rank",
         ][..],
     ] {
         let status = Command::new(cargo())
@@ -166,6 +223,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
         sched_suite: debug.join("examples").join("sched_suite"),
         selftest: debug.join("fh-selftest"),
         fhrun: debug.join("fhrun"),
+        chaos_rank: debug.join("examples").join("chaos_rank"),
     };
     let mut ran: Vec<Ran> = Vec::new();
     let mut note = |name: String, r: Result<End, String>, t: Instant| {
@@ -329,6 +387,15 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
                     })
                     .map(End::Passed),
             };
+            note(name.to_string(), r, t);
+        }
+    }
+
+    {
+        let name = HOST_CHAOS_CHECK;
+        if wanted(name) {
+            let t = Instant::now();
+            let r = host_chaos(&bins).map(End::Passed);
             note(name.to_string(), r, t);
         }
     }

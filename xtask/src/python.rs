@@ -1,7 +1,7 @@
 //! The Python half of `cargo xtask test`: a virtual environment under `target/` with PyTorch,
-//! maturin and pytest from the package registry; the `fasthorovod` wheel built from source
-//! with `pip install ./fh-torch`; the pytest suites of `fh-torch/tests` on 1, 2 and 3 ranks,
-//! the launch tests, the chaos suite and the random-kill elastic stage.
+//! maturin and pytest from the package registry; the `fasthorovod` wheel of
+//! `cargo xtask wheel` installed into it; the pytest suites of `fh-torch/tests` on 1, 2 and 3
+//! ranks, the launch tests, the chaos suite and the random-kill elastic stage.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -24,6 +24,20 @@ fn ok(c: &mut Command) -> bool {
     c.output().map(|o| o.status.success()).unwrap_or(false)
 }
 
+/// The interpreter virtual environments are made with: `PYTHON`, else `python3`; it must be
+/// 3.9 or newer, with the venv module.
+pub(crate) fn base_python() -> Result<String, String> {
+    let base = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    if ok(Command::new(&base).args(["-c", "import sys, venv; assert sys.version_info >= (3, 9)"])) {
+        Ok(base)
+    } else {
+        Err(format!(
+            "`{base}` (3.9 or newer, with the venv module) is needed: install it (Debian: \
+             `apt-get install python3 python3-venv`) or point PYTHON at one"
+        ))
+    }
+}
+
 /// Make sure the environment exists and has [`PACKAGES`]; returns an error saying exactly what
 /// is missing and how to get it.
 pub(crate) fn ensure_venv(root: &Path) -> Result<(), String> {
@@ -34,15 +48,7 @@ pub(crate) fn ensure_venv(root: &Path) -> Result<(), String> {
         return Ok(());
     }
     if !py.is_file() {
-        let base = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-        if !ok(
-            Command::new(&base).args(["-c", "import sys, venv; assert sys.version_info >= (3, 9)"])
-        ) {
-            return Err(format!(
-                "`{base}` (3.9 or newer, with the venv module) is needed for the PyTorch suite: \
-                 install it (Debian: `apt-get install python3 python3-venv`) or point PYTHON at one"
-            ));
-        }
+        let base = base_python()?;
         eprintln!("    creating {} with {base}", venv(root).display());
         let status = Command::new(&base)
             .args(["-m", "venv"])
@@ -80,8 +86,8 @@ pub(crate) fn ensure_venv(root: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// `pip install ./fh-torch` into the environment: maturin builds the extension from source.
-pub(crate) fn install_wheel(root: &Path) -> Command {
+/// `pip install WHEEL` into the environment (replacing any `fasthorovod` there; torch stays).
+pub(crate) fn install_wheel(root: &Path, wheel: &Path) -> Command {
     let mut c = Command::new(python(root));
     c.current_dir(root)
         .args([
@@ -92,9 +98,9 @@ pub(crate) fn install_wheel(root: &Path) -> Command {
             "--disable-pip-version-check",
             "--force-reinstall",
             "--no-deps",
-            "./fh-torch",
+            "--no-index",
         ])
-        .env("CARGO_TARGET_DIR", root.join("target"));
+        .arg(wheel);
     c
 }
 
@@ -156,7 +162,7 @@ pub(crate) fn chaos_suite(root: &Path) -> Command {
 }
 
 /// Runs of the random-kill elastic stage in `cargo xtask test` (its CI mode: about 400 s of
-X
+/// CPU, mostly the workers' `import torch`; 4 to 9 minutes on the shared 2-core VM).
 pub(crate) const EKILL_RUNS: u32 = 50;
 
 /// The random-kill elastic stage (`fh-torch/tests/elastic_kill`): elastic jobs under `fhrun

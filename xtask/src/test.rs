@@ -4,16 +4,18 @@ use std::path::Path;
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use crate::{cargo, multihost, python, tidy};
+use crate::{cargo, multihost, python, tidy, wheel, wheel_env};
 
 /// Debian packages the suites need. `openmpi-bin libopenmpi-dev libclang-dev`: the MPI suite
 /// (the `mpi` crate builds its bindings with libclang against `mpicc`) and fh-bench's OpenMPI
-/// peer (`mpicc`, `mpirun`); `fonts-dejavu-core`: the font fh-bench's PNG plots use.
+/// peer (`mpicc`, `mpirun`); `fonts-dejavu-core`: the font fh-bench's PNG plots use;
+/// `nftables`: the packet loss and partitions of the chaos checks across hosts.
 pub(crate) const BASE_PACKAGES: &[&str] = &[
     "openmpi-bin",
     "libopenmpi-dev",
     "libclang-dev",
     "fonts-dejavu-core",
+    "nftables",
 ];
 
 /// A stage's commands, from the workspace root.
@@ -220,9 +222,10 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
     }));
 
     // 5. PyTorch: a virtual environment under target/ (torch, maturin, pytest from the
-    //    registry), `pip install ./fh-torch`, pytest on 1, 2 and 3 ranks, the launch tests,
-    //    then the chaos suite (CI mode: python::CHAOS_RUNS runs) and the random-kill elastic
-    //    stage (python::EKILL_RUNS runs).
+    //    registry); the wheel (`cargo xtask wheel`, what users install) into it; pytest on 1,
+    //    2 and 3 ranks; the wheel in a fresh environment outside the tree, launched by its own
+    //    fhrun; the launch tests, then the chaos suite (CI mode: python::CHAOS_RUNS runs) and
+    //    the random-kill elastic stage (python::EKILL_RUNS runs).
     let venv = stage(
         "python environment (target/fh-venv: torch, maturin, pytest)",
         || match python::ensure_venv(root) {
@@ -232,27 +235,49 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
     );
     let venv_ok = matches!(venv.outcome, Outcome::Passed);
     stages.push(venv);
-    let python_stages: [(&str, Commands); 6] = [
-        (
-            "pip install ./fh-torch (maturin, from source; clippy)",
-            |root| {
-                let mut fhrun = Command::new(cargo());
-                fhrun.current_dir(root).args(["build", "-p", "fh-launch"]);
-                let mut lint = Command::new(cargo());
-                lint.current_dir(root)
-                    .args([
-                        "clippy",
-                        "-p",
-                        "fh-torch",
-                        "--features",
-                        "python",
-                        "--all-targets",
-                    ])
-                    .args(["--", "-D", "warnings"])
-                    .env("PYO3_PYTHON", python::python(root));
-                vec![fhrun, lint, python::install_wheel(root)]
-            },
-        ),
+    let mut wheel = None;
+    let install_name =
+        "the wheel (cargo xtask wheel: manylinux_2_17, fhrun inside) into target/fh-venv; clippy";
+    if venv_ok {
+        stages.push(stage(install_name, || {
+            let mut fhrun = Command::new(cargo());
+            fhrun.current_dir(root).args(["build", "-p", "fh-launch"]);
+            let mut lint = Command::new(cargo());
+            lint.current_dir(root)
+                .args([
+                    "clippy",
+                    "-p",
+                    "fh-torch",
+                    "--features",
+                    "python",
+                    "--all-targets",
+                ])
+                .args(["--", "-D", "warnings"])
+                .env("PYO3_PYTHON", python::python(root));
+            for c in [fhrun, lint] {
+                match run_cmd(c) {
+                    Outcome::Passed => {}
+                    other => return other,
+                }
+            }
+            let built = match wheel::build(root) {
+                Ok(b) => b,
+                Err(e) => return Outcome::Failed(e),
+            };
+            let outcome = run_cmd(python::install_wheel(root, &built.wheel));
+            if matches!(outcome, Outcome::Passed) {
+                wheel = Some(built.wheel);
+            }
+            outcome
+        }));
+    } else {
+        stages.push(Stage {
+            name: install_name.into(),
+            outcome: Outcome::Failed("the step before it failed".into()),
+            took: Duration::ZERO,
+        });
+    }
+    let python_stages: [(&str, Commands); 2] = [
         (
             "pytest fh-torch/tests/ranks and tests/gpu (skips without a GPU), one process",
             |root| vec![python::ranks_suite(root, 1), python::gpu_suite(root)],
@@ -261,6 +286,8 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
             "pytest fh-torch/tests/ranks under fhrun -np 2, -np 3",
             |root| vec![python::ranks_suite(root, 2), python::ranks_suite(root, 3)],
         ),
+    ];
+    let later_stages: [(&str, Commands); 3] = [
         ("pytest fh-torch/tests/launch", |root| {
             vec![python::launch_suite(root)]
         }),
@@ -273,17 +300,8 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
             |root| vec![python::elastic_kill_suite(root)],
         ),
     ];
-    let mut python_ok = venv_ok;
-    for (name, commands) in python_stages {
-        if !python_ok {
-            stages.push(Stage {
-                name: name.into(),
-                outcome: Outcome::Failed("the step before it failed".into()),
-                took: Duration::ZERO,
-            });
-            continue;
-        }
-        let s = stage(name, || {
+    let run_commands = |name: &str, commands: Commands| {
+        stage(name, || {
             for c in commands(root) {
                 match run_cmd(c) {
                     Outcome::Passed => {}
@@ -291,11 +309,35 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
                 }
             }
             Outcome::Passed
+        })
+    };
+    let skipped_after_failure = |name: &str| Stage {
+        name: name.into(),
+        outcome: Outcome::Failed("the step before it failed".into()),
+        took: Duration::ZERO,
+    };
+    for (name, commands) in python_stages {
+        stages.push(match wheel {
+            Some(_) => run_commands(name, commands),
+            None => skipped_after_failure(name),
         });
-        if name.starts_with("pip install") && !matches!(s.outcome, Outcome::Passed) {
-            python_ok = false;
-        }
-        stages.push(s);
+    }
+    let outside = "the wheel in a fresh environment outside the tree (its fhrun; 2-rank job, ranks suite np 2)";
+    stages.push(match &wheel {
+        Some(w) => stage(outside, || match wheel_env::stage(root, w) {
+            Ok(line) => {
+                eprintln!("==> {line}");
+                Outcome::PassedNoting(line)
+            }
+            Err(e) => Outcome::Failed(e),
+        }),
+        None => skipped_after_failure(outside),
+    });
+    for (name, commands) in later_stages {
+        stages.push(match wheel {
+            Some(_) => run_commands(name, commands),
+            None => skipped_after_failure(name),
+        });
     }
 
     // 6. Extra suites (MPI, GPU path without a GPU, ...), skipped when their packages are

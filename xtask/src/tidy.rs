@@ -7,8 +7,11 @@
 //! - No printing (`println!`, `eprintln!`, `dbg!`, ...) and no `process::exit` in library code.
 //! - CUDA and NCCL bindings (`cudarc`, `fh-nccl-sys`) only in fh-transport, and `cudarc`
 //!   loaded at run time with an explicit CUDA version (the `cuda` feature needs no toolkit).
-//! - The README's first lines give the two commands; `.ci/run` calls `cargo xtask test`;
-//!   `ARCHITECTURE.md` mentions every crate.
+//! - The README's first lines give the two commands and then the Install section; `.ci/run`
+//!   calls `cargo xtask test`; `ARCHITECTURE.md` mentions every crate.
+//! - One release: every crate takes the workspace's version (the wheel's, `fhrun`'s and the
+//!   release the ranks compare); the supported PyTorch is stated alike in
+//!   `fh-torch/pyproject.toml`, `fasthorovod/_compat.py` and the README.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -108,6 +111,8 @@ pub(crate) const RULES: &[Rule] = &[
 const README_COMMANDS: &[&str] = &["cargo xtask bench --quick", "cargo xtask test"];
 /// How many of the README's first lines are searched.
 const README_HEAD_LINES: usize = 12;
+/// The heading the README's first lines must reach, right after the commands.
+const README_INSTALL: &str = "## Install";
 /// Macros and calls that library code must not use.
 const FORBIDDEN_IN_LIBRARIES: &[&str] = &[
     "println!(",
@@ -151,6 +156,8 @@ pub(crate) fn run_all(root: &Path) -> Vec<String> {
     out.extend(check_ci_script(root));
     out.extend(check_architecture(root));
     out.extend(check_cudarc_features(root));
+    out.extend(check_one_release(root));
+    out.extend(check_torch_range(root));
     out
 }
 
@@ -487,11 +494,89 @@ pub(crate) fn readme_problems(text: &str) -> Vec<String> {
         .take(README_HEAD_LINES)
         .collect::<Vec<_>>()
         .join("\n");
-    README_COMMANDS
+    let mut out: Vec<String> = README_COMMANDS
         .iter()
         .filter(|c| !head.contains(*c))
         .map(|c| format!("README.md's first {README_HEAD_LINES} lines do not give `{c}`"))
-        .collect()
+        .collect();
+    if !head.lines().any(|l| l.trim_end() == README_INSTALL) {
+        out.push(format!(
+            "README.md's first {README_HEAD_LINES} lines do not reach its `{README_INSTALL}` \
+             section (it comes right after the two commands)"
+        ));
+    }
+    out
+}
+
+/// Every workspace crate takes the workspace's version: one release for the wheel, `fhrun`
+/// and the ranks (`fh_core::RELEASE`).
+pub(crate) fn check_one_release(root: &Path) -> Vec<String> {
+    match members(root) {
+        Ok(ms) => ms
+            .iter()
+            .filter(|m| !takes_workspace_version(&m.manifest))
+            .map(|m| {
+                format!(
+                    "{}/Cargo.toml does not take `version.workspace = true`: every crate is of \
+                     the one release that fhrun, the wheel and the ranks compare",
+                    m.dir
+                )
+            })
+            .collect(),
+        Err(e) => vec![e],
+    }
+}
+
+pub(crate) fn takes_workspace_version(manifest: &str) -> bool {
+    let mut in_package = false;
+    for line in manifest.lines().map(strip_comment).map(str::trim) {
+        if line.starts_with('[') {
+            in_package = line == "[package]";
+        } else if in_package && line.replace(' ', "") == "version.workspace=true" {
+            return true;
+        }
+    }
+    false
+}
+
+/// The supported PyTorch, `X.Y`, as each place states it: `torch>=X.Y` in
+/// `fh-torch/pyproject.toml`, `TORCH_MIN = (X, Y)` in `fasthorovod/_compat.py`, `torch>=X.Y`
+/// in the README.
+pub(crate) fn check_torch_range(root: &Path) -> Vec<String> {
+    let read_all = || -> Result<(String, String, String), String> {
+        Ok((
+            read(&root.join("fh-torch/pyproject.toml"))?,
+            read(&root.join("fh-torch/python/fasthorovod/_compat.py"))?,
+            read(&root.join("README.md"))?,
+        ))
+    };
+    match read_all() {
+        Ok((pyproject, compat, readme)) => torch_range_problems(&pyproject, &compat, &readme),
+        Err(e) => vec![e],
+    }
+}
+
+pub(crate) fn torch_range_problems(pyproject: &str, compat: &str, readme: &str) -> Vec<String> {
+    let Some(claimed) = pyproject
+        .split("\"torch>=")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+    else {
+        return vec!["fh-torch/pyproject.toml states no `torch>=X.Y` dependency".into()];
+    };
+    let mut out = Vec::new();
+    let tuple = format!("TORCH_MIN = ({})", claimed.replace('.', ", "));
+    if !compat.contains(&tuple) {
+        out.push(format!(
+            "fasthorovod/_compat.py does not say `{tuple}` (pyproject.toml: torch>={claimed})"
+        ));
+    }
+    if !readme.contains(&format!("torch>={claimed}")) {
+        out.push(format!(
+            "README.md does not state the supported PyTorch, `torch>={claimed}`"
+        ));
+    }
+    out
 }
 
 /// `.ci/run` calls `cargo xtask test` on a line that is not a comment.
@@ -609,6 +694,37 @@ mod tests {
     #[test]
     fn architecture_mentions_every_crate() {
         assert_clean(check_architecture(&root()));
+    }
+
+    #[test]
+    fn one_release_and_one_torch_range() {
+        assert_clean(check_one_release(&root()));
+        assert_clean(check_torch_range(&root()));
+    }
+
+    #[test]
+    fn release_and_torch_range_detection() {
+        assert!(takes_workspace_version(
+            "[package]\nname = \"a\"\nversion.workspace = true # one\n"
+        ));
+        assert!(!takes_workspace_version(
+            "[package]\nname = \"a\"\nversion = \"0.2.0\"\n[dependencies]\nversion.workspace = true\n"
+        ));
+        let pyproject = "dependencies = [\"torch>=2.1\"]\n";
+        let compat = "TORCH_MIN = (2, 1)\n";
+        assert!(torch_range_problems(pyproject, compat, "PyTorch (`torch>=2.1`)").is_empty());
+        assert_eq!(
+            torch_range_problems(pyproject, "TORCH_MIN = (2, 0)", "torch>=2.1").len(),
+            1
+        );
+        assert_eq!(
+            torch_range_problems(pyproject, compat, "torch 2.1").len(),
+            1
+        );
+        assert_eq!(
+            torch_range_problems("dependencies = []", compat, "").len(),
+            1
+        );
     }
 
     // The checkers themselves: they must be able to fail.
@@ -746,7 +862,17 @@ mod tests {
     fn missing_docs_and_readme_detection() {
         assert!(denies_missing_docs("//! Crate.\n#![deny(missing_docs)]\n"));
         assert!(!denies_missing_docs("#![warn(missing_docs)]\n"));
-        assert!(readme_problems("# X\n\ncargo xtask bench --quick\ncargo xtask test\n").is_empty());
-        assert_eq!(readme_problems("# X\ncargo xtask test\n").len(), 1);
+        assert!(readme_problems(
+            "# X\n\ncargo xtask bench --quick\ncargo xtask test\n\n## Install\n"
+        )
+        .is_empty());
+        assert_eq!(
+            readme_problems("# X\ncargo xtask test\n## Install\n").len(),
+            1
+        );
+        assert_eq!(
+            readme_problems("# X\n\ncargo xtask bench --quick\ncargo xtask test\n").len(),
+            1
+        );
     }
 }

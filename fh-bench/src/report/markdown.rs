@@ -37,17 +37,19 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
              of {} ms at fixed deadlines; step = backward start to last gradient reduced \
              (slowest rank); exposed = step − backward. Each configuration ran {} time(s), \
              interleaved round-robin with the others; step and exposed: median [min–max] over \
-             the {} timed steps of every run; per run: each run's median exposed; ÷ ddp-gloo \
-             and ÷ horovod-torch: the exposed ratio within each round, median [min–max] over \
-             the rounds; ÷ horovod: medians against the engine's `horovod` preset.\n",
+             the {} timed steps of every run; per run: each run's median exposed; ÷ ddp-gloo, \
+             ÷ horovod-torch and ÷ fasthorovod-torch (its row over the same transport): the \
+             exposed ratio within each round, median [min–max] over the rounds; ÷ horovod: \
+             medians against the engine's `horovod` preset. `ddp-fasthorovod`: DDP with its \
+             process group on FastHorovod's torch.distributed backend.\n",
             c.backward_ms, c.replay_repeats, c.steps
         );
-        let _ = writeln!(md, "| workload | schedule (transport) | step | exposed | exposed per run | throughput | step ÷ horovod | exposed ÷ horovod | exposed ÷ ddp-gloo | exposed ÷ horovod-torch | bytes per channel |");
-        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(md, "| workload | schedule (transport) | step | exposed | exposed per run | throughput | step ÷ horovod | exposed ÷ horovod | exposed ÷ ddp-gloo | exposed ÷ horovod-torch | exposed ÷ fasthorovod-torch | bytes per channel |");
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|");
         for x in &r.replay {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 x.workload,
                 x.config_label(),
                 x.step.display(1),
@@ -62,6 +64,9 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
                     .as_ref()
                     .map_or("–".into(), |q| q.display(2)),
                 x.exposed_vs_horovod_torch
+                    .as_ref()
+                    .map_or("–".into(), |q| q.display(2)),
+                x.exposed_vs_fasthorovod_torch
                     .as_ref()
                     .map_or("–".into(), |q| q.display(2)),
                 x.channel_share_text(),

@@ -15,7 +15,7 @@ pub fn summary(r: &RunRecord) -> String {
         );
         let _ = writeln!(
             s,
-            "  {:<12} {:<32} {:>10} {:>10} {:>8} {:>8} {:>18} {:>18} channels",
+            "  {:<12} {:<32} {:>10} {:>10} {:>8} {:>8} {:>18} {:>18} {:>18} channels",
             "workload",
             "schedule (transport)",
             "step ms",
@@ -24,11 +24,12 @@ pub fn summary(r: &RunRecord) -> String {
             "exp÷hv",
             "exp÷ddp",
             "exp÷hvd-torch",
+            "exp÷fh-torch",
         );
         for x in &r.replay {
             let _ = writeln!(
                 s,
-                "  {:<12} {:<32} {:>10.1} {:>10.1} {:>8} {:>8} {:>18} {:>18} {}",
+                "  {:<12} {:<32} {:>10.1} {:>10.1} {:>8} {:>8} {:>18} {:>18} {:>18} {}",
                 x.workload,
                 x.config_label(),
                 x.step.median,
@@ -39,6 +40,9 @@ pub fn summary(r: &RunRecord) -> String {
                     .map_or("-".into(), |v| format!("{v:.2}")),
                 x.exposed_vs_ddp.as_ref().map_or("-".into(), ratio_range),
                 x.exposed_vs_horovod_torch
+                    .as_ref()
+                    .map_or("-".into(), ratio_range),
+                x.exposed_vs_fasthorovod_torch
                     .as_ref()
                     .map_or("-".into(), ratio_range),
                 x.channel_share_text(),

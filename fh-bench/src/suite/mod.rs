@@ -73,6 +73,9 @@ pub struct Options {
     /// whoever measured it, e.g. `cargo xtask bench --emulate`): the replay's link bounds and
     /// the model calibrated on that link.
     pub link_gbps: Option<f64>,
+    /// Replay only the shipped `fasthorovod` with the flight recorder on and off, interleaved
+    /// (`--flight-cost`): what always-on recording costs.
+    pub flight_cost: bool,
 }
 
 /// Default sizes of the sweep: quick → 8 B, 4 KiB, 1 MiB, 16 MiB (+64 MiB for allreduce);
@@ -226,10 +229,10 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     let python = torch_peer::python();
     let mut peers = Vec::new();
     if wants("replay") {
-        let list = if opts.peer_hosts.is_some() {
-            torch_peer::PEERS_ACROSS_HOSTS
+        let list: &[torch_peer::Peer] = if opts.peer_hosts.is_some() {
+            &torch_peer::PEERS_ACROSS_HOSTS
         } else {
-            torch_peer::PEERS
+            &torch_peer::PEERS
         };
         for peer in list {
             let reason = if opts.no_peers {
@@ -240,7 +243,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 None
             };
             match reason {
-                None => peers.push(peer),
+                None => peers.push(*peer),
                 Some(reason) => record.skipped.push(Skipped {
                     suite: "replay".into(),
                     what: peer.what.into(),
@@ -252,7 +255,7 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             * workloads.len()
             * (replay_transports(&runners)
                 .iter()
-                .map(|(t, _)| replay::schedules_over(t, opts.np).len())
+                .map(|(t, _)| replay::schedules_over(t, opts.np, opts.flight_cost).len())
                 .sum::<usize>()
                 + peers.len())) as u64;
     }

@@ -56,7 +56,7 @@ pub(super) fn run(
     // Every configuration: the engine's presets over each transport, then the peers.
     let mut configs: Vec<ReplayConfig> = Vec::new();
     for (tname, runner) in &replay_runners {
-        for s in schedules_over(tname, opts.np) {
+        for s in schedules_over(tname, opts.np, opts.flight_cost) {
             configs.push(ReplayConfig::Engine {
                 spec: s,
                 transport: tname.clone(),
@@ -208,6 +208,25 @@ pub(super) fn run(
             }
         }
     }
+    if opts.flight_cost {
+        // The replay's rows compare whole steps; this is the recorder's own cost per
+        // operation (its four steps, on one thread), which a step pays once per gradient.
+        let per_op = fh_scheduler::flight::recording_cost(200_000);
+        bar.suspend(|| {
+            eprintln!(
+                "flight recorder: {:.0} ns per operation (submitted, negotiated, started, done)",
+                per_op.as_secs_f64() * 1e9
+            );
+            for w in workloads {
+                eprintln!(
+                    "  {}: {} gradients, {:.1} µs of recording per step",
+                    w.model,
+                    w.tensors.len(),
+                    per_op.as_secs_f64() * 1e6 * w.tensors.len() as f64
+                );
+            }
+        });
+    }
     for ((tname, _, sizes), secs) in links.iter().zip(&link_secs) {
         for (&bytes, secs) in sizes.iter().zip(secs) {
             if !secs.is_empty() {
@@ -299,6 +318,7 @@ pub fn replay_row_labelled(
         exposed_ratio_to_horovod: None,
         exposed_vs_ddp: None,
         exposed_vs_horovod_torch: None,
+        exposed_vs_fasthorovod_torch: None,
         channel_share: Vec::new(),
     }
 }
@@ -335,7 +355,10 @@ impl ReplayConfig {
 /// The schedules replayed over the transport named `transport` ([`ScheduleSpec::all_for`]).
 /// Its wire by name on one host: a replay transport that can span hosts is TCP, a network
 /// stack anywhere.
-pub(super) fn schedules_over(transport: &str, np: usize) -> Vec<ScheduleSpec> {
+pub(super) fn schedules_over(transport: &str, np: usize, flight_cost: bool) -> Vec<ScheduleSpec> {
+    if flight_cost {
+        return ScheduleSpec::flight_cost();
+    }
     ScheduleSpec::all_for(np, fh_scheduler::Wire::of(transport, 1))
 }
 
@@ -402,7 +425,8 @@ pub fn repeated_row(
 }
 
 /// Ratios inside the run: to the `horovod` preset (medians; same transport, else the first
-/// `horovod` row), and per repeat to the `ddp-gloo` and `horovod-torch` peers (the medians of
+/// `horovod` row), and per repeat to the `ddp-gloo`, `horovod-torch` and (same transport)
+/// `fasthorovod-torch` peers (the medians of
 /// the same round; rounds where either failed are left out). `per_repeat[i][k]` is row i's
 /// median exposed time in repeat k (`None`: that repeat failed).
 pub fn add_ratios(rows: &mut [ReplayRow], per_repeat: &[Vec<Option<f64>>]) {
@@ -415,6 +439,14 @@ pub fn add_ratios(rows: &mut [ReplayRow], per_repeat: &[Vec<Option<f64>>]) {
     let bases: Vec<Option<(f64, f64)>> = rows.iter().map(|r| horovod(&r.transport, rows)).collect();
     let peer = |label: &str| rows.iter().position(|r| r.schedule == label);
     let (ddp, hvd) = (peer("ddp-gloo"), peer("horovod-torch"));
+    // DistributedOptimizer over the row's own transport (the ddp-fasthorovod rows' base).
+    let fh_torch: Vec<Option<usize>> = rows
+        .iter()
+        .map(|r| {
+            rows.iter()
+                .position(|b| b.schedule == "fasthorovod-torch" && b.transport == r.transport)
+        })
+        .collect();
     let paired = |i: usize, base: Option<usize>| -> Option<Quantity> {
         let b = &per_repeat[base?];
         let ratios: Vec<f64> = per_repeat[i]
@@ -427,15 +459,16 @@ pub fn add_ratios(rows: &mut [ReplayRow], per_repeat: &[Vec<Option<f64>>]) {
             .collect();
         (!ratios.is_empty()).then(|| Quantity::from_samples(&ratios, "ratio"))
     };
-    let vs: Vec<(Option<Quantity>, Option<Quantity>)> = (0..rows.len())
-        .map(|i| (paired(i, ddp), paired(i, hvd)))
+    let vs: Vec<(Option<Quantity>, Option<Quantity>, Option<Quantity>)> = (0..rows.len())
+        .map(|i| (paired(i, ddp), paired(i, hvd), paired(i, fh_torch[i])))
         .collect();
-    for ((r, base), (d, h)) in rows.iter_mut().zip(bases).zip(vs) {
+    for ((r, base), (d, h, f)) in rows.iter_mut().zip(bases).zip(vs) {
         if let Some((step, exposed)) = base {
             r.step_ratio_to_horovod = Some(r.step.median / step);
             r.exposed_ratio_to_horovod = (exposed > 0.0).then(|| r.exposed.median / exposed);
         }
         r.exposed_vs_ddp = d;
         r.exposed_vs_horovod_torch = h;
+        r.exposed_vs_fasthorovod_torch = f;
     }
 }

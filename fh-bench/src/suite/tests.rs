@@ -72,6 +72,46 @@ fn repeats_pool_steps_and_ratios_pair_rounds() {
 }
 
 #[test]
+fn ddp_on_the_fasthorovod_backend_pairs_with_distributed_optimizer_over_its_transport() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads");
+    let w = Workload::load(&dir.join("resnet50.json")).unwrap();
+    let row = |label: &str, t: &str| {
+        repeated_row(&w, label, t, 4, 100.0, &[Some(vec![0.2]), Some(vec![0.2])]).unwrap()
+    };
+    let mut rows = vec![
+        row("fasthorovod-torch", "shm"),
+        row("fasthorovod-torch", "tcp"),
+        row("ddp-fasthorovod", "shm"),
+        row("ddp-fasthorovod", "tcp"),
+        row("ddp-gloo", "gloo"),
+    ];
+    let per_repeat = vec![
+        vec![Some(10.0), Some(20.0)],
+        vec![Some(40.0), Some(40.0)],
+        vec![Some(30.0), Some(20.0)],
+        vec![Some(20.0), Some(80.0)],
+        vec![Some(100.0), Some(100.0)],
+    ];
+    add_ratios(&mut rows, &per_repeat);
+    // shm: 30/10 and 20/20; tcp: 20/40 and 80/40 — each against its own transport's row.
+    let shm = rows[2].exposed_vs_fasthorovod_torch.clone().unwrap();
+    assert!(
+        (shm.min - 1.0).abs() < 1e-9 && (shm.max - 3.0).abs() < 1e-9,
+        "{shm:?}"
+    );
+    let tcp = rows[3].exposed_vs_fasthorovod_torch.clone().unwrap();
+    assert!(
+        (tcp.min - 0.5).abs() < 1e-9 && (tcp.max - 2.0).abs() < 1e-9,
+        "{tcp:?}"
+    );
+    assert_eq!(rows[2].exposed_vs_ddp.as_ref().map(|q| q.n), Some(2));
+    assert!(
+        rows[4].exposed_vs_fasthorovod_torch.is_none(),
+        "no fasthorovod-torch over gloo"
+    );
+}
+
+#[test]
 fn aggregation_takes_the_slowest_rank() {
     use crate::collectives::CaseTimes;
     let case = |secs: Vec<f64>| CaseTimes {

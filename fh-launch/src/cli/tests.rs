@@ -227,3 +227,10 @@ fn env_pass() {
         ]
     );
 }
+
+#[test]
+fn explain_stands_alone() {
+    let c = parse(&["--explain", "/tmp/flight"]).unwrap();
+    assert_eq!(c.explain, Some(PathBuf::from("/tmp/flight")));
+    assert!(parse(&["--explain", "/tmp/flight", "-np", "2", "echo"]).is_err());
+}

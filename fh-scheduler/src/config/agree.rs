@@ -60,13 +60,26 @@ pub(crate) fn planning_fields(
 /// [`planning_fields`], so that a difference is a clear configuration error naming the
 /// variable on every rank instead of diverging rounds later. Collective over `comm`; `wire` is
 /// the data channels' ([`Wire::of`] their transport).
+///
+/// The world's heartbeat settings (`liveness`, from its transport) are agreed too: a rank that
+/// beats less often than another tolerates would be declared lost while alive.
 pub(crate) fn agree(
     comm: &mut dyn fh_transport::Communicator,
     c: &Config,
     wire: Wire,
+    liveness: Option<fh_transport::liveness::Settings>,
 ) -> Result<(), SchedulerError> {
     use fh_core::{DType, ReduceOp};
-    let fields = planning_fields(c, comm.size(), wire);
+    let mut fields = planning_fields(c, comm.size(), wire);
+    let ms = |d: Duration| d.as_millis().min(i64::MAX as u128) as i64;
+    fields.push((
+        fh_transport::liveness::SILENCE_VAR,
+        liveness.map_or(0, |l| ms(l.silence)),
+    ));
+    fields.push((
+        fh_transport::liveness::INTERVAL_VAR,
+        liveness.map_or(0, |l| ms(l.interval)),
+    ));
     let vals: Vec<i64> = fields.iter().map(|f| f.1).collect();
     let mut lo: Vec<u8> = bytemuck::cast_slice(&vals).to_vec();
     let mut hi = lo.clone();
@@ -86,6 +99,42 @@ pub(crate) fn agree(
         }
     }
     Ok(())
+}
+
+/// Broadcasts of rank 0's clock in [`measure_clock`].
+const CLOCK_SAMPLES: usize = 5;
+
+/// This rank's wall clock minus rank 0's, in microseconds, so that every rank's timeline can
+/// be put on one clock. Ranks on rank 0's host share its clock: 0. Between hosts (only there:
+/// every rank takes part, since `cross_size` is the same on all), rank 0 broadcasts its clock
+/// [`CLOCK_SAMPLES`] times and each rank keeps the smallest difference from its own on
+/// arrival: the delivery delay only adds, so the smallest is off by the fastest delivery.
+pub(crate) fn measure_clock(
+    comm: &mut dyn fh_transport::Communicator,
+    topo: fh_transport::Topology,
+) -> Result<i64, SchedulerError> {
+    if topo.cross_size <= 1 {
+        return Ok(0);
+    }
+    let now = || crate::flight::unix_micros(std::time::SystemTime::now());
+    let mut best = i64::MAX;
+    let mut host0 = 0;
+    for _ in 0..CLOCK_SAMPLES {
+        let mut b = [0u8; 16];
+        if comm.rank() == 0 {
+            b[..8].copy_from_slice(&now().to_le_bytes());
+            b[8..].copy_from_slice(&(topo.cross_rank as u64).to_le_bytes());
+        }
+        comm.broadcast(&mut b, 0)?;
+        let sent = i64::from_le_bytes(b[..8].try_into().unwrap_or_default());
+        host0 = u64::from_le_bytes(b[8..].try_into().unwrap_or_default());
+        best = best.min(now().saturating_sub(sent));
+    }
+    Ok(if topo.cross_rank as u64 == host0 {
+        0
+    } else {
+        best
+    })
 }
 
 /// The engine's incarnation: a value rank 0 draws afresh for every engine it starts and

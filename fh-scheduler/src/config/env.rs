@@ -25,6 +25,10 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_CUDA",
     "FH_PRIORITY",
     "FH_TIMELINE",
+    "FH_FLIGHT_RECORDS",
+    "FH_FLIGHT_DIR",
+    "FH_METRICS_ADDR",
+    "FH_SUMMARY",
     "FH_STALL_CHECK_SECONDS",
     "FH_STALL_SHUTDOWN_SECONDS",
     "FH_TIMEOUT_SECONDS",
@@ -234,6 +238,27 @@ impl Config {
                 Some(PathBuf::from(v))
             };
         }
+        if let Some(v) = get("FH_FLIGHT_RECORDS") {
+            let n = parse_u64("FH_FLIGHT_RECORDS", &v)?;
+            if n > MAX_FLIGHT_RECORDS as u64 {
+                return Err(SchedulerError::config(
+                    "FH_FLIGHT_RECORDS",
+                    format!(
+                        "'{v}' is out of range; accepted values: 0 (off) to {MAX_FLIGHT_RECORDS}"
+                    ),
+                ));
+            }
+            c.flight_records = n as usize;
+        }
+        if let Some(v) = get("FH_FLIGHT_DIR") {
+            c.flight_dir = (!v.trim().is_empty()).then(|| PathBuf::from(v));
+        }
+        if let Some(v) = get("FH_METRICS_ADDR") {
+            c.metrics_addr = parse_metrics_addr(&v)?;
+        }
+        if let Some(v) = get("FH_SUMMARY") {
+            parse_switch("FH_SUMMARY", &v)?;
+        }
         if let Some(v) = get("FH_STALL_CHECK_SECONDS") {
             let d = parse_seconds("FH_STALL_CHECK_SECONDS", &v, 1.0)?;
             c.stall_check = (!d.is_zero()).then_some(d);
@@ -261,4 +286,26 @@ impl Config {
         c.validate()?;
         Ok(c)
     }
+}
+
+/// `FH_METRICS_ADDR`: `PORT`, `:PORT` or `IP:PORT` (127.0.0.1 unless an address is given);
+/// empty: off.
+fn parse_metrics_addr(v: &str) -> Result<Option<std::net::SocketAddr>, SchedulerError> {
+    let t = v.trim();
+    if t.is_empty() {
+        return Ok(None);
+    }
+    let port_only = t.strip_prefix(':').unwrap_or(t);
+    if let Ok(port) = port_only.parse::<u16>() {
+        return Ok(Some(std::net::SocketAddr::from(([127, 0, 0, 1], port))));
+    }
+    t.parse::<std::net::SocketAddr>().map(Some).map_err(|_| {
+        SchedulerError::config(
+            "FH_METRICS_ADDR",
+            format!(
+                "'{v}' is not an address; accepted: PORT, :PORT or IP:PORT (127.0.0.1 unless \
+                 given; each rank listens on PORT plus its local rank)"
+            ),
+        )
+    })
 }

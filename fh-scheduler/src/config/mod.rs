@@ -15,7 +15,7 @@ mod parse;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use agree::{agree, agree_incarnation};
+pub(crate) use agree::{agree, agree_incarnation, measure_clock};
 
 const MIB: u64 = 1024 * 1024;
 
@@ -192,7 +192,20 @@ pub struct Config {
     /// (`FH_CONTROL_SPIN_US`, at most 1000 µs; zero: sleep at once). Back-to-back small
     /// collectives then skip a thread wake-up. A local choice, never agreed.
     pub control_spin: Duration,
+    /// Operations the flight recorder keeps (`FH_FLIGHT_RECORDS`; 0: off): see
+    /// [`crate::flight`]. A local choice, never agreed.
+    pub flight_records: usize,
+    /// Where the flight records go (`FH_FLIGHT_DIR`; `None`: fhrun's job directory when fhrun
+    /// sets it, else [`crate::flight::dump::default_dir`]).
+    pub flight_dir: Option<PathBuf>,
+    /// Where the rank's figures are served in Prometheus' text format (`FH_METRICS_ADDR`:
+    /// `PORT`, `:PORT` or `IP:PORT`, the host 127.0.0.1 unless given; each rank listens on
+    /// the port plus its local rank). `None`: not served. `fasthorovod` serves it.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
+
+/// Most operations `FH_FLIGHT_RECORDS` accepts (a slot is about 200 bytes).
+pub const MAX_FLIGHT_RECORDS: usize = 1 << 20;
 
 /// Default [`Config::stage_bytes`]: 1 MiB, a piece that stays in a server core's L2 cache
 /// (on the 2-core development VM, with 1 MiB of L2 per core, 512 KiB–1 MiB pieces replayed
@@ -241,6 +254,9 @@ impl Config {
             inline_bytes: 64 * 1024,
             stage_bytes: DEFAULT_STAGE_BYTES,
             control_spin: Duration::from_micros(30),
+            flight_records: crate::flight::DEFAULT_RECORDS,
+            flight_dir: None,
+            metrics_addr: None,
         };
         match p {
             Preset::FastHorovod => base,

@@ -38,8 +38,20 @@ fn variables_are_read() {
         ("FH_TIMELINE", "/tmp/t.json"),
         ("FH_STALL_CHECK_SECONDS", "0"),
         ("FH_STALL_SHUTDOWN_SECONDS", "5"),
+        ("FH_FLIGHT_RECORDS", "100"),
+        ("FH_FLIGHT_DIR", "/tmp/flight"),
+        ("FH_METRICS_ADDR", ":9100"),
     ]))
     .unwrap();
+    assert_eq!(c.flight_records, 100);
+    assert_eq!(c.flight_dir, Some(PathBuf::from("/tmp/flight")));
+    assert_eq!(c.metrics_addr, Some("127.0.0.1:9100".parse().unwrap()));
+    let any = Config::from_lookup(env(&[("FH_METRICS_ADDR", "0.0.0.0:9200")])).unwrap();
+    assert_eq!(any.metrics_addr, Some("0.0.0.0:9200".parse().unwrap()));
+    assert_eq!(
+        Config::default().flight_records,
+        crate::flight::DEFAULT_RECORDS
+    );
     assert_eq!(c.channels, 2);
     assert_eq!(c.fusion_threshold, MIB);
     assert_eq!(c.partition_bytes, 4096);
@@ -144,6 +156,9 @@ fn bad_values_name_the_variable_and_accepted_values() {
         ("FH_CUDA", "maybe", "0, 1, true, false"),
         ("FH_INLINE_BYTES", "lots", "byte size"),
         ("FH_CONTROL_SPIN_US", "5000", "0 to 1000"),
+        ("FH_FLIGHT_RECORDS", "100000000", "0 (off) to 1048576"),
+        ("FH_METRICS_ADDR", "localhost:x", "PORT, :PORT or IP:PORT"),
+        ("FH_SUMMARY", "sometimes", "0, 1, true, false"),
     ] {
         let err = Config::from_lookup(env(&[(var, val)]))
             .unwrap_err()
@@ -234,4 +249,41 @@ fn unknown_fh_variables_are_named_with_the_closest_known_one() {
         "{text}"
     );
     assert!(found[3].to_string().contains("README"), "{}", found[3]);
+}
+
+#[test]
+fn clock_offsets_are_zero_on_rank_0s_host_and_measured_across_hosts() {
+    use fh_transport::local::LocalWorld;
+    use fh_transport::{Topology, Transport};
+    // Three ranks: 0 and 1 on host 0, rank 2 "on host 1" (the same machine, so its measured
+    // offset is the fastest delivery of a broadcast: small and not negative).
+    let threads: Vec<_> = LocalWorld::new(3)
+        .into_iter()
+        .map(|mut t| {
+            std::thread::spawn(move || {
+                let rank = t.rank();
+                let topo = Topology {
+                    rank,
+                    size: 3,
+                    local_rank: rank % 2,
+                    local_size: if rank < 2 { 2 } else { 1 },
+                    cross_rank: usize::from(rank == 2),
+                    cross_size: 2,
+                };
+                let mut comm = t.open("clock").unwrap();
+                let across = agree::measure_clock(comm.as_mut(), topo).unwrap();
+                let one_host = Topology {
+                    cross_rank: 0,
+                    cross_size: 1,
+                    ..topo
+                };
+                let alone = agree::measure_clock(comm.as_mut(), one_host).unwrap();
+                (across, alone)
+            })
+        })
+        .collect();
+    let out: Vec<(i64, i64)> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!((out[0].0, out[1].0), (0, 0));
+    assert!((0..1_000_000).contains(&out[2].0), "{out:?}");
+    assert!(out.iter().all(|o| o.1 == 0));
 }

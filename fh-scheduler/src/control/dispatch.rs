@@ -211,25 +211,33 @@ impl Control {
             return Ok(());
         }
         // 3. Build the operations.
+        let round = self
+            .inner
+            .counters
+            .rounds
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let now = Instant::now();
         let mut ops: Vec<Arc<Op>> = Vec::with_capacity(ready.len());
         for (r, src) in ready.into_iter().zip(taken) {
             let (tensor, splits, cell) = match src {
                 Source::Zeros(t) => (t, None, None),
                 Source::Submitted(_, p) => {
                     let e = p.entry;
+                    self.inner.flight.negotiated(e.cell.record(), round, now);
                     if let Some(tl) = self.inner.timeline() {
                         tl.tensor_span(
                             e_id(&r.name, e.submitted),
                             r.name.to_string(),
                             "queued",
                             e.submitted,
-                            Instant::now(),
+                            now,
                         );
                     }
                     (e.tensor, e.splits, Some(e.cell))
                 }
             };
             ops.push(Arc::new(Op {
+                rec: cell.as_ref().map_or(0, Resolver::record),
                 resp: r,
                 state: Mutex::new(OpState {
                     tensor: Some(tensor),
@@ -262,11 +270,6 @@ impl Control {
                 }
             }
         }
-        let round = self
-            .inner
-            .counters
-            .rounds
-            .load(std::sync::atomic::Ordering::Relaxed);
         for g in groups {
             if self.inner.config.record_groups {
                 self.inner.record_group(GroupRecord {

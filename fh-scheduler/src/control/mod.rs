@@ -47,7 +47,7 @@ use crate::negotiate::coordinator::{refused_while_joined, Table};
 use crate::negotiate::readiness::ReadyTimes;
 use crate::negotiate::{collect, fault, shutdown, stall};
 use crate::shared::{Entry, Inner, Msg, Resolver};
-use crate::stats::{Counters, GroupRecord};
+use crate::stats::{Counters, GroupRecord, StallReport};
 use crate::{Preset, SchedulerError, Tensor};
 
 mod dispatch;
@@ -123,6 +123,10 @@ pub(crate) struct Control {
     ready_times: ReadyTimes,
     /// This engine's incarnation (agreed at start-up), carried by every control message.
     incarnation: u64,
+    /// The names the last stall report said this rank lacks (the culprit hook ran for them).
+    culprit_of: Option<Vec<String>>,
+    /// When the flight record was last written for tensors the ranks disagreed on.
+    last_mismatch_record: Option<Instant>,
 }
 
 impl Control {
@@ -228,6 +232,8 @@ impl Control {
             load: ChannelLoad::new(plan_opts.channels),
             idle_channels: 0,
             fault: None,
+            culprit_of: None,
+            last_mismatch_record: None,
         })
     }
 
@@ -248,6 +254,9 @@ impl Control {
             }
         };
         self.inner.close(err.clone());
+        // The flight record is written at the end when the engine stopped on an error, or
+        // while this rank still had work (another rank left: the job did not end well).
+        let record = !err.is_shutdown() || !self.work.pending.is_empty();
         self.abort_communicators(&err);
         self.notify_launcher(&err);
         // Whatever was submitted and not negotiated fails now, including submissions that
@@ -283,6 +292,9 @@ impl Control {
                     }
                 }
             }
+        }
+        if record {
+            self.inner.dump_flight(&format!("engine stopped: {err}"));
         }
         tracing::debug!(rank = self.inner.rank, "control thread stopped");
     }
@@ -358,7 +370,9 @@ impl Control {
 
     fn accept(&mut self, msg: Msg) {
         match msg {
-            Msg::Submit(entry) => {
+            Msg::Submit(mut entry) => {
+                let rec = self.inner.flight.submitted(&entry.req, entry.submitted);
+                entry.cell.set_record(rec);
                 self.work.add(*entry);
                 self.fresh = true;
             }

@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// The shortest time between two flight records written for disagreeing tensors.
+const MISMATCH_RECORD_EVERY: Duration = Duration::from_secs(1);
+
 impl Control {
     /// Channel bits in the round's vector: one per data channel under the FastHorovod planner
     /// (the same count on every rank: it is part of the start-up agreement), none otherwise.
@@ -196,6 +199,7 @@ impl Control {
         Counters::add(&self.inner.counters.cache_hits, ready.len() as u64);
 
         // 7. The coordinator, when some rank has uncached names (or the joined set changed).
+        let mut mismatch = None;
         let coordinate = agreed.status(Status::Uncached) || !evicted.is_empty() || joined_changed;
         if coordinate {
             Counters::add(&self.inner.counters.coordinator_rounds, 1);
@@ -221,6 +225,7 @@ impl Control {
                 if let Some(e) = &r.error {
                     self.ready_times.take(&r.name);
                     let err = SchedulerError::from_negotiation(&r.name, e);
+                    mismatch.get_or_insert_with(|| err.to_string());
                     self.fail_response(&r, err);
                     continue;
                 }
@@ -232,9 +237,22 @@ impl Control {
             Counters::add(&self.inner.counters.bitvector_rounds, 1);
         }
 
+        // Ranks disagreed on a tensor: every rank got the same error this round and writes its
+        // flight record (at most one a second: a script may try disagreeing tensors in a loop).
+        if let Some(what) = mismatch {
+            if self
+                .last_mismatch_record
+                .is_none_or(|t| start.saturating_duration_since(t) >= MISMATCH_RECORD_EVERY)
+            {
+                self.last_mismatch_record = Some(start);
+                self.inner.dump_flight(&format!("ranks disagreed: {what}"));
+            }
+        }
+
         // 8. Stall inspector.
         if agreed.status(Status::Stalled) {
-            self.inspect_stall(start)?;
+            // Ages as of now: the round may have waited a heartbeat for an idle rank.
+            self.inspect_stall(Instant::now())?;
         }
 
         // 9. Join completes once everybody has joined.
@@ -432,20 +450,66 @@ impl Control {
                 missing_ranks = ?report.missing_ranks,
                 names = ?report.names,
                 waited = ?report.waited,
-                "stall: ranks {:?} have not submitted {:?} that other ranks submitted {:?} ago",
-                report.missing_ranks, report.names, report.waited
+                "{report}"
             );
         }
+        self.name_culprit(&report);
+        // The operations waiting here, with the ranks they wait for, in the flight record,
+        // which every rank writes now.
+        for p in self.work.pending.values() {
+            let waits: Vec<usize> = report
+                .lacking
+                .iter()
+                .filter(|(_, names)| names.iter().any(|n| **n == *p.entry.req.name))
+                .map(|(r, _)| *r)
+                .collect();
+            if !waits.is_empty() {
+                self.inner.flight.waiting_on(p.entry.cell.record(), &waits);
+            }
+        }
         self.inner.record_stall(report.clone());
+        self.inner.dump_flight(&report.to_string());
         if let Some(limit) = self.inner.config.stall_shutdown {
             if report.waited >= limit {
                 return Err(SchedulerError::Stalled {
                     names: report.names,
                     missing: report.missing_ranks,
+                    lacking: report.lacking,
                     after: report.waited,
                 });
             }
         }
         Ok(())
+    }
+
+    /// This rank is one the stall names as missing tensors: it says so itself, next to rank
+    /// 0's warning, and calls the engine's culprit hook (`fasthorovod` prints the Python stack
+    /// of every thread there), once for each new list of names it lacks, so that a stall that
+    /// lasts does not repeat the stack at every check.
+    fn name_culprit(&mut self, report: &StallReport) {
+        let Some(names) = report.lacked_by(self.inner.rank) else {
+            self.culprit_of = None;
+            return;
+        };
+        if self.culprit_of.as_deref() == Some(names) {
+            return;
+        }
+        self.culprit_of = Some(names.to_vec());
+        let hook = self.inner.culprit_hook();
+        tracing::warn!(
+            "stall: this rank ({}) has not submitted {}, which other ranks submitted up to \
+             {:.1}s ago{}",
+            self.inner.world_rank(self.inner.rank),
+            crate::stats::name_list(names),
+            report.waited.as_secs_f64(),
+            if hook.is_some() {
+                "; where it is instead follows"
+            } else {
+                ""
+            }
+        );
+        if let Some(hook) = hook {
+            hook(report);
+        }
     }
 }

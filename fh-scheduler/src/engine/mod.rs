@@ -5,16 +5,18 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::unbounded;
 use fh_transport::subset::SubsetTransport;
 use fh_transport::{Topology, Transport};
 
 use crate::control::Control;
+use crate::flight::Recorder;
 pub use crate::options::{AllreduceOptions, CollectiveOptions};
-use crate::shared::{lock, Gate, Inner, Msg};
+use crate::shared::{lock, Gate, Inner, Msg, OnLoss};
 use crate::stats::{Counters, EngineStats, GroupRecord, StallReport};
-use crate::timeline::Timeline;
+use crate::timeline::Identity;
 use crate::{Config, SchedulerError, Wire};
 
 mod submit;
@@ -105,8 +107,12 @@ impl Engine {
         let k = config.effective_channels();
         let mut data = Vec::with_capacity(k);
         let mut incarnation = 0;
-        let opened = crate::config::agree(control.as_mut(), &config, wire).and_then(|()| {
+        let watch = transport.liveness();
+        let beats = watch.as_ref().map(|w| w.settings());
+        let mut clock_offset_us = 0;
+        let opened = crate::config::agree(control.as_mut(), &config, wire, beats).and_then(|()| {
             incarnation = crate::config::agree_incarnation(control.as_mut())?;
+            clock_offset_us = crate::config::measure_clock(control.as_mut(), topo)?;
             for c in 0..k {
                 data.push(transport.open(&format!("fh-channel-{c}"))?);
             }
@@ -125,17 +131,31 @@ impl Engine {
                 return Err(e);
             }
         };
-        let timeline = match (&config.timeline, topo.rank) {
-            (Some(path), 0) => match Timeline::create(path, k) {
-                Ok(t) => Some(Arc::new(t)),
-                Err(e) => {
-                    return Err(SchedulerError::config(
+        // Every rank writes its own timeline when the path names a file per rank, else rank 0
+        // alone; a process set's engine writes none (its ranks' world engines do).
+        let who = Identity {
+            rank: topo.rank,
+            offset_us: clock_offset_us,
+        };
+        let timeline = match (&config.timeline, &world_ranks) {
+            (Some(pattern), None) => crate::timeline::create_rank_timeline(pattern, k, who)
+                .map_err(|(path, e)| {
+                    SchedulerError::config(
                         "FH_TIMELINE",
                         format!("cannot create {}: {e}", path.display()),
-                    ))
-                }
-            },
+                    )
+                })?
+                .map(Arc::new),
             _ => None,
+        };
+        let on_loss = OnLoss {
+            interrupts: std::iter::once(&control)
+                .chain(&data)
+                .filter_map(|c| c.interrupter())
+                .collect(),
+            // A process set's engine runs over the world's communicators: the world's engine
+            // speaks for the world.
+            watch: if world_ranks.is_none() { watch } else { None },
         };
         let (tx, rx) = unbounded();
         let inner = Arc::new(Inner {
@@ -157,7 +177,22 @@ impl Engine {
             timeline: RwLock::new(timeline),
             gpu,
             pacing_wait: AtomicBool::new(false),
+            on_loss,
+            culprit_hook: RwLock::new(None),
+            flight: Recorder::new(config.flight_records),
+            flight_told: AtomicBool::new(false),
+            clock: who,
         });
+        let _ = inner.counters.started.set(Instant::now());
+        // The heartbeats' verdict stops the engine at once, also while it idles.
+        if let Some(w) = &inner.on_loss.watch {
+            let weak = Arc::downgrade(&inner);
+            w.subscribe(move |v| {
+                if let Some(inner) = weak.upgrade() {
+                    inner.fail(SchedulerError::from_transport_owned(v.error()));
+                }
+            });
+        }
         let ctl = Control::new(Arc::clone(&inner), control, data, devices, rx, incarnation)?;
         let handle = std::thread::Builder::new()
             .name(format!("fh-control-{}", topo.rank))
@@ -256,22 +291,40 @@ impl Engine {
     }
 
     /// Start writing a Chrome-trace timeline to `path` (rank 0 writes; other ranks accept
-    /// the call and do nothing), replacing any timeline being written. Every rank should call
-    /// it, as with Horovod's `start_timeline`.
+    /// the call and do nothing; a path holding `{rank}` names a file per rank, and every
+    /// rank writes its own), replacing any timeline being written. Every rank should call it,
+    /// as with Horovod's `start_timeline`.
     pub fn start_timeline(&self, path: &Path) -> Result<(), SchedulerError> {
-        if self.inner.rank != 0 {
+        let k = self.inner.config.effective_channels();
+        let made = crate::timeline::create_rank_timeline(path, k, self.inner.clock).map_err(
+            |(path, e)| {
+                SchedulerError::InvalidArgument(format!(
+                    "cannot create the timeline {}: {e}",
+                    path.display()
+                ))
+            },
+        )?;
+        let Some(t) = made else {
             return Ok(());
-        }
-        let t = Timeline::create(path, self.inner.config.effective_channels()).map_err(|e| {
-            SchedulerError::InvalidArgument(format!(
-                "cannot create the timeline {}: {e}",
-                path.display()
-            ))
-        })?;
+        };
         if let Some(old) = self.inner.replace_timeline(Some(Arc::new(t))) {
             old.finish(crate::timeline::STOP_WAIT);
         }
         Ok(())
+    }
+
+    /// Whether this rank writes a timeline now.
+    pub fn timeline_on(&self) -> bool {
+        self.inner.timeline().is_some()
+    }
+
+    /// Put a span of the framework's side on this rank's timeline (its Python lane), if one
+    /// is written: `name` (`submit`, `synchronize`, `optimizer.step`) from `begin` to `end`,
+    /// with a detail (a tensor's name, a count). Cheap, never blocks.
+    pub fn timeline_span(&self, name: &str, detail: &str, begin: Instant, end: Instant) {
+        if let Some(t) = self.inner.timeline() {
+            t.framework(name.to_string(), detail.to_string(), begin, end);
+        }
     }
 
     /// Stop writing the timeline: the events already handed to its writer thread are written,
@@ -301,9 +354,47 @@ impl Engine {
         self.inner.counters.snapshot()
     }
 
+    /// The framework finished a training step whose gradients' reductions it waited for
+    /// `exposed` (the communication the step did not hide behind its computation): counted in
+    /// [`EngineStats::steps`] and [`EngineStats::exposed`].
+    pub fn record_step(&self, exposed: Duration) {
+        let c = &self.inner.counters;
+        Counters::add(&c.steps, 1);
+        Counters::add(
+            &c.exposed_nanos,
+            u64::try_from(exposed.as_nanos()).unwrap_or(u64::MAX),
+        );
+    }
+
     /// Why the engine has stopped (shutdown, lost rank, stall), or `None` while it runs.
     pub fn stopped(&self) -> Option<SchedulerError> {
         self.inner.failure()
+    }
+
+    /// Run `hook` on the engine's control thread whenever the stall inspector names this rank
+    /// as one that has not submitted tensors the other ranks have (once per new list of
+    /// names), so that the rank can show where it is instead: `fasthorovod` prints the Python
+    /// stack of every thread. The hook must not block or wait on the engine; it replaces any
+    /// hook set before.
+    pub fn set_culprit_hook(&self, hook: crate::shared::CulpritHook) {
+        *self
+            .inner
+            .culprit_hook
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = Some(hook);
+    }
+
+    /// Write this rank's flight record now (its last operations and their timings; see
+    /// [`crate::flight`]) to the flight directory, with `reason`; returns the file written
+    /// (`None`: the recorder is off, or this is a process set's engine, whose operations the
+    /// world engine's record does not hold). `fasthorovod` calls it on `SIGUSR1`.
+    pub fn write_flight_record(
+        &self,
+        reason: &str,
+    ) -> Result<Option<std::path::PathBuf>, SchedulerError> {
+        self.inner.write_flight(reason).map_err(|e| {
+            SchedulerError::InvalidArgument(format!("cannot write the flight record: {e}"))
+        })
     }
 
     /// The stall inspector's reports so far.

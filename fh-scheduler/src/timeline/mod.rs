@@ -1,4 +1,7 @@
-//! The Chrome-trace timeline (chrome://tracing, Perfetto), written by rank 0.
+//! The Chrome-trace timeline (chrome://tracing, Perfetto): rank 0's (`FH_TIMELINE=PATH`, as
+//! Horovod's), or every rank's own (`FH_TIMELINE=PATH` holding `{rank}`; `fhrun
+//! --timeline-filename` does this and [`merge`]s them into one trace with a track per rank on
+//! rank 0's clock).
 //!
 //! **Off the critical path.** The engine's threads (the control thread, the channel workers)
 //! only build a small [`Record`] — names, lane, `Instant`s, a few numbers — and hand it to the
@@ -20,10 +23,13 @@
 //! collective.
 //!
 //! **What it shows.** Lane (`tid`) 0 shows negotiation rounds; lane `c + 1` the fused
-//! collectives of channel `c` (with their pack / collective / unpack phases). Each tensor has
-//! asynchronous spans of its own: `queued` (category `tensor`: submitted on rank 0 until
-//! dispatched) and its negotiation (category `negotiate`, named after the tensor): from the
-//! first rank's ready time to the round in which every rank agreed it ready, with
+//! collectives of channel `c` (with their pack / collective / unpack phases, and each group's
+//! bytes and rate); the lane after the channels, `python`, the framework's side (`submit`,
+//! `synchronize`, `optimizer.step`, from `fasthorovod.torch`). Each tensor has asynchronous
+//! spans of its own: `queued` (category `tensor`: submitted on this rank until dispatched: when
+//! it became ready here) and, on rank 0, its negotiation (category `negotiate`, named after the
+//! tensor and the rank it waited on last): from the first rank's ready time to the round in
+//! which every rank agreed it ready, with
 //! `args.ready_us` = each rank's ready time (µs since the timeline's start, keyed by rank) and
 //! `args.last_ready_rank` = the rank that held it back. Ready times come from the control
 //! thread's readiness reports (`Status::Trace`, only while a timeline is written): each rank
@@ -44,6 +50,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+pub mod merge;
 #[cfg(test)]
 mod tests;
 mod writer;
@@ -105,7 +112,64 @@ pub(crate) enum Record {
         ready: Vec<Option<ReadyAt>>,
         agreed: Instant,
     },
+    /// A span of the framework's side (`submit`, `synchronize`, `optimizer.step`), on the
+    /// Python lane.
+    Framework {
+        name: String,
+        detail: String,
+        begin: Instant,
+        end: Instant,
+    },
 }
+
+/// Which rank writes a timeline, and its clock: the file's first event (`process_name`)
+/// carries them, so that [`merge`] puts every rank's file on rank 0's clock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Identity {
+    /// The rank (world rank).
+    pub rank: usize,
+    /// This rank's wall clock minus rank 0's, in microseconds, as measured at start-up (zero
+    /// on rank 0's host).
+    pub offset_us: i64,
+}
+
+/// The path rank `rank` writes its timeline to, given `FH_TIMELINE`'s value: a path holding
+/// `{rank}` names a file per rank (every rank writes); any other path is rank 0's alone.
+pub(crate) fn path_for(pattern: &Path, rank: usize) -> Option<PathBuf> {
+    let text = pattern.to_string_lossy();
+    if text.contains(RANK_PLACEHOLDER) {
+        Some(PathBuf::from(
+            text.replace(RANK_PLACEHOLDER, &rank.to_string()),
+        ))
+    } else {
+        (rank == 0).then(|| pattern.to_path_buf())
+    }
+}
+
+/// Create the timeline of rank `who.rank` for `FH_TIMELINE`'s value `pattern` (`None`: this
+/// rank writes none). A file per rank may go where its directory does not exist yet (on
+/// another host than the launcher's): that directory is created; rank 0's one file is not.
+pub(crate) fn create_rank_timeline(
+    pattern: &Path,
+    channels: usize,
+    who: Identity,
+) -> Result<Option<Timeline>, (PathBuf, std::io::Error)> {
+    let Some(path) = path_for(pattern, who.rank) else {
+        return Ok(None);
+    };
+    if pattern.to_string_lossy().contains(RANK_PLACEHOLDER) {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| (path.clone(), e))?;
+        }
+    }
+    match Timeline::create_for(&path, channels, who) {
+        Ok(t) => Ok(Some(t)),
+        Err(e) => Err((path, e)),
+    }
+}
+
+/// What a timeline path holds where each rank's own file differs: `{rank}`.
+pub const RANK_PLACEHOLDER: &str = "{rank}";
 
 /// State the engine's threads and the writer share.
 #[derive(Default)]
@@ -133,8 +197,14 @@ pub(crate) struct Timeline {
 impl Timeline {
     /// Create (truncate) the file, name the lanes (negotiation and `channels` channels) and
     /// start the writer thread. Errors creating the file are returned.
+    #[cfg(test)]
     pub(crate) fn create(path: &Path, channels: usize) -> std::io::Result<Self> {
-        Self::open(path, channels, QUEUE_CAPACITY, None)
+        Self::open(path, channels, QUEUE_CAPACITY, None, Identity::default())
+    }
+
+    /// [`Timeline::create`] for rank `who.rank`, whose clock is `who.offset_us` from rank 0's.
+    pub(crate) fn create_for(path: &Path, channels: usize, who: Identity) -> std::io::Result<Self> {
+        Self::open(path, channels, QUEUE_CAPACITY, None, who)
     }
 
     /// [`Timeline::create`] with a queue of `capacity` events; with `gate`, the writer waits
@@ -144,6 +214,7 @@ impl Timeline {
         channels: usize,
         capacity: usize,
         gate: Option<Receiver<()>>,
+        who: Identity,
     ) -> std::io::Result<Self> {
         let file = File::create(path)?;
         let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
@@ -156,7 +227,11 @@ impl Timeline {
             buf: Vec::with_capacity(1 << 16),
             first: true,
             start: Instant::now(),
+            origin_unix_us: crate::flight::unix_micros(std::time::SystemTime::now()),
+            who,
+            python_named: false,
             next_id: 0,
+            channels,
         };
         let (sh, p) = (Arc::clone(&shared), path.to_path_buf());
         let handle = std::thread::Builder::new()
@@ -275,6 +350,17 @@ impl Timeline {
             name,
             ready,
             agreed,
+        });
+    }
+
+    /// A span of the framework's side (`submit`, `synchronize`, `optimizer.step`) on the
+    /// Python lane, with a detail (a tensor's name, a count).
+    pub(crate) fn framework(&self, name: String, detail: String, begin: Instant, end: Instant) {
+        self.emit(Record::Framework {
+            name,
+            detail,
+            begin,
+            end,
         });
     }
 

@@ -81,8 +81,9 @@ fn negotiation_span_names_every_ranks_ready_time_and_the_last() {
     let e = events.iter().find(|e| e["ph"] == "e").unwrap();
     assert_eq!(
         (b["name"].as_str(), b["cat"].as_str()),
-        (Some("w"), Some("negotiate"))
+        (Some("w (waits on rank 1)"), Some("negotiate"))
     );
+    assert_eq!(b["args"]["tensor"], "w");
     assert_eq!(b["id"], e["id"]);
     assert_eq!(b["args"]["last_ready_rank"], 1);
     let ready = b["args"]["ready_us"].as_object().unwrap();
@@ -103,7 +104,7 @@ fn negotiation_span_names_every_ranks_ready_time_and_the_last() {
 fn a_full_queue_drops_instead_of_blocking() {
     let path = temp("full");
     let (gate_tx, gate_rx) = crossbeam_channel::bounded::<()>(0);
-    let t = Arc::new(Timeline::open(&path, 1, 4, Some(gate_rx)).unwrap());
+    let t = Arc::new(Timeline::open(&path, 1, 4, Some(gate_rx), Identity::default()).unwrap());
     // The writer is held at its gate: the queue fills after 4 events. The emitting thread
     // must finish all 100 calls without the writer ever running.
     let (done_tx, done_rx) = crossbeam_channel::bounded(1);
@@ -149,4 +150,64 @@ fn a_write_error_ends_the_timeline() {
     }
     assert!(t.shared.dead.load(Ordering::Relaxed));
     assert!(t.finish(STOP_WAIT));
+}
+
+#[test]
+fn a_rank_timeline_carries_its_clock_and_a_python_lane() {
+    let path = temp("rank");
+    let who = Identity {
+        rank: 3,
+        offset_us: -250,
+    };
+    let t = Timeline::create_for(&path, 2, who).unwrap();
+    let now = Instant::now();
+    t.framework(
+        "submit".into(),
+        "allreduce.w".into(),
+        now,
+        now + Duration::from_micros(7),
+    );
+    t.group(
+        1,
+        CollectiveKind::Allreduce,
+        vec!["w".into()],
+        2_000_000,
+        now,
+        now + Duration::from_millis(1),
+    );
+    assert!(t.finish(STOP_WAIT));
+    let events = parse(&path);
+    let p = &events[0];
+    assert_eq!(p["name"], "process_name");
+    assert_eq!(p["args"]["name"], "fasthorovod rank 3");
+    assert_eq!(
+        (p["args"]["rank"].as_u64(), p["args"]["offset_us"].as_i64()),
+        (Some(3), Some(-250))
+    );
+    assert!(p["args"]["origin_unix_us"].as_i64().unwrap() > 1_600_000_000_000_000);
+    // The Python lane comes after the two channels, named on its first span.
+    let lane = events
+        .iter()
+        .find(|e| e["name"] == "thread_name" && e["args"]["name"] == "python")
+        .unwrap();
+    assert_eq!(lane["tid"], 3);
+    let submit = events.iter().find(|e| e["name"] == "submit").unwrap();
+    assert_eq!(
+        (submit["tid"].as_u64(), submit["dur"].as_f64()),
+        (Some(3), Some(7.0))
+    );
+    assert_eq!(submit["args"]["detail"], "allreduce.w");
+    // 2 MB in 1 ms: 2 GB/s.
+    let group = events.iter().find(|e| e["name"] == "allreduce x1").unwrap();
+    assert_eq!(group["args"]["gb_per_s"], 2.0);
+    std::fs::remove_dir_all(path.parent().unwrap()).ok();
+}
+
+#[test]
+fn a_path_with_rank_names_a_file_per_rank() {
+    let p = Path::new("/tmp/tl-{rank}.json");
+    assert_eq!(path_for(p, 2), Some(PathBuf::from("/tmp/tl-2.json")));
+    let p = Path::new("/tmp/tl.json");
+    assert_eq!(path_for(p, 0), Some(PathBuf::from("/tmp/tl.json")));
+    assert_eq!(path_for(p, 1), None);
 }

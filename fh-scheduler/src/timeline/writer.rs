@@ -40,18 +40,30 @@ pub(crate) struct TraceEvent<'a> {
 #[serde(untagged)]
 pub(super) enum Args<'a> {
     None,
-    /// Metadata: a process or lane name.
+    /// Metadata: a lane name.
     Label {
         name: &'a str,
+    },
+    /// Metadata: the process (the rank) and its clock, for [`super::merge`].
+    Process {
+        name: &'a str,
+        rank: usize,
+        origin_unix_us: i64,
+        offset_us: i64,
     },
     /// A negotiation round.
     Round {
         ready: usize,
     },
-    /// A fused group.
+    /// A fused group: its tensors, bytes, and the rate it moved them at (GB/s of payload).
     Group {
         names: &'a [String],
         bytes: usize,
+        gb_per_s: f64,
+    },
+    /// A span of the framework's side.
+    Framework {
+        detail: &'a str,
     },
     /// A tensor's span.
     Tensor {
@@ -104,8 +116,16 @@ pub(super) struct Writer {
     /// No event written yet (no separator before the next).
     pub(super) first: bool,
     pub(super) start: Instant,
+    /// The wall clock at `start`, in µs since the Unix epoch.
+    pub(super) origin_unix_us: i64,
+    /// The rank that writes, and its clock's offset from rank 0's.
+    pub(super) who: Identity,
+    /// The Python lane has been named (on its first span).
+    pub(super) python_named: bool,
     /// Next id of a negotiation span.
     pub(super) next_id: u64,
+    /// Data channels (the Python lane comes after them).
+    pub(super) channels: usize,
 }
 
 /// Microseconds from `start` to `t` (0 before `start`), to the nanosecond.
@@ -129,10 +149,15 @@ impl Writer {
         stop_rx: &Receiver<()>,
         shared: &Shared,
     ) -> std::io::Result<()> {
+        self.channels = channels;
         self.buf.push(b'[');
         let mut ev = TraceEvent::new("process_name", "M", 0);
-        ev.args = Args::Label {
-            name: "fasthorovod rank 0",
+        let name = format!("fasthorovod rank {}", self.who.rank);
+        ev.args = Args::Process {
+            name: &name,
+            rank: self.who.rank,
+            origin_unix_us: self.origin_unix_us,
+            offset_us: self.who.offset_us,
         };
         self.event(&ev)?;
         for lane in 0..=channels {
@@ -257,10 +282,17 @@ impl Writer {
                 let name = format!("{kind} x{}", names.len());
                 let mut ev = TraceEvent::new(&name, "X", lane);
                 ev.ts = Some(us(begin));
-                ev.dur = Some(span_micros(begin, end));
+                let dur = span_micros(begin, end);
+                ev.dur = Some(dur);
+                let gb_per_s = if dur > 0.0 {
+                    ((bytes as f64 / dur / 1e3) * 1e3).round() / 1e3
+                } else {
+                    0.0
+                };
                 ev.args = Args::Group {
                     names: &names,
                     bytes,
+                    gb_per_s,
                 };
                 self.event(&ev)
             }
@@ -283,6 +315,25 @@ impl Writer {
                 e.ts = Some(us(end).max(us(begin)));
                 self.event(&e)
             }
+            Record::Framework {
+                name,
+                detail,
+                begin,
+                end,
+            } => {
+                let lane = self.channels + 1;
+                if !self.python_named {
+                    self.python_named = true;
+                    let mut ev = TraceEvent::new("thread_name", "M", lane);
+                    ev.args = Args::Label { name: "python" };
+                    self.event(&ev)?;
+                }
+                let mut ev = TraceEvent::new(&name, "X", lane);
+                ev.ts = Some(us(begin));
+                ev.dur = Some(span_micros(begin, end));
+                ev.args = Args::Framework { detail: &detail };
+                self.event(&ev)
+            }
             Record::Negotiated {
                 name,
                 ready,
@@ -304,7 +355,12 @@ impl Writer {
                 }
                 let id = self.next_id;
                 self.next_id += 1;
-                let mut b = TraceEvent::new(&name, "b", 0);
+                // Named for the rank it waited on last (the one that held it back).
+                let label = match last {
+                    Some((r, _)) => format!("{name} (waits on rank {r})"),
+                    None => name.clone(),
+                };
+                let mut b = TraceEvent::new(&label, "b", 0);
                 b.cat = Some("negotiate");
                 b.id = Some(id);
                 b.ts = Some(first);
@@ -315,7 +371,7 @@ impl Writer {
                     agreed_us: end,
                 };
                 self.event(&b)?;
-                let mut e = TraceEvent::new(&name, "e", 0);
+                let mut e = TraceEvent::new(&label, "e", 0);
                 e.cat = Some("negotiate");
                 e.id = Some(id);
                 e.ts = Some(end);

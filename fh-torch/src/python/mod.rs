@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use fh_scheduler::{CollectiveOptions, Engine, Handle, ProcessSets, SchedulerError, Tensor};
+use fh_transport::bootstrap::JobToken;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
@@ -21,8 +22,10 @@ use pyo3::types::PyByteArray;
 use crate::{config, names};
 
 mod handle;
+mod observe;
 mod runtime;
 mod submit;
+mod worlds;
 
 use handle::PyHandle;
 use runtime::*;
@@ -84,6 +87,13 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::stack_signal, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::enable_stack_dumps, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::timeline_on, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::timeline_span, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::explain, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::record_step, m)?)?;
+    m.add_function(wrap_pyfunction!(observe::summary, m)?)?;
     m.add_function(wrap_pyfunction!(submit::allreduce, m)?)?;
     m.add_function(wrap_pyfunction!(submit::grouped_allreduce, m)?)?;
     m.add_function(wrap_pyfunction!(submit::allgather, m)?)?;
@@ -99,6 +109,13 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(elastic_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(elastic_assignment, m)?)?;
     m.add_function(wrap_pyfunction!(elastic_host_updates, m)?)?;
-    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(worlds::environment_world, m)?)?;
+    m.add_function(wrap_pyfunction!(worlds::group_start, m)?)?;
+    m.add_function(wrap_pyfunction!(worlds::group_close, m)?)?;
+    m.add("__version__", fh_core::RELEASE)?;
+    m.add(
+        "PROTOCOL_VERSION",
+        fh_transport::tcp::wire::PROTOCOL_VERSION,
+    )?;
     Ok(())
 }

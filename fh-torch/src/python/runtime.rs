@@ -23,10 +23,14 @@ pub(super) fn sets() -> PyResult<Arc<ProcessSets>> {
         .ok_or_else(not_initialized)
 }
 
-/// The engine that runs process set `id` on this rank (0: the global engine).
+/// The engine that runs process set `id` on this rank (0: the global engine; from
+/// [`worlds::GROUP_ID_BASE`] on: a world formed for a `torch.distributed` group).
 pub(super) fn engine_for(id: u32) -> PyResult<Arc<Engine>> {
     if id == 0 {
         return engine();
+    }
+    if id >= worlds::GROUP_ID_BASE {
+        return worlds::group_engine(id);
     }
     sets()?.engine(id).map_err(to_py)
 }
@@ -63,13 +67,38 @@ pub(super) fn install_logging(lookup: &impl Fn(&str) -> Option<String>) {
 
 /// Start the runtime on the world the environment describes; a no-op when it runs already.
 /// Collective: every rank calls it.
+///
+/// With `rank` (and `size`, `rendezvous`, `label`) the world is instead the one
+/// `fasthorovod.torch.distributed` agreed through a torch store: rank `rank` of `size`, rank 0
+/// listening at `rendezvous`, keyed by `FH_JOB_TOKEN` derived for `label` when the environment
+/// has it, else by `token` (drawn by rank 0 and passed through the store). See
+/// [`worlds::store_launch`].
 #[pyfunction]
-pub(super) fn init(py: Python<'_>) -> PyResult<()> {
+#[pyo3(signature = (*, rank=None, size=None, rendezvous=None, label=None, token=None))]
+pub(super) fn init(
+    py: Python<'_>,
+    rank: Option<usize>,
+    size: Option<usize>,
+    rendezvous: Option<String>,
+    label: Option<String>,
+    token: Option<String>,
+) -> PyResult<()> {
     if matches!(&*state(), State::Running(..)) {
         return Ok(());
     }
+    let formed = match rank {
+        None => None,
+        Some(rank) => Some(worlds::store_launch(
+            rank,
+            size.ok_or_else(|| PyValueError::new_err("init(rank=...) needs size"))?,
+            rendezvous.as_deref().unwrap_or(""),
+            label.as_deref().unwrap_or(""),
+            token,
+        )?),
+    };
     let lookup = |k: &str| std::env::var(k).ok();
     install_logging(&lookup);
+    super::observe::install_sigusr1();
     let ignored = config::ignored_set(lookup);
     if !ignored.is_empty() {
         tracing::info!(
@@ -84,25 +113,52 @@ pub(super) fn init(py: Python<'_>) -> PyResult<()> {
         tracing::warn!("{u}; it has no effect");
     }
     let cfg = config::config_from(lookup).map_err(to_py)?;
+    if let Some(info) = formed {
+        let choice = std::env::var("FH_TRANSPORT").ok();
+        let token = info.token.clone();
+        let started = py.detach(move || -> Result<(Engine, &'static str), SchedulerError> {
+            let world =
+                fh_transport::world_for(&info, choice.as_deref()).map_err(SchedulerError::from)?;
+            let backend = world.backend();
+            Ok((Engine::start(world, cfg)?, backend))
+        });
+        let (engine, backend) = started.map_err(|e| match e {
+            SchedulerError::Config { .. } => to_py(e),
+            other => HorovodInternalError::new_err(format!(
+                "the world agreed through the torch store failed to form: {other}"
+            )),
+        })?;
+        worlds::set_world_token(token);
+        *state() = State::Running(Arc::new(engine), backend);
+        *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
+        return Ok(());
+    }
     if fh_transport::elastic::enabled() {
         let engine = start_elastic(py, cfg)?;
+        super::observe::install_culprit_hook(&engine);
+        super::observe::start_metrics(&engine);
         let backend = engine.backend();
         *state() = State::Running(Arc::new(engine), backend);
         *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
         return Ok(());
     }
-    let started = py.detach(move || -> Result<(Engine, &'static str), SchedulerError> {
-        let world = fh_transport::from_env().map_err(SchedulerError::from)?;
-        let backend = world.backend();
-        Ok((Engine::start(world, cfg)?, backend))
-    });
-    let (engine, backend) = started.map_err(|e| match e {
+    let started = py.detach(
+        move || -> Result<(Engine, &'static str, Option<JobToken>), SchedulerError> {
+            let (world, token) = fh_transport::from_env_keyed().map_err(SchedulerError::from)?;
+            let backend = world.backend();
+            Ok((Engine::start(world, cfg)?, backend, token))
+        },
+    );
+    let (engine, backend, token) = started.map_err(|e| match e {
         SchedulerError::Config { .. } => to_py(e),
         other => HorovodInternalError::new_err(format!(
             "hvd.init() failed: {other}. Launch the script with `fhrun -np N python ...`, \
              `torchrun`, `mpirun` or `srun`, or run it alone for a single process."
         )),
     })?;
+    super::observe::install_culprit_hook(&engine);
+    super::observe::start_metrics(&engine);
+    worlds::set_world_token(token);
     *state() = State::Running(Arc::new(engine), backend);
     *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
     Ok(())
@@ -121,11 +177,14 @@ pub(super) fn shutdown(py: Python<'_>, reason: Option<String>) -> PyResult<()> {
         .unwrap_or_else(|| "hvd.shutdown() was called".into());
     let prev = std::mem::replace(&mut *state(), State::ShutDown(why));
     let sets = SETS.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let groups = worlds::take_groups();
     match prev {
         State::Running(engine, _) => {
             let r = py.detach(move || {
-                // The sets first (each shutdown is agreed among its members), then the world.
-                let r = sets.map_or(Ok(()), |s| s.close_all());
+                // The groups' worlds and the sets first (each shutdown is agreed among its
+                // members), then the world.
+                let r = worlds::close_groups(groups, reason.as_deref());
+                let r = r.and(sets.map_or(Ok(()), |s| s.close_all()));
                 let stopped = match &reason {
                     Some(why) => engine.close_with_reason(why),
                     None => engine.close(),
@@ -136,7 +195,8 @@ pub(super) fn shutdown(py: Python<'_>, reason: Option<String>) -> PyResult<()> {
         }
         other => {
             *state() = other;
-            Ok(())
+            py.detach(move || worlds::close_groups(groups, reason.as_deref()))
+                .map_err(to_py)
         }
     }
 }
@@ -209,10 +269,12 @@ pub(super) fn stop_timeline() -> PyResult<()> {
     Ok(())
 }
 
-/// The engine's counters, as a dict-friendly list of pairs.
+/// The counters of the engine of process set `process_set_id` (0: the world), as a
+/// dict-friendly list of pairs.
 #[pyfunction]
-pub(super) fn stats() -> PyResult<Vec<(String, u64)>> {
-    let s = engine()?.stats();
+#[pyo3(signature = (process_set_id=0))]
+pub(super) fn stats(process_set_id: u32) -> PyResult<Vec<(String, u64)>> {
+    let s = engine_for(process_set_id)?.stats();
     Ok(vec![
         ("completed".into(), s.completed),
         ("cache_hits".into(), s.cache_hits),

@@ -78,6 +78,8 @@ class Config:
     margin_s: float = 3.0       # extra allowance for a loaded 2-core machine before "hang"
     jobs: int = 2               # runs at once
     fhrun_share: float = 0.15   # share of runs under fhrun -np 4 (real interpreters)
+    ddp_share: float = 0.25     # share of kill and raise runs training DDP on the fasthorovod
+    #                             backend of torch.distributed instead of DistributedOptimizer
     exec_share: float = 0.1     # share of direct runs started as fresh interpreters, not forks
     transports: tuple = ("shm", "tcp")
     kinds: tuple = KINDS
@@ -102,6 +104,7 @@ class Config:
         c.jobs = _env_int("FH_CHAOS_JOBS", c.jobs)
         c.fhrun_share = _env_float("FH_CHAOS_FHRUN_SHARE", c.fhrun_share)
         c.exec_share = _env_float("FH_CHAOS_EXEC_SHARE", c.exec_share)
+        c.ddp_share = _env_float("FH_CHAOS_DDP_SHARE", c.ddp_share)
         for field, var, allowed in (("transports", "FH_CHAOS_TRANSPORTS", ("shm", "tcp")),
                                     ("kinds", "FH_CHAOS_KINDS", KINDS),
                                     ("phases", "FH_CHAOS_PHASES", tuple(PHASES))):
@@ -149,11 +152,13 @@ class Plan:
     where: str
     step: int
     delay_ms: float
+    api: str = "hvd"   # "hvd" (DistributedOptimizer) or "ddp" (DDP, torch.distributed backend)
 
     def describe(self):
         how = self.launcher if self.launcher == "fhrun" else f"direct/{self.spawn}"
         at = f" step={self.step}" if self.phase not in ("startup", "shutdown") else ""
-        return (f"run {self.index} (seed {self.seed}): {how} {self.transport} np={NP} "
+        api = " DDP on the fasthorovod backend," if self.api == "ddp" else ""
+        return (f"run {self.index} (seed {self.seed}): {how} {self.transport} np={NP}{api} "
                 f"victim=rank {self.victim} {self.kind} at {self.phase}/{self.where}{at} "
                 f"delay={self.delay_ms:.1f}ms")
 
@@ -185,8 +190,10 @@ def make_plan(cfg, index):
         spawn = cfg.spawn
     victim = rng.randrange(NP)
     step = rng.randrange(3)
+    # Drawn last, so that the other draws of a seed stay what they were before it existed.
+    api = "ddp" if kind in ("kill", "raise") and rng.random() < cfg.ddp_share else "hvd"
     return Plan(index, cfg.seed, launcher, spawn, transport, victim, kind, phase, where, step,
-                round(delay, 2))
+                round(delay, 2), api)
 
 
 # ---------------------------------------------------------------------------------------
@@ -425,7 +432,8 @@ class Run:
         p = self.plan
         worker_plan = {"dir": str(self.dir), "victim": p.victim, "kind": p.kind,
                        "phase": p.phase, "where": p.where, "step": p.step,
-                       "delay_ms": p.delay_ms, "steps": STEPS, "big_elems": BIG_ELEMS}
+                       "delay_ms": p.delay_ms, "steps": STEPS, "big_elems": BIG_ELEMS,
+                       "api": p.api}
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("FH_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_"))
                and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -799,6 +807,7 @@ def prepare_fork_parent():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch  # noqa: F401
     import fasthorovod.torch as hvd
+    import fasthorovod.torch.distributed  # noqa: F401 - the DDP runs' backend
     if hvd.is_initialized():
         raise RuntimeError("fork mode needs a process in which hvd.init() was never called")
     torch.set_num_threads(1)
@@ -881,6 +890,8 @@ def summarize(cfg, results, wall, shm_left):
     for r in results:
         p = r["plan"]
         key = f"{p['launcher']}/{p['transport']}/{p['kind']}"
+        if p.get("api") == "ddp":
+            key += "/ddp"
         g = groups.setdefault(key, {"runs": 0, "failed": 0, "err": [], "exit": []})
         g["runs"] += 1
         g["failed"] += 0 if r["ok"] else 1
@@ -939,7 +950,7 @@ def format_summary(s, details=True):
              "  time from the fault to the last survivor's error / exit (s), "
              "launcher/transport/kind:"]
     for key, g in s["by_launcher_transport_kind"].items():
-        lines.append(f"    {key:<22} runs {g['runs']:>3} failed {g['failed']:>3}  error "
+        lines.append(f"    {key:<26} runs {g['runs']:>3} failed {g['failed']:>3}  error "
                      f"median {_fmt(g['last_error_median_s'])} worst "
                      f"{_fmt(g['last_error_worst_s'])}  exit median "
                      f"{_fmt(g['last_exit_median_s'])} worst {_fmt(g['last_exit_worst_s'])}")

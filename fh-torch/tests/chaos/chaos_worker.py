@@ -11,7 +11,9 @@ Each step: forward/backward through a small MLP under ``DistributedOptimizer`` (
 of gradients, ~200 KB, above the inline limit), two small named tensors submitted
 asynchronously and synchronized later (the negotiation phase sits between the two), one
 1 MiB tensor above ``FH_PARTITION_BYTES`` (split across channels), and one scalar metric
-(a 4-byte inline group).
+(a 4-byte inline group). With ``"api": "ddp"`` in the plan the same steps go through
+``torch.distributed`` on the ``fasthorovod`` backend instead: DDP (small buckets, several in
+flight during backward), async ``all_reduce`` works, and ``destroy_process_group`` at the end.
 
 What a rank prints (stdout, one line each, flushed), for the harness:
 
@@ -56,6 +58,7 @@ def _say(line):
 class Rank:
     def __init__(self, plan):
         self.plan = plan
+        self.api = plan.get("api", "hvd")
         self.rank = int(os.environ["FH_RANK"])
         self.size = int(os.environ["FH_SIZE"])
         self.dir = plan["dir"]
@@ -206,6 +209,87 @@ class Rank:
         self.maybe_fault("shutdown", "after-shutdown")
         self.wait_armed()
 
+    def train_ddp(self, hvd, torch):
+        """The same phases through ``torch.distributed`` on the ``fasthorovod`` backend: DDP
+        (its bucket allreduces in flight during backward), async ``all_reduce`` works, the
+        partitioned tensor and the metric; the group destroyed at the end (which stops the
+        engine the backend started)."""
+        import torch.distributed as dist
+
+        F = torch.nn.functional
+        plan = self.plan
+        torch.manual_seed(1234)
+        torch.set_num_threads(1)
+
+        self.maybe_fault("startup", "before-init")
+        self.maybe_fault("startup", "during-init")  # a timer: lands inside rendezvous/connect
+        if os.environ.get("MASTER_ADDR"):  # under fhrun: torch's env:// rendezvous
+            dist.init_process_group("fasthorovod")
+        else:  # from the environment: a store in the run's directory
+            store = dist.FileStore(os.path.join(self.dir, "store"), self.size)
+            dist.init_process_group("fasthorovod", store=store, rank=self.rank,
+                                    world_size=self.size)
+        assert dist.get_rank() == self.rank and dist.get_world_size() == self.size
+        assert hvd.rank() == self.rank
+        self.maybe_fault("startup", "after-init")
+        self.wait_armed()
+
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 192), torch.nn.ReLU(),
+            torch.nn.Linear(192, 192), torch.nn.ReLU(),
+            torch.nn.Linear(192, 10))
+        # Small buckets: several of them in flight when the fault lands mid-backward.
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.05)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        state = {"step": -1}
+        model[2].weight.register_hook(
+            lambda g: (self.maybe_fault("fused", "mid-backward", state["step"]), g)[1])
+
+        big_n = plan["big_elems"]
+        g = torch.Generator().manual_seed(self.rank)
+        for step in range(plan["steps"]):
+            state["step"] = step
+            x = torch.randn(16, 64, generator=g)
+            y = torch.randint(0, 10, (16,), generator=g)
+            opt.zero_grad()
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()  # DDP's buckets reduced through the engine
+            self.maybe_fault("fused", "before-step", step)
+            opt.step()
+
+            a = torch.full((8,), float(self.rank))
+            b = torch.full((8,), float(step))
+            wa = dist.all_reduce(a, async_op=True)
+            self.maybe_fault("negotiation", "between-submissions", step)
+            wb = dist.all_reduce(b, async_op=True)
+            self.maybe_fault("negotiation", "before-synchronize", step)
+            wa.wait()
+            wb.wait()
+            expect = float(sum(range(self.size)))
+            if a[0].item() != expect or b[0].item() != step * self.size:
+                raise AssertionError(f"step {step}: wrong sums {a[0].item()} {b[0].item()}")
+
+            big = torch.full((big_n,), float(self.rank + 1))
+            wbig = dist.all_reduce(big, async_op=True)
+            self.maybe_fault("partitioned", "in-flight", step)
+            wbig.wait()
+            want = float(self.size * (self.size + 1) // 2)
+            if big[0].item() != want or big[-1].item() != want:
+                raise AssertionError(f"step {step}: partitioned sum {big[0].item()} != {want}")
+
+            metric = loss.detach().clone()
+            wm = dist.all_reduce(metric, op=dist.ReduceOp.AVG, async_op=True)
+            self.maybe_fault("inline", "in-flight", step)
+            wm.wait()
+            self.wait_armed()
+
+        self.maybe_fault("shutdown", "before-shutdown")
+        self.maybe_fault("shutdown", "during-shutdown")  # a timer: lands inside shutdown
+        dist.destroy_process_group()  # the backend started the engine: this stops it
+        hvd.shutdown()
+        self.maybe_fault("shutdown", "after-shutdown")
+        self.wait_armed()
+
 
 def main(forked=False):
     """The rank's program. Returns the exit status (the ``fork`` path) or exits."""
@@ -222,15 +306,22 @@ def main(forked=False):
 
     import torch  # noqa: E402  (after the fault handler, for a hang inside the import)
     import fasthorovod.torch as hvd
+    if r.api == "ddp":
+        import fasthorovod.torch.distributed  # noqa: F401 - registers the backend
     r.barrier()
     try:
-        r.train(hvd, torch)
+        if r.api == "ddp":
+            r.train_ddp(hvd, torch)
+        else:
+            r.train(hvd, torch)
     except ChaosFault:
         raise  # the victim's raise: an uncaught exception, as in a real script
     except BaseException as e:  # noqa: BLE001 - a survivor reports whatever stopped it
         msg = " ".join(str(e).split())
         _say(f"CHAOS-ERROR rank={r.rank} t={_now():.6f} type={type(e).__name__} msg={msg}")
         try:
+            if r.api == "ddp":
+                _destroy_group()
             hvd.shutdown()
         except BaseException as e2:  # noqa: BLE001
             _say(f"CHAOS-SHUTDOWN-ERROR rank={r.rank} t={_now():.6f} "
@@ -239,6 +330,15 @@ def main(forked=False):
         return 3
     _say(f"CHAOS-DONE rank={r.rank} t={_now():.6f}")
     return 0
+
+
+def _destroy_group():
+    """After a caught error in a DDP run: destroy torch's groups (what a script's clean-up
+    does), which stops the engine the backend started."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_forked():

@@ -512,3 +512,20 @@ def test_zero_grad_between_accumulated_passes_is_refused():
     w.sum().backward()
     opt.step()
     opt.zero_grad()  # allowed again
+
+
+def test_parameter_names_as_horovods_without_and_with_named_parameters():
+    """Horovod's ``_parameter_names`` (parameter -> name), as its
+    test_optimizer_no_named_parameters reads it: one distinct name per parameter, the same
+    names on every rank; with named_parameters, those names."""
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 10))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.001))
+    names = opt._parameter_names
+    assert set(names) == set(model.parameters()) and len(set(names.values())) == len(names)
+    every = hvd.allgather_object(sorted(names.values()))
+    assert len(every) == hvd.size() and all(n == every[0] for n in every)
+    named = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.001),
+                                     named_parameters=model.named_parameters())
+    assert named._parameter_names == {p: k for k, p in model.named_parameters()}
+

@@ -49,7 +49,7 @@ use super::segment::{Segment, ST_ABORTED, ST_ATTACHED, ST_CLOSED};
 use super::sys;
 use super::ShmOptions;
 use crate::algorithms;
-use crate::{Communicator, Result, TransportError};
+use crate::{Communicator, Interrupt, Result, TransportError};
 
 mod collectives;
 mod ring;
@@ -201,10 +201,29 @@ pub struct ShmComm {
     /// How much longer a wait that timed out on a peer waiting outside this communicator
     /// waits, once, for that peer's verdict (see [`ShmComm::set_outside_grace`]).
     outside_grace: Duration,
+    /// Raised from another thread, it ends every wait ([`crate::interrupt`]); its cause names a
+    /// rank of [`ShmComm::world_ranks`]' world.
+    interrupt: Interrupt,
+    /// The rank of the enclosing world each rank of this communicator is (`world_ranks[r]`):
+    /// the world's own ranks, a process set's members, or a host's ranks in the hierarchical
+    /// backend.
+    world_ranks: Vec<usize>,
+    /// Set by an interrupt naming a rank outside this communicator: published as an external
+    /// blame when the operation fails (see [`ShmComm::external_blame`]).
+    blame_external: Cell<Option<usize>>,
+    /// The world's heartbeats: a wait for a rank they declare lost ends at once.
+    watch: Option<crate::liveness::Watch>,
 }
 
 impl ShmComm {
-    pub(super) fn new(seg: Segment, rank: usize, label: &str, opts: &ShmOptions) -> ShmComm {
+    pub(super) fn new(
+        seg: Segment,
+        rank: usize,
+        label: &str,
+        opts: &ShmOptions,
+        stops: (Interrupt, Vec<usize>, Option<crate::liveness::Watch>),
+    ) -> ShmComm {
+        let (interrupt, world_ranks, watch) = stops;
         ShmComm {
             size: seg.layout.size,
             seg,
@@ -219,6 +238,54 @@ impl ShmComm {
             last_check: Cell::new(Instant::now()),
             blame_outside: Cell::new(None),
             outside_grace: opts.timeout,
+            interrupt,
+            world_ranks,
+            blame_external: Cell::new(None),
+            watch,
+        }
+    }
+
+    /// The heartbeats' verdict as this wait's error, when it names `who` (the rank waited for)
+    /// or this rank itself.
+    fn declared(&self, who: usize) -> Option<TransportError> {
+        let v = self
+            .watch
+            .as_ref()?
+            .verdict_on(*self.world_ranks.get(who)?)?;
+        // Named in this communicator's numbering when it is one of its ranks; else the rank
+        // waited for, silent too, stands for it here (an enclosing communicator names the
+        // verdict's rank from its own interrupt or the peers' external blame).
+        let local = self
+            .world_ranks
+            .iter()
+            .position(|&g| g == v.lost)
+            .unwrap_or(who);
+        Some(TransportError::PeerLost {
+            rank: local,
+            detail: v.detail,
+        })
+    }
+
+    /// The error an interrupted wait ends with, in this communicator's numbering: the lost
+    /// rank when it is one of this communicator's; otherwise the communicator closes, and the
+    /// rank (of the enclosing world) is published for the peers as an external blame.
+    fn interrupted(&self, cause: crate::interrupt::Cause) -> TransportError {
+        let local = cause
+            .lost
+            .and_then(|g| self.world_ranks.iter().position(|&w| w == g));
+        match (local, cause.lost) {
+            (Some(r), _) => TransportError::PeerLost {
+                rank: r,
+                detail: cause.why,
+            },
+            (None, Some(g)) => {
+                self.blame_external.set(Some(g));
+                TransportError::Closed(format!(
+                    "shared-memory communicator '{}' stopped: rank {g} was lost ({})",
+                    self.label, cause.why
+                ))
+            }
+            (None, None) => TransportError::Closed(cause.why),
         }
     }
 
@@ -307,12 +374,19 @@ impl ShmComm {
         // Whether the deadline was extended once for a peer waiting outside this communicator.
         let mut extended = false;
         loop {
+            if let Some(cause) = self.interrupt.cause() {
+                return Err(self.interrupted(cause));
+            }
             let seen = bell.word.load(SeqCst);
             bell.aux.store(1, SeqCst);
             let Some(who) = blocker().inspect_err(|_| bell.aux.store(0, Relaxed))? else {
                 bell.aux.store(0, Relaxed);
                 return Ok(());
             };
+            if let Some(e) = self.declared(who) {
+                bell.aux.store(0, Relaxed);
+                return Err(e);
+            }
             let checked = self.check_peers(who);
             let now = Instant::now();
             if checked.is_err() || now >= deadline {
@@ -544,7 +618,11 @@ impl ShmComm {
                 self.label
             )));
         }
-        let res = f(self);
+        // An interrupt raised between operations fails the next one too.
+        let res = match self.interrupt.cause() {
+            Some(cause) => Err(self.interrupted(cause)),
+            None => f(self),
+        };
         if let Err(e) = &res {
             if !matches!(
                 e,
@@ -554,7 +632,14 @@ impl ShmComm {
                 self.broken = Some(e.to_string());
                 let info = self.seg.info(self.rank);
                 info.outside.store(0, Relaxed);
-                if let Some(far) = self.blame_outside.take() {
+                if let Some(g) = self
+                    .blame_external
+                    .take()
+                    .filter(|&g| (g as u32) < BLAME_RANK)
+                {
+                    // Interrupted by the loss of a rank of the enclosing world.
+                    info.blame.store((g as u32 + 1) | BLAME_EXTERNAL, Relaxed);
+                } else if let Some(far) = self.blame_outside.take() {
                     // A rank outside this communicator, numbered in the enclosing world.
                     info.blame
                         .store((far as u32 + 1) | BLAME_EXTERNAL | BLAME_TIMEOUT, Relaxed);
@@ -857,6 +942,10 @@ impl Communicator for ShmComm {
         }
         info.state.store(ST_ABORTED, Release);
         self.notify_others();
+    }
+
+    fn interrupter(&self) -> Option<Interrupt> {
+        Some(self.interrupt.clone())
     }
 }
 

@@ -94,8 +94,9 @@ pub(crate) use comm::OutsideWord;
 pub use comm::ShmComm;
 
 use crate::bootstrap::LaunchInfo;
+use crate::liveness::{Liveness, Watch};
 use crate::tcp::Key;
-use crate::{Communicator, Result, Topology, Transport, TransportError};
+use crate::{Communicator, Interrupt, Result, Topology, Transport, TransportError};
 use segment::{Layout, Segment, NAME_PREFIX};
 
 /// Settings of a shared-memory world. Every rank must use the same sizes.
@@ -309,6 +310,9 @@ pub struct ShmTransport {
     next: u64,
     /// Communicators opened so far over each member list ([`Transport::open_group`]).
     groups: std::collections::HashMap<Vec<usize>, u64>,
+    /// The world's heartbeats, taken over from the TCP rendezvous that found every rank on
+    /// this host ([`crate::liveness`]); a wait for a rank they declare lost ends at once.
+    liveness: Option<Liveness>,
 }
 
 impl ShmTransport {
@@ -379,7 +383,18 @@ impl ShmTransport {
             layout,
             next: 0,
             groups: std::collections::HashMap::new(),
+            liveness: None,
         })
+    }
+
+    /// Run the world's heartbeats (started at its TCP rendezvous) with this transport: a wait
+    /// of its communicators for a rank they declare lost ends at once.
+    pub(crate) fn set_liveness(&mut self, l: Option<Liveness>) {
+        self.liveness = l;
+    }
+
+    fn watch(&self) -> Option<Watch> {
+        self.liveness.as_ref().map(|l| l.watch().clone())
     }
 
     /// Join the world described by a launch (`FH_TRANSPORT=shm`): its rank, size, job token and
@@ -410,9 +425,26 @@ impl ShmTransport {
 
     /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.
     pub fn open_shm(&mut self, label: &str) -> Result<ShmComm> {
+        let watch = self.watch();
+        self.open_shm_with(label, Interrupt::new(), None, watch)
+    }
+
+    /// [`ShmTransport::open_shm`] with the interrupt the communicator is to watch and, when
+    /// this world's ranks stand for ranks of an enclosing world (a host of the hierarchical
+    /// backend), those ranks (`world_ranks[r]` is rank `r`): the interrupt and the heartbeats'
+    /// verdicts (`watch`, the enclosing world's) then name ranks of the enclosing world.
+    pub(crate) fn open_shm_with(
+        &mut self,
+        label: &str,
+        interrupt: Interrupt,
+        world_ranks: Option<Vec<usize>>,
+        watch: Option<Watch>,
+    ) -> Result<ShmComm> {
         let seq = self.next;
         self.next += 1;
-        self.open_segment(label, seq, self.rank, self.size, self.layout)
+        let ranks = world_ranks.unwrap_or_else(|| (0..self.size).collect());
+        let (rank, size, layout) = (self.rank, self.size, self.layout);
+        self.open_segment(label, seq, rank, size, layout, (interrupt, ranks, watch))
     }
 
     /// Open the next communicator over the world ranks `members` (ascending, this rank among
@@ -452,9 +484,14 @@ impl ShmTransport {
         }
         let seq = (1u64 << 40) + ((h & 0xF_FFFF) << 20) + count;
         let layout = self.opts.layout(members.len())?;
-        self.open_segment(label, seq, index, members.len(), layout)
+        let watch = self.watch();
+        let stops = (Interrupt::new(), members.to_vec(), watch);
+        self.open_segment(label, seq, index, members.len(), layout, stops)
     }
 
+    /// Open a communicator's segment; `stops` are what end its waits early: its interrupt, the
+    /// world ranks its ranks are (for the interrupt's and the heartbeats' verdicts), and the
+    /// world's heartbeats.
     fn open_segment(
         &mut self,
         label: &str,
@@ -462,7 +499,9 @@ impl ShmTransport {
         rank: usize,
         size: usize,
         layout: Layout,
+        stops: (Interrupt, Vec<usize>, Option<Watch>),
     ) -> Result<ShmComm> {
+        let (interrupt, world_ranks, watch) = stops;
         let name = format!("/{}", name_of(&self.key, self.world.as_ref(), seq));
         let start = Instant::now();
         let deadline = start + self.opts.timeout;
@@ -474,9 +513,40 @@ impl ShmTransport {
             }
             seg
         } else {
-            Segment::attach(&name, rank, layout, &self.key, deadline, self.opts.timeout)?
+            // Rank 0 lost before it made the segment (the heartbeats' verdict, during the
+            // world's formation), or an interrupt: no use waiting.
+            let cancel = || {
+                let (lost, why) = interrupt.cause().map(|c| (c.lost, c.why)).or_else(|| {
+                    let v = watch.as_ref()?.verdict()?;
+                    Some((Some(v.lost), v.detail))
+                })?;
+                Some(
+                    match lost.and_then(|g| world_ranks.iter().position(|&w| w == g)) {
+                        Some(r) => TransportError::PeerLost {
+                            rank: r,
+                            detail: why,
+                        },
+                        None => TransportError::Closed(why),
+                    },
+                )
+            };
+            Segment::attach(
+                &name,
+                rank,
+                layout,
+                &self.key,
+                deadline,
+                self.opts.timeout,
+                &cancel,
+            )?
         };
-        let comm = ShmComm::new(seg, rank, label, &self.opts);
+        let comm = ShmComm::new(
+            seg,
+            rank,
+            label,
+            &self.opts,
+            (interrupt, world_ranks, watch),
+        );
         comm.opened(&name).inspect_err(|_| {
             let _ = sys::shm_unlink(&name);
         })?;
@@ -504,5 +574,9 @@ impl Transport for ShmTransport {
 
     fn open_group(&mut self, label: &str, members: &[usize]) -> Result<Box<dyn Communicator>> {
         Ok(Box::new(self.open_shm_group(label, members)?))
+    }
+
+    fn liveness(&self) -> Option<Watch> {
+        self.liveness.as_ref().map(|l| l.watch().clone())
     }
 }

@@ -356,9 +356,14 @@ impl Segment {
         key: &Key,
         deadline: Instant,
         timeout: Duration,
+        cancel: &dyn Fn() -> Option<TransportError>,
     ) -> Result<Segment> {
         let mut pause = Duration::from_micros(200);
         loop {
+            // A verdict that a rank (rank 0, which creates it) is lost ends the wait.
+            if let Some(e) = cancel() {
+                return Err(e);
+            }
             if let Some(seg) = Self::try_attach(name, layout, key)? {
                 seg.record_self(rank);
                 let h = seg.header();

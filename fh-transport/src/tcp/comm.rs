@@ -11,7 +11,7 @@ use super::frame::{RecvState, SendState};
 use super::link::{NOTICE_TIMEOUT, PROBE_MARGIN, PROBE_TIMEOUT};
 use super::wire::{self, Header};
 use super::{sys, Link, TcpOptions};
-use crate::{Communicator, Result, TransportError};
+use crate::{Communicator, Interrupt, Result, TransportError};
 
 mod blame;
 
@@ -22,7 +22,9 @@ mod blame;
 /// peer whose connection closes or resets is reported at once as
 /// [`TransportError::PeerLost`]. After a peer failure the communicator is unusable: it tells
 /// the other peers which rank was lost (so that they report the same rank) and every later
-/// call fails.
+/// call fails. Its [`Interrupt`] ends a wait at once from another thread (an engine that stops
+/// raises it): the operation fails as if this communicator had lost the rank named; so does a
+/// wait for a peer that the world's heartbeats declare lost ([`crate::liveness`]).
 #[derive(Debug)]
 pub struct TcpComm {
     label: String,
@@ -35,6 +37,7 @@ pub struct TcpComm {
     max_frame: usize,
     failed: Option<(Option<usize>, String)>,
     link: Option<Arc<Link>>,
+    interrupt: Interrupt,
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -42,6 +45,7 @@ fn would_block(e: &io::Error) -> bool {
 }
 
 impl TcpComm {
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         label: String,
         seq: u64,
@@ -50,6 +54,7 @@ impl TcpComm {
         peers: Vec<Option<TcpStream>>,
         opts: &TcpOptions,
         link: Option<Arc<Link>>,
+        interrupt: Interrupt,
     ) -> Self {
         TcpComm {
             label,
@@ -62,6 +67,7 @@ impl TcpComm {
             max_frame: opts.max_frame,
             failed: None,
             link,
+            interrupt,
         }
     }
 
@@ -213,6 +219,18 @@ impl TcpComm {
         recv: Option<(usize, &mut [&mut [u8]])>,
     ) -> Result<()> {
         self.check_usable()?;
+        if let Some(cause) = self.interrupt.cause() {
+            return Err(self.fail(cause.error(), None));
+        }
+        let peers = [send.as_ref().map(|s| s.0), recv.as_ref().map(|r| r.0)];
+        let declared = self
+            .link
+            .as_ref()
+            .and_then(|l| l.watch.as_ref())
+            .and_then(|w| peers.iter().flatten().find_map(|&p| w.verdict_on(p)));
+        if let Some(v) = declared {
+            return Err(self.fail(v.error(), None));
+        }
         if let Some(why) = self.link.as_ref().and_then(|l| l.board.world_fault()) {
             let err = TransportError::Config {
                 var: "FH_JOB_TOKEN".into(),
@@ -337,6 +355,27 @@ impl TcpComm {
             if tx_done && rx_done {
                 return Ok(());
             }
+            // Interrupted, or the heartbeats declared lost a peer this transfer waits for.
+            let waits_for = [
+                tx.as_ref().filter(|t| !t.finished()).map(|t| t.peer),
+                rx.as_ref().filter(|r| !r.finished()).map(|r| r.peer),
+            ];
+            let stop = self.interrupt.cause().map(|c| c.error()).or_else(|| {
+                let watch = self.link.as_ref()?.watch.as_ref()?;
+                waits_for
+                    .iter()
+                    .flatten()
+                    .find_map(|&p| watch.verdict_on(p))
+                    .map(|v| v.error())
+            });
+            if let Some(err) = stop {
+                // A frame half sent to a peer cannot carry a notice in band.
+                let half = tx
+                    .as_ref()
+                    .filter(|t| t.done > 0 && !t.finished())
+                    .map(|t| t.peer);
+                return Err(self.fail(err, half));
+            }
             if progressed {
                 last_progress = Instant::now();
                 continue;
@@ -381,7 +420,12 @@ impl TcpComm {
                 };
                 return Err(self.fail(err, half));
             }
-            let mut fds = [sys::pollfd(-1, 0), sys::pollfd(-1, 0)];
+            let mut fds = [
+                sys::pollfd(-1, 0),
+                sys::pollfd(-1, 0),
+                sys::pollfd(-1, 0),
+                sys::pollfd(-1, 0),
+            ];
             let mut n = 0;
             let mut tx_slot = None;
             if let (Some(fd), false) = (tx_fd, tx_done) {
@@ -405,7 +449,17 @@ impl TcpComm {
                 // Only possible when the send is done and we are watching nothing: finished.
                 return Ok(());
             }
-            let ready = sys::poll(&mut fds[..n], self.timeout - waited).map_err(|e| {
+            // Raised, the interrupt's descriptor ends the wait (looked at above, next turn);
+            // so does the heartbeats' verdict, until it came (it may concern another rank).
+            if let Some(fd) = self.interrupt.wake_fd() {
+                fds[n] = sys::pollfd(fd, sys::POLLIN);
+            }
+            if let Some(w) = self.link.as_ref().and_then(|l| l.watch.as_ref()) {
+                if let (None, Some(fd)) = (w.verdict(), w.wake_fd()) {
+                    fds[n + 1] = sys::pollfd(fd, sys::POLLIN);
+                }
+            }
+            let ready = sys::poll(&mut fds[..n + 2], self.timeout - waited).map_err(|e| {
                 TransportError::io(format!("poll during {op} on '{}'", self.label), e)
             })?;
             if ready == 0 {
@@ -466,5 +520,9 @@ impl Communicator for TcpComm {
             rank: lost,
             detail: format!("this rank gave up on communicator '{}'", self.label),
         });
+    }
+
+    fn interrupter(&self) -> Option<Interrupt> {
+        Some(self.interrupt.clone())
     }
 }

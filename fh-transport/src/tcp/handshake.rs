@@ -180,7 +180,9 @@ pub(super) fn client_handshake(
 /// yet or an attempt fails in a way worth retrying (see [`Attempt`]). Each attempt's handshake
 /// is bounded by `per_attempt`; `make_hello` builds the hello for each fresh connection. With
 /// `refused_is_lost`, a refused connection means the peer's process is gone (its listener has
-/// been up since the rendezvous) and fails at once.
+/// been up since the rendezvous) and fails at once. `cancel` is asked before every attempt: an
+/// error from it (a verdict that the peer is lost) ends the attempts with that error.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn connect_handshake(
     addrs: &[SocketAddr],
     mut make_hello: impl FnMut(&TcpStream) -> Result<Hello>,
@@ -189,11 +191,15 @@ pub(super) fn connect_handshake(
     deadline: Instant,
     per_attempt: Duration,
     refused_is_lost: Option<usize>,
+    cancel: &dyn Fn() -> Option<TransportError>,
 ) -> Result<TcpStream> {
     let mut backoff = Duration::from_millis(10);
     let mut last: Option<TransportError> = None;
     loop {
         for addr in addrs {
+            if let Some(e) = cancel() {
+                return Err(e);
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
@@ -234,6 +240,9 @@ pub(super) fn connect_handshake(
                     last = Some(e);
                 }
             }
+        }
+        if let Some(e) = cancel() {
+            return Err(e);
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {

@@ -151,6 +151,8 @@ pub(crate) struct Link {
     pub(crate) handshake_timeout: Duration,
     /// The job's world id, named in every hello.
     pub(crate) world: [u8; wire::WORLD_ID_LEN],
+    /// The world's liveness watch, when heartbeats run.
+    pub(crate) watch: Option<crate::liveness::Watch>,
 }
 
 impl Link {

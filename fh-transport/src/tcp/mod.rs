@@ -73,7 +73,7 @@ mod sys;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -86,7 +86,8 @@ use wire::{ConnKind, Hello};
 
 use crate::bootstrap::LaunchInfo;
 use crate::hosts::{self, Layout, Place};
-use crate::{Communicator, Result, Topology, Transport, TransportError};
+use crate::liveness::{self, Liveness, Watch};
+use crate::{Communicator, Interrupt, Result, Topology, Transport, TransportError};
 
 /// Default largest message the backend sends or accepts (16 GiB).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 30;
@@ -113,6 +114,9 @@ pub struct TcpOptions {
     pub handshake_timeout: Duration,
     /// Largest single message, in bytes.
     pub max_frame: usize,
+    /// The heartbeats ([`crate::liveness`]) the world runs from the end of its rendezvous;
+    /// `None`: none.
+    pub liveness: Option<liveness::Settings>,
 }
 
 impl Default for TcpOptions {
@@ -121,6 +125,7 @@ impl Default for TcpOptions {
             timeout: crate::bootstrap::DEFAULT_TIMEOUT,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             max_frame: DEFAULT_MAX_FRAME,
+            liveness: Some(liveness::Settings::default()),
         }
     }
 }
@@ -131,6 +136,7 @@ impl TcpOptions {
         TcpOptions {
             timeout: info.timeout,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT.min(info.timeout),
+            liveness: info.liveness,
             ..TcpOptions::default()
         }
     }
@@ -206,6 +212,10 @@ pub struct TcpTransport {
     /// stays taken (another job with the same address cannot start a second world on it) and
     /// a late claimant of a rank is refused naming this world.
     rendezvous: Option<Acceptor>,
+    /// The heartbeat socket, bound with the data listener, until the heartbeats start.
+    beat_socket: Option<UdpSocket>,
+    /// The world's heartbeats, from the end of the rendezvous.
+    liveness: Option<Liveness>,
 }
 
 impl std::fmt::Debug for TcpTransport {
@@ -242,6 +252,8 @@ impl TcpTransport {
             world: [0; wire::WORLD_ID_LEN],
             world_cell: WorldCell::default(),
             rendezvous: None,
+            beat_socket: None,
+            liveness: None,
         };
         if info.size == 1 {
             t.topology = Topology::single_host(0, 1);
@@ -291,12 +303,24 @@ impl TcpTransport {
         };
         t.layout = hosts::settle(&t.places)?;
         t.topology = t.layout.topology(info.rank);
+        // From now on every rank is watched: a rank lost while the world forms (opening its
+        // communicators, the engine's start) is named within the heartbeats' silence.
+        if let (Some(settings), Some(socket)) = (t.opts.liveness, t.beat_socket.take()) {
+            let peers = liveness::Peers {
+                rank: info.rank,
+                addrs: t.book.clone(),
+                key: t.key.clone(),
+                world: t.world,
+            };
+            t.liveness = Some(Liveness::start(socket, peers, settings)?);
+        }
         t.link = Some(Arc::new(Link {
             book: t.book.clone(),
             key: t.key.clone(),
             board: Arc::clone(&t.board),
             handshake_timeout: t.opts.handshake_timeout,
             world: t.world,
+            watch: t.liveness.as_ref().map(|l| l.watch().clone()),
         }));
         tracing::debug!(rank = info.rank, book = ?t.book, hosts = ?t.layout.hosts(), "TCP rendezvous complete");
         Ok(t)
@@ -316,6 +340,13 @@ impl TcpTransport {
     /// The host layout settled from [`TcpTransport::places`].
     pub fn layout(&self) -> &Layout {
         &self.layout
+    }
+
+    /// Hand the world's heartbeats over (to a backend that replaces this transport after the
+    /// rendezvous, e.g. shared memory on one host); this transport's communicators keep the
+    /// verdicts they had.
+    pub(crate) fn take_liveness(&mut self) -> Option<Liveness> {
+        self.liveness.take()
     }
 
     /// The job's world id: random bytes rank 0 draws for each job and sends with the address
@@ -370,8 +401,9 @@ impl TcpTransport {
                 &self.key,
                 &what,
                 deadline,
-                self.opts.handshake_timeout,
+                self.attempt_timeout(),
                 Some(r),
+                &|| self.verdict_error(),
             )?;
             *slot = Some(s);
         }
@@ -385,8 +417,14 @@ impl TcpTransport {
                 *slot = Some(s);
             }
         }
+        let watch = self.liveness.as_ref().map(|l| l.watch().clone());
+        let lost = || watch.as_ref().is_some_and(|w| w.verdict().is_some());
         while let Some(missing) = (rank + 1..size).find(|&r| peers[r].is_none()) {
-            let Some((hello, stream, from)) = acceptor.next(deadline) else {
+            let Some((hello, stream, from)) = acceptor.next_unless(deadline, VERDICT_POLL, &lost)
+            else {
+                if let Some(v) = watch.as_ref().and_then(Watch::verdict) {
+                    return Err(v.error());
+                }
                 return Err(TransportError::Handshake {
                     peer: format!("rank {missing}"),
                     reason: format!(
@@ -428,11 +466,74 @@ impl Transport for TcpTransport {
     fn open(&mut self, label: &str) -> Result<Box<dyn Communicator>> {
         Ok(Box::new(self.open_tcp(label)?))
     }
+
+    fn liveness(&self) -> Option<Watch> {
+        self.liveness.as_ref().map(|l| l.watch().clone())
+    }
+}
+
+/// How often a wait of the world's formation (accepting a peer's connection) looks at the
+/// liveness verdict.
+const VERDICT_POLL: Duration = Duration::from_millis(50);
+
+/// Bind this rank's data listener on `ip` and, with heartbeats (`beats`), a UDP socket on the
+/// same port number: the address book then gives every rank's heartbeat address too. Tries
+/// other ports while the UDP socket's port is taken for TCP.
+fn bind_data(ip: IpAddr, beats: bool) -> Result<(TcpListener, Option<UdpSocket>)> {
+    let what = || format!("binding a data listener on {ip}");
+    if !beats {
+        let l =
+            TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| TransportError::io(what(), e))?;
+        return Ok((l, None));
+    }
+    let mut last = None;
+    for _ in 0..64 {
+        let udp = UdpSocket::bind(SocketAddr::new(ip, 0))
+            .map_err(|e| TransportError::io(format!("binding a heartbeat socket on {ip}"), e))?;
+        let port = udp
+            .local_addr()
+            .map_err(|e| TransportError::io("reading the heartbeat socket's address", e))?
+            .port();
+        match TcpListener::bind(SocketAddr::new(ip, port)) {
+            Ok(l) => return Ok((l, Some(udp))),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(TransportError::io(
+        format!("{} (no port free for both TCP and UDP in 64 tries)", what()),
+        last.unwrap_or_else(|| std::io::ErrorKind::AddrInUse.into()),
+    ))
 }
 
 impl TcpTransport {
+    /// The liveness verdict as an error, if a rank was declared lost.
+    fn verdict_error(&self) -> Option<TransportError> {
+        self.liveness
+            .as_ref()
+            .and_then(|l| l.watch().verdict())
+            .map(|v| v.error())
+    }
+
+    /// How long one handshake attempt with a peer of the world may take: with heartbeats, a
+    /// short attempt (retried) so that a verdict on a frozen peer is seen between attempts.
+    fn attempt_timeout(&self) -> Duration {
+        match self.opts.liveness {
+            Some(s) => self
+                .opts
+                .handshake_timeout
+                .min(s.silence.max(Duration::from_secs(1))),
+            None => self.opts.handshake_timeout,
+        }
+    }
+
     /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.
     pub fn open_tcp(&mut self, label: &str) -> Result<TcpComm> {
+        self.open_tcp_with(label, Interrupt::new())
+    }
+
+    /// [`TcpTransport::open_tcp`] with the interrupt the communicator is to watch (shared with
+    /// a communicator that encloses it).
+    pub(crate) fn open_tcp_with(&mut self, label: &str, interrupt: Interrupt) -> Result<TcpComm> {
         let seq = self.next_seq;
         self.next_seq += 1;
         let (rank, size) = (self.topology.rank, self.topology.size);
@@ -450,6 +551,7 @@ impl TcpTransport {
             peers,
             &self.opts,
             self.link.clone(),
+            interrupt,
         ))
     }
 }

@@ -61,9 +61,8 @@ impl TcpTransport {
                 ),
             });
         };
-        let data = TcpListener::bind(SocketAddr::new(rdv_addr.ip(), 0)).map_err(|e| {
-            TransportError::io(format!("binding a data listener on {}", rdv_addr.ip()), e)
-        })?;
+        let (data, beat) = bind_data(rdv_addr.ip(), self.opts.liveness.is_some())?;
+        self.beat_socket = beat;
         let my_addr = data
             .local_addr()
             .map_err(|e| TransportError::io("reading the data listener's address", e))?;
@@ -232,6 +231,8 @@ impl TcpTransport {
         let rules = self.rules(ConnKind::Data);
         let mut rules = Some(rules);
         let mut acceptor = None;
+        let mut beat_socket = None;
+        let beats = self.opts.liveness.is_some();
         let peer = format!("rank 0 (rendezvous at {rdv})");
         let mut stream = connect_handshake(
             addrs,
@@ -242,13 +243,8 @@ impl TcpTransport {
                         let local_ip = s.local_addr().map_err(|e| {
                             TransportError::io("reading the rendezvous connection's address", e)
                         })?;
-                        let data =
-                            TcpListener::bind(SocketAddr::new(local_ip.ip(), 0)).map_err(|e| {
-                                TransportError::io(
-                                    format!("binding a data listener on {}", local_ip.ip()),
-                                    e,
-                                )
-                            })?;
+                        let (data, beat) = bind_data(local_ip.ip(), beats)?;
+                        beat_socket = beat;
                         let port = data
                             .local_addr()
                             .map_err(|e| {
@@ -280,8 +276,10 @@ impl TcpTransport {
             deadline,
             self.opts.handshake_timeout,
             None,
+            &|| None,
         )?;
         self.acceptor = acceptor;
+        self.beat_socket = beat_socket;
         let _ = stream.set_nodelay(true);
         write_by(&mut stream, &me.encode(), deadline).map_err(|e| TransportError::PeerLost {
             rank: 0,

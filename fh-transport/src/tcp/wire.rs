@@ -15,6 +15,7 @@
 //!    |---|---|
 //!    | 4 | magic `FHTP` |
 //!    | 2 | protocol version, little endian |
+//!    | 16 | the FastHorovod release ([`fh_core::RELEASE`]), UTF-8 padded with zeros |
 //!    | 1 | kind: 0 rendezvous, 1 data connection, 2 abort notice |
 //!    | 1 | reserved, 0 |
 //!    | 4 | world size |
@@ -25,6 +26,11 @@
 //!    | 16 | the world id: the job's nonce, drawn by rank 0 and sent with the address book (0 on rendezvous connections) |
 //!    | 32 | the connector's nonce |
 //!
+//!    The first [`PREAMBLE_LEN`] bytes (magic, protocol version, release) keep their place in
+//!    every protocol version from 5 on, so that a listener can always name the release of a
+//!    connector it refuses. Both must equal the listener's own: a rank of another release is
+//!    refused before the challenge, with a reason naming both releases
+//!    ([`DecodeError::Version`]).
 //! 2. **Challenge** (acceptor → connector), [`CHALLENGE_LEN`] bytes: magic `FHTC`, the
 //!    acceptor's nonce (32 bytes) and its proof (32 bytes), [`acceptor_proof`] =
 //!    HMAC(token, label ‖ hello ‖ acceptor nonce). The hello holds the connector's nonce, so
@@ -73,8 +79,18 @@ pub const CHALLENGE_MAGIC: [u8; 4] = *b"FHTC";
 pub const PROOF_MAGIC: [u8; 4] = *b"FHTK";
 /// Protocol version spoken by this build (2: mutual HMAC challenge–response; 3: the
 /// rendezvous carries every rank's host place, [`crate::hosts::Place`]; 4: every connection
-/// after the rendezvous names the job's world id, [`Hello::world`]).
-pub const PROTOCOL_VERSION: u16 = 4;
+/// after the rendezvous names the job's world id, [`Hello::world`]; 5: the hello carries the
+/// release after the protocol version, in a preamble every later version keeps).
+pub const PROTOCOL_VERSION: u16 = 5;
+/// Bytes of the release in a hello ([`fh_core::RELEASE`], padded with zeros).
+pub const RELEASE_LEN: usize = 16;
+/// Bytes of a hello's preamble: magic, protocol version and release, in that place in every
+/// protocol version from 5 on.
+pub const PREAMBLE_LEN: usize = 6 + RELEASE_LEN;
+/// The first protocol version whose hello carries the release.
+const FIRST_WITH_RELEASE: u16 = 5;
+/// This build's release as a hello carries it.
+const RELEASE_FIELD: [u8; RELEASE_LEN] = release_field(fh_core::RELEASE);
 /// Longest job token accepted.
 pub const MAX_TOKEN_LEN: usize = 255;
 /// Longest refusal reason sent or accepted.
@@ -86,7 +102,7 @@ pub const PROOF_TAG_LEN: usize = 32;
 /// Bytes of a world id (the job's nonce, [`Hello::world`]).
 pub const WORLD_ID_LEN: usize = 16;
 /// Size of a handshake.
-pub const HELLO_LEN: usize = 30 + WORLD_ID_LEN + NONCE_LEN;
+pub const HELLO_LEN: usize = PREAMBLE_LEN + 24 + WORLD_ID_LEN + NONCE_LEN;
 /// Largest possible handshake (all handshakes have the same size).
 pub const MAX_HELLO_LEN: usize = HELLO_LEN;
 /// Size of a challenge.
@@ -143,6 +159,32 @@ pub struct Hello {
     pub nonce: [u8; NONCE_LEN],
 }
 
+/// `release` as a hello carries it: its bytes, padded with zeros to [`RELEASE_LEN`].
+const fn release_field(release: &str) -> [u8; RELEASE_LEN] {
+    let bytes = release.as_bytes();
+    assert!(
+        bytes.len() <= RELEASE_LEN,
+        "the release does not fit in the hello's release field"
+    );
+    let mut field = [0u8; RELEASE_LEN];
+    let mut i = 0;
+    while i < bytes.len() {
+        field[i] = bytes[i];
+        i += 1;
+    }
+    field
+}
+
+/// A release read from a peer's hello, fit to print: the bytes before the padding, anything
+/// but printable ASCII shown as `?` (the bytes come from the network).
+fn release_text(field: &[u8]) -> String {
+    let end = field.iter().position(|&b| b == 0).unwrap_or(field.len());
+    field[..end]
+        .iter()
+        .map(|&b| if b.is_ascii_graphic() { b as char } else { '?' })
+        .collect()
+}
+
 /// Why bytes could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecodeError {
@@ -150,8 +192,14 @@ pub enum DecodeError {
     NeedMore(usize),
     /// The bytes are not valid; the reason says why.
     Invalid(String),
-    /// A well-formed handshake of another protocol version.
-    Version(u16),
+    /// A well-formed handshake of another FastHorovod: another protocol version, or the same
+    /// protocol from another release.
+    Version {
+        /// The connector's protocol version.
+        protocol: u16,
+        /// The connector's release; `None` before protocol 5, whose hellos do not carry it.
+        release: Option<String>,
+    },
 }
 
 impl fmt::Display for DecodeError {
@@ -159,11 +207,20 @@ impl fmt::Display for DecodeError {
         match self {
             DecodeError::NeedMore(n) => write!(f, "truncated: need {n} bytes"),
             DecodeError::Invalid(why) => f.write_str(why),
-            DecodeError::Version(v) => write!(
-                f,
-                "peer speaks protocol version {v}, this build speaks {PROTOCOL_VERSION} \
-                 (run the same FastHorovod version on every rank)"
-            ),
+            DecodeError::Version { protocol, release } => {
+                let theirs = match release {
+                    Some(r) => format!("FastHorovod {r}"),
+                    None => "an older FastHorovod".to_string(),
+                };
+                write!(
+                    f,
+                    "FastHorovod versions differ: the connecting rank runs {theirs} (wire \
+                     protocol {protocol}), the listening rank runs FastHorovod {} (wire \
+                     protocol {PROTOCOL_VERSION}); install the same FastHorovod version on \
+                     every host (`fhrun --version` and `fasthorovod.__version__` say which)",
+                    fh_core::RELEASE
+                )
+            }
         }
     }
 }
@@ -174,6 +231,7 @@ impl Hello {
         let mut out = Vec::with_capacity(HELLO_LEN);
         out.extend_from_slice(&HELLO_MAGIC);
         out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&RELEASE_FIELD);
         out.push(match self.kind {
             ConnKind::Rendezvous => 0,
             ConnKind::Data => 1,
@@ -192,8 +250,10 @@ impl Hello {
     }
 
     /// Decode from the start of `buf`; returns the handshake and the bytes it used.
-    /// Checks the magic and the version as soon as their bytes are present, so garbage and
-    /// other versions are refused without waiting for more.
+    /// Checks the magic, the protocol version and the release as soon as their bytes are
+    /// present, so garbage and other versions are refused without waiting for more. The
+    /// encoded release is always this build's ([`fh_core::RELEASE`]): a hello of another
+    /// release is a [`DecodeError::Version`].
     pub fn decode(buf: &[u8]) -> Result<(Hello, usize), DecodeError> {
         let magic_len = buf.len().min(4);
         if buf[..magic_len] != HELLO_MAGIC[..magic_len] {
@@ -205,40 +265,55 @@ impl Hello {
             return Err(DecodeError::NeedMore(6));
         }
         let version = u16::from_le_bytes([buf[4], buf[5]]);
-        if version != PROTOCOL_VERSION {
-            return Err(DecodeError::Version(version));
+        if version < FIRST_WITH_RELEASE {
+            return Err(DecodeError::Version {
+                protocol: version,
+                release: None,
+            });
+        }
+        if buf.len() < PREAMBLE_LEN {
+            return Err(DecodeError::NeedMore(PREAMBLE_LEN));
+        }
+        let release = &buf[6..PREAMBLE_LEN];
+        if version != PROTOCOL_VERSION || release != RELEASE_FIELD {
+            return Err(DecodeError::Version {
+                protocol: version,
+                release: Some(release_text(release)),
+            });
         }
         if buf.len() < HELLO_LEN {
             return Err(DecodeError::NeedMore(HELLO_LEN));
         }
-        let kind = match buf[6] {
+        // The fields after the preamble, at offsets from its end.
+        let buf = &buf[PREAMBLE_LEN..HELLO_LEN];
+        let kind = match buf[0] {
             0 => ConnKind::Rendezvous,
             1 => ConnKind::Data,
             2 => ConnKind::Abort,
             3 => ConnKind::Probe,
             k => return Err(DecodeError::Invalid(format!("unknown connection kind {k}"))),
         };
-        if buf[7] != 0 {
+        if buf[1] != 0 {
             return Err(DecodeError::Invalid(
                 "reserved handshake byte is not 0".into(),
             ));
         }
         let u32_at = |i: usize| u32::from_le_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
         let mut seq = [0u8; 8];
-        seq.copy_from_slice(&buf[16..24]);
+        seq.copy_from_slice(&buf[10..18]);
         let mut world = [0u8; WORLD_ID_LEN];
-        world.copy_from_slice(&buf[30..30 + WORLD_ID_LEN]);
+        world.copy_from_slice(&buf[24..24 + WORLD_ID_LEN]);
         let mut nonce = [0u8; NONCE_LEN];
-        nonce.copy_from_slice(&buf[30 + WORLD_ID_LEN..HELLO_LEN]);
+        nonce.copy_from_slice(&buf[24 + WORLD_ID_LEN..]);
         Ok((
             Hello {
                 version,
                 kind,
-                size: u32_at(8),
-                rank: u32_at(12),
+                size: u32_at(2),
+                rank: u32_at(6),
                 seq: u64::from_le_bytes(seq),
-                port: u16::from_le_bytes([buf[24], buf[25]]),
-                lost: u32_at(26),
+                port: u16::from_le_bytes([buf[18], buf[19]]),
+                lost: u32_at(20),
                 world,
                 nonce,
             },
@@ -695,9 +770,66 @@ mod tests {
             Err(DecodeError::Invalid(_))
         ));
         assert!(matches!(Hello::decode(b"X"), Err(DecodeError::Invalid(_))));
+        // Before protocol 5 a hello carries no release: refused on its protocol alone.
+        let mut b = HELLO_MAGIC.to_vec();
+        b.extend_from_slice(&4u16.to_le_bytes());
+        assert_eq!(
+            Hello::decode(&b),
+            Err(DecodeError::Version {
+                protocol: 4,
+                release: None
+            })
+        );
+        // From protocol 5 on the release follows, and is named.
         let mut b = HELLO_MAGIC.to_vec();
         b.extend_from_slice(&9u16.to_le_bytes());
-        assert_eq!(Hello::decode(&b), Err(DecodeError::Version(9)));
+        assert_eq!(Hello::decode(&b), Err(DecodeError::NeedMore(PREAMBLE_LEN)));
+        b.extend_from_slice(&release_field("7.0.0"));
+        assert_eq!(
+            Hello::decode(&b),
+            Err(DecodeError::Version {
+                protocol: 9,
+                release: Some("7.0.0".into())
+            })
+        );
+    }
+
+    #[test]
+    fn a_hello_of_another_release_is_refused_naming_both() {
+        let h = Hello {
+            version: PROTOCOL_VERSION,
+            kind: ConnKind::Rendezvous,
+            size: 2,
+            rank: 1,
+            seq: 0,
+            port: 1,
+            lost: 0,
+            world: [0; WORLD_ID_LEN],
+            nonce: [1; NONCE_LEN],
+        };
+        let mut bytes = h.encode();
+        assert_eq!(&bytes[6..PREAMBLE_LEN], &RELEASE_FIELD);
+        bytes[6..PREAMBLE_LEN].copy_from_slice(&release_field("0.0.1-old"));
+        let err = Hello::decode(&bytes).unwrap_err();
+        assert_eq!(
+            err,
+            DecodeError::Version {
+                protocol: PROTOCOL_VERSION,
+                release: Some("0.0.1-old".into())
+            }
+        );
+        let text = err.to_string();
+        assert!(text.contains("FastHorovod 0.0.1-old"), "{text}");
+        assert!(
+            text.contains(&format!("FastHorovod {}", fh_core::RELEASE)),
+            "{text}"
+        );
+        // Bytes from the network are printed tamed.
+        bytes[6..PREAMBLE_LEN].copy_from_slice(b"1.0\n\x1b[31m\xff\0\0\0\0\0\0");
+        let Err(DecodeError::Version { release, .. }) = Hello::decode(&bytes) else {
+            panic!("not a version error");
+        };
+        assert_eq!(release.as_deref(), Some("1.0??[31m?"));
     }
 
     #[test]

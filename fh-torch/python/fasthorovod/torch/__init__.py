@@ -9,7 +9,15 @@ import atexit
 import os
 import sys
 
-from fasthorovod import _core
+from fasthorovod import _compat
+
+try:
+    import torch as _torch
+except ImportError as _e:
+    raise ImportError(_compat.missing_torch_message()) from _e
+_compat.check_torch_version(_torch.__version__, _torch.__file__)
+
+from fasthorovod import _core  # noqa: E402
 from fasthorovod.common import _elastic_core
 from fasthorovod.common import elastic as _common_elastic
 from fasthorovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
@@ -20,6 +28,7 @@ from fasthorovod.torch import elastic
 from fasthorovod.torch.compression import Compression
 from fasthorovod.torch.functions import (allgather_object, broadcast_object,
                                          broadcast_optimizer_state, broadcast_parameters)
+from fasthorovod.torch import _ops
 from fasthorovod.torch import mpi_ops as _mpi_ops
 from fasthorovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather,
                                        allgather_async, allreduce, allreduce_, allreduce_async,
@@ -61,15 +70,25 @@ def init(comm=None, process_sets=None):
             if not isinstance(ps, ProcessSet):
                 raise ValueError(f"init(process_sets=...) takes ProcessSet objects or "
                                  f"'dynamic', got {ps!r}")
+    _start(process_sets, _core.init)
+
+
+def _start(process_sets, start_engine):
+    """``init``'s work once its arguments are checked: start the engine with
+    ``start_engine()`` (``_core.init``, or ``fasthorovod.torch.distributed``'s start on a
+    world agreed through a torch store), then what every world gets: the homogeneity query
+    and the process sets. A no-op when the runtime runs already."""
     if _core.is_initialized():
         return
+    _install_stack_dumps()
     attempt = 1
     while True:
         try:
-            _core.init()
+            start_engine()
         except _elastic_core.WorkerRemovedError as e:
             _common_elastic.leave(e)
         _mpi_ops._world_count += 1
+        _ops._refresh_tracing()
         try:
             _start_world(process_sets)
             return
@@ -104,12 +123,44 @@ def _start_world(process_sets):
     _init_sets(process_sets)
 
 
+def _install_stack_dumps():
+    """Let the runtime show where this rank is when a stall names it: ``faulthandler`` writes
+    every thread's stack to stderr on the runtime's stack signal (from the engine's thread,
+    without the GIL). Best effort: without it the stall warning names the rank alone."""
+    import faulthandler
+    try:
+        faulthandler.register(_core.stack_signal(), file=2, all_threads=True, chain=False)
+    except Exception:  # noqa: BLE001 - no stack dumps, nothing else changes
+        return
+    _core.enable_stack_dumps()
+
+
 def shutdown():
     """Stop the runtime (every rank should call it; also done at interpreter exit).
     Pending operations fail; on the other ranks, operations that needed this rank fail with
     an error naming it."""
+    _say_summary()
     _forget_sets()
     _core.shutdown("hvd.shutdown() was called")
+
+
+_summary_said = False
+
+
+def _say_summary():
+    """With ``FH_SUMMARY=1`` (fhrun sets it), one line on stderr of what this rank did, once,
+    before its runtime stops."""
+    global _summary_said
+    if _summary_said or os.environ.get("FH_SUMMARY", "").strip().lower() not in (
+            "1", "true", "yes", "on"):
+        return
+    try:
+        line = _core.summary()
+    except Exception:  # noqa: BLE001 - a summary never fails the shutdown
+        return
+    if line:
+        _summary_said = True
+        print(line, file=sys.stderr, flush=True)
 
 
 # Why this process is exiting, when an uncaught exception ends it ("raised ValueError: boom");
@@ -120,6 +171,7 @@ _notified = False
 
 
 def _shutdown_at_exit():
+    _say_summary()
     _forget_sets()
     _core.shutdown(_exit_reason or "the process exited")
 
@@ -193,13 +245,16 @@ if not getattr(sys.excepthook, "_fasthorovod", False):
 
 
 def start_timeline(file_path, mark_cycles=False):
-    """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it)."""
+    """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it; a path
+    holding ``{rank}`` names a file per rank, and every rank writes its own)."""
     _core.start_timeline(str(file_path))
+    _ops._refresh_tracing()
 
 
 def stop_timeline():
     """Stop writing the timeline."""
     _core.stop_timeline()
+    _ops._refresh_tracing()
 
 
 __all__ = [name for name in dir()

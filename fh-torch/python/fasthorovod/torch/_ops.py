@@ -2,8 +2,10 @@
 submission to the engine, and Horovod-style integer handles (``poll``, ``synchronize``)."""
 
 import ctypes
+import functools
 import itertools
 import threading
+import time
 
 import torch
 
@@ -25,6 +27,46 @@ _handles = {}
 _next_handle = itertools.count(1)
 # Unnamed operations issued so far by this process, per process set id.
 _unnamed = {}
+# Whether this rank writes a timeline: then submissions, waits and optimizer steps put spans
+# on its Python lane (set by ``init``, ``start_timeline`` and ``stop_timeline``).
+_tracing = False
+
+
+def _refresh_tracing():
+    """Ask the runtime whether this rank writes a timeline now."""
+    global _tracing
+    _tracing = _core.timeline_on()
+
+
+def _record_step(exposed_ns):
+    """Count a training step that waited ``exposed_ns`` for its reductions."""
+    try:
+        _core.record_step(max(0, int(exposed_ns)))
+    except Exception:  # noqa: BLE001 - a figure never fails the step
+        pass
+
+
+def _span(kind, detail, t0):
+    """A span ``kind`` from ``t0`` (``time.monotonic_ns()``) until now on the timeline."""
+    try:
+        _core.timeline_span(kind, str(detail), t0, time.monotonic_ns())
+    except Exception:  # noqa: BLE001 - a span never fails the operation
+        pass
+
+
+def _traced_submission(submit):
+    """A submission that, while this rank writes a timeline, shows as a ``submit`` span
+    named after its tensor."""
+    @functools.wraps(submit)
+    def wrapper(*args, **kwargs):
+        if not _tracing:
+            return submit(*args, **kwargs)
+        t0 = time.monotonic_ns()
+        try:
+            return submit(*args, **kwargs)
+        finally:
+            _span("submit", kwargs.get("name", args[1] if len(args) > 1 else ""), t0)
+    return wrapper
 
 
 def _op_name(prefix, name, ps=0):
@@ -108,32 +150,38 @@ def _stream_of(core):
 # handle keeps it alive until the operation has completed.
 
 
+@_traced_submission
 def _allreduce(tensor, name, op, prescale, postscale, priority=0, ps=0):
     return _core.allreduce(tensor, name=name, op=op, prescale=float(prescale),
                            postscale=float(postscale), priority=int(priority),
                            stream=_stream(tensor), process_set_id=int(ps))
 
 
+@_traced_submission
 def _grouped_allreduce(tensors, name, op, prescale, postscale, ps=0):
     return _core.grouped_allreduce(list(tensors), name=name, op=op, prescale=float(prescale),
                                    postscale=float(postscale), stream=_stream(tensors[0]),
                                    process_set_id=int(ps))
 
 
+@_traced_submission
 def _allgather(tensor, name, ps=0):
     return _core.allgather(tensor, name=name, stream=_stream(tensor), process_set_id=int(ps))
 
 
+@_traced_submission
 def _broadcast(tensor, name, root, ps=0):
     return _core.broadcast(tensor, name=name, root=int(root), stream=_stream(tensor),
                            process_set_id=int(ps))
 
 
+@_traced_submission
 def _alltoall(tensor, name, splits=None, ps=0):
     return _core.alltoall(tensor, name=name, splits=splits, stream=_stream(tensor),
                           process_set_id=int(ps))
 
 
+@_traced_submission
 def _reducescatter(tensor, name, op, prescale, postscale, ps=0):
     return _core.reducescatter(tensor, name=name, op=op, prescale=float(prescale),
                                postscale=float(postscale), stream=_stream(tensor),
@@ -176,6 +224,7 @@ def synchronize(handle):
     core_handles, finish = entry
     results = []
     error = None
+    t0 = time.monotonic_ns() if _tracing else 0
     for c in core_handles:
         try:
             results.append(c.wait(stream=_stream_of(c)))
@@ -183,6 +232,8 @@ def synchronize(handle):
             if error is None:
                 error = e
             results.append(None)
+    if t0:
+        _span("synchronize", core_handles[0].name if core_handles else "", t0)
     if error is not None:
         raise error
     return finish(results)

@@ -25,6 +25,7 @@ as Horovod makes it.
 """
 
 import contextlib
+import time
 import warnings
 
 import torch
@@ -32,7 +33,7 @@ import torch
 from fasthorovod.common.process_sets import ProcessSet, global_process_set
 from fasthorovod.common.process_sets import _check as _check_process_set
 from fasthorovod.torch._ops import Average, Max, _resolve_op
-from fasthorovod.torch import mpi_ops
+from fasthorovod.torch import _ops, mpi_ops
 from fasthorovod.torch.compression import Compression
 from fasthorovod.torch.mpi_ops import (allreduce, allreduce_async_, grouped_allreduce_async_,
                                        synchronize)
@@ -145,6 +146,8 @@ class _DistributedOptimizer:
                              f"{backward_passes_per_step}")
         self._compression = compression
         self._names = {p: k for k, p in named}
+        # Horovod's attribute (parameter -> name), which scripts and Horovod's tests read.
+        self._parameter_names = self._names
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -365,6 +368,7 @@ class _DistributedOptimizer:
             self._synchronized = True
             return
         self._check_world()
+        t0 = time.monotonic_ns()
         self._agree_layouts()
         for p in self._trained:
             bucket = self._bucket_of[p]
@@ -383,6 +387,8 @@ class _DistributedOptimizer:
                 raise error
         finally:
             self._reset_step()
+        # What this step waited for its reductions: its exposed communication.
+        _ops._record_step(time.monotonic_ns() - t0)
         self._synchronized = True
 
     # -- the optimizer's interface ------------------------------------------------------
@@ -407,12 +413,17 @@ class _DistributedOptimizer:
 
     def step(self, closure=None):
         """Synchronize (unless inside ``skip_synchronize()``), then step the optimizer."""
+        t0 = time.monotonic_ns() if _ops._tracing else 0
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(_STEP_WARNING)
             self.synchronize()
         self._synchronized = False
-        return super().step(closure)
+        try:
+            return super().step(closure)
+        finally:
+            if t0:
+                _ops._span("optimizer.step", f"{len(self._trained)} parameters", t0)
 
     def _fh_local_step(self, closure=None):
         """The wrapped optimizer's own step: no synchronization (used to make a fresh

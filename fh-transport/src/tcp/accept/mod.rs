@@ -188,6 +188,42 @@ impl Acceptor {
         }
     }
 
+    /// [`Acceptor::next`], looking at `stop` every `every` meanwhile: `None` also as soon as
+    /// it returns true.
+    pub(super) fn next_unless(
+        &mut self,
+        deadline: Instant,
+        every: Duration,
+        stop: &dyn Fn() -> bool,
+    ) -> Option<(Hello, TcpStream, SocketAddr)> {
+        loop {
+            if stop() {
+                return None;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            let slice = deadline.min(now + every);
+            let left = slice.saturating_duration_since(now);
+            match self.incoming.recv_timeout(left) {
+                Ok(Incoming::Accepted {
+                    hello,
+                    stream,
+                    from,
+                }) => return Some((hello, stream, from)),
+                Ok(Incoming::Refused { from, reason }) => {
+                    if self.refusals.len() >= 8 {
+                        self.refusals.remove(0);
+                    }
+                    self.refusals.push(format!("{from}: {reason}"));
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return None,
+            }
+        }
+    }
+
     pub(super) fn refusal_note(&self) -> String {
         if self.refusals.is_empty() {
             String::new()

@@ -52,6 +52,12 @@ impl TcpComm {
                 }
             }
         }
+        // A peer the heartbeats have not heard from for a while (cut off with the lost rank)
+        // would hold a notice's connection until its timeout, and hears the verdict in the
+        // heartbeats anyway when it can hear anything.
+        if let Some(watch) = self.link.as_ref().and_then(|l| l.watch.as_ref()) {
+            out_of_band.retain(|&p| !watch.is_quiet(p));
+        }
         // Before the shutdowns, so that a peer knows whom to blame when it sees the close.
         if let Some(link) = &self.link {
             link.send_aborts(self.rank, &out_of_band, self.seq, lost);
@@ -101,6 +107,13 @@ impl TcpComm {
             loop {
                 if let Some((from, lost)) = link.board.get(self.seq) {
                     return self.abort_error(from, lost as u32);
+                }
+                // This engine's verdict, or the heartbeats' on this peer, came meanwhile.
+                if let Some(cause) = self.interrupt.cause() {
+                    return cause.error();
+                }
+                if let Some(v) = link.watch.as_ref().and_then(|w| w.verdict_on(peer)) {
+                    return v.error();
                 }
                 let now = Instant::now();
                 if now >= deadline {

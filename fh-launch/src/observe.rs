@@ -1,0 +1,165 @@
+//! What fhrun keeps of a job to look inside it afterwards: a private directory per job where
+//! the ranks write their flight records (`FH_FLIGHT_DIR`, unless the user names one) and, for
+//! `--timeline-filename FILE`, their own timelines, which fhrun merges into FILE at the end
+//! (one track per rank, one clock). When the job failed, or a rank wrote its flight record for
+//! a stall or on SIGUSR1, fhrun keeps the records and says where, and when the job failed it
+//! prints what `fhrun --explain DIR` says about them.
+
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+
+use fh_scheduler::flight::{dump, explain};
+
+/// The job's directory and what fhrun put in the ranks' environment for it.
+pub(crate) struct JobDir {
+    path: PathBuf,
+    /// The flight directory fhrun chose (`None`: the user named one, or none could be made).
+    flight: Option<PathBuf>,
+    /// `--timeline-filename`: the merged file, and the directory of the ranks' own files.
+    timeline: Option<(PathBuf, PathBuf)>,
+    /// [`JobDir::finish`] ran (else the drop removes the directory).
+    finished: bool,
+}
+
+/// The placeholder a timeline path may hold for the rank (`FH_TIMELINE=/tmp/tl-{rank}.json`).
+pub(crate) const RANK_PLACEHOLDER: &str = "{rank}";
+
+impl JobDir {
+    /// A fresh directory of this user's, closed to others, under the system's temporary
+    /// directory. `user_flight_dir`: the user set `FH_FLIGHT_DIR` (fhrun keeps out of it).
+    /// `timeline`: `--timeline-filename` (unless it already names a file per rank).
+    pub(crate) fn create(user_flight_dir: bool, timeline: Option<&Path>) -> std::io::Result<Self> {
+        let tag = crate::sys::random_hex(6)?;
+        let path = std::env::temp_dir().join(format!("fhrun-{}-{tag}", std::process::id()));
+        std::fs::DirBuilder::new().mode(0o700).create(&path)?;
+        let timeline = timeline
+            .filter(|t| !t.to_string_lossy().contains(RANK_PLACEHOLDER))
+            .map(|t| (t.to_path_buf(), path.join("timeline")));
+        Ok(JobDir {
+            flight: (!user_flight_dir).then(|| path.join("flight")),
+            timeline,
+            path,
+            finished: false,
+        })
+    }
+
+    /// The variables every rank gets for it (replacing those of the same names), and
+    /// `FH_SUMMARY=1`: each rank says in one line what it did when it ends (unless the user
+    /// set `FH_SUMMARY`).
+    pub(crate) fn env(&self) -> Vec<(String, String)> {
+        let mut env = Vec::new();
+        if std::env::var_os("FH_SUMMARY").is_none() {
+            env.push(("FH_SUMMARY".into(), "1".into()));
+        }
+        if let Some(f) = &self.flight {
+            env.push(("FH_FLIGHT_DIR".into(), f.display().to_string()));
+        }
+        if let Some((_, dir)) = &self.timeline {
+            let pattern = dir.join(format!("rank-{RANK_PLACEHOLDER}.json"));
+            env.push(("FH_TIMELINE".into(), pattern.display().to_string()));
+        }
+        env
+    }
+
+    /// After the job: merge the timeline, say where the flight records are (and, when the job
+    /// failed, what they show), and remove what is left of the directory.
+    pub(crate) fn finish(mut self, failed: bool) {
+        self.finished = true;
+        if let Some((out, dir)) = &self.timeline {
+            merge_timeline(dir, out);
+        }
+        let mut keep = false;
+        if let Some(flight) = &self.flight {
+            // Kept when the job failed, or when a rank wrote its record for a stall or on
+            // request; a job that ended well, whose ranks only recorded errors they got and
+            // handled (a test's deliberate mismatch, say), leaves nothing behind.
+            let dumps = dump::read_dir(flight).ok().filter(|dumps| {
+                failed
+                    || dumps
+                        .iter()
+                        .any(|d| d.reason.starts_with("stall") || d.reason == "SIGUSR1")
+            });
+            if let Some(dumps) = dumps {
+                keep = true;
+                let ranks: Vec<usize> = dumps.iter().map(|d| d.rank).collect();
+                eprintln!(
+                    "fhrun: flight records of {} ranks ({}) are in {}; `fhrun --explain {}` \
+                     names the first divergence",
+                    ranks.len(),
+                    list(&ranks),
+                    flight.display(),
+                    flight.display()
+                );
+                if failed {
+                    for line in explain::explain(&dumps).to_string().lines() {
+                        eprintln!("fhrun: {line}");
+                    }
+                }
+            }
+        }
+        if keep {
+            if let Some((_, dir)) = &self.timeline {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+impl Drop for JobDir {
+    /// A job that never ran (fhrun stopped before it): nothing of it is kept.
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+fn list(ranks: &[usize]) -> String {
+    let v: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    v.join(", ")
+}
+
+/// Merge the ranks' timelines in `dir` into `out`, saying what happened.
+fn merge_timeline(dir: &Path, out: &Path) {
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
+        Ok(entries) => entries
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "json"))
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    files.sort();
+    if files.is_empty() {
+        eprintln!(
+            "fhrun: no rank wrote a timeline, so {} was not written (did the ranks start the \
+             runtime?)",
+            out.display()
+        );
+        return;
+    }
+    match fh_scheduler::timeline_merge(&files, out) {
+        Ok(n) => eprintln!(
+            "fhrun: timeline of {} ranks ({n} events) written to {}",
+            files.len(),
+            out.display()
+        ),
+        Err(e) => eprintln!("fhrun: cannot merge the ranks' timelines: {e}"),
+    }
+}
+
+/// `fhrun --explain DIR`: print what the flight records in DIR show; fhrun's exit status.
+pub(crate) fn explain_dir(dir: &Path) -> i32 {
+    match dump::read_dir(dir) {
+        Ok(dumps) => {
+            print!("{}", explain::explain(&dumps));
+            0
+        }
+        Err(e) => {
+            eprintln!("fhrun: {e}");
+            1
+        }
+    }
+}

@@ -1,0 +1,221 @@
+"""Seeing inside a job: a stall names which rank lacks which tensor, the culprit rank prints
+its own Python stack next to the warning, every rank's flight record explains a stall and a
+mismatch, and ``fhrun --timeline-filename`` gives one timeline of every rank."""
+
+import json
+import pathlib
+import re
+import shutil
+import textwrap
+
+from conftest import PYTHON, run
+
+
+def flight_dir(out):
+    """The directory fhrun names for the ranks' flight records."""
+    m = re.search(r"fhrun: flight records of \d+ ranks \([\d, ]+\) are in (\S+);", out)
+    assert m, out
+    return m.group(1)
+
+
+def remove_job_dir(out):
+    """Remove the job directory fhrun kept for its flight records (a test leaves nothing)."""
+    job = pathlib.Path(flight_dir(out)).parent
+    if job.name.startswith("fhrun-"):
+        shutil.rmtree(job, ignore_errors=True)
+
+
+def explain_both_ways(fhrun, directory):
+    """``fhrun --explain DIR`` and ``python -m fasthorovod.explain DIR``: the same report."""
+    code, by_fhrun = run([fhrun, "--explain", directory], timeout=60)
+    assert code == 0, by_fhrun
+    code, by_python = run([PYTHON, "-m", "fasthorovod.explain", directory], timeout=60)
+    assert code == 0, by_python
+    assert by_fhrun == by_python
+    return by_fhrun
+
+STALL_SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    import fasthorovod.torch as hvd
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="warmup")
+
+    def waiting_for_the_data_loader():
+        # Long enough for a stall warning (FH_STALL_CHECK_SECONDS=1) and the stack after it.
+        time.sleep(6)
+
+    if hvd.rank() == 2:
+        waiting_for_the_data_loader()
+    out = hvd.allreduce(torch.ones(3), name="grad.after_loader")
+    assert out.tolist() == [1.0] * 3, out
+    print("done", flush=True)
+""")
+
+
+def test_a_stall_names_the_rank_that_lacks_the_tensor_and_shows_its_stack(fhrun, tmp_path):
+    script = tmp_path / "stall.py"
+    script.write_text(STALL_SCRIPT)
+    code, out = run([fhrun, "-np", "3", "--stall-check-seconds", "1", "--timeout", "120",
+                     PYTHON, str(script)], timeout=150)
+    assert code == 0, out
+    assert out.count("done") == 3, out
+    lines = out.splitlines()
+    # Rank 0's warning names rank 2 and the tensor it lacks.
+    warn = [ln for ln in lines if ln.startswith("[0]<stderr>:") and "stall: rank 2 has not "
+            "submitted [\"allreduce.grad.after_loader\"]" in ln]
+    assert warn, out
+    # Rank 2 says so itself, and its stack shows where it is: the sleeping function.
+    own = [i for i, ln in enumerate(lines) if ln.startswith("[2]<stderr>:")
+           and "this rank (2) has not submitted [\"allreduce.grad.after_loader\"]" in ln]
+    assert own, out
+    stack = [ln for ln in lines[own[0]:] if ln.startswith("[2]<stderr>:")]
+    assert any("waiting_for_the_data_loader" in ln for ln in stack), out
+    assert any("Thread 0x" in ln or "Current thread 0x" in ln for ln in stack), out
+    # Only the culprit prints a stack, once.
+    assert not any(ln.startswith(("[0]<stderr>:", "[1]<stderr>:")) and "File \"" in ln
+                   for ln in lines), out
+    assert sum("waiting_for_the_data_loader" in ln for ln in lines) == 1, out
+    # Every rank wrote its flight record at the warning; fhrun says where, and the records
+    # name the rank that never submitted the tensor and the last collective all completed.
+    report = explain_both_ways(fhrun, flight_dir(out))
+    assert "flight records of ranks 0-2 (of 3 ranks)" in report, report
+    assert ("first divergence: rank 2 has never submitted \"allreduce.grad.after_loader\" "
+            "(allreduce f32 [3]), which ranks 0 and 1 submitted and wait on") in report, report
+    assert "last collective every rank completed: \"allreduce.warmup\"" in report, report
+    remove_job_dir(out)
+
+
+MISMATCH_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    import fasthorovod.torch as hvd
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="warmup")
+    side = 18 if hvd.rank() == 1 else 17
+    hvd.allreduce(torch.ones(side), name="layer3.weight.grad")
+""")
+
+
+def test_the_flight_records_name_the_rank_that_sent_a_different_shape(fhrun, tmp_path):
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH_SCRIPT)
+    code, out = run([fhrun, "-np", "3", "--timeout", "120", PYTHON, str(script)], timeout=150)
+    assert code != 0, out
+    # The job failed: fhrun prints what the records show.
+    assert ("fhrun: first divergence: rank 1 sent \"allreduce.layer3.weight.grad\" with shape "
+            "[18] where ranks 0 and 2 sent [17]") in out, out
+    report = explain_both_ways(fhrun, flight_dir(out))
+    assert "rank 1 sent \"allreduce.layer3.weight.grad\" with shape [18]" in report, report
+    assert "last collective every rank completed: \"allreduce.warmup\"" in report, report
+    remove_job_dir(out)
+
+
+TIMELINE_SCRIPT = textwrap.dedent("""
+    import torch
+    import fasthorovod.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    hvd.allreduce(torch.ones(4), name="last")
+""")
+
+
+def test_fhrun_merges_every_rank_timeline_into_one(fhrun, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TIMELINE_SCRIPT)
+    out_file = tmp_path / "timeline.json"
+    code, out = run([fhrun, "-np", "2", "--timeline-filename", str(out_file), "--timeout", "120",
+                     PYTHON, str(script)], timeout=150)
+    assert code == 0, out
+    assert f"timeline of 2 ranks" in out and str(out_file) in out, out
+    events = json.loads(out_file.read_text())
+    for rank in (0, 1):
+        mine = [e for e in events if e.get("pid") == rank]
+        names = {e["name"] for e in mine}
+        assert {"submit", "synchronize", "optimizer.step"} <= names, (rank, sorted(names))
+        lanes = {e["args"]["name"] for e in mine if e["name"] == "thread_name"}
+        assert {"negotiation", "channel 0", "python"} <= lanes, (rank, lanes)
+        assert any(e["name"] == "queued" and e.get("args", {}).get("tensor") == "allreduce.last"
+                   for e in mine), rank
+        assert any("gb_per_s" in e.get("args", {}) for e in mine), rank
+    # One clock: both ranks' spans of the same step overlap in time.
+    steps = {r: [e for e in events if e.get("pid") == r and e["name"] == "optimizer.step"]
+             for r in (0, 1)}
+    first = [steps[r][0] for r in (0, 1)]
+    assert abs(first[0]["ts"] - first[1]["ts"]) < 5e6, first
+
+
+TIMEOUT_SCRIPT = textwrap.dedent("""
+    import time, torch
+    import fasthorovod.torch as hvd
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="warmup")
+
+    def stuck_in_user_code():
+        time.sleep(120)
+
+    if hvd.rank() == 1:
+        stuck_in_user_code()
+    hvd.allreduce(torch.ones(5), name="grad")
+""")
+
+
+def test_at_its_timeout_fhrun_gathers_every_rank_record_and_stack(fhrun, tmp_path):
+    """--timeout: fhrun sends SIGUSR1 first; every rank writes its flight record and prints
+    its stacks; fhrun then stops the job and prints what the records show."""
+    script = tmp_path / "stuck.py"
+    script.write_text(TIMEOUT_SCRIPT)
+    code, out = run([fhrun, "-np", "3", "--no-stall-check", "--timeout", "10", PYTHON,
+                     str(script)], timeout=120)
+    assert code == 124, out
+    assert "timed out" in out, out
+    assert ("fhrun: first divergence: rank 1 has never submitted \"allreduce.grad\" "
+            "(allreduce f32 [5]), which ranks 0 and 2 submitted and wait on") in out, out
+    assert "written by ranks 0-2 for: SIGUSR1" in out, out
+    assert any(ln.startswith("[1]<stderr>:") and "stuck_in_user_code" in ln
+               for ln in out.splitlines()), out
+    remove_job_dir(out)
+
+
+METRICS_SCRIPT = textwrap.dedent("""
+    import sys, urllib.request, torch
+    import fasthorovod.torch as hvd
+    hvd.init()
+    model = torch.nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    port = int(sys.argv[1]) + hvd.local_rank()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    r = hvd.rank()
+    assert f'fasthorovod_steps_total{{rank="{r}"}} 3' in text, text
+    assert f'fasthorovod_channel_bytes_total{{rank="{r}",channel="0"}}' in text, text
+    assert f'fasthorovod_fused_group_bytes_count{{rank="{r}"}}' in text, text
+    print("metrics ok", flush=True)
+""")
+
+
+def test_each_rank_serves_its_figures_and_says_what_it_did(fhrun, tmp_path):
+    """FH_METRICS_ADDR: each rank serves Prometheus text on the port plus its local rank; at
+    the end each rank prints one summary line (fhrun sets FH_SUMMARY=1)."""
+    from conftest import free_port
+    script = tmp_path / "metrics.py"
+    script.write_text(METRICS_SCRIPT)
+    port = free_port()
+    code, out = run([fhrun, "-np", "2", "-x", f"FH_METRICS_ADDR=:{port}", "--timeout", "120",
+                     PYTHON, str(script), str(port)], timeout=150)
+    assert code == 0, out
+    assert out.count("metrics ok") == 2, out
+    for r in (0, 1):
+        line = [ln for ln in out.splitlines()
+                if ln.startswith(f"[{r}]<stderr>:fasthorovod rank {r}: ")]
+        assert len(line) == 1, out
+        assert "negotiation rounds" in line[0] and "over 3 steps" in line[0], line
