@@ -43,15 +43,23 @@ DIM = 6
 
 
 class Net(torch.nn.Module):
-    """A two-layer perceptron in float64 (so that the replay matches to ~1e-12)."""
+    """A perceptron in float64 (so that the replay matches to ~1e-12): ``DIM`` inputs,
+    ``hidden_layers`` layers of ``width`` units (tanh), one output. Each parameter is a
+    bucket of ``DistributedOptimizer``: more layers, more reductions in flight during
+    ``backward()``."""
 
-    def __init__(self):
+    def __init__(self, hidden_layers=1, width=8):
         super().__init__()
-        self.fc1 = torch.nn.Linear(DIM, 8).double()
-        self.fc2 = torch.nn.Linear(8, 1).double()
+        self.fc1 = torch.nn.Linear(DIM, width).double()
+        self.hidden = torch.nn.ModuleList(torch.nn.Linear(width, width).double()
+                                          for _ in range(hidden_layers - 1))
+        self.fc2 = torch.nn.Linear(width, 1).double()
 
     def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x))).squeeze(-1)
+        h = torch.tanh(self.fc1(x))
+        for layer in self.hidden:
+            h = torch.tanh(layer(h))
+        return self.fc2(h).squeeze(-1)
 
 
 class Indices(torch.utils.data.Dataset):
@@ -89,7 +97,7 @@ def loss_of(model, x, y):
 def build(args):
     """The model and the plain optimizer, the same in every process (seeded)."""
     torch.manual_seed(args.seed)
-    model = Net()
+    model = Net(args.hidden_layers, args.width)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     return model, optimizer
 
@@ -147,7 +155,7 @@ def train_step(model, optimizer, x, y):
 
 
 # The arguments a replay must share with the run.
-REPLAYED = ["epochs", "samples", "lr", "momentum", "seed"]
+REPLAYED = ["epochs", "samples", "lr", "momentum", "seed", "hidden_layers", "width"]
 
 
 def parse(argv):
@@ -159,6 +167,9 @@ def parse(argv):
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--hidden-layers", type=int, default=1,
+                   help="hidden layers of the perceptron (each adds two buckets)")
+    p.add_argument("--width", type=int, default=8, help="units of each hidden layer")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="seconds to sleep after each step (to give a test time to act)")
     p.add_argument("--stop-file", metavar="PATH",

@@ -1,7 +1,7 @@
 //! The Python half of `cargo xtask test`: a virtual environment under `target/` with PyTorch,
 //! maturin and pytest from the package registry; the `fasthorovod` wheel of
 //! `cargo xtask wheel` installed into it; the pytest suites of `fh-torch/tests` on 1, 2 and 3
-//! ranks, the launch tests and the chaos suite.
+//! ranks, the launch tests, the chaos suite and the random-kill elastic stage.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -158,5 +158,25 @@ pub(crate) fn chaos_suite(root: &Path) -> Command {
     let mut c = Command::new(python(root));
     pytest(root, &mut c, "fh-torch/tests/chaos");
     c.env("FH_CHAOS_RUNS", runs.to_string());
+    c
+}
+
+/// Runs of the random-kill elastic stage in `cargo xtask test` (its CI mode: about 400 s of
+/// CPU, mostly the workers' `import torch`; 4 to 9 minutes on the shared 2-core VM).
+pub(crate) const EKILL_RUNS: u32 = 50;
+
+/// The random-kill elastic stage (`fh-torch/tests/elastic_kill`): elastic jobs under `fhrun
+/// --host-discovery-script` on loopback hosts, a worker SIGKILLed at a random moment; every
+/// run must finish equal to the replay of its committed worlds (or fail naming the cause
+/// where the plan leaves too few workers). Runs [`EKILL_RUNS`] runs from a fresh seed
+/// (printed, for replay), or `FH_EKILL_RUNS` when that asks for more (the long mode).
+pub(crate) fn elastic_kill_suite(root: &Path) -> Command {
+    let runs = std::env::var("FH_EKILL_RUNS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .map_or(EKILL_RUNS, |n| n.max(EKILL_RUNS));
+    let mut c = Command::new(python(root));
+    pytest(root, &mut c, "fh-torch/tests/elastic_kill");
+    c.env("FH_EKILL_RUNS", runs.to_string());
     c
 }

@@ -224,7 +224,8 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
     // 5. PyTorch: a virtual environment under target/ (torch, maturin, pytest from the
     //    registry); the wheel (`cargo xtask wheel`, what users install) into it; pytest on 1,
     //    2 and 3 ranks; the wheel in a fresh environment outside the tree, launched by its own
-    //    fhrun; the launch tests, then the chaos suite (CI mode: python::CHAOS_RUNS runs).
+    //    fhrun; the launch tests, then the chaos suite (CI mode: python::CHAOS_RUNS runs) and
+    //    the random-kill elastic stage (python::EKILL_RUNS runs).
     let venv = stage(
         "python environment (target/fh-venv: torch, maturin, pytest)",
         || match python::ensure_venv(root) {
@@ -286,13 +287,17 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
             |root| vec![python::ranks_suite(root, 2), python::ranks_suite(root, 3)],
         ),
     ];
-    let later_stages: [(&str, Commands); 2] = [
+    let later_stages: [(&str, Commands); 3] = [
         ("pytest fh-torch/tests/launch", |root| {
             vec![python::launch_suite(root)]
         }),
         (
             "pytest fh-torch/tests/chaos (killed, stopped, raising ranks)",
             |root| vec![python::chaos_suite(root)],
+        ),
+        (
+            "pytest fh-torch/tests/elastic_kill (elastic jobs, a worker SIGKILLed at random)",
+            |root| vec![python::elastic_kill_suite(root)],
         ),
     ];
     let run_commands = |name: &str, commands: Commands| {

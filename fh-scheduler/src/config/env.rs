@@ -60,6 +60,7 @@ const TOOL_PREFIXES: &[&str] = &[
     "FH_HIER_TEST_",
     "FH_MPI_SUITE_",
     "FH_CHAOS_",
+    "FH_EKILL_",
 ];
 
 /// Names people reach for that FastHorovod spells otherwise.

@@ -225,6 +225,7 @@ fn unknown_fh_variables_are_named_with_the_closest_known_one() {
         "FH_VENV",
         "FH_NOTICE_FD",
         "FH_CHAOS_RUNS",
+        "FH_EKILL_RUNS",
         // Not ours.
         "HOROVOD_FUSION_THRESHOLD",
         "PATH",

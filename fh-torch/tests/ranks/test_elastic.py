@@ -99,13 +99,36 @@ def test_torch_state_sync_takes_rank_0s_model_optimizer_and_values():
     for i, (got, want) in enumerate(zip(_momentum(optimizer), _momentum(want_opt))):
         assert torch.equal(got, want), f"rank {r}: momentum {i} is not rank 0's"
     assert (state.epoch, state.tag) == (100, "rank0"), f"rank {r}: {state.epoch, state.tag}"
-    # Values changed since the last save travel as they are, as the models' do; the restore
-    # point stays this rank's own.
+    # Rank 0's state is every rank's restore point now (Horovod's test_elastic_state: a
+    # restore after the sync gives rank 0's values, `21 != 20` before issue 33), the
+    # models' and optimizers' as well as the plain values.
+    _rank_values(model, optimizer, r + 7)
+    state.epoch, state.tag = 300 + r, "changed"
+    state.restore()
+    assert (state.epoch, state.tag) == (100, "rank0"), f"rank {r}: {state.epoch, state.tag}"
+    for i, (got, want) in enumerate(zip(_params(model), _params(want_model))):
+        assert torch.equal(got, want), f"rank {r}: parameter {i} restored is not rank 0's"
+    for i, (got, want) in enumerate(zip(_momentum(optimizer), _momentum(want_opt))):
+        assert torch.equal(got, want), f"rank {r}: momentum {i} restored is not rank 0's"
+    # Values changed since the last save travel as they are, as the models' do (Horovod's
+    # sync sends rank 0's saved values), and become the restore point.
     state.epoch = 200 + r
     state.sync()
     assert state.epoch == 200, f"rank {r}: {state.epoch}"
+    state.epoch = 0
     state.restore()
-    assert state.epoch == 100 + r, f"rank {r}: {state.epoch}"
+    assert state.epoch == 200, f"rank {r}: {state.epoch}"
+
+
+def test_object_state_sync_makes_rank_0s_values_every_ranks_restore_point():
+    r = hvd.rank()
+    state = hvd.elastic.ObjectState(hvd.broadcast_object, hvd.rank, batch=20 + r, seen=[r])
+    state.sync()
+    assert (state.batch, state.seen) == (20, [0]), f"rank {r}: {state.batch, state.seen}"
+    state.batch = 21
+    state.seen.append(5)  # in place: the restore point is a copy
+    state.restore()
+    assert (state.batch, state.seen) == (20, [0]), f"rank {r}: {state.batch, state.seen}"
 
 
 def test_torch_state_restore_undoes_everything_since_the_commit():
@@ -196,6 +219,30 @@ def test_commit_raises_host_update_on_every_rank_together(monkeypatch, added, re
     # Every rank raised at the same commit: the next collective meets.
     total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name="elastic.after_update")
     assert total.item() == hvd.size()
+
+
+def test_host_messages_is_empty_until_the_driver_reports_a_change(monkeypatch):
+    # Horovod's elastic test script waits (rank 0) on `state._host_messages.empty()` before
+    # the commit that must raise HostsUpdatedInterrupt.
+    outside = hvd.elastic.ObjectState(hvd.broadcast_object, hvd.rank, epoch=0)
+    assert outside._host_messages.empty() and outside._host_messages.qsize() == 0
+    driver = FakeDriver(monkeypatch, updates={3: (5, True, False)})
+    driver.stamp = 2
+    state = hvd.elastic.ObjectState(hvd.broadcast_object, hvd.rank, epoch=0)
+    if hvd.rank() == 0:  # FakeDriver refuses the others' questions: they may ask, not here
+        assert state._host_messages.empty()  # question 1: nothing after stamp 2
+        assert state._host_messages.qsize() == 0  # question 2
+        assert not state._host_messages.empty()  # question 3: stamp 5
+        assert state._host_messages.qsize() == 1  # still waiting for a check
+    with pytest.raises(HostsUpdatedInterrupt):
+        state.commit()
+    if hvd.rank() == 0:
+        assert state._host_messages.empty()  # acted on
+        assert driver.asked == [2, 2, 2, 2, 2, 5]
+    state.on_reset()  # a new world: what its assignment's stamp covers is not news
+    if hvd.rank() == 0:
+        assert state._host_messages.empty()
+        assert driver.asked[-1] == 5
 
 
 def test_check_host_updates_outside_an_elastic_job_is_local():

@@ -378,6 +378,47 @@ def test_load_state_dict_resets_pending_reductions_and_passes():
     assert_close(w.grad, torch.full((3,), 2.0 * hvd.size()), "w.grad after reload")
 
 
+def test_load_state_dict_after_the_engine_failed_drops_the_reductions_silently():
+    # An elastic job's state.restore() calls load_state_dict with this step's reductions
+    # still held by a failed engine: it must not raise their error (issue 33, item 1). Each
+    # rank names the parameter differently, so that its reduction cannot complete (size > 1)
+    # and is still in flight when the engine stops (sparse_as_dense: submitted during
+    # backward, with no layout to agree first).
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0, momentum=0.9),
+                                   named_parameters=[(f"alone{hvd.rank()}", w)],
+                                   sparse_as_dense=True)
+    w.sum().backward()
+    assert len(opt._in_flight) == 1
+    saved = opt.state_dict()
+    hvd.shutdown()
+    try:
+        opt.load_state_dict(saved)  # the reduction failed with the engine: dropped, no error
+    finally:
+        hvd.init()
+    assert not opt._in_flight and not opt._passes_seen
+    opt.zero_grad()
+
+
+def test_a_step_cut_short_in_an_earlier_world_is_forgotten():
+    # A backward pass whose world ended before its step (an elastic re-form, without the
+    # optimizer in the state): the next world starts from a clean step.
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("cut", w)],
+                                   backward_passes_per_step=2, op=hvd.Sum,
+                                   sparse_as_dense=True)
+    w.sum().backward()  # one pass of two, nothing submitted
+    (w * 2.0).sum().backward()  # the second: submitted
+    hvd.shutdown()
+    hvd.init()
+    opt.zero_grad()
+    for _ in range(2):
+        (w * float(hvd.rank() + 1)).sum().backward()
+    opt.step()
+    assert_close(w, torch.full((3,), -2.0 * sum(r + 1 for r in range(hvd.size()))),
+                 "w after a step in the new world")
+
+
 def test_wrapping_keeps_the_optimizers_state():
     w = torch.nn.Parameter(torch.ones(2))
     base = torch.optim.SGD([w], lr=0.1, momentum=0.9)

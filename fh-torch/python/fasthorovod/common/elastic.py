@@ -42,6 +42,7 @@ class State:
         # The driver's hosts stamp this state has seen; None: the running world's (learned
         # from its assignment at the next check).
         self._last_seen_stamp = None
+        self._host_messages = HostMessages(self)
 
     def register_reset_callbacks(self, callbacks):
         """Adds functions (no arguments) to call after each world change, e.g. to scale the
@@ -70,9 +71,7 @@ class State:
         a no-op."""
         if not _elastic_core.enabled():
             return
-        seen = self._last_seen_stamp
-        if seen is None:
-            seen = _elastic_core.assignment()[1]
+        seen = self._seen_stamp()
         answer = (seen, seen, False, False)
         if self._rank() == 0:
             stamp, added, removed = _elastic_core.host_updates(seen)
@@ -81,6 +80,12 @@ class State:
         self._last_seen_stamp = stamp
         if stamp > seen:
             raise HostsUpdatedInterrupt(skip_sync=bool(removed and not added))
+
+    def _seen_stamp(self):
+        """The driver's hosts stamp this state has acted on (elastic workers only)."""
+        if self._last_seen_stamp is None:
+            self._last_seen_stamp = _elastic_core.assignment()[1]
+        return self._last_seen_stamp
 
     def save(self):
         """Saves the state to host memory."""
@@ -98,6 +103,33 @@ class State:
         """Adapts the state to a new world, before it is synchronised (no-op here)."""
 
 
+class HostMessages:
+    """``state._host_messages``: the notices of host changes that ``check_host_updates()``
+    has not acted on yet. Horovod's is a private ``queue.Queue`` that the driver fills in
+    the background and ``check_host_updates()`` empties; scripts copied from Horovod's own
+    elastic test wait on its ``empty()`` before they commit. Here the driver is asked when the
+    question comes: ``empty()`` is false once the driver has reported a change of the job's
+    hosts after the one this state last acted on (a round trip to the driver, no collective:
+    any rank may ask); after a re-form it is true again, as Horovod gives the new world a
+    fresh queue. Outside an elastic job it is always empty. The changes are merged into one
+    notice, so ``qsize()`` is 0 or 1."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def empty(self):
+        """Whether no change of hosts is waiting for ``check_host_updates()``."""
+        if not _elastic_core.enabled():
+            return True
+        seen = self._state._seen_stamp()
+        stamp, _added, _removed = _elastic_core.host_updates(seen)
+        return stamp <= seen
+
+    def qsize(self):
+        """1 when a change of hosts is waiting for ``check_host_updates()``, else 0."""
+        return 0 if self.empty() else 1
+
+
 def _copy(value):
     """A deep copy of ``value``, or ``value`` itself when it cannot be copied (a lock, a
     file): such an object is kept by reference, as Horovod keeps every object."""
@@ -110,8 +142,9 @@ def _copy(value):
 class ObjectState(State):
     """State of plain Python objects, given as keyword arguments and kept as attributes
     (``state.epoch``, ``state.batch``...). ``save`` keeps a deep copy of each (so changing a
-    list in place after a commit does not change the commit); ``sync`` broadcasts rank 0's
-    values with ``bcast_object`` (the objects must pickle)."""
+    list in place after a commit does not change the commit); ``sync`` makes rank 0's values
+    every rank's values and restore point, broadcast with ``bcast_object`` (the objects must
+    pickle)."""
 
     def __init__(self, bcast_object, get_rank, **kwargs):
         self._saved_state = {k: _copy(v) for k, v in kwargs.items()}
@@ -126,13 +159,18 @@ class ObjectState(State):
         self._set_attrs()
 
     def sync(self):
-        # Rank 0's current values (Horovod's: its saved ones). They are the same after a
-        # restore or a commit; after a host change found by check_host_updates() between
-        # commits they are the ones that go with the models', which are synchronised as they
-        # are. The saved values stay this rank's restore point.
+        """Makes rank 0's values every rank's values and restore point (a collective), as
+        Horovod's does. Rank 0 sends its current values; Horovod's sends its saved ones. They
+        are the same after a commit or a restore (where ``run`` synchronises); they differ
+        only when rank 0 changed values since its last commit (``check_host_updates()``
+        called between commits, a value set before ``run``): then these go with the
+        models, which are synchronised as they are in both, where Horovod's went back to
+        the commit alone."""
         if self._saved_state:
             current = {attr: getattr(self, attr) for attr in self._saved_state}
-            self._set_attrs(self._bcast_object(current))
+            values = self._bcast_object(current)
+            self._saved_state = {attr: _copy(value) for attr, value in values.items()}
+            self._set_attrs()
 
     def _set_attrs(self, values=None):
         for attr, value in (self._saved_state if values is None else values).items():
@@ -184,4 +222,5 @@ def run_fn(func, reset, agree_sync=None):
     return wrapper
 
 
-__all__ = ["State", "ObjectState", "run_fn", "HorovodInternalError", "HostsUpdatedInterrupt"]
+__all__ = ["State", "ObjectState", "HostMessages", "run_fn", "HorovodInternalError",
+           "HostsUpdatedInterrupt"]

@@ -81,12 +81,40 @@ def _start(process_sets, start_engine):
     if _core.is_initialized():
         return
     _install_stack_dumps()
-    try:
-        start_engine()
-    except _elastic_core.WorkerRemovedError as e:
-        _common_elastic.leave(e)
-    _mpi_ops._world_count += 1
-    _ops._refresh_tracing()
+    attempt = 1
+    while True:
+        try:
+            start_engine()
+        except _elastic_core.WorkerRemovedError as e:
+            _common_elastic.leave(e)
+        _mpi_ops._world_count += 1
+        _ops._refresh_tracing()
+        try:
+            _start_world(process_sets)
+            return
+        except HorovodInternalError as e:
+            # An elastic world whose member is lost right after it formed fails here on
+            # every member; each registers for the next one, which the driver forms without
+            # the lost worker (bounded as _core.init bounds the worlds that fail to form).
+            if not _elastic_core.enabled() or attempt >= _WORLD_ATTEMPTS:
+                raise
+            print(f"fasthorovod: the elastic world failed as it started ({e}); joining the "
+                  "next one", file=sys.stderr, flush=True)
+            attempt += 1
+            _forget_sets()
+            try:
+                _core.shutdown("its elastic world failed as it started")
+            except Exception:  # noqa: BLE001 - the failed engine is stopped all the same
+                pass
+
+
+# How many elastic worlds in a row init() may see fail right after they formed.
+_WORLD_ATTEMPTS = 10
+
+
+def _start_world(process_sets):
+    """What ``init`` does on a world that has formed: learn whether it is homogeneous (an
+    allgather) and register the static process sets (collectives)."""
     import torch
 
     local = torch.tensor([local_size()], dtype=torch.int64)

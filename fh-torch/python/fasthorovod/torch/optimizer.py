@@ -165,6 +165,8 @@ class _DistributedOptimizer:
         self._layouts = {}
         self._layouts_world = mpi_ops._world_count
         self._in_flight = []
+        # The world (``mpi_ops._world_count``) of this step's submissions and pass counts.
+        self._step_world = mpi_ops._world_count
         self._submitted = set()  # buckets submitted this step
         self._passes_seen = False  # a backward pass reached a hook since the last reset
         self._hooks = []
@@ -227,6 +229,7 @@ class _DistributedOptimizer:
 
     def _make_hook(self, p):
         def hook(*_ignore):
+            self._check_world()
             if self._delay[p] <= 0:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times "
@@ -364,6 +367,7 @@ class _DistributedOptimizer:
         if not self._active:
             self._synchronized = True
             return
+        self._check_world()
         t0 = time.monotonic_ns()
         self._agree_layouts()
         for p in self._trained:
@@ -428,7 +432,10 @@ class _DistributedOptimizer:
 
     def zero_grad(self, *args, **kwargs):
         """As the wrapped optimizer's, refused between a backward pass and the reduction of
-        its gradients (``step()`` or ``synchronize()``), as Horovod refuses it."""
+        its gradients (``step()`` or ``synchronize()``), as Horovod refuses it. A backward
+        pass of an earlier world (one cut short by a lost rank, before an elastic job formed
+        the running world) is forgotten first."""
+        self._check_world()
         if self._passes_seen or self._in_flight:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
                                  "but before optimizer.step() or optimizer.synchronize(). "
@@ -437,24 +444,41 @@ class _DistributedOptimizer:
 
     def load_state_dict(self, *args, **kwargs):
         """As the wrapped optimizer's; also drops this step's pending reductions and resets
-        the pass counts, as Horovod does. The reductions in flight are waited for (bounded
-        by the engine's timeout; their results are not written back) so that the next
-        step's, under the same names, cannot collide with them."""
-        flights = self._in_flight
-        self._reset_step()
+        the pass counts, as Horovod does. It never raises an error of the engine: an elastic
+        job's ``state.restore()`` calls it after a lost rank, while the failed engine still
+        holds this step's reductions (see ``_drop_step``)."""
+        self._drop_step()
         self._synchronized = False
         self._should_synchronize = True
-        error = None
+        return super().load_state_dict(*args, **kwargs)
+
+    def _drop_step(self):
+        """Forget this step's submissions and pass counts, and end its reductions in flight
+        without writing their results back and without raising their errors.
+
+        A dropped reduction is waited for: on a failed or shut-down engine it has ended
+        already (every pending operation fails with the engine), and on a running one it ends
+        when the other ranks submit it too, as they do when every rank drops the same step
+        (e.g. each loads a checkpoint after ``backward()``). So the engine never writes into
+        a gradient after this returns, and the next step can submit the same names (a name
+        still in flight would be refused). An error of a dropped reduction is the engine's:
+        the next collective reports it."""
+        flights = self._in_flight
+        self._reset_step()
         for flight in flights:
             try:
                 synchronize(flight.handle)
-            except BaseException as e:  # noqa: BLE001 - re-raised after loading
-                if error is None:
-                    error = e
-        result = super().load_state_dict(*args, **kwargs)
-        if error is not None:
-            raise error
-        return result
+            except Exception:  # noqa: BLE001 - dropped: its result and its error go unused
+                pass
+
+    def _check_world(self):
+        """Drop the step of an earlier world: after ``shutdown()``/``init()`` (an elastic
+        job's new world, or a script that re-initialises) its reductions died with the old
+        engine and its pass counts belong to a backward pass that never finished."""
+        if self._step_world != mpi_ops._world_count:
+            self._drop_step()
+            self._synchronized = False
+            self._step_world = mpi_ops._world_count
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,

@@ -95,11 +95,11 @@ class LRSchedulerStateHandler(_StateDictHandler):
 
 
 class SamplerStateHandler(StateHandler):
-    """An ``ElasticSampler``. A save merges the indices each rank recorded alone
-    (``record_indices``: an allgather) into every rank's processed indices, so every rank
-    keeps the same commit, whichever survives; ``sync`` loads rank 0's epoch and processed
-    indices and splits what is left among the new ranks; ``reset`` splits among the new
-    ranks without a sync (when hosts were only removed)."""
+    """An ``ElasticSampler``: its ``state_dict()`` (epoch and processed count). A save also
+    merges the indices each rank recorded alone (``record_indices``: an allgather) into
+    every rank's processed indices, so every rank keeps the same commit, whichever survives;
+    ``sync`` loads rank 0's state and splits what is left among the new ranks; ``reset``
+    splits among the new ranks without a sync (when hosts were only removed)."""
 
     def __init__(self, name, value):
         super().__init__(name, value)
@@ -170,7 +170,8 @@ class TorchState(ObjectState):
     ``model``, ``optimizer`` and every other keyword become attributes (``state.model``,
     ``state.epoch``...). Models, optimizers, learning-rate schedulers and ``ElasticSampler``s
     (in any keyword) are handled by their state dicts: ``commit()`` copies them, ``restore()``
-    loads the copy back, ``sync()`` broadcasts them from rank 0. Other values are plain
+    loads the copy back, ``sync()`` broadcasts them from rank 0 (and keeps the result as
+    every rank's restore point). Other values are plain
     objects (``ObjectState``: deep-copied, synchronised with ``broadcast_object``). Assigning a
     new model/optimizer/sampler to its attribute saves it at once."""
 
@@ -201,8 +202,16 @@ class TorchState(ObjectState):
         super().restore()
 
     def sync(self):
+        """Makes every rank's state rank 0's: the handled objects (rank 0's current models,
+        optimizers...), the plain values, and the restore point. Each rank then keeps the
+        synchronised state as its restore point (a local save, no collective), so that a
+        worker that joined in this world, or a survivor, restores what every rank restores,
+        whichever becomes rank 0 next (in Horovod a joined worker restores its own initial
+        models)."""
         for handler in self._handlers.values():
             handler.sync()
+        for handler in self._handlers.values():
+            handler.apply_save(None)
         super().sync()
 
     def reset(self):
