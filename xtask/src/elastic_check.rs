@@ -186,27 +186,43 @@ fn commits(p: &[Progress], g: u64) -> usize {
         .count()
 }
 
-/// One run of the check on `c` (at least 5 hosts): see the module's docs.
-pub(crate) fn run_once(
+/// The files of one elastic job on the cluster: its discovery script's host list, the
+/// workers' logs, the stop file.
+struct JobFiles {
+    logs: PathBuf,
+    hosts: PathBuf,
+    stop: PathBuf,
+}
+
+impl JobFiles {
+    fn write_hosts(&self, hosts: &[&str]) -> Result<(), String> {
+        let text: String = hosts.iter().map(|h| format!("{h}\n")).collect();
+        std::fs::write(&self.hosts, text).map_err(|e| format!("{}: {e}", self.hosts.display()))
+    }
+}
+
+/// Starts `fhrun` on h0 (which runs no worker) with the example under
+/// `--host-discovery-script`, the script listing `hosts` (one slot each), in `dir`.
+fn start_job(
     c: &Cluster,
     fhrun: &Path,
     root: &Path,
     py: &Path,
-    n: usize,
-) -> Result<ElasticRun, String> {
-    let dir = c.dir().join(format!("elastic{n}"));
-    let logs = dir.join("logs");
-    std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
-    let hosts_file = dir.join("hosts");
-    let write_hosts = |hosts: &[&str]| {
-        let text: String = hosts.iter().map(|h| format!("{h}\n")).collect();
-        std::fs::write(&hosts_file, text).map_err(|e| format!("{}: {e}", hosts_file.display()))
+    dir: &Path,
+    hosts: &[&str],
+    np: (usize, usize, usize),
+) -> Result<(Running, JobFiles), String> {
+    let files = JobFiles {
+        logs: dir.join("logs"),
+        hosts: dir.join("hosts"),
+        stop: dir.join("stop"),
     };
-    write_hosts(&["h1", "h2", "h3"])?;
+    std::fs::create_dir_all(&files.logs).map_err(|e| format!("{}: {e}", files.logs.display()))?;
+    files.write_hosts(hosts)?;
     let script = dir.join("discover.sh");
     std::fs::write(
         &script,
-        format!("#!/bin/sh\ncat '{}'\n", hosts_file.display()),
+        format!("#!/bin/sh\ncat '{}'\n", files.hosts.display()),
     )
     .map_err(|e| format!("{}: {e}", script.display()))?;
     {
@@ -214,7 +230,6 @@ pub(crate) fn run_once(
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))
             .map_err(|e| format!("{}: {e}", script.display()))?;
     }
-    let stop = dir.join("stop");
     let example = root
         .join("fh-torch")
         .join("examples")
@@ -223,8 +238,15 @@ pub(crate) fn run_once(
     let log = dir.join("fhrun.log");
     let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
     let err = file.try_clone().map_err(|e| e.to_string())?;
+    let (np, min_np, max_np) = np;
     let mut cmd: Command = c.command(0, fhrun);
-    cmd.args(["-np", "3", "--min-np", "2", "--max-np", "4", "--slots", "1"])
+    cmd.arg("-np")
+        .arg(np.to_string())
+        .arg("--min-np")
+        .arg(min_np.to_string())
+        .arg("--max-np")
+        .arg(max_np.to_string())
+        .args(["--slots", "1"])
         .arg("--host-discovery-script")
         .arg(&script)
         .args(["--elastic-timeout", "120"])
@@ -240,8 +262,8 @@ pub(crate) fn run_once(
         .arg(&example)
         .args(TRAIN_ARGS)
         .arg("--stop-file")
-        .arg(&stop)
-        .env("ELASTIC_LOG", &logs)
+        .arg(&files.stop)
+        .env("ELASTIC_LOG", &files.logs)
         .env("FH_RSH_AGENT", &agent)
         .env("FH_TIMEOUT_SECONDS", "10")
         .env("OMP_NUM_THREADS", "1")
@@ -251,7 +273,20 @@ pub(crate) fn run_once(
     let child = cmd
         .spawn()
         .map_err(|e| format!("cannot start fhrun: {e}"))?;
-    let mut job = Running { child, log };
+    Ok((Running { child, log }, files))
+}
+
+/// One run of the check on `c` (at least 5 hosts): see the module's docs.
+pub(crate) fn run_once(
+    c: &Cluster,
+    fhrun: &Path,
+    root: &Path,
+    py: &Path,
+    n: usize,
+) -> Result<ElasticRun, String> {
+    let dir = c.dir().join(format!("elastic{n}"));
+    let (mut job, files) = start_job(c, fhrun, root, py, &dir, &["h1", "h2", "h3"], (3, 2, 4))?;
+    let logs = files.logs.clone();
 
     // 1. Three ranks, two commits.
     let first = job.wait_for(&logs, "two commits in a world of 3 ranks", |p| {
@@ -296,7 +331,7 @@ pub(crate) fn run_once(
     })? as u64;
 
     // 3. h4 added (h1 stays listed: it is blacklisted, and must not come back).
-    write_hosts(&["h1", "h2", "h3", "h4"])?;
+    files.write_hosts(&["h1", "h2", "h3", "h4"])?;
     let added = now();
     let bigger = job.wait_for(&logs, "a step in a world with h4", |p| {
         p.iter()
@@ -313,7 +348,233 @@ pub(crate) fn run_once(
     })? as u64;
 
     // 4. The end.
-    std::fs::write(&stop, "stop\n").map_err(|e| format!("{}: {e}", stop.display()))?;
+    let (out, replayed) = finish(job, c, root, py, &files)?;
+    if !out.contains("lost h1 (rank 0 gone") {
+        return Err(format!(
+            "fhrun's output does not name the lost host h1 and its rank 0:\n{}",
+            tail(&out)
+        ));
+    }
+    if read_progress(&logs)
+        .iter()
+        .any(|x| x.host == "h1" && x.generation > first)
+    {
+        return Err("h1 trained again after its loss (it is blacklisted)".into());
+    }
+
+    Ok(ElasticRun {
+        recovery,
+        growth,
+        summary: format!(
+            "worlds: generation {first} (3 ranks), h1 (rank 0) SIGKILLed, generation {two} (2 \
+             ranks), h4 added, generation {three} (3 ranks with h4); recovery {recovery:.2} s, \
+             growth {growth:.2} s; {replayed}"
+        ),
+    })
+}
+
+/// Runs of the random-kill check in CI (`FH_CLUSTER_EKILL_RUNS` asks for another number).
+pub(crate) const RANDOM_KILL_RUNS: usize = 6;
+
+/// One planned kill of the random-kill check: a host (1–4) and whether all its processes die
+/// (the host lost, fhrun's part with it) or only its worker (a worker killed).
+#[derive(Debug, Clone, Copy)]
+struct Kill {
+    host: usize,
+    whole_host: bool,
+}
+
+/// One run's plan: the first kill lands `delay_ms` after the first world's first commit
+/// (inside a step's forward or backward pass, its reductions, or a commit: a step takes about
+/// 60 ms); a second one, when planned, `reform_ms` after the first, while the survivors
+/// re-form.
+#[derive(Debug, Clone)]
+struct KillPlan {
+    first: Kill,
+    second: Option<Kill>,
+    delay_ms: u64,
+    reform_ms: u64,
+}
+
+fn kill_plan(rng: &mut crate::multihost::Rng) -> KillPlan {
+    let first = Kill {
+        host: 1 + rng.below(4) as usize,
+        whole_host: rng.below(2) == 0,
+    };
+    let second = (rng.below(5) < 2).then(|| {
+        let others: Vec<usize> = (1..=4).filter(|&h| h != first.host).collect();
+        Kill {
+            host: others[rng.below(3) as usize],
+            whole_host: rng.below(2) == 0,
+        }
+    });
+    KillPlan {
+        first,
+        second,
+        delay_ms: rng.below(1500),
+        reform_ms: rng.below(400),
+    }
+}
+
+/// SIGKILL every process on `host` of `c`, or only its worker (a Python process running the
+/// example): how many were killed.
+fn kill_on(c: &Cluster, kill: Kill) -> usize {
+    let pids: Vec<u32> = c
+        .processes(kill.host)
+        .into_iter()
+        .filter(|pid| {
+            kill.whole_host
+                || std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|cmd| String::from_utf8_lossy(&cmd).contains("elastic_train.py"))
+        })
+        .collect();
+    for pid in &pids {
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+    }
+    pids.len()
+}
+
+/// One run of the random-kill check on `c` (5 hosts): the example trains on h1–h4 (4 ranks,
+/// `--min-np 2`); after the first commit one worker or host is SIGKILLed at a random moment,
+/// in 40% of the runs a second one while the survivors re-form. The survivors must train on
+/// in a smaller world (without the victims, which are blacklisted), and the job, ended by
+/// the stop file after two commits there, must exit 0 with the replay agreeing. Returns the
+/// seconds from the last kill to the first step of the smaller world, and a summary.
+fn random_kill_once(
+    c: &Cluster,
+    fhrun: &Path,
+    root: &Path,
+    py: &Path,
+    n: usize,
+    plan: &KillPlan,
+) -> Result<(f64, String), String> {
+    let dir = c.dir().join(format!("ekill{n}"));
+    let hosts = ["h1", "h2", "h3", "h4"];
+    let (mut job, files) = start_job(c, fhrun, root, py, &dir, &hosts, (4, 2, 4))?;
+    let logs = files.logs.clone();
+    let first = job.wait_for(&logs, "a commit in a world of 4 ranks", |p| {
+        worlds(p, 4, None, 0.0)
+            .into_iter()
+            .find(|&g| commits(p, g) >= 1)
+            .map(|g| g as f64)
+    })? as u64;
+    std::thread::sleep(Duration::from_millis(plan.delay_ms));
+    // Each kill's time, taken before it (recovery is counted from there) and after it (a
+    // victim's line written after that came from a worker started again).
+    let t = now();
+    if kill_on(c, plan.first) == 0 {
+        return Err(format!("nothing to kill on h{}", plan.first.host));
+    }
+    let mut kills = vec![(plan.first, t, now())];
+    if let Some(second) = plan.second {
+        std::thread::sleep(Duration::from_millis(plan.reform_ms));
+        let t = now();
+        kill_on(c, second);
+        kills.push((second, t, now()));
+    }
+    let last = kills.last().map_or(0.0, |k| k.1);
+    let victims: Vec<String> = kills
+        .iter()
+        .map(|(k, _, _)| format!("h{}", k.host))
+        .collect();
+    let size = 4 - kills.len();
+    let smaller = job.wait_for(
+        &logs,
+        &format!("a step in a world of {size} ranks after the kills"),
+        |p| {
+            p.iter()
+                .filter(|x| {
+                    x.kind == "step" && x.size == size && x.generation > first && x.time > last
+                })
+                .map(|x| x.time)
+                .reduce(f64::min)
+        },
+    )?;
+    let recovery = smaller - last;
+    let world = job.wait_for(&logs, "two commits in the smaller world", |p| {
+        worlds(p, size, None, last)
+            .into_iter()
+            .find(|&g| commits(p, g) >= COMMITS)
+            .map(|g| g as f64)
+    })? as u64;
+    let (out, replayed) = finish(job, c, root, py, &files)?;
+    let progress = read_progress(&logs);
+    for ((kill, _, after), name) in kills.iter().zip(&victims) {
+        if !out.contains(&format!("lost {name} (")) {
+            return Err(format!(
+                "fhrun's output does not name the lost host {name} ({kill:?}):\n{}",
+                tail(&out)
+            ));
+        }
+        // A margin for a line being written as the signal lands (a worker started again
+        // imports torch for seconds before its first step).
+        if progress
+            .iter()
+            .any(|x| &x.host == name && x.time > after + 0.5)
+        {
+            return Err(format!(
+                "{name} trained again after its kill (it is blacklisted)"
+            ));
+        }
+    }
+    Ok((
+        recovery,
+        format!(
+            "{plan:?}: generation {first} (4 ranks), then generation {world} ({size} ranks); \
+             from the last kill to training {recovery:.2} s; {replayed}"
+        ),
+    ))
+}
+
+/// The random-kill check: `runs` runs on `c` (see [`random_kill_once`]), their plans drawn
+/// from `seed`; the first failure ends it, naming the seed and the run to replay
+/// (`FH_CLUSTER_EKILL_SEED`, `FH_CLUSTER_EKILL_RUNS`).
+pub(crate) fn random_kills(
+    c: &Cluster,
+    fhrun: &Path,
+    root: &Path,
+    py: &Path,
+    runs: usize,
+    seed: u64,
+) -> Result<String, String> {
+    let mut rng = crate::multihost::Rng::new(seed);
+    let mut recovery = Vec::new();
+    for i in 0..runs {
+        let plan = kill_plan(&mut rng);
+        match random_kill_once(c, fhrun, root, py, i, &plan) {
+            Ok((r, summary)) => {
+                eprintln!("multihost: random kill {}/{runs}: {summary}", i + 1);
+                recovery.push(r);
+            }
+            Err(e) => {
+                return Err(format!(
+                    "random kill {}/{runs} (FH_CLUSTER_EKILL_SEED={seed}, run {i}) {plan:?}: {e}",
+                    i + 1
+                ))
+            }
+        }
+    }
+    let (m, w) = median_and_worst(&recovery);
+    Ok(format!(
+        "{runs} runs (seed {seed}), every one finished with the replay agreeing; from the last \
+         kill to training again: median {m:.2} s, worst {w:.2} s"
+    ))
+}
+
+/// Ends the job with the stop file: fhrun must exit 0, nothing may be left on any host, and
+/// the example's replay of the committed worlds must agree with the workers' parameters.
+/// Returns fhrun's output and the replay's verdict line.
+fn finish(
+    mut job: Running,
+    c: &Cluster,
+    root: &Path,
+    py: &Path,
+    files: &JobFiles,
+) -> Result<(String, String), String> {
+    let stop = &files.stop;
+    std::fs::write(stop, "stop\n").map_err(|e| format!("{}: {e}", stop.display()))?;
     let start = Instant::now();
     let status = loop {
         if let Ok(Some(s)) = job.child.try_wait() {
@@ -334,18 +595,6 @@ pub(crate) fn run_once(
             tail(&out)
         ));
     }
-    if !out.contains("lost h1 (rank 0 gone") {
-        return Err(format!(
-            "fhrun's output does not name the lost host h1 and its rank 0:\n{}",
-            tail(&out)
-        ));
-    }
-    if read_progress(&logs)
-        .iter()
-        .any(|x| x.host == "h1" && x.generation > first)
-    {
-        return Err("h1 trained again after its loss (it is blacklisted)".into());
-    }
     for h in 0..5 {
         let left = c.processes(h);
         if !left.is_empty() {
@@ -354,17 +603,17 @@ pub(crate) fn run_once(
             ));
         }
     }
-
-    // 5. The replay.
-    let mut replay = Command::new(py);
-    replay
+    let example = root
+        .join("fh-torch")
+        .join("examples")
+        .join("elastic_train.py");
+    let said = Command::new(py)
         .arg(&example)
         .args(TRAIN_ARGS)
         .arg("--replay")
-        .arg(&logs)
+        .arg(&files.logs)
         .env("OMP_NUM_THREADS", "1")
-        .stdin(Stdio::null());
-    let said = replay
+        .stdin(Stdio::null())
         .output()
         .map_err(|e| format!("cannot run the replay: {e}"))?;
     let text = format!(
@@ -375,20 +624,13 @@ pub(crate) fn run_once(
     if !said.status.success() {
         return Err(format!("the replay disagrees: {}", tail(&text)));
     }
-    Ok(ElasticRun {
-        recovery,
-        growth,
-        summary: format!(
-            "worlds: generation {first} (3 ranks), h1 (rank 0) SIGKILLed, generation {two} (2 \
-             ranks), h4 added, generation {three} (3 ranks with h4); recovery {recovery:.2} s, \
-             growth {growth:.2} s; {}",
-            String::from_utf8_lossy(&said.stdout)
-                .lines()
-                .last()
-                .unwrap_or("")
-                .trim()
-        ),
-    })
+    let verdict = String::from_utf8_lossy(&said.stdout)
+        .lines()
+        .last()
+        .unwrap_or("")
+        .trim()
+        .to_string();
+    Ok((out, verdict))
 }
 
 /// `cargo xtask multihost --elastic-runs N`: the elastic check `n` times, each on a fresh

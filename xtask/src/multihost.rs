@@ -35,7 +35,13 @@
 //!   under `fhrun --host-discovery-script`: h1 lost with rank 0 (SIGKILL), h4 added, the final parameters
 //!   bit-identical on every rank and equal to a one-process replay of the committed worlds;
 //!   `cargo xtask multihost --elastic-runs N` runs it N times and reports the recovery and
-//!   growth times (median, worst).
+//!   growth times (median, worst);
+//! - **random kills in elastic training** ([`crate::elastic_check`], 5 hosts, 6 runs in CI,
+//!   `FH_CLUSTER_EKILL_RUNS` / `FH_CLUSTER_EKILL_SEED` for more or a replay): the same example
+//!   on h1–h4 (`--min-np 2`); after the first commit a worker or a whole host is SIGKILLed at a
+//!   random moment (forward, backward, reductions or a commit), in 40% of the runs a second one
+//!   while the survivors re-form; the survivors train on without the victims, fhrun exits 0
+//!   naming each lost host, nothing is left running, and the replay agrees.
 //!
 //! Where the machine cannot emulate a cluster ([`cluster::unavailable`]) every check is skipped
 //! and the stage says how many and why; checks needing `mpirun` are skipped without it, the
@@ -50,6 +56,7 @@ use crate::cluster::{self, Cluster, RankEnd};
 use crate::elastic_check;
 
 mod chaos;
+pub(crate) use chaos::Rng;
 mod launchers;
 mod losses;
 
@@ -132,7 +139,7 @@ pub(crate) fn task(root: &Path, args: &[String]) -> ExitCode {
 
 /// Number of checks [`run`] makes (reported as skipped when none can run).
 fn total_checks() -> usize {
-    LAYOUTS.len() * 3 + 2 + 4 + 1 + 4 + 1 + 1
+    LAYOUTS.len() * 3 + 2 + 4 + 1 + 4 + 1 + 1 + 1
 }
 
 /// The name of the chaos check across hosts.
@@ -184,6 +191,30 @@ fn host_chaos(bins: &Bins) -> Result<String, String> {
 /// The name of the elastic check.
 const ELASTIC_CHECK: &str =
     "elastic training: h1 (rank 0) lost, h4 added (fhrun --host-discovery-script)";
+
+/// The name of the elastic check with kills at random moments.
+const RANDOM_KILL_CHECK: &str =
+    "elastic training: workers and hosts SIGKILLed at random moments (fhrun --host-discovery-script)";
+
+/// The random-kill runs: [`elastic_check::RANDOM_KILL_RUNS`], or `FH_CLUSTER_EKILL_RUNS`, drawn
+/// from `FH_CLUSTER_EKILL_SEED` (default: the clock), on one cluster of five hosts.
+fn random_kills(root: &Path, bins: &Bins, py: &Path) -> Result<String, String> {
+    let runs = std::env::var("FH_CLUSTER_EKILL_RUNS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(elastic_check::RANDOM_KILL_RUNS);
+    let seed = std::env::var("FH_CLUSTER_EKILL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    let c = Cluster::up(5, Some(LINK))?;
+    let r = elastic_check::random_kills(&c, &bins.fhrun, root, py, runs, seed);
+    c.down().and(r)
+}
 
 /// Builds the programs and runs every check (whose name contains `filter`, when given).
 pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
@@ -386,6 +417,18 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
                         c.down().and(r.map(|run| run.summary))
                     })
                     .map(End::Passed),
+            };
+            note(name.to_string(), r, t);
+        }
+    }
+
+    {
+        let name = RANDOM_KILL_CHECK;
+        if wanted(name) {
+            let t = Instant::now();
+            let r = match torch_python(root) {
+                Err(why) => Ok(End::Skipped(why)),
+                Ok(py) => random_kills(root, &bins, &py).map(End::Passed),
             };
             note(name.to_string(), r, t);
         }

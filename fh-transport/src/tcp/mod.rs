@@ -526,6 +526,30 @@ impl TcpTransport {
         }
     }
 
+    /// This rank could not open communicator `seq` because a peer is lost (`err` names it):
+    /// tell every other peer out of band, before this rank drops its connections and its
+    /// listener, so that a peer whose half of the communicator is open already blames the rank
+    /// really lost, not this one hanging up on it. Returns `err`.
+    fn tell_formation_failed(&self, err: TransportError, seq: u64) -> TransportError {
+        let rank = self.topology.rank;
+        let (Some(lost), Some(link)) = (err.blamed_rank(), self.link.as_ref()) else {
+            return err;
+        };
+        if lost == rank || lost >= self.topology.size {
+            return err;
+        }
+        let mut peers: Vec<usize> = (0..self.topology.size)
+            .filter(|&p| p != rank && p != lost)
+            .collect();
+        // A peer the heartbeats have not heard from for a while would hold a notice's
+        // connection until its timeout (it hears the verdict in the heartbeats if at all).
+        if let Some(watch) = &link.watch {
+            peers.retain(|&p| !watch.is_quiet(p));
+        }
+        link.send_aborts(rank, &peers, seq, lost);
+        err
+    }
+
     /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.
     pub fn open_tcp(&mut self, label: &str) -> Result<TcpComm> {
         self.open_tcp_with(label, Interrupt::new())
@@ -540,7 +564,8 @@ impl TcpTransport {
         let peers = if size == 1 {
             vec![None]
         } else {
-            self.open_mesh(label, seq)?
+            self.open_mesh(label, seq)
+                .map_err(|e| self.tell_formation_failed(e, seq))?
         };
         tracing::debug!(rank, seq, label, "TCP communicator open");
         Ok(TcpComm::new(
