@@ -57,7 +57,21 @@ impl Running {
         Self::start_cmd(Command::new(FHRUN).args(args))
     }
 
+    /// Starts `cmd` (fhrun) as a user's terminal would: with SIGINT, SIGQUIT, SIGTERM and
+    /// SIGHUP at their default actions, whatever this test process inherited (a suite started
+    /// in the background of a script has SIGINT and SIGQUIT ignored, which its ranks' shells
+    /// then could not trap).
     pub fn start_cmd(cmd: &mut Command) -> Self {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: signal(2) is async-signal-safe; nothing else runs in the child.
+        unsafe {
+            cmd.pre_exec(|| {
+                for sig in [libc::SIGINT, libc::SIGQUIT, libc::SIGTERM, libc::SIGHUP] {
+                    libc::signal(sig, libc::SIG_DFL);
+                }
+                Ok(())
+            });
+        }
         let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -662,6 +662,7 @@ impl MpiTransport {
             opened: 0,
         };
         me.topology = me.discover_topology()?;
+        me.check_releases()?;
         if let Ok(v) = std::env::var("FH_SIZE") {
             if let Ok(n) = v.trim().parse::<usize>() {
                 if n != me.topology.size {
@@ -736,6 +737,52 @@ impl MpiTransport {
         Ok(comm)
     }
 
+    /// Every rank's FastHorovod release, exchanged over the world (as the TCP hello carries it):
+    /// a rank of another release is refused on every rank, naming both releases and the ranks.
+    fn check_releases(&self) -> Result<()> {
+        let mut mine = [0u8; RELEASE_FIELD];
+        let release = fh_core::RELEASE.as_bytes();
+        let n = release.len().min(RELEASE_FIELD);
+        mine[..n].copy_from_slice(&release[..n]);
+        let size = self.topology.size;
+        let mut all = vec![0u8; RELEASE_FIELD * size];
+        let rt = &self.world.rt;
+        {
+            let _guard = rt.lock();
+            // SAFETY: `world.raw` is a valid communicator; the buffers hold RELEASE_FIELD
+            // bytes and RELEASE_FIELD × size bytes, as the counts say.
+            let rc = unsafe {
+                ffi::MPI_Allgather(
+                    mine.as_ptr().cast(),
+                    RELEASE_FIELD as c_int,
+                    ffi::RSMPI_UINT8_T,
+                    all.as_mut_ptr().cast(),
+                    RELEASE_FIELD as c_int,
+                    ffi::RSMPI_UINT8_T,
+                    self.world.raw,
+                )
+            };
+            if !success(rc) {
+                return Err(TransportError::io(
+                    "MPI_Allgather of the ranks' FastHorovod releases",
+                    std::io::Error::other(rt.describe_unlocked(rc)),
+                ));
+            }
+        }
+        match foreign_releases(&all, &mine) {
+            None => Ok(()),
+            Some(others) => Err(TransportError::Config {
+                var: "FH_TRANSPORT".into(),
+                reason: format!(
+                    "rank {} runs FastHorovod {}, but {others}: install the same FastHorovod \
+                     version on every host",
+                    self.topology.rank,
+                    fh_core::RELEASE,
+                ),
+            }),
+        }
+    }
+
     fn discover_topology(&self) -> Result<Topology> {
         let rt = &self.world.rt;
         let _guard = rt.lock();
@@ -788,6 +835,24 @@ impl MpiTransport {
             })
         }
     }
+}
+
+/// Bytes of a rank's release in the exchange of [`MpiTransport::check_releases`].
+const RELEASE_FIELD: usize = 32;
+
+/// The ranks whose release field in `all` (one [`RELEASE_FIELD`] per rank) differs from
+/// `mine`, as `rank R runs X, …`; `None` when every rank runs this release.
+fn foreign_releases(all: &[u8], mine: &[u8; RELEASE_FIELD]) -> Option<String> {
+    let others: Vec<String> = all
+        .chunks(RELEASE_FIELD)
+        .enumerate()
+        .filter(|(_, b)| *b != mine)
+        .map(|(r, b)| {
+            let text = String::from_utf8_lossy(b);
+            format!("rank {r} runs FastHorovod {}", text.trim_end_matches('\0'))
+        })
+        .collect();
+    (!others.is_empty()).then(|| others.join(", "))
 }
 
 /// This rank and the size of `comm`, then free `comm` (freed even when a query fails).
@@ -1206,6 +1271,24 @@ impl MpiComm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn field(release: &str) -> [u8; RELEASE_FIELD] {
+        let mut f = [0u8; RELEASE_FIELD];
+        f[..release.len()].copy_from_slice(release.as_bytes());
+        f
+    }
+
+    #[test]
+    fn ranks_of_another_release_are_named() {
+        let mine = field("0.2.0");
+        let same = [mine, mine, mine].concat();
+        assert_eq!(foreign_releases(&same, &mine), None);
+        let mixed = [mine, field("0.1.9"), mine, field("0.3.0-rc1")].concat();
+        assert_eq!(
+            foreign_releases(&mixed, &mine).as_deref(),
+            Some("rank 1 runs FastHorovod 0.1.9, rank 3 runs FastHorovod 0.3.0-rc1")
+        );
+    }
 
     #[test]
     fn chunk_ranges_cover_exactly() {

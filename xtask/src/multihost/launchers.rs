@@ -165,8 +165,13 @@ pub(super) fn fhrun_remote_signal(c: &Cluster, bins: &Bins) -> Result<String, St
     std::fs::create_dir_all(&ready).map_err(|e| format!("{}: {e}", ready.display()))?;
     let script = "trap 'echo \"rank $FH_RANK got SIGINT\"; exit 3' INT; \
                   sleep 300 & touch \"$READY/$FH_RANK\"; wait";
+    // SIGINT at its default action in fhrun and so in its ranks, as a terminal's user has it
+    // (a suite started in the background of a script has SIGINT ignored, and a shell cannot
+    // trap a signal ignored when it started).
     let mut fhrun = c
-        .command(0, &bins.fhrun)
+        .command(0, "env")
+        .arg("--default-signal=INT,QUIT,TERM,HUP")
+        .arg(&bins.fhrun)
         .args([
             "-np",
             "4",
