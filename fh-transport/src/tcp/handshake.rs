@@ -21,6 +21,8 @@ pub(super) enum ReadFail {
     Decode(DecodeError),
     /// Another I/O error.
     Io(io::Error),
+    /// The watch of a [`read_msg_watched`] ended the wait with this error.
+    Cancelled(TransportError),
 }
 
 /// Read one message with `decode` (which says how many bytes it needs, at most `max`) until
@@ -30,6 +32,21 @@ pub(super) fn read_msg<T>(
     deadline: Instant,
     max: usize,
     decode: impl Fn(&[u8]) -> std::result::Result<(T, usize), DecodeError>,
+) -> std::result::Result<(T, Vec<u8>), ReadFail> {
+    read_msg_watched(stream, deadline, max, decode, &|| None)
+}
+
+/// How often a watched read ([`read_msg_watched`]) asks whether to give up.
+const WATCH_SLICE: Duration = Duration::from_millis(100);
+
+/// [`read_msg`] that asks `cancel` every [`WATCH_SLICE`] while it waits; an error from it
+/// ends the read ([`ReadFail::Cancelled`]). Bytes read so far are kept across the slices.
+pub(super) fn read_msg_watched<T>(
+    stream: &mut TcpStream,
+    deadline: Instant,
+    max: usize,
+    decode: impl Fn(&[u8]) -> std::result::Result<(T, usize), DecodeError>,
+    cancel: &dyn Fn() -> Option<TransportError>,
 ) -> std::result::Result<(T, Vec<u8>), ReadFail> {
     let mut buf = Vec::new();
     loop {
@@ -45,18 +62,25 @@ pub(super) fn read_msg<T>(
                 if left.is_zero() {
                     return Err(ReadFail::TimedOut);
                 }
-                stream.set_read_timeout(Some(left)).map_err(ReadFail::Io)?;
+                if let Some(e) = cancel() {
+                    return Err(ReadFail::Cancelled(e));
+                }
+                stream
+                    .set_read_timeout(Some(left.min(WATCH_SLICE)))
+                    .map_err(ReadFail::Io)?;
                 match stream.read(&mut buf[got..]) {
                     Ok(0) => return Err(ReadFail::Closed),
                     Ok(k) => buf.truncate(got + k),
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => buf.truncate(got),
                     Err(e)
                         if matches!(
                             e.kind(),
-                            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                            io::ErrorKind::Interrupted
+                                | io::ErrorKind::WouldBlock
+                                | io::ErrorKind::TimedOut
                         ) =>
                     {
-                        return Err(ReadFail::TimedOut)
+                        // Waited a slice (or a signal came): the deadline and the watch decide.
+                        buf.truncate(got)
                     }
                     Err(e) => return Err(ReadFail::Io(e)),
                 }
@@ -102,10 +126,27 @@ impl Attempt {
 /// checks the listener's proof before it proves anything itself.
 pub(super) fn client_handshake(
     stream: &mut TcpStream,
+    hello: Hello,
+    key: &Key,
+    peer: &str,
+    deadline: Instant,
+) -> std::result::Result<(), Attempt> {
+    client_handshake_committed(stream, hello, key, peer, deadline, deadline, &|| None)
+}
+
+/// [`client_handshake`] whose last step, once this side has proved itself, waits for the
+/// listener's reply until `committed_deadline` (asking `cancel` as it waits) rather than
+/// `deadline`: a listener that checked the proof keeps the connection as this rank's, so
+/// giving up on it then and connecting again would leave the two sides with different
+/// connections (under packet loss a reply can take seconds).
+pub(super) fn client_handshake_committed(
+    stream: &mut TcpStream,
     mut hello: Hello,
     key: &Key,
     peer: &str,
     deadline: Instant,
+    committed_deadline: Instant,
+    cancel: &dyn Fn() -> Option<TransportError>,
 ) -> std::result::Result<(), Attempt> {
     let handshake = |reason: String| TransportError::Handshake {
         peer: peer.into(),
@@ -121,6 +162,7 @@ pub(super) fn client_handshake(
         ReadFail::TimedOut => Attempt::Retry(handshake(format!("no {what} before the deadline"))),
         ReadFail::Decode(e) => Attempt::Fatal(handshake(e.to_string())),
         ReadFail::Io(e) => retry_io(&format!("waiting for the {what} of"), e),
+        ReadFail::Cancelled(e) => Attempt::Fatal(e),
     };
     hello.nonce = wire::fresh_nonce()
         .map_err(|e| Attempt::Fatal(TransportError::io("drawing a random nonce", e)))?;
@@ -158,13 +200,15 @@ pub(super) fn client_handshake(
         )));
     }
     let tag = wire::connector_proof(key.bytes(), &hello_bytes, &nonce);
-    write_by(stream, &wire::encode_proof(&tag), deadline)
+    let committed = committed_deadline.max(deadline);
+    write_by(stream, &wire::encode_proof(&tag), committed)
         .map_err(|e| retry_io("sending the handshake proof to", e))?;
-    let (reply, _) = read_msg(
+    let (reply, _) = read_msg_watched(
         stream,
-        deadline,
+        committed,
         wire::REPLY_FIXED_LEN + wire::MAX_REASON_LEN,
         Reply::decode,
+        cancel,
     )
     .map_err(|f| read_fail("reply", f))?;
     match reply {
@@ -232,7 +276,15 @@ pub(super) fn connect_handshake(
             };
             let attempt_deadline = deadline.min(Instant::now() + per_attempt);
             let hello = make_hello(&s)?;
-            match client_handshake(&mut s, hello, key, what, attempt_deadline) {
+            match client_handshake_committed(
+                &mut s,
+                hello,
+                key,
+                what,
+                attempt_deadline,
+                deadline,
+                cancel,
+            ) {
                 Ok(()) => return Ok(s),
                 Err(Attempt::Fatal(e)) => return Err(e),
                 Err(Attempt::Retry(e)) => {

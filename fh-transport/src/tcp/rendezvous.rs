@@ -29,6 +29,7 @@ fn from_root(f: ReadFail, what: &'static str, timeout: Duration) -> TransportErr
             rank: 0,
             detail: format!("reading {what} failed: {e}"),
         },
+        ReadFail::Cancelled(e) => e,
     }
 }
 
@@ -153,6 +154,7 @@ impl TcpTransport {
                     rank: r,
                     detail: format!("reading its host place failed: {e}"),
                 },
+                ReadFail::Cancelled(e) => e,
             });
             let place = match place {
                 Ok((p, _)) => p,

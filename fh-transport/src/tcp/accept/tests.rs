@@ -105,3 +105,109 @@ fn refusals_are_logged_at_a_bounded_rate() {
     assert!(log.log(from, "garbage"));
     assert_eq!(log.state.lock().map(|s| s.2).unwrap_or(1), 0);
 }
+
+/// A relay to `to` that passes the listener's first answer (the challenge) at once and holds
+/// back everything after it (the reply to the proof) for `hold`: a reply delayed as packet
+/// loss delays it.
+fn slow_reply_relay(to: SocketAddr, hold: Duration) -> SocketAddr {
+    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = relay.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for client in relay.incoming() {
+            let Ok(client) = client else { return };
+            let Ok(server) = TcpStream::connect(to) else {
+                return;
+            };
+            let (mut c_in, mut s_out) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut c_in, &mut s_out);
+                let _ = s_out.shutdown(std::net::Shutdown::Write);
+            });
+            let (mut s_in, mut c_out) = (server, client);
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                let mut first = true;
+                loop {
+                    match s_in.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            if !first {
+                                std::thread::sleep(hold);
+                            }
+                            first = false;
+                            if c_out.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                    }
+                }
+                let _ = c_out.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn a_connector_that_proved_itself_waits_for_the_reply_on_the_same_connection() {
+    // The listener keeps a connection once the connector's proof checks out. A connector that
+    // gave up on a late reply and connected again would hold another connection than the one
+    // the listener handed over (under packet loss each side then blamed the other).
+    let world = [7; WORLD_ID_LEN];
+    let (mut acc, addr, key) = acceptor(4, world);
+    let relay = slow_reply_relay(addr, Duration::from_millis(1200));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut mine = super::super::handshake::connect_handshake(
+        &[relay],
+        |_| Ok(hello(world)),
+        &key,
+        "rank 0",
+        deadline,
+        Duration::from_millis(300),
+        None,
+        &|| None,
+    )
+    .expect("the handshake completes");
+    let (h, mut theirs, _) = acc.next(deadline).expect("the connection is handed over");
+    assert_eq!(h.rank, 1);
+    mine.write_all(b"ping").unwrap();
+    let mut got = [0u8; 4];
+    theirs
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    theirs
+        .read_exact(&mut got)
+        .expect("the listener's connection is the connector's");
+    assert_eq!(&got, b"ping");
+    // No second attempt reached the listener.
+    assert!(acc
+        .next(Instant::now() + Duration::from_millis(300))
+        .is_none());
+}
+
+#[test]
+fn a_wait_for_the_reply_ends_with_the_watch_s_verdict() {
+    let world = [7; WORLD_ID_LEN];
+    let (_acc, addr, key) = acceptor(4, world);
+    let relay = slow_reply_relay(addr, Duration::from_secs(30));
+    let t0 = Instant::now();
+    let verdict = || {
+        (t0.elapsed() > Duration::from_millis(500)).then(|| TransportError::PeerLost {
+            rank: 0,
+            detail: "declared lost by the heartbeats (test)".into(),
+        })
+    };
+    let err = super::super::handshake::connect_handshake(
+        &[relay],
+        |_| Ok(hello(world)),
+        &key,
+        "rank 0",
+        t0 + Duration::from_secs(20),
+        Duration::from_millis(300),
+        None,
+        &verdict,
+    )
+    .expect_err("no reply comes");
+    assert!(err.to_string().contains("(test)"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+}
