@@ -31,6 +31,21 @@ pub struct RankSpec {
     pub tag: Option<String>,
 }
 
+impl LocalJob {
+    /// The job's world size: `FH_SIZE` of its ranks (which counts the other hosts' ranks
+    /// too: a notice names a lost rank of any host), or, without it, this machine's highest
+    /// rank + 1.
+    fn world_size(&self) -> usize {
+        let local = self.ranks.iter().map(|r| r.rank + 1).max().unwrap_or(0);
+        self.ranks
+            .iter()
+            .flat_map(|r| &r.env)
+            .find(|(k, _)| k == "FH_SIZE")
+            .and_then(|(_, v)| v.parse::<usize>().ok())
+            .map_or(local, |n| n.max(local))
+    }
+}
+
 impl RankSpec {
     /// `[3]`'s `3`, or the tag.
     fn name(&self) -> String {
@@ -382,7 +397,7 @@ fn run_ranks(
         // the exits of the others it caused.
         let said = notices
             .as_mut()
-            .map(|n| n.drain(job.ranks.iter().map(|r| r.rank + 1).max().unwrap_or(0)))
+            .map(|n| n.drain(job.world_size()))
             .unwrap_or_default();
         for Notice { rank, reason, at } in said {
             let pid = ranks.iter().find(|r| r.rank == rank).map_or(0, |r| r.pid);

@@ -253,12 +253,15 @@ impl Control {
                 e
             }
         };
+        // The launcher hears of a lost rank before any handle resolves: a program that exits
+        // on the error (at once, as most do) has written the notice by then, and fhrun names
+        // the lost rank rather than this rank's exit.
+        self.notify_launcher(&err);
         self.inner.close(err.clone());
         // The flight record is written at the end when the engine stopped on an error, or
         // while this rank still had work (another rank left: the job did not end well).
         let record = !err.is_shutdown() || !self.work.pending.is_empty();
         self.abort_communicators(&err);
-        self.notify_launcher(&err);
         // Whatever was submitted and not negotiated fails now, including submissions that
         // raced with the close.
         while let Ok(msg) = self.rx.try_recv() {
