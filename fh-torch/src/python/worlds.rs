@@ -13,10 +13,15 @@
 //! world.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use fh_transport::bootstrap::{check_token, LaunchInfo};
+use fh_scheduler::{Engine, SchedulerError};
+use fh_transport::bootstrap::{check_token, JobToken, LaunchInfo};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
 
-use super::*;
+use super::runtime::engine;
+use super::{to_py, HorovodInternalError};
 
 /// Ids of the engines of subgroup worlds start here (process sets count up from 1), so that
 /// every submission function finds them through its `process_set_id`.
