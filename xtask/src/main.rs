@@ -23,7 +23,6 @@
 mod bench;
 mod cluster;
 mod compat;
-mod elastic_check;
 mod multihost;
 mod nccl;
 mod python;

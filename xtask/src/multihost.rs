@@ -31,12 +31,12 @@
 //!   named (by the heartbeats, long before the timeout), and under loss, delay and a slow host
 //!   the job finishes with exact results and nobody blamed; `FH_HOST_CHAOS_FAULTS=1000` is the
 //!   long mode;
-//! - **elastic training** ([`crate::elastic_check`], 5 hosts): `fh-torch/examples/elastic_train.py`
+//! - **elastic training** ([`elastic_check`], 5 hosts): `fh-torch/examples/elastic_train.py`
 //!   under `fhrun --host-discovery-script`: h1 lost with rank 0 (SIGKILL), h4 added, the final parameters
 //!   bit-identical on every rank and equal to a one-process replay of the committed worlds;
 //!   `cargo xtask multihost --elastic-runs N` runs it N times and reports the recovery and
 //!   growth times (median, worst);
-//! - **random kills in elastic training** ([`crate::elastic_check`], 5 hosts, 6 runs in CI,
+//! - **random kills in elastic training** ([`elastic_check`], 5 hosts, 6 runs in CI,
 //!   `FH_CLUSTER_EKILL_RUNS` / `FH_CLUSTER_EKILL_SEED` for more or a replay): the same example
 //!   on h1–h4 (`--min-np 2`); after the first commit a worker or a whole host is SIGKILLed at a
 //!   random moment (forward, backward, reductions or a commit), in 40% of the runs a second one
@@ -53,10 +53,9 @@ use std::time::{Duration, Instant};
 
 use crate::cargo;
 use crate::cluster::{self, Cluster, RankEnd};
-use crate::elastic_check;
 
 mod chaos;
-pub(crate) use chaos::Rng;
+mod elastic_check;
 mod launchers;
 mod losses;
 

@@ -123,13 +123,13 @@ const HANG_BOUND: Duration = Duration::from_secs(20);
 const START_BOUND: Duration = Duration::from_secs(60);
 
 /// A small deterministic generator (xorshift64*), so that a seed replays a draw.
-pub(crate) struct Rng(u64);
+pub(super) struct Rng(u64);
 
 impl Rng {
-    pub(crate) fn new(seed: u64) -> Rng {
+    pub(super) fn new(seed: u64) -> Rng {
         Rng(seed.max(1))
     }
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
+    pub(super) fn below(&mut self, n: u64) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;

@@ -27,9 +27,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use std::process::ExitCode;
 
+use super::chaos::Rng;
+use super::{median_and_worst, torch_python, LINK};
 use crate::cargo;
 use crate::cluster::{self, Cluster};
-use crate::multihost::{median_and_worst, torch_python, LINK};
 
 /// The most any phase of the check may wait.
 const PHASE_LIMIT: Duration = Duration::from_secs(240);
@@ -396,7 +397,7 @@ struct KillPlan {
     reform_ms: u64,
 }
 
-fn kill_plan(rng: &mut crate::multihost::Rng) -> KillPlan {
+fn kill_plan(rng: &mut Rng) -> KillPlan {
     let first = Kill {
         host: 1 + rng.below(4) as usize,
         whole_host: rng.below(2) == 0,
@@ -539,7 +540,7 @@ pub(crate) fn random_kills(
     runs: usize,
     seed: u64,
 ) -> Result<String, String> {
-    let mut rng = crate::multihost::Rng::new(seed);
+    let mut rng = Rng::new(seed);
     let mut recovery = Vec::new();
     for i in 0..runs {
         let plan = kill_plan(&mut rng);
