@@ -198,7 +198,7 @@ impl Executor {
             }
         }
         let bytes: usize = job.parts.iter().map(|p| p.2).sum();
-        let bucket = crate::metrics::group_bucket(bytes as u64);
+        let bucket = crate::stats::group_bucket(bytes as u64);
         if let Some(n) = self.inner.counters.group_sizes.get(bucket) {
             Counters::add(n, 1);
         }

@@ -5,28 +5,7 @@
 use std::fmt::Write;
 
 use crate::stats::EngineStats;
-
-/// Upper bounds (bytes) of the fused-group size histogram: 4 KiB × 4ᵏ up to 256 MiB; larger
-/// groups count in the last bucket (`+Inf`).
-pub const GROUP_SIZE_BOUNDS: [u64; 9] = [
-    4 << 10,
-    16 << 10,
-    64 << 10,
-    256 << 10,
-    1 << 20,
-    4 << 20,
-    16 << 20,
-    64 << 20,
-    256 << 20,
-];
-
-/// The histogram bucket of a fused group of `bytes`.
-pub(crate) fn group_bucket(bytes: u64) -> usize {
-    GROUP_SIZE_BOUNDS
-        .iter()
-        .position(|&b| bytes <= b)
-        .unwrap_or(GROUP_SIZE_BOUNDS.len())
-}
+pub use crate::stats::GROUP_SIZE_BOUNDS;
 
 /// `1.5 GB`, `12.0 MB`, `640 B`.
 fn bytes_text(b: u64) -> String {
@@ -226,7 +205,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::stats::ChannelStats;
+    use crate::stats::{group_bucket, ChannelStats};
 
     fn stats() -> EngineStats {
         let mut group_sizes = vec![0; GROUP_SIZE_BOUNDS.len() + 1];

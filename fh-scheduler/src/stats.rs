@@ -4,6 +4,28 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+/// Upper bounds (bytes) of the fused-group size histogram: 4 KiB × 4ᵏ up to 256 MiB; larger
+/// groups count in the last bucket (`+Inf`).
+pub const GROUP_SIZE_BOUNDS: [u64; 9] = [
+    4 << 10,
+    16 << 10,
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+    64 << 20,
+    256 << 20,
+];
+
+/// The histogram bucket of a fused group of `bytes`.
+pub(crate) fn group_bucket(bytes: u64) -> usize {
+    GROUP_SIZE_BOUNDS
+        .iter()
+        .position(|&b| bytes <= b)
+        .unwrap_or(GROUP_SIZE_BOUNDS.len())
+}
+
 /// A snapshot of an engine's counters (this rank).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EngineStats {
@@ -40,7 +62,7 @@ pub struct EngineStats {
     /// Per data channel, in channel order.
     pub channels: Vec<ChannelStats>,
     /// Fused groups by size: the count in each bucket of
-    /// [`crate::metrics::GROUP_SIZE_BOUNDS`] (not cumulative), then those above the last.
+    /// [`GROUP_SIZE_BOUNDS`] (not cumulative), then those above the last.
     pub group_sizes: Vec<u64>,
     /// Training steps the framework reported ([`crate::Engine::record_step`]).
     pub steps: u64,
@@ -105,8 +127,8 @@ pub(crate) struct Counters {
     pub in_place_groups: AtomicU64,
     /// Set once, when the channels are created.
     pub channels: OnceLock<Vec<ChannelCounters>>,
-    /// Fused groups per size bucket ([`crate::metrics::GROUP_SIZE_BOUNDS`], then above).
-    pub group_sizes: [AtomicU64; crate::metrics::GROUP_SIZE_BOUNDS.len() + 1],
+    /// Fused groups per size bucket ([`GROUP_SIZE_BOUNDS`], then above).
+    pub group_sizes: [AtomicU64; GROUP_SIZE_BOUNDS.len() + 1],
     pub steps: AtomicU64,
     pub exposed_nanos: AtomicU64,
     /// When the engine started (set once, at start-up).
