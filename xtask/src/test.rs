@@ -324,12 +324,14 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
     }
     let outside = "the wheel in a fresh environment outside the tree (its fhrun; 2-rank job, ranks suite np 2)";
     stages.push(match &wheel {
-        Some(w) => stage(outside, || match wheel_env::stage(root, w) {
-            Ok(line) => {
-                eprintln!("==> {line}");
-                Outcome::PassedNoting(line)
+        Some(w) => stage(outside, || {
+            match wheel_env::stage(root, w, &crate::wheel::dir(root).join("logs")) {
+                Ok(line) => {
+                    eprintln!("==> {line}");
+                    Outcome::PassedNoting(line)
+                }
+                Err(e) => Outcome::Failed(e),
             }
-            Err(e) => Outcome::Failed(e),
         }),
         None => skipped_after_failure(outside),
     });

@@ -100,7 +100,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         eprintln!("xtask wheel --test: {e}");
         return ExitCode::FAILURE;
     }
-    match crate::wheel_env::stage(root, &built.wheel) {
+    match crate::wheel_env::stage(root, &built.wheel, &dir(root).join("logs")) {
         Ok(line) => {
             eprintln!("==> {line}");
             ExitCode::SUCCESS

@@ -428,9 +428,9 @@ pub(crate) fn two_rank_job(env: &Env, work: &Path, log: &Path) -> Result<(), Str
 }
 
 /// The stage of `cargo xtask test`: `wheel` into a fresh environment that sees the torch of
-/// `target/fh-venv`, then the checks, the 2-rank job and the ranks suite at np 2. Returns a
-/// line for the summary.
-pub(crate) fn stage(root: &Path, wheel: &Path) -> Result<String, String> {
+/// `target/fh-venv`, then the checks, the 2-rank job and the ranks suite at np 2, their logs in
+/// `logs`. Returns a line for the summary.
+pub(crate) fn stage(root: &Path, wheel: &Path, logs: &Path) -> Result<String, String> {
     let scratch = Scratch::new("wheel-env")?;
     let dir = scratch.path();
     let fh_python = python::python(root);
@@ -459,8 +459,7 @@ pub(crate) fn stage(root: &Path, wheel: &Path) -> Result<String, String> {
     copy_suites(root, &work)?;
     let said = check_installed(&env, root, &work)?;
     eprintln!("    {said}");
-    let logs = crate::wheel::dir(root).join("logs");
-    std::fs::create_dir_all(&logs).map_err(|e| format!("cannot create {}: {e}", logs.display()))?;
+    std::fs::create_dir_all(logs).map_err(|e| format!("cannot create {}: {e}", logs.display()))?;
     let t = Instant::now();
     two_rank_job(&env, &work, &logs.join("job-np2.log"))?;
     eprintln!(
