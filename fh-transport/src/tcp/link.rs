@@ -177,6 +177,22 @@ impl Link {
         }
     }
 
+    /// [`Link::send_aborts`] to those of `peers` the heartbeats still hear: a peer quiet for a
+    /// while (cut off with the lost rank) would hold a notice's connection until its timeout,
+    /// and hears the verdict in the heartbeats if at all.
+    pub(crate) fn send_aborts_to_heard(
+        &self,
+        rank: usize,
+        mut peers: Vec<usize>,
+        seq: u64,
+        lost: usize,
+    ) {
+        if let Some(watch) = &self.watch {
+            peers.retain(|&p| !watch.is_quiet(p));
+        }
+        self.send_aborts(rank, &peers, seq, lost);
+    }
+
     /// Whether `peer`'s process is certainly gone: its data listener refuses a connection.
     /// The kernel of a live host refuses for a process that has died; a host that is gone or
     /// cut off does not answer at all, which proves nothing (`false` after [`GONE_CHECK`]).

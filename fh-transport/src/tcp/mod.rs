@@ -538,15 +538,10 @@ impl TcpTransport {
         if lost == rank || lost >= self.topology.size {
             return err;
         }
-        let mut peers: Vec<usize> = (0..self.topology.size)
+        let peers = (0..self.topology.size)
             .filter(|&p| p != rank && p != lost)
             .collect();
-        // A peer the heartbeats have not heard from for a while would hold a notice's
-        // connection until its timeout (it hears the verdict in the heartbeats if at all).
-        if let Some(watch) = &link.watch {
-            peers.retain(|&p| !watch.is_quiet(p));
-        }
-        link.send_aborts(rank, &peers, seq, lost);
+        link.send_aborts_to_heard(rank, peers, seq, lost);
         err
     }
 

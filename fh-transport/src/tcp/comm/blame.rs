@@ -52,15 +52,9 @@ impl TcpComm {
                 }
             }
         }
-        // A peer the heartbeats have not heard from for a while (cut off with the lost rank)
-        // would hold a notice's connection until its timeout, and hears the verdict in the
-        // heartbeats anyway when it can hear anything.
-        if let Some(watch) = self.link.as_ref().and_then(|l| l.watch.as_ref()) {
-            out_of_band.retain(|&p| !watch.is_quiet(p));
-        }
         // Before the shutdowns, so that a peer knows whom to blame when it sees the close.
         if let Some(link) = &self.link {
-            link.send_aborts(self.rank, &out_of_band, self.seq, lost);
+            link.send_aborts_to_heard(self.rank, out_of_band, self.seq, lost);
         }
         for stream in self.peers.iter().flatten() {
             let _ = stream.shutdown(Shutdown::Both);
