@@ -12,6 +12,7 @@
 #![deny(missing_docs)]
 
 pub mod bitvec;
+pub mod bytes;
 pub mod cache;
 pub mod dtype;
 pub mod error;

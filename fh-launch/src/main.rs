@@ -209,7 +209,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
                     .flatten()
             });
         if let Some(v) = value {
-            if let Err(e) = fh_transport::bootstrap::check_token(&v) {
+            if let Err(e) = fh_job::token::check_token(&v) {
                 return Err(usage(format!(
                     "-x {name}: {e}; or drop -x {name} and let fhrun draw a fresh token"
                 )));
@@ -231,7 +231,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
     // Every rank checks that it is of fhrun's own release (a rank of another stops, naming
     // both).
     knobs.push((
-        fh_transport::bootstrap::FHRUN_VERSION_VAR.to_string(),
+        fh_job::launch::FHRUN_VERSION_VAR.to_string(),
         fh_core::RELEASE.to_string(),
     ));
     // A directory of the job's own for the ranks' flight records and timelines (not for a

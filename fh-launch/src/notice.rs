@@ -13,7 +13,7 @@
 //! `hvd.shutdown()` that tells the others, so it comes before any survivor can exit with the
 //! error it got from the runtime, and a survivor's Python code (whose error comes from the
 //! runtime) writes none. The runtime itself writes one when a rank's engine stops because
-//! another rank was lost, naming the lost rank (`fh_transport::bootstrap::notify_launcher`),
+//! another rank was lost, naming the lost rank (`fh_job::notice::notify_launcher`),
 //! so that a dead or stopped rank is blamed as soon as a survivor sees it, not when the first
 //! survivor has finished exiting.
 

@@ -209,7 +209,7 @@ impl Part {
                     .filter(|(j, ..)| *j == i)
                     .map(|(_, k, v)| (k.clone(), v.clone())),
             );
-            env.push((fh_transport::elastic::WORKER_VAR.into(), w.clone()));
+            env.push((fh_job::elastic::WORKER_VAR.into(), w.clone()));
             RankSpec {
                 rank: i,
                 env,

@@ -191,7 +191,8 @@ fn strangers_on_the_rendezvous_port_do_not_break_the_job() {
                     // Answer the challenge with a proof made from a guessed token.
                     if s.write_all(&hb).is_ok() && s.read_exact(&mut ch).is_ok() {
                         if let Ok((Answer::Challenge { nonce, .. }, _)) = Answer::decode(&ch) {
-                            let guess = wire::connector_proof(&[b'0'; 64], &hb, &nonce);
+                            let guess =
+                                wire::connector_proof(&fh_job::Key::new(&[b'0'; 64]), &hb, &nonce);
                             let _ = s.write_all(&wire::encode_proof(&guess));
                         }
                         let mut reply = Vec::new();

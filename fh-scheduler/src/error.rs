@@ -176,6 +176,14 @@ impl SchedulerError {
     }
 }
 
+/// An error of joining the job (the launch environment, the elastic session) reads as the
+/// transport error it maps to.
+impl From<fh_job::JobError> for SchedulerError {
+    fn from(e: fh_job::JobError) -> Self {
+        SchedulerError::from(TransportError::from(e))
+    }
+}
+
 impl From<TransportError> for SchedulerError {
     fn from(e: TransportError) -> Self {
         SchedulerError::from_transport_owned(e)

@@ -10,11 +10,11 @@ use std::net::TcpListener;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use fh_job::{launch::LaunchInfo, token::JobToken};
 use fh_scheduler::elastic::{
     Assignment, Elastic, ElasticStart, HostUpdate, Membership, WorldSource,
 };
 use fh_scheduler::{AllreduceOptions, Config, Engine, ReduceOp, SchedulerError, Tensor};
-use fh_transport::bootstrap::{JobToken, LaunchInfo};
 use fh_transport::Topology;
 
 const WAIT: Duration = Duration::from_secs(30);

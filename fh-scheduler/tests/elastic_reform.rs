@@ -27,8 +27,11 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use fh_job::{
+    launch::{LaunchInfo, Launcher},
+    token::JobToken,
+};
 use fh_scheduler::{AllreduceOptions, Config, Engine, ReduceOp, SchedulerError, Tensor};
-use fh_transport::bootstrap::{JobToken, LaunchInfo, Launcher};
 
 /// The child's schedule: `world,rank,size,how;...` (the worlds this process joins, in order;
 /// how each ends: `r` a victim killed in a round, `s` a victim killed as the engine starts,
@@ -198,10 +201,8 @@ fn reform(backend: &str) {
         let t = world_token(&token, w);
         let mut prefixes = vec![fh_transport::shm::segment_prefix(t.expose())];
         for h in 0..3 {
-            prefixes.push(fh_transport::shm::segment_prefix(&format!(
-                "{}/hier-host-{h}",
-                t.expose()
-            )));
+            let host = fh_transport::hier::host_token(&t, h);
+            prefixes.push(fh_transport::shm::segment_prefix(host.expose()));
         }
         for p in prefixes {
             let left: Vec<String> = std::fs::read_dir("/dev/shm")

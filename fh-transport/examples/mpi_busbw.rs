@@ -14,7 +14,7 @@
 use std::time::Instant;
 
 use fh_core::{DType, ReduceOp};
-use fh_transport::bootstrap::LaunchInfo;
+use fh_job::launch::LaunchInfo;
 use fh_transport::mpi::MpiTransport;
 use fh_transport::{CollectivesExt, Communicator, Transport};
 

@@ -8,7 +8,7 @@ use std::net::TcpListener;
 use std::time::Instant;
 
 use fh_core::ReduceOp;
-use fh_transport::bootstrap::LaunchInfo;
+use fh_job::launch::LaunchInfo;
 use fh_transport::tcp::{TcpOptions, TcpTransport};
 use fh_transport::CollectivesExt;
 

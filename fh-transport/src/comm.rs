@@ -2,44 +2,9 @@
 
 use fh_core::{kernels, DType, Element, ReduceOp};
 
+pub use fh_job::Topology;
+
 use crate::{algorithms, Result, TransportError};
-
-/// Where a rank sits: its global rank and size, and its place among the ranks of its host
-/// (`local_*`) and among the hosts (`cross_*`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Topology {
-    /// Global rank, `0..size`.
-    pub rank: usize,
-    /// Number of ranks in the world.
-    pub size: usize,
-    /// Rank among the ranks of this host.
-    pub local_rank: usize,
-    /// Number of ranks on this host.
-    pub local_size: usize,
-    /// Index of this host among the hosts (rank among the ranks with the same `local_rank`).
-    pub cross_rank: usize,
-    /// Number of hosts.
-    pub cross_size: usize,
-}
-
-impl Topology {
-    /// The topology of `size` ranks all on one host.
-    pub fn single_host(rank: usize, size: usize) -> Self {
-        Topology {
-            rank,
-            size,
-            local_rank: rank,
-            local_size: size,
-            cross_rank: 0,
-            cross_size: 1,
-        }
-    }
-
-    /// Whether every host runs the same number of ranks.
-    pub fn is_homogeneous(&self) -> bool {
-        self.local_size * self.cross_size == self.size
-    }
-}
 
 /// A world of ranks, able to open independent communicators.
 ///

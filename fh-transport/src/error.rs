@@ -113,3 +113,21 @@ impl TransportError {
         }
     }
 }
+
+/// Errors of joining a job read as the same-named transport errors (the I/O error's source is
+/// kept).
+impl From<fh_job::JobError> for TransportError {
+    fn from(e: fh_job::JobError) -> Self {
+        use fh_job::JobError as J;
+        match e {
+            J::Config { var, reason } => TransportError::Config { var, reason },
+            J::Handshake { peer, reason } => TransportError::Handshake { peer, reason },
+            J::Io { context, source } => TransportError::Io { context, source },
+            J::InvalidArgument(s) => TransportError::InvalidArgument(s),
+            J::Closed(s) => TransportError::Closed(s),
+            // JobError is non-exhaustive for its users; this crate names every variant.
+            #[allow(unreachable_patterns)]
+            other => TransportError::InvalidArgument(other.to_string()),
+        }
+    }
+}

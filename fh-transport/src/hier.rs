@@ -27,7 +27,7 @@
 //! # Layout
 //!
 //! Which ranks share a host is settled from facts during the TCP rendezvous
-//! ([`crate::hosts`]; a launcher's `FH_CROSS_RANK`, `FH_LOCAL_RANK`/`FH_LOCAL_SIZE` that
+//! ([`fh_job::hosts`]; a launcher's `FH_CROSS_RANK`, `FH_LOCAL_RANK`/`FH_LOCAL_SIZE` that
 //! contradict them stop every rank there). [`HierTransport::connect`] then checks the layout on
 //! every rank (one allgather over TCP) and fails with [`TransportError::Config`] if the ranks
 //! disagree;
@@ -56,7 +56,9 @@ use std::time::Duration;
 
 use fh_core::{kernels, CoreError, DType, ReduceOp};
 
-use crate::bootstrap::LaunchInfo;
+use fh_job::launch::LaunchInfo;
+use fh_job::JobToken;
+
 use crate::shm::{OutsideWord, ShmComm, ShmOptions, ShmTransport};
 use crate::tcp::{TcpComm, TcpOptions, TcpTransport};
 use crate::{algorithms, Communicator, Interrupt, Result, Topology, Transport, TransportError};
@@ -142,9 +144,15 @@ impl HostLayout {
     }
 }
 
+/// The token of host `host`'s shared-memory world: derived from the job token
+/// ([`JobToken::derive`]), so the hosts' segments are named and keyed apart.
+pub fn host_token(job: &JobToken, host: usize) -> JobToken {
+    job.derive(&format!("hier host {host}"))
+}
+
 /// Whether the hierarchical backend is worth considering for this launch as its launcher
 /// describes it: several ranks on several hosts. (`FH_TRANSPORT=auto` decides from the hosts
-/// settled at the rendezvous instead, [`crate::hosts::choose`]; the final choice is made
+/// settled at the rendezvous instead, [`fh_job::hosts::choose`]; the final choice is made
 /// collectively by [`connect_auto`].)
 pub fn suits(info: &LaunchInfo) -> bool {
     info.size > 1 && info.cross_size > 1
@@ -205,7 +213,7 @@ impl HierTransport {
     }
 
     fn setup(mut tcp: TcpTransport, info: &LaunchInfo, explicit: bool) -> Result<Setup> {
-        // Where the ranks sit is what the rendezvous settled from facts (`crate::hosts`).
+        // Where the ranks sit is what the rendezvous settled from facts (`fh_job::hosts`).
         let info = &info.with_topology(tcp.topology());
         let room = crate::shm::has_room(info.local_size);
         let mine = [
@@ -263,7 +271,7 @@ impl HierTransport {
             return Ok(Setup::Tcp(Box::new(tcp), why));
         }
         let host_token = match &info.token {
-            Some(t) => format!("{}/hier-host-{}", t.expose(), info.cross_rank),
+            Some(t) => host_token(t, info.cross_rank).expose().to_owned(),
             None => format!("hier-single-{}", std::process::id()),
         };
         // Sizes from the environment (`FH_SHM_SLOT_BYTES`), the launch's timeout.

@@ -11,7 +11,7 @@
 //! [`algorithms`], against that interface. Backends with faster native collectives override the
 //! trait's default methods.
 //!
-//! A launched process joins its job with [`from_env`]: [`bootstrap::LaunchInfo`] reads where it
+//! A launched process joins its job with [`from_env`]: [`fh_job::LaunchInfo`] reads where it
 //! sits from whichever launcher started it (`fhrun`, `mpirun`, `srun`, `torchrun`), and
 //! `FH_TRANSPORT` picks the backend — by default `auto`: [`shm`] when every rank is on one
 //! host, [`hier`] (shared memory within hosts, TCP between them) on several hosts, else [`tcp`],
@@ -35,14 +35,11 @@
 #![deny(missing_docs)]
 
 pub mod algorithms;
-pub mod bootstrap;
 pub mod comm;
 pub mod cuda;
-pub mod elastic;
 pub mod error;
 #[cfg(target_os = "linux")]
 pub mod hier;
-pub mod hosts;
 pub mod interrupt;
 pub mod liveness;
 pub mod local;
@@ -53,6 +50,8 @@ pub mod shm;
 pub mod split;
 pub mod subset;
 pub mod tcp;
+
+use fh_job::{elastic, hosts};
 
 pub use comm::{CollectivesExt, Communicator, Topology, Transport};
 pub use error::TransportError;
@@ -90,14 +89,14 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_ELASTIC_ADDR",
     "FH_ELASTIC_WORKER",
     "FH_ELASTIC_TIMEOUT",
-    bootstrap::FHRUN_VERSION_VAR,
+    fh_job::launch::FHRUN_VERSION_VAR,
 ];
 
 /// The accepted values of `FH_TRANSPORT`, for error messages.
 pub const TRANSPORT_CHOICES: &str =
     "auto, tcp, shm, hier, mpi, local, or CONTROL+DATA to mix two (e.g. mpi+tcp)";
 
-/// Build the world this process was launched into: read [`bootstrap::LaunchInfo::from_env`]
+/// Build the world this process was launched into: read [`fh_job::LaunchInfo::from_env`]
 /// and the backend chosen by `FH_TRANSPORT` (`auto` — the default — or `tcp`, `shm`, `hier`,
 /// `mpi`, `local`), and connect.
 ///
@@ -117,7 +116,7 @@ pub const TRANSPORT_CHOICES: &str =
 ///
 /// Each call is a new *incarnation* of the process's world (a script that calls `shutdown()`
 /// and `init()` again): the `n`-th world of a process authenticates with the job token's key
-/// for incarnation `n` ([`bootstrap::JobToken::for_incarnation`]). Every rank builds its worlds
+/// for incarnation `n` ([`fh_job::JobToken::for_incarnation`]). Every rank builds its worlds
 /// in the same order, so the ranks of one incarnation share a key, and anything left of an
 /// earlier one — a late connection, an abort notice or a liveness probe, a shared-memory
 /// segment under the earlier names — fails authentication or is never found: it cannot
@@ -131,8 +130,8 @@ pub fn from_env() -> Result<Box<dyn Transport>> {
 
 /// [`from_env`], also returning the token this world authenticates with (its incarnation's,
 /// `None` for a single process or MPI), from which a caller derives the keys of worlds it
-/// forms later among some of these ranks ([`bootstrap::JobToken::derive`]).
-pub fn from_env_keyed() -> Result<(Box<dyn Transport>, Option<bootstrap::JobToken>)> {
+/// forms later among some of these ranks ([`fh_job::JobToken::derive`]).
+pub fn from_env_keyed() -> Result<(Box<dyn Transport>, Option<fh_job::JobToken>)> {
     refuse_elastic(|n| std::env::var(n).ok())?;
     let choice = std::env::var("FH_TRANSPORT").ok();
     // MPI learns its world from the MPI runtime (plain `mpirun -np N` sets no rendezvous
@@ -143,7 +142,7 @@ pub fn from_env_keyed() -> Result<(Box<dyn Transport>, Option<bootstrap::JobToke
     {
         return Ok((mpi::world()?, None));
     }
-    let mut info = bootstrap::LaunchInfo::from_env()?;
+    let mut info = fh_job::LaunchInfo::from_env()?;
     let incarnation = WORLDS_BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     info.token = info.token.map(|t| t.for_incarnation(incarnation));
     let world = world_for(&info, choice.as_deref())?;
@@ -158,7 +157,7 @@ fn refuse_elastic(var: impl Fn(&str) -> Option<String>) -> Result<()> {
             var: elastic::ADDR_VAR.into(),
             reason: format!(
                 "this process is a worker of an elastic job ({} is set): its worlds come from \
-                 the elastic driver (fh_transport::elastic::Client, or fh-scheduler's \
+                 the elastic driver (fh_job::elastic::Client, or fh-scheduler's \
                  elastic::Elastic), not from fh_transport::from_env",
                 elastic::ADDR_VAR
             ),
@@ -171,7 +170,7 @@ static WORLDS_BUILT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64
 
 /// Build the world for `info` with the backend named `choice` (the value of `FH_TRANSPORT`;
 /// `None` means `auto`). This is [`from_env`] without reading the environment.
-pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<Box<dyn Transport>> {
+pub fn world_for(info: &fh_job::LaunchInfo, choice: Option<&str>) -> Result<Box<dyn Transport>> {
     let choice = choice
         .map(str::trim)
         .filter(|c| !c.is_empty())
@@ -233,7 +232,7 @@ pub fn world_for(info: &bootstrap::LaunchInfo, choice: Option<&str>) -> Result<B
 /// `FH_TRANSPORT=auto` for several ranks: the rendezvous settles the hosts, and
 /// [`hosts::choose`] picks the backend from them, the same on every rank.
 #[cfg(target_os = "linux")]
-fn connect_auto(info: &bootstrap::LaunchInfo) -> Result<Box<dyn Transport>> {
+fn connect_auto(info: &fh_job::LaunchInfo) -> Result<Box<dyn Transport>> {
     let tcp = tcp::TcpTransport::connect(info, tcp::TcpOptions::from_info(info))?;
     match hosts::choose(tcp.layout(), tcp.places(), shm::room_needed) {
         hosts::Choice::Shm => {
@@ -257,7 +256,7 @@ fn connect_auto(info: &bootstrap::LaunchInfo) -> Result<Box<dyn Transport>> {
 /// `FH_TRANSPORT=shm`: a launcher that spreads the ranks over several hosts is refused at
 /// once; otherwise the rendezvous checks the facts, which must put every rank on one host.
 #[cfg(target_os = "linux")]
-fn connect_shm(info: &bootstrap::LaunchInfo) -> Result<Box<dyn Transport>> {
+fn connect_shm(info: &fh_job::LaunchInfo) -> Result<Box<dyn Transport>> {
     shm::check_one_host(info)?;
     if info.size == 1 {
         return Ok(Box::new(shm::ShmTransport::from_info(info)?));
@@ -289,4 +288,19 @@ fn connect_shm(info: &bootstrap::LaunchInfo) -> Result<Box<dyn Transport>> {
     let mut shm = shm::ShmTransport::from_info_in(&settled, Some(world))?;
     shm.set_liveness(beats);
     Ok(Box::new(shm))
+}
+
+#[cfg(test)]
+mod tests {
+    use fh_job::elastic::ADDR_VAR;
+
+    #[test]
+    fn from_env_refuses_an_elastic_worker() {
+        // Checked through the pure helper: the variable's presence is what matters.
+        let err = super::refuse_elastic(|n| (n == ADDR_VAR).then(|| "127.0.0.1:1".to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(ADDR_VAR) && err.contains("elastic"), "{err}");
+        assert!(super::refuse_elastic(|_| None).is_ok());
+    }
 }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use fh_transport::bootstrap::{LaunchInfo, Launcher};
+use fh_job::launch::{LaunchInfo, Launcher};
 use fh_transport::TransportError;
 
 fn parse(vars: &[(&str, &str)]) -> Result<LaunchInfo, TransportError> {
@@ -12,7 +12,7 @@ fn parse(vars: &[(&str, &str)]) -> Result<LaunchInfo, TransportError> {
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-    LaunchInfo::from_vars(|name| map.get(name).cloned())
+    LaunchInfo::from_vars(|name| map.get(name).cloned()).map_err(TransportError::from)
 }
 
 /// The variable named by a configuration error, and its reason.

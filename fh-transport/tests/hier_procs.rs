@@ -98,7 +98,10 @@ fn hier_token() -> String {
 /// Segments of every simulated host of the job with this token left in /dev/shm.
 fn host_leftovers(tok: &str, hosts: usize) -> Vec<String> {
     (0..hosts)
-        .flat_map(|h| leftovers(&shm::segment_prefix(&format!("{tok}/hier-host-{h}"))))
+        .flat_map(|h| {
+            let host = fh_transport::hier::host_token(&fh_job::JobToken::new(tok), h);
+            leftovers(&shm::segment_prefix(host.expose()))
+        })
         .collect()
 }
 

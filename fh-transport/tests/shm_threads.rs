@@ -7,7 +7,7 @@ mod shm_common;
 use std::time::{Duration, Instant};
 
 use fh_core::{DType, ReduceOp};
-use fh_transport::bootstrap::{LaunchInfo, Launcher};
+use fh_job::launch::{LaunchInfo, Launcher};
 use fh_transport::shm::{self, ShmOptions, ShmTransport};
 use fh_transport::{CollectivesExt, Communicator, Topology, Transport, TransportError};
 use proptest::prelude::*;

@@ -8,7 +8,7 @@ mod shm_common;
 use std::net::TcpListener;
 
 use fh_core::ReduceOp;
-use fh_transport::bootstrap::LaunchInfo;
+use fh_job::launch::LaunchInfo;
 use fh_transport::local::LocalWorld;
 use fh_transport::subset::open_subset;
 use fh_transport::tcp::{TcpOptions, TcpTransport};

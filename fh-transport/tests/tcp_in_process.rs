@@ -6,7 +6,7 @@ use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
-use fh_transport::bootstrap::LaunchInfo;
+use fh_job::launch::LaunchInfo;
 use fh_transport::tcp::{wire, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Transport, TransportError};
 
@@ -108,7 +108,9 @@ fn knock(addr: std::net::SocketAddr, h: &wire::Hello, token: &[u8]) -> Option<St
         panic!("expected a challenge")
     };
     s.write_all(&wire::encode_proof(&wire::connector_proof(
-        token, &hb, &nonce,
+        &fh_job::Key::new(token),
+        &hb,
+        &nonce,
     )))
     .unwrap();
     let mut reply = Vec::new();

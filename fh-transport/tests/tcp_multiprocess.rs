@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver};
 use fh_core::{kernels, DType, ReduceOp};
-use fh_transport::bootstrap::LaunchInfo;
+use fh_job::launch::LaunchInfo;
 use fh_transport::tcp::{wire, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
 use support::{free_port, launcher_env, rank_command, Children, Place};
@@ -558,7 +558,11 @@ fn strangers_at_the_rendezvous_do_not_disturb_the_job() {
     let Ok((wire::Answer::Challenge { nonce, .. }, _)) = wire::Answer::decode(&challenge) else {
         panic!("expected a challenge");
     };
-    let guess = wire::connector_proof(b"guessed-token-0123", &hello_bytes, &nonce);
+    let guess = wire::connector_proof(
+        &fh_job::Key::new(b"guessed-token-0123"),
+        &hello_bytes,
+        &nonce,
+    );
     impostor
         .write_all(&wire::encode_proof(&guess))
         .expect("send proof");

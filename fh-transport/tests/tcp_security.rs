@@ -9,7 +9,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
-use fh_transport::bootstrap::LaunchInfo;
+use fh_job::launch::LaunchInfo;
 use fh_transport::tcp::{wire, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Transport, TransportError};
 
@@ -96,7 +96,7 @@ fn a_listener_that_cannot_prove_the_token_is_refused_and_learns_nothing() {
     assert_eq!((h.rank, h.size), (1, 2));
     // Answer with a challenge whose proof is made with a guessed token.
     let nonce = [5u8; wire::NONCE_LEN];
-    let proof = wire::acceptor_proof(b"guessed-token-0123456", &hello, &nonce);
+    let proof = wire::acceptor_proof(&fh_job::Key::new(b"guessed-token-0123456"), &hello, &nonce);
     s.write_all(&wire::Answer::encode_challenge(&nonce, &proof))
         .unwrap();
     // The member hangs up without proving anything.
@@ -155,13 +155,13 @@ fn a_replayed_handshake_is_refused() {
     s.write_all(&hello_bytes).unwrap();
     let (nonce, proof) = challenge(&mut s);
     assert!(wire::verify_acceptor_proof(
-        TOKEN.as_bytes(),
+        &fh_job::Key::new(TOKEN.as_bytes()),
         &hello_bytes,
         &nonce,
         &proof
     ));
     let recorded_proof = wire::encode_proof(&wire::connector_proof(
-        TOKEN.as_bytes(),
+        &fh_job::Key::new(TOKEN.as_bytes()),
         &hello_bytes,
         &nonce,
     ));

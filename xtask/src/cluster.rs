@@ -11,7 +11,7 @@
 //!   every host of the cluster (`h<i>` resolves to its address there), through a mount and UTS
 //!   namespace held open by a *holder* process (`sleep`) that every process of the host joins
 //!   with `nsenter`, so that the ranks of one host share memory and those of two hosts cannot,
-//!   exactly as FastHorovod's host detection expects (`fh_transport::hosts`);
+//!   exactly as FastHorovod's host detection expects (`fh_job::hosts`);
 //! - when a rate is given, a `tc tbf` qdisc at that rate on both ends of its link (each direction
 //!   of the host's link is limited).
 //!

@@ -57,6 +57,19 @@ const SCHEDULER_FORBIDDEN: &[&str] = &[
     "shared_memory",
 ];
 
+/// What joining a job must not reach: the data plane's libraries (MPI, CUDA, NCCL, shared
+/// memory maps), Python.
+const JOB_FORBIDDEN: &[&str] = &[
+    "mpi",
+    "mpi-sys",
+    "cudarc",
+    "nccl*",
+    "pyo3*",
+    "numpy",
+    "memmap2",
+    "shared_memory",
+];
+
 /// Python bindings: only `fh-torch` may know Python.
 const PYTHON_CRATES: &[&str] = &["pyo3*", "numpy"];
 
@@ -86,8 +99,13 @@ pub(crate) const RULES: &[Rule] = &[
         forbidden: IO_CRATES,
     },
     Rule {
+        krate: "fh-job",
+        internal_allowed: Some(&["fh-core"]),
+        forbidden: JOB_FORBIDDEN,
+    },
+    Rule {
         krate: "fh-transport",
-        internal_allowed: Some(&["fh-core", "fh-nccl-sys"]),
+        internal_allowed: Some(&["fh-core", "fh-job", "fh-nccl-sys"]),
         forbidden: PYTHON_CRATES,
     },
     Rule {
@@ -97,12 +115,12 @@ pub(crate) const RULES: &[Rule] = &[
     },
     Rule {
         krate: "fh-scheduler",
-        internal_allowed: Some(&["fh-core", "fh-transport"]),
+        internal_allowed: Some(&["fh-core", "fh-job", "fh-transport"]),
         forbidden: SCHEDULER_FORBIDDEN,
     },
     Rule {
         krate: "fh-torch",
-        internal_allowed: Some(&["fh-core", "fh-transport", "fh-scheduler"]),
+        internal_allowed: Some(&["fh-core", "fh-job", "fh-transport", "fh-scheduler"]),
         forbidden: &[],
     },
 ];
@@ -130,7 +148,7 @@ const FORBIDDEN_IN_LIBRARIES: &[&str] = &[
 const DIRECT_OUTPUT_ALLOWED: &[(&str, &str)] = &[
     // Rank 0's one-time notice that the job token was derived, not given: a `tracing` event
     // would go unseen (no subscriber) in exactly the launches it is about.
-    ("fh-transport/src/bootstrap.rs", "io::stderr("),
+    ("fh-job/src/launch.rs", "io::stderr("),
     // Whether stderr is a terminal, for the colour of log lines: asks, writes nothing.
     ("fh-scheduler/src/config/colour.rs", "io::stderr("),
 ];

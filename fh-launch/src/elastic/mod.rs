@@ -8,7 +8,7 @@
 //! --internal-fhrun-remote` on that host, through the rsh agent for another host and as a plain
 //! child process for this one, so every host is handled alike. A worker has no rank of its
 //! own: it gets `FH_ELASTIC_ADDR` (the driver's session listener,
-//! [`fh_transport::elastic::Server`]), `FH_ELASTIC_WORKER=host:slot`, `FH_JOB_TOKEN`,
+//! [`fh_job::elastic::Server`]), `FH_ELASTIC_WORKER=host:slot`, `FH_JOB_TOKEN`,
 //! `HOROVOD_HOSTNAME`, `HOROVOD_ELASTIC=1`, horovodrun's `HOROVOD_RANK`... of its slot in the
 //! world about to form, the knobs and the `-x` variables, and asks the driver for each world.
 //! The driver ([`driver`]) answers all registered workers at once when every worker it expects
@@ -36,8 +36,8 @@ mod workers;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 
-use fh_transport::bootstrap::JobToken;
-use fh_transport::elastic::{Server, ADDR_VAR};
+use fh_job::elastic::{Server, ADDR_VAR};
+use fh_job::token::JobToken;
 
 use crate::cli::Cli;
 use crate::guardian::Guardian;
@@ -118,7 +118,7 @@ fn listen_ip(found: &[hosts::Host], hostname: &str) -> Result<(IpAddr, bool), Fa
     let Some(remote) = found.iter().find(|h| !hosts::is_local(&h.name, hostname)) else {
         return Ok((IpAddr::V4(Ipv4Addr::LOCALHOST), true));
     };
-    if let Ok(ip) = fh_transport::elastic::local_ip_towards(&remote.name) {
+    if let Ok(ip) = fh_job::elastic::local_ip_towards(&remote.name) {
         if !ip.is_loopback() && !ip.is_unspecified() {
             return Ok((ip, false));
         }

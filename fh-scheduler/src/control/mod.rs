@@ -337,7 +337,7 @@ impl Control {
         } else {
             format!("was lost (rank {} reports: {err})", self.inner.rank)
         };
-        fh_transport::bootstrap::notify_launcher(lost, &reason);
+        fh_job::notice::notify_launcher(lost, &reason);
     }
 
     fn main_loop(&mut self) -> Result<String, SchedulerError> {

@@ -132,15 +132,15 @@
 //! }
 //! ```
 
-use fh_transport::bootstrap::LaunchInfo;
+use fh_job::launch::LaunchInfo;
 
-use fh_transport::elastic::ELASTIC_INCARNATION_BASE;
-pub use fh_transport::elastic::{Assignment, HostUpdate, Membership};
+use fh_job::elastic::ELASTIC_INCARNATION_BASE;
+pub use fh_job::elastic::{Assignment, HostUpdate, Membership};
 
 use crate::{Config, Engine, SchedulerError};
 
 /// Where an elastic engine's worlds come from: the driver's session
-/// (`fh_transport::elastic::Client`, through a small adapter in this module), or anything else
+/// (`fh_job::elastic::Client`, through a small adapter in this module), or anything else
 /// that hands out generations (tests implement it without a driver).
 pub trait WorldSource: Send {
     /// Register for the next generation and wait (bounded) for the answer.
@@ -190,10 +190,10 @@ impl Elastic {
     /// `FH_JOB_TOKEN`. `None` when the process is not a worker of an elastic job. The backend
     /// is chosen by `FH_TRANSPORT`, as for [`fh_transport::from_env`].
     pub fn from_env() -> Result<Option<Elastic>, SchedulerError> {
-        let Some(client) = fh_transport::elastic::Client::from_env()? else {
+        let Some(client) = fh_job::elastic::Client::from_env()? else {
             return Ok(None);
         };
-        let base = fh_transport::elastic::base_info()?;
+        let base = fh_job::elastic::base_info()?;
         let choice = std::env::var("FH_TRANSPORT").ok();
         Ok(Some(Elastic::with_source(
             Box::new(ClientSource(client)),
@@ -323,7 +323,7 @@ impl Elastic {
 }
 
 /// The driver's session as a [`WorldSource`].
-struct ClientSource(fh_transport::elastic::Client);
+struct ClientSource(fh_job::elastic::Client);
 
 impl WorldSource for ClientSource {
     fn next_world(&mut self) -> Result<Membership, SchedulerError> {

@@ -1,6 +1,6 @@
 use std::collections::VecDeque;
 
-use fh_transport::bootstrap::{JobToken, LaunchInfo};
+use fh_job::{launch::LaunchInfo, token::JobToken};
 use fh_transport::Topology;
 
 use super::*;
@@ -169,7 +169,7 @@ fn impossible_assignments_are_refused_before_any_connection() {
 
 #[test]
 fn from_env_is_none_outside_an_elastic_job() {
-    if std::env::var_os(fh_transport::elastic::ADDR_VAR).is_none() {
+    if std::env::var_os(fh_job::elastic::ADDR_VAR).is_none() {
         assert!(Elastic::from_env().expect("no error").is_none());
     }
 }

@@ -133,7 +133,7 @@ pub(super) fn init(
         *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
         return Ok(());
     }
-    if fh_transport::elastic::enabled() {
+    if fh_job::elastic::enabled() {
         let engine = start_elastic(py, cfg)?;
         super::observe::install_culprit_hook(&engine);
         super::observe::start_metrics(&engine);
@@ -202,10 +202,10 @@ pub(super) fn shutdown(py: Python<'_>, reason: Option<String>) -> PyResult<()> {
 }
 
 /// Tell the launcher (fhrun's notice pipe, `FH_NOTICE_FD`) that rank `rank` fails and why;
-/// a no-op without a launcher that listens (see `fh_transport::bootstrap::notify_launcher`).
+/// a no-op without a launcher that listens (see `fh_job::notice::notify_launcher`).
 #[pyfunction]
 pub(super) fn notify_launcher(rank: usize, reason: &str) {
-    fh_transport::bootstrap::notify_launcher(rank, reason);
+    fh_job::notice::notify_launcher(rank, reason);
 }
 
 /// Whether `init()` has been called (and `shutdown()` has not).
@@ -413,7 +413,7 @@ fn is_transient(e: &SchedulerError) -> bool {
 /// --host-discovery-script`).
 #[pyfunction]
 pub(super) fn elastic_enabled() -> bool {
-    fh_transport::elastic::enabled()
+    fh_job::elastic::enabled()
 }
 
 /// `(generation, hosts_stamp)` of the running elastic world.

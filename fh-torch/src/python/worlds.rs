@@ -15,8 +15,11 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use fh_job::{
+    launch::LaunchInfo,
+    token::{check_token, JobToken},
+};
 use fh_scheduler::{Engine, SchedulerError};
-use fh_transport::bootstrap::{check_token, JobToken, LaunchInfo};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -104,7 +107,7 @@ pub(super) fn environment_world() -> PyResult<Option<EnvironmentWorld>> {
     let info = LaunchInfo::from_vars(|k| std::env::var(k).ok())
         .map_err(|e| to_py(SchedulerError::from(e)))?;
     Ok(match info.launcher {
-        fh_transport::bootstrap::Launcher::Single => None,
+        fh_job::launch::Launcher::Single => None,
         l => Some((
             l.name().to_string(),
             info.rank,

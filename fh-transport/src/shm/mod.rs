@@ -93,10 +93,10 @@ use std::time::{Duration, Instant};
 pub(crate) use comm::OutsideWord;
 pub use comm::ShmComm;
 
-use crate::bootstrap::LaunchInfo;
 use crate::liveness::{Liveness, Watch};
 use crate::tcp::Key;
 use crate::{Communicator, Interrupt, Result, Topology, Transport, TransportError};
+use fh_job::launch::LaunchInfo;
 use segment::{Layout, Segment, NAME_PREFIX};
 
 /// Settings of a shared-memory world. Every rank must use the same sizes.
@@ -157,7 +157,7 @@ impl ShmOptions {
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let mut o = ShmOptions::default();
         if let Some(v) = get("FH_TIMEOUT_SECONDS").filter(|v| !v.trim().is_empty()) {
-            o.timeout = crate::bootstrap::parse_timeout_value(&v)?;
+            o.timeout = fh_job::launch::parse_timeout_value(&v)?;
         }
         if let Some(v) = get("FH_SHM_SLOT_BYTES") {
             o.slot_bytes = v.trim().parse().map_err(|_| TransportError::Config {
@@ -253,7 +253,7 @@ pub fn cleanup_stale_segments() -> Vec<String> {
 
 /// Whether shared memory suits this launch as its launcher describes it: several ranks, all on
 /// this host, and room in `/dev/shm` for a few communicators. (`FH_TRANSPORT=auto` decides from
-/// the hosts settled at the rendezvous instead, [`crate::hosts::choose`].)
+/// the hosts settled at the rendezvous instead, [`fh_job::hosts::choose`].)
 pub fn suits(info: &LaunchInfo) -> bool {
     if info.size < 2 || info.cross_size != 1 || info.local_size != info.size {
         return false;
@@ -277,7 +277,7 @@ pub(crate) fn room_needed(size: usize) -> u64 {
 
 /// Free bytes in `/dev/shm`, if it can be read.
 pub(crate) fn free_bytes() -> Option<u64> {
-    sys::available_bytes(sys::SHM_DIR)
+    fh_job::hosts::shm_free_bytes()
 }
 
 /// Refuse at once a launch whose launcher puts the ranks on several hosts: shared memory alone

@@ -12,7 +12,7 @@ use rustix::fs::{FallocateFlags, Mode, OFlags};
 use rustix::io::Errno;
 
 /// Directory where Linux exposes POSIX shared-memory objects.
-pub(crate) const SHM_DIR: &str = "/dev/shm";
+pub(crate) use fh_job::hosts::SHM_DIR;
 
 /// The path of the shared-memory object `name` (`/fh-…`). Opening the path in [`SHM_DIR`]
 /// with `O_NOFOLLOW | O_CLOEXEC` is exactly what glibc's `shm_open` does; doing it here keeps
@@ -165,12 +165,6 @@ pub(crate) fn futex_wake_all(word: &AtomicU32) {
     // How many sleepers woke is not needed; it cannot fail on a valid word.
     let _ =
         rustix::thread::futex::wake(word, rustix::thread::futex::Flags::empty(), i32::MAX as u32);
-}
-
-/// Bytes available to unprivileged users in the file system holding `path`.
-pub(crate) fn available_bytes(path: &str) -> Option<u64> {
-    let st = rustix::fs::statvfs(path).ok()?;
-    Some(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// This process's id.

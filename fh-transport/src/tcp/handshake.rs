@@ -190,7 +190,7 @@ pub(super) fn client_handshake_committed(
             )))
         }
     };
-    if !wire::verify_acceptor_proof(key.bytes(), &hello_bytes, &nonce, &proof) {
+    if !wire::verify_acceptor_proof(key, &hello_bytes, &nonce, &proof) {
         tracing::error!(%peer, "the listener could not prove that it knows the job token");
         return Err(Attempt::Fatal(handshake(
             "wrong job token, or not this job's listener: the listener could not prove that it \
@@ -199,7 +199,7 @@ pub(super) fn client_handshake_committed(
                 .into(),
         )));
     }
-    let tag = wire::connector_proof(key.bytes(), &hello_bytes, &nonce);
+    let tag = wire::connector_proof(key, &hello_bytes, &nonce);
     let committed = committed_deadline.max(deadline);
     write_by(stream, &wire::encode_proof(&tag), committed)
         .map_err(|e| retry_io("sending the handshake proof to", e))?;

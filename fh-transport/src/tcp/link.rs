@@ -8,38 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::handshake::client_handshake;
 use super::wire::{self, ConnKind, Hello};
-
-/// The job token as the key of the handshake's HMAC. Its `Debug` never shows it.
-#[derive(Clone)]
-pub(crate) struct Key(Arc<[u8]>);
-
-impl Key {
-    pub(crate) fn new(bytes: &[u8]) -> Key {
-        Key(Arc::from(bytes))
-    }
-
-    pub(crate) fn bytes(&self) -> &[u8] {
-        &self.0
-    }
-
-    /// HMAC-SHA-256 keyed with the token over `parts` (each length-prefixed).
-    pub(crate) fn mac(&self, parts: &[&[u8]]) -> [u8; 32] {
-        use hmac::{Hmac, Mac};
-        let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(self.bytes())
-            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-        for p in parts {
-            mac.update(&(p.len() as u64).to_le_bytes());
-            mac.update(p);
-        }
-        mac.finalize().into_bytes().into()
-    }
-}
-
-impl std::fmt::Debug for Key {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Key(<redacted>)")
-    }
-}
+use super::Key;
 
 /// The longest a liveness probe ([`Link::probe`]) waits for the peer's answer.
 pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(1);

@@ -6,9 +6,9 @@
 //! wildcard address), and sends a handshake with its listener's port. Once all ranks are in,
 //! rank 0 sends everybody the address book and closes the rendezvous listener.
 //!
-//! With its address every rank sends its [`Place`](crate::hosts::Place) — its host identity
+//! With its address every rank sends its [`Place`](fh_job::hosts::Place) — its host identity
 //! and what its launcher claimed of its host — and receives everybody's with the book; every
-//! rank settles the same list into the same host layout ([`crate::hosts::settle`]), so the
+//! rank settles the same list into the same host layout ([`fh_job::hosts::settle`]), so the
 //! world's [`Topology`] comes from facts, and a launcher whose local ranks contradict them
 //! stops every rank at once with the same error.
 //!
@@ -79,15 +79,16 @@ use std::time::{Duration, Instant};
 
 use accept::{AcceptRules, Acceptor, RefusalLog, WorldCell};
 pub use comm::TcpComm;
+pub(crate) use fh_job::token::Key;
 use handshake::{connect_handshake, read_msg, write_by, ReadFail};
-pub(crate) use link::{AbortBoard, Key, Link};
+pub(crate) use link::{AbortBoard, Link};
 use rendezvous::resolve;
 use wire::{ConnKind, Hello};
 
-use crate::bootstrap::LaunchInfo;
-use crate::hosts::{self, Layout, Place};
 use crate::liveness::{self, Liveness, Watch};
 use crate::{Communicator, Interrupt, Result, Topology, Transport, TransportError};
+use fh_job::hosts::{self, Layout, Place};
+use fh_job::launch::LaunchInfo;
 
 /// Default largest message the backend sends or accepts (16 GiB).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 30;
@@ -122,7 +123,7 @@ pub struct TcpOptions {
 impl Default for TcpOptions {
     fn default() -> Self {
         TcpOptions {
-            timeout: crate::bootstrap::DEFAULT_TIMEOUT,
+            timeout: fh_job::launch::DEFAULT_TIMEOUT,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             max_frame: DEFAULT_MAX_FRAME,
             liveness: Some(liveness::Settings::default()),
@@ -301,7 +302,7 @@ impl TcpTransport {
         } else {
             t.rendezvous_member(&addrs, rdv, me)?
         };
-        t.layout = hosts::settle(&t.places)?;
+        t.layout = hosts::settle(&t.places).map_err(fh_job::JobError::from)?;
         t.topology = t.layout.topology(info.rank);
         // From now on every rank is watched: a rank lost while the world forms (opening its
         // communicators, the engine's start) is named within the heartbeats' silence.

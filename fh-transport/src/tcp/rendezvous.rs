@@ -1,11 +1,11 @@
 //! The rendezvous: rank 0 collects every rank's data-listener address and [`Place`] (its host
-//! identity and its launcher's claims, [`crate::hosts`]) at the rendezvous address
+//! identity and its launcher's claims, [`fh_job::hosts`]) at the rendezvous address
 //! (`FH_RENDEZVOUS_ADDR`) and sends back the address book and every rank's place.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 
 use super::*;
-use crate::hosts::{self, Place};
+use fh_job::hosts::{self, Place};
 
 /// Why reading the rendezvous's answer from rank 0 failed, as an error.
 fn from_root(f: ReadFail, what: &'static str, timeout: Duration) -> TransportError {
@@ -130,12 +130,9 @@ impl TcpTransport {
             // A member sends its place right after its handshake.
             let mut stream = stream;
             let place_deadline = Instant::now() + self.opts.handshake_timeout;
-            let place = read_msg(
-                &mut stream,
-                place_deadline,
-                hosts::MAX_PLACE_LEN,
-                Place::decode,
-            )
+            let place = read_msg(&mut stream, place_deadline, hosts::MAX_PLACE_LEN, |b| {
+                Place::decode(b).map_err(Into::into)
+            })
             .map_err(|f| match f {
                 ReadFail::Decode(e) => TransportError::Protocol {
                     rank: r,
@@ -315,7 +312,7 @@ impl TcpTransport {
             &mut stream,
             book_deadline,
             hosts::max_places_len(size),
-            |b| hosts::decode_places(b, size),
+            |b| hosts::decode_places(b, size).map_err(Into::into),
         )
         .map_err(|f| from_root(f, "the host list", timeout))?;
         let (world, _) = read_msg(&mut stream, book_deadline, wire::WORLD_ID_LEN, |b| {
@@ -354,7 +351,9 @@ impl TcpTransport {
 /// a reset that can destroy the reason before the claimant reads it. Bounded (about 1 s).
 fn refuse(mut stream: TcpStream, reason: &str) {
     let deadline = Instant::now() + Duration::from_secs(1);
-    let _ = read_msg(&mut stream, deadline, hosts::MAX_PLACE_LEN, Place::decode);
+    let _ = read_msg(&mut stream, deadline, hosts::MAX_PLACE_LEN, |b| {
+        Place::decode(b).map_err(Into::into)
+    });
     let _ = write_by(
         &mut stream,
         &wire::encode_rendezvous_failure(0, reason),

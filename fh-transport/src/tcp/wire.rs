@@ -50,8 +50,8 @@
 //! ## Rendezvous
 //!
 //! On an accepted rendezvous connection the member sends its host place
-//! ([`crate::hosts::Place::encode`]); once every rank is in, rank 0 answers with the address
-//! book ([`encode_book`]) followed by every rank's place ([`crate::hosts::encode_places`]).
+//! ([`fh_job::hosts::Place::encode`]); once every rank is in, rank 0 answers with the address
+//! book ([`encode_book`]) followed by every rank's place ([`fh_job::hosts::encode_places`]).
 //! Both decoders check every length against the world size before using it. Then rank 0 sends
 //! the job's world id ([`WORLD_ID_LEN`] random bytes, [`Hello::world`]), which every later
 //! connection of the job names.
@@ -66,8 +66,10 @@
 
 use std::fmt;
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use fh_job::token::{proof, Key};
+// The handshake's fields whose owner is fh-job (the token's and the world's).
+pub use fh_job::token::{constant_time_eq, fresh_nonce, MAX_TOKEN_LEN, NONCE_LEN, PROOF_TAG_LEN};
+pub use fh_job::world::{world_hex, WORLD_ID_LEN};
 
 /// Magic opening every handshake.
 pub const HELLO_MAGIC: [u8; 4] = *b"FHTP";
@@ -78,10 +80,11 @@ pub const CHALLENGE_MAGIC: [u8; 4] = *b"FHTC";
 /// Magic opening the connector's proof.
 pub const PROOF_MAGIC: [u8; 4] = *b"FHTK";
 /// Protocol version spoken by this build (2: mutual HMAC challenge–response; 3: the
-/// rendezvous carries every rank's host place, [`crate::hosts::Place`]; 4: every connection
+/// rendezvous carries every rank's host place, [`fh_job::hosts::Place`]; 4: every connection
 /// after the rendezvous names the job's world id, [`Hello::world`]; 5: the hello carries the
-/// release after the protocol version, in a preamble every later version keeps).
-pub const PROTOCOL_VERSION: u16 = 5;
+/// release after the protocol version, in a preamble every later version keeps; 6: the proofs
+/// are the job's one MAC construction, `fh_job::token::Key::mac`).
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Bytes of the release in a hello ([`fh_core::RELEASE`], padded with zeros).
 pub const RELEASE_LEN: usize = 16;
 /// Bytes of a hello's preamble: magic, protocol version and release, in that place in every
@@ -91,16 +94,8 @@ pub const PREAMBLE_LEN: usize = 6 + RELEASE_LEN;
 const FIRST_WITH_RELEASE: u16 = 5;
 /// This build's release as a hello carries it.
 const RELEASE_FIELD: [u8; RELEASE_LEN] = release_field(fh_core::RELEASE);
-/// Longest job token accepted.
-pub const MAX_TOKEN_LEN: usize = 255;
 /// Longest refusal reason sent or accepted.
 pub const MAX_REASON_LEN: usize = 1024;
-/// Bytes of a nonce.
-pub const NONCE_LEN: usize = 32;
-/// Bytes of a proof (an HMAC-SHA-256 tag).
-pub const PROOF_TAG_LEN: usize = 32;
-/// Bytes of a world id (the job's nonce, [`Hello::world`]).
-pub const WORLD_ID_LEN: usize = 16;
 /// Size of a handshake.
 pub const HELLO_LEN: usize = PREAMBLE_LEN + 24 + WORLD_ID_LEN + NONCE_LEN;
 /// Largest possible handshake (all handshakes have the same size).
@@ -225,6 +220,15 @@ impl fmt::Display for DecodeError {
     }
 }
 
+impl From<fh_core::bytes::DecodeError> for DecodeError {
+    fn from(e: fh_core::bytes::DecodeError) -> Self {
+        match e {
+            fh_core::bytes::DecodeError::NeedMore(n) => DecodeError::NeedMore(n),
+            fh_core::bytes::DecodeError::Invalid(why) => DecodeError::Invalid(why),
+        }
+    }
+}
+
 impl Hello {
     /// Encode ([`HELLO_LEN`] bytes).
     pub fn encode(&self) -> Vec<u8> {
@@ -322,79 +326,43 @@ impl Hello {
     }
 }
 
-/// HMAC-SHA-256 keyed with the token over `label`, the hello's length and bytes, and `nonce`:
-/// the one construction of every proof of the job token (the TCP handshake's and the elastic
-/// session's, each with labels of its own).
-pub(crate) fn proof(
-    token: &[u8],
-    label: &[u8],
-    hello: &[u8],
-    nonce: &[u8; NONCE_LEN],
-) -> Hmac<Sha256> {
-    // HMAC accepts keys of any length; `new_from_slice` cannot fail for it.
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(token)
-        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-    mac.update(label);
-    mac.update(&(hello.len() as u32).to_le_bytes());
-    mac.update(hello);
-    mac.update(nonce);
-    mac
-}
-
-/// The acceptor's proof: HMAC-SHA-256 keyed with the token over the encoded hello (which holds
+/// The acceptor's proof: [`proof`] under the job's key over the encoded hello (which holds
 /// the connector's nonce) and the acceptor's nonce.
 pub fn acceptor_proof(
-    token: &[u8],
+    key: &Key,
     hello: &[u8],
     acceptor_nonce: &[u8; NONCE_LEN],
 ) -> [u8; PROOF_TAG_LEN] {
-    proof(token, ACCEPTOR_LABEL, hello, acceptor_nonce)
-        .finalize()
-        .into_bytes()
-        .into()
+    proof(key, ACCEPTOR_LABEL, hello, acceptor_nonce)
 }
 
 /// The connector's proof: as [`acceptor_proof`] with another label.
 pub fn connector_proof(
-    token: &[u8],
+    key: &Key,
     hello: &[u8],
     acceptor_nonce: &[u8; NONCE_LEN],
 ) -> [u8; PROOF_TAG_LEN] {
-    proof(token, CONNECTOR_LABEL, hello, acceptor_nonce)
-        .finalize()
-        .into_bytes()
-        .into()
+    proof(key, CONNECTOR_LABEL, hello, acceptor_nonce)
 }
 
 /// Check an acceptor's proof in constant time.
 pub fn verify_acceptor_proof(
-    token: &[u8],
+    key: &Key,
     hello: &[u8],
     acceptor_nonce: &[u8; NONCE_LEN],
     tag: &[u8],
 ) -> bool {
-    proof(token, ACCEPTOR_LABEL, hello, acceptor_nonce)
-        .verify_slice(tag)
-        .is_ok()
+    constant_time_eq(&acceptor_proof(key, hello, acceptor_nonce), tag)
 }
 
 /// Check a connector's proof in constant time.
 pub fn verify_connector_proof(
-    token: &[u8],
+    key: &Key,
     hello: &[u8],
     acceptor_nonce: &[u8; NONCE_LEN],
     tag: &[u8],
 ) -> bool {
-    proof(token, CONNECTOR_LABEL, hello, acceptor_nonce)
-        .verify_slice(tag)
-        .is_ok()
-}
-
-/// A fresh random nonce from the operating system's CSPRNG.
-pub fn fresh_nonce() -> std::io::Result<[u8; NONCE_LEN]> {
-    let mut n = [0u8; NONCE_LEN];
-    getrandom::fill(&mut n).map_err(|e| std::io::Error::other(format!("getrandom: {e}")))?;
-    Ok(n)
+    constant_time_eq(&connector_proof(key, hello, acceptor_nonce), tag)
 }
 
 /// The acceptor's first answer: a challenge, or a refusal before any challenge.
@@ -663,11 +631,6 @@ pub fn decode_world_id(buf: &[u8]) -> Result<([u8; WORLD_ID_LEN], usize), Decode
     Ok((id, WORLD_ID_LEN))
 }
 
-/// A world id as text (hex), for messages.
-pub fn world_hex(id: &[u8; WORLD_ID_LEN]) -> String {
-    id.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// Longest answer of rank 0 at the rendezvous for `size` ranks.
 pub fn max_rendezvous_answer_len(size: usize) -> usize {
     max_book_len(size).max(10 + MAX_FAILURE_TEXT)
@@ -721,19 +684,6 @@ pub fn check_data_len(header: u64, expected: usize) -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-/// Compare two byte strings in time that depends only on their lengths.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut diff = 0u8;
-    for (x, y) in a.iter().zip(b) {
-        diff |= x ^ y;
-    }
-    // Keep the compiler from short-circuiting the loop.
-    std::hint::black_box(diff) == 0
 }
 
 #[cfg(test)]
@@ -880,11 +830,11 @@ mod tests {
     fn proofs_bind_token_hello_nonce_and_side() {
         let hello = b"hello bytes";
         let (na, nb) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
-        let key = b"0123456789abcdef-token";
+        let key = &Key::new(b"0123456789abcdef-token");
         let a = acceptor_proof(key, hello, &na);
         assert!(verify_acceptor_proof(key, hello, &na, &a));
         assert!(!verify_acceptor_proof(
-            b"0123456789abcdef-other",
+            &Key::new(b"0123456789abcdef-other"),
             hello,
             &na,
             &a

@@ -7,7 +7,7 @@ mod rounds;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use fh_transport::elastic::{Event, Membership, Server};
+use fh_job::elastic::{Event, Membership, Server};
 
 use super::discovery::Discovery;
 use super::generation::{self, Candidate};

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use fh_transport::elastic::{Assignment, Membership};
+use fh_job::elastic::{Assignment, Membership};
 
 use super::super::generation::{self, Candidate};
 use super::super::workers::{End, PartProc};

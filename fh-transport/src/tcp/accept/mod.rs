@@ -362,7 +362,7 @@ fn advance(p: &mut Pending, rules: &AcceptRules) -> Step {
                 let Ok(nonce) = wire::fresh_nonce() else {
                     return Step::Refused("no random nonce for the challenge".into());
                 };
-                let proof = wire::acceptor_proof(rules.key.bytes(), &hello_bytes, &nonce);
+                let proof = wire::acceptor_proof(&rules.key, &hello_bytes, &nonce);
                 if put(&mut p.stream, &Answer::encode_challenge(&nonce, &proof)).is_err() {
                     return Step::Gone;
                 }
@@ -393,7 +393,7 @@ fn advance(p: &mut Pending, rules: &AcceptRules) -> Step {
                     Ok((tag, _)) => tag,
                     Err(e) => return refuse_now(p, e.to_string()),
                 };
-                if !wire::verify_connector_proof(rules.key.bytes(), hello_bytes, nonce, &tag) {
+                if !wire::verify_connector_proof(&rules.key, hello_bytes, nonce, &tag) {
                     let reason = "wrong job token (or a replayed handshake): this connection \
                                   does not belong to this job (every rank must have the same \
                                   FH_JOB_TOKEN)";

@@ -5,8 +5,9 @@ use std::time::{Duration, Instant};
 
 use super::wire::{self, Msg, ReadError};
 use super::{HostUpdate, Membership, ADDR_VAR, TIMEOUT_VAR, WORKER_VAR};
-use crate::bootstrap::{JobToken, DEFAULT_TIMEOUT};
-use crate::{Result, TransportError};
+use crate::launch::DEFAULT_TIMEOUT;
+use crate::token::{fresh_nonce, JobToken};
+use crate::{JobError, Result};
 
 /// A worker's authenticated session with its driver, kept for the process's life.
 pub struct Client {
@@ -41,7 +42,7 @@ impl Client {
         let Some(addr) = var(ADDR_VAR) else {
             return Ok(None);
         };
-        let config = |v: &str, reason: String| TransportError::Config {
+        let config = |v: &str, reason: String| JobError::Config {
             var: v.into(),
             reason,
         };
@@ -96,7 +97,7 @@ impl Client {
             timeout
         };
         if worker.is_empty() || worker.len() > wire::MAX_NAME_LEN {
-            return Err(TransportError::InvalidArgument(format!(
+            return Err(JobError::InvalidArgument(format!(
                 "an elastic worker id of {} bytes (1 to {})",
                 worker.len(),
                 wire::MAX_NAME_LEN
@@ -107,16 +108,16 @@ impl Client {
             .to_socket_addrs()
             .ok()
             .and_then(|mut a| a.next())
-            .ok_or_else(|| TransportError::Config {
+            .ok_or_else(|| JobError::Config {
                 var: ADDR_VAR.into(),
                 reason: format!("{addr:?} is not a reachable ip:port"),
             })?;
         let deadline = Instant::now() + timeout;
         let mut stream = TcpStream::connect_timeout(&target, timeout)
-            .map_err(|e| TransportError::io(format!("connecting to {who}"), e))?;
+            .map_err(|e| JobError::io(format!("connecting to {who}"), e))?;
         let _ = stream.set_nodelay(true);
-        let io = |what: &str, e: std::io::Error| TransportError::io(format!("{what} {who}"), e);
-        let nonce = crate::tcp::wire::fresh_nonce().map_err(|e| io("a nonce for", e))?;
+        let io = |what: &str, e: std::io::Error| JobError::io(format!("{what} {who}"), e);
+        let nonce = fresh_nonce().map_err(|e| io("a nonce for", e))?;
         let hello = Msg::Hello {
             worker: worker.to_string(),
             nonce,
@@ -125,7 +126,7 @@ impl Client {
         wire::write_frame(&mut stream, &hello, timeout).map_err(|e| io("greeting", e))?;
         let read = |s: &mut TcpStream| -> Result<Msg> {
             let body = wire::read_frame(s, Some(deadline), &never).map_err(|e| match e {
-                ReadError::TimedOut => TransportError::Handshake {
+                ReadError::TimedOut => JobError::Handshake {
                     peer: who.clone(),
                     reason: format!(
                         "no answer to the handshake within {timeout:?} (FH_TIMEOUT_SECONDS)"
@@ -145,14 +146,14 @@ impl Client {
                 ))
             }
         };
-        if !wire::verify(true, token.as_bytes(), &hello, &driver_nonce, &proof) {
+        if !wire::verify(true, &token.key(), &hello, &driver_nonce, &proof) {
             return Err(wire::protocol(
                 &who,
                 "the driver could not prove the job token (FH_JOB_TOKEN differs: is this \
                  address another job's driver?)",
             ));
         }
-        let mine = wire::worker_proof(token.as_bytes(), &hello, &driver_nonce);
+        let mine = wire::worker_proof(&token.key(), &hello, &driver_nonce);
         wire::write_frame(&mut stream, &Msg::Proof(mine).encode(), timeout)
             .map_err(|e| io("proving the token to", e))?;
         let elastic_timeout = match read(&mut stream)? {
@@ -200,18 +201,18 @@ impl Client {
         let ip = self
             .stream
             .local_addr()
-            .map_err(|e| TransportError::io("reading the elastic session's local address", e))?
+            .map_err(|e| JobError::io("reading the elastic session's local address", e))?
             .ip();
         let port = TcpListener::bind((ip, 0))
             .and_then(|l| l.local_addr())
-            .map_err(|e| TransportError::io(format!("finding a free port on {ip}"), e))?
+            .map_err(|e| JobError::io(format!("finding a free port on {ip}"), e))?
             .port();
         Ok(SocketAddr::new(ip, port).to_string())
     }
 
     fn send(&mut self, msg: &Msg, what: &str) -> Result<()> {
         wire::write_frame(&mut self.stream, &msg.encode(), self.timeout).map_err(|e| {
-            TransportError::io(
+            JobError::io(
                 format!("sending {what} to the elastic driver at {}", self.addr),
                 e,
             )
@@ -223,7 +224,7 @@ impl Client {
         let who = format!("the elastic driver at {}", self.addr);
         let body =
             wire::read_frame(&mut self.stream, Some(deadline), &never).map_err(|e| match e {
-                ReadError::TimedOut => TransportError::Handshake {
+                ReadError::TimedOut => JobError::Handshake {
                     peer: who.clone(),
                     reason: format!(
                         "worker {} waited {wait:?} for the answer to {what} and got none (the \
@@ -232,7 +233,7 @@ impl Client {
                         self.worker, self.elastic_timeout
                     ),
                 },
-                ReadError::Closed => TransportError::Closed(format!(
+                ReadError::Closed => JobError::Closed(format!(
                     "{who} closed worker {}'s session while it waited for {what} (fhrun ended or \
                  stopped this worker)",
                     self.worker

@@ -19,15 +19,20 @@
 
 use std::fmt;
 
-use crate::bootstrap::LaunchInfo;
-use crate::tcp::wire::DecodeError;
-use crate::{Topology, TransportError};
+use fh_core::bytes::{DecodeError, Reader};
+
+use crate::launch::{LaunchInfo, MAX_NAMED_HOST_LEN};
+use crate::{JobError, Topology};
 
 /// The variable that replaces the host identity computed from facts.
 pub const HOST_ID_VAR: &str = "FH_HOST_ID";
 
 /// Longest encoded host identity.
 pub const MAX_HOST_ID_LEN: usize = 512;
+
+// An `FH_HOST_ID` name's identity ([`HostId::named`]) fits in [`MAX_HOST_ID_LEN`] whole, so
+// two names never collide by truncation.
+const _: () = assert!(MAX_NAMED_HOST_LEN + HOST_ID_VAR.len() < MAX_HOST_ID_LEN);
 
 /// Longest variable name (pair) sent with a claim.
 const MAX_VARS_LEN: usize = 255;
@@ -174,10 +179,7 @@ impl Place {
     /// The place of the rank `info` describes: [`HostId::of`], the launcher's claims
     /// ([`LaunchInfo::local_vars`], [`LaunchInfo::cross_vars`]) and the room in `/dev/shm`.
     pub fn of(info: &LaunchInfo) -> Place {
-        #[cfg(target_os = "linux")]
-        let shm_free = crate::shm::free_bytes().unwrap_or(0);
-        #[cfg(not(target_os = "linux"))]
-        let shm_free = 0;
+        let shm_free = shm_free_bytes().unwrap_or(0);
         Place {
             host: HostId::of(info),
             local: info
@@ -212,16 +214,16 @@ impl Place {
     /// Decode one place from the start of `buf`; returns it and the bytes it used. Every
     /// length is checked before it is used.
     pub fn decode(buf: &[u8]) -> Result<(Place, usize), DecodeError> {
-        let mut r = Reader { buf, pos: 0 };
-        let len = usize::from(u16::from_le_bytes(r.take::<2>()?));
+        let mut r = Reader::new(buf);
+        let len = usize::from(r.u16()?);
         if len > MAX_HOST_ID_LEN {
             return Err(DecodeError::Invalid(format!(
                 "a host identity of {len} bytes exceeds the maximum of {MAX_HOST_ID_LEN}"
             )));
         }
-        let host = HostId(r.text(len)?);
-        let shm_free = u64::from_le_bytes(r.take::<8>()?);
-        let [flags] = r.take::<1>()?;
+        let host = HostId(r.text(len, "a host identity")?);
+        let shm_free = r.u64()?;
+        let flags = r.u8()?;
         if flags & !3 != 0 {
             return Err(DecodeError::Invalid(format!(
                 "unknown place flags {flags:#x}"
@@ -231,10 +233,10 @@ impl Place {
             if !present {
                 return Ok(None);
             }
-            let rank = u32::from_le_bytes(r.take::<4>()?) as usize;
-            let size = u32::from_le_bytes(r.take::<4>()?) as usize;
-            let [n] = r.take::<1>()?;
-            let vars = r.text(usize::from(n))?;
+            let rank = r.u32()? as usize;
+            let size = r.u32()? as usize;
+            let n = r.u8()?;
+            let vars = r.text(usize::from(n), "a claim's variables")?;
             if size == 0 || rank >= size {
                 return Err(DecodeError::Invalid(format!(
                     "a claimed rank {rank} of {size} ({vars})"
@@ -251,7 +253,7 @@ impl Place {
                 cross,
                 shm_free,
             },
-            r.pos,
+            r.pos(),
         ))
     }
 }
@@ -300,34 +302,14 @@ pub fn decode_places(buf: &[u8], size: usize) -> Result<(Vec<Place>, usize), Dec
     Ok((out, pos))
 }
 
-struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
+/// The directory of POSIX shared memory, where the shared-memory backend's segments live.
+pub const SHM_DIR: &str = "/dev/shm";
 
-impl Reader<'_> {
-    fn take<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
-        let end = self.pos + N;
-        let bytes = self
-            .buf
-            .get(self.pos..end)
-            .ok_or(DecodeError::NeedMore(end))?;
-        self.pos = end;
-        let mut out = [0u8; N];
-        out.copy_from_slice(bytes);
-        Ok(out)
-    }
-
-    fn text(&mut self, len: usize) -> Result<String, DecodeError> {
-        let end = self.pos + len;
-        let bytes = self
-            .buf
-            .get(self.pos..end)
-            .ok_or(DecodeError::NeedMore(end))?;
-        self.pos = end;
-        String::from_utf8(bytes.to_vec())
-            .map_err(|_| DecodeError::Invalid("a host identity that is not UTF-8".into()))
-    }
+/// Free bytes in [`SHM_DIR`], if it can be read (what a rank's [`Place`] reports, and what
+/// `FH_TRANSPORT=auto` weighs before it takes shared memory).
+pub fn shm_free_bytes() -> Option<u64> {
+    let st = rustix::fs::statvfs(SHM_DIR).ok()?;
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// Where every rank sits, settled from the facts: the global ranks of each host, by local rank.
@@ -376,9 +358,9 @@ pub struct Contradiction {
     pub reason: String,
 }
 
-impl From<Contradiction> for TransportError {
+impl From<Contradiction> for JobError {
     fn from(c: Contradiction) -> Self {
-        TransportError::Config {
+        JobError::Config {
             var: c.var,
             reason: c.reason,
         }

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use super::wire::{self, Msg, ReadError};
 use super::{HostUpdate, Membership};
-use crate::bootstrap::JobToken;
-use crate::{Result, TransportError};
+use crate::token::{fresh_nonce, JobToken};
+use crate::{JobError, Result};
 
 /// How long a connecting worker may take to complete the handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -116,17 +116,17 @@ impl Server {
     /// told `elastic_timeout`, which bounds its wait for an answer to a Register.
     pub fn bind(addr: SocketAddr, token: JobToken, elastic_timeout: Duration) -> Result<Server> {
         let listener = TcpListener::bind(addr).map_err(|e| {
-            TransportError::io(
+            JobError::io(
                 format!("binding the elastic driver's listener on {addr}"),
                 e,
             )
         })?;
         let addr = listener
             .local_addr()
-            .map_err(|e| TransportError::io("reading the elastic listener's address", e))?;
+            .map_err(|e| JobError::io("reading the elastic listener's address", e))?;
         listener
             .set_nonblocking(true)
-            .map_err(|e| TransportError::io("making the elastic listener nonblocking", e))?;
+            .map_err(|e| JobError::io("making the elastic listener nonblocking", e))?;
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared {
             token,
@@ -142,7 +142,7 @@ impl Server {
         let acceptor = std::thread::Builder::new()
             .name("elastic-accept".into())
             .spawn(move || accept_loop(&listener, &s))
-            .map_err(|e| TransportError::io("starting the elastic listener thread", e))?;
+            .map_err(|e| JobError::io("starting the elastic listener thread", e))?;
         Ok(Server {
             addr,
             shared,
@@ -171,17 +171,17 @@ impl Server {
                 .unwrap_or_else(|p| p.into_inner());
             let s = sessions
                 .get(worker)
-                .ok_or_else(|| TransportError::Closed(format!("worker {worker} has no session")))?;
+                .ok_or_else(|| JobError::Closed(format!("worker {worker} has no session")))?;
             s.stream
                 .try_clone()
-                .map_err(|e| TransportError::io(format!("answering worker {worker}"), e))?
+                .map_err(|e| JobError::io(format!("answering worker {worker}"), e))?
         };
         wire::write_frame(
             &mut stream,
             &Msg::Answer(membership.clone()).encode(),
             WRITE_TIMEOUT,
         )
-        .map_err(|e| TransportError::io(format!("answering worker {worker}"), e))
+        .map_err(|e| JobError::io(format!("answering worker {worker}"), e))
     }
 
     /// Record a change of the usable host set at `stamp` (hosts added, removed); host-update
@@ -281,8 +281,8 @@ fn handshake(stream: &mut TcpStream, peer: SocketAddr, shared: &Shared) -> Resul
             format!("a worker id {worker:?} that is empty or not printable ASCII"),
         ));
     }
-    let nonce = crate::tcp::wire::fresh_nonce().map_err(|e| e.to_string())?;
-    let proof = wire::driver_proof(shared.token.as_bytes(), &body, &nonce);
+    let nonce = fresh_nonce().map_err(|e| e.to_string())?;
+    let proof = wire::driver_proof(&shared.token.key(), &body, &nonce);
     wire::write_frame(
         stream,
         &Msg::Challenge { nonce, proof }.encode(),
@@ -291,8 +291,7 @@ fn handshake(stream: &mut TcpStream, peer: SocketAddr, shared: &Shared) -> Resul
     .map_err(|e| e.to_string())?;
     let answer = wire::read_frame(stream, Some(deadline), &stop).map_err(|e| e.to_string())?;
     match Msg::decode(&answer) {
-        Ok(Msg::Proof(tag))
-            if wire::verify(false, shared.token.as_bytes(), &body, &nonce, &tag) => {}
+        Ok(Msg::Proof(tag)) if wire::verify(false, &shared.token.key(), &body, &nonce, &tag) => {}
         Ok(Msg::Proof(_)) => {
             return Err(refuse(
                 stream,

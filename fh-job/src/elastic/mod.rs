@@ -10,7 +10,7 @@
 //! [`Client::host_updates`]. The driver learns that a worker is gone when its session ends.
 //!
 //! A generation's world is an ordinary world: [`Assignment::launch_info`] gives the
-//! [`LaunchInfo`] that [`crate::world_for`] connects, authenticated with the job token's key
+//! [`LaunchInfo`] that `fh_transport::world_for` connects, authenticated with the job token's key
 //! for incarnation [`ELASTIC_INCARNATION_BASE`] + generation, so no world of one generation
 //! (or of a non-elastic re-`init`) can reach another's. The local and cross values of the
 //! assignment are the driver's view from the host names; like any launcher's they are not
@@ -29,8 +29,8 @@ mod tests;
 pub use client::Client;
 pub use server::{Event, Server};
 
-use crate::bootstrap::{LaunchInfo, Launcher};
-use crate::{Result, Topology, TransportError};
+use crate::launch::{LaunchInfo, Launcher};
+use crate::{JobError, Result, Topology};
 
 /// The driver's session address (`ip:port`), set for every worker of an elastic job.
 pub const ADDR_VAR: &str = "FH_ELASTIC_ADDR";
@@ -114,13 +114,13 @@ pub struct HostUpdate {
 /// reach it; no packet is sent): where a driver listens so that `host` can reach it.
 pub fn local_ip_towards(host: &str) -> Result<std::net::IpAddr> {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs, UdpSocket};
-    let io = |e: std::io::Error| TransportError::io(format!("finding the route to {host}"), e);
+    let io = |e: std::io::Error| JobError::io(format!("finding the route to {host}"), e);
     let target = (host, 9)
         .to_socket_addrs()
         .map_err(io)?
         .next()
         .ok_or_else(|| {
-            TransportError::io(
+            JobError::io(
                 format!("resolving {host}"),
                 std::io::Error::other("no address"),
             )
@@ -161,7 +161,7 @@ pub fn base_info_from(var: impl Fn(&str) -> Option<String>) -> Result<LaunchInfo
         }
     })?;
     if info.token.is_none() {
-        return Err(TransportError::Config {
+        return Err(JobError::Config {
             var: "FH_JOB_TOKEN".into(),
             reason: format!(
                 "{ADDR_VAR} is set (an elastic worker) but FH_JOB_TOKEN is not: start elastic \

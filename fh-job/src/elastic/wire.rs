@@ -29,18 +29,18 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use hmac::Mac;
+use fh_core::bytes::{self, DecodeError};
 
 use super::{Assignment, HostUpdate, Membership};
-use crate::tcp::wire::{proof, NONCE_LEN, PROOF_TAG_LEN};
-use crate::{Topology, TransportError};
+use crate::token::{constant_time_eq, proof, Key, NONCE_LEN, PROOF_TAG_LEN};
+use crate::{JobError, Topology};
 
 /// Largest frame body accepted or sent.
 pub const MAX_FRAME: usize = 64 * 1024;
 /// Magic opening a hello.
 const MAGIC: [u8; 4] = *b"FHEL";
-/// Version of this protocol.
-pub const VERSION: u16 = 1;
+/// Version of this protocol (2: the proofs are the job's one MAC construction, [`Key::mac`]).
+pub const VERSION: u16 = 2;
 /// Longest worker id, rendezvous address or candidate.
 pub const MAX_NAME_LEN: usize = 255;
 /// Longest reason sent or accepted.
@@ -190,7 +190,7 @@ impl Msg {
 
     /// Decode a whole frame body.
     pub fn decode(body: &[u8]) -> Result<Msg, String> {
-        let mut r = Reader { buf: body, pos: 0 };
+        let mut r = Reader(bytes::Reader::new(body));
         let [kind] = r.take::<1>()?;
         let msg = match kind {
             T_HELLO => {
@@ -271,10 +271,10 @@ impl Msg {
             }
             k => return Err(format!("unknown elastic message type {k:#x}")),
         };
-        if r.pos != body.len() {
+        if r.0.pos() != body.len() {
             return Err(format!(
                 "{} stray bytes after an elastic message",
-                body.len() - r.pos
+                body.len() - r.0.pos()
             ));
         }
         Ok(msg)
@@ -297,64 +297,46 @@ fn check_topology(t: &Topology) -> Result<(), String> {
     }
 }
 
-struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
+/// The elastic messages' view of the one byte reader: a short message is "truncated" (a
+/// frame arrives whole), text has a one- or two-byte length.
+struct Reader<'a>(bytes::Reader<'a>);
+
+fn decode_error(e: DecodeError) -> String {
+    match e {
+        DecodeError::NeedMore(_) => "a truncated elastic message".to_string(),
+        DecodeError::Invalid(why) => why,
+    }
 }
 
 impl Reader<'_> {
     fn take<const N: usize>(&mut self) -> Result<[u8; N], String> {
-        let bytes = self
-            .buf
-            .get(self.pos..self.pos + N)
-            .ok_or_else(|| "a truncated elastic message".to_string())?;
-        self.pos += N;
-        let mut out = [0u8; N];
-        out.copy_from_slice(bytes);
-        Ok(out)
+        self.0.array().map_err(decode_error)
     }
 
     fn text(&mut self, wide: bool) -> Result<String, String> {
         let len = if wide {
-            usize::from(u16::from_le_bytes(self.take::<2>()?))
+            usize::from(self.0.u16().map_err(decode_error)?)
         } else {
-            usize::from(self.take::<1>()?[0])
+            usize::from(self.0.u8().map_err(decode_error)?)
         };
-        let bytes = self
-            .buf
-            .get(self.pos..self.pos + len)
-            .ok_or_else(|| "a truncated elastic message".to_string())?;
-        self.pos += len;
-        String::from_utf8(bytes.to_vec()).map_err(|_| "text that is not UTF-8".to_string())
+        self.0.text(len, "text").map_err(decode_error)
     }
 }
 
 /// The driver's proof over the hello body and its nonce.
-pub fn driver_proof(token: &[u8], hello: &[u8], nonce: &[u8; NONCE_LEN]) -> [u8; PROOF_TAG_LEN] {
-    proof(token, DRIVER_LABEL, hello, nonce)
-        .finalize()
-        .into_bytes()
-        .into()
+pub fn driver_proof(key: &Key, hello: &[u8], nonce: &[u8; NONCE_LEN]) -> [u8; PROOF_TAG_LEN] {
+    proof(key, DRIVER_LABEL, hello, nonce)
 }
 
 /// The worker's proof over the hello body and the driver's nonce.
-pub fn worker_proof(token: &[u8], hello: &[u8], nonce: &[u8; NONCE_LEN]) -> [u8; PROOF_TAG_LEN] {
-    proof(token, WORKER_LABEL, hello, nonce)
-        .finalize()
-        .into_bytes()
-        .into()
+pub fn worker_proof(key: &Key, hello: &[u8], nonce: &[u8; NONCE_LEN]) -> [u8; PROOF_TAG_LEN] {
+    proof(key, WORKER_LABEL, hello, nonce)
 }
 
 /// Check a proof (`driver`: the driver's, else the worker's) in constant time.
-pub fn verify(
-    driver: bool,
-    token: &[u8],
-    hello: &[u8],
-    nonce: &[u8; NONCE_LEN],
-    tag: &[u8],
-) -> bool {
+pub fn verify(driver: bool, key: &Key, hello: &[u8], nonce: &[u8; NONCE_LEN], tag: &[u8]) -> bool {
     let label = if driver { DRIVER_LABEL } else { WORKER_LABEL };
-    proof(token, label, hello, nonce).verify_slice(tag).is_ok()
+    constant_time_eq(&proof(key, label, hello, nonce), tag)
 }
 
 /// Why a frame could not be read.
@@ -467,9 +449,9 @@ pub fn write_frame(stream: &mut TcpStream, body: &[u8], timeout: Duration) -> st
     stream.flush()
 }
 
-/// A `TransportError` for a protocol violation by the peer `who`.
-pub fn protocol(who: &str, detail: impl std::fmt::Display) -> TransportError {
-    TransportError::Handshake {
+/// A `JobError` for a protocol violation by the peer `who`.
+pub fn protocol(who: &str, detail: impl std::fmt::Display) -> JobError {
+    JobError::Handshake {
         peer: who.to_string(),
         reason: detail.to_string(),
     }

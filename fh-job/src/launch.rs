@@ -16,7 +16,7 @@
 //! `torchrun`, whose agent already holds `MASTER_PORT`, rank 0 listens on `MASTER_PORT + 1`.
 //!
 //! **The job token.** `FH_JOB_TOKEN` is the job's shared secret: at least [`MIN_TOKEN_LEN`]
-//! bytes of printable ASCII with at least [`MIN_TOKEN_DISTINCT`] distinct characters (`fhrun`
+//! bytes of printable ASCII with at least [`MIN_TOKEN_DISTINCT`](crate::token::MIN_TOKEN_DISTINCT) distinct characters (`fhrun`
 //! makes 64 random hex digits per job); [`check_token`] says what is wrong and how to fix it.
 //! A set but empty (or blank) `FH_JOB_TOKEN` is an error, never taken for an unset one — that
 //! is what `export FH_JOB_TOKEN=$(openssl rand -hex 32)` leaves on a host without openssl. It is held in a
@@ -39,19 +39,22 @@
 //!
 //! **The timeout** (`FH_TIMEOUT_SECONDS`, seconds, may be fractional) is at least
 //! [`MIN_TIMEOUT`] and at most a year. The heartbeats' settings (`FH_HEARTBEAT_TIMEOUT_SECONDS`,
-//! `FH_HEARTBEAT_INTERVAL_MS`) are read here too ([`crate::liveness::Settings::from_vars`]).
+//! `FH_HEARTBEAT_INTERVAL_MS`) are read here too ([`crate::heartbeat::Settings::from_vars`]).
 //!
 //! **The launcher's release.** `fhrun` gives every rank its own release in
 //! [`FHRUN_VERSION_VAR`]; a rank of another release ([`fh_core::RELEASE`]) stops at start-up
 //! with an error naming both (the ranks' Python environment and the `fhrun` that started them
 //! come from different installs).
 //!
-//! Every bad value is a [`TransportError::Config`] naming the variable and what is expected.
+//! Every bad value is a [`JobError::Config`](crate::JobError::Config) naming the variable and what is expected.
 
 use std::fmt;
 use std::time::Duration;
 
-use crate::{Result, Topology, TransportError};
+use crate::error::config;
+use crate::heartbeat::Settings as HeartbeatSettings;
+use crate::token::{check_token, JobToken, MIN_TOKEN_LEN};
+use crate::{Result, Topology};
 
 /// The variable in which `fhrun` gives its ranks its release (`fh_core::RELEASE`), checked
 /// against the rank's own by [`LaunchInfo::from_vars`].
@@ -60,97 +63,9 @@ pub const FHRUN_VERSION_VAR: &str = "FH_FHRUN_VERSION";
 /// Default for `FH_TIMEOUT_SECONDS`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Shortest `FH_JOB_TOKEN` accepted, in bytes.
-pub const MIN_TOKEN_LEN: usize = 16;
-
-/// Fewest distinct characters an `FH_JOB_TOKEN` must hold: a token of one repeated character
-/// (or a short pattern) can be guessed. A random hex token of 32 or more digits always has more
-/// (16 random hex digits fall short about once in 40,000 draws).
-pub const MIN_TOKEN_DISTINCT: usize = 6;
-
 /// Shortest `FH_TIMEOUT_SECONDS` accepted: every wait of a job (process start-up, the
 /// rendezvous, a handshake, a collective) must be allowed at least this long.
 pub const MIN_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// How to make a good token, quoted in the errors about bad ones.
-const TOKEN_FIX: &str = "export a random secret in every rank's environment, e.g. \
- `export FH_JOB_TOKEN=$(openssl rand -hex 32)` or, without openssl, \
- `export FH_JOB_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')`, or \
- launch with fhrun, which draws one per job";
-
-/// The job's shared secret. Its `Debug` output is redacted; [`JobToken::expose`] is the only
-/// way to the text, so that every use is visible in the code.
-#[derive(Clone, PartialEq, Eq)]
-pub struct JobToken(String);
-
-impl JobToken {
-    /// Wrap a token (no checks: [`LaunchInfo::from_vars`] checks what comes from the
-    /// environment).
-    pub fn new(token: impl Into<String>) -> Self {
-        JobToken(token.into())
-    }
-
-    /// The secret itself. Never log or print it.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-
-    /// The secret's bytes (the key of the handshake's HMAC).
-    pub fn as_bytes(&self) -> &[u8] {
-        self.0.as_bytes()
-    }
-
-    /// The token of the process's `incarnation`-th world (0: the first, this token itself;
-    /// later ones, after a `shutdown()` and a new `init()`, a key derived from it with
-    /// HMAC-SHA-256 and the incarnation number, in hex). Worlds of different incarnations
-    /// authenticate with different keys and name their shared-memory segments differently, so
-    /// nothing of one can reach another.
-    pub fn for_incarnation(&self, incarnation: u64) -> JobToken {
-        use hmac::{Hmac, Mac};
-        if incarnation == 0 {
-            return self.clone();
-        }
-        let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(self.as_bytes())
-            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-        mac.update(b"fasthorovod world incarnation\0");
-        mac.update(&incarnation.to_le_bytes());
-        let tag = mac.finalize().into_bytes();
-        JobToken(tag.iter().map(|b| format!("{b:02x}")).collect())
-    }
-
-    /// A key for another world formed among ranks that share this token, named by `label`
-    /// (which every member knows, and which must differ for every such world: e.g. a group's
-    /// name and a nonce drawn for it): HMAC-SHA-256 of the label under this token, in hex. It
-    /// authenticates as well as this token does, and no world keyed by another label (or by
-    /// an incarnation, [`JobToken::for_incarnation`]) shares it.
-    pub fn derive(&self, label: &str) -> JobToken {
-        use hmac::{Hmac, Mac};
-        let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(self.as_bytes())
-            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-        mac.update(b"fasthorovod derived world\0");
-        mac.update(label.as_bytes());
-        let tag = mac.finalize().into_bytes();
-        JobToken(tag.iter().map(|b| format!("{b:02x}")).collect())
-    }
-}
-
-impl fmt::Debug for JobToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("JobToken(<redacted>)")
-    }
-}
-
-impl From<&str> for JobToken {
-    fn from(s: &str) -> Self {
-        JobToken(s.to_owned())
-    }
-}
-
-impl From<String> for JobToken {
-    fn from(s: String) -> Self {
-        JobToken(s)
-    }
-}
 
 /// Which launcher started this process (whose variables were read).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -219,8 +134,8 @@ pub struct LaunchInfo {
     /// How long to wait for a peer before giving up (`FH_TIMEOUT_SECONDS`).
     pub timeout: Duration,
     /// The heartbeats' interval and tolerated silence (`FH_HEARTBEAT_INTERVAL_MS`,
-    /// `FH_HEARTBEAT_TIMEOUT_SECONDS`); `None` when turned off ([`crate::liveness`]).
-    pub liveness: Option<crate::liveness::Settings>,
+    /// `FH_HEARTBEAT_TIMEOUT_SECONDS`); `None` when turned off (`fh_transport::liveness`).
+    pub liveness: Option<HeartbeatSettings>,
     /// The host identity given in `FH_HOST_ID`, which replaces the one computed from facts
     /// ([`crate::hosts::HostId`]); `None` when unset.
     pub host_id: Option<String>,
@@ -273,7 +188,7 @@ impl LaunchInfo {
             allow_wildcard: false,
             launcher: Launcher::Single,
             timeout: DEFAULT_TIMEOUT,
-            liveness: Some(crate::liveness::Settings::default()),
+            liveness: Some(HeartbeatSettings::default()),
             host_id: None,
             local_vars: None,
             cross_vars: None,
@@ -339,7 +254,7 @@ impl LaunchInfo {
             LaunchInfo::single()
         };
         info.timeout = timeout;
-        info.liveness = crate::liveness::Settings::from_vars(get)?;
+        info.liveness = crate::heartbeat::Settings::from_vars(get)?;
         info.host_id = parse_host_id(&get)?;
         info.allow_wildcard = parse_flag(&get, "FH_ALLOW_WILDCARD")?;
         let require_token = parse_flag(&get, "FH_REQUIRE_TOKEN")?;
@@ -349,7 +264,7 @@ impl LaunchInfo {
             match get("FH_JOB_TOKEN") {
                 Some(token) => {
                     check_token(&token)?;
-                    info.token = Some(JobToken(token.trim().to_owned()));
+                    info.token = Some(JobToken::new(token.trim().to_owned()));
                 }
                 None if require_token => {
                     return Err(config(
@@ -364,13 +279,13 @@ impl LaunchInfo {
                     ));
                 }
                 None => {
-                    info.token = Some(JobToken(derive_token(&get, &info)));
+                    info.token = Some(JobToken::new(derive_token(&get, &info)));
                     info.token_derived = true;
                 }
             }
         } else if let Some(token) = get("FH_JOB_TOKEN") {
             check_token(&token)?;
-            info.token = Some(JobToken(token.trim().to_owned()));
+            info.token = Some(JobToken::new(token.trim().to_owned()));
         }
         Ok(info)
     }
@@ -472,13 +387,6 @@ fn check_launcher_release(get: &impl Fn(&str) -> Option<String>) -> Result<()> {
     }
 }
 
-fn config(var: impl Into<String>, reason: impl Into<String>) -> TransportError {
-    TransportError::Config {
-        var: var.into(),
-        reason: reason.into(),
-    }
-}
-
 type Get<'a> = dyn Fn(&str) -> Option<String> + 'a;
 
 fn parse_usize(get: &Get<'_>, name: &str) -> Result<Option<usize>> {
@@ -571,7 +479,7 @@ fn derive_rest(
         allow_wildcard: false,
         launcher,
         timeout: DEFAULT_TIMEOUT,
-        liveness: Some(crate::liveness::Settings::default()),
+        liveness: Some(HeartbeatSettings::default()),
         host_id: None,
         local_vars,
         cross_vars,
@@ -585,19 +493,19 @@ struct Vars {
     cross: Option<(&'static str, &'static str)>,
 }
 
-/// Longest `FH_HOST_ID` accepted, in bytes.
-pub const MAX_HOST_ID_LEN: usize = 255;
+/// Longest host name `FH_HOST_ID` may give, in bytes.
+pub const MAX_NAMED_HOST_LEN: usize = 255;
 
 fn parse_host_id(get: &Get<'_>) -> Result<Option<String>> {
     let Some(v) = get("FH_HOST_ID") else {
         return Ok(None);
     };
     let v = v.trim();
-    if v.len() > MAX_HOST_ID_LEN || !v.bytes().all(|b| b.is_ascii_graphic()) {
+    if v.len() > MAX_NAMED_HOST_LEN || !v.bytes().all(|b| b.is_ascii_graphic()) {
         return Err(config(
             "FH_HOST_ID",
             format!(
-                "expected a name of at most {MAX_HOST_ID_LEN} printable ASCII characters without \
+                "expected a name of at most {MAX_NAMED_HOST_LEN} printable ASCII characters without \
                  spaces, shared by exactly the ranks of one host (e.g. the host name), got {v:?}"
             ),
         ));
@@ -803,7 +711,7 @@ fn check_addr(var: &str, addr: &str) -> Result<()> {
 
 /// Whether `host` (without brackets) is a wildcard address: listening there means every
 /// interface.
-pub(crate) fn is_wildcard_host(host: &str) -> bool {
+pub fn is_wildcard_host(host: &str) -> bool {
     host.trim_start_matches('[')
         .trim_end_matches(']')
         .parse::<std::net::IpAddr>()
@@ -896,71 +804,6 @@ fn rendezvous(get: &Get<'_>, launcher: Launcher, allow_wildcard: bool) -> Result
     }
 }
 
-/// Check a job token as `FH_JOB_TOKEN` must be (the runtime and `fhrun` both apply it): not
-/// empty or blank, at most [`MAX_TOKEN_LEN`](crate::tcp::wire::MAX_TOKEN_LEN) printable ASCII
-/// bytes without spaces, at least [`MIN_TOKEN_LEN`] bytes of at least [`MIN_TOKEN_DISTINCT`]
-/// distinct characters. Surrounding whitespace is ignored. The error names the variable, the
-/// problem and the fix (without showing the token).
-pub fn check_token(token: &str) -> Result<()> {
-    let t = token.trim();
-    if t.is_empty() {
-        return Err(config(
-            "FH_JOB_TOKEN",
-            format!(
-                "FH_JOB_TOKEN is set but empty{}: an empty token is no secret (was it made by a \
-                 command that failed, such as openssl missing?). Unset it, or {TOKEN_FIX}",
-                if token.is_empty() {
-                    ""
-                } else {
-                    " (only whitespace)"
-                }
-            ),
-        ));
-    }
-    if t.len() > crate::tcp::wire::MAX_TOKEN_LEN {
-        return Err(config(
-            "FH_JOB_TOKEN",
-            format!(
-                "the token is {} bytes long; at most {} are allowed (32 hex digits is plenty)",
-                t.len(),
-                crate::tcp::wire::MAX_TOKEN_LEN
-            ),
-        ));
-    }
-    if !t.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(config(
-            "FH_JOB_TOKEN",
-            "the token must be printable ASCII without spaces (e.g. hex digits)",
-        ));
-    }
-    if t.len() < MIN_TOKEN_LEN {
-        return Err(config(
-            "FH_JOB_TOKEN",
-            format!(
-                "the token is {} bytes long; at least {MIN_TOKEN_LEN} are needed so that it \
-                 cannot be guessed (e.g. `export FH_JOB_TOKEN=$(openssl rand -hex 32)`)",
-                t.len()
-            ),
-        ));
-    }
-    let mut seen = [false; 128];
-    for b in t.bytes() {
-        seen[usize::from(b & 0x7f)] = true;
-    }
-    let distinct = seen.iter().filter(|&&x| x).count();
-    if distinct < MIN_TOKEN_DISTINCT {
-        return Err(config(
-            "FH_JOB_TOKEN",
-            format!(
-                "the token has only {distinct} distinct character(s); at least \
-                 {MIN_TOKEN_DISTINCT} are needed, as a repeated character or a short pattern \
-                 can be guessed: {TOKEN_FIX}"
-            ),
-        ));
-    }
-    Ok(())
-}
-
 /// What rank 0 says when the token is derived.
 const DERIVED_TOKEN_NOTICE: &str = "FH_JOB_TOKEN is not set, so the job token is derived from \
      the rendezvous address, the world size and the launcher's job id. That keeps other jobs and \
@@ -1021,102 +864,9 @@ fn derive_token(get: &Get<'_>, info: &LaunchInfo) -> String {
     format!("derived-{a:016x}{b:016x}")
 }
 
-/// The variable through which `fhrun` gives each rank the write end of its notice pipe,
-/// `FD:INODE` (see `fh-launch`'s notice channel).
-pub const NOTICE_VAR: &str = "FH_NOTICE_FD";
-
-/// Tell the launcher (`fhrun`, through [`NOTICE_VAR`]) that rank `rank` fails or was lost and
-/// why, so that it stops the job at once naming that rank, instead of waiting for the first
-/// process to exit (a survivor's interpreter may take seconds to finish exiting). Best effort:
-/// does nothing without the variable, or when the descriptor is not that pipe (a process that
-/// inherited the variable without the descriptor), and never blocks (the pipe is
-/// non-blocking) or fails.
-pub fn notify_launcher(rank: usize, reason: &str) {
-    let Ok(spec) = std::env::var(NOTICE_VAR) else {
-        return;
-    };
-    let Some((fd, ino)) = spec
-        .split_once(':')
-        .and_then(|(f, i)| Some((f.parse::<i32>().ok()?, i.parse::<u64>().ok()?)))
-    else {
-        return;
-    };
-    if fd < 0 {
-        return;
-    }
-    // SAFETY: the descriptor is only borrowed for the two calls below, and only used when it
-    // is the FIFO with the inode fhrun named.
-    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    match rustix::fs::fstat(fd) {
-        Ok(st)
-            if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Fifo
-                && st.st_ino == ino => {}
-        _ => return,
-    }
-    let text: String = reason
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
-    let mut line = format!("{rank} {text}");
-    // One write of at most PIPE_BUF bytes is atomic: lines from several ranks never mix.
-    let mut end = line.len().min(4000);
-    while !line.is_char_boundary(end) {
-        end -= 1;
-    }
-    line.truncate(end);
-    line.push('\n');
-    let _ = rustix::io::write(fd, line.as_bytes());
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn each_incarnation_has_its_own_key() {
-        let t = JobToken::new("0123456789abcdef0123456789abcdef");
-        assert_eq!(
-            t.for_incarnation(0),
-            t,
-            "the first world keeps the launcher's token"
-        );
-        let (one, two) = (t.for_incarnation(1), t.for_incarnation(2));
-        assert_ne!(one, t);
-        assert_ne!(one, two);
-        // The same on every rank (a function of the token and the number only).
-        assert_eq!(
-            one,
-            JobToken::new("0123456789abcdef0123456789abcdef").for_incarnation(1)
-        );
-        // Another job's token gives another key for the same incarnation.
-        assert_ne!(
-            one,
-            JobToken::new("fedcba9876543210fedcba9876543210").for_incarnation(1)
-        );
-        assert_eq!(one.expose().len(), 64);
-        assert!(one.expose().bytes().all(|b| b.is_ascii_hexdigit()));
-        assert!(!format!("{one:?}").contains(one.expose()), "redacted");
-    }
-
-    #[test]
-    fn each_label_derives_its_own_key() {
-        let t = JobToken::new("0123456789abcdef0123456789abcdef");
-        let a = t.derive("group 1;nonce 7");
-        assert_eq!(
-            a,
-            t.clone().derive("group 1;nonce 7"),
-            "a function of token and label"
-        );
-        assert_ne!(a, t);
-        assert_ne!(a, t.derive("group 1;nonce 8"));
-        assert_ne!(a, t.for_incarnation(1));
-        assert_ne!(
-            a,
-            JobToken::new("fedcba9876543210fedcba9876543210").derive("group 1;nonce 7")
-        );
-        assert_eq!(a.expose().len(), 64);
-        check_token(a.expose()).expect("a derived key is a valid token");
-    }
 
     #[test]
     fn tasks_per_node_syntax() {

@@ -118,8 +118,8 @@ fn a_local_size_against_the_facts_is_a_contradiction() {
     ] {
         assert!(c.reason.contains(part), "{part:?} not in {}", c.reason);
     }
-    let err = TransportError::from(c.clone());
-    assert!(matches!(err, TransportError::Config { .. }));
+    let err = JobError::from(c.clone());
+    assert!(matches!(err, JobError::Config { .. }));
 }
 
 #[test]

@@ -1,0 +1,48 @@
+//! Who is in the world: a rank's place ([`Topology`]) and the world's identity (the nonce rank 0
+//! draws for each world, [`WORLD_ID_LEN`] bytes, which keys its heartbeats and names its
+//! shared-memory segments).
+
+/// Length of a world's identity, in bytes.
+pub const WORLD_ID_LEN: usize = 16;
+
+/// Where a rank sits: its global rank and size, and its place among the ranks of its host
+/// (`local_*`) and among the hosts (`cross_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Topology {
+    /// Global rank, `0..size`.
+    pub rank: usize,
+    /// Number of ranks in the world.
+    pub size: usize,
+    /// Rank among the ranks of this host.
+    pub local_rank: usize,
+    /// Number of ranks on this host.
+    pub local_size: usize,
+    /// Index of this host among the hosts (rank among the ranks with the same `local_rank`).
+    pub cross_rank: usize,
+    /// Number of hosts.
+    pub cross_size: usize,
+}
+
+impl Topology {
+    /// The topology of `size` ranks all on one host.
+    pub fn single_host(rank: usize, size: usize) -> Self {
+        Topology {
+            rank,
+            size,
+            local_rank: rank,
+            local_size: size,
+            cross_rank: 0,
+            cross_size: 1,
+        }
+    }
+
+    /// Whether every host runs the same number of ranks.
+    pub fn is_homogeneous(&self) -> bool {
+        self.local_size * self.cross_size == self.size
+    }
+}
+
+/// A world id as text (hex), for messages.
+pub fn world_hex(id: &[u8; WORLD_ID_LEN]) -> String {
+    id.iter().map(|b| format!("{b:02x}")).collect()
+}
