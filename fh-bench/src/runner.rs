@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use fh_job::{JobToken, LaunchInfo, Topology};
 use fh_transport::Transport;
 use serde::{Deserialize, Serialize};
 
@@ -183,13 +184,12 @@ impl Runner {
                 for rank in 0..self.np {
                     let mut c = Command::new(&self.exe);
                     worker_args(&mut c);
-                    c.env("FH_RANK", rank.to_string())
-                        .env("FH_SIZE", self.np.to_string())
-                        .env("FH_LOCAL_RANK", rank.to_string())
-                        .env("FH_LOCAL_SIZE", self.np.to_string())
-                        .env("FH_CROSS_RANK", "0")
-                        .env("FH_CROSS_SIZE", "1")
-                        .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"));
+                    let info = LaunchInfo::for_rank(
+                        Topology::single_host(rank, self.np),
+                        format!("127.0.0.1:{port}"),
+                        JobToken::new(token.clone()),
+                    );
+                    c.envs(info.to_vars());
                     children.spawn(c, &self.work_dir, &format!("{name}.rank{rank}"))?;
                 }
             }

@@ -195,6 +195,75 @@ impl LaunchInfo {
         }
     }
 
+    /// The launch of rank `t.rank` as `fhrun` gives it: its whole topology as the launcher's
+    /// claims, the rendezvous address and the job token. [`LaunchInfo::to_vars`] writes it.
+    pub fn for_rank(t: Topology, rendezvous: impl Into<String>, token: JobToken) -> Self {
+        LaunchInfo {
+            rank: t.rank,
+            size: t.size,
+            local_rank: t.local_rank,
+            local_size: t.local_size,
+            cross_rank: t.cross_rank,
+            cross_size: t.cross_size,
+            rendezvous: (t.size > 1).then(|| rendezvous.into()),
+            token: Some(token),
+            launcher: Launcher::Fhrun,
+            local_vars: Some(FHRUN_LOCAL_VARS),
+            cross_vars: Some(FHRUN_CROSS_VARS),
+            ..LaunchInfo::single()
+        }
+    }
+
+    /// The variables that start a rank with this launch: the writer beside the reader, which
+    /// every launcher, bench and test that starts ranks uses. [`LaunchInfo::from_vars`] reads
+    /// them back into this same `LaunchInfo` when it is an `fhrun` launch
+    /// ([`LaunchInfo::for_rank`], with any timeout, heartbeat settings, host id or wildcard
+    /// permission set on it). A derived token is not written: every rank derives it again.
+    pub fn to_vars(&self) -> Vec<(&'static str, String)> {
+        let mut out = vec![
+            ("FH_RANK", self.rank.to_string()),
+            ("FH_SIZE", self.size.to_string()),
+        ];
+        if self.local_vars.is_some() {
+            out.push((FHRUN_LOCAL_VARS.0, self.local_rank.to_string()));
+            out.push((FHRUN_LOCAL_VARS.1, self.local_size.to_string()));
+        }
+        if self.cross_vars.is_some() {
+            out.push((FHRUN_CROSS_VARS.0, self.cross_rank.to_string()));
+            out.push((FHRUN_CROSS_VARS.1, self.cross_size.to_string()));
+        }
+        if let Some(r) = &self.rendezvous {
+            out.push(("FH_RENDEZVOUS_ADDR", r.clone()));
+        }
+        if let Some(t) = self.token.as_ref().filter(|_| !self.token_derived) {
+            out.push(("FH_JOB_TOKEN", t.expose().to_owned()));
+        }
+        if self.timeout != DEFAULT_TIMEOUT {
+            out.push(("FH_TIMEOUT_SECONDS", self.timeout.as_secs_f64().to_string()));
+        }
+        match self.liveness {
+            None => out.push((crate::heartbeat::SILENCE_VAR, "0".into())),
+            Some(s) if s != HeartbeatSettings::default() => {
+                out.push((
+                    crate::heartbeat::SILENCE_VAR,
+                    s.silence.as_secs_f64().to_string(),
+                ));
+                out.push((
+                    crate::heartbeat::INTERVAL_VAR,
+                    s.interval.as_millis().to_string(),
+                ));
+            }
+            Some(_) => {}
+        }
+        if let Some(h) = &self.host_id {
+            out.push((crate::hosts::HOST_ID_VAR, h.clone()));
+        }
+        if self.allow_wildcard {
+            out.push(("FH_ALLOW_WILDCARD", "1".into()));
+        }
+        out
+    }
+
     /// This launch with the topology `t` settled from the facts
     /// ([`crate::hosts::settle`]) in place of the launcher's.
     pub fn with_topology(&self, t: Topology) -> LaunchInfo {
@@ -528,6 +597,11 @@ fn local_pair(get: &Get<'_>, rank_var: &str, size_var: &str) -> Result<Option<(u
     }
 }
 
+/// fhrun's variables of the local rank and size.
+const FHRUN_LOCAL_VARS: (&str, &str) = ("FH_LOCAL_RANK", "FH_LOCAL_SIZE");
+/// fhrun's variables of the host index and host count.
+const FHRUN_CROSS_VARS: (&str, &str) = ("FH_CROSS_RANK", "FH_CROSS_SIZE");
+
 fn from_fhrun(get: &Get<'_>) -> Result<LaunchInfo> {
     let l = Launcher::Fhrun;
     let rank = require_usize(get, "FH_RANK", l, "FH_SIZE")?;
@@ -538,8 +612,8 @@ fn from_fhrun(get: &Get<'_>) -> Result<LaunchInfo> {
         parse_usize(get, "FH_CROSS_SIZE")?,
     );
     let vars = Vars {
-        local: Some(("FH_LOCAL_RANK", "FH_LOCAL_SIZE")),
-        cross: Some(("FH_CROSS_RANK", "FH_CROSS_SIZE")),
+        local: Some(FHRUN_LOCAL_VARS),
+        cross: Some(FHRUN_CROSS_VARS),
     };
     Ok(derive_rest(l, rank, size, local, cross, vars))
 }
@@ -867,6 +941,49 @@ fn derive_token(get: &Get<'_>, info: &LaunchInfo) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// What the writer writes, the reader reads back: any fhrun launch, with any timeout,
+        /// heartbeat settings, host id and wildcard permission.
+        #[test]
+        fn the_writer_and_the_reader_agree(
+            hosts in 1usize..5,
+            per_host in 1usize..5,
+            pick in 0usize..1000,
+            port in 1024u16..65535,
+            timeout_ms in 1000u64..100_000,
+            beats in proptest::option::of((40u64..500, 3u64..40)),
+            host_id in proptest::option::of("[a-z][a-z0-9-]{0,20}"),
+            wildcard: bool,
+        ) {
+            let size = hosts * per_host;
+            let rank = pick % size;
+            let t = Topology {
+                rank,
+                size,
+                local_rank: rank % per_host,
+                local_size: per_host,
+                cross_rank: rank / per_host,
+                cross_size: hosts,
+            };
+            let addr = if wildcard { "0.0.0.0" } else { "127.0.0.1" };
+            let mut info = LaunchInfo::for_rank(
+                t,
+                format!("{addr}:{port}"),
+                JobToken::new("0123456789abcdef0123456789abcdef"),
+            );
+            info.timeout = Duration::from_millis(timeout_ms);
+            info.liveness = beats.map(|(interval, times)| HeartbeatSettings {
+                interval: Duration::from_millis(interval),
+                silence: Duration::from_millis(interval * times),
+            });
+            info.host_id = host_id;
+            info.allow_wildcard = wildcard;
+            let vars: std::collections::HashMap<&str, String> = info.to_vars().into_iter().collect();
+            let back = LaunchInfo::from_vars(|n| vars.get(n).cloned()).unwrap();
+            proptest::prop_assert_eq!(back, info);
+        }
+    }
 
     #[test]
     fn tasks_per_node_syntax() {

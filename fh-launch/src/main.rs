@@ -348,31 +348,30 @@ fn run(cli: Cli) -> Result<i32, Failure> {
     let (rendezvous, store) = rendezvous_and_store(&cli, "127.0.0.1")?;
     let ranks: Vec<launch::RankSpec> = (0..np)
         .map(|rank| {
-            let mut env: Vec<(String, String)> = [
-                ("FH_RANK", rank.to_string()),
-                ("FH_SIZE", np.to_string()),
-                ("FH_LOCAL_RANK", rank.to_string()),
-                ("FH_LOCAL_SIZE", np.to_string()),
-                ("FH_CROSS_RANK", "0".to_string()),
-                ("FH_CROSS_SIZE", "1".to_string()),
-                ("FH_RENDEZVOUS_ADDR", rendezvous.clone()),
-                ("FH_JOB_TOKEN", token.clone()),
-                // What horovodrun's launcher exports, which Horovod scripts read before
-                // `init()` (to pick a device or a log file); and the PMI pair MPI launchers
-                // set. Every rank runs on this host.
-                ("HOROVOD_HOSTNAME", hostname.clone()),
-                ("HOROVOD_RANK", rank.to_string()),
-                ("HOROVOD_SIZE", np.to_string()),
-                ("HOROVOD_LOCAL_RANK", rank.to_string()),
-                ("HOROVOD_LOCAL_SIZE", np.to_string()),
-                ("HOROVOD_CROSS_RANK", "0".to_string()),
-                ("HOROVOD_CROSS_SIZE", "1".to_string()),
-                ("PMI_RANK", rank.to_string()),
-                ("PMI_SIZE", np.to_string()),
-            ]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect();
+            let info = fh_job::LaunchInfo::for_rank(
+                fh_job::Topology::single_host(rank, np),
+                rendezvous.clone(),
+                fh_job::JobToken::new(token.clone()),
+            );
+            let mut env: Vec<(String, String)> = info
+                .to_vars()
+                .into_iter()
+                .chain([
+                    // What horovodrun's launcher exports, which Horovod scripts read before
+                    // `init()` (to pick a device or a log file); and the PMI pair MPI launchers
+                    // set. Every rank runs on this host.
+                    ("HOROVOD_HOSTNAME", hostname.clone()),
+                    ("HOROVOD_RANK", rank.to_string()),
+                    ("HOROVOD_SIZE", np.to_string()),
+                    ("HOROVOD_LOCAL_RANK", rank.to_string()),
+                    ("HOROVOD_LOCAL_SIZE", np.to_string()),
+                    ("HOROVOD_CROSS_RANK", "0".to_string()),
+                    ("HOROVOD_CROSS_SIZE", "1".to_string()),
+                    ("PMI_RANK", rank.to_string()),
+                    ("PMI_SIZE", np.to_string()),
+                ])
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
             env.extend(store.iter().cloned());
             env.extend(knobs.iter().cloned());
             env.extend(user_env.iter().cloned());

@@ -2,7 +2,7 @@
 //! then new workers in host discovery order and slot order; at most `--max-np`; local and
 //! cross values from the workers' hosts.
 
-use fh_transport::Topology;
+use fh_job::Topology;
 
 /// A registered worker that may join the new generation.
 #[derive(Debug, Clone, PartialEq, Eq)]

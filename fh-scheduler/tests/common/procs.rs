@@ -46,15 +46,15 @@ pub fn run_ranks(
             "--nocapture",
             "--test-threads=1",
         ])
-        .env("FH_RANK", rank.to_string())
-        .env("FH_SIZE", size.to_string())
-        .env("FH_LOCAL_RANK", rank.to_string())
-        .env("FH_LOCAL_SIZE", size.to_string())
-        .env("FH_CROSS_RANK", "0")
-        .env("FH_CROSS_SIZE", "1")
-        .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
-        .env("FH_JOB_TOKEN", &token)
-        .env("FH_TIMEOUT_SECONDS", "20")
+        .envs({
+            let mut info = fh_job::LaunchInfo::for_rank(
+                fh_job::Topology::single_host(rank, size),
+                format!("127.0.0.1:{port}"),
+                fh_job::JobToken::new(token.clone()),
+            );
+            info.timeout = Duration::from_secs(20);
+            info.to_vars()
+        })
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

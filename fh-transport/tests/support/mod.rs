@@ -54,20 +54,21 @@ pub fn launcher_env(
     token: &str,
     timeout_s: u32,
 ) {
-    cmd.env("FH_TRANSPORT", transport)
-        .env("FH_RANK", place.rank.to_string())
-        .env("FH_SIZE", place.size.to_string())
-        .env("FH_LOCAL_RANK", place.local_rank.to_string())
-        .env("FH_LOCAL_SIZE", place.local_size.to_string())
-        .env("FH_CROSS_RANK", place.cross_rank.to_string())
-        .env("FH_CROSS_SIZE", place.cross_size.to_string())
-        .env("FH_RENDEZVOUS_ADDR", rendezvous)
-        .env("FH_JOB_TOKEN", token)
-        .env("FH_TIMEOUT_SECONDS", timeout_s.to_string());
+    let topology = fh_job::Topology {
+        rank: place.rank,
+        size: place.size,
+        local_rank: place.local_rank,
+        local_size: place.local_size,
+        cross_rank: place.cross_rank,
+        cross_size: place.cross_size,
+    };
+    let mut info = fh_job::LaunchInfo::for_rank(topology, rendezvous, fh_job::JobToken::new(token));
+    info.timeout = std::time::Duration::from_secs(timeout_s.into());
     // Hosts simulated on this machine are told apart by name: the facts say one host.
     if place.cross_size > 1 {
-        cmd.env("FH_HOST_ID", format!("simulated-host-{}", place.cross_rank));
+        info.host_id = Some(format!("simulated-host-{}", place.cross_rank));
     }
+    cmd.env("FH_TRANSPORT", transport).envs(info.to_vars());
 }
 
 /// Kills and reaps the children it holds when dropped.
