@@ -491,7 +491,7 @@ mod tests {
 
     #[test]
     fn concurrent_allreduces_run_and_check_on_the_local_backend() {
-        use fh_transport::{local::LocalWorld, Transport};
+        use fh_transport::{backend::local::LocalWorld, Transport};
         let handles: Vec<_> = LocalWorld::new(3)
             .into_iter()
             .map(|mut t| {
@@ -523,7 +523,7 @@ mod tests {
 
     #[test]
     fn a_staged_allreduce_without_room_for_one_element_is_an_error() {
-        use fh_transport::{local::LocalWorld, Transport};
+        use fh_transport::{backend::local::LocalWorld, Transport};
         let mut t = LocalWorld::new(1).pop().unwrap();
         let mut comm = t.open("staged").unwrap();
         let mut buf = 2.0f32.to_ne_bytes().repeat(3);
@@ -536,7 +536,7 @@ mod tests {
 
     #[test]
     fn every_collective_runs_and_checks_on_the_local_backend() {
-        use fh_transport::{local::LocalWorld, Transport};
+        use fh_transport::{backend::local::LocalWorld, Transport};
         let cases: Vec<Case> = Collective::ALL
             .iter()
             .flat_map(|&c| {

@@ -257,7 +257,7 @@ pub fn result_path(prefix: &Path, r: usize) -> PathBuf {
 
 fn run_threads(np: usize, job: &Job, timeout: Duration) -> Result<Vec<RankOutput>, String> {
     let (tx, rx) = std::sync::mpsc::channel();
-    let world = fh_transport::local::LocalWorld::with_timeout(np, timeout);
+    let world = fh_transport::backend::local::LocalWorld::with_timeout(np, timeout);
     let mut handles = Vec::new();
     for t in world {
         let job = job.clone();

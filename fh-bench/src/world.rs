@@ -8,7 +8,7 @@ pub fn tcp_available() -> Result<(), String> {
 }
 
 /// The transport described by the environment (`FH_*`, OpenMPI, Slurm variables; see
-/// `fh_transport::bootstrap`).
+/// `fh_job::launch`).
 pub fn transport_from_env() -> Result<Box<dyn Transport>, String> {
     fh_transport::from_env().map_err(|e| format!("joining the job: {e}"))
 }

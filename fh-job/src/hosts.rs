@@ -21,11 +21,8 @@ use std::fmt;
 
 use fh_core::bytes::{DecodeError, Reader};
 
-use crate::launch::{LaunchInfo, MAX_NAMED_HOST_LEN};
+use crate::launch::{LaunchInfo, HOST_ID_VAR, MAX_NAMED_HOST_LEN};
 use crate::{JobError, Topology};
-
-/// The variable that replaces the host identity computed from facts.
-pub const HOST_ID_VAR: &str = "FH_HOST_ID";
 
 /// Longest encoded host identity.
 pub const MAX_HOST_ID_LEN: usize = 512;

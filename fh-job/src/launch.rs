@@ -256,7 +256,7 @@ impl LaunchInfo {
             Some(_) => {}
         }
         if let Some(h) = &self.host_id {
-            out.push((crate::hosts::HOST_ID_VAR, h.clone()));
+            out.push((HOST_ID_VAR, h.clone()));
         }
         if self.allow_wildcard {
             out.push(("FH_ALLOW_WILDCARD", "1".into()));
@@ -561,6 +561,10 @@ struct Vars {
     local: Option<(&'static str, &'static str)>,
     cross: Option<(&'static str, &'static str)>,
 }
+
+/// The variable that names this rank's host, replacing the identity computed from facts
+/// ([`crate::hosts::HostId`]).
+pub const HOST_ID_VAR: &str = "FH_HOST_ID";
 
 /// Longest host name `FH_HOST_ID` may give, in bytes.
 pub const MAX_NAMED_HOST_LEN: usize = 255;

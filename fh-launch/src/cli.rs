@@ -13,7 +13,7 @@ pub fn version_line() -> &'static str {
         format!(
             "{} (FastHorovod wire protocol {})",
             fh_core::RELEASE,
-            fh_transport::tcp::wire::PROTOCOL_VERSION
+            fh_transport::backend::tcp::wire::PROTOCOL_VERSION
         )
     });
     &LINE

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use fh_transport::tcp::wire::{self, Answer, ConnKind, Hello, Reply, PROTOCOL_VERSION};
+use fh_transport::backend::tcp::wire::{self, Answer, ConnKind, Hello, Reply, PROTOCOL_VERSION};
 
 const SELFTEST: &str = env!("CARGO_BIN_EXE_fh-selftest");
 const LIMIT: Duration = Duration::from_secs(60);

@@ -21,7 +21,7 @@ fn fhrun_says_its_release_and_wire_protocol() {
             format!(
                 "fhrun {} (FastHorovod wire protocol {})",
                 fh_core::RELEASE,
-                fh_transport::tcp::wire::PROTOCOL_VERSION
+                fh_transport::backend::tcp::wire::PROTOCOL_VERSION
             )
         );
     }

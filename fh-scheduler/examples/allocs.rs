@@ -18,7 +18,7 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use fh_scheduler::{AllreduceOptions, Config, Engine, Preset, ReduceOp, Tensor};
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 
 /// The system allocator, counting allocations (reallocations count as one).
 struct Counting;

@@ -30,7 +30,7 @@
 use std::time::{Duration, Instant};
 
 use fh_scheduler::{AllreduceOptions, Config, Engine, Preset, ReduceOp, Tensor};
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 use fh_transport::Transport;
 
 #[path = "common/world.rs"]

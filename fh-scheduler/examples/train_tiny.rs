@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use fh_scheduler::{AllreduceOptions, Config, Engine, Preset, Tensor};
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 
 /// Features per sample.
 pub const DIM: usize = 8;

@@ -33,7 +33,7 @@ pub(crate) struct Executor {
     )>,
     /// The channel's device twin (GPU path open): runs the groups of device tensors.
     #[cfg(feature = "cuda")]
-    pub device: Option<fh_transport::cuda::DeviceChannel>,
+    pub device: Option<fh_transport::backend::cuda::DeviceChannel>,
 }
 
 fn reduce_in_place(

@@ -24,10 +24,10 @@ pub(crate) struct GpuState {
     /// The device the channels were opened on, or why there are none.
     pub device: Result<u32, String>,
     /// How the device channels move bytes (GPU path open).
-    pub mode: Option<fh_transport::cuda::DeviceMode>,
+    pub mode: Option<fh_transport::backend::cuda::DeviceMode>,
     /// The device context (feature `cuda`, GPU path open).
     #[cfg(feature = "cuda")]
-    pub ctx: Option<std::sync::Arc<fh_transport::cuda::CudaContext>>,
+    pub ctx: Option<std::sync::Arc<fh_transport::backend::cuda::CudaContext>>,
 }
 
 /// Why the engine has no GPU path when it was not asked for one.
@@ -127,7 +127,7 @@ pub(crate) fn check_submission(
             "the tensor lives on {tensor_device} but the options name {requested}"
         ));
     }
-    if !fh_transport::cuda::COMPILED {
+    if !fh_transport::backend::cuda::COMPILED {
         return bad(format!(
             "the tensor lives on {tensor_device}, but this build of fh-scheduler lacks the GPU \
              path (rebuild with the `cuda` feature: `--features fh-scheduler/cuda`, or \
@@ -163,7 +163,7 @@ pub(crate) fn open(
     if !config.cuda {
         return Ok((GpuState::none(NOT_REQUESTED.into()), Vec::new()));
     }
-    let here = fh_transport::cuda::available();
+    let here = fh_transport::backend::cuda::available();
     let mut flags = vec![0u8; control.size()];
     control.allgather(&[u8::from(here.is_ok())], &mut flags)?;
     let missing: Vec<usize> = (0..flags.len()).filter(|&r| flags[r] == 0).collect();
@@ -182,7 +182,7 @@ pub(crate) fn open(
 
 /// A data channel's device twin (with the feature), or nothing.
 #[cfg(feature = "cuda")]
-pub(crate) type DeviceChannelSlot = fh_transport::cuda::DeviceChannel;
+pub(crate) type DeviceChannelSlot = fh_transport::backend::cuda::DeviceChannel;
 /// A data channel's device twin (with the feature), or nothing.
 #[cfg(not(feature = "cuda"))]
 pub(crate) type DeviceChannelSlot = std::convert::Infallible;
@@ -196,7 +196,7 @@ fn open_channels(
     // `available()` is an error without the feature, so every rank stopped above.
     Err(SchedulerError::config(
         "FH_CUDA",
-        fh_transport::cuda::NOT_COMPILED,
+        fh_transport::backend::cuda::NOT_COMPILED,
     ))
 }
 
@@ -206,7 +206,7 @@ fn open_channels(
     topology: Topology,
     channels: usize,
 ) -> Result<(GpuState, Vec<DeviceChannelSlot>), SchedulerError> {
-    use fh_transport::cuda::{CudaWorld, Staging};
+    use fh_transport::backend::cuda::{CudaWorld, Staging};
     let mut world = CudaWorld::new(topology, Staging::Auto)?;
     if let Some(t) = transport_timeout() {
         world.set_timeout(t);
@@ -295,7 +295,7 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        if fh_transport::cuda::COMPILED {
+        if fh_transport::backend::cuda::COMPILED {
             assert!(e.contains("FH_CUDA=1"), "{e}");
         } else {
             assert!(
@@ -334,7 +334,7 @@ mod tests {
             ReduceOp::Sum,
             (1.0, 1.0),
         );
-        if fh_transport::cuda::COMPILED {
+        if fh_transport::backend::cuda::COMPILED {
             let e = r.unwrap_err().to_string();
             assert!(e.contains("drives gpu:1"), "{e}");
             let ok = check_submission(

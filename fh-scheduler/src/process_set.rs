@@ -3,7 +3,7 @@
 //! A process set is a subset of the world's ranks with its **own engine**: its own control
 //! communicator, response cache, coordinator (the set's first member) and bit-vector rounds,
 //! and its own data channels, all over communicators that only its members use
-//! ([`fh_transport::subset`]). Sets therefore negotiate independently — a slow or busy set
+//! ([`fh_transport::compose::subset`]). Sets therefore negotiate independently — a slow or busy set
 //! never holds up another — and an idle set's engine sleeps like the global one (a heartbeat
 //! round per [`crate::Config::idle_heartbeat`]).
 //!
@@ -21,7 +21,7 @@
 //!
 //! ```
 //! use fh_scheduler::{AllreduceOptions, Config, Engine, ProcessSets, ReduceOp, Tensor};
-//! use fh_transport::local::LocalWorld;
+//! use fh_transport::backend::local::LocalWorld;
 //!
 //! let threads: Vec<_> = LocalWorld::new(3).into_iter().map(|t| std::thread::spawn(move || {
 //!     let world = Engine::start(Box::new(t), Config::default().channels(1)).unwrap();
@@ -46,7 +46,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use fh_transport::subset::{canonical_members, SubsetTransport};
+use fh_transport::compose::subset::{canonical_members, SubsetTransport};
 
 use crate::{Config, Engine, SchedulerError, Tensor};
 

@@ -91,10 +91,10 @@ struct DeviceStorage {
     mem: DeviceMemory,
     /// Readiness, recorded on the producer's stream at submission.
     #[cfg(feature = "cuda")]
-    ready: Option<Arc<fh_transport::cuda::CudaEvent>>,
+    ready: Option<Arc<fh_transport::backend::cuda::CudaEvent>>,
     /// Completion, one event per channel that worked on the tensor.
     #[cfg(feature = "cuda")]
-    done: Vec<Arc<fh_transport::cuda::CudaEvent>>,
+    done: Vec<Arc<fh_transport::backend::cuda::CudaEvent>>,
     // Shared by clones (a clone of a device tensor aliases its memory).
     _guard: Arc<dyn OwnerGuard>,
 }
@@ -411,7 +411,7 @@ impl Tensor {
 
     /// The readiness event recorded at submission (device tensors).
     #[cfg(feature = "cuda")]
-    pub(crate) fn ready_event(&self) -> Option<&fh_transport::cuda::CudaEvent> {
+    pub(crate) fn ready_event(&self) -> Option<&fh_transport::backend::cuda::CudaEvent> {
         match &self.data {
             Storage::Device(d) => d.ready.as_deref(),
             _ => None,
@@ -420,7 +420,7 @@ impl Tensor {
 
     /// Set the readiness event (device tensors; ignored otherwise).
     #[cfg(feature = "cuda")]
-    pub(crate) fn set_ready(&mut self, ev: fh_transport::cuda::CudaEvent) {
+    pub(crate) fn set_ready(&mut self, ev: fh_transport::backend::cuda::CudaEvent) {
         if let Storage::Device(d) = &mut self.data {
             d.ready = Some(Arc::new(ev));
         }
@@ -428,7 +428,7 @@ impl Tensor {
 
     /// Add a completion event (device tensors; ignored otherwise).
     #[cfg(feature = "cuda")]
-    pub(crate) fn push_done(&mut self, ev: Arc<fh_transport::cuda::CudaEvent>) {
+    pub(crate) fn push_done(&mut self, ev: Arc<fh_transport::backend::cuda::CudaEvent>) {
         if let Storage::Device(d) = &mut self.data {
             d.done.push(ev);
         }
@@ -438,7 +438,7 @@ impl Tensor {
     /// worked on it, recorded on that channel's stream after the collective (empty for a host
     /// tensor, or a device tensor not yet through the engine).
     #[cfg(feature = "cuda")]
-    pub fn completion_events(&self) -> Vec<&fh_transport::cuda::CudaEvent> {
+    pub fn completion_events(&self) -> Vec<&fh_transport::backend::cuda::CudaEvent> {
         match &self.data {
             Storage::Device(d) => d.done.iter().map(|e| &**e).collect(),
             _ => Vec::new(),
@@ -457,7 +457,10 @@ impl Tensor {
         for ev in self.completion_events() {
             // SAFETY: the caller's promise about `stream`; the event is alive (borrowed).
             unsafe {
-                fh_transport::cuda::stream_wait(stream as usize as fh_transport::cuda::CUstream, ev)
+                fh_transport::backend::cuda::stream_wait(
+                    stream as usize as fh_transport::backend::cuda::CUstream,
+                    ev,
+                )
             }
             .map_err(|e| SchedulerError::from_transport(&e))?;
         }

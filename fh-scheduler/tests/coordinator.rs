@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fh_scheduler::{AllreduceOptions, Config, Engine, ReduceOp, Tensor};
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 use fh_transport::{Communicator, Result as TResult, Topology, Transport};
 
 /// Counts the bytes sent on the communicator labelled `fh-control`.

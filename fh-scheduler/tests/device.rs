@@ -10,7 +10,7 @@ use fh_scheduler::{
     AllreduceOptions, CollectiveOptions, Config, DType, Device, DeviceMemory, Engine, ReduceOp,
     Tensor,
 };
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 
 use common::run_world;
 
@@ -97,7 +97,7 @@ fn device_tensor_without_the_gpu_path_is_refused_at_submission() {
     });
     for (err, err2, err3, y) in &out {
         assert!(err.contains("gpu:0"), "{err}");
-        if fh_transport::cuda::COMPILED {
+        if fh_transport::backend::cuda::COMPILED {
             assert!(err.contains("FH_CUDA=1"), "{err}");
         } else {
             assert!(
@@ -116,7 +116,7 @@ fn device_tensor_without_the_gpu_path_is_refused_at_submission() {
 /// what is missing here; nothing hangs or panics.
 #[test]
 fn requesting_the_gpu_path_without_a_gpu_fails_on_every_rank() {
-    if fh_transport::cuda::available().is_ok() {
+    if fh_transport::backend::cuda::available().is_ok() {
         eprintln!("skipped: this machine can run the GPU path (the GPU tests cover it)");
         return;
     }
@@ -134,7 +134,7 @@ fn requesting_the_gpu_path_without_a_gpu_fails_on_every_rank() {
             err.contains("FH_CUDA") && err.contains("rank(s) [0, 1]"),
             "{err}"
         );
-        if fh_transport::cuda::COMPILED {
+        if fh_transport::backend::cuda::COMPILED {
             assert!(err.contains("libcuda.so.1") || err.contains("GPU"), "{err}");
         } else {
             assert!(err.contains("--features fh-transport/cuda"), "{err}");
@@ -147,11 +147,11 @@ mod gpu {
     //! The engine driving GPU tensors (skipped without a GPU).
 
     use super::*;
-    use fh_transport::cuda::{CudaContext, CudaStream, DeviceBytesMut};
+    use fh_transport::backend::cuda::{CudaContext, CudaStream, DeviceBytesMut};
     use std::sync::{Arc, Mutex};
 
     fn have_gpu() -> bool {
-        match fh_transport::cuda::available() {
+        match fh_transport::backend::cuda::available() {
             Ok(_) => true,
             Err(fh_transport::TransportError::BackendUnavailable { reason, .. }) => {
                 eprintln!("skipped: {reason}");
@@ -165,7 +165,7 @@ mod gpu {
     }
 
     /// One allocation shared by the test and the tensor's guard.
-    type Buf = Arc<Mutex<fh_transport::cuda::CudaSlice<u8>>>;
+    type Buf = Arc<Mutex<fh_transport::backend::cuda::CudaSlice<u8>>>;
 
     /// Upload `values` on `stream` (asynchronously: the engine's readiness event orders it)
     /// and describe the memory as a device tensor.
@@ -204,11 +204,14 @@ mod gpu {
     fn exercise(e: &Engine, rank: usize) -> Vec<Vec<f32>> {
         let n = e.size() as f32;
         let (ord, mode) = e.gpu().expect("the GPU path is open");
-        let gpus = fh_transport::cuda::probe().devices.max(1);
+        let gpus = fh_transport::backend::cuda::probe().devices.max(1);
         assert_eq!(ord as usize, e.local_rank() % gpus);
         // NCCL refuses two ranks on one GPU: more local ranks than GPUs means host staging.
         let staged = e.local_size() > gpus;
-        assert_eq!(mode == fh_transport::cuda::DeviceMode::HostStaged, staged);
+        assert_eq!(
+            mode == fh_transport::backend::cuda::DeviceMode::HostStaged,
+            staged
+        );
         eprintln!("rank {rank}: gpu:{ord}, {mode}");
         let ctx = CudaContext::new(ord as usize).expect("context");
         let stream = ctx.new_stream().expect("stream");

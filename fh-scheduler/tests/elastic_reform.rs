@@ -199,10 +199,10 @@ fn reform(backend: &str) {
     // Nothing of any world in /dev/shm.
     for w in 0..2 * (CYCLES + 1) {
         let t = world_token(&token, w);
-        let mut prefixes = vec![fh_transport::shm::segment_prefix(t.expose())];
+        let mut prefixes = vec![fh_transport::backend::shm::segment_prefix(t.expose())];
         for h in 0..3 {
-            let host = fh_transport::hier::host_token(&t, h);
-            prefixes.push(fh_transport::shm::segment_prefix(host.expose()));
+            let host = fh_transport::compose::hier::host_token(&t, h);
+            prefixes.push(fh_transport::backend::shm::segment_prefix(host.expose()));
         }
         for p in prefixes {
             let left: Vec<String> = std::fs::read_dir("/dev/shm")

@@ -11,7 +11,7 @@ use fh_core::message::MismatchField;
 use fh_scheduler::{
     AllreduceOptions, Config, DType, Engine, ReduceOp, SchedulerError, Tensor, Wire,
 };
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 use fh_transport::Transport;
 
 fn sum() -> AllreduceOptions {

@@ -9,7 +9,7 @@ use common::{configs, run_world, LIMIT};
 use fh_scheduler::{
     AllreduceOptions, Config, DType, Engine, Priority, ReduceOp, SchedulerError, Tensor,
 };
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 use fh_transport::Transport;
 
 fn sum() -> AllreduceOptions {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fh_scheduler::{AllreduceOptions, Config, Engine, ReduceOp, Tensor};
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 use fh_transport::{Communicator, Interrupt, Result, Topology, Transport, TransportError};
 
 /// The in-process transport's timeout: far longer than the test waits.

@@ -9,7 +9,7 @@ use fh_core::message::MismatchField;
 use fh_scheduler::{
     AllreduceOptions, Config, DType, Engine, Handle, ProcessSets, ReduceOp, SchedulerError, Tensor,
 };
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 
 fn sum() -> AllreduceOptions {
     AllreduceOptions::with_op(ReduceOp::Sum)

@@ -11,8 +11,10 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use fh_core::{DType, ReduceOp};
-use fh_transport::cuda::{self, CudaStream, CudaWorld, DeviceBytes, DeviceBytesMut, Staging};
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::cuda::{
+    self, CudaStream, CudaWorld, DeviceBytes, DeviceBytesMut, Staging,
+};
+use fh_transport::backend::local::LocalWorld;
 use fh_transport::{Topology, Transport};
 
 const REPS: usize = 10;

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use fh_core::{DType, ReduceOp};
 use fh_job::launch::LaunchInfo;
-use fh_transport::mpi::MpiTransport;
+use fh_transport::backend::mpi::MpiTransport;
 use fh_transport::{CollectivesExt, Communicator, Transport};
 
 const SIZES: [usize; 3] = [4 << 10, 1 << 20, 64 << 20];

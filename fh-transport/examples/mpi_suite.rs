@@ -18,7 +18,7 @@
 
 use std::process::ExitCode;
 
-use fh_transport::mpi::MpiTransport;
+use fh_transport::backend::mpi::MpiTransport;
 
 #[path = "../tests/mpi/suite.rs"]
 mod suite;

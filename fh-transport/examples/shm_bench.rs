@@ -16,7 +16,7 @@ mod linux {
     use std::time::{Duration, Instant};
 
     use fh_core::ReduceOp;
-    use fh_transport::shm::{ShmOptions, ShmTransport};
+    use fh_transport::backend::shm::{ShmOptions, ShmTransport};
     use fh_transport::{CollectivesExt, Transport};
 
     fn parse_size(s: &str) -> usize {

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use fh_core::ReduceOp;
 use fh_job::launch::LaunchInfo;
-use fh_transport::tcp::{TcpOptions, TcpTransport};
+use fh_transport::backend::tcp::{TcpOptions, TcpTransport};
 use fh_transport::CollectivesExt;
 
 const TOKEN: &str = "tcp-startup-example-token-0123456789";

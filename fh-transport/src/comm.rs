@@ -29,7 +29,7 @@ pub trait Transport: Send {
     }
 
     /// Whether [`Transport::open_group`] is supported (the same answer on every rank of a
-    /// backend). When it is not, [`crate::subset::open_subset`] carries a subset over world
+    /// backend). When it is not, [`crate::compose::subset::open_subset`] carries a subset over world
     /// communicators instead.
     fn can_open_group(&self) -> bool {
         false

@@ -35,23 +35,22 @@
 #![deny(missing_docs)]
 
 pub mod algorithms;
+pub mod backend;
 pub mod comm;
-pub mod cuda;
+pub mod compose;
 pub mod error;
-#[cfg(target_os = "linux")]
-pub mod hier;
 pub mod interrupt;
 pub mod liveness;
-pub mod local;
 pub mod metrics;
-pub mod mpi;
-#[cfg(target_os = "linux")]
-pub mod shm;
-pub mod split;
-pub mod subset;
-pub mod tcp;
 
 use fh_job::{elastic, hosts};
+
+#[cfg(target_os = "linux")]
+use backend::shm;
+use backend::{local, mpi, tcp};
+#[cfg(target_os = "linux")]
+use compose::hier;
+use compose::split;
 
 pub use comm::{CollectivesExt, Communicator, Topology, Transport};
 pub use error::TransportError;

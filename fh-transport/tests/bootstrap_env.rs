@@ -407,7 +407,7 @@ fn timeouts_below_the_minimum_are_refused() {
     vars.push(("FH_TIMEOUT_SECONDS", "1"));
     assert_eq!(parse(&vars).unwrap().timeout, Duration::from_secs(1));
     // The shared-memory options read the same variable with the same rule.
-    let shm = fh_transport::shm::ShmOptions::from_lookup(|v| {
+    let shm = fh_transport::backend::shm::ShmOptions::from_lookup(|v| {
         (v == "FH_TIMEOUT_SECONDS").then(|| "1e-12".to_string())
     });
     assert!(

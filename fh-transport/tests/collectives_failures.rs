@@ -9,7 +9,7 @@ use fh_core::{DType, ReduceOp};
 use fh_transport::algorithms::{
     allreduce_with, AllreduceAlgorithm, ALLREDUCE_RING_THRESHOLD_BYTES,
 };
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
 
 mod local_world;

@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fh_core::{kernels, DType, ReduceOp};
-use fh_transport::cuda::{
+use fh_transport::backend::cuda::{
     self, CudaStream, CudaWorld, DeviceBytes, DeviceBytesMut, DeviceChannel, DeviceMode, Staging,
 };
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 use fh_transport::{Topology, Transport};
 use support::{free_port, launcher_env, rank_command, Children, Place};
 

@@ -12,7 +12,8 @@ use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use fh_core::{DType, ReduceOp};
-use fh_transport::{shm, CollectivesExt, Communicator, Transport, TransportError};
+use fh_transport::backend::shm;
+use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
 use shm_common::*;
 use support::{free_port, launcher_env, rank_command, serial, Children};
 
@@ -99,7 +100,7 @@ fn hier_token() -> String {
 fn host_leftovers(tok: &str, hosts: usize) -> Vec<String> {
     (0..hosts)
         .flat_map(|h| {
-            let host = fh_transport::hier::host_token(&fh_job::JobToken::new(tok), h);
+            let host = fh_transport::compose::hier::host_token(&fh_job::JobToken::new(tok), h);
             leftovers(&shm::segment_prefix(host.expose()))
         })
         .collect()
@@ -167,7 +168,8 @@ fn child() {
             let members: Vec<usize> = (1..size).collect();
             let labels = ["sub-control".to_string(), "sub-data".to_string()];
             let mut sub =
-                fh_transport::subset::open_subset(world.as_mut(), &members, &labels).unwrap();
+                fh_transport::compose::subset::open_subset(world.as_mut(), &members, &labels)
+                    .unwrap();
             assert_eq!(sub.is_member(), t.rank != 0);
             if sub.is_member() {
                 let st = sub.topology();

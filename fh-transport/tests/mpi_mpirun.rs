@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use fh_transport::mpi::MpiTransport;
+use fh_transport::backend::mpi::MpiTransport;
 use fh_transport::{Transport, TransportError};
 
 #[path = "mpi/suite.rs"]

@@ -7,7 +7,7 @@ use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use fh_transport::shm::{self, ShmOptions, ShmTransport};
+use fh_transport::backend::shm::{self, ShmOptions, ShmTransport};
 use fh_transport::TransportError;
 
 const NOBODY: u32 = 65534;

@@ -11,7 +11,7 @@ use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use fh_core::{DType, ReduceOp};
-use fh_transport::shm::{self, ShmOptions, ShmTransport};
+use fh_transport::backend::shm::{self, ShmOptions, ShmTransport};
 use fh_transport::{CollectivesExt, Transport, TransportError};
 use shm_common::*;
 use support::{rank_command, serial, Children};

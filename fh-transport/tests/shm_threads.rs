@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use fh_core::{DType, ReduceOp};
 use fh_job::launch::{LaunchInfo, Launcher};
-use fh_transport::shm::{self, ShmOptions, ShmTransport};
+use fh_transport::backend::shm::{self, ShmOptions, ShmTransport};
 use fh_transport::{CollectivesExt, Communicator, Topology, Transport, TransportError};
 use proptest::prelude::*;
 use shm_common::*;

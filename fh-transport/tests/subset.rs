@@ -1,4 +1,4 @@
-//! Communicators over subsets of the world (`fh_transport::subset`) on the in-process, TCP and
+//! Communicators over subsets of the world (`fh_transport::compose::subset`) on the in-process, TCP and
 //! shared-memory backends: overlapping and disjoint subsets used at the same time, results
 //! against a reference, and the member-list errors.
 
@@ -9,9 +9,9 @@ use std::net::TcpListener;
 
 use fh_core::ReduceOp;
 use fh_job::launch::LaunchInfo;
-use fh_transport::local::LocalWorld;
-use fh_transport::subset::open_subset;
-use fh_transport::tcp::{TcpOptions, TcpTransport};
+use fh_transport::backend::local::LocalWorld;
+use fh_transport::backend::tcp::{TcpOptions, TcpTransport};
+use fh_transport::compose::subset::open_subset;
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
 
 /// One rank's results per subset: (allreduce ends, allgather, broadcast), None if outside.
@@ -173,7 +173,7 @@ fn subsets_on_the_tcp_backend_np4() {
 #[cfg(target_os = "linux")]
 #[test]
 fn subsets_on_the_shm_backend_np4() {
-    use fh_transport::shm::{self, ShmTransport};
+    use fh_transport::backend::shm::{self, ShmTransport};
     let size = 4;
     let token = shm_common::token();
     let handles: Vec<_> = (0..size)

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{unbounded, Receiver};
 use fh_core::ReduceOp;
 use fh_job::launch::LaunchInfo;
-use fh_transport::tcp::{max_pending_handshakes, TcpOptions, TcpTransport};
+use fh_transport::backend::tcp::{max_pending_handshakes, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Transport};
 use support::{free_port, launcher_env, rank_command, Children, Place};
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
 use fh_job::launch::LaunchInfo;
-use fh_transport::tcp::{wire, TcpOptions, TcpTransport};
+use fh_transport::backend::tcp::{wire, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Transport, TransportError};
 
 fn info(rank: usize, size: usize, port: u16, timeout_s: &str) -> LaunchInfo {

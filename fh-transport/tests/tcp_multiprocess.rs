@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{unbounded, Receiver};
 use fh_core::{kernels, DType, ReduceOp};
 use fh_job::launch::LaunchInfo;
-use fh_transport::tcp::{wire, TcpOptions, TcpTransport};
+use fh_transport::backend::tcp::{wire, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
 use support::{free_port, launcher_env, rank_command, Children, Place};
 

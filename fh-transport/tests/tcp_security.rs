@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
 use fh_job::launch::LaunchInfo;
-use fh_transport::tcp::{wire, TcpOptions, TcpTransport};
+use fh_transport::backend::tcp::{wire, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Transport, TransportError};
 
 const TOKEN: &str = "KNOWN-TEST-TOKEN-5f1d0c3a9e8b7a6d";

@@ -24,7 +24,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
-use fh_transport::shm;
+use fh_transport::backend::shm;
 use fh_transport::CollectivesExt;
 use support::{free_port, launcher_env, rank_command, Children, Place};
 

@@ -1,7 +1,7 @@
 //! Every decoder reachable from the network never panics on arbitrary bytes, and never asks
 //! for (or returns) more than its configured maximum.
 
-use fh_transport::tcp::wire::{self, ConnKind, DecodeError, Header, Hello, Reply};
+use fh_transport::backend::tcp::wire::{self, ConnKind, DecodeError, Header, Hello, Reply};
 use proptest::prelude::*;
 
 fn hello_strategy() -> impl Strategy<Value = Hello> {

@@ -253,7 +253,7 @@ fn unknown_fh_variables_are_named_with_the_closest_known_one() {
 
 #[test]
 fn clock_offsets_are_zero_on_rank_0s_host_and_measured_across_hosts() {
-    use fh_transport::local::LocalWorld;
+    use fh_transport::backend::local::LocalWorld;
     use fh_transport::{Topology, Transport};
     // Three ranks: 0 and 1 on host 0, rank 2 "on host 1" (the same machine, so its measured
     // offset is the fastest delivery of a broadcast: small and not negative).

@@ -4,7 +4,7 @@ use super::dispatch::try_zeros;
 use super::*;
 use crate::{AllreduceOptions, Config, Engine};
 use fh_core::DType;
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 
 /// A rank that cannot run a negotiated tensor (here: an injected allocation failure on
 /// rank 1) stops the engine on every rank with the same error naming the rank and the

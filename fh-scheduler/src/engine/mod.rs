@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::unbounded;
-use fh_transport::subset::SubsetTransport;
+use fh_transport::compose::subset::SubsetTransport;
 use fh_transport::{Topology, Transport};
 
 use crate::control::Control;
@@ -30,7 +30,7 @@ mod submit;
 /// ```
 /// use fh_scheduler::{AllreduceOptions, Config, Engine, Tensor};
 /// use fh_core::ReduceOp;
-/// use fh_transport::local::LocalWorld;
+/// use fh_transport::backend::local::LocalWorld;
 ///
 /// let threads: Vec<_> = LocalWorld::new(2).into_iter().map(|t| std::thread::spawn(move || {
 ///     let engine = Engine::start(Box::new(t), Config::default().channels(2)).unwrap();
@@ -219,7 +219,7 @@ impl Engine {
 
     /// Collectively (every rank of this engine's world) open communicators over the world
     /// ranks `members`, one per label, on the world this engine was started on; see
-    /// [`fh_transport::subset::open_subset`]. Used by [`crate::ProcessSets`].
+    /// [`fh_transport::compose::subset::open_subset`]. Used by [`crate::ProcessSets`].
     pub fn open_subset(
         &self,
         members: &[usize],
@@ -229,7 +229,7 @@ impl Engine {
         let world = guard.as_mut().ok_or_else(|| SchedulerError::ShutDown {
             reason: "the engine's world is closed".into(),
         })?;
-        Ok(fh_transport::subset::open_subset(
+        Ok(fh_transport::compose::subset::open_subset(
             world.as_mut(),
             members,
             labels,
@@ -337,7 +337,7 @@ impl Engine {
     /// The GPU this rank's device channels drive and how they move bytes (NCCL, or host
     /// staging when a host runs more ranks than it has GPUs); `None` when the GPU path is not
     /// open (see [`Config::cuda`](crate::Config#structfield.cuda)).
-    pub fn gpu(&self) -> Option<(u32, fh_transport::cuda::DeviceMode)> {
+    pub fn gpu(&self) -> Option<(u32, fh_transport::backend::cuda::DeviceMode)> {
         match (&self.inner.gpu.device, self.inner.gpu.mode) {
             (Ok(d), Some(m)) => Some((*d, m)),
             _ => None,

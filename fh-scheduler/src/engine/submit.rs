@@ -92,9 +92,9 @@ impl Engine {
             // SAFETY: `Tensor::from_device`'s contract: `m.stream` is a live stream of the
             // tensor's device (checked above to be this engine's) or 0.
             let ev = unsafe {
-                fh_transport::cuda::record_on_stream(
+                fh_transport::backend::cuda::record_on_stream(
                     ctx,
-                    m.stream as usize as fh_transport::cuda::CUstream,
+                    m.stream as usize as fh_transport::backend::cuda::CUstream,
                 )
             }
             .map_err(|e| SchedulerError::from_transport(&e))?;

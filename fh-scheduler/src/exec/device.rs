@@ -20,11 +20,11 @@ fn completion_timeout() -> std::time::Duration {
 /// completion event that every tensor of the job keeps.
 #[cfg(feature = "cuda")]
 pub(crate) fn run_job(
-    ch: &mut fh_transport::cuda::DeviceChannel,
+    ch: &mut fh_transport::backend::cuda::DeviceChannel,
     job: &Job,
     sig: &fh_core::message::Signature,
 ) -> Result<(), fh_transport::TransportError> {
-    use fh_transport::cuda::DeviceBytesMut;
+    use fh_transport::backend::cuda::DeviceBytesMut;
     use fh_transport::TransportError;
     use std::sync::Arc;
 

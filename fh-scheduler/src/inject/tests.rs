@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fh_core::{DType, ReduceOp};
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 use fh_transport::{Communicator, Result as TResult, Topology, Transport, TransportError};
 
 use super::{arm, Point};

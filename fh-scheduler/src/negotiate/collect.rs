@@ -172,7 +172,7 @@ pub(crate) fn broadcast_blob(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fh_transport::local::LocalWorld;
+    use fh_transport::backend::local::LocalWorld;
     use fh_transport::Transport;
 
     fn on_ranks<T: Send + 'static>(

@@ -8,7 +8,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use fh_scheduler::{Config, Engine, Preset, SchedulerError};
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 
 /// Every wait in the tests is bounded by this.
 pub const LIMIT: Duration = Duration::from_secs(30);

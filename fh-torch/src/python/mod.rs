@@ -115,7 +115,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", fh_core::RELEASE)?;
     m.add(
         "PROTOCOL_VERSION",
-        fh_transport::tcp::wire::PROTOCOL_VERSION,
+        fh_transport::backend::tcp::wire::PROTOCOL_VERSION,
     )?;
     Ok(())
 }

@@ -3,8 +3,8 @@
 //! world id, and a MAC keyed with the job token's key over all of it. Fixed length; anything
 //! else on the socket is dropped before the MAC is computed.
 
-use crate::tcp::wire::WORLD_ID_LEN;
-use crate::tcp::Key;
+use crate::backend::tcp::wire::WORLD_ID_LEN;
+use crate::backend::tcp::Key;
 
 /// First bytes of every heartbeat.
 const MAGIC: [u8; 4] = *b"FHLB";

@@ -8,7 +8,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use fh_core::{kernels, DType, ReduceOp};
-use fh_transport::local::LocalWorld;
+use fh_transport::backend::local::LocalWorld;
 use fh_transport::{Communicator, Transport};
 use half::{bf16, f16};
 

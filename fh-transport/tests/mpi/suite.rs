@@ -10,7 +10,7 @@
 use std::fmt::Write as _;
 
 use fh_core::{kernels, DType, ReduceOp};
-use fh_transport::mpi::{MpiComm, MpiTransport, ThreadMode};
+use fh_transport::backend::mpi::{MpiComm, MpiTransport, ThreadMode};
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
 
 /// Every dtype.
@@ -844,7 +844,7 @@ pub fn run(world: &mut MpiTransport) -> Result<Report, Fatal> {
         stage("subset");
         let members: Vec<usize> = (1..world.size()).collect();
         let labels = ["subset-control".to_string(), "subset-data".to_string()];
-        let mut sub = fh_transport::subset::open_subset(world, &members, &labels)
+        let mut sub = fh_transport::compose::subset::open_subset(world, &members, &labels)
             .map_err(|e| fatal("open subset", e))?;
         rep.check(sub.is_member() == (world.rank() != 0), || {
             "subset membership".to_string()

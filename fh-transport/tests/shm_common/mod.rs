@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use fh_core::{kernels, DType, ReduceOp};
-use fh_transport::shm::ShmOptions;
+use fh_transport::backend::shm::ShmOptions;
 use fh_transport::{algorithms, CollectivesExt, Communicator};
 
 /// A fresh job token, unique per call (pid, time, counter).

@@ -132,7 +132,7 @@ fn fusion_and_partition_through_the_engines_planner() {
 #[test]
 fn model_and_engine_plan_the_same_groups_and_channels() {
     use fh_scheduler::{AllreduceOptions, Engine, Tensor};
-    use fh_transport::local::LocalWorld;
+    use fh_transport::backend::local::LocalWorld;
     use std::collections::HashMap;
     use std::time::Duration;
 

@@ -13,6 +13,9 @@
 //!   release the ranks compare); the supported PyTorch is stated alike in
 //!   `fh-torch/pyproject.toml`, `fasthorovod/_compat.py` and the README.
 
+mod imports;
+mod sockets;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -119,6 +122,11 @@ pub(crate) const RULES: &[Rule] = &[
         forbidden: SCHEDULER_FORBIDDEN,
     },
     Rule {
+        krate: "fh-launch",
+        internal_allowed: Some(&["fh-core", "fh-job", "fh-transport", "fh-scheduler"]),
+        forbidden: PYTHON_CRATES,
+    },
+    Rule {
         krate: "fh-torch",
         internal_allowed: Some(&["fh-core", "fh-job", "fh-transport", "fh-scheduler"]),
         forbidden: &[],
@@ -173,6 +181,8 @@ pub(crate) fn run_all(root: &Path) -> Vec<String> {
     out.extend(check_readme(root));
     out.extend(check_ci_script(root));
     out.extend(check_architecture(root));
+    out.extend(imports::check_import_circles(root));
+    out.extend(sockets::check_socket_owners(root));
     out.extend(check_cudarc_features(root));
     out.extend(check_one_release(root));
     out.extend(check_torch_range(root));
@@ -445,7 +455,7 @@ pub(crate) fn forbidden_calls(source: &str) -> Vec<(usize, &'static str)> {
     out
 }
 
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+pub(crate) fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };

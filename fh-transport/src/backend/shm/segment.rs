@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::sys::{self, Fd, Mapping};
-use crate::tcp::Key;
+use crate::backend::tcp::Key;
 use crate::{Result, TransportError};
 
 /// Identifies a FastHorovod segment ("FHSHMSEG").
@@ -458,7 +458,7 @@ impl Segment {
         }
         let want = segment_proof(key, name, &layout, pid, start);
         // The layout matched: now the creator must prove that it knows the token.
-        if !crate::tcp::wire::constant_time_eq(&theirs_proof, &want) {
+        if !crate::backend::tcp::wire::constant_time_eq(&theirs_proof, &want) {
             return Err(TransportError::Handshake {
                 peer: format!("shared-memory segment /dev/shm{name}"),
                 reason: "its creator cannot prove that it knows this job's token (another job \
@@ -632,7 +632,10 @@ mod tests {
     fn a_segment_without_the_creators_proof_is_refused() {
         let name = format!(
             "/{}0",
-            crate::shm::segment_prefix(&format!("proof-test-{}-0123456789", std::process::id()))
+            crate::backend::shm::segment_prefix(&format!(
+                "proof-test-{}-0123456789",
+                std::process::id()
+            ))
         );
         let layout = Layout::new(2, 4096, 1, 4096);
         let seg = Segment::create(&name, layout, &Key::new(b"the-creators-token-0123")).unwrap();

@@ -59,8 +59,8 @@ use fh_core::{kernels, CoreError, DType, ReduceOp};
 use fh_job::launch::LaunchInfo;
 use fh_job::JobToken;
 
-use crate::shm::{OutsideWord, ShmComm, ShmOptions, ShmTransport};
-use crate::tcp::{TcpComm, TcpOptions, TcpTransport};
+use crate::backend::shm::{OutsideWord, ShmComm, ShmOptions, ShmTransport};
+use crate::backend::tcp::{TcpComm, TcpOptions, TcpTransport};
 use crate::{algorithms, Communicator, Interrupt, Result, Topology, Transport, TransportError};
 
 /// Where every rank sits: the global ranks of each host, by local rank.
@@ -215,7 +215,7 @@ impl HierTransport {
     fn setup(mut tcp: TcpTransport, info: &LaunchInfo, explicit: bool) -> Result<Setup> {
         // Where the ranks sit is what the rendezvous settled from facts (`fh_job::hosts`).
         let info = &info.with_topology(tcp.topology());
-        let room = crate::shm::has_room(info.local_size);
+        let room = crate::backend::shm::has_room(info.local_size);
         let mine = [
             info.cross_rank as u64,
             info.local_rank as u64,

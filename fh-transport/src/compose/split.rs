@@ -92,7 +92,7 @@ impl Transport for SplitTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::local::LocalWorld;
+    use crate::backend::local::LocalWorld;
     use crate::CollectivesExt;
     use fh_core::ReduceOp;
 

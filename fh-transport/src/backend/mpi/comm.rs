@@ -601,7 +601,7 @@ fn empty_status() -> ffi::MPI_Status {
 /// ```no_run
 /// # fn main() -> fh_transport::Result<()> {
 /// use fh_core::ReduceOp;
-/// use fh_transport::{mpi::MpiTransport, CollectivesExt, Transport};
+/// use fh_transport::{backend::mpi::MpiTransport, CollectivesExt, Transport};
 ///
 /// let mut world = MpiTransport::new()?; // under `mpirun -np N`
 /// let mut comm = world.open("data")?;

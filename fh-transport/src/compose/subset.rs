@@ -56,7 +56,7 @@ pub fn canonical_members(members: &[usize], world_size: usize) -> Result<Vec<usi
 }
 
 /// Collectively (over the whole world of `parent`) open one communicator per label (each
-/// opened on `parent` under that label, so a [`crate::split::SplitTransport`] still routes
+/// opened on `parent` under that label, so a [`crate::compose::split::SplitTransport`] still routes
 /// control labels to its control world) over the ranks `members` (any order; see
 /// [`canonical_members`] for the rules). Every rank must call it with the same arguments. Returns a transport whose topology numbers the members; on a
 /// non-member it holds the communicators idle and [`SubsetTransport::is_member`] is false.

@@ -59,7 +59,7 @@
 //!   messages, concurrent channels, checked bit for bit against a local sequential reference)
 //!   under `mpirun` with 2, 3 and 4 ranks, in serialized mode, through `fhrun --mpi`, and as a
 //!   singleton; then the scheduler (`fh-scheduler/examples/train_env.rs`) over MPI with both
-//!   presets, and mixed with TCP (`FH_TRANSPORT=mpi+tcp` / `tcp+mpi`, see [`crate::split`]).
+//!   presets, and mixed with TCP (`FH_TRANSPORT=mpi+tcp` / `tcp+mpi`, see [`crate::compose::split`]).
 //! - `cargo test -p fh-transport --features mpi --test mpi_mpirun` does the same from Rust and
 //!   skips (with a message) when `mpirun` is missing.
 //! - `examples/mpi_busbw.rs` measures allreduce bus bandwidth of this backend and of the TCP
@@ -68,10 +68,10 @@
 use crate::{Result, Transport};
 
 #[cfg(feature = "mpi")]
-mod backend;
+mod comm;
 
 #[cfg(feature = "mpi")]
-pub use backend::{MpiComm, MpiError, MpiTransport, ThreadMode};
+pub use comm::{MpiComm, MpiError, MpiTransport, ThreadMode};
 
 /// Whether this build of `fh-transport` contains the MPI backend (Cargo feature `mpi`).
 pub const COMPILED: bool = cfg!(feature = "mpi");

@@ -2,7 +2,7 @@
 //! `/dev/shm` at memory speed, without the kernel's network stack.
 //!
 //! ```no_run
-//! use fh_transport::shm::{ShmOptions, ShmTransport};
+//! use fh_transport::backend::shm::{ShmOptions, ShmTransport};
 //! use fh_transport::{CollectivesExt, Transport};
 //! use fh_core::ReduceOp;
 //!
@@ -93,8 +93,8 @@ use std::time::{Duration, Instant};
 pub(crate) use comm::OutsideWord;
 pub use comm::ShmComm;
 
+use crate::backend::tcp::Key;
 use crate::liveness::{Liveness, Watch};
-use crate::tcp::Key;
 use crate::{Communicator, Interrupt, Result, Topology, Transport, TransportError};
 use fh_job::launch::LaunchInfo;
 use segment::{Layout, Segment, NAME_PREFIX};
@@ -220,7 +220,7 @@ fn hex16(mac: &[u8; 32]) -> String {
 }
 
 /// The `/dev/shm` file name of communicator `seq`'s segment in the world `world` (the job's
-/// nonce, [`TcpTransport::world_id`](crate::tcp::TcpTransport::world_id); `None` for a world
+/// nonce, [`TcpTransport::world_id`](crate::backend::tcp::TcpTransport::world_id); `None` for a world
 /// joined without a rendezvous, [`ShmTransport::join`]) of the job with this token:
 /// [`segment_prefix`] followed by 128 bits of HMAC-SHA-256 keyed with the token over the world
 /// and `seq`. Each name is drawn independently: seeing one (or all earlier ones, or those of an
@@ -228,13 +228,17 @@ fn hex16(mac: &[u8; 32]) -> String {
 /// can create a segment's name before rank 0 does.
 pub fn segment_name(
     job_token: &str,
-    world: Option<&[u8; crate::tcp::wire::WORLD_ID_LEN]>,
+    world: Option<&[u8; crate::backend::tcp::wire::WORLD_ID_LEN]>,
     seq: u64,
 ) -> String {
     name_of(&Key::new(job_token.as_bytes()), world, seq)
 }
 
-fn name_of(key: &Key, world: Option<&[u8; crate::tcp::wire::WORLD_ID_LEN]>, seq: u64) -> String {
+fn name_of(
+    key: &Key,
+    world: Option<&[u8; crate::backend::tcp::wire::WORLD_ID_LEN]>,
+    seq: u64,
+) -> String {
     let tag = key.mac(&[b"fasthorovod shm v2 segment name"]);
     let mac = key.mac(&[
         b"fasthorovod shm v3 segment",
@@ -300,7 +304,7 @@ pub(crate) fn check_one_host(info: &LaunchInfo) -> Result<()> {
 #[derive(Debug)]
 pub struct ShmTransport {
     /// The job's world id, when the world was joined through a rendezvous.
-    world: Option<[u8; crate::tcp::wire::WORLD_ID_LEN]>,
+    world: Option<[u8; crate::backend::tcp::wire::WORLD_ID_LEN]>,
     /// The job token, as the key of the segments' proofs (redacted in `Debug`).
     key: Key,
     rank: usize,
@@ -325,13 +329,13 @@ impl ShmTransport {
     }
 
     /// As [`ShmTransport::join`], in the world `world` (the job's nonce that rank 0 drew and
-    /// sent at the TCP rendezvous, [`TcpTransport::world_id`](crate::tcp::TcpTransport::world_id)):
+    /// sent at the TCP rendezvous, [`TcpTransport::world_id`](crate::backend::tcp::TcpTransport::world_id)):
     /// every segment's name is keyed with it too ([`segment_name`]), so segment names never
     /// repeat from one job to the next, even with the same token, and two jobs with the same
     /// token on one host never meet in shared memory.
     pub fn join_world(
         job_token: &str,
-        world: [u8; crate::tcp::wire::WORLD_ID_LEN],
+        world: [u8; crate::backend::tcp::wire::WORLD_ID_LEN],
         rank: usize,
         size: usize,
         opts: ShmOptions,
@@ -341,7 +345,7 @@ impl ShmTransport {
 
     fn join_in(
         job_token: &str,
-        world: Option<[u8; crate::tcp::wire::WORLD_ID_LEN]>,
+        world: Option<[u8; crate::backend::tcp::wire::WORLD_ID_LEN]>,
         rank: usize,
         size: usize,
         opts: ShmOptions,
@@ -407,7 +411,7 @@ impl ShmTransport {
     /// ([`ShmTransport::join_world`]).
     pub fn from_info_in(
         info: &LaunchInfo,
-        world: Option<[u8; crate::tcp::wire::WORLD_ID_LEN]>,
+        world: Option<[u8; crate::backend::tcp::wire::WORLD_ID_LEN]>,
     ) -> Result<Self> {
         check_one_host(info)?;
         // A single process has no token; any name private to it will do.

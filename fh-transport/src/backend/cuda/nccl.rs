@@ -424,7 +424,7 @@ impl Drop for NcclComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::local::LocalWorld;
+    use crate::backend::local::LocalWorld;
     use crate::Transport;
 
     /// NCCL's unique id travels from rank 0 to every rank over the host control plane (no GPU

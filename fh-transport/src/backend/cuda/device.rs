@@ -68,7 +68,7 @@ pub trait DeviceCommunicator: Send {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::{CudaWorld, DeviceChannel};
+    use crate::backend::cuda::{CudaWorld, DeviceChannel};
 
     #[test]
     fn device_types_are_send_and_object_safe() {

@@ -53,7 +53,7 @@
 //! after that comes from a job started later and is only refused, naming this world. (A
 //! collective run in a mixed world before the second claim arrives cannot be undone; give every
 //! job its own token, as fhrun does.) The shared-memory backends key their segment names with the world id
-//! ([`crate::shm::segment_name`]).
+//! ([`crate::backend::shm::segment_name`]).
 //!
 //! Connections are authenticated, not encrypted: someone who can watch the network sees the
 //! data (but never the token).

@@ -5,7 +5,7 @@
 //! pending and later receives from it fail with [`TransportError::PeerLost`].
 //!
 //! ```
-//! use fh_transport::{local::LocalWorld, CollectivesExt, Transport};
+//! use fh_transport::{backend::local::LocalWorld, CollectivesExt, Transport};
 //! use fh_core::ReduceOp;
 //!
 //! let handles: Vec<_> = LocalWorld::new(3)

@@ -1,0 +1,10 @@
+//! Worlds made of other worlds: what every backend gets without writing it itself.
+//!
+//! - [`subset`]: communicators over a subset of the ranks (process sets), renumbered `0..n`.
+//! - [`split`]: control and data on two backends (`FH_TRANSPORT=mpi+tcp`).
+//! - [`hier`] (Linux): shared memory within a host and TCP between hosts, as one world.
+
+#[cfg(target_os = "linux")]
+pub mod hier;
+pub mod split;
+pub mod subset;
