@@ -106,7 +106,7 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
                 l.staged_concurrency = concurrency(record, transport, np, true);
             }
             // What the engine's `auto` back-pressure goes by on this transport, on one host.
-            l.wire = fh_scheduler::Wire::of(transport, 1);
+            l.wire = fh_scheduler::Wire::of(fh_transport::wire_of_choice(transport), 1);
             // TCP's communicators do scatter-gather I/O: `fasthorovod` reduces fused groups in
             // place over it.
             l.vectored_io = transport == "tcp";

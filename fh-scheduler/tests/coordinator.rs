@@ -27,6 +27,10 @@ impl Transport for Counting {
     fn backend(&self) -> &'static str {
         "counting"
     }
+
+    fn wire(&self) -> fh_transport::WireKind {
+        self.inner.wire()
+    }
     fn topology(&self) -> Topology {
         self.inner.topology()
     }

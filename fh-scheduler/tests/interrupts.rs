@@ -33,6 +33,10 @@ impl Transport for Stalling {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
+
+    fn wire(&self) -> fh_transport::WireKind {
+        self.inner.wire()
+    }
     fn topology(&self) -> Topology {
         self.inner.topology()
     }

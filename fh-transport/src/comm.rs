@@ -6,6 +6,28 @@ pub use fh_job::Topology;
 
 use crate::{algorithms, Result, TransportError};
 
+/// What a communicator carries. A world made of two (`FH_TRANSPORT=CONTROL+DATA`,
+/// [`SplitTransport`](crate::compose::split::SplitTransport)) opens each role on its own
+/// backend ([`Transport::open_as`]); every other world opens both alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// The engine's negotiation: small messages every cycle.
+    Control,
+    /// Tensors: the fused collectives.
+    Data,
+}
+
+/// How a world's data moves between its ranks, as far as the engine's defaults care (e.g.
+/// back-pressure on a network).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WireKind {
+    /// Through a network stack (TCP, over loopback too, or between hosts): every message pays
+    /// system calls and protocol latency.
+    Network,
+    /// Through one host's memory (shared memory, threads; MPI within a host).
+    Memory,
+}
+
 /// A world of ranks, able to open independent communicators.
 ///
 /// Opening is collective: every rank must call [`Transport::open`] the same number of times, in
@@ -16,8 +38,17 @@ pub trait Transport: Send {
     fn backend(&self) -> &'static str;
     /// This rank's place in the world.
     fn topology(&self) -> Topology;
+    /// How this world's data moves ([`Role::Data`]'s communicators).
+    fn wire(&self) -> WireKind;
     /// Collectively open a new communicator over all ranks. `label` is used in logs and errors.
     fn open(&mut self, label: &str) -> Result<Box<dyn Communicator>>;
+
+    /// Collectively open a communicator for `role` ([`Transport::open`] for every world but
+    /// one made of two, which opens each role on its own backend).
+    fn open_as(&mut self, role: Role, label: &str) -> Result<Box<dyn Communicator>> {
+        let _ = role;
+        self.open(label)
+    }
 
     /// This rank.
     fn rank(&self) -> usize {

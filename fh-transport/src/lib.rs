@@ -52,7 +52,7 @@ use backend::{local, mpi, tcp};
 use compose::hier;
 use compose::split;
 
-pub use comm::{CollectivesExt, Communicator, Topology, Transport};
+pub use comm::{CollectivesExt, Communicator, Role, Topology, Transport, WireKind};
 pub use error::TransportError;
 pub use interrupt::Interrupt;
 
@@ -90,6 +90,17 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_ELASTIC_TIMEOUT",
     fh_job::launch::FHRUN_VERSION_VAR,
 ];
+
+/// How the data of a world built for the `FH_TRANSPORT` value `choice` moves on one host (for
+/// models and benches that have the choice but no world; a live world says it with
+/// [`Transport::wire`]): a choice of two (`CONTROL+DATA`) goes by its data backend.
+pub fn wire_of_choice(choice: &str) -> WireKind {
+    let data = choice.rsplit('+').next().unwrap_or(choice).trim();
+    match data.to_ascii_lowercase().as_str() {
+        "tcp" | "hier" => WireKind::Network,
+        _ => WireKind::Memory,
+    }
+}
 
 /// The accepted values of `FH_TRANSPORT`, for error messages.
 pub const TRANSPORT_CHOICES: &str =
@@ -292,6 +303,16 @@ fn connect_shm(info: &fh_job::LaunchInfo) -> Result<Box<dyn Transport>> {
 #[cfg(test)]
 mod tests {
     use fh_job::elastic::ADDR_VAR;
+
+    use crate::WireKind;
+
+    #[test]
+    fn a_choice_of_two_goes_by_its_data_backend() {
+        assert_eq!(super::wire_of_choice("mpi+tcp"), WireKind::Network);
+        assert_eq!(super::wire_of_choice("tcp+mpi"), WireKind::Memory);
+        assert_eq!(super::wire_of_choice("hier"), WireKind::Network);
+        assert_eq!(super::wire_of_choice("shm"), WireKind::Memory);
+    }
 
     #[test]
     fn from_env_refuses_an_elastic_worker() {

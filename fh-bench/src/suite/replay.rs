@@ -359,7 +359,10 @@ pub(super) fn schedules_over(transport: &str, np: usize, flight_cost: bool) -> V
     if flight_cost {
         return ScheduleSpec::flight_cost();
     }
-    ScheduleSpec::all_for(np, fh_scheduler::Wire::of(transport, 1))
+    ScheduleSpec::all_for(
+        np,
+        fh_scheduler::Wire::of(fh_transport::wire_of_choice(transport), 1),
+    )
 }
 
 /// The runners the engine's replay runs over: every process transport (`tcp`, `shm`), or the

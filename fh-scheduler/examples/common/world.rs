@@ -12,16 +12,18 @@ pub struct SharedWorld {
     inner: Arc<Mutex<Box<dyn Transport>>>,
     backend: &'static str,
     topology: Topology,
+    wire: fh_transport::WireKind,
 }
 
 impl SharedWorld {
     /// Wrap `world`.
     pub fn new(world: Box<dyn Transport>) -> Self {
-        let (backend, topology) = (world.backend(), world.topology());
+        let (backend, topology, wire) = (world.backend(), world.topology(), world.wire());
         SharedWorld {
             inner: Arc::new(Mutex::new(world)),
             backend,
             topology,
+            wire,
         }
     }
 
@@ -34,6 +36,10 @@ impl SharedWorld {
 impl Transport for SharedWorld {
     fn backend(&self) -> &'static str {
         self.backend
+    }
+
+    fn wire(&self) -> fh_transport::WireKind {
+        self.wire
     }
 
     fn topology(&self) -> Topology {

@@ -70,13 +70,14 @@ pub enum Wire {
 }
 
 impl Wire {
-    /// The wire of a transport whose [`backend`](fh_transport::Transport::backend) is
-    /// `backend`, on a job spanning `hosts` hosts.
-    pub fn of(backend: &str, hosts: usize) -> Wire {
-        if hosts > 1 || backend == "tcp" {
-            Wire::Network
-        } else {
-            Wire::Memory
+    /// The wire of a world whose data moves through `kind`
+    /// ([`Transport::wire`](fh_transport::Transport::wire)), on a job spanning `hosts` hosts
+    /// (between hosts, every world's data crosses a network).
+    pub fn of(kind: fh_transport::WireKind, hosts: usize) -> Wire {
+        match kind {
+            _ if hosts > 1 => Wire::Network,
+            fh_transport::WireKind::Network => Wire::Network,
+            fh_transport::WireKind::Memory => Wire::Memory,
         }
     }
 }

@@ -102,8 +102,8 @@ impl Engine {
             stage_bytes: config.effective_stage_bytes(topo.cross_size),
             ..config
         };
-        let wire = Wire::of(transport.backend(), topo.cross_size);
-        let mut control = transport.open("fh-control")?;
+        let wire = Wire::of(transport.wire(), topo.cross_size);
+        let mut control = transport.open_as(fh_transport::Role::Control, "fh-control")?;
         let k = config.effective_channels();
         let mut data = Vec::with_capacity(k);
         let mut incarnation = 0;

@@ -77,6 +77,10 @@ impl Transport for LocalTransport {
         "local"
     }
 
+    fn wire(&self) -> crate::WireKind {
+        crate::WireKind::Memory
+    }
+
     fn topology(&self) -> Topology {
         Topology::single_host(self.rank, self.size)
     }

@@ -359,6 +359,10 @@ impl Transport for HierTransport {
         "hier"
     }
 
+    fn wire(&self) -> crate::WireKind {
+        crate::WireKind::Network
+    }
+
     fn topology(&self) -> Topology {
         self.topology
     }

@@ -74,12 +74,14 @@ pub fn open_subset(
     }
     let position = members.iter().position(|&r| r == world.rank);
     let backend = parent.backend();
+    let wire = parent.wire();
     let mut comms: VecDeque<Box<dyn Communicator>> = VecDeque::new();
     if parent.can_open_group() {
         // Only the members take part.
         if position.is_none() {
             return Ok(SubsetTransport {
                 backend,
+                wire,
                 members,
                 topology: None,
                 comms: VecDeque::new(),
@@ -103,6 +105,7 @@ pub fn open_subset(
             // backends that watch every connection) but never uses them.
             return Ok(SubsetTransport {
                 backend,
+                wire,
                 members,
                 topology: None,
                 comms: VecDeque::new(),
@@ -155,6 +158,7 @@ pub fn open_subset(
     });
     Ok(SubsetTransport {
         backend,
+        wire,
         members,
         topology,
         comms,
@@ -165,6 +169,7 @@ pub fn open_subset(
 /// One rank's view of a subset of the world (see the [module docs](self)).
 pub struct SubsetTransport {
     backend: &'static str,
+    wire: crate::WireKind,
     members: Arc<[usize]>,
     topology: Option<Topology>,
     comms: VecDeque<Box<dyn Communicator>>,
@@ -203,6 +208,10 @@ impl SubsetTransport {
 impl Transport for SubsetTransport {
     fn backend(&self) -> &'static str {
         self.backend
+    }
+
+    fn wire(&self) -> crate::WireKind {
+        self.wire
     }
 
     /// The rank's place within the subset. On a non-member (which has none) this is rank 0 of

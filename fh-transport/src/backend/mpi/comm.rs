@@ -923,6 +923,10 @@ impl Transport for MpiTransport {
         "mpi"
     }
 
+    fn wire(&self) -> crate::WireKind {
+        crate::WireKind::Memory
+    }
+
     fn topology(&self) -> Topology {
         self.topology
     }

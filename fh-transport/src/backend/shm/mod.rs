@@ -564,6 +564,10 @@ impl Transport for ShmTransport {
         "shm"
     }
 
+    fn wire(&self) -> crate::WireKind {
+        crate::WireKind::Memory
+    }
+
     fn topology(&self) -> Topology {
         Topology::single_host(self.rank, self.size)
     }

@@ -460,6 +460,10 @@ impl Transport for TcpTransport {
         "tcp"
     }
 
+    fn wire(&self) -> crate::WireKind {
+        crate::WireKind::Network
+    }
+
     fn topology(&self) -> Topology {
         self.topology
     }
