@@ -28,11 +28,11 @@
 //!
 //! Which ranks share a host is settled from facts during the TCP rendezvous
 //! ([`fh_job::hosts`]; a launcher's `FH_CROSS_RANK`, `FH_LOCAL_RANK`/`FH_LOCAL_SIZE` that
-//! contradict them stop every rank there). [`HierTransport::connect`] then checks the layout on
-//! every rank (one allgather over TCP) and fails with [`TransportError::Config`] if the ranks
-//! disagree;
-//! `FH_TRANSPORT=auto` ([`connect_auto`]) then falls back to plain TCP instead, as it does when
-//! every host runs a single rank or `/dev/shm` lacks room somewhere.
+//! contradict them stop every rank there). The hierarchy is built from that settled
+//! [`Layout`] and the room in `/dev/shm` each rank reported there, the same on every rank, with
+//! no exchange of its own; [`HierTransport::connect`] fails with [`TransportError::Config`]
+//! where some host lacks room, and `FH_TRANSPORT=auto` ([`connect_auto`]) falls back to plain
+//! TCP instead, as it does when every host runs a single rank.
 //!
 //! # Failures
 //!
@@ -57,91 +57,16 @@ use std::time::Duration;
 use fh_core::{kernels, CoreError, DType, ReduceOp};
 
 use fh_job::launch::LaunchInfo;
+use fh_job::hosts::Layout;
 use fh_job::JobToken;
 
 use crate::backend::shm::{OutsideWord, ShmComm, ShmOptions, ShmTransport};
 use crate::backend::tcp::{TcpComm, TcpOptions, TcpTransport};
 use crate::{algorithms, Communicator, Interrupt, Result, Topology, Transport, TransportError};
 
-/// Where every rank sits: the global ranks of each host, by local rank.
-#[derive(Debug)]
-struct HostLayout {
-    hosts: Vec<Vec<usize>>,
-}
-
-impl HostLayout {
-    /// Check what every rank reported (`[cross_rank, local_rank, local_size, cross_size]`,
-    /// by global rank) and build the layout.
-    fn build(records: &[[u64; 4]]) -> std::result::Result<HostLayout, String> {
-        let n_hosts = records.first().map_or(0, |r| r[3]) as usize;
-        if n_hosts == 0 || n_hosts > records.len() {
-            return Err(format!(
-                "rank 0 reports {n_hosts} hosts for {} ranks",
-                records.len()
-            ));
-        }
-        let mut hosts: Vec<Vec<Option<usize>>> = vec![Vec::new(); n_hosts];
-        for (rank, &[cross_rank, local_rank, local_size, cross_size]) in records.iter().enumerate()
-        {
-            let (host, local, local_size) = (
-                cross_rank as usize,
-                local_rank as usize,
-                local_size as usize,
-            );
-            if cross_size as usize != n_hosts || host >= n_hosts {
-                return Err(format!(
-                    "rank {rank} says it is on host {host} of {cross_size} but rank 0 counts \
-                     {n_hosts} hosts"
-                ));
-            }
-            let slots = &mut hosts[host];
-            if slots.is_empty() {
-                slots.resize(local_size, None);
-            }
-            if slots.len() != local_size || local >= local_size {
-                return Err(format!(
-                    "rank {rank} says it is local rank {local} of {local_size} on host {host}, \
-                     but another rank of that host counts {} local ranks",
-                    slots.len()
-                ));
-            }
-            if let Some(other) = slots[local] {
-                return Err(format!(
-                    "ranks {other} and {rank} both claim local rank {local} on host {host}"
-                ));
-            }
-            slots[local] = Some(rank);
-        }
-        let mut out = Vec::with_capacity(n_hosts);
-        for (h, slots) in hosts.into_iter().enumerate() {
-            if slots.is_empty() {
-                return Err(format!("no rank is on host {h}"));
-            }
-            let ranks: Option<Vec<usize>> = slots.into_iter().collect();
-            out.push(ranks.ok_or_else(|| format!("host {h} misses some of its local ranks"))?);
-        }
-        Ok(HostLayout { hosts: out })
-    }
-
-    /// The host of every global rank.
-    fn host_of(&self) -> Vec<usize> {
-        let mut of = vec![0; self.hosts.iter().map(Vec::len).sum()];
-        for (h, ranks) in self.hosts.iter().enumerate() {
-            for &r in ranks {
-                of[r] = h;
-            }
-        }
-        of
-    }
-
-    fn homogeneous(&self) -> bool {
-        self.hosts.windows(2).all(|w| w[0].len() == w[1].len())
-    }
-
-    /// Whether a hierarchy helps: several hosts, and some host with several ranks.
-    fn worth_it(&self) -> bool {
-        self.hosts.len() > 1 && self.hosts.iter().any(|h| h.len() > 1)
-    }
+/// Whether a hierarchy helps: several hosts, and some host with several ranks.
+fn worth_it(layout: &Layout) -> bool {
+    layout.hosts().len() > 1 && layout.hosts().iter().any(|h| h.len() > 1)
 }
 
 /// The token of host `host`'s shared-memory world: derived from the job token
@@ -191,7 +116,7 @@ enum Setup {
 pub struct HierTransport {
     tcp: TcpTransport,
     shm: ShmTransport,
-    layout: Arc<HostLayout>,
+    layout: Arc<Layout>,
     topology: Topology,
     timeout: Duration,
 }
@@ -212,61 +137,27 @@ impl HierTransport {
         }
     }
 
-    fn setup(mut tcp: TcpTransport, info: &LaunchInfo, explicit: bool) -> Result<Setup> {
+    fn setup(tcp: TcpTransport, info: &LaunchInfo, explicit: bool) -> Result<Setup> {
         // Where the ranks sit is what the rendezvous settled from facts (`fh_job::hosts`).
         let info = &info.with_topology(tcp.topology());
-        let room = crate::backend::shm::has_room(info.local_size);
-        let mine = [
-            info.cross_rank as u64,
-            info.local_rank as u64,
-            info.local_size as u64,
-            info.cross_size as u64,
-            u64::from(room),
-        ];
-        let mut all = vec![0u8; 40 * info.size];
-        {
-            let mut setup = tcp.open_tcp("hier-setup")?;
-            let send: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let counts = vec![send.len(); info.size];
-            setup.allgatherv(&send, &mut all, &counts)?;
-        }
-        let word = |i: usize| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&all[8 * i..8 * i + 8]);
-            u64::from_le_bytes(b)
+        let layout = tcp.layout().clone();
+        // Every rank's place says how much room its /dev/shm had at the rendezvous: the same
+        // list, hence the same answer, on every rank.
+        let room = |r: usize| {
+            let on_host = layout.hosts()[layout.topology(r).cross_rank].len();
+            tcp.places()[r].shm_free >= crate::backend::shm::room_needed(on_host)
         };
-        let records: Vec<[u64; 4]> = (0..info.size)
-            .map(|r| {
-                [
-                    word(5 * r),
-                    word(5 * r + 1),
-                    word(5 * r + 2),
-                    word(5 * r + 3),
-                ]
-            })
-            .collect();
-        let layout = match HostLayout::build(&records) {
-            Ok(l) => l,
-            Err(e) => {
-                let why = format!(
-                    "the ranks do not describe a consistent host layout ({e}); FH_CROSS_RANK \
-                     must be the index of the rank's host, FH_CROSS_SIZE the number of hosts \
-                     and FH_LOCAL_RANK/FH_LOCAL_SIZE the rank's place on its host"
-                );
-                return Ok(Setup::Tcp(Box::new(tcp), why));
-            }
-        };
-        if let Some(r) = (0..info.size).find(|&r| word(5 * r + 4) == 0) {
+        if let Some(r) = (0..info.size).find(|&r| !room(r)) {
             let why = format!("rank {r} has too little room in /dev/shm for shared memory");
             return Ok(Setup::Tcp(Box::new(tcp), why));
         }
         // Asked for explicitly, a degenerate hierarchy (one host, or one rank per host) still
         // works; only `auto` skips it.
-        if !explicit && !layout.worth_it() {
+        if !explicit && !worth_it(&layout) {
             let why = format!(
                 "{} ranks on {} hosts: no host runs several ranks",
                 info.size,
-                layout.hosts.len()
+                layout.hosts().len()
             );
             return Ok(Setup::Tcp(Box::new(tcp), why));
         }
@@ -292,9 +183,9 @@ impl HierTransport {
             local_rank: info.local_rank,
             local_size: info.local_size,
             cross_rank: info.cross_rank,
-            cross_size: layout.hosts.len(),
+            cross_size: layout.hosts().len(),
         };
-        tracing::debug!(rank = info.rank, hosts = ?layout.hosts, "hierarchical world ready");
+        tracing::debug!(rank = info.rank, hosts = ?layout.hosts(), "hierarchical world ready");
         Ok(Setup::Hier(Box::new(HierTransport {
             tcp,
             shm,
@@ -316,7 +207,7 @@ impl HierTransport {
             .tcp
             .open_tcp_with(label, interrupt.clone())
             .map_err(global)?;
-        let host = self.layout.hosts[self.topology.cross_rank].clone();
+        let host = self.layout.hosts()[self.topology.cross_rank].clone();
         let watch = self.tcp.liveness();
         let mut shm = self
             .shm
@@ -326,8 +217,9 @@ impl HierTransport {
         // publishes whom it blames: a rank waiting for it in shared memory waits that long once.
         shm.set_outside_grace(tcp.longest_stall());
         let t = self.topology;
-        let hosts = &self.layout.hosts;
-        let group = if self.layout.homogeneous() {
+        let hosts = self.layout.hosts();
+        let homogeneous = hosts.windows(2).all(|w| w[0].len() == w[1].len());
+        let group = if homogeneous {
             hosts.iter().map(|h| h[t.local_rank]).collect()
         } else if t.local_rank == 0 {
             hosts.iter().map(|h| h[0]).collect()
@@ -340,11 +232,11 @@ impl HierTransport {
             shm,
             layout: Arc::clone(&self.layout),
             topology: t,
-            homogeneous: self.layout.homogeneous(),
+            homogeneous,
             group_rank: t.cross_rank,
             group,
             leaders: hosts.iter().map(|h| h[0]).collect(),
-            host_of: self.layout.host_of(),
+            host_of: (0..t.size).map(|r| self.layout.topology(r).cross_rank).collect(),
             all: (0..t.size).collect(),
             scratch: Vec::new(),
             broken: None,
@@ -382,7 +274,7 @@ pub struct HierComm {
     label: String,
     tcp: TcpComm,
     shm: ShmComm,
-    layout: Arc<HostLayout>,
+    layout: Arc<Layout>,
     topology: Topology,
     homogeneous: bool,
     /// The global ranks this rank allreduces with across hosts (its lane, or the leaders when
@@ -516,7 +408,7 @@ impl HierComm {
                 after: self.timeout,
             };
         }
-        let host = &self.layout.hosts[self.topology.cross_rank];
+        let host = &self.layout.hosts()[self.topology.cross_rank];
         let global = |r: usize| host.get(r).copied().unwrap_or(r);
         match err {
             TransportError::PeerLost { rank, detail } => TransportError::PeerLost {
@@ -656,7 +548,7 @@ impl HierComm {
         let t = self.topology;
         let (root_host, root_local) = self
             .layout
-            .hosts
+            .hosts()
             .iter()
             .enumerate()
             .find_map(|(h, ranks)| ranks.iter().position(|&r| r == root).map(|l| (h, l)))
@@ -882,39 +774,5 @@ impl Communicator for Group<'_> {
         self.marks
             .waiting_for(if from == self.rank { t } else { f });
         self.inner.send_recv_vectored(t, send, f, recv)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn rec(host: u64, local: u64, local_size: u64, hosts: u64) -> [u64; 4] {
-        [host, local, local_size, hosts]
-    }
-
-    #[test]
-    fn layouts_are_checked() {
-        let l = HostLayout::build(&[
-            rec(0, 0, 2, 2),
-            rec(0, 1, 2, 2),
-            rec(1, 1, 2, 2),
-            rec(1, 0, 2, 2),
-        ])
-        .unwrap();
-        assert_eq!(l.hosts, vec![vec![0, 1], vec![3, 2]]);
-        assert!(l.homogeneous() && l.worth_it());
-        let l = HostLayout::build(&[rec(0, 0, 2, 2), rec(0, 1, 2, 2), rec(1, 0, 1, 2)]).unwrap();
-        assert_eq!(l.hosts, vec![vec![0, 1], vec![2]]);
-        assert!(!l.homogeneous() && l.worth_it());
-        let l = HostLayout::build(&[rec(0, 0, 1, 2), rec(1, 0, 1, 2)]).unwrap();
-        assert!(!l.worth_it());
-        // Horovod-style cross ranks of an inhomogeneous job are not host indices.
-        assert!(HostLayout::build(&[rec(0, 0, 2, 2), rec(0, 1, 2, 1), rec(1, 0, 1, 2)]).is_err());
-        // A duplicate local rank, a missing one, a host out of range, an empty host.
-        assert!(HostLayout::build(&[rec(0, 0, 2, 1), rec(0, 0, 2, 1)]).is_err());
-        assert!(HostLayout::build(&[rec(0, 0, 3, 1), rec(0, 1, 3, 1)]).is_err());
-        assert!(HostLayout::build(&[rec(0, 0, 1, 1), rec(1, 0, 1, 1)]).is_err());
-        assert!(HostLayout::build(&[rec(0, 0, 2, 3), rec(0, 1, 2, 3), rec(2, 0, 1, 3)]).is_err());
     }
 }
