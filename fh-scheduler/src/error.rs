@@ -89,6 +89,10 @@ pub enum SchedulerError {
     /// A bad argument at submission (buffer length, root out of range, unsupported op, ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A broken invariant of the engine (a bug, never the caller's mistake): Python raises it
+    /// as `HorovodInternalError`, and the elastic retry policy never retries it.
+    #[error("internal error (a bug in FastHorovod; please report it with this message): {0}")]
+    Internal(String),
     /// Bad configuration (usually an environment variable).
     #[error("invalid configuration {var}: {reason}")]
     Config {
@@ -132,17 +136,17 @@ impl SchedulerError {
     }
 
     /// The error every pending operation gets when the transport fails.
-    pub fn from_transport(e: &TransportError) -> Self {
-        SchedulerError::Transport {
-            lost_rank: e.blamed_rank(),
-            message: e.to_string(),
-            source: None,
-        }
+    /// A broken invariant of the engine, with what broke.
+    pub fn internal(what: impl Into<String>) -> Self {
+        SchedulerError::Internal(what.into())
     }
 
     /// The error every pending operation gets when the transport fails, keeping the
     /// transport's error as the [`std::error::Error::source`].
     pub fn from_transport_owned(e: TransportError) -> Self {
+        if let TransportError::Internal(what) = e {
+            return SchedulerError::Internal(what);
+        }
         SchedulerError::Transport {
             lost_rank: e.blamed_rank(),
             message: e.to_string(),
@@ -259,5 +263,16 @@ mod tests {
         assert!(e.to_string().contains("rank 3 lost"), "{e}");
         let src = std::error::Error::source(&e).expect("the transport error is kept");
         assert!(src.to_string().contains("rank 3 is gone"), "{src}");
+    }
+
+    #[test]
+    fn a_broken_invariant_is_internal_never_a_bad_argument() {
+        let e = SchedulerError::from(TransportError::Internal(
+            "a fused tensor went missing".into(),
+        ));
+        assert!(matches!(e, SchedulerError::Internal(_)), "{e:?}");
+        assert!(e.to_string().contains("a bug in FastHorovod"), "{e}");
+        assert!(e.to_string().contains("a fused tensor went missing"), "{e}");
+        assert!(!matches!(e, SchedulerError::InvalidArgument(_)));
     }
 }

@@ -219,12 +219,12 @@ impl Executor {
             Err(e) => {
                 // When the engine already stopped for an agreed reason (e.g. a fault every rank
                 // reports), a collective broken by that stop reports the same reason.
+                tracing::error!(channel = self.channel, error = %e, "collective failed; shutting the engine down");
                 let se = self
                     .inner
                     .failure()
                     .filter(|f| !f.is_shutdown())
-                    .unwrap_or_else(|| SchedulerError::from_transport(&e));
-                tracing::error!(channel = self.channel, error = %e, "collective failed; shutting the engine down");
+                    .unwrap_or_else(|| SchedulerError::from_transport_owned(e));
                 self.inner.fail(se.clone());
                 // Peers waiting for this rank on this channel blame the lost rank, not this one.
                 if let Some(lost) = se.lost_rank() {
@@ -280,8 +280,8 @@ impl Executor {
         let t0 = Instant::now();
         Counters::add(&self.inner.counters.in_place_groups, 1);
         let result = if tensors.iter().any(Option::is_none) {
-            Err(TransportError::InvalidArgument(
-                "internal error: a fused tensor went missing".into(),
+            Err(TransportError::Internal(
+                "a fused tensor went missing".into(),
             ))
         } else {
             let mut segs: Vec<&mut [u8]> =
@@ -322,16 +322,16 @@ impl Executor {
         let mut total = 0usize;
         for (op, _, len) in &job.parts {
             if op.lock().tensor.is_none() {
-                return Err(TransportError::InvalidArgument(
-                    "internal error: a fused tensor went missing".into(),
+                return Err(TransportError::Internal(
+                    "a fused tensor went missing".into(),
                 ));
             }
             total += *len;
             ends.push(total);
         }
         if total != bytes {
-            return Err(TransportError::InvalidArgument(
-                "internal error: a fused group's parts do not add up to its size".into(),
+            return Err(TransportError::Internal(
+                "a fused group's parts do not add up to its size".into(),
             ));
         }
         if self.buf.len() < piece {
@@ -409,8 +409,8 @@ impl Executor {
                     // SAFETY: this job is the only one given this chunk's range (see
                     // `ChunkedBuf`), and the tensor stays in its op until every chunk is done.
                     let chunk = unsafe { buf.range(*off0, *len0) }.ok_or_else(|| {
-                        TransportError::InvalidArgument(format!(
-                            "internal error: chunk {off0}+{len0} of '{}' out of range",
+                        TransportError::Internal(format!(
+                            "chunk {off0}+{len0} of '{}' out of range",
                             first.name()
                         ))
                     })?;
@@ -558,8 +558,8 @@ impl Executor {
     fn execute_device(&mut self, job: &Job, sig: &Signature) -> Result<(), TransportError> {
         match self.device.as_mut() {
             Some(ch) => device::run_job(ch, job, sig),
-            None => Err(TransportError::InvalidArgument(format!(
-                "internal error: a group of {} tensors reached channel {} without a device \
+            None => Err(TransportError::Internal(format!(
+                "a group of {} tensors reached channel {} without a device \
                  channel",
                 sig.device, self.channel
             ))),
@@ -570,8 +570,8 @@ impl Executor {
     /// never reached; an error rather than a panic all the same).
     #[cfg(not(feature = "cuda"))]
     fn execute_device(&mut self, _job: &Job, sig: &Signature) -> Result<(), TransportError> {
-        Err(TransportError::InvalidArgument(format!(
-            "internal error: a group of {} tensors reached a build without the GPU path",
+        Err(TransportError::Internal(format!(
+            "a group of {} tensors reached a build without the GPU path",
             sig.device
         )))
     }

@@ -144,8 +144,8 @@ impl Handle {
             State::Done(r) => r,
             pending @ State::Pending(_) => {
                 *st = pending;
-                Err(SchedulerError::InvalidArgument(format!(
-                    "internal error: '{}' is still pending",
+                Err(SchedulerError::internal(format!(
+                    "'{}' is still pending",
                     self.name
                 )))
             }

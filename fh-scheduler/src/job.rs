@@ -109,8 +109,8 @@ impl Op {
             let result = match (st.error.take(), st.tensor.take()) {
                 (Some(e), _) => Err(e),
                 (None, Some(t)) => Ok(t),
-                (None, None) => Err(SchedulerError::InvalidArgument(format!(
-                    "internal error: '{}' lost its tensor",
+                (None, None) => Err(SchedulerError::internal(format!(
+                    "'{}' lost its tensor",
                     self.name()
                 ))),
             };

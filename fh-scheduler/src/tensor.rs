@@ -462,7 +462,7 @@ impl Tensor {
                     ev,
                 )
             }
-            .map_err(|e| SchedulerError::from_transport(&e))?;
+            .map_err(SchedulerError::from_transport_owned)?;
         }
         Ok(())
     }

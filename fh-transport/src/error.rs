@@ -78,6 +78,10 @@ pub enum TransportError {
         /// The library's message and code.
         detail: String,
     },
+    /// A broken invariant of this library (a bug, never the caller's mistake): the message
+    /// says which.
+    #[error("internal error (a bug in FastHorovod; please report it with this message): {0}")]
+    Internal(String),
     /// The communicator was closed (shut down) before or during the operation.
     #[error("communicator closed: {0}")]
     Closed(String),

@@ -86,9 +86,7 @@ impl Control {
             self.incarnation,
         )?;
         let agreed = NegotiationVec::from_bytes_with_channels(&bytes, cap, channel_bits)
-            .ok_or_else(|| {
-                SchedulerError::InvalidArgument("internal error: negotiation vector length".into())
-            })?;
+            .ok_or_else(|| SchedulerError::internal("negotiation vector length"))?;
         self.idle_channels = agreed.idle_mask();
         Counters::add(&self.inner.counters.rounds, 1);
         if agreed.status(Status::Fault) {
@@ -128,9 +126,8 @@ impl Control {
                 ReduceOp::BitOr,
                 self.incarnation,
             )?;
-            let jv = BitVec::from_bytes(&b, size).ok_or_else(|| {
-                SchedulerError::InvalidArgument("internal error: joined vector length".into())
-            })?;
+            let jv = BitVec::from_bytes(&b, size)
+                .ok_or_else(|| SchedulerError::internal("joined vector length"))?;
             let now: Vec<bool> = (0..size).map(|r| jv.get(r)).collect();
             // Every rank sees the same joined vectors, so every rank names the same last rank.
             if let Some(r) = (0..size)
@@ -165,9 +162,8 @@ impl Control {
                 ReduceOp::BitOr,
                 self.incarnation,
             )?;
-            let iv = BitVec::from_bytes(&b, cap).ok_or_else(|| {
-                SchedulerError::InvalidArgument("internal error: invalidation vector length".into())
-            })?;
+            let iv = BitVec::from_bytes(&b, cap)
+                .ok_or_else(|| SchedulerError::internal("invalidation vector length"))?;
             for s in iv.ones() {
                 self.cache.evict(s);
                 evicted.push(s);

@@ -97,7 +97,7 @@ impl Engine {
                     m.stream as usize as fh_transport::backend::cuda::CUstream,
                 )
             }
-            .map_err(|e| SchedulerError::from_transport(&e))?;
+            .map_err(SchedulerError::from_transport_owned)?;
             tensor.set_ready(ev);
         }
         let cell = Completion::new();

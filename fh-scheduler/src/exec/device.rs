@@ -34,16 +34,16 @@ pub(crate) fn run_job(
     for (op, off, len) in &job.parts {
         let st = op.lock();
         let Some(t) = &st.tensor else {
-            return Err(TransportError::InvalidArgument(format!(
-                "internal error: '{}' lost its tensor",
+            return Err(TransportError::Internal(format!(
+                "'{}' lost its tensor",
                 op.name()
             )));
         };
         match t.device_memory() {
             Some(m) => {
                 if off.checked_add(*len).is_none_or(|end| end > m.len) {
-                    return Err(TransportError::InvalidArgument(format!(
-                        "internal error: part {off}+{len} of '{}' out of range",
+                    return Err(TransportError::Internal(format!(
+                        "part {off}+{len} of '{}' out of range",
                         op.name()
                     )));
                 }
@@ -90,8 +90,8 @@ pub(crate) fn run_job(
             }
         }
         other => {
-            return Err(TransportError::InvalidArgument(format!(
-                "internal error: {other} of device tensors reached a channel"
+            return Err(TransportError::Internal(format!(
+                "{other} of device tensors reached a channel"
             )))
         }
     }

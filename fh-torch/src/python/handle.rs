@@ -103,11 +103,9 @@ impl PyHandle {
         }
         let mut h = slot.take().expect("checked above");
         drop(slot);
-        let tensor = h.try_take().unwrap_or_else(|| {
-            Err(SchedulerError::InvalidArgument(
-                "internal error: a completed handle had no result".into(),
-            ))
-        });
+        let tensor = h
+            .try_take()
+            .unwrap_or_else(|| Err(SchedulerError::internal("a completed handle had no result")));
         let tensor = tensor.map_err(to_py)?;
         if tensor.is_device() {
             #[cfg(feature = "cuda")]

@@ -405,6 +405,7 @@ fn is_transient(e: &SchedulerError) -> bool {
         e,
         SchedulerError::ElasticFailed { .. }
             | SchedulerError::InvalidArgument(_)
+            | SchedulerError::Internal(_)
             | SchedulerError::Config { .. }
     )
 }

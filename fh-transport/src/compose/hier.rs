@@ -56,8 +56,8 @@ use std::time::Duration;
 
 use fh_core::{kernels, CoreError, DType, ReduceOp};
 
-use fh_job::launch::LaunchInfo;
 use fh_job::hosts::Layout;
+use fh_job::launch::LaunchInfo;
 use fh_job::JobToken;
 
 use crate::backend::shm::{OutsideWord, ShmComm, ShmOptions, ShmTransport};
@@ -236,7 +236,9 @@ impl HierTransport {
             group_rank: t.cross_rank,
             group,
             leaders: hosts.iter().map(|h| h[0]).collect(),
-            host_of: (0..t.size).map(|r| self.layout.topology(r).cross_rank).collect(),
+            host_of: (0..t.size)
+                .map(|r| self.layout.topology(r).cross_rank)
+                .collect(),
             all: (0..t.size).collect(),
             scratch: Vec::new(),
             broken: None,
