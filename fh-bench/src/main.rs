@@ -204,24 +204,8 @@ fn fhrun_path(target: &std::path::Path) -> PathBuf {
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
-        Some((i, _)) => {
-            let m = match s[i..].to_ascii_lowercase().as_str() {
-                "b" => 1,
-                "k" | "kib" | "kb" => 1 << 10,
-                "m" | "mib" | "mb" => 1 << 20,
-                "g" | "gib" | "gb" => 1 << 30,
-                other => return Err(format!("unknown size unit '{other}' (use B, K, M or G)")),
-            };
-            (&s[..i], m)
-        }
-        None => (s, 1),
-    };
-    num.trim()
-        .parse::<usize>()
-        .map(|n| n * mult)
-        .map_err(|e| format!("bad size '{s}': {e}"))
+    let n = fh_core::units::parse_size(s)?;
+    usize::try_from(n).map_err(|_| format!("'{s}' is too large for this machine"))
 }
 
 fn main() -> ExitCode {

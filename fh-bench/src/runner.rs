@@ -405,11 +405,7 @@ fn tail(path: &Path) -> String {
 
 /// A port that was free a moment ago on 127.0.0.1.
 pub(crate) fn free_port() -> Result<u16, String> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")
-        .map_err(|e| format!("finding a free port on 127.0.0.1: {e}"))?;
-    l.local_addr()
-        .map(|a| a.port())
-        .map_err(|e| format!("finding a free port: {e}"))
+    fh_job::launch::free_local_port().map_err(|e| format!("finding a free port on 127.0.0.1: {e}"))
 }
 
 /// 128 random bits, hex.

@@ -434,10 +434,7 @@ impl PeerRun<'_> {
             children.spawn(c, self.log_dir, name)?;
             self.log_dir.join(format!("{name}.log"))
         } else {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .map(|a| a.port())
-                .map_err(|e| format!("finding a free port on 127.0.0.1: {e}"))?;
+            let port = crate::runner::free_port()?;
             for rank in 0..self.np {
                 let mut c = Command::new(self.python);
                 args(&mut c);
@@ -563,19 +560,11 @@ impl PeerRun<'_> {
     }
 }
 
-/// Two distinct free ports on 127.0.0.1 (held together while probed).
+/// Two distinct free ports on 127.0.0.1.
 fn two_free_ports() -> Result<(u16, u16), String> {
-    let bind = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .map_err(|e| format!("finding a free port on 127.0.0.1: {e}"))
-    };
-    let (a, b) = (bind()?, bind()?);
-    let port = |l: &std::net::TcpListener| {
-        l.local_addr()
-            .map(|a| a.port())
-            .map_err(|e| format!("finding a free port: {e}"))
-    };
-    Ok((port(&a)?, port(&b)?))
+    let p = fh_job::launch::free_local_ports(2)
+        .map_err(|e| format!("finding a free port on 127.0.0.1: {e}"))?;
+    Ok((p[0], p[1]))
 }
 
 /// The loopback interface's name (`lo` on Linux, `lo0` on the BSDs and macOS).

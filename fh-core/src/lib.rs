@@ -21,6 +21,7 @@ pub mod kernels;
 pub mod message;
 pub mod mismatch;
 pub mod op;
+pub mod units;
 pub mod wire;
 
 pub use dtype::{DType, Element};

@@ -562,6 +562,24 @@ struct Vars {
     cross: Option<(&'static str, &'static str)>,
 }
 
+/// `n` distinct ports on 127.0.0.1 that were free a moment ago (held together while probed,
+/// so that they differ): where a launcher on one machine, a bench or a test puts a rendezvous
+/// (and a store). Another process may take one before it is used; callers that start ranks
+/// on it see that as the rendezvous' own clear error.
+pub fn free_local_ports(n: usize) -> std::io::Result<Vec<u16>> {
+    let held = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    held.iter()
+        .map(|l| l.local_addr().map(|a| a.port()))
+        .collect()
+}
+
+/// One port on 127.0.0.1 that was free a moment ago ([`free_local_ports`]).
+pub fn free_local_port() -> std::io::Result<u16> {
+    Ok(free_local_ports(1)?[0])
+}
+
 /// The variable that names this rank's host, replacing the identity computed from facts
 /// ([`crate::hosts::HostId`]).
 pub const HOST_ID_VAR: &str = "FH_HOST_ID";

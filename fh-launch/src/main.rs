@@ -18,7 +18,6 @@ mod output;
 mod remote;
 mod sys;
 
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 
@@ -60,27 +59,15 @@ fn usage(msg: impl Into<String>) -> Failure {
     (EXIT_USAGE, msg.into())
 }
 
-/// Two distinct free ports (the rendezvous' and the torch store's), held together while
-/// probed so that they differ.
+/// Two distinct free ports (the rendezvous' and the torch store's).
 fn free_local_ports() -> Result<(u16, u16), Failure> {
-    let bind = || {
-        TcpListener::bind("127.0.0.1:0").map_err(|e| {
-            (
-                1,
-                format!("cannot find a free port for the rendezvous: {e}"),
-            )
-        })
-    };
-    let (a, b) = (bind()?, bind()?);
-    let port = |l: &TcpListener| {
-        l.local_addr().map(|a| a.port()).map_err(|e| {
-            (
-                1,
-                format!("cannot find a free port for the rendezvous: {e}"),
-            )
-        })
-    };
-    Ok((port(&a)?, port(&b)?))
+    let ports = fh_job::launch::free_local_ports(2).map_err(|e| {
+        (
+            1,
+            format!("cannot find a free port for the rendezvous: {e}"),
+        )
+    })?;
+    Ok((ports[0], ports[1]))
 }
 
 /// The rendezvous address (`--rendezvous-addr`, else `host` and a free port) and torchrun's

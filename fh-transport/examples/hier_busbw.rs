@@ -29,12 +29,7 @@ mod imp {
     use fh_transport::{Communicator, Result};
 
     fn parse_size(s: &str) -> Option<usize> {
-        let (num, mult) = match s.chars().last()? {
-            'K' | 'k' => (&s[..s.len() - 1], 1 << 10),
-            'M' | 'm' => (&s[..s.len() - 1], 1 << 20),
-            _ => (s, 1),
-        };
-        num.parse::<usize>().ok().map(|n| n * mult)
+        fh_core::units::parse_size(s).ok()?.try_into().ok()
     }
 
     fn flag(args: &[String], name: &str, default: usize) -> usize {

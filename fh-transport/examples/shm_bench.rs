@@ -20,14 +20,8 @@ mod linux {
     use fh_transport::{CollectivesExt, Transport};
 
     fn parse_size(s: &str) -> usize {
-        let s = s.trim();
-        let (num, mul) = match s.chars().last() {
-            Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
-            Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-            Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
-            _ => (s, 1),
-        };
-        num.parse::<usize>().expect("size") * mul
+        let n = fh_core::units::parse_size(s).unwrap_or_else(|e| panic!("{e}"));
+        usize::try_from(n).expect("a size this machine can hold")
     }
 
     fn human(b: usize) -> String {

@@ -18,13 +18,7 @@ use fh_core::{DType, ReduceOp};
 use fh_transport::{Communicator, Result};
 
 fn parse_size(s: &str) -> Option<usize> {
-    let (num, mult) = match s.chars().last()? {
-        'K' | 'k' => (&s[..s.len() - 1], 1 << 10),
-        'M' | 'm' => (&s[..s.len() - 1], 1 << 20),
-        'G' | 'g' => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>().ok().map(|n| n * mult)
+    fh_core::units::parse_size(s).ok()?.try_into().ok()
 }
 
 fn launch_self(np: usize, rest: &[String]) -> std::io::Result<bool> {

@@ -32,11 +32,7 @@ fn info(rank: usize, size: usize, port: u16, timeout_s: &str) -> LaunchInfo {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    fh_job::launch::free_local_port().expect("an ephemeral port")
 }
 
 fn spawn_world(

@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use super::MIB;
 use crate::SchedulerError;
 
 pub(super) fn parse_u64(var: &str, v: &str) -> Result<u64, SchedulerError> {
@@ -44,29 +43,9 @@ pub(super) fn parse_seconds_at_most(
     Ok(d)
 }
 
-/// Parse a byte size: a plain integer, or one with a suffix K/KB/KiB, M/MB/MiB, G/GB/GiB
-/// (all binary multiples).
+/// Parse a byte size ([`fh_core::units::parse_size`]), the error naming the variable.
 pub(super) fn parse_bytes(var: &str, v: &str) -> Result<u64, SchedulerError> {
-    let s = v.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, suffix) = s.split_at(split);
-    let mult = match suffix.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1024,
-        "m" | "mb" | "mib" => MIB,
-        "g" | "gb" | "gib" => 1024 * MIB,
-        _ => 0,
-    };
-    num.parse::<u64>()
-        .ok()
-        .filter(|_| mult > 0)
-        .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| {
-            SchedulerError::config(
-                var,
-                format!("'{v}' is not a byte size; accepted: an integer with an optional suffix K, M or G (e.g. 67108864, 64MiB)"),
-            )
-        })
+    fh_core::units::parse_size(v).map_err(|reason| SchedulerError::config(var, reason))
 }
 
 /// An on/off switch (`1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`; empty is off).

@@ -4,7 +4,6 @@
 //! every wait is bounded. Each test file includes it with `mod support;`.
 #![allow(dead_code)]
 
-use std::net::TcpListener;
 use std::process::{Child, Command, ExitStatus};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -18,8 +17,7 @@ pub fn serial() -> MutexGuard<'static, ()> {
 
 /// A port on 127.0.0.1 that was free a moment ago.
 pub fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("local addr").port()
+    fh_job::launch::free_local_port().expect("an ephemeral port")
 }
 
 /// This test binary, set to run only the test `name` (an ignored one with `ignored`), with
