@@ -26,13 +26,13 @@ from fasthorovod.torch.gather_ops import (HorovodAllgather, HorovodAlltoall, Hor
                                           broadcast_async, broadcast_async_, grouped_allgather,
                                           grouped_allgather_async)
 from fasthorovod.torch.reduce_ops import (HorovodAllreduce, HorovodGroupedAllreduce,
-                                          HorovodGroupedReducescatter, HorovodReducescatter,
                                           allreduce, allreduce_, allreduce_async,
                                           allreduce_async_, grouped_allreduce,
                                           grouped_allreduce_, grouped_allreduce_async,
-                                          grouped_allreduce_async_, grouped_reducescatter,
-                                          grouped_reducescatter_async, reducescatter,
-                                          reducescatter_async)
+                                          grouped_allreduce_async_)
+from fasthorovod.torch.scatter_ops import (HorovodGroupedReducescatter, HorovodReducescatter,
+                                           grouped_reducescatter, grouped_reducescatter_async,
+                                           reducescatter, reducescatter_async)
 
 
 # The runtime's lifecycle, topology and build queries (Horovod's ``_basics``): one object owns
