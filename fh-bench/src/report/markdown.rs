@@ -2,7 +2,10 @@
 
 use std::fmt::Write as _;
 
-use super::*;
+use crate::plots::fmt_bytes;
+use crate::record::RunRecord;
+
+use super::{link_images, machine_line, per_run, sim_keys, uniq};
 
 /// The Markdown report.
 pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> String {
