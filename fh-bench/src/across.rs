@@ -15,108 +15,13 @@
 //! shipped preset) on a link of the measured rate, with H ranks for a hierarchical row (the
 //! ring among hosts) and N for a flat ring (each rank's ring traffic crosses one link); the
 //! work within a host is taken as free. DDP and Horovod rows have no model.
+//!
+//! The lines are part of the run's record: their types ([`Across`], [`AcrossRow`], [`Route`])
+//! live in [`crate::record`].
 
-use serde::{Deserialize, Serialize};
-
-use crate::record::RunRecord;
+use crate::record::{Across, AcrossRow, Route, RunRecord};
 use crate::sim::{self, Link, Overheads, Schedule};
 use crate::workload::Workload;
-
-/// How a row's gradients cross the hosts' links.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Route {
-    /// Reduced within each host, then a ring among the hosts.
-    Hierarchical,
-    /// One ring over every rank, hosts one after the other.
-    FlatRing,
-}
-
-impl Route {
-    /// The route of a row's transport (`hier`, `auto`, `tcp`, `gloo`, `horovodrun`) on
-    /// `ranks_per_host` ranks per host.
-    pub fn of(transport: &str, ranks_per_host: usize) -> Route {
-        match transport {
-            "hier" => Route::Hierarchical,
-            "auto" if ranks_per_host > 1 => Route::Hierarchical,
-            _ => Route::FlatRing,
-        }
-    }
-
-    /// Fraction of the gradients that crosses each host's link per direction per step.
-    pub fn fraction(self, hosts: usize, ranks: usize) -> f64 {
-        let two_share = |p: usize| 2.0 * (p.max(1) as f64 - 1.0) / p.max(1) as f64;
-        match self {
-            Route::Hierarchical => two_share(hosts),
-            Route::FlatRing => two_share(ranks),
-        }
-    }
-
-    /// Ranks of the model's ring on the link.
-    fn model_ranks(self, hosts: usize, ranks: usize) -> usize {
-        match self {
-            Route::Hierarchical => hosts,
-            Route::FlatRing => ranks,
-        }
-    }
-
-    /// Name in the report.
-    pub fn name(self) -> &'static str {
-        match self {
-            Route::Hierarchical => "hierarchical",
-            Route::FlatRing => "flat ring",
-        }
-    }
-}
-
-/// The replay across hosts: layout, link and one line per replay row.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Across {
-    /// Hosts.
-    pub hosts: usize,
-    /// Ranks in all.
-    pub ranks: usize,
-    /// `h0:2,h1:2`.
-    pub layout: String,
-    /// One TCP stream across a host's link, Gbit/s (measured by the caller).
-    pub link_gbps: f64,
-    /// One line per replay row.
-    pub rows: Vec<AcrossRow>,
-}
-
-/// One replay row across hosts.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AcrossRow {
-    /// Workload.
-    pub workload: String,
-    /// The replay row's schedule.
-    pub schedule: String,
-    /// The replay row's transport.
-    pub transport: String,
-    /// How its gradients cross.
-    pub route: Route,
-    /// Bytes out of each host per step (and into it).
-    pub bytes_across: f64,
-    /// Those bytes at the link rate, minus the backward, ms (at least 0).
-    pub bound_ms: f64,
-    /// The row's measured exposed time (median), ms.
-    pub exposed_ms: f64,
-    /// The model's exposed time on this link, ms (None: no model of this row).
-    pub model_exposed_ms: Option<f64>,
-}
-
-impl AcrossRow {
-    /// Measured exposed ÷ link bound (None when the bound is zero).
-    pub fn vs_bound(&self) -> Option<f64> {
-        (self.bound_ms > 0.0).then(|| self.exposed_ms / self.bound_ms)
-    }
-
-    /// Model ÷ measured exposed (None without a model or a measured exposed time).
-    pub fn model_vs_measured(&self) -> Option<f64> {
-        let m = self.model_exposed_ms?;
-        (self.exposed_ms > 0.0).then(|| m / self.exposed_ms)
-    }
-}
 
 /// Hosts and ranks of `h0:2,h1:2` (a host without slots has one).
 pub fn layout(hosts: &str) -> Option<(usize, usize)> {

@@ -1,11 +1,12 @@
 //! The run's plots (PNG and SVG), one per figure of the report.
 
+use std::collections::BTreeSet;
 use std::path::Path;
 
 use crate::plots::{self, LineChart, Series};
 use crate::record::RunRecord;
 
-use super::*;
+use super::uniq;
 
 /// Draws every plot the record has data for; returns file names and errors.
 pub fn draw_plots(r: &RunRecord, dir: &Path) -> (Vec<String>, Vec<String>) {

@@ -2,7 +2,10 @@
 
 use std::fmt::Write as _;
 
-use super::*;
+use crate::plots::fmt_bytes;
+use crate::record::RunRecord;
+
+use super::{link_images, machine_line, per_run, sim_keys, uniq};
 
 /// The Markdown report.
 pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> String {
@@ -309,7 +312,7 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
 
 /// The replay across hosts: layout, measured link, and per row the bytes across each host's
 /// link, the link bound and the model on that link.
-fn across_hosts(md: &mut String, a: &crate::across::Across, backward_ms: f64) {
+fn across_hosts(md: &mut String, a: &crate::record::Across, backward_ms: f64) {
     let _ = writeln!(
         md,
         "\n### Across the hosts' links\n\nLayout {} ({} hosts, {} ranks); one TCP stream across \

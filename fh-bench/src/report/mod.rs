@@ -2,11 +2,9 @@
 //! summary. Everything is generated from a [`RunRecord`], so a recorded `run.json` can be
 //! re-reported (`fh-bench report run.json`).
 
-use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use crate::plots::fmt_bytes;
 use crate::record::RunRecord;
 use crate::stats::Quantity;
 

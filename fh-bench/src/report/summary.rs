@@ -2,7 +2,10 @@
 
 use std::fmt::Write as _;
 
-use super::*;
+use crate::plots::fmt_bytes;
+use crate::record::RunRecord;
+
+use super::{ratio_range, sim_keys};
 
 /// The terminal summary.
 pub fn summary(r: &RunRecord) -> String {

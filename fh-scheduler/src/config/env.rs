@@ -3,8 +3,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::SchedulerError;
+
 use super::parse::{parse_bytes, parse_seconds, parse_seconds_at_most, parse_switch, parse_u64};
-use super::*;
+use super::{Config, Preset, MAX_CACHE_CAPACITY, MAX_CONTROL_SPIN, MAX_FLIGHT_RECORDS};
 
 /// The variables [`Config::from_env`] reads, and the logging variables read where a log
 /// subscriber is installed (`FH_LOG_LEVEL`, `FH_LOG_COLOR`: [`super::log_colour`]).

@@ -2,8 +2,26 @@
 //! carried from round to round, fused groups on the channels idle everywhere) and each group goes
 //! to its channel's worker thread, or, when small and its channel is idle, runs on this thread.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::Sender;
+use fh_core::fusion::{plan_round_on, runs_inline, PlanItem};
+use fh_core::message::{CollectiveKind, Response};
+use fh_core::ReduceOp;
+
+use crate::exec::Executor;
 use crate::inject::{self, Point};
+use crate::job::{Job, Op, OpState};
+use crate::shared::Resolver;
+use crate::stats::{Counters, GroupRecord};
+use crate::{SchedulerError, Tensor};
+
+use super::in_flight::Pending;
+use super::Control;
 
 /// Where a dispatched operation's tensor comes from.
 pub(super) enum Source {

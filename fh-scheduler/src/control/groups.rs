@@ -1,7 +1,14 @@
 //! Grouped submissions: members wait until the whole group is agreed ready, and fail
 //! together.
 
-use super::*;
+use std::sync::Arc;
+
+use fh_core::message::{GroupTag, Response};
+
+use crate::SchedulerError;
+
+use super::in_flight::Announce;
+use super::Control;
 
 impl Control {
     pub(super) fn fail_name(&mut self, name: &str, err: SchedulerError) {

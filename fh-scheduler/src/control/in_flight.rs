@@ -3,7 +3,13 @@
 //! group is ready and the groups that failed. Work taken out of it for a round is held by
 //! [`crate::shared::Resolver`]s, which resolve their handles on every path of their own.
 
-use super::*;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use fh_core::message::Response;
+
+use crate::shared::{Entry, Resolver};
+use crate::SchedulerError;
 
 /// Where a pending entry stands in negotiation.
 #[derive(Clone, Copy, PartialEq, Eq)]

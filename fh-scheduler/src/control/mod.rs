@@ -27,28 +27,21 @@
 //! ready and fails them together; [`dispatch`] plans the agreed list (fh-core's planner) and
 //! hands the groups to the channels (`crate::exec`), or runs a small one itself.
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
-use fh_core::bitvec::{BitVec, NegotiationVec, Status};
-use fh_core::cache::{Lookup, ResponseCache};
-use fh_core::fusion::{plan_round_on, runs_inline, ChannelLoad, PlanItem, PlanMode, PlanOptions};
-use fh_core::message::{CollectiveKind, GroupTag, Request, Response};
-use fh_core::{wire, ReduceOp};
+use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
+use fh_core::cache::ResponseCache;
+use fh_core::fusion::{ChannelLoad, PlanOptions};
 use fh_transport::Communicator;
 
 use crate::exec::Executor;
-use crate::job::{Job, Op, OpState};
-use crate::negotiate::coordinator::{refused_while_joined, Table};
+use crate::job::Job;
+use crate::negotiate::coordinator::Table;
 use crate::negotiate::readiness::ReadyTimes;
-use crate::negotiate::{collect, fault, shutdown, stall};
-use crate::shared::{Entry, Inner, Msg, Resolver};
-use crate::stats::{Counters, GroupRecord, StallReport};
-use crate::{Preset, SchedulerError, Tensor};
+use crate::shared::{Inner, Msg};
+use crate::{Preset, SchedulerError};
 
 mod dispatch;
 mod groups;
@@ -60,7 +53,7 @@ mod tests;
 #[cfg(test)]
 pub(crate) use dispatch::QUEUE_ANYWAY;
 use dispatch::{ChannelSlot, Dispatch};
-use in_flight::{Announce, InFlight, Pending};
+use in_flight::InFlight;
 
 /// Longest back-off between rounds while every rank waits on another.
 const MAX_BACKOFF: Duration = Duration::from_micros(500);

@@ -1,7 +1,23 @@
 //! One negotiation round: the bit-vector AND of what is pending on every rank, then the
 //! optional steps its flags ask for, in a fixed order (see the module above).
 
-use super::*;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fh_core::bitvec::{BitVec, NegotiationVec, Status};
+use fh_core::cache::Lookup;
+use fh_core::fusion::PlanMode;
+use fh_core::message::{Request, Response};
+use fh_core::{wire, ReduceOp};
+
+use crate::negotiate::coordinator::refused_while_joined;
+use crate::negotiate::{collect, fault, shutdown, stall};
+use crate::stats::{Counters, StallReport};
+use crate::{SchedulerError, Tensor};
+
+use super::in_flight::Announce;
+use super::Control;
 
 /// The shortest time between two flight records written for disagreeing tensors.
 const MISMATCH_RECORD_EVERY: Duration = Duration::from_secs(1);

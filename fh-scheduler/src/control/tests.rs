@@ -2,8 +2,9 @@
 
 use super::dispatch::try_zeros;
 use super::*;
-use crate::{AllreduceOptions, Config, Engine};
-use fh_core::DType;
+use crate::{AllreduceOptions, Config, Engine, Tensor};
+use fh_core::message::CollectiveKind;
+use fh_core::{DType, ReduceOp};
 use fh_transport::backend::local::LocalWorld;
 
 /// A rank that cannot run a negotiated tensor (here: an injected allocation failure on

@@ -40,10 +40,7 @@
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 use fh_core::message::CollectiveKind;
-use serde::Serialize;
-use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

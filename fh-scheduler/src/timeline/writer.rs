@@ -1,7 +1,16 @@
 //! The timeline's writer thread: turns event records into Chrome trace events with
 //! `serde_json` and writes them in batches, keeping the file a valid JSON array.
 
-use super::*;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Seek, SeekFrom, Write};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+use serde::Serialize;
+
+use super::{Identity, Record, Shared};
 
 /// How often the writer takes what has queued up while events keep coming (it sleeps in
 /// between, so that handing it an event never has to wake a thread).

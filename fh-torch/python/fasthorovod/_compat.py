@@ -33,7 +33,7 @@ def check_torch_version(version, location="torch"):
     :data:`TORCH_MIN`. A version that does not parse (a custom build) is let through."""
     got = torch_version_tuple(version)
     if got is not None and got < TORCH_MIN:
-        from fasthorovod import __version__
+        from fasthorovod._core import __version__
 
         need = _min_text()
         raise ImportError(

@@ -1,6 +1,14 @@
 //! Handles: waiting for an operation (the GIL released) and taking its result.
 
-use super::*;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use fh_scheduler::{Handle, SchedulerError};
+use pyo3::exceptions::{PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyByteArray;
+
+use super::to_py;
 
 /// How often a blocked wait comes back for the GIL to let Ctrl-C through.
 pub(super) const SIGNAL_CHECK: Duration = Duration::from_millis(200);

@@ -8,22 +8,15 @@
 //! Python reference dropped there is released later by PyO3, when a thread next holds the
 //! GIL).
 
-use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
-
-use fh_job::token::JobToken;
-use fh_scheduler::{CollectiveOptions, Engine, Handle, ProcessSets, SchedulerError, Tensor};
+use fh_scheduler::SchedulerError;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyByteArray;
-
-use crate::{config, names};
 
 mod handle;
 mod observe;
 mod runtime;
+mod state;
 mod submit;
 mod worlds;
 

@@ -10,10 +10,16 @@
 //! stall warning, whatever the Python threads are doing (sleeping, loading data, holding the
 //! GIL in a long computation).
 
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::Once;
+use std::sync::{Arc, Mutex, Once};
+use std::time::{Duration, Instant};
 
-use super::*;
+use fh_scheduler::Engine;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::state::{state, State, World};
 
 /// Set once `faulthandler` handles [`stack_signal`] in this process.
 static STACK_DUMPS: AtomicBool = AtomicBool::new(false);
@@ -31,7 +37,7 @@ pub(super) fn stack_signal() -> i32 {
 #[pyfunction]
 pub(super) fn enable_stack_dumps() -> PyResult<()> {
     STACK_DUMPS.store(true, Ordering::Release);
-    if let State::Running(e, _) = &*state() {
+    if let State::Running(World { engine: e, .. }) = &*state() {
         install_culprit_hook(e);
     }
     Ok(())
@@ -61,7 +67,7 @@ fn raise_stack_signal() {
 /// Whether this rank writes a timeline now (the Python side then records its spans).
 #[pyfunction]
 pub(super) fn timeline_on() -> bool {
-    matches!(&*state(), State::Running(e, _) if e.timeline_on())
+    matches!(&*state(), State::Running(w) if w.engine.timeline_on())
 }
 
 /// `CLOCK_MONOTONIC` now, in nanoseconds: the clock of Python's `time.monotonic_ns()` and of
@@ -86,7 +92,7 @@ fn monotonic_ns() -> i64 {
 #[pyfunction]
 pub(super) fn timeline_span(name: &str, detail: &str, begin_ns: i64, end_ns: i64) {
     let engine = match &*state() {
-        State::Running(e, _) => Arc::clone(e),
+        State::Running(World { engine: e, .. }) => Arc::clone(e),
         _ => return,
     };
     let now = Instant::now();
@@ -186,7 +192,7 @@ pub(super) fn install_sigusr1() {
 /// `SIGUSR1` arrived: write the flight record of the running engine and print the stacks.
 fn on_request() {
     let engine = match &*state() {
-        State::Running(e, _) => Some(Arc::clone(e)),
+        State::Running(World { engine: e, .. }) => Some(Arc::clone(e)),
         _ => None,
     };
     if let Some(e) = engine {
@@ -205,7 +211,7 @@ fn on_request() {
 /// gradients' reductions (`fasthorovod.torch`'s optimizer reports each step).
 #[pyfunction]
 pub(super) fn record_step(exposed_ns: u64) {
-    if let State::Running(e, _) = &*state() {
+    if let State::Running(World { engine: e, .. }) = &*state() {
         e.record_step(Duration::from_nanos(exposed_ns));
     }
 }
@@ -215,7 +221,7 @@ pub(super) fn record_step(exposed_ns: u64) {
 #[pyfunction]
 pub(super) fn summary() -> Option<String> {
     match &*state() {
-        State::Running(e, _) => Some(e.stats().summary_line(e.rank())),
+        State::Running(World { engine: e, .. }) => Some(e.stats().summary_line(e.rank())),
         _ => None,
     }
 }
@@ -239,7 +245,7 @@ pub(super) fn start_metrics(engine: &Engine) {
         addr.set_port(u16::try_from(port).unwrap_or(addr.port()));
     }
     let render: fh_transport::metrics::Render = Arc::new(|| match &*state() {
-        State::Running(e, _) => e.stats().to_prometheus(e.rank()),
+        State::Running(World { engine: e, .. }) => e.stats().to_prometheus(e.rank()),
         _ => String::new(),
     });
     match fh_transport::metrics::MetricsServer::start(addr, render) {

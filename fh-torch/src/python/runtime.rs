@@ -1,27 +1,18 @@
 //! The runtime of this process: the engine, its process sets, lifecycle and queries.
 
-use super::*;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
 
+use fh_job::token::JobToken;
 use fh_scheduler::elastic::{Elastic, ElasticStart};
+use fh_scheduler::{Engine, SchedulerError};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
 
-pub(super) enum State {
-    Uninitialized,
-    Running(Arc<Engine>, &'static str),
-    ShutDown(String),
-}
+use crate::config;
 
-pub(super) static STATE: Mutex<State> = Mutex::new(State::Uninitialized);
-
-/// The process sets of the running engine (set by `init`, emptied by `shutdown`).
-pub(super) static SETS: Mutex<Option<Arc<ProcessSets>>> = Mutex::new(None);
-
-pub(super) fn sets() -> PyResult<Arc<ProcessSets>> {
-    engine()?;
-    SETS.lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone()
-        .ok_or_else(not_initialized)
-}
+use super::state::{engine, not_initialized, running, sets, state, State, World};
+use super::{observe, to_py, worlds, HorovodInternalError, WorkerRemovedError};
 
 /// The engine that runs process set `id` on this rank (0: the global engine; from
 /// [`worlds::GROUP_ID_BASE`] on: a world formed for a `torch.distributed` group).
@@ -33,24 +24,6 @@ pub(super) fn engine_for(id: u32) -> PyResult<Arc<Engine>> {
         return worlds::group_engine(id);
     }
     sets()?.engine(id).map_err(to_py)
-}
-
-pub(super) fn state() -> MutexGuard<'static, State> {
-    STATE.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-pub(super) fn not_initialized() -> PyErr {
-    PyValueError::new_err("FastHorovod has not been initialized; call hvd.init() before using it")
-}
-
-pub(super) fn engine() -> PyResult<Arc<Engine>> {
-    match &*state() {
-        State::Running(e, _) => Ok(Arc::clone(e)),
-        State::Uninitialized => Err(not_initialized()),
-        State::ShutDown(why) => Err(HorovodInternalError::new_err(format!(
-            "the FastHorovod runtime has shut down ({why}); call hvd.init() to start it again"
-        ))),
-    }
 }
 
 pub(super) fn install_logging(lookup: &impl Fn(&str) -> Option<String>) {
@@ -83,7 +56,7 @@ pub(super) fn init(
     label: Option<String>,
     token: Option<String>,
 ) -> PyResult<()> {
-    if matches!(&*state(), State::Running(..)) {
+    if matches!(&*state(), State::Running(_)) {
         return Ok(());
     }
     let formed = match rank {
@@ -98,7 +71,7 @@ pub(super) fn init(
     };
     let lookup = |k: &str| std::env::var(k).ok();
     install_logging(&lookup);
-    super::observe::install_sigusr1();
+    observe::install_sigusr1();
     let ignored = config::ignored_set(lookup);
     if !ignored.is_empty() {
         tracing::info!(
@@ -129,17 +102,15 @@ pub(super) fn init(
             )),
         })?;
         worlds::set_world_token(token);
-        *state() = State::Running(Arc::new(engine), backend);
-        *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
+        *state() = State::Running(World::new(engine, backend, None));
         return Ok(());
     }
     if fh_job::elastic::enabled() {
-        let engine = start_elastic(py, cfg)?;
-        super::observe::install_culprit_hook(&engine);
-        super::observe::start_metrics(&engine);
+        let (engine, assignment) = start_elastic(py, cfg)?;
+        observe::install_culprit_hook(&engine);
+        observe::start_metrics(&engine);
         let backend = engine.backend();
-        *state() = State::Running(Arc::new(engine), backend);
-        *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
+        *state() = State::Running(World::new(engine, backend, Some(assignment)));
         return Ok(());
     }
     let started = py.detach(
@@ -156,11 +127,10 @@ pub(super) fn init(
              `torchrun`, `mpirun` or `srun`, or run it alone for a single process."
         )),
     })?;
-    super::observe::install_culprit_hook(&engine);
-    super::observe::start_metrics(&engine);
+    observe::install_culprit_hook(&engine);
+    observe::start_metrics(&engine);
     worlds::set_world_token(token);
-    *state() = State::Running(Arc::new(engine), backend);
-    *SETS.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ProcessSets::new()));
+    *state() = State::Running(World::new(engine, backend, None));
     Ok(())
 }
 
@@ -176,15 +146,14 @@ pub(super) fn shutdown(py: Python<'_>, reason: Option<String>) -> PyResult<()> {
         .clone()
         .unwrap_or_else(|| "hvd.shutdown() was called".into());
     let prev = std::mem::replace(&mut *state(), State::ShutDown(why));
-    let sets = SETS.lock().unwrap_or_else(|p| p.into_inner()).take();
     let groups = worlds::take_groups();
     match prev {
-        State::Running(engine, _) => {
+        State::Running(World { engine, sets, .. }) => {
             let r = py.detach(move || {
                 // The groups' worlds and the sets first (each shutdown is agreed among its
                 // members), then the world.
                 let r = worlds::close_groups(groups, reason.as_deref());
-                let r = r.and(sets.map_or(Ok(()), |s| s.close_all()));
+                let r = r.and(sets.close_all());
                 let stopped = match &reason {
                     Some(why) => engine.close_with_reason(why),
                     None => engine.close(),
@@ -211,7 +180,7 @@ pub(super) fn notify_launcher(rank: usize, reason: &str) {
 /// Whether `init()` has been called (and `shutdown()` has not).
 #[pyfunction]
 pub(super) fn is_initialized() -> bool {
-    matches!(&*state(), State::Running(..))
+    matches!(&*state(), State::Running(_))
 }
 
 /// `(rank, size, local_rank, local_size, cross_rank, cross_size)`.
@@ -233,7 +202,7 @@ pub(super) fn topology() -> PyResult<(usize, usize, usize, usize, usize, usize)>
 #[pyfunction]
 pub(super) fn backend() -> PyResult<&'static str> {
     match &*state() {
-        State::Running(_, b) => Ok(b),
+        State::Running(w) => Ok(w.backend),
         _ => Err(not_initialized()),
     }
 }
@@ -333,18 +302,15 @@ pub(super) fn process_set_ids() -> PyResult<Vec<u32>> {
 /// --host-discovery-script`), opened at its first `init` and kept for the process's life.
 static ELASTIC: Mutex<Option<Elastic>> = Mutex::new(None);
 
-/// `(generation, hosts_stamp)` of the running elastic world.
-static ASSIGNMENT: Mutex<Option<(u64, u64)>> = Mutex::new(None);
-
 fn elastic_session() -> MutexGuard<'static, Option<Elastic>> {
     ELASTIC.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// `init` of an elastic worker: register with the driver for the next generation and start
-/// the engine on its world. `WorkerRemovedError` when the driver leaves this worker out;
+/// the engine on its world; returns it with its `(generation, hosts_stamp)`. `WorkerRemovedError` when the driver leaves this worker out;
 /// `HorovodInternalError` when the job cannot go on or the world fails to form (the elastic
 /// loop then tries the next one).
-fn start_elastic(py: Python<'_>, cfg: fh_scheduler::Config) -> PyResult<Engine> {
+fn start_elastic(py: Python<'_>, cfg: fh_scheduler::Config) -> PyResult<(Engine, (u64, u64))> {
     let mut session = elastic_session();
     if session.is_none() {
         let opened = py.detach(Elastic::from_env).map_err(|e| {
@@ -383,9 +349,7 @@ fn start_elastic(py: Python<'_>, cfg: fh_scheduler::Config) -> PyResult<Engine> 
     });
     match started {
         Ok(ElasticStart::Started { engine, assignment }) => {
-            *ASSIGNMENT.lock().unwrap_or_else(|p| p.into_inner()) =
-                Some((assignment.generation, assignment.hosts_stamp));
-            Ok(engine)
+            Ok((engine, (assignment.generation, assignment.hosts_stamp)))
         }
         Ok(ElasticStart::Removed(why)) => Err(WorkerRemovedError::new_err(why)),
         Err(e @ SchedulerError::Config { .. }) => Err(to_py(e)),
@@ -420,10 +384,7 @@ pub(super) fn elastic_enabled() -> bool {
 /// `(generation, hosts_stamp)` of the running elastic world.
 #[pyfunction]
 pub(super) fn elastic_assignment() -> PyResult<(u64, u64)> {
-    engine()?;
-    ASSIGNMENT
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+    running(|w| w.assignment)?
         .ok_or_else(|| PyValueError::new_err("this process is not a worker of an elastic job"))
 }
 

@@ -1,6 +1,15 @@
 //! Submissions: framework tensors wrapped as engine tensors and handed to an engine.
 
-use super::*;
+use fh_scheduler::{CollectiveOptions, Tensor};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::names;
+
+use super::handle::PyHandle;
+use super::runtime::engine_for;
+use super::state::engine;
+use super::to_py;
 
 /// Why this build refuses CUDA tensors.
 #[cfg(not(feature = "cuda"))]

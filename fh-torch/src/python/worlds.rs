@@ -23,7 +23,7 @@ use fh_scheduler::{Engine, SchedulerError};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::runtime::engine;
+use super::state::engine;
 use super::{to_py, HorovodInternalError};
 
 /// Ids of the engines of subgroup worlds start here (process sets count up from 1), so that

@@ -52,6 +52,7 @@ import fasthorovod.torch as hvd  # noqa: E402
 from fasthorovod.common import _elastic_core  # noqa: E402
 from fasthorovod.common import elastic as common_elastic  # noqa: E402
 from fasthorovod.torch import elastic as torch_elastic  # noqa: E402
+from fasthorovod.torch import mpi_ops  # noqa: E402
 from fasthorovod.torch.elastic import state as torch_state  # noqa: E402
 
 WORKER = os.environ["FH_ELASTIC_WORKER"]
@@ -195,8 +196,10 @@ def install():
 
     elif phase == "reform":
         reset = torch_elastic._reset
-        shutdown = hvd.shutdown
-        start_world = hvd._start_world
+        # The runtime object's methods: elastic's reset calls them through it.
+        basics = mpi_ops._basics
+        shutdown = basics.shutdown
+        start_world = basics._start_world
         agree = torch_elastic._agree_sync
         sync = torch_state.TorchState.sync
         armed = {}
@@ -234,8 +237,8 @@ def install():
             return sync(self)
 
         torch_elastic._reset = counted_reset
-        hvd.shutdown = shutdown_then
-        hvd._start_world = start_then
+        basics.shutdown = shutdown_then
+        basics._start_world = start_then
         torch_elastic._agree_sync = agree_then
         torch_state.TorchState.sync = sync_then
 

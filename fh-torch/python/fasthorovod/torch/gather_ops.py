@@ -1,5 +1,6 @@
 """Collectives that move data without reducing it: allgather, broadcast, alltoall
-(blocking, async, in-place, grouped, autograd)."""
+(blocking, async, in-place, grouped, autograd; the gradients of allgather and broadcast are
+allreduces, from ``reduce_ops``)."""
 
 import torch
 
@@ -10,7 +11,7 @@ from fasthorovod.common.process_sets import global_process_set
 from fasthorovod.torch._ops import (Average, _allgather, _alltoall, _broadcast, _check_group,
                                     _check_tensor, _contiguous, _from_bytes, _op_name,
                                     _register, synchronize)
-from fasthorovod.torch import reduce_ops as _reduce
+from fasthorovod.torch.reduce_ops import allreduce, grouped_allreduce
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,7 +63,7 @@ class HorovodAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        averaged = _reduce.allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        averaged = allreduce(grad_output, op=Average, process_set=ctx.process_set)
         (rows,) = _rows_of_every_rank([ctx.rows], ctx.process_set)
         grad = _my_rows(averaged, rows, ctx.process_set)
         if ctx.scalar:
@@ -99,8 +100,8 @@ class HorovodGroupedAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_output):
-        averaged = _reduce.grouped_allreduce(list(grad_output), op=Average,
-                                             process_set=ctx.process_set)
+        averaged = grouped_allreduce(list(grad_output), op=Average,
+                                     process_set=ctx.process_set)
         every = _rows_of_every_rank(ctx.rows, ctx.process_set)
         grads = []
         for g, rows, scalar in zip(averaged, every, ctx.scalars):
@@ -170,7 +171,7 @@ class HorovodBroadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_reduced = _reduce.allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        grad_reduced = allreduce(grad_output, op=Average, process_set=ctx.process_set)
         if _core.topology()[0] != ctx.root_rank:
             grad_reduced = grad_reduced * 0
         return grad_reduced, None, None, None

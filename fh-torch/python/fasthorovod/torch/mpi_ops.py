@@ -1,7 +1,8 @@
 """Horovod's ``horovod.torch.mpi_ops``: the collectives on torch tensors (blocking, ``_async``
 returning a handle, in-place ``_`` and grouped forms, with Horovod's signatures), the reduce
-ops, and the runtime's lifecycle (``init``, ``shutdown``; set by the package, which owns them),
-topology (``rank``, ``size``, ...) and build queries (``mpi_built``, ``nccl_built``, ...).
+ops, and the runtime's lifecycle (``init``, ``shutdown``), topology (``rank``, ``size``, ...) and
+build queries (``mpi_built``, ``nccl_built``, ...): the methods of one
+``fasthorovod.common.basics.Basics``, which keeps their state.
 
 CPU tensors cross into the engine without copies: the engine reduces in the tensor's own
 memory while the tensor is kept alive by the pending operation. Do not read or write a tensor
@@ -11,12 +12,13 @@ while an in-place operation on it is in flight (Horovod's rule too).
 import torch
 
 from fasthorovod import _core
+from fasthorovod.common.basics import Basics as _Basics
 from fasthorovod.common.exceptions import HorovodInternalError  # noqa: F401
 from fasthorovod.common.process_sets import (ProcessSet, add_process_set,  # noqa: F401
                                              global_process_set, remove_process_set)
 from fasthorovod.common.process_sets import _check as _check_process_set
-from fasthorovod.torch._ops import (Adasum, Average, Max, Min, Product, Sum, _resolve_op, poll,
-                                    synchronize)
+from fasthorovod.torch._ops import (Adasum, Average, Max, Min, Product, Sum, _refresh_tracing,
+                                    _resolve_op, poll, synchronize)
 from fasthorovod.torch.compression import Compression  # noqa: F401
 from fasthorovod.torch.gather_ops import (HorovodAllgather, HorovodAlltoall, HorovodBroadcast,
                                           HorovodGroupedAllgather, allgather, allgather_async,
@@ -24,113 +26,48 @@ from fasthorovod.torch.gather_ops import (HorovodAllgather, HorovodAlltoall, Hor
                                           broadcast_async, broadcast_async_, grouped_allgather,
                                           grouped_allgather_async)
 from fasthorovod.torch.reduce_ops import (HorovodAllreduce, HorovodGroupedAllreduce,
-                                          HorovodGroupedReducescatter, HorovodReducescatter,
                                           allreduce, allreduce_, allreduce_async,
                                           allreduce_async_, grouped_allreduce,
                                           grouped_allreduce_, grouped_allreduce_async,
-                                          grouped_allreduce_async_, grouped_reducescatter,
-                                          grouped_reducescatter_async, reducescatter,
-                                          reducescatter_async)
-
-# Whether every host runs the same number of ranks (found by ``init``).
-_homogeneous = None
-# How many times init() has started the runtime in this process: a cache agreed over the
-# ranks of one world (DistributedOptimizer's gradient layouts) is dropped when it changes.
-_world_count = 0
-
-# ---------------------------------------------------------------------------------------------
-# topology and build queries
+                                          grouped_allreduce_async_)
+from fasthorovod.torch.scatter_ops import (HorovodGroupedReducescatter, HorovodReducescatter,
+                                           grouped_reducescatter, grouped_reducescatter_async,
+                                           reducescatter, reducescatter_async)
 
 
-def is_initialized():
-    """Whether ``init()`` has been called (and ``shutdown()`` has not)."""
-    return _core.is_initialized()
+# The runtime's lifecycle, topology and build queries (Horovod's ``_basics``): one object owns
+# them and the state they keep; this module hands its methods on as its functions.
+def _local_sizes(local_size):
+    """Every rank's ``local_size`` (an allgather: ``init``'s homogeneity query)."""
+    local = torch.tensor([local_size], dtype=torch.int64)
+    return synchronize(allgather_async(local, name="fasthorovod.init.local_sizes")).tolist()
 
 
-def rank():
-    """This process's rank (0 .. size() - 1)."""
-    return _core.topology()[0]
+_basics = _Basics(local_sizes=_local_sizes, tracing_changed=_refresh_tracing)
+_basics.install_exit_handlers()
 
-
-def size():
-    """Number of ranks."""
-    return _core.topology()[1]
-
-
-def local_rank():
-    """This process's rank among the ranks of its host."""
-    return _core.topology()[2]
-
-
-def local_size():
-    """Number of ranks on this host."""
-    return _core.topology()[3]
-
-
-def cross_rank():
-    """Index of this process's host among the hosts."""
-    return _core.topology()[4]
-
-
-def cross_size():
-    """Number of hosts."""
-    return _core.topology()[5]
-
-
-def is_homogeneous():
-    """Whether every host runs the same number of ranks."""
-    _core.topology()  # raises when not initialized
-    return bool(_homogeneous)
-
-
-def mpi_built():
-    """Whether this build can use MPI as its transport."""
-    return _core.mpi_built()
-
-
-def mpi_enabled():
-    """Whether the running job uses MPI as its transport."""
-    return _core.backend().startswith("mpi")
-
-
-def mpi_threads_supported():
-    """Whether MPI is in use with multi-threading support (the MPI transport requires it)."""
-    return mpi_enabled()
-
-
-def gloo_built():
-    """FastHorovod has no Gloo: always False."""
-    return False
-
-
-def gloo_enabled():
-    """FastHorovod has no Gloo: always False."""
-    return False
-
-
-def nccl_built():
-    """Whether NCCL support is compiled in."""
-    return _core.nccl_built()
-
-
-def cuda_built():
-    """Whether CUDA support is compiled in."""
-    return _core.cuda_built()
-
-
-def rocm_built():
-    """FastHorovod has no ROCm support: always False."""
-    return False
-
-
-def ddl_built():
-    """FastHorovod has no IBM DDL support: always False."""
-    return False
-
-
-def ccl_built():
-    """FastHorovod has no oneCCL support: always False."""
-    return False
+init = _basics.init
+shutdown = _basics.shutdown
+is_initialized = _basics.is_initialized
+start_timeline = _basics.start_timeline
+stop_timeline = _basics.stop_timeline
+size = _basics.size
+local_size = _basics.local_size
+cross_size = _basics.cross_size
+rank = _basics.rank
+local_rank = _basics.local_rank
+cross_rank = _basics.cross_rank
+is_homogeneous = _basics.is_homogeneous
+mpi_threads_supported = _basics.mpi_threads_supported
+mpi_enabled = _basics.mpi_enabled
+mpi_built = _basics.mpi_built
+gloo_enabled = _basics.gloo_enabled
+gloo_built = _basics.gloo_built
+nccl_built = _basics.nccl_built
+ddl_built = _basics.ddl_built
+ccl_built = _basics.ccl_built
+cuda_built = _basics.cuda_built
+rocm_built = _basics.rocm_built
 
 
 def handle_average_backwards_compatibility(op, average):
@@ -154,10 +91,6 @@ def barrier(process_set=global_process_set):
     """Block until every rank (of ``process_set``) has reached this barrier."""
     ps = _check_process_set(process_set)
     _core.barrier(ps).wait()
-
-
-# ``init``, ``shutdown``, ``start_timeline`` and ``stop_timeline`` are set on this module by
-# ``fasthorovod.torch`` (the same functions as ``hvd.init`` ...), which is always imported first.
 
 
 __all__ = [

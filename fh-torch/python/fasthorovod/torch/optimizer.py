@@ -163,10 +163,10 @@ class _DistributedOptimizer:
         # parameter -> _DENSE_GRAD or _SPARSE_GRAD, agreed over the ranks of one world (see
         # _layout).
         self._layouts = {}
-        self._layouts_world = mpi_ops._world_count
+        self._layouts_world = mpi_ops._basics.world_count
         self._in_flight = []
-        # The world (``mpi_ops._world_count``) of this step's submissions and pass counts.
-        self._step_world = mpi_ops._world_count
+        # The world (the runtime's ``world_count``) of this step's submissions and pass counts.
+        self._step_world = mpi_ops._basics.world_count
         self._submitted = set()  # buckets submitted this step
         self._passes_seen = False  # a backward pass reached a hook since the last reset
         self._hooks = []
@@ -252,9 +252,9 @@ class _DistributedOptimizer:
         """The layouts agreed in the running world: forgotten after each ``init()`` (an
         elastic job's new world may hold a joining worker's optimizer, which agreed nothing
         yet, so every rank agrees anew)."""
-        if self._layouts_world != mpi_ops._world_count:
+        if self._layouts_world != mpi_ops._basics.world_count:
             self._layouts = {}
-            self._layouts_world = mpi_ops._world_count
+            self._layouts_world = mpi_ops._basics.world_count
         return self._layouts
 
     def _undecided(self, bucket):
@@ -475,10 +475,10 @@ class _DistributedOptimizer:
         """Drop the step of an earlier world: after ``shutdown()``/``init()`` (an elastic
         job's new world, or a script that re-initialises) its reductions died with the old
         engine and its pass counts belong to a backward pass that never finished."""
-        if self._step_world != mpi_ops._world_count:
+        if self._step_world != mpi_ops._basics.world_count:
             self._drop_step()
             self._synchronized = False
-            self._step_world = mpi_ops._world_count
+            self._step_world = mpi_ops._basics.world_count
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,

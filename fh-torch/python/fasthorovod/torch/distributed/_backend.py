@@ -791,9 +791,9 @@ class ProcessGroupFastHorovod(_C10dBackend):
             if self._ps != 0:
                 _core.group_close(self._ps, None)
             elif self._owns and _core.is_initialized():
-                import fasthorovod.torch as hvd
+                from fasthorovod.torch.mpi_ops import _basics
 
-                hvd.shutdown()
+                _basics.shutdown()
         except Exception:  # noqa: BLE001 - an engine that failed told its operations why
             pass
         self._completer.close(timeout=5.0)

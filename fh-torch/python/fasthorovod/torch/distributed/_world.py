@@ -139,7 +139,7 @@ def export_torch_variables():
 def start_default(store, rank, size):
     """Start (or find) the engine of the default group; returns whether the backend owns it
     (started it, so that destroying the group shuts it down)."""
-    import fasthorovod.torch as hvd
+    from fasthorovod.torch.mpi_ops import _basics
 
     if _core.is_initialized():
         _check_same_world("the running FastHorovod runtime (hvd.init() was called first)",
@@ -158,15 +158,15 @@ def start_default(store, rank, size):
                 f"{launcher} environment of this process says rank {env_rank} of {env_size}: "
                 f"the fasthorovod backend runs on the launcher's world, so pass the "
                 f"launcher's rank and world size (or none)")
-        hvd.init()
+        _basics.init()
         return True
     if size == 1:
-        hvd.init()
+        _basics.init()
         return True
     with_token = not os.environ.get("FH_JOB_TOKEN")
     plan = _agree(store, rank, size, world_on_one_host=False, with_token=with_token)
-    hvd._start(None, lambda: _core.init(rank=rank, size=size, rendezvous=plan["rendezvous"],
-                                        label=plan["nonce"], token=plan.get("token")))
+    _basics.start(None, lambda: _core.init(rank=rank, size=size, rendezvous=plan["rendezvous"],
+                                           label=plan["nonce"], token=plan.get("token")))
     _check_same_world("the world agreed through the store", rank, size)
     return True
 

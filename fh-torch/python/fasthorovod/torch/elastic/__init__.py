@@ -47,14 +47,14 @@ def _agree_sync(needed):
 def _reset():
     """Re-forms the world: ``shutdown()``, then ``init()`` (which asks the driver for the
     next world)."""
-    import fasthorovod.torch as hvd
+    from fasthorovod.torch.mpi_ops import _basics
 
     try:
-        hvd.shutdown()
+        _basics.shutdown()
     except Exception:  # noqa: BLE001 - reported by the failed engine, stopped all the same
         # The engine had failed (the error that brought us here): its close reports it.
         pass
-    hvd.init()
+    _basics.init()
 
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler",
