@@ -14,7 +14,7 @@ pub const INTERVAL_VAR: &str = "FH_HEARTBEAT_INTERVAL_MS";
 
 /// Default [`Settings::interval`].
 ///
-/// Measured (see fh-transport's README, *Liveness*): on a 2-core machine loaded with 4 busy ranks
+/// Measured (with fh-transport's `heartbeat_gaps` example): on a 2-core machine loaded with 4 busy ranks
 /// and 8 more spinning processes, the longest gap between two heartbeats a rank received was
 /// well under a second; four intervals fit in the default silence with room for that gap.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(250);

@@ -665,7 +665,7 @@ pub(crate) fn cudarc_feature_problems(manifest: &str) -> Vec<String> {
     out
 }
 
-/// `ARCHITECTURE.md` mentions every workspace crate.
+/// `ARCHITECTURE.md` mentions every workspace crate and stays short.
 pub(crate) fn check_architecture(root: &Path) -> Vec<String> {
     let text = match read(&root.join("ARCHITECTURE.md")) {
         Ok(t) => t,
@@ -675,12 +675,23 @@ pub(crate) fn check_architecture(root: &Path) -> Vec<String> {
         Ok(m) => m,
         Err(e) => return vec![e],
     };
-    members
+    let mut out: Vec<String> = members
         .iter()
         .filter(|m| !text.contains(&m.name))
         .map(|m| format!("ARCHITECTURE.md does not mention the crate `{}`", m.name))
-        .collect()
+        .collect();
+    let words = text.split_whitespace().count();
+    if words > ARCHITECTURE_MAX_WORDS {
+        out.push(format!(
+            "ARCHITECTURE.md has {words} words; keep it a map a newcomer reads in ten minutes \
+             (at most {ARCHITECTURE_MAX_WORDS}): move detail into the crates' READMEs and docs"
+        ));
+    }
+    out
 }
+
+/// The most words `ARCHITECTURE.md` may have: a map, not an atlas.
+const ARCHITECTURE_MAX_WORDS: usize = 1500;
 
 #[cfg(test)]
 mod tests {
