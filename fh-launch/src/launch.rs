@@ -7,8 +7,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::guardian::Guardian;
-use crate::notice::{Notice, NoticeChannel, NOTICE_VAR};
-use crate::output::{pump, Sink};
+use crate::notice::{Notice, NoticeChannel};
+use crate::output::Sink;
 use crate::sys;
 
 mod process;

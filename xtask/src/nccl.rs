@@ -176,7 +176,9 @@ fn site_packages_dirs(root: &Path) -> Vec<PathBuf> {
 pub(crate) mod generate {
     //! The generator itself (needs bindgen, hence libclang).
 
-    use super::*;
+    use std::path::{Path, PathBuf};
+
+    use super::{find_header, BINDINGS, FUNCTIONS, STUB_DIR};
 
     /// Parses the arguments, generates, and writes or checks the bindings.
     pub(crate) fn run(root: &Path, args: &[String]) -> Result<String, String> {

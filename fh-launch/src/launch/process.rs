@@ -7,7 +7,10 @@ use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 
-use super::*;
+use super::{LocalJob, Rank, RankSpec, RemoteSpec};
+use crate::notice::{NoticeChannel, NOTICE_VAR};
+use crate::output::{pump, Sink};
+use crate::sys;
 
 /// Starts a remote part: its agent in a process group of its own, the part's job on its stdin,
 /// its output copied as it is (the remote part prefixes its ranks' lines itself).

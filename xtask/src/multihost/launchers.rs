@@ -1,7 +1,12 @@
 //! The launcher checks of `cargo xtask multihost`: mpirun and fhrun across the emulated hosts
 //! through the cluster's rsh agent (placement, fail fast, signals, fhrun killed).
 
-use super::*;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{bounded, check_placed, tail, Bins};
+use crate::cluster::{self, Cluster};
 /// `mpirun --map-by node -H h0:2,h1:2` from h0 through the rsh agent: ranks 0 and 2 on h0,
 /// 1 and 3 on h1.
 pub(super) fn mpirun_map_by_node(c: &Cluster, bins: &Bins) -> Result<String, String> {

@@ -1,7 +1,10 @@
 //! The loss checks of `cargo xtask multihost`: a 2 × 2 job that loses a host's link, a rank or
 //! a host, and what every survivor must say, and when.
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use super::{tail, Bins};
+use crate::cluster::Cluster;
 
 /// The runtime's timeout in the loss checks (seconds), and the bound on a survivor's exit.
 const LOSS_TIMEOUT_S: u64 = 5;

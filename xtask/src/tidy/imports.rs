@@ -45,6 +45,39 @@ pub(crate) fn check_import_circles(root: &Path) -> Vec<String> {
         .collect()
 }
 
+/// A glob import of a module's parent (built so that this file does not contain it).
+const GLOB_PARENT: &str = concat!("use super", "::*");
+
+/// No glob import of a parent (`use super::*`) outside test code: a module says by name what
+/// it takes from its parent, so that a reader sees the edge and the circle checks see it too.
+pub(crate) fn check_no_glob_parent_imports(root: &Path) -> Vec<String> {
+    let members = match super::members(root) {
+        Ok(m) => m,
+        Err(e) => return vec![e],
+    };
+    let mut out = Vec::new();
+    for m in &members {
+        let src = root.join(&m.dir).join("src");
+        let mut files = Vec::new();
+        collect(&src, "rs", &mut files);
+        for f in files {
+            if module_path(&src, &f).is_none() && !f.ends_with("main.rs") {
+                continue;
+            }
+            let Ok(text) = fs::read_to_string(&f) else {
+                continue;
+            };
+            if strip_tests(&strip_comments(&text)).contains(GLOB_PARENT) {
+                out.push(format!(
+                    "{} imports its parent by glob (`super::*`): import what it uses by name",
+                    f.strip_prefix(root).unwrap_or(&f).display()
+                ));
+            }
+        }
+    }
+    out
+}
+
 /// The strongly connected components of more than one file, each sorted (Tarjan).
 pub(crate) fn circles(graph: &Graph) -> Vec<Vec<PathBuf>> {
     struct State<'a> {
@@ -309,9 +342,17 @@ pub(crate) fn strip_comments(text: &str) -> String {
 /// project keeps at the end of a file.
 fn strip_tests(code: &str) -> String {
     let mut from = 0;
-    while let Some(k) = code[from..].find("#[cfg(test)]") {
+    while let Some(k) = code[from..].find("#[cfg(") {
         let at = from + k;
-        let after = code[at + "#[cfg(test)]".len()..].trim_start();
+        let Some(close) = code[at..].find(")]") else {
+            break;
+        };
+        let attr = &code[at..at + close];
+        if !(attr == "#[cfg(test" || attr.starts_with("#[cfg(all(test")) {
+            from = at + 1;
+            continue;
+        }
+        let after = code[at + close + 2..].trim_start();
         if after.starts_with("mod ") {
             let line_end = after.find('\n').unwrap_or(after.len());
             if after[..line_end].contains('{') {
@@ -511,6 +552,15 @@ mod tests {
         assert_eq!(got[1], (s(&["fasthorovod", "common"]), s(&["basics"])));
         assert_eq!(got[2], (s(&["fasthorovod", "torch", "x"]), vec![]));
         assert_eq!(got[3], (s(&["fasthorovod", "torch"]), s(&["gather_ops"])));
+    }
+
+    #[test]
+    fn no_module_imports_its_parent_by_glob() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("root");
+        let found = check_no_glob_parent_imports(root);
+        assert!(found.is_empty(), "{found:#?}");
     }
 
     #[test]

@@ -182,6 +182,7 @@ pub(crate) fn run_all(root: &Path) -> Vec<String> {
     out.extend(check_ci_script(root));
     out.extend(check_architecture(root));
     out.extend(imports::check_import_circles(root));
+    out.extend(imports::check_no_glob_parent_imports(root));
     out.extend(sockets::check_socket_owners(root));
     out.extend(check_cudarc_features(root));
     out.extend(check_one_release(root));

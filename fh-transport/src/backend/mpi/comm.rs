@@ -8,10 +8,10 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
-use fh_core::{kernels, CoreError, DType, ReduceOp};
+use fh_core::{kernels, DType, ReduceOp};
 use mpi::ffi;
 
-use crate::{algorithms, Communicator, Result, Topology, Transport, TransportError};
+use crate::{Result, Topology, Transport, TransportError};
 
 mod collectives;
 

@@ -80,7 +80,7 @@ use std::time::{Duration, Instant};
 use accept::{AcceptRules, Acceptor, RefusalLog, WorldCell};
 pub use comm::TcpComm;
 pub(crate) use fh_job::token::Key;
-use handshake::{connect_handshake, read_msg, write_by, ReadFail};
+use handshake::connect_handshake;
 pub(crate) use link::{AbortBoard, Link};
 use rendezvous::resolve;
 use wire::{ConnKind, Hello};

@@ -2,9 +2,15 @@
 //! identity and its launcher's claims, [`fh_job::hosts`]) at the rendezvous address
 //! (`FH_RENDEZVOUS_ADDR`) and sends back the address book and every rank's place.
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use super::*;
+use super::accept::Acceptor;
+use super::handshake::{connect_handshake, read_msg, write_by, ReadFail};
+use super::wire::{self, ConnKind, Hello};
+use super::{bind_data, TcpTransport};
+use crate::{Result, TransportError};
 use fh_job::hosts::{self, Place};
 
 /// Why reading the rendezvous's answer from rank 0 failed, as an error.

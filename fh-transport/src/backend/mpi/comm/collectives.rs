@@ -3,7 +3,16 @@
 //! the shared `algorithms` otherwise. Arguments are checked with the shared, overflow-checked
 //! `algorithms::check_*`.
 
-use super::*;
+use std::ffi::{c_int, c_void};
+
+use fh_core::{kernels, CoreError, DType, ReduceOp};
+use mpi::ffi;
+
+use super::{
+    bytes_type, chunk_ranges, int_counts, recv_ptr, send_ptr, MpiComm, ThreadMode, TAG_LAST,
+    TAG_MORE,
+};
+use crate::{algorithms, Communicator, Result};
 
 impl Communicator for MpiComm {
     fn backend(&self) -> &'static str {
