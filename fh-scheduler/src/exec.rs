@@ -20,20 +20,50 @@ use crate::{SchedulerError, Tensor};
 
 /// A channel: its communicator and its fusion buffer, reused across steps.
 pub(crate) struct Executor {
-    pub comm: Box<dyn Communicator>,
-    pub buf: Vec<u8>,
-    pub channel: usize,
-    pub inner: Arc<Inner>,
+    comm: Box<dyn Communicator>,
+    buf: Vec<u8>,
+    channel: usize,
+    inner: Arc<Inner>,
     /// Time spent packing, in the collective and unpacking, for the timeline (fused groups
     /// only; staged groups interleave the three, so the timeline shows them as totals).
-    pub phases: Option<(
+    phases: Option<(
         std::time::Duration,
         std::time::Duration,
         std::time::Duration,
     )>,
     /// The channel's device twin (GPU path open): runs the groups of device tensors.
     #[cfg(feature = "cuda")]
-    pub device: Option<fh_transport::backend::cuda::DeviceChannel>,
+    device: Option<fh_transport::backend::cuda::DeviceChannel>,
+}
+
+impl Executor {
+    /// The executor of channel `channel` over its data communicator (and its device twin).
+    pub(crate) fn new(
+        comm: Box<dyn Communicator>,
+        channel: usize,
+        inner: Arc<Inner>,
+        #[cfg(feature = "cuda")] device: Option<fh_transport::backend::cuda::DeviceChannel>,
+    ) -> Executor {
+        Executor {
+            comm,
+            buf: Vec::new(),
+            channel,
+            inner,
+            phases: None,
+            #[cfg(feature = "cuda")]
+            device,
+        }
+    }
+
+    /// Its channel's index.
+    pub(crate) fn channel(&self) -> usize {
+        self.channel
+    }
+
+    /// Tell the channel's peers that this rank gives up because `lost` was lost.
+    pub(crate) fn abort(&mut self, lost: usize) {
+        self.comm.abort(lost);
+    }
 }
 
 fn reduce_in_place(

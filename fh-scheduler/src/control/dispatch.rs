@@ -8,14 +8,17 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use crossbeam_channel::Sender;
+use crossbeam_channel::{Receiver, Sender};
 use fh_core::fusion::{plan_round_on, runs_inline, PlanItem};
 use fh_core::message::{CollectiveKind, Response};
 use fh_core::ReduceOp;
+use fh_transport::Communicator;
 
+use crate::config::Preset;
 use crate::exec::Executor;
 use crate::inject::{self, Point};
 use crate::job::{Job, Op, OpState};
+use crate::shared::Inner;
 use crate::shared::Resolver;
 use crate::stats::{Counters, GroupRecord};
 use crate::{SchedulerError, Tensor};
@@ -51,6 +54,73 @@ pub(super) struct ChannelSlot {
     /// Groups handed to the worker thread and not yet finished. The worker lowers it after it
     /// has released `exec`, so at zero the control thread takes `exec` without waiting.
     pub(super) outstanding: AtomicUsize,
+}
+
+impl Dispatch {
+    /// The channels' executors over the data communicators `data` (and their device twins),
+    /// run as the preset asks: one worker thread per channel (FastHorovod), or on the control
+    /// thread itself (Horovod).
+    pub(super) fn start(
+        preset: Preset,
+        inner: &Arc<Inner>,
+        data: Vec<Box<dyn Communicator>>,
+        devices: Vec<crate::gpu::DeviceChannelSlot>,
+    ) -> Result<Dispatch, SchedulerError> {
+        #[cfg(feature = "cuda")]
+        let mut devices = devices.into_iter();
+        #[cfg(not(feature = "cuda"))]
+        drop(devices);
+        let executors = data.into_iter().enumerate().map(|(channel, comm)| {
+            Executor::new(
+                comm,
+                channel,
+                Arc::clone(inner),
+                #[cfg(feature = "cuda")]
+                devices.next(),
+            )
+        });
+        if preset == Preset::Horovod {
+            let ex = executors
+                .into_iter()
+                .next()
+                .ok_or_else(|| SchedulerError::internal("no data channel was opened"))?;
+            return Ok(Dispatch::Inline(Box::new(ex)));
+        }
+        let (mut queues, mut threads, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        for ex in executors {
+            let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+            let name = format!("fh-channel-{}-{}", inner.rank, ex.channel());
+            let slot = Arc::new(ChannelSlot {
+                exec: Mutex::new(ex),
+                outstanding: AtomicUsize::new(0),
+            });
+            slots.push(Arc::clone(&slot));
+            let rank = inner.rank;
+            let t = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || worker_loop(rank, &slot, &rx))
+                .map_err(|e| SchedulerError::internal(format!("cannot spawn a thread: {e}")))?;
+            queues.push(tx);
+            threads.push(t);
+        }
+        Ok(Dispatch::Workers {
+            queues,
+            threads,
+            slots,
+        })
+    }
+}
+
+/// A channel's worker thread: runs the groups handed to its channel, in order, until the
+/// control thread drops the queue.
+fn worker_loop(rank: usize, slot: &ChannelSlot, rx: &Receiver<Job>) {
+    while let Ok(job) = rx.recv() {
+        if inject::hit(rank, Point::ChannelPanic, job_name(&job)) {
+            panic!("injected panic on a channel thread");
+        }
+        crate::shared::lock(&slot.exec).run(job);
+        slot.outstanding.fetch_sub(1, Ordering::Release);
+    }
 }
 
 impl ChannelSlot {
@@ -116,7 +186,7 @@ impl Control {
                 return Ok(Source::Submitted(seq, Box::new(p)));
             }
         }
-        if self.joined && r.sig.kind == CollectiveKind::Allreduce {
+        if self.join.active && r.sig.kind == CollectiveKind::Allreduce {
             return try_zeros(&r.sig).map(Source::Zeros);
         }
         Err("this rank never submitted it".into())
@@ -190,7 +260,12 @@ impl Control {
             }
             items.push(item);
         }
-        let groups = plan_round_on(&items, &self.plan_opts, &mut self.load, self.idle_channels);
+        let groups = plan_round_on(
+            &items,
+            &self.plan.opts,
+            &mut self.plan.load,
+            self.plan.idle_channels,
+        );
         let inline_plan = matches!(self.dispatch, Dispatch::Workers { .. })
             && runs_inline(&groups, self.inner.config.inline_bytes, |i| {
                 ready[i].sig.device == fh_core::message::Device::Cpu
@@ -292,7 +367,7 @@ impl Control {
             if self.inner.config.record_groups {
                 self.inner.record_group(GroupRecord {
                     round,
-                    idle_channels: self.idle_channels,
+                    idle_channels: self.plan.idle_channels,
                     channel: g.channel,
                     parts: g
                         .parts

@@ -27,8 +27,8 @@
 //! ready and fails them together; [`dispatch`] plans the agreed list (fh-core's planner) and
 //! hands the groups to the channels (`crate::exec`), or runs a small one itself.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
@@ -36,12 +36,10 @@ use fh_core::cache::ResponseCache;
 use fh_core::fusion::{ChannelLoad, PlanOptions};
 use fh_transport::Communicator;
 
-use crate::exec::Executor;
-use crate::job::Job;
 use crate::negotiate::coordinator::Table;
 use crate::negotiate::readiness::ReadyTimes;
 use crate::shared::{Inner, Msg};
-use crate::{Preset, SchedulerError};
+use crate::SchedulerError;
 
 mod dispatch;
 mod groups;
@@ -50,9 +48,9 @@ mod round;
 #[cfg(test)]
 mod tests;
 
+use dispatch::Dispatch;
 #[cfg(test)]
 pub(crate) use dispatch::QUEUE_ANYWAY;
-use dispatch::{ChannelSlot, Dispatch};
 use in_flight::InFlight;
 
 /// Longest back-off between rounds while every rank waits on another.
@@ -90,24 +88,14 @@ pub(crate) struct Control {
     work: InFlight,
     table: Table,
     dispatch: Dispatch,
-    local_shutdown: bool,
-    /// Why this rank asked to shut down, told to the others in the agreed shutdown.
-    shutdown_reason: Option<String>,
-    joined: bool,
-    joined_set: Vec<bool>,
-    /// The rank that joined last (highest rank among those that joined in the same round).
-    last_joined: Option<usize>,
-    fresh: bool,
-    last_progress: bool,
-    backoff: Duration,
-    last_round: Instant,
-    last_stall_check: Instant,
-    plan_opts: PlanOptions,
-    /// Bytes given to each channel so far (a function of the agreed rounds only).
-    load: ChannelLoad,
-    /// The channels idle on every rank when this round started (agreed in the round's bit
-    /// vector): the planner puts the round's fused groups there.
-    idle_channels: u64,
+    /// This rank's request to shut down.
+    shutdown: ShutdownState,
+    /// `join()`: this rank's, and the agreed set.
+    join: JoinState,
+    /// When to run the next round.
+    pacing: Pacing,
+    /// What the planner carries from round to round.
+    plan: PlanState,
     /// A local inconsistency met while dispatching (tensor name, what went wrong): raised in
     /// the next round so that every rank stops with the same error.
     fault: Option<(String, String)>,
@@ -122,6 +110,51 @@ pub(crate) struct Control {
     last_mismatch_record: Option<Instant>,
 }
 
+/// This rank's request to shut down (raised in the next round's vector).
+struct ShutdownState {
+    /// Whether this rank asked.
+    asked: bool,
+    /// Why, told to the others in the agreed shutdown.
+    reason: Option<String>,
+}
+
+/// `join()` on this rank and across the ranks (agreed in the rounds that carry the joined
+/// status).
+struct JoinState {
+    /// Whether this rank has joined and waits for the others.
+    active: bool,
+    /// Which ranks have joined, as last agreed (the same on every rank).
+    set: Vec<bool>,
+    /// The rank that joined last (highest rank among those that joined in the same round).
+    last: Option<usize>,
+}
+
+/// When the control thread runs its next round.
+struct Pacing {
+    /// Work arrived since the last round.
+    fresh: bool,
+    /// The last round made progress (something was dispatched).
+    last_progress: bool,
+    /// How long to wait before an idle round; grows while nothing happens.
+    backoff: Duration,
+    /// When the last round started.
+    last_round: Instant,
+    /// When the stall inspector last looked.
+    last_stall_check: Instant,
+}
+
+/// What the planner carries from round to round: a function of the agreed rounds only, hence
+/// the same on every rank.
+struct PlanState {
+    /// The planner's options (agreed at start-up).
+    opts: PlanOptions,
+    /// Bytes given to each channel so far.
+    load: ChannelLoad,
+    /// The channels idle on every rank when this round started (agreed in the round's bit
+    /// vector): the planner puts the round's fused groups there.
+    idle_channels: u64,
+}
+
 impl Control {
     pub(crate) fn new(
         inner: Arc<Inner>,
@@ -133,78 +166,17 @@ impl Control {
     ) -> Result<Self, SchedulerError> {
         let cfg = inner.config.clone();
         inner.counters.init_channels(data.len());
-        #[cfg(feature = "cuda")]
-        let mut devices = devices.into_iter();
-        #[cfg(not(feature = "cuda"))]
-        drop(devices);
-        let executors: Vec<Executor> = data
-            .into_iter()
-            .enumerate()
-            .map(|(channel, comm)| Executor {
-                comm,
-                buf: Vec::new(),
-                channel,
-                inner: Arc::clone(&inner),
-                phases: None,
-                #[cfg(feature = "cuda")]
-                device: devices.next(),
-            })
-            .collect();
-        let dispatch = match cfg.preset {
-            Preset::Horovod => {
-                let ex = executors.into_iter().next().ok_or_else(|| {
-                    SchedulerError::InvalidArgument("no data channel was opened".into())
-                })?;
-                Dispatch::Inline(Box::new(ex))
-            }
-            Preset::FastHorovod => {
-                let mut queues = Vec::new();
-                let mut threads = Vec::new();
-                let mut slots = Vec::new();
-                for ex in executors {
-                    let (tx, rx) = crossbeam_channel::unbounded::<Job>();
-                    let name = format!("fh-channel-{}-{}", inner.rank, ex.channel);
-                    let rank = inner.rank;
-                    let slot = Arc::new(ChannelSlot {
-                        exec: Mutex::new(ex),
-                        outstanding: AtomicUsize::new(0),
-                    });
-                    slots.push(Arc::clone(&slot));
-                    let t = std::thread::Builder::new()
-                        .name(name)
-                        .spawn(move || {
-                            while let Ok(job) = rx.recv() {
-                                if crate::inject::hit(
-                                    rank,
-                                    crate::inject::Point::ChannelPanic,
-                                    dispatch::job_name(&job),
-                                ) {
-                                    panic!("injected panic on a channel thread");
-                                }
-                                crate::shared::lock(&slot.exec).run(job);
-                                slot.outstanding.fetch_sub(1, Ordering::Release);
-                            }
-                        })
-                        .map_err(|e| {
-                            SchedulerError::InvalidArgument(format!("cannot spawn a thread: {e}"))
-                        })?;
-                    queues.push(tx);
-                    threads.push(t);
-                }
-                Dispatch::Workers {
-                    queues,
-                    threads,
-                    slots,
-                }
-            }
-        };
+        let dispatch = Dispatch::start(cfg.preset, &inner, data, devices)?;
         let plan_opts = cfg.plan_options();
         let now = Instant::now();
         let table = Table::with_world_ranks(inner.world_ranks.clone());
         Ok(Control {
             cache: ResponseCache::new(cfg.cache_capacity),
-            joined_set: vec![false; inner.size],
-            last_joined: None,
+            join: JoinState {
+                active: false,
+                set: vec![false; inner.size],
+                last: None,
+            },
             ready_times: ReadyTimes::new(inner.size),
             incarnation,
             inner,
@@ -213,17 +185,22 @@ impl Control {
             table,
             dispatch,
             work: InFlight::default(),
-            local_shutdown: false,
-            shutdown_reason: None,
-            joined: false,
-            fresh: false,
-            last_progress: false,
-            backoff: Duration::from_micros(10),
-            last_round: now,
-            last_stall_check: now,
-            plan_opts,
-            load: ChannelLoad::new(plan_opts.channels),
-            idle_channels: 0,
+            shutdown: ShutdownState {
+                asked: false,
+                reason: None,
+            },
+            pacing: Pacing {
+                fresh: false,
+                last_progress: false,
+                backoff: Duration::from_micros(10),
+                last_round: now,
+                last_stall_check: now,
+            },
+            plan: PlanState {
+                opts: plan_opts,
+                load: ChannelLoad::new(plan_opts.channels),
+                idle_channels: 0,
+            },
             fault: None,
             culprit_of: None,
             last_mismatch_record: None,
@@ -284,7 +261,7 @@ impl Control {
             if let Some(lost) = err.lost_rank() {
                 for slot in &slots {
                     if let Some(mut ex) = slot.try_exec() {
-                        ex.comm.abort(lost);
+                        ex.abort(lost);
                     }
                 }
             }
@@ -304,11 +281,11 @@ impl Control {
         };
         self.comm.abort(lost);
         match &mut self.dispatch {
-            Dispatch::Inline(ex) => ex.comm.abort(lost),
+            Dispatch::Inline(ex) => ex.abort(lost),
             Dispatch::Workers { slots, .. } => {
                 for slot in slots.iter() {
                     if let Some(mut ex) = slot.try_exec() {
-                        ex.comm.abort(lost);
+                        ex.abort(lost);
                     }
                 }
             }
@@ -370,19 +347,19 @@ impl Control {
                 let rec = self.inner.flight.submitted(&entry.req, entry.submitted);
                 entry.cell.set_record(rec);
                 self.work.add(*entry);
-                self.fresh = true;
+                self.pacing.fresh = true;
             }
             Msg::Join(cell) => {
-                self.joined = true;
+                self.join.active = true;
                 self.work.join_cells.push(cell);
-                self.fresh = true;
+                self.pacing.fresh = true;
             }
             Msg::Shutdown(reason) => {
-                self.local_shutdown = true;
-                if self.shutdown_reason.is_none() {
-                    self.shutdown_reason = reason;
+                self.shutdown.asked = true;
+                if self.shutdown.reason.is_none() {
+                    self.shutdown.reason = reason;
                 }
-                self.fresh = true;
+                self.pacing.fresh = true;
             }
             Msg::Wake => {}
         }
@@ -405,7 +382,7 @@ impl Control {
             }
             Err(RecvTimeoutError::Timeout) => false,
             Err(RecvTimeoutError::Disconnected) => {
-                self.local_shutdown = true;
+                self.shutdown.asked = true;
                 true
             }
         }
@@ -426,7 +403,7 @@ impl Control {
             self.inner.pacing_wait.store(true, Ordering::SeqCst);
             std::sync::atomic::fence(Ordering::SeqCst);
             let (busy, bytes) = self.inner.counters.channel_load();
-            if self.local_shutdown
+            if self.shutdown.asked
                 || self.inner.failure().is_some()
                 || !pacing.defer(busy, channels, bytes, start.elapsed())
             {
@@ -449,38 +426,38 @@ impl Control {
         self.drain();
         if !cycle.is_zero() {
             // Fixed polling cycle (the Horovod schedule): a round every cycle, busy or not.
-            let deadline = self.last_round + cycle;
-            while Instant::now() < deadline && !self.local_shutdown {
+            let deadline = self.pacing.last_round + cycle;
+            while Instant::now() < deadline && !self.shutdown.asked {
                 if !self.recv_until(deadline) {
                     break;
                 }
             }
             return;
         }
-        if self.fresh {
+        if self.pacing.fresh {
             if !window.is_zero() {
                 let deadline = Instant::now() + window;
                 while Instant::now() < deadline && self.recv_until(deadline) {}
             }
             return;
         }
-        if !self.work.pending.is_empty() || self.joined {
+        if !self.work.pending.is_empty() || self.join.active {
             // Announced work is pending here. Sit in the next round (a blocking collective)
             // so that a peer's submission completes it at once; back off briefly only while
             // rounds make no progress, so ranks waiting on each other do not spin.
-            if self.last_progress {
-                self.backoff = Duration::from_micros(10);
+            if self.pacing.last_progress {
+                self.pacing.backoff = Duration::from_micros(10);
                 return;
             }
-            let deadline = Instant::now() + self.backoff;
-            self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+            let deadline = Instant::now() + self.pacing.backoff;
+            self.pacing.backoff = (self.pacing.backoff * 2).min(MAX_BACKOFF);
             self.recv_until(deadline);
             return;
         }
         // Idle. Right after a round that completed work the next submission is usually close
         // (the caller's next collective): poll for it briefly, then sleep until a submission,
         // or the heartbeat.
-        if self.last_progress && !spin.is_zero() && self.poll_for_work(spin) {
+        if self.pacing.last_progress && !spin.is_zero() && self.poll_for_work(spin) {
             return;
         }
         let deadline = Instant::now() + heartbeat;
@@ -500,7 +477,7 @@ impl Control {
                     return true;
                 }
                 Err(TryRecvError::Disconnected) => {
-                    self.local_shutdown = true;
+                    self.shutdown.asked = true;
                     return true;
                 }
                 Err(TryRecvError::Empty) => {}

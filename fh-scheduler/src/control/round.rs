@@ -19,6 +19,15 @@ use crate::{SchedulerError, Tensor};
 use super::in_flight::Announce;
 use super::Control;
 
+/// This rank's side of a round (step 1): its vector, and the cache slots whose signature
+/// changed here.
+struct LocalBits {
+    vec: NegotiationVec,
+    invalid: Vec<usize>,
+    cap: usize,
+    channel_bits: usize,
+}
+
 /// The shortest time between two flight records written for disagreeing tensors.
 const MISMATCH_RECORD_EVERY: Duration = Duration::from_secs(1);
 
@@ -26,8 +35,8 @@ impl Control {
     /// Channel bits in the round's vector: one per data channel under the FastHorovod planner
     /// (the same count on every rank: it is part of the start-up agreement), none otherwise.
     pub(super) fn channel_bits(&self) -> usize {
-        match self.plan_opts.mode {
-            PlanMode::Fast => self.plan_opts.channels,
+        match self.plan.opts.mode {
+            PlanMode::Fast => self.plan.opts.channels,
             PlanMode::Horovod => 0,
         }
     }
@@ -36,16 +45,56 @@ impl Control {
         Counters::add(&self.inner.counters.negotiation_bytes_sent, n as u64);
     }
 
-    /// One negotiation round. Returns `Some(reason)` when the job shuts down.
+    /// One negotiation round, as a list of its steps (each below). Returns `Some(reason)`
+    /// when the job shuts down.
     pub(super) fn round(&mut self) -> Result<Option<String>, SchedulerError> {
         let start = Instant::now();
-        self.last_round = start;
-        self.fresh = false;
-        let size = self.inner.size;
+        self.pacing.last_round = start;
+        self.pacing.fresh = false;
         let span = tracing::trace_span!("round", rank = self.inner.rank);
         let _g = span.enter();
 
-        // 1. Classify what is pending here.
+        let local = self.classify_pending(start);
+        let agreed = self.agree_on_bits(&local)?;
+        if agreed.status(Status::Fault) {
+            return Err(self.stop_on_agreed_fault()?);
+        }
+        if agreed.status(Status::Shutdown) {
+            return self.agree_on_shutdown().map(Some);
+        }
+        if agreed.status(Status::Trace) && agreed.status(Status::Pending) {
+            self.report_readiness()?;
+        }
+        let joined_changed = self.update_joined(&agreed)?;
+        let all_joined = self.join.set.iter().all(|&j| j);
+        let evicted = self.evict_invalidated(&agreed, &local.invalid)?;
+        let mut ready = self.ready_from_cache(&agreed, &evicted, all_joined);
+        let coordinate = agreed.status(Status::Uncached) || !evicted.is_empty() || joined_changed;
+        if coordinate {
+            self.coordinate_uncached(&mut ready, start)?;
+        } else {
+            Counters::add(&self.inner.counters.bitvector_rounds, 1);
+        }
+        if agreed.status(Status::Stalled) {
+            // Ages as of now: the round may have waited a heartbeat for an idle rank.
+            self.inspect_stall(Instant::now())?;
+        }
+        if all_joined {
+            self.complete_join();
+        }
+        self.record_negotiation(start, &ready, coordinate);
+        // Grouped members wait for the rest of their group; plan and dispatch.
+        self.pacing.last_progress = !ready.is_empty();
+        let ready = self.release_groups(ready);
+        if !ready.is_empty() {
+            self.dispatch(ready)?;
+        }
+        Ok(None)
+    }
+
+    /// Step 1: classify what is pending here into this rank's vector: cache slots ready,
+    /// slots whose signature changed, channels idle, and the status flags.
+    fn classify_pending(&mut self, start: Instant) -> LocalBits {
         let cap = self.cache.capacity();
         let channel_bits = self.channel_bits();
         let mut vec = NegotiationVec::with_channels(cap, channel_bits);
@@ -70,7 +119,7 @@ impl Control {
                 Lookup::Miss => uncached |= p.state == Announce::New,
             }
         }
-        if self.joined {
+        if self.join.active {
             // A joined rank is ready for every cached response: an allreduce its zeros are
             // right for runs with them, any other fails on the ranks that submitted it (step 6),
             // rather than wait forever for this rank's bit.
@@ -81,19 +130,28 @@ impl Control {
             }
         }
         let stall_due = self.inner.config.stall_check.is_some_and(|d| {
-            oldest >= d && start.saturating_duration_since(self.last_stall_check) >= d
+            oldest >= d && start.saturating_duration_since(self.pacing.last_stall_check) >= d
         });
-        vec.set_status(Status::Shutdown, self.local_shutdown);
+        vec.set_status(Status::Shutdown, self.shutdown.asked);
         vec.set_status(Status::Uncached, uncached);
         vec.set_status(Status::Invalidated, !invalid.is_empty());
         vec.set_status(Status::Stalled, stall_due);
-        vec.set_status(Status::Joined, self.joined);
+        vec.set_status(Status::Joined, self.join.active);
         vec.set_status(Status::Pending, !self.work.pending.is_empty());
         vec.set_status(Status::Fault, self.fault.is_some());
         vec.set_status(Status::Trace, self.tracing());
+        LocalBits {
+            vec,
+            invalid,
+            cap,
+            channel_bits,
+        }
+    }
 
-        // 2. The bit-vector allreduce.
-        let mut bytes = vec.to_bytes();
+    /// Step 2: the bit-vector AND of every rank's vector; notes which channels are idle on
+    /// every rank.
+    fn agree_on_bits(&mut self, local: &LocalBits) -> Result<NegotiationVec, SchedulerError> {
+        let mut bytes = local.vec.to_bytes();
         self.add_bytes(bytes.len() + 16);
         collect::reduce_bits(
             self.comm.as_mut(),
@@ -101,93 +159,114 @@ impl Control {
             ReduceOp::BitAnd,
             self.incarnation,
         )?;
-        let agreed = NegotiationVec::from_bytes_with_channels(&bytes, cap, channel_bits)
-            .ok_or_else(|| SchedulerError::internal("negotiation vector length"))?;
-        self.idle_channels = agreed.idle_mask();
+        let agreed =
+            NegotiationVec::from_bytes_with_channels(&bytes, local.cap, local.channel_bits)
+                .ok_or_else(|| SchedulerError::internal("negotiation vector length"))?;
+        self.plan.idle_channels = agreed.idle_mask();
         Counters::add(&self.inner.counters.rounds, 1);
-        if agreed.status(Status::Fault) {
-            let err = self.agree_on_fault()?;
-            // Every rank records the agreed error before any rank stops its channels: a peer
-            // still in a collective with a stopped rank then reports this error, not a lost
-            // rank.
-            self.inner.fail(err.clone());
-            self.comm.barrier()?;
-            return Err(err);
-        }
-        if agreed.status(Status::Shutdown) {
-            // Every rank learns who asked and why (one exchange, at the end of the job).
-            let mine = shutdown::encode(self.local_shutdown, self.shutdown_reason.as_deref());
-            self.add_bytes(mine.len());
-            let all = collect::allgather_blobs(self.comm.as_mut(), &mine, self.incarnation)?;
-            let inner = &self.inner;
-            return Ok(Some(shutdown::describe(&all, inner.rank, |r| {
-                inner.world_rank(r)
-            })));
-        }
+        Ok(agreed)
+    }
 
-        // 3. Readiness reports for rank 0's timeline (only while it writes one).
-        if agreed.status(Status::Trace) && agreed.status(Status::Pending) {
-            self.report_readiness()?;
-        }
+    /// Some rank raised a fault: every rank agrees on one error and records it before any rank
+    /// stops its channels (a peer still in a collective with a stopped rank then reports this
+    /// error, not a lost rank). Returns the error the round ends with.
+    fn stop_on_agreed_fault(&mut self) -> Result<SchedulerError, SchedulerError> {
+        let err = self.agree_on_fault()?;
+        self.inner.fail(err.clone());
+        self.comm.barrier()?;
+        Ok(err)
+    }
 
-        // 4. Joined ranks (nothing to do, and nothing allocated, while nobody has joined).
-        let joined_changed = if agreed.status(Status::Joined) {
-            let mut jv = BitVec::zeros(size);
-            jv.set(self.inner.rank, self.joined);
-            let mut b = jv.to_bytes();
-            self.add_bytes(b.len() + 16);
-            collect::reduce_bits(
-                self.comm.as_mut(),
-                &mut b,
-                ReduceOp::BitOr,
-                self.incarnation,
-            )?;
-            let jv = BitVec::from_bytes(&b, size)
-                .ok_or_else(|| SchedulerError::internal("joined vector length"))?;
-            let now: Vec<bool> = (0..size).map(|r| jv.get(r)).collect();
-            // Every rank sees the same joined vectors, so every rank names the same last rank.
-            if let Some(r) = (0..size)
-                .rev()
-                .find(|&r| now[r] && !self.joined_set.get(r).copied().unwrap_or(false))
-            {
-                self.last_joined = Some(r);
+    /// Some rank shuts down: every rank learns who asked and why (one exchange, at the end of
+    /// the job).
+    fn agree_on_shutdown(&mut self) -> Result<String, SchedulerError> {
+        let mine = shutdown::encode(self.shutdown.asked, self.shutdown.reason.as_deref());
+        self.add_bytes(mine.len());
+        let all = collect::allgather_blobs(self.comm.as_mut(), &mine, self.incarnation)?;
+        let inner = &self.inner;
+        Ok(shutdown::describe(&all, inner.rank, |r| {
+            inner.world_rank(r)
+        }))
+    }
+
+    /// Step 4: the joined ranks (nothing exchanged, and nothing allocated, while nobody has
+    /// joined). Returns whether the joined set changed.
+    fn update_joined(&mut self, agreed: &NegotiationVec) -> Result<bool, SchedulerError> {
+        let size = self.inner.size;
+        if !agreed.status(Status::Joined) {
+            if self.join.set.iter().any(|&j| j) {
+                self.join.set.iter_mut().for_each(|j| *j = false);
+                return Ok(true);
             }
-            let changed = now != self.joined_set;
-            self.joined_set = now;
-            changed
-        } else if self.joined_set.iter().any(|&j| j) {
-            self.joined_set.iter_mut().for_each(|j| *j = false);
-            true
-        } else {
-            false
-        };
-        let all_joined = self.joined_set.iter().all(|&j| j);
+            return Ok(false);
+        }
+        let mut jv = BitVec::zeros(size);
+        jv.set(self.inner.rank, self.join.active);
+        let mut b = jv.to_bytes();
+        self.add_bytes(b.len() + 16);
+        collect::reduce_bits(
+            self.comm.as_mut(),
+            &mut b,
+            ReduceOp::BitOr,
+            self.incarnation,
+        )?;
+        let jv = BitVec::from_bytes(&b, size)
+            .ok_or_else(|| SchedulerError::internal("joined vector length"))?;
+        let now: Vec<bool> = (0..size).map(|r| jv.get(r)).collect();
+        // Every rank sees the same joined vectors, so every rank names the same last rank.
+        if let Some(r) = (0..size)
+            .rev()
+            .find(|&r| now[r] && !self.join.set.get(r).copied().unwrap_or(false))
+        {
+            self.join.last = Some(r);
+        }
+        let changed = now != self.join.set;
+        self.join.set = now;
+        Ok(changed)
+    }
 
-        // 5. Invalidated slots: dropped on every rank.
+    /// Step 5: slots whose signature changed on some rank are dropped on every rank. Returns
+    /// the slots dropped.
+    fn evict_invalidated(
+        &mut self,
+        agreed: &NegotiationVec,
+        invalid: &[usize],
+    ) -> Result<Vec<usize>, SchedulerError> {
         let mut evicted = Vec::new();
-        if agreed.status(Status::Invalidated) {
-            let mut iv = BitVec::zeros(cap);
-            for &s in &invalid {
-                iv.set(s, true);
-            }
-            let mut b = iv.to_bytes();
-            self.add_bytes(b.len() + 16);
-            collect::reduce_bits(
-                self.comm.as_mut(),
-                &mut b,
-                ReduceOp::BitOr,
-                self.incarnation,
-            )?;
-            let iv = BitVec::from_bytes(&b, cap)
-                .ok_or_else(|| SchedulerError::internal("invalidation vector length"))?;
-            for s in iv.ones() {
-                self.cache.evict(s);
-                evicted.push(s);
-            }
+        if !agreed.status(Status::Invalidated) {
+            return Ok(evicted);
         }
+        let cap = self.cache.capacity();
+        let mut iv = BitVec::zeros(cap);
+        for &s in invalid {
+            iv.set(s, true);
+        }
+        let mut b = iv.to_bytes();
+        self.add_bytes(b.len() + 16);
+        collect::reduce_bits(
+            self.comm.as_mut(),
+            &mut b,
+            ReduceOp::BitOr,
+            self.incarnation,
+        )?;
+        let iv = BitVec::from_bytes(&b, cap)
+            .ok_or_else(|| SchedulerError::internal("invalidation vector length"))?;
+        for s in iv.ones() {
+            self.cache.evict(s);
+            evicted.push(s);
+        }
+        Ok(evicted)
+    }
 
-        // 6. Ready from the cache, in slot order.
-        // Cache hits share the cached response (a reference count, no copy).
+    /// Step 6: the responses ready on every rank from the cache, in slot order (sharing the
+    /// cached response: a reference count, no copy). A response a joined rank cannot take
+    /// part in fails here, the same on every rank.
+    fn ready_from_cache(
+        &mut self,
+        agreed: &NegotiationVec,
+        evicted: &[usize],
+        all_joined: bool,
+    ) -> Vec<Arc<Response>> {
         let mut ready: Vec<Arc<Response>> = Vec::new();
         if !all_joined {
             let joined_ranks = self.joined_world_ranks();
@@ -209,48 +288,51 @@ impl Control {
             }
         }
         Counters::add(&self.inner.counters.cache_hits, ready.len() as u64);
+        ready
+    }
 
-        // 7. The coordinator, when some rank has uncached names (or the joined set changed).
-        let mut mismatch = None;
-        let coordinate = agreed.status(Status::Uncached) || !evicted.is_empty() || joined_changed;
-        if coordinate {
-            Counters::add(&self.inner.counters.coordinator_rounds, 1);
-            let mut mine = Vec::new();
-            for p in self.work.pending.values_mut() {
-                if p.state == Announce::New
-                    && self.cache.lookup(
-                        &p.entry.req.name,
-                        &p.entry.req.sig,
-                        p.entry.req.group.as_ref(),
-                    ) == Lookup::Miss
-                {
-                    mine.push(p.entry.req.clone());
-                    p.state = Announce::Sent;
-                }
+    /// Step 7: the coordinator, when some rank has uncached names (or the joined set or the
+    /// cache changed): this rank's new requests go out, the agreed responses come back into
+    /// the cache and `ready`, and responses the ranks disagreed on fail on every rank (each
+    /// rank writes its flight record then, at most once a second: a script may try
+    /// disagreeing tensors in a loop).
+    fn coordinate_uncached(
+        &mut self,
+        ready: &mut Vec<Arc<Response>>,
+        start: Instant,
+    ) -> Result<(), SchedulerError> {
+        Counters::add(&self.inner.counters.coordinator_rounds, 1);
+        let mut mine: Vec<Request> = Vec::new();
+        for p in self.work.pending.values_mut() {
+            if p.state == Announce::New
+                && self.cache.lookup(
+                    &p.entry.req.name,
+                    &p.entry.req.sig,
+                    p.entry.req.group.as_ref(),
+                ) == Lookup::Miss
+            {
+                mine.push(p.entry.req.clone());
+                p.state = Announce::Sent;
             }
-            let responses = self.coordinate(&mine)?;
-            Counters::add(
-                &self.inner.counters.coordinator_responses,
-                responses.len() as u64,
-            );
-            for r in responses {
-                if let Some(e) = &r.error {
-                    self.ready_times.take(&r.name);
-                    let err = SchedulerError::from_negotiation(&r.name, e);
-                    mismatch.get_or_insert_with(|| err.to_string());
-                    self.fail_response(&r, err);
-                    continue;
-                }
-                let r = Arc::new(r);
-                self.cache.insert(Arc::clone(&r));
-                ready.push(r);
-            }
-        } else {
-            Counters::add(&self.inner.counters.bitvector_rounds, 1);
         }
-
-        // Ranks disagreed on a tensor: every rank got the same error this round and writes its
-        // flight record (at most one a second: a script may try disagreeing tensors in a loop).
+        let responses = self.coordinate(&mine)?;
+        Counters::add(
+            &self.inner.counters.coordinator_responses,
+            responses.len() as u64,
+        );
+        let mut mismatch = None;
+        for r in responses {
+            if let Some(e) = &r.error {
+                self.ready_times.take(&r.name);
+                let err = SchedulerError::from_negotiation(&r.name, e);
+                mismatch.get_or_insert_with(|| err.to_string());
+                self.fail_response(&r, err);
+                continue;
+            }
+            let r = Arc::new(r);
+            self.cache.insert(Arc::clone(&r));
+            ready.push(r);
+        }
         if let Some(what) = mismatch {
             if self
                 .last_mismatch_record
@@ -260,22 +342,21 @@ impl Control {
                 self.inner.dump_flight(&format!("ranks disagreed: {what}"));
             }
         }
+        Ok(())
+    }
 
-        // 8. Stall inspector.
-        if agreed.status(Status::Stalled) {
-            // Ages as of now: the round may have waited a heartbeat for an idle rank.
-            self.inspect_stall(Instant::now())?;
+    /// Step 9: every rank has joined: each `join()` completes with the last rank to join.
+    fn complete_join(&mut self) {
+        let last = self.join.last.take().unwrap_or(self.inner.rank) as i64;
+        for c in self.work.join_cells.drain(..) {
+            c.resolve(Ok(Tensor::from_slice(&[last])));
         }
+        self.join.active = false;
+    }
 
-        // 9. Join completes once everybody has joined.
-        if all_joined {
-            let last = self.last_joined.take().unwrap_or(self.inner.rank) as i64;
-            for c in self.work.join_cells.drain(..) {
-                c.resolve(Ok(Tensor::from_slice(&[last])));
-            }
-            self.joined = false;
-        }
-
+    /// The round's negotiation time in the counters, and in the timeline: the round, and each
+    /// tensor agreed in it from the first rank's ready time.
+    fn record_negotiation(&mut self, start: Instant, ready: &[Arc<Response>], coordinate: bool) {
         let neg_end = Instant::now();
         Counters::add(
             &self.inner.counters.negotiation_nanos,
@@ -285,27 +366,18 @@ impl Control {
             if !ready.is_empty() || coordinate {
                 tl.round(coordinate, ready.len(), start, neg_end);
             }
-            // Each tensor agreed this round: its span from the first rank's ready time.
-            for r in &ready {
+            for r in ready {
                 if let Some(times) = self.ready_times.take(&r.name) {
                     tl.negotiated(r.name.to_string(), times, neg_end);
                 }
             }
         }
-
-        // 10. Grouped members wait for the rest of their group; plan and dispatch.
-        self.last_progress = !ready.is_empty();
-        let ready = self.release_groups(ready);
-        if !ready.is_empty() {
-            self.dispatch(ready)?;
-        }
-        Ok(None)
     }
 
     /// The ranks that have joined, as errors name them (world ranks).
     pub(super) fn joined_world_ranks(&self) -> Vec<usize> {
-        (0..self.joined_set.len())
-            .filter(|&r| self.joined_set[r])
+        (0..self.join.set.len())
+            .filter(|&r| self.join.set[r])
             .map(|r| self.inner.world_rank(r))
             .collect()
     }
@@ -321,7 +393,7 @@ impl Control {
                 .is_some_and(|g| self.work.held.contains_key(&g.name));
         self.fail_name(&r.name, err.clone());
         if let Some(g) = &r.group {
-            if mine || !self.joined {
+            if mine || !self.join.active {
                 self.fail_group(g, err);
             }
         }
@@ -405,7 +477,7 @@ impl Control {
                     self.table.add(q);
                 }
             }
-            let responses = self.table.take_ready(&self.joined_set);
+            let responses = self.table.take_ready(&self.join.set);
             out = wire::encode_responses(&responses);
             self.add_bytes(out.len() + 16);
         }
@@ -452,9 +524,9 @@ impl Control {
                 })?,
             );
         }
-        self.last_stall_check = now;
+        self.pacing.last_stall_check = now;
         let threshold = self.inner.config.stall_check.unwrap_or(Duration::ZERO);
-        let Some(report) = stall::find(&lists, &self.joined_set, threshold) else {
+        let Some(report) = stall::find(&lists, &self.join.set, threshold) else {
             return Ok(());
         };
         if self.inner.rank == 0 {

@@ -2,7 +2,7 @@
 
 use super::dispatch::try_zeros;
 use super::*;
-use crate::{AllreduceOptions, Config, Engine, Tensor};
+use crate::{AllreduceOptions, Config, Engine, Preset, Tensor};
 use fh_core::message::CollectiveKind;
 use fh_core::{DType, ReduceOp};
 use fh_transport::backend::local::LocalWorld;
