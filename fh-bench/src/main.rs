@@ -384,6 +384,6 @@ mod tests {
         assert_eq!(parse_size("8"), Ok(8));
         assert_eq!(parse_size("4K"), Ok(4096));
         assert_eq!(parse_size("16MiB"), Ok(16 << 20));
-        assert!(parse_size("3X").unwrap_err().contains("unknown size unit"));
+        assert!(parse_size("3X").unwrap_err().contains("not a byte size"));
     }
 }

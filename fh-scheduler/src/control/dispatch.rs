@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
-use fh_core::fusion::{plan_round_on, runs_inline, PlanItem};
+use fh_core::fusion::{plan_round_on, runs_inline, Group, PlanItem};
 use fh_core::message::{CollectiveKind, Response};
 use fh_core::ReduceOp;
 use fh_transport::Communicator;
@@ -247,12 +247,31 @@ impl Control {
     /// dispatches anything and the next round agrees on the fault. The plan itself depends on
     /// the agreed responses alone.
     pub(super) fn dispatch(&mut self, ready: Vec<Arc<Response>>) -> Result<(), SchedulerError> {
-        // Horovod's convention: an average divides by every rank, a joined one included.
-        let divisor = self.inner.size;
-        // 1. The plan (a function of the agreed responses and the carried load only).
+        let groups = self.plan_ready(&ready);
+        let inline_plan = matches!(self.dispatch, Dispatch::Workers { .. })
+            && runs_inline(&groups, self.inner.config.inline_bytes, |i| {
+                ready[i].sig.device == fh_core::message::Device::Cpu
+            });
+        let Some(taken) = self.take_tensors(&ready, inline_plan)? else {
+            return Ok(());
+        };
+        let round = self
+            .inner
+            .counters
+            .rounds
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let ops = self.build_ops(ready, taken, &groups, round);
+        for g in groups {
+            self.hand_over(g, &ops, round, inline_plan);
+        }
+        Ok(())
+    }
+
+    /// Step 1: the plan, a function of the agreed responses and the carried load only.
+    fn plan_ready(&mut self, ready: &[Arc<Response>]) -> Vec<Group> {
         let mut items: Vec<PlanItem> = Vec::with_capacity(ready.len());
         let mut group_ids: HashMap<&str, u32> = HashMap::new();
-        for r in &ready {
+        for r in ready {
             let mut item = PlanItem::from_response(r);
             if let Some(g) = &r.group {
                 let next = group_ids.len() as u32;
@@ -260,21 +279,27 @@ impl Control {
             }
             items.push(item);
         }
-        let groups = plan_round_on(
+        plan_round_on(
             &items,
             &self.plan.opts,
             &mut self.plan.load,
             self.plan.idle_channels,
-        );
-        let inline_plan = matches!(self.dispatch, Dispatch::Workers { .. })
-            && runs_inline(&groups, self.inner.config.inline_bytes, |i| {
-                ready[i].sig.device == fh_core::message::Device::Cpu
-            });
-        // 2. Take every response's local tensor: the one submitted here, or a joined rank's
-        //    zeros. On failure, put back what was taken and raise the fault.
+        )
+    }
+
+    /// Step 2: every response's local tensor, the one submitted here or a joined rank's
+    /// zeros; `None` when this rank or another cannot run the round (what was taken is put
+    /// back; this rank's failure becomes the fault the next round raises on every rank).
+    /// Groups that run on this thread are agreed first (under the `horovod` preset, every
+    /// round's).
+    fn take_tensors(
+        &mut self,
+        ready: &[Arc<Response>],
+        inline_plan: bool,
+    ) -> Result<Option<Vec<Source>>, SchedulerError> {
         let mut taken: Vec<Source> = Vec::with_capacity(ready.len());
         let mut failed = None;
-        for r in &ready {
+        for r in ready {
             match self.take_tensor(r) {
                 Ok(src) => taken.push(src),
                 Err(what) => {
@@ -283,8 +308,6 @@ impl Control {
                 }
             }
         }
-        // Under the `horovod` preset every group runs on this thread, so every round with work
-        // agrees first too.
         let runs_here = inline_plan || matches!(self.dispatch, Dispatch::Inline(_));
         let everyone_can = if runs_here {
             self.agree_can_run(failed.is_none())?
@@ -295,20 +318,26 @@ impl Control {
             tracing::error!(rank = self.inner.rank, %name, %what, "cannot run a negotiated tensor; stopping the engine on every rank");
             self.put_back(taken);
             self.fault = Some((name, what));
-            return Ok(());
+            return Ok(None);
         }
         if !everyone_can {
             // Another rank cannot run this round: it raises the fault in the next round, where
             // every rank stops with its error.
             self.put_back(taken);
-            return Ok(());
+            return Ok(None);
         }
-        // 3. Build the operations.
-        let round = self
-            .inner
-            .counters
-            .rounds
-            .load(std::sync::atomic::Ordering::Relaxed);
+        Ok(Some(taken))
+    }
+
+    /// Step 3: the operations, one per response, each counting the groups it is part of; an
+    /// allreduce split into chunks that each run alone reduces its chunks in place.
+    fn build_ops(
+        &mut self,
+        ready: Vec<Arc<Response>>,
+        taken: Vec<Source>,
+        groups: &[Group],
+        round: u64,
+    ) -> Vec<Arc<Op>> {
         let now = Instant::now();
         let mut ops: Vec<Arc<Op>> = Vec::with_capacity(ready.len());
         for (r, src) in ready.into_iter().zip(taken) {
@@ -343,7 +372,7 @@ impl Control {
             }));
         }
         let mut alone = vec![true; ops.len()];
-        for g in &groups {
+        for g in groups {
             for p in &g.parts {
                 ops[p.item]
                     .remaining
@@ -351,7 +380,6 @@ impl Control {
                 alone[p.item] &= g.parts.len() == 1;
             }
         }
-        // An allreduce split into chunks that each run alone: its chunks are reduced in place.
         for (op, alone) in ops.iter().zip(alone) {
             if alone
                 && op.sig().kind == CollectiveKind::Allreduce
@@ -363,95 +391,90 @@ impl Control {
                 }
             }
         }
-        for g in groups {
-            if self.inner.config.record_groups {
-                self.inner.record_group(GroupRecord {
-                    round,
-                    idle_channels: self.plan.idle_channels,
-                    channel: g.channel,
-                    parts: g
-                        .parts
-                        .iter()
-                        .map(|p| (ops[p.item].name().to_string(), p.offset, p.len))
-                        .collect(),
-                });
-            }
-            if let Some(c) = self.inner.counters.channels().get(g.channel) {
-                Counters::add(&c.queued, g.bytes());
-            }
-            let job = Job {
+        ops
+    }
+
+    /// Step 4: one fused group to its channel: run here when the round is small and the
+    /// channel idle, else queued to the channel's worker; a worker that is gone fails the
+    /// group's parts and raises the fault on every rank.
+    fn hand_over(&mut self, g: Group, ops: &[Arc<Op>], round: u64, inline_plan: bool) {
+        // Horovod's convention: an average divides by every rank, a joined one included.
+        let divisor = self.inner.size;
+        if self.inner.config.record_groups {
+            self.inner.record_group(GroupRecord {
+                round,
+                idle_channels: self.plan.idle_channels,
+                channel: g.channel,
                 parts: g
                     .parts
                     .iter()
-                    .map(|p| (Arc::clone(&ops[p.item]), p.offset as usize, p.len as usize))
+                    .map(|p| (ops[p.item].name().to_string(), p.offset, p.len))
                     .collect(),
-                divisor,
-            };
-            let queue_anyway = self.queue_anyway(&job);
-            match &mut self.dispatch {
-                Dispatch::Inline(ex) => ex.run(job),
-                Dispatch::Workers { queues, slots, .. } => {
-                    let Some(slot) = slots.get(g.channel) else {
-                        continue;
-                    };
-                    // A small single-group round while the channel is idle: run it here,
-                    // after everything dispatched to the channel before (all finished).
-                    let job = if inline_plan
-                        && slot.outstanding.load(Ordering::Acquire) == 0
-                        && !queue_anyway
-                    {
-                        match slot.try_exec() {
-                            Some(mut ex) => {
-                                Counters::add(&self.inner.counters.inline_groups, 1);
-                                if inject::hit(self.inner.rank, Point::InlinePanic, job_name(&job))
-                                {
-                                    panic!("injected panic on the control thread");
-                                }
-                                ex.run(job);
-                                continue;
-                            }
-                            None => job,
-                        }
-                    } else {
-                        job
-                    };
-                    slot.outstanding.fetch_add(1, Ordering::Relaxed);
-                    if let Some(q) = queues.get(g.channel) {
-                        let sent =
-                            if inject::hit(self.inner.rank, Point::ChannelQueue, job_name(&job)) {
-                                Err(crossbeam_channel::SendError(job))
-                            } else {
-                                q.send(job)
-                            };
-                        if let Err(e) = sent {
-                            slot.outstanding.fetch_sub(1, Ordering::Relaxed);
-                            // The worker is gone: fail its parts.
-                            if let Some(c) = self.inner.counters.channels().get(g.channel) {
-                                c.queued
-                                    .fetch_sub(g.bytes(), std::sync::atomic::Ordering::Relaxed);
-                            }
-                            // The worker is gone: this rank cannot run the channel's
-                            // groups, so every rank stops through the agreed fault.
-                            let rank = self.inner.world_rank(self.inner.rank);
-                            for (op, _, _) in e.0.parts {
-                                let what = format!(
-                                    "rank {rank} could not hand it to channel {} (the channel's \
-                                     thread is gone)",
-                                    g.channel
-                                );
-                                if self.fault.is_none() {
-                                    self.fault = Some((op.name().to_string(), what.clone()));
-                                }
-                                op.part_done(Some(SchedulerError::Negotiation {
-                                    name: op.name().to_string(),
-                                    reason: what,
-                                }));
-                            }
-                        }
-                    }
+            });
+        }
+        if let Some(c) = self.inner.counters.channels().get(g.channel) {
+            Counters::add(&c.queued, g.bytes());
+        }
+        let job = Job {
+            parts: g
+                .parts
+                .iter()
+                .map(|p| (Arc::clone(&ops[p.item]), p.offset as usize, p.len as usize))
+                .collect(),
+            divisor,
+        };
+        let queue_anyway = self.queue_anyway(&job);
+        let rank = self.inner.rank;
+        let (queues, slots) = match &mut self.dispatch {
+            Dispatch::Inline(ex) => return ex.run(job),
+            Dispatch::Workers { queues, slots, .. } => (queues, slots),
+        };
+        let Some(slot) = slots.get(g.channel) else {
+            return;
+        };
+        // A small single-group round while the channel is idle: run it here, after everything
+        // dispatched to the channel before (all finished).
+        if inline_plan && slot.outstanding.load(Ordering::Acquire) == 0 && !queue_anyway {
+            if let Some(mut ex) = slot.try_exec() {
+                Counters::add(&self.inner.counters.inline_groups, 1);
+                if inject::hit(rank, Point::InlinePanic, job_name(&job)) {
+                    panic!("injected panic on the control thread");
                 }
+                return ex.run(job);
             }
         }
-        Ok(())
+        slot.outstanding.fetch_add(1, Ordering::Relaxed);
+        let Some(q) = queues.get(g.channel) else {
+            return;
+        };
+        let sent = if inject::hit(rank, Point::ChannelQueue, job_name(&job)) {
+            Err(crossbeam_channel::SendError(job))
+        } else {
+            q.send(job)
+        };
+        let Err(e) = sent else {
+            return;
+        };
+        slot.outstanding.fetch_sub(1, Ordering::Relaxed);
+        if let Some(c) = self.inner.counters.channels().get(g.channel) {
+            c.queued
+                .fetch_sub(g.bytes(), std::sync::atomic::Ordering::Relaxed);
+        }
+        // The worker is gone: this rank cannot run the channel's groups, so every rank stops
+        // through the agreed fault.
+        let rank = self.inner.world_rank(self.inner.rank);
+        for (op, _, _) in e.0.parts {
+            let what = format!(
+                "rank {rank} could not hand it to channel {} (the channel's thread is gone)",
+                g.channel
+            );
+            if self.fault.is_none() {
+                self.fault = Some((op.name().to_string(), what.clone()));
+            }
+            op.part_done(Some(SchedulerError::Negotiation {
+                name: op.name().to_string(),
+                reason: what,
+            }));
+        }
     }
 }
