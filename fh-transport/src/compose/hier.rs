@@ -60,6 +60,7 @@ use fh_job::hosts::Layout;
 use fh_job::launch::LaunchInfo;
 use fh_job::JobToken;
 
+use super::ranks::RankView;
 use crate::backend::shm::{OutsideWord, ShmComm, ShmOptions, ShmTransport};
 use crate::backend::tcp::{TcpComm, TcpOptions, TcpTransport};
 use crate::{algorithms, Communicator, Interrupt, Result, Topology, Transport, TransportError};
@@ -720,12 +721,7 @@ struct Group<'a> {
 
 impl Group<'_> {
     fn member(&self, peer: usize) -> Result<usize> {
-        self.members.get(peer).copied().ok_or_else(|| {
-            TransportError::InvalidArgument(format!(
-                "peer {peer} out of range 0..{} of a group",
-                self.members.len()
-            ))
-        })
+        RankView(self.members).world(peer)
     }
 }
 

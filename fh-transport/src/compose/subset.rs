@@ -29,6 +29,7 @@ use std::sync::Arc;
 
 use fh_core::{DType, ReduceOp};
 
+use super::ranks::RankView;
 use crate::{Communicator, Result, Topology, Transport, TransportError};
 
 /// Check a member list against a world of `world_size` ranks and return it sorted: it must be
@@ -266,13 +267,7 @@ impl std::fmt::Debug for SubsetComm {
 
 impl SubsetComm {
     fn world(&self, peer: usize) -> Result<usize> {
-        self.members.get(peer).copied().ok_or_else(|| {
-            TransportError::InvalidArgument(format!(
-                "peer {peer} out of range 0..{} (subset {:?})",
-                self.members.len(),
-                self.members
-            ))
-        })
+        RankView(&self.members).world(peer)
     }
 }
 
@@ -340,23 +335,7 @@ struct GroupComm {
 
 impl GroupComm {
     fn map<T>(&self, r: Result<T>) -> Result<T> {
-        let world = |i: usize| self.members.get(i).copied().unwrap_or(i);
-        r.map_err(|e| match e {
-            TransportError::PeerLost { rank, detail } => TransportError::PeerLost {
-                rank: world(rank),
-                detail,
-            },
-            TransportError::Timeout { rank, op, after } => TransportError::Timeout {
-                rank: world(rank),
-                op,
-                after,
-            },
-            TransportError::Protocol { rank, detail } => TransportError::Protocol {
-                rank: world(rank),
-                detail,
-            },
-            other => other,
-        })
+        r.map_err(|e| RankView(&self.members).error_to_world(e))
     }
 }
 
