@@ -141,12 +141,28 @@ pub fn encode_names(items: &[(String, u64)]) -> Vec<u8> {
     out
 }
 
+/// The engine codec's view of the one byte reader ([`crate::bytes::Reader`]): a message
+/// arrives whole, so a short one is an error naming the message kind.
 struct Reader<'a> {
-    buf: &'a [u8],
+    inner: crate::bytes::Reader<'a>,
+    len: usize,
     what: &'static str,
 }
 
 impl<'a> Reader<'a> {
+    fn new(buf: &'a [u8], what: &'static str) -> Self {
+        Reader {
+            inner: crate::bytes::Reader::new(buf),
+            len: buf.len(),
+            what,
+        }
+    }
+
+    /// Bytes not read yet.
+    fn left(&self) -> usize {
+        self.len - self.inner.pos()
+    }
+
     fn err(&self, detail: impl Into<String>) -> CoreError {
         CoreError::Decode {
             what: self.what,
@@ -155,15 +171,10 @@ impl<'a> Reader<'a> {
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], CoreError> {
-        if self.buf.len() < n {
-            return Err(self.err(format!(
-                "truncated: needed {n} more bytes, {} left",
-                self.buf.len()
-            )));
-        }
-        let (head, rest) = self.buf.split_at(n);
-        self.buf = rest;
-        Ok(head)
+        let left = self.left();
+        self.inner
+            .bytes(n)
+            .map_err(|_| self.err(format!("truncated: needed {n} more bytes, {left} left")))
     }
 
     fn array<const N: usize>(&mut self) -> Result<[u8; N], CoreError> {
@@ -200,10 +211,10 @@ impl<'a> Reader<'a> {
     /// Read a count and check that `count * min_item` bytes could follow.
     fn count(&mut self, min_item: usize) -> Result<usize, CoreError> {
         let n = self.u32()? as usize;
-        if n.saturating_mul(min_item) > self.buf.len() {
+        if n.saturating_mul(min_item) > self.left() {
             return Err(self.err(format!(
                 "count {n} cannot fit in the {} remaining bytes",
-                self.buf.len()
+                self.left()
             )));
         }
         Ok(n)
@@ -232,7 +243,7 @@ impl<'a> Reader<'a> {
         if ndims > MAX_DIMS {
             return Err(self.err(format!("{ndims} dimensions exceed {MAX_DIMS}")));
         }
-        if ndims.saturating_mul(8) > self.buf.len() {
+        if ndims.saturating_mul(8) > self.left() {
             return Err(self.err("shape truncated"));
         }
         let mut shape = Vec::with_capacity(ndims);
@@ -303,8 +314,8 @@ impl<'a> Reader<'a> {
     }
 
     fn finish(&self) -> Result<(), CoreError> {
-        if !self.buf.is_empty() {
-            return Err(self.err(format!("{} trailing bytes", self.buf.len())));
+        if self.left() != 0 {
+            return Err(self.err(format!("{} trailing bytes", self.left())));
         }
         Ok(())
     }
@@ -315,10 +326,7 @@ const MIN_SIG: usize = 1 + 1 + 4 + 8 + 1 + 4 + 8 + 8;
 
 /// Decode a list of requests.
 pub fn decode_requests(bytes: &[u8]) -> Result<Vec<Request>, CoreError> {
-    let mut r = Reader {
-        buf: bytes,
-        what: "request list",
-    };
+    let mut r = Reader::new(bytes, "request list");
     r.header(REQUESTS)?;
     let n = r.count(4 + 4 + MIN_SIG + 8 + 1)?;
     let mut out = Vec::with_capacity(n);
@@ -342,10 +350,7 @@ pub fn decode_requests(bytes: &[u8]) -> Result<Vec<Request>, CoreError> {
 
 /// Decode a list of responses.
 pub fn decode_responses(bytes: &[u8]) -> Result<Vec<Response>, CoreError> {
-    let mut r = Reader {
-        buf: bytes,
-        what: "response list",
-    };
+    let mut r = Reader::new(bytes, "response list");
     r.header(RESPONSES)?;
     let n = r.count(4 + MIN_SIG + 8 + 1 + 1)?;
     let mut out = Vec::with_capacity(n);
@@ -387,10 +392,7 @@ pub fn decode_responses(bytes: &[u8]) -> Result<Vec<Response>, CoreError> {
 
 /// Decode a list of (name, number) pairs.
 pub fn decode_names(bytes: &[u8]) -> Result<Vec<(String, u64)>, CoreError> {
-    let mut r = Reader {
-        buf: bytes,
-        what: "name list",
-    };
+    let mut r = Reader::new(bytes, "name list");
     r.header(NAMES)?;
     let n = r.count(4 + 8)?;
     let mut out = Vec::with_capacity(n);
