@@ -69,9 +69,17 @@ use crate::{Result, Transport};
 
 #[cfg(feature = "mpi")]
 mod comm;
+#[cfg(feature = "mpi")]
+mod runtime;
+#[cfg(feature = "mpi")]
+mod transport;
 
 #[cfg(feature = "mpi")]
-pub use comm::{MpiComm, MpiError, MpiTransport, ThreadMode};
+pub use comm::MpiComm;
+#[cfg(feature = "mpi")]
+pub use runtime::{MpiError, ThreadMode};
+#[cfg(feature = "mpi")]
+pub use transport::MpiTransport;
 
 /// Whether this build of `fh-transport` contains the MPI backend (Cargo feature `mpi`).
 pub const COMPILED: bool = cfg!(feature = "mpi");

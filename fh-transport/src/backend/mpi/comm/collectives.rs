@@ -8,9 +8,9 @@ use std::ffi::{c_int, c_void};
 use fh_core::{kernels, CoreError, DType, ReduceOp};
 use mpi::ffi;
 
-use super::{
-    bytes_type, chunk_ranges, int_counts, recv_ptr, send_ptr, MpiComm, ThreadMode, TAG_LAST,
-    TAG_MORE,
+use super::{MpiComm, TAG_LAST, TAG_MORE};
+use crate::backend::mpi::runtime::{
+    bytes_type, chunk_ranges, int_counts, recv_ptr, send_ptr, ThreadMode,
 };
 use crate::{algorithms, Communicator, Result};
 
