@@ -23,7 +23,7 @@ use crate::shared::Resolver;
 use crate::stats::{Counters, GroupRecord};
 use crate::{SchedulerError, Tensor};
 
-use super::in_flight::Pending;
+use super::waiting::Pending;
 use super::Control;
 
 /// Where a dispatched operation's tensor comes from.

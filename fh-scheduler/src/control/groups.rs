@@ -7,7 +7,7 @@ use fh_core::message::{GroupTag, Response};
 
 use crate::SchedulerError;
 
-use super::in_flight::Announce;
+use super::waiting::Announce;
 use super::Control;
 
 impl Control {

@@ -43,15 +43,15 @@ use crate::SchedulerError;
 
 mod dispatch;
 mod groups;
-mod in_flight;
 mod round;
 #[cfg(test)]
 mod tests;
+mod waiting;
 
 use dispatch::Dispatch;
 #[cfg(test)]
 pub(crate) use dispatch::QUEUE_ANYWAY;
-use in_flight::InFlight;
+use waiting::Waiting;
 
 /// Longest back-off between rounds while every rank waits on another.
 const MAX_BACKOFF: Duration = Duration::from_micros(500);
@@ -85,7 +85,7 @@ pub(crate) struct Control {
     rx: Receiver<Msg>,
     cache: ResponseCache,
     /// What this rank submitted and the engine has not completed: its one owner.
-    work: InFlight,
+    work: Waiting,
     table: Table,
     dispatch: Dispatch,
     /// This rank's request to shut down.
@@ -184,7 +184,7 @@ impl Control {
             rx,
             table,
             dispatch,
-            work: InFlight::default(),
+            work: Waiting::default(),
             shutdown: ShutdownState {
                 asked: false,
                 reason: None,

@@ -16,7 +16,7 @@ use crate::negotiate::{collect, fault, shutdown, stall};
 use crate::stats::{Counters, StallReport};
 use crate::{SchedulerError, Tensor};
 
-use super::in_flight::Announce;
+use super::waiting::Announce;
 use super::Control;
 
 /// This rank's side of a round (step 1): its vector, and the cache slots whose signature

@@ -1,7 +1,9 @@
-//! What this rank submitted and the engine has not completed, in one owner with one exit path
-//! ([`InFlight::fail_all`]): pending entries, join waiters, grouped members held until their
-//! group is ready and the groups that failed. Work taken out of it for a round is held by
-//! [`crate::shared::Resolver`]s, which resolve their handles on every path of their own.
+//! What this rank submitted and the control thread has not dispatched yet, in one owner with one
+//! exit path ([`Waiting::fail_all`]): pending entries, join waiters, grouped members held until
+//! their group is ready and the groups that failed. Work taken out of it for a round is held by
+//! [`crate::shared::Resolver`]s, which resolve their handles on every path of their own. ("In
+//! flight", in this crate, means only a name submitted and not completed:
+//! `shared::Inner::in_flight`.)
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -30,9 +32,9 @@ pub(super) struct Pending {
     pub(super) reported: bool,
 }
 
-/// The in-flight state of the control thread (see the module).
+/// The control thread's undispatched work (see the module).
 #[derive(Default)]
-pub(super) struct InFlight {
+pub(super) struct Waiting {
     /// Submissions not yet dispatched, by arrival.
     pub(super) pending: BTreeMap<u64, Pending>,
     pub(super) by_name: HashMap<Arc<str>, u64>,
@@ -45,7 +47,7 @@ pub(super) struct InFlight {
     pub(super) failed_groups: HashMap<String, (SchedulerError, u32)>,
 }
 
-impl InFlight {
+impl Waiting {
     /// Accept a submission.
     pub(super) fn add(&mut self, entry: Entry) {
         self.seq += 1;
