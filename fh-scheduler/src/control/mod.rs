@@ -84,7 +84,7 @@ pub(crate) struct Control {
     comm: Box<dyn Communicator>,
     rx: Receiver<Msg>,
     cache: ResponseCache,
-    /// What this rank submitted and the engine has not completed: its one owner.
+    /// What this rank submitted and this thread has not dispatched yet: its one owner.
     work: Waiting,
     table: Table,
     dispatch: Dispatch,
