@@ -2,7 +2,7 @@
 //!
 //! How a process joins a FastHorovod job, before any data moves: where it sits
 //! ([`launch::LaunchInfo`], read from whichever launcher started it — `fhrun`, `mpirun`, `srun`,
-//! `torchrun` — and written by the launchers that start ranks, [`launch::LaunchVars`]), the job
+//! `torchrun` — and written by the launchers that start ranks, [`launch::LaunchInfo::to_vars`]), the job
 //! token and every key made from it ([`token`]), which ranks share a host ([`hosts`]: the facts
 //! a rank sends at the rendezvous and the layout every rank settles from them), the identity of
 //! a world ([`world`]), the heartbeats' settings ([`heartbeat`]), the elastic session with the
