@@ -157,10 +157,12 @@ impl Driver {
             && self.hosts.is_usable(&w.host)
     }
 
+    /// The live worker with this id (a worker restarted on a host keeps its id: the record of
+    /// the one that ended is never the one a session, a registration or a rank belongs to).
     fn find(&self, id: &str) -> Option<usize> {
         self.workers
             .iter()
-            .rposition(|w| w.id == id && self.parts[w.part].running())
+            .rposition(|w| w.id == id && w.end.is_none() && self.parts[w.part].running())
     }
 
     fn describe_loss(&self, w: &Worker, what: &str) -> String {
@@ -289,13 +291,11 @@ impl Driver {
         let Some(i) = self
             .workers
             .iter()
-            .position(|w| w.part == part && w.id == e.worker)
+            .position(|w| w.part == part && w.id == e.worker && w.end.is_none())
         else {
+            // Unknown, or a second report of an end already recorded.
             return;
         };
-        if self.workers[i].end.is_some() {
-            return;
-        }
         self.workers[i].end = Some(e.end);
         let w = &self.workers[i];
         if e.end.success() {
