@@ -156,7 +156,7 @@ const FORBIDDEN_IN_LIBRARIES: &[&str] = &[
 const DIRECT_OUTPUT_ALLOWED: &[(&str, &str)] = &[
     // Rank 0's one-time notice that the job token was derived, not given: a `tracing` event
     // would go unseen (no subscriber) in exactly the launches it is about.
-    ("fh-job/src/launch.rs", "io::stderr("),
+    ("fh-job/src/launch/derived.rs", "io::stderr("),
     // Whether stderr is a terminal, for the colour of log lines: asks, writes nothing.
     ("fh-scheduler/src/config/colour.rs", "io::stderr("),
 ];

@@ -51,6 +51,18 @@
 use std::fmt;
 use std::time::Duration;
 
+mod address;
+mod derived;
+mod launchers;
+
+use address::rendezvous;
+pub use address::{free_local_port, free_local_ports, is_wildcard_host};
+use derived::{announce_derived_token, derive_token, DERIVED_TOKEN_NOTICE};
+use launchers::{
+    first_set, from_fhrun, from_mpich, from_openmpi, from_slurm, from_torchrun, FHRUN_CROSS_VARS,
+    FHRUN_LOCAL_VARS,
+};
+
 use crate::error::config;
 use crate::heartbeat::Settings as HeartbeatSettings;
 use crate::token::{check_token, JobToken, MIN_TOKEN_LEN};
@@ -457,27 +469,6 @@ fn check_launcher_release(get: &impl Fn(&str) -> Option<String>) -> Result<()> {
 }
 
 type Get<'a> = dyn Fn(&str) -> Option<String> + 'a;
-
-fn parse_usize(get: &Get<'_>, name: &str) -> Result<Option<usize>> {
-    match get(name) {
-        None => Ok(None),
-        Some(v) => v
-            .trim()
-            .parse::<usize>()
-            .map(Some)
-            .map_err(|_| config(name, format!("expected a non-negative integer, got {v:?}"))),
-    }
-}
-
-fn require_usize(get: &Get<'_>, name: &str, launcher: Launcher, other: &str) -> Result<usize> {
-    parse_usize(get, name)?.ok_or_else(|| {
-        config(
-            name,
-            format!("{other} is set (a {launcher} launch) but {name} is missing"),
-        )
-    })
-}
-
 fn parse_timeout(get: &Get<'_>) -> Result<Duration> {
     match get("FH_TIMEOUT_SECONDS") {
         None => Ok(DEFAULT_TIMEOUT),
@@ -516,70 +507,6 @@ pub fn parse_timeout_value(v: &str) -> Result<Duration> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-/// Fill in what a launcher left out: without local information every rank is assumed on one
-/// host; without cross information hosts are assumed to hold `local_size` consecutive ranks.
-fn derive_rest(
-    launcher: Launcher,
-    rank: usize,
-    size: usize,
-    local: Option<(usize, usize)>,
-    cross: (Option<usize>, Option<usize>),
-    vars: Vars,
-) -> LaunchInfo {
-    let local_vars = local.and(vars.local);
-    let cross_vars = match cross {
-        (Some(_), Some(_)) => vars.cross,
-        _ => None,
-    };
-    let (local_rank, local_size) = local.unwrap_or((rank, size));
-    let ls = local_size.max(1);
-    let cross_rank = cross.0.unwrap_or(rank / ls);
-    let cross_size = cross.1.unwrap_or(size.div_ceil(ls));
-    LaunchInfo {
-        rank,
-        size,
-        local_rank,
-        local_size,
-        cross_rank,
-        cross_size,
-        rendezvous: None,
-        token: None,
-        token_derived: false,
-        allow_wildcard: false,
-        launcher,
-        timeout: DEFAULT_TIMEOUT,
-        liveness: Some(HeartbeatSettings::default()),
-        host_id: None,
-        local_vars,
-        cross_vars,
-    }
-}
-
-/// The variables a launcher's local and cross values come from (when it sets them).
-#[derive(Default)]
-struct Vars {
-    local: Option<(&'static str, &'static str)>,
-    cross: Option<(&'static str, &'static str)>,
-}
-
-/// `n` distinct ports on 127.0.0.1 that were free a moment ago (held together while probed,
-/// so that they differ): where a launcher on one machine, a bench or a test puts a rendezvous
-/// (and a store). Another process may take one before it is used; callers that start ranks
-/// on it see that as the rendezvous' own clear error.
-pub fn free_local_ports(n: usize) -> std::io::Result<Vec<u16>> {
-    let held = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<std::io::Result<Vec<_>>>()?;
-    held.iter()
-        .map(|l| l.local_addr().map(|a| a.port()))
-        .collect()
-}
-
-/// One port on 127.0.0.1 that was free a moment ago ([`free_local_ports`]).
-pub fn free_local_port() -> std::io::Result<u16> {
-    Ok(free_local_ports(1)?[0])
-}
-
 /// The variable that names this rank's host, replacing the identity computed from facts
 /// ([`crate::hosts::HostId`]).
 pub const HOST_ID_VAR: &str = "FH_HOST_ID";
@@ -604,232 +531,6 @@ fn parse_host_id(get: &Get<'_>) -> Result<Option<String>> {
     Ok(Some(v.to_owned()))
 }
 
-fn local_pair(get: &Get<'_>, rank_var: &str, size_var: &str) -> Result<Option<(usize, usize)>> {
-    match (parse_usize(get, rank_var)?, parse_usize(get, size_var)?) {
-        (Some(r), Some(s)) => Ok(Some((r, s))),
-        (None, None) => Ok(None),
-        (Some(_), None) => Err(config(
-            size_var,
-            format!("{rank_var} is set but {size_var} is missing; set both or neither"),
-        )),
-        (None, Some(_)) => Err(config(
-            rank_var,
-            format!("{size_var} is set but {rank_var} is missing; set both or neither"),
-        )),
-    }
-}
-
-/// fhrun's variables of the local rank and size.
-const FHRUN_LOCAL_VARS: (&str, &str) = ("FH_LOCAL_RANK", "FH_LOCAL_SIZE");
-/// fhrun's variables of the host index and host count.
-const FHRUN_CROSS_VARS: (&str, &str) = ("FH_CROSS_RANK", "FH_CROSS_SIZE");
-
-fn from_fhrun(get: &Get<'_>) -> Result<LaunchInfo> {
-    let l = Launcher::Fhrun;
-    let rank = require_usize(get, "FH_RANK", l, "FH_SIZE")?;
-    let size = require_usize(get, "FH_SIZE", l, "FH_RANK")?;
-    let local = local_pair(get, "FH_LOCAL_RANK", "FH_LOCAL_SIZE")?;
-    let cross = (
-        parse_usize(get, "FH_CROSS_RANK")?,
-        parse_usize(get, "FH_CROSS_SIZE")?,
-    );
-    let vars = Vars {
-        local: Some(FHRUN_LOCAL_VARS),
-        cross: Some(FHRUN_CROSS_VARS),
-    };
-    Ok(derive_rest(l, rank, size, local, cross, vars))
-}
-
-fn from_openmpi(get: &Get<'_>) -> Result<LaunchInfo> {
-    let l = Launcher::OpenMpi;
-    let rank = require_usize(get, "OMPI_COMM_WORLD_RANK", l, "OMPI_COMM_WORLD_SIZE")?;
-    let size = require_usize(get, "OMPI_COMM_WORLD_SIZE", l, "OMPI_COMM_WORLD_RANK")?;
-    let local = local_pair(
-        get,
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    )?;
-    let vars = Vars {
-        local: Some(("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")),
-        cross: None,
-    };
-    Ok(derive_rest(l, rank, size, local, (None, None), vars))
-}
-
-fn from_mpich(get: &Get<'_>) -> Result<LaunchInfo> {
-    let l = Launcher::Mpich;
-    let rank = require_usize(get, "PMI_RANK", l, "PMI_SIZE")?;
-    let size = require_usize(get, "PMI_SIZE", l, "PMI_RANK")?;
-    let local = local_pair(get, "MPI_LOCALRANKID", "MPI_LOCALNRANKS")?;
-    let vars = Vars {
-        local: Some(("MPI_LOCALRANKID", "MPI_LOCALNRANKS")),
-        cross: None,
-    };
-    Ok(derive_rest(l, rank, size, local, (None, None), vars))
-}
-
-/// Parse Slurm's `SLURM_TASKS_PER_NODE` (`"2(x3),1"`) and return the count of node `node`.
-/// A plain number (`SLURM_NTASKS_PER_NODE=2`) applies to every node.
-fn slurm_tasks_on_node(spec: &str, node: usize) -> Option<usize> {
-    if let Ok(n) = spec.trim().parse::<usize>() {
-        return Some(n);
-    }
-    let mut seen = 0usize;
-    for part in spec.split(',') {
-        let part = part.trim();
-        let (count, repeat) = match part.split_once("(x") {
-            Some((c, rest)) => (c.parse().ok()?, rest.strip_suffix(')')?.parse().ok()?),
-            None => (part.parse().ok()?, 1usize),
-        };
-        seen = seen.checked_add(repeat)?;
-        if node < seen {
-            return Some(count);
-        }
-    }
-    None
-}
-
-/// The first of `names` that is set, with its name.
-fn first_set(get: &Get<'_>, names: &[&'static str]) -> Option<(&'static str, String)> {
-    names.iter().find_map(|&n| get(n).map(|v| (n, v)))
-}
-
-fn from_slurm(get: &Get<'_>) -> Result<LaunchInfo> {
-    let l = Launcher::Slurm;
-    let rank = require_usize(get, "SLURM_PROCID", l, "SLURM_PROCID")?;
-    // A job step may use fewer tasks and nodes than the allocation: prefer the step's view.
-    let size = match first_set(
-        get,
-        &["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"],
-    ) {
-        Some((name, _)) => require_usize(get, name, l, "SLURM_PROCID")?,
-        None => {
-            return Err(config(
-                "SLURM_NTASKS",
-                "SLURM_PROCID is set (a Slurm job step) but none of SLURM_STEP_NUM_TASKS, \
-                 SLURM_NTASKS and SLURM_NPROCS is",
-            ))
-        }
-    };
-    let node = parse_usize(get, "SLURM_NODEID")?;
-    let local_rank = parse_usize(get, "SLURM_LOCALID")?;
-    let spec = first_set(
-        get,
-        &[
-            "SLURM_STEP_TASKS_PER_NODE",
-            "SLURM_NTASKS_PER_NODE",
-            "SLURM_TASKS_PER_NODE",
-        ],
-    );
-    let local_size_var = spec.as_ref().map(|(name, _)| *name);
-    let local_size = match spec {
-        None => None,
-        Some((name, spec)) => {
-            let node = node.unwrap_or(0);
-            Some(slurm_tasks_on_node(&spec, node).ok_or_else(|| {
-                config(
-                    name,
-                    format!(
-                        "expected a task count or a list like \"2(x3),1\" covering node {node}, \
-                         got {spec:?}"
-                    ),
-                )
-            })?)
-        }
-    };
-    let local = match (local_rank, local_size) {
-        (Some(r), Some(s)) => Some((r, s)),
-        (None, None) => None,
-        (Some(_), None) => {
-            return Err(config(
-                "SLURM_TASKS_PER_NODE",
-                "SLURM_LOCALID is set but none of SLURM_STEP_TASKS_PER_NODE, \
-                 SLURM_NTASKS_PER_NODE and SLURM_TASKS_PER_NODE is",
-            ))
-        }
-        (None, Some(_)) => {
-            return Err(config(
-                "SLURM_LOCALID",
-                "the tasks per node are set but SLURM_LOCALID is missing",
-            ))
-        }
-    };
-    let nodes_var = first_set(get, &["SLURM_STEP_NUM_NODES", "SLURM_NNODES"]).map(|(n, _)| n);
-    let nodes = match nodes_var {
-        Some(name) => parse_usize(get, name)?,
-        None => None,
-    };
-    let vars = Vars {
-        local: local_size_var.map(|s| ("SLURM_LOCALID", s)),
-        cross: nodes_var.map(|n| ("SLURM_NODEID", n)),
-    };
-    Ok(derive_rest(l, rank, size, local, (node, nodes), vars))
-}
-
-fn from_torchrun(get: &Get<'_>) -> Result<LaunchInfo> {
-    let l = Launcher::Torchrun;
-    let rank = require_usize(get, "RANK", l, "WORLD_SIZE")?;
-    let size = require_usize(get, "WORLD_SIZE", l, "RANK")?;
-    let local = local_pair(get, "LOCAL_RANK", "LOCAL_WORLD_SIZE")?;
-    let cross = (
-        parse_usize(get, "GROUP_RANK")?,
-        parse_usize(get, "GROUP_WORLD_SIZE")?,
-    );
-    let vars = Vars {
-        local: Some(("LOCAL_RANK", "LOCAL_WORLD_SIZE")),
-        cross: Some(("GROUP_RANK", "GROUP_WORLD_SIZE")),
-    };
-    Ok(derive_rest(l, rank, size, local, cross, vars))
-}
-
-fn check_addr(var: &str, addr: &str) -> Result<()> {
-    let Some((host, port)) = addr.rsplit_once(':') else {
-        return Err(config(
-            var,
-            format!("expected host:port (e.g. 10.0.0.1:29400), got {addr:?}"),
-        ));
-    };
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    if host.is_empty() {
-        return Err(config(
-            var,
-            format!("the host part of {addr:?} is empty; expected host:port"),
-        ));
-    }
-    match port.parse::<u16>() {
-        Ok(p) if p > 0 => Ok(()),
-        _ => Err(config(
-            var,
-            format!("the port of {addr:?} must be an integer in 1..=65535"),
-        )),
-    }
-}
-
-/// Whether `host` (without brackets) is a wildcard address: listening there means every
-/// interface.
-pub fn is_wildcard_host(host: &str) -> bool {
-    host.trim_start_matches('[')
-        .trim_end_matches(']')
-        .parse::<std::net::IpAddr>()
-        .is_ok_and(|ip| ip.is_unspecified())
-}
-
-fn check_not_wildcard(var: &str, addr: &str, allow: bool) -> Result<()> {
-    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
-    if !allow && is_wildcard_host(host) {
-        return Err(config(
-            var,
-            format!(
-                "{addr:?} is a wildcard address: rank 0 would listen on every interface of its \
-                 host. Give an address of rank 0's host that the other ranks can reach (e.g. \
-                 127.0.0.1 for one host, or the cluster network's address), or set \
-                 FH_ALLOW_WILDCARD=1 if listening everywhere is really intended"
-            ),
-        ));
-    }
-    Ok(())
-}
-
 fn parse_flag(get: &Get<'_>, name: &str) -> Result<bool> {
     match get(name).as_deref().map(str::trim) {
         None | Some("0") => Ok(false),
@@ -841,123 +542,6 @@ fn parse_flag(get: &Get<'_>, name: &str) -> Result<bool> {
             format!("expected 1 (on) or 0 (off), got {v:?}"),
         )),
     }
-}
-
-fn rendezvous(get: &Get<'_>, launcher: Launcher, allow_wildcard: bool) -> Result<String> {
-    if let Some(addr) = get("FH_RENDEZVOUS_ADDR") {
-        let addr = addr.trim().to_owned();
-        check_addr("FH_RENDEZVOUS_ADDR", &addr)?;
-        check_not_wildcard("FH_RENDEZVOUS_ADDR", &addr, allow_wildcard)?;
-        return Ok(addr);
-    }
-    match (get("MASTER_ADDR"), get("MASTER_PORT")) {
-        (Some(host), Some(port)) => {
-            let mut port: u16 = port.trim().parse().ok().filter(|&p| p > 0).ok_or_else(|| {
-                config(
-                    "MASTER_PORT",
-                    format!("expected a port number in 1..=65535, got {port:?}"),
-                )
-            })?;
-            // torchrun's agent serves its own store on MASTER_PORT; use the next port.
-            if launcher == Launcher::Torchrun
-                && get("TORCHELASTIC_USE_AGENT_STORE")
-                    .is_some_and(|v| v.eq_ignore_ascii_case("true"))
-            {
-                port = port.checked_add(1).ok_or_else(|| {
-                    config(
-                        "MASTER_PORT",
-                        "the torchrun agent holds MASTER_PORT and MASTER_PORT + 1 overflows; \
-                         set FH_RENDEZVOUS_ADDR",
-                    )
-                })?;
-            }
-            let host = host.trim();
-            let addr = if host.contains(':') && !host.starts_with('[') {
-                format!("[{host}]:{port}")
-            } else {
-                format!("{host}:{port}")
-            };
-            check_addr("MASTER_ADDR", &addr)?;
-            check_not_wildcard("MASTER_ADDR", &addr, allow_wildcard)?;
-            Ok(addr)
-        }
-        (Some(_), None) => Err(config(
-            "MASTER_PORT",
-            "MASTER_ADDR is set but MASTER_PORT is missing",
-        )),
-        (None, Some(_)) => Err(config(
-            "MASTER_ADDR",
-            "MASTER_PORT is set but MASTER_ADDR is missing",
-        )),
-        (None, None) => Err(config(
-            "FH_RENDEZVOUS_ADDR",
-            format!(
-                "this is a job of several ranks (started by {launcher}) but no rendezvous address \
-                 is set: launch with fhrun, or set FH_RENDEZVOUS_ADDR=host:port (where rank 0 will \
-                 listen), or MASTER_ADDR and MASTER_PORT, in every rank's environment"
-            ),
-        )),
-    }
-}
-
-/// What rank 0 says when the token is derived.
-const DERIVED_TOKEN_NOTICE: &str = "FH_JOB_TOKEN is not set, so the job token is derived from \
-     the rendezvous address, the world size and the launcher's job id. That keeps other jobs and \
-     accidents out, but anyone who can see those facts can compute it: it authenticates nothing. \
-     To fix, export a random secret in the environment every rank inherits, e.g. \
-     `export FH_JOB_TOKEN=$(openssl rand -hex 32)` before torchrun/srun/mpirun (mpirun: add \
-     `-x FH_JOB_TOKEN`), or launch with fhrun; set FH_REQUIRE_TOKEN=1 to refuse to start without \
-     one.";
-
-/// Say once per process, on stderr, that the token is derived. This is the one place where
-/// this library writes to stderr itself: a warning that only a `tracing` subscriber could show
-/// would go unseen in exactly the jobs it is about.
-fn announce_derived_token(launcher: Launcher) {
-    use std::io::Write as _;
-    use std::sync::atomic::{AtomicBool, Ordering};
-    static SAID: AtomicBool = AtomicBool::new(false);
-    if SAID.swap(true, Ordering::Relaxed) {
-        return;
-    }
-    let mut err = std::io::stderr().lock();
-    // Nothing to do if stderr is closed.
-    let _ = writeln!(
-        err,
-        "fasthorovod (rank 0, {launcher}): warning: {DERIVED_TOKEN_NOTICE}"
-    );
-}
-
-/// 64-bit FNV-1a, for deriving a stable (not secret) token.
-fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
-    let mut h = seed;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
-fn derive_token(get: &Get<'_>, info: &LaunchInfo) -> String {
-    let job_id = [
-        "SLURM_JOB_ID",
-        "SLURM_STEP_ID",
-        "OMPI_MCA_ess_base_jobid",
-        "OMPI_MCA_orte_ess_jobid",
-        "PMI_JOBID",
-        "PMIX_NAMESPACE",
-        "TORCHELASTIC_RUN_ID",
-    ]
-    .iter()
-    .map(|v| format!("{v}={};", get(v).unwrap_or_default()))
-    .collect::<String>();
-    let facts = format!(
-        "fasthorovod-derived-token;{};size={};{job_id}",
-        info.rendezvous.as_deref().unwrap_or(""),
-        info.size
-    );
-    let a = fnv1a(0xcbf2_9ce4_8422_2325, facts.as_bytes());
-    let b = fnv1a(0x6c62_272e_07bb_0142, facts.as_bytes());
-    format!("derived-{a:016x}{b:016x}")
 }
 
 #[cfg(test)]
@@ -1005,16 +589,5 @@ mod tests {
             let back = LaunchInfo::from_vars(|n| vars.get(n).cloned()).unwrap();
             proptest::prop_assert_eq!(back, info);
         }
-    }
-
-    #[test]
-    fn tasks_per_node_syntax() {
-        assert_eq!(slurm_tasks_on_node("2(x3),1", 0), Some(2));
-        assert_eq!(slurm_tasks_on_node("2(x3),1", 2), Some(2));
-        assert_eq!(slurm_tasks_on_node("2(x3),1", 3), Some(1));
-        assert_eq!(slurm_tasks_on_node("2(x3),1", 4), None);
-        assert_eq!(slurm_tasks_on_node("4", 0), Some(4));
-        assert_eq!(slurm_tasks_on_node("4", 3), Some(4));
-        assert_eq!(slurm_tasks_on_node("x", 0), None);
     }
 }
