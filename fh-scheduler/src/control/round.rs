@@ -202,16 +202,7 @@ impl Control {
         }
         let mut jv = BitVec::zeros(size);
         jv.set(self.inner.rank, self.join.active);
-        let mut b = jv.to_bytes();
-        self.add_bytes(b.len() + 16);
-        collect::reduce_bits(
-            self.comm.as_mut(),
-            &mut b,
-            ReduceOp::BitOr,
-            self.incarnation,
-        )?;
-        let jv = BitVec::from_bytes(&b, size)
-            .ok_or_else(|| SchedulerError::internal("joined vector length"))?;
+        let jv = self.agree_on_union(jv, size, "joined")?;
         let now: Vec<bool> = (0..size).map(|r| jv.get(r)).collect();
         // Every rank sees the same joined vectors, so every rank names the same last rank.
         if let Some(r) = (0..size)
@@ -223,6 +214,26 @@ impl Control {
         let changed = now != self.join.set;
         self.join.set = now;
         Ok(changed)
+    }
+
+    /// The union (bitwise OR) of every rank's `bits` of length `len`, in one exchange; `what`
+    /// names the vector in the internal error a wrong length would be.
+    fn agree_on_union(
+        &mut self,
+        bits: BitVec,
+        len: usize,
+        what: &str,
+    ) -> Result<BitVec, SchedulerError> {
+        let mut b = bits.to_bytes();
+        self.add_bytes(b.len() + 16);
+        collect::reduce_bits(
+            self.comm.as_mut(),
+            &mut b,
+            ReduceOp::BitOr,
+            self.incarnation,
+        )?;
+        BitVec::from_bytes(&b, len)
+            .ok_or_else(|| SchedulerError::internal(format!("{what} vector length")))
     }
 
     /// Step 5: slots whose signature changed on some rank are dropped on every rank. Returns
@@ -241,16 +252,7 @@ impl Control {
         for &s in invalid {
             iv.set(s, true);
         }
-        let mut b = iv.to_bytes();
-        self.add_bytes(b.len() + 16);
-        collect::reduce_bits(
-            self.comm.as_mut(),
-            &mut b,
-            ReduceOp::BitOr,
-            self.incarnation,
-        )?;
-        let iv = BitVec::from_bytes(&b, cap)
-            .ok_or_else(|| SchedulerError::internal("invalidation vector length"))?;
+        let iv = self.agree_on_union(iv, cap, "invalidation")?;
         for s in iv.ones() {
             self.cache.evict(s);
             evicted.push(s);
