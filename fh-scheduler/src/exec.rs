@@ -10,8 +10,14 @@ use fh_core::message::{CollectiveKind, Signature};
 use fh_core::ReduceOp;
 use fh_transport::{algorithms, CollectivesExt, Communicator, TransportError};
 
+use collective::{
+    finish_divisor, from_u64s, recv_layout, reduce_in_place, reduce_segments, reduce_unfinished,
+    row_bytes, u64s,
+};
+
 use crate::job::Job;
 
+mod collective;
 #[cfg(feature = "cuda")]
 mod device;
 use crate::shared::Inner;
@@ -64,116 +70,6 @@ impl Executor {
     pub(crate) fn abort(&mut self, lost: usize) {
         self.comm.abort(lost);
     }
-}
-
-fn reduce_in_place(
-    comm: &mut dyn Communicator,
-    buf: &mut [u8],
-    sig: &Signature,
-    divisor: usize,
-    own_block: bool,
-) -> Result<(), TransportError> {
-    if own_block {
-        return reduce_segments(comm, &mut [buf], sig, divisor);
-    }
-    reduce_unfinished(comm, buf, sig)?;
-    // The average's division (if any) and the postscale in one pass.
-    kernels::divide_and_scale(sig.dtype, buf, finish_divisor(sig, divisor), sig.postscale)?;
-    Ok(())
-}
-
-/// Prescale and allreduce the concatenation of `segs` where it lies, on the ring; the
-/// average's division and the postscale run on this rank's block only, before the ring's
-/// allgather copies it round ([`algorithms::allreduce_segments`]).
-fn reduce_segments(
-    comm: &mut dyn Communicator,
-    segs: &mut [&mut [u8]],
-    sig: &Signature,
-    divisor: usize,
-) -> Result<(), TransportError> {
-    let (dtype, n, post) = (sig.dtype, finish_divisor(sig, divisor), sig.postscale);
-    for s in segs.iter_mut() {
-        kernels::scale(dtype, s, sig.prescale)?;
-    }
-    algorithms::allreduce_segments(comm, segs, dtype, sig.op.combining(), &mut |b| {
-        Ok(kernels::divide_and_scale(dtype, b, n, post)?)
-    })
-}
-
-/// Prescale and allreduce `buf`, leaving the average's division and the postscale to the
-/// caller ([`finish_divisor`]).
-fn reduce_unfinished(
-    comm: &mut dyn Communicator,
-    buf: &mut [u8],
-    sig: &Signature,
-) -> Result<(), TransportError> {
-    kernels::scale(sig.dtype, buf, sig.prescale)?;
-    comm.allreduce(buf, sig.dtype, sig.op.combining())?;
-    Ok(())
-}
-
-/// The divisor the finalisation applies with the postscale: the engine's ranks for an average
-/// (joined ones included, see [`Job::divisor`]), 1 otherwise.
-fn finish_divisor(sig: &Signature, divisor: usize) -> usize {
-    if sig.op == ReduceOp::Average {
-        divisor.max(1)
-    } else {
-        1
-    }
-}
-
-/// Most bytes one allgather or alltoall may receive (a sanity bound on sizes announced by
-/// peers, checked before anything is multiplied out or allocated).
-const MAX_RECV_BYTES: usize = 1 << 40;
-
-/// Byte counts for the row counts `rows` peers announced (`rows[r]` from rank `r`), each row
-/// `row` bytes, and a zeroed buffer for their sum. Overflow or an absurd size is an error
-/// blaming the rank that announced it; an allocation that fails is an error, not an abort.
-fn recv_layout(rows: &[usize], row: usize) -> Result<(Vec<usize>, Vec<u8>), TransportError> {
-    let mut counts = Vec::with_capacity(rows.len());
-    let mut total = 0usize;
-    for (r, &n) in rows.iter().enumerate() {
-        let c = n
-            .checked_mul(row)
-            .filter(|&c| c <= MAX_RECV_BYTES)
-            .ok_or_else(|| TransportError::Protocol {
-                rank: r,
-                detail: format!(
-                    "announced {n} rows of {row} bytes, more than the {MAX_RECV_BYTES}-byte bound"
-                ),
-            })?;
-        total = total
-            .checked_add(c)
-            .filter(|&t| t <= MAX_RECV_BYTES)
-            .ok_or_else(|| TransportError::Protocol {
-                rank: r,
-                detail: format!(
-                    "announced {n} rows of {row} bytes, taking the total past the \
-                     {MAX_RECV_BYTES}-byte bound"
-                ),
-            })?;
-        counts.push(c);
-    }
-    let mut buf = Vec::new();
-    buf.try_reserve_exact(total).map_err(|e| {
-        TransportError::InvalidArgument(format!("cannot allocate {total} bytes to receive: {e}"))
-    })?;
-    buf.resize(total, 0);
-    Ok((counts, buf))
-}
-
-fn u64s(v: &[usize]) -> Vec<u8> {
-    v.iter().flat_map(|&x| (x as u64).to_le_bytes()).collect()
-}
-
-fn from_u64s(b: &[u8]) -> Vec<usize> {
-    b.chunks_exact(8)
-        .map(|c| {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(c);
-            usize::try_from(u64::from_le_bytes(a)).unwrap_or(usize::MAX)
-        })
-        .collect()
 }
 
 impl Executor {
@@ -604,30 +500,5 @@ impl Executor {
             "a group of {} tensors reached a build without the GPU path",
             sig.device
         )))
-    }
-}
-
-/// Bytes per first-dimension row.
-fn row_bytes(t: &Tensor) -> usize {
-    let rest: usize = t.shape().iter().skip(1).product();
-    rest * t.dtype().size()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_from_peers_are_bounded_before_allocating() {
-        let (counts, buf) = recv_layout(&[2, 0, 3], 4).unwrap();
-        assert_eq!(counts, [8, 0, 12]);
-        assert_eq!(buf.len(), 20);
-        // A product that overflows, and one past the bound, blame the rank that sent it.
-        let e = recv_layout(&[1, usize::MAX / 2], 4).unwrap_err();
-        assert_eq!(e.blamed_rank(), Some(1), "{e}");
-        let e = recv_layout(&[MAX_RECV_BYTES, 1, 0], 1).unwrap_err();
-        assert_eq!(e.blamed_rank(), Some(1), "{e}");
-        assert!(e.to_string().contains("bound"), "{e}");
-        assert_eq!(from_u64s(&u64::MAX.to_le_bytes()), [usize::MAX]);
     }
 }
