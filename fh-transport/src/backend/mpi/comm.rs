@@ -9,9 +9,9 @@ use std::sync::atomic::Ordering;
 use fh_core::DType;
 use mpi::ffi;
 
+use super::call::{chunk_ranges, empty_status, recv_ptr, send_ptr, to_int, wait_request};
 use super::runtime::{
-    bytes_type, chunk_ranges, empty_status, recv_ptr, send_ptr, success, to_int, wait_request,
-    CommHandle, MpiError, Runtime, ThreadMode, HALF_OP_FAILED, MAX_COUNT,
+    bytes_type, success, CommHandle, MpiError, Runtime, ThreadMode, HALF_OP_FAILED, MAX_COUNT,
 };
 use crate::{Result, TransportError};
 

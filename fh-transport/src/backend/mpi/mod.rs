@@ -68,6 +68,8 @@
 use crate::{Result, Transport};
 
 #[cfg(feature = "mpi")]
+mod call;
+#[cfg(feature = "mpi")]
 mod comm;
 #[cfg(feature = "mpi")]
 mod runtime;

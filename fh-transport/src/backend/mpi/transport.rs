@@ -7,8 +7,9 @@ use std::sync::Arc;
 
 use mpi::ffi;
 
+use super::call::wait_request;
 use super::comm::MpiComm;
-use super::runtime::{success, unavailable, wait_request, CommHandle, Runtime, ThreadMode};
+use super::runtime::{success, unavailable, CommHandle, Runtime, ThreadMode};
 
 use crate::{Result, Topology, Transport, TransportError};
 

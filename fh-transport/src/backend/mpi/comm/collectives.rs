@@ -9,9 +9,8 @@ use fh_core::{kernels, CoreError, DType, ReduceOp};
 use mpi::ffi;
 
 use super::{MpiComm, TAG_LAST, TAG_MORE};
-use crate::backend::mpi::runtime::{
-    bytes_type, chunk_ranges, int_counts, recv_ptr, send_ptr, ThreadMode,
-};
+use crate::backend::mpi::call::{chunk_ranges, int_counts, recv_ptr, send_ptr};
+use crate::backend::mpi::runtime::{bytes_type, ThreadMode};
 use crate::{algorithms, Communicator, Result};
 
 impl Communicator for MpiComm {
