@@ -66,6 +66,15 @@ pub fn parse_report(line: &str, marker: &str) -> Option<Exit> {
     Some(Exit { worker, end })
 }
 
+/// What a part's stdout relay tells the driver.
+#[derive(Debug, Clone)]
+pub enum Report {
+    /// A worker of the part ended.
+    Exit(Exit),
+    /// The part's stdout ended: every report it wrote has been sent before this.
+    Closed,
+}
+
 /// What every part of the job shares.
 #[derive(Debug, Clone)]
 pub struct PartContext {
@@ -104,6 +113,9 @@ pub struct PartProc {
     pub stopping: Option<Instant>,
     /// The part's own exit status once reaped.
     pub status: Option<ExitStatus>,
+    /// Whether its stdout ended ([`Report::Closed`] received): no exit report is still on
+    /// its way. A part can be reaped before its relay has read the reports it wrote last.
+    pub reports_closed: bool,
 }
 
 impl PartProc {
@@ -116,7 +128,7 @@ impl PartProc {
         local: bool,
         workers: Vec<(String, Vec<(String, String)>)>,
         index: usize,
-        exits: &mpsc::Sender<(usize, Exit)>,
+        exits: &mpsc::Sender<(usize, Report)>,
     ) -> Result<PartProc, String> {
         let mut env = if local {
             Vec::new()
@@ -159,12 +171,14 @@ impl PartProc {
         let (mut child, control) = launch::spawn_remote(&spec)
             .map_err(|e| format!("cannot start {label} (`{}`): {e}", spec.argv[0]))?;
         let pid = child.id();
+        let mut relayed = false;
         if let Some(out) = child.stdout.take() {
             let tx = exits.clone();
             let marker = ctx.marker.clone();
-            let _ = std::thread::Builder::new()
+            relayed = std::thread::Builder::new()
                 .name("part-stdout".into())
-                .spawn(move || relay(out, &marker, index, &tx));
+                .spawn(move || relay(out, std::io::stdout(), &marker, index, &tx))
+                .is_ok();
         }
         if let Some(err) = child.stderr.take() {
             let _ = std::thread::Builder::new()
@@ -178,6 +192,7 @@ impl PartProc {
             control: Some(control),
             stopping: None,
             status: None,
+            reports_closed: !relayed,
         })
     }
 
@@ -239,24 +254,31 @@ impl PartProc {
     }
 }
 
-/// Copy a part's stdout to fhrun's, taking out its exit reports.
-fn relay(out: impl std::io::Read, marker: &str, index: usize, exits: &mpsc::Sender<(usize, Exit)>) {
-    let mut r = BufReader::new(out);
+/// Copy a part's stdout to `out`, taking out its exit reports, and say
+/// [`Report::Closed`] when it ends (after every report it carried).
+fn relay(
+    input: impl std::io::Read,
+    mut out: impl Write,
+    marker: &str,
+    index: usize,
+    exits: &mpsc::Sender<(usize, Report)>,
+) {
+    let mut r = BufReader::new(input);
     let mut line = Vec::new();
     loop {
         line.clear();
         match r.read_until(b'\n', &mut line) {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => break,
             Ok(_) => {}
         }
         let text = String::from_utf8_lossy(&line);
         if let Some(e) = parse_report(text.trim_end_matches('\n'), marker) {
-            let _ = exits.send((index, e));
+            let _ = exits.send((index, Report::Exit(e)));
             continue;
         }
-        let mut o = std::io::stdout().lock();
-        let _ = o.write_all(&line).and_then(|_| o.flush());
+        let _ = out.write_all(&line).and_then(|_| out.flush());
     }
+    let _ = exits.send((index, Report::Closed));
 }
 
 #[cfg(test)]
@@ -278,5 +300,23 @@ mod tests {
         assert!(parse_report("fhrun-exit-0123 h1:0 exit x", m).is_none());
         assert_eq!(End::Signal(9).describe(), "killed by SIGKILL");
         assert!(End::Exit(0).success() && !End::Exit(1).success());
+    }
+
+    #[test]
+    fn the_relay_passes_output_on_and_says_closed_after_every_report() {
+        let m = "fhrun-exit-77";
+        let input = "hello\nfhrun-exit-77 h:0 exit 0\nworld\nfhrun-exit-77 h:1 signal 15\n";
+        let (tx, rx) = mpsc::channel();
+        let mut out = Vec::new();
+        relay(input.as_bytes(), &mut out, m, 4, &tx);
+        assert_eq!(String::from_utf8(out).unwrap(), "hello\nworld\n");
+        let got: Vec<String> = rx
+            .try_iter()
+            .map(|(i, r)| match r {
+                Report::Exit(e) => format!("{i} {} {:?}", e.worker, e.end),
+                Report::Closed => format!("{i} closed"),
+            })
+            .collect();
+        assert_eq!(got, ["4 h:0 Exit(0)", "4 h:1 Signal(15)", "4 closed"]);
     }
 }

@@ -297,6 +297,10 @@ def _command(plan, fhrun, run_dir, script):
            str(plan.max_np), "--host-discovery-script", str(script),
            "--elastic-timeout", str(5 if plan.expect_failure else 30),
            "--timeout", "110"]
+    if os.environ.get("FH_EKILL_VERBOSE"):
+        # The driver's every step (sessions, registrations, parts started), for a failure
+        # that does not replay.
+        cmd += ["--verbose"]
     if plan.cooldown:
         cmd += ["--blacklist-cooldown-range", str(plan.cooldown[0]), str(plan.cooldown[1])]
     if plan.transport == "tcp":

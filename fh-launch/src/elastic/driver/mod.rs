@@ -12,7 +12,7 @@ use fh_job::elastic::{Event, Membership, Server};
 use super::discovery::Discovery;
 use super::generation::{self, Candidate};
 use super::state::{Change, HostState};
-use super::workers::{End, Exit, PartContext, PartProc};
+use super::workers::{End, Exit, PartContext, PartProc, Report};
 use crate::guardian::Guardian;
 use crate::hosts::{self, Host};
 use crate::launch::EXIT_TIMEOUT;
@@ -64,8 +64,8 @@ pub struct Driver {
     hostname: String,
     parts: Vec<PartProc>,
     workers: Vec<Worker>,
-    exits_tx: mpsc::Sender<(usize, Exit)>,
-    exits: mpsc::Receiver<(usize, Exit)>,
+    exits_tx: mpsc::Sender<(usize, Report)>,
+    exits: mpsc::Receiver<(usize, Report)>,
     generation: Option<u64>,
     resets: u32,
     round: Option<Instant>,
@@ -86,6 +86,10 @@ pub struct Driver {
 
 /// How long a worker whose session ended may take to report its exit before it counts lost.
 const SESSION_GRACE: Duration = Duration::from_secs(2);
+
+/// How long a reaped part's last exit reports may take to come through its stdout (held open
+/// only by a process the part left behind) before its workers count as ended with it.
+const REPORTS_GRACE: Duration = Duration::from_secs(2);
 
 impl Driver {
     /// A driver serving `server`, starting parts with `ctx`.
@@ -287,6 +291,26 @@ impl Driver {
         }
     }
 
+    /// Take the parts' reports that have come; with `until: Some((part, deadline))`, wait
+    /// (up to the deadline) for that part's stdout to end, so that every report it wrote is
+    /// taken.
+    fn take_reports(&mut self, until: Option<(usize, Instant)>) {
+        loop {
+            let next = match until {
+                Some((p, deadline)) if !self.parts[p].reports_closed => self
+                    .exits
+                    .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                    .ok(),
+                _ => self.exits.try_recv().ok(),
+            };
+            match next {
+                Some((part, Report::Exit(e))) => self.on_exit(part, e),
+                Some((part, Report::Closed)) => self.parts[part].reports_closed = true,
+                None => return,
+            }
+        }
+    }
+
     fn on_exit(&mut self, part: usize, e: Exit) {
         let Some(i) = self
             .workers
@@ -371,10 +395,9 @@ impl Driver {
             if let Some(g) = guardian.as_mut() {
                 g.forget(self.parts[p].pid);
             }
-            // Reports still in the pipe first.
-            while let Ok((part, e)) = self.exits.try_recv() {
-                self.on_exit(part, e);
-            }
+            // The reports the part wrote before it ended first: its relay may not have read
+            // them yet (a worker that exited 0 would otherwise count as gone with its part).
+            self.take_reports(Some((p, now + REPORTS_GRACE)));
             // The ranks of the last generation that the part still ran, for the blame.
             let mut held: Vec<usize> = Vec::new();
             for w in self.workers.iter_mut().filter(|w| w.part == p) {
@@ -588,9 +611,7 @@ impl Driver {
                     self.on_event(e);
                 }
             }
-            while let Ok((part, e)) = self.exits.try_recv() {
-                self.on_exit(part, e);
-            }
+            self.take_reports(None);
             let now = Instant::now();
             self.poll_parts(now, &mut guardian);
             self.check_sessions(now);
