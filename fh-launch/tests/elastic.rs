@@ -631,3 +631,87 @@ fn ctrl_c_stops_every_worker() {
     kill_all(&left);
     assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
 }
+
+/// A worker's last words still on their way when its part ends: fhrun's stdout is read
+/// slowly, so the relay of the part's stdout is far behind when the part is reaped. The exit
+/// report behind that output must still count (the worker exited 0: the job ends), not make
+/// the worker "gone with its part", its host free and the command start again.
+#[test]
+fn an_exit_report_behind_slow_output_still_ends_the_job() {
+    use std::io::Read;
+    use std::process::Stdio;
+
+    let dir = TempDir::new("elastic-slow-out");
+    let script = discovery(&dir, &["localhost"]);
+    // 250 kB of output (more than the pipes between the worker and fhrun hold), then "ran".
+    let worker = "i=0; while [ $i -lt 2500 ]; do \
+                  echo 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'; \
+                  i=$((i+1)); done; echo ran; exit 0";
+    let mut child = Command::new(common::FHRUN)
+        .args([
+            "--host-discovery-script",
+            &script,
+            "-np",
+            "1",
+            "--timeout",
+            "60",
+            "sh",
+            "-c",
+            worker,
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start fhrun");
+    let mut out = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        // Nothing read for a while (the pipes fill and the worker waits), then slowly for 3 s
+        // (the part ends meanwhile, ~2 s of output behind its relay), then at full speed: the
+        // report is never more than ~3 s behind its part's end, within fhrun's grace.
+        std::thread::sleep(Duration::from_millis(1500));
+        let slow_until = std::time::Instant::now() + Duration::from_secs(3);
+        let mut got = Vec::new();
+        let mut buf = [0u8; 256];
+        loop {
+            match out.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+            if std::time::Instant::now() < slow_until {
+                std::thread::sleep(Duration::from_millis(4));
+            }
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    });
+    let mut err = child.stderr.take().unwrap();
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let deadline = std::time::Instant::now() + LIMIT;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("fhrun did not finish within {LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stdout = reader.join().unwrap();
+    let stderr = err_reader.join().unwrap();
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert_eq!(
+        stdout.matches("ran").count(),
+        1,
+        "the command ran again: {stderr}"
+    );
+    assert!(
+        stderr.contains("the job is finishing: worker localhost:0 exited 0"),
+        "{stderr}"
+    );
+}

@@ -89,7 +89,7 @@ const SESSION_GRACE: Duration = Duration::from_secs(2);
 
 /// How long a reaped part's last exit reports may take to come through its stdout (held open
 /// only by a process the part left behind) before its workers count as ended with it.
-const REPORTS_GRACE: Duration = Duration::from_secs(2);
+const REPORTS_GRACE: Duration = Duration::from_secs(5);
 
 impl Driver {
     /// A driver serving `server`, starting parts with `ctx`.
