@@ -2,6 +2,8 @@
 //! draws for each world, [`WORLD_ID_LEN`] bytes, which keys its heartbeats and names its
 //! shared-memory segments).
 
+use fh_core::bytes::{DecodeError, Reader};
+
 /// Length of a world's identity, in bytes.
 pub const WORLD_ID_LEN: usize = 16;
 
@@ -45,4 +47,15 @@ impl Topology {
 /// A world id as text (hex), for messages.
 pub fn world_hex(id: &[u8; WORLD_ID_LEN]) -> String {
     id.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Decode the world id rank 0 sends at the end of the rendezvous: [`WORLD_ID_LEN`] bytes, never
+/// all zeros (zeros mean "not known yet"). Returns the id and the bytes it used.
+pub fn decode_world_id(buf: &[u8]) -> Result<([u8; WORLD_ID_LEN], usize), DecodeError> {
+    let mut r = Reader::new(buf);
+    let id: [u8; WORLD_ID_LEN] = r.array()?;
+    if id == [0; WORLD_ID_LEN] {
+        return Err(DecodeError::Invalid("a world id of all zeros".into()));
+    }
+    Ok((id, r.pos()))
 }
