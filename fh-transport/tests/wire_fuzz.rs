@@ -1,7 +1,8 @@
 //! Every decoder reachable from the network never panics on arbitrary bytes, and never asks
 //! for (or returns) more than its configured maximum.
 
-use fh_transport::backend::tcp::wire::{self, ConnKind, DecodeError, Header, Hello, Reply};
+use fh_core::bytes::DecodeError;
+use fh_transport::backend::tcp::wire::{self, ConnKind, Header, Hello, Reply};
 use proptest::prelude::*;
 
 fn hello_strategy() -> impl Strategy<Value = Hello> {
