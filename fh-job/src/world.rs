@@ -59,3 +59,44 @@ pub fn decode_world_id(buf: &[u8]) -> Result<([u8; WORLD_ID_LEN], usize), Decode
     }
     Ok((id, r.pos()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_world_id_truncated_all_zeros_or_followed_by_more() {
+        let id = [7u8; WORLD_ID_LEN];
+        for cut in 0..WORLD_ID_LEN {
+            assert_eq!(
+                decode_world_id(&id[..cut]),
+                Err(DecodeError::NeedMore(WORLD_ID_LEN))
+            );
+        }
+        assert_eq!(
+            decode_world_id(&[0; WORLD_ID_LEN]),
+            Err(DecodeError::Invalid("a world id of all zeros".into()))
+        );
+        let mut longer = id.to_vec();
+        longer.push(1);
+        assert_eq!(decode_world_id(&longer), Ok((id, WORLD_ID_LEN)));
+    }
+
+    proptest! {
+        #[test]
+        fn a_world_id_decoder_is_total(bytes in proptest::collection::vec(any::<u8>(), 0..40)) {
+            match decode_world_id(&bytes) {
+                Ok((id, used)) => {
+                    prop_assert_eq!(used, WORLD_ID_LEN);
+                    prop_assert_eq!(&id[..], &bytes[..WORLD_ID_LEN]);
+                    prop_assert!(id != [0; WORLD_ID_LEN]);
+                }
+                Err(DecodeError::NeedMore(n)) => {
+                    prop_assert!(bytes.len() < WORLD_ID_LEN && n == WORLD_ID_LEN)
+                }
+                Err(DecodeError::Invalid(_)) => prop_assert!(bytes[..WORLD_ID_LEN] == [0; WORLD_ID_LEN]),
+            }
+        }
+    }
+}

@@ -145,6 +145,10 @@ mod tests {
                 None
             );
             assert_eq!(Beat::decode(&bytes[..LEN - 1], &key, &b.world, 1), None);
+            // Truncated or over-long: dropped.
+            let mut longer = bytes.to_vec();
+            longer.push(0);
+            assert_eq!(Beat::decode(&longer, &key, &b.world, 1), None);
         }
     }
 
@@ -156,6 +160,20 @@ mod tests {
             let mut bytes = b.encode(&key);
             bytes[at / 8] ^= 1 << (at % 8);
             prop_assert_eq!(Beat::decode(&bytes, &key, &b.world, 1), None);
+        }
+
+        #[test]
+        fn arbitrary_datagrams_are_dropped_without_a_panic(
+            bytes in proptest::collection::vec(any::<u8>(), 0..2 * LEN),
+            magic in any::<bool>(),
+        ) {
+            let key = Key::new(b"0123456789abcdef-token");
+            let mut bytes = bytes;
+            if magic && bytes.len() >= 5 {
+                bytes[..4].copy_from_slice(&MAGIC);
+                bytes[4] = VERSION;
+            }
+            prop_assert_eq!(Beat::decode(&bytes, &key, &[9; WORLD_ID_LEN], 1), None);
         }
     }
 }
