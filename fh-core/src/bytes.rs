@@ -1,5 +1,5 @@
 //! Reading little-endian fields from a byte buffer that may still be arriving: the one byte
-//! reader of every wire format (the TCP handshake, reply, address book and world id, the
+//! reader of the wire formats (the TCP handshake, reply, address book and world id, the
 //! rendezvous' host list, heartbeats, the elastic session's messages, the engine's codec), and
 //! [`DecodeError`], the one error of their decoders.
 //!
