@@ -1,10 +1,13 @@
 //! Reading little-endian fields from a byte buffer that may still be arriving: the one byte
-//! reader of the wire formats that are decoded as their bytes come in (the rendezvous' host
-//! list, the elastic session's messages).
+//! reader of the wire formats (the TCP handshake, reply, address book and world id, the
+//! rendezvous' host list, heartbeats, the elastic session's messages, the engine's codec), and
+//! [`DecodeError`], the one error of their decoders.
 //!
 //! A read past the end is [`DecodeError::NeedMore`] with the total length the buffer needs so
 //! far, so that a caller reading from a stream knows how much to wait for; a malformed field is
-//! [`DecodeError::Invalid`].
+//! [`DecodeError::Invalid`], whose text names the field and what is wrong with it. A magic is
+//! refused as soon as one of its bytes differs ([`Reader::magic`]), so garbage is turned away
+//! without waiting for more of it.
 
 use std::fmt;
 
@@ -44,6 +47,51 @@ impl<'a> Reader<'a> {
     /// The bytes read so far.
     pub fn pos(&self) -> usize {
         self.pos
+    }
+
+    /// Whether the unread bytes could start with `prefix`: every byte of it that has arrived
+    /// matches (true while none has), so a wrong prefix is seen before all of it is there.
+    pub fn could_be(&self, prefix: &[u8]) -> bool {
+        let rest = self.buf.get(self.pos..).unwrap_or_default();
+        let n = rest.len().min(prefix.len());
+        rest[..n] == prefix[..n]
+    }
+
+    /// Read `magic`: [`DecodeError::Invalid`] with `bad`'s text as soon as a byte that has
+    /// arrived differs from it, [`DecodeError::NeedMore`] while part of it is missing.
+    pub fn magic(&mut self, magic: &[u8], bad: impl FnOnce() -> String) -> Result<(), DecodeError> {
+        if !self.could_be(magic) {
+            return Err(DecodeError::Invalid(bad()));
+        }
+        self.bytes(magic.len()).map(|_| ())
+    }
+
+    /// Ask for `len` more bytes at once, reading none: [`DecodeError::NeedMore`] for all of
+    /// them when any is missing (a fixed-size part is then read in one go, not field by field).
+    pub fn need(&self, len: usize) -> Result<(), DecodeError> {
+        let end = self.pos.saturating_add(len);
+        if end > self.buf.len() {
+            return Err(DecodeError::NeedMore(end));
+        }
+        Ok(())
+    }
+
+    /// Decode a nested message from the unread bytes with `decode` (which returns the message
+    /// and the bytes it used) and read past it; its [`DecodeError::NeedMore`] counts from the
+    /// start of this reader's buffer.
+    pub fn nested<T>(
+        &mut self,
+        decode: impl FnOnce(&'a [u8]) -> Result<(T, usize), DecodeError>,
+    ) -> Result<T, DecodeError> {
+        let rest = self.buf.get(self.pos..).unwrap_or_default();
+        match decode(rest) {
+            Ok((msg, used)) => {
+                self.bytes(used)?;
+                Ok(msg)
+            }
+            Err(DecodeError::NeedMore(n)) => Err(DecodeError::NeedMore(self.pos.saturating_add(n))),
+            Err(e) => Err(e),
+        }
     }
 
     /// The next `len` bytes.
@@ -111,5 +159,74 @@ mod tests {
             Reader::new(&bad).text(1, "a name"),
             Err(DecodeError::Invalid(m)) if m == "a name that is not UTF-8"
         ));
+    }
+
+    #[test]
+    fn a_magic_is_refused_as_soon_as_a_byte_differs() {
+        let bad = || "bad magic".to_string();
+        // Nothing, or a correct start: wait for the rest.
+        assert_eq!(
+            Reader::new(b"").magic(b"FHTP", bad),
+            Err(DecodeError::NeedMore(4))
+        );
+        assert_eq!(
+            Reader::new(b"FH").magic(b"FHTP", bad),
+            Err(DecodeError::NeedMore(4))
+        );
+        // A wrong first byte is enough.
+        assert_eq!(
+            Reader::new(b"G").magic(b"FHTP", bad),
+            Err(DecodeError::Invalid("bad magic".into()))
+        );
+        assert_eq!(
+            Reader::new(b"FHTX and more").magic(b"FHTP", bad),
+            Err(DecodeError::Invalid("bad magic".into()))
+        );
+        let mut r = Reader::new(b"FHTP!");
+        assert_eq!(r.magic(b"FHTP", bad), Ok(()));
+        assert_eq!(r.pos(), 4);
+        assert!(r.could_be(b"!?"));
+        assert!(!r.could_be(b"?"));
+        assert_eq!(r.u8(), Ok(b'!'));
+        assert!(r.could_be(b"anything"));
+    }
+
+    #[test]
+    fn need_asks_for_a_whole_part_at_once_and_reads_nothing() {
+        let mut r = Reader::new(&[1, 2, 3]);
+        r.u8().unwrap();
+        assert_eq!(r.need(2), Ok(()));
+        assert_eq!(r.need(5), Err(DecodeError::NeedMore(6)));
+        assert_eq!(r.need(usize::MAX), Err(DecodeError::NeedMore(usize::MAX)));
+        assert_eq!(r.pos(), 1);
+    }
+
+    #[test]
+    fn a_nested_message_is_read_past_and_its_need_counts_from_the_start() {
+        // A nested message: a length byte and that many bytes.
+        fn inner(b: &[u8]) -> Result<(Vec<u8>, usize), DecodeError> {
+            let mut r = Reader::new(b);
+            let n = usize::from(r.u8()?);
+            if n > 4 {
+                return Err(DecodeError::Invalid(format!("{n} is too long")));
+            }
+            Ok((r.bytes(n)?.to_vec(), r.pos()))
+        }
+        let buf = [9u8, 2, 7, 8, 5];
+        let mut r = Reader::new(&buf);
+        r.u8().unwrap();
+        assert_eq!(r.nested(inner), Ok(vec![7, 8]));
+        assert_eq!(r.pos(), 4);
+        assert_eq!(r.u8(), Ok(5));
+        let mut r = Reader::new(&buf[..3]);
+        r.u8().unwrap();
+        assert_eq!(r.nested(inner), Err(DecodeError::NeedMore(4)));
+        assert_eq!(r.pos(), 1);
+        let mut r = Reader::new(&[0u8, 9]);
+        r.u8().unwrap();
+        assert_eq!(
+            r.nested(inner),
+            Err(DecodeError::Invalid("9 is too long".into()))
+        );
     }
 }

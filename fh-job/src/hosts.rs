@@ -275,28 +275,18 @@ pub fn max_places_len(size: usize) -> usize {
 
 /// Decode a list that must hold exactly `size` places.
 pub fn decode_places(buf: &[u8], size: usize) -> Result<(Vec<Place>, usize), DecodeError> {
-    let Some(head) = buf.get(..4) else {
-        return Err(DecodeError::NeedMore(4));
-    };
-    let n = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+    let mut r = Reader::new(buf);
+    let n = r.u32()? as usize;
     if n != size {
         return Err(DecodeError::Invalid(format!(
             "the host list holds {n} ranks, expected {size}"
         )));
     }
-    let mut pos = 4;
     let mut out = Vec::with_capacity(n.min(buf.len()));
     for _ in 0..n {
-        match Place::decode(&buf[pos..]) {
-            Ok((p, used)) => {
-                out.push(p);
-                pos += used;
-            }
-            Err(DecodeError::NeedMore(k)) => return Err(DecodeError::NeedMore(pos + k)),
-            Err(e) => return Err(e),
-        }
+        out.push(r.nested(Place::decode)?);
     }
-    Ok((out, pos))
+    Ok((out, r.pos()))
 }
 
 /// The directory of POSIX shared memory, where the shared-memory backend's segments live.

@@ -1,7 +1,10 @@
 //! Every decoder reachable from the network never panics on arbitrary bytes, and never asks
 //! for (or returns) more than its configured maximum.
 
-use fh_transport::backend::tcp::wire::{self, ConnKind, DecodeError, Header, Hello, Reply};
+use fh_core::bytes::DecodeError;
+use fh_transport::backend::tcp::wire::{
+    self, Answer, ConnKind, Header, Hello, RendezvousAnswer, Reply,
+};
 use proptest::prelude::*;
 
 fn hello_strategy() -> impl Strategy<Value = Hello> {
@@ -148,6 +151,93 @@ proptest! {
             Header::Abort { .. } | Header::Unknown(_) => {
                 prop_assert!(u64::from_le_bytes(bytes) & wire::CONTROL_BIT != 0)
             }
+        }
+    }
+
+    #[test]
+    fn answer_decoder_is_total_and_bounded(
+        prefix in 0u8..3,
+        tail in proptest::collection::vec(any::<u8>(), 0..1100),
+    ) {
+        let mut bytes = match prefix {
+            0 => wire::CHALLENGE_MAGIC.to_vec(),
+            1 => wire::REPLY_MAGIC.to_vec(),
+            _ => Vec::new(),
+        };
+        bytes.extend_from_slice(&tail);
+        match Answer::decode(&bytes) {
+            Ok((_, used)) => prop_assert!(used <= bytes.len()),
+            // The connector reads at most a challenge or a refusal.
+            Err(DecodeError::NeedMore(n)) => prop_assert!(
+                n > bytes.len() && n <= wire::CHALLENGE_LEN + wire::MAX_REASON_LEN
+            ),
+            Err(_) => {}
+        }
+    }
+
+    #[test]
+    fn challenges_and_proofs_round_trip(
+        nonce in any::<[u8; wire::NONCE_LEN]>(),
+        proof in any::<[u8; wire::PROOF_TAG_LEN]>(),
+    ) {
+        let c = Answer::encode_challenge(&nonce, &proof);
+        prop_assert_eq!(
+            Answer::decode(&c),
+            Ok((Answer::Challenge { nonce, proof }, wire::CHALLENGE_LEN))
+        );
+        let p = wire::encode_proof(&proof);
+        prop_assert_eq!(wire::decode_proof(&p), Ok((proof, wire::PROOF_LEN)));
+    }
+
+    #[test]
+    fn proof_decoder_is_total_and_bounded(
+        prefix in any::<bool>(),
+        tail in proptest::collection::vec(any::<u8>(), 0..80),
+    ) {
+        let mut bytes = if prefix { wire::PROOF_MAGIC.to_vec() } else { Vec::new() };
+        bytes.extend_from_slice(&tail);
+        match wire::decode_proof(&bytes) {
+            Ok((_, used)) => prop_assert_eq!(used, wire::PROOF_LEN),
+            Err(DecodeError::NeedMore(n)) => prop_assert!(n > bytes.len() && n <= wire::PROOF_LEN),
+            Err(_) => {}
+        }
+    }
+
+    #[test]
+    fn books_round_trip(book in proptest::collection::vec("[0-9a-f:.\\[\\]]{0,60}", 1..16)) {
+        let bytes = wire::encode_book(&book);
+        prop_assert!(bytes.len() <= wire::max_book_len(book.len()));
+        prop_assert_eq!(wire::decode_book(&bytes, book.len()), Ok((book.clone(), bytes.len())));
+        prop_assert_eq!(
+            wire::decode_rendezvous_answer(&bytes, book.len()),
+            Ok((RendezvousAnswer::Book(book), bytes.len()))
+        );
+    }
+
+    #[test]
+    fn rendezvous_failures_round_trip(lost in any::<u32>(), reason in ".{0,200}", size in 1usize..16) {
+        let bytes = wire::encode_rendezvous_failure(lost, &reason);
+        prop_assert!(bytes.len() <= wire::max_rendezvous_answer_len(size));
+        prop_assert_eq!(
+            wire::decode_rendezvous_answer(&bytes, size),
+            Ok((RendezvousAnswer::Failed { lost, reason }, bytes.len()))
+        );
+    }
+
+    #[test]
+    fn rendezvous_answer_decoder_is_total_and_bounded(
+        size in 1usize..16,
+        failed in any::<bool>(),
+        tail in proptest::collection::vec(any::<u8>(), 0..1100),
+    ) {
+        let mut bytes = if failed { u32::MAX.to_le_bytes().to_vec() } else { Vec::new() };
+        bytes.extend_from_slice(&tail);
+        match wire::decode_rendezvous_answer(&bytes, size) {
+            Ok((_, used)) => prop_assert!(used <= bytes.len()),
+            Err(DecodeError::NeedMore(n)) => {
+                prop_assert!(n > bytes.len() && n <= wire::max_rendezvous_answer_len(size))
+            }
+            Err(_) => {}
         }
     }
 }

@@ -44,6 +44,13 @@ fn place_round_trip_and_truncation() {
     let (back, used) = decode_places(&list, 2).unwrap();
     assert_eq!((back[0].clone(), used), (p, list.len()));
     assert!(decode_places(&list, 3).is_err());
+    // A list cut anywhere asks for more, counted from the list's start.
+    for cut in 0..list.len() {
+        assert!(
+            matches!(decode_places(&list[..cut], 2), Err(DecodeError::NeedMore(n)) if n > cut),
+            "list cut at {cut}"
+        );
+    }
     let mut bad = place("x").encode();
     *bad.last_mut().unwrap() = 4;
     assert!(matches!(Place::decode(&bad), Err(DecodeError::Invalid(_))));

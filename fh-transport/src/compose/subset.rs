@@ -27,6 +27,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use fh_core::bytes::Reader;
 use fh_core::{DType, ReduceOp};
 
 use super::ranks::RankView;
@@ -132,12 +133,12 @@ pub fn open_subset(
         &(world.cross_rank as u64).to_le_bytes(),
         &mut hosts,
     )?;
-    let host_at = |i: usize| {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&hosts[8 * i..8 * i + 8]);
-        u64::from_le_bytes(b)
-    };
-    let host_of = |r: usize| host_at(members.iter().position(|&m| m == r).unwrap_or(0));
+    let mut words = Reader::new(&hosts);
+    let host_at: Vec<u64> = (0..n)
+        .map(|_| words.u64())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| TransportError::Internal(format!("reading the members' hosts: {e}")))?;
+    let host_of = |r: usize| host_at[members.iter().position(|&m| m == r).unwrap_or(0)];
     let topology = position.map(|rank| {
         let me = host_of(world.rank);
         let mut host_list: Vec<u64> = members.iter().map(|&r| host_of(r)).collect();

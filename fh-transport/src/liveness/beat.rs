@@ -3,6 +3,9 @@
 //! world id, and a MAC keyed with the job token's key over all of it. Fixed length; anything
 //! else on the socket is dropped before the MAC is computed.
 
+use fh_core::bytes::{DecodeError, Reader};
+use fh_job::token::constant_time_eq;
+
 use crate::backend::tcp::wire::WORLD_ID_LEN;
 use crate::backend::tcp::Key;
 
@@ -66,40 +69,49 @@ impl Beat {
 
     /// The heartbeat in `b`, if `b` is one of this world's, sent to `me`, with a valid MAC.
     pub(crate) fn decode(b: &[u8], key: &Key, world: &[u8; WORLD_ID_LEN], me: u32) -> Option<Beat> {
-        if b.len() != LEN || b[0..4] != MAGIC || b[4] != VERSION || b[32..48] != world[..] {
+        if b.len() != LEN {
             return None;
         }
-        let word = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-        if word(12) != me {
+        let (beat, tag) = read(b).ok()?;
+        if beat.world != *world || beat.to != me {
             return None;
         }
-        let tag = key.mac(&[DOMAIN, &b[..48]]);
+        let mac = key.mac(&[DOMAIN, &b[..LEN - MAC_LEN]]);
         // Constant time is not needed against a forger who learns nothing from timing about a
         // fresh tag per datagram, but costs nothing.
-        let diff = tag[..MAC_LEN]
-            .iter()
-            .zip(&b[48..])
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y));
-        if diff != 0 {
-            return None;
-        }
-        let kind = match b[5] {
-            0 => Kind::Alive,
-            1 => Kind::Bye,
-            2 => Kind::Lost(word(24)),
-            _ => return None,
-        };
-        let mut seq = [0u8; 8];
-        seq.copy_from_slice(&b[16..24]);
-        Some(Beat {
-            from: word(8),
-            to: me,
-            seq: u64::from_le_bytes(seq),
-            kind,
-            silence_ms: word(28),
-            world: *world,
-        })
+        constant_time_eq(&mac[..MAC_LEN], &tag).then_some(beat)
     }
+}
+
+/// The fields of a heartbeat of [`LEN`] bytes and its tag, MAC not checked: an error for
+/// anything that is not a heartbeat of this format.
+fn read(b: &[u8]) -> Result<(Beat, [u8; MAC_LEN]), DecodeError> {
+    let mut r = Reader::new(b);
+    r.magic(&MAGIC, || "not a heartbeat".into())?;
+    let version = r.u8()?;
+    if version != VERSION {
+        return Err(DecodeError::Invalid(format!(
+            "a heartbeat of version {version}"
+        )));
+    }
+    let kind = r.u8()?;
+    let _reserved = r.u16()?;
+    let (from, to, seq, lost, silence_ms) = (r.u32()?, r.u32()?, r.u64()?, r.u32()?, r.u32()?);
+    let kind = match kind {
+        0 => Kind::Alive,
+        1 => Kind::Bye,
+        2 => Kind::Lost(lost),
+        k => return Err(DecodeError::Invalid(format!("a heartbeat of kind {k}"))),
+    };
+    let beat = Beat {
+        from,
+        to,
+        seq,
+        kind,
+        silence_ms,
+        world: r.array()?,
+    };
+    Ok((beat, r.array()?))
 }
 
 #[cfg(test)]
@@ -133,6 +145,10 @@ mod tests {
                 None
             );
             assert_eq!(Beat::decode(&bytes[..LEN - 1], &key, &b.world, 1), None);
+            // Truncated or over-long: dropped.
+            let mut longer = bytes.to_vec();
+            longer.push(0);
+            assert_eq!(Beat::decode(&longer, &key, &b.world, 1), None);
         }
     }
 
@@ -144,6 +160,20 @@ mod tests {
             let mut bytes = b.encode(&key);
             bytes[at / 8] ^= 1 << (at % 8);
             prop_assert_eq!(Beat::decode(&bytes, &key, &b.world, 1), None);
+        }
+
+        #[test]
+        fn arbitrary_datagrams_are_dropped_without_a_panic(
+            bytes in proptest::collection::vec(any::<u8>(), 0..2 * LEN),
+            magic in any::<bool>(),
+        ) {
+            let key = Key::new(b"0123456789abcdef-token");
+            let mut bytes = bytes;
+            if magic && bytes.len() >= 5 {
+                bytes[..4].copy_from_slice(&MAGIC);
+                bytes[4] = VERSION;
+            }
+            prop_assert_eq!(Beat::decode(&bytes, &key, &[9; WORLD_ID_LEN], 1), None);
         }
     }
 }

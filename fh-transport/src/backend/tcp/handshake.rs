@@ -7,9 +7,10 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use super::wire::{self, Answer, DecodeError, Hello, Reply};
+use super::wire::{self, Answer, Hello, Reply};
 use super::Key;
 use crate::{Result, TransportError};
+use fh_core::bytes::DecodeError;
 
 /// Why reading a message failed.
 pub(super) enum ReadFail {

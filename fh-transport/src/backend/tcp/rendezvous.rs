@@ -137,7 +137,7 @@ impl TcpTransport {
             let mut stream = stream;
             let place_deadline = Instant::now() + self.opts.handshake_timeout;
             let place = read_msg(&mut stream, place_deadline, hosts::MAX_PLACE_LEN, |b| {
-                Place::decode(b).map_err(Into::into)
+                Place::decode(b)
             })
             .map_err(|f| match f {
                 ReadFail::Decode(e) => TransportError::Protocol {
@@ -318,11 +318,11 @@ impl TcpTransport {
             &mut stream,
             book_deadline,
             hosts::max_places_len(size),
-            |b| hosts::decode_places(b, size).map_err(Into::into),
+            |b| hosts::decode_places(b, size),
         )
         .map_err(|f| from_root(f, "the host list", timeout))?;
         let (world, _) = read_msg(&mut stream, book_deadline, wire::WORLD_ID_LEN, |b| {
-            wire::decode_world_id(b)
+            fh_job::world::decode_world_id(b)
         })
         .map_err(|f| from_root(f, "the world id", timeout))?;
         let root_ip = root_ip.ok_or_else(|| TransportError::PeerLost {
@@ -358,7 +358,7 @@ impl TcpTransport {
 fn refuse(mut stream: TcpStream, reason: &str) {
     let deadline = Instant::now() + Duration::from_secs(1);
     let _ = read_msg(&mut stream, deadline, hosts::MAX_PLACE_LEN, |b| {
-        Place::decode(b).map_err(Into::into)
+        Place::decode(b)
     });
     let _ = write_by(
         &mut stream,

@@ -32,9 +32,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 
-use super::wire::{self, Answer, ConnKind, DecodeError, Hello, Reply, WORLD_ID_LEN};
+use super::wire::{self, Answer, ConnKind, Hello, Reply, WORLD_ID_LEN};
 use super::{sys, AbortBoard, Key};
 use crate::{Result, TransportError};
+use fh_core::bytes::DecodeError;
 
 /// How long a new connection may stay silent before it is dropped (its first bytes must come
 /// sooner; a member sends its hello right after connecting).

@@ -29,8 +29,8 @@
 //!    The first [`PREAMBLE_LEN`] bytes (magic, protocol version, release) keep their place in
 //!    every protocol version from 5 on, so that a listener can always name the release of a
 //!    connector it refuses. Both must equal the listener's own: a rank of another release is
-//!    refused before the challenge, with a reason naming both releases
-//!    ([`DecodeError::Version`]).
+//!    refused before the challenge, with a reason naming both releases and both protocol
+//!    versions.
 //! 2. **Challenge** (acceptor → connector), [`CHALLENGE_LEN`] bytes: magic `FHTC`, the
 //!    acceptor's nonce (32 bytes) and its proof (32 bytes), [`acceptor_proof`] =
 //!    HMAC(token, label ‖ hello ‖ acceptor nonce). The hello holds the connector's nonce, so
@@ -64,8 +64,7 @@
 //! of a frame, where a notice would be taken for payload, it delivers the notice over a fresh
 //! connection of kind *abort notice* instead.
 
-use std::fmt;
-
+use fh_core::bytes::{DecodeError, Reader};
 use fh_job::token::{proof, Key};
 // The handshake's fields whose owner is fh-job (the token's and the world's).
 pub use fh_job::token::{constant_time_eq, fresh_nonce, MAX_TOKEN_LEN, NONCE_LEN, PROOF_TAG_LEN};
@@ -180,53 +179,20 @@ fn release_text(field: &[u8]) -> String {
         .collect()
 }
 
-/// Why bytes could not be decoded.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DecodeError {
-    /// More bytes are needed: at least this many in total.
-    NeedMore(usize),
-    /// The bytes are not valid; the reason says why.
-    Invalid(String),
-    /// A well-formed handshake of another FastHorovod: another protocol version, or the same
-    /// protocol from another release.
-    Version {
-        /// The connector's protocol version.
-        protocol: u16,
-        /// The connector's release; `None` before protocol 5, whose hellos do not carry it.
-        release: Option<String>,
-    },
-}
-
-impl fmt::Display for DecodeError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            DecodeError::NeedMore(n) => write!(f, "truncated: need {n} bytes"),
-            DecodeError::Invalid(why) => f.write_str(why),
-            DecodeError::Version { protocol, release } => {
-                let theirs = match release {
-                    Some(r) => format!("FastHorovod {r}"),
-                    None => "an older FastHorovod".to_string(),
-                };
-                write!(
-                    f,
-                    "FastHorovod versions differ: the connecting rank runs {theirs} (wire \
-                     protocol {protocol}), the listening rank runs FastHorovod {} (wire \
-                     protocol {PROTOCOL_VERSION}); install the same FastHorovod version on \
-                     every host (`fhrun --version` and `fasthorovod.__version__` say which)",
-                    fh_core::RELEASE
-                )
-            }
-        }
-    }
-}
-
-impl From<fh_core::bytes::DecodeError> for DecodeError {
-    fn from(e: fh_core::bytes::DecodeError) -> Self {
-        match e {
-            fh_core::bytes::DecodeError::NeedMore(n) => DecodeError::NeedMore(n),
-            fh_core::bytes::DecodeError::Invalid(why) => DecodeError::Invalid(why),
-        }
-    }
+/// Why a hello of another FastHorovod is refused: its protocol version and, from protocol 5
+/// on, its release (`None` before, whose hellos do not carry it), named beside this build's.
+fn version_mismatch(protocol: u16, release: Option<&str>) -> DecodeError {
+    let theirs = match release {
+        Some(r) => format!("FastHorovod {r}"),
+        None => "an older FastHorovod".to_string(),
+    };
+    DecodeError::Invalid(format!(
+        "FastHorovod versions differ: the connecting rank runs {theirs} (wire protocol \
+         {protocol}), the listening rank runs FastHorovod {} (wire protocol \
+         {PROTOCOL_VERSION}); install the same FastHorovod version on every host (`fhrun \
+         --version` and `fasthorovod.__version__` say which)",
+        fh_core::RELEASE
+    ))
 }
 
 impl Hello {
@@ -257,72 +223,46 @@ impl Hello {
     /// Checks the magic, the protocol version and the release as soon as their bytes are
     /// present, so garbage and other versions are refused without waiting for more. The
     /// encoded release is always this build's ([`fh_core::RELEASE`]): a hello of another
-    /// release is a [`DecodeError::Version`].
+    /// release or protocol is refused with a reason naming both releases.
     pub fn decode(buf: &[u8]) -> Result<(Hello, usize), DecodeError> {
-        let magic_len = buf.len().min(4);
-        if buf[..magic_len] != HELLO_MAGIC[..magic_len] {
-            return Err(DecodeError::Invalid(
-                "not a FastHorovod handshake (bad magic)".into(),
-            ));
-        }
-        if buf.len() < 6 {
-            return Err(DecodeError::NeedMore(6));
-        }
-        let version = u16::from_le_bytes([buf[4], buf[5]]);
+        let mut r = Reader::new(buf);
+        r.magic(&HELLO_MAGIC, || {
+            "not a FastHorovod handshake (bad magic)".into()
+        })?;
+        let version = r.u16()?;
         if version < FIRST_WITH_RELEASE {
-            return Err(DecodeError::Version {
-                protocol: version,
-                release: None,
-            });
+            return Err(version_mismatch(version, None));
         }
-        if buf.len() < PREAMBLE_LEN {
-            return Err(DecodeError::NeedMore(PREAMBLE_LEN));
-        }
-        let release = &buf[6..PREAMBLE_LEN];
+        let release: [u8; RELEASE_LEN] = r.array()?;
         if version != PROTOCOL_VERSION || release != RELEASE_FIELD {
-            return Err(DecodeError::Version {
-                protocol: version,
-                release: Some(release_text(release)),
-            });
+            return Err(version_mismatch(version, Some(&release_text(&release))));
         }
-        if buf.len() < HELLO_LEN {
-            return Err(DecodeError::NeedMore(HELLO_LEN));
-        }
-        // The fields after the preamble, at offsets from its end.
-        let buf = &buf[PREAMBLE_LEN..HELLO_LEN];
-        let kind = match buf[0] {
+        // The rest has a fixed size: wait for all of it.
+        r.need(HELLO_LEN - PREAMBLE_LEN)?;
+        let kind = match r.u8()? {
             0 => ConnKind::Rendezvous,
             1 => ConnKind::Data,
             2 => ConnKind::Abort,
             3 => ConnKind::Probe,
             k => return Err(DecodeError::Invalid(format!("unknown connection kind {k}"))),
         };
-        if buf[1] != 0 {
+        if r.u8()? != 0 {
             return Err(DecodeError::Invalid(
                 "reserved handshake byte is not 0".into(),
             ));
         }
-        let u32_at = |i: usize| u32::from_le_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
-        let mut seq = [0u8; 8];
-        seq.copy_from_slice(&buf[10..18]);
-        let mut world = [0u8; WORLD_ID_LEN];
-        world.copy_from_slice(&buf[24..24 + WORLD_ID_LEN]);
-        let mut nonce = [0u8; NONCE_LEN];
-        nonce.copy_from_slice(&buf[24 + WORLD_ID_LEN..]);
-        Ok((
-            Hello {
-                version,
-                kind,
-                size: u32_at(2),
-                rank: u32_at(6),
-                seq: u64::from_le_bytes(seq),
-                port: u16::from_le_bytes([buf[18], buf[19]]),
-                lost: u32_at(20),
-                world,
-                nonce,
-            },
-            HELLO_LEN,
-        ))
+        let hello = Hello {
+            version,
+            kind,
+            size: r.u32()?,
+            rank: r.u32()?,
+            seq: r.u64()?,
+            port: r.u16()?,
+            lost: r.u32()?,
+            world: r.array()?,
+            nonce: r.array()?,
+        };
+        Ok((hello, r.pos()))
     }
 }
 
@@ -391,29 +331,21 @@ impl Answer {
 
     /// Decode from the start of `buf`: a challenge or a reply.
     pub fn decode(buf: &[u8]) -> Result<(Answer, usize), DecodeError> {
-        let magic_len = buf.len().min(4);
-        let is = |magic: &[u8; 4]| buf[..magic_len] == magic[..magic_len];
-        if !is(&CHALLENGE_MAGIC) && !is(&REPLY_MAGIC) {
-            return Err(DecodeError::Invalid(
-                "the peer did not answer with a FastHorovod challenge (bad magic); is something \
-                 else listening on that port?"
-                    .into(),
-            ));
+        let mut r = Reader::new(buf);
+        if r.could_be(&REPLY_MAGIC) {
+            return Reply::decode(buf).map(|(reply, n)| (Answer::Reply(reply), n));
         }
-        if magic_len < 4 {
-            return Err(DecodeError::NeedMore(4));
-        }
-        if is(&REPLY_MAGIC) {
-            return Reply::decode(buf).map(|(r, n)| (Answer::Reply(r), n));
-        }
-        if buf.len() < CHALLENGE_LEN {
-            return Err(DecodeError::NeedMore(CHALLENGE_LEN));
-        }
-        let mut nonce = [0u8; NONCE_LEN];
-        nonce.copy_from_slice(&buf[4..4 + NONCE_LEN]);
-        let mut proof = [0u8; PROOF_TAG_LEN];
-        proof.copy_from_slice(&buf[4 + NONCE_LEN..CHALLENGE_LEN]);
-        Ok((Answer::Challenge { nonce, proof }, CHALLENGE_LEN))
+        r.magic(&CHALLENGE_MAGIC, || {
+            "the peer did not answer with a FastHorovod challenge (bad magic); is something \
+             else listening on that port?"
+                .into()
+        })?;
+        r.need(NONCE_LEN + PROOF_TAG_LEN)?;
+        let challenge = Answer::Challenge {
+            nonce: r.array()?,
+            proof: r.array()?,
+        };
+        Ok((challenge, r.pos()))
     }
 }
 
@@ -427,18 +359,12 @@ pub fn encode_proof(tag: &[u8; PROOF_TAG_LEN]) -> Vec<u8> {
 
 /// Decode a connector's proof.
 pub fn decode_proof(buf: &[u8]) -> Result<([u8; PROOF_TAG_LEN], usize), DecodeError> {
-    let magic_len = buf.len().min(4);
-    if buf[..magic_len] != PROOF_MAGIC[..magic_len] {
-        return Err(DecodeError::Invalid(
-            "not a FastHorovod handshake proof (bad magic)".into(),
-        ));
-    }
-    if buf.len() < PROOF_LEN {
-        return Err(DecodeError::NeedMore(PROOF_LEN));
-    }
-    let mut tag = [0u8; PROOF_TAG_LEN];
-    tag.copy_from_slice(&buf[4..PROOF_LEN]);
-    Ok((tag, PROOF_LEN))
+    let mut r = Reader::new(buf);
+    r.magic(&PROOF_MAGIC, || {
+        "not a FastHorovod handshake proof (bad magic)".into()
+    })?;
+    let tag = r.array()?;
+    Ok((tag, r.pos()))
 }
 
 /// The acceptor's answer to a handshake.
@@ -473,35 +399,29 @@ impl Reply {
 
     /// Decode from the start of `buf`; returns the reply and the bytes it used.
     pub fn decode(buf: &[u8]) -> Result<(Reply, usize), DecodeError> {
-        let magic_len = buf.len().min(4);
-        if buf[..magic_len] != REPLY_MAGIC[..magic_len] {
-            return Err(DecodeError::Invalid(
-                "the peer did not answer with a FastHorovod reply (bad magic); is something \
-                 else listening on that port?"
-                    .into(),
-            ));
-        }
-        if buf.len() < REPLY_FIXED_LEN {
-            return Err(DecodeError::NeedMore(REPLY_FIXED_LEN));
-        }
-        let len = usize::from(u16::from_le_bytes([buf[5], buf[6]]));
+        let mut r = Reader::new(buf);
+        r.magic(&REPLY_MAGIC, || {
+            "the peer did not answer with a FastHorovod reply (bad magic); is something else \
+             listening on that port?"
+                .into()
+        })?;
+        r.need(REPLY_FIXED_LEN - REPLY_MAGIC.len())?;
+        let status = r.u8()?;
+        let len = usize::from(r.u16()?);
         if len > MAX_REASON_LEN {
             return Err(DecodeError::Invalid(format!(
                 "reply reason of {len} bytes exceeds the maximum of {MAX_REASON_LEN}"
             )));
         }
-        let total = REPLY_FIXED_LEN + len;
-        match buf[4] {
-            0 if len == 0 => Ok((Reply::Accept, REPLY_FIXED_LEN)),
+        match status {
+            0 if len == 0 => Ok((Reply::Accept, r.pos())),
             0 => Err(DecodeError::Invalid(
                 "an acceptance carrying a reason".into(),
             )),
             1 => {
-                if buf.len() < total {
-                    return Err(DecodeError::NeedMore(total));
-                }
-                let reason = String::from_utf8_lossy(&buf[REPLY_FIXED_LEN..total]).into_owned();
-                Ok((Reply::Refuse(reason), total))
+                // Printed, never parsed: lossy keeps a garbled reason readable.
+                let reason = String::from_utf8_lossy(r.bytes(len)?).into_owned();
+                Ok((Reply::Refuse(reason), r.pos()))
             }
             s => Err(DecodeError::Invalid(format!("unknown reply status {s}"))),
         }
@@ -528,31 +448,19 @@ pub fn max_book_len(size: usize) -> usize {
 
 /// Decode an address book that must hold exactly `size` entries.
 pub fn decode_book(buf: &[u8], size: usize) -> Result<(Vec<String>, usize), DecodeError> {
-    if buf.len() < 4 {
-        return Err(DecodeError::NeedMore(4));
-    }
-    let n = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+    let mut r = Reader::new(buf);
+    let n = r.u32()? as usize;
     if n != size {
         return Err(DecodeError::Invalid(format!(
             "address book lists {n} ranks, expected {size}"
         )));
     }
-    let mut pos = 4usize;
     let mut out = Vec::with_capacity(n.min(buf.len()));
     for _ in 0..n {
-        let Some(&len) = buf.get(pos) else {
-            return Err(DecodeError::NeedMore(pos + 1));
-        };
-        let end = pos + 1 + usize::from(len);
-        let Some(bytes) = buf.get(pos + 1..end) else {
-            return Err(DecodeError::NeedMore(end));
-        };
-        let s = std::str::from_utf8(bytes)
-            .map_err(|_| DecodeError::Invalid("address book entry is not UTF-8".into()))?;
-        out.push(s.to_owned());
-        pos = end;
+        let len = usize::from(r.u8()?);
+        out.push(r.text(len, "an address book entry")?);
     }
-    Ok((out, pos))
+    Ok((out, r.pos()))
 }
 
 /// The count that marks rank 0's answer at the rendezvous as a failure notice instead of an
@@ -595,40 +503,21 @@ pub fn decode_rendezvous_answer(
     buf: &[u8],
     size: usize,
 ) -> Result<(RendezvousAnswer, usize), DecodeError> {
-    if buf.len() < 4 {
-        return Err(DecodeError::NeedMore(4));
-    }
-    if u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) != RENDEZVOUS_FAILED {
+    let mut r = Reader::new(buf);
+    if r.u32()? != RENDEZVOUS_FAILED {
         return decode_book(buf, size).map(|(b, n)| (RendezvousAnswer::Book(b), n));
     }
-    if buf.len() < 10 {
-        return Err(DecodeError::NeedMore(10));
-    }
-    let lost = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]);
-    let len = usize::from(u16::from_le_bytes([buf[8], buf[9]]));
+    r.need(6)?;
+    let lost = r.u32()?;
+    let len = usize::from(r.u16()?);
     if len > MAX_FAILURE_TEXT {
         return Err(DecodeError::Invalid(format!(
             "rendezvous failure notice of {len} bytes (at most {MAX_FAILURE_TEXT})"
         )));
     }
-    let Some(text) = buf.get(10..10 + len) else {
-        return Err(DecodeError::NeedMore(10 + len));
-    };
-    let reason = String::from_utf8_lossy(text).into_owned();
-    Ok((RendezvousAnswer::Failed { lost, reason }, 10 + len))
-}
-
-/// Decode the world id rank 0 sends after the address book and the host places.
-pub fn decode_world_id(buf: &[u8]) -> Result<([u8; WORLD_ID_LEN], usize), DecodeError> {
-    let Some(bytes) = buf.get(..WORLD_ID_LEN) else {
-        return Err(DecodeError::NeedMore(WORLD_ID_LEN));
-    };
-    let mut id = [0u8; WORLD_ID_LEN];
-    id.copy_from_slice(bytes);
-    if id == [0; WORLD_ID_LEN] {
-        return Err(DecodeError::Invalid("a world id of all zeros".into()));
-    }
-    Ok((id, WORLD_ID_LEN))
+    // Printed, never parsed: lossy keeps a garbled reason readable.
+    let reason = String::from_utf8_lossy(r.bytes(len)?).into_owned();
+    Ok((RendezvousAnswer::Failed { lost, reason }, r.pos()))
 }
 
 /// Longest answer of rank 0 at the rendezvous for `size` ranks.
@@ -687,188 +576,4 @@ pub fn check_data_len(header: u64, expected: usize) -> Result<(), String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hello_round_trip() {
-        let h = Hello {
-            version: PROTOCOL_VERSION,
-            kind: ConnKind::Data,
-            size: 4,
-            rank: 3,
-            seq: 77,
-            port: 4242,
-            lost: 9,
-            world: [5; WORLD_ID_LEN],
-            nonce: [7; NONCE_LEN],
-        };
-        let bytes = h.encode();
-        assert_eq!(Hello::decode(&bytes), Ok((h, bytes.len())));
-        for cut in 0..bytes.len() {
-            assert!(matches!(
-                Hello::decode(&bytes[..cut]),
-                Err(DecodeError::NeedMore(n)) if n > cut
-            ));
-        }
-    }
-
-    #[test]
-    fn garbage_and_versions_refused_early() {
-        assert!(matches!(
-            Hello::decode(b"GET /"),
-            Err(DecodeError::Invalid(_))
-        ));
-        assert!(matches!(Hello::decode(b"X"), Err(DecodeError::Invalid(_))));
-        // Before protocol 5 a hello carries no release: refused on its protocol alone.
-        let mut b = HELLO_MAGIC.to_vec();
-        b.extend_from_slice(&4u16.to_le_bytes());
-        assert_eq!(
-            Hello::decode(&b),
-            Err(DecodeError::Version {
-                protocol: 4,
-                release: None
-            })
-        );
-        // From protocol 5 on the release follows, and is named.
-        let mut b = HELLO_MAGIC.to_vec();
-        b.extend_from_slice(&9u16.to_le_bytes());
-        assert_eq!(Hello::decode(&b), Err(DecodeError::NeedMore(PREAMBLE_LEN)));
-        b.extend_from_slice(&release_field("7.0.0"));
-        assert_eq!(
-            Hello::decode(&b),
-            Err(DecodeError::Version {
-                protocol: 9,
-                release: Some("7.0.0".into())
-            })
-        );
-    }
-
-    #[test]
-    fn a_hello_of_another_release_is_refused_naming_both() {
-        let h = Hello {
-            version: PROTOCOL_VERSION,
-            kind: ConnKind::Rendezvous,
-            size: 2,
-            rank: 1,
-            seq: 0,
-            port: 1,
-            lost: 0,
-            world: [0; WORLD_ID_LEN],
-            nonce: [1; NONCE_LEN],
-        };
-        let mut bytes = h.encode();
-        assert_eq!(&bytes[6..PREAMBLE_LEN], &RELEASE_FIELD);
-        bytes[6..PREAMBLE_LEN].copy_from_slice(&release_field("0.0.1-old"));
-        let err = Hello::decode(&bytes).unwrap_err();
-        assert_eq!(
-            err,
-            DecodeError::Version {
-                protocol: PROTOCOL_VERSION,
-                release: Some("0.0.1-old".into())
-            }
-        );
-        let text = err.to_string();
-        assert!(text.contains("FastHorovod 0.0.1-old"), "{text}");
-        assert!(
-            text.contains(&format!("FastHorovod {}", fh_core::RELEASE)),
-            "{text}"
-        );
-        // Bytes from the network are printed tamed.
-        bytes[6..PREAMBLE_LEN].copy_from_slice(b"1.0\n\x1b[31m\xff\0\0\0\0\0\0");
-        let Err(DecodeError::Version { release, .. }) = Hello::decode(&bytes) else {
-            panic!("not a version error");
-        };
-        assert_eq!(release.as_deref(), Some("1.0??[31m?"));
-    }
-
-    #[test]
-    fn reply_and_book_round_trip() {
-        for r in [Reply::Accept, Reply::Refuse("wrong job token".into())] {
-            let b = r.encode();
-            assert_eq!(Reply::decode(&b), Ok((r, b.len())));
-        }
-        let book = vec![":1".to_string(), "127.0.0.1:2".into(), "10.0.0.2:3".into()];
-        let b = encode_book(&book);
-        assert_eq!(decode_book(&b, 3), Ok((book.clone(), b.len())));
-        assert!(decode_book(&b, 4).is_err());
-        assert_eq!(
-            decode_rendezvous_answer(&b, 3),
-            Ok((RendezvousAnswer::Book(book), b.len()))
-        );
-        let f = encode_rendezvous_failure(2, "rank 2 never joined");
-        assert_eq!(
-            decode_rendezvous_answer(&f, 3),
-            Ok((
-                RendezvousAnswer::Failed {
-                    lost: 2,
-                    reason: "rank 2 never joined".into()
-                },
-                f.len()
-            ))
-        );
-        assert_eq!(
-            decode_rendezvous_answer(&f[..f.len() - 1], 3),
-            Err(DecodeError::NeedMore(f.len()))
-        );
-        assert!(encode_rendezvous_failure(1, &"é".repeat(2000)).len() <= 10 + MAX_FAILURE_TEXT);
-    }
-
-    #[test]
-    fn headers() {
-        assert_eq!(decode_header(data_header(0)), Header::Data(0));
-        assert_eq!(decode_header(data_header(12345)), Header::Data(12345));
-        assert_eq!(decode_header(abort_header(7)), Header::Abort { lost: 7 });
-        assert!(check_data_len(5, 5).is_ok());
-        assert!(check_data_len(u64::MAX >> 1, 5).is_err());
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"ab"));
-    }
-
-    #[test]
-    fn proofs_bind_token_hello_nonce_and_side() {
-        let hello = b"hello bytes";
-        let (na, nb) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
-        let key = &Key::new(b"0123456789abcdef-token");
-        let a = acceptor_proof(key, hello, &na);
-        assert!(verify_acceptor_proof(key, hello, &na, &a));
-        assert!(!verify_acceptor_proof(
-            &Key::new(b"0123456789abcdef-other"),
-            hello,
-            &na,
-            &a
-        ));
-        assert!(!verify_acceptor_proof(key, b"hello bytez", &na, &a));
-        assert!(!verify_acceptor_proof(key, hello, &nb, &a));
-        // A proof of one side is no proof of the other (no reflection).
-        assert!(!verify_connector_proof(key, hello, &na, &a));
-        let c = connector_proof(key, hello, &na);
-        assert!(verify_connector_proof(key, hello, &na, &c));
-        assert!(!verify_connector_proof(key, hello, &na, &c[..31]));
-        let enc = Answer::encode_challenge(&na, &a);
-        assert_eq!(
-            Answer::decode(&enc),
-            Ok((
-                Answer::Challenge {
-                    nonce: na,
-                    proof: a
-                },
-                CHALLENGE_LEN
-            ))
-        );
-        let r = Reply::Refuse("no".into()).encode();
-        assert_eq!(
-            Answer::decode(&r),
-            Ok((Answer::Reply(Reply::Refuse("no".into())), r.len()))
-        );
-        assert!(Answer::decode(b"HTTP").is_err());
-        let p = encode_proof(&c);
-        assert_eq!(decode_proof(&p), Ok((c, PROOF_LEN)));
-        assert!(matches!(
-            decode_proof(&p[..10]),
-            Err(DecodeError::NeedMore(PROOF_LEN))
-        ));
-        assert_ne!(fresh_nonce().unwrap(), fresh_nonce().unwrap());
-    }
-}
+mod tests;
