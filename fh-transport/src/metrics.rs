@@ -22,7 +22,7 @@ const POLL: Duration = Duration::from_millis(100);
 /// Most bytes of a request read.
 const MAX_REQUEST: usize = 8 << 10;
 
-/// A running endpoint; dropping it stops it (within [`POLL`]).
+/// A running endpoint; dropping it stops it (within its poll interval, 100 ms).
 pub struct MetricsServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,

@@ -5,7 +5,7 @@
 //! error (a fault, a lost rank, a timeout), or on request (`fasthorovod` on `SIGUSR1`,
 //! [`crate::Engine::write_flight_record`]).
 //!
-//! **Cost.** The ring is allocated once, at start-up ([`Recorder::new`]): a slot per operation,
+//! **Cost.** The ring is allocated once, at start-up (`Recorder::new`): a slot per operation,
 //! reused round the ring, with the shape kept inline (up to [`MAX_DIMS`] dimensions) and the
 //! name shared with the request (`Arc<str>`, a reference count). Recording an operation
 //! allocates nothing (only a failed one keeps its error's text); each step takes an uncontended

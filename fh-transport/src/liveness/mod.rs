@@ -11,14 +11,14 @@
 //! each rank's TCP data listener (each rank binds both): a lost datagram costs one interval, not
 //! a TCP retransmission timeout that doubles with every loss and holds back every later beat
 //! behind it, so packet loss on a link does not look like a dead peer. Each datagram carries a
-//! MAC keyed with the job token's key ([`beat`]), the job's world id and a sequence number: a
+//! MAC keyed with the job token's key (`beat.rs`), the job's world id and a sequence number: a
 //! stranger can neither forge nor replay one.
 //!
 //! **Verdicts.** A rank that declares a peer lost — or whose world stops because it lost a
 //! rank, [`Watch::declare`] — says so in every heartbeat from then on, and a rank that hears it
 //! adopts it: every rank stops naming the same rank, also a rank that was not itself waiting
 //! for the lost one. When a host is cut off, its ranks' silences are judged together
-//! ([`tracker`]): every rank across the cut names the same (lowest) rank of it. A rank that
+//! (`tracker.rs`): every rank across the cut names the same (lowest) rank of it. A rank that
 //! leaves in order says goodbye ([`Liveness`]'s drop) and is never blamed for its silence.
 //!
 //! **What a verdict does.** Every wait of the world's communicators for the lost rank ends at

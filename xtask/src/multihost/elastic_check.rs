@@ -679,7 +679,7 @@ pub(crate) fn elastic_runs(root: &Path, n: usize) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Builds fhrun (test profile, as [`run`] does) and returns its path.
+/// Builds fhrun (test profile, as `run` does) and returns its path.
 fn build_fhrun(root: &Path) -> Result<PathBuf, ()> {
     let target = root.join("target");
     let status = Command::new(cargo())

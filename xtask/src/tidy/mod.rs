@@ -2,7 +2,7 @@
 //! ordinary `#[test]`s (`cargo test -p xtask`).
 //!
 //! - **Layering**: each crate's direct dependencies respect DESIGN.md's "must not know" column
-//!   (see [`RULES`]); parsed from the crates' `Cargo.toml` files.
+//!   (see `layering::RULES`); parsed from the crates' `Cargo.toml` files.
 //! - Every library crate has `#![deny(missing_docs)]`.
 //! - No printing (`println!`, `eprintln!`, `dbg!`, ...) and no `process::exit` in library code.
 //! - CUDA and NCCL bindings (`cudarc`, `fh-nccl-sys`) only in fh-transport, and `cudarc`

@@ -6,7 +6,7 @@
 //! wildcard address), and sends a handshake with its listener's port. Once all ranks are in,
 //! rank 0 sends everybody the address book and closes the rendezvous listener.
 //!
-//! With its address every rank sends its [`Place`](fh_job::hosts::Place) — its host identity
+//! With its address every rank sends its [`fh_job::hosts::Place`] — its host identity
 //! and what its launcher claimed of its host — and receives everybody's with the book; every
 //! rank settles the same list into the same host layout ([`fh_job::hosts::settle`]), so the
 //! world's [`Topology`] comes from facts, and a launcher whose local ranks contradict them
