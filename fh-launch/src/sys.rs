@@ -3,7 +3,8 @@
 use std::io;
 use std::time::Duration;
 
-/// The signals fhrun handles itself (blocked in every thread and taken with `sigtimedwait`).
+/// The signals fhrun handles itself (blocked in every thread and taken with `sigtimedwait`),
+/// but SIGHUP when fhrun started with it ignored ([`hangup_ignored`]).
 pub const HANDLED: [libc::c_int; 8] = [
     libc::SIGUSR1,
     libc::SIGINT,
@@ -15,14 +16,30 @@ pub const HANDLED: [libc::c_int; 8] = [
     libc::SIGCHLD,
 ];
 
+/// Whether SIGHUP was ignored when fhrun first looked (before it blocked anything): started
+/// under `nohup`, fhrun and its ranks keep ignoring it, as any program would. (A blocked
+/// signal is queued even when ignored, so fhrun would otherwise take it and stop the job.)
+pub fn hangup_ignored() -> bool {
+    static IGNORED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *IGNORED.get_or_init(|| {
+        // SAFETY: sigaction with a null new action only reads the current one into `old`.
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        let rc = unsafe { libc::sigaction(libc::SIGHUP, std::ptr::null(), &mut old) };
+        rc == 0 && old.sa_sigaction == libc::SIG_IGN
+    })
+}
+
 fn handled_set() -> libc::sigset_t {
     // SAFETY: sigset_t is plain data; sigemptyset initializes it before use.
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    let skip_hangup = hangup_ignored();
     // SAFETY: `set` is a valid sigset_t; the signal numbers are valid.
     unsafe {
         libc::sigemptyset(&mut set);
         for s in HANDLED {
-            libc::sigaddset(&mut set, s);
+            if !(s == libc::SIGHUP && skip_hangup) {
+                libc::sigaddset(&mut set, s);
+            }
         }
     }
     set

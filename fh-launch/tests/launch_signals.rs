@@ -12,6 +12,11 @@ const RECORD_PIDS: &str =
     "sleep 60 & echo $! > $D/g$FH_RANK.tmp && mv $D/g$FH_RANK.tmp $D/g$FH_RANK; \
      echo $$ > $D/p$FH_RANK.tmp && mv $D/p$FH_RANK.tmp $D/p$FH_RANK; wait";
 
+/// As [`RECORD_PIDS`], with a grandchild that ends by itself after 2 s.
+const RECORD_PIDS_SHORT: &str =
+    "sleep 2 & echo $! > $D/g$FH_RANK.tmp && mv $D/g$FH_RANK.tmp $D/g$FH_RANK; \
+     echo $$ > $D/p$FH_RANK.tmp && mv $D/p$FH_RANK.tmp $D/p$FH_RANK; wait";
+
 fn pid_files(np: usize) -> Vec<String> {
     (0..np)
         .flat_map(|r| [format!("p{r}"), format!("g{r}")])
@@ -179,4 +184,27 @@ fn sigtstp_stops_the_ranks_and_sigcont_resumes_them() {
     assert!(stopped, "ranks {:?} / fhrun not all stopped", pids);
     assert_eq!(out.code(), Some(0), "{out:?}");
     assert_eq!(out.stdout.matches("RESUMED").count(), 2, "{out:?}");
+}
+
+/// `nohup fhrun ...`: a hangup neither stops fhrun nor reaches the ranks (they inherit the
+/// ignored SIGHUP, as under nohup); the job runs to its end.
+#[test]
+fn under_nohup_a_hangup_stops_nothing() {
+    let dir = TempDir::new("nohup");
+    let script = format!("{RECORD_PIDS_SHORT}; echo finished-$FH_RANK");
+    let job = Running::start_cmd(
+        std::process::Command::new("nohup")
+            .env("D", dir.str())
+            .args([FHRUN, "-np", "2", "--kill-grace", "1", "sh", "-c", &script]),
+    );
+    let pids = read_pids(dir.path(), &pid_files(2), LIMIT);
+    job.signal(libc::SIGHUP);
+    let out = job.wait(LIMIT);
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    for r in 0..2 {
+        assert!(out.stdout.contains(&format!("finished-{r}")), "{out:?}");
+    }
+    assert!(!out.stderr.contains("received SIGHUP"), "{}", out.stderr);
 }
