@@ -72,26 +72,37 @@ impl JobDir {
         if let Some(flight) = &self.flight {
             // Kept when the job failed, or when a rank wrote its record for a stall or on
             // request; a job that ended well, whose ranks only recorded errors they got and
-            // handled (a test's deliberate mismatch, say), leaves nothing behind.
-            let dumps = dump::read_dir(flight).ok().filter(|dumps| {
+            // handled (a test's deliberate mismatch, say), leaves nothing behind. The world's
+            // engine's records and each process set's engine's (in `set-*`) alike.
+            let all = dump::read_all(flight).ok().filter(|all| {
                 failed
-                    || dumps
+                    || all
                         .iter()
+                        .flat_map(|r| &r.dumps)
                         .any(|d| d.reason.starts_with("stall") || d.reason == "SIGUSR1")
             });
-            if let Some(dumps) = dumps {
+            if let Some(all) = all {
                 keep = true;
-                let ranks: Vec<usize> = dumps.iter().map(|d| d.rank).collect();
-                eprintln!(
-                    "fhrun: flight records of {} ranks ({}) are in {}; `fhrun --explain {}` \
-                     names the first divergence",
-                    ranks.len(),
-                    list(&ranks),
-                    flight.display(),
-                    flight.display()
-                );
+                for r in &all {
+                    let ranks: Vec<usize> = r.dumps.iter().map(|d| d.rank).collect();
+                    let whose = match &r.set {
+                        None => format!("{} ranks ({})", ranks.len(), list(&ranks)),
+                        Some(m) => format!(
+                            "process set {{{}}} ({} ranks: {})",
+                            list(m),
+                            ranks.len(),
+                            list(&ranks)
+                        ),
+                    };
+                    eprintln!(
+                        "fhrun: flight records of {whose} are in {}; `fhrun --explain {}` \
+                         names the first divergence",
+                        r.dir.display(),
+                        flight.display()
+                    );
+                }
                 if failed {
-                    for line in explain::explain(&dumps).to_string().lines() {
+                    for line in explain::explain_all(&all).lines() {
                         eprintln!("fhrun: {line}");
                     }
                 }
@@ -152,9 +163,9 @@ fn merge_timeline(dir: &Path, out: &Path) {
 
 /// `fhrun --explain DIR`: print what the flight records in DIR show; fhrun's exit status.
 pub(crate) fn explain_dir(dir: &Path) -> i32 {
-    match dump::read_dir(dir) {
-        Ok(dumps) => {
-            print!("{}", explain::explain(&dumps));
+    match dump::read_all(dir) {
+        Ok(all) => {
+            print!("{}", explain::explain_all(&all));
             0
         }
         Err(e) => {

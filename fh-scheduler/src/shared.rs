@@ -264,16 +264,23 @@ impl Inner {
     }
 
     /// Write this rank's flight record (see [`crate::flight`]) for `reason`; returns where.
-    /// Nothing is written by a process set's engine (the world's engine writes the rank's
-    /// file) or when the recorder is off. Rank 0 says once where the records go.
+    /// A process set's engine writes in its set's subdirectory ([`dump::set_dir_name`]), as
+    /// its world rank. Nothing is written when the recorder is off. Rank 0 (of the world, or
+    /// of the set) says once where the records go.
     pub(crate) fn write_flight(&self, reason: &str) -> std::io::Result<Option<PathBuf>> {
-        if self.world_ranks.is_some() || !self.flight.enabled() {
+        if !self.flight.enabled() {
             return Ok(None);
         }
         let (dir, private) = match &self.config.flight_dir {
             Some(d) => (d.clone(), false),
             None => (dump::default_dir(), true),
         };
+        let members: Option<Vec<usize>> = self.world_ranks.as_ref().map(|w| {
+            let mut m = w.to_vec();
+            m.sort_unstable();
+            m
+        });
+
         let (recorded, ops) = self.flight.records(|r| self.world_rank(r));
         let stall = lock(&self.stalls).last().map(|r| StallDump {
             lacking: r.lacking.clone(),
@@ -281,7 +288,7 @@ impl Inner {
         });
         let d = Dump {
             format: dump::FORMAT.into(),
-            rank: self.rank,
+            rank: self.world_rank(self.rank),
             size: self.size,
             reason: reason.to_string(),
             written_unix_us: crate::flight::unix_micros(SystemTime::now()),
@@ -290,6 +297,7 @@ impl Inner {
             stall,
             stopped: self.failure().map(|e| e.to_string()),
             ops,
+            members,
         };
         let path = dump::write(&dir, private, &d)?;
         if self.rank == 0 && !self.flight_told.swap(true, Ordering::Relaxed) {

@@ -211,6 +211,25 @@ impl StallReport {
     /// The most names one line lists for a rank before it says how many more there are.
     pub const MAX_NAMES: usize = 8;
 
+    /// The same report with every rank renumbered by `f` (a process set's ranks as world
+    /// ranks, for what users read), still ascending.
+    pub fn map_ranks(&self, f: impl Fn(usize) -> usize) -> StallReport {
+        let mut missing_ranks: Vec<usize> = self.missing_ranks.iter().map(|&r| f(r)).collect();
+        missing_ranks.sort_unstable();
+        let mut lacking: Vec<(usize, Vec<String>)> = self
+            .lacking
+            .iter()
+            .map(|(r, names)| (f(*r), names.clone()))
+            .collect();
+        lacking.sort_by_key(|(r, _)| *r);
+        StallReport {
+            names: self.names.clone(),
+            missing_ranks,
+            lacking,
+            waited: self.waited,
+        }
+    }
+
     /// The stalled names rank `rank` lacks, if it is one of the missing ranks.
     pub fn lacked_by(&self, rank: usize) -> Option<&[String]> {
         self.lacking

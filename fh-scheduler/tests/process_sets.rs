@@ -477,3 +477,71 @@ fn measure_rank(world: &Engine, reg: &ProcessSets, cfg: &Config) -> String {
     }
     line
 }
+
+/// A stall inside a process set names world ranks (the set {0, 2}'s second member is world
+/// rank 2, its rank 1 in the set), and the members' flight records go to the set's own
+/// directory, as their world ranks.
+#[test]
+fn a_stall_in_a_set_names_world_ranks_and_records_in_the_sets_directory() {
+    let dir = std::env::temp_dir().join(format!("fh-ps-flight-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut cfg = Config::default()
+        .channels(1)
+        .stall_check(Some(Duration::from_millis(200)))
+        .idle_heartbeat(Duration::from_millis(20));
+    cfg.flight_dir = Some(dir.clone());
+    let out = run_world(3, cfg, |world, rank| {
+        let reg = ProcessSets::with_timeout(LIMIT);
+        let id = reg.add(world, &[0, 2], world.config()).unwrap();
+        let mut reports = Vec::new();
+        if let Ok(e) = reg.engine(id) {
+            let sum = || AllreduceOptions::with_op(ReduceOp::Sum);
+            if rank == 0 {
+                let mut h = e
+                    .allreduce("late", Tensor::from_slice(&[1i32]), sum())
+                    .unwrap();
+                let start = Instant::now();
+                while e.stall_reports().is_empty() {
+                    assert!(start.elapsed() < LIMIT, "no stall report");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                // Rank 2 goes on once rank 0 has its report (world barrier below).
+                world.barrier().unwrap().wait_timeout(LIMIT).unwrap();
+                h.wait_timeout(LIMIT).unwrap();
+            } else {
+                world.barrier().unwrap().wait_timeout(LIMIT).unwrap();
+                e.allreduce("late", Tensor::from_slice(&[1i32]), sum())
+                    .unwrap()
+                    .wait_timeout(LIMIT)
+                    .unwrap();
+            }
+            reports = e.stall_reports();
+        } else {
+            world.barrier().unwrap().wait_timeout(LIMIT).unwrap();
+        }
+        reg.remove(world, id).unwrap();
+        reports
+    });
+    assert_eq!(out[0][0].missing_ranks, [2], "{:?}", out[0]);
+    assert_eq!(out[0][0].lacking[0].0, 2);
+    assert!(
+        out[0][0].to_string().contains("rank 2 has not submitted"),
+        "{}",
+        out[0][0]
+    );
+    let all = fh_scheduler::flight::dump::read_all(&dir).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    // The world's records too (its barrier waited on rank 0 meanwhile), then the set's.
+    let set = all.last().unwrap();
+    assert_eq!(set.set.as_deref(), Some(&[0, 2][..]), "{all:?}");
+    assert!(set.dir.ends_with("set-0.2"), "{:?}", set.dir);
+    let ranks: Vec<usize> = set.dumps.iter().map(|d| d.rank).collect();
+    assert_eq!(ranks, [0, 2]);
+    assert_eq!(set.dumps[0].ops[0].waiting_on, [2]);
+    let text = fh_scheduler::flight::explain::explain_all(&all);
+    assert!(
+        text.contains("the process set of ranks 0 and 2 (")
+            && text.contains("rank 2 has never submitted \"late\""),
+        "{text}"
+    );
+}

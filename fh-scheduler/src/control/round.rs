@@ -531,15 +531,18 @@ impl Control {
         let Some(report) = stall::find(&lists, &self.join.set, threshold) else {
             return Ok(());
         };
+        // What users read names world ranks (a process set's engine numbers its members from
+        // 0); the report itself stays in this engine's numbering for the records below.
+        let shown = report.map_ranks(|r| self.inner.world_rank(r));
         if self.inner.rank == 0 {
             tracing::warn!(
-                missing_ranks = ?report.missing_ranks,
-                names = ?report.names,
-                waited = ?report.waited,
-                "{report}"
+                missing_ranks = ?shown.missing_ranks,
+                names = ?shown.names,
+                waited = ?shown.waited,
+                "{shown}"
             );
         }
-        self.name_culprit(&report);
+        self.name_culprit(&report, &shown);
         // The operations waiting here, with the ranks they wait for, in the flight record,
         // which every rank writes now.
         for p in self.work.pending.values() {
@@ -553,15 +556,15 @@ impl Control {
                 self.inner.flight.waiting_on(p.entry.cell.record(), &waits);
             }
         }
-        self.inner.record_stall(report.clone());
-        self.inner.dump_flight(&report.to_string());
+        self.inner.record_stall(shown.clone());
+        self.inner.dump_flight(&shown.to_string());
         if let Some(limit) = self.inner.config.stall_shutdown {
-            if report.waited >= limit {
+            if shown.waited >= limit {
                 return Err(SchedulerError::Stalled {
-                    names: report.names,
-                    missing: report.missing_ranks,
-                    lacking: report.lacking,
-                    after: report.waited,
+                    names: shown.names,
+                    missing: shown.missing_ranks,
+                    lacking: shown.lacking,
+                    after: shown.waited,
                 });
             }
         }
@@ -572,7 +575,8 @@ impl Control {
     /// 0's warning, and calls the engine's culprit hook (`fasthorovod` prints the Python stack
     /// of every thread there), once for each new list of names it lacks, so that a stall that
     /// lasts does not repeat the stack at every check.
-    fn name_culprit(&mut self, report: &StallReport) {
+    /// `report` in this engine's numbering, `shown` in world ranks (what the hook gets).
+    fn name_culprit(&mut self, report: &StallReport, shown: &StallReport) {
         let Some(names) = report.lacked_by(self.inner.rank) else {
             self.culprit_of = None;
             return;
@@ -595,7 +599,7 @@ impl Control {
             }
         );
         if let Some(hook) = hook {
-            hook(report);
+            hook(shown);
         }
     }
 }

@@ -1,6 +1,8 @@
 //! A rank's flight record on disk: one JSON file per rank, `rank-R.json`, in the flight
-//! directory. Written whole to a temporary name and renamed, so a reader never sees half a
-//! record; read back (every rank's) by [`read_dir`] for [`super::explain`].
+//! directory; a process set's engine writes its own in a subdirectory named by the set's
+//! members ([`set_dir_name`]: `set-0.2.3/rank-2.json`). Written whole to a temporary name and
+//! renamed, so a reader never sees half a record; read back (every rank's) by [`read_dir`],
+//! and with every process set's by [`read_all`], for [`super::explain`].
 
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
@@ -34,6 +36,10 @@ pub struct Dump {
     pub stopped: Option<String>,
     /// The operations, oldest first.
     pub ops: Vec<OpRecord>,
+    /// For a process set's engine, the set's members (world ranks, ascending); `size` is then
+    /// the set's size. `None`: the world's engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub members: Option<Vec<usize>>,
 }
 
 /// A stall report as written in a dump.
@@ -90,6 +96,31 @@ pub fn file_name(rank: usize) -> String {
     format!("rank-{rank}.json")
 }
 
+/// The subdirectory of a flight directory where a process set's engine writes: `set-` and its
+/// members joined by dots (`set-0.2.3`), or, for a set of more than 32 members, its size, first
+/// and last member and a hash of them all (`set-n64-0-127-1f2e3d4c5b6a7988`): the same name on
+/// every member, with no agreement needed.
+pub fn set_dir_name(members: &[usize]) -> String {
+    if members.len() <= 32 {
+        let parts: Vec<String> = members.iter().map(usize::to_string).collect();
+        return format!("set-{}", parts.join("."));
+    }
+    // FNV-1a over the members' little-endian bytes: stable across builds and hosts.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for m in members {
+        for b in (*m as u64).to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    format!(
+        "set-n{}-{}-{}-{h:016x}",
+        members.len(),
+        members.first().copied().unwrap_or(0),
+        members.last().copied().unwrap_or(0)
+    )
+}
+
 /// The flight directory when neither `FH_FLIGHT_DIR` nor a launcher names one: a directory
 /// of this user's under the system's temporary directory.
 pub fn default_dir() -> PathBuf {
@@ -120,10 +151,20 @@ fn prepare(dir: &Path, private: bool) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Write `dump` as `dir/rank-R.json` (whole: to a temporary name, then renamed). `private`:
-/// see [`prepare`]. Returns the file's path.
+/// Write `dump` as `dir/rank-R.json`, or `dir/set-.../rank-R.json` for a process set's
+/// engine (whole: to a temporary name, then renamed). `private`: see [`prepare`] (checked
+/// for `dir` itself, then for the set's subdirectory). Returns the file's path.
 pub(crate) fn write(dir: &Path, private: bool, dump: &Dump) -> std::io::Result<PathBuf> {
     prepare(dir, private)?;
+    let set_dir;
+    let dir = match &dump.members {
+        Some(m) => {
+            set_dir = dir.join(set_dir_name(m));
+            prepare(&set_dir, private)?;
+            set_dir.as_path()
+        }
+        None => dir,
+    };
     let path = dir.join(file_name(dump.rank));
     let tmp = dir.join(format!(
         ".{}.{}.tmp",
@@ -174,4 +215,66 @@ pub fn read_dir(dir: &Path) -> Result<Vec<Dump>, String> {
     }
     dumps.sort_by_key(|d| d.rank);
     Ok(dumps)
+}
+
+/// The flight records of one engine: the world's (`set: None`) or a process set's.
+#[derive(Debug, Clone)]
+pub struct Records {
+    /// The process set's members (world ranks), or `None` for the world's engine.
+    pub set: Option<Vec<usize>>,
+    /// Where they are.
+    pub dir: PathBuf,
+    /// Every rank's dump, in rank order.
+    pub dumps: Vec<Dump>,
+}
+
+/// The world's records in `dir` (if any) and each process set's in its `set-*`
+/// subdirectory, the world's first, then the sets in name order. An error when there are
+/// none at all, or when a file cannot be read.
+pub fn read_all(dir: &Path) -> Result<Vec<Records>, String> {
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| format!("cannot read the flight directory {}: {e}", dir.display()))?;
+    let mut world = false;
+    let mut sets: Vec<PathBuf> = Vec::new();
+    for e in entries {
+        let e = e.map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        if is_dir && name.starts_with("set-") {
+            sets.push(e.path());
+        } else if !is_dir && name.starts_with("rank-") && name.ends_with(".json") {
+            world = true;
+        }
+    }
+    sets.sort();
+    let mut all = Vec::new();
+    if world {
+        all.push(Records {
+            set: None,
+            dir: dir.to_path_buf(),
+            dumps: read_dir(dir)?,
+        });
+    }
+    for path in sets {
+        let dumps = match read_dir(&path) {
+            Ok(d) => d,
+            // An empty set directory (a dump being written, or removed): nothing to say.
+            Err(_) if std::fs::read_dir(&path).is_ok_and(|mut d| d.next().is_none()) => continue,
+            Err(e) => return Err(e),
+        };
+        let set = dumps.iter().find_map(|d| d.members.clone());
+        all.push(Records {
+            set: Some(set.unwrap_or_default()),
+            dir: path,
+            dumps,
+        });
+    }
+    if all.is_empty() {
+        return Err(format!(
+            "{} holds no flight records (rank-R.json files, or set-*/rank-R.json for process \
+             sets)",
+            dir.display()
+        ));
+    }
+    Ok(all)
 }

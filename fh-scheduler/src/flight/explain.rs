@@ -9,7 +9,7 @@ use std::fmt;
 
 use fh_core::mismatch::RankSet;
 
-use super::dump::{Dump, OpRecord};
+use super::dump::{self, Dump, OpRecord};
 
 /// One thing the records show going wrong, with when it started.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,8 +81,10 @@ impl Finding {
 pub struct Explanation {
     /// The ranks whose records were read.
     pub ranks: Vec<usize>,
-    /// Ranks in the world.
+    /// Ranks in the world (or in the process set).
     pub size: usize,
+    /// For a process set's records, its members (world ranks): the ranks expected.
+    pub members: Option<Vec<usize>>,
     /// The reasons the records were written, each with the ranks that gave it.
     pub reasons: Vec<(String, Vec<usize>)>,
     /// What went wrong, earliest first: the first is the first divergence.
@@ -133,6 +135,27 @@ fn secs(from_us: i64, to_us: i64) -> f64 {
     (to_us.saturating_sub(from_us)) as f64 / 1e6
 }
 
+/// The report on every engine's records in a flight directory ([`dump::read_all`]): the
+/// world's, then each process set's, each under a line naming where it is when there are
+/// several.
+pub fn explain_all(all: &[dump::Records]) -> String {
+    let mut out = String::new();
+    for r in all {
+        if all.len() > 1 {
+            match &r.set {
+                None => out.push_str(&format!("the world's engine ({}):\n", r.dir.display())),
+                Some(m) => out.push_str(&format!(
+                    "the process set of {} ({}):\n",
+                    ranks_text(m),
+                    r.dir.display()
+                )),
+            }
+        }
+        out.push_str(&explain(&r.dumps).to_string());
+    }
+    out
+}
+
 /// Read the dumps (one per rank, any order) and name what went wrong, earliest first.
 pub fn explain(dumps: &[Dump]) -> Explanation {
     let mut dumps: Vec<&Dump> = dumps.iter().collect();
@@ -168,9 +191,11 @@ pub fn explain(dumps: &[Dump]) -> Explanation {
             }
         }
     }
+    let members = dumps.iter().find_map(|d| d.members.clone());
     Explanation {
         ranks,
         size,
+        members,
         reasons,
         findings,
         last_completed,
@@ -370,9 +395,11 @@ impl fmt::Display for Finding {
                 ..
             } => {
                 let verb = if lacking.len() == 1 { "has" } else { "have" };
+                let wait = if have.len() == 1 { "waits" } else { "wait" };
                 write!(
                     f,
-                    "{} {verb} never submitted {name:?} ({what}), which {} submitted and wait on",
+                    "{} {verb} never submitted {name:?} ({what}), which {} submitted and {wait} \
+                     on",
                     ranks_text(lacking),
                     ranks_text(have)
                 )
@@ -428,13 +455,28 @@ impl fmt::Display for Finding {
 
 impl fmt::Display for Explanation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let missing: Vec<usize> = (0..self.size).filter(|r| !self.ranks.contains(r)).collect();
-        write!(
-            f,
-            "flight records of {} (of {} ranks)",
-            ranks_text(&self.ranks),
-            self.size
-        )?;
+        let expected: Vec<usize> = match &self.members {
+            Some(m) => m.clone(),
+            None => (0..self.size).collect(),
+        };
+        let missing: Vec<usize> = expected
+            .into_iter()
+            .filter(|r| !self.ranks.contains(r))
+            .collect();
+        match &self.members {
+            Some(m) => write!(
+                f,
+                "flight records of {} (of the process set of {})",
+                ranks_text(&self.ranks),
+                ranks_text(m)
+            )?,
+            None => write!(
+                f,
+                "flight records of {} (of {} ranks)",
+                ranks_text(&self.ranks),
+                self.size
+            )?,
+        }
         if !missing.is_empty() {
             write!(
                 f,
@@ -519,7 +561,21 @@ mod tests {
             stall: None,
             stopped: None,
             ops,
+            members: None,
         }
+    }
+
+    #[test]
+    fn a_process_sets_records_expect_its_members_not_the_world() {
+        let mut d = dump(3, 2, vec![]);
+        d.members = Some(vec![1, 3, 4]);
+        let text = explain(&[d]).to_string();
+        assert!(
+            text.starts_with("flight records of rank 3 (of the process set of ranks 1, 3 and 4)"),
+            "{text}"
+        );
+        assert!(text.contains("; none from ranks 1 and 4 ("), "{text}");
+        assert!(!text.contains("rank 0"), "{text}");
     }
 
     #[test]

@@ -85,3 +85,64 @@ fn long_shapes_are_cut_and_an_off_recorder_records_nothing() {
     assert_eq!(off.submitted(&req("x", &[1]), Instant::now()), 0);
     assert!(off.records(|r| r).1.is_empty());
 }
+
+#[test]
+fn a_process_sets_records_go_to_its_own_directory_and_are_read_with_the_worlds() {
+    let base = std::env::temp_dir().join(format!("fh-flight-sets-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let record = |rank: usize, members: Option<Vec<usize>>| dump::Dump {
+        format: dump::FORMAT.into(),
+        rank,
+        size: members.as_ref().map_or(4, Vec::len),
+        reason: "stall".into(),
+        written_unix_us: 1,
+        capacity: 4,
+        recorded: 0,
+        stall: None,
+        stopped: None,
+        ops: Vec::new(),
+        members,
+    };
+    for r in 0..4 {
+        dump::write(&base, false, &record(r, None)).unwrap();
+    }
+    let set = vec![1, 3];
+    let path = dump::write(&base, false, &record(3, Some(set.clone()))).unwrap();
+    assert_eq!(path, base.join("set-1.3").join("rank-3.json"));
+    dump::write(&base, false, &record(1, Some(set.clone()))).unwrap();
+    let all = dump::read_all(&base).unwrap();
+    assert_eq!(all.len(), 2);
+    assert_eq!(all[0].set, None);
+    assert_eq!(all[0].dumps.len(), 4);
+    assert_eq!(all[1].set.as_deref(), Some(&set[..]));
+    assert_eq!(
+        all[1].dumps.iter().map(|d| d.rank).collect::<Vec<_>>(),
+        [1, 3]
+    );
+    let text = explain::explain_all(&all);
+    assert!(text.contains("the world's engine ("), "{text}");
+    assert!(
+        text.contains("the process set of ranks 1 and 3 ("),
+        "{text}"
+    );
+    // Only a set's records: read, and the report has no heading.
+    std::fs::remove_dir_all(&base).unwrap();
+    dump::write(&base, false, &record(1, Some(set.clone()))).unwrap();
+    let all = dump::read_all(&base).unwrap();
+    assert_eq!(all.len(), 1);
+    assert!(explain::explain_all(&all).starts_with("flight records of rank 1 (of the process set"));
+    std::fs::remove_dir_all(&base).unwrap();
+    assert!(dump::read_all(&base).is_err());
+}
+
+#[test]
+fn a_large_sets_directory_name_is_short_and_the_same_for_the_same_members() {
+    let a: Vec<usize> = (0..1000).collect();
+    let mut b = a.clone();
+    b[500] = 1000;
+    let na = dump::set_dir_name(&a);
+    assert!(na.len() < 64 && na.starts_with("set-n1000-0-999-"), "{na}");
+    assert_eq!(na, dump::set_dir_name(&a.clone()));
+    assert_ne!(na, dump::set_dir_name(&b));
+    assert_eq!(dump::set_dir_name(&[0, 2]), "set-0.2");
+}

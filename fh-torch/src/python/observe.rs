@@ -104,13 +104,14 @@ pub(super) fn timeline_span(name: &str, detail: &str, begin_ns: i64, end_ns: i64
     engine.timeline_span(name, detail, at(begin_ns), at(end_ns.max(begin_ns)));
 }
 
-/// What the flight records in `directory` (one file per rank) show: the first divergence
-/// across ranks and the last collective every rank completed, as text.
+/// What the flight records in `directory` (one file per rank; a process set's in its `set-*`
+/// subdirectory) show: the first divergence across ranks and the last collective every rank
+/// completed, as text.
 #[pyfunction]
 pub(super) fn explain(directory: &str) -> PyResult<String> {
-    let dumps = fh_scheduler::flight::dump::read_dir(Path::new(directory))
+    let all = fh_scheduler::flight::dump::read_all(Path::new(directory))
         .map_err(PyValueError::new_err)?;
-    Ok(fh_scheduler::flight::explain::explain(&dumps).to_string())
+    Ok(fh_scheduler::flight::explain::explain_all(&all))
 }
 
 /// The write end of the pipe the `SIGUSR1` handler writes to (-1: none).

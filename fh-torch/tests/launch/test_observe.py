@@ -109,6 +109,46 @@ def test_the_flight_records_name_the_rank_that_sent_a_different_shape(fhrun, tmp
     remove_job_dir(out)
 
 
+SET_STALL_SCRIPT = textwrap.dedent("""
+    import time, torch
+    import fasthorovod.torch as hvd
+    ps = hvd.ProcessSet([0, 2])
+    hvd.init(process_sets=[ps])
+    hvd.allreduce(torch.ones(2), name="warmup")
+    if hvd.rank() in (0, 2):
+        hvd.allreduce(torch.ones(2), name="set.warmup", process_set=ps)
+        if hvd.rank() == 2:
+            time.sleep(6)
+        out = hvd.allreduce(torch.ones(3), name="set.grad", process_set=ps)
+        assert out.tolist() == [1.0] * 3, out
+    print("done", flush=True)
+""")
+
+
+def test_a_process_sets_stall_leaves_its_own_records_named_in_world_ranks(fhrun, tmp_path):
+    """A stall inside a process set: its engine's records go to the set's own directory
+    (``set-0.2``), name world ranks, and ``--explain`` reads them with the world's."""
+    script = tmp_path / "set_stall.py"
+    script.write_text(SET_STALL_SCRIPT)
+    code, out = run([fhrun, "-np", "3", "--stall-check-seconds", "1", "--timeout", "120",
+                     PYTHON, str(script)], timeout=150)
+    assert code == 0, out
+    assert out.count("done") == 3, out
+    # The warning names world ranks: rank 2 (the set's second member) lacks the tensor.
+    assert "stall: rank 2 has not submitted [\"allreduce.set.grad\"]" in out, out
+    m = re.search(r"fhrun: flight records of process set \{0, 2\} \(2 ranks: 0, 2\) are in "
+                  r"(\S+); `fhrun --explain (\S+)`", out)
+    assert m, out
+    assert m.group(1).endswith("/set-0.2"), out
+    report = explain_both_ways(fhrun, m.group(2))
+    assert "flight records of ranks 0 and 2 (of the process set of ranks 0 and 2)" in report, \
+        report
+    assert ("first divergence: rank 2 has never submitted \"allreduce.set.grad\" "
+            "(allreduce f32 [3]), which rank 0 submitted and waits on") in report, report
+    assert "last collective every rank completed: \"allreduce.set.warmup\"" in report, report
+    shutil.rmtree(pathlib.Path(m.group(2)).parent, ignore_errors=True)
+
+
 TIMELINE_SCRIPT = textwrap.dedent("""
     import torch
     import fasthorovod.torch as hvd
