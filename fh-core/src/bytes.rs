@@ -132,6 +132,16 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
+    /// A little-endian two's-complement `i64`.
+    pub fn i64(&mut self) -> Result<i64, DecodeError> {
+        Ok(i64::from_le_bytes(self.array()?))
+    }
+
+    /// A little-endian IEEE 754 `f64`.
+    pub fn f64(&mut self) -> Result<f64, DecodeError> {
+        Ok(f64::from_le_bytes(self.array()?))
+    }
+
     /// `len` bytes of UTF-8 text; `what` names the field in the error when they are not.
     pub fn text(&mut self, len: usize, what: &str) -> Result<String, DecodeError> {
         let bytes = self.bytes(len)?;
@@ -154,6 +164,11 @@ mod tests {
         assert_eq!(r.text(2, "a name").as_deref(), Ok("hi"));
         assert_eq!(r.pos(), 9);
         assert_eq!(r.u32(), Err(DecodeError::NeedMore(13)));
+        let buf = [(-2i64).to_le_bytes(), 1.5f64.to_le_bytes()].concat();
+        let mut r = Reader::new(&buf);
+        assert_eq!(r.i64(), Ok(-2));
+        assert_eq!(r.f64(), Ok(1.5));
+        assert_eq!(r.i64(), Err(DecodeError::NeedMore(24)));
         let bad = [0xffu8];
         assert!(matches!(
             Reader::new(&bad).text(1, "a name"),
