@@ -94,6 +94,15 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Check that every byte was read: [`DecodeError::Invalid`] naming how many are left over
+    /// otherwise (for a message that must fill its buffer exactly).
+    pub fn end(&self) -> Result<(), DecodeError> {
+        match self.buf.len().saturating_sub(self.pos) {
+            0 => Ok(()),
+            n => Err(DecodeError::Invalid(format!("{n} trailing bytes"))),
+        }
+    }
+
     /// The next `len` bytes.
     pub fn bytes(&mut self, len: usize) -> Result<&'a [u8], DecodeError> {
         let end = self.pos.saturating_add(len);
@@ -169,6 +178,13 @@ mod tests {
         assert_eq!(r.i64(), Ok(-2));
         assert_eq!(r.f64(), Ok(1.5));
         assert_eq!(r.i64(), Err(DecodeError::NeedMore(24)));
+        assert_eq!(r.end(), Ok(()));
+        let mut r = Reader::new(&buf);
+        r.i64().unwrap();
+        assert_eq!(
+            r.end(),
+            Err(DecodeError::Invalid("8 trailing bytes".into()))
+        );
         let bad = [0xffu8];
         assert!(matches!(
             Reader::new(&bad).text(1, "a name"),

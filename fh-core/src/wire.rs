@@ -329,10 +329,7 @@ impl<'a> Reader<'a> {
     }
 
     fn finish(&self) -> Result<(), CoreError> {
-        if self.left() != 0 {
-            return Err(self.err(format!("{} trailing bytes", self.left())));
-        }
-        Ok(())
+        self.inner.end().map_err(|e| self.decode_err(e))
     }
 }
 
