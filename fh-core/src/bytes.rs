@@ -1,13 +1,15 @@
 //! Reading little-endian fields from a byte buffer that may still be arriving: the one byte
 //! reader of the wire formats (the TCP handshake, reply, address book and world id, the
-//! rendezvous' host list, heartbeats, the elastic session's messages, the engine's codec), and
-//! [`DecodeError`], the one error of their decoders.
+//! rendezvous' host list, heartbeats, the elastic session's messages, the engine's codec and
+//! the scheduler's control words), and [`DecodeError`], the one error of their decoders. The
+//! 4- and 8-byte frame headers of the data paths are read as fixed arrays without it.
 //!
 //! A read past the end is [`DecodeError::NeedMore`] with the total length the buffer needs so
 //! far, so that a caller reading from a stream knows how much to wait for; a malformed field is
 //! [`DecodeError::Invalid`], whose text names the field and what is wrong with it. A magic is
 //! refused as soon as one of its bytes differs ([`Reader::magic`]), so garbage is turned away
-//! without waiting for more of it.
+//! without waiting for more of it. A decoder of a message that arrives whole reads to its end
+//! ([`Reader::end`]) and reports a shortfall as [`DecodeError::Invalid`]: nothing more will come.
 
 use std::fmt;
 
