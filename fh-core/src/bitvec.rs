@@ -118,17 +118,12 @@ impl BitVec {
     /// Rebuild from bytes produced by [`BitVec::to_bytes`] for the same bit count; `None` if
     /// the length does not match.
     pub fn from_bytes(bytes: &[u8], bits: usize) -> Option<Self> {
-        if bytes.len() != bits.div_ceil(64) * 8 {
-            return None;
-        }
-        let words = bytes
-            .chunks_exact(8)
-            .map(|c| {
-                let mut a = [0u8; 8];
-                a.copy_from_slice(c);
-                u64::from_le_bytes(a)
-            })
-            .collect();
+        let mut r = crate::bytes::Reader::new(bytes);
+        let words = (0..bits.div_ceil(64))
+            .map(|_| r.u64())
+            .collect::<Result<_, _>>()
+            .ok()?;
+        r.end().ok()?;
         Some(BitVec { words, bits })
     }
 
@@ -325,5 +320,10 @@ mod tests {
     #[test]
     fn wrong_length_is_refused() {
         assert!(NegotiationVec::from_bytes(&[0u8; 8], 100).is_none());
+        let v = BitVec::zeros(65).to_bytes();
+        assert_eq!(v.len(), 16);
+        assert!(BitVec::from_bytes(&v, 65).is_some());
+        assert!(BitVec::from_bytes(&v[..15], 65).is_none());
+        assert!(BitVec::from_bytes(&v, 64).is_none());
     }
 }

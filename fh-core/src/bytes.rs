@@ -1,13 +1,15 @@
 //! Reading little-endian fields from a byte buffer that may still be arriving: the one byte
 //! reader of the wire formats (the TCP handshake, reply, address book and world id, the
-//! rendezvous' host list, heartbeats, the elastic session's messages, the engine's codec), and
-//! [`DecodeError`], the one error of their decoders.
+//! rendezvous' host list, heartbeats, the elastic session's messages, the engine's codec and
+//! the scheduler's control words), and [`DecodeError`], the one error of their decoders. The
+//! 4- and 8-byte frame headers of the data paths are read as fixed arrays without it.
 //!
 //! A read past the end is [`DecodeError::NeedMore`] with the total length the buffer needs so
 //! far, so that a caller reading from a stream knows how much to wait for; a malformed field is
 //! [`DecodeError::Invalid`], whose text names the field and what is wrong with it. A magic is
 //! refused as soon as one of its bytes differs ([`Reader::magic`]), so garbage is turned away
-//! without waiting for more of it.
+//! without waiting for more of it. A decoder of a message that arrives whole reads to its end
+//! ([`Reader::end`]) and reports a shortfall as [`DecodeError::Invalid`]: nothing more will come.
 
 use std::fmt;
 
@@ -94,6 +96,15 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Check that every byte was read: [`DecodeError::Invalid`] naming how many are left over
+    /// otherwise (for a message that must fill its buffer exactly).
+    pub fn end(&self) -> Result<(), DecodeError> {
+        match self.buf.len().saturating_sub(self.pos) {
+            0 => Ok(()),
+            n => Err(DecodeError::Invalid(format!("{n} trailing bytes"))),
+        }
+    }
+
     /// The next `len` bytes.
     pub fn bytes(&mut self, len: usize) -> Result<&'a [u8], DecodeError> {
         let end = self.pos.saturating_add(len);
@@ -132,6 +143,16 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
+    /// A little-endian two's-complement `i64`.
+    pub fn i64(&mut self) -> Result<i64, DecodeError> {
+        Ok(i64::from_le_bytes(self.array()?))
+    }
+
+    /// A little-endian IEEE 754 `f64`.
+    pub fn f64(&mut self) -> Result<f64, DecodeError> {
+        Ok(f64::from_le_bytes(self.array()?))
+    }
+
     /// `len` bytes of UTF-8 text; `what` names the field in the error when they are not.
     pub fn text(&mut self, len: usize, what: &str) -> Result<String, DecodeError> {
         let bytes = self.bytes(len)?;
@@ -154,6 +175,18 @@ mod tests {
         assert_eq!(r.text(2, "a name").as_deref(), Ok("hi"));
         assert_eq!(r.pos(), 9);
         assert_eq!(r.u32(), Err(DecodeError::NeedMore(13)));
+        let buf = [(-2i64).to_le_bytes(), 1.5f64.to_le_bytes()].concat();
+        let mut r = Reader::new(&buf);
+        assert_eq!(r.i64(), Ok(-2));
+        assert_eq!(r.f64(), Ok(1.5));
+        assert_eq!(r.i64(), Err(DecodeError::NeedMore(24)));
+        assert_eq!(r.end(), Ok(()));
+        let mut r = Reader::new(&buf);
+        r.i64().unwrap();
+        assert_eq!(
+            r.end(),
+            Err(DecodeError::Invalid("8 trailing bytes".into()))
+        );
         let bad = [0xffu8];
         assert!(matches!(
             Reader::new(&bad).text(1, "a name"),

@@ -92,7 +92,7 @@ impl DType {
             .copied()
             .ok_or_else(|| CoreError::Decode {
                 what: "dtype",
-                detail: format!("unknown code {code}"),
+                detail: crate::bytes::DecodeError::Invalid(format!("unknown code {code}")),
             })
     }
 

@@ -1,5 +1,6 @@
 //! The error type of `fh-core`.
 
+use crate::bytes::DecodeError;
 use crate::{DType, ReduceOp};
 
 /// Errors raised by pure core logic: invalid arguments, malformed wire data and so on.
@@ -49,8 +50,9 @@ pub enum CoreError {
     Decode {
         /// What was being decoded.
         what: &'static str,
-        /// What was wrong.
-        detail: String,
+        /// What was wrong: the one decode error of the wire formats (a whole message that
+        /// ends early is [`DecodeError::Invalid`] here, saying so: nothing more will come).
+        detail: DecodeError,
     },
     /// Any other invalid argument.
     #[error("invalid argument: {0}")]

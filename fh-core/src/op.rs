@@ -66,7 +66,7 @@ impl ReduceOp {
             .copied()
             .ok_or_else(|| CoreError::Decode {
                 what: "reduce op",
-                detail: format!("unknown code {code}"),
+                detail: crate::bytes::DecodeError::Invalid(format!("unknown code {code}")),
             })
     }
 

@@ -9,6 +9,7 @@
 
 use bytes::BufMut;
 
+use crate::bytes::DecodeError;
 use crate::message::{
     CollectiveKind, Device, GroupTag, MismatchField, NegotiationError, Request, Response, Signature,
 };
@@ -142,7 +143,8 @@ pub fn encode_names(items: &[(String, u64)]) -> Vec<u8> {
 }
 
 /// The engine codec's view of the one byte reader ([`crate::bytes::Reader`]): a message
-/// arrives whole, so a short one is an error naming the message kind.
+/// arrives whole, so a short one is malformed ([`DecodeError::Invalid`], never
+/// [`DecodeError::NeedMore`]: nothing more will come), in an error naming the message kind.
 struct Reader<'a> {
     inner: crate::bytes::Reader<'a>,
     len: usize,
@@ -164,39 +166,52 @@ impl<'a> Reader<'a> {
     }
 
     fn err(&self, detail: impl Into<String>) -> CoreError {
+        self.decode_err(DecodeError::Invalid(detail.into()))
+    }
+
+    /// The reader's error in this message's [`CoreError::Decode`]; a read past the end is
+    /// "truncated" with how many bytes the read wanted and how many were left.
+    fn decode_err(&self, e: DecodeError) -> CoreError {
+        let detail = match e {
+            DecodeError::NeedMore(end) => DecodeError::Invalid(format!(
+                "truncated: needed {} more bytes, {} left",
+                end.saturating_sub(self.inner.pos()),
+                self.left()
+            )),
+            e => e,
+        };
         CoreError::Decode {
             what: self.what,
-            detail: detail.into(),
+            detail,
         }
     }
 
-    fn take(&mut self, n: usize) -> Result<&'a [u8], CoreError> {
-        let left = self.left();
-        self.inner
-            .bytes(n)
-            .map_err(|_| self.err(format!("truncated: needed {n} more bytes, {left} left")))
+    /// A field read with `read` from the one byte reader.
+    fn read<T>(
+        &mut self,
+        read: impl FnOnce(&mut crate::bytes::Reader<'a>) -> Result<T, DecodeError>,
+    ) -> Result<T, CoreError> {
+        read(&mut self.inner).map_err(|e| self.decode_err(e))
     }
 
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], CoreError> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
+    fn take(&mut self, n: usize) -> Result<&'a [u8], CoreError> {
+        self.read(|r| r.bytes(n))
     }
 
     fn u8(&mut self) -> Result<u8, CoreError> {
-        Ok(self.array::<1>()?[0])
+        self.read(crate::bytes::Reader::u8)
     }
     fn u32(&mut self) -> Result<u32, CoreError> {
-        Ok(u32::from_le_bytes(self.array()?))
+        self.read(crate::bytes::Reader::u32)
     }
     fn u64(&mut self) -> Result<u64, CoreError> {
-        Ok(u64::from_le_bytes(self.array()?))
+        self.read(crate::bytes::Reader::u64)
     }
     fn i64(&mut self) -> Result<i64, CoreError> {
-        Ok(i64::from_le_bytes(self.array()?))
+        self.read(crate::bytes::Reader::i64)
     }
     fn f64(&mut self) -> Result<f64, CoreError> {
-        Ok(f64::from_le_bytes(self.array()?))
+        self.read(crate::bytes::Reader::f64)
     }
 
     fn string(&mut self) -> Result<String, CoreError> {
@@ -314,10 +329,7 @@ impl<'a> Reader<'a> {
     }
 
     fn finish(&self) -> Result<(), CoreError> {
-        if self.left() != 0 {
-            return Err(self.err(format!("{} trailing bytes", self.left())));
-        }
-        Ok(())
+        self.inner.end().map_err(|e| self.decode_err(e))
     }
 }
 
@@ -567,6 +579,34 @@ mod tests {
         bytes.extend_from_slice(&u32::MAX.to_le_bytes());
         let err = decode_requests(&bytes).unwrap_err().to_string();
         assert!(err.contains("count"), "{err}");
+    }
+
+    #[test]
+    fn a_short_or_garbled_message_is_a_decode_error_that_says_what_is_wrong() {
+        // Cut inside the first name's number: the reader's shortfall, as text, in the one
+        // decode error (a message arrives whole, so nothing more is waited for).
+        let bytes = encode_names(&[("abc".into(), 7)]);
+        assert_eq!(bytes.len(), 8 + 4 + 3 + 8);
+        assert_eq!(
+            decode_names(&bytes[..21]),
+            Err(CoreError::Decode {
+                what: "name list",
+                detail: DecodeError::Invalid("truncated: needed 8 more bytes, 6 left".into()),
+            })
+        );
+        assert_eq!(
+            decode_names(b"FHx\x02"),
+            Err(CoreError::Decode {
+                what: "name list",
+                detail: DecodeError::Invalid("bad magic [70, 72, 120]".into()),
+            })
+        );
+        let mut bytes = encode_names(&[("abc".into(), 7)]);
+        bytes.push(0);
+        assert_eq!(
+            decode_names(&bytes).unwrap_err().to_string(),
+            "malformed name list: 1 trailing bytes"
+        );
     }
 
     #[test]

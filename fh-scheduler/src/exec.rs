@@ -381,8 +381,9 @@ impl Executor {
                 let row = row_bytes(&t);
                 let mut dims = vec![0u8; 8 * n];
                 comm.allgather(&u64s(&[t.shape().first().copied().unwrap_or(1)]), &mut dims)?;
-                let dims = from_u64s(&dims);
-                let (counts, mut out) = match recv_layout(&dims, row) {
+                let layout = from_u64s(&dims, n, "first dimensions")
+                    .and_then(|dims| Ok((recv_layout(&dims, row)?, dims)));
+                let ((counts, mut out), dims) = match layout {
                     Ok(l) => l,
                     Err(e) => {
                         st.tensor = Some(t);
@@ -417,9 +418,10 @@ impl Executor {
                     .unwrap_or_else(|| vec![dim0 / n.max(1); n]);
                 let mut recv_splits = vec![0u8; 8 * n];
                 comm.alltoall(&u64s(&splits), &mut recv_splits)?;
-                let recv_splits = from_u64s(&recv_splits);
                 let send_counts: Vec<usize> = splits.iter().map(|s| s * row).collect();
-                let (recv_counts, mut out) = match recv_layout(&recv_splits, row) {
+                let layout = from_u64s(&recv_splits, n, "splits")
+                    .and_then(|splits| Ok((recv_layout(&splits, row)?, splits)));
+                let ((recv_counts, mut out), recv_splits) = match layout {
                     Ok(l) => l,
                     Err(e) => {
                         st.tensor = Some(t);

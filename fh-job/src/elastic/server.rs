@@ -273,7 +273,7 @@ fn handshake(stream: &mut TcpStream, peer: SocketAddr, shared: &Shared) -> Resul
     let worker = match Msg::decode(&body) {
         Ok(Msg::Hello { worker, .. }) => worker,
         Ok(other) => return Err(refuse(stream, format!("expected a hello, got {other:?}"))),
-        Err(e) => return Err(refuse(stream, e)),
+        Err(e) => return Err(refuse(stream, e.to_string())),
     };
     if worker.is_empty() || !worker.bytes().all(|b| b.is_ascii_graphic()) {
         return Err(refuse(
@@ -302,7 +302,7 @@ fn handshake(stream: &mut TcpStream, peer: SocketAddr, shared: &Shared) -> Resul
             ))
         }
         Ok(other) => return Err(refuse(stream, format!("expected a proof, got {other:?}"))),
-        Err(e) => return Err(refuse(stream, e)),
+        Err(e) => return Err(refuse(stream, e.to_string())),
     }
     let timeout_ms = u64::try_from(shared.elastic_timeout.as_millis()).unwrap_or(u64::MAX);
     wire::write_frame(stream, &Msg::Welcome { timeout_ms }.encode(), WRITE_TIMEOUT)
@@ -366,7 +366,7 @@ fn serve(mut stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>) {
                 });
             }
             Ok(other) => break format!("an unexpected message {other:?}"),
-            Err(e) => break e,
+            Err(e) => break e.to_string(),
         }
     };
     let _ = stream.shutdown(std::net::Shutdown::Both);

@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::wire::{self, Msg};
 use super::*;
 use crate::token::JobToken;
+use fh_core::bytes::DecodeError;
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 const WAIT: Duration = Duration::from_secs(10);
@@ -267,18 +268,34 @@ fn decoders_refuse_every_truncation_and_bad_value() {
     for m in &msgs {
         let body = m.encode();
         assert_eq!(&Msg::decode(&body).unwrap(), m);
+        // A frame arrives whole: a short one is malformed, never "wait for more".
         for cut in 0..body.len() {
-            assert!(Msg::decode(&body[..cut]).is_err(), "{m:?} cut at {cut}");
+            assert_eq!(
+                Msg::decode(&body[..cut]),
+                Err(DecodeError::Invalid("a truncated elastic message".into())),
+                "{m:?} cut at {cut}"
+            );
         }
         let mut long = body.clone();
         long.push(0);
-        assert!(Msg::decode(&long).is_err());
+        assert_eq!(
+            Msg::decode(&long),
+            Err(DecodeError::Invalid(
+                "1 stray bytes after an elastic message".into()
+            ))
+        );
     }
     // An impossible topology.
     let mut a = assignment(1, 2);
     a.topology.rank = 5;
-    assert!(Msg::decode(&Msg::Answer(Membership::Member(a)).encode()).is_err());
-    assert!(Msg::decode(&[0x7f]).is_err());
+    let e = Msg::decode(&Msg::Answer(Membership::Member(a)).encode()).unwrap_err();
+    assert!(e.to_string().contains("impossible topology"), "{e}");
+    assert_eq!(
+        Msg::decode(&[0x7f]),
+        Err(DecodeError::Invalid(
+            "unknown elastic message type 0x7f".into()
+        ))
+    );
 }
 
 #[test]

@@ -189,20 +189,20 @@ impl Msg {
     }
 
     /// Decode a whole frame body.
-    pub fn decode(body: &[u8]) -> Result<Msg, String> {
+    pub fn decode(body: &[u8]) -> Result<Msg, DecodeError> {
         let mut r = Reader(bytes::Reader::new(body));
         let [kind] = r.take::<1>()?;
         let msg = match kind {
             T_HELLO => {
                 if r.take::<4>()? != MAGIC {
-                    return Err("not an elastic session hello (bad magic)".into());
+                    return Err(invalid("not an elastic session hello (bad magic)"));
                 }
-                let version = u16::from_le_bytes(r.take::<2>()?);
+                let version = r.read(bytes::Reader::u16)?;
                 if version != VERSION {
-                    return Err(format!(
+                    return Err(invalid(format!(
                         "the worker speaks elastic protocol version {version}, this fhrun \
                          speaks {VERSION} (run the same FastHorovod version everywhere)"
-                    ));
+                    )));
                 }
                 let nonce = r.take::<NONCE_LEN>()?;
                 let worker = r.text(false)?;
@@ -214,21 +214,21 @@ impl Msg {
             },
             T_PROOF => Msg::Proof(r.take::<PROOF_TAG_LEN>()?),
             T_WELCOME => Msg::Welcome {
-                timeout_ms: u64::from_le_bytes(r.take::<8>()?),
+                timeout_ms: r.read(bytes::Reader::u64)?,
             },
             T_REFUSE => Msg::Refuse(r.text(true)?),
             T_REGISTER => Msg::Register {
                 candidate: r.text(false)?,
             },
             T_HOST_UPDATES => Msg::HostUpdates {
-                since: u64::from_le_bytes(r.take::<8>()?),
+                since: r.read(bytes::Reader::u64)?,
             },
             T_MEMBER => {
-                let generation = u64::from_le_bytes(r.take::<8>()?);
-                let hosts_stamp = u64::from_le_bytes(r.take::<8>()?);
+                let generation = r.read(bytes::Reader::u64)?;
+                let hosts_stamp = r.read(bytes::Reader::u64)?;
                 let mut v = [0usize; 6];
                 for x in v.iter_mut() {
-                    *x = u32::from_le_bytes(r.take::<4>()?) as usize;
+                    *x = r.read(bytes::Reader::u32)? as usize;
                 }
                 let topology = Topology {
                     rank: v[0],
@@ -244,9 +244,9 @@ impl Msg {
                     .rsplit_once(':')
                     .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().map_or(true, |p| p == 0))
                 {
-                    return Err(format!(
+                    return Err(invalid(format!(
                         "an assignment whose rendezvous {rendezvous:?} is not ip:port"
-                    ));
+                    )));
                 }
                 Msg::Answer(Membership::Member(Assignment {
                     generation,
@@ -258,10 +258,10 @@ impl Msg {
             T_REMOVED => Msg::Answer(Membership::Removed(r.text(true)?)),
             T_FAILED => Msg::Answer(Membership::Failed(r.text(true)?)),
             T_HOST_UPDATE => {
-                let stamp = u64::from_le_bytes(r.take::<8>()?);
+                let stamp = r.read(bytes::Reader::u64)?;
                 let [added, removed] = r.take::<2>()?;
                 if added > 1 || removed > 1 {
-                    return Err("a host update whose flags are not 0 or 1".into());
+                    return Err(invalid("a host update whose flags are not 0 or 1"));
                 }
                 Msg::Update(HostUpdate {
                     stamp,
@@ -269,19 +269,19 @@ impl Msg {
                     removed: removed == 1,
                 })
             }
-            k => return Err(format!("unknown elastic message type {k:#x}")),
+            k => return Err(invalid(format!("unknown elastic message type {k:#x}"))),
         };
         if r.0.pos() != body.len() {
-            return Err(format!(
+            return Err(invalid(format!(
                 "{} stray bytes after an elastic message",
                 body.len() - r.0.pos()
-            ));
+            )));
         }
         Ok(msg)
     }
 }
 
-fn check_topology(t: &Topology) -> Result<(), String> {
+fn check_topology(t: &Topology) -> Result<(), DecodeError> {
     let ok = t.size >= 1
         && t.rank < t.size
         && t.local_size >= 1
@@ -293,33 +293,44 @@ fn check_topology(t: &Topology) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!("an assignment with an impossible topology {t:?}"))
+        Err(invalid(format!(
+            "an assignment with an impossible topology {t:?}"
+        )))
     }
 }
 
-/// The elastic messages' view of the one byte reader: a short message is "truncated" (a
-/// frame arrives whole), text has a one- or two-byte length.
+/// The elastic messages' view of the one byte reader: a frame arrives whole, so a short
+/// message is malformed ([`DecodeError::Invalid`] "a truncated elastic message", never
+/// [`DecodeError::NeedMore`]: nothing more will come); text has a one- or two-byte length.
 struct Reader<'a>(bytes::Reader<'a>);
 
-fn decode_error(e: DecodeError) -> String {
-    match e {
-        DecodeError::NeedMore(_) => "a truncated elastic message".to_string(),
-        DecodeError::Invalid(why) => why,
-    }
+fn invalid(why: impl Into<String>) -> DecodeError {
+    DecodeError::Invalid(why.into())
 }
 
-impl Reader<'_> {
-    fn take<const N: usize>(&mut self) -> Result<[u8; N], String> {
-        self.0.array().map_err(decode_error)
+impl<'a> Reader<'a> {
+    /// A field read with `read` from the one byte reader.
+    fn read<T>(
+        &mut self,
+        read: impl FnOnce(&mut bytes::Reader<'a>) -> Result<T, DecodeError>,
+    ) -> Result<T, DecodeError> {
+        read(&mut self.0).map_err(|e| match e {
+            DecodeError::NeedMore(_) => invalid("a truncated elastic message"),
+            e => e,
+        })
     }
 
-    fn text(&mut self, wide: bool) -> Result<String, String> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        self.read(bytes::Reader::array)
+    }
+
+    fn text(&mut self, wide: bool) -> Result<String, DecodeError> {
         let len = if wide {
-            usize::from(self.0.u16().map_err(decode_error)?)
+            usize::from(self.read(bytes::Reader::u16)?)
         } else {
-            usize::from(self.0.u8().map_err(decode_error)?)
+            usize::from(self.read(bytes::Reader::u8)?)
         };
-        self.0.text(len, "text").map_err(decode_error)
+        self.read(|r| r.text(len, "text"))
     }
 }
 

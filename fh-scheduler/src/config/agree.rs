@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use fh_core::bytes::{DecodeError, Reader};
+
 use super::{Config, Preset, Priority, Wire};
 use crate::SchedulerError;
 
@@ -85,8 +87,8 @@ pub(crate) fn agree(
     let mut hi = lo.clone();
     comm.allreduce(&mut lo, DType::I64, ReduceOp::Min)?;
     comm.allreduce(&mut hi, DType::I64, ReduceOp::Max)?;
-    let lo: Vec<i64> = crate::tensor::read_vec(&lo);
-    let hi: Vec<i64> = crate::tensor::read_vec(&hi);
+    let lo = read_fields(&lo, fields.len(), "the smallest planning fields")?;
+    let hi = read_fields(&hi, fields.len(), "the largest planning fields")?;
     for (i, (var, _)) in fields.iter().enumerate() {
         if lo[i] != hi[i] {
             return Err(SchedulerError::config(
@@ -126,8 +128,8 @@ pub(crate) fn measure_clock(
             b[8..].copy_from_slice(&(topo.cross_rank as u64).to_le_bytes());
         }
         comm.broadcast(&mut b, 0)?;
-        let sent = i64::from_le_bytes(b[..8].try_into().unwrap_or_default());
-        host0 = u64::from_le_bytes(b[8..].try_into().unwrap_or_default());
+        let sent;
+        (sent, host0) = read_clock(&b)?;
         best = best.min(now().saturating_sub(sent));
     }
     Ok(if topo.cross_rank as u64 == host0 {
@@ -152,7 +154,36 @@ pub(crate) fn agree_incarnation(
     }
     .to_le_bytes();
     comm.broadcast(&mut b, 0)?;
-    Ok(u64::from_le_bytes(b))
+    read_incarnation(&b)
+}
+
+/// `n` planning fields (little-endian `i64`s) reduced over every rank; `what` names them.
+pub(super) fn read_fields(b: &[u8], n: usize, what: &str) -> Result<Vec<i64>, SchedulerError> {
+    read_exactly(b, what, |r| (0..n).map(|_| r.i64()).collect())
+}
+
+/// Rank 0's clock sample: its wall clock in microseconds (`i64`) and its host (`u64`).
+pub(super) fn read_clock(b: &[u8]) -> Result<(i64, u64), SchedulerError> {
+    read_exactly(b, "rank 0's clock", |r| Ok((r.i64()?, r.u64()?)))
+}
+
+/// The engine's incarnation as rank 0 broadcast it (a `u64`).
+pub(super) fn read_incarnation(b: &[u8]) -> Result<u64, SchedulerError> {
+    read_exactly(b, "the engine's incarnation", Reader::u64)
+}
+
+/// The values in `b` (rank 0's broadcast, or every rank's reduction, of `what`), read with
+/// `read`. The buffer is this rank's, sized for exactly those values, so bytes missing or left
+/// over are a broken invariant: an internal error, never a value made up.
+fn read_exactly<'a, T>(
+    b: &'a [u8],
+    what: &str,
+    read: impl FnOnce(&mut Reader<'a>) -> Result<T, DecodeError>,
+) -> Result<T, SchedulerError> {
+    let mut r = Reader::new(b);
+    read(&mut r).and_then(|v| r.end().map(|()| v)).map_err(|e| {
+        SchedulerError::internal(format!("{what} ({} bytes) cannot be read: {e}", b.len()))
+    })
 }
 
 /// A value unlikely to repeat: the clock, the process and a count of the engines this process

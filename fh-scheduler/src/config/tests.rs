@@ -285,3 +285,40 @@ fn clock_offsets_are_zero_on_rank_0s_host_and_measured_across_hosts() {
     assert!((0..1_000_000).contains(&out[2].0), "{out:?}");
     assert!(out.iter().all(|o| o.1 == 0));
 }
+
+#[test]
+fn control_values_are_read_exactly_or_are_an_internal_error() {
+    let internal = |e: SchedulerError, want: &[&str]| match &e {
+        SchedulerError::Internal(m) if want.iter().all(|w| m.contains(w)) => {}
+        _ => panic!("{want:?}: {e}"),
+    };
+    // Rank 0's clock: its time, then its host.
+    let b = [(-5i64).to_le_bytes(), 7u64.to_le_bytes()].concat();
+    assert_eq!(agree::read_clock(&b), Ok((-5, 7)));
+    // A short or long buffer is an internal error naming the value, never a default.
+    internal(
+        agree::read_clock(&b[..15]).unwrap_err(),
+        &["rank 0's clock (15 bytes)", "truncated"],
+    );
+    internal(
+        agree::read_clock(&[&b[..], &[0]].concat()).unwrap_err(),
+        &["rank 0's clock (17 bytes)", "1 trailing bytes"],
+    );
+    // The planning fields.
+    let b = [3i64.to_le_bytes(), (-1i64).to_le_bytes()].concat();
+    assert_eq!(agree::read_fields(&b, 2, "fields"), Ok(vec![3, -1]));
+    internal(
+        agree::read_fields(&b, 3, "the largest fields").unwrap_err(),
+        &["the largest fields (16 bytes)", "truncated"],
+    );
+    internal(
+        agree::read_fields(&b, 1, "fields").unwrap_err(),
+        &["8 trailing bytes"],
+    );
+    // The incarnation.
+    assert_eq!(agree::read_incarnation(&9u64.to_le_bytes()), Ok(9));
+    internal(
+        agree::read_incarnation(&[1, 2, 3]).unwrap_err(),
+        &["the engine's incarnation (3 bytes)"],
+    );
+}

@@ -1,6 +1,7 @@
 //! The collective helpers a channel's executor runs on its communicator: in-place reductions
 //! over one or several slices, the average's divisor, and the layout of what peers send.
 
+use fh_core::bytes::{DecodeError, Reader};
 use fh_core::kernels;
 use fh_core::message::Signature;
 use fh_core::ReduceOp;
@@ -111,14 +112,28 @@ pub(super) fn u64s(v: &[usize]) -> Vec<u8> {
     v.iter().flat_map(|&x| (x as u64).to_le_bytes()).collect()
 }
 
-pub(super) fn from_u64s(b: &[u8]) -> Vec<usize> {
-    b.chunks_exact(8)
-        .map(|c| {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(c);
-            usize::try_from(u64::from_le_bytes(a)).unwrap_or(usize::MAX)
-        })
-        .collect()
+/// The count each of `ranks` ranks sent (`what`, a little-endian `u64` each, in rank order),
+/// as [`u64s`] wrote them. The buffer is this rank's, sized for exactly those, so bytes missing
+/// or left over are a broken invariant; a count this machine cannot address is the sending
+/// rank's protocol error.
+pub(super) fn from_u64s(b: &[u8], ranks: usize, what: &str) -> Result<Vec<usize>, TransportError> {
+    let unreadable = |e: DecodeError| {
+        TransportError::Internal(format!(
+            "{what} from {ranks} ranks ({} bytes) cannot be read: {e}",
+            b.len()
+        ))
+    };
+    let mut r = Reader::new(b);
+    let mut out = Vec::with_capacity(ranks);
+    for rank in 0..ranks {
+        let v = r.u64().map_err(unreadable)?;
+        out.push(usize::try_from(v).map_err(|_| TransportError::Protocol {
+            rank,
+            detail: format!("announced {v} {what}, more than this machine can address"),
+        })?);
+    }
+    r.end().map_err(unreadable)?;
+    Ok(out)
 }
 
 /// Bytes per first-dimension row.
@@ -142,6 +157,30 @@ mod tests {
         let e = recv_layout(&[MAX_RECV_BYTES, 1, 0], 1).unwrap_err();
         assert_eq!(e.blamed_rank(), Some(1), "{e}");
         assert!(e.to_string().contains("bound"), "{e}");
-        assert_eq!(from_u64s(&u64::MAX.to_le_bytes()), [usize::MAX]);
+    }
+
+    #[test]
+    fn counts_from_peers_are_read_exactly() {
+        let b = u64s(&[2, 0, usize::MAX]);
+        assert_eq!(from_u64s(&b, 3, "rows").unwrap(), [2, 0, usize::MAX]);
+        // A buffer of another size than the ranks' counts is a bug, named, never a count.
+        for (bytes, ranks, want) in [
+            (
+                &b[..23],
+                3,
+                "rows from 3 ranks (23 bytes) cannot be read: truncated",
+            ),
+            (
+                &b[..],
+                2,
+                "rows from 2 ranks (24 bytes) cannot be read: 8 trailing bytes",
+            ),
+        ] {
+            let e = from_u64s(bytes, ranks, "rows").unwrap_err();
+            assert!(
+                matches!(&e, TransportError::Internal(m) if m.starts_with(want)),
+                "{want}: {e}"
+            );
+        }
     }
 }

@@ -6,8 +6,9 @@
 //! another engine of the same processes (an earlier `init()`) is refused on every rank that
 //! receives it, with an error that says so, instead of being read as one of this engine's.
 
+use fh_core::bytes::{DecodeError, Reader};
 use fh_core::{DType, ReduceOp};
-use fh_transport::{CollectivesExt, Communicator};
+use fh_transport::{CollectivesExt, Communicator, TransportError};
 
 use crate::SchedulerError;
 
@@ -27,8 +28,22 @@ pub(crate) fn checked_total(counts: &[usize]) -> Result<usize, SchedulerError> {
         })
 }
 
-fn len_of(b: [u8; 8]) -> usize {
-    usize::try_from(u64::from_le_bytes(b)).unwrap_or(usize::MAX)
+/// Control bytes (`what`) in a buffer this rank sized that could not be read: a broken
+/// invariant, never a value made up.
+fn unreadable(what: &str, len: usize, e: DecodeError) -> SchedulerError {
+    SchedulerError::internal(format!("{what} ({len} bytes) cannot be read: {e}"))
+}
+
+/// Read all of `b` with `read`: bytes missing or left over are `what`'s [`unreadable`] error.
+fn read_exactly<'a, T>(
+    b: &'a [u8],
+    what: impl FnOnce() -> String,
+    read: impl FnOnce(&mut Reader<'a>) -> Result<T, DecodeError>,
+) -> Result<T, SchedulerError> {
+    let mut r = Reader::new(b);
+    read(&mut r)
+        .and_then(|v| r.end().map(|()| v))
+        .map_err(|e| unreadable(&what(), b.len(), e))
 }
 
 /// The error for a control message of rank `from` that belongs to another engine.
@@ -53,17 +68,51 @@ fn header(tag: u64, len: usize) -> [u8; 16] {
     h
 }
 
-/// The length in a header from rank `from`, once its incarnation is checked.
+/// The length in a header from rank `from`, once its incarnation is checked; a length past
+/// [`MAX_CONTROL_BYTES`] is refused as that rank's protocol error.
 fn read_header(h: &[u8], tag: u64, from: usize) -> Result<usize, SchedulerError> {
-    let mut t = [0u8; 8];
-    t.copy_from_slice(&h[..8]);
-    let theirs = u64::from_le_bytes(t);
+    let (theirs, len) = read_exactly(
+        h,
+        || format!("the control header from rank {from}"),
+        |r| Ok((r.u64()?, r.u64()?)),
+    )?;
     if theirs != tag {
         return Err(stale(Some(from), theirs, tag));
     }
-    let mut l = [0u8; 8];
-    l.copy_from_slice(&h[8..16]);
-    Ok(len_of(l))
+    usize::try_from(len)
+        .ok()
+        .filter(|&n| n <= MAX_CONTROL_BYTES)
+        .ok_or_else(|| {
+            TransportError::Protocol {
+                rank: from,
+                detail: format!(
+                    "announced a control message of {len} bytes, more than the \
+                     {MAX_CONTROL_BYTES}-byte bound; refusing"
+                ),
+            }
+            .into()
+        })
+}
+
+/// The incarnation and its complement after the first `n` bytes of a reduced vector.
+fn read_tag_words(bits: &[u8], n: usize) -> Result<(u64, u64), SchedulerError> {
+    read_exactly(
+        bits,
+        || format!("a reduced control vector of {n} bytes and its incarnation"),
+        |r| {
+            r.bytes(n)?;
+            Ok((r.u64()?, r.u64()?))
+        },
+    )
+}
+
+/// The allgathered control messages `all`, cut at the lengths `counts` announced.
+fn split_blobs(all: &[u8], counts: &[usize]) -> Result<Vec<Vec<u8>>, SchedulerError> {
+    read_exactly(
+        all,
+        || format!("control messages of {counts:?} bytes"),
+        |r| counts.iter().map(|&n| Ok(r.bytes(n)?.to_vec())).collect(),
+    )
 }
 
 /// Reduce `bits` bytewise with `op` (`BitAnd` or `BitOr`) over every rank, the engine's
@@ -80,12 +129,7 @@ pub(crate) fn reduce_bits(
     bits.extend_from_slice(&tag.to_le_bytes());
     bits.extend_from_slice(&(!tag).to_le_bytes());
     comm.allreduce(bits, DType::U8, op)?;
-    let word = |at: usize| {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&bits[at..at + 8]);
-        u64::from_le_bytes(w)
-    };
-    let (t, c) = (word(n), word(n + 8));
+    let (t, c) = read_tag_words(bits, n)?;
     bits.truncate(n);
     if t != tag || c != !tag {
         return Err(stale(None, t, tag));
@@ -110,13 +154,7 @@ pub(crate) fn allgather_blobs(
         .collect::<Result<Vec<usize>, _>>()?;
     let mut all = vec![0u8; checked_total(&counts)?];
     comm.allgatherv(mine, &mut all, &counts)?;
-    let mut out = Vec::with_capacity(size);
-    let mut off = 0;
-    for n in counts {
-        out.push(all[off..off + n].to_vec());
-        off += n;
-    }
-    Ok(out)
+    split_blobs(&all, &counts)
 }
 
 /// Gather every rank's `mine` to rank 0: rank 0 gets them in rank order, the others `None`.
@@ -227,6 +265,63 @@ mod tests {
             }
         });
         assert!(out[0].as_ref().unwrap().contains("refusing"), "{out:?}");
+    }
+
+    #[test]
+    fn control_words_that_cannot_be_read_are_errors_never_values() {
+        let internal = |e: SchedulerError, want: &[&str]| match &e {
+            SchedulerError::Internal(m) if want.iter().all(|w| m.contains(w)) => {}
+            _ => panic!("{want:?}: {e}"),
+        };
+        // A header: the incarnation, then the length.
+        let h = header(5, 3);
+        assert_eq!(read_header(&h, 5, 2), Ok(3));
+        internal(
+            read_header(&h[..15], 5, 2).unwrap_err(),
+            &["the control header from rank 2 (15 bytes)", "truncated"],
+        );
+        internal(
+            read_header(&[&h[..], &[0]].concat(), 5, 2).unwrap_err(),
+            &["(17 bytes)", "1 trailing bytes"],
+        );
+        // A length past the bound is the announcing rank's protocol error.
+        assert_eq!(
+            read_header(&header(5, MAX_CONTROL_BYTES), 5, 2),
+            Ok(MAX_CONTROL_BYTES)
+        );
+        let e = read_header(&header(5, MAX_CONTROL_BYTES + 1), 5, 2).unwrap_err();
+        assert_eq!(e.lost_rank(), Some(2), "{e}");
+        let m = e.to_string();
+        assert!(
+            m.contains("protocol error with rank 2") && m.contains("refusing"),
+            "{m}"
+        );
+        // A reduced vector's incarnation and its complement.
+        let v = [
+            &[1u8, 2, 3][..],
+            &7u64.to_le_bytes(),
+            &(!7u64).to_le_bytes(),
+        ]
+        .concat();
+        assert_eq!(read_tag_words(&v, 3), Ok((7, !7)));
+        internal(
+            read_tag_words(&v[..18], 3).unwrap_err(),
+            &["a reduced control vector of 3 bytes", "truncated"],
+        );
+        internal(read_tag_words(&v, 2).unwrap_err(), &["1 trailing bytes"]);
+        // Allgathered messages cut at their announced lengths.
+        assert_eq!(
+            split_blobs(b"abcd", &[1, 0, 3]),
+            Ok(vec![b"a".to_vec(), vec![], b"bcd".to_vec()])
+        );
+        internal(
+            split_blobs(b"abc", &[1, 3]).unwrap_err(),
+            &["control messages of [1, 3] bytes (3 bytes)", "truncated"],
+        );
+        internal(
+            split_blobs(b"abcd", &[1, 2]).unwrap_err(),
+            &["1 trailing bytes"],
+        );
     }
 
     /// Rank `r`'s incarnation in the stale-message tests: rank 1 still speaks for an earlier
