@@ -689,12 +689,14 @@ impl Cluster {
     /// Starts a job of `per_host[h]` ranks on host `h` (ranks numbered host by host), each
     /// running `program args` with the launcher's variables as fhrun writes them
     /// ([`fh_job::LaunchInfo::to_vars`]: `FH_RANK`, `FH_SIZE`, `FH_LOCAL_*`, `FH_CROSS_*`,
-    /// `FH_RENDEZVOUS_ADDR` on host 0, a fresh `FH_JOB_TOKEN`), then `env`; each rank's stdout and stderr go to a file under the cluster's directory.
+    /// `FH_RENDEZVOUS_ADDR` on host 0, a fresh `FH_JOB_TOKEN`, `timeout` as
+    /// `FH_TIMEOUT_SECONDS`), then `env`; each rank's stdout and stderr go to a file under the cluster's directory.
     pub(crate) fn launch(
         &self,
         per_host: &[usize],
         program: &Path,
         args: &[&str],
+        timeout: Duration,
         env: &[(&str, &str)],
     ) -> Result<Job, String> {
         if per_host.len() > self.hosts.len() || per_host.contains(&0) {
@@ -726,11 +728,12 @@ impl Cluster {
                     cross_rank: h,
                     cross_size: per_host.len(),
                 };
-                let launch = fh_job::LaunchInfo::for_rank(
+                let mut launch = fh_job::LaunchInfo::for_rank(
                     place,
                     format!("{}:{RENDEZVOUS_PORT}", self.hosts[0].addr),
                     fh_job::JobToken::new(token.clone()),
                 );
+                launch.timeout = timeout;
                 let mut c = self.command(h, program);
                 c.args(args)
                     .envs(launch.to_vars())
