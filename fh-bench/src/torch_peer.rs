@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use fh_job::{JobToken, LaunchInfo, Topology};
 use serde::Deserialize;
 
 use crate::runner::{free_port, random_token, Children};
@@ -413,14 +414,12 @@ impl PeerRun<'_> {
             for rank in 0..self.np {
                 let mut c = Command::new(self.python);
                 args(&mut c);
-                c.env("FH_RANK", rank.to_string())
-                    .env("FH_SIZE", self.np.to_string())
-                    .env("FH_LOCAL_RANK", rank.to_string())
-                    .env("FH_LOCAL_SIZE", self.np.to_string())
-                    .env("FH_CROSS_RANK", "0")
-                    .env("FH_CROSS_SIZE", "1")
-                    .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
-                    .env("FH_JOB_TOKEN", &token)
+                let launch = LaunchInfo::for_rank(
+                    Topology::single_host(rank, self.np),
+                    format!("127.0.0.1:{port}"),
+                    JobToken::new(token.clone()),
+                );
+                c.envs(launch.to_vars())
                     .env("FH_TRANSPORT", self.peer.transport);
                 children.spawn(c, self.log_dir, &format!("{name}.rank{rank}"))?;
             }

@@ -310,15 +310,11 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         let host_list = hosts.unwrap_or_default();
         let (rendezvous, store) =
             rendezvous_and_store(&cli, &hosts::rendezvous_host(&host_list, &hostname))?;
-        let mut common: Vec<(String, String)> = vec![
-            ("FH_SIZE".into(), np.to_string()),
-            ("FH_RENDEZVOUS_ADDR".into(), rendezvous),
-            ("FH_JOB_TOKEN".into(), token),
-        ];
-        common.extend(store);
+        let mut common: Vec<(String, String)> = store.to_vec();
         common.extend(knobs);
         common.extend(user_env);
-        let job = across_hosts(&cli, &host_list, &hostname, np, &common)?;
+        let launch = (rendezvous.as_str(), token.as_str());
+        let job = across_hosts(&cli, &host_list, &hostname, np, launch, &common)?;
         if cli.dry_run || cli.verbose {
             show_plan(&job, cli.dry_run);
             if cli.dry_run {
@@ -409,12 +405,16 @@ fn run(cli: Cli) -> Result<i32, Failure> {
 
 /// The ranks of a job across hosts, placed host by host in the list's order (each host's slots
 /// filled before the next: rank 0 on the first host): this machine's ranks run here, every
-/// other host's through the rsh agent as a remote part. `common` holds what every rank gets.
+/// other host's through the rsh agent as a remote part. Each rank gets its launch variables
+/// ([`fh_job::LaunchInfo::to_vars`] of its place, `launch`'s rendezvous address and job
+/// token), then `common`, what every rank gets (so that what the user gives with `-x` wins,
+/// as in a job on this machine alone).
 fn across_hosts(
     cli: &Cli,
     host_list: &[Host],
     hostname: &str,
     np: usize,
+    (rendezvous, token): (&str, &str),
     common: &[(String, String)],
 ) -> Result<launch::LocalJob, Failure> {
     let agent = mpi::split_words(&cli.rsh_agent)
@@ -459,27 +459,33 @@ fn across_hosts(
     };
     let cross_size = placed.len();
     for (cross, &(h, first, n)) in placed.iter().enumerate() {
-        let mut env: Vec<(String, String)> = common.to_vec();
-        env.extend([
-            ("FH_LOCAL_SIZE".to_string(), n.to_string()),
-            ("FH_CROSS_RANK".to_string(), cross.to_string()),
-            ("FH_CROSS_SIZE".to_string(), cross_size.to_string()),
-        ]);
+        // The launch variables of this host's `local`-th rank.
+        let launch_vars = |local: usize| {
+            let place = fh_job::Topology {
+                rank: first + local,
+                size: np,
+                local_rank: local,
+                local_size: n,
+                cross_rank: cross,
+                cross_size,
+            };
+            fh_job::LaunchInfo::for_rank(place, rendezvous, fh_job::JobToken::new(token))
+                .to_vars()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+        };
         if hosts::is_local(&h.name, hostname) {
             for local in 0..n {
-                let mut e = env.clone();
-                e.push(("FH_RANK".into(), (first + local).to_string()));
-                e.push(("FH_LOCAL_RANK".into(), local.to_string()));
                 job.ranks.push(launch::RankSpec {
                     rank: first + local,
-                    env: e,
+                    env: launch_vars(local).chain(common.iter().cloned()).collect(),
                     tag: None,
                 });
             }
             continue;
         }
         let mut part_env = forwarded.clone();
-        part_env.extend(env);
+        part_env.extend(common.iter().cloned());
         let part = remote::Part {
             cwd: cwd.to_string_lossy().into_owned(),
             command: cli.command.clone(),
@@ -489,7 +495,9 @@ fn across_hosts(
             kill_grace: cli.kill_grace,
             verbose: cli.verbose,
             workers: Vec::new(),
-            worker_env: Vec::new(),
+            own_env: (0..n)
+                .flat_map(|local| launch_vars(local).map(move |(k, v)| (local, k, v)))
+                .collect(),
             report: None,
         };
         let mut argv = agent.clone();

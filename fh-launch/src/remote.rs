@@ -5,7 +5,8 @@
 //!
 //! Nothing secret is on a command line: the remote part's command line is only the path of
 //! fhrun and [`REMOTE_ARG`]; everything else — the working directory, the ranks, the command,
-//! and the ranks' environment with the job token — goes in a [`Part`] over the agent's stdin,
+//! and the ranks' environment with the job token (each rank's launch variables written by
+//! fhrun with [`fh_job::LaunchInfo::to_vars`]) — goes in a [`Part`] over the agent's stdin,
 //! which then stays open as a control channel: a line `signal N` makes the remote part send
 //! signal N to its ranks (fhrun forwards SIGINT, SIGTERM, SIGHUP, SIGQUIT and SIGUSR1 that
 //! way), and the end of stdin — the agent gone because fhrun stopped it or died (fhrun's
@@ -41,15 +42,17 @@ pub struct Part {
     pub command: Vec<String>,
     /// Variables every rank of the part gets.
     pub env: Vec<(String, String)>,
-    /// The global ranks of this part; the n-th gets `FH_LOCAL_RANK=n`.
+    /// The global ranks of this part (their launch variables are in [`Part::own_env`]).
     pub ranks: Vec<usize>,
     /// An elastic part's workers instead of ranks: their ids (`host:slot`), each given as
     /// `FH_ELASTIC_WORKER` and used as its output prefix; no `FH_RANK`/`FH_LOCAL_RANK` (an
     /// elastic worker's rank comes from its driver, per generation).
     pub workers: Vec<String>,
-    /// Variables of one elastic worker only: `(index in workers, name, value)` (Horovod's
-    /// launch variables of its slot).
-    pub worker_env: Vec<(usize, String, String)>,
+    /// Variables of one rank or elastic worker only: `(index in ranks or workers, name,
+    /// value)`: a rank's launch variables (`FH_RANK`, `FH_LOCAL_RANK`, ..., as
+    /// [`fh_job::LaunchInfo::to_vars`] writes them), an elastic worker's Horovod launch
+    /// variables of its slot.
+    pub own_env: Vec<(usize, String, String)>,
     /// The marker of the lines that report each rank's end on stdout
     /// ([`LocalJob::report_exits`]); elastic parts only.
     pub report: Option<String>,
@@ -99,8 +102,8 @@ impl Part {
         for w in &self.workers {
             t += &format!("worker {}\n", escape(w));
         }
-        for (i, k, v) in &self.worker_env {
-            t += &format!("wenv {i} {}={}\n", escape(k), escape(v));
+        for (i, k, v) in &self.own_env {
+            t += &format!("own {i} {}={}\n", escape(k), escape(v));
         }
         if let Some(m) = &self.report {
             t += &format!("report {}\n", escape(m));
@@ -123,7 +126,7 @@ impl Part {
             env: Vec::new(),
             ranks: Vec::new(),
             workers: Vec::new(),
-            worker_env: Vec::new(),
+            own_env: Vec::new(),
             report: None,
             prefix: true,
             kill_grace: Duration::from_secs(2),
@@ -163,14 +166,14 @@ impl Part {
                 }
                 "rank" => part.ranks.push(num(value)? as usize),
                 "worker" => part.workers.push(unescape(value)?),
-                "wenv" => {
+                "own" => {
                     let (i, kv) = value
                         .split_once(' ')
-                        .ok_or_else(|| format!("`wenv` wants INDEX NAME=VALUE, not {value:?}"))?;
+                        .ok_or_else(|| format!("`own` wants INDEX NAME=VALUE, not {value:?}"))?;
                     let (k, v) = kv
                         .split_once('=')
-                        .ok_or_else(|| format!("`wenv` wants INDEX NAME=VALUE, not {value:?}"))?;
-                    part.worker_env
+                        .ok_or_else(|| format!("`own` wants INDEX NAME=VALUE, not {value:?}"))?;
+                    part.own_env
                         .push((num(i)? as usize, unescape(k)?, unescape(v)?));
                 }
                 "report" => part.report = Some(unescape(value)?),
@@ -180,14 +183,10 @@ impl Part {
                 other => return Err(format!("unknown line `{other}` in the job")),
             }
         }
-        if let Some((i, k, _)) = part
-            .worker_env
-            .iter()
-            .find(|(i, ..)| *i >= part.workers.len())
-        {
+        let members = part.ranks.len().max(part.workers.len());
+        if let Some((i, k, _)) = part.own_env.iter().find(|(i, ..)| *i >= members) {
             return Err(format!(
-                "`wenv {i} {k}=…` names worker {i}, but the job has {} workers",
-                part.workers.len()
+                "`own {i} {k}=…` names rank or worker {i}, but the job has {members}"
             ));
         }
         if part.command.is_empty() || part.ranks.is_empty() == part.workers.is_empty() {
@@ -198,17 +197,20 @@ impl Part {
         Ok(part)
     }
 
-    /// The local job this part runs: each rank with its `FH_RANK` and `FH_LOCAL_RANK`; or
-    /// each elastic worker with its `FH_ELASTIC_WORKER` (and no rank variable).
+    /// The local job this part runs: each rank with its launch variables first, then the
+    /// part's (so that what the user gave with `-x` wins, as on fhrun's own host); or each
+    /// elastic worker with the part's variables, its own, and its `FH_ELASTIC_WORKER` (and no
+    /// rank variable).
     pub fn job(&self) -> LocalJob {
+        let own = |i: usize| {
+            self.own_env
+                .iter()
+                .filter(move |(j, ..)| *j == i)
+                .map(|(_, k, v)| (k.clone(), v.clone()))
+        };
         let workers = self.workers.iter().enumerate().map(|(i, w)| {
             let mut env = self.env.clone();
-            env.extend(
-                self.worker_env
-                    .iter()
-                    .filter(|(j, ..)| *j == i)
-                    .map(|(_, k, v)| (k.clone(), v.clone())),
-            );
+            env.extend(own(i));
             env.push((fh_job::elastic::WORKER_VAR.into(), w.clone()));
             RankSpec {
                 rank: i,
@@ -221,9 +223,8 @@ impl Part {
             .iter()
             .enumerate()
             .map(|(local, &rank)| {
-                let mut env = self.env.clone();
-                env.push(("FH_RANK".into(), rank.to_string()));
-                env.push(("FH_LOCAL_RANK".into(), local.to_string()));
+                let mut env: Vec<(String, String)> = own(local).collect();
+                env.extend(self.env.iter().cloned());
                 RankSpec {
                     rank,
                     env,
@@ -325,17 +326,42 @@ pub fn serve() -> i32 {
 mod tests {
     use super::*;
 
+    const TOKEN: &str = "0123456789abcdef";
+
+    /// Where the part's `local`-th rank sits: ranks 4-6 of 7, on the second of two hosts.
+    fn place(local: usize) -> fh_job::Topology {
+        fh_job::Topology {
+            rank: 4 + local,
+            size: 7,
+            local_rank: local,
+            local_size: 3,
+            cross_rank: 1,
+            cross_size: 2,
+        }
+    }
+
     fn part() -> Part {
         Part {
             cwd: "/work/a dir".into(),
             command: vec!["python".into(), "-c".into(), "print('a\\nb')\nx".into()],
             env: vec![
-                ("FH_JOB_TOKEN".into(), "0123456789abcdef".into()),
+                ("PATH".into(), "/opt/bin".into()),
                 ("ODD".into(), "a=b\\c\nd".into()),
             ],
             ranks: vec![4, 5, 6],
             workers: Vec::new(),
-            worker_env: Vec::new(),
+            own_env: (0..3)
+                .flat_map(|local| {
+                    fh_job::LaunchInfo::for_rank(
+                        place(local),
+                        "node0:29500",
+                        fh_job::JobToken::new(TOKEN),
+                    )
+                    .to_vars()
+                    .into_iter()
+                    .map(move |(k, v)| (local, k.to_string(), v))
+                })
+                .collect(),
             report: None,
             prefix: false,
             kill_grace: Duration::from_millis(1500),
@@ -357,9 +383,25 @@ mod tests {
 
     #[test]
     fn every_value_is_on_one_line() {
-        let text = part().encode();
-        assert_eq!(text.lines().count(), 1 + 1 + 3 + 2 + 3 + 3 + 1);
+        let p = part();
+        let text = p.encode();
+        assert_eq!(
+            text.lines().count(),
+            1 + 1 + 3 + 2 + 3 + p.own_env.len() + 3 + 1
+        );
         assert!(text.contains("env ODD=a=b\\\\c\\nd\n"));
+    }
+
+    /// A rank's environment, last value of each name.
+    fn env_of(job: &LocalJob, i: usize) -> impl Fn(&str) -> Option<String> + '_ {
+        move |k| {
+            job.ranks[i]
+                .env
+                .iter()
+                .rev()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.clone())
+        }
     }
 
     #[test]
@@ -367,17 +409,33 @@ mod tests {
         let job = part().job();
         let ranks: Vec<usize> = job.ranks.iter().map(|r| r.rank).collect();
         assert_eq!(ranks, [4, 5, 6]);
-        let get = |i: usize, k: &str| {
-            job.ranks[i]
-                .env
-                .iter()
-                .rev()
-                .find(|(n, _)| n == k)
-                .map(|(_, v)| v.clone())
-        };
-        assert_eq!(get(2, "FH_RANK").as_deref(), Some("6"));
-        assert_eq!(get(2, "FH_LOCAL_RANK").as_deref(), Some("2"));
-        assert_eq!(get(0, "FH_JOB_TOKEN").as_deref(), Some("0123456789abcdef"));
+        assert_eq!(env_of(&job, 2)("FH_RANK").as_deref(), Some("6"));
+        assert_eq!(env_of(&job, 2)("FH_LOCAL_RANK").as_deref(), Some("2"));
+        assert_eq!(env_of(&job, 0)("FH_JOB_TOKEN").as_deref(), Some(TOKEN));
+        assert_eq!(env_of(&job, 0)("PATH").as_deref(), Some("/opt/bin"));
+        // What each rank reads is the launch fhrun wrote for it, and no other rank's.
+        for local in 0..3 {
+            let info = fh_job::LaunchInfo::from_vars(env_of(&job, local)).unwrap();
+            assert_eq!(info.topology(), place(local));
+            assert_eq!(info.launcher, fh_job::launch::Launcher::Fhrun);
+            assert_eq!(info.rendezvous.as_deref(), Some("node0:29500"));
+            assert_eq!(info.token.as_ref().map(|t| t.expose()), Some(TOKEN));
+        }
+    }
+
+    #[test]
+    fn what_every_rank_gets_wins_over_a_ranks_launch_variables() {
+        // A token the user gives with `-x` replaces fhrun's, as on fhrun's own host.
+        let mut p = part();
+        p.env
+            .push(("FH_JOB_TOKEN".into(), "the-users-own-token-0123".into()));
+        let job = p.job();
+        for local in 0..3 {
+            assert_eq!(
+                env_of(&job, local)("FH_JOB_TOKEN").as_deref(),
+                Some("the-users-own-token-0123")
+            );
+        }
     }
 
     #[test]
@@ -385,7 +443,7 @@ mod tests {
         let mut p = part();
         p.ranks.clear();
         p.workers = vec!["h1:0".into(), "h1:1".into()];
-        p.worker_env = vec![
+        p.own_env = vec![
             (0, "HOROVOD_RANK".into(), "2".into()),
             (1, "HOROVOD_RANK".into(), "3".into()),
             (1, "ODD".into(), "x=\ny".into()),
@@ -420,11 +478,15 @@ mod tests {
             ("cwd /\ngo\n", "no command"),
             ("cwd /\narg x\nrank 0\nworker h:0\ngo\n", "exactly one"),
             (
-                "cwd /\narg x\nworker h:0\nwenv 1 A=b\ngo\n",
-                "names worker 1",
+                "cwd /\narg x\nworker h:0\nown 1 A=b\ngo\n",
+                "names rank or worker 1",
             ),
             (
-                "cwd /\narg x\nworker h:0\nwenv 0 A\ngo\n",
+                "cwd /\narg x\nrank 0\nown 1 A=b\ngo\n",
+                "names rank or worker 1",
+            ),
+            (
+                "cwd /\narg x\nworker h:0\nown 0 A\ngo\n",
                 "INDEX NAME=VALUE",
             ),
             ("cwd /\narg x\nrank zero\ngo\n", "wants a number"),

@@ -344,6 +344,12 @@ mod gpu {
         let exe = std::env::current_exe().expect("current exe");
         let mut kids = Children(Vec::new());
         for rank in 0..2 {
+            let mut launch = fh_job::LaunchInfo::for_rank(
+                fh_job::Topology::single_host(rank, 2),
+                format!("127.0.0.1:{port}"),
+                fh_job::JobToken::new(token.clone()),
+            );
+            launch.timeout = Duration::from_secs(60);
             let mut cmd = std::process::Command::new(&exe);
             cmd.args([
                 "gpu::device_child_rank",
@@ -354,15 +360,7 @@ mod gpu {
             ])
             .env(CHILD, "1")
             .env("CUDA_VISIBLE_DEVICES", "0")
-            .env("FH_RANK", rank.to_string())
-            .env("FH_SIZE", "2")
-            .env("FH_LOCAL_RANK", rank.to_string())
-            .env("FH_LOCAL_SIZE", "2")
-            .env("FH_CROSS_RANK", "0")
-            .env("FH_CROSS_SIZE", "1")
-            .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
-            .env("FH_JOB_TOKEN", &token)
-            .env("FH_TIMEOUT_SECONDS", "60")
+            .envs(launch.to_vars())
             .env("FH_TRANSPORT", "tcp")
             .env("FH_CUDA", "1")
             .stdin(std::process::Stdio::null());

@@ -19,6 +19,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
+use fh_job::{JobToken, LaunchInfo};
 use fh_transport::CollectivesExt;
 
 struct Args {
@@ -93,12 +94,14 @@ fn main() {
     let token = format!("heartbeat-gaps-{:x}-{port:x}-token", std::process::id());
     let mut ranks = Vec::new();
     for r in 0..a.ranks {
+        let launch = LaunchInfo {
+            rendezvous: Some(format!("127.0.0.1:{port}")),
+            token: Some(JobToken::new(token.clone())),
+            ..LaunchInfo::bare(r, a.ranks)
+        };
         let mut c = Command::new(&exe);
         c.args(std::env::args().skip(1))
-            .env("FH_RANK", r.to_string())
-            .env("FH_SIZE", a.ranks.to_string())
-            .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
-            .env("FH_JOB_TOKEN", &token)
+            .envs(launch.to_vars())
             .env(
                 "FH_TRANSPORT",
                 std::env::var("FH_TRANSPORT").unwrap_or("tcp".into()),

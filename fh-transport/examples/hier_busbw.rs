@@ -26,6 +26,7 @@ mod imp {
     use std::time::Instant;
 
     use fh_core::{DType, ReduceOp};
+    use fh_job::{JobToken, LaunchInfo, Topology};
     use fh_transport::{Communicator, Result};
 
     fn parse_size(s: &str) -> Option<usize> {
@@ -50,19 +51,25 @@ mod imp {
         let size = hosts * per_host;
         let mut children = Vec::new();
         for rank in 0..size {
+            let place = Topology {
+                rank,
+                size,
+                local_rank: rank % per_host,
+                local_size: per_host,
+                cross_rank: rank / per_host,
+                cross_size: hosts,
+            };
+            let mut launch = LaunchInfo::for_rank(
+                place,
+                format!("127.0.0.1:{port}"),
+                JobToken::new(token.clone()),
+            );
+            // The simulated hosts share this machine: name them, or the facts say one host.
+            launch.host_id = Some(format!("simulated-host-{}", rank / per_host));
             let child = Command::new(&exe)
                 .arg(bytes.to_string())
                 .env("FH_TRANSPORT", transport)
-                .env("FH_RANK", rank.to_string())
-                .env("FH_SIZE", size.to_string())
-                .env("FH_LOCAL_RANK", (rank % per_host).to_string())
-                .env("FH_LOCAL_SIZE", per_host.to_string())
-                .env("FH_CROSS_RANK", (rank / per_host).to_string())
-                .env("FH_CROSS_SIZE", hosts.to_string())
-                // The simulated hosts share this machine: name them, or the facts say one host.
-                .env("FH_HOST_ID", format!("simulated-host-{}", rank / per_host))
-                .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
-                .env("FH_JOB_TOKEN", &token)
+                .envs(launch.to_vars())
                 .stdin(Stdio::null())
                 .spawn()
                 .expect("spawn a rank");

@@ -15,6 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fh_core::{DType, ReduceOp};
+use fh_job::{JobToken, LaunchInfo, Topology};
 use fh_transport::{Communicator, Result};
 
 fn parse_size(s: &str) -> Option<usize> {
@@ -33,14 +34,18 @@ fn launch_self(np: usize, rest: &[String]) -> std::io::Result<bool> {
     );
     let mut children = Vec::new();
     for rank in 0..np {
+        // Every rank on this host, said by the local claim alone.
+        let launch = LaunchInfo {
+            cross_vars: None,
+            ..LaunchInfo::for_rank(
+                Topology::single_host(rank, np),
+                format!("127.0.0.1:{port}"),
+                JobToken::new(token.clone()),
+            )
+        };
         let child = Command::new(&exe)
             .args(rest)
-            .env("FH_RANK", rank.to_string())
-            .env("FH_SIZE", np.to_string())
-            .env("FH_LOCAL_RANK", rank.to_string())
-            .env("FH_LOCAL_SIZE", np.to_string())
-            .env("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}"))
-            .env("FH_JOB_TOKEN", &token)
+            .envs(launch.to_vars())
             .stdin(Stdio::null())
             .spawn()?;
         children.push(child);

@@ -5,29 +5,22 @@
 //! `cargo run --release -p fh-transport --example tcp_startup -- 4 16 64`
 
 use std::net::TcpListener;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
-use fh_job::launch::LaunchInfo;
+use fh_job::{JobToken, LaunchInfo};
 use fh_transport::backend::tcp::{TcpOptions, TcpTransport};
 use fh_transport::CollectivesExt;
 
 const TOKEN: &str = "tcp-startup-example-token-0123456789";
 
 fn info(rank: usize, size: usize, port: u16) -> LaunchInfo {
-    let vars = [
-        ("FH_RANK", rank.to_string()),
-        ("FH_SIZE", size.to_string()),
-        ("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}")),
-        ("FH_JOB_TOKEN", TOKEN.to_string()),
-        ("FH_TIMEOUT_SECONDS", "60".to_string()),
-    ];
-    LaunchInfo::from_vars(|name| {
-        vars.iter()
-            .find(|(k, _)| *k == name)
-            .map(|(_, v)| v.clone())
-    })
-    .expect("valid environment")
+    LaunchInfo {
+        rendezvous: Some(format!("127.0.0.1:{port}")),
+        token: Some(JobToken::new(TOKEN)),
+        timeout: Duration::from_secs(60),
+        ..LaunchInfo::bare(rank, size)
+    }
 }
 
 fn start(size: usize) -> Result<f64, String> {

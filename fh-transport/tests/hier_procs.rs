@@ -40,6 +40,9 @@ fn parse_layout(s: &str) -> Vec<Vec<usize>> {
 /// Where one rank sits: (rank, local rank, local size, cross rank, cross size).
 type Place = (usize, usize, usize, usize, usize);
 
+/// Every wait of a rank, unless a test says otherwise (`FH_TIMEOUT_SECONDS`).
+const TIMEOUT_S: u32 = 15;
+
 impl Children {
     fn spawn(
         hosts: &[Vec<usize>],
@@ -48,6 +51,18 @@ impl Children {
         token: &str,
         extra: &[(&str, String)],
     ) -> Children {
+        Self::spawn_timed(hosts, transport, role, token, extra, TIMEOUT_S)
+    }
+
+    /// [`Children::spawn`] with every wait of a rank bounded by `timeout_s`.
+    fn spawn_timed(
+        hosts: &[Vec<usize>],
+        transport: &str,
+        role: &str,
+        token: &str,
+        extra: &[(&str, String)],
+        timeout_s: u32,
+    ) -> Children {
         let mut places = Vec::new();
         for (h, ranks) in hosts.iter().enumerate() {
             for (l, &r) in ranks.iter().enumerate() {
@@ -55,7 +70,7 @@ impl Children {
             }
         }
         places.sort();
-        Self::spawn_places(&places, hosts, transport, role, token, extra)
+        Self::spawn_places(&places, hosts, transport, role, token, extra, timeout_s)
     }
 
     /// Spawn one rank per place (in that order).
@@ -66,6 +81,7 @@ impl Children {
         role: &str,
         token: &str,
         extra: &[(&str, String)],
+        timeout_s: u32,
     ) -> Children {
         let rendezvous = format!("127.0.0.1:{}", free_port());
         let mut kids = Children(Vec::new());
@@ -80,7 +96,7 @@ impl Children {
             };
             let mut cmd = rank_command("child", false);
             cmd.env(ROLE, role).env(HOSTS, layout_string(hosts));
-            launcher_env(&mut cmd, &place, transport, &rendezvous, token, 15);
+            launcher_env(&mut cmd, &place, transport, &rendezvous, token, timeout_s);
             let child = cmd
                 .envs(extra.iter().map(|(k, v)| (*k, v.as_str())))
                 .stdout(Stdio::null())
@@ -320,7 +336,8 @@ fn inconsistent_layout_is_a_config_error() {
     let hosts = [vec![0, 1], vec![2]];
     // Rank 2 counts three hosts where the others count two.
     let places = [(0, 0, 2, 0, 2), (1, 1, 2, 0, 2), (2, 0, 1, 1, 3)];
-    let mut kids = Children::spawn_places(&places, &hosts, "hier", "bad_layout", &tok, &[]);
+    let mut kids =
+        Children::spawn_places(&places, &hosts, "hier", "bad_layout", &tok, &[], TIMEOUT_S);
     let st = kids.wait_all(Duration::from_secs(60));
     assert!(st.iter().all(ExitStatus::success), "{st:?}");
 }
@@ -364,19 +381,19 @@ fn killed_remote_host_is_named_by_the_ranks_waiting_for_their_leader() {
 /// every rank of the other hosts must fail by itself with an error naming a rank of the stopped
 /// host, never a live peer of its own host that waits across hosts itself.
 fn cut_test(hosts: &[Vec<usize>], transport: &str) {
-    cut_test_with(hosts, transport, &[("FH_TIMEOUT_SECONDS", "3")], 90);
+    cut_test_with(hosts, transport, 3, 90);
 }
 
-/// [`cut_test`] with `env` on top, every survivor's end bounded by `bound_s` seconds.
-fn cut_test_with(hosts: &[Vec<usize>], transport: &str, env: &[(&str, &str)], bound_s: u64) {
+/// [`cut_test`] with every wait of a rank bounded by `timeout_s` (`FH_TIMEOUT_SECONDS`), every
+/// survivor's end by `bound_s` seconds.
+fn cut_test_with(hosts: &[Vec<usize>], transport: &str, timeout_s: u32, bound_s: u64) {
     let tok = hier_token();
     let far = hosts.last().unwrap().clone();
     let dir = std::env::temp_dir().join(format!("fh-hier-cut-{tok}"));
     std::fs::create_dir_all(&dir).unwrap();
     let list: Vec<String> = far.iter().map(usize::to_string).collect();
-    let mut extra = vec![(VICTIM, list.join(",")), (DIR, dir.display().to_string())];
-    extra.extend(env.iter().map(|(k, v)| (*k, v.to_string())));
-    let mut kids = Children::spawn(hosts, transport, "cut", &tok, &extra);
+    let extra = [(VICTIM, list.join(",")), (DIR, dir.display().to_string())];
+    let mut kids = Children::spawn_timed(hosts, transport, "cut", &tok, &extra, timeout_s);
     let size = kids.0.len();
     let deadline = Instant::now() + Duration::from_secs(60);
     while !(0..size).all(|r| dir.join(format!("looping-{r}")).exists()) {
@@ -433,11 +450,6 @@ fn an_unreachable_host_is_named_by_every_rank_of_the_other_host_over_tcp() {
 fn a_frozen_host_is_named_long_before_the_timeout() {
     let _s = serial();
     for transport in ["hier", "tcp"] {
-        cut_test_with(
-            &[vec![0, 1], vec![2, 3]],
-            transport,
-            &[("FH_TIMEOUT_SECONDS", "60")],
-            30,
-        );
+        cut_test_with(&[vec![0, 1], vec![2, 3]], transport, 60, 30);
     }
 }

@@ -14,6 +14,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
+use fh_job::{JobToken, LaunchInfo};
 use fh_transport::{CollectivesExt, TransportError};
 use support::{free_port, rank_command, serial, Children};
 
@@ -37,7 +38,8 @@ fn rank(host_id: Option<&'static str>, expect: &str) -> Rank {
     }
 }
 
-/// Start the ranks with only the four variables of a bare launch (and `FH_HOST_ID`), each
+/// Start the ranks with only the variables of a bare launch ([`LaunchInfo::bare`]: rank,
+/// size, rendezvous, token, timeout; and `FH_HOST_ID`), then the rank's `extra` ones, each
 /// through `wrap` (a command and arguments run before the rank, e.g. `unshare`), if given.
 fn spawn(
     ranks: &[Rank],
@@ -58,14 +60,16 @@ fn spawn(
                 c
             }
         };
+        let launch = LaunchInfo {
+            rendezvous: Some(rendezvous.clone()),
+            token: Some(JobToken::new(TOKEN)),
+            timeout: Duration::from_secs(30),
+            host_id: spec.host_id.map(String::from),
+            ..LaunchInfo::bare(r, ranks.len())
+        };
         cmd.env(ROLE, role)
             .env(EXPECT, &spec.expect)
-            .env("FH_TRANSPORT", transport)
-            .env("FH_RANK", r.to_string())
-            .env("FH_SIZE", ranks.len().to_string())
-            .env("FH_RENDEZVOUS_ADDR", &rendezvous)
-            .env("FH_JOB_TOKEN", TOKEN)
-            .env("FH_TIMEOUT_SECONDS", "30");
+            .env("FH_TRANSPORT", transport);
         for v in [
             "FH_LOCAL_RANK",
             "FH_LOCAL_SIZE",
@@ -75,9 +79,7 @@ fn spawn(
         ] {
             cmd.env_remove(v);
         }
-        if let Some(h) = spec.host_id {
-            cmd.env("FH_HOST_ID", h);
-        }
+        cmd.envs(launch.to_vars());
         cmd.envs(spec.extra.iter().map(|(k, v)| (*k, v.as_str())));
         let child = cmd.stdout(Stdio::piped()).spawn().expect("spawn a rank");
         kids.0.push(child);

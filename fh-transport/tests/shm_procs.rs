@@ -52,6 +52,27 @@ impl Children {
     }
 }
 
+/// The launch variables of rank `rank` of `size`, all on this host as the local claim alone
+/// says (`FH_LOCAL_*`, no `FH_CROSS_*`), rank 0 listening at `rendezvous`.
+fn on_this_host(
+    rank: usize,
+    size: usize,
+    rendezvous: &str,
+    token: &str,
+    timeout_s: u64,
+) -> Vec<(&'static str, String)> {
+    fh_job::LaunchInfo {
+        cross_vars: None,
+        timeout: Duration::from_secs(timeout_s),
+        ..fh_job::LaunchInfo::for_rank(
+            fh_job::Topology::single_host(rank, size),
+            rendezvous,
+            fh_job::JobToken::new(token),
+        )
+    }
+    .to_vars()
+}
+
 fn env_usize(var: &str) -> usize {
     std::env::var(var)
         .ok()
@@ -203,16 +224,9 @@ fn from_env_builds_a_shm_world() {
             std::process::id() as u128 * 7919 + choice.len() as u128
         );
         let mut kids = Children::spawn_with(3, "env", &tok, |r| {
-            vec![
-                ("FH_TRANSPORT", choice.to_string()),
-                ("FH_RANK", r.to_string()),
-                ("FH_SIZE", "3".into()),
-                ("FH_LOCAL_RANK", r.to_string()),
-                ("FH_LOCAL_SIZE", "3".into()),
-                ("FH_RENDEZVOUS_ADDR", "127.0.0.1:9".into()),
-                ("FH_JOB_TOKEN", tok.clone()),
-                ("FH_TIMEOUT_SECONDS", "20".into()),
-            ]
+            let mut vars = vec![("FH_TRANSPORT", choice.to_string())];
+            vars.extend(on_this_host(r, 3, "127.0.0.1:9", &tok, 20));
+            vars
         });
         let st = kids.wait_all(Duration::from_secs(120));
         assert!(st.iter().all(ExitStatus::success), "{choice}: {st:?}");
@@ -239,17 +253,11 @@ fn a_stopped_rank_is_named_long_before_the_timeout() {
     let _serial = serial();
     let tok = format!("tok-5f1d0c3a-{:032x}", std::process::id() as u128 * 7907);
     let port = support::free_port().to_string();
+    let rendezvous = format!("127.0.0.1:{port}");
     let mut kids = Children::spawn_with(3, "stop", &tok, |r| {
-        vec![
-            ("FH_TRANSPORT", "shm".to_string()),
-            ("FH_RANK", r.to_string()),
-            ("FH_SIZE", "3".into()),
-            ("FH_LOCAL_RANK", r.to_string()),
-            ("FH_LOCAL_SIZE", "3".into()),
-            ("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}")),
-            ("FH_JOB_TOKEN", tok.clone()),
-            ("FH_TIMEOUT_SECONDS", "60".into()),
-        ]
+        let mut vars = vec![("FH_TRANSPORT", "shm".to_string())];
+        vars.extend(on_this_host(r, 3, &rendezvous, &tok, 60));
+        vars
     });
     let st = kids
         .wait_for(&[0, 1], Duration::from_secs(30), Duration::from_millis(10))

@@ -6,9 +6,10 @@
 mod shm_common;
 
 use std::net::TcpListener;
+use std::time::Duration;
 
 use fh_core::ReduceOp;
-use fh_job::launch::LaunchInfo;
+use fh_job::{JobToken, LaunchInfo};
 use fh_transport::backend::local::LocalWorld;
 use fh_transport::backend::tcp::{TcpOptions, TcpTransport};
 use fh_transport::compose::subset::open_subset;
@@ -132,19 +133,12 @@ fn subsets_on_the_local_backend_np3_and_np4() {
 }
 
 fn info(rank: usize, size: usize, port: u16) -> LaunchInfo {
-    let vars = [
-        ("FH_RANK", rank.to_string()),
-        ("FH_SIZE", size.to_string()),
-        ("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}")),
-        ("FH_JOB_TOKEN", "subset-test-token".to_string()),
-        ("FH_TIMEOUT_SECONDS", "20".to_string()),
-    ];
-    LaunchInfo::from_vars(|name| {
-        vars.iter()
-            .find(|(k, _)| *k == name)
-            .map(|(_, v)| v.clone())
-    })
-    .expect("valid test environment")
+    LaunchInfo {
+        rendezvous: Some(format!("127.0.0.1:{port}")),
+        token: Some(JobToken::new("subset-test-token")),
+        timeout: Duration::from_secs(20),
+        ..LaunchInfo::bare(rank, size)
+    }
 }
 
 #[test]

@@ -6,28 +6,21 @@ use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
-use fh_job::launch::LaunchInfo;
+use fh_job::{JobToken, LaunchInfo};
 use fh_transport::backend::tcp::{wire, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Transport, TransportError};
 
-fn info(rank: usize, size: usize, port: u16, timeout_s: &str) -> LaunchInfo {
-    let vars = [
-        ("FH_RANK", rank.to_string()),
-        ("FH_SIZE", size.to_string()),
-        ("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}")),
-        ("FH_JOB_TOKEN", "in-process-test-token".to_string()),
-        ("FH_TIMEOUT_SECONDS", timeout_s.to_string()),
-    ];
-    LaunchInfo::from_vars(|name| {
-        vars.iter()
-            .find(|(k, _)| *k == name)
-            .map(|(_, v)| v.clone())
-    })
-    .expect("valid test environment")
+fn info(rank: usize, size: usize, port: u16, timeout_s: u64) -> LaunchInfo {
+    LaunchInfo {
+        rendezvous: Some(format!("127.0.0.1:{port}")),
+        token: Some(JobToken::new("in-process-test-token")),
+        timeout: Duration::from_secs(timeout_s),
+        ..LaunchInfo::bare(rank, size)
+    }
 }
 
 /// A world of `size` TCP transports, one per thread, joined here.
-fn world(size: usize, timeout_s: &str, handshake: Duration) -> Vec<TcpTransport> {
+fn world(size: usize, timeout_s: u64, handshake: Duration) -> Vec<TcpTransport> {
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -124,7 +117,7 @@ fn knock(addr: std::net::SocketAddr, h: &wire::Hello, token: &[u8]) -> Option<St
 
 #[test]
 fn the_door_says_why_it_refuses() {
-    let w = world(2, "30", Duration::from_secs(5));
+    let w = world(2, 30, Duration::from_secs(5));
     let rank0 = w[0].peer_addresses()[0];
     let token = b"in-process-test-token";
 
@@ -181,7 +174,7 @@ fn the_door_says_why_it_refuses() {
 
 #[test]
 fn a_slow_or_silent_stranger_is_cut_off() {
-    let w = world(2, "30", Duration::from_millis(500));
+    let w = world(2, 30, Duration::from_millis(500));
     let rank1 = w[1].peer_addresses()[1];
     let mut drip = TcpStream::connect(rank1).unwrap();
     drip.set_read_timeout(Some(Duration::from_millis(50)))
@@ -225,7 +218,7 @@ fn a_slow_or_silent_stranger_is_cut_off() {
 
 #[test]
 fn a_silent_peer_times_out_naming_it() {
-    let mut w = world(2, "1", Duration::from_secs(1));
+    let mut w = world(2, 1, Duration::from_secs(1));
     let mut t1 = w.pop().unwrap();
     let mut t0 = w.pop().unwrap();
     let h = std::thread::spawn(move || {
@@ -251,7 +244,7 @@ fn a_silent_peer_times_out_naming_it() {
 #[test]
 fn a_departed_peer_is_reported_at_once() {
     // A long timeout: the loss must be noticed from the closed connection, not by waiting.
-    let mut w = world(3, "600", Duration::from_secs(5));
+    let mut w = world(3, 600, Duration::from_secs(5));
     let mut t2 = w.pop().unwrap();
     let mut t1 = w.pop().unwrap();
     let mut t0 = w.pop().unwrap();
@@ -282,7 +275,7 @@ fn a_departed_peer_is_reported_at_once() {
 
 #[test]
 fn messages_of_every_shape() {
-    let w = world(2, "30", Duration::from_secs(5));
+    let w = world(2, 30, Duration::from_secs(5));
     on_every_rank(w, move |mut t| {
         let r = t.rank();
         let other = 1 - r;
@@ -318,7 +311,7 @@ fn messages_of_every_shape() {
 #[test]
 fn opening_with_a_departed_rank_fails_naming_it() {
     // A long timeout: the refused connection must be recognised, not waited out.
-    let mut w = world(2, "600", Duration::from_secs(5));
+    let mut w = world(2, 600, Duration::from_secs(5));
     let mut t1 = w.pop().unwrap();
     drop(w); // rank 0's process "exits": its listener closes
     let Err(err) = t1.open("late") else {
@@ -350,7 +343,7 @@ fn vectored_frames_match_contiguous_ones() {
     // A frame sent from many slices arrives whole in one buffer and vice versa, in pieces of
     // every size (empty slices included), both ways at once, and large enough to fill the
     // socket buffers so that partial sends and receives resume mid-slice.
-    let w = world(2, "30", Duration::from_secs(5));
+    let w = world(2, 30, Duration::from_secs(5));
     on_every_rank(w, move |mut t| {
         let r = t.rank();
         let other = 1 - r;
@@ -395,7 +388,7 @@ fn allreduce_segments_over_tcp_matches_the_contiguous_allreduce() {
     use fh_core::DType;
     use fh_transport::algorithms::allreduce_segments;
     for n in [2usize, 3, 4] {
-        let w = world(n, "30", Duration::from_secs(5));
+        let w = world(n, 30, Duration::from_secs(5));
         let results = on_every_rank(w, move |mut t| {
             let r = t.rank();
             let mut c = t.open("segments").unwrap();
@@ -460,7 +453,7 @@ fn a_rank_absent_from_the_rendezvous_is_named_by_every_rank() {
     let handles: Vec<_> = [0usize, 1, 3]
         .into_iter()
         .map(|rank| {
-            let info = info(rank, 4, port, "2");
+            let info = info(rank, 4, port, 2);
             std::thread::spawn(move || {
                 TcpTransport::connect(&info, TcpOptions::from_info(&info))
                     .err()

@@ -15,10 +15,11 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver};
 use fh_core::{kernels, DType, ReduceOp};
+use fh_job::heartbeat::Settings as HeartbeatSettings;
 use fh_job::launch::LaunchInfo;
 use fh_transport::backend::tcp::{wire, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
-use support::{free_port, launcher_env, rank_command, Children, Place};
+use support::{free_port, launch_at, rank_command, Children, Place};
 
 const SCENARIO: &str = "FH_TEST_SCENARIO";
 /// An `extra` value that removes the variable from a child's environment.
@@ -47,6 +48,8 @@ struct Job {
     token: String,
     scenario: &'static str,
     timeout_s: u32,
+    /// The heartbeats' settings given to every rank (`None`: turned off).
+    liveness: Option<HeartbeatSettings>,
 }
 
 impl Job {
@@ -60,6 +63,7 @@ impl Job {
             ),
             scenario,
             timeout_s: 30,
+            liveness: Some(HeartbeatSettings::default()),
         }
     }
     fn rdv(&self) -> String {
@@ -90,16 +94,12 @@ impl World {
             cross_rank: 0,
             cross_size: 1,
         };
+        let mut launch = launch_at(&place, &job.rdv(), &job.token, job.timeout_s);
+        launch.liveness = job.liveness;
         let mut cmd = rank_command("child_rank", true);
-        cmd.env(SCENARIO, job.scenario);
-        launcher_env(
-            &mut cmd,
-            &place,
-            "tcp",
-            &job.rdv(),
-            &job.token,
-            job.timeout_s,
-        );
+        cmd.env(SCENARIO, job.scenario)
+            .env("FH_TRANSPORT", "tcp")
+            .envs(launch.to_vars());
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -501,18 +501,13 @@ fn a_stopped_peer_is_named_long_before_the_timeout() {
 /// from the transport's own thread. Every rank then finishes its collectives.
 #[test]
 fn a_rank_that_computes_between_collectives_is_never_blamed() {
-    let job = Job::new(3, "computes");
+    let mut job = Job::new(3, "computes");
+    job.liveness = Some(HeartbeatSettings {
+        interval: Duration::from_millis(100),
+        silence: Duration::from_millis(600),
+    });
     let mut world = World::new();
-    for r in 0..job.size {
-        world.spawn(
-            &job,
-            r,
-            &[
-                ("FH_HEARTBEAT_TIMEOUT_SECONDS", "0.6".into()),
-                ("FH_HEARTBEAT_INTERVAL_MS", "100".into()),
-            ],
-        );
-    }
+    world.spawn_all(&job);
     world.wait_all_ok();
 }
 

@@ -9,26 +9,19 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
-use fh_job::launch::LaunchInfo;
+use fh_job::{JobToken, LaunchInfo};
 use fh_transport::backend::tcp::{wire, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Transport, TransportError};
 
 const TOKEN: &str = "KNOWN-TEST-TOKEN-5f1d0c3a9e8b7a6d";
 
-fn info(rank: usize, size: usize, port: u16, timeout_s: &str) -> LaunchInfo {
-    let vars = [
-        ("FH_RANK", rank.to_string()),
-        ("FH_SIZE", size.to_string()),
-        ("FH_RENDEZVOUS_ADDR", format!("127.0.0.1:{port}")),
-        ("FH_JOB_TOKEN", TOKEN.to_string()),
-        ("FH_TIMEOUT_SECONDS", timeout_s.to_string()),
-    ];
-    LaunchInfo::from_vars(|name| {
-        vars.iter()
-            .find(|(k, _)| *k == name)
-            .map(|(_, v)| v.clone())
-    })
-    .expect("valid test environment")
+fn info(rank: usize, size: usize, port: u16, timeout_s: u64) -> LaunchInfo {
+    LaunchInfo {
+        rendezvous: Some(format!("127.0.0.1:{port}")),
+        token: Some(JobToken::new(TOKEN)),
+        timeout: Duration::from_secs(timeout_s),
+        ..LaunchInfo::bare(rank, size)
+    }
 }
 
 fn free_port() -> u16 {
@@ -38,7 +31,7 @@ fn free_port() -> u16 {
 fn spawn_world(
     size: usize,
     port: u16,
-    timeout_s: &str,
+    timeout_s: u64,
 ) -> Vec<std::thread::JoinHandle<Result<TcpTransport, TransportError>>> {
     (0..size)
         .map(|rank| {
@@ -49,7 +42,7 @@ fn spawn_world(
 }
 
 fn world(size: usize) -> Vec<TcpTransport> {
-    spawn_world(size, free_port(), "60")
+    spawn_world(size, free_port(), 60)
         .into_iter()
         .map(|h| h.join().expect("thread").expect("connect"))
         .collect()
@@ -81,7 +74,7 @@ fn a_listener_that_cannot_prove_the_token_is_refused_and_learns_nothing() {
     let squatter = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = squatter.local_addr().unwrap().port();
     let member = {
-        let info = info(1, 2, port, "20");
+        let info = info(1, 2, port, 20);
         std::thread::spawn(move || TcpTransport::connect(&info, TcpOptions::from_info(&info)))
     };
     let (mut s, _) = squatter.accept().unwrap();
@@ -250,7 +243,7 @@ fn silent_and_garbage_connections_do_not_stop_a_job() {
     let (book_tx, book_rx) = std::sync::mpsc::channel();
     let handles: Vec<_> = (0..size)
         .map(|rank| {
-            let info = info(rank, size, port, "60");
+            let info = info(rank, size, port, 60);
             let (gate, book_tx) = (Arc::clone(&gate), book_tx.clone());
             let flooded = Arc::clone(&flooded);
             std::thread::spawn(move || {

@@ -687,14 +687,16 @@ impl Cluster {
     }
 
     /// Starts a job of `per_host[h]` ranks on host `h` (ranks numbered host by host), each
-    /// running `program args` with the launcher's variables (`FH_RANK`, `FH_SIZE`,
-    /// `FH_LOCAL_*`, `FH_CROSS_*`, `FH_RENDEZVOUS_ADDR` on host 0, a fresh `FH_JOB_TOKEN`) and
-    /// `env`; each rank's stdout and stderr go to a file under the cluster's directory.
+    /// running `program args` with the launcher's variables as fhrun writes them
+    /// ([`fh_job::LaunchInfo::to_vars`]: `FH_RANK`, `FH_SIZE`, `FH_LOCAL_*`, `FH_CROSS_*`,
+    /// `FH_RENDEZVOUS_ADDR` on host 0, a fresh `FH_JOB_TOKEN`, `timeout` as
+    /// `FH_TIMEOUT_SECONDS`), then `env`; each rank's stdout and stderr go to a file under the cluster's directory.
     pub(crate) fn launch(
         &self,
         per_host: &[usize],
         program: &Path,
         args: &[&str],
+        timeout: Duration,
         env: &[(&str, &str)],
     ) -> Result<Job, String> {
         if per_host.len() > self.hosts.len() || per_host.contains(&0) {
@@ -718,19 +720,23 @@ impl Cluster {
                 let err = file
                     .try_clone()
                     .map_err(|e| format!("cannot create {}: {e}", log.display()))?;
+                let place = fh_job::Topology {
+                    rank,
+                    size,
+                    local_rank: local,
+                    local_size: m,
+                    cross_rank: h,
+                    cross_size: per_host.len(),
+                };
+                let mut launch = fh_job::LaunchInfo::for_rank(
+                    place,
+                    format!("{}:{RENDEZVOUS_PORT}", self.hosts[0].addr),
+                    fh_job::JobToken::new(token.clone()),
+                );
+                launch.timeout = timeout;
                 let mut c = self.command(h, program);
                 c.args(args)
-                    .env("FH_RANK", rank.to_string())
-                    .env("FH_SIZE", size.to_string())
-                    .env("FH_LOCAL_RANK", local.to_string())
-                    .env("FH_LOCAL_SIZE", m.to_string())
-                    .env("FH_CROSS_RANK", h.to_string())
-                    .env("FH_CROSS_SIZE", per_host.len().to_string())
-                    .env(
-                        "FH_RENDEZVOUS_ADDR",
-                        format!("{}:{RENDEZVOUS_PORT}", self.hosts[0].addr),
-                    )
-                    .env("FH_JOB_TOKEN", &token)
+                    .envs(launch.to_vars())
                     .envs(env.iter().copied())
                     .stdin(Stdio::null())
                     .stdout(file)

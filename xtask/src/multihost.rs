@@ -478,7 +478,8 @@ fn collectives(
         layout,
         &bins.sched_suite,
         &["--schedule", "all", "--channels", "1,2,4"],
-        &[("FH_TRANSPORT", transport), ("FH_TIMEOUT_SECONDS", "20")],
+        Duration::from_secs(20),
+        &[("FH_TRANSPORT", transport)],
     )?;
     let ends = job.wait(Duration::from_secs(240));
     all_passed(&ends)?;

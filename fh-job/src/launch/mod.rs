@@ -226,11 +226,30 @@ impl LaunchInfo {
         }
     }
 
+    /// The launch of rank `rank` of `size` as a launcher that gives only these two numbers
+    /// (`FH_RANK`, `FH_SIZE`): no local or cross claims, so every rank is first assumed on one
+    /// host and the hosts are settled from facts at the rendezvous. A world of more than one
+    /// rank needs [`LaunchInfo::rendezvous`] and [`LaunchInfo::token`] set on it too.
+    /// [`LaunchInfo::to_vars`] writes it.
+    pub fn bare(rank: usize, size: usize) -> Self {
+        LaunchInfo {
+            rank,
+            size,
+            local_rank: rank,
+            local_size: size,
+            launcher: Launcher::Fhrun,
+            ..LaunchInfo::single()
+        }
+    }
+
     /// The variables that start a rank with this launch: the writer beside the reader, which
     /// every launcher, bench and test that starts ranks uses. [`LaunchInfo::from_vars`] reads
     /// them back into this same `LaunchInfo` when it is an `fhrun` launch
-    /// ([`LaunchInfo::for_rank`], with any timeout, heartbeat settings, host id or wildcard
-    /// permission set on it). A derived token is not written: every rank derives it again.
+    /// ([`LaunchInfo::for_rank`] or [`LaunchInfo::bare`], with any timeout, heartbeat
+    /// settings, host id or wildcard permission set on it, and without the cross claim
+    /// ([`LaunchInfo::cross_vars`] `None`) when the hosts hold `local_size` consecutive ranks
+    /// each, as the reader then assumes). A derived token is not written: every rank derives
+    /// it again.
     pub fn to_vars(&self) -> Vec<(&'static str, String)> {
         let mut out = vec![
             ("FH_RANK", self.rank.to_string()),
@@ -549,13 +568,15 @@ mod tests {
     use super::*;
 
     proptest::proptest! {
-        /// What the writer writes, the reader reads back: any fhrun launch, with any timeout,
-        /// heartbeat settings, host id and wildcard permission.
+        /// What the writer writes, the reader reads back: any fhrun launch, with all its host
+        /// claims, the local one only or none (a bare launch), with any timeout, heartbeat
+        /// settings, host id and wildcard permission.
         #[test]
         fn the_writer_and_the_reader_agree(
             hosts in 1usize..5,
             per_host in 1usize..5,
             pick in 0usize..1000,
+            claims in 0u8..3,
             port in 1024u16..65535,
             timeout_ms in 1000u64..100_000,
             beats in proptest::option::of((40u64..500, 3u64..40)),
@@ -573,11 +594,23 @@ mod tests {
                 cross_size: hosts,
             };
             let addr = if wildcard { "0.0.0.0" } else { "127.0.0.1" };
-            let mut info = LaunchInfo::for_rank(
-                t,
-                format!("{addr}:{port}"),
-                JobToken::new("0123456789abcdef0123456789abcdef"),
-            );
+            let rendezvous = format!("{addr}:{port}");
+            let token = JobToken::new("0123456789abcdef0123456789abcdef");
+            let mut info = match claims {
+                // Every claim, as fhrun gives it.
+                0 => LaunchInfo::for_rank(t, rendezvous, token),
+                // The local claim only: the hosts are the reader's consecutive blocks.
+                1 => LaunchInfo {
+                    cross_vars: None,
+                    ..LaunchInfo::for_rank(t, rendezvous, token)
+                },
+                // None: the rank and the size only.
+                _ => LaunchInfo {
+                    rendezvous: (size > 1).then_some(rendezvous),
+                    token: Some(token),
+                    ..LaunchInfo::bare(rank, size)
+                },
+            };
             info.timeout = Duration::from_millis(timeout_ms);
             info.liveness = beats.map(|(interval, times)| HeartbeatSettings {
                 interval: Duration::from_millis(interval),

@@ -142,7 +142,7 @@ impl PartProc {
             command: ctx.command.clone(),
             env,
             ranks: Vec::new(),
-            worker_env: workers
+            own_env: workers
                 .iter()
                 .enumerate()
                 .flat_map(|(i, (_, env))| env.iter().map(move |(k, v)| (i, k.clone(), v.clone())))

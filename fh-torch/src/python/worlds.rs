@@ -49,22 +49,28 @@ pub(super) fn set_world_token(token: Option<JobToken>) {
 }
 
 /// The launch of a world given by its variables: `rank` of `size`, rank 0 listening at
-/// `rendezvous`, keyed by `token` (none for a single rank); `FH_TIMEOUT_SECONDS`, `FH_HOST_ID` and
-/// `FH_ALLOW_WILDCARD` come from the environment, no other launcher variable does (a
-/// launcher's local and cross values describe another world).
+/// `rendezvous`, keyed by `token` (none for a single rank), written as a bare launch
+/// ([`LaunchInfo::bare`]); `FH_TIMEOUT_SECONDS`, `FH_HOST_ID` and `FH_ALLOW_WILDCARD` come
+/// from the environment, no other launcher variable does (a launcher's local and cross values
+/// describe another world).
 fn launch(
     rank: usize,
     size: usize,
     rendezvous: &str,
     token: Option<&JobToken>,
 ) -> PyResult<LaunchInfo> {
+    let written = LaunchInfo {
+        rendezvous: (size > 1).then(|| rendezvous.to_string()),
+        token: token.cloned(),
+        ..LaunchInfo::bare(rank, size)
+    }
+    .to_vars();
     let vars = |k: &str| match k {
-        "FH_RANK" => Some(rank.to_string()),
-        "FH_SIZE" => Some(size.to_string()),
-        "FH_RENDEZVOUS_ADDR" if size > 1 => Some(rendezvous.to_string()),
-        "FH_JOB_TOKEN" => token.map(|t| t.expose().to_string()),
         "FH_TIMEOUT_SECONDS" | "FH_HOST_ID" | "FH_ALLOW_WILDCARD" => std::env::var(k).ok(),
-        _ => None,
+        _ => written
+            .iter()
+            .find(|(name, _)| *name == k)
+            .map(|(_, v)| v.clone()),
     };
     LaunchInfo::from_vars(vars).map_err(|e| to_py(SchedulerError::from(e)))
 }

@@ -43,15 +43,14 @@ pub struct Place {
     pub cross_size: usize,
 }
 
-/// Set the `FH_*` environment a launcher would give the rank at `place` of a job.
-pub fn launcher_env(
-    cmd: &mut Command,
+/// The launch a launcher gives the rank at `place` of a job, written as fhrun writes it
+/// ([`fh_job::LaunchInfo::for_rank`]); hosts simulated on this machine are named.
+pub fn launch_at(
     place: &Place,
-    transport: &str,
     rendezvous: &str,
     token: &str,
     timeout_s: u32,
-) {
+) -> fh_job::LaunchInfo {
     let topology = fh_job::Topology {
         rank: place.rank,
         size: place.size,
@@ -66,6 +65,20 @@ pub fn launcher_env(
     if place.cross_size > 1 {
         info.host_id = Some(format!("simulated-host-{}", place.cross_rank));
     }
+    info
+}
+
+/// Set the `FH_*` environment a launcher would give the rank at `place` of a job
+/// ([`launch_at`]'s variables) and `FH_TRANSPORT`.
+pub fn launcher_env(
+    cmd: &mut Command,
+    place: &Place,
+    transport: &str,
+    rendezvous: &str,
+    token: &str,
+    timeout_s: u32,
+) {
+    let info = launch_at(place, rendezvous, token, timeout_s);
     cmd.env("FH_TRANSPORT", transport).envs(info.to_vars());
 }
 

@@ -117,6 +117,9 @@ fn host_of(rank: usize) -> usize {
 const BENIGN_SECONDS: &str = "6";
 /// How long the other jobs would train without the fault.
 const FAULT_SECONDS: &str = "60";
+/// Every wait of a rank (`FH_TIMEOUT_SECONDS`): far beyond the heartbeats' silence, so that a
+/// fault is named by them.
+const TIMEOUT: Duration = Duration::from_secs(60);
 /// From the fault to the hang verdict.
 const HANG_BOUND: Duration = Duration::from_secs(20);
 /// Bound on a job's start (every rank's first step).
@@ -327,9 +330,8 @@ pub(super) fn run_one(c: &Cluster, bins: &Bins, plan: &Plan, tag: &str) -> Outco
     } else {
         FAULT_SECONDS
     };
-    let env: [(&str, &str); 4] = [
+    let env: [(&str, &str); 3] = [
         ("FH_TRANSPORT", plan.transport),
-        ("FH_TIMEOUT_SECONDS", "60"),
         ("FH_PARTITION_BYTES", "262144"),
         ("FH_LOG_LEVEL", "error"),
     ];
@@ -372,7 +374,7 @@ pub(super) fn run_one(c: &Cluster, bins: &Bins, plan: &Plan, tag: &str) -> Outco
             Err(e) => return fail("setup", format!("fhrun: {e}")),
         }
     } else {
-        match c.launch(&WORLD, &bins.chaos_rank, &[seconds], &env) {
+        match c.launch(&WORLD, &bins.chaos_rank, &[seconds], TIMEOUT, &env) {
             Ok(j) => Running::Direct(j),
             Err(e) => return fail("setup", e),
         }

@@ -58,15 +58,12 @@ pub(super) fn losses(
     loss: &Loss,
     transport: &str,
 ) -> Result<String, String> {
-    let timeout = LOSS_TIMEOUT_S.to_string();
     let mut job = c.launch(
         &[2, 2],
         &bins.selftest,
         &["--loop", "--bytes", "262144"],
-        &[
-            ("FH_TIMEOUT_SECONDS", &timeout),
-            ("FH_TRANSPORT", transport),
-        ],
+        Duration::from_secs(LOSS_TIMEOUT_S),
+        &[("FH_TRANSPORT", transport)],
     )?;
     let backend = format!(
         "backend {}",
