@@ -8,6 +8,7 @@
 
 mod cli;
 mod elastic;
+mod gather;
 mod guardian;
 mod hosts;
 mod launch;
@@ -318,7 +319,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         common.extend(store);
         common.extend(knobs);
         common.extend(user_env);
-        let job = across_hosts(&cli, &host_list, &hostname, np, &common)?;
+        let job = across_hosts(&cli, &host_list, &hostname, np, &common, job_dir.as_ref())?;
         if cli.dry_run || cli.verbose {
             show_plan(&job, cli.dry_run);
             if cli.dry_run {
@@ -410,12 +411,14 @@ fn run(cli: Cli) -> Result<i32, Failure> {
 /// The ranks of a job across hosts, placed host by host in the list's order (each host's slots
 /// filled before the next: rank 0 on the first host): this machine's ranks run here, every
 /// other host's through the rsh agent as a remote part. `common` holds what every rank gets.
+/// The parts send back into `job_dir` their ranks' flight records and timelines.
 fn across_hosts(
     cli: &Cli,
     host_list: &[Host],
     hostname: &str,
     np: usize,
     common: &[(String, String)],
+    job_dir: Option<&observe::JobDir>,
 ) -> Result<launch::LocalJob, Failure> {
     let agent = mpi::split_words(&cli.rsh_agent)
         .map_err(|e| usage(format!("--rsh-agent/FH_RSH_AGENT: {e}")))?;
@@ -457,6 +460,16 @@ fn across_hosts(
         verbose: cli.verbose,
         report_exits: None,
     };
+    let gather = match job_dir.map(observe::JobDir::gathered) {
+        Some(dirs) if !dirs.is_empty() => Some(gather::Gather {
+            marker: format!(
+                "fhrun-files-{}",
+                sys::random_hex(16).map_err(|e| (1, format!("cannot read /dev/urandom: {e}")))?
+            ),
+            dirs,
+        }),
+        _ => None,
+    };
     let cross_size = placed.len();
     for (cross, &(h, first, n)) in placed.iter().enumerate() {
         let mut env: Vec<(String, String)> = common.to_vec();
@@ -491,6 +504,12 @@ fn across_hosts(
             workers: Vec::new(),
             worker_env: Vec::new(),
             report: None,
+            gather: gather.as_ref().map(|g| g.marker.clone()),
+            gather_dirs: gather
+                .iter()
+                .flat_map(|g| &g.dirs)
+                .map(|(d, _)| d.clone())
+                .collect(),
         };
         let mut argv = agent.clone();
         argv.push(h.name.clone());
@@ -505,6 +524,7 @@ fn across_hosts(
             label,
             argv,
             input: part.encode(),
+            gather: gather.clone(),
         });
     }
     Ok(job)
