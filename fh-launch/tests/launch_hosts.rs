@@ -433,17 +433,6 @@ fn the_timeline_has_a_track_for_every_rank_of_every_host() {
         return;
     };
     assert_eq!(out.code(), Some(0), "{out:?}");
-    // The far rank wrote into its part's own directory, under the far TMPDIR.
-    let far = dir.path().join("far");
-    let far_lines = prefixed(&out.stdout, "stdout");
-    assert!(
-        far_lines
-            .iter()
-            .any(|(r, l)| *r == 1
-                && l.contains(&format!("flight dir {}/fhrun-part-", far.display()))),
-        "{}",
-        out.stdout
-    );
     assert!(
         out.stderr.contains("timeline of 2 ranks")
             && out.stderr.contains(out_file.to_str().unwrap()),
@@ -467,6 +456,17 @@ fn the_timeline_has_a_track_for_every_rank_of_every_host() {
     assert_eq!(
         works,
         BTreeSet::from([(0, "work of rank 0".into()), (1, "work of rank 1".into())])
+    );
+    // The far rank wrote into its part's own directory, under the far TMPDIR.
+    let far = dir.path().join("far");
+    let far_lines = prefixed(&out.stdout, "stdout");
+    assert!(
+        far_lines
+            .iter()
+            .any(|(r, l)| *r == 1
+                && l.contains(&format!("flight dir {}/fhrun-part-", far.display()))),
+        "{}",
+        out.stdout
     );
     // Nothing is left behind: neither the part's directory nor fhrun's.
     assert!(files_under(&far).is_empty(), "{:?}", files_under(&far));
