@@ -207,7 +207,7 @@ impl Receiver<'_> {
                     if inc.got != inc.size {
                         let _ = std::fs::remove_file(&inc.tmp);
                         return self.warn(format!(
-                            "{} came short ({} of {} bytes)",
+                            "{} short of its size ({} of {} bytes)",
                             inc.target.display(),
                             inc.got,
                             inc.size
