@@ -214,8 +214,9 @@ pub struct Knobs {
     pub priority: Option<Priority>,
 
     /// Write one Chrome-trace timeline of every rank to this path: each rank records its own,
-    /// fhrun merges them at the end (a track per rank, one clock). A path holding `{rank}`
-    /// names a file per rank instead, left unmerged (FH_TIMELINE).
+    /// other hosts' fhrun send theirs back, fhrun merges them at the end (a track per rank of
+    /// every host, one clock). A path holding `{rank}` names a file per rank instead, left
+    /// unmerged, on each rank's host (FH_TIMELINE).
     #[arg(long, value_name = "PATH")]
     pub timeline_filename: Option<PathBuf>,
 

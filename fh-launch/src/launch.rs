@@ -13,7 +13,7 @@ use crate::sys;
 
 mod process;
 
-pub(crate) use process::{describe, spawn_pump, spawn_remote};
+pub(crate) use process::{describe, spawn_output, spawn_pump, spawn_remote};
 use process::{report_exit, spawn_rank, status_code, stop_group};
 
 /// Exit status of fhrun when the job ran past `--timeout`.
@@ -70,6 +70,9 @@ pub struct RemoteSpec {
     pub argv: Vec<String>,
     /// What the remote part reads on its stdin ([`crate::remote::Part::encode`]).
     pub input: String,
+    /// Where the flight records and timelines the part sends back go (its stdout's lines
+    /// under the marker, taken out of the output: [`crate::gather`]).
+    pub gather: Option<crate::gather::Gather>,
 }
 
 /// A job: ranks on this machine, and remote parts on other hosts.
@@ -355,7 +358,16 @@ fn run_ranks(
                 ];
                 for (src, sink) in streams.into_iter().flatten() {
                     let thread = "remote-output".to_string();
-                    if spawn_pump(thread, src, sink, String::new(), &done_tx, &spec.label) {
+                    let started = match (&spec.gather, sink) {
+                        (Some(g), Sink::Stdout) => {
+                            let (g, who) = (g.clone(), spec.label.clone());
+                            spawn_output(thread, &done_tx, &spec.label, move || {
+                                crate::gather::relay(src, std::io::stdout(), &g, &who)
+                            })
+                        }
+                        _ => spawn_pump(thread, src, sink, String::new(), &done_tx, &spec.label),
+                    };
+                    if started {
                         pumps += 1;
                     }
                 }

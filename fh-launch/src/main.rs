@@ -8,6 +8,7 @@
 
 mod cli;
 mod elastic;
+mod gather;
 mod guardian;
 mod hosts;
 mod launch;
@@ -314,7 +315,15 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         common.extend(knobs);
         common.extend(user_env);
         let launch = (rendezvous.as_str(), token.as_str());
-        let job = across_hosts(&cli, &host_list, &hostname, np, launch, &common)?;
+        let job = across_hosts(
+            &cli,
+            &host_list,
+            &hostname,
+            np,
+            launch,
+            &common,
+            job_dir.as_ref(),
+        )?;
         if cli.dry_run || cli.verbose {
             show_plan(&job, cli.dry_run);
             if cli.dry_run {
@@ -408,7 +417,8 @@ fn run(cli: Cli) -> Result<i32, Failure> {
 /// other host's through the rsh agent as a remote part. Each rank gets its launch variables
 /// ([`fh_job::LaunchInfo::to_vars`] of its place, `launch`'s rendezvous address and job
 /// token), then `common`, what every rank gets (so that what the user gives with `-x` wins,
-/// as in a job on this machine alone).
+/// as in a job on this machine alone). The parts send back into `job_dir` their ranks' flight
+/// records and timelines.
 fn across_hosts(
     cli: &Cli,
     host_list: &[Host],
@@ -416,6 +426,7 @@ fn across_hosts(
     np: usize,
     (rendezvous, token): (&str, &str),
     common: &[(String, String)],
+    job_dir: Option<&observe::JobDir>,
 ) -> Result<launch::LocalJob, Failure> {
     let agent = mpi::split_words(&cli.rsh_agent)
         .map_err(|e| usage(format!("--rsh-agent/FH_RSH_AGENT: {e}")))?;
@@ -456,6 +467,16 @@ fn across_hosts(
         timeout: cli.timeout,
         verbose: cli.verbose,
         report_exits: None,
+    };
+    let gather = match job_dir.map(observe::JobDir::gathered) {
+        Some(dirs) if !dirs.is_empty() => Some(gather::Gather {
+            marker: format!(
+                "fhrun-files-{}",
+                sys::random_hex(16).map_err(|e| (1, format!("cannot read /dev/urandom: {e}")))?
+            ),
+            dirs,
+        }),
+        _ => None,
     };
     let cross_size = placed.len();
     for (cross, &(h, first, n)) in placed.iter().enumerate() {
@@ -499,6 +520,12 @@ fn across_hosts(
                 .flat_map(|local| launch_vars(local).map(move |(k, v)| (local, k, v)))
                 .collect(),
             report: None,
+            gather: gather.as_ref().map(|g| g.marker.clone()),
+            gather_dirs: gather
+                .iter()
+                .flat_map(|g| &g.dirs)
+                .map(|(d, _)| d.clone())
+                .collect(),
         };
         let mut argv = agent.clone();
         argv.push(h.name.clone());
@@ -513,6 +540,7 @@ fn across_hosts(
             label,
             argv,
             input: part.encode(),
+            gather: gather.clone(),
         });
     }
     Ok(job)

@@ -3,7 +3,8 @@
 //! `--timeline-filename FILE`, their own timelines, which fhrun merges into FILE at the end
 //! (one track per rank, one clock). When the job failed, or a rank wrote its flight record for
 //! a stall or on SIGUSR1, fhrun keeps the records and says where, and when the job failed it
-//! prints what `fhrun --explain DIR` says about them.
+//! prints what `fhrun --explain DIR` says about them. Other hosts' ranks write theirs on their
+//! host, and their remote parts send them back into this directory ([`crate::gather`]).
 
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -51,14 +52,24 @@ impl JobDir {
         if std::env::var_os("FH_SUMMARY").is_none() {
             env.push(("FH_SUMMARY".into(), "1".into()));
         }
-        if let Some(f) = &self.flight {
-            env.push(("FH_FLIGHT_DIR".into(), f.display().to_string()));
-        }
-        if let Some((_, dir)) = &self.timeline {
-            let pattern = dir.join(format!("rank-{RANK_PLACEHOLDER}.json"));
-            env.push(("FH_TIMELINE".into(), pattern.display().to_string()));
-        }
+        env.extend(rank_vars(
+            self.flight.as_deref(),
+            self.timeline.as_ref().map(|(_, d)| d.as_path()),
+        ));
         env
+    }
+
+    /// The directories whose files other hosts' parts send back, by the names they travel
+    /// under ([`crate::gather`]): `flight` and `timeline`, those fhrun chose.
+    pub(crate) fn gathered(&self) -> Vec<(String, PathBuf)> {
+        let mut dirs = Vec::new();
+        if let Some(f) = &self.flight {
+            dirs.push(("flight".to_string(), f.clone()));
+        }
+        if let Some((_, d)) = &self.timeline {
+            dirs.push(("timeline".to_string(), d.clone()));
+        }
+        dirs
     }
 
     /// After the job: merge the timeline, say where the flight records are (and, when the job
@@ -125,6 +136,19 @@ impl Drop for JobDir {
             let _ = std::fs::remove_dir_all(&self.path);
         }
     }
+}
+
+/// The ranks' variables for a flight directory and a directory of per-rank timelines.
+pub(crate) fn rank_vars(flight: Option<&Path>, timeline: Option<&Path>) -> Vec<(String, String)> {
+    let mut env = Vec::new();
+    if let Some(f) = flight {
+        env.push(("FH_FLIGHT_DIR".into(), f.display().to_string()));
+    }
+    if let Some(dir) = timeline {
+        let pattern = dir.join(format!("rank-{RANK_PLACEHOLDER}.json"));
+        env.push(("FH_TIMELINE".into(), pattern.display().to_string()));
+    }
+    env
 }
 
 fn list(ranks: &[usize]) -> String {

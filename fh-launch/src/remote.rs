@@ -12,6 +12,9 @@
 //! way), and the end of stdin — the agent gone because fhrun stopped it or died (fhrun's
 //! guardian kills the agent's process group) — makes it stop its ranks (SIGTERM, then SIGKILL
 //! after the grace).
+//! When its ranks have ended, the remote part sends back on its stdout the flight records and
+//! timelines they wrote (into a directory of its own on its host: [`crate::gather`]), which
+//! fhrun keeps in its job directory with its own ranks'.
 //! The remote part exits with its job's status, which the agent returns to fhrun; a failure
 //! there stops the whole job (fail fast across hosts).
 //!
@@ -20,8 +23,9 @@
 use std::io::{BufRead, Read};
 use std::time::Duration;
 
+use crate::gather::PartDir;
 use crate::launch::{self, LocalJob, RankSpec};
-use crate::sys;
+use crate::{observe, sys};
 
 /// The hidden first argument that makes fhrun act as a remote part.
 pub const REMOTE_ARG: &str = "--internal-fhrun-remote";
@@ -56,6 +60,12 @@ pub struct Part {
     /// The marker of the lines that report each rank's end on stdout
     /// ([`LocalJob::report_exits`]); elastic parts only.
     pub report: Option<String>,
+    /// The marker under which the part sends back its ranks' files ([`crate::gather`]): it
+    /// gives them a directory of its own for each of `gather_dirs` in place of fhrun's.
+    pub gather: Option<String>,
+    /// What it gathers: `flight` (the ranks' `FH_FLIGHT_DIR`) and `timeline` (their
+    /// `FH_TIMELINE`, a file per rank).
+    pub gather_dirs: Vec<String>,
     /// Prefix output lines with the rank.
     pub prefix: bool,
     /// Time between SIGTERM and SIGKILL.
@@ -108,6 +118,12 @@ impl Part {
         if let Some(m) = &self.report {
             t += &format!("report {}\n", escape(m));
         }
+        if let Some(m) = &self.gather {
+            t += &format!("gather {}\n", escape(m));
+        }
+        for d in &self.gather_dirs {
+            t += &format!("gather_dir {}\n", escape(d));
+        }
         t += &format!(
             "prefix {}\ngrace_ms {}\nverbose {}\ngo\n",
             u8::from(self.prefix),
@@ -128,6 +144,8 @@ impl Part {
             workers: Vec::new(),
             own_env: Vec::new(),
             report: None,
+            gather: None,
+            gather_dirs: Vec::new(),
             prefix: true,
             kill_grace: Duration::from_secs(2),
             verbose: false,
@@ -177,6 +195,13 @@ impl Part {
                         .push((num(i)? as usize, unescape(k)?, unescape(v)?));
                 }
                 "report" => part.report = Some(unescape(value)?),
+                "gather" => part.gather = Some(unescape(value)?),
+                "gather_dir" if crate::gather::DIRS.contains(&value) => {
+                    part.gather_dirs.push(value.to_string())
+                }
+                "gather_dir" => {
+                    return Err(format!("`gather_dir` names no known directory: {value:?}"))
+                }
                 "prefix" => part.prefix = num(value)? != 0,
                 "grace_ms" => part.kill_grace = Duration::from_millis(num(value)?),
                 "verbose" => part.verbose = num(value)? != 0,
@@ -319,7 +344,39 @@ pub fn serve() -> i32 {
         eprintln!("fhrun (remote part): cannot start the control thread: {e}");
         return 1;
     }
-    launch::run(&part.job())
+    let who = format!("fhrun (remote part on {})", crate::hosts::this_hostname());
+    let mut part = part;
+    let dir = part
+        .gather
+        .is_some()
+        .then(|| gather_here(&mut part, &who))
+        .flatten();
+    let code = launch::run(&part.job());
+    if let (Some(dir), Some(marker)) = (dir, &part.gather) {
+        dir.send_and_remove(marker, &mut std::io::stdout().lock(), &who);
+    }
+    code
+}
+
+/// A directory of the part's own on this host for its ranks' flight records and timelines
+/// (fhrun's job directory is on fhrun's host), their variables pointed there.
+fn gather_here(part: &mut Part, who: &str) -> Option<PartDir> {
+    match PartDir::create(&part.gather_dirs) {
+        Ok(dir) => {
+            let vars = observe::rank_vars(dir.dir("flight"), dir.dir("timeline"));
+            part.env.retain(|(k, _)| !vars.iter().any(|(v, _)| v == k));
+            part.env.extend(vars);
+            Some(dir)
+        }
+        Err(e) => {
+            eprintln!(
+                "{who}: warning: cannot make a directory under {} for the ranks' flight \
+                 records and timelines ({e}); they stay on this host",
+                std::env::temp_dir().display()
+            );
+            None
+        }
+    }
 }
 
 #[cfg(test)]
@@ -363,6 +420,8 @@ mod tests {
                 })
                 .collect(),
             report: None,
+            gather: Some("fhrun-files-abc".into()),
+            gather_dirs: vec!["flight".into(), "timeline".into()],
             prefix: false,
             kill_grace: Duration::from_millis(1500),
             verbose: true,
@@ -385,9 +444,10 @@ mod tests {
     fn every_value_is_on_one_line() {
         let p = part();
         let text = p.encode();
+        // The gather marker and its two directories: 3 more lines.
         assert_eq!(
             text.lines().count(),
-            1 + 1 + 3 + 2 + 3 + p.own_env.len() + 3 + 1
+            1 + 1 + 3 + 2 + 3 + p.own_env.len() + 3 + 3 + 1
         );
         assert!(text.contains("env ODD=a=b\\\\c\\nd\n"));
     }
@@ -492,6 +552,7 @@ mod tests {
             ("cwd /\narg x\nrank zero\ngo\n", "wants a number"),
             ("bogus 1\ngo\n", "unknown line `bogus`"),
             ("env NOEQUALS\ngo\n", "NAME=VALUE"),
+            ("gather_dir ../etc\ngo\n", "no known directory"),
         ] {
             let text = format!("version {}\n{text}", fh_core::RELEASE);
             let err = Part::decode(&mut std::io::Cursor::new(&text)).unwrap_err();

@@ -1,8 +1,9 @@
 //! fhrun end to end: hosts and slots, the `--mpi` command (dry run and a real `mpirun` when Open
-//! MPI is installed) and the local dry run.
+//! MPI is installed), the local dry run, and the flight records and timelines of another host.
 
 mod common;
 use std::collections::BTreeSet;
+use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use common::*;
@@ -287,4 +288,222 @@ fn mpi_mode_runs_through_a_real_mpirun() {
     }
     assert_eq!(seen, ["0", "1"].map(String::from).into(), "{out:?}");
     assert_eq!(tokens.len(), 1);
+}
+
+/// The flight record rank `rank` of `size` "writes": one completed allreduce.
+fn flight_record(rank: usize, size: usize) -> String {
+    use fh_scheduler::flight::dump::{Dump, OpRecord, FORMAT};
+    let dump = Dump {
+        format: FORMAT.into(),
+        rank,
+        size,
+        reason: "engine stopped: a peer was lost".into(),
+        written_unix_us: 1_700_000_000_000_000,
+        capacity: 4096,
+        recorded: 1,
+        stall: None,
+        stopped: Some("a peer was lost".into()),
+        ops: vec![OpRecord {
+            seq: 1,
+            name: "allreduce.warmup".into(),
+            kind: "allreduce".into(),
+            dtype: "f32".into(),
+            shape: vec![2],
+            ndim: 1,
+            bytes: 8,
+            submitted_us: 1_700_000_000_000_000,
+            negotiated_us: Some(1_700_000_000_000_100),
+            round: Some(1),
+            started_us: Some(1_700_000_000_000_200),
+            done_us: Some(1_700_000_000_000_300),
+            channel: Some(0),
+            waiting_on: Vec::new(),
+            outcome: "ok".into(),
+            error: None,
+            lost_rank: None,
+        }],
+    };
+    serde_json::to_string(&dump).unwrap()
+}
+
+/// A job of two "hosts": this machine (rank 0) and `fh-far-host` (rank 1), whose part an rsh
+/// agent runs here in a mount namespace of its own where fhrun's temporary directory is an
+/// empty tmpfs — as on another host, fhrun's job directory is not there — and `TMPDIR` is
+/// another directory. Each rank writes the flight record and timeline it finds in `templates`
+/// to where its variables say, prints its flight directory, and then, with `fail`, rank 1
+/// fails and rank 0 waits to be stopped. `None`: this machine cannot run it (no `unshare -m`).
+fn two_hosts(dir: &TempDir, extra: &[&str], fail: bool) -> Option<Finished> {
+    let ok = std::process::Command::new("unshare")
+        .args(["-m", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipped: needs `unshare -m` (root) to hide fhrun's directory from a far host");
+        return None;
+    }
+    let (near, far, templates) = (
+        dir.path().join("near"),
+        dir.path().join("far"),
+        dir.path().join("templates"),
+    );
+    for d in [&near, &far, &templates] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    for rank in 0..2 {
+        std::fs::write(
+            templates.join(format!("record-{rank}.json")),
+            flight_record(rank, 2),
+        )
+        .unwrap();
+        let timeline = format!(
+            "[{{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":{rank},\"tid\":0,\"args\":\
+             {{\"name\":\"rank {rank}\",\"rank\":{rank},\"origin_unix_us\":1000}}}},\n\
+             {{\"name\":\"work of rank {rank}\",\"ph\":\"X\",\"ts\":1,\"dur\":1,\"pid\":0,\"tid\":0}}]"
+        );
+        std::fs::write(templates.join(format!("timeline-{rank}.json")), timeline).unwrap();
+    }
+    let agent = dir.path().join("agent.sh");
+    std::fs::write(
+        &agent,
+        format!(
+            "#!/bin/bash\nshift\nexec unshare -m sh -c 'mount -t tmpfs fh-far \"$0\" && \
+             TMPDIR=\"$1\" exec sh -c \"$2\"' '{}' '{}' \"$*\"\n",
+            near.display(),
+            far.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let script = "set -e\n\
+        tl=$(printf %s \"$FH_TIMELINE\" | sed \"s/{rank}/$FH_RANK/\")\n\
+        mkdir -p \"$FH_FLIGHT_DIR\" \"$(dirname \"$tl\")\"\n\
+        cp \"$1/record-$FH_RANK.json\" \"$FH_FLIGHT_DIR/rank-$FH_RANK.json\"\n\
+        [ -z \"$FH_TIMELINE\" ] || cp \"$1/timeline-$FH_RANK.json\" \"$tl\"\n\
+        echo \"flight dir $FH_FLIGHT_DIR\"\n\
+        if [ \"$2\" = fail ]; then\n\
+          if [ \"$FH_RANK\" = 1 ]; then sleep 1; exit 3; fi\n\
+          sleep 30\n\
+        fi\n";
+    let mut args = vec![
+        "-np",
+        "2",
+        "-H",
+        "localhost:1,fh-far-host:1",
+        "--rsh-agent",
+        agent.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let templates = templates.to_str().unwrap().to_string();
+    args.extend([
+        "sh",
+        "-c",
+        script,
+        "rank",
+        &templates,
+        if fail { "fail" } else { "pass" },
+    ]);
+    Some(
+        Running::start_cmd(
+            std::process::Command::new(FHRUN)
+                .args(&args)
+                .env("TMPDIR", &near),
+        )
+        .wait(LIMIT),
+    )
+}
+
+/// Every file under `dir` (depth 2).
+fn files_under(dir: &std::path::Path) -> Vec<String> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        found.push(e.file_name().to_string_lossy().into_owned());
+    }
+    found
+}
+
+#[test]
+fn the_timeline_has_a_track_for_every_rank_of_every_host() {
+    let dir = TempDir::new("gather-timeline");
+    let out_file = dir.path().join("timeline.json");
+    let Some(out) = two_hosts(
+        &dir,
+        &["--timeline-filename", out_file.to_str().unwrap()],
+        false,
+    ) else {
+        return;
+    };
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert!(
+        out.stderr.contains("timeline of 2 ranks")
+            && out.stderr.contains(out_file.to_str().unwrap()),
+        "{}",
+        out.stderr
+    );
+    let events: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out_file).unwrap()).unwrap();
+    let works: BTreeSet<(u64, String)> = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"].as_str().unwrap_or("").starts_with("work of"))
+        .map(|e| {
+            (
+                e["pid"].as_u64().unwrap(),
+                e["name"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        works,
+        BTreeSet::from([(0, "work of rank 0".into()), (1, "work of rank 1".into())])
+    );
+    // The far rank wrote into its part's own directory, under the far TMPDIR.
+    let far = dir.path().join("far");
+    let far_lines = prefixed(&out.stdout, "stdout");
+    assert!(
+        far_lines
+            .iter()
+            .any(|(r, l)| *r == 1
+                && l.contains(&format!("flight dir {}/fhrun-part-", far.display()))),
+        "{}",
+        out.stdout
+    );
+    // Nothing is left behind: neither the part's directory nor fhrun's.
+    assert!(files_under(&far).is_empty(), "{:?}", files_under(&far));
+    assert!(
+        files_under(&dir.path().join("near")).is_empty(),
+        "{:?}",
+        files_under(&dir.path().join("near"))
+    );
+}
+
+#[test]
+fn a_failed_job_keeps_and_explains_the_flight_records_of_every_host() {
+    let dir = TempDir::new("gather-flight");
+    let Some(out) = two_hosts(&dir, &[], true) else {
+        return;
+    };
+    assert_eq!(out.code(), Some(3), "{out:?}");
+    let said = out
+        .stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("fhrun: flight records of 2 ranks (0, 1) are in "))
+        .unwrap_or_else(|| panic!("{}", out.stderr));
+    let kept = std::path::PathBuf::from(said.split(';').next().unwrap());
+    assert!(
+        kept.starts_with(dir.path().join("near")),
+        "{}",
+        kept.display()
+    );
+    let mut files = files_under(&kept);
+    files.sort();
+    assert_eq!(files, ["rank-0.json", "rank-1.json"]);
+    for want in [
+        "fhrun: flight records of ranks 0 and 1 (of 2 ranks)",
+        "fhrun:   written by ranks 0 and 1 for: engine stopped",
+        "fhrun: last collective every rank completed: \"allreduce.warmup\"",
+    ] {
+        assert!(out.stderr.contains(want), "{want}: {}", out.stderr);
+    }
+    assert!(files_under(&dir.path().join("far")).is_empty());
 }

@@ -149,6 +149,8 @@ impl PartProc {
                 .collect(),
             workers: workers.into_iter().map(|(id, _)| id).collect(),
             report: Some(ctx.marker.clone()),
+            gather: None,
+            gather_dirs: Vec::new(),
             prefix: ctx.prefix,
             kill_grace: ctx.kill_grace,
             verbose: ctx.verbose,
@@ -167,6 +169,7 @@ impl PartProc {
             label: label.clone(),
             argv,
             input: part.encode(),
+            gather: None,
         };
         let (mut child, control) = launch::spawn_remote(&spec)
             .map_err(|e| format!("cannot start {label} (`{}`): {e}", spec.argv[0]))?;

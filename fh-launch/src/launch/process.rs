@@ -123,9 +123,21 @@ pub(crate) fn spawn_pump(
     done: &mpsc::Sender<()>,
     whose: &str,
 ) -> bool {
+    spawn_output(thread, done, whose, move || pump(src, sink, prefix))
+}
+
+/// Run `relay` (which copies an output stream to its end) on a thread of its own named
+/// `thread`, which says so on `done` when it returns. Returns whether the thread started; when
+/// it cannot, says so naming `whose` output it was.
+pub(crate) fn spawn_output(
+    thread: String,
+    done: &mpsc::Sender<()>,
+    whose: &str,
+    relay: impl FnOnce() + Send + 'static,
+) -> bool {
     let tx = done.clone();
     let spawned = std::thread::Builder::new().name(thread).spawn(move || {
-        pump(src, sink, prefix);
+        relay();
         let _ = tx.send(());
     });
     match spawned {

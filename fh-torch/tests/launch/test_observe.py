@@ -6,9 +6,12 @@ import json
 import pathlib
 import re
 import shutil
+import subprocess
 import textwrap
 
-from conftest import PYTHON, run
+import pytest
+
+from conftest import PYTHON, free_port, run
 
 
 def flight_dir(out):
@@ -188,6 +191,62 @@ def test_fhrun_merges_every_rank_timeline_into_one(fhrun, tmp_path):
              for r in (0, 1)}
     first = [steps[r][0] for r in (0, 1)]
     assert abs(first[0]["ts"] - first[1]["ts"]) < 5e6, first
+
+
+def far_host(tmp_path):
+    """A job over two "hosts" on this machine: this one, and ``fh-far-host``, whose remote
+    fhrun an rsh agent runs in a mount namespace of its own where fhrun's temporary directory
+    (``near``) is an empty tmpfs — as on another host, fhrun's job directory is not there — with
+    ``TMPDIR=far`` and ``FH_HOST_ID=fh-far-host``. Returns fhrun's arguments for it, fhrun's
+    environment and ``far``."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode:
+        pytest.skip("needs `unshare -m` (root) to hide fhrun's directory from the far host")
+    near, far = tmp_path / "near", tmp_path / "far"
+    near.mkdir()
+    far.mkdir()
+    agent = tmp_path / "agent.sh"
+    agent.write_text("#!/bin/bash\nshift\nexec unshare -m sh -c 'mount -t tmpfs fh-far \"$0\" && "
+                     f"TMPDIR=\"$1\" FH_HOST_ID=fh-far-host exec sh -c \"$2\"' '{near}' '{far}' "
+                     "\"$*\"\n")
+    agent.chmod(0o755)
+    args = ["--rsh-agent", str(agent), "--rendezvous-addr", f"127.0.0.1:{free_port()}"]
+    # Each "host" its own name, as the ranks' host facts (one machine) cannot tell them apart.
+    return args, {"TMPDIR": str(near), "FH_HOST_ID": "fh-near-host"}, far
+
+
+def test_the_timeline_of_a_rank_on_another_host_comes_back(fhrun, tmp_path):
+    """A rank on another host writes its timeline there; its fhrun sends it back, and the
+    merged timeline has its track."""
+    args, env, far = far_host(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text(TIMELINE_SCRIPT)
+    out_file = tmp_path / "timeline.json"
+    code, out = run([fhrun, "-np", "2", "-H", "localhost:1,fh-far-host:1", *args,
+                     "--timeline-filename", str(out_file), "--timeout", "120", PYTHON,
+                     str(script)], timeout=150, env=env)
+    assert code == 0, out
+    assert "timeline of 2 ranks" in out, out
+    events = json.loads(out_file.read_text())
+    for rank in (0, 1):
+        names = {e["name"] for e in events if e.get("pid") == rank}
+        assert {"submit", "synchronize", "optimizer.step"} <= names, (rank, sorted(names))
+    assert not list(far.glob("fhrun-part-*")), list(far.iterdir())
+
+
+def test_a_failed_job_explains_the_records_of_every_host(fhrun, tmp_path):
+    """The mismatch above, rank 1 (the odd one) and rank 2 on another host: fhrun keeps and
+    explains the records of every host's ranks."""
+    args, env, far = far_host(tmp_path)
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH_SCRIPT)
+    code, out = run([fhrun, "-np", "3", "-H", "localhost:1,fh-far-host:2", *args, "--timeout",
+                     "120", PYTHON, str(script)], timeout=150, env=env)
+    assert code != 0, out
+    assert "fhrun: flight records of 3 ranks (0, 1, 2) are in" in out, out
+    assert ("fhrun: first divergence: rank 1 sent \"allreduce.layer3.weight.grad\" with shape "
+            "[18] where ranks 0 and 2 sent [17]") in out, out
+    assert not list(far.glob("fhrun-part-*")), list(far.iterdir())
+    remove_job_dir(out)
 
 
 TIMEOUT_SCRIPT = textwrap.dedent("""

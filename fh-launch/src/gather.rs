@@ -1,0 +1,350 @@
+//! Bringing other hosts' flight records and timelines to fhrun's job directory.
+//!
+//! A remote part ([`crate::remote`]) gives its ranks a directory of its own on its host for
+//! their flight records and timelines ([`PartDir`]: `fhrun-part-PID-RANDOM` under that host's
+//! temporary directory, mode 0700, in place of fhrun's, which does not exist there). When its
+//! ranks have ended (however: done, failed or stopped) it sends those files back on its stdout,
+//! the stream fhrun relays, as lines under a random marker fhrun gave it:
+//!
+//! ```text
+//! MARKER begin DIR NAME SIZE      DIR: `flight` or `timeline`; NAME: a plain file name
+//! MARKER data BASE64              up to CHUNK bytes of the file each
+//! MARKER end
+//! ```
+//!
+//! then removes its directory. fhrun's relay ([`relay`]) takes those lines out of the output,
+//! and writes each file whole (a temporary name, renamed; an identical file already there is
+//! left as is) into its own job directory, where [`crate::observe::JobDir::finish`] finds every
+//! host's files. Only plain names (no `/`, no leading `.`) of regular files, at most
+//! [`MAX_FILE`] bytes each, travel; a refused file is named in a warning.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine;
+
+/// The directories a part gathers, by the name they travel under.
+pub(crate) const DIRS: [&str; 2] = ["flight", "timeline"];
+
+/// The largest file sent back (a longer timeline stays on its host, named in a warning).
+pub(crate) const MAX_FILE: u64 = 256 << 20;
+
+/// Bytes of a file per `data` line: its base64 stays well under the 64 KiB at which fhrun's
+/// output relays cut lines.
+const CHUNK: usize = 30 * 1024;
+
+/// Whether `name` may be written into a job directory: a plain file name (no `/`, not `.` or
+/// `..`, no leading `.`, which temporary files have), of letters, digits, `-`, `_` and `.`.
+pub(crate) fn plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 200
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// A remote part's own directory for its ranks' flight records and timelines.
+pub(crate) struct PartDir {
+    path: PathBuf,
+    /// The gathered directories (names of [`DIRS`]) and their paths.
+    dirs: Vec<(String, PathBuf)>,
+}
+
+impl PartDir {
+    /// A fresh directory (mode 0700) under this host's temporary directory, with a
+    /// subdirectory (0700) for each of `dirs` (names of [`DIRS`]).
+    pub(crate) fn create(dirs: &[String]) -> std::io::Result<Self> {
+        let tag = crate::sys::random_hex(6)?;
+        let path = std::env::temp_dir().join(format!("fhrun-part-{}-{tag}", std::process::id()));
+        let mkdir = |p: &Path| std::fs::DirBuilder::new().mode(0o700).create(p);
+        mkdir(&path)?;
+        let mut made = PartDir {
+            path,
+            dirs: Vec::new(),
+        };
+        for d in dirs {
+            let sub = made.path.join(d);
+            mkdir(&sub)?;
+            made.dirs.push((d.clone(), sub));
+        }
+        Ok(made)
+    }
+
+    /// The directory named `name` (`flight`, `timeline`), if gathered.
+    pub(crate) fn dir(&self, name: &str) -> Option<&Path> {
+        self.dirs
+            .iter()
+            .find(|(d, _)| d == name)
+            .map(|(_, p)| p.as_path())
+    }
+
+    /// Send every file to `out` under `marker`, then remove the directory — unless a file
+    /// could not be sent (too big, unreadable, or `out` closed): then it stays, and `who` (the
+    /// part's name in messages) says where.
+    pub(crate) fn send_and_remove(self, marker: &str, out: &mut impl Write, who: &str) {
+        let mut keep = false;
+        for (dir, path) in &self.dirs {
+            let Ok(entries) = std::fs::read_dir(path) else {
+                continue;
+            };
+            let mut names: Vec<String> = entries
+                .filter_map(Result::ok)
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| plain_name(n))
+                .collect();
+            names.sort();
+            for name in names {
+                let file = path.join(&name);
+                if let Err(e) = send_file(marker, dir, &name, &file, out) {
+                    eprintln!("{who}: cannot send {} to fhrun: {e}", file.display());
+                    keep = true;
+                }
+            }
+        }
+        if keep {
+            eprintln!("{who}: what was not sent stays in {}", self.path.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// Sends one file (a regular file, not followed through a symlink, at most [`MAX_FILE`]).
+fn send_file(
+    marker: &str,
+    dir: &str,
+    name: &str,
+    path: &Path,
+    out: &mut impl Write,
+) -> std::io::Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    let meta = f.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    if meta.len() > MAX_FILE {
+        return Err(std::io::Error::other(format!(
+            "it holds {} MiB, over the {} MiB fhrun gathers from another host",
+            meta.len() >> 20,
+            MAX_FILE >> 20
+        )));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    (&mut f).take(MAX_FILE).read_to_end(&mut bytes)?;
+    writeln!(out, "{marker} begin {dir} {name} {}", bytes.len())?;
+    for chunk in bytes.chunks(CHUNK) {
+        writeln!(out, "{marker} data {}", B64.encode(chunk))?;
+    }
+    writeln!(out, "{marker} end")?;
+    out.flush()
+}
+
+/// fhrun's side: where a part's files go.
+#[derive(Debug, Clone)]
+pub struct Gather {
+    /// The marker of the part's file lines.
+    pub marker: String,
+    /// fhrun's own directories, by the name files travel under (`flight`, `timeline`).
+    pub dirs: Vec<(String, PathBuf)>,
+}
+
+/// A file being received.
+struct Incoming {
+    tmp: PathBuf,
+    target: PathBuf,
+    file: std::fs::File,
+    size: u64,
+    got: u64,
+}
+
+/// What fhrun does with a part's file lines.
+struct Receiver<'a> {
+    gather: &'a Gather,
+    /// Who sent them, for warnings.
+    who: &'a str,
+    current: Option<Incoming>,
+}
+
+impl Receiver<'_> {
+    /// Takes one file line (after the marker and its space).
+    fn line(&mut self, rest: &str) {
+        let mut words = rest.split(' ');
+        match words.next() {
+            Some("begin") => {
+                self.abandon();
+                let (Some(dir), Some(name), Some(size), None) =
+                    (words.next(), words.next(), words.next(), words.next())
+                else {
+                    return self.warn(format!("a malformed file line {rest:?}"));
+                };
+                self.begin(dir, name, size);
+            }
+            Some("data") => {
+                let Some(inc) = self.current.as_mut() else {
+                    return;
+                };
+                let data = match B64.decode(words.next().unwrap_or("")) {
+                    Ok(d) => d,
+                    Err(e) => return self.fail(format!("bad base64 ({e})")),
+                };
+                inc.got += data.len() as u64;
+                if inc.got > inc.size {
+                    return self.fail("more bytes than announced".into());
+                }
+                if let Err(e) = inc.file.write_all(&data) {
+                    let why = format!("cannot write {}: {e}", inc.tmp.display());
+                    self.fail(why);
+                }
+            }
+            Some("end") => {
+                if let Some(inc) = self.current.take() {
+                    if inc.got != inc.size {
+                        let _ = std::fs::remove_file(&inc.tmp);
+                        return self.warn(format!(
+                            "{} short of its size ({} of {} bytes)",
+                            inc.target.display(),
+                            inc.got,
+                            inc.size
+                        ));
+                    }
+                    finish(inc);
+                }
+            }
+            _ => self.warn(format!("a malformed file line {rest:?}")),
+        }
+    }
+
+    fn begin(&mut self, dir: &str, name: &str, size: &str) {
+        let Some((_, into)) = self.gather.dirs.iter().find(|(d, _)| d == dir) else {
+            return self.warn(format!("a file for an unknown directory {dir:?}"));
+        };
+        if !plain_name(name) {
+            return self.warn(format!("a file of a refused name {name:?}"));
+        }
+        let size = match size.parse::<u64>() {
+            Ok(s) if s <= MAX_FILE => s,
+            _ => return self.warn(format!("{name} of a refused size {size:?}")),
+        };
+        let made = crate::sys::random_hex(6).and_then(|tag| {
+            let tmp = into.join(format!(".{name}.{tag}.gather"));
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            Ok((tmp, file))
+        });
+        match made {
+            Ok((tmp, file)) => {
+                self.current = Some(Incoming {
+                    tmp,
+                    target: into.join(name),
+                    file,
+                    size,
+                    got: 0,
+                })
+            }
+            Err(e) => self.warn(format!("cannot write {name} into {}: {e}", into.display())),
+        }
+    }
+
+    fn warn(&self, what: String) {
+        eprintln!("fhrun: warning: {} sent {what}; it is not kept", self.who);
+    }
+
+    /// The file being received is dropped, saying why.
+    fn fail(&mut self, why: String) {
+        if let Some(inc) = self.current.take() {
+            let _ = std::fs::remove_file(&inc.tmp);
+            self.warn(format!("{} with {why}", inc.target.display()));
+        }
+    }
+
+    /// The file being received is dropped (its stream ended or another began).
+    fn abandon(&mut self) {
+        if let Some(inc) = self.current.take() {
+            let _ = std::fs::remove_file(&inc.tmp);
+            self.warn(format!("{} cut short", inc.target.display()));
+        }
+    }
+}
+
+/// A received file takes its place: renamed over the target, unless the target is already
+/// the same file (a part on this very machine whose ranks wrote into fhrun's directory).
+fn finish(inc: Incoming) {
+    drop(inc.file);
+    let same = std::fs::symlink_metadata(&inc.target).is_ok_and(|m| m.is_file())
+        && match (std::fs::read(&inc.target), std::fs::read(&inc.tmp)) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
+    if same {
+        let _ = std::fs::remove_file(&inc.tmp);
+    } else if let Err(e) = std::fs::rename(&inc.tmp, &inc.target) {
+        let _ = std::fs::remove_file(&inc.tmp);
+        eprintln!(
+            "fhrun: warning: cannot put a gathered file at {}: {e}",
+            inc.target.display()
+        );
+    }
+}
+
+/// Copies a remote part's stdout to `out`, taking out and keeping the files it sends under
+/// `gather`'s marker (see the module's documentation). `who` names the part in warnings.
+pub(crate) fn relay(input: impl Read, mut out: impl Write, gather: &Gather, who: &str) {
+    let mut rx = Receiver {
+        gather,
+        who,
+        current: None,
+    };
+    let mut r = BufReader::new(input);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        // Bounded lines, as fhrun's other relays: a longer one is passed on in pieces.
+        match (&mut r).take(64 * 1024).read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        // A file line may follow a rank's last output that did not end its line.
+        let at = find(&line, gather.marker.as_bytes());
+        let (text, file_line) = match at {
+            Some(i) => (&line[..i], Some(&line[i..])),
+            None => (&line[..], None),
+        };
+        if !text.is_empty() {
+            let _ = out.write_all(text);
+            if file_line.is_some() {
+                let _ = out.write_all(b"\n");
+            }
+            let _ = out.flush();
+        }
+        if let Some(l) = file_line {
+            let l = String::from_utf8_lossy(l);
+            let l = l.trim_end_matches('\n');
+            if let Some(rest) = l
+                .strip_prefix(gather.marker.as_str())
+                .and_then(|r| r.strip_prefix(' '))
+            {
+                rx.line(rest);
+            }
+        }
+    }
+    rx.abandon();
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    if needle.is_empty() {
+        return None;
+    }
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests;

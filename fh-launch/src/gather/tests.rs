@@ -1,0 +1,202 @@
+use std::os::unix::fs::MetadataExt;
+
+use super::*;
+
+/// A fresh directory, removed at the end.
+struct Tmp(PathBuf);
+
+impl Tmp {
+    fn new() -> Tmp {
+        let tag = crate::sys::random_hex(6).unwrap();
+        let p = std::env::temp_dir().join(format!("fh-gather-test-{tag}"));
+        std::fs::create_dir(&p).unwrap();
+        Tmp(p)
+    }
+}
+
+impl Drop for Tmp {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+const M: &str = "fhrun-files-0123";
+
+fn gather_into(dest: &Path) -> Gather {
+    for d in DIRS {
+        let _ = std::fs::create_dir(dest.join(d));
+    }
+    Gather {
+        marker: M.into(),
+        dirs: DIRS.iter().map(|d| (d.to_string(), dest.join(d))).collect(),
+    }
+}
+
+/// Relays `stream`; returns what was passed on as output.
+fn relay_text(stream: &[u8], g: &Gather) -> String {
+    let mut out = Vec::new();
+    relay(stream, &mut out, g, "ranks 2-3 on far");
+    String::from_utf8(out).unwrap()
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_part_files_travel_whole_and_the_output_is_left_as_it_was() {
+    let part = PartDir::create(&["flight".into(), "timeline".into()]).unwrap();
+    let root = part.path.clone();
+    assert_eq!(
+        std::fs::metadata(&root).unwrap().mode() & 0o777,
+        0o700,
+        "{root:?}"
+    );
+    let big: Vec<u8> = (0..100_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(part.dir("flight").unwrap().join("rank-2.json"), &big).unwrap();
+    std::fs::write(part.dir("flight").unwrap().join("rank-3.json"), b"").unwrap();
+    // A record being written (a temporary name) stays behind.
+    std::fs::write(part.dir("flight").unwrap().join(".rank-3.json.9.tmp"), b"x").unwrap();
+    std::fs::write(part.dir("timeline").unwrap().join("rank-2.json"), b"[1]").unwrap();
+    let mut stream = b"[2]<stdout>:hello\n".to_vec();
+    part.send_and_remove(M, &mut stream, "test part");
+    stream.extend_from_slice(b"[3]<stdout>:bye\n");
+    assert!(!root.exists(), "the part's directory is removed once sent");
+
+    let dest = Tmp::new();
+    let g = gather_into(&dest.0);
+    assert_eq!(
+        relay_text(&stream, &g),
+        "[2]<stdout>:hello\n[3]<stdout>:bye\n"
+    );
+    assert_eq!(
+        std::fs::read(dest.0.join("flight/rank-2.json")).unwrap(),
+        big
+    );
+    assert_eq!(
+        std::fs::read(dest.0.join("flight/rank-3.json")).unwrap(),
+        b""
+    );
+    assert_eq!(
+        names(&dest.0.join("flight")),
+        ["rank-2.json", "rank-3.json"]
+    );
+    assert_eq!(
+        std::fs::read(dest.0.join("timeline/rank-2.json")).unwrap(),
+        b"[1]"
+    );
+}
+
+#[test]
+fn a_symlink_is_not_sent_and_what_was_not_sent_stays() {
+    let part = PartDir::create(&["flight".into()]).unwrap();
+    let root = part.path.clone();
+    let secret = Tmp::new();
+    std::fs::write(secret.0.join("secret"), b"do not send").unwrap();
+    std::os::unix::fs::symlink(
+        secret.0.join("secret"),
+        part.dir("flight").unwrap().join("rank-0.json"),
+    )
+    .unwrap();
+    let mut stream = Vec::new();
+    part.send_and_remove(M, &mut stream, "test part");
+    assert!(stream.is_empty(), "{}", String::from_utf8_lossy(&stream));
+    assert!(root.exists());
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn names_that_leave_the_directory_and_unknown_directories_are_refused() {
+    let dest = Tmp::new();
+    let g = gather_into(&dest.0);
+    let mut stream = String::new();
+    for (dir, name) in [
+        ("flight", "../escape.json"),
+        ("flight", "a/b.json"),
+        ("flight", ".."),
+        ("flight", ".hidden"),
+        ("elsewhere", "rank-0.json"),
+        ("..", "rank-0.json"),
+    ] {
+        stream += &format!("{M} begin {dir} {name} 2\n{M} data eHg=\n{M} end\n");
+    }
+    // Too big, and more bytes than announced.
+    stream += &format!("{M} begin flight rank-1.json {}\n{M} end\n", MAX_FILE + 1);
+    stream += &format!("{M} begin flight rank-2.json 1\n{M} data eHg=\n{M} end\n");
+    assert_eq!(relay_text(stream.as_bytes(), &g), "");
+    assert_eq!(names(&dest.0), ["flight", "timeline"]);
+    assert!(names(&dest.0.join("flight")).is_empty());
+    assert!(!dest.0.join("escape.json").exists());
+    assert!(!dest.0.join("flight/a").exists());
+}
+
+#[test]
+fn a_file_cut_short_is_not_kept() {
+    let dest = Tmp::new();
+    let g = gather_into(&dest.0);
+    let stream = format!("{M} begin flight rank-0.json 4\n{M} data eHg=\n");
+    assert_eq!(relay_text(stream.as_bytes(), &g), "");
+    assert!(names(&dest.0.join("flight")).is_empty());
+    let stream = format!("{M} begin flight rank-0.json 4\n{M} data eHg=\n{M} end\n");
+    relay_text(stream.as_bytes(), &g);
+    assert!(names(&dest.0.join("flight")).is_empty());
+}
+
+#[test]
+fn a_file_line_after_an_unfinished_output_line_is_still_taken() {
+    let dest = Tmp::new();
+    let g = gather_into(&dest.0);
+    let stream = format!("no newline{M} begin flight rank-0.json 2\n{M} data eHg=\n{M} end\nok\n");
+    assert_eq!(relay_text(stream.as_bytes(), &g), "no newline\nok\n");
+    assert_eq!(
+        std::fs::read(dest.0.join("flight/rank-0.json")).unwrap(),
+        b"xx"
+    );
+}
+
+#[test]
+fn an_identical_file_is_left_alone_and_a_symlink_is_replaced_not_followed() {
+    let dest = Tmp::new();
+    let g = gather_into(&dest.0);
+    let target = dest.0.join("flight/rank-0.json");
+    std::fs::write(&target, b"xx").unwrap();
+    let inode = std::fs::metadata(&target).unwrap().ino();
+    let stream = format!("{M} begin flight rank-0.json 2\n{M} data eHg=\n{M} end\n");
+    relay_text(stream.as_bytes(), &g);
+    assert_eq!(std::fs::metadata(&target).unwrap().ino(), inode);
+    assert_eq!(names(&dest.0.join("flight")), ["rank-0.json"]);
+
+    let other = Tmp::new();
+    std::fs::write(other.0.join("victim"), b"keep").unwrap();
+    std::fs::remove_file(&target).unwrap();
+    std::os::unix::fs::symlink(other.0.join("victim"), &target).unwrap();
+    relay_text(stream.as_bytes(), &g);
+    assert_eq!(std::fs::read(other.0.join("victim")).unwrap(), b"keep");
+    assert!(std::fs::symlink_metadata(&target).unwrap().is_file());
+    assert_eq!(std::fs::read(&target).unwrap(), b"xx");
+}
+
+#[test]
+fn plain_names() {
+    for ok in ["rank-0.json", "a_b.c"] {
+        assert!(plain_name(ok), "{ok}");
+    }
+    for bad in [
+        "",
+        ".",
+        "..",
+        "../x",
+        "a/b",
+        ".x",
+        "a b",
+        "a\nb",
+        &"x".repeat(201),
+    ] {
+        assert!(!plain_name(bad), "{bad:?}");
+    }
+}
