@@ -322,6 +322,7 @@ fn flight_record(rank: usize, size: usize) -> String {
             error: None,
             lost_rank: None,
         }],
+        members: None,
     };
     serde_json::to_string(&dump).unwrap()
 }
