@@ -23,7 +23,7 @@
 //! One gradient walks the modules of this directory in order: `mod.rs` is the thin loop
 //! (accept submissions, decide when to run the next round, back-pressure); [`round`] runs one
 //! negotiation round (the bit-vector AND and the optional steps, drawing on
-//! [`crate::negotiate`]); [`groups`] holds grouped submissions back until every member is
+//! [`crate::negotiate`]), of which the stall inspector's is in [`stall_check`]; [`groups`] holds grouped submissions back until every member is
 //! ready and fails them together; [`dispatch`] plans the agreed list (fh-core's planner) and
 //! hands the groups to the channels (`crate::exec`), or runs a small one itself.
 
@@ -44,6 +44,7 @@ use crate::SchedulerError;
 mod dispatch;
 mod groups;
 mod round;
+mod stall_check;
 #[cfg(test)]
 mod tests;
 mod waiting;
