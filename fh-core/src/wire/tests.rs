@@ -1,4 +1,8 @@
-use super::*;
+use super::{
+    decode_names, decode_requests, decode_responses, encode_names, encode_requests,
+    encode_responses, CollectiveKind, CoreError, DType, DecodeError, Device, Disagreement,
+    GroupTag, MismatchField, NegotiationError, ReduceOp, Request, Response, Signature, VERSION,
+};
 use proptest::prelude::*;
 
 fn arb_sig() -> impl Strategy<Value = Signature> {

@@ -1,4 +1,6 @@
-use super::*;
+use std::time::Duration;
+
+use super::{HeartbeatSettings, JobToken, LaunchInfo, Topology};
 
 proptest::proptest! {
     /// What the writer writes, the reader reads back: any fhrun launch, with all its host

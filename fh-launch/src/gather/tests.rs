@@ -1,6 +1,8 @@
 use std::os::unix::fs::MetadataExt;
 
-use super::*;
+use std::path::{Path, PathBuf};
+
+use super::{plain_name, relay, Gather, PartDir, DIRS, MAX_FILE};
 
 /// A fresh directory, removed at the end.
 struct Tmp(PathBuf);

@@ -1,6 +1,14 @@
 //! The wire format's unit tests: round trips, and the errors each decoder gives.
 
-use super::*;
+use super::{
+    abort_header, acceptor_proof, check_data_len, connector_proof, constant_time_eq, data_header,
+    decode_book, decode_header, decode_proof, decode_rendezvous_answer, encode_book, encode_proof,
+    encode_rendezvous_failure, fresh_nonce, max_book_len, max_rendezvous_answer_len, release_field,
+    verify_acceptor_proof, verify_connector_proof, version_mismatch, Answer, ConnKind, DecodeError,
+    Header, Hello, Key, RendezvousAnswer, Reply, CHALLENGE_LEN, HELLO_LEN, HELLO_MAGIC,
+    MAX_FAILURE_TEXT, MAX_REASON_LEN, NONCE_LEN, PREAMBLE_LEN, PROOF_LEN, PROOF_TAG_LEN,
+    PROTOCOL_VERSION, RELEASE_FIELD, RENDEZVOUS_FAILED, REPLY_MAGIC, WORLD_ID_LEN,
+};
 
 #[test]
 fn hello_round_trip() {
