@@ -17,6 +17,7 @@ pub mod cache;
 pub mod dtype;
 pub mod error;
 pub mod fusion;
+pub mod hash;
 pub mod kernels;
 pub mod message;
 pub mod mismatch;

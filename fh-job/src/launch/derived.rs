@@ -3,6 +3,8 @@
 
 use super::{Get, LaunchInfo, Launcher};
 
+use fh_core::hash::{fnv1a, FNV_OFFSET};
+
 /// What rank 0 says when the token is derived.
 pub(super) const DERIVED_TOKEN_NOTICE: &str =
     "FH_JOB_TOKEN is not set, so the job token is derived from \
@@ -31,16 +33,6 @@ pub(super) fn announce_derived_token(launcher: Launcher) {
     );
 }
 
-/// 64-bit FNV-1a, for deriving a stable (not secret) token.
-fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
-    let mut h = seed;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
 pub(super) fn derive_token(get: &Get<'_>, info: &LaunchInfo) -> String {
     let job_id = [
         "SLURM_JOB_ID",
@@ -59,7 +51,7 @@ pub(super) fn derive_token(get: &Get<'_>, info: &LaunchInfo) -> String {
         info.rendezvous.as_deref().unwrap_or(""),
         info.size
     );
-    let a = fnv1a(0xcbf2_9ce4_8422_2325, facts.as_bytes());
+    let a = fnv1a(FNV_OFFSET, facts.as_bytes());
     let b = fnv1a(0x6c62_272e_07bb_0142, facts.as_bytes());
     format!("derived-{a:016x}{b:016x}")
 }

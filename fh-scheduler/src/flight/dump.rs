@@ -105,14 +105,12 @@ pub fn set_dir_name(members: &[usize]) -> String {
         let parts: Vec<String> = members.iter().map(usize::to_string).collect();
         return format!("set-{}", parts.join("."));
     }
-    // FNV-1a over the members' little-endian bytes: stable across builds and hosts.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for m in members {
-        for b in (*m as u64).to_le_bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
+    // Over the members' little-endian bytes: stable across builds and hosts.
+    let bytes: Vec<u8> = members
+        .iter()
+        .flat_map(|m| (*m as u64).to_le_bytes())
+        .collect();
+    let h = fh_core::hash::fnv1a(fh_core::hash::FNV_OFFSET, &bytes);
     format!(
         "set-n{}-{}-{}-{h:016x}",
         members.len(),
