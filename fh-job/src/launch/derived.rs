@@ -1,9 +1,9 @@
 //! The token derived from what every rank of a launch shares, when `FH_JOB_TOKEN` is not set:
 //! it keeps other jobs out but authenticates nothing, and rank 0 says so once.
 
-use super::{Get, LaunchInfo, Launcher};
-
 use fh_core::hash::{fnv1a, FNV_OFFSET};
+
+use super::{Get, LaunchInfo, Launcher};
 
 /// What rank 0 says when the token is derived.
 pub(super) const DERIVED_TOKEN_NOTICE: &str =
