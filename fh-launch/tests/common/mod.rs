@@ -2,6 +2,8 @@
 //! fhrun, temporary directories, process liveness.
 #![allow(dead_code)]
 
+pub mod elastic;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
