@@ -53,8 +53,9 @@ pub struct Cli {
     #[arg(long = "hostfile", visible_alias = "host-file", value_name = "FILE")]
     pub hostfile: Option<PathBuf>,
 
-    /// Run the job through `mpirun` instead of starting the ranks of other hosts through the
-    /// rsh agent.
+    /// Run the job through `mpirun` (as fhrun's child) instead of starting the ranks of other
+    /// hosts through the rsh agent; other hosts' flight records and timelines then come back
+    /// only where the job directory is on a shared filesystem (TMPDIR).
     #[arg(long)]
     pub mpi: bool,
 
@@ -214,8 +215,8 @@ pub struct Knobs {
     pub priority: Option<Priority>,
 
     /// Write one Chrome-trace timeline of every rank to this path: each rank records its own,
-    /// other hosts' fhrun send theirs back, fhrun merges them at the end (a track per rank of
-    /// every host, one clock). A path holding `{rank}` names a file per rank instead, left
+    /// other hosts' fhrun send theirs back (with --mpi: where the job directory is shared),
+    /// fhrun merges them at the end (a track per rank of every host, one clock). A path holding `{rank}` names a file per rank instead, left
     /// unmerged, on each rank's host (FH_TIMELINE).
     #[arg(long, value_name = "PATH")]
     pub timeline_filename: Option<PathBuf>,

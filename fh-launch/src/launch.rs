@@ -13,8 +13,8 @@ use crate::sys;
 
 mod process;
 
-pub(crate) use process::{describe, spawn_output, spawn_pump, spawn_remote};
-use process::{report_exit, spawn_rank, status_code, stop_group};
+pub(crate) use process::{describe, spawn_output, spawn_pump, spawn_remote, status_code};
+use process::{report_exit, spawn_rank, stop_group};
 
 /// Exit status of fhrun when the job ran past `--timeout`.
 pub const EXIT_TIMEOUT: i32 = 124;
@@ -135,7 +135,7 @@ const NOTICE_WINDOW: Duration = Duration::from_millis(500);
 
 /// At `--timeout`, how long the ranks have to write their flight records (fhrun sends them
 /// `SIGUSR1` first) before fhrun sends them SIGTERM.
-const RECORD_WINDOW: Duration = Duration::from_millis(1000);
+pub(crate) const RECORD_WINDOW: Duration = Duration::from_millis(1000);
 
 /// The longest fhrun sleeps between two looks at the notice pipe (a SIGCHLD or a signal for
 /// fhrun wakes it earlier).

@@ -19,9 +19,6 @@ mod output;
 mod remote;
 mod sys;
 
-use std::os::unix::process::CommandExt;
-use std::process::Command;
-
 use clap::Parser;
 
 use cli::Cli;
@@ -223,8 +220,8 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         fh_core::RELEASE.to_string(),
     ));
     // A directory of the job's own for the ranks' flight records and timelines (not for a
-    // dry run, nor for jobs fhrun hands over: mpirun, or the elastic driver's).
-    let job_dir = if is_elastic || cli.mpi || cli.dry_run {
+    // dry run, nor for the elastic driver's jobs).
+    let job_dir = if is_elastic || cli.dry_run {
         None
     } else {
         let user_flight_dir = user_env.iter().any(|(k, _)| k == "FH_FLIGHT_DIR")
@@ -300,11 +297,22 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         if cli.verbose {
             eprintln!("fhrun: running {}", mpi::display(&cmd));
         }
-        let err = Command::new(&mpirun)
-            .args(&cmd.argv[1..])
-            .envs(cmd.env.iter().map(|(k, v)| (k, v)))
-            .exec();
-        return Err((126, format!("cannot run {}: {err}", mpirun.display())));
+        let code = mpi::run(
+            &mpirun,
+            &cmd,
+            &mpi::Supervision {
+                kill_grace: cli.kill_grace,
+                timeout: cli.timeout,
+                verbose: cli.verbose,
+            },
+        );
+        if let Some(d) = job_dir {
+            if !remote.is_empty() {
+                d.note_other_hosts(np, code != 0);
+            }
+            d.finish(code != 0);
+        }
+        return Ok(code);
     }
 
     if !remote.is_empty() {

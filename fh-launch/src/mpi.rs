@@ -1,8 +1,18 @@
-//! `--mpi`: hand the job to Open MPI's `mpirun`.
+//! `--mpi`: hand the job to Open MPI's `mpirun`, which fhrun runs as its child ([`run`]).
+//!
+//! The ranks get the job directory's variables ([`crate::observe::JobDir::env`]: the flight
+//! directory, the per-rank timeline pattern) exported with `-x` like every other, and fhrun
+//! merges and keeps what they wrote when mpirun ends. mpirun gives fhrun no channel to bring
+//! files back from other hosts: their ranks write under the same path on their own host, which
+//! fhrun sees only when that directory is shared (`TMPDIR` on a shared filesystem).
 
 use std::path::{Path, PathBuf};
 
 use crate::hosts::Host;
+
+mod run;
+
+pub(crate) use run::{run, Supervision};
 
 /// What to run: mpirun's environment additions and its argument vector.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,7 +4,8 @@
 //! (one track per rank, one clock). When the job failed, or a rank wrote its flight record for
 //! a stall or on SIGUSR1, fhrun keeps the records and says where, and when the job failed it
 //! prints what `fhrun --explain DIR` says about them. Other hosts' ranks write theirs on their
-//! host, and their remote parts send them back into this directory ([`crate::gather`]).
+//! host, and their remote parts send them back into this directory ([`crate::gather`]); under
+//! `--mpi` they stay on their host unless the directory is shared ([`crate::mpi`]).
 
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -70,6 +71,36 @@ impl JobDir {
             dirs.push(("timeline".to_string(), d.clone()));
         }
         dirs
+    }
+
+    /// After an `--mpi` job with ranks on other hosts, before [`JobDir::finish`]: when fewer
+    /// than `np` ranks' timelines, or (the job `failed`) flight records, are here, say where the
+    /// others are. mpirun brings no files back: the ranks of other hosts wrote theirs under the
+    /// same path on their own host, which this host sees only when it is shared.
+    pub(crate) fn note_other_hosts(&self, np: usize, failed: bool) {
+        let count = |dir: &Path| {
+            std::fs::read_dir(dir).map_or(0, |entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .filter(|e| {
+                        let name = e.file_name();
+                        let name = name.to_string_lossy();
+                        name.starts_with("rank-") && name.ends_with(".json")
+                    })
+                    .count()
+            })
+        };
+        let short = self.timeline.as_ref().is_some_and(|(_, d)| count(d) < np)
+            || (failed && self.flight.as_deref().is_some_and(|f| count(f) < np));
+        if short {
+            eprintln!(
+                "fhrun: the ranks on other hosts wrote their flight records and timelines under \
+                 {} on their own hosts, which mpirun does not bring back: fhrun sees them only \
+                 where that directory is shared (run fhrun with TMPDIR on a shared filesystem), \
+                 else they stay there",
+                self.path.display()
+            );
+        }
     }
 
     /// After the job: merge the timeline, say where the flight records are (and, when the job

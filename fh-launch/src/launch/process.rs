@@ -41,7 +41,7 @@ pub(crate) fn spawn_remote(spec: &RemoteSpec) -> std::io::Result<(Child, ChildSt
 }
 
 /// fhrun's exit code for a rank's exit status.
-pub(super) fn status_code(status: ExitStatus) -> i32 {
+pub(crate) fn status_code(status: ExitStatus) -> i32 {
     match (status.code(), status.signal()) {
         (Some(c), _) => c,
         (None, Some(s)) => 128 + s,

@@ -291,3 +291,40 @@ pub fn prefixed<'a>(text: &'a str, stream: &str) -> Vec<(usize, &'a str)> {
         })
         .collect()
 }
+
+/// The flight record rank `rank` of `size` "writes": one completed allreduce.
+pub fn flight_record(rank: usize, size: usize) -> String {
+    use fh_scheduler::flight::dump::{Dump, OpRecord, FORMAT};
+    let dump = Dump {
+        format: FORMAT.into(),
+        rank,
+        size,
+        reason: "engine stopped: a peer was lost".into(),
+        written_unix_us: 1_700_000_000_000_000,
+        capacity: 4096,
+        recorded: 1,
+        stall: None,
+        stopped: Some("a peer was lost".into()),
+        ops: vec![OpRecord {
+            seq: 1,
+            name: "allreduce.warmup".into(),
+            kind: "allreduce".into(),
+            dtype: "f32".into(),
+            shape: vec![2],
+            ndim: 1,
+            bytes: 8,
+            submitted_us: 1_700_000_000_000_000,
+            negotiated_us: Some(1_700_000_000_000_100),
+            round: Some(1),
+            started_us: Some(1_700_000_000_000_200),
+            done_us: Some(1_700_000_000_000_300),
+            channel: Some(0),
+            waiting_on: Vec::new(),
+            outcome: "ok".into(),
+            error: None,
+            lost_rank: None,
+        }],
+        members: None,
+    };
+    serde_json::to_string(&dump).unwrap()
+}
