@@ -216,7 +216,8 @@ pub struct Knobs {
 
     /// Write one Chrome-trace timeline of every rank to this path: each rank records its own,
     /// other hosts' fhrun send theirs back (with --mpi: where the job directory is shared),
-    /// fhrun merges them at the end (a track per rank of every host, one clock). A path holding `{rank}` names a file per rank instead, left
+    /// fhrun merges them at the end (a track per rank of every host, one clock; an elastic
+    /// job: a file per generation, PATH with .gen-N before its extension). A path holding `{rank}` names a file per rank instead, left
     /// unmerged, on each rank's host (FH_TIMELINE).
     #[arg(long, value_name = "PATH")]
     pub timeline_filename: Option<PathBuf>,

@@ -220,14 +220,15 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         fh_core::RELEASE.to_string(),
     ));
     // A directory of the job's own for the ranks' flight records and timelines (not for a
-    // dry run, nor for the elastic driver's jobs).
-    let job_dir = if is_elastic || cli.dry_run {
+    // dry run).
+    let job_dir = if cli.dry_run {
         None
     } else {
         let user_flight_dir = user_env.iter().any(|(k, _)| k == "FH_FLIGHT_DIR")
             || pass_through.iter().any(|k| k == "FH_FLIGHT_DIR")
             || std::env::var_os("FH_FLIGHT_DIR").is_some();
-        match observe::JobDir::create(user_flight_dir, cli.knobs.timeline_filename.as_deref()) {
+        let timeline = cli.knobs.timeline_filename.as_deref();
+        match observe::JobDir::create(user_flight_dir, timeline, is_elastic) {
             Ok(d) => Some(d),
             Err(e) => {
                 eprintln!(
@@ -252,7 +253,11 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             .map_or(token, |(_, v)| v.clone());
         let mut env = knobs;
         env.extend(user_env);
-        return elastic::run(&cli, source, token, env);
+        let code = elastic::run(&cli, source, token, env)?;
+        if let Some(d) = job_dir {
+            d.finish(code != 0);
+        }
+        return Ok(code);
     }
 
     if cli.mpi {

@@ -19,8 +19,16 @@ pub(crate) struct JobDir {
     flight: Option<PathBuf>,
     /// `--timeline-filename`: the merged file, and the directory of the ranks' own files.
     timeline: Option<(PathBuf, PathBuf)>,
+    /// An elastic job's: the ranks write in a subdirectory per generation (`gen-N`).
+    elastic: bool,
     /// [`JobDir::finish`] ran (else the drop removes the directory).
     finished: bool,
+}
+
+/// The subdirectory of the flight and timeline directories where an elastic job's world of
+/// each generation writes (the runtime puts the generation for the placeholder).
+fn generation_dir() -> String {
+    format!("gen-{}", fh_scheduler::elastic::GENERATION_PLACEHOLDER)
 }
 
 /// The placeholder a timeline path may hold for the rank (`FH_TIMELINE=/tmp/tl-{rank}.json`).
@@ -30,7 +38,12 @@ impl JobDir {
     /// A fresh directory of this user's, closed to others, under the system's temporary
     /// directory. `user_flight_dir`: the user set `FH_FLIGHT_DIR` (fhrun keeps out of it).
     /// `timeline`: `--timeline-filename` (unless it already names a file per rank).
-    pub(crate) fn create(user_flight_dir: bool, timeline: Option<&Path>) -> std::io::Result<Self> {
+    /// `elastic`: an elastic job's (a subdirectory per generation).
+    pub(crate) fn create(
+        user_flight_dir: bool,
+        timeline: Option<&Path>,
+        elastic: bool,
+    ) -> std::io::Result<Self> {
         let tag = crate::sys::random_hex(6)?;
         let path = std::env::temp_dir().join(format!("fhrun-{}-{tag}", std::process::id()));
         std::fs::DirBuilder::new().mode(0o700).create(&path)?;
@@ -41,6 +54,7 @@ impl JobDir {
             flight: (!user_flight_dir).then(|| path.join("flight")),
             timeline,
             path,
+            elastic,
             finished: false,
         })
     }
@@ -53,9 +67,16 @@ impl JobDir {
         if std::env::var_os("FH_SUMMARY").is_none() {
             env.push(("FH_SUMMARY".into(), "1".into()));
         }
+        let per_generation = |d: &Path| match self.elastic {
+            true => d.join(generation_dir()),
+            false => d.to_path_buf(),
+        };
         env.extend(rank_vars(
-            self.flight.as_deref(),
-            self.timeline.as_ref().map(|(_, d)| d.as_path()),
+            self.flight.as_deref().map(per_generation).as_deref(),
+            self.timeline
+                .as_ref()
+                .map(|(_, d)| per_generation(d))
+                .as_deref(),
         ));
         env
     }
@@ -107,8 +128,11 @@ impl JobDir {
     /// failed, what they show), and remove what is left of the directory.
     pub(crate) fn finish(mut self, failed: bool) {
         self.finished = true;
+        if self.elastic {
+            return self.finish_elastic(failed);
+        }
         if let Some((out, dir)) = &self.timeline {
-            merge_timeline(dir, out);
+            merge_timeline(dir, out, "");
         }
         let mut keep = false;
         if let Some(flight) = &self.flight {
@@ -116,33 +140,12 @@ impl JobDir {
             // request; a job that ended well, whose ranks only recorded errors they got and
             // handled (a test's deliberate mismatch, say), leaves nothing behind. The world's
             // engine's records and each process set's engine's (in `set-*`) alike.
-            let all = dump::read_all(flight).ok().filter(|all| {
-                failed
-                    || all
-                        .iter()
-                        .flat_map(|r| &r.dumps)
-                        .any(|d| d.reason.starts_with("stall") || d.reason == "SIGUSR1")
-            });
+            let all = dump::read_all(flight)
+                .ok()
+                .filter(|all| failed || asked_for(all));
             if let Some(all) = all {
                 keep = true;
-                for r in &all {
-                    let ranks: Vec<usize> = r.dumps.iter().map(|d| d.rank).collect();
-                    let whose = match &r.set {
-                        None => format!("{} ranks ({})", ranks.len(), list(&ranks)),
-                        Some(m) => format!(
-                            "process set {{{}}} ({} ranks: {})",
-                            list(m),
-                            ranks.len(),
-                            list(&ranks)
-                        ),
-                    };
-                    eprintln!(
-                        "fhrun: flight records of {whose} are in {}; `fhrun --explain {}` \
-                         names the first divergence",
-                        r.dir.display(),
-                        flight.display()
-                    );
-                }
+                say_where(&all, flight, "");
                 if failed {
                     for line in explain::explain_all(&all).lines() {
                         eprintln!("fhrun: {line}");
@@ -150,6 +153,58 @@ impl JobDir {
                 }
             }
         }
+        self.clean_up(keep);
+    }
+
+    /// [`JobDir::finish`] of an elastic job, whose worlds wrote in a subdirectory per
+    /// generation: a merged timeline per generation (`FILE` → `FILE`'s stem `.gen-N` and its
+    /// extension), and the flight records of each generation kept when the job failed, when
+    /// they were asked for (a stall, SIGUSR1), or when that generation's world was lost to a
+    /// failure (an engine stopped on an error) which the job outlived. What the latest of the
+    /// lost generations (or a failed job's last) shows is printed.
+    fn finish_elastic(self, failed: bool) {
+        if let Some((out, dir)) = &self.timeline {
+            let gens = dump::generations(dir);
+            if gens.is_empty() {
+                merge_timeline(dir, out, "");
+            }
+            for (g, d) in gens {
+                merge_timeline(&d, &generation_file(out, g), &format!("generation {g}: "));
+            }
+        }
+        let mut keep = false;
+        if let Some(flight) = &self.flight {
+            let gens: Vec<(u64, Vec<dump::Records>)> = dump::generations(flight)
+                .into_iter()
+                .filter_map(|(g, d)| Some((g, dump::read_all(&d).ok()?)))
+                .collect();
+            let last = gens.last().map(|(g, _)| *g);
+            let lost = |all: &[dump::Records]| {
+                all.iter()
+                    .flat_map(|r| &r.dumps)
+                    .any(|d| d.stopped.is_some())
+            };
+            let mut explained = None;
+            for (g, all) in &gens {
+                if failed || asked_for(all) || lost(all) {
+                    keep = true;
+                    say_where(all, flight, &format!("generation {g}: "));
+                    if lost(all) || (failed && Some(*g) == last) {
+                        explained = Some((*g, all));
+                    }
+                }
+            }
+            if let Some((g, all)) = explained {
+                for line in explain::explain_all(all).lines() {
+                    eprintln!("fhrun: generation {g}: {line}");
+                }
+            }
+        }
+        self.clean_up(keep);
+    }
+
+    /// Remove the directory, or, when the flight records are `keep`, what else is in it.
+    fn clean_up(&self, keep: bool) {
         if keep {
             if let Some((_, dir)) = &self.timeline {
                 let _ = std::fs::remove_dir_all(dir);
@@ -158,6 +213,47 @@ impl JobDir {
             let _ = std::fs::remove_dir_all(&self.path);
         }
     }
+}
+
+/// Whether a rank wrote its record for a stall or on request (SIGUSR1).
+fn asked_for(all: &[dump::Records]) -> bool {
+    all.iter()
+        .flat_map(|r| &r.dumps)
+        .any(|d| d.reason.starts_with("stall") || d.reason == "SIGUSR1")
+}
+
+/// Say where each engine's records of `all` are (`label`: what they are, e.g. a generation),
+/// and how to explain every record under `flight`.
+fn say_where(all: &[dump::Records], flight: &Path, label: &str) {
+    for r in all {
+        let ranks: Vec<usize> = r.dumps.iter().map(|d| d.rank).collect();
+        let whose = match &r.set {
+            None => format!("{} ranks ({})", ranks.len(), list(&ranks)),
+            Some(m) => format!(
+                "process set {{{}}} ({} ranks: {})",
+                list(m),
+                ranks.len(),
+                list(&ranks)
+            ),
+        };
+        eprintln!(
+            "fhrun: {label}flight records of {whose} are in {}; `fhrun --explain {}` names \
+             the first divergence",
+            r.dir.display(),
+            flight.display()
+        );
+    }
+}
+
+/// Generation `g`'s merged timeline of an elastic job: `out` with `.gen-G` before its
+/// extension (`tl.json` → `tl.gen-3.json`).
+fn generation_file(out: &Path, g: u64) -> PathBuf {
+    let stem = out.file_stem().unwrap_or_default().to_string_lossy();
+    let name = match out.extension() {
+        Some(ext) => format!("{stem}.gen-{g}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.gen-{g}"),
+    };
+    out.with_file_name(name)
 }
 
 impl Drop for JobDir {
@@ -187,8 +283,8 @@ fn list(ranks: &[usize]) -> String {
     v.join(", ")
 }
 
-/// Merge the ranks' timelines in `dir` into `out`, saying what happened.
-fn merge_timeline(dir: &Path, out: &Path) {
+/// Merge the ranks' timelines in `dir` into `out`, saying what happened (after `label`).
+fn merge_timeline(dir: &Path, out: &Path, label: &str) {
     let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
         Ok(entries) => entries
             .filter_map(Result::ok)
@@ -200,27 +296,27 @@ fn merge_timeline(dir: &Path, out: &Path) {
     files.sort();
     if files.is_empty() {
         eprintln!(
-            "fhrun: no rank wrote a timeline, so {} was not written (did the ranks start the \
-             runtime?)",
+            "fhrun: {label}no rank wrote a timeline, so {} was not written (did the ranks \
+             start the runtime?)",
             out.display()
         );
         return;
     }
     match fh_scheduler::timeline_merge(&files, out) {
         Ok(n) => eprintln!(
-            "fhrun: timeline of {} ranks ({n} events) written to {}",
+            "fhrun: {label}timeline of {} ranks ({n} events) written to {}",
             files.len(),
             out.display()
         ),
-        Err(e) => eprintln!("fhrun: cannot merge the ranks' timelines: {e}"),
+        Err(e) => eprintln!("fhrun: {label}cannot merge the ranks' timelines: {e}"),
     }
 }
 
 /// `fhrun --explain DIR`: print what the flight records in DIR show; fhrun's exit status.
 pub(crate) fn explain_dir(dir: &Path) -> i32 {
-    match dump::read_all(dir) {
-        Ok(all) => {
-            print!("{}", explain::explain_all(&all));
+    match explain::explain_dir(dir) {
+        Ok(text) => {
+            print!("{text}");
             0
         }
         Err(e) => {

@@ -117,3 +117,86 @@ fn an_mpi_job_merges_every_ranks_timeline_and_keeps_its_flight_records() {
         out.stderr
     );
 }
+
+#[test]
+fn an_elastic_job_keeps_every_generations_records_apart() {
+    use common::elastic::{all_pids, discovery, probe_pid, PROBE};
+    let dir = TempDir::new("elastic-jobdir");
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let out_file = dir.path().join("tl.json");
+    let script = discovery(&dir, &["localhost", "127.0.0.1", "127.0.0.2"]);
+    let mut run = Running::start_cmd(
+        std::process::Command::new(FHRUN)
+            .args([
+                "--host-discovery-script",
+                &script,
+                "-np",
+                "3",
+                "--min-np",
+                "2",
+                "--elastic-timeout",
+                "2",
+                "--kill-grace",
+                "1",
+                "--timeout",
+                "120",
+                "--timeline-filename",
+                out_file.to_str().unwrap(),
+                PROBE,
+            ])
+            .env("TMPDIR", &tmp),
+    );
+    // Generation 0 loses its rank 2; generation 1 (renumbered: ranks 0 and 1 again) loses its
+    // rank 1, and too few remain: the job fails.
+    run.wait_for(LIMIT, |out, _| probe_pid(out, 0, "127.0.0.2:0").is_some());
+    kill_all(&[probe_pid(&run.stdout_now(), 0, "127.0.0.2:0").unwrap()]);
+    run.wait_for(LIMIT, |out, _| probe_pid(out, 1, "127.0.0.1:0").is_some());
+    let out = run.stdout_now();
+    kill_all(&[probe_pid(&out, 1, "127.0.0.1:0").unwrap()]);
+    let pids = all_pids(&out);
+    let done = run.wait(LIMIT);
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    assert_eq!(done.code(), Some(1), "{}\n{}", done.stdout, done.stderr);
+
+    // Each generation's survivors wrote their records in its own directory: rank 0 of both
+    // generations, neither overwriting the other.
+    let kept: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let flight = kept[0].path().join("flight");
+    let size_of = |path: &Path| -> u64 {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        v["size"].as_u64().unwrap()
+    };
+    assert_eq!(size_of(&flight.join("gen-0/rank-0.json")), 3);
+    assert_eq!(size_of(&flight.join("gen-0/rank-1.json")), 3);
+    assert_eq!(size_of(&flight.join("gen-1/rank-0.json")), 2);
+    let err = &done.stderr;
+    for want in [
+        "generation 0: flight records of 2 ranks (0, 1) are in",
+        "generation 1: flight records of 1 ranks (0) are in",
+        // The failed job's last generation is explained.
+        "generation 1: first divergence: rank 1 was lost",
+        "generation 0: timeline of 3 ranks",
+        "generation 1: timeline of 2 ranks",
+    ] {
+        assert!(err.contains(want), "{want:?} not in\n{err}");
+    }
+    for g in 0..2 {
+        assert!(dir.path().join(format!("tl.gen-{g}.json")).is_file());
+    }
+    // `--explain` reads every generation, each under its name.
+    let explained = fhrun(&["--explain", flight.to_str().unwrap()], LIMIT);
+    assert_eq!(explained.code(), Some(0), "{explained:?}");
+    let gen0 = explained.stdout.find("generation 0 (").unwrap();
+    let gen1 = explained.stdout.find("generation 1 (").unwrap();
+    assert!(gen0 < gen1, "{}", explained.stdout);
+    assert!(
+        explained.stdout[gen0..gen1].contains("rank 2 was lost"),
+        "{}",
+        explained.stdout
+    );
+}

@@ -38,9 +38,9 @@
 //! | `FH_BATCHING_WINDOW_MS` | after waking on a submission, wait this long for more | 0 |
 //! | `FH_CACHE_CAPACITY` | response-cache slots (0 = coordinator every round) | 1024 |
 //! | `FH_PRIORITY` | `ready` or `forward` (lower caller priority first) | `ready` |
-//! | `FH_TIMELINE` | path of rank 0's Chrome-trace timeline (written by a thread of its own; each tensor's negotiation span names every rank's ready time and the last ready rank); a path holding `{rank}` names a file per rank, which every rank writes ([`timeline_merge`] makes one trace of them) | off |
+//! | `FH_TIMELINE` | path of rank 0's Chrome-trace timeline (written by a thread of its own; each tensor's negotiation span names every rank's ready time and the last ready rank); a path holding `{rank}` names a file per rank, which every rank writes ([`timeline_merge`] makes one trace of them); in an elastic job `{generation}` is replaced by each world's generation ([`elastic::for_generation`]) | off |
 //! | `FH_FLIGHT_RECORDS` | operations the flight recorder keeps ([`flight`]; 0 = off) | 4096 |
-//! | `FH_FLIGHT_DIR` | where each rank writes its flight record | [`flight::dump::default_dir`] |
+//! | `FH_FLIGHT_DIR` | where each rank writes its flight record (`{generation}`: as for `FH_TIMELINE`) | [`flight::dump::default_dir`] |
 //! | `FH_METRICS_ADDR` | where the application serves [`metrics`] (validated here) | off |
 //! | `FH_SUMMARY` | the application prints [`EngineStats::summary_line`] at the end (validated here) | 0 |
 //! | `FH_STALL_CHECK_SECONDS` | warn about names some ranks lack for this long (0 = off) | 60 |

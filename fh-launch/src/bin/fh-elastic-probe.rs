@@ -10,7 +10,8 @@
 //! failed collective (a lost peer) makes it register again. When the file named by
 //! `PROBE_STOP` exists, every rank agrees at the next step and exits 0. `Removed` exits 0,
 //! `Failed` exits 1. `PROBE_LINGER_MS`: how long a rank waits after that agreement before it
-//! exits (the last seconds of a job, e.g. writing a checkpoint; default 0).
+//! exits (the last seconds of a job, e.g. writing a checkpoint; default 0). The engines'
+//! configuration is the environment's (`FH_*`), as a real worker's.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -113,10 +114,19 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // The runtime's knobs from the environment, as a worker's runtime reads them (fhrun's
+    // flight directory and timeline per generation among them).
+    let config = match Config::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("probe: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let transport = std::env::var("PROBE_TRANSPORT").unwrap_or_else(|_| "tcp".into());
     elastic.set_transport_choice(Some(transport));
     loop {
-        match elastic.start(Config::default()) {
+        match elastic.start(config.clone()) {
             Ok(ElasticStart::Started { engine, assignment }) => {
                 let next = world(
                     &assignment,

@@ -46,11 +46,12 @@ pub fn all_pids(stdout: &str) -> Vec<i32> {
         .collect()
 }
 
-/// fhrun with `script` as its discovery, `extra` flags and the probe as the command.
+/// fhrun with `script` as its discovery, `extra` flags and the probe as the command; its
+/// job directory (where a lost generation's flight records stay) under `dir`.
 pub fn start(script: &str, dir: &TempDir, extra: &[&str]) -> Running {
     let stop = format!("PROBE_STOP={}/stop", dir.str());
     let mut args = vec!["--host-discovery-script", script];
     args.extend_from_slice(extra);
     args.extend_from_slice(&["-x", &stop, "--kill-grace", "1", "--timeout", "120", PROBE]);
-    Running::start_cmd(Command::new(FHRUN).args(&args))
+    Running::start_cmd(Command::new(FHRUN).args(&args).env("TMPDIR", dir.path()))
 }

@@ -139,6 +139,28 @@ pub use fh_job::elastic::{Assignment, HostUpdate, Membership};
 
 use crate::{Config, Engine, SchedulerError};
 
+/// The placeholder `FH_FLIGHT_DIR` and `FH_TIMELINE` may hold for the generation in an
+/// elastic job (`/tmp/job/flight/gen-{generation}`): each world's engine writes its records
+/// and timeline where the placeholder is that world's generation, so that ranks renumbered by
+/// a later world never overwrite an earlier one's (fhrun's elastic job directory uses it).
+pub const GENERATION_PLACEHOLDER: &str = "{generation}";
+
+/// `config` for the world of generation `generation`: [`GENERATION_PLACEHOLDER`] in the
+/// flight directory and the timeline path replaced by the number.
+pub fn for_generation(mut config: Config, generation: u64) -> Config {
+    let put = |p: &mut std::path::PathBuf| {
+        let text = p.to_string_lossy();
+        if text.contains(GENERATION_PLACEHOLDER) {
+            *p = text
+                .replace(GENERATION_PLACEHOLDER, &generation.to_string())
+                .into();
+        }
+    };
+    config.flight_dir.iter_mut().for_each(put);
+    config.timeline.iter_mut().for_each(put);
+    config
+}
+
 /// Where an elastic engine's worlds come from: the driver's session
 /// (`fh_job::elastic::Client`, through a small adapter in this module), or anything else
 /// that hands out generations (tests implement it without a driver).
@@ -268,7 +290,7 @@ impl Elastic {
         self.last_generation = Some(assignment.generation);
         let info = assignment.launch_info(&self.base);
         let world = fh_transport::world_for(&info, self.transport_choice.as_deref())?;
-        let engine = Engine::start(world, config)?;
+        let engine = Engine::start(world, for_generation(config, assignment.generation))?;
         tracing::debug!(
             generation = assignment.generation,
             rank = assignment.topology.rank,

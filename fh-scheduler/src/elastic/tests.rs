@@ -113,6 +113,33 @@ fn a_world_of_one_starts_and_generations_must_grow() {
 }
 
 #[test]
+fn each_generation_writes_its_flight_record_and_timeline_apart() {
+    let dir = std::env::temp_dir().join(format!("fh-elastic-gen-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = Config {
+        flight_dir: Some(dir.join("flight").join("gen-{generation}")),
+        timeline: Some(dir.join("timeline/gen-{generation}/rank-{rank}.json")),
+        ..Config::default()
+    };
+    let mut e = elastic(vec![member(1, 0, 1), member(4, 0, 1)]);
+    for generation in [1, 4] {
+        let ElasticStart::Started { engine, .. } = e.start(config.clone()).expect("a world") else {
+            panic!("removed")
+        };
+        engine.write_flight_record("SIGUSR1").expect("record");
+        engine.shutdown().expect("shutdown");
+        let gen = format!("gen-{generation}");
+        assert!(dir.join("flight").join(&gen).join("rank-0.json").is_file());
+        assert!(dir
+            .join("timeline")
+            .join(&gen)
+            .join("rank-0.json")
+            .is_file());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn removed_failed_and_a_lost_session_are_told_apart() {
     let why = "fewer than --min-np 2 ranks remain (lost: h2 (rank 2 killed by SIGKILL))";
     let mut e = elastic(vec![

@@ -226,6 +226,25 @@ pub struct Records {
     pub dumps: Vec<Dump>,
 }
 
+/// The generations' subdirectories of an elastic job's flight directory (`gen-N`, which
+/// `FH_FLIGHT_DIR=.../gen-{generation}` makes: [`crate::elastic::GENERATION_PLACEHOLDER`]),
+/// in generation order; empty for any other directory.
+pub fn generations(dir: &Path) -> Vec<(u64, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut gens: Vec<(u64, PathBuf)> = entries
+        .filter_map(Result::ok)
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|e| {
+            let n = e.file_name().to_str()?.strip_prefix("gen-")?.parse().ok()?;
+            Some((n, e.path()))
+        })
+        .collect();
+    gens.sort();
+    gens
+}
+
 /// The world's records in `dir` (if any) and each process set's in its `set-*`
 /// subdirectory, the world's first, then the sets in name order. An error when there are
 /// none at all, or when a file cannot be read.

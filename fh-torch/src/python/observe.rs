@@ -105,13 +105,11 @@ pub(super) fn timeline_span(name: &str, detail: &str, begin_ns: i64, end_ns: i64
 }
 
 /// What the flight records in `directory` (one file per rank; a process set's in its `set-*`
-/// subdirectory) show: the first divergence across ranks and the last collective every rank
-/// completed, as text.
+/// subdirectory; an elastic job's per generation, in `gen-N`) show: the first divergence
+/// across ranks and the last collective every rank completed, as text.
 #[pyfunction]
 pub(super) fn explain(directory: &str) -> PyResult<String> {
-    let all = fh_scheduler::flight::dump::read_all(Path::new(directory))
-        .map_err(PyValueError::new_err)?;
-    Ok(fh_scheduler::flight::explain::explain_all(&all))
+    fh_scheduler::flight::explain::explain_dir(Path::new(directory)).map_err(PyValueError::new_err)
 }
 
 /// The write end of the pipe the `SIGUSR1` handler writes to (-1: none).

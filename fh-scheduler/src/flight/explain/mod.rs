@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::path::Path;
 
 use fh_core::mismatch::RankSet;
 
@@ -154,6 +155,34 @@ pub fn explain_all(all: &[dump::Records]) -> String {
         out.push_str(&explain(&r.dumps).to_string());
     }
     out
+}
+
+/// The report on the flight directory `dir` ([`dump::read_all`], [`explain_all`]); for an
+/// elastic job's, whose records are per generation ([`dump::generations`]), every
+/// generation's that holds any, each under a line naming it. An error when there are none.
+pub fn explain_dir(dir: &Path) -> Result<String, String> {
+    let gens = dump::generations(dir);
+    if gens.is_empty() {
+        return dump::read_all(dir).map(|all| explain_all(&all));
+    }
+    let mut out = String::new();
+    for (g, path) in &gens {
+        let all = match dump::read_all(path) {
+            Ok(all) => all,
+            // An empty generation's directory has nothing to say.
+            Err(_) if std::fs::read_dir(path).is_ok_and(|mut d| d.next().is_none()) => continue,
+            Err(e) => return Err(e),
+        };
+        out.push_str(&format!("generation {g} ({}):\n", path.display()));
+        out.push_str(&explain_all(&all));
+    }
+    if out.is_empty() {
+        return Err(format!(
+            "{} holds no flight records in any of its generations' directories (gen-N)",
+            dir.display()
+        ));
+    }
+    Ok(out)
 }
 
 /// Read the dumps (one per rank, any order) and name what went wrong, earliest first.
