@@ -7,7 +7,9 @@
 //! the stream fhrun relays, as lines under a random marker fhrun gave it:
 //!
 //! ```text
-//! MARKER begin DIR NAME SIZE      DIR: `flight` or `timeline`; NAME: a plain file name
+//! MARKER begin DIR NAME SIZE      DIR: `flight` or `timeline`; NAME: a plain file name,
+//!                                 or SUB/NAME for a file of a subdirectory (an elastic job's
+//!                                 `gen-N`, a process set's `set-...`)
 //! MARKER data BASE64              up to CHUNK bytes of the file each
 //! MARKER end
 //! ```
@@ -16,7 +18,8 @@
 //! and writes each file whole (a temporary name, renamed; an identical file already there is
 //! left as is) into its own job directory, where [`crate::observe::JobDir::finish`] finds every
 //! host's files. Only plain names (no `/`, no leading `.`) of regular files, at most
-//! [`MAX_FILE`] bytes each, travel; a refused file is named in a warning.
+//! [`MAX_FILE`] bytes each, travel, those of the directories and of their subdirectories one
+//! level down (a plain name too); a refused file is named in a warning.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -87,16 +90,19 @@ impl PartDir {
     pub(crate) fn send_and_remove(self, marker: &str, out: &mut impl Write, who: &str) {
         let mut keep = false;
         for (dir, path) in &self.dirs {
-            let Ok(entries) = std::fs::read_dir(path) else {
-                continue;
-            };
-            let mut names: Vec<String> = entries
-                .filter_map(Result::ok)
-                .filter_map(|e| e.file_name().into_string().ok())
-                .filter(|n| plain_name(n))
-                .collect();
-            names.sort();
-            for name in names {
+            let mut files = Vec::new();
+            for (name, is_dir) in plain_entries(path) {
+                if !is_dir {
+                    files.push(name);
+                    continue;
+                }
+                for (sub, sub_is_dir) in plain_entries(&path.join(&name)) {
+                    if !sub_is_dir {
+                        files.push(format!("{name}/{sub}"));
+                    }
+                }
+            }
+            for name in files {
                 let file = path.join(&name);
                 if let Err(e) = send_file(marker, dir, &name, &file, out) {
                     eprintln!("{who}: cannot send {} to fhrun: {e}", file.display());
@@ -109,6 +115,32 @@ impl PartDir {
         } else {
             let _ = std::fs::remove_dir_all(&self.path);
         }
+    }
+}
+
+/// The entries of `dir` of plain names ([`plain_name`]), in name order, and whether each
+/// is a directory (not followed through a symlink).
+fn plain_entries(dir: &Path) -> Vec<(String, bool)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut found: Vec<(String, bool)> = entries
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+            Some((e.file_name().into_string().ok()?, is_dir))
+        })
+        .filter(|(n, _)| plain_name(n))
+        .collect();
+    found.sort();
+    found
+}
+
+/// Whether `name` may travel: a plain name, or `SUB/NAME` of two plain names.
+fn travel_name(name: &str) -> bool {
+    match name.split_once('/') {
+        Some((sub, file)) => plain_name(sub) && plain_name(file),
+        None => plain_name(name),
     }
 }
 
@@ -224,15 +256,31 @@ impl Receiver<'_> {
         let Some((_, into)) = self.gather.dirs.iter().find(|(d, _)| d == dir) else {
             return self.warn(format!("a file for an unknown directory {dir:?}"));
         };
-        if !plain_name(name) {
+        if !travel_name(name) {
             return self.warn(format!("a file of a refused name {name:?}"));
         }
         let size = match size.parse::<u64>() {
             Ok(s) if s <= MAX_FILE => s,
             _ => return self.warn(format!("{name} of a refused size {size:?}")),
         };
+        // The directory (or its subdirectory, for SUB/NAME), made (0700) if no rank of this
+        // host wrote there.
+        let (into, file_name) = match name.split_once('/') {
+            Some((sub, file)) => (into.join(sub), file),
+            None => (into.clone(), name),
+        };
+        let made = std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&into);
+        if let Err(e) = made {
+            return self.warn(format!(
+                "{name}, but {} cannot be made: {e}",
+                into.display()
+            ));
+        }
         let made = crate::sys::random_hex(6).and_then(|tag| {
-            let tmp = into.join(format!(".{name}.{tag}.gather"));
+            let tmp = into.join(format!(".{file_name}.{tag}.gather"));
             let file = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
@@ -244,7 +292,7 @@ impl Receiver<'_> {
             Ok((tmp, file)) => {
                 self.current = Some(Incoming {
                     tmp,
-                    target: into.join(name),
+                    target: into.join(file_name),
                     file,
                     size,
                     got: 0,
@@ -298,11 +346,7 @@ fn finish(inc: Incoming) {
 /// Copies a remote part's stdout to `out`, taking out and keeping the files it sends under
 /// `gather`'s marker (see the module's documentation). `who` names the part in warnings.
 pub(crate) fn relay(input: impl Read, mut out: impl Write, gather: &Gather, who: &str) {
-    let mut rx = Receiver {
-        gather,
-        who,
-        current: None,
-    };
+    let mut rx = Relay::new(gather, who);
     let mut r = BufReader::new(input);
     let mut line = Vec::new();
     loop {
@@ -312,11 +356,36 @@ pub(crate) fn relay(input: impl Read, mut out: impl Write, gather: &Gather, who:
             Ok(0) | Err(_) => break,
             Ok(_) => {}
         }
+        rx.line(&line, &mut out);
+    }
+}
+
+/// [`relay`] a line at a time, for a relay that takes other lines out too (an elastic part's
+/// exit reports); a file cut short by the end of the stream is dropped with the relay.
+pub(crate) struct Relay<'a> {
+    rx: Receiver<'a>,
+}
+
+impl<'a> Relay<'a> {
+    /// Files under `gather`'s marker, from the part `who`.
+    pub(crate) fn new(gather: &'a Gather, who: &'a str) -> Self {
+        Relay {
+            rx: Receiver {
+                gather,
+                who,
+                current: None,
+            },
+        }
+    }
+
+    /// Takes one line of the part's stdout: its output goes to `out`, a file line is kept.
+    pub(crate) fn line(&mut self, line: &[u8], out: &mut impl Write) {
+        let marker = self.rx.gather.marker.as_str();
         // A file line may follow a rank's last output that did not end its line.
-        let at = find(&line, gather.marker.as_bytes());
+        let at = find(line, marker.as_bytes());
         let (text, file_line) = match at {
             Some(i) => (&line[..i], Some(&line[i..])),
-            None => (&line[..], None),
+            None => (line, None),
         };
         if !text.is_empty() {
             let _ = out.write_all(text);
@@ -328,15 +397,17 @@ pub(crate) fn relay(input: impl Read, mut out: impl Write, gather: &Gather, who:
         if let Some(l) = file_line {
             let l = String::from_utf8_lossy(l);
             let l = l.trim_end_matches('\n');
-            if let Some(rest) = l
-                .strip_prefix(gather.marker.as_str())
-                .and_then(|r| r.strip_prefix(' '))
-            {
-                rx.line(rest);
+            if let Some(rest) = l.strip_prefix(marker).and_then(|r| r.strip_prefix(' ')) {
+                self.rx.line(rest);
             }
         }
     }
-    rx.abandon();
+}
+
+impl Drop for Relay<'_> {
+    fn drop(&mut self) {
+        self.rx.abandon();
+    }
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {

@@ -253,7 +253,8 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             .map_or(token, |(_, v)| v.clone());
         let mut env = knobs;
         env.extend(user_env);
-        let code = elastic::run(&cli, source, token, env)?;
+        let gathered = job_dir.iter().flat_map(observe::JobDir::gathered).collect();
+        let code = elastic::run(&cli, source, token, env, gathered)?;
         if let Some(d) = job_dir {
             d.finish(code != 0);
         }

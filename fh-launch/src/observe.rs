@@ -5,7 +5,11 @@
 //! a stall or on SIGUSR1, fhrun keeps the records and says where, and when the job failed it
 //! prints what `fhrun --explain DIR` says about them. Other hosts' ranks write theirs on their
 //! host, and their remote parts send them back into this directory ([`crate::gather`]); under
-//! `--mpi` they stay on their host unless the directory is shared ([`crate::mpi`]).
+//! `--mpi` they stay on their host unless the directory is shared ([`crate::mpi`]). An
+//! elastic job's ranks, renumbered at each world, write in a subdirectory per generation
+//! (`flight/gen-N`, `timeline/gen-N`; the runtime puts the generation for
+//! [`fh_scheduler::elastic::GENERATION_PLACEHOLDER`]), and fhrun merges a timeline per
+//! generation.
 
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -67,16 +71,10 @@ impl JobDir {
         if std::env::var_os("FH_SUMMARY").is_none() {
             env.push(("FH_SUMMARY".into(), "1".into()));
         }
-        let per_generation = |d: &Path| match self.elastic {
-            true => d.join(generation_dir()),
-            false => d.to_path_buf(),
-        };
         env.extend(rank_vars(
-            self.flight.as_deref().map(per_generation).as_deref(),
-            self.timeline
-                .as_ref()
-                .map(|(_, d)| per_generation(d))
-                .as_deref(),
+            self.flight.as_deref(),
+            self.timeline.as_ref().map(|(_, d)| d.as_path()),
+            self.elastic,
         ));
         env
     }
@@ -265,14 +263,26 @@ impl Drop for JobDir {
     }
 }
 
-/// The ranks' variables for a flight directory and a directory of per-rank timelines.
-pub(crate) fn rank_vars(flight: Option<&Path>, timeline: Option<&Path>) -> Vec<(String, String)> {
+/// The ranks' variables for a flight directory and a directory of per-rank timelines;
+/// `elastic`: in a subdirectory of each per generation (`gen-{generation}`).
+pub(crate) fn rank_vars(
+    flight: Option<&Path>,
+    timeline: Option<&Path>,
+    elastic: bool,
+) -> Vec<(String, String)> {
+    let per_generation = |d: &Path| match elastic {
+        true => d.join(generation_dir()),
+        false => d.to_path_buf(),
+    };
     let mut env = Vec::new();
     if let Some(f) = flight {
-        env.push(("FH_FLIGHT_DIR".into(), f.display().to_string()));
+        env.push((
+            "FH_FLIGHT_DIR".into(),
+            per_generation(f).display().to_string(),
+        ));
     }
     if let Some(dir) = timeline {
-        let pattern = dir.join(format!("rank-{RANK_PLACEHOLDER}.json"));
+        let pattern = per_generation(dir).join(format!("rank-{RANK_PLACEHOLDER}.json"));
         env.push(("FH_TIMELINE".into(), pattern.display().to_string()));
     }
     env

@@ -363,7 +363,9 @@ pub fn serve() -> i32 {
 fn gather_here(part: &mut Part, who: &str) -> Option<PartDir> {
     match PartDir::create(&part.gather_dirs) {
         Ok(dir) => {
-            let vars = observe::rank_vars(dir.dir("flight"), dir.dir("timeline"));
+            // An elastic part's workers (which report their ends) write per generation.
+            let elastic = part.report.is_some();
+            let vars = observe::rank_vars(dir.dir("flight"), dir.dir("timeline"), elastic);
             part.env.retain(|(k, _)| !vars.iter().any(|(v, _)| v == k));
             part.env.extend(vars);
             Some(dir)

@@ -200,3 +200,80 @@ fn an_elastic_job_keeps_every_generations_records_apart() {
         explained.stdout
     );
 }
+
+#[test]
+fn an_elastic_workers_records_come_back_from_another_host() {
+    use common::elastic::{all_pids, probe_pid, PROBE};
+    let dir = TempDir::new("elastic-far");
+    let Some((agent, near)) = far_host_agent(&dir) else {
+        return;
+    };
+    // The far host: this machine's own address that is not loopback (fhrun then starts its
+    // worker through the agent, and its session listener binds there).
+    let far = match fh_job::elastic::local_ip_towards("192.0.2.1") {
+        Ok(ip) if !ip.is_loopback() && ip.is_ipv4() => ip.to_string(),
+        _ => {
+            eprintln!("skipped: this machine has no address but loopback");
+            return;
+        }
+    };
+    let stop = dir.path().join("stop");
+    let hosts = format!("localhost:1,{far}:1");
+    let mut run = Running::start_cmd(
+        std::process::Command::new(FHRUN)
+            .args([
+                "-np",
+                "2",
+                "--min-np",
+                "1",
+                "-H",
+                &hosts,
+                "--rsh-agent",
+                agent.to_str().unwrap(),
+                "--kill-grace",
+                "1",
+                "--timeout",
+                "120",
+                "-x",
+                &format!("PROBE_STOP={}", stop.display()),
+                PROBE,
+            ])
+            .env("TMPDIR", &near),
+    );
+    // This machine's worker (rank 0) is lost: the far one, rank 1 of generation 0, writes its
+    // record on its host; it goes on alone as rank 0 of generation 1 and ends well.
+    let far_worker = format!("{far}:0");
+    run.wait_for(LIMIT, |out, _| {
+        probe_pid(out, 0, "localhost:0").is_some() && probe_pid(out, 0, &far_worker).is_some()
+    });
+    kill_all(&[probe_pid(&run.stdout_now(), 0, "localhost:0").unwrap()]);
+    run.wait_for(LIMIT, |out, _| probe_pid(out, 1, &far_worker).is_some());
+    let pids = all_pids(&run.stdout_now());
+    std::fs::write(&stop, "").unwrap();
+    let done = run.wait(LIMIT);
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
+    // The lost generation's record came back from the far host, and is kept and explained
+    // although the job went on and succeeded.
+    let kept: Vec<_> = std::fs::read_dir(&near).unwrap().flatten().collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let record = kept[0].path().join("flight/gen-0/rank-1.json");
+    assert!(record.is_file(), "{}", done.stderr);
+    assert!(
+        done.stderr
+            .contains("generation 0: flight records of 1 ranks (1) are in")
+            && done
+                .stderr
+                .contains("generation 0: first divergence: rank 0 was lost"),
+        "{}",
+        done.stderr
+    );
+    // The far part removed its own directory.
+    let far_dir = dir.path().join("far");
+    assert!(
+        std::fs::read_dir(&far_dir).unwrap().next().is_none(),
+        "{far_dir:?}"
+    );
+}

@@ -3,7 +3,6 @@
 
 mod common;
 use std::collections::BTreeSet;
-use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use common::*;
@@ -297,22 +296,9 @@ fn mpi_mode_runs_through_a_real_mpirun() {
 /// to where its variables say, prints its flight directory, and then, with `fail`, rank 1
 /// fails and rank 0 waits to be stopped. `None`: this machine cannot run it (no `unshare -m`).
 fn two_hosts(dir: &TempDir, extra: &[&str], fail: bool) -> Option<Finished> {
-    let ok = std::process::Command::new("unshare")
-        .args(["-m", "true"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("skipped: needs `unshare -m` (root) to hide fhrun's directory from a far host");
-        return None;
-    }
-    let (near, far, templates) = (
-        dir.path().join("near"),
-        dir.path().join("far"),
-        dir.path().join("templates"),
-    );
-    for d in [&near, &far, &templates] {
-        std::fs::create_dir_all(d).unwrap();
-    }
+    let (agent, near) = far_host_agent(dir)?;
+    let templates = dir.path().join("templates");
+    std::fs::create_dir_all(&templates).unwrap();
     for rank in 0..2 {
         std::fs::write(
             templates.join(format!("record-{rank}.json")),
@@ -326,18 +312,6 @@ fn two_hosts(dir: &TempDir, extra: &[&str], fail: bool) -> Option<Finished> {
         );
         std::fs::write(templates.join(format!("timeline-{rank}.json")), timeline).unwrap();
     }
-    let agent = dir.path().join("agent.sh");
-    std::fs::write(
-        &agent,
-        format!(
-            "#!/bin/bash\nshift\nexec unshare -m sh -c 'mount -t tmpfs fh-far \"$0\" && \
-             TMPDIR=\"$1\" exec sh -c \"$2\"' '{}' '{}' \"$*\"\n",
-            near.display(),
-            far.display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755)).unwrap();
     let script = "set -e\n\
         tl=$(printf %s \"$FH_TIMELINE\" | sed \"s/{rank}/$FH_RANK/\")\n\
         mkdir -p \"$FH_FLIGHT_DIR\" \"$(dirname \"$tl\")\"\n\

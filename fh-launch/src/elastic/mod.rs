@@ -143,12 +143,15 @@ fn listen_ip(found: &[hosts::Host], hostname: &str) -> Result<(IpAddr, bool), Fa
 }
 
 /// Run an elastic job. `token`: the job token (fhrun's or the one forwarded with `-x`);
-/// `env`: what every worker gets besides the elastic variables (token, knobs, `-x`).
+/// `env`: what every worker gets besides the elastic variables (token, knobs, `-x`);
+/// `gathered`: the job directory's directories other hosts' parts send files back into
+/// ([`crate::observe::JobDir::gathered`]).
 pub fn run(
     cli: &Cli,
     source: Source,
     token: String,
     env: Vec<(String, String)>,
+    gathered: Vec<(String, std::path::PathBuf)>,
 ) -> Result<i32, Failure> {
     let e = &cli.elastic;
     let scripted = matches!(source, Source::Script(_));
@@ -239,6 +242,10 @@ pub fn run(
         kill_grace: cli.kill_grace,
         verbose: cli.verbose,
         marker: format!("fhrun-elastic-exit-{marker}"),
+        gather: (!gathered.is_empty()).then(|| crate::gather::Gather {
+            marker: format!("fhrun-files-{marker}"),
+            dirs: gathered,
+        }),
     };
     let settings = driver::Settings {
         min_np,

@@ -98,6 +98,10 @@ pub struct PartContext {
     pub verbose: bool,
     /// The marker of exit reports.
     pub marker: String,
+    /// Where another host's part sends its workers' flight records and timelines back
+    /// ([`crate::gather`]; `None`: no job directory). A part on this machine writes there
+    /// itself.
+    pub gather: Option<crate::gather::Gather>,
 }
 
 /// A running part.
@@ -137,6 +141,7 @@ impl PartProc {
         };
         env.extend(ctx.env.iter().cloned());
         env.push(("HOROVOD_HOSTNAME".into(), host.to_string()));
+        let gather = ctx.gather.as_ref().filter(|_| !local);
         let part = Part {
             cwd: ctx.cwd.clone(),
             command: ctx.command.clone(),
@@ -149,8 +154,12 @@ impl PartProc {
                 .collect(),
             workers: workers.into_iter().map(|(id, _)| id).collect(),
             report: Some(ctx.marker.clone()),
-            gather: None,
-            gather_dirs: Vec::new(),
+            gather: gather.map(|g| g.marker.clone()),
+            gather_dirs: gather
+                .iter()
+                .flat_map(|g| &g.dirs)
+                .map(|(d, _)| d.clone())
+                .collect(),
             prefix: ctx.prefix,
             kill_grace: ctx.kill_grace,
             verbose: ctx.verbose,
@@ -178,9 +187,10 @@ impl PartProc {
         if let Some(out) = child.stdout.take() {
             let tx = exits.clone();
             let marker = ctx.marker.clone();
+            let files = gather.cloned().map(|g| (g, label.clone()));
             relayed = std::thread::Builder::new()
                 .name("part-stdout".into())
-                .spawn(move || relay(out, std::io::stdout(), &marker, index, &tx))
+                .spawn(move || relay(out, std::io::stdout(), &marker, files, index, &tx))
                 .is_ok();
         }
         if let Some(err) = child.stderr.take() {
@@ -257,15 +267,20 @@ impl PartProc {
     }
 }
 
-/// Copy a part's stdout to `out`, taking out its exit reports, and say
-/// [`Report::Closed`] when it ends (after every report it carried).
+/// Copy a part's stdout to `out`, taking out its exit reports and (`files`: where, and the
+/// part's name) the files it sends back ([`crate::gather`]), and say [`Report::Closed`] when
+/// it ends (after every report it carried, and every file).
 fn relay(
     input: impl std::io::Read,
     mut out: impl Write,
     marker: &str,
+    files: Option<(crate::gather::Gather, String)>,
     index: usize,
     exits: &mpsc::Sender<(usize, Report)>,
 ) {
+    let mut files = files
+        .as_ref()
+        .map(|(g, who)| crate::gather::Relay::new(g, who));
     let mut r = BufReader::new(input);
     let mut line = Vec::new();
     loop {
@@ -279,8 +294,14 @@ fn relay(
             let _ = exits.send((index, Report::Exit(e)));
             continue;
         }
-        let _ = out.write_all(&line).and_then(|_| out.flush());
+        match files.as_mut() {
+            Some(f) => f.line(&line, &mut out),
+            None => {
+                let _ = out.write_all(&line).and_then(|_| out.flush());
+            }
+        }
     }
+    drop(files);
     let _ = exits.send((index, Report::Closed));
 }
 
@@ -311,7 +332,7 @@ mod tests {
         let input = "hello\nfhrun-exit-77 h:0 exit 0\nworld\nfhrun-exit-77 h:1 signal 15\n";
         let (tx, rx) = mpsc::channel();
         let mut out = Vec::new();
-        relay(input.as_bytes(), &mut out, m, 4, &tx);
+        relay(input.as_bytes(), &mut out, m, None, 4, &tx);
         assert_eq!(String::from_utf8(out).unwrap(), "hello\nworld\n");
         let got: Vec<String> = rx
             .try_iter()

@@ -95,6 +95,41 @@ fn a_part_files_travel_whole_and_the_output_is_left_as_it_was() {
 }
 
 #[test]
+fn files_of_subdirectories_travel_into_directories_made_for_them() {
+    // An elastic part's generations and a process set's records, one level down.
+    let part = PartDir::create(&["flight".into(), "timeline".into()]).unwrap();
+    let flight = part.dir("flight").unwrap().to_path_buf();
+    for sub in ["gen-0", "gen-1", "set-0.1"] {
+        std::fs::create_dir(flight.join(sub)).unwrap();
+    }
+    std::fs::write(flight.join("gen-0/rank-1.json"), b"g0").unwrap();
+    std::fs::write(flight.join("gen-1/rank-0.json"), b"g1").unwrap();
+    std::fs::write(flight.join("set-0.1/rank-1.json"), b"s").unwrap();
+    let mut stream = Vec::new();
+    part.send_and_remove(M, &mut stream, "test part");
+    // fhrun's side has no flight directory yet (none of its own ranks wrote a record).
+    let dest = Tmp::new();
+    let g = gather_into(&dest.0);
+    std::fs::remove_dir(dest.0.join("flight")).unwrap();
+    assert_eq!(relay_text(&stream, &g), "");
+    assert_eq!(names(&dest.0.join("flight")), ["gen-0", "gen-1", "set-0.1"]);
+    for (file, want) in [
+        ("gen-0/rank-1.json", &b"g0"[..]),
+        ("gen-1/rank-0.json", b"g1"),
+        ("set-0.1/rank-1.json", b"s"),
+    ] {
+        assert_eq!(
+            std::fs::read(dest.0.join("flight").join(file)).unwrap(),
+            want
+        );
+    }
+    let mode = std::fs::metadata(dest.0.join("flight/gen-0"))
+        .unwrap()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700);
+}
+
+#[test]
 fn a_symlink_is_not_sent_and_what_was_not_sent_stays() {
     let part = PartDir::create(&["flight".into()]).unwrap();
     let root = part.path.clone();
@@ -119,7 +154,9 @@ fn names_that_leave_the_directory_and_unknown_directories_are_refused() {
     let mut stream = String::new();
     for (dir, name) in [
         ("flight", "../escape.json"),
-        ("flight", "a/b.json"),
+        ("flight", "a/b/c.json"),
+        ("flight", "a/../b.json"),
+        ("flight", "./b.json"),
         ("flight", ".."),
         ("flight", ".hidden"),
         ("elsewhere", "rank-0.json"),

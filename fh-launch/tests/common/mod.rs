@@ -328,3 +328,36 @@ pub fn flight_record(rank: usize, size: usize) -> String {
     };
     serde_json::to_string(&dump).unwrap()
 }
+
+/// An rsh agent (`dir/agent.sh`) that runs a "far host"'s command here, in a mount namespace
+/// of its own where `dir/near` — fhrun's `TMPDIR` in the tests that use it — is an empty
+/// tmpfs (as on another host, fhrun's job directory is not there), with `TMPDIR=dir/far`.
+/// Returns the agent and `dir/near`; `None`: this machine cannot run it (no `unshare -m`).
+pub fn far_host_agent(dir: &TempDir) -> Option<(PathBuf, PathBuf)> {
+    use std::os::unix::fs::PermissionsExt;
+    let ok = Command::new("unshare")
+        .args(["-m", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipped: needs `unshare -m` (root) to hide fhrun's directory from a far host");
+        return None;
+    }
+    let (near, far) = (dir.path().join("near"), dir.path().join("far"));
+    for d in [&near, &far] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let agent = dir.path().join("agent.sh");
+    std::fs::write(
+        &agent,
+        format!(
+            "#!/bin/bash\nshift\nexec unshare -m sh -c 'mount -t tmpfs fh-far \"$0\" && \
+             TMPDIR=\"$1\" exec sh -c \"$2\"' '{}' '{}' \"$*\"\n",
+            near.display(),
+            far.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755)).unwrap();
+    Some((agent, near))
+}
