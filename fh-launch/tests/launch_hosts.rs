@@ -1,5 +1,5 @@
 //! fhrun end to end: hosts and slots, the `--mpi` command (dry run and a real `mpirun` when Open
-//! MPI is installed), the local dry run, and the flight records and timelines of another host.
+//! MPI is installed, signals and the timeout passed on to it), the local dry run, and the flight records and timelines of another host.
 
 mod common;
 use std::collections::BTreeSet;
@@ -287,6 +287,72 @@ fn mpi_mode_runs_through_a_real_mpirun() {
     }
     assert_eq!(seen, ["0", "1"].map(String::from).into(), "{out:?}");
     assert_eq!(tokens.len(), 1);
+}
+
+/// Ranks under mpirun that say so when they get SIGUSR1 and SIGTERM (exiting 5 then), print
+/// their pid, and otherwise wait 30 s.
+const MPI_SIGNAL_RANK: &str = "r=$OMPI_COMM_WORLD_RANK\n\
+    trap 'echo usr1 $r' USR1\n\
+    trap 'echo term $r; exit 5' TERM\n\
+    echo pid $$\n\
+    i=0; while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done\n";
+
+/// The pids the ranks printed.
+fn rank_pids(stdout: &str) -> Vec<i32> {
+    stdout
+        .lines()
+        .filter_map(|l| l.split_once("<stdout>:pid ")?.1.trim().parse().ok())
+        .collect()
+}
+
+#[test]
+fn mpi_mode_passes_signals_and_the_timeout_on_to_mpirun() {
+    if !mpirun_on_path() {
+        eprintln!("skipped: mpirun is not on PATH (Debian: apt-get install openmpi-bin)");
+        return;
+    }
+    // SIGUSR1 reaches every rank (through mpirun); SIGINT stops the job: 130.
+    let mut run = Running::start(&["-np", "2", "--mpi", "sh", "-c", MPI_SIGNAL_RANK]);
+    run.wait_for(LIMIT, |out, _| rank_pids(out).len() == 2);
+    let pids = rank_pids(&run.stdout_now());
+    run.signal(libc::SIGUSR1);
+    run.wait_for(LIMIT, |out, _| {
+        out.contains("usr1 0") && out.contains("usr1 1")
+    });
+    run.signal(libc::SIGINT);
+    let out = run.wait(LIMIT);
+    assert_eq!(out.code(), Some(130), "{out:?}");
+    assert!(
+        out.stderr.contains("received SIGINT; stopping mpirun"),
+        "{out:?}"
+    );
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "ranks outlived fhrun: {left:?}");
+
+    // --timeout: the ranks are asked for their records (SIGUSR1), then stopped: 124.
+    let out = fhrun(
+        &[
+            "-np",
+            "2",
+            "--mpi",
+            "--timeout",
+            "2",
+            "sh",
+            "-c",
+            MPI_SIGNAL_RANK,
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code(), Some(124), "{out:?}");
+    for want in ["usr1 0", "usr1 1", "term 0", "term 1"] {
+        assert!(out.stdout.contains(want), "{want:?} not in {out:?}");
+    }
+    let pids = rank_pids(&out.stdout);
+    assert_eq!(pids.len(), 2, "{out:?}");
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "ranks outlived fhrun: {left:?}");
 }
 
 /// A job of two "hosts": this machine (rank 0) and `fh-far-host` (rank 1), whose part an rsh
