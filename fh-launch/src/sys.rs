@@ -121,7 +121,12 @@ pub fn become_subreaper() -> io::Result<()> {
 
 /// The children of this process (from `/proc`), with whether each is a zombie.
 pub fn children() -> Vec<(u32, bool)> {
-    let me = getpid() as u32;
+    children_of(getpid() as u32)
+}
+
+/// The children of process `parent` (from `/proc`), with whether each is a zombie.
+pub fn children_of(parent: u32) -> Vec<(u32, bool)> {
+    let me = parent;
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -136,6 +141,14 @@ pub fn children() -> Vec<(u32, bool)> {
             (ppid == me).then_some((pid, state == "Z"))
         })
         .collect()
+}
+
+/// The process group of `pid` (`None` if it is gone).
+pub fn process_group(pid: u32) -> Option<u32> {
+    let p = libc::pid_t::try_from(pid).ok().filter(|&p| p > 0)?;
+    // SAFETY: getpgid has no memory-safety preconditions.
+    let g = unsafe { libc::getpgid(p) };
+    u32::try_from(g).ok().filter(|&g| g > 0)
 }
 
 /// Reap `pid` if it has ended (never blocks).

@@ -290,7 +290,7 @@ fn mpi_mode_runs_through_a_real_mpirun() {
 }
 
 /// Ranks under mpirun that say so when they get SIGUSR1 and SIGTERM (exiting 5 then), print
-/// their pid, and otherwise wait 30 s.
+/// their pid, and otherwise wait 30 s (longer than a test waits for them to go).
 const MPI_SIGNAL_RANK: &str = "r=$OMPI_COMM_WORLD_RANK\n\
     trap 'echo usr1 $r' USR1\n\
     trap 'echo term $r; exit 5' TERM\n\
@@ -329,6 +329,22 @@ fn mpi_mode_passes_signals_and_the_timeout_on_to_mpirun() {
     let left = survivors_after(&pids, Duration::from_secs(10));
     kill_all(&left);
     assert!(left.is_empty(), "ranks outlived fhrun: {left:?}");
+
+    // fhrun itself SIGKILLed: mpirun dies with it, and the ranks (which mpirun would leave
+    // running) with their guardian.
+    let mut run = Running::start(&["-np", "2", "--mpi", "sh", "-c", MPI_SIGNAL_RANK]);
+    run.wait_for(LIMIT, |out, _| rank_pids(out).len() == 2);
+    let pids = rank_pids(&run.stdout_now());
+    // The guardian learns of the ranks' groups within 200 ms of their start.
+    std::thread::sleep(Duration::from_millis(500));
+    run.signal(libc::SIGKILL);
+    drop(run.wait(LIMIT));
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(
+        left.is_empty(),
+        "ranks outlived a SIGKILLed fhrun: {left:?}"
+    );
 
     // --timeout: the ranks are asked for their records (SIGUSR1), then stopped: 124.
     let out = fhrun(

@@ -10,7 +10,10 @@
 //! Ctrl-Z and SIGCONT. At `--timeout` the ranks get SIGUSR1 first, then mpirun SIGTERM, then
 //! SIGKILL after the kill grace. fhrun's exit status is mpirun's (128 + N for a signal N that
 //! stopped fhrun, 124 for the timeout). If fhrun itself is SIGKILLed, mpirun dies with it
-//! (the parent-death signal), and mpirun's own orted stops the ranks it started.
+//! (the parent-death signal), and fhrun's guardian kills the process groups of the ranks
+//! mpirun started on this machine (fhrun tells it each group it sees among mpirun's
+//! children, every 200 ms at most; mpirun leaves its ranks running when it is killed). Ranks
+//! of other hosts are mpirun's daemons' business there.
 
 use std::io::IsTerminal;
 use std::path::Path;
@@ -92,6 +95,8 @@ pub(crate) fn run(exe: &Path, cmd: &MpiCommand, how: &Supervision) -> i32 {
     if how.verbose {
         eprintln!("fhrun: started mpirun (pid {pid})");
     }
+    // The process groups of mpirun's children (its ranks on this machine) the guardian knows.
+    let mut watched: Vec<u32> = Vec::new();
     let started = Instant::now();
     let deadline = how.timeout.map(|t| started + t);
     let mut stopping: Option<Stopping> = None;
@@ -105,6 +110,9 @@ pub(crate) fn run(exe: &Path, cmd: &MpiCommand, how: &Supervision) -> i32 {
                 let _ = child.wait();
                 break None;
             }
+        }
+        if let Some(g) = guardian.as_mut() {
+            watch_ranks(g, pid, &mut watched);
         }
         let now = Instant::now();
         if let Some(s) = stopping.as_mut() {
@@ -179,7 +187,8 @@ pub(crate) fn run(exe: &Path, cmd: &MpiCommand, how: &Supervision) -> i32 {
             _ => {}
         }
     };
-    // Whatever mpirun left in its process group goes with it.
+    // Whatever mpirun left in its process group goes with it; ranks it left in groups of
+    // their own came to fhrun, which stops them now.
     sys::kill_group(pid, libc::SIGKILL);
     if let Some(g) = guardian.as_mut() {
         g.forget(pid);
@@ -198,4 +207,29 @@ pub(crate) fn run(exe: &Path, cmd: &MpiCommand, how: &Supervision) -> i32 {
         }
         (None, None) => 1,
     }
+}
+
+/// Tell the guardian the process groups of mpirun's (`mpirun`'s) children that it does not
+/// know yet, and forget those of children gone (`watched`: the groups it knows).
+fn watch_ranks(guardian: &mut Guardian, mpirun: u32, watched: &mut Vec<u32>) {
+    let groups: Vec<u32> = sys::children_of(mpirun)
+        .into_iter()
+        .filter(|&(_, zombie)| !zombie)
+        .filter_map(|(p, _)| sys::process_group(p))
+        // mpirun's own group is watched already, and fhrun's must never be.
+        .filter(|&g| g != mpirun && g != sys::getpid() as u32)
+        .collect();
+    for &g in &groups {
+        if !watched.contains(&g) {
+            guardian.watch(g);
+            watched.push(g);
+        }
+    }
+    watched.retain(|g| {
+        let alive = groups.contains(g);
+        if !alive {
+            guardian.forget(*g);
+        }
+        alive
+    });
 }

@@ -4,7 +4,9 @@ Every rank keeps its last few thousand operations in memory and writes them to a
 own (``rank-R.json``) in the flight directory on a stall warning, when its runtime stops on
 an error, or on ``SIGUSR1``. This names the first divergence across the ranks — the rank that
 never submitted a tensor the others wait on, the rank that sent a different shape, a lost
-rank — and the last collective every rank completed. ``fhrun --explain DIR`` prints the same.
+rank — and the last collective every rank completed. An elastic job's flight directory holds
+a subdirectory per generation (``gen-N``): each generation is explained under a line naming
+it. ``fhrun --explain DIR`` prints the same.
 """
 
 import sys

@@ -324,7 +324,10 @@ def execute(plan, cfg, fhrun, base):
     env = dict(os.environ, EKILL_PLAN=json.dumps({"kills": plan.kills,
                                                   "slow_start": plan.slow_start or {}}),
                EKILL_DIR=str(run_dir), ELASTIC_LOG=str(log_dir), OMP_NUM_THREADS="1",
-               FH_TIMEOUT_SECONDS=str(cfg.timeout_s), PYTHONDONTWRITEBYTECODE="1")
+               FH_TIMEOUT_SECONDS=str(cfg.timeout_s), PYTHONDONTWRITEBYTECODE="1",
+               # fhrun's job directory (a lost generation's flight records stay in it) goes
+               # with the run's directory.
+               TMPDIR=str(run_dir))
     result = Result(plan)
     started = time.monotonic()
     out_path = run_dir / "fhrun.out"

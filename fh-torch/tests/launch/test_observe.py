@@ -193,6 +193,29 @@ def test_fhrun_merges_every_rank_timeline_into_one(fhrun, tmp_path):
     assert abs(first[0]["ts"] - first[1]["ts"]) < 5e6, first
 
 
+def test_an_mpi_job_keeps_and_explains_the_records_and_merges_every_timeline(fhrun, tmp_path):
+    """``fhrun --mpi``: mpirun runs as fhrun's child, the ranks write into fhrun's job
+    directory (passed with ``-x``), and when mpirun ends fhrun merges every rank's timeline
+    and keeps and explains the failed job's flight records, as for a job it starts itself."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs Open MPI's mpirun")
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH_SCRIPT)
+    out_file = tmp_path / "timeline.json"
+    code, out = run([fhrun, "-np", "3", "--mpi", "--timeline-filename", str(out_file),
+                     "--timeout", "120", PYTHON, str(script)], timeout=150,
+                    env={"TMPDIR": str(tmp_path)})
+    assert code != 0, out
+    assert "flight records of 3 ranks (0, 1, 2) are in" in out, out
+    assert ("fhrun: first divergence: rank 1 sent \"allreduce.layer3.weight.grad\" with shape "
+            "[18] where ranks 0 and 2 sent [17]") in out, out
+    assert "timeline of 3 ranks" in out, out
+    events = json.loads(out_file.read_text())
+    for rank in range(3):
+        names = {e["name"] for e in events if e.get("pid") == rank}
+        assert "submit" in names, (rank, sorted(names))
+
+
 def far_host(tmp_path):
     """A job over two "hosts" on this machine: this one, and ``fh-far-host``, whose remote
     fhrun an rsh agent runs in a mount namespace of its own where fhrun's temporary directory
