@@ -1,4 +1,4 @@
-//! `--mpi`: hand the job to Open MPI's `mpirun`, which fhrun runs as its child ([`run`]).
+//! `--mpi`: hand the job to Open MPI's `mpirun`, which fhrun runs as its child ([`mod@run`]).
 //!
 //! The ranks get the job directory's variables ([`crate::observe::JobDir::env`]: the flight
 //! directory, the per-rank timeline pattern) exported with `-x` like every other, and fhrun
