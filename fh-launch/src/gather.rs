@@ -8,8 +8,8 @@
 //!
 //! ```text
 //! MARKER begin DIR NAME SIZE      DIR: `flight` or `timeline`; NAME: a plain file name,
-//!                                 or SUB/NAME for a file of a subdirectory (an elastic job's
-//!                                 `gen-N`, a process set's `set-...`)
+//!                                 or SUB/NAME, SUB/SUB2/NAME for a file of a subdirectory
+//!                                 (an elastic job's `gen-N`, a process set's `set-...`)
 //! MARKER data BASE64              up to CHUNK bytes of the file each
 //! MARKER end
 //! ```
@@ -18,8 +18,9 @@
 //! and writes each file whole (a temporary name, renamed; an identical file already there is
 //! left as is) into its own job directory, where [`crate::observe::JobDir::finish`] finds every
 //! host's files. Only plain names (no `/`, no leading `.`) of regular files, at most
-//! [`MAX_FILE`] bytes each, travel, those of the directories and of their subdirectories one
-//! level down (a plain name too); a refused file is named in a warning.
+//! [`MAX_FILE`] bytes each, travel, those of the directories and of their subdirectories
+//! down to [`DEPTH`] levels (plain names too); a refused file is named in a warning, and
+//! what was not sent stays on its host, named.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -33,6 +34,10 @@ pub(crate) const DIRS: [&str; 2] = ["flight", "timeline"];
 
 /// The largest file sent back (a longer timeline stays on its host, named in a warning).
 pub(crate) const MAX_FILE: u64 = 256 << 20;
+
+/// How many subdirectories deep files travel (`gen-N/set-0.1/rank-1.json`: an elastic
+/// job's generation, then a process set's records).
+const DEPTH: usize = 2;
 
 /// Bytes of a file per `data` line: its base64 stays well under the 64 KiB at which fhrun's
 /// output relays cut lines.
@@ -91,17 +96,28 @@ impl PartDir {
         let mut keep = false;
         for (dir, path) in &self.dirs {
             let mut files = Vec::new();
-            for (name, is_dir) in plain_entries(path) {
-                if !is_dir {
-                    files.push(name);
-                    continue;
-                }
-                for (sub, sub_is_dir) in plain_entries(&path.join(&name)) {
-                    if !sub_is_dir {
-                        files.push(format!("{name}/{sub}"));
+            // (the subdirectory's name under `path`, "" for `path`, and its depth)
+            let mut dirs = vec![(String::new(), 0)];
+            while let Some((sub, depth)) = dirs.pop() {
+                for (name, is_dir) in plain_entries(&path.join(&sub)) {
+                    let name = match sub.is_empty() {
+                        true => name,
+                        false => format!("{sub}/{name}"),
+                    };
+                    match (is_dir, depth < DEPTH) {
+                        (false, _) => files.push(name),
+                        (true, true) => dirs.push((name, depth + 1)),
+                        (true, false) => {
+                            eprintln!(
+                                "{who}: {} is too deep to send to fhrun",
+                                path.join(&name).display()
+                            );
+                            keep = true;
+                        }
                     }
                 }
             }
+            files.sort();
             for name in files {
                 let file = path.join(&name);
                 if let Err(e) = send_file(marker, dir, &name, &file, out) {
@@ -136,12 +152,9 @@ fn plain_entries(dir: &Path) -> Vec<(String, bool)> {
     found
 }
 
-/// Whether `name` may travel: a plain name, or `SUB/NAME` of two plain names.
+/// Whether `name` may travel: plain names joined by `/`, at most [`DEPTH`] subdirectories.
 fn travel_name(name: &str) -> bool {
-    match name.split_once('/') {
-        Some((sub, file)) => plain_name(sub) && plain_name(file),
-        None => plain_name(name),
-    }
+    name.split('/').count() <= DEPTH + 1 && name.split('/').all(plain_name)
 }
 
 /// Sends one file (a regular file, not followed through a symlink, at most [`MAX_FILE`]).
@@ -265,7 +278,7 @@ impl Receiver<'_> {
         };
         // The directory (or its subdirectory, for SUB/NAME), made (0700) if no rank of this
         // host wrote there.
-        let (into, file_name) = match name.split_once('/') {
+        let (into, file_name) = match name.rsplit_once('/') {
             Some((sub, file)) => (into.join(sub), file),
             None => (into.clone(), name),
         };

