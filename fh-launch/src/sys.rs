@@ -124,8 +124,12 @@ pub fn children() -> Vec<(u32, bool)> {
     children_of(getpid() as u32)
 }
 
-/// The children of process `parent` (from `/proc`), with whether each is a zombie.
+/// The children of process `parent` (from `/proc`), with whether each is a zombie: from each
+/// of its threads' `children` list, or, on a kernel without them, from every process's parent.
 pub fn children_of(parent: u32) -> Vec<(u32, bool)> {
+    if let Some(found) = children_listed(parent) {
+        return found;
+    }
     let me = parent;
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -141,6 +145,36 @@ pub fn children_of(parent: u32) -> Vec<(u32, bool)> {
             (ppid == me).then_some((pid, state == "Z"))
         })
         .collect()
+}
+
+/// [`children_of`] from `/proc/PID/task/TID/children` (`None`: the kernel has no such lists).
+fn children_listed(parent: u32) -> Option<Vec<(u32, bool)>> {
+    let tasks = std::fs::read_dir(format!("/proc/{parent}/task")).ok()?;
+    let mut pids: Vec<u32> = Vec::new();
+    let mut listed = false;
+    for t in tasks.flatten() {
+        let Ok(text) = std::fs::read_to_string(t.path().join("children")) else {
+            continue;
+        };
+        listed = true;
+        pids.extend(
+            text.split_ascii_whitespace()
+                .filter_map(|p| p.parse::<u32>().ok()),
+        );
+    }
+    if !listed {
+        return None;
+    }
+    pids.sort_unstable();
+    pids.dedup();
+    let zombie = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|text| {
+            text.rfind(')')
+                .and_then(|i| text[i + 1..].split_ascii_whitespace().next())
+                == Some("Z")
+        })
+    };
+    Some(pids.into_iter().map(|p| (p, zombie(p))).collect())
 }
 
 /// The process group of `pid` (`None` if it is gone).
