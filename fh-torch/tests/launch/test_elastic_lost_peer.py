@@ -27,7 +27,7 @@ def test_survivors_of_a_worker_lost_during_backward_finish(fhrun, tmp_path, np, 
     signals = tmp_path / "signals"
     signals.mkdir()
     env = dict(LOST_PEER_VICTIM=VICTIM, LOST_PEER_DIR=str(signals), OMP_NUM_THREADS="1",
-               FH_TIMEOUT_SECONDS="10", PYTHONDONTWRITEBYTECODE="1")
+               FH_TIMEOUT_SECONDS="10", PYTHONDONTWRITEBYTECODE="1", TMPDIR=str(tmp_path))
     # The loopback "hosts" are one machine: the default transport picks shared memory there
     # (forcing `shm` is refused, as it would be across real hosts).
     forced = ["--transport", "tcp"] if transport == "tcp" else []
@@ -45,3 +45,13 @@ def test_survivors_of_a_worker_lost_during_backward_finish(fhrun, tmp_path, np, 
     assert len({d[4] for d in done}) == 1, f"the survivors' parameters differ:\n{out}"
     assert f"lost {VICTIM} (rank 1 killed by SIGKILL)" in out, out
     assert "Traceback" not in out, out
+    # The lost generation's records stay, in its own directory of fhrun's job directory
+    # (every survivor's; the victim's rank 1 wrote none), named and explained.
+    m = re.search(r"fhrun: generation (\d+): flight records of (\d+) ranks \(([\d, ]+)\) are in "
+                  r"(\S+);", out)
+    assert m, out
+    assert int(m.group(2)) == np - 1 and "1" not in m.group(3).split(", "), out
+    assert pathlib.Path(m.group(4)).name == f"gen-{m.group(1)}", out
+    said = [ln for ln in out.splitlines()
+            if ln.startswith(f"fhrun: generation {m.group(1)}: first divergence: ")]
+    assert said and "rank 1" in said[0], out
