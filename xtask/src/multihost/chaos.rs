@@ -20,7 +20,9 @@
 //! the promise is 2 s), when a survivor's error names a rank it should not (**misnamed**), when
 //! a benign fault blames anybody or a result is wrong (**blamed**, **wrong**). The report gives,
 //! per fault and transport, runs, hangs, misnamed, failures, and the time from the fault to the
-//! last survivor's error (direct) or to fhrun's end (median and worst).
+//! last survivor's error (direct) or to fhrun's end (median and worst); under fhrun also, in
+//! brackets, the time to fhrun's line naming a rank (it then stops the other ranks, SIGTERM
+//! and their grace first, so its end comes later).
 //!
 //! Under fhrun (which runs on h0) the frozen host is h1: a frozen h0 freezes fhrun with it, as
 //! a launcher's own host that freezes stops the launcher anywhere.
@@ -105,6 +107,9 @@ pub(super) struct Outcome {
     pub failure: Option<(&'static str, String)>,
     /// Seconds from the fault to the last survivor's error (direct) or fhrun's end.
     pub took: Option<f64>,
+    /// Under fhrun: seconds from the fault to fhrun's line naming a rank (`fhrun: rank R …`),
+    /// before it stops the others and waits for them (their SIGTERM grace).
+    pub named: Option<f64>,
 }
 
 const WORLD: [usize; 2] = [2, 2];
@@ -324,6 +329,7 @@ pub(super) fn run_one(c: &Cluster, bins: &Bins, plan: &Plan, tag: &str) -> Outco
         plan: plan.clone(),
         failure: Some((kind, what)),
         took: None,
+        named: None,
     };
     let seconds = if plan.fault.benign() {
         BENIGN_SECONDS
@@ -413,6 +419,7 @@ fn drive(c: &Cluster, plan: &Plan, mut running: Running, tag: &str) -> Outcome {
         plan: plan.clone(),
         failure: Some((kind, what)),
         took: None,
+        named: None,
     };
     let t0 = Instant::now();
     let pids = loop {
@@ -503,6 +510,7 @@ fn drive(c: &Cluster, plan: &Plan, mut running: Running, tag: &str) -> Outcome {
         HANG_BOUND
     };
     let survivors: Vec<usize> = (0..SIZE).filter(|r| !gone.contains(r)).collect();
+    let mut named = None;
     let (ended, out, fhrun_status) = match running {
         Running::Direct(job) => {
             let mut ended_all = false;
@@ -526,6 +534,12 @@ fn drive(c: &Cluster, plan: &Plan, mut running: Running, tag: &str) -> Outcome {
         Running::Fhrun { mut child, log } => {
             let mut status = None;
             while fault_at.elapsed() < bound {
+                if named.is_none()
+                    && std::fs::read_to_string(&log)
+                        .is_ok_and(|l| l.lines().any(|l| l.starts_with("fhrun: rank ")))
+                {
+                    named = Some(fault_at.elapsed().as_secs_f64());
+                }
                 if let Ok(Some(s)) = child.try_wait() {
                     status = Some((s, fault_at.elapsed()));
                     break;
@@ -571,6 +585,7 @@ fn drive(c: &Cluster, plan: &Plan, mut running: Running, tag: &str) -> Outcome {
             plan: plan.clone(),
             failure: None,
             took: None,
+            named: None,
         };
     }
     // Whom each rank may name.
@@ -638,6 +653,7 @@ fn drive(c: &Cluster, plan: &Plan, mut running: Running, tag: &str) -> Outcome {
         plan: plan.clone(),
         failure: None,
         took: Some(took),
+        named,
     }
 }
 
@@ -706,7 +722,7 @@ fn report(outcomes: &[Outcome], took: Duration, seed: u64) -> String {
     );
     let _ = writeln!(
         s,
-        "  fault        transport launcher runs hangs misnamed failed  fault->last error (median / worst)"
+        "  fault        transport launcher runs hangs misnamed failed  fault->last error or fhrun's end (median / worst)  [fault->fhrun names a rank]"
     );
     for ((fault, transport, fhrun), os) in by {
         let count = |k: &str| {
@@ -716,11 +732,16 @@ fn report(outcomes: &[Outcome], took: Duration, seed: u64) -> String {
         };
         let times: Vec<f64> = os.iter().filter_map(|o| o.took).collect();
         let (m, w) = median_and_worst(&times);
-        let timing = if times.is_empty() {
+        let mut timing = if times.is_empty() {
             "-".to_string()
         } else {
             format!("{m:.2} s / {w:.2} s")
         };
+        let named: Vec<f64> = os.iter().filter_map(|o| o.named).collect();
+        if !named.is_empty() {
+            let (m, w) = median_and_worst(&named);
+            let _ = write!(timing, "  [{m:.2} s / {w:.2} s]");
+        }
         let _ = writeln!(
             s,
             "  {:<12} {:<9} {:<8} {:>4} {:>5} {:>8} {:>6}  {timing}",
