@@ -84,6 +84,11 @@ const LAYOUTS: [(&[usize], &str); 3] = [(&[2, 2], "hier"), (&[1, 1, 1], "tcp"), 
 /// The link rate of the emulated hosts.
 pub(crate) const LINK: &str = "1gbit";
 
+/// The emulated hosts' links: [`LINK`], no per-flow cap.
+pub(crate) fn link_shaping() -> cluster::Shaping {
+    cluster::Shaping::link(LINK).unwrap_or_default()
+}
+
 /// The programs the checks run.
 struct Bins {
     sched_suite: PathBuf,
@@ -210,7 +215,7 @@ fn random_kills(root: &Path, bins: &Bins, py: &Path) -> Result<String, String> {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_nanos() as u64)
         });
-    let c = Cluster::up(5, Some(LINK))?;
+    let c = Cluster::up(5, &link_shaping())?;
     let r = elastic_check::random_kills(&c, &bins.fhrun, root, py, runs, seed);
     c.down().and(r)
 }
@@ -276,7 +281,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
         {
             continue;
         }
-        match Cluster::up(layout.len(), Some(LINK)) {
+        match Cluster::up(layout.len(), &link_shaping()) {
             Ok(c) => {
                 for transport in ["auto", "hier", "tcp"] {
                     if !wanted(&format!("collectives {shape} {transport}")) {
@@ -323,7 +328,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             None => Ok(End::Skipped(
                 "no mpirun on PATH (Debian: apt-get install openmpi-bin)".to_string(),
             )),
-            Some(_) => Cluster::up(2, Some(LINK))
+            Some(_) => Cluster::up(2, &link_shaping())
                 .and_then(|c| {
                     let r = f(&c, &bins);
                     c.down().and(r)
@@ -355,7 +360,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             continue;
         }
         let t = Instant::now();
-        let r = Cluster::up(2, Some(LINK))
+        let r = Cluster::up(2, &link_shaping())
             .and_then(|c| {
                 let r = f(&c, &bins);
                 c.down().and(r)
@@ -370,7 +375,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             let t = Instant::now();
             let r = match torch_python(root) {
                 Err(why) => Ok(End::Skipped(why)),
-                Ok(py) => Cluster::up(2, Some(LINK))
+                Ok(py) => Cluster::up(2, &link_shaping())
                     .and_then(|c| {
                         let r = training(&c, &bins, root, &py);
                         c.down().and(r)
@@ -395,7 +400,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             continue;
         }
         let t = Instant::now();
-        let r = Cluster::up(2, Some(LINK))
+        let r = Cluster::up(2, &link_shaping())
             .and_then(|c| {
                 let r = losses(&c, &bins, &loss, transport);
                 c.down().and(r)
@@ -410,7 +415,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             let t = Instant::now();
             let r = match torch_python(root) {
                 Err(why) => Ok(End::Skipped(why)),
-                Ok(py) => Cluster::up(5, Some(LINK))
+                Ok(py) => Cluster::up(5, &link_shaping())
                     .and_then(|c| {
                         let r = elastic_check::run_once(&c, &bins.fhrun, root, &py, 0);
                         c.down().and(r.map(|run| run.summary))

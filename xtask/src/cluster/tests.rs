@@ -2,7 +2,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{alive, link_probe, unavailable, Cluster};
+use super::{alive, link_probe, unavailable, Cluster, Shaping};
 
 /// Runs `script` on host `h` and returns its stdout.
 fn on(c: &Cluster, h: usize, script: &str) -> String {
@@ -31,7 +31,7 @@ fn hosts_are_separate_and_teardown_leaves_nothing() {
         eprintln!("SKIPPED: emulated cluster unavailable: {why}");
         return;
     }
-    let c = Cluster::up(2, Some("100mbit")).unwrap();
+    let c = Cluster::up(2, &Shaping::link("100mbit").unwrap()).unwrap();
     let id = c.id.clone();
     assert_eq!(on(&c, 0, "hostname"), "h0");
     assert_eq!(on(&c, 1, "hostname"), "h1");
@@ -66,7 +66,7 @@ fn a_dropped_cluster_is_torn_down() {
         eprintln!("SKIPPED: emulated cluster unavailable: {why}");
         return;
     }
-    let c = Cluster::up(1, None).unwrap();
+    let c = Cluster::up(1, &Shaping::default()).unwrap();
     let (id, dir) = (c.id.clone(), c.dir.clone());
     assert!(!left_over(&id).is_empty());
     drop(c);
@@ -83,7 +83,7 @@ fn child_holding_a_cluster() {
     if std::env::var_os("FH_TEST_CLUSTER_CHILD").is_none() {
         return;
     }
-    let c = Cluster::up(2, Some("1gbit")).unwrap();
+    let c = Cluster::up(2, &Shaping::link("1gbit").unwrap()).unwrap();
     let mut sleeper = c.command(1, "sleep").arg("1000").spawn().unwrap();
     println!("cluster-id {} {}", c.id, sleeper.id());
     let _ = sleeper.wait();
@@ -157,9 +157,9 @@ fn a_link_runs_at_its_rate() {
     // The shaper caps the link: one stream never exceeds 100 Mbit/s by more than the
     // bucket (1 MB over the 1.5 s) and the probe's own timing allow. (No lower bound: a
     // loaded machine may be slower than the link.)
-    let c = Cluster::up(2, Some("100mbit")).unwrap();
+    let c = Cluster::up(2, &Shaping::link("100mbit").unwrap()).unwrap();
     let rate = c
-        .link_rate(0, 1, 1.5, &|c: &mut Command, a: &[&str]| {
+        .link_rate(0, 1, 1.5, 1, &|c: &mut Command, a: &[&str]| {
             c.args(["cluster::tests::link_probe_child", "--exact", "--ignored"])
                 .args(["--nocapture", "--quiet", "--test-threads", "1"])
                 .env("FH_TEST_LINK_PROBE", a.join(" "));
@@ -179,7 +179,7 @@ fn the_rsh_agent_runs_commands_on_the_named_host() {
         eprintln!("SKIPPED: emulated cluster unavailable: {why}");
         return;
     }
-    let c = Cluster::up(2, None).unwrap();
+    let c = Cluster::up(2, &Shaping::default()).unwrap();
     let agent = c.rsh_agent().unwrap();
     let out = Command::new(&agent)
         .args(["h1", "hostname;", "echo", "$((1+2))"])
@@ -194,4 +194,44 @@ fn the_rsh_agent_runs_commands_on_the_named_host() {
     let out = Command::new(&agent).args(["h7", "true"]).output().unwrap();
     assert_eq!(out.status.code(), Some(255));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no emulated host h7"));
+}
+
+#[test]
+fn a_flow_cap_binds_one_stream_not_several() {
+    if let Some(why) = unavailable() {
+        eprintln!("SKIPPED: emulated cluster unavailable: {why}");
+        return;
+    }
+    // 200 Mbit/s links, 50 Mbit/s per TCP connection. One stream, in either direction, never
+    // exceeds the cap by more than the bucket and the probe's timing allow; four streams
+    // together exceed it by half at least, which no single capped flow can (no tighter lower
+    // bound: a loaded machine may be slower than the link).
+    let c = Cluster::up(2, &Shaping::new(Some("200mbit"), Some("50mbit")).unwrap()).unwrap();
+    let probe = |c: &mut Command, a: &[&str]| {
+        c.args(["cluster::tests::link_probe_child", "--exact", "--ignored"])
+            .args(["--nocapture", "--quiet", "--test-threads", "1"])
+            .env("FH_TEST_LINK_PROBE", a.join(" "));
+    };
+    let one = c.link_rate(0, 1, 1.5, 1, &probe).unwrap();
+    let back = c.link_rate(1, 0, 1.5, 1, &probe).unwrap();
+    let four = c.link_rate(0, 1, 1.5, 4, &probe).unwrap();
+    eprintln!(
+        "50 Mbit/s per flow, 200 Mbit/s link: one stream {:.1} (back {:.1}), four {:.1} Mbit/s",
+        one / 1e6,
+        back / 1e6,
+        four / 1e6
+    );
+    for (what, r) in [("h0 -> h1", one), ("h1 -> h0", back)] {
+        assert!(
+            r > 0.0 && r < 62.5e6,
+            "one stream {what} at {:.1} Mbit/s with 50 Mbit/s per flow",
+            r / 1e6
+        );
+    }
+    assert!(
+        four > 75e6 && four < 250e6,
+        "four streams at {:.1} Mbit/s: a 50 Mbit/s per-flow cap on a 200 Mbit/s link should \
+         let them past 75",
+        four / 1e6
+    );
 }

@@ -1,0 +1,282 @@
+//! How an emulated cluster's links are shaped: the link's rate, and optionally a cap on every
+//! TCP connection (a cloud's per-flow limit), set up with what this kernel has (`tbf`, `htb`,
+//! nftables; it has neither `sch_fq` nor `sch_netem`).
+//!
+//! Each host's link is a `tbf` at the link rate on both ends (the host's egress, `eth0` in its
+//! namespace, and its ingress, the near end in the root namespace). With a per-flow cap, the
+//! egress `tbf` gets a child `htb` whose [`FLOW_CLASSES`] leaf classes each run at rate = ceil =
+//! the cap, and an nftables table `fhflow` in the host's namespace gives each new connection a
+//! leaf of its own: a conntrack mark drawn round-robin (`numgen inc`), mapped on every packet
+//! into the packet's priority, which `htb` reads as its class. Every flow leaves some host
+//! through that host's `eth0`, so each direction of every connection is capped once; the
+//! ingress `tbf` only bounds the host's aggregate. Two concurrent connections share a leaf only
+//! after [`FLOW_CLASSES`] more have been opened in between.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+/// Leaf classes of the per-flow `htb` (connections per host before two share a cap).
+pub(crate) const FLOW_CLASSES: u32 = 64;
+
+/// The `htb` class that takes what nftables did not classify (ARP, say): one more flow.
+const DEFAULT_CLASS: u32 = 0xffff;
+
+/// The shaping of every host's link: its rate, and a cap per TCP connection. Rates are kept
+/// in bits per second (parsed from `tc`'s notation by [`parse_rate`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Shaping {
+    /// The link's rate (`None`: unshaped).
+    pub link: Option<u64>,
+    /// The cap on each TCP connection (needs `link`).
+    pub flow: Option<u64>,
+}
+
+impl Shaping {
+    /// Links at `rate` (a `tc` rate such as `1gbit`), no per-flow cap.
+    pub(crate) fn link(rate: &str) -> Result<Shaping, String> {
+        Shaping::new(Some(rate), None)
+    }
+
+    /// Links at `link` with each connection capped at `flow` (`tc` rates; `None`: none).
+    pub(crate) fn new(link: Option<&str>, flow: Option<&str>) -> Result<Shaping, String> {
+        let link = link.map(parse_rate).transpose()?;
+        let flow = flow.map(parse_rate).transpose()?;
+        match (link, flow) {
+            (None, Some(_)) => Err(
+                "a per-flow cap (--flow) needs a link rate (--link), e.g. --link 2gbit --flow 500mbit"
+                    .into(),
+            ),
+            (Some(l), Some(f)) if f > l => Err(format!(
+                "the per-flow cap ({}) exceeds the link rate ({}): give a smaller --flow",
+                show_rate(f),
+                show_rate(l)
+            )),
+            _ => Ok(Shaping { link, flow }),
+        }
+    }
+
+    /// What it is, for reports: `2 Gbit/s links, 500 Mbit/s per flow`, or `unshaped links`.
+    pub(crate) fn describe(&self) -> String {
+        match (self.link, self.flow) {
+            (None, _) => "unshaped links".into(),
+            (Some(l), None) => format!("{} links (tc tbf)", show_rate(l)),
+            (Some(l), Some(f)) => format!(
+                "{} links, {} per TCP connection (tc tbf + htb, nftables)",
+                show_rate(l),
+                show_rate(f)
+            ),
+        }
+    }
+
+    /// The `tc` commands (arguments after `tc`, without `-n NS`) that shape a link end
+    /// `dev`; `egress` is the host's own end (`eth0`), which gets the per-flow cap.
+    pub(crate) fn tc_commands(&self, dev: &str, egress: bool) -> Vec<Vec<String>> {
+        let Some(link) = self.link else {
+            return Vec::new();
+        };
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<String>>();
+        let link = format!("{link}bit");
+        // burst: a few milliseconds at 10 Gbit/s, so that one timer tick never starves the
+        // link; latency bounds the queue.
+        let mut out = vec![s(&[
+            "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", &link, "burst",
+            "1mb", "latency", "50ms",
+        ])];
+        if let (Some(flow), true) = (self.flow, egress) {
+            let flow = format!("{flow}bit");
+            out.push(s(&[
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:1",
+                "handle",
+                "2:",
+                "htb",
+                "default",
+                &format!("{DEFAULT_CLASS:x}"),
+            ]));
+            for class in (1..=FLOW_CLASSES).chain([DEFAULT_CLASS]) {
+                // quantum: a full-size frame's worth at least (htb's default, rate / 10,
+                // is over its limit at these rates).
+                out.push(s(&[
+                    "class",
+                    "add",
+                    "dev",
+                    dev,
+                    "parent",
+                    "2:",
+                    "classid",
+                    &format!("2:{class:x}"),
+                    "htb",
+                    "rate",
+                    &flow,
+                    "ceil",
+                    &flow,
+                    "quantum",
+                    "60000",
+                ]));
+            }
+        }
+        out
+    }
+
+    /// The nftables rules (`nft -f` syntax) for a host's namespace, or `None` without a
+    /// per-flow cap: each new connection gets a conntrack mark 1..=[`FLOW_CLASSES`] in turn,
+    /// and every packet the priority `2:<mark>` (the `htb` leaf of that connection).
+    pub(crate) fn nft_rules(&self) -> Option<String> {
+        self.flow?;
+        let map: Vec<String> = (1..=FLOW_CLASSES)
+            .map(|k| format!("{k} : 2:{k:x}"))
+            .collect();
+        Some(format!(
+            "table inet fhflow {{\n  chain out {{\n    type filter hook output priority 0; \
+             policy accept;\n    ct state new ct mark set numgen inc mod {FLOW_CLASSES} offset 1\n    \
+             meta priority set ct mark map {{ {} }}\n  }}\n}}\n",
+            map.join(", ")
+        ))
+    }
+
+    /// Shapes host link end `dev` (in network namespace `ns`, or the root namespace), and with
+    /// a per-flow cap on the egress end loads the nftables rules in `ns`.
+    pub(crate) fn apply(&self, ns: Option<&str>, dev: &str) -> Result<(), String> {
+        let egress = ns.is_some();
+        for args in self.tc_commands(dev, egress) {
+            let mut c = Command::new("tc");
+            if let Some(ns) = ns {
+                c.args(["-n", ns]);
+            }
+            super::sh(c.args(&args))?;
+        }
+        if let (Some(ns), Some(rules)) = (ns, self.nft_rules()) {
+            let mut c = Command::new("ip")
+                .args(["netns", "exec", ns, "nft", "-f", "-"])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .map_err(|e| format!("cannot run nft (install Debian's nftables): {e}"))?;
+            if let Some(mut i) = c.stdin.take() {
+                i.write_all(rules.as_bytes())
+                    .map_err(|e| format!("nft: {e}"))?;
+            }
+            let out = c.wait_with_output().map_err(|e| format!("nft: {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "the per-flow rules (nft in {ns}) failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A `tc` rate in bits per second: a number and a unit, `bit`, `kbit`, `mbit`, `gbit`, `tbit`
+/// (bits per second, powers of 1000) or `bps`, `kbps`, `mbps`, `gbps`, `tbps` (bytes per
+/// second), as `tc` reads them.
+pub(crate) fn parse_rate(text: &str) -> Result<u64, String> {
+    let t = text.trim().to_ascii_lowercase();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bits_per: f64 = match unit {
+        "bit" => 1.0,
+        "kbit" => 1e3,
+        "mbit" => 1e6,
+        "gbit" => 1e9,
+        "tbit" => 1e12,
+        "bps" => 8.0,
+        "kbps" => 8e3,
+        "mbps" => 8e6,
+        "gbps" => 8e9,
+        "tbps" => 8e12,
+        _ => {
+            return Err(format!(
+                "`{text}` is not a rate: give a number and a unit, e.g. 500mbit or 2gbit \
+                 (bit, kbit, mbit, gbit; bps, kbps, ... for bytes per second)"
+            ))
+        }
+    };
+    match num.parse::<f64>() {
+        Ok(n) if n > 0.0 && (n * bits_per) >= 8e3 && (n * bits_per) < 1e13 => {
+            Ok((n * bits_per).round() as u64)
+        }
+        _ => Err(format!(
+            "`{text}` is not a rate between 8kbit and 10tbit, e.g. 500mbit or 2gbit"
+        )),
+    }
+}
+
+/// A rate for people: `500 Mbit/s`, `2 Gbit/s`, `1.5 Gbit/s`.
+pub(crate) fn show_rate(bits: u64) -> String {
+    let b = bits as f64;
+    let (v, unit) = if b >= 1e9 {
+        (b / 1e9, "Gbit/s")
+    } else if b >= 1e6 {
+        (b / 1e6, "Mbit/s")
+    } else {
+        (b / 1e3, "kbit/s")
+    };
+    let v = format!("{v:.3}");
+    let v = v.trim_end_matches('0').trim_end_matches('.');
+    format!("{v} {unit}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_are_read_as_tc_reads_them() {
+        assert_eq!(parse_rate("500mbit"), Ok(500_000_000));
+        assert_eq!(parse_rate("2gbit"), Ok(2_000_000_000));
+        assert_eq!(parse_rate("1.5Gbit"), Ok(1_500_000_000));
+        assert_eq!(parse_rate("100mbps"), Ok(800_000_000));
+        for bad in ["2g", "fast", "mbit", "0mbit", "-1gbit", "1bit"] {
+            assert!(parse_rate(bad).is_err(), "{bad}");
+        }
+        assert_eq!(show_rate(500_000_000), "500 Mbit/s");
+        assert_eq!(show_rate(1_500_000_000), "1.5 Gbit/s");
+    }
+
+    #[test]
+    fn a_flow_cap_needs_a_link_below_it() {
+        assert!(Shaping::new(None, Some("1gbit"))
+            .unwrap_err()
+            .contains("needs a link rate"));
+        assert!(Shaping::new(Some("1gbit"), Some("2gbit"))
+            .unwrap_err()
+            .contains("exceeds the link rate"));
+        let s = Shaping::new(Some("2gbit"), Some("500mbit")).unwrap();
+        assert_eq!(
+            s.describe(),
+            "2 Gbit/s links, 500 Mbit/s per TCP connection (tc tbf + htb, nftables)"
+        );
+    }
+
+    #[test]
+    fn only_the_egress_end_gets_a_leaf_per_flow() {
+        let s = Shaping::new(Some("2gbit"), Some("500mbit")).unwrap();
+        let egress = s.tc_commands("eth0", true);
+        // The tbf, the htb, its leaves and the default class.
+        assert_eq!(egress.len(), 2 + FLOW_CLASSES as usize + 1);
+        assert!(egress[0].join(" ").contains("tbf rate 2000000000bit"));
+        assert!(egress[1]
+            .join(" ")
+            .contains("parent 1:1 handle 2: htb default ffff"));
+        assert!(egress[2]
+            .join(" ")
+            .contains("classid 2:1 htb rate 500000000bit ceil 500000000bit"));
+        assert_eq!(s.tc_commands("veth", false).len(), 1);
+        let rules = s.nft_rules().unwrap();
+        assert!(rules.contains("numgen inc mod 64 offset 1"), "{rules}");
+        assert!(rules.contains("64 : 2:40 }"), "{rules}");
+        let plain = Shaping::link("1gbit").unwrap();
+        assert!(plain.nft_rules().is_none());
+        assert_eq!(plain.tc_commands("eth0", true).len(), 1);
+        assert!(Shaping::default().tc_commands("eth0", true).is_empty());
+    }
+}
