@@ -31,6 +31,10 @@
 //!   named (by the heartbeats, long before the timeout), and under loss, delay and a slow host
 //!   the job finishes with exact results and nobody blamed; `FH_HOST_CHAOS_FAULTS=1000` is the
 //!   long mode;
+//! - **cloud** ([`cloud`], 2 × 2, links at 400 Mbit/s with each TCP connection capped at
+//!   50 Mbit/s): the engine's replay of six 8 MiB gradients under the defaults moves them
+//!   across hosts at more than 1.5 × (hier's two lanes × the cap), which only more flows than
+//!   lanes can do; it reports the goodput beside the link's measured 1- and 8-stream rates;
 //! - **elastic training** ([`elastic_check`], 5 hosts): `fh-torch/examples/elastic_train.py`
 //!   under `fhrun --host-discovery-script`: h1 lost with rank 0 (SIGKILL), h4 added, the final parameters
 //!   bit-identical on every rank and equal to a one-process replay of the committed worlds;
@@ -55,6 +59,7 @@ use crate::cargo;
 use crate::cluster::{self, Cluster, RankEnd};
 
 mod chaos;
+mod cloud;
 mod elastic_check;
 mod launchers;
 mod losses;
@@ -92,6 +97,7 @@ pub(crate) fn link_shaping() -> cluster::Shaping {
 /// The programs the checks run.
 struct Bins {
     sched_suite: PathBuf,
+    replay: PathBuf,
     selftest: PathBuf,
     fhrun: PathBuf,
     chaos_rank: PathBuf,
@@ -143,7 +149,7 @@ pub(crate) fn task(root: &Path, args: &[String]) -> ExitCode {
 
 /// Number of checks [`run`] makes (reported as skipped when none can run).
 fn total_checks() -> usize {
-    LAYOUTS.len() * 3 + 2 + 4 + 1 + 4 + 1 + 1 + 1
+    LAYOUTS.len() * 3 + 2 + 4 + 1 + 4 + 1 + 1 + 1 + 1
 }
 
 /// The name of the chaos check across hosts.
@@ -191,6 +197,10 @@ fn host_chaos(bins: &Bins) -> Result<String, String> {
         .collect();
     chaos::run_plans(bins, &plans, seed)
 }
+
+/// The name of the cloud check ([`cloud`]).
+const CLOUD_CHECK: &str =
+    "cloud 2x2: gradients cross per-flow-capped links over more flows than hier has lanes";
 
 /// The name of the elastic check.
 const ELASTIC_CHECK: &str =
@@ -242,6 +252,8 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             "sched_suite",
             "--example",
             "chaos_rank",
+            "--example",
+            "replay",
         ][..],
     ] {
         let status = Command::new(cargo())
@@ -256,6 +268,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
     let debug = target.join("debug");
     let bins = Bins {
         sched_suite: debug.join("examples").join("sched_suite"),
+        replay: debug.join("examples").join("replay"),
         selftest: debug.join("fh-selftest"),
         fhrun: debug.join("fhrun"),
         chaos_rank: debug.join("examples").join("chaos_rank"),
@@ -407,6 +420,21 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             })
             .map(End::Passed);
         note(name.to_string(), r, t);
+    }
+
+    {
+        let name = CLOUD_CHECK;
+        if wanted(name) {
+            let t = Instant::now();
+            let r = cloud::shaping()
+                .and_then(|s| Cluster::up(2, &s))
+                .and_then(|c| {
+                    let r = cloud::cloud_goodput(&c, &bins);
+                    c.down().and(r)
+                })
+                .map(End::Passed);
+            note(name.to_string(), r, t);
+        }
     }
 
     {

@@ -7,7 +7,8 @@
 //! egress `tbf` gets a child `htb` whose [`FLOW_CLASSES`] leaf classes each run at rate = ceil =
 //! the cap, and an nftables table `fhflow` in the host's namespace gives each new connection a
 //! leaf of its own: a conntrack mark drawn round-robin (`numgen inc`), mapped on every packet
-//! into the packet's priority, which `htb` reads as its class. Every flow leaves some host
+//! into the packet's priority, which `htb` reads as its class (the mark is drawn at the first
+//! packet the host sends on the connection, whichever end opened it). Every flow leaves some host
 //! through that host's `eth0`, so each direction of every connection is capped once; the
 //! ingress `tbf` only bounds the host's aggregate. Two concurrent connections share a leaf only
 //! after [`FLOW_CLASSES`] more have been opened in between.
@@ -123,8 +124,10 @@ impl Shaping {
     }
 
     /// The nftables rules (`nft -f` syntax) for a host's namespace, or `None` without a
-    /// per-flow cap: each new connection gets a conntrack mark 1..=[`FLOW_CLASSES`] in turn,
-    /// and every packet the priority `2:<mark>` (the `htb` leaf of that connection).
+    /// per-flow cap: each connection gets a conntrack mark 1..=[`FLOW_CLASSES`] in turn at the
+    /// first packet the host sends on it (a SYN for connections it makes, a SYN-ACK for those
+    /// it accepts: both directions of every connection are capped), and every packet the
+    /// priority `2:<mark>` (the `htb` leaf of that connection).
     pub(crate) fn nft_rules(&self) -> Option<String> {
         self.flow?;
         let map: Vec<String> = (1..=FLOW_CLASSES)
@@ -132,7 +135,7 @@ impl Shaping {
             .collect();
         Some(format!(
             "table inet fhflow {{\n  chain out {{\n    type filter hook output priority 0; \
-             policy accept;\n    ct state new ct mark set numgen inc mod {FLOW_CLASSES} offset 1\n    \
+             policy accept;\n    ct mark 0 ct mark set numgen inc mod {FLOW_CLASSES} offset 1\n    \
              meta priority set ct mark map {{ {} }}\n  }}\n}}\n",
             map.join(", ")
         ))
@@ -171,6 +174,54 @@ impl Shaping {
         }
         Ok(())
     }
+}
+
+impl super::Cluster {
+    /// The bytes host `host` has sent through each per-flow `htb` leaf (`2:1` to
+    /// `2:`[`FLOW_CLASSES`], in that order; each carries the connections mapped to it), read
+    /// from `tc -s class show`; empty without a per-flow cap.
+    pub(crate) fn flow_bytes(&self, host: usize) -> Result<Vec<u64>, String> {
+        let out = Command::new("tc")
+            .args([
+                "-n",
+                &self.netns(host),
+                "-s",
+                "class",
+                "show",
+                "dev",
+                "eth0",
+            ])
+            .output()
+            .map_err(|e| format!("cannot run tc: {e}"))?;
+        Ok(leaf_bytes(&String::from_utf8_lossy(&out.stdout)))
+    }
+}
+
+/// The `Sent N bytes` of each leaf `2:1`..=`2:`[`FLOW_CLASSES`] in `tc -s class show` output.
+fn leaf_bytes(text: &str) -> Vec<u64> {
+    let mut bytes = Vec::new();
+    let mut class: Option<usize> = None;
+    for line in text.lines() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        match w.as_slice() {
+            ["class", "htb", id, ..] => {
+                class = id
+                    .strip_prefix("2:")
+                    .and_then(|m| usize::from_str_radix(m, 16).ok())
+                    .filter(|&m| (1..=FLOW_CLASSES as usize).contains(&m));
+            }
+            ["Sent", n, "bytes", ..] => {
+                if let (Some(m), Ok(n)) = (class.take(), n.parse::<u64>()) {
+                    if bytes.len() < m {
+                        bytes.resize(m, 0);
+                    }
+                    bytes[m - 1] = n;
+                }
+            }
+            _ => {}
+        }
+    }
+    bytes
 }
 
 /// A `tc` rate in bits per second: a number and a unit, `bit`, `kbit`, `mbit`, `gbit`, `tbit`
@@ -255,6 +306,19 @@ mod tests {
             s.describe(),
             "2 Gbit/s links, 500 Mbit/s per TCP connection (tc tbf + htb, nftables)"
         );
+    }
+
+    #[test]
+    fn leaf_counters_are_read_by_class() {
+        let text = "class tbf 1:1 parent 1: leaf 2: \n\n\
+                    class htb 2:a root prio 0 rate 500Mbit ceil 500Mbit\n \
+                    Sent 1200 bytes 3 pkt (dropped 0, overlimits 0 requeues 0) \n\n\
+                    class htb 2:ffff root prio 0 rate 500Mbit\n Sent 99 bytes 1 pkt\n\
+                    class htb 2:2 root prio 0 rate 500Mbit\n Sent 7 bytes 1 pkt\n";
+        let mut want = vec![0u64; 10];
+        want[1] = 7;
+        want[9] = 1200;
+        assert_eq!(leaf_bytes(text), want);
     }
 
     #[test]
