@@ -42,7 +42,7 @@ use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-mod probe;
+pub(crate) mod probe;
 mod shaping;
 
 pub(crate) use probe::{link_bound_rate, link_probe, show_rates, STREAMS};

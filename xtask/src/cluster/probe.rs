@@ -13,11 +13,24 @@ use super::Cluster;
 /// link whose flows are capped at a quarter of it or more.
 pub(crate) const STREAMS: [usize; 2] = [1, 8];
 
+/// Which end of the probe's connections opens them (a per-flow cap must hold for the data of
+/// either).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Opener {
+    /// The sender connects to the receiver (the usual probe).
+    Sender,
+    /// The receiver connects to the sender, which sends on the connections it accepted (the
+    /// cluster's tests check the cap holds there too; the reports measure the usual way).
+    #[cfg_attr(not(test), allow(dead_code))]
+    Receiver,
+}
+
 /// The hidden `cargo xtask __link-probe` that [`Cluster::link_rate`] runs inside the hosts:
 /// `recv ADDR:PORT [N]` accepts N connections (default 1), reads them to the end and prints
 /// `BYTES SECONDS` (all connections together, from the first byte to the last end);
 /// `send ADDR:PORT SECONDS [N]` sends over N parallel TCP streams, as fast as each goes, for
-/// that long.
+/// that long. `recv-dial` and `send-listen` do the same with the receiver connecting to the
+/// sender.
 pub(crate) fn link_probe(args: &[String]) -> ExitCode {
     let fail = |e: String| {
         eprintln!("link probe: {e}");
@@ -34,12 +47,12 @@ pub(crate) fn link_probe(args: &[String]) -> ExitCode {
         }
     };
     match args {
-        [role, addr, rest @ ..] if role == "recv" && rest.len() <= 1 => {
+        [role, addr, rest @ ..] if (role == "recv" || role == "recv-dial") && rest.len() <= 1 => {
             let n = match streams(rest.first()) {
                 Ok(n) => n,
                 Err(e) => return fail(e),
             };
-            match receive(addr, n) {
+            match receive(addr, n, role == "recv-dial") {
                 Ok((bytes, secs)) => {
                     println!("{bytes} {secs}");
                     ExitCode::SUCCESS
@@ -47,7 +60,9 @@ pub(crate) fn link_probe(args: &[String]) -> ExitCode {
                 Err(e) => fail(e),
             }
         }
-        [role, addr, secs, rest @ ..] if role == "send" && rest.len() <= 1 => {
+        [role, addr, secs, rest @ ..]
+            if (role == "send" || role == "send-listen") && rest.len() <= 1 =>
+        {
             let Ok(secs) = secs.parse::<f64>() else {
                 return fail(format!("not seconds: {secs}"));
             };
@@ -55,28 +70,45 @@ pub(crate) fn link_probe(args: &[String]) -> ExitCode {
                 Ok(n) => n,
                 Err(e) => return fail(e),
             };
-            match send(addr, secs, n) {
+            match send(addr, secs, n, role == "send-listen") {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(e),
             }
         }
         _ => fail(
-            "usage: __link-probe recv ADDR:PORT [STREAMS] | send ADDR:PORT SECONDS [STREAMS]"
+            "usage: __link-probe recv|recv-dial ADDR:PORT [STREAMS] | send|send-listen ADDR:PORT \
+             SECONDS [STREAMS]"
                 .into(),
         ),
     }
 }
 
-/// Accepts `n` connections on `addr` and reads each to its end: the bytes, and the seconds
-/// from the first byte on any of them to the end of the last.
-fn receive(addr: &str, n: usize) -> Result<(u64, f64), String> {
+/// `n` connections to or from `addr`: accepted on it (saying `listening` first), or with
+/// `dial` made to it.
+fn connections(addr: &str, n: usize, dial: bool) -> Result<Vec<TcpStream>, String> {
+    if dial {
+        return (0..n)
+            .map(|_| TcpStream::connect(addr).map_err(|e| format!("connect {addr}: {e}")))
+            .collect();
+    }
     let l = TcpListener::bind(addr).map_err(|e| format!("bind {addr}: {e}"))?;
     println!("listening");
     let _ = std::io::stdout().flush();
+    (0..n)
+        .map(|_| {
+            l.accept()
+                .map(|(s, _)| s)
+                .map_err(|e| format!("accept: {e}"))
+        })
+        .collect()
+}
+
+/// Reads `n` connections (see [`connections`]) each to its end: the bytes, and the seconds
+/// from the first byte on any of them to the end of the last.
+fn receive(addr: &str, n: usize, dial: bool) -> Result<(u64, f64), String> {
     let first: Arc<Mutex<Option<Instant>>> = Arc::default();
     let mut readers = Vec::new();
-    for _ in 0..n {
-        let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    for mut s in connections(addr, n, dial)? {
         let first = first.clone();
         readers.push(std::thread::spawn(move || -> Result<u64, String> {
             let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
@@ -105,13 +137,10 @@ fn receive(addr: &str, n: usize) -> Result<(u64, f64), String> {
     Ok((bytes, first.map_or(0.0, |t| t.elapsed().as_secs_f64())))
 }
 
-/// Sends over `n` connections to `addr` for `secs` seconds, as fast as each goes.
-fn send(addr: &str, secs: f64, n: usize) -> Result<(), String> {
-    let mut streams = Vec::new();
-    for _ in 0..n {
-        streams.push(TcpStream::connect(addr).map_err(|e| format!("connect {addr}: {e}"))?);
-    }
-    let writers: Vec<_> = streams
+/// Sends over `n` connections (see [`connections`]; made to `addr` unless `listen`) for
+/// `secs` seconds, as fast as each goes.
+fn send(addr: &str, secs: f64, n: usize, listen: bool) -> Result<(), String> {
+    let writers: Vec<_> = connections(addr, n, !listen)?
         .into_iter()
         .map(|mut s| {
             std::thread::spawn(move || -> Result<(), String> {
@@ -132,61 +161,86 @@ fn send(addr: &str, secs: f64, n: usize) -> Result<(), String> {
 
 impl Cluster {
     /// The rate `streams` parallel TCP streams reach together from host `from` to host `to`
-    /// in `secs` seconds, in bits per second: [`link_probe`] on both ends, run as this
-    /// executable with the arguments `probe` adds to a command (`__link-probe` and the probe's
-    /// own arguments, for xtask).
+    /// in `secs` seconds, in bits per second, over connections opened by `opener`:
+    /// [`link_probe`] on both ends, run as this executable with the arguments `probe` adds to
+    /// a command (`__link-probe` and the probe's own arguments, for xtask).
     pub(crate) fn link_rate(
         &self,
-        from: usize,
-        to: usize,
+        (from, to): (usize, usize),
         secs: f64,
         streams: usize,
+        opener: Opener,
         probe: &dyn Fn(&mut Command, &[&str]),
     ) -> Result<f64, String> {
         let exe = std::env::current_exe().map_err(|e| format!("cannot find xtask: {e}"))?;
-        let addr = format!("{}:5201", self.hosts[to].addr);
         let n = streams.to_string();
-        let mut recv = self.command(to, &exe);
-        probe(&mut recv, &["recv", &addr, &n]);
-        let mut recv = recv
+        let secs = secs.to_string();
+        // The listening end starts first and says so; the other connects to it.
+        let (listener, dialer, addr) = match opener {
+            Opener::Sender => (to, from, format!("{}:5201", self.hosts[to].addr)),
+            Opener::Receiver => (from, to, format!("{}:5201", self.hosts[from].addr)),
+        };
+        let (listen_args, dial_args): (Vec<&str>, Vec<&str>) = match opener {
+            Opener::Sender => (vec!["recv", &addr, &n], vec!["send", &addr, &secs, &n]),
+            Opener::Receiver => (
+                vec!["send-listen", &addr, &secs, &n],
+                vec!["recv-dial", &addr, &n],
+            ),
+        };
+        let mut first = self.command(listener, &exe);
+        probe(&mut first, &listen_args);
+        let mut first = first
             .stdout(Stdio::piped())
             .spawn()
             .map_err(|e| format!("cannot start the link probe: {e}"))?;
-        let mut out = std::io::BufReader::new(recv.stdout.take().expect("piped"));
+        let mut out = std::io::BufReader::new(first.stdout.take().expect("piped"));
         // Lines until the one asked for (a test harness may print its own around them).
-        let mut next_line = |want: &dyn Fn(&str) -> bool| -> Option<String> {
+        let next_line = |out: &mut dyn std::io::BufRead, want: &dyn Fn(&str) -> bool| {
             let mut line = String::new();
             loop {
                 line.clear();
-                match std::io::BufRead::read_line(&mut out, &mut line) {
+                match out.read_line(&mut line) {
                     Ok(0) | Err(_) => return None,
                     Ok(_) if want(line.trim()) => return Some(line.trim().to_string()),
                     Ok(_) => {}
                 }
             }
         };
-        if next_line(&|l| l == "listening").is_none() {
-            let _ = recv.kill();
-            let _ = recv.wait();
-            return Err("the link probe's receiver did not start".into());
-        }
-        let mut send = self.command(from, &exe);
-        probe(&mut send, &["send", &addr, &secs.to_string(), &n]);
-        let sent = send.stdout(Stdio::null()).status();
         let two_numbers = |l: &str| {
             let w: Vec<&str> = l.split_whitespace().collect();
             w.len() == 2 && w.iter().all(|x| x.parse::<f64>().is_ok())
         };
-        let said = if matches!(sent, Ok(s) if s.success()) {
-            next_line(&two_numbers).unwrap_or_default()
-        } else {
-            String::new()
-        };
-        let _ = recv.kill();
-        let _ = recv.wait();
-        if !matches!(sent, Ok(s) if s.success()) {
-            return Err(format!("the link probe's sender failed: {sent:?}"));
+        if next_line(&mut out, &|l| l == "listening").is_none() {
+            let _ = first.kill();
+            let _ = first.wait();
+            return Err("the link probe's listening end did not start".into());
         }
+        let mut second = self.command(dialer, &exe);
+        probe(&mut second, &dial_args);
+        let said = match opener {
+            Opener::Sender => {
+                let sent = second.stdout(Stdio::null()).status();
+                let said = match sent {
+                    Ok(s) if s.success() => next_line(&mut out, &two_numbers),
+                    _ => None,
+                };
+                said.ok_or(format!("the link probe's sender failed: {sent:?}"))
+            }
+            Opener::Receiver => {
+                let got = second.stderr(Stdio::inherit()).output();
+                match &got {
+                    Ok(o) if o.status.success() => {
+                        let text = String::from_utf8_lossy(&o.stdout).to_string();
+                        next_line(&mut text.as_bytes(), &two_numbers)
+                            .ok_or(format!("the link probe's receiver said {text:?}"))
+                    }
+                    _ => Err(format!("the link probe's receiver failed: {got:?}")),
+                }
+            }
+        };
+        let _ = first.kill();
+        let _ = first.wait();
+        let said = said?;
         let mut it = said.split_whitespace().map(str::parse::<f64>);
         match (it.next(), it.next()) {
             (Some(Ok(bytes)), Some(Ok(took))) if took > 0.0 => Ok(bytes * 8.0 / took),
@@ -206,7 +260,12 @@ impl Cluster {
     ) -> Result<Vec<(usize, f64)>, String> {
         streams
             .iter()
-            .map(|&n| Ok((n, self.link_rate(from, to, secs, n, probe)?)))
+            .map(|&n| {
+                Ok((
+                    n,
+                    self.link_rate((from, to), secs, n, Opener::Sender, probe)?,
+                ))
+            })
             .collect()
     }
 }

@@ -2,6 +2,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::probe::Opener;
 use super::{alive, link_probe, unavailable, Cluster, Shaping};
 
 /// Runs `script` on host `h` and returns its stdout.
@@ -159,11 +160,17 @@ fn a_link_runs_at_its_rate() {
     // loaded machine may be slower than the link.)
     let c = Cluster::up(2, &Shaping::link("100mbit").unwrap()).unwrap();
     let rate = c
-        .link_rate(0, 1, 1.5, 1, &|c: &mut Command, a: &[&str]| {
-            c.args(["cluster::tests::link_probe_child", "--exact", "--ignored"])
-                .args(["--nocapture", "--quiet", "--test-threads", "1"])
-                .env("FH_TEST_LINK_PROBE", a.join(" "));
-        })
+        .link_rate(
+            (0, 1),
+            1.5,
+            1,
+            Opener::Sender,
+            &|c: &mut Command, a: &[&str]| {
+                c.args(["cluster::tests::link_probe_child", "--exact", "--ignored"])
+                    .args(["--nocapture", "--quiet", "--test-threads", "1"])
+                    .env("FH_TEST_LINK_PROBE", a.join(" "));
+            },
+        )
         .unwrap();
     eprintln!("one stream: {:.1} Mbit/s on a 100 Mbit/s link", rate / 1e6);
     assert!(
@@ -202,36 +209,42 @@ fn a_flow_cap_binds_one_stream_not_several() {
         eprintln!("SKIPPED: emulated cluster unavailable: {why}");
         return;
     }
-    // 200 Mbit/s links, 50 Mbit/s per TCP connection. One stream, in either direction, never
-    // exceeds the cap by more than the bucket and the probe's timing allow; four streams
-    // together exceed it by half at least, which no single capped flow can (no tighter lower
-    // bound: a loaded machine may be slower than the link).
+    // 200 Mbit/s links, 50 Mbit/s per TCP connection. One stream, either way and whichever end
+    // opened it, never exceeds the cap by more than the bucket and the probe's timing allow;
+    // four streams together exceed it by half at least, which no single capped flow can (no
+    // tighter lower bound: a loaded machine may be slower than the link).
     let c = Cluster::up(2, &Shaping::new(Some("200mbit"), Some("50mbit")).unwrap()).unwrap();
     let probe = |c: &mut Command, a: &[&str]| {
         c.args(["cluster::tests::link_probe_child", "--exact", "--ignored"])
             .args(["--nocapture", "--quiet", "--test-threads", "1"])
             .env("FH_TEST_LINK_PROBE", a.join(" "));
     };
-    let one = c.link_rate(0, 1, 1.5, 1, &probe).unwrap();
-    let back = c.link_rate(1, 0, 1.5, 1, &probe).unwrap();
-    let four = c.link_rate(0, 1, 1.5, 4, &probe).unwrap();
-    eprintln!(
-        "50 Mbit/s per flow, 200 Mbit/s link: one stream {:.1} (back {:.1}), four {:.1} Mbit/s",
-        one / 1e6,
-        back / 1e6,
-        four / 1e6
-    );
-    for (what, r) in [("h0 -> h1", one), ("h1 -> h0", back)] {
+    let mut seen = Vec::new();
+    for (hosts, opener) in [
+        ((0, 1), Opener::Sender),
+        ((1, 0), Opener::Sender),
+        ((0, 1), Opener::Receiver),
+        ((1, 0), Opener::Receiver),
+    ] {
+        let one = c.link_rate(hosts, 1.0, 1, opener, &probe).unwrap();
+        let four = c.link_rate(hosts, 1.0, 4, opener, &probe).unwrap();
+        let what = format!("h{} -> h{}, opened by the {opener:?}", hosts.0, hosts.1);
+        seen.push(format!(
+            "{what}: one stream {:.1}, four {:.1} Mbit/s",
+            one / 1e6,
+            four / 1e6
+        ));
         assert!(
-            r > 0.0 && r < 62.5e6,
+            one > 0.0 && one < 62.5e6,
             "one stream {what} at {:.1} Mbit/s with 50 Mbit/s per flow",
-            r / 1e6
+            one / 1e6
+        );
+        assert!(
+            four > 75e6 && four < 250e6,
+            "four streams {what} at {:.1} Mbit/s: a 50 Mbit/s per-flow cap on a 200 Mbit/s \
+             link should let them past 75",
+            four / 1e6
         );
     }
-    assert!(
-        four > 75e6 && four < 250e6,
-        "four streams at {:.1} Mbit/s: a 50 Mbit/s per-flow cap on a 200 Mbit/s link should \
-         let them past 75",
-        four / 1e6
-    );
+    eprintln!("50 Mbit/s per flow, 200 Mbit/s links:\n{}", seen.join("\n"));
 }
