@@ -9,17 +9,18 @@ use std::process::{Command, ExitCode};
 use crate::cargo;
 use crate::cluster::{link_bound_rate, show_rates, Shaping, STREAMS};
 
-/// `--emulate HxR`, `--link RATE` and `--flow RATE`, taken out of the arguments.
+/// `--emulate HxR`, `--link RATE`, `--flow RATE` and `--rtt TIME`, taken out of the
+/// arguments.
 struct Emulate {
     hosts: usize,
     ranks: usize,
     shaping: Shaping,
 }
 
-/// Takes `--emulate HxR`, `--link RATE` and `--flow RATE` out of `args`.
+/// Takes `--emulate HxR`, `--link RATE`, `--flow RATE` and `--rtt TIME` out of `args`.
 fn take_emulate(args: &[String]) -> Result<(Option<Emulate>, Vec<String>), String> {
     let mut rest = Vec::new();
-    let (mut layout, mut link, mut flow) = (None, None, None);
+    let (mut layout, mut link, mut flow, mut rtt) = (None, None, None, None);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -32,16 +33,17 @@ fn take_emulate(args: &[String]) -> Result<(Option<Emulate>, Vec<String>), Strin
                         .clone(),
                 )
             }
+            "--rtt" => rtt = Some(it.next().ok_or("--rtt wants a time, e.g. 1ms")?.clone()),
             _ => rest.push(a.clone()),
         }
     }
     let Some(layout) = layout else {
-        return match (&link, &flow) {
-            (None, None) => Ok((None, rest)),
-            _ => Err("--link and --flow need --emulate HOSTSxRANKS".into()),
+        return match (&link, &flow, &rtt) {
+            (None, None, None) => Ok((None, rest)),
+            _ => Err("--link, --flow and --rtt need --emulate HOSTSxRANKS".into()),
         };
     };
-    let shaping = Shaping::new(link.as_deref(), flow.as_deref())?;
+    let shaping = Shaping::new(link.as_deref(), flow.as_deref())?.with_rtt(rtt.as_deref())?;
     let parsed = layout
         .split_once('x')
         .and_then(|(h, r)| Some((h.parse::<usize>().ok()?, r.parse::<usize>().ok()?)))
@@ -64,9 +66,10 @@ fn take_emulate(args: &[String]) -> Result<(Option<Emulate>, Vec<String>), Strin
 pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
     if args.iter().any(|a| a == "-h" || a == "--help") {
         eprintln!(
-            "cargo xtask bench [--emulate HOSTSxRANKS [--link RATE [--flow RATE]]] ARGS: builds \
-             fh-bench (release) and runs `fh-bench suite ARGS` (with --emulate: on an emulated \
-             cluster, as root, each TCP connection capped at the --flow rate when given, \
+            "cargo xtask bench [--emulate HOSTSxRANKS [--link RATE [--flow RATE]] [--rtt TIME]] \
+             ARGS: builds fh-bench (release) and runs `fh-bench suite ARGS` (with --emulate: on \
+             an emulated cluster, as root, each TCP connection capped at the --flow rate when \
+             given, the round trip between hosts raised by --rtt (e.g. 1ms), \
              through mpirun with --hosts h0:R,h1:R,... and --link-gbps MEASURED (the best of 1 \
              and 8 parallel TCP streams); default \
              --transports hier,tcp; the Python peers across the hosts, fasthorovod.torch through \
@@ -311,6 +314,8 @@ mod tests {
             "1gbit",
             "--flow",
             "250mbit",
+            "--rtt",
+            "1ms",
             "replay",
         ]))
         .unwrap();
@@ -318,7 +323,10 @@ mod tests {
         assert_eq!((e.hosts, e.ranks), (2, 3));
         assert_eq!(
             e.shaping,
-            Shaping::new(Some("1gbit"), Some("250mbit")).unwrap()
+            Shaping::new(Some("1gbit"), Some("250mbit"))
+                .unwrap()
+                .with_rtt(Some("1ms"))
+                .unwrap()
         );
         assert_eq!(rest, ["--quick", "replay"]);
         let (e, rest) = take_emulate(&args(&["--quick"])).unwrap();
@@ -360,6 +368,8 @@ mod tests {
                 "needs a link rate",
             ),
             (&["--emulate", "2x2", "--link", "2gb"][..], "not a rate"),
+            (&["--emulate", "2x2", "--rtt", "1"][..], "not a time"),
+            (&["--rtt", "1ms"][..], "need --emulate"),
         ] {
             let err = take_emulate(&args(a)).err().unwrap();
             assert!(err.contains(want), "{a:?}: {err}");

@@ -42,6 +42,7 @@ use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+mod delay;
 pub(crate) mod probe;
 mod shaping;
 
@@ -101,20 +102,22 @@ pub(crate) fn unavailable() -> Option<String> {
     None
 }
 
-/// `cargo xtask cluster [--hosts N] [--link RATE [--flow RATE]] -- COMMAND [ARGS]`: runs
-/// COMMAND on host h0 of an emulated cluster of N hosts (default 2) whose links run at the
-/// `--link` rate (a `tc` rate such as `1gbit`; default unshaped), each TCP connection capped at
-/// the `--flow` rate when given ([`Shaping`]), with `FH_RSH_AGENT` and
+/// `cargo xtask cluster [--hosts N] [--link RATE [--flow RATE]] [--rtt TIME] -- COMMAND
+/// [ARGS]`: runs COMMAND on host h0 of an emulated cluster of N hosts (default 2) whose links
+/// run at the `--link` rate (a `tc` rate such as `1gbit`; default unshaped), each TCP
+/// connection capped at the `--flow` rate when given, the round-trip time between hosts
+/// raised by `--rtt` (such as `1ms`) ([`Shaping`]), with `FH_RSH_AGENT` and
 /// `OMPI_MCA_plm_rsh_agent` naming the cluster's rsh agent (so `fhrun -H h0:2,h1:2 ...` and
 /// `mpirun -H h0,h1 ...` reach the other hosts); first measures and prints the rate of 1 and 8
 /// parallel TCP streams h0 → h1; tears the cluster down when COMMAND ends (or this process
 /// dies); exits with COMMAND's status.
 pub(crate) fn task(args: &[String]) -> std::process::ExitCode {
     use std::process::ExitCode;
-    const USAGE: &str =
-        "usage: cargo xtask cluster [--hosts N] [--link RATE [--flow RATE]] -- COMMAND [ARGS]";
+    const USAGE: &str = "usage: cargo xtask cluster [--hosts N] [--link RATE [--flow RATE]] \
+                         [--rtt TIME] -- COMMAND [ARGS]";
     let mut hosts = 2usize;
-    let (mut link, mut flow): (Option<String>, Option<String>) = (None, None);
+    let (mut link, mut flow, mut rtt): (Option<String>, Option<String>, Option<String>) =
+        (None, None, None);
     let mut it = args.iter();
     let mut command: Vec<String> = Vec::new();
     while let Some(a) = it.next() {
@@ -126,11 +129,12 @@ pub(crate) fn task(args: &[String]) -> std::process::ExitCode {
                     return ExitCode::from(2);
                 }
             },
-            "--link" | "--flow" => match it.next() {
+            "--link" | "--flow" | "--rtt" => match it.next() {
                 Some(v) if a == "--link" => link = Some(v.clone()),
-                Some(v) => flow = Some(v.clone()),
+                Some(v) if a == "--flow" => flow = Some(v.clone()),
+                Some(v) => rtt = Some(v.clone()),
                 None => {
-                    eprintln!("{a} wants a rate such as 1gbit\n{USAGE}");
+                    eprintln!("{a} wants a value such as 1gbit or 1ms\n{USAGE}");
                     return ExitCode::from(2);
                 }
             },
@@ -148,7 +152,9 @@ pub(crate) fn task(args: &[String]) -> std::process::ExitCode {
         eprintln!("{USAGE}");
         return ExitCode::from(2);
     }
-    let shaping = match Shaping::new(link.as_deref(), flow.as_deref()) {
+    let shaping = match Shaping::new(link.as_deref(), flow.as_deref())
+        .and_then(|s| s.with_rtt(rtt.as_deref()))
+    {
         Ok(s) => s,
         Err(e) => {
             eprintln!("xtask cluster: {e}\n{USAGE}");
@@ -228,6 +234,8 @@ pub(crate) struct Cluster {
     hosts: Vec<Host>,
     /// The guardian and the write end of its pipe (dropping it starts the teardown).
     guardian: Option<(Child, ChildStdin)>,
+    /// The threads adding the round-trip time (none without one).
+    delayer: delay::Delayer,
 }
 
 /// A command's failure, as text for the operator.
@@ -366,6 +374,7 @@ impl Cluster {
             dir,
             hosts: Vec::new(),
             guardian: Some((guardian, pipe)),
+            delayer: delay::Delayer::default(),
         };
         cluster.build(&bridge, &netns, &links, shaping)?;
         Ok(cluster)
@@ -409,6 +418,10 @@ impl Cluster {
             ip(&["-n", ns, "link", "set", "eth0", "up"])?;
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
             shaping.apply(None, link)?;
+            if let Some(rtt) = shaping.rtt {
+                // Half the round trip on the way in to each host.
+                self.delayer.add(ns, rtt / 2)?;
+            }
             shaping.apply(Some(ns), "eth0")?;
             let name = format!("h{i}");
             // The holder: a mount namespace with a fresh /dev/shm and a UTS namespace named
@@ -658,6 +671,8 @@ impl Cluster {
     }
 
     fn teardown(&mut self) -> Result<(), String> {
+        // The delaying threads first: they live in the hosts' namespaces.
+        drop(std::mem::take(&mut self.delayer));
         let Some((mut guardian, pipe)) = self.guardian.take() else {
             return Ok(());
         };

@@ -12,9 +12,14 @@
 //! through that host's `eth0`, so each direction of every connection is capped once; the
 //! ingress `tbf` only bounds the host's aggregate. Two concurrent connections share a leaf only
 //! after [`FLOW_CLASSES`] more have been opened in between.
+//!
+//! A round-trip time is added by holding every packet a host receives on `eth0` for half of it
+//! ([`super::delay`]: an iptables `NFQUEUE` rule in the host's namespace, as the kernel has
+//! neither `netem` nor nftables' `queue`).
 
 use std::io::Write;
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 /// Leaf classes of the per-flow `htb` (connections per host before two share a cap).
 pub(crate) const FLOW_CLASSES: u32 = 64;
@@ -30,12 +35,21 @@ pub(crate) struct Shaping {
     pub link: Option<u64>,
     /// The cap on each TCP connection (needs `link`).
     pub flow: Option<u64>,
+    /// The round-trip time added between hosts (`None`: none).
+    pub rtt: Option<Duration>,
 }
 
 impl Shaping {
     /// Links at `rate` (a `tc` rate such as `1gbit`), no per-flow cap.
     pub(crate) fn link(rate: &str) -> Result<Shaping, String> {
         Shaping::new(Some(rate), None)
+    }
+
+    /// The same with a round-trip time `rtt` (a time such as `1ms` or `500us`; `None`: none)
+    /// added between hosts.
+    pub(crate) fn with_rtt(mut self, rtt: Option<&str>) -> Result<Shaping, String> {
+        self.rtt = rtt.map(parse_time).transpose()?;
+        Ok(self)
     }
 
     /// Links at `link` with each connection capped at `flow` (`tc` rates; `None`: none).
@@ -52,13 +66,21 @@ impl Shaping {
                 show_rate(f),
                 show_rate(l)
             )),
-            _ => Ok(Shaping { link, flow }),
+            _ => Ok(Shaping {
+                link,
+                flow,
+                rtt: None,
+            }),
         }
     }
 
     /// What it is, for reports: `2 Gbit/s links, 500 Mbit/s per flow`, or `unshaped links`.
     pub(crate) fn describe(&self) -> String {
-        match (self.link, self.flow) {
+        let rtt = match self.rtt {
+            Some(t) => format!(", round trip +{} ms (NFQUEUE)", t.as_secs_f64() * 1e3),
+            None => String::new(),
+        };
+        let rates = match (self.link, self.flow) {
             (None, _) => "unshaped links".into(),
             (Some(l), None) => format!("{} links (tc tbf)", show_rate(l)),
             (Some(l), Some(f)) => format!(
@@ -66,7 +88,8 @@ impl Shaping {
                 show_rate(l),
                 show_rate(f)
             ),
-        }
+        };
+        rates + &rtt
     }
 
     /// The `tc` commands (arguments after `tc`, without `-n NS`) that shape a link end
@@ -123,8 +146,8 @@ impl Shaping {
         out
     }
 
-    /// The nftables rules (`nft -f` syntax) for a host's namespace, or `None` without a
-    /// per-flow cap: each connection gets a conntrack mark 1..=[`FLOW_CLASSES`] in turn at the
+    /// The nftables rules (`nft -f` syntax) for a host's namespace (table `fhcloud`), or
+    /// `None` without a per-flow cap: each connection gets a conntrack mark 1..=[`FLOW_CLASSES`] in turn at the
     /// first packet the host sends on it (a SYN for connections it makes, a SYN-ACK for those
     /// it accepts: both directions of every connection are capped), and every packet the
     /// priority `2:<mark>` (the `htb` leaf of that connection).
@@ -134,7 +157,7 @@ impl Shaping {
             .map(|k| format!("{k} : 2:{k:x}"))
             .collect();
         Some(format!(
-            "table inet fhflow {{\n  chain out {{\n    type filter hook output priority 0; \
+            "table inet fhcloud {{\n  chain out {{\n    type filter hook output priority 0; \
              policy accept;\n    ct mark 0 ct mark set numgen inc mod {FLOW_CLASSES} offset 1\n    \
              meta priority set ct mark map {{ {} }}\n  }}\n}}\n",
             map.join(", ")
@@ -151,6 +174,31 @@ impl Shaping {
                 c.args(["-n", ns]);
             }
             super::sh(c.args(&args))?;
+        }
+        if let (Some(ns), Some(_)) = (ns, self.rtt) {
+            // This kernel's nftables has no `queue` expression; iptables' NFQUEUE target
+            // (through nftables' xtables compatibility) does the same. `--queue-bypass`:
+            // packets pass when nothing holds the queue.
+            let queue = super::delay::QUEUE.to_string();
+            super::sh(Command::new("ip").args(["netns", "exec", ns]).args([
+                "iptables",
+                "-w",
+                "-A",
+                "INPUT",
+                "-i",
+                "eth0",
+                "-j",
+                "NFQUEUE",
+                "--queue-num",
+                &queue,
+                "--queue-bypass",
+            ]))
+            .map_err(|e| {
+                format!(
+                    "{e} (the round-trip time needs iptables' NFQUEUE target: apt-get install \
+                     iptables)"
+                )
+            })?;
         }
         if let (Some(ns), Some(rules)) = (ns, self.nft_rules()) {
             let mut c = Command::new("ip")
@@ -261,6 +309,27 @@ pub(crate) fn parse_rate(text: &str) -> Result<u64, String> {
     }
 }
 
+/// A time such as `1ms`, `500us` or `0.25s` (the units `us`, `ms`, `s`).
+pub(crate) fn parse_time(text: &str) -> Result<Duration, String> {
+    let t = text.trim().to_ascii_lowercase();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale = match unit {
+        "us" => 1e-6,
+        "ms" => 1e-3,
+        "s" => 1.0,
+        _ => return Err(format!("`{text}` is not a time: give e.g. 1ms or 500us")),
+    };
+    match num.parse::<f64>() {
+        Ok(n) if n > 0.0 && n * scale <= 10.0 => Ok(Duration::from_secs_f64(n * scale)),
+        _ => Err(format!(
+            "`{text}` is not a round-trip time between 0 and 10 s, e.g. 1ms"
+        )),
+    }
+}
+
 /// A rate for people: `500 Mbit/s`, `2 Gbit/s`, `1.5 Gbit/s`.
 pub(crate) fn show_rate(bits: u64) -> String {
     let b = bits as f64;
@@ -337,9 +406,16 @@ mod tests {
         assert_eq!(s.tc_commands("veth", false).len(), 1);
         let rules = s.nft_rules().unwrap();
         assert!(rules.contains("numgen inc mod 64 offset 1"), "{rules}");
+
         assert!(rules.contains("64 : 2:40 }"), "{rules}");
         let plain = Shaping::link("1gbit").unwrap();
         assert!(plain.nft_rules().is_none());
+        let slow = plain.clone().with_rtt(Some("1ms")).unwrap();
+        assert_eq!(slow.rtt, Some(Duration::from_millis(1)));
+        assert!(slow.nft_rules().is_none());
+        assert_eq!(parse_time("500us"), Ok(Duration::from_micros(500)));
+        assert!(parse_time("1 hour").is_err());
+        assert!(parse_time("0ms").is_err());
         assert_eq!(plain.tc_commands("eth0", true).len(), 1);
         assert!(Shaping::default().tc_commands("eth0", true).is_empty());
     }

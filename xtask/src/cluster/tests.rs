@@ -248,3 +248,66 @@ fn a_flow_cap_binds_one_stream_not_several() {
     }
     eprintln!("50 Mbit/s per flow, 200 Mbit/s links:\n{}", seen.join("\n"));
 }
+
+#[test]
+fn a_round_trip_time_delays_every_round_trip() {
+    if let Some(why) = unavailable() {
+        eprintln!("SKIPPED: emulated cluster unavailable: {why}");
+        return;
+    }
+    if Command::new("iptables")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .map_or(true, |s| !s.success())
+    {
+        eprintln!("SKIPPED: no iptables (its NFQUEUE target holds the packets)");
+        return;
+    }
+    // A TCP connect takes one round trip (SYN in to h1, SYN-ACK back in to h0), each way held
+    // half the 20 ms: never less, whatever the load.
+    let c = Cluster::up(2, &Shaping::default().with_rtt(Some("20ms")).unwrap()).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut recv = c
+        .command(1, &exe)
+        .args(["cluster::tests::link_probe_child", "--exact", "--ignored"])
+        .args(["--nocapture", "--quiet", "--test-threads", "1"])
+        .env("FH_TEST_LINK_PROBE", "recv 10.77.0.2:5204 3")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(recv.stdout.take().unwrap());
+    let mut line = String::new();
+    while line.trim() != "listening" {
+        line.clear();
+        assert!(std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0);
+    }
+    let netns = std::fs::File::open(Path::new("/run/netns").join(c.netns(0))).unwrap();
+    let took = std::thread::spawn(move || {
+        use std::os::fd::AsFd;
+        rustix::thread::move_into_link_name_space(
+            netns.as_fd(),
+            Some(rustix::thread::LinkNameSpaceType::Network),
+        )
+        .unwrap();
+        (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                let s = std::net::TcpStream::connect("10.77.0.2:5204").unwrap();
+                let took = t.elapsed();
+                drop(s);
+                took
+            })
+            .collect::<Vec<Duration>>()
+    })
+    .join()
+    .unwrap();
+    let _ = recv.wait();
+    eprintln!("connects with a 20 ms round trip: {took:?}");
+    for t in took {
+        assert!(
+            t >= Duration::from_millis(19) && t < Duration::from_secs(2),
+            "a connect took {t:?} with a 20 ms round trip"
+        );
+    }
+}
