@@ -14,7 +14,9 @@
 //!   exactly as FastHorovod's host detection expects (`fh_job::hosts`);
 //! - when a rate is given, a `tc tbf` qdisc at that rate on both ends of its link (each direction
 //!   of the host's link is limited), and with a per-flow cap an `htb` leaf per TCP connection
-//!   under the host's egress `tbf` ([`Shaping`], in `shaping.rs`).
+//!   under the host's egress `tbf` ([`Shaping`], in `shaping.rs`); with a round-trip time, a
+//!   thread of this process in the host's namespace holding each packet it receives for half
+//!   of it (`delay.rs`).
 //!
 //! Names carry the pid of the process that made them and a per-process counter (`fhc<pid><x>`),
 //! so concurrent runs never clash. Teardown is certain: before anything is made, a *guardian*
