@@ -34,7 +34,8 @@
 //! - **cloud** ([`cloud`], 2 × 2, links at 400 Mbit/s with each TCP connection capped at
 //!   50 Mbit/s): the engine's replay of six 8 MiB gradients under the defaults moves them
 //!   across hosts at more than 1.5 × (hier's two lanes × the cap), which only more flows than
-//!   lanes can do; it reports the goodput beside the link's measured 1- and 8-stream rates;
+//!   lanes can do; it reports the goodput beside the link's measured 1- and 8-stream rates, and
+//!   that of a single 12 MiB group (not asserted until a group is striped over connections);
 //! - **elastic training** ([`elastic_check`], 5 hosts): `fh-torch/examples/elastic_train.py`
 //!   under `fhrun --host-discovery-script`: h1 lost with rank 0 (SIGKILL), h4 added, the final parameters
 //!   bit-identical on every rank and equal to a one-process replay of the committed worlds;
