@@ -1,6 +1,7 @@
 //! The replay across hosts: for each replay row, the bytes that must cross each host's link per
-//! step under the row's schedule, the link bound those bytes set at the link rate measured with
-//! one TCP stream, and the scale model ([`crate::sim`]) calibrated on that link.
+//! step under the row's schedule, the link bound those bytes set at the measured link rate (the
+//! caller's: `cargo xtask bench --emulate` passes the best of 1 and 8 parallel TCP streams, the
+//! link's rate also under a per-flow cap), and the scale model ([`crate::sim`]) calibrated on that link.
 //!
 //! What crosses, per step, out of each host (and into it): hierarchical allreduce (`hier`, and
 //! `auto` where a host holds several ranks, as it then picks `hier`) reduces within each host

@@ -165,8 +165,8 @@ struct SuiteArgs {
     /// A run.json whose measurements calibrate the simulation (default: this run's).
     #[arg(long)]
     calibration: Option<PathBuf>,
-    /// The rate one TCP stream reaches across a host's link, Gbit/s, as measured by the caller
-    /// (`cargo xtask bench --emulate` passes its measurement): with --hosts, the replay report
+    /// The rate TCP reaches across a host's link, Gbit/s, as measured by the caller (`cargo
+    /// xtask bench --emulate` passes the best of 1 and 8 parallel streams): with --hosts, the replay report
     /// gives each row's bytes across the link, its link bound and the model calibrated on it.
     #[arg(long, value_parser = parse_gbps)]
     link_gbps: Option<f64>,

@@ -1,43 +1,62 @@
 //! `cargo xtask bench`: build `fh-bench` in release mode and run its suite; with
-//! `--emulate HxR [--link RATE]`, on an emulated cluster of H hosts with R ranks each
-//! ([`crate::cluster`]), after measuring the rate one TCP stream reaches across its link.
+//! `--emulate HxR [--link RATE [--flow RATE]]`, on an emulated cluster of H hosts with R ranks
+//! each ([`crate::cluster`]; `--flow` caps every TCP connection, as clouds do), after measuring
+//! the rate one and eight parallel TCP streams reach across its link.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 use crate::cargo;
+use crate::cluster::{link_bound_rate, show_rates, Shaping, STREAMS};
 
-/// `--emulate HxR` and `--link RATE`, taken out of the arguments.
+/// `--emulate HxR`, `--link RATE`, `--flow RATE` and `--rtt TIME`, taken out of the
+/// arguments.
 struct Emulate {
     hosts: usize,
     ranks: usize,
-    link: Option<String>,
+    shaping: Shaping,
 }
 
-/// Takes `--emulate HxR` and `--link RATE` out of `args`.
+/// Takes `--emulate HxR`, `--link RATE`, `--flow RATE` and `--rtt TIME` out of `args`.
 fn take_emulate(args: &[String]) -> Result<(Option<Emulate>, Vec<String>), String> {
     let mut rest = Vec::new();
-    let (mut layout, mut link) = (None, None);
+    let (mut layout, mut link, mut flow, mut rtt) = (None, None, None, None);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--emulate" => layout = Some(it.next().ok_or("--emulate wants HOSTSxRANKS, e.g. 2x2")?),
             "--link" => link = Some(it.next().ok_or("--link wants a rate, e.g. 1gbit")?.clone()),
+            "--flow" => {
+                flow = Some(
+                    it.next()
+                        .ok_or("--flow wants a rate, e.g. 500mbit")?
+                        .clone(),
+                )
+            }
+            "--rtt" => rtt = Some(it.next().ok_or("--rtt wants a time, e.g. 1ms")?.clone()),
             _ => rest.push(a.clone()),
         }
     }
     let Some(layout) = layout else {
-        return match link {
-            Some(_) => Err("--link needs --emulate HOSTSxRANKS".into()),
-            None => Ok((None, rest)),
+        return match (&link, &flow, &rtt) {
+            (None, None, None) => Ok((None, rest)),
+            _ => Err("--link, --flow and --rtt need --emulate HOSTSxRANKS".into()),
         };
     };
+    let shaping = Shaping::new(link.as_deref(), flow.as_deref())?.with_rtt(rtt.as_deref())?;
     let parsed = layout
         .split_once('x')
         .and_then(|(h, r)| Some((h.parse::<usize>().ok()?, r.parse::<usize>().ok()?)))
         .filter(|&(h, r)| h >= 2 && r >= 1);
     match parsed {
-        Some((hosts, ranks)) => Ok((Some(Emulate { hosts, ranks, link }), rest)),
+        Some((hosts, ranks)) => Ok((
+            Some(Emulate {
+                hosts,
+                ranks,
+                shaping,
+            }),
+            rest,
+        )),
         None => Err(format!(
             "--emulate {layout}: expected HOSTSxRANKS with at least 2 hosts, e.g. 2x2"
         )),
@@ -47,9 +66,12 @@ fn take_emulate(args: &[String]) -> Result<(Option<Emulate>, Vec<String>), Strin
 pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
     if args.iter().any(|a| a == "-h" || a == "--help") {
         eprintln!(
-            "cargo xtask bench [--emulate HOSTSxRANKS [--link RATE]] ARGS: builds fh-bench \
-             (release) and runs `fh-bench suite ARGS` (with --emulate: on an emulated cluster, \
-             as root, through mpirun with --hosts h0:R,h1:R,... and --link-gbps MEASURED; default \
+            "cargo xtask bench [--emulate HOSTSxRANKS [--link RATE [--flow RATE]] [--rtt TIME]] \
+             ARGS: builds fh-bench (release) and runs `fh-bench suite ARGS` (with --emulate: on \
+             an emulated cluster, as root, each TCP connection capped at the --flow rate when \
+             given, the round trip between hosts raised by --rtt (e.g. 1ms), \
+             through mpirun with --hosts h0:R,h1:R,... and --link-gbps MEASURED (the best of 1 \
+             and 8 parallel TCP streams); default \
              --transports hier,tcp; the Python peers across the hosts, fasthorovod.torch through \
              fhrun -H and the cluster's rsh agent, DDP through the agent with MASTER_ADDR h0):\n"
         );
@@ -89,10 +111,10 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         }
     }
     let exe = target_dir.join("release").join("fh-bench");
-    let (cluster, measured_rate) = match &emulate {
+    let (cluster, measured) = match &emulate {
         None => (None, None),
         Some(e) => match emulated(e) {
-            Ok((c, rate)) => (Some(c), Some(rate)),
+            Ok((c, rates)) => (Some(c), Some(rates)),
             Err(why) => {
                 eprintln!("xtask bench: --emulate: {why}");
                 return ExitCode::FAILURE;
@@ -114,8 +136,11 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         if !args.iter().any(|a| a.starts_with("--transports")) {
             cmd.args(["--transports", "hier,tcp"]);
         }
-        if let Some(rate) = measured_rate {
-            cmd.args(["--link-gbps", &format!("{:.4}", rate / 1e9)]);
+        if let Some(rates) = &measured {
+            cmd.args([
+                "--link-gbps",
+                &format!("{:.4}", link_bound_rate(rates) / 1e9),
+            ]);
         }
         cmd.env("FH_BENCH_FHRUN", target_dir.join("release").join("fhrun"));
         match c.rsh_agent() {
@@ -140,8 +165,8 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         cmd.env("FH_BENCH_PYTHON", &venv_python);
     }
     let status = cmd.status();
-    if let (Some(e), Some(rate)) = (&emulate, measured_rate) {
-        let text = link_table(root, args, e, rate);
+    if let (Some(e), Some(rates)) = (&emulate, &measured) {
+        let text = link_table(root, args, e, rates);
         eprintln!("\n{text}");
         if let Some(out) = arg_value(args, "--out") {
             let report = root.join(out).join("report.md");
@@ -173,23 +198,22 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
     }
 }
 
-/// Brings up the emulated cluster and says what it is: the layout, the link's shaping and the
-/// rate one TCP stream measured across it (h0 → h1, 3 s).
-fn emulated(e: &Emulate) -> Result<(crate::cluster::Cluster, f64), String> {
-    let c = crate::cluster::Cluster::up(e.hosts, e.link.as_deref())?;
-    let rate = c.link_rate(0, 1, 3.0, &|c: &mut Command, a: &[&str]| {
+/// Brings up the emulated cluster and says what it is: the layout, the links' shaping and the
+/// rates of 1 and 8 parallel TCP streams measured across a link (h0 → h1, 2 s each).
+fn emulated(e: &Emulate) -> Result<(crate::cluster::Cluster, Vec<(usize, f64)>), String> {
+    let c = crate::cluster::Cluster::up(e.hosts, &e.shaping)?;
+    let rates = c.link_rates(0, 1, 2.0, &STREAMS, &|c: &mut Command, a: &[&str]| {
         c.arg("__link-probe").args(a);
     })?;
     eprintln!(
-        "==> emulated cluster: {} hosts x {} ranks (h0..h{}), links {} (tc tbf on both ends), \
-         one TCP stream h0 -> h1 measured at {:.3} Gbit/s",
+        "==> emulated cluster: {} hosts x {} ranks (h0..h{}), {}; TCP h0 -> h1 measured: {}",
         e.hosts,
         e.ranks,
         e.hosts - 1,
-        e.link.as_deref().unwrap_or("unshaped"),
-        rate / 1e9
+        e.shaping.describe(),
+        show_rates(&rates)
     );
-    Ok((c, rate))
+    Ok((c, rates))
 }
 
 /// The value after `name` in `args` (`--name VALUE` or `--name=VALUE`).
@@ -230,7 +254,8 @@ fn gradient_bytes(root: &Path, model: &str) -> Option<f64> {
 /// sends 2(H−1)/H of the gradients out of each host; a flat ring over all N ranks, hosts taken
 /// one after the other, crosses each host's link in each direction on one ring edge, which
 /// carries 2(N−1)/N of the gradients.
-fn link_table(root: &Path, args: &[String], e: &Emulate, rate: f64) -> String {
+fn link_table(root: &Path, args: &[String], e: &Emulate, rates: &[(usize, f64)]) -> String {
+    let rate = link_bound_rate(rates);
     let backward_ms: f64 = arg_value(args, "--backward-ms")
         .and_then(|v| v.parse().ok())
         .unwrap_or(100.0);
@@ -240,14 +265,15 @@ fn link_table(root: &Path, args: &[String], e: &Emulate, rate: f64) -> String {
     };
     let (h, n) = (e.hosts as f64, (e.hosts * e.ranks) as f64);
     let mut t = format!(
-        "## Across the emulated link\n\n{} hosts x {} ranks, links {} (`tc tbf`), one TCP stream \
-         measured at {:.3} Gbit/s; backward {backward_ms} ms. Bytes per step across each host's \
-         link, per direction, and the link bound (those bytes at the measured rate, minus the \
-         backward):\n\n| workload | gradients | hier: bytes | hier: bound | flat ring: bytes | \
-         flat ring: bound |\n|---|---|---|---|---|---|\n",
+        "## Across the emulated link\n\n{} hosts x {} ranks, {}; TCP measured across a link: \
+         {}, the link rate taken as {:.3} Gbit/s (the best of them); backward {backward_ms} ms. \
+         Bytes per step across each host's link, per direction, and the link bound (those bytes \
+         at the measured link rate, minus the backward):\n\n| workload | gradients | hier: \
+         bytes | hier: bound | flat ring: bytes | flat ring: bound |\n|---|---|---|---|---|---|\n",
         e.hosts,
         e.ranks,
-        e.link.as_deref().unwrap_or("unshaped"),
+        e.shaping.describe(),
+        show_rates(rates),
         rate / 1e9
     );
     for m in &models {
@@ -286,11 +312,22 @@ mod tests {
             "2x3",
             "--link",
             "1gbit",
+            "--flow",
+            "250mbit",
+            "--rtt",
+            "1ms",
             "replay",
         ]))
         .unwrap();
         let e = e.unwrap();
-        assert_eq!((e.hosts, e.ranks, e.link.as_deref()), (2, 3, Some("1gbit")));
+        assert_eq!((e.hosts, e.ranks), (2, 3));
+        assert_eq!(
+            e.shaping,
+            Shaping::new(Some("1gbit"), Some("250mbit"))
+                .unwrap()
+                .with_rtt(Some("1ms"))
+                .unwrap()
+        );
         assert_eq!(rest, ["--quick", "replay"]);
         let (e, rest) = take_emulate(&args(&["--quick"])).unwrap();
         assert!(e.is_none());
@@ -303,12 +340,15 @@ mod tests {
         let e = Emulate {
             hosts: 2,
             ranks: 2,
-            link: Some("1gbit".into()),
+            shaping: Shaping::link("1gbit").unwrap(),
         };
         // ResNet-50: 25,557,032 float32 parameters = 102.228128 MB. Two hosts: hierarchical
         // sends all of it out of each host (2·1/2), a ring of 4 sends 1.5 times it (2·3/4); at
         // 1 Gbit/s that is 817.8 ms and 1226.7 ms, less the 100 ms backward.
-        let t = link_table(&root, &args(&["--models", "resnet50"]), &e, 1e9);
+        // The bound is at the best measured rate: 8 streams, when a per-flow cap binds.
+        let rates = [(1, 0.25e9), (8, 1e9)];
+        let t = link_table(&root, &args(&["--models", "resnet50"]), &e, &rates);
+        assert!(t.contains("1 stream 0.250, 8 streams 1.000 Gbit/s"), "{t}");
         assert!(
             t.contains("| resnet50 | 102.2 MB | 102.2 MB | 718 ms | 153.3 MB | 1127 ms |"),
             "{t}"
@@ -321,7 +361,15 @@ mod tests {
             (&["--emulate", "1x4"][..], "at least 2 hosts"),
             (&["--emulate", "2by2"][..], "HOSTSxRANKS"),
             (&["--emulate"][..], "wants HOSTSxRANKS"),
-            (&["--link", "1gbit"][..], "needs --emulate"),
+            (&["--link", "1gbit"][..], "need --emulate"),
+            (&["--flow", "1gbit"][..], "need --emulate"),
+            (
+                &["--emulate", "2x2", "--flow", "1gbit"][..],
+                "needs a link rate",
+            ),
+            (&["--emulate", "2x2", "--link", "2gb"][..], "not a rate"),
+            (&["--emulate", "2x2", "--rtt", "1"][..], "not a time"),
+            (&["--rtt", "1ms"][..], "need --emulate"),
         ] {
             let err = take_emulate(&args(a)).err().unwrap();
             assert!(err.contains(want), "{a:?}: {err}");

@@ -5,12 +5,13 @@
 //! - `cargo xtask ci`: what `.ci/run` runs (the same as `test`).
 //! - `cargo xtask multihost`: the multi-host checks on an emulated cluster (network namespaces,
 //!   root only; also a stage of `test`, skipped with a message where it cannot run).
-//! - `cargo xtask cluster [--hosts N] [--link RATE] -- COMMAND`: COMMAND on host h0 of an
-//!   emulated cluster (root only), torn down afterwards.
+//! - `cargo xtask cluster [--hosts N] [--link RATE [--flow RATE]] [--rtt TIME] -- COMMAND`:
+//!   COMMAND on host h0 of an emulated cluster (root only; `--flow` caps each TCP connection,
+//!   `--rtt` adds a round-trip time), torn down afterwards.
 //! - `cargo xtask tidy`: the repository's structural checks (also run as `#[test]`s).
 //! - `cargo xtask bench [--quick] [--np N] [--hosts H,..|--launcher mpirun|srun] [--out DIR]
-//!   [suite..]`: builds `fh-bench` in release mode and runs it; `--emulate HxR [--link RATE]`
-//!   runs it on an emulated cluster (root only).
+//!   [suite..]`: builds `fh-bench` in release mode and runs it; `--emulate HxR [--link RATE
+//!   [--flow RATE]] [--rtt TIME]` runs it on an emulated cluster (root only).
 //! - `cargo xtask nccl-bindings [--check]`: regenerates (or checks) the committed NCCL bindings
 //!   of `fh-nccl-sys` with bindgen (feature `nccl-bindings`, the only dependency of xtask).
 //! - `cargo xtask wheel [--test]`: the binary wheel of `fasthorovod` with `fhrun` inside, and
@@ -18,7 +19,8 @@
 //! - `cargo xtask compat`: that wheel against several torch releases and Pythons (outside the
 //!   default test run).
 //!
-//! Dependency-free on purpose: `cargo xtask` must build in seconds on a fresh machine.
+//! Nearly dependency-free on purpose: `cargo xtask` must build in seconds on a fresh machine
+//! (`nfq` and `rustix`, both small, hold packets for the emulated cluster's round-trip time).
 
 mod bench;
 mod cluster;
@@ -45,13 +47,20 @@ tasks:
            cargo xtask bench [--quick] [--np N] [--hosts H1,H2|--launcher mpirun|srun]
                              [--out DIR] [SUITE..]   (suites: collectives replay negotiation simulate)
            anything else after `bench` is passed to `fh-bench suite` (see `fh-bench suite --help`)
+           --emulate HxR [--link RATE [--flow RATE]] [--rtt TIME]: on an emulated cluster of
+           H hosts x R ranks (root), links at RATE, each TCP connection capped at the --flow
+           RATE, the round trip raised by TIME (a cloud); reports 1- and 8-stream TCP rates
+           and bounds at the best of them
   multihost
            the multi-host checks on an emulated cluster (network namespaces; needs root),
            also a stage of `test`: cargo xtask multihost [FILTER]
            cargo xtask multihost --elastic-runs N   (the elastic check N times: recovery
            and growth times, median and worst)
-  cluster [--hosts N] [--link RATE] -- COMMAND [ARGS]
-           run COMMAND on host h0 of an emulated cluster (hosts h0..; FH_RSH_AGENT set)
+  cluster [--hosts N] [--link RATE [--flow RATE]] [--rtt TIME] -- COMMAND [ARGS]
+           run COMMAND on host h0 of an emulated cluster (hosts h0..; FH_RSH_AGENT set);
+           RATE as tc writes it (500mbit, 2gbit); --flow caps each TCP connection (tbf + htb
+           leaf per connection, nftables); --rtt 1ms adds a round trip (NFQUEUE, needs
+           iptables); prints the measured 1- and 8-stream rates first
   nccl-bindings [--check] [--header PATH]
            regenerate fh-nccl-sys/src/bindings.rs from the NCCL wheel's nccl.h (bindgen)
   wheel    the binary wheel of fasthorovod (Linux x86_64, manylinux_2_17, abi3: every CPython

@@ -31,6 +31,11 @@
 //!   named (by the heartbeats, long before the timeout), and under loss, delay and a slow host
 //!   the job finishes with exact results and nobody blamed; `FH_HOST_CHAOS_FAULTS=1000` is the
 //!   long mode;
+//! - **cloud** ([`cloud`], 2 × 2, links at 400 Mbit/s with each TCP connection capped at
+//!   50 Mbit/s): the engine's replay of six 8 MiB gradients under the defaults moves them
+//!   across hosts at more than 1.5 × (hier's two lanes × the cap), which only more flows than
+//!   lanes can do; it reports the goodput beside the link's measured 1- and 8-stream rates, and
+//!   that of a single 12 MiB group (not asserted until a group is striped over connections);
 //! - **elastic training** ([`elastic_check`], 5 hosts): `fh-torch/examples/elastic_train.py`
 //!   under `fhrun --host-discovery-script`: h1 lost with rank 0 (SIGKILL), h4 added, the final parameters
 //!   bit-identical on every rank and equal to a one-process replay of the committed worlds;
@@ -55,6 +60,7 @@ use crate::cargo;
 use crate::cluster::{self, Cluster, RankEnd};
 
 mod chaos;
+mod cloud;
 mod elastic_check;
 mod launchers;
 mod losses;
@@ -84,9 +90,15 @@ const LAYOUTS: [(&[usize], &str); 3] = [(&[2, 2], "hier"), (&[1, 1, 1], "tcp"), 
 /// The link rate of the emulated hosts.
 pub(crate) const LINK: &str = "1gbit";
 
+/// The emulated hosts' links: [`LINK`], no per-flow cap.
+pub(crate) fn link_shaping() -> cluster::Shaping {
+    cluster::Shaping::link(LINK).unwrap_or_default()
+}
+
 /// The programs the checks run.
 struct Bins {
     sched_suite: PathBuf,
+    replay: PathBuf,
     selftest: PathBuf,
     fhrun: PathBuf,
     chaos_rank: PathBuf,
@@ -138,7 +150,7 @@ pub(crate) fn task(root: &Path, args: &[String]) -> ExitCode {
 
 /// Number of checks [`run`] makes (reported as skipped when none can run).
 fn total_checks() -> usize {
-    LAYOUTS.len() * 3 + 2 + 4 + 1 + 4 + 1 + 1 + 1
+    LAYOUTS.len() * 3 + 2 + 4 + 1 + 4 + 1 + 1 + 1 + 1
 }
 
 /// The name of the chaos check across hosts.
@@ -187,6 +199,10 @@ fn host_chaos(bins: &Bins) -> Result<String, String> {
     chaos::run_plans(bins, &plans, seed)
 }
 
+/// The name of the cloud check ([`cloud`]).
+const CLOUD_CHECK: &str =
+    "cloud 2x2: gradients cross per-flow-capped links over more flows than hier has lanes";
+
 /// The name of the elastic check.
 const ELASTIC_CHECK: &str =
     "elastic training: h1 (rank 0) lost, h4 added (fhrun --host-discovery-script)";
@@ -210,7 +226,7 @@ fn random_kills(root: &Path, bins: &Bins, py: &Path) -> Result<String, String> {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_nanos() as u64)
         });
-    let c = Cluster::up(5, Some(LINK))?;
+    let c = Cluster::up(5, &link_shaping())?;
     let r = elastic_check::random_kills(&c, &bins.fhrun, root, py, runs, seed);
     c.down().and(r)
 }
@@ -237,6 +253,8 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             "sched_suite",
             "--example",
             "chaos_rank",
+            "--example",
+            "replay",
         ][..],
     ] {
         let status = Command::new(cargo())
@@ -251,6 +269,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
     let debug = target.join("debug");
     let bins = Bins {
         sched_suite: debug.join("examples").join("sched_suite"),
+        replay: debug.join("examples").join("replay"),
         selftest: debug.join("fh-selftest"),
         fhrun: debug.join("fhrun"),
         chaos_rank: debug.join("examples").join("chaos_rank"),
@@ -276,7 +295,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
         {
             continue;
         }
-        match Cluster::up(layout.len(), Some(LINK)) {
+        match Cluster::up(layout.len(), &link_shaping()) {
             Ok(c) => {
                 for transport in ["auto", "hier", "tcp"] {
                     if !wanted(&format!("collectives {shape} {transport}")) {
@@ -323,7 +342,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             None => Ok(End::Skipped(
                 "no mpirun on PATH (Debian: apt-get install openmpi-bin)".to_string(),
             )),
-            Some(_) => Cluster::up(2, Some(LINK))
+            Some(_) => Cluster::up(2, &link_shaping())
                 .and_then(|c| {
                     let r = f(&c, &bins);
                     c.down().and(r)
@@ -355,7 +374,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             continue;
         }
         let t = Instant::now();
-        let r = Cluster::up(2, Some(LINK))
+        let r = Cluster::up(2, &link_shaping())
             .and_then(|c| {
                 let r = f(&c, &bins);
                 c.down().and(r)
@@ -370,7 +389,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             let t = Instant::now();
             let r = match torch_python(root) {
                 Err(why) => Ok(End::Skipped(why)),
-                Ok(py) => Cluster::up(2, Some(LINK))
+                Ok(py) => Cluster::up(2, &link_shaping())
                     .and_then(|c| {
                         let r = training(&c, &bins, root, &py);
                         c.down().and(r)
@@ -395,7 +414,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             continue;
         }
         let t = Instant::now();
-        let r = Cluster::up(2, Some(LINK))
+        let r = Cluster::up(2, &link_shaping())
             .and_then(|c| {
                 let r = losses(&c, &bins, &loss, transport);
                 c.down().and(r)
@@ -405,12 +424,27 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
     }
 
     {
+        let name = CLOUD_CHECK;
+        if wanted(name) {
+            let t = Instant::now();
+            let r = cloud::shaping()
+                .and_then(|s| Cluster::up(2, &s))
+                .and_then(|c| {
+                    let r = cloud::cloud_goodput(&c, &bins);
+                    c.down().and(r)
+                })
+                .map(End::Passed);
+            note(name.to_string(), r, t);
+        }
+    }
+
+    {
         let name = ELASTIC_CHECK;
         if wanted(name) {
             let t = Instant::now();
             let r = match torch_python(root) {
                 Err(why) => Ok(End::Skipped(why)),
-                Ok(py) => Cluster::up(5, Some(LINK))
+                Ok(py) => Cluster::up(5, &link_shaping())
                     .and_then(|c| {
                         let r = elastic_check::run_once(&c, &bins.fhrun, root, &py, 0);
                         c.down().and(r.map(|run| run.summary))

@@ -9,13 +9,16 @@ use crate::{cargo, multihost, python, tidy, wheel, wheel_env};
 /// Debian packages the suites need. `openmpi-bin libopenmpi-dev libclang-dev`: the MPI suite
 /// (the `mpi` crate builds its bindings with libclang against `mpicc`) and fh-bench's OpenMPI
 /// peer (`mpicc`, `mpirun`); `fonts-dejavu-core`: the font fh-bench's PNG plots use;
-/// `nftables`: the packet loss and partitions of the chaos checks across hosts.
+/// `nftables`: the packet loss and partitions of the chaos checks across hosts and the
+/// emulated cloud's per-flow caps; `iptables`: its NFQUEUE target, which holds packets for the
+/// emulated cluster's round-trip time (this kernel's nftables has no `queue`).
 pub(crate) const BASE_PACKAGES: &[&str] = &[
     "openmpi-bin",
     "libopenmpi-dev",
     "libclang-dev",
     "fonts-dejavu-core",
     "nftables",
+    "iptables",
 ];
 
 /// A stage's commands, from the workspace root.

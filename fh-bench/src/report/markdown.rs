@@ -315,8 +315,9 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
 fn across_hosts(md: &mut String, a: &crate::record::Across, backward_ms: f64) {
     let _ = writeln!(
         md,
-        "\n### Across the hosts' links\n\nLayout {} ({} hosts, {} ranks); one TCP stream across \
-         a host's link measured at {:.3} Gbit/s. Bytes across: what must leave each host per \
+        "\n### Across the hosts' links\n\nLayout {} ({} hosts, {} ranks); a host's link measured \
+         at {:.3} Gbit/s (by the caller: `cargo xtask bench --emulate` gives the best of 1 and 8 \
+         parallel TCP streams, the link's rate also where each flow is capped below it). Bytes across: what must leave each host per \
          step (and enter it) under the row's schedule: hierarchical 2(H−1)/H of the gradients, \
          a flat ring over every rank (tcp, DDP's Gloo ring) 2(N−1)/N. Link bound: those bytes \
          at the measured rate minus the {backward_ms} ms backward. Model: `simulate` calibrated \

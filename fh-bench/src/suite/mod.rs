@@ -69,7 +69,7 @@ pub struct Options {
     pub rendezvous_host: String,
     /// Where the Python peers' ranks run when they span hosts (`--hosts`); None: this host.
     pub peer_hosts: Option<torch_peer::Hosts>,
-    /// The rate one TCP stream measured across a host's link, Gbit/s (`--link-gbps`, given by
+    /// The rate TCP measured across a host's link, Gbit/s (`--link-gbps`, given by
     /// whoever measured it, e.g. `cargo xtask bench --emulate`): the replay's link bounds and
     /// the model calibrated on that link.
     pub link_gbps: Option<f64>,

@@ -13,7 +13,10 @@
 //!   with `nsenter`, so that the ranks of one host share memory and those of two hosts cannot,
 //!   exactly as FastHorovod's host detection expects (`fh_job::hosts`);
 //! - when a rate is given, a `tc tbf` qdisc at that rate on both ends of its link (each direction
-//!   of the host's link is limited).
+//!   of the host's link is limited), and with a per-flow cap an `htb` leaf per TCP connection
+//!   under the host's egress `tbf` ([`Shaping`], in `shaping.rs`); with a round-trip time, a
+//!   thread of this process in the host's namespace holding each packet it receives for half
+//!   of it (`delay.rs`).
 //!
 //! Names carry the pid of the process that made them and a per-process counter (`fhc<pid><x>`),
 //! so concurrent runs never clash. Teardown is certain: before anything is made, a *guardian*
@@ -27,7 +30,8 @@
 //! Ranks start with the launcher's variables ([`Cluster::launch`]) or through a launcher run on
 //! a host ([`Cluster::command`]) that reaches the others with the cluster's rsh agent
 //! ([`Cluster::rsh_agent`]: `agent HOST COMMAND...` enters that host's namespaces).
-//! [`Cluster::set_link`] cuts a host off; [`Cluster::link_rate`] measures one TCP stream.
+//! [`Cluster::set_link`] cuts a host off; [`Cluster::link_rate`] measures one or several
+//! parallel TCP streams (`probe.rs`).
 //!
 //! [`unavailable`] says why a machine cannot run it (not root, no `ip`/`tc`/`nsenter`/`unshare`,
 //! network namespaces not permitted); callers skip and say so.
@@ -39,6 +43,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+mod delay;
+pub(crate) mod probe;
+mod shaping;
+
+pub(crate) use probe::{link_bound_rate, link_probe, show_rates, STREAMS};
+pub(crate) use shaping::Shaping;
 
 /// Prefix of everything a cluster makes (namespaces, links, directories).
 const PREFIX: &str = "fhc";
@@ -93,17 +104,22 @@ pub(crate) fn unavailable() -> Option<String> {
     None
 }
 
-/// `cargo xtask cluster [--hosts N] [--link RATE] -- COMMAND [ARGS]`: runs COMMAND on host h0
-/// of an emulated cluster of N hosts (default 2) whose links run at RATE (a `tc` rate such as
-/// `1gbit`; default unshaped), with `FH_RSH_AGENT` and `OMPI_MCA_plm_rsh_agent` naming the
-/// cluster's rsh agent (so `fhrun -H h0:2,h1:2 ...` and `mpirun -H h0,h1 ...` reach the other
-/// hosts); tears the cluster down when COMMAND ends (or this process dies); exits with
-/// COMMAND's status.
+/// `cargo xtask cluster [--hosts N] [--link RATE [--flow RATE]] [--rtt TIME] -- COMMAND
+/// [ARGS]`: runs COMMAND on host h0 of an emulated cluster of N hosts (default 2) whose links
+/// run at the `--link` rate (a `tc` rate such as `1gbit`; default unshaped), each TCP
+/// connection capped at the `--flow` rate when given, the round-trip time between hosts
+/// raised by `--rtt` (such as `1ms`) ([`Shaping`]), with `FH_RSH_AGENT` and
+/// `OMPI_MCA_plm_rsh_agent` naming the cluster's rsh agent (so `fhrun -H h0:2,h1:2 ...` and
+/// `mpirun -H h0,h1 ...` reach the other hosts); first measures and prints the rate of 1 and 8
+/// parallel TCP streams h0 → h1; tears the cluster down when COMMAND ends (or this process
+/// dies); exits with COMMAND's status.
 pub(crate) fn task(args: &[String]) -> std::process::ExitCode {
     use std::process::ExitCode;
-    const USAGE: &str = "usage: cargo xtask cluster [--hosts N] [--link RATE] -- COMMAND [ARGS]";
+    const USAGE: &str = "usage: cargo xtask cluster [--hosts N] [--link RATE [--flow RATE]] \
+                         [--rtt TIME] -- COMMAND [ARGS]";
     let mut hosts = 2usize;
-    let mut link: Option<String> = None;
+    let (mut link, mut flow, mut rtt): (Option<String>, Option<String>, Option<String>) =
+        (None, None, None);
     let mut it = args.iter();
     let mut command: Vec<String> = Vec::new();
     while let Some(a) = it.next() {
@@ -115,10 +131,12 @@ pub(crate) fn task(args: &[String]) -> std::process::ExitCode {
                     return ExitCode::from(2);
                 }
             },
-            "--link" => match it.next() {
-                Some(v) => link = Some(v.clone()),
+            "--link" | "--flow" | "--rtt" => match it.next() {
+                Some(v) if a == "--link" => link = Some(v.clone()),
+                Some(v) if a == "--flow" => flow = Some(v.clone()),
+                Some(v) => rtt = Some(v.clone()),
                 None => {
-                    eprintln!("--link wants a rate such as 1gbit\n{USAGE}");
+                    eprintln!("{a} wants a value such as 1gbit or 1ms\n{USAGE}");
                     return ExitCode::from(2);
                 }
             },
@@ -136,7 +154,16 @@ pub(crate) fn task(args: &[String]) -> std::process::ExitCode {
         eprintln!("{USAGE}");
         return ExitCode::from(2);
     }
-    let c = match Cluster::up(hosts, link.as_deref()) {
+    let shaping = match Shaping::new(link.as_deref(), flow.as_deref())
+        .and_then(|s| s.with_rtt(rtt.as_deref()))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("xtask cluster: {e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let c = match Cluster::up(hosts, &shaping) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("xtask cluster: {e}");
@@ -155,10 +182,20 @@ pub(crate) fn task(args: &[String]) -> std::process::ExitCode {
         .iter()
         .map(|h| format!("{} ({})", h.name, h.addr))
         .collect();
+    let measured = if hosts >= 2 {
+        match c.link_rates(0, 1, 2.0, &STREAMS, &|c: &mut Command, a: &[&str]| {
+            c.arg("__link-probe").args(a);
+        }) {
+            Ok(r) => format!("; TCP h0 -> h1 measured: {}", show_rates(&r)),
+            Err(e) => format!("; the link probe failed: {e}"),
+        }
+    } else {
+        String::new()
+    };
     eprintln!(
-        "xtask cluster: hosts {}, links {}; running on h0 with FH_RSH_AGENT={}",
+        "xtask cluster: hosts {}, {}{measured}; running on h0 with FH_RSH_AGENT={}",
         names.join(", "),
-        link.as_deref().unwrap_or("unshaped"),
+        shaping.describe(),
         agent.display()
     );
     let status = c
@@ -177,67 +214,6 @@ pub(crate) fn task(args: &[String]) -> std::process::ExitCode {
             eprintln!("xtask cluster: cannot run {}: {e}", command[0]);
             ExitCode::FAILURE
         }
-    }
-}
-
-/// The hidden `cargo xtask __link-probe` that [`Cluster::link_rate`] runs inside the hosts:
-/// `recv ADDR:PORT` accepts one connection, reads it to the end and prints `BYTES SECONDS`
-/// (from the first byte to the end); `send ADDR:PORT SECONDS` sends as fast as one TCP stream
-/// goes for that long.
-pub(crate) fn link_probe(args: &[String]) -> std::process::ExitCode {
-    use std::io::Read;
-    use std::net::{TcpListener, TcpStream};
-    use std::process::ExitCode;
-    let fail = |e: String| {
-        eprintln!("link probe: {e}");
-        ExitCode::FAILURE
-    };
-    match args {
-        [role, addr] if role == "recv" => {
-            let l = match TcpListener::bind(addr) {
-                Ok(l) => l,
-                Err(e) => return fail(format!("bind {addr}: {e}")),
-            };
-            println!("listening");
-            let (mut s, _) = match l.accept() {
-                Ok(c) => c,
-                Err(e) => return fail(format!("accept: {e}")),
-            };
-            let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
-            let mut buf = vec![0u8; 1 << 20];
-            let (mut n, mut start) = (0u64, None);
-            loop {
-                match s.read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(k) => {
-                        start.get_or_insert_with(Instant::now);
-                        n += k as u64;
-                    }
-                    Err(e) => return fail(format!("read: {e}")),
-                }
-            }
-            let secs = start.map_or(0.0, |t| t.elapsed().as_secs_f64());
-            println!("{n} {secs}");
-            ExitCode::SUCCESS
-        }
-        [role, addr, secs] if role == "send" => {
-            let Ok(secs) = secs.parse::<f64>() else {
-                return fail(format!("not seconds: {secs}"));
-            };
-            let mut s = match TcpStream::connect(addr) {
-                Ok(s) => s,
-                Err(e) => return fail(format!("connect {addr}: {e}")),
-            };
-            let buf = vec![0x5au8; 1 << 20];
-            let t = Instant::now();
-            while t.elapsed().as_secs_f64() < secs {
-                if let Err(e) = s.write_all(&buf) {
-                    return fail(format!("write: {e}"));
-                }
-            }
-            ExitCode::SUCCESS
-        }
-        _ => fail("usage: __link-probe recv ADDR:PORT | send ADDR:PORT SECONDS".into()),
     }
 }
 
@@ -260,6 +236,8 @@ pub(crate) struct Cluster {
     hosts: Vec<Host>,
     /// The guardian and the write end of its pipe (dropping it starts the teardown).
     guardian: Option<(Child, ChildStdin)>,
+    /// The threads adding the round-trip time (none without one).
+    delayer: delay::Delayer,
 }
 
 /// A command's failure, as text for the operator.
@@ -338,9 +316,9 @@ fn kill_namespace(ns: &str) {
 }
 
 impl Cluster {
-    /// Brings up `hosts` hosts (1 to 200) whose links run at `rate` (a `tc` rate such as
-    /// `1gbit`; `None`: unshaped). Everything made so far is removed again on an error.
-    pub(crate) fn up(hosts: usize, rate: Option<&str>) -> Result<Cluster, String> {
+    /// Brings up `hosts` hosts (1 to 200) whose links are shaped as `shaping` says (rate and
+    /// per-flow cap, [`Shaping`]). Everything made so far is removed again on an error.
+    pub(crate) fn up(hosts: usize, shaping: &Shaping) -> Result<Cluster, String> {
         if !(1..=200).contains(&hosts) {
             return Err(format!(
                 "an emulated cluster has 1 to 200 hosts, not {hosts}"
@@ -398,8 +376,9 @@ impl Cluster {
             dir,
             hosts: Vec::new(),
             guardian: Some((guardian, pipe)),
+            delayer: delay::Delayer::default(),
         };
-        cluster.build(&bridge, &netns, &links, rate)?;
+        cluster.build(&bridge, &netns, &links, shaping)?;
         Ok(cluster)
     }
 
@@ -408,7 +387,7 @@ impl Cluster {
         bridge: &str,
         netns: &[String],
         links: &[String],
-        rate: Option<&str>,
+        shaping: &Shaping,
     ) -> Result<(), String> {
         // The cluster's /etc/hosts, mounted over the real one inside every host: the hosts'
         // names resolve to their addresses there, and nothing changes outside.
@@ -440,19 +419,12 @@ impl Cluster {
             ])?;
             ip(&["-n", ns, "link", "set", "eth0", "up"])?;
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
-            if let Some(rate) = rate {
-                // burst: a few milliseconds at 10 Gbit/s, so that one timer tick never starves
-                // the link; latency bounds the queue.
-                let tbf = [
-                    "root", "tbf", "rate", rate, "burst", "1mb", "latency", "50ms",
-                ];
-                sh(Command::new("tc")
-                    .args(["qdisc", "add", "dev", link])
-                    .args(tbf))?;
-                sh(Command::new("tc")
-                    .args(["-n", ns, "qdisc", "add", "dev", "eth0"])
-                    .args(tbf))?;
+            shaping.apply(None, link)?;
+            if let Some(rtt) = shaping.rtt {
+                // Half the round trip on the way in to each host.
+                self.delayer.add(ns, rtt / 2)?;
             }
+            shaping.apply(Some(ns), "eth0")?;
             let name = format!("h{i}");
             // The holder: a mount namespace with a fresh /dev/shm and a UTS namespace named
             // `name`, inside the host's network namespace; it prints `ready` once set up.
@@ -547,62 +519,6 @@ impl Cluster {
         fs::set_permissions(&path, fs::Permissions::from_mode(0o755))
             .map_err(|e| format!("cannot make {} executable: {e}", path.display()))?;
         Ok(path)
-    }
-
-    /// The rate one TCP stream reaches from host `from` to host `to` in `secs` seconds, in
-    /// bits per second: [`link_probe`] on both ends, run as this executable with the arguments
-    /// `probe` adds to a command (`__link-probe` and the probe's own arguments, for xtask).
-    pub(crate) fn link_rate(
-        &self,
-        from: usize,
-        to: usize,
-        secs: f64,
-        probe: &dyn Fn(&mut Command, &[&str]),
-    ) -> Result<f64, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("cannot find xtask: {e}"))?;
-        let addr = format!("{}:5201", self.hosts[to].addr);
-        let mut recv = self.command(to, &exe);
-        probe(&mut recv, &["recv", &addr]);
-        let mut recv = recv
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot start the link probe: {e}"))?;
-        let mut out = std::io::BufReader::new(recv.stdout.take().expect("piped"));
-        // Lines until the one asked for (a test harness may print its own around them).
-        let mut next_line = |want: &dyn Fn(&str) -> bool| -> Option<String> {
-            let mut line = String::new();
-            loop {
-                line.clear();
-                match std::io::BufRead::read_line(&mut out, &mut line) {
-                    Ok(0) | Err(_) => return None,
-                    Ok(_) if want(line.trim()) => return Some(line.trim().to_string()),
-                    Ok(_) => {}
-                }
-            }
-        };
-        if next_line(&|l| l == "listening").is_none() {
-            let _ = recv.kill();
-            let _ = recv.wait();
-            return Err("the link probe's receiver did not start".into());
-        }
-        let mut send = self.command(from, &exe);
-        probe(&mut send, &["send", &addr, &secs.to_string()]);
-        let sent = send.stdout(Stdio::null()).status();
-        let two_numbers = |l: &str| {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            w.len() == 2 && w.iter().all(|x| x.parse::<f64>().is_ok())
-        };
-        let said = next_line(&two_numbers).unwrap_or_default();
-        let _ = recv.kill();
-        let _ = recv.wait();
-        if !matches!(sent, Ok(s) if s.success()) {
-            return Err(format!("the link probe's sender failed: {sent:?}"));
-        }
-        let mut it = said.split_whitespace().map(str::parse::<f64>);
-        match (it.next(), it.next()) {
-            (Some(Ok(bytes)), Some(Ok(took))) if took > 0.0 => Ok(bytes * 8.0 / took),
-            _ => Err(format!("the link probe said {said:?}")),
-        }
     }
 
     /// The processes running on host `host` (in its network namespace), but its holder.
@@ -757,6 +673,8 @@ impl Cluster {
     }
 
     fn teardown(&mut self) -> Result<(), String> {
+        // The delaying threads first: they live in the hosts' namespaces.
+        drop(std::mem::take(&mut self.delayer));
         let Some((mut guardian, pipe)) = self.guardian.take() else {
             return Ok(());
         };

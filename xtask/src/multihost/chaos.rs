@@ -670,7 +670,7 @@ pub(super) fn run_plans(bins: &Bins, plans: &[Plan], seed: u64) -> Result<String
     for (i, plan) in plans.iter().enumerate() {
         if i % 50 == 0 {
             drop(cluster.take());
-            cluster = Some(Cluster::up(2, Some(super::LINK))?);
+            cluster = Some(Cluster::up(2, &super::link_shaping())?);
         }
         let c = cluster.as_ref().expect("a cluster");
         let o = run_one(c, bins, plan, &format!("{}-{i}", std::process::id()));

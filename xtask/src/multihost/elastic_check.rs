@@ -28,7 +28,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use std::process::ExitCode;
 
 use super::chaos::Rng;
-use super::{median_and_worst, torch_python, LINK};
+use super::{link_shaping, median_and_worst, torch_python};
 use crate::cargo;
 use crate::cluster::{self, Cluster};
 
@@ -653,7 +653,7 @@ pub(crate) fn elastic_runs(root: &Path, n: usize) -> ExitCode {
     };
     let (mut recovery, mut growth) = (Vec::new(), Vec::new());
     for i in 0..n {
-        let r = Cluster::up(5, Some(LINK)).and_then(|c| {
+        let r = Cluster::up(5, &link_shaping()).and_then(|c| {
             let r = run_once(&c, &fhrun, root, &py, i);
             c.down().and(r)
         });
