@@ -28,10 +28,10 @@
 //! and writes each file whole (a temporary name, renamed; an identical file already there is
 //! left as is; a file cut short — the part killed while it sends — is dropped, named in a
 //! warning, and an earlier copy stays whole) into its own job directory, where
-//! [`crate::observe::JobDir::finish`] finds every host's files. Only plain names (no `/`, no leading `.`) of regular files, at most
-//! [`MAX_FILE`] bytes each, travel, those of the directories and of their subdirectories
-//! down to [`DEPTH`] levels (plain names too); a refused file is named in a warning, and
-//! what was not sent stays on its host, named.
+//! [`crate::observe::JobDir::finish`] finds every host's files. Only plain names (no `/`, no
+//! leading `.`) of regular files, at most [`MAX_FILE`] bytes each, travel, those of the
+//! directories and of their subdirectories down to [`DEPTH`] levels (plain names too); a
+//! refused file is named in a warning, and what was not sent stays on its host, named.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
