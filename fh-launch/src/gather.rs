@@ -15,8 +15,9 @@
 //! ```
 //!
 //! then removes its directory. While its ranks run, each time it passed `SIGUSR1` on to them
-//! (they write their flight records) it also sends, after [`crate::launch::RECORD_WINDOW`],
-//! the flight records that are new or changed since it last sent, on a thread of its own
+//! (they write their flight records) it also sends, after [`crate::launch::RECORD_WINDOW`]
+//! (and twice more, later, for a rank that was slow to write), the flight records that are
+//! new or changed since it last sent, on a thread of its own
 //! ([`send_on_request`]: the part's loop only tells it), followed by
 //!
 //! ```text
@@ -38,7 +39,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
@@ -88,13 +89,19 @@ impl Stamp {
     }
 }
 
+/// After a request, when the part looks for new flight records to send, in windows (a rank
+/// slowed down, on a loaded machine, gets two more looks).
+const LOOKS: [u32; 3] = [1, 2, 4];
+
 /// The part's side of sending records while its ranks run: each `()` on the returned sender
 /// (the part's loop passed `SIGUSR1` on to its ranks) makes a thread of its own wait `window`
-/// for the ranks to write, then send to stdout under `marker` the flight records in `dir` that
-/// are new or changed, then `MARKER sent`. The part's last send takes the directory out of
-/// `dir` (the thread then ends). Nothing here blocks the part's loop; a send holds `dir`'s
-/// lock, so files never interleave, and stdout's a line at a time, so the ranks' output goes on.
-/// `None`: no thread could be started (the records then travel when the ranks end).
+/// for the ranks to write (the engine writes on its own thread, within a fraction of a
+/// second), then send to stdout under `marker` the flight records in `dir` that are new or
+/// changed, then `MARKER sent`; and look again 2 and 4 windows after the request (a request
+/// meanwhile starts over). The part's last send takes the directory out of `dir` (the thread
+/// then ends). Nothing here blocks the part's loop; a send holds `dir`'s lock, so files never
+/// interleave, and stdout's a line at a time, so the ranks' output goes on. `None`: no thread
+/// could be started (the records then travel when the ranks end).
 pub(crate) fn send_on_request(
     dir: Arc<Mutex<Option<PartDir>>>,
     marker: String,
@@ -107,14 +114,25 @@ pub(crate) fn send_on_request(
         .name("send-records".into())
         .spawn(move || {
             while rx.recv().is_ok() {
-                // The engine writes on its own thread, within a fraction of a second.
-                std::thread::sleep(window);
-                while rx.try_recv().is_ok() {}
-                let mut guard = dir.lock().unwrap_or_else(PoisonError::into_inner);
-                let Some(d) = guard.as_mut() else {
-                    return;
-                };
-                d.send_while_running(&marker, &mut std::io::stdout(), &who);
+                let mut asked = Instant::now();
+                let mut look = 0;
+                while let Some(&n) = LOOKS.get(look) {
+                    let at = asked + window * n;
+                    match rx.recv_timeout(at.saturating_duration_since(Instant::now())) {
+                        Ok(()) => {
+                            (asked, look) = (Instant::now(), 0);
+                            continue;
+                        }
+                        Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                        Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    }
+                    let mut guard = dir.lock().unwrap_or_else(PoisonError::into_inner);
+                    let Some(d) = guard.as_mut() else {
+                        return;
+                    };
+                    d.send_while_running(&marker, &mut std::io::stdout(), &who);
+                    look += 1;
+                }
             }
         })
         .map_err(|e| {
