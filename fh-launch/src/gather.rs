@@ -14,17 +14,32 @@
 //! MARKER end
 //! ```
 //!
-//! then removes its directory. fhrun's relay ([`relay`]) takes those lines out of the output,
+//! then removes its directory. While its ranks run, each time it passed `SIGUSR1` on to them
+//! (they write their flight records) it also sends, after [`crate::launch::RECORD_WINDOW`]
+//! (and twice more, later, for a rank that was slow to write), the flight records that are
+//! new or changed since it last sent, on a thread of its own
+//! ([`send_on_request`]: the part's loop only tells it), followed by
+//!
+//! ```text
+//! MARKER sent                     the files sent while the job runs end here
+//! ```
+//!
+//! on which fhrun says where they are. Only what is new or changed since it was last sent
+//! travels, at the end too. fhrun's relay ([`relay`]) takes those lines out of the output,
 //! and writes each file whole (a temporary name, renamed; an identical file already there is
-//! left as is) into its own job directory, where [`crate::observe::JobDir::finish`] finds every
-//! host's files. Only plain names (no `/`, no leading `.`) of regular files, at most
-//! [`MAX_FILE`] bytes each, travel, those of the directories and of their subdirectories
-//! down to [`DEPTH`] levels (plain names too); a refused file is named in a warning, and
-//! what was not sent stays on its host, named.
+//! left as is; a file cut short — the part killed while it sends — is dropped, named in a
+//! warning, and an earlier copy stays whole) into its own job directory, where
+//! [`crate::observe::JobDir::finish`] finds every host's files. Only plain names (no `/`, no
+//! leading `.`) of regular files, at most [`MAX_FILE`] bytes each, travel, those of the
+//! directories and of their subdirectories down to [`DEPTH`] levels (plain names too); a
+//! refused file is named in a warning, and what was not sent stays on its host, named.
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
@@ -59,6 +74,75 @@ pub(crate) struct PartDir {
     path: PathBuf,
     /// The gathered directories (names of [`DIRS`]) and their paths.
     dirs: Vec<(String, PathBuf)>,
+    /// The files sent so far, as they were when sent: a file is sent again only when it
+    /// changed (the runtime replaces a record by renaming a new file over it).
+    sent: HashMap<PathBuf, Stamp>,
+}
+
+/// What tells a file changed: its inode, size and modification time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp(u64, u64, i64, i64);
+
+impl Stamp {
+    fn of(m: &std::fs::Metadata) -> Stamp {
+        Stamp(m.ino(), m.len(), m.mtime(), m.mtime_nsec())
+    }
+}
+
+/// After a request, when the part looks for new flight records to send, in windows (a rank
+/// slowed down, on a loaded machine, gets two more looks).
+const LOOKS: [u32; 3] = [1, 2, 4];
+
+/// The part's side of sending records while its ranks run: each `()` on the returned sender
+/// (the part's loop passed `SIGUSR1` on to its ranks) makes a thread of its own wait `window`
+/// for the ranks to write (the engine writes on its own thread, within a fraction of a
+/// second), then send to stdout under `marker` the flight records in `dir` that are new or
+/// changed, then `MARKER sent`; and look again 2 and 4 windows after the request (a request
+/// meanwhile starts over). The part's last send takes the directory out of `dir` (the thread
+/// then ends). Nothing here blocks the part's loop; a send holds `dir`'s lock, so files never
+/// interleave, and stdout's a line at a time, so the ranks' output goes on. `None`: no thread
+/// could be started (the records then travel when the ranks end).
+pub(crate) fn send_on_request(
+    dir: Arc<Mutex<Option<PartDir>>>,
+    marker: String,
+    who: String,
+    window: Duration,
+) -> Option<mpsc::Sender<()>> {
+    let (tx, rx) = mpsc::channel::<()>();
+    let name = who.clone();
+    std::thread::Builder::new()
+        .name("send-records".into())
+        .spawn(move || {
+            while rx.recv().is_ok() {
+                let mut asked = Instant::now();
+                let mut look = 0;
+                while let Some(&n) = LOOKS.get(look) {
+                    let at = asked + window * n;
+                    match rx.recv_timeout(at.saturating_duration_since(Instant::now())) {
+                        Ok(()) => {
+                            (asked, look) = (Instant::now(), 0);
+                            continue;
+                        }
+                        Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                        Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    }
+                    let mut guard = dir.lock().unwrap_or_else(PoisonError::into_inner);
+                    let Some(d) = guard.as_mut() else {
+                        return;
+                    };
+                    d.send_while_running(&marker, &mut std::io::stdout(), &who);
+                    look += 1;
+                }
+            }
+        })
+        .map_err(|e| {
+            eprintln!(
+                "{name}: warning: cannot start the thread that sends flight records on SIGUSR1 \
+                 ({e}); they reach fhrun when the ranks end"
+            )
+        })
+        .ok()?;
+    Some(tx)
 }
 
 impl PartDir {
@@ -72,6 +156,7 @@ impl PartDir {
         let mut made = PartDir {
             path,
             dirs: Vec::new(),
+            sent: HashMap::new(),
         };
         for d in dirs {
             let sub = made.path.join(d);
@@ -89,12 +174,43 @@ impl PartDir {
             .map(|(_, p)| p.as_path())
     }
 
-    /// Send every file to `out` under `marker`, then remove the directory — unless a file
-    /// could not be sent (too big, unreadable, or `out` closed): then it stays, and `who` (the
-    /// part's name in messages) says where.
-    pub(crate) fn send_and_remove(self, marker: &str, out: &mut impl Write, who: &str) {
+    /// While the ranks run: send the flight records that are new or changed since they were
+    /// last sent, then, if any, `MARKER sent` (fhrun says where they are).
+    pub(crate) fn send_while_running(&mut self, marker: &str, out: &mut impl Write, who: &str) {
+        let (sent, _) = self.send_new(marker, Some("flight"), out, who);
+        if sent > 0 {
+            let _ = writeln!(out, "{marker} sent").and_then(|_| out.flush());
+        }
+    }
+
+    /// Send every file that is new or changed since it was last sent to `out` under `marker`,
+    /// then remove the directory — unless a file could not be sent (too big, unreadable, or
+    /// `out` closed): then it stays, and `who` (the part's name in messages) says where.
+    pub(crate) fn send_and_remove(mut self, marker: &str, out: &mut impl Write, who: &str) {
+        let (_, keep) = self.send_new(marker, None, out, who);
+        if keep {
+            eprintln!("{who}: what was not sent stays in {}", self.path.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+
+    /// Sends the new or changed files of the directory named `only` (of every one: `None`,
+    /// the last send, which also names what lies too deep); returns how many it sent and
+    /// whether something could not be sent.
+    fn send_new(
+        &mut self,
+        marker: &str,
+        only: Option<&str>,
+        out: &mut impl Write,
+        who: &str,
+    ) -> (usize, bool) {
         let mut keep = false;
+        let mut count = 0;
         for (dir, path) in &self.dirs {
+            if only.is_some_and(|o| o != dir) {
+                continue;
+            }
             let mut files = Vec::new();
             // (the subdirectory's name under `path`, "" for `path`, and its depth)
             let mut dirs = vec![(String::new(), 0)];
@@ -107,6 +223,7 @@ impl PartDir {
                     match (is_dir, depth < DEPTH) {
                         (false, _) => files.push(name),
                         (true, true) => dirs.push((name, depth + 1)),
+                        (true, false) if only.is_some() => {}
                         (true, false) => {
                             eprintln!(
                                 "{who}: {} is too deep to send to fhrun",
@@ -120,17 +237,23 @@ impl PartDir {
             files.sort();
             for name in files {
                 let file = path.join(&name);
-                if let Err(e) = send_file(marker, dir, &name, &file, out) {
-                    eprintln!("{who}: cannot send {} to fhrun: {e}", file.display());
-                    keep = true;
+                let now = std::fs::symlink_metadata(&file).map(|m| Stamp::of(&m));
+                if now.is_ok_and(|s| self.sent.get(&file) == Some(&s)) {
+                    continue;
+                }
+                match send_file(marker, dir, &name, &file, out) {
+                    Ok(stamp) => {
+                        count += 1;
+                        self.sent.insert(file, stamp);
+                    }
+                    Err(e) => {
+                        eprintln!("{who}: cannot send {} to fhrun: {e}", file.display());
+                        keep = true;
+                    }
                 }
             }
         }
-        if keep {
-            eprintln!("{who}: what was not sent stays in {}", self.path.display());
-        } else {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
+        (count, keep)
     }
 }
 
@@ -157,14 +280,15 @@ fn travel_name(name: &str) -> bool {
     name.split('/').count() <= DEPTH + 1 && name.split('/').all(plain_name)
 }
 
-/// Sends one file (a regular file, not followed through a symlink, at most [`MAX_FILE`]).
+/// Sends one file (a regular file, not followed through a symlink, at most [`MAX_FILE`]), a
+/// line at a time (other output may go between them); returns it as it was sent.
 fn send_file(
     marker: &str,
     dir: &str,
     name: &str,
     path: &Path,
     out: &mut impl Write,
-) -> std::io::Result<()> {
+) -> std::io::Result<Stamp> {
     let mut f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW)
@@ -187,7 +311,8 @@ fn send_file(
         writeln!(out, "{marker} data {}", B64.encode(chunk))?;
     }
     writeln!(out, "{marker} end")?;
-    out.flush()
+    out.flush()?;
+    Ok(Stamp::of(&meta))
 }
 
 /// fhrun's side: where a part's files go.
@@ -201,6 +326,9 @@ pub struct Gather {
 
 /// A file being received.
 struct Incoming {
+    /// Its name as it travels (`NAME`, `SUB/NAME`) and the directory's (`flight`, ...).
+    name: String,
+    dir: String,
     tmp: PathBuf,
     target: PathBuf,
     file: std::fs::File,
@@ -214,6 +342,8 @@ struct Receiver<'a> {
     /// Who sent them, for warnings.
     who: &'a str,
     current: Option<Incoming>,
+    /// The flight records received since the last `sent` line (names as they travel).
+    records: Vec<String>,
 }
 
 impl Receiver<'_> {
@@ -258,9 +388,13 @@ impl Receiver<'_> {
                             inc.size
                         ));
                     }
+                    if inc.dir == "flight" {
+                        self.records.push(inc.name.clone());
+                    }
                     finish(inc);
                 }
             }
+            Some("sent") => self.say_where(),
             _ => self.warn(format!("a malformed file line {rest:?}")),
         }
     }
@@ -304,6 +438,8 @@ impl Receiver<'_> {
         match made {
             Ok((tmp, file)) => {
                 self.current = Some(Incoming {
+                    name: name.to_string(),
+                    dir: dir.to_string(),
                     tmp,
                     target: into.join(file_name),
                     file,
@@ -312,6 +448,48 @@ impl Receiver<'_> {
                 })
             }
             Err(e) => self.warn(format!("cannot write {name} into {}: {e}", into.display())),
+        }
+    }
+
+    /// The part sent the flight records its ranks wrote while the job runs (on `SIGUSR1`):
+    /// say where they are now, as the ranks of fhrun's own host do.
+    fn say_where(&mut self) {
+        let names = std::mem::take(&mut self.records);
+        let Some((_, flight)) = self.gather.dirs.iter().find(|(d, _)| d == "flight") else {
+            return;
+        };
+        // By subdirectory: (SUB, the ranks or names of its files).
+        let mut by_dir: Vec<(&str, Vec<String>)> = Vec::new();
+        for n in &names {
+            let (sub, file) = n.rsplit_once('/').unwrap_or(("", n));
+            let what = match file
+                .strip_prefix("rank-")
+                .and_then(|f| f.strip_suffix(".json"))
+            {
+                Some(r) if r.parse::<usize>().is_ok() => r.to_string(),
+                _ => file.to_string(),
+            };
+            match by_dir.iter_mut().find(|(s, _)| *s == sub) {
+                Some((_, v)) => v.push(what),
+                None => by_dir.push((sub, vec![what])),
+            }
+        }
+        for (sub, what) in by_dir {
+            let at = match sub {
+                "" => flight.clone(),
+                sub => flight.join(sub),
+            };
+            let whose = match what.len() {
+                1 => format!("rank {}", what[0]),
+                _ => format!("ranks {}", what.join(", ")),
+            };
+            eprintln!(
+                "fhrun: {} sent the flight records of {whose}: they are in {}; `fhrun \
+                 --explain {}` names the first divergence",
+                self.who,
+                at.display(),
+                flight.display()
+            );
         }
     }
 
@@ -387,6 +565,7 @@ impl<'a> Relay<'a> {
                 gather,
                 who,
                 current: None,
+                records: Vec::new(),
             },
         }
     }

@@ -95,6 +95,9 @@ pub struct LocalJob {
     /// Report every rank's end on stdout as a line `MARKER NAME exit CODE` or
     /// `MARKER NAME signal N` (an elastic part tells its driver; see `crate::elastic`).
     pub report_exits: Option<String>,
+    /// Told each time the ranks were asked for their flight records (`SIGUSR1` passed on): a
+    /// remote part then sends them to fhrun while the job runs ([`crate::gather`]).
+    pub record_requests: Option<mpsc::Sender<()>>,
 }
 
 /// Why fhrun is stopping the job.
@@ -559,6 +562,9 @@ fn run_ranks(
             Some(libc::SIGUSR1) => {
                 for r in ranks.iter_mut().filter(|r| r.child.is_some()) {
                     r.request_record();
+                }
+                if let Some(tx) = &job.record_requests {
+                    let _ = tx.send(());
                 }
             }
             // Ctrl-Z: the ranks (in process groups of their own) stop with fhrun.

@@ -419,6 +419,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         timeout: cli.timeout,
         verbose: cli.verbose,
         report_exits: None,
+        record_requests: None,
     });
     if let Some(d) = job_dir {
         d.finish(code != 0);
@@ -481,6 +482,7 @@ fn across_hosts(
         timeout: cli.timeout,
         verbose: cli.verbose,
         report_exits: None,
+        record_requests: None,
     };
     let gather = match job_dir.map(observe::JobDir::gathered) {
         Some(dirs) if !dirs.is_empty() => Some(gather::Gather {

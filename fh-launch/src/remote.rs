@@ -14,16 +14,19 @@
 //! after the grace).
 //! When its ranks have ended, the remote part sends back on its stdout the flight records and
 //! timelines they wrote (into a directory of its own on its host: [`crate::gather`]), which
-//! fhrun keeps in its job directory with its own ranks'.
+//! fhrun keeps in its job directory with its own ranks'; and while they run, a moment after
+//! each `SIGUSR1` it passed on to them, the flight records they wrote (so that fhrun has every
+//! host's records of a stuck job).
 //! The remote part exits with its job's status, which the agent returns to fhrun; a failure
 //! there stops the whole job (fail fast across hosts).
 //!
 //! fhrun must be at the same path on every host (as Horovod's launcher assumes of Python).
 
 use std::io::{BufRead, Read};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use crate::gather::PartDir;
+use crate::gather::{self, PartDir};
 use crate::launch::{self, LocalJob, RankSpec};
 use crate::{observe, sys};
 
@@ -267,6 +270,7 @@ impl Part {
             timeout: None,
             verbose: self.verbose,
             report_exits: self.report.clone(),
+            record_requests: None,
         }
     }
 }
@@ -351,9 +355,18 @@ pub fn serve() -> i32 {
         .is_some()
         .then(|| gather_here(&mut part, &who))
         .flatten();
-    let code = launch::run(&part.job());
-    if let (Some(dir), Some(marker)) = (dir, &part.gather) {
-        dir.send_and_remove(marker, &mut std::io::stdout().lock(), &who);
+    let dir = Arc::new(Mutex::new(dir));
+    let mut job = part.job();
+    if let Some(marker) = &part.gather {
+        let window = launch::RECORD_WINDOW;
+        job.record_requests =
+            gather::send_on_request(dir.clone(), marker.clone(), who.clone(), window);
+    }
+    let code = launch::run(&job);
+    // The last send (a line at a time: the output of whatever the ranks left running goes on).
+    let last = dir.lock().unwrap_or_else(PoisonError::into_inner).take();
+    if let (Some(dir), Some(marker)) = (last, &part.gather) {
+        dir.send_and_remove(marker, &mut std::io::stdout(), &who);
     }
     code
 }

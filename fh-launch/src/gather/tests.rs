@@ -95,6 +95,68 @@ fn a_part_files_travel_whole_and_the_output_is_left_as_it_was() {
 }
 
 #[test]
+fn while_the_job_runs_only_new_or_changed_flight_records_travel() {
+    let mut part = PartDir::create(&["flight".into(), "timeline".into()]).unwrap();
+    let root = part.path.clone();
+    let flight = part.dir("flight").unwrap().to_path_buf();
+    std::fs::create_dir(flight.join("gen-0")).unwrap();
+    std::fs::write(flight.join("gen-0/rank-2.json"), b"first").unwrap();
+    std::fs::write(flight.join("rank-3.json"), b"three").unwrap();
+    std::fs::write(part.dir("timeline").unwrap().join("rank-2.json"), b"[1]").unwrap();
+    let sends = |part: &mut PartDir| {
+        let mut out = Vec::new();
+        part.send_while_running(M, &mut out, "test part");
+        String::from_utf8(out).unwrap()
+    };
+    // The flight records, not the timelines (they travel at the end), then `sent`.
+    let first = sends(&mut part);
+    let begins: Vec<&str> = first.lines().filter(|l| l.contains(" begin ")).collect();
+    assert_eq!(
+        begins,
+        [
+            format!("{M} begin flight gen-0/rank-2.json 5"),
+            format!("{M} begin flight rank-3.json 5")
+        ]
+    );
+    assert!(first.ends_with(&format!("{M} sent\n")), "{first}");
+    // Nothing new: nothing sent, not even `sent`.
+    assert_eq!(sends(&mut part), "");
+    // A record written again (a new file renamed over it, as the runtime does) travels again.
+    std::fs::write(flight.join(".new"), b"second!").unwrap();
+    std::fs::rename(flight.join(".new"), flight.join("gen-0/rank-2.json")).unwrap();
+    let again = sends(&mut part);
+    assert!(
+        again.starts_with(&format!("{M} begin flight gen-0/rank-2.json 7\n")),
+        "{again}"
+    );
+    assert_eq!(again.matches(" begin ").count(), 1, "{again}");
+
+    // fhrun says where they are on `sent`, and keeps the latest of each.
+    let dest = Tmp::new();
+    let g = gather_into(&dest.0);
+    let mut stream = format!("{first}{again}").into_bytes();
+    // At the end, only the timeline is new.
+    let mut last = Vec::new();
+    part.send_and_remove(M, &mut last, "test part");
+    assert_eq!(String::from_utf8_lossy(&last).matches(" begin ").count(), 1);
+    assert!(!root.exists());
+    stream.extend_from_slice(&last);
+    assert_eq!(relay_text(&stream, &g), "");
+    assert_eq!(
+        std::fs::read(dest.0.join("flight/gen-0/rank-2.json")).unwrap(),
+        b"second!"
+    );
+    assert_eq!(
+        std::fs::read(dest.0.join("flight/rank-3.json")).unwrap(),
+        b"three"
+    );
+    assert_eq!(
+        std::fs::read(dest.0.join("timeline/rank-2.json")).unwrap(),
+        b"[1]"
+    );
+}
+
+#[test]
 fn files_of_subdirectories_travel_into_directories_made_for_them() {
     // An elastic part's generations and a process set's records, one level down.
     let part = PartDir::create(&["flight".into(), "timeline".into()]).unwrap();

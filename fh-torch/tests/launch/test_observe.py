@@ -3,11 +3,15 @@ its own Python stack next to the warning, every rank's flight record explains a 
 mismatch, and ``fhrun --timeline-filename`` gives one timeline of every rank."""
 
 import json
+import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -301,6 +305,84 @@ def test_at_its_timeout_fhrun_gathers_every_rank_record_and_stack(fhrun, tmp_pat
     assert "written by ranks 0-2 for: SIGUSR1" in out, out
     assert any(ln.startswith("[1]<stderr>:") and "stuck_in_user_code" in ln
                for ln in out.splitlines()), out
+    remove_job_dir(out)
+
+
+STUCK_UNTIL_TOLD_SCRIPT = textwrap.dedent("""
+    import os, sys, time, torch
+    import fasthorovod.torch as hvd
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="warmup")
+    print("ready", flush=True)
+
+    def stuck_in_user_code():
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.1)
+
+    if hvd.rank() == 1:
+        stuck_in_user_code()
+    out = hvd.allreduce(torch.ones(5), name="grad")
+    assert out.tolist() == [1.0] * 5, out  # the average
+    print("done", flush=True)
+""")
+
+
+def test_sigusr1_brings_the_far_hosts_records_while_the_job_is_stuck(fhrun, tmp_path):
+    """SIGUSR1 to fhrun while a job over two hosts is stuck (rank 0 waits in an allreduce that
+    rank 1, on the far host, never joins): the far rank's flight record reaches fhrun's job
+    directory, and fhrun says where, while the job still runs; its explanation names rank 1.
+    Then rank 1 is let go and the job ends well."""
+    args, env, far = far_host(tmp_path)
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_UNTIL_TOLD_SCRIPT)
+    go = tmp_path / "go"
+    full_env = dict(os.environ, FH_TIMEOUT_SECONDS="60", **env)
+    proc = subprocess.Popen([fhrun, "-np", "2", "-H", "localhost:1,fh-far-host:1", *args,
+                             "--no-stall-check", "--timeout", "120", PYTHON, str(script),
+                             str(go)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=full_env, start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+
+    def wait_for(cond, what, limit=90):
+        deadline = time.monotonic() + limit
+        while not cond("".join(lines)):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"{what} (fhrun ended: {proc.poll()}):\n" + "".join(lines)
+            time.sleep(0.05)
+        return "".join(lines)
+
+    said = "fhrun: rank 1 on fh-far-host sent the flight records of rank 1: they are in "
+    try:
+        wait_for(lambda out: out.count("<stdout>:ready") == 2, "both ranks ready")
+        proc.send_signal(signal.SIGUSR1)
+        out = wait_for(lambda out: said in out, "fhrun names the far record")
+        assert proc.poll() is None, out
+        flight = re.search(re.escape(said) + r"(\S+);", out).group(1)
+        assert flight.startswith(str(tmp_path / "near")), out
+        record = json.loads((pathlib.Path(flight) / "rank-1.json").read_text())
+        assert record["reason"] == "SIGUSR1", record["reason"]
+        # Every host's records are there while the job is stuck: the explanation names rank 1.
+        code, report = run([fhrun, "--explain", flight], timeout=60)
+        assert code == 0, report
+        assert ("first divergence: rank 1 has never submitted \"allreduce.grad\" "
+                "(allreduce f32 [5]), which rank 0 submitted and waits on") in report, report
+        assert proc.poll() is None, "".join(lines)
+        go.touch()
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(timeout=10)
+    out = "".join(lines)
+    assert code == 0, out
+    assert out.count("<stdout>:done") == 2, out
+    assert out.count(said) == 1, out
+    assert "fhrun: flight records of 2 ranks (0, 1) are in" in out, out
+    assert not list(far.glob("fhrun-part-*")), list(far.iterdir())
     remove_job_dir(out)
 
 
