@@ -69,6 +69,7 @@ mod frame;
 mod handshake;
 mod link;
 mod rendezvous;
+pub mod streams;
 mod sys;
 pub mod wire;
 
@@ -83,6 +84,7 @@ pub(crate) use fh_job::token::Key;
 use handshake::connect_handshake;
 pub(crate) use link::{AbortBoard, Link};
 use rendezvous::resolve;
+pub use streams::{StreamCount, StreamSettings};
 use wire::{ConnKind, Hello};
 
 use crate::liveness::{self, Liveness, Watch};
@@ -118,6 +120,8 @@ pub struct TcpOptions {
     /// The heartbeats ([`crate::liveness`]) the world runs from the end of its rendezvous;
     /// `None`: none.
     pub liveness: Option<liveness::Settings>,
+    /// Parallel streams to peers on other hosts ([`streams`]); the same on every rank.
+    pub streams: StreamSettings,
 }
 
 impl Default for TcpOptions {
@@ -127,17 +131,20 @@ impl Default for TcpOptions {
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             max_frame: DEFAULT_MAX_FRAME,
             liveness: Some(liveness::Settings::default()),
+            streams: StreamSettings::default(),
         }
     }
 }
 
 impl TcpOptions {
-    /// Options with the launch's timeout and default everything else.
+    /// Options with the launch's timeout, the stream settings of the environment
+    /// ([`StreamSettings::from_env`]) and default everything else.
     pub fn from_info(info: &LaunchInfo) -> Self {
         TcpOptions {
             timeout: info.timeout,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT.min(info.timeout),
             liveness: info.liveness,
+            streams: StreamSettings::from_env(),
             ..TcpOptions::default()
         }
     }
@@ -197,8 +204,9 @@ pub struct TcpTransport {
     book: Vec<SocketAddr>,
     next_seq: u64,
     acceptor: Option<Acceptor>,
-    /// Connections that arrived for communicators not opened yet: (seq, rank) → stream.
-    stash: HashMap<(u64, usize), TcpStream>,
+    /// Connections that arrived for communicators not opened yet: (seq, rank, stream index)
+    /// → connection.
+    stash: HashMap<(u64, usize, usize), TcpStream>,
     board: Arc<AbortBoard>,
     link: Option<Arc<Link>>,
     /// Every rank's place, by rank, as exchanged at the rendezvous.
@@ -236,6 +244,7 @@ impl TcpTransport {
     /// about the timeout. Fails on every rank alike with [`TransportError::Config`] when the
     /// launcher's local ranks contradict the hosts the ranks run on.
     pub fn connect(info: &LaunchInfo, opts: TcpOptions) -> Result<TcpTransport> {
+        opts.streams.check()?;
         let topology = info.topology();
         let me = Place::of(info);
         let mut t = TcpTransport {
@@ -375,52 +384,73 @@ impl TcpTransport {
         }
     }
 
-    fn open_mesh(&mut self, label: &str, seq: u64) -> Result<Vec<Option<TcpStream>>> {
+    /// How many connections a communicator holds to `peer`: the agreed stream count to a
+    /// peer on another host (or to every peer, with [`StreamSettings::every_peer`]), else 1.
+    fn streams_to(&self, peer: usize) -> usize {
+        let same_host = self.layout.topology(peer).cross_rank == self.topology.cross_rank;
+        self.opts.streams.streams_to(same_host)
+    }
+
+    fn open_mesh(&mut self, label: &str, seq: u64) -> Result<Vec<Vec<TcpStream>>> {
         let (rank, size) = (self.topology.rank, self.topology.size);
         let deadline = Instant::now() + self.opts.timeout;
-        let mut peers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
-        ensure_descriptors(size, &format!("communicator '{label}'"))?;
-        // Connect to every lower rank.
-        for (r, slot) in peers.iter_mut().enumerate().take(rank) {
-            let what = format!("rank {r} (communicator '{label}')");
-            let hello = Hello {
-                version: wire::PROTOCOL_VERSION,
-                kind: ConnKind::Data,
-                size: size as u32,
-                rank: rank as u32,
-                seq,
-                port: 0,
-                lost: 0,
-                world: self.world,
-                nonce: [0; wire::NONCE_LEN],
-            };
-            // Every data listener has been up since the rendezvous: a refused connection
-            // means that rank's process is gone, not that it is late.
-            let s = connect_handshake(
-                &[self.book[r]],
-                |_| Ok(hello.clone()),
-                &self.key,
-                &what,
-                deadline,
-                self.attempt_timeout(),
-                Some(r),
-                &|| self.verdict_error(),
-            )?;
-            *slot = Some(s);
+        let want: Vec<usize> = (0..size)
+            .map(|p| if p == rank { 0 } else { self.streams_to(p) })
+            .collect();
+        let mut peers: Vec<Vec<Option<TcpStream>>> = want
+            .iter()
+            .map(|&n| (0..n).map(|_| None).collect())
+            .collect();
+        ensure_descriptors(want.iter().sum(), &format!("communicator '{label}'"))?;
+        // Connect to every lower rank, each of its streams in order.
+        for (r, slots) in peers.iter_mut().enumerate().take(rank) {
+            for (stream, slot) in slots.iter_mut().enumerate() {
+                let what = if want[r] > 1 {
+                    format!("rank {r} (communicator '{label}', stream {stream})")
+                } else {
+                    format!("rank {r} (communicator '{label}')")
+                };
+                let hello = Hello {
+                    version: wire::PROTOCOL_VERSION,
+                    kind: ConnKind::Data,
+                    size: size as u32,
+                    rank: rank as u32,
+                    seq,
+                    port: stream as u16,
+                    lost: 0,
+                    world: self.world,
+                    nonce: [0; wire::NONCE_LEN],
+                };
+                // Every data listener has been up since the rendezvous: a refused connection
+                // means that rank's process is gone, not that it is late.
+                let s = connect_handshake(
+                    &[self.book[r]],
+                    |_| Ok(hello.clone()),
+                    &self.key,
+                    &what,
+                    deadline,
+                    self.attempt_timeout(),
+                    Some(r),
+                    &|| self.verdict_error(),
+                )?;
+                *slot = Some(s);
+            }
         }
         // Accept every higher rank (possibly stashed while an earlier communicator was opened).
         let acceptor = self
             .acceptor
             .as_mut()
             .ok_or_else(|| TransportError::Closed("the TCP transport has no listener".into()))?;
-        for (r, slot) in peers.iter_mut().enumerate().skip(rank + 1) {
-            if let Some(s) = self.stash.remove(&(seq, r)) {
-                *slot = Some(s);
+        for (r, slots) in peers.iter_mut().enumerate().skip(rank + 1) {
+            for (stream, slot) in slots.iter_mut().enumerate() {
+                if let Some(s) = self.stash.remove(&(seq, r, stream)) {
+                    *slot = Some(s);
+                }
             }
         }
         let watch = self.liveness.as_ref().map(|l| l.watch().clone());
         let lost = || watch.as_ref().is_some_and(|w| w.verdict().is_some());
-        while let Some(missing) = (rank + 1..size).find(|&r| peers[r].is_none()) {
+        while let Some(missing) = (rank + 1..size).find(|&r| peers[r].iter().any(Option::is_none)) {
             let Some((hello, stream, from)) = acceptor.next_unless(deadline, VERDICT_POLL, &lost)
             else {
                 if let Some(v) = watch.as_ref().and_then(Watch::verdict) {
@@ -435,15 +465,30 @@ impl TcpTransport {
                     ),
                 });
             };
-            let r = hello.rank as usize;
-            if hello.seq < seq || (hello.seq == seq && peers[r].is_some()) {
-                tracing::warn!(rank = r, seq = hello.seq, %from, "dropping a stale or duplicate connection");
+            let (r, index) = (hello.rank as usize, hello.port as usize);
+            if index >= want[r] {
+                // Streams are agreed at the rendezvous: a rank that opens more is broken.
+                return Err(TransportError::Protocol {
+                    rank: r,
+                    detail: format!(
+                        "it opened stream {index} of communicator '{label}' (#{seq}), but the \
+                         world agreed on {} stream(s) between these ranks",
+                        want[r]
+                    ),
+                });
+            }
+            if hello.seq < seq || (hello.seq == seq && peers[r][index].is_some()) {
+                tracing::warn!(rank = r, seq = hello.seq, stream = index, %from, "dropping a stale or duplicate connection");
             } else if hello.seq == seq {
-                peers[r] = Some(stream);
+                peers[r][index] = Some(stream);
             } else {
-                self.stash.insert((hello.seq, r), stream);
+                self.stash.insert((hello.seq, r, index), stream);
             }
         }
+        let peers: Vec<Vec<TcpStream>> = peers
+            .into_iter()
+            .map(|slots| slots.into_iter().flatten().collect())
+            .collect();
         for s in peers.iter().flatten() {
             s.set_nodelay(true)
                 .and_then(|_| s.set_nonblocking(true))
@@ -562,7 +607,7 @@ impl TcpTransport {
         self.next_seq += 1;
         let (rank, size) = (self.topology.rank, self.topology.size);
         let peers = if size == 1 {
-            vec![None]
+            vec![Vec::new()]
         } else {
             self.open_mesh(label, seq)
                 .map_err(|e| self.tell_formation_failed(e, seq))?
