@@ -19,6 +19,11 @@ mod blame;
 
 /// A communicator of the TCP backend (see [`Transport::open`](crate::Transport::open) on a [`super::TcpTransport`]).
 ///
+/// It holds one connection to each peer on its host and [`super::streams`]' agreed number to
+/// each peer on another host; a large message to such a peer is striped over them, every
+/// stripe of a send and of a receive moved by one poll loop. What follows holds on every
+/// stream: progress on any of them counts, and a fault on any of them is the peer's.
+///
 /// Every operation waits at most the configured timeout *without progress*: a large transfer
 /// that keeps moving is never cut short, a silent peer is reported after the timeout, and a
 /// peer whose connection closes or resets is reported at once as

@@ -17,6 +17,18 @@
 //! number, so connections of different communicators can never be mixed up. Listeners are
 //! served by a background acceptor thread, so a rank answers handshakes even while it is busy.
 //!
+//! **Parallel streams.** Clouds cap each TCP flow well below a VM's link. To a peer on another
+//! host (by the settled layout) a communicator holds `FH_TCP_STREAMS` connections, each
+//! handshake naming its stream index; a message of at least `FH_TCP_STRIPE_MIN` bytes to that
+//! peer goes as one contiguous stripe per connection, all moved by the communicator's one poll
+//! loop, with no thread or copy of its own ([`streams`]). Peers on the same host keep one
+//! connection, so loopback-only worlds and shared memory are unaffected. The settings shape
+//! every frame, so every member sends its settings to rank 0 at the rendezvous, and a rank
+//! whose settings differ stops every rank with an error naming both values. Fault handling
+//! covers every stream: a closed or reset stream names its peer at once, an abort notice goes
+//! in band on every stream of a peer (out of band where a frame to it is half sent), and a
+//! rank that only sends watches the incoming side of each stream it does not read.
+//!
 //! **A closed door, both ways.** Every connection starts with a mutual challenge–response
 //! ([`wire`]): each side proves that it knows the job token with HMAC-SHA-256 over the other
 //! side's fresh nonce, so the token never crosses the network, a recorded handshake cannot be
@@ -59,7 +71,7 @@
 //! data (but never the token).
 //!
 //! **Descriptors.** Every communicator is a full mesh, so a rank holds about
-//! `communicators × (size − 1)` sockets. Before each mesh is built the soft `RLIMIT_NOFILE` is
+//! `communicators × (size − 1)` sockets (each peer on another host counting `FH_TCP_STREAMS`). Before each mesh is built the soft `RLIMIT_NOFILE` is
 //! raised as far as needed (up to the hard limit); beyond the hard limit opening fails with an
 //! error that names the limit and the fix.
 
@@ -333,6 +345,16 @@ impl TcpTransport {
             watch: t.liveness.as_ref().map(|l| l.watch().clone()),
         }));
         tracing::debug!(rank = info.rank, book = ?t.book, hosts = ?t.layout.hosts(), "TCP rendezvous complete");
+        if info.rank == 0 && (t.layout.hosts().len() > 1 || t.opts.streams.every_peer) {
+            let s = &t.opts.streams;
+            tracing::info!(
+                streams = s.count.resolve(),
+                setting = %s.count,
+                stripe_min = s.stripe_min,
+                every_peer = s.every_peer,
+                "TCP streams to each peer on another host (FH_TCP_STREAMS; auto is a fixed 4 for now)"
+            );
+        }
         Ok(t)
     }
 
