@@ -29,8 +29,10 @@ pub const MAX_STREAMS: usize = 16;
 /// a link of four times a cloud's per-flow cap, cheap where one flow fills it already.
 pub const DEFAULT_STREAMS: usize = 4;
 /// Default smallest frame striped ([`STRIPE_MIN_VAR`]): below it a frame's time is dominated
-/// by the round trip, not the flow's rate, and one stream is cheaper.
-pub const DEFAULT_STRIPE_MIN: usize = 1 << 20;
+/// by the round trip, not the flow's rate, and one stream is cheaper. At most the ring's piece
+/// ([`crate::algorithms::RING_CHUNK_BYTES`], 512 KiB), so that a large allreduce's pieces are
+/// striped.
+pub const DEFAULT_STRIPE_MIN: usize = 256 << 10;
 
 /// How many streams a communicator holds to each peer on another host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
