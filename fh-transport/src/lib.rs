@@ -86,6 +86,7 @@ pub const ENV_VARIABLES: &[&str] = &[
     backend::tcp::streams::STREAMS_VAR,
     backend::tcp::streams::STRIPE_MIN_VAR,
     backend::tcp::streams::STRIPE_LOCAL_VAR,
+    backend::tcp::streams::FLOW_CAP_VAR,
     "FH_MPI_THREAD_LEVEL",
     "FH_NCCL_LIBRARY",
     "FH_ELASTIC_ADDR",

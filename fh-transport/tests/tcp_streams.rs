@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
 use fh_job::{JobToken, LaunchInfo};
-use fh_transport::backend::tcp::streams::{stripe_range, StreamSettings};
+use fh_transport::backend::tcp::streams::{
+    stripe_range, StreamCount, StreamSettings, DEFAULT_STREAMS, PROBE_STREAMS,
+};
 use fh_transport::backend::tcp::{TcpComm, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
 
@@ -26,6 +28,16 @@ fn join(
     timeout_s: u64,
     settings: impl Fn(usize) -> StreamSettings,
 ) -> Vec<Result<TcpTransport, TransportError>> {
+    join_on(size, timeout_s, settings, |_| None)
+}
+
+/// [`join`] with rank `r` on the host named `host(r)` (`None`: this machine's identity).
+fn join_on(
+    size: usize,
+    timeout_s: u64,
+    settings: impl Fn(usize) -> StreamSettings,
+    host: impl Fn(usize) -> Option<String>,
+) -> Vec<Result<TcpTransport, TransportError>> {
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -33,7 +45,10 @@ fn join(
         .port();
     let handles: Vec<_> = (0..size)
         .map(|rank| {
-            let info = info(rank, size, port, timeout_s);
+            let info = LaunchInfo {
+                host_id: host(rank),
+                ..info(rank, size, port, timeout_s)
+            };
             let streams = settings(rank);
             std::thread::spawn(move || {
                 let mut opts = TcpOptions::from_info(&info);
@@ -310,4 +325,83 @@ fn an_interrupt_ends_a_striped_wait() {
     for (text, took) in errs {
         assert!(took < Duration::from_secs(30), "{took:?}: {text}");
     }
+}
+
+/// Two "hosts" of two ranks each on this machine (named by their host ids): what each rank's
+/// communicator holds to every peer, after an allreduce that checks its values.
+fn streams_across_two_hosts(count: StreamCount, flow_cap: Option<u64>) -> Vec<Vec<usize>> {
+    let settings = move |_| {
+        let mut s = StreamSettings::default();
+        s.count = count;
+        s.flow_cap = flow_cap;
+        s
+    };
+    let host = |r: usize| Some(if r < 2 { "host-a" } else { "host-b" }.to_string());
+    let w: Vec<TcpTransport> = join_on(4, 60, settings, host)
+        .into_iter()
+        .map(|t| t.expect("connect"))
+        .collect();
+    on_every_rank(w, |mut t| {
+        let mut c = t.open_tcp("across").unwrap();
+        let mut v = vec![t.rank() as f32; (3 << 20) / 4 + 1];
+        c.allreduce_typed(&mut v, ReduceOp::Sum).unwrap();
+        assert!(v.iter().all(|&x| x == 6.0));
+        (0..4).map(|p| c.streams(p)).collect()
+    })
+}
+
+#[test]
+fn auto_measures_and_every_rank_uses_the_same_streams() {
+    let held = streams_across_two_hosts(StreamCount::Auto, None);
+    let s = held[0][2];
+    assert!((1..=PROBE_STREAMS).contains(&s), "{held:?}");
+    eprintln!("auto chose {s} stream(s) between the two hosts");
+    // One stream within a host, the measured number across, on every rank alike.
+    assert_eq!(
+        held,
+        vec![
+            vec![0, 1, s, s],
+            vec![1, 0, s, s],
+            vec![s, s, 0, 1],
+            vec![s, s, 1, 0]
+        ]
+    );
+}
+
+#[test]
+fn a_fixed_count_holds_across_hosts_only() {
+    let held = streams_across_two_hosts(StreamCount::Fixed(3), None);
+    assert_eq!(
+        held,
+        vec![
+            vec![0, 1, 3, 3],
+            vec![1, 0, 3, 3],
+            vec![3, 3, 0, 1],
+            vec![3, 3, 1, 0]
+        ]
+    );
+}
+
+#[test]
+fn auto_takes_several_streams_where_each_flow_is_capped() {
+    // Every connection capped at 10 MB/s (a cloud's per-flow cap, emulated by the kernel's
+    // pacing) and nothing else: eight flows at once move about eight times what one does,
+    // whatever the load of this machine (80 MB/s is little for loopback), so the measurement
+    // must choose more streams than the fixed default would give.
+    let held = streams_across_two_hosts(StreamCount::Auto, Some(10_000_000));
+    let s = held[0][2];
+    eprintln!("auto chose {s} stream(s) between the two hosts at 10 MB/s per flow");
+    assert!(
+        (DEFAULT_STREAMS + 1..=PROBE_STREAMS).contains(&s),
+        "{held:?}"
+    );
+    assert_eq!(
+        held,
+        vec![
+            vec![0, 1, s, s],
+            vec![1, 0, s, s],
+            vec![s, s, 0, 1],
+            vec![s, s, 1, 0]
+        ]
+    );
 }

@@ -45,6 +45,8 @@ pub struct TcpComm {
     sent: Vec<Vec<u64>>,
     /// Smallest message striped over a peer's streams.
     stripe_min: usize,
+    /// The most streams a message uses (the measurement of `auto` compares 1 with several).
+    stripe_cap: usize,
     loopback: VecDeque<Vec<u8>>,
     timeout: Duration,
     max_frame: usize,
@@ -76,6 +78,7 @@ impl TcpComm {
             size,
             sent: peers.iter().map(|p| vec![0; p.len()]).collect(),
             stripe_min: opts.streams.stripe_min,
+            stripe_cap: usize::MAX,
             peers,
             loopback: VecDeque::new(),
             timeout: opts.timeout,
@@ -144,6 +147,11 @@ impl TcpComm {
         }
     }
 
+    /// Use at most `cap` streams per message (≥ 1); every rank involved must set the same.
+    pub(super) fn set_stripe_cap(&mut self, cap: usize) {
+        self.stripe_cap = cap.max(1);
+    }
+
     /// How many streams (connections) this communicator holds to `peer` (0 for itself).
     pub fn streams(&self, peer: usize) -> usize {
         self.peers.get(peer).map_or(0, Vec::len)
@@ -201,6 +209,20 @@ impl TcpComm {
                 detail: format!("unknown control frame {v:#x}"),
             }),
         }
+    }
+
+    /// The rank named by an abort notice waiting unread at the head of one of `fds`, if any.
+    fn notice_on(&self, fds: &[i32]) -> Option<u32> {
+        fds.iter().find_map(|&fd| {
+            let mut head = [0u8; 8];
+            match sys::peek(fd, &mut head) {
+                Ok(8) => match wire::decode_header(head) {
+                    Header::Abort { lost } => Some(lost),
+                    _ => None,
+                },
+                _ => None,
+            }
+        })
     }
 
     /// While only sending to `peer`, its incoming side became readable: fail at once if it
@@ -300,7 +322,8 @@ impl TcpComm {
         // stripe's header carries the whole message's length.
         let tx_parts: Vec<Vec<&[u8]>> = match &send {
             Some((peer, data, len)) => {
-                let n = stripe_count(*len, self.peers[*peer].len(), self.stripe_min);
+                let streams = self.peers[*peer].len().min(self.stripe_cap);
+                let n = stripe_count(*len, streams, self.stripe_min);
                 (0..n)
                     .map(|i| stripe_slices(data, stripe_range(*len, n, i)))
                     .collect()
@@ -327,7 +350,8 @@ impl TcpComm {
         let (rx_peer, rx_len) = recv.as_ref().map_or((self.rank, 0), |r| (r.0, r.2));
         let mut rx_parts: Vec<Vec<&mut [u8]>> = match recv {
             Some((peer, bufs, len)) => {
-                let n = stripe_count(len, self.peers[peer].len(), self.stripe_min);
+                let streams = self.peers[peer].len().min(self.stripe_cap);
+                let n = stripe_count(len, streams, self.stripe_min);
                 split_stripes(bufs, len, n)
             }
             None => Vec::new(),
@@ -380,7 +404,21 @@ impl TcpComm {
             }
             if let Some((peer, e)) = broken {
                 let half = half_sent(&tx);
-                let err = self.lost(peer, op, e);
+                // A peer that gave up said why in band on every stream to us before it shut
+                // them, and what it sent stays readable after a reset: look there first, on
+                // every stream not in the middle of a frame from it.
+                let quiet: Vec<i32> = tx
+                    .iter()
+                    .map(|l| l.1)
+                    .filter(|&fd| {
+                        !rx.iter()
+                            .any(|(_, f, r)| *f == fd && r.done > 0 && !r.finished())
+                    })
+                    .collect();
+                let err = match self.notice_on(&quiet) {
+                    Some(lost) => self.abort_error(peer, lost),
+                    None => self.lost(peer, op, e),
+                };
                 return Err(self.fail(err, half));
             }
             let mut problem = None;

@@ -23,10 +23,15 @@ pub const STRIPE_MIN_VAR: &str = "FH_TCP_STRIPE_MIN";
 /// loopback jobs then take the striped path).
 pub const STRIPE_LOCAL_VAR: &str = "FH_TCP_STRIPE_LOCAL";
 
+/// The variable that caps the rate of every data connection, in bytes per second: an emulated
+/// cloud, whose per-flow cap the streams exist to overcome (for tests and benches on one
+/// machine; Linux's `SO_MAX_PACING_RATE`).
+pub const FLOW_CAP_VAR: &str = "FH_TCP_FLOW_CAP";
+
 /// The most streams to one peer.
 pub const MAX_STREAMS: usize = 16;
-/// Streams to a peer on another host when [`STREAMS_VAR`] is unset or `auto`: enough to fill
-/// a link of four times a cloud's per-flow cap, cheap where one flow fills it already.
+/// Streams to a peer under `auto` where nothing was measured (striping forced between ranks of
+/// one host, [`STRIPE_LOCAL_VAR`]).
 pub const DEFAULT_STREAMS: usize = 4;
 /// Default smallest frame striped ([`STRIPE_MIN_VAR`]): below it a frame's time is dominated
 /// by the round trip, not the flow's rate, and one stream is cheaper. At most the ring's piece
@@ -34,10 +39,30 @@ pub const DEFAULT_STREAMS: usize = 4;
 /// striped.
 pub const DEFAULT_STRIPE_MIN: usize = 256 << 10;
 
+/// Streams the measurement of `auto` tries at once (against one), and the most it chooses.
+pub const PROBE_STREAMS: usize = 8;
+/// How long each of the measurement's two phases sends.
+pub const PROBE_TIME: std::time::Duration = std::time::Duration::from_millis(150);
+/// Bytes of each frame the measurement sends on a stream.
+pub const PROBE_FRAME: usize = 1 << 20;
+
+/// The streams to use from the measured rates of one stream and of [`PROBE_STREAMS`] at once
+/// (bytes per second): 1 where one stream reaches within a quarter of the many-stream rate
+/// (one flow already fills the link, or the CPU is the limit), else as many as the ratio says
+/// (each flow gets one stream's rate), at least 2 and at most [`PROBE_STREAMS`].
+pub fn choose(one: f64, many: f64) -> usize {
+    let several_help = one > 0.0 && many >= 1.25 * one;
+    if !several_help {
+        return 1;
+    }
+    ((many / one).ceil() as usize).clamp(2, PROBE_STREAMS)
+}
+
 /// How many streams a communicator holds to each peer on another host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamCount {
-    /// Chosen by the runtime: [`DEFAULT_STREAMS`] today.
+    /// Chosen by the runtime: in a world spanning hosts, measured when the transport starts
+    /// ([`choose`]); else (striping forced between ranks of one host) [`DEFAULT_STREAMS`].
     Auto,
     /// Exactly this many (1: one connection per peer, no striping).
     Fixed(usize),
@@ -72,6 +97,9 @@ pub struct StreamSettings {
     pub stripe_min: usize,
     /// Stripe to every peer, also on this rank's host ([`STRIPE_LOCAL_VAR`]; for tests).
     pub every_peer: bool,
+    /// Cap every data connection's sending rate at this many bytes per second
+    /// ([`FLOW_CAP_VAR`]; emulation, a rank's own business: not compared between ranks).
+    pub flow_cap: Option<u64>,
     /// A variable that could not be read, with the reason (reported when the transport starts).
     invalid: Option<(String, String)>,
 }
@@ -82,6 +110,7 @@ impl Default for StreamSettings {
             count: StreamCount::Auto,
             stripe_min: DEFAULT_STRIPE_MIN,
             every_peer: false,
+            flow_cap: None,
             invalid: None,
         }
     }
@@ -95,6 +124,7 @@ impl StreamSettings {
             count: StreamCount::Fixed(n),
             stripe_min,
             every_peer: true,
+            flow_cap: None,
             invalid: None,
         }
     }
@@ -134,6 +164,17 @@ impl StreamSettings {
                     s.invalid = Some((
                         STRIPE_MIN_VAR.into(),
                         format!("{v:?} is not a size in bytes (at least 1)"),
+                    ))
+                }
+            }
+        }
+        if let Some(v) = get(FLOW_CAP_VAR) {
+            match fh_core::units::parse_size(v.trim()) {
+                Ok(n) if n >= 1 => s.flow_cap = Some(n),
+                _ => {
+                    s.invalid = Some((
+                        FLOW_CAP_VAR.into(),
+                        format!("{v:?} is not a rate in bytes per second (e.g. 62500000 or 60M)"),
                     ))
                 }
             }
@@ -228,6 +269,7 @@ impl StreamSettings {
             count,
             stripe_min: min as usize,
             every_peer,
+            flow_cap: None,
             invalid: None,
         };
         Ok((s, ENCODED_LEN))
@@ -317,6 +359,20 @@ mod tests {
     }
 
     #[test]
+    fn the_measured_ratio_chooses_the_streams() {
+        // One flow fills the link (or the CPU is the limit): one stream.
+        assert_eq!(choose(100.0, 110.0), 1);
+        assert_eq!(choose(100.0, 60.0), 1);
+        assert_eq!(choose(0.0, 60.0), 1);
+        assert_eq!(choose(f64::NAN, 60.0), 1);
+        // A per-flow cap of a quarter of the link: four.
+        assert_eq!(choose(0.48, 1.91), 4);
+        assert_eq!(choose(100.0, 130.0), 2);
+        // Never more than were tried.
+        assert_eq!(choose(1.0, 100.0), PROBE_STREAMS);
+    }
+
+    #[test]
     fn settings_round_trip_and_mismatches_name_both_values() {
         let s = StreamSettings::everywhere(3, 4096);
         let (d, used) = StreamSettings::decode(&s.encode()).unwrap();
@@ -342,7 +398,12 @@ mod tests {
                 pairs.iter().find(|p| p.0 == v).map(|p| p.1.to_string())
             })
         };
-        let s = env(&[("FH_TCP_STREAMS", "8"), ("FH_TCP_STRIPE_MIN", "100")]);
+        let s = env(&[
+            ("FH_TCP_STREAMS", "8"),
+            ("FH_TCP_STRIPE_MIN", "100"),
+            ("FH_TCP_FLOW_CAP", "20M"),
+        ]);
+        assert_eq!(s.flow_cap, Some(20 << 20));
         assert_eq!(
             (s.count, s.stripe_min, s.every_peer),
             (StreamCount::Fixed(8), 100, false)
@@ -364,6 +425,7 @@ mod tests {
             &[("FH_TCP_STREAMS", "17")],
             &[("FH_TCP_STRIPE_MIN", "0")],
             &[("FH_TCP_STRIPE_LOCAL", "yes")],
+            &[("FH_TCP_FLOW_CAP", "fast")],
         ] {
             let err = env(bad).check().unwrap_err().to_string();
             assert!(err.contains(bad[0].0), "{err}");
