@@ -516,13 +516,21 @@ impl TcpTransport {
             .into_iter()
             .map(|slots| slots.into_iter().flatten().collect())
             .collect();
-        for s in peers.iter().flatten() {
+        for (p, s) in peers
+            .iter()
+            .enumerate()
+            .flat_map(|(p, streams)| streams.iter().map(move |s| (p, s)))
+        {
             s.set_nodelay(true)
                 .and_then(|_| s.set_nonblocking(true))
                 .and_then(|_| s.set_read_timeout(None))
                 .and_then(|_| s.set_write_timeout(None))
                 .map_err(|e| TransportError::io("configuring a data connection", e))?;
-            if let Some(cap) = self.opts.streams.flow_cap {
+            // The emulated cap is the network's: connections within a host are not capped
+            // (unless every peer counts as remote).
+            let remote = self.layout.topology(p).cross_rank != self.topology.cross_rank
+                || self.opts.streams.every_peer;
+            if let (Some(cap), true) = (self.opts.streams.flow_cap, remote) {
                 sys::set_max_pacing_rate(s, cap).map_err(|e| {
                     TransportError::io(
                         format!("capping a data connection ({})", streams::FLOW_CAP_VAR),

@@ -23,9 +23,10 @@ pub const STRIPE_MIN_VAR: &str = "FH_TCP_STRIPE_MIN";
 /// loopback jobs then take the striped path).
 pub const STRIPE_LOCAL_VAR: &str = "FH_TCP_STRIPE_LOCAL";
 
-/// The variable that caps the rate of every data connection, in bytes per second: an emulated
-/// cloud, whose per-flow cap the streams exist to overcome (for tests and benches on one
-/// machine; Linux's `SO_MAX_PACING_RATE`).
+/// The variable that caps the rate of every data connection to a peer on another host (every
+/// peer with [`STRIPE_LOCAL_VAR`]), in bytes per second: an emulated cloud, whose per-flow cap
+/// the streams exist to overcome (for tests and benches on one machine; Linux's
+/// `SO_MAX_PACING_RATE`).
 pub const FLOW_CAP_VAR: &str = "FH_TCP_FLOW_CAP";
 
 /// The most streams to one peer.
