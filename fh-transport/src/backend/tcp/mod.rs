@@ -493,7 +493,9 @@ impl TcpTransport {
                 });
             };
             let (r, index) = (hello.rank as usize, hello.port as usize);
-            if index >= want[r] {
+            // (A later communicator's connection may name a stream this one does not have:
+            // the measurement's communicator holds fewer streams than the next.)
+            if hello.seq == seq && index >= want[r] {
                 // Streams are agreed at the rendezvous: a rank that opens more is broken.
                 return Err(TransportError::Protocol {
                     rank: r,
