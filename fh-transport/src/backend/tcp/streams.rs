@@ -10,6 +10,13 @@
 //! refuses it as it would an unstriped frame; the split itself never crosses the wire: both
 //! ends compute it from the length and the settings, which the rendezvous checks to be the
 //! same on every rank ([`StreamSettings::encode`], sent by every member after its host place).
+//!
+//! How many: [`StreamCount::Auto`] (the default) is measured when a world spanning hosts
+//! starts. Rank 0 and the first rank on another host send for [`PROBE_TIME`] over one stream,
+//! then as long over [`PROBE_STREAMS`] at once; [`choose`] turns the two rates into a count
+//! (1 where one flow already gets close to what many get), which rank 0 logs and sends every
+//! rank. [`FLOW_CAP_VAR`] emulates a cloud's per-flow cap on one machine, so that tests and
+//! benches can see the difference.
 
 use fh_core::bytes::{DecodeError, Reader};
 
