@@ -55,13 +55,7 @@ impl TcpComm {
                 let sent = sys::send2(stream.as_raw_fd(), &notice, &[]).unwrap_or(0);
                 all_sent &= sent == notice.len();
             }
-            // A peer whose data waits unread here may be sending to us still: the shutdown
-            // below makes its next send fail with a reset, which can destroy the notice before
-            // it reads it. Tell it out of band too (before the shutdown), where it looks first.
-            let sending = streams.iter().any(
-                |stream| matches!(sys::peek(stream.as_raw_fd(), &mut [0u8; 1]), Ok(n) if n > 0),
-            );
-            if !all_sent || sending {
+            if !all_sent {
                 out_of_band.push(p);
             }
         }
