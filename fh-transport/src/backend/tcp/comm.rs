@@ -1,4 +1,5 @@
-//! A TCP communicator: one nonblocking connection per peer, frames moved with poll(2).
+//! A TCP communicator: nonblocking connections to every peer (several to a peer on another
+//! host, [`super::streams`]), frames moved with poll(2).
 
 use std::collections::VecDeque;
 use std::io;
@@ -9,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::frame::{RecvState, SendState};
 use super::link::{NOTICE_TIMEOUT, PROBE_MARGIN, PROBE_TIMEOUT};
+use super::streams::{stripe_count, stripe_range};
 use super::wire::{self, Header};
 use super::{sys, Link, TcpOptions};
 use crate::{Communicator, Interrupt, Result, TransportError};
@@ -16,6 +18,11 @@ use crate::{Communicator, Interrupt, Result, TransportError};
 mod blame;
 
 /// A communicator of the TCP backend (see [`Transport::open`](crate::Transport::open) on a [`super::TcpTransport`]).
+///
+/// It holds one connection to each peer on its host and [`super::streams`]' agreed number to
+/// each peer on another host; a large message to such a peer is striped over them, every
+/// stripe of a send and of a receive moved by one poll loop. What follows holds on every
+/// stream: progress on any of them counts, and a fault on any of them is the peer's.
 ///
 /// Every operation waits at most the configured timeout *without progress*: a large transfer
 /// that keeps moving is never cut short, a silent peer is reported after the timeout, and a
@@ -31,7 +38,15 @@ pub struct TcpComm {
     seq: u64,
     rank: usize,
     size: usize,
-    peers: Vec<Option<TcpStream>>,
+    /// The connections to each peer, in stream order (none to itself; several to a peer on
+    /// another host, [`super::streams`]).
+    peers: Vec<Vec<TcpStream>>,
+    /// Bytes sent on each of them (headers included).
+    sent: Vec<Vec<u64>>,
+    /// Smallest message striped over a peer's streams.
+    stripe_min: usize,
+    /// The most streams a message uses (the measurement of `auto` compares 1 with several).
+    stripe_cap: usize,
     loopback: VecDeque<Vec<u8>>,
     timeout: Duration,
     max_frame: usize,
@@ -51,7 +66,7 @@ impl TcpComm {
         seq: u64,
         rank: usize,
         size: usize,
-        peers: Vec<Option<TcpStream>>,
+        peers: Vec<Vec<TcpStream>>,
         opts: &TcpOptions,
         link: Option<Arc<Link>>,
         interrupt: Interrupt,
@@ -61,6 +76,9 @@ impl TcpComm {
             seq,
             rank,
             size,
+            sent: peers.iter().map(|p| vec![0; p.len()]).collect(),
+            stripe_min: opts.streams.stripe_min,
+            stripe_cap: usize::MAX,
             peers,
             loopback: VecDeque::new(),
             timeout: opts.timeout,
@@ -118,14 +136,30 @@ impl TcpComm {
         Ok(())
     }
 
-    fn fd(&self, peer: usize) -> Result<i32> {
-        match &self.peers[peer] {
-            Some(s) => Ok(s.as_raw_fd()),
-            None => Err(TransportError::Closed(format!(
+    /// The descriptors of the streams to `peer`, in stream order.
+    fn fds(&self, peer: usize) -> Result<Vec<i32>> {
+        match &self.peers[peer][..] {
+            [] => Err(TransportError::Closed(format!(
                 "no connection to rank {peer} on communicator '{}'",
                 self.label
             ))),
+            streams => Ok(streams.iter().map(AsRawFd::as_raw_fd).collect()),
         }
+    }
+
+    /// Use at most `cap` streams per message (≥ 1); every rank involved must set the same.
+    pub(super) fn set_stripe_cap(&mut self, cap: usize) {
+        self.stripe_cap = cap.max(1);
+    }
+
+    /// How many streams (connections) this communicator holds to `peer` (0 for itself).
+    pub fn streams(&self, peer: usize) -> usize {
+        self.peers.get(peer).map_or(0, Vec::len)
+    }
+
+    /// The bytes sent to `peer` so far on each of its streams, frame headers included.
+    pub fn bytes_sent(&self, peer: usize) -> Vec<u64> {
+        self.sent.get(peer).cloned().unwrap_or_default()
     }
 
     /// Receive into `bufs`, in order, the message this rank sent itself earlier.
@@ -177,6 +211,20 @@ impl TcpComm {
         }
     }
 
+    /// The rank named by an abort notice waiting unread at the head of one of `fds`, if any.
+    fn notice_on(&self, fds: &[i32]) -> Option<u32> {
+        fds.iter().find_map(|&fd| {
+            let mut head = [0u8; 8];
+            match sys::peek(fd, &mut head) {
+                Ok(8) => match wire::decode_header(head) {
+                    Header::Abort { lost } => Some(lost),
+                    _ => None,
+                },
+                _ => None,
+            }
+        })
+    }
+
     /// While only sending to `peer`, its incoming side became readable: fail at once if it
     /// closed or sent an abort notice; returns whether to keep watching (not once ordinary data
     /// for a later receive is waiting).
@@ -209,9 +257,11 @@ impl TcpComm {
         }
     }
 
-    /// Move one frame to `send.0` and/or one frame from `recv.0`, interleaving both so that
-    /// neither direction can block the other. A frame's payload may come from several slices
-    /// and go to several (one frame on the wire either way).
+    /// Move one message to `send.0` and/or one message from `recv.0`, interleaving both so
+    /// that neither direction can block the other. A message's payload may come from several
+    /// slices and go to several; to a peer with several streams a message of at least the
+    /// stripe threshold travels as one frame per stream ([`super::streams`]), all of them
+    /// moved by this one poll loop.
     fn transfer(
         &mut self,
         op: &'static str,
@@ -268,97 +318,156 @@ impl TcpComm {
             other => other,
         };
 
-        let mut tx = send.map(|(peer, data, len)| SendState {
-            peer,
-            header: wire::data_header(len as u64),
-            data,
-            len,
-            done: 0,
-        });
-        let mut rx = recv.map(|(peer, bufs, len)| RecvState {
-            peer,
-            header: [0; 8],
-            bufs,
-            len,
-            done: 0,
-            checked: false,
-        });
-        let tx_fd = match &tx {
-            Some(t) => Some(self.fd(t.peer)?),
-            None => None,
+        // The stripes of each direction: (stream, descriptor, frame in progress). Every
+        // stripe's header carries the whole message's length.
+        let tx_parts: Vec<Vec<&[u8]>> = match &send {
+            Some((peer, data, len)) => {
+                let streams = self.peers[*peer].len().min(self.stripe_cap);
+                let n = stripe_count(*len, streams, self.stripe_min);
+                (0..n)
+                    .map(|i| stripe_slices(data, stripe_range(*len, n, i)))
+                    .collect()
+            }
+            None => Vec::new(),
         };
-        let rx_fd = match &rx {
-            Some(r) => Some(self.fd(r.peer)?),
-            None => None,
+        let mut tx: Vec<(usize, i32, SendState<'_>)> = Vec::with_capacity(tx_parts.len());
+        if let Some((peer, _, len)) = &send {
+            let fds = self.fds(*peer)?;
+            for (i, part) in tx_parts.iter().enumerate() {
+                tx.push((
+                    i,
+                    fds[i],
+                    SendState {
+                        peer: *peer,
+                        header: wire::data_header(*len as u64),
+                        data: part,
+                        len: part.iter().map(|s| s.len()).sum(),
+                        done: 0,
+                    },
+                ));
+            }
+        }
+        let (rx_peer, rx_len) = recv.as_ref().map_or((self.rank, 0), |r| (r.0, r.2));
+        let mut rx_parts: Vec<Vec<&mut [u8]>> = match recv {
+            Some((peer, bufs, len)) => {
+                let streams = self.peers[peer].len().min(self.stripe_cap);
+                let n = stripe_count(len, streams, self.stripe_min);
+                split_stripes(bufs, len, n)
+            }
+            None => Vec::new(),
         };
-        // While only sending to a peer, watch its incoming side for an abort notice.
-        let mut watch_tx_in = match (&tx, &rx) {
-            (Some(t), Some(r)) => t.peer != r.peer,
-            (Some(_), None) => true,
-            _ => false,
-        };
+        let mut rx: Vec<(usize, i32, RecvState<'_, '_>)> = Vec::with_capacity(rx_parts.len());
+        if !rx_parts.is_empty() {
+            let fds = self.fds(rx_peer)?;
+            let n = rx_parts.len();
+            for (i, part) in rx_parts.iter_mut().enumerate() {
+                rx.push((
+                    i,
+                    fds[i],
+                    RecvState {
+                        peer: rx_peer,
+                        header: [0; 8],
+                        bufs: part,
+                        len: stripe_range(rx_len, n, i).len(),
+                        done: 0,
+                        checked: false,
+                    },
+                ));
+            }
+        }
+        // While only sending to a peer (on a stream), watch its incoming side for an abort
+        // notice; `false` once ordinary data for a later receive waits there.
+        let mut watch_in = vec![true; tx.len()];
         let mut last_progress = Instant::now();
         // Whether this wait was extended once already for a peer that still answers.
         let mut extended = false;
+        let mut fds: Vec<sys::PollFd> = Vec::with_capacity(tx.len() + rx.len() + 2);
         loop {
             let mut progressed = false;
-            if let (Some(t), Some(fd)) = (tx.as_mut(), tx_fd) {
-                if !t.finished() {
-                    match t.step(fd) {
-                        Ok(n) => {
-                            t.done += n;
-                            progressed |= n > 0;
-                        }
-                        Err(e) if would_block(&e) => {}
-                        Err(e) => {
-                            let peer = t.peer;
-                            let half = (t.done > 0).then_some(peer);
-                            let err = self.lost(peer, op, Some(e));
-                            return Err(self.fail(err, half));
-                        }
+            let mut broken = None;
+            for (stream, fd, t) in tx.iter_mut() {
+                if t.finished() {
+                    continue;
+                }
+                match t.step(*fd) {
+                    Ok(n) => {
+                        t.done += n;
+                        self.sent[t.peer][*stream] += n as u64;
+                        progressed |= n > 0;
+                    }
+                    Err(e) if would_block(&e) => {}
+                    Err(e) => {
+                        broken = Some((t.peer, Some(e)));
+                        break;
                     }
                 }
             }
-            if let (Some(r), Some(fd)) = (rx.as_mut(), rx_fd) {
-                if !r.finished() {
-                    match r.step(fd) {
-                        // Nothing left to ask for is never the case here, so 0 means EOF.
-                        Ok(0) => {
-                            let peer = r.peer;
-                            let half = tx.as_ref().filter(|t| t.done > 0).map(|t| t.peer);
-                            let err = self.lost(peer, op, None);
-                            return Err(self.fail(err, half));
-                        }
-                        Ok(n) => {
-                            r.done += n;
-                            progressed |= n > 0;
-                        }
-                        Err(e) if would_block(&e) => {}
-                        Err(e) => {
-                            let peer = r.peer;
-                            let half = tx.as_ref().filter(|t| t.done > 0).map(|t| t.peer);
-                            let err = self.lost(peer, op, Some(e));
-                            return Err(self.fail(err, half));
-                        }
+            if let Some((peer, e)) = broken {
+                let half = half_sent(&tx);
+                // A peer that gave up said why in band on every stream to us before it shut
+                // them, and what it sent stays readable after a reset: look there first, on
+                // every stream not in the middle of a frame from it.
+                let quiet: Vec<i32> = tx
+                    .iter()
+                    .map(|l| l.1)
+                    .filter(|&fd| {
+                        !rx.iter()
+                            .any(|(_, f, r)| *f == fd && r.done > 0 && !r.finished())
+                    })
+                    .collect();
+                let err = match self.notice_on(&quiet) {
+                    Some(lost) => self.abort_error(peer, lost),
+                    None => self.lost(peer, op, e),
+                };
+                return Err(self.fail(err, half));
+            }
+            let mut problem = None;
+            for (_, fd, r) in rx.iter_mut() {
+                if r.finished() {
+                    continue;
+                }
+                match r.step(*fd) {
+                    // Nothing left to ask for is never the case here, so 0 means EOF.
+                    Ok(0) => {
+                        broken = Some((r.peer, None));
+                        break;
                     }
-                    if r.done >= 8 && !r.checked {
-                        if let Some(err) = self.frame_problem(op, r.peer, r.header, r.len) {
-                            let half = tx.as_ref().filter(|t| t.done > 0).map(|t| t.peer);
-                            return Err(self.fail(err, half));
-                        }
-                        r.checked = true;
+                    Ok(n) => {
+                        r.done += n;
+                        progressed |= n > 0;
+                    }
+                    Err(e) if would_block(&e) => {}
+                    Err(e) => {
+                        broken = Some((r.peer, Some(e)));
+                        break;
                     }
                 }
+                if r.done >= 8 && !r.checked {
+                    if let Some(err) = self.frame_problem(op, r.peer, r.header, rx_len) {
+                        problem = Some(err);
+                        break;
+                    }
+                    r.checked = true;
+                }
             }
-            let tx_done = tx.as_ref().is_none_or(SendState::finished);
-            let rx_done = rx.as_ref().is_none_or(RecvState::finished);
+            if let Some((peer, e)) = broken {
+                let half = half_sent(&tx);
+                let err = self.lost(peer, op, e);
+                return Err(self.fail(err, half));
+            }
+            if let Some(err) = problem {
+                let half = half_sent(&tx);
+                return Err(self.fail(err, half));
+            }
+            let tx_done = tx.iter().all(|(_, _, t)| t.finished());
+            let rx_done = rx.iter().all(|(_, _, r)| r.finished());
             if tx_done && rx_done {
                 return Ok(());
             }
             // Interrupted, or the heartbeats declared lost a peer this transfer waits for.
             let waits_for = [
-                tx.as_ref().filter(|t| !t.finished()).map(|t| t.peer),
-                rx.as_ref().filter(|r| !r.finished()).map(|r| r.peer),
+                tx.iter().find(|l| !l.2.finished()).map(|l| l.2.peer),
+                rx.iter().find(|l| !l.2.finished()).map(|l| l.2.peer),
             ];
             let stop = self.interrupt.cause().map(|c| c.error()).or_else(|| {
                 let watch = self.link.as_ref()?.watch.as_ref()?;
@@ -370,10 +479,7 @@ impl TcpComm {
             });
             if let Some(err) = stop {
                 // A frame half sent to a peer cannot carry a notice in band.
-                let half = tx
-                    .as_ref()
-                    .filter(|t| t.done > 0 && !t.finished())
-                    .map(|t| t.peer);
+                let half = half_open(&tx);
                 return Err(self.fail(err, half));
             }
             if progressed {
@@ -383,16 +489,13 @@ impl TcpComm {
 
             let waited = last_progress.elapsed();
             if waited >= self.timeout {
-                let peer = match (&rx, &tx) {
-                    (Some(r), _) if !rx_done => r.peer,
-                    (_, Some(t)) => t.peer,
-                    (Some(r), None) => r.peer,
-                    (None, None) => self.rank,
+                let peer = match (waits_for, tx.first(), rx.first()) {
+                    ([_, Some(r)], _, _) => r,
+                    (_, Some(t), _) => t.2.peer,
+                    (_, None, Some(r)) => r.2.peer,
+                    (_, None, None) => self.rank,
                 };
-                let half = tx
-                    .as_ref()
-                    .filter(|t| t.done > 0 && !t.finished())
-                    .map(|t| t.peer);
+                let half = half_open(&tx);
                 // A peer that gave up first said whom it blames (out of band).
                 if let Some((from, lost)) = self.link.as_ref().and_then(|l| l.board.get(self.seq)) {
                     let err = self.abort_error(from, lost as u32);
@@ -420,60 +523,124 @@ impl TcpComm {
                 };
                 return Err(self.fail(err, half));
             }
-            let mut fds = [
-                sys::pollfd(-1, 0),
-                sys::pollfd(-1, 0),
-                sys::pollfd(-1, 0),
-                sys::pollfd(-1, 0),
-            ];
-            let mut n = 0;
-            let mut tx_slot = None;
-            if let (Some(fd), false) = (tx_fd, tx_done) {
+            // Every unfinished stripe, each descriptor once; a stream only sent on is watched
+            // for an abort notice too.
+            fds.clear();
+            let reading = |fd: i32| rx.iter().any(|(_, f, r)| *f == fd && !r.finished());
+            for (k, (_, fd, t)) in tx.iter().enumerate() {
+                if t.finished() {
+                    continue;
+                }
                 let mut ev = sys::POLLOUT;
-                if watch_tx_in {
+                if watch_in[k] || reading(*fd) {
                     ev |= sys::POLLIN;
                 }
-                fds[n] = sys::pollfd(fd, ev);
-                tx_slot = Some(n);
-                n += 1;
+                fds.push(sys::pollfd(*fd, ev));
             }
-            if let (Some(fd), false) = (rx_fd, rx_done) {
-                if tx_slot.is_some() && tx_fd == Some(fd) {
-                    fds[0].events |= sys::POLLIN;
-                } else {
-                    fds[n] = sys::pollfd(fd, sys::POLLIN);
-                    n += 1;
+            for (_, fd, r) in &rx {
+                if !r.finished() && !fds.iter().any(|p| p.fd == *fd) {
+                    fds.push(sys::pollfd(*fd, sys::POLLIN));
                 }
             }
+            let n = fds.len();
             if n == 0 {
                 // Only possible when the send is done and we are watching nothing: finished.
                 return Ok(());
             }
             // Raised, the interrupt's descriptor ends the wait (looked at above, next turn);
             // so does the heartbeats' verdict, until it came (it may concern another rank).
-            if let Some(fd) = self.interrupt.wake_fd() {
-                fds[n] = sys::pollfd(fd, sys::POLLIN);
-            }
-            if let Some(w) = self.link.as_ref().and_then(|l| l.watch.as_ref()) {
-                if let (None, Some(fd)) = (w.verdict(), w.wake_fd()) {
-                    fds[n + 1] = sys::pollfd(fd, sys::POLLIN);
-                }
-            }
-            let ready = sys::poll(&mut fds[..n + 2], self.timeout - waited).map_err(|e| {
+            fds.push(sys::pollfd(
+                self.interrupt.wake_fd().unwrap_or(-1),
+                sys::POLLIN,
+            ));
+            let verdict_fd = self
+                .link
+                .as_ref()
+                .and_then(|l| l.watch.as_ref())
+                .and_then(|w| {
+                    if w.verdict().is_none() {
+                        w.wake_fd()
+                    } else {
+                        None
+                    }
+                });
+            fds.push(sys::pollfd(verdict_fd.unwrap_or(-1), sys::POLLIN));
+            let ready = sys::poll(&mut fds, self.timeout - waited).map_err(|e| {
                 TransportError::io(format!("poll during {op} on '{}'", self.label), e)
             })?;
             if ready == 0 {
                 continue;
             }
-            if let (Some(slot), Some(t)) = (tx_slot, tx.as_ref()) {
-                let same_fd = rx_fd == tx_fd && !rx_done;
-                if watch_tx_in && !same_fd && fds[slot].revents & sys::POLLIN != 0 {
-                    let half = (t.done > 0).then_some(t.peer);
-                    watch_tx_in = self.watch_for_abort(op, fds[slot].fd, t.peer, half)?;
+            for k in 0..tx.len() {
+                let (_, fd, t) = &tx[k];
+                if !watch_in[k] || t.finished() || reading(*fd) {
+                    continue;
+                }
+                let hit = fds[..n]
+                    .iter()
+                    .any(|p| p.fd == *fd && p.revents & sys::POLLIN != 0);
+                if hit {
+                    let (fd, peer) = (*fd, t.peer);
+                    let half = half_sent(&tx);
+                    watch_in[k] = self.watch_for_abort(op, fd, peer, half)?;
                 }
             }
         }
     }
+}
+
+/// The peer to which a frame of this transfer is (or may be) partly sent: one whose stripe
+/// has begun, finished or not (a notice in band is then unsafe or pointless).
+fn half_sent(tx: &[(usize, i32, SendState<'_>)]) -> Option<usize> {
+    tx.iter().find(|l| l.2.done > 0).map(|l| l.2.peer)
+}
+
+/// The peer to which a frame of this transfer is begun but not finished.
+fn half_open(tx: &[(usize, i32, SendState<'_>)]) -> Option<usize> {
+    tx.iter()
+        .find(|l| l.2.done > 0 && !l.2.finished())
+        .map(|l| l.2.peer)
+}
+
+/// The parts of `data` (slices in order) that hold the message's bytes `range`.
+fn stripe_slices<'a>(data: &[&'a [u8]], range: std::ops::Range<usize>) -> Vec<&'a [u8]> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for s in data {
+        let (start, end) = (at, at + s.len());
+        at = end;
+        if end <= range.start || s.is_empty() {
+            continue;
+        }
+        if start >= range.end {
+            break;
+        }
+        let lo = range.start.max(start) - start;
+        let hi = range.end.min(end) - start;
+        out.push(&s[lo..hi]);
+    }
+    out
+}
+
+/// `bufs` (a message of `len` bytes in order) split into the buffers of its `n` stripes.
+fn split_stripes<'s>(bufs: &'s mut [&mut [u8]], len: usize, n: usize) -> Vec<Vec<&'s mut [u8]>> {
+    let mut out: Vec<Vec<&'s mut [u8]>> = (0..n).map(|_| Vec::new()).collect();
+    let mut stripe = 0;
+    let mut at = 0;
+    for b in bufs.iter_mut() {
+        let mut rest: &'s mut [u8] = b;
+        while !rest.is_empty() {
+            while stripe + 1 < n && at >= stripe_range(len, n, stripe).end {
+                stripe += 1;
+            }
+            let take = (stripe_range(len, n, stripe).end - at).min(rest.len());
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(take);
+            out[stripe].push(head);
+            rest = tail;
+            at += take;
+        }
+    }
+    out
 }
 
 impl Communicator for TcpComm {

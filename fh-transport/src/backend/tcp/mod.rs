@@ -17,6 +17,21 @@
 //! number, so connections of different communicators can never be mixed up. Listeners are
 //! served by a background acceptor thread, so a rank answers handshakes even while it is busy.
 //!
+//! **Parallel streams.** Clouds cap each TCP flow well below a VM's link. To a peer on another
+//! host (by the settled layout) a communicator holds `FH_TCP_STREAMS` connections, each
+//! handshake naming its stream index; a message of at least `FH_TCP_STRIPE_MIN` bytes to that
+//! peer goes as one contiguous stripe per connection, all moved by the communicator's one poll
+//! loop, with no thread or copy of its own ([`streams`]). Peers on the same host keep one
+//! connection, so loopback-only worlds and shared memory are unaffected. The settings shape
+//! every frame, so every member sends its settings to rank 0 at the rendezvous, and a rank
+//! whose settings differ stops every rank with an error naming both values. Under `auto`, a
+//! world spanning hosts measures at its start how many streams a cross-host pair needs
+//! (`TcpTransport::measure_streams`, over the world's first communicator) and rank 0 sends
+//! every rank the choice. Fault handling
+//! covers every stream: a closed or reset stream names its peer at once, an abort notice goes
+//! in band on every stream of a peer (out of band where a frame to it is half sent), and a
+//! rank that only sends watches the incoming side of each stream it does not read.
+//!
 //! **A closed door, both ways.** Every connection starts with a mutual challenge–response
 //! ([`wire`]): each side proves that it knows the job token with HMAC-SHA-256 over the other
 //! side's fresh nonce, so the token never crosses the network, a recorded handshake cannot be
@@ -59,7 +74,7 @@
 //! data (but never the token).
 //!
 //! **Descriptors.** Every communicator is a full mesh, so a rank holds about
-//! `communicators × (size − 1)` sockets. Before each mesh is built the soft `RLIMIT_NOFILE` is
+//! `communicators × (size − 1)` sockets (each peer on another host counting `FH_TCP_STREAMS`). Before each mesh is built the soft `RLIMIT_NOFILE` is
 //! raised as far as needed (up to the hard limit); beyond the hard limit opening fails with an
 //! error that names the limit and the fix.
 
@@ -69,6 +84,7 @@ mod frame;
 mod handshake;
 mod link;
 mod rendezvous;
+pub mod streams;
 mod sys;
 pub mod wire;
 
@@ -83,6 +99,7 @@ pub(crate) use fh_job::token::Key;
 use handshake::connect_handshake;
 pub(crate) use link::{AbortBoard, Link};
 use rendezvous::resolve;
+pub use streams::{StreamCount, StreamSettings};
 use wire::{ConnKind, Hello};
 
 use crate::liveness::{self, Liveness, Watch};
@@ -118,6 +135,8 @@ pub struct TcpOptions {
     /// The heartbeats ([`crate::liveness`]) the world runs from the end of its rendezvous;
     /// `None`: none.
     pub liveness: Option<liveness::Settings>,
+    /// Parallel streams to peers on other hosts ([`streams`]); the same on every rank.
+    pub streams: StreamSettings,
 }
 
 impl Default for TcpOptions {
@@ -127,17 +146,20 @@ impl Default for TcpOptions {
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             max_frame: DEFAULT_MAX_FRAME,
             liveness: Some(liveness::Settings::default()),
+            streams: StreamSettings::default(),
         }
     }
 }
 
 impl TcpOptions {
-    /// Options with the launch's timeout and default everything else.
+    /// Options with the launch's timeout, the stream settings of the environment
+    /// ([`StreamSettings::from_env`]) and default everything else.
     pub fn from_info(info: &LaunchInfo) -> Self {
         TcpOptions {
             timeout: info.timeout,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT.min(info.timeout),
             liveness: info.liveness,
+            streams: StreamSettings::from_env(),
             ..TcpOptions::default()
         }
     }
@@ -197,8 +219,9 @@ pub struct TcpTransport {
     book: Vec<SocketAddr>,
     next_seq: u64,
     acceptor: Option<Acceptor>,
-    /// Connections that arrived for communicators not opened yet: (seq, rank) → stream.
-    stash: HashMap<(u64, usize), TcpStream>,
+    /// Connections that arrived for communicators not opened yet: (seq, rank, stream index)
+    /// → connection.
+    stash: HashMap<(u64, usize, usize), TcpStream>,
     board: Arc<AbortBoard>,
     link: Option<Arc<Link>>,
     /// Every rank's place, by rank, as exchanged at the rendezvous.
@@ -236,6 +259,7 @@ impl TcpTransport {
     /// about the timeout. Fails on every rank alike with [`TransportError::Config`] when the
     /// launcher's local ranks contradict the hosts the ranks run on.
     pub fn connect(info: &LaunchInfo, opts: TcpOptions) -> Result<TcpTransport> {
+        opts.streams.check()?;
         let topology = info.topology();
         let me = Place::of(info);
         let mut t = TcpTransport {
@@ -324,6 +348,20 @@ impl TcpTransport {
             watch: t.liveness.as_ref().map(|l| l.watch().clone()),
         }));
         tracing::debug!(rank = info.rank, book = ?t.book, hosts = ?t.layout.hosts(), "TCP rendezvous complete");
+        if t.layout.hosts().len() > 1 && t.opts.streams.count == StreamCount::Auto {
+            // Every rank alike (the layout and the settings are the same everywhere).
+            let chosen = t.measure_streams()?;
+            t.opts.streams.count = StreamCount::Fixed(chosen);
+        } else if info.rank == 0 && (t.layout.hosts().len() > 1 || t.opts.streams.every_peer) {
+            let s = &t.opts.streams;
+            tracing::info!(
+                streams = s.count.resolve(),
+                setting = %s.count,
+                stripe_min = s.stripe_min,
+                every_peer = s.every_peer,
+                "TCP streams to each peer on another host (FH_TCP_STREAMS)"
+            );
+        }
         Ok(t)
     }
 
@@ -375,52 +413,71 @@ impl TcpTransport {
         }
     }
 
-    fn open_mesh(&mut self, label: &str, seq: u64) -> Result<Vec<Option<TcpStream>>> {
+    /// How many connections a communicator holds to `peer`: the agreed stream count to a
+    /// peer on another host (or to every peer, with [`StreamSettings::every_peer`]), else 1.
+    fn streams_to(&self, peer: usize) -> usize {
+        let same_host = self.layout.topology(peer).cross_rank == self.topology.cross_rank;
+        self.opts.streams.streams_to(same_host)
+    }
+
+    /// A full mesh for communicator `seq`, `want[p]` connections to peer `p` (0 to itself).
+    fn open_mesh(&mut self, label: &str, seq: u64, want: &[usize]) -> Result<Vec<Vec<TcpStream>>> {
         let (rank, size) = (self.topology.rank, self.topology.size);
         let deadline = Instant::now() + self.opts.timeout;
-        let mut peers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
-        ensure_descriptors(size, &format!("communicator '{label}'"))?;
-        // Connect to every lower rank.
-        for (r, slot) in peers.iter_mut().enumerate().take(rank) {
-            let what = format!("rank {r} (communicator '{label}')");
-            let hello = Hello {
-                version: wire::PROTOCOL_VERSION,
-                kind: ConnKind::Data,
-                size: size as u32,
-                rank: rank as u32,
-                seq,
-                port: 0,
-                lost: 0,
-                world: self.world,
-                nonce: [0; wire::NONCE_LEN],
-            };
-            // Every data listener has been up since the rendezvous: a refused connection
-            // means that rank's process is gone, not that it is late.
-            let s = connect_handshake(
-                &[self.book[r]],
-                |_| Ok(hello.clone()),
-                &self.key,
-                &what,
-                deadline,
-                self.attempt_timeout(),
-                Some(r),
-                &|| self.verdict_error(),
-            )?;
-            *slot = Some(s);
+        let mut peers: Vec<Vec<Option<TcpStream>>> = want
+            .iter()
+            .map(|&n| (0..n).map(|_| None).collect())
+            .collect();
+        ensure_descriptors(want.iter().sum(), &format!("communicator '{label}'"))?;
+        // Connect to every lower rank, each of its streams in order.
+        for (r, slots) in peers.iter_mut().enumerate().take(rank) {
+            for (stream, slot) in slots.iter_mut().enumerate() {
+                let what = if want[r] > 1 {
+                    format!("rank {r} (communicator '{label}', stream {stream})")
+                } else {
+                    format!("rank {r} (communicator '{label}')")
+                };
+                let hello = Hello {
+                    version: wire::PROTOCOL_VERSION,
+                    kind: ConnKind::Data,
+                    size: size as u32,
+                    rank: rank as u32,
+                    seq,
+                    port: stream as u16,
+                    lost: 0,
+                    world: self.world,
+                    nonce: [0; wire::NONCE_LEN],
+                };
+                // Every data listener has been up since the rendezvous: a refused connection
+                // means that rank's process is gone, not that it is late.
+                let s = connect_handshake(
+                    &[self.book[r]],
+                    |_| Ok(hello.clone()),
+                    &self.key,
+                    &what,
+                    deadline,
+                    self.attempt_timeout(),
+                    Some(r),
+                    &|| self.verdict_error(),
+                )?;
+                *slot = Some(s);
+            }
         }
         // Accept every higher rank (possibly stashed while an earlier communicator was opened).
         let acceptor = self
             .acceptor
             .as_mut()
             .ok_or_else(|| TransportError::Closed("the TCP transport has no listener".into()))?;
-        for (r, slot) in peers.iter_mut().enumerate().skip(rank + 1) {
-            if let Some(s) = self.stash.remove(&(seq, r)) {
-                *slot = Some(s);
+        for (r, slots) in peers.iter_mut().enumerate().skip(rank + 1) {
+            for (stream, slot) in slots.iter_mut().enumerate() {
+                if let Some(s) = self.stash.remove(&(seq, r, stream)) {
+                    *slot = Some(s);
+                }
             }
         }
         let watch = self.liveness.as_ref().map(|l| l.watch().clone());
         let lost = || watch.as_ref().is_some_and(|w| w.verdict().is_some());
-        while let Some(missing) = (rank + 1..size).find(|&r| peers[r].is_none()) {
+        while let Some(missing) = (rank + 1..size).find(|&r| peers[r].iter().any(Option::is_none)) {
             let Some((hello, stream, from)) = acceptor.next_unless(deadline, VERDICT_POLL, &lost)
             else {
                 if let Some(v) = watch.as_ref().and_then(Watch::verdict) {
@@ -435,21 +492,54 @@ impl TcpTransport {
                     ),
                 });
             };
-            let r = hello.rank as usize;
-            if hello.seq < seq || (hello.seq == seq && peers[r].is_some()) {
-                tracing::warn!(rank = r, seq = hello.seq, %from, "dropping a stale or duplicate connection");
+            let (r, index) = (hello.rank as usize, hello.port as usize);
+            // (A later communicator's connection may name a stream this one does not have:
+            // the measurement's communicator holds fewer streams than the next.)
+            if hello.seq == seq && index >= want[r] {
+                // Streams are agreed at the rendezvous: a rank that opens more is broken.
+                return Err(TransportError::Protocol {
+                    rank: r,
+                    detail: format!(
+                        "it opened stream {index} of communicator '{label}' (#{seq}), but the \
+                         world agreed on {} stream(s) between these ranks",
+                        want[r]
+                    ),
+                });
+            }
+            if hello.seq < seq || (hello.seq == seq && peers[r][index].is_some()) {
+                tracing::warn!(rank = r, seq = hello.seq, stream = index, %from, "dropping a stale or duplicate connection");
             } else if hello.seq == seq {
-                peers[r] = Some(stream);
+                peers[r][index] = Some(stream);
             } else {
-                self.stash.insert((hello.seq, r), stream);
+                self.stash.insert((hello.seq, r, index), stream);
             }
         }
-        for s in peers.iter().flatten() {
+        let peers: Vec<Vec<TcpStream>> = peers
+            .into_iter()
+            .map(|slots| slots.into_iter().flatten().collect())
+            .collect();
+        for (p, s) in peers
+            .iter()
+            .enumerate()
+            .flat_map(|(p, streams)| streams.iter().map(move |s| (p, s)))
+        {
             s.set_nodelay(true)
                 .and_then(|_| s.set_nonblocking(true))
                 .and_then(|_| s.set_read_timeout(None))
                 .and_then(|_| s.set_write_timeout(None))
                 .map_err(|e| TransportError::io("configuring a data connection", e))?;
+            // The emulated cap is the network's: connections within a host are not capped
+            // (unless every peer counts as remote).
+            let remote = self.layout.topology(p).cross_rank != self.topology.cross_rank
+                || self.opts.streams.every_peer;
+            if let (Some(cap), true) = (self.opts.streams.flow_cap, remote) {
+                sys::set_max_pacing_rate(s, cap).map_err(|e| {
+                    TransportError::io(
+                        format!("capping a data connection ({})", streams::FLOW_CAP_VAR),
+                        e,
+                    )
+                })?;
+            }
         }
         Ok(peers)
     }
@@ -550,6 +640,102 @@ impl TcpTransport {
         err
     }
 
+    /// `FH_TCP_STREAMS=auto` in a world spanning hosts: rank 0 and the first rank on another
+    /// host measure the rate of one stream and of [`streams::PROBE_STREAMS`] at once, each for
+    /// [`streams::PROBE_TIME`], over a communicator of their own (the world's first, opened by
+    /// every rank), and rank 0 sends every rank the streams the ratio asks for
+    /// ([`streams::choose`]). Returns that number, the same on every rank.
+    fn measure_streams(&mut self) -> Result<usize> {
+        let (rank, size) = (self.topology.rank, self.topology.size);
+        let host0 = self.layout.topology(0).cross_rank;
+        let Some(q) = (1..size).find(|&r| self.layout.topology(r).cross_rank != host0) else {
+            return Ok(self.opts.streams.count.resolve());
+        };
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let label = "fh-tcp-stream-probe";
+        let want: Vec<usize> = (0..size)
+            .map(|p| match (rank, p) {
+                _ if p == rank => 0,
+                (0, p) | (p, 0) if p == q => streams::PROBE_STREAMS,
+                _ => 1,
+            })
+            .collect();
+        let peers = self
+            .open_mesh(label, seq, &want)
+            .map_err(|e| self.tell_formation_failed(e, seq))?;
+        let mut c = TcpComm::new(
+            label.to_owned(),
+            seq,
+            rank,
+            size,
+            peers,
+            &self.opts,
+            self.link.clone(),
+            Interrupt::new(),
+        );
+        let mut chosen = [0u8; 8];
+        if rank == 0 || rank == q {
+            let mut rates = [0.0f64; 2];
+            for (phase, k) in [1, streams::PROBE_STREAMS].into_iter().enumerate() {
+                c.set_stripe_cap(k);
+                // Frames of PROBE_FRAME bytes on each stream in use; the first byte says
+                // whether more follow, so the receiver needs no clock.
+                let len = (k * streams::PROBE_FRAME).max(self.opts.streams.stripe_min);
+                let mut buf = vec![1u8; len];
+                let mut ack = [0u8; 8];
+                if rank == 0 {
+                    let start = Instant::now();
+                    let mut sent = 0usize;
+                    loop {
+                        let last = start.elapsed() >= streams::PROBE_TIME;
+                        buf[0] = u8::from(!last);
+                        c.send(q, &buf)?;
+                        sent += buf.len();
+                        if last {
+                            break;
+                        }
+                    }
+                    c.recv(q, &mut ack)?;
+                    rates[phase] = sent as f64 / start.elapsed().as_secs_f64();
+                } else {
+                    loop {
+                        c.recv(0, &mut buf)?;
+                        if buf[0] == 0 {
+                            break;
+                        }
+                    }
+                    c.send(0, &ack)?;
+                }
+            }
+            if rank == 0 {
+                let s = streams::choose(rates[0], rates[1]);
+                tracing::info!(
+                    with = q,
+                    one_stream_mb_s = rates[0] / 1e6,
+                    streams_mb_s = rates[1] / 1e6,
+                    probe_streams = streams::PROBE_STREAMS,
+                    chosen = s,
+                    stripe_min = self.opts.streams.stripe_min,
+                    "TCP streams to each peer on another host, measured (FH_TCP_STREAMS=auto)"
+                );
+                chosen = (s as u64).to_le_bytes();
+            }
+        }
+        c.broadcast(&mut chosen, 0)?;
+        let s = u64::from_le_bytes(chosen) as usize;
+        if !(1..=streams::MAX_STREAMS).contains(&s) {
+            return Err(TransportError::Protocol {
+                rank: 0,
+                detail: format!(
+                    "rank 0 chose {s} TCP streams (at most {})",
+                    streams::MAX_STREAMS
+                ),
+            });
+        }
+        Ok(s)
+    }
+
     /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.
     pub fn open_tcp(&mut self, label: &str) -> Result<TcpComm> {
         self.open_tcp_with(label, Interrupt::new())
@@ -561,10 +747,13 @@ impl TcpTransport {
         let seq = self.next_seq;
         self.next_seq += 1;
         let (rank, size) = (self.topology.rank, self.topology.size);
+        let want: Vec<usize> = (0..size)
+            .map(|p| if p == rank { 0 } else { self.streams_to(p) })
+            .collect();
         let peers = if size == 1 {
-            vec![None]
+            vec![Vec::new()]
         } else {
-            self.open_mesh(label, seq)
+            self.open_mesh(label, seq, &want)
                 .map_err(|e| self.tell_formation_failed(e, seq))?
         };
         tracing::debug!(rank, seq, label, "TCP communicator open");

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::accept::Acceptor;
 use super::handshake::{connect_handshake, read_msg, write_by, ReadFail};
+use super::streams::{self, StreamSettings};
 use super::wire::{self, ConnKind, Hello};
 use super::{bind_data, TcpTransport};
 use crate::{Result, TransportError};
@@ -92,6 +93,8 @@ impl TcpTransport {
         let mut members: Vec<Option<(TcpStream, SocketAddr)>> = (0..size).map(|_| None).collect();
         let mut places: Vec<Option<Place>> = (0..size).map(|_| None).collect();
         places[0] = Some(me);
+        // Every member's stream settings, checked against rank 0's once all are in.
+        let mut settings: Vec<(usize, StreamSettings)> = Vec::with_capacity(size);
         let mut missing = size - 1;
         while missing > 0 {
             let Some((hello, stream, from)) = rdv_acceptor.next(deadline) else {
@@ -159,8 +162,39 @@ impl TcpTransport {
                 },
                 ReadFail::Cancelled(e) => e,
             });
+            // And its stream settings right after its place.
+            let place = place.and_then(|(p, _)| {
+                read_msg(&mut stream, place_deadline, streams::ENCODED_LEN, |b| {
+                    StreamSettings::decode(b)
+                })
+                .map(|(s, _)| (p, s))
+                .map_err(|f| match f {
+                    ReadFail::Decode(e) => TransportError::Protocol {
+                        rank: r,
+                        detail: format!("bad stream settings at the rendezvous: {e}"),
+                    },
+                    ReadFail::TimedOut => TransportError::Timeout {
+                        rank: r,
+                        op: "rendezvous (waiting for its stream settings)",
+                        after: self.opts.handshake_timeout,
+                    },
+                    ReadFail::Closed => TransportError::PeerLost {
+                        rank: r,
+                        detail: "it closed the rendezvous before sending its stream settings"
+                            .into(),
+                    },
+                    ReadFail::Io(e) => TransportError::PeerLost {
+                        rank: r,
+                        detail: format!("reading its stream settings failed: {e}"),
+                    },
+                    ReadFail::Cancelled(e) => e,
+                })
+            });
             let place = match place {
-                Ok((p, _)) => p,
+                Ok((p, s)) => {
+                    settings.push((r, s));
+                    p
+                }
                 Err(e) => {
                     tell_failure(&mut members, r, &e.to_string());
                     return Err(e);
@@ -169,6 +203,16 @@ impl TcpTransport {
             places[r] = Some(place);
             members[r] = Some((stream, SocketAddr::new(from.ip(), hello.port)));
             missing -= 1;
+        }
+        // The streams between two ranks must be the same on both ends: a rank whose settings
+        // differ from rank 0's stops every rank, naming both values.
+        settings.sort_by_key(|(r, _)| *r);
+        if let Some((r, (var, reason))) = settings
+            .iter()
+            .find_map(|(r, s)| self.opts.streams.mismatch(*r, s).map(|m| (*r, m)))
+        {
+            tell_failure(&mut members, r, &reason);
+            return Err(TransportError::Config { var, reason });
         }
         // From now on the rendezvous listener refuses every claimant, naming this world; the
         // port stays taken for the life of the transport.
@@ -286,7 +330,10 @@ impl TcpTransport {
         self.acceptor = acceptor;
         self.beat_socket = beat_socket;
         let _ = stream.set_nodelay(true);
-        write_by(&mut stream, &me.encode(), deadline).map_err(|e| TransportError::PeerLost {
+        // Its place, then its stream settings (rank 0 checks that they agree).
+        let mut msg = me.encode();
+        msg.extend_from_slice(&self.opts.streams.encode());
+        write_by(&mut stream, &msg, deadline).map_err(|e| TransportError::PeerLost {
             rank: 0,
             detail: format!("sending this rank's host place to the rendezvous failed: {e}"),
         })?;
@@ -359,6 +406,9 @@ fn refuse(mut stream: TcpStream, reason: &str) {
     let deadline = Instant::now() + Duration::from_secs(1);
     let _ = read_msg(&mut stream, deadline, hosts::MAX_PLACE_LEN, |b| {
         Place::decode(b)
+    });
+    let _ = read_msg(&mut stream, deadline, streams::ENCODED_LEN, |b| {
+        StreamSettings::decode(b)
     });
     let _ = write_by(
         &mut stream,

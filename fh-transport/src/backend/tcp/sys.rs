@@ -177,3 +177,35 @@ pub fn poll(fds: &mut [PollFd], timeout: Duration) -> io::Result<usize> {
     }
     Ok(n)
 }
+
+/// Cap the rate at which the kernel sends on `stream` (`SO_MAX_PACING_RATE`, bytes per second;
+/// TCP paces itself since Linux 4.13): an emulated per-flow cap of a cloud
+/// ([`super::streams::FLOW_CAP_VAR`]).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+pub fn set_max_pacing_rate(stream: &std::net::TcpStream, bytes_per_sec: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // The kernel takes 32 bits (and, from Linux 5.x, 64); the emulation needs no more than that.
+    let rate: u32 = bytes_per_sec.min(u64::from(u32::MAX - 1)) as u32;
+    // SAFETY: a valid socket descriptor (borrowed from `stream` for this call), a pointer to a
+    // live u32 and its size.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_MAX_PACING_RATE,
+            (&rate as *const u32).cast(),
+            std::mem::size_of::<u32>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Elsewhere the cap is not emulated.
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+pub fn set_max_pacing_rate(_stream: &std::net::TcpStream, _bytes_per_sec: u64) -> io::Result<()> {
+    Err(io::ErrorKind::Unsupported.into())
+}

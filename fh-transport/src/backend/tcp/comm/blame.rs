@@ -38,18 +38,25 @@ impl TcpComm {
         // Peers that must be told out of band, all at once below (a partition must not cost
         // a timeout per peer).
         let mut out_of_band = Vec::new();
-        for (p, stream) in self.peers.iter().enumerate() {
-            let Some(stream) = stream else { continue };
-            if Some(p) == half_sent_to && Some(p) != blamed {
+        for (p, streams) in self.peers.iter().enumerate() {
+            if streams.is_empty() || Some(p) == blamed {
+                continue;
+            }
+            if Some(p) == half_sent_to {
                 // A notice now would be read as payload: deliver it out of band.
                 out_of_band.push(p);
-            } else if Some(p) != blamed {
-                // In band when the socket buffer has room; otherwise (that peer is not
-                // reading from us right now) out of band, so that its view stays right.
+                continue;
+            }
+            // In band on every stream to the peer (whichever it reads next, the notice is its
+            // next header) when the socket buffers have room; otherwise (that peer is not
+            // reading from us right now) out of band, so that its view stays right.
+            let mut all_sent = true;
+            for stream in streams {
                 let sent = sys::send2(stream.as_raw_fd(), &notice, &[]).unwrap_or(0);
-                if sent != notice.len() {
-                    out_of_band.push(p);
-                }
+                all_sent &= sent == notice.len();
+            }
+            if !all_sent {
+                out_of_band.push(p);
             }
         }
         // Before the shutdowns, so that a peer knows whom to blame when it sees the close.

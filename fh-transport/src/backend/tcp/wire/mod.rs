@@ -21,7 +21,7 @@
 //!    | 4 | world size |
 //!    | 4 | rank of the connector |
 //!    | 8 | communicator sequence number |
-//!    | 2 | data-listener port (rendezvous only; else 0) |
+//!    | 2 | data-listener port (rendezvous); the stream index, from 0 (data connections); else 0 |
 //!    | 4 | the lost rank (abort notices only; else 0) |
 //!    | 16 | the world id: the job's nonce, drawn by rank 0 and sent with the address book (0 on rendezvous connections) |
 //!    | 32 | the connector's nonce |
@@ -50,7 +50,8 @@
 //! ## Rendezvous
 //!
 //! On an accepted rendezvous connection the member sends its host place
-//! ([`fh_job::hosts::Place::encode`]); once every rank is in, rank 0 answers with the address
+//! ([`fh_job::hosts::Place::encode`]) and its stream settings
+//! ([`super::streams::StreamSettings::encode`], which rank 0 checks against its own); once every rank is in, rank 0 answers with the address
 //! book ([`encode_book`]) followed by every rank's place ([`fh_job::hosts::encode_places`]).
 //! Both decoders check every length against the world size before using it. Then rank 0 sends
 //! the job's world id ([`WORLD_ID_LEN`] random bytes, [`Hello::world`]), which every later
@@ -63,6 +64,10 @@
 //! carrying the rank whose loss made the sender give up. When a sender gives up in the middle
 //! of a frame, where a notice would be taken for payload, it delivers the notice over a fresh
 //! connection of kind *abort notice* instead.
+//!
+//! A message striped over several streams to one peer ([`super::streams`]) is one frame per
+//! stream, each carrying its stripe as payload but the length of the *whole* message in its
+//! header, so that a receiver expecting another length refuses it before any payload.
 
 use fh_core::bytes::{DecodeError, Reader};
 use fh_job::token::{proof, Key};
@@ -82,8 +87,10 @@ pub const PROOF_MAGIC: [u8; 4] = *b"FHTK";
 /// rendezvous carries every rank's host place, [`fh_job::hosts::Place`]; 4: every connection
 /// after the rendezvous names the job's world id, [`Hello::world`]; 5: the hello carries the
 /// release after the protocol version, in a preamble every later version keeps; 6: the proofs
-/// are the job's one MAC construction, `fh_job::token::Key::mac`).
-pub const PROTOCOL_VERSION: u16 = 6;
+/// are the job's one MAC construction, `fh_job::token::Key::mac`; 7: a rendezvous member
+/// sends its stream settings after its place, and a data connection's hello names its stream,
+/// [`super::streams`]).
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Bytes of the release in a hello ([`fh_core::RELEASE`], padded with zeros).
 pub const RELEASE_LEN: usize = 16;
 /// Bytes of a hello's preamble: magic, protocol version and release, in that place in every
@@ -141,7 +148,8 @@ pub struct Hello {
     pub rank: u32,
     /// Communicator sequence number (0 for the rendezvous).
     pub seq: u64,
-    /// The connector's data-listener port (rendezvous only).
+    /// The connector's data-listener port (rendezvous); the connection's stream index to the
+    /// acceptor (data connections, [`super::streams`]).
     pub port: u16,
     /// The rank whose loss made the connector give up (abort notices only).
     pub lost: u32,
