@@ -277,3 +277,56 @@ fn an_elastic_workers_records_come_back_from_another_host() {
         "{far_dir:?}"
     );
 }
+
+#[test]
+fn sigusr1_to_an_elastic_job_brings_every_workers_record_while_it_runs() {
+    use common::elastic::{all_pids, probe_pid, PROBE};
+    let dir = TempDir::new("elastic-usr1");
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let stop = dir.path().join("stop");
+    let mut run = Running::start_cmd(
+        std::process::Command::new(FHRUN)
+            .args([
+                "-np",
+                "2",
+                "--min-np",
+                "2",
+                "-H",
+                "localhost:1,127.0.0.2:1",
+                "--kill-grace",
+                "1",
+                "--timeout",
+                "120",
+                "-x",
+                &format!("PROBE_STOP={}", stop.display()),
+                PROBE,
+            ])
+            .env("TMPDIR", &tmp),
+    );
+    run.wait_for(LIMIT, |out, _| {
+        probe_pid(out, 0, "localhost:0").is_some() && probe_pid(out, 0, "127.0.0.2:0").is_some()
+    });
+    let pids = all_pids(&run.stdout_now());
+    run.signal(libc::SIGUSR1);
+    // Both workers write their record while the job goes on.
+    run.wait_for(LIMIT, |out, err| {
+        out.matches("probe: flight record written to").count() == 2
+            && err.contains("received SIGUSR1")
+    });
+    let jobs: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
+    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    let flight = jobs[0].path().join("flight/gen-0");
+    for rank in 0..2 {
+        let path = flight.join(format!("rank-{rank}.json"));
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(v["reason"], "SIGUSR1", "{}", path.display());
+    }
+    std::fs::write(&stop, "").unwrap();
+    let done = run.wait(LIMIT);
+    let left = survivors_after(&pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
+}

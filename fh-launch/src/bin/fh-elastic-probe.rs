@@ -14,6 +14,7 @@
 //! configuration is the environment's (`FH_*`), as a real worker's.
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use fh_scheduler::elastic::{Assignment, Elastic, ElasticStart};
@@ -38,6 +39,14 @@ fn sum(engine: &Engine, name: &str, v: &[f64]) -> Result<Vec<f64>, SchedulerErro
         .to_vec::<f64>()
 }
 
+/// Set by the `SIGUSR1` handler: write the flight record at the next step (as a worker's
+/// runtime does on the signal fhrun passes on).
+static RECORD_ASKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigusr1(_: libc::c_int) {
+    RECORD_ASKED.store(true, Ordering::SeqCst);
+}
+
 /// Runs one generation's world until the ranks agree to stop or re-form.
 fn world(
     a: &Assignment,
@@ -60,6 +69,13 @@ fn world(
     }
     for n in 0u64.. {
         std::thread::sleep(step);
+        if RECORD_ASKED.swap(false, Ordering::SeqCst) {
+            match engine.write_flight_record("SIGUSR1") {
+                Ok(Some(path)) => println!("probe: flight record written to {}", path.display()),
+                Ok(None) => println!("probe: no flight directory (FH_FLIGHT_DIR is not set)"),
+                Err(e) => eprintln!("probe: no flight record: {e}"),
+            }
+        }
         // [stop votes, host stamp seen by rank 0]
         let stop = stop_file.is_some_and(|f| std::path::Path::new(f).exists());
         let stamp = if rank == 0 {
@@ -93,6 +109,13 @@ fn world(
 }
 
 fn main() -> ExitCode {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(
+            libc::SIGUSR1,
+            on_sigusr1 as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        );
+    }
     let step = std::env::var("PROBE_STEP_MS")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -222,6 +222,19 @@ impl Driver {
     }
 
     /// Stop every part with `sig`; fhrun exits with `code` once they have ended.
+    /// Passes `SIGUSR1` to every running part that is not stopping, which passes it to its
+    /// workers; returns how many parts it reached.
+    fn ask_for_records(&mut self) -> usize {
+        let mut asked = 0;
+        for p in &mut self.parts {
+            if p.stopping.is_none() && p.running() {
+                p.signal(libc::SIGUSR1);
+                asked += 1;
+            }
+        }
+        asked
+    }
+
     fn stop_all(&mut self, code: i32, sig: i32) {
         self.stopping_all = Some(code);
         let now = Instant::now();
@@ -474,6 +487,25 @@ impl Driver {
             self.poll_parts(now, &mut guardian);
             self.check_sessions(now);
             while let Some(sig) = sys::wait_signal(Duration::from_millis(1)) {
+                if sig == libc::SIGUSR1 {
+                    // Every running worker writes its flight record (and its stacks) into its
+                    // generation's directory; parts on other hosts send theirs back.
+                    let asked = self.ask_for_records();
+                    let at = self
+                        .ctx
+                        .env
+                        .iter()
+                        .find(|(k, _)| k == "FH_FLIGHT_DIR")
+                        .map_or_else(
+                            || "where FH_FLIGHT_DIR says".to_string(),
+                            |(_, v)| v.replace("{generation}", "N"),
+                        );
+                    eprintln!(
+                        "fhrun: received SIGUSR1; the workers of {asked} host(s) write their \
+                         flight records (in {at}; other hosts' are sent back)"
+                    );
+                    continue;
+                }
                 if matches!(
                     sig,
                     libc::SIGINT | libc::SIGTERM | libc::SIGHUP | libc::SIGQUIT
