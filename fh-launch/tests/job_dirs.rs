@@ -330,3 +330,48 @@ fn sigusr1_to_an_elastic_job_brings_every_workers_record_while_it_runs() {
     assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
     assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
 }
+
+#[test]
+fn an_elastic_jobs_timeout_asks_for_the_records_before_it_stops_the_workers() {
+    use common::elastic::{all_pids, PROBE};
+    let dir = TempDir::new("elastic-timeout");
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let run = Running::start_cmd(
+        std::process::Command::new(FHRUN)
+            .args([
+                "-np",
+                "2",
+                "--min-np",
+                "2",
+                "-H",
+                "localhost:1,127.0.0.2:1",
+                "--kill-grace",
+                "1",
+                "--timeout",
+                "10",
+                PROBE,
+            ])
+            .env("TMPDIR", &tmp),
+    );
+    let done = run.wait(LIMIT);
+    let left = survivors_after(&all_pids(&done.stdout), Duration::from_secs(10));
+    kill_all(&left);
+    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    assert_eq!(done.code(), Some(124), "{}\n{}", done.stdout, done.stderr);
+    assert_eq!(
+        done.stdout.matches("probe: flight record written to").count(),
+        2,
+        "{}\n{}",
+        done.stdout,
+        done.stderr
+    );
+    let jobs: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
+    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    for rank in 0..2 {
+        let path = jobs[0].path().join(format!("flight/gen-0/rank-{rank}.json"));
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(v["reason"], "SIGUSR1", "{}", path.display());
+    }
+}

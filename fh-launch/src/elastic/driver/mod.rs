@@ -15,7 +15,7 @@ use super::state::{Change, HostState};
 use super::workers::{End, Exit, PartContext, PartProc, Report};
 use crate::guardian::Guardian;
 use crate::hosts::{self, Host};
-use crate::launch::EXIT_TIMEOUT;
+use crate::launch::{EXIT_TIMEOUT, RECORD_WINDOW};
 use crate::sys;
 
 /// The driver's settings, from the flags.
@@ -74,6 +74,8 @@ pub struct Driver {
     lost_since: Vec<(String, String)>,
     lost_all: Vec<(String, String)>,
     began: Instant,
+    /// When `--timeout` passed (the workers were asked for their records then).
+    timed_out_at: Option<Instant>,
     started: bool,
     /// Why the job is finishing (a worker exited 0): no worker starts or joins any more, and
     /// no world forms.
@@ -117,6 +119,7 @@ impl Driver {
             lost_since: Vec::new(),
             lost_all: Vec::new(),
             began: Instant::now(),
+            timed_out_at: None,
             started: false,
             finishing: None,
             discovered_once: false,
@@ -524,12 +527,21 @@ impl Driver {
                 }
             }
             if let Some(t) = self.s.timeout {
+                // As for fixed jobs: SIGUSR1 first (every worker writes its flight record),
+                // SIGTERM a record window later.
                 if self.stopping_all.is_none() && now >= self.began + t {
-                    eprintln!(
-                        "fhrun: the job timed out after {:.1} s (--timeout); stopping all workers",
-                        t.as_secs_f64()
-                    );
-                    self.stop_all(EXIT_TIMEOUT, libc::SIGTERM);
+                    if self.timed_out_at.is_none() {
+                        eprintln!(
+                            "fhrun: the job timed out after {:.1} s (--timeout); asking the \
+                             workers for their flight records, then stopping them",
+                            t.as_secs_f64()
+                        );
+                        self.ask_for_records();
+                        self.timed_out_at = Some(now);
+                    }
+                    if self.timed_out_at.is_some_and(|at| now >= at + RECORD_WINDOW) {
+                        self.stop_all(EXIT_TIMEOUT, libc::SIGTERM);
+                    }
                 }
             }
             self.start_workers(now, &mut guardian);
