@@ -360,7 +360,9 @@ fn an_elastic_jobs_timeout_asks_for_the_records_before_it_stops_the_workers() {
     assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
     assert_eq!(done.code(), Some(124), "{}\n{}", done.stdout, done.stderr);
     assert_eq!(
-        done.stdout.matches("probe: flight record written to").count(),
+        done.stdout
+            .matches("probe: flight record written to")
+            .count(),
         2,
         "{}\n{}",
         done.stdout,
@@ -369,7 +371,9 @@ fn an_elastic_jobs_timeout_asks_for_the_records_before_it_stops_the_workers() {
     let jobs: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
     assert_eq!(jobs.len(), 1, "{jobs:?}");
     for rank in 0..2 {
-        let path = jobs[0].path().join(format!("flight/gen-0/rank-{rank}.json"));
+        let path = jobs[0]
+            .path()
+            .join(format!("flight/gen-0/rank-{rank}.json"));
         let v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(v["reason"], "SIGUSR1", "{}", path.display());

@@ -539,7 +539,10 @@ impl Driver {
                         self.ask_for_records();
                         self.timed_out_at = Some(now);
                     }
-                    if self.timed_out_at.is_some_and(|at| now >= at + RECORD_WINDOW) {
+                    if self
+                        .timed_out_at
+                        .is_some_and(|at| now >= at + RECORD_WINDOW)
+                    {
                         self.stop_all(EXIT_TIMEOUT, libc::SIGTERM);
                     }
                 }
