@@ -205,9 +205,9 @@ class _Namer:
     this rank (``S`` names apart: at least ``DEPTH`` collectives may be in flight however short
     the period; and a period agreed anew, at ``base``, starts names of its own)."""
 
-    CHECK = 16
+    CHECK = 8
     LONGEST = 256
-    DEPTH = 16
+    DEPTH = 4
 
     def __init__(self, process_set_id):
         self._ps = process_set_id
