@@ -188,28 +188,36 @@ class _Namer:
     ``n``-th collective is the same operation everywhere. Until the members agree on a period
     it is named ``tdist.<n>`` (used once: negotiated through the engine's coordinator). Every
     ``CHECK`` collectives the members agree, with one small allreduce issued at the same ``n``
-    everywhere, on the period of their recent sequence of signatures: each looks for the
-    shortest ``p`` (up to ``LONGEST``) such that its last ``2p`` signatures repeat with period
-    ``p``, and the period is taken when every member found the same one. From then on the
-    ``n``-th collective is ``tdist.<base>+<P>.<(n - base) mod P>``: the names of a training
-    step come back at the next step with the same signatures, and the engine negotiates them
-    through its bit-vector cache. A name is a function of ``n`` and the agreed period alone,
-    so members that disagree on a collective still meet under one name and fail with the
-    engine's error naming them; a sequence that stops repeating costs the cache a changed
-    slot, and the next agreement falls back to names used once. A name is reused only after
-    the collective that last had it has completed on this rank (and a period agreed anew, at
-    ``base``, starts names of its own)."""
+    everywhere and applied ``CHECK`` collectives later (it is not waited for in between, so the
+    collectives after it are not held up behind it), on the period of their sequence of
+    signatures up to the ``n`` it was issued at: each takes the ``p`` (up
+    to ``LONGEST``) whose repetition reaches furthest back in its history (at least twice; the
+    shortest such ``p`` on a tie), so that a step's run of equal collectives (DDP's equal
+    buckets, a transformer's layers) does not pass for the period of the whole step; the period
+    is taken when every member found the same one. From then on the ``n``-th collective is
+    ``tdist.<base>+<P>.<(n - base) mod S>``, ``S`` the smallest multiple of ``P`` of at least
+    ``DEPTH``: the names of a training step come back at the next step with the same
+    signatures, and the engine negotiates them through its bit-vector cache. A name is a
+    function of ``n`` and the agreed period alone, so members that disagree on a collective
+    still meet under one name and fail with the engine's error naming them; a sequence that
+    stops repeating costs the cache a changed slot, and the next agreement applied falls back
+    to names used once. A name is reused only after the collective that last had it has completed on
+    this rank (``S`` names apart: at least ``DEPTH`` collectives may be in flight however short
+    the period; and a period agreed anew, at ``base``, starts names of its own)."""
 
-    CHECK = 32
+    CHECK = 8
     LONGEST = 256
+    DEPTH = 4
 
     def __init__(self, process_set_id):
         self._ps = process_set_id
         self._n = 0
         self._period = 0
+        self._span = 0
         self._base = 0
         self._history = collections.deque(maxlen=2 * self.LONGEST)
         self._holders = {}  # reused name -> the _Op that has it now
+        self._pending = None  # the last agreement issued: (handle, its tensor)
         self._lock = threading.Lock()
 
     @property
@@ -228,7 +236,7 @@ class _Namer:
             self._history.append(sig)
             if not self._period:
                 return f"tdist.{n}", None
-            name = f"tdist.{self._base}+{self._period}.{(n - self._base) % self._period}"
+            name = f"tdist.{self._base}+{self._period}.{(n - self._base) % self._span}"
             return name, self._holders.get(name)
 
     def hold(self, name, op):
@@ -238,25 +246,43 @@ class _Namer:
         with self._lock:
             self._holders[name] = op
 
-    def _local_period(self):
-        h = list(self._history)
-        last = len(h) - 1
-        for p in range(1, min(self.LONGEST, len(h) // 2) + 1):
-            if all(h[last - i] == h[last - i - p] for i in range(p)):
-                return p
-        return 0
+    @classmethod
+    def period_of(cls, history):
+        """The period of a sequence of signatures: the ``p`` (1 to ``LONGEST``) whose
+        repetition covers the longest end of ``history``, at least ``2p`` long (the shortest
+        ``p`` among equals); 0 when none repeats."""
+        h = list(history)
+        size = len(h)
+        best, covered = 0, 0
+        for p in range(1, min(cls.LONGEST, size // 2) + 1):
+            if covered == size:
+                break  # nothing can cover more; longer periods only tie
+            i = size - 1 - p  # h[i] == h[i + p] for every i above this one
+            while i >= 0 and h[i] == h[i + p]:
+                i -= 1
+            length = size - 1 - i  # the end of the history that repeats with period p
+            if length >= 2 * p and length > covered:
+                best, covered = p, length
+        return best
 
     def _agree(self, n):
-        """Agree on the period (collective over the group, at the same ``n`` everywhere)."""
-        mine = self._local_period()
+        """At the same ``n`` everywhere: apply the agreement issued ``CHECK`` collectives ago
+        (its period starts at ``n``), then issue the next one, on the history up to ``n``."""
+        if self._pending is not None:
+            handle, both = self._pending
+            self._pending = None
+            handle.wait()  # issued CHECK collectives ago: done by now, as a rule
+            most, least = int(both[0]), -int(both[1])
+            agreed = most if most == least else 0
+            if agreed != self._period:
+                self._period, self._base = agreed, n
+                self._span = agreed * -(-self.DEPTH // agreed) if agreed else 0
+                self._holders.clear()
+        mine = self.period_of(self._history)
         both = torch.tensor([mine, -mine], dtype=torch.int64)
-        _core.allreduce(both, name=f"tdist.agree.{n}", op="max",
-                        process_set_id=self._ps).wait()
-        most, least = int(both[0]), -int(both[1])
-        agreed = most if most == least else 0
-        if agreed != self._period:
-            self._period, self._base = agreed, n
-            self._holders.clear()
+        handle = _core.allreduce(both, name=f"tdist.agree.{n}", op="max",
+                                 process_set_id=self._ps)
+        self._pending = (handle, both)
 
 
 class _Work(_C10dWork):
