@@ -26,7 +26,7 @@
 //! every frame, so every member sends its settings to rank 0 at the rendezvous, and a rank
 //! whose settings differ stops every rank with an error naming both values. Under `auto`, a
 //! world spanning hosts measures at its start how many streams a cross-host pair needs
-//! (`TcpTransport::measure_streams`, over the world's first communicator) and rank 0 sends
+//! (`TcpTransport::measure_streams` in `streams.rs`, over the world's first communicator) and rank 0 sends
 //! every rank the choice. Fault handling
 //! covers every stream: a closed or reset stream names its peer at once, an abort notice goes
 //! in band on every stream of a peer (out of band where a frame to it is half sent), and a
@@ -638,102 +638,6 @@ impl TcpTransport {
             .collect();
         link.send_aborts_to_heard(rank, peers, seq, lost);
         err
-    }
-
-    /// `FH_TCP_STREAMS=auto` in a world spanning hosts: rank 0 and the first rank on another
-    /// host measure the rate of one stream and of [`streams::PROBE_STREAMS`] at once, each for
-    /// [`streams::PROBE_TIME`], over a communicator of their own (the world's first, opened by
-    /// every rank), and rank 0 sends every rank the streams the ratio asks for
-    /// ([`streams::choose`]). Returns that number, the same on every rank.
-    fn measure_streams(&mut self) -> Result<usize> {
-        let (rank, size) = (self.topology.rank, self.topology.size);
-        let host0 = self.layout.topology(0).cross_rank;
-        let Some(q) = (1..size).find(|&r| self.layout.topology(r).cross_rank != host0) else {
-            return Ok(self.opts.streams.count.resolve());
-        };
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let label = "fh-tcp-stream-probe";
-        let want: Vec<usize> = (0..size)
-            .map(|p| match (rank, p) {
-                _ if p == rank => 0,
-                (0, p) | (p, 0) if p == q => streams::PROBE_STREAMS,
-                _ => 1,
-            })
-            .collect();
-        let peers = self
-            .open_mesh(label, seq, &want)
-            .map_err(|e| self.tell_formation_failed(e, seq))?;
-        let mut c = TcpComm::new(
-            label.to_owned(),
-            seq,
-            rank,
-            size,
-            peers,
-            &self.opts,
-            self.link.clone(),
-            Interrupt::new(),
-        );
-        let mut chosen = [0u8; 8];
-        if rank == 0 || rank == q {
-            let mut rates = [0.0f64; 2];
-            for (phase, k) in [1, streams::PROBE_STREAMS].into_iter().enumerate() {
-                c.set_stripe_cap(k);
-                // Frames of PROBE_FRAME bytes on each stream in use; the first byte says
-                // whether more follow, so the receiver needs no clock.
-                let len = (k * streams::PROBE_FRAME).max(self.opts.streams.stripe_min);
-                let mut buf = vec![1u8; len];
-                let mut ack = [0u8; 8];
-                if rank == 0 {
-                    let start = Instant::now();
-                    let mut sent = 0usize;
-                    loop {
-                        let last = start.elapsed() >= streams::PROBE_TIME;
-                        buf[0] = u8::from(!last);
-                        c.send(q, &buf)?;
-                        sent += buf.len();
-                        if last {
-                            break;
-                        }
-                    }
-                    c.recv(q, &mut ack)?;
-                    rates[phase] = sent as f64 / start.elapsed().as_secs_f64();
-                } else {
-                    loop {
-                        c.recv(0, &mut buf)?;
-                        if buf[0] == 0 {
-                            break;
-                        }
-                    }
-                    c.send(0, &ack)?;
-                }
-            }
-            if rank == 0 {
-                let s = streams::choose(rates[0], rates[1]);
-                tracing::info!(
-                    with = q,
-                    one_stream_mb_s = rates[0] / 1e6,
-                    streams_mb_s = rates[1] / 1e6,
-                    probe_streams = streams::PROBE_STREAMS,
-                    chosen = s,
-                    stripe_min = self.opts.streams.stripe_min,
-                    "TCP streams to each peer on another host, measured (FH_TCP_STREAMS=auto)"
-                );
-                chosen = (s as u64).to_le_bytes();
-            }
-        }
-        c.broadcast(&mut chosen, 0)?;
-        let s = u64::from_le_bytes(chosen) as usize;
-        if !(1..=streams::MAX_STREAMS).contains(&s) {
-            return Err(TransportError::Protocol {
-                rank: 0,
-                detail: format!(
-                    "rank 0 chose {s} TCP streams (at most {})",
-                    streams::MAX_STREAMS
-                ),
-            });
-        }
-        Ok(s)
     }
 
     /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.

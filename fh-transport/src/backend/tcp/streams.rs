@@ -18,9 +18,12 @@
 //! rank. [`FLOW_CAP_VAR`] emulates a cloud's per-flow cap on one machine, so that tests and
 //! benches can see the difference.
 
+use std::time::Instant;
+
 use fh_core::bytes::{DecodeError, Reader};
 
-use crate::{Result, TransportError};
+use super::{TcpComm, TcpTransport};
+use crate::{Communicator, Interrupt, Result, TransportError};
 
 /// The variable that sets the number of streams to each peer on another host.
 pub const STREAMS_VAR: &str = "FH_TCP_STREAMS";
@@ -340,6 +343,101 @@ pub fn stripe_count(len: usize, streams: usize, stripe_min: usize) -> usize {
 pub fn stripe_range(len: usize, n: usize, i: usize) -> std::ops::Range<usize> {
     let at = |k: usize| ((len as u128 * k as u128) / n as u128) as usize;
     at(i)..at(i + 1)
+}
+
+impl TcpTransport {
+    /// `FH_TCP_STREAMS=auto` in a world spanning hosts: rank 0 and the first rank on another
+    /// host measure the rate of one stream and of [`PROBE_STREAMS`] at once, each for
+    /// [`PROBE_TIME`], over a communicator of their own (the world's first, opened by
+    /// every rank), and rank 0 sends every rank the streams the ratio asks for
+    /// ([`choose`]). Returns that number, the same on every rank.
+    pub(super) fn measure_streams(&mut self) -> Result<usize> {
+        let (rank, size) = (self.topology.rank, self.topology.size);
+        let host0 = self.layout.topology(0).cross_rank;
+        let Some(q) = (1..size).find(|&r| self.layout.topology(r).cross_rank != host0) else {
+            return Ok(self.opts.streams.count.resolve());
+        };
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let label = "fh-tcp-stream-probe";
+        let want: Vec<usize> = (0..size)
+            .map(|p| match (rank, p) {
+                _ if p == rank => 0,
+                (0, p) | (p, 0) if p == q => PROBE_STREAMS,
+                _ => 1,
+            })
+            .collect();
+        let peers = self
+            .open_mesh(label, seq, &want)
+            .map_err(|e| self.tell_formation_failed(e, seq))?;
+        let mut c = TcpComm::new(
+            label.to_owned(),
+            seq,
+            rank,
+            size,
+            peers,
+            &self.opts,
+            self.link.clone(),
+            Interrupt::new(),
+        );
+        let mut chosen = [0u8; 8];
+        if rank == 0 || rank == q {
+            let mut rates = [0.0f64; 2];
+            for (phase, k) in [1, PROBE_STREAMS].into_iter().enumerate() {
+                c.set_stripe_cap(k);
+                // Frames of PROBE_FRAME bytes on each stream in use; the first byte says
+                // whether more follow, so the receiver needs no clock.
+                let len = (k * PROBE_FRAME).max(self.opts.streams.stripe_min);
+                let mut buf = vec![1u8; len];
+                let mut ack = [0u8; 8];
+                if rank == 0 {
+                    let start = Instant::now();
+                    let mut sent = 0usize;
+                    loop {
+                        let last = start.elapsed() >= PROBE_TIME;
+                        buf[0] = u8::from(!last);
+                        c.send(q, &buf)?;
+                        sent += buf.len();
+                        if last {
+                            break;
+                        }
+                    }
+                    c.recv(q, &mut ack)?;
+                    rates[phase] = sent as f64 / start.elapsed().as_secs_f64();
+                } else {
+                    loop {
+                        c.recv(0, &mut buf)?;
+                        if buf[0] == 0 {
+                            break;
+                        }
+                    }
+                    c.send(0, &ack)?;
+                }
+            }
+            if rank == 0 {
+                let s = choose(rates[0], rates[1]);
+                tracing::info!(
+                    with = q,
+                    one_stream_mb_s = rates[0] / 1e6,
+                    streams_mb_s = rates[1] / 1e6,
+                    probe_streams = PROBE_STREAMS,
+                    chosen = s,
+                    stripe_min = self.opts.streams.stripe_min,
+                    "TCP streams to each peer on another host, measured (FH_TCP_STREAMS=auto)"
+                );
+                chosen = (s as u64).to_le_bytes();
+            }
+        }
+        c.broadcast(&mut chosen, 0)?;
+        let s = u64::from_le_bytes(chosen) as usize;
+        if !(1..=MAX_STREAMS).contains(&s) {
+            return Err(TransportError::Protocol {
+                rank: 0,
+                detail: format!("rank 0 chose {s} TCP streams (at most {})", MAX_STREAMS),
+            });
+        }
+        Ok(s)
+    }
 }
 
 #[cfg(test)]
