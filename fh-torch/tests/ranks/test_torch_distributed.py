@@ -303,7 +303,7 @@ def test_the_period_is_the_whole_step_not_a_run_of_equal_buckets():
     """A step whose buckets are equal (a transformer's layers) repeats with the step's period,
     not with period 1 (which would reuse one name for every bucket and wait for each before
     the next); a run of one collective alone keeps at least ``DEPTH`` names in flight."""
-    namer = fhd._backend._Namer
+    namer = fhd._names._Namer
     step = [("barrier",), ("all_reduce", 5)] + [("all_reduce", 7)] * 12 + [("all_reduce", 9)]
     assert namer.period_of([("init",)] + step * 2) == len(step)
     assert namer.period_of([("init",)] + step * 3 + step[:4]) == len(step)
@@ -311,7 +311,7 @@ def test_the_period_is_the_whole_step_not_a_run_of_equal_buckets():
     assert namer.period_of(list("abcd")) == 0
     assert namer.period_of(["x"] * 40) == 1
     # Names over an agreed period 1 (as the agreement would set it): DEPTH apart.
-    names = fhd._backend._Namer(0)
+    names = fhd._names._Namer(0)
     names._period, names._base, names._n = 1, 0, 1
     names._span = max(namer.DEPTH, 1)
     got = [names.claim(("x",))[0] for _ in range(namer.DEPTH + 1)]
