@@ -11,12 +11,6 @@ use common::*;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
-fn mpirun_on_path() -> bool {
-    std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join("mpirun").is_file()))
-        .unwrap_or(false)
-}
-
 /// The `work of rank R` spans of a merged timeline, by track.
 fn works(file: &Path) -> BTreeSet<(u64, String)> {
     let events: serde_json::Value =

@@ -14,6 +14,13 @@ use std::time::{Duration, Instant};
 
 pub const FHRUN: &str = env!("CARGO_BIN_EXE_fhrun");
 
+/// Whether Open MPI's `mpirun` is on `PATH` (tests of `--mpi` skip without it).
+pub fn mpirun_on_path() -> bool {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("mpirun").is_file()))
+        .unwrap_or(false)
+}
+
 /// A running fhrun whose output is collected; killed (SIGKILL) and reaped on drop. Its ranks
 /// die with it (PR_SET_PDEATHSIG).
 pub struct Running {
