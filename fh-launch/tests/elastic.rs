@@ -11,8 +11,10 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::elastic::{all_pids, discovery, probe_pid, set_hosts, start, LIMIT, PROBE};
-use common::{alive, kill_all, survivors_after, Running, TempDir};
+use common::elastic::{
+    all_pids, discovery, no_worker_left, probe_pid, set_hosts, start, LIMIT, PROBE,
+};
+use common::{alive, kill_all, Running, TempDir};
 
 #[test]
 fn a_lost_host_shrinks_the_world_and_a_new_host_grows_it() {
@@ -62,9 +64,7 @@ fn a_lost_host_shrinks_the_world_and_a_new_host_grows_it() {
     let pids = all_pids(&out);
     let done = run.wait(LIMIT);
     assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    no_worker_left(&pids);
     assert!(!alive(victim));
 }
 
@@ -119,9 +119,7 @@ fn losing_rank_0_leaves_the_survivors_running() {
         "{}",
         done.stderr
     );
-    let left = survivors_after(&all_pids(&out), Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    no_worker_left(&all_pids(&out));
 }
 
 #[test]
@@ -145,9 +143,7 @@ fn fewer_than_min_np_fails_naming_the_lost_host() {
         "{}",
         done.stderr
     );
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    no_worker_left(&pids);
 }
 
 #[test]
@@ -221,9 +217,7 @@ fn min_np_on_fixed_hosts_survives_a_lost_host() {
     let pids = all_pids(&run.stdout_now());
     let done = run.wait(LIMIT);
     assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    no_worker_left(&pids);
 }
 
 /// A world with none of the last one's members would start training over: refused. The only
@@ -395,7 +389,5 @@ fn max_np_caps_the_workers_and_np_waits_for_enough_slots() {
     assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
     // --max-np 3: the second slot of 127.0.0.2 never started.
     assert!(!done.stdout.contains("[127.0.0.2:1]"), "{}", done.stdout);
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    no_worker_left(&pids);
 }

@@ -8,8 +8,10 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::elastic::{all_pids, discovery, probe_pid, set_hosts, start, LIMIT, PROBE};
-use common::{kill_all, survivors_after, Running, TempDir};
+use common::elastic::{
+    all_pids, discovery, no_worker_left, probe_pid, set_hosts, start, LIMIT, PROBE,
+};
+use common::{kill_all, Running, TempDir};
 
 #[test]
 fn a_command_that_never_joins_fails_at_once() {
@@ -171,9 +173,7 @@ fn the_reset_limit_ends_the_job() {
         done.stderr
     );
     assert!(!done.stderr.contains("generation 1"), "{}", done.stderr);
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    no_worker_left(&pids);
 }
 
 #[test]
@@ -194,9 +194,7 @@ fn ctrl_c_stops_every_worker() {
         "{}",
         done.stderr
     );
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    no_worker_left(&pids);
 }
 
 /// A worker's last words still on their way when its part ends: fhrun's stdout is read

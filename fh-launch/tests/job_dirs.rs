@@ -98,9 +98,8 @@ fn an_mpi_job_merges_every_ranks_timeline_and_keeps_its_flight_records() {
         "{}",
         out.stderr
     );
-    let kept: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
-    assert_eq!(kept.len(), 1, "{kept:?}");
-    let flight = kept[0].path().join("flight");
+    let job = only_job_dir(&tmp);
+    let flight = job.join("flight");
     for rank in 0..2 {
         assert!(flight.join(format!("rank-{rank}.json")).is_file());
     }
@@ -114,7 +113,7 @@ fn an_mpi_job_merges_every_ranks_timeline_and_keeps_its_flight_records() {
 
 #[test]
 fn an_elastic_job_keeps_every_generations_records_apart() {
-    use common::elastic::{all_pids, discovery, probe_pid, PROBE};
+    use common::elastic::{all_pids, discovery, no_worker_left, probe_pid, PROBE};
     let dir = TempDir::new("elastic-jobdir");
     let tmp = dir.path().join("tmp");
     std::fs::create_dir_all(&tmp).unwrap();
@@ -150,19 +149,15 @@ fn an_elastic_job_keeps_every_generations_records_apart() {
     kill_all(&[probe_pid(&out, 1, "127.0.0.1:0").unwrap()]);
     let pids = all_pids(&out);
     let done = run.wait(LIMIT);
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    no_worker_left(&pids);
     assert_eq!(done.code(), Some(1), "{}\n{}", done.stdout, done.stderr);
 
     // Each generation's survivors wrote their records in its own directory: rank 0 of both
     // generations, neither overwriting the other.
-    let kept: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
-    assert_eq!(kept.len(), 1, "{kept:?}");
-    let flight = kept[0].path().join("flight");
+    let job = only_job_dir(&tmp);
+    let flight = job.join("flight");
     let size_of = |path: &Path| -> u64 {
-        let v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let v = read_json(path);
         v["size"].as_u64().unwrap()
     };
     assert_eq!(size_of(&flight.join("gen-0/rank-0.json")), 3);
@@ -197,7 +192,7 @@ fn an_elastic_job_keeps_every_generations_records_apart() {
 
 #[test]
 fn an_elastic_workers_records_come_back_from_another_host() {
-    use common::elastic::{all_pids, probe_pid, PROBE};
+    use common::elastic::{all_pids, no_worker_left, probe_pid, PROBE};
     let dir = TempDir::new("elastic-far");
     let Some((agent, near)) = far_host_agent(&dir) else {
         return;
@@ -245,15 +240,12 @@ fn an_elastic_workers_records_come_back_from_another_host() {
     let pids = all_pids(&run.stdout_now());
     std::fs::write(&stop, "").unwrap();
     let done = run.wait(LIMIT);
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    no_worker_left(&pids);
     assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
     // The lost generation's record came back from the far host, and is kept and explained
     // although the job went on and succeeded.
-    let kept: Vec<_> = std::fs::read_dir(&near).unwrap().flatten().collect();
-    assert_eq!(kept.len(), 1, "{kept:?}");
-    let record = kept[0].path().join("flight/gen-0/rank-1.json");
+    let job = only_job_dir(&near);
+    let record = job.join("flight/gen-0/rank-1.json");
     assert!(record.is_file(), "{}", done.stderr);
     assert!(
         done.stderr
@@ -274,7 +266,7 @@ fn an_elastic_workers_records_come_back_from_another_host() {
 
 #[test]
 fn sigusr1_to_an_elastic_job_brings_every_workers_record_while_it_runs() {
-    use common::elastic::{all_pids, probe_pid, PROBE};
+    use common::elastic::{all_pids, no_worker_left, probe_pid, PROBE};
     let dir = TempDir::new("elastic-usr1");
     let tmp = dir.path().join("tmp");
     std::fs::create_dir_all(&tmp).unwrap();
@@ -308,26 +300,22 @@ fn sigusr1_to_an_elastic_job_brings_every_workers_record_while_it_runs() {
         out.matches("probe: flight record written to").count() == 2
             && err.contains("received SIGUSR1")
     });
-    let jobs: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
-    assert_eq!(jobs.len(), 1, "{jobs:?}");
-    let flight = jobs[0].path().join("flight/gen-0");
+    let job = only_job_dir(&tmp);
+    let flight = job.join("flight/gen-0");
     for rank in 0..2 {
         let path = flight.join(format!("rank-{rank}.json"));
-        let v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let v = read_json(&path);
         assert_eq!(v["reason"], "SIGUSR1", "{}", path.display());
     }
     std::fs::write(&stop, "").unwrap();
     let done = run.wait(LIMIT);
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    no_worker_left(&pids);
     assert_eq!(done.code(), Some(0), "{}\n{}", done.stdout, done.stderr);
 }
 
 #[test]
 fn an_elastic_jobs_timeout_asks_for_the_records_before_it_stops_the_workers() {
-    use common::elastic::{all_pids, PROBE};
+    use common::elastic::{all_pids, no_worker_left, PROBE};
     let dir = TempDir::new("elastic-timeout");
     let tmp = dir.path().join("tmp");
     std::fs::create_dir_all(&tmp).unwrap();
@@ -349,9 +337,7 @@ fn an_elastic_jobs_timeout_asks_for_the_records_before_it_stops_the_workers() {
             .env("TMPDIR", &tmp),
     );
     let done = run.wait(LIMIT);
-    let left = survivors_after(&all_pids(&done.stdout), Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    no_worker_left(&all_pids(&done.stdout));
     assert_eq!(done.code(), Some(124), "{}\n{}", done.stdout, done.stderr);
     assert_eq!(
         done.stdout
@@ -362,14 +348,10 @@ fn an_elastic_jobs_timeout_asks_for_the_records_before_it_stops_the_workers() {
         done.stdout,
         done.stderr
     );
-    let jobs: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
-    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    let job = only_job_dir(&tmp);
     for rank in 0..2 {
-        let path = jobs[0]
-            .path()
-            .join(format!("flight/gen-0/rank-{rank}.json"));
-        let v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let path = job.join(format!("flight/gen-0/rank-{rank}.json"));
+        let v = read_json(&path);
         assert_eq!(v["reason"], "SIGUSR1", "{}", path.display());
     }
 }

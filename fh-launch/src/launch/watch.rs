@@ -205,17 +205,7 @@ impl Running<'_> {
         if self.job.verbose {
             eprintln!("fhrun: started {} (pid {pid})", spec.label());
         }
-        let streams = [
-            child
-                .stdout
-                .take()
-                .map(|s| (Box::new(s) as Box<dyn std::io::Read + Send>, Sink::Stdout)),
-            child
-                .stderr
-                .take()
-                .map(|s| (Box::new(s) as Box<dyn std::io::Read + Send>, Sink::Stderr)),
-        ];
-        for (src, sink) in streams.into_iter().flatten() {
+        for (src, sink) in outputs(&mut child) {
             let name = match sink {
                 Sink::Stdout => "stdout",
                 Sink::Stderr => "stderr",
@@ -251,17 +241,7 @@ impl Running<'_> {
         if self.job.verbose {
             eprintln!("fhrun: started {} (agent pid {pid})", spec.label);
         }
-        let streams = [
-            child
-                .stdout
-                .take()
-                .map(|s| (Box::new(s) as Box<dyn std::io::Read + Send>, Sink::Stdout)),
-            child
-                .stderr
-                .take()
-                .map(|s| (Box::new(s) as Box<dyn std::io::Read + Send>, Sink::Stderr)),
-        ];
-        for (src, sink) in streams.into_iter().flatten() {
+        for (src, sink) in outputs(&mut child) {
             let thread = "remote-output".to_string();
             let started = match (&spec.gather, sink) {
                 (Some(g), Sink::Stdout) => {
@@ -548,6 +528,19 @@ impl Running<'_> {
             eprintln!("fhrun: all ranks stopped ({why})");
         }
     }
+}
+
+/// A child's stdout and stderr, each with where its lines go.
+fn outputs(child: &mut Child) -> impl Iterator<Item = (Box<dyn std::io::Read + Send>, Sink)> {
+    let out = child
+        .stdout
+        .take()
+        .map(|s| (Box::new(s) as _, Sink::Stdout));
+    let err = child
+        .stderr
+        .take()
+        .map(|s| (Box::new(s) as _, Sink::Stderr));
+    out.into_iter().chain(err)
 }
 
 fn begin_stop(ranks: &mut [Rank], sig: i32, reason: StopReason, grace: Duration) -> Stopping {

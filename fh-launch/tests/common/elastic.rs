@@ -55,3 +55,11 @@ pub fn start(script: &str, dir: &TempDir, extra: &[&str]) -> Running {
     args.extend_from_slice(&["-x", &stop, "--kill-grace", "1", "--timeout", "120", PROBE]);
     Running::start_cmd(Command::new(FHRUN).args(&args).env("TMPDIR", dir.path()))
 }
+
+/// Asserts that none of the workers `pids` outlives fhrun (waiting up to 10 s for them to go);
+/// kills any that did.
+pub fn no_worker_left(pids: &[i32]) {
+    let left = super::survivors_after(pids, std::time::Duration::from_secs(10));
+    super::kill_all(&left);
+    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+}

@@ -368,3 +368,17 @@ pub fn far_host_agent(dir: &TempDir) -> Option<(PathBuf, PathBuf)> {
     std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755)).unwrap();
     Some((agent, near))
 }
+
+/// The one job directory fhrun made under `tmp` (its `TMPDIR`).
+pub fn only_job_dir(tmp: &Path) -> PathBuf {
+    let kept: Vec<_> = std::fs::read_dir(tmp).unwrap().flatten().collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    kept[0].path()
+}
+
+/// A JSON file's contents.
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
