@@ -53,18 +53,24 @@
 //! training and elastic checks without a `target/fh-venv` that imports `fasthorovod.torch`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::Instant;
 
 use crate::cargo;
-use crate::cluster::{self, Cluster, RankEnd};
+use crate::cluster::{self, Cluster};
 
 mod chaos;
 mod cloud;
+mod collectives;
+mod common;
 mod elastic_check;
 mod launchers;
 mod losses;
+mod training;
 
+use collectives::collectives;
+pub(crate) use common::torch_python;
+use common::which;
 use launchers::{
     fhrun_mpi, fhrun_remote, fhrun_remote_fails_fast, fhrun_remote_killed, fhrun_remote_signal,
     mpirun_map_by_node,
@@ -73,6 +79,7 @@ pub(crate) use losses::median_and_worst;
 use losses::{losses, Loss};
 #[cfg(test)]
 use losses::{names_rank, other_host};
+use training::training;
 
 /// How a stage of checks ended.
 pub(crate) enum Verdict {
@@ -231,6 +238,18 @@ fn random_kills(root: &Path, bins: &Bins, py: &Path) -> Result<String, String> {
     c.down().and(r)
 }
 
+/// Runs `f` on a fresh cluster of `hosts` hosts shaped as `shaping`, then takes the cluster
+/// down (a failure to do so fails the check).
+fn on_cluster(
+    hosts: usize,
+    shaping: &cluster::Shaping,
+    f: impl FnOnce(&Cluster) -> Result<String, String>,
+) -> Result<End, String> {
+    let c = Cluster::up(hosts, shaping)?;
+    let r = f(&c);
+    c.down().and(r).map(End::Passed)
+}
+
 /// Builds the programs and runs every check (whose name contains `filter`, when given).
 pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
     let wanted = |name: &str| filter.is_none_or(|f| name.contains(f));
@@ -342,12 +361,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             None => Ok(End::Skipped(
                 "no mpirun on PATH (Debian: apt-get install openmpi-bin)".to_string(),
             )),
-            Some(_) => Cluster::up(2, &link_shaping())
-                .and_then(|c| {
-                    let r = f(&c, &bins);
-                    c.down().and(r)
-                })
-                .map(End::Passed),
+            Some(_) => on_cluster(2, &link_shaping(), |c| f(c, &bins)),
         };
         note(name.to_string(), r, t);
     }
@@ -374,12 +388,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             continue;
         }
         let t = Instant::now();
-        let r = Cluster::up(2, &link_shaping())
-            .and_then(|c| {
-                let r = f(&c, &bins);
-                c.down().and(r)
-            })
-            .map(End::Passed);
+        let r = on_cluster(2, &link_shaping(), |c| f(c, &bins));
         note(name.to_string(), r, t);
     }
 
@@ -389,12 +398,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             let t = Instant::now();
             let r = match torch_python(root) {
                 Err(why) => Ok(End::Skipped(why)),
-                Ok(py) => Cluster::up(2, &link_shaping())
-                    .and_then(|c| {
-                        let r = training(&c, &bins, root, &py);
-                        c.down().and(r)
-                    })
-                    .map(End::Passed),
+                Ok(py) => on_cluster(2, &link_shaping(), |c| training(c, &bins, root, &py)),
             };
             note(name.to_string(), r, t);
         }
@@ -414,12 +418,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             continue;
         }
         let t = Instant::now();
-        let r = Cluster::up(2, &link_shaping())
-            .and_then(|c| {
-                let r = losses(&c, &bins, &loss, transport);
-                c.down().and(r)
-            })
-            .map(End::Passed);
+        let r = on_cluster(2, &link_shaping(), |c| losses(c, &bins, &loss, transport));
         note(name.to_string(), r, t);
     }
 
@@ -428,12 +427,7 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
         if wanted(name) {
             let t = Instant::now();
             let r = cloud::shaping()
-                .and_then(|s| Cluster::up(2, &s))
-                .and_then(|c| {
-                    let r = cloud::cloud_goodput(&c, &bins);
-                    c.down().and(r)
-                })
-                .map(End::Passed);
+                .and_then(|s| on_cluster(2, &s, |c| cloud::cloud_goodput(c, &bins)));
             note(name.to_string(), r, t);
         }
     }
@@ -444,12 +438,9 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
             let t = Instant::now();
             let r = match torch_python(root) {
                 Err(why) => Ok(End::Skipped(why)),
-                Ok(py) => Cluster::up(5, &link_shaping())
-                    .and_then(|c| {
-                        let r = elastic_check::run_once(&c, &bins.fhrun, root, &py, 0);
-                        c.down().and(r.map(|run| run.summary))
-                    })
-                    .map(End::Passed),
+                Ok(py) => on_cluster(5, &link_shaping(), |c| {
+                    elastic_check::run_once(c, &bins.fhrun, root, &py, 0).map(|run| run.summary)
+                }),
             };
             note(name.to_string(), r, t);
         }
@@ -499,278 +490,9 @@ pub(crate) fn run(root: &Path, filter: Option<&str>) -> Verdict {
     }
 }
 
-/// The scheduler's suite on `layout` under `FH_TRANSPORT=transport`; rank 0 must report the
-/// backend `want`.
-fn collectives(
-    c: &Cluster,
-    bins: &Bins,
-    layout: &[usize],
-    transport: &str,
-    want: &str,
-) -> Result<String, String> {
-    let job = c.launch(
-        layout,
-        &bins.sched_suite,
-        &["--schedule", "all", "--channels", "1,2,4"],
-        Duration::from_secs(20),
-        &[("FH_TRANSPORT", transport)],
-    )?;
-    let ends = job.wait(Duration::from_secs(240));
-    all_passed(&ends)?;
-    let over = format!("sched_suite over {want}: passed");
-    match ends[0].output.lines().find(|l| l.contains(&over)) {
-        Some(line) => Ok(line.trim().to_string()),
-        None => Err(format!(
-            "rank 0 did not report `{over}`; its output:\n{}",
-            tail(&ends[0].output)
-        )),
-    }
-}
-
-/// Every rank exited 0, or an error quoting the first that did not.
-fn all_passed(ends: &[RankEnd]) -> Result<(), String> {
-    for (rank, e) in ends.iter().enumerate() {
-        match e.status {
-            Some(s) if s.success() => {}
-            Some(s) => {
-                return Err(format!(
-                    "rank {rank} exited with {s}; its output:\n{}",
-                    tail(&e.output)
-                ))
-            }
-            None => {
-                return Err(format!(
-                    "rank {rank} was still running at the deadline; its output:\n{}",
-                    tail(&e.output)
-                ))
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The last lines of `s` (for error messages).
-fn tail(s: &str) -> String {
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(15)..].join("\n")
-}
-
-/// Where fh-selftest says each rank is: `(rank, local size, cross rank)` from its lines
-/// `fh-selftest: rank R of N (local L/LS, cross C/CS), ...`.
-fn places(output: &str) -> Vec<(usize, usize, usize)> {
-    let mut found = Vec::new();
-    for line in output.lines() {
-        let Some(at) = line.find("fh-selftest: rank ") else {
-            continue;
-        };
-        let rest = &line[at + "fh-selftest: rank ".len()..];
-        let nums: Vec<usize> = rest
-            .split(|c: char| !c.is_ascii_digit())
-            .filter(|s| !s.is_empty())
-            .filter_map(|s| s.parse().ok())
-            .collect();
-        // R, N, L, LS, C, CS
-        if rest.contains(" of ") && rest.contains("cross") && nums.len() >= 6 {
-            found.push((nums[0], nums[3], nums[4]));
-        }
-    }
-    found.sort();
-    found
-}
-
-/// Runs `cmd`, at most `limit`, output to a file; returns the status (`None`: killed at the
-/// deadline) and the output.
-fn bounded(
-    mut cmd: Command,
-    log: &Path,
-    limit: Duration,
-) -> Result<(Option<ExitStatus>, String), String> {
-    let file = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
-    let err = file
-        .try_clone()
-        .map_err(|e| format!("{}: {e}", log.display()))?;
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(file)
-        .stderr(err)
-        .spawn()
-        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
-    let start = Instant::now();
-    let status = loop {
-        if let Ok(Some(s)) = child.try_wait() {
-            break Some(s);
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    Ok((status, std::fs::read_to_string(log).unwrap_or_default()))
-}
-
-/// Checks that a 4-rank fh-selftest run passed with ranks placed as `hosts[r]` says (the
-/// host index mpirun put rank r on; the settled cross ranks must group the ranks the same way).
-fn check_placed(
-    status: Option<ExitStatus>,
-    out: &str,
-    hosts: [usize; 4],
-) -> Result<String, String> {
-    if !matches!(status, Some(s) if s.success()) {
-        return Err(format!("ended with {status:?}; output:\n{}", tail(out)));
-    }
-    let p = places(out);
-    if p.len() != 4 || out.matches("PASSED").count() != 4 {
-        return Err(format!(
-            "expected four ranks to report and pass; output:\n{}",
-            tail(out)
-        ));
-    }
-    for a in 0..4 {
-        for b in 0..4 {
-            let same = hosts[a] == hosts[b];
-            if (p[a].2 == p[b].2) != same || p[a].1 != 2 {
-                return Err(format!(
-                    "ranks {a} and {b} should be on {} host{} (2 ranks each); they report \
-                     (rank, local size, cross rank) {:?} and {:?}",
-                    if same { "the same" } else { "different" },
-                    if same { "" } else { "s" },
-                    p[a],
-                    p[b]
-                ));
-            }
-        }
-    }
-    Ok(format!(
-        "cross ranks of ranks 0-3: {:?}",
-        p.iter().map(|x| x.2).collect::<Vec<_>>()
-    ))
-}
-
-/// The Python of `target/fh-venv` when it can import `fasthorovod.torch` (the Python stages of
-/// `cargo xtask test` make it), or why not.
-pub(crate) fn torch_python(root: &Path) -> Result<PathBuf, String> {
-    let py = root
-        .join("target")
-        .join("fh-venv")
-        .join("bin")
-        .join("python");
-    let mut cmd = Command::new(&py);
-    cmd.args(["-c", "import fasthorovod.torch"]);
-    match bounded(
-        cmd,
-        &root.join("target").join("fh-import-check.log"),
-        Duration::from_secs(120),
-    ) {
-        Ok((Some(s), _)) if s.success() => Ok(py),
-        Ok((_, out)) => Err(format!(
-            "{} cannot import fasthorovod.torch (the Python stages of `cargo xtask test` set it \
-             up): {}",
-            py.display(),
-            tail(&out)
-        )),
-        Err(e) => Err(format!("no Python environment at {}: {e}", py.display())),
-    }
-}
-
-/// Compares the saved parameters: every rank's equal to rank 0's bit for bit, and rank 0's
-/// equal to one process's on the ranks' batches concatenated (to float tolerance: the sum
-/// runs in another order). Prints the largest difference from one process.
-const COMPARE_PARAMS: &str = r#"
-import sys, torch
-n, ranks, ref = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-ps = [torch.load(ranks.format(rank=r)) for r in range(n)]
-want = torch.load(ref)
-for r in range(1, n):
-    for k in ps[0]:
-        if not torch.equal(ps[0][k], ps[r][k]):
-            sys.exit(f"{k}: rank {r} differs from rank 0")
-worst = 0.0
-for k in ps[0]:
-    if not torch.allclose(ps[0][k], want[k], rtol=1e-4, atol=1e-5):
-        sys.exit(f"{k}: {n} ranks and one process differ")
-    worst = max(worst, (ps[0][k] - want[k]).abs().max().item())
-print(f"{n} ranks bit-identical; largest difference from one process {worst:.3g}")
-"#;
-
-/// `fh-torch/examples/train_synthetic_cnn.py` on 2 × 2 through fhrun's rsh agent (rank 0 on h0,
-/// ranks 2 and 3 on h1): bit-identical parameters on every rank, equal to one process.
-fn training(c: &Cluster, bins: &Bins, root: &Path, py: &Path) -> Result<String, String> {
-    let agent = c.rsh_agent()?;
-    let example = root
-        .join("fh-torch")
-        .join("examples")
-        .join("train_synthetic_cnn.py");
-    let ranks = c.dir().join("params-{rank}.pt");
-    let reference = c.dir().join("params-ref.pt");
-    let steps = "12";
-    let mut cmd = c.command(0, &bins.fhrun);
-    cmd.args([
-        "-np",
-        "4",
-        "-H",
-        "h0:2,h1:2",
-        "-x",
-        "FH_TIMEOUT_SECONDS",
-        "-x",
-        "OMP_NUM_THREADS",
-    ])
-    .arg(py)
-    .arg(&example)
-    .args(["--steps", steps, "--save"])
-    .arg(&ranks)
-    .env("FH_RSH_AGENT", &agent)
-    .env("FH_TIMEOUT_SECONDS", "60")
-    .env("OMP_NUM_THREADS", "1");
-    let (status, out) = bounded(cmd, &c.dir().join("train.log"), Duration::from_secs(300))?;
-    if !matches!(status, Some(s) if s.success()) {
-        return Err(format!(
-            "the 4-rank run ended with {status:?}; output:\n{}",
-            tail(&out)
-        ));
-    }
-    let mut one = Command::new(py);
-    one.arg(&example)
-        .args(["--steps", steps, "--concat-ranks", "4", "--save"])
-        .arg(&reference)
-        .env("OMP_NUM_THREADS", "1");
-    let (status, out1) = bounded(one, &c.dir().join("one.log"), Duration::from_secs(300))?;
-    if !matches!(status, Some(s) if s.success()) {
-        return Err(format!(
-            "the one-process run ended with {status:?}; output:\n{}",
-            tail(&out1)
-        ));
-    }
-    let mut cmp = Command::new(py);
-    cmp.args(["-c", COMPARE_PARAMS, "4"])
-        .arg(&ranks)
-        .arg(&reference);
-    let (status, said) = bounded(cmp, &c.dir().join("compare.log"), Duration::from_secs(120))?;
-    if !matches!(status, Some(s) if s.success()) {
-        return Err(format!("the parameters differ: {}", tail(&said)));
-    }
-    Ok(said.lines().last().unwrap_or("").trim().to_string())
-}
-
-/// Finds `prog` on `PATH`.
-fn which(prog: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|d| d.join(prog))
-        .find(|p| p.is_file())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn places_are_read_from_selftest_lines() {
-        let out = "[1,2]<stdout>:fh-selftest: rank 2 of 4 (local 1/2, cross 0/2), backend hier, connected in 0.1 s\n\
-                   fh-selftest: rank 0 of 4 (local 0/2, cross 1/2), backend hier, connected in 0.2 s\n\
-                   fh-selftest: rank 0: PASSED\n";
-        assert_eq!(places(out), vec![(0, 2, 1), (2, 2, 0)]);
-    }
 
     #[test]
     fn the_other_host_of_a_2x2_job() {

@@ -19,7 +19,8 @@
 use std::process::Command;
 use std::time::Duration;
 
-use super::{all_passed, tail, Bins};
+use super::common::{all_passed, tail};
+use super::Bins;
 use crate::cluster::{link_bound_rate, show_rates, Cluster, Shaping};
 
 /// The link rate of the cloud (each host's aggregate).

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{bounded, check_placed, tail, Bins};
+use super::collectives::check_placed;
+use super::common::{bounded, tail};
+use super::Bins;
 use crate::cluster::{self, Cluster};
 /// `mpirun --map-by node -H h0:2,h1:2` from h0 through the rsh agent: ranks 0 and 2 on h0,
 /// 1 and 3 on h1.

@@ -3,7 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::{tail, Bins};
+use super::common::tail;
+use super::Bins;
 use crate::cluster::Cluster;
 
 /// The runtime's timeout in the loss checks (seconds), and the bound on a survivor's exit.
