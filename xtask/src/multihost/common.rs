@@ -31,8 +31,13 @@ pub(crate) fn all_passed(ends: &[RankEnd]) -> Result<(), String> {
 
 /// The last lines of `s` (for error messages).
 pub(crate) fn tail(s: &str) -> String {
+    last_lines(s, 15)
+}
+
+/// The last `n` lines of `s`.
+pub(crate) fn last_lines(s: &str, n: usize) -> String {
     let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(15)..].join("\n")
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// Runs `cmd`, at most `limit`, output to a file; returns the status (`None`: killed at the

@@ -33,71 +33,19 @@
 //! `FH_HOST_CHAOS_SEED` replays a draw.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::{median_and_worst, Bins};
+use super::common::last_lines;
+use super::Bins;
 use crate::cluster::Cluster;
 
-/// The faults.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(super) enum Fault {
-    Kill,
-    Stop,
-    Cut,
-    Partition,
-    FrozenHost,
-    Loss,
-    Delay,
-    SlowHost,
-}
+mod plan;
+mod report;
 
-impl Fault {
-    const ALL: [Fault; 8] = [
-        Fault::Kill,
-        Fault::Stop,
-        Fault::Cut,
-        Fault::Partition,
-        Fault::FrozenHost,
-        Fault::Loss,
-        Fault::Delay,
-        Fault::SlowHost,
-    ];
-
-    pub(super) fn name(self) -> &'static str {
-        match self {
-            Fault::Kill => "kill",
-            Fault::Stop => "stop",
-            Fault::Cut => "cut",
-            Fault::Partition => "partition",
-            Fault::FrozenHost => "frozen-host",
-            Fault::Loss => "loss",
-            Fault::Delay => "delay",
-            Fault::SlowHost => "slow-host",
-        }
-    }
-
-    /// Whether the job must finish with nobody blamed.
-    fn benign(self) -> bool {
-        matches!(self, Fault::Loss | Fault::Delay | Fault::SlowHost)
-    }
-}
-
-/// One run's plan.
-#[derive(Debug, Clone)]
-pub(super) struct Plan {
-    pub fault: Fault,
-    pub transport: &'static str,
-    pub fhrun: bool,
-    /// The victim rank (kill, stop) or host (the others).
-    pub victim: usize,
-    /// Milliseconds between every rank's first step and the fault.
-    pub delay_ms: u64,
-    /// Loss percentage (loss).
-    pub pct: u64,
-}
+pub(super) use plan::{ci_plans, random_plans, Fault, Plan, Rng};
+use report::report;
 
 /// What a run showed.
 #[derive(Debug)]
@@ -129,75 +77,6 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 const HANG_BOUND: Duration = Duration::from_secs(20);
 /// Bound on a job's start (every rank's first step).
 const START_BOUND: Duration = Duration::from_secs(60);
-
-/// A small deterministic generator (xorshift64*), so that a seed replays a draw.
-pub(super) struct Rng(u64);
-
-impl Rng {
-    pub(super) fn new(seed: u64) -> Rng {
-        Rng(seed.max(1))
-    }
-    pub(super) fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n.max(1)
-    }
-}
-
-/// The CI plans: every fault once per transport direct, and kill, stop, cut, partition and a
-/// frozen host once each under fhrun (transports alternating).
-pub(super) fn ci_plans(rng: &mut Rng) -> Vec<Plan> {
-    let mut plans = Vec::new();
-    for fault in Fault::ALL {
-        for transport in ["tcp", "hier"] {
-            plans.push(draw(rng, fault, transport, false));
-        }
-    }
-    for (i, fault) in [
-        Fault::Kill,
-        Fault::Stop,
-        Fault::Cut,
-        Fault::Partition,
-        Fault::FrozenHost,
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        plans.push(draw(rng, fault, ["tcp", "hier"][i % 2], true));
-    }
-    plans
-}
-
-/// `n` plans drawn at random.
-pub(super) fn random_plans(rng: &mut Rng, n: usize) -> Vec<Plan> {
-    (0..n)
-        .map(|_| {
-            let fault = Fault::ALL[rng.below(Fault::ALL.len() as u64) as usize];
-            let transport = ["tcp", "hier"][rng.below(2) as usize];
-            let fhrun = rng.below(4) == 0;
-            draw(rng, fault, transport, fhrun)
-        })
-        .collect()
-}
-
-fn draw(rng: &mut Rng, fault: Fault, transport: &'static str, fhrun: bool) -> Plan {
-    let victim = match fault {
-        Fault::Kill | Fault::Stop => rng.below(SIZE as u64) as usize,
-        // fhrun runs on h0: a frozen h0 would freeze fhrun with it (a launcher's host that
-        // freezes stops the launcher too), so under fhrun the frozen host is h1.
-        Fault::FrozenHost if fhrun => 1,
-        _ => rng.below(WORLD.len() as u64) as usize,
-    };
-    Plan {
-        fault,
-        transport,
-        fhrun,
-        victim,
-        delay_ms: rng.below(800),
-        pct: 1 + rng.below(5),
-    }
-}
 
 fn now_ms() -> u128 {
     SystemTime::now()
@@ -658,8 +537,7 @@ fn drive(c: &Cluster, plan: &Plan, mut running: Running, tag: &str) -> Outcome {
 }
 
 fn tail(s: &str) -> String {
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(30)..].join("\n")
+    last_lines(s, 30)
 }
 
 /// Runs `plans` on fresh 2-host clusters (one per 50 runs) and reports.
@@ -704,55 +582,4 @@ pub(super) fn run_plans(bins: &Bins, plans: &[Plan], seed: u64) -> Result<String
     } else {
         Ok(report)
     }
-}
-
-/// The table: per fault, transport and launcher.
-fn report(outcomes: &[Outcome], took: Duration, seed: u64) -> String {
-    let mut by: BTreeMap<(Fault, &str, bool), Vec<&Outcome>> = BTreeMap::new();
-    for o in outcomes {
-        by.entry((o.plan.fault, o.plan.transport, o.plan.fhrun))
-            .or_default()
-            .push(o);
-    }
-    let mut s = format!(
-        "{} runs in {:.0} s (seed {seed}), failed {}:\n",
-        outcomes.len(),
-        took.as_secs_f64(),
-        outcomes.iter().filter(|o| o.failure.is_some()).count()
-    );
-    let _ = writeln!(
-        s,
-        "  fault        transport launcher runs hangs misnamed failed  fault->last error or fhrun's end (median / worst)  [fault->fhrun names a rank]"
-    );
-    for ((fault, transport, fhrun), os) in by {
-        let count = |k: &str| {
-            os.iter()
-                .filter(|o| o.failure.as_ref().is_some_and(|f| f.0 == k))
-                .count()
-        };
-        let times: Vec<f64> = os.iter().filter_map(|o| o.took).collect();
-        let (m, w) = median_and_worst(&times);
-        let mut timing = if times.is_empty() {
-            "-".to_string()
-        } else {
-            format!("{m:.2} s / {w:.2} s")
-        };
-        let named: Vec<f64> = os.iter().filter_map(|o| o.named).collect();
-        if !named.is_empty() {
-            let (m, w) = median_and_worst(&named);
-            let _ = write!(timing, "  [{m:.2} s / {w:.2} s]");
-        }
-        let _ = writeln!(
-            s,
-            "  {:<12} {:<9} {:<8} {:>4} {:>5} {:>8} {:>6}  {timing}",
-            fault.name(),
-            transport,
-            if fhrun { "fhrun" } else { "direct" },
-            os.len(),
-            count("hang"),
-            count("misnamed"),
-            os.iter().filter(|o| o.failure.is_some()).count()
-        );
-    }
-    s
 }
