@@ -171,9 +171,7 @@ fn mpi_mode_passes_signals_and_the_timeout_on_to_mpirun() {
         out.stderr.contains("received SIGINT; stopping mpirun"),
         "{out:?}"
     );
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "ranks outlived fhrun: {left:?}");
+    none_left(&pids, "ranks");
 
     // fhrun itself SIGKILLed: mpirun dies with it, and the ranks (which mpirun would leave
     // running) with their guardian.
@@ -184,12 +182,7 @@ fn mpi_mode_passes_signals_and_the_timeout_on_to_mpirun() {
     std::thread::sleep(Duration::from_millis(500));
     run.signal(libc::SIGKILL);
     drop(run.wait(LIMIT));
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(
-        left.is_empty(),
-        "ranks outlived a SIGKILLed fhrun: {left:?}"
-    );
+    none_left(&pids, "ranks");
 
     // --timeout: the ranks are asked for their records (SIGUSR1), then stopped: 124. (Long
     // enough for mpirun to start them, and their shells to set their trap, on a busy machine.)
@@ -214,7 +207,5 @@ fn mpi_mode_passes_signals_and_the_timeout_on_to_mpirun() {
     }
     let pids = rank_pids(&out.stdout);
     assert_eq!(pids.len(), 2, "{out:?}");
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(left.is_empty(), "ranks outlived fhrun: {left:?}");
+    none_left(&pids, "ranks");
 }

@@ -95,12 +95,7 @@ fn killing_fhrun_itself_takes_the_ranks_down() {
     job.signal(libc::SIGKILL);
     let out = job.wait(LIMIT);
     assert_eq!(out.status.code(), None);
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(
-        left.is_empty(),
-        "ranks outlived a SIGKILLed fhrun: {left:?}"
-    );
+    none_left(&pids, "ranks");
 }
 
 #[test]
@@ -119,12 +114,7 @@ fn killing_fhrun_takes_down_the_ranks_descendants_too() {
     job.signal(libc::SIGKILL);
     let out = job.wait(LIMIT);
     assert_eq!(out.status.code(), None);
-    let left = survivors_after(&pids, Duration::from_secs(10));
-    kill_all(&left);
-    assert!(
-        left.is_empty(),
-        "processes of the job outlived a SIGKILLed fhrun: {left:?} of {pids:?}"
-    );
+    none_left(&pids, "processes of the job");
 }
 
 #[test]

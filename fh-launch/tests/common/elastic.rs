@@ -59,7 +59,5 @@ pub fn start(script: &str, dir: &TempDir, extra: &[&str]) -> Running {
 /// Asserts that none of the workers `pids` outlives fhrun (waiting up to 10 s for them to go);
 /// kills any that did.
 pub fn no_worker_left(pids: &[i32]) {
-    let left = super::survivors_after(pids, std::time::Duration::from_secs(10));
-    super::kill_all(&left);
-    assert!(left.is_empty(), "workers outlived fhrun: {left:?}");
+    super::none_left(pids, "workers");
 }

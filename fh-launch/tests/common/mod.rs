@@ -382,3 +382,14 @@ pub fn read_json(path: &Path) -> serde_json::Value {
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
+
+/// Asserts that none of `pids` outlives fhrun (waiting up to 10 s for them to go), `what`
+/// naming them in the failure; kills any that did.
+pub fn none_left(pids: &[i32], what: &str) {
+    let left = survivors_after(pids, Duration::from_secs(10));
+    kill_all(&left);
+    assert!(
+        left.is_empty(),
+        "{what} outlived fhrun: {left:?} of {pids:?}"
+    );
+}
