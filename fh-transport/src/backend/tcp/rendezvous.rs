@@ -40,6 +40,37 @@ fn from_root(f: ReadFail, what: &'static str, timeout: Duration) -> TransportErr
     }
 }
 
+/// Why reading `what` (its host place, its stream settings) from member `rank` at the
+/// rendezvous failed, as an error; `op` names the wait.
+fn from_member(
+    f: ReadFail,
+    rank: usize,
+    what: &str,
+    op: &'static str,
+    timeout: Duration,
+) -> TransportError {
+    match f {
+        ReadFail::Decode(e) => TransportError::Protocol {
+            rank,
+            detail: format!("bad {what} at the rendezvous: {e}"),
+        },
+        ReadFail::TimedOut => TransportError::Timeout {
+            rank,
+            op,
+            after: timeout,
+        },
+        ReadFail::Closed => TransportError::PeerLost {
+            rank,
+            detail: format!("it closed the rendezvous before sending its {what}"),
+        },
+        ReadFail::Io(e) => TransportError::PeerLost {
+            rank,
+            detail: format!("reading its {what} failed: {e}"),
+        },
+        ReadFail::Cancelled(e) => e,
+    }
+}
+
 impl TcpTransport {
     pub(super) fn rendezvous_root(
         &mut self,
@@ -142,25 +173,9 @@ impl TcpTransport {
             let place = read_msg(&mut stream, place_deadline, hosts::MAX_PLACE_LEN, |b| {
                 Place::decode(b)
             })
-            .map_err(|f| match f {
-                ReadFail::Decode(e) => TransportError::Protocol {
-                    rank: r,
-                    detail: format!("bad host place at the rendezvous: {e}"),
-                },
-                ReadFail::TimedOut => TransportError::Timeout {
-                    rank: r,
-                    op: "rendezvous (waiting for its host place)",
-                    after: self.opts.handshake_timeout,
-                },
-                ReadFail::Closed => TransportError::PeerLost {
-                    rank: r,
-                    detail: "it closed the rendezvous before sending its host place".into(),
-                },
-                ReadFail::Io(e) => TransportError::PeerLost {
-                    rank: r,
-                    detail: format!("reading its host place failed: {e}"),
-                },
-                ReadFail::Cancelled(e) => e,
+            .map_err(|f| {
+                let op = "rendezvous (waiting for its host place)";
+                from_member(f, r, "host place", op, self.opts.handshake_timeout)
             });
             // And its stream settings right after its place.
             let place = place.and_then(|(p, _)| {
@@ -168,26 +183,9 @@ impl TcpTransport {
                     StreamSettings::decode(b)
                 })
                 .map(|(s, _)| (p, s))
-                .map_err(|f| match f {
-                    ReadFail::Decode(e) => TransportError::Protocol {
-                        rank: r,
-                        detail: format!("bad stream settings at the rendezvous: {e}"),
-                    },
-                    ReadFail::TimedOut => TransportError::Timeout {
-                        rank: r,
-                        op: "rendezvous (waiting for its stream settings)",
-                        after: self.opts.handshake_timeout,
-                    },
-                    ReadFail::Closed => TransportError::PeerLost {
-                        rank: r,
-                        detail: "it closed the rendezvous before sending its stream settings"
-                            .into(),
-                    },
-                    ReadFail::Io(e) => TransportError::PeerLost {
-                        rank: r,
-                        detail: format!("reading its stream settings failed: {e}"),
-                    },
-                    ReadFail::Cancelled(e) => e,
+                .map_err(|f| {
+                    let op = "rendezvous (waiting for its stream settings)";
+                    from_member(f, r, "stream settings", op, self.opts.handshake_timeout)
                 })
             });
             let place = match place {
