@@ -260,7 +260,9 @@ pub(crate) fn parse_counts(output: &str) -> Option<Counts> {
         let Some((counts, time)) = text.rsplit_once(" in ") else {
             continue;
         };
-        if !time.trim_end().ends_with('s') {
+        // `4.56s`, or past a minute `61.13s (0:01:01)`.
+        let seconds = time.split_once(" (").map_or(time, |(s, _)| s).trim_end();
+        if !seconds.ends_with('s') || seconds[..seconds.len() - 1].parse::<f64>().is_err() {
             continue;
         }
         let mut c = Counts::default();
@@ -517,6 +519,15 @@ mod tests {
             None
         );
         assert_eq!(parse_counts("[1]<stdout>:5 passed in 1.00s\n"), None);
+        // A run of over a minute: pytest adds the time as H:MM:SS.
+        assert_eq!(
+            parse_counts("[0]<stdout>:498 passed, 13 skipped, 2 warnings in 61.13s (0:01:01)\n"),
+            Some(Counts {
+                passed: 498,
+                skipped: 13,
+                ..Counts::default()
+            })
+        );
     }
 
     #[test]
