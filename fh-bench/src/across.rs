@@ -21,7 +21,7 @@
 //! live in [`crate::record`].
 
 use crate::record::{Across, AcrossRow, Route, RunRecord};
-use crate::sim::{self, Link, Overheads, Schedule};
+use crate::sim::{self, Flows, Link, Overheads, Schedule};
 use crate::workload::Workload;
 
 /// Hosts and ranks of `h0:2,h1:2` (a host without slots has one).
@@ -48,6 +48,60 @@ pub fn model_link(link_gbps: f64) -> Link {
     l
 }
 
+/// Passes over a group at the host's copy rate that hierarchical allreduce adds within a host
+/// (fh-transport's `compose::hier`, lanes): the shared-memory reduce-scatter copies the rank's
+/// vector in and reduces its block from every local rank's (two), the allgather copies the
+/// reduced vector out (one); run one after another with the lane's transfer across hosts.
+pub const HIER_LOCAL_PASSES: f64 = 3.0;
+
+/// The streams a row's runtime uses to each peer on another host: the count its transport
+/// reported (the median over the runs), else the count the runtime's rule would choose from
+/// the probe's rates ([`fh_transport::backend::tcp::streams::choose`], as `FH_TCP_STREAMS=auto`
+/// does at start-up), else 1. With whether it was reported.
+pub fn row_streams(row: &crate::record::ReplayRow, probe: &Probe) -> (usize, bool) {
+    let mut s: Vec<usize> = row.tcp_streams.iter().map(|t| t.streams).collect();
+    if !s.is_empty() {
+        s.sort_unstable();
+        return (s[s.len() / 2], true);
+    }
+    let chosen = match probe.flow_gbps {
+        Some(f) => fh_transport::backend::tcp::streams::choose(f, probe.link_gbps),
+        None => 1,
+    };
+    (chosen, false)
+}
+
+/// What the caller measured across a host's link: the link's rate (the best of 1 and many
+/// parallel TCP streams) and one stream's (the per-flow cap where one binds), Gbit/s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Probe {
+    /// The link's rate, Gbit/s.
+    pub link_gbps: f64,
+    /// One TCP stream's rate, Gbit/s (`None`: not measured; the model then assumes one
+    /// transfer reaches the link).
+    pub flow_gbps: Option<f64>,
+}
+
+/// The model's link for a row on `route` with `per_host` ranks per host and `streams` streams
+/// per peer connection: the probe's link rate; under a per-flow cap (the probe's one-stream
+/// rate below the link's) each transfer reaches at most its connections' flows (one per lane
+/// for hierarchical allreduce, each striped over `streams`; [`Link::transfer_cap`]); and for
+/// hierarchical allreduce the passes within a host ([`HIER_LOCAL_PASSES`]).
+pub fn row_link(probe: &Probe, route: Route, per_host: usize, streams: usize) -> Link {
+    let mut l = model_link(probe.link_gbps);
+    let hier = route == Route::Hierarchical && per_host > 1;
+    l.flows = probe.flow_gbps.map(|f| Flows {
+        flow_bps: f * 1e9 / 8.0,
+        streams: streams.max(1),
+        lanes: if hier { per_host } else { 1 },
+        stripe_min: fh_transport::backend::tcp::streams::DEFAULT_STRIPE_MIN,
+    });
+    if hier {
+        l.local_passes = HIER_LOCAL_PASSES;
+    }
+    l
+}
+
 /// The model's schedule of a replay row: the engine's preset of that label, the shipped
 /// preset for the `fasthorovod.torch` peer, None for the other peers.
 fn model_schedule(label: &str) -> Option<Schedule> {
@@ -60,23 +114,31 @@ fn model_schedule(label: &str) -> Option<Schedule> {
         .find(|s| s.label() == label)
 }
 
-/// The lines of every replay row of `record` across `hosts` (`h0:2,h1:2`) at `link_gbps`.
+/// The lines of every replay row of `record` across `hosts` (`h0:2,h1:2`) on the link the
+/// caller measured; `copy_gbps`: the rate of a rank's host copies while every rank copies
+/// (GB/s per pass; `None`: copies taken as free).
 pub fn rows(
     record: &RunRecord,
     workloads: &[Workload],
     hosts: &str,
-    link_gbps: f64,
+    probe: Probe,
+    copy_gbps: Option<f64>,
 ) -> Option<Across> {
     let (h, n) = layout(hosts)?;
     let per_host = n / h.max(1);
-    let link = model_link(link_gbps);
-    let rate_bytes = link_gbps * 1e9 / 8.0;
+    let rate_bytes = probe.link_gbps * 1e9 / 8.0;
+    let overheads = Overheads {
+        copy_bps: copy_gbps.filter(|g| *g > 0.0).map(|g| g * 1e9),
+        ..Overheads::default()
+    };
     let mut out = Vec::new();
     for r in &record.replay {
         let route = Route::of(&r.transport, per_host);
         let bytes_across = route.fraction(h, n) * r.bytes as f64;
         let backward_ms = r.backward.median;
         let bound_ms = (bytes_across / rate_bytes * 1e3 - backward_ms).max(0.0);
+        let (streams, reported) = row_streams(r, &probe);
+        let link = row_link(&probe, route, per_host, streams);
         let model_exposed_ms = workloads
             .iter()
             .find(|w| w.model == r.workload)
@@ -84,7 +146,7 @@ pub fn rows(
             .map(|(w, s)| {
                 let b = backward_ms / 1e3;
                 let p = route.model_ranks(h, n);
-                let m = sim::simulate_workload(w, b, p, &link, &s, &Overheads::default());
+                let m = sim::simulate_workload(w, b, p, &link, &s, &overheads);
                 (m.step_s - b).max(0.0) * 1e3
             });
         out.push(AcrossRow {
@@ -96,13 +158,18 @@ pub fn rows(
             bound_ms,
             exposed_ms: r.exposed.median,
             model_exposed_ms,
+            tcp_streams: r.tcp_streams.clone(),
+            model_streams: Some(streams).filter(|_| probe.flow_gbps.is_some()),
+            streams_reported: reported,
         });
     }
     Some(Across {
         hosts: h,
         ranks: n,
         layout: hosts.to_string(),
-        link_gbps,
+        link_gbps: probe.link_gbps,
+        flow_gbps: probe.flow_gbps,
+        copy_gbps,
         rows: out,
     })
 }

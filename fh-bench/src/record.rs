@@ -498,8 +498,16 @@ pub struct Across {
     pub ranks: usize,
     /// `h0:2,h1:2`.
     pub layout: String,
-    /// One TCP stream across a host's link, Gbit/s (measured by the caller).
+    /// The rate TCP reaches across a host's link, Gbit/s (measured by the caller: the best
+    /// of 1 and many parallel streams).
     pub link_gbps: f64,
+    /// One TCP stream's rate across it, Gbit/s (measured by the caller; the per-flow cap where
+    /// one binds); `None`: not given.
+    #[serde(default)]
+    pub flow_gbps: Option<f64>,
+    /// The host copy rate the model charged, GB/s per pass per rank with every rank copying.
+    #[serde(default)]
+    pub copy_gbps: Option<f64>,
     /// One line per replay row.
     pub rows: Vec<AcrossRow>,
 }
@@ -523,6 +531,17 @@ pub struct AcrossRow {
     pub exposed_ms: f64,
     /// The model's exposed time on this link, ms (None: no model of this row).
     pub model_exposed_ms: Option<f64>,
+    /// The TCP streams the row's runtime chose, per run ([`ReplayRow::tcp_streams`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tcp_streams: Vec<TcpStreams>,
+    /// The streams per peer connection the model gave the row under a per-flow cap (`None`:
+    /// no per-flow rate measured).
+    #[serde(default)]
+    pub model_streams: Option<usize>,
+    /// Whether [`AcrossRow::model_streams`] is the runtime's reported choice (else the
+    /// runtime's rule applied to the probe's rates).
+    #[serde(default)]
+    pub streams_reported: bool,
 }
 
 impl AcrossRow {

@@ -66,7 +66,7 @@ mod planner;
 mod tests;
 
 pub use calibrate::calibrate_link;
-pub use params::{round_time, Concurrency, Link, Overheads, Schedule, ScheduleKind};
+pub use params::{round_time, Concurrency, Flows, Link, Overheads, Schedule, ScheduleKind};
 pub use planner::ModelPlanner;
 
 /// Message steps of fh-transport's recursive doubling on `p > 1` ranks: `⌊log₂ p⌋`, plus two

@@ -130,8 +130,6 @@ fn over_scatter_gather_io_fused_groups_cost_only_the_finishing_pass() {
     // packs as Horovod does.
     let l = Link {
         vectored_io: true,
-        flows: None,
-        local_passes: 0.0,
         ..link(1e-5, 1e9, None)
     };
     let o = Overheads {

@@ -3,6 +3,7 @@
 use super::*;
 
 mod costs;
+mod flows;
 mod schedule;
 mod sharing;
 

@@ -77,8 +77,6 @@ fn staged_groups_share_the_link_at_their_pieces_factor() {
     // at their own size, although the host would stage them.
     let tcp = Link {
         vectored_io: true,
-        flows: None,
-        local_passes: 0.0,
         ..l.clone()
     };
     let in_place = simulate_step(&sizes, &[0.0; 4], 2, &tcp, &s, &staged);
