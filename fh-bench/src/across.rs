@@ -116,7 +116,9 @@ fn model_schedule(label: &str) -> Option<Schedule> {
 
 /// The lines of every replay row of `record` across `hosts` (`h0:2,h1:2`) on the link the
 /// caller measured; `copy_gbps`: the rate of a rank's host copies while every rank copies
-/// (GB/s per pass; `None`: copies taken as free).
+/// (GB/s per pass; `None`: copies taken as free). Where this machine has fewer cores than the
+/// job has ranks (emulated hosts all run here) the copies in progress on a rank's channels
+/// share that rate ([`Overheads::shared_host`]).
 pub fn rows(
     record: &RunRecord,
     workloads: &[Workload],
@@ -129,6 +131,9 @@ pub fn rows(
     let rate_bytes = probe.link_gbps * 1e9 / 8.0;
     let overheads = Overheads {
         copy_bps: copy_gbps.filter(|g| *g > 0.0).map(|g| g * 1e9),
+        // Fewer cores here than ranks in the job (emulated hosts all run on this machine):
+        // a rank's channels copying at once share its copy rate.
+        shared_host: record.host.cpus < n,
         ..Overheads::default()
     };
     let mut out = Vec::new();
@@ -195,6 +200,98 @@ mod tests {
         for t in ["tcp", "gloo", "horovodrun"] {
             assert_eq!(Route::of(t, 2), Route::FlatRing, "{t}");
         }
+    }
+
+    #[test]
+    fn the_stream_choice_and_the_per_flow_model_reach_the_report() {
+        use crate::record::TcpStreams;
+        let mut r: RunRecord =
+            serde_json::from_str(include_str!("../tests/data/recorded-run.json")).unwrap();
+        let mut base = r
+            .replay
+            .iter()
+            .find(|x| x.schedule == "fasthorovod K=4")
+            .unwrap()
+            .clone();
+        // One channel: one group in flight at a time (K channels would each drive flows of
+        // their own).
+        base.schedule = "fasthorovod K=1".into();
+        let auto = TcpStreams {
+            streams: 4,
+            setting: "auto".into(),
+            one_stream_gbps: Some(0.48),
+            many_streams_gbps: Some(1.91),
+            probe_streams: Some(8),
+        };
+        let set = TcpStreams {
+            streams: 1,
+            setting: "1".into(),
+            one_stream_gbps: None,
+            many_streams_gbps: None,
+            probe_streams: None,
+        };
+        let row = |transport: &str, streams: Vec<TcpStreams>| {
+            let mut x = base.clone();
+            x.transport = transport.into();
+            x.tcp_streams = streams;
+            x
+        };
+        r.replay = vec![
+            row("hier", vec![auto.clone(); 3]),
+            row("tcp", vec![set.clone()]),
+            row("tcp", vec![]),
+        ];
+        let w = Workload::select(&crate::workload::default_dir(), &["resnet50".into()]).unwrap();
+        let probe = Probe {
+            link_gbps: 1.91,
+            flow_gbps: Some(0.48),
+        };
+        let a = rows(&r, &w, "h0:2,h1:2", probe, Some(2.0)).unwrap();
+        assert_eq!(a.flow_gbps, Some(0.48));
+        assert_eq!(a.rows[0].tcp_streams, vec![auto; 3]);
+        assert_eq!(
+            (a.rows[0].model_streams, a.rows[0].streams_reported),
+            (Some(4), true)
+        );
+        assert_eq!(
+            (a.rows[1].model_streams, a.rows[1].streams_reported),
+            (Some(1), true)
+        );
+        // No choice reported: the runtime's rule on the probe's rates (1.91 / 0.48 → 4).
+        assert_eq!(
+            (a.rows[2].model_streams, a.rows[2].streams_reported),
+            (Some(4), false)
+        );
+        // One stream per connection under a per-flow cap of a quarter of the link: the model
+        // moves the flat ring's 1.5 × 102.2 MB at one flow's rate (2.56 s, less the backward),
+        // four streams at the link's.
+        let one = a.rows[1].model_exposed_ms.unwrap();
+        let four = a.rows[2].model_exposed_ms.unwrap();
+        assert!((2455.0..2455.0 * 1.25).contains(&one), "{one} ms");
+        assert!(one > 3.0 * four, "{one} vs {four}");
+        // The report shows every row's choice (and which the model only assumed).
+        r.across = Some(a);
+        let md = crate::report::markdown(&r, &[], &[]);
+        for want in [
+            "| S=4 auto (1: 0.48, 8: 1.91 Gbit/s) |",
+            "| S=1 set |",
+            "| S=4* |",
+            "one TCP stream across it at 0.480 Gbit/s",
+        ] {
+            assert!(md.contains(want), "{want} missing: {md}");
+        }
+        // Runs that chose differently are each shown.
+        assert_eq!(
+            TcpStreams::summary(std::slice::from_ref(&set)).as_deref(),
+            Some("S=1 set")
+        );
+        let mut five = set.clone();
+        five.streams = 5;
+        assert_eq!(
+            TcpStreams::summary(&[set, five]).as_deref(),
+            Some("S=1/5 1")
+        );
+        assert_eq!(TcpStreams::summary(&[]), None);
     }
 
     #[test]

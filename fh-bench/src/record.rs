@@ -306,7 +306,11 @@ impl From<fh_transport::backend::tcp::StreamChoice> for TcpStreams {
 impl TcpStreams {
     /// `S=4 auto (1: 0.48, 8: 1.91 Gbit/s)`, or `S=3 set` where the count was set.
     pub fn text(&self) -> String {
-        match (self.one_stream_gbps, self.many_streams_gbps, self.probe_streams) {
+        match (
+            self.one_stream_gbps,
+            self.many_streams_gbps,
+            self.probe_streams,
+        ) {
             (Some(one), Some(many), Some(n)) => format!(
                 "S={} {} (1: {one:.2}, {n}: {many:.2} Gbit/s)",
                 self.streams, self.setting

@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 use fh_core::ReduceOp;
 use fh_job::{JobToken, LaunchInfo};
 use fh_transport::backend::tcp::streams::{
-    choose, stripe_range, StreamChoice, StreamCount, StreamSettings, DEFAULT_STREAMS,
-    PROBE_STREAMS,
+    choose, stripe_range, StreamChoice, StreamCount, StreamSettings, DEFAULT_STREAMS, PROBE_STREAMS,
 };
 use fh_transport::backend::tcp::{TcpComm, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
@@ -363,7 +362,11 @@ fn streams_across_two_hosts(
         c.allreduce_typed(&mut v, ReduceOp::Sum).unwrap();
         assert!(v.iter().all(|&x| x == 6.0));
         let held: Vec<usize> = (0..4).map(|p| c.streams(p)).collect();
-        (held, t.stream_choice().expect("a world across hosts reports its streams"))
+        (
+            held,
+            t.stream_choice()
+                .expect("a world across hosts reports its streams"),
+        )
     });
     let choice = out[0].1;
     for (r, (_, c)) in out.iter().enumerate() {

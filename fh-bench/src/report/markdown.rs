@@ -341,8 +341,9 @@ fn across_hosts(md: &mut String, a: &crate::record::Across, backward_ms: f64) {
          hierarchical, 1 for a flat ring; S: the runtime's, or `auto`'s rule on the probe's \
          rates where the row reports none, marked *; frames below the striping threshold on \
          one stream), up to the link; hierarchical allreduce's shared-memory phases add {} \
-         passes over each group at the host copy rate ({copy}), one after another with its \
-         transfer.\n",
+         passes over each group at the host copy rate ({copy}; a rank's channels copying at \
+         once share it where this machine has fewer cores than the job has ranks), one after \
+         another with its transfer.\n",
         a.layout,
         a.hosts,
         a.ranks,

@@ -16,6 +16,16 @@
 //!   the link classes; on a loopback check, what K allreduces at once measured against one, at
 //!   the sizes measured, taken at the mean size of the allreduces in flight: a fused group
 //!   staged on one host runs stage-sized pieces, so its pieces' size counts).
+//! - **Per-flow cap** (a cloud's TCP, [`Link::flows`]): one allreduce reaches at most
+//!   `lanes × stripes` flows of the one-stream rate, never more than the link
+//!   ([`Link::transfer_cap`]): stripes = the runtime's S where the frames the transport sends
+//!   (the ring's pieces of a block, recursive doubling's whole vector) reach its striping
+//!   threshold, else 1; lanes = the connections an allreduce drives across the link at once
+//!   (hierarchical allreduce: one per rank of a host). Transfers held below their share by
+//!   their cap leave the rest to the others (max-min fair).
+//! - **Work within a host** ([`Link::local_passes`]): hierarchical allreduce's shared-memory
+//!   reduce-scatter and allgather, charged as passes over the group at the copy rate, one after
+//!   another with its transfer.
 //! - **Negotiation round.** Costs `r + ⌈log₂ p⌉·α` (a small recursive-doubling allreduce of
 //!   the bit vector plus the software overhead `r`).
 //! - **`horovod`** (one background thread): a loop that starts at most every `cycle` seconds,

@@ -80,6 +80,10 @@ pub(super) fn run(
     // once: sampled between the replay's rounds too, so that it comes from the same spells of
     // this host as the replays it is checked against.
     let mut copy_samples: Vec<f64> = record.host.copy_gbps_shared.into_iter().collect();
+    if copy_samples.is_empty() && opts.link_gbps.is_some() {
+        // Across hosts the model charges hierarchical allreduce's copies at this rate too.
+        copy_samples.extend(super::host::measure_shared_copy_gbps(opts.np));
+    }
     let mut staged_samples: Vec<f64> = record.host.copy_gbps_staged.into_iter().collect();
     // So are the allreduces the model's loopback links and the transports' bounds come from:
     // the sweep's smallest and largest sizes, on each replay transport.

@@ -64,7 +64,10 @@ fn a_capped_transfer_leaves_its_share_to_the_others() {
     );
     // One held at 10: the other gets the other 90 (of 2 × 50), up to its own cap.
     assert_eq!(fair_rates(&[Some(10.0), Some(1e9)], 50.0), vec![10.0, 90.0]);
-    assert_eq!(fair_rates(&[Some(10.0), Some(60.0)], 50.0), vec![10.0, 60.0]);
+    assert_eq!(
+        fair_rates(&[Some(10.0), Some(60.0)], 50.0),
+        vec![10.0, 60.0]
+    );
     // Channels not on the wire get nothing and take no share.
     assert_eq!(
         fair_rates(&[None, Some(f64::INFINITY), None], 50.0),
@@ -93,7 +96,14 @@ fn one_large_tensor_moves_at_s_flows_in_the_model() {
     assert!(close(step(4), wire / LINK), "{}", step(4));
     assert!(close(step(8), step(4)));
     // Without the per-flow term the model gives the link's rate whatever S is.
-    let free = simulate_step(&[64 << 20], &[0.0], 2, &link(0.0, LINK, None), &f, &NO_OVERHEAD);
+    let free = simulate_step(
+        &[64 << 20],
+        &[0.0],
+        2,
+        &link(0.0, LINK, None),
+        &f,
+        &NO_OVERHEAD,
+    );
     assert!(close(free.step_s, wire / LINK));
 }
 
