@@ -14,8 +14,14 @@
 //!
 //! The model of a row: the engine's schedule of the row (the `fasthorovod.torch` peer: the
 //! shipped preset) on a link of the measured rate, with H ranks for a hierarchical row (the
-//! ring among hosts) and N for a flat ring (each rank's ring traffic crosses one link); the
-//! work within a host is taken as free. DDP and Horovod rows have no model.
+//! ring among hosts) and N for a flat ring (each rank's ring traffic crosses one link). It is
+//! calibrated from the caller's probe and this run's host copy rate, never fitted to the rows:
+//! under a per-flow cap (one stream's measured rate below the link's) an allreduce reaches at
+//! most its connections' streams ([`row_link`]: one connection per lane for hierarchical
+//! allreduce, each striped over the S the row's runtime reported, [`row_streams`]); a
+//! hierarchical row adds its shared-memory passes ([`HIER_LOCAL_PASSES`]) at the copy rate.
+//! The transport's CPU cost per byte (TCP, and the emulation's own packet handling) is not
+//! modelled. DDP and Horovod rows have no model.
 //!
 //! The lines are part of the run's record: their types ([`Across`], [`AcrossRow`], [`Route`])
 //! live in [`crate::record`].
