@@ -14,14 +14,20 @@
 //!
 //! The model of a row: the engine's schedule of the row (the `fasthorovod.torch` peer: the
 //! shipped preset) on a link of the measured rate, with H ranks for a hierarchical row (the
-//! ring among hosts) and N for a flat ring (each rank's ring traffic crosses one link); the
-//! work within a host is taken as free. DDP and Horovod rows have no model.
+//! ring among hosts) and N for a flat ring (each rank's ring traffic crosses one link). It is
+//! calibrated from the caller's probe and this run's host copy rate, never fitted to the rows:
+//! under a per-flow cap (one stream's measured rate below the link's) an allreduce reaches at
+//! most its connections' streams ([`row_link`]: one connection per lane for hierarchical
+//! allreduce, each striped over the S the row's runtime reported, [`row_streams`]); a
+//! hierarchical row adds its shared-memory passes ([`HIER_LOCAL_PASSES`]) at the copy rate.
+//! The transport's CPU cost per byte (TCP, and the emulation's own packet handling) is not
+//! modelled. DDP and Horovod rows have no model.
 //!
 //! The lines are part of the run's record: their types ([`Across`], [`AcrossRow`], [`Route`])
 //! live in [`crate::record`].
 
 use crate::record::{Across, AcrossRow, Route, RunRecord};
-use crate::sim::{self, Link, Overheads, Schedule};
+use crate::sim::{self, Flows, Link, Overheads, Schedule};
 use crate::workload::Workload;
 
 /// Hosts and ranks of `h0:2,h1:2` (a host without slots has one).
@@ -48,6 +54,60 @@ pub fn model_link(link_gbps: f64) -> Link {
     l
 }
 
+/// Passes over a group at the host's copy rate that hierarchical allreduce adds within a host
+/// (fh-transport's `compose::hier`, lanes): the shared-memory reduce-scatter copies the rank's
+/// vector in and reduces its block from every local rank's (two), the allgather copies the
+/// reduced vector out (one); run one after another with the lane's transfer across hosts.
+pub const HIER_LOCAL_PASSES: f64 = 3.0;
+
+/// The streams a row's runtime uses to each peer on another host: the count its transport
+/// reported (the median over the runs), else the count the runtime's rule would choose from
+/// the probe's rates ([`fh_transport::backend::tcp::streams::choose`], as `FH_TCP_STREAMS=auto`
+/// does at start-up), else 1. With whether it was reported.
+pub fn row_streams(row: &crate::record::ReplayRow, probe: &Probe) -> (usize, bool) {
+    let mut s: Vec<usize> = row.tcp_streams.iter().map(|t| t.streams).collect();
+    if !s.is_empty() {
+        s.sort_unstable();
+        return (s[s.len() / 2], true);
+    }
+    let chosen = match probe.flow_gbps {
+        Some(f) => fh_transport::backend::tcp::streams::choose(f, probe.link_gbps),
+        None => 1,
+    };
+    (chosen, false)
+}
+
+/// What the caller measured across a host's link: the link's rate (the best of 1 and many
+/// parallel TCP streams) and one stream's (the per-flow cap where one binds), Gbit/s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Probe {
+    /// The link's rate, Gbit/s.
+    pub link_gbps: f64,
+    /// One TCP stream's rate, Gbit/s (`None`: not measured; the model then assumes one
+    /// transfer reaches the link).
+    pub flow_gbps: Option<f64>,
+}
+
+/// The model's link for a row on `route` with `per_host` ranks per host and `streams` streams
+/// per peer connection: the probe's link rate; under a per-flow cap (the probe's one-stream
+/// rate below the link's) each transfer reaches at most its connections' flows (one per lane
+/// for hierarchical allreduce, each striped over `streams`; [`Link::transfer_cap`]); and for
+/// hierarchical allreduce the passes within a host ([`HIER_LOCAL_PASSES`]).
+pub fn row_link(probe: &Probe, route: Route, per_host: usize, streams: usize) -> Link {
+    let mut l = model_link(probe.link_gbps);
+    let hier = route == Route::Hierarchical && per_host > 1;
+    l.flows = probe.flow_gbps.map(|f| Flows {
+        flow_bps: f * 1e9 / 8.0,
+        streams: streams.max(1),
+        lanes: if hier { per_host } else { 1 },
+        stripe_min: fh_transport::backend::tcp::streams::DEFAULT_STRIPE_MIN,
+    });
+    if hier {
+        l.local_passes = HIER_LOCAL_PASSES;
+    }
+    l
+}
+
 /// The model's schedule of a replay row: the engine's preset of that label, the shipped
 /// preset for the `fasthorovod.torch` peer, None for the other peers.
 fn model_schedule(label: &str) -> Option<Schedule> {
@@ -60,23 +120,36 @@ fn model_schedule(label: &str) -> Option<Schedule> {
         .find(|s| s.label() == label)
 }
 
-/// The lines of every replay row of `record` across `hosts` (`h0:2,h1:2`) at `link_gbps`.
+/// The lines of every replay row of `record` across `hosts` (`h0:2,h1:2`) on the link the
+/// caller measured; `copy_gbps`: the rate of a rank's host copies while every rank copies
+/// (GB/s per pass; `None`: copies taken as free). Where this machine has fewer cores than the
+/// job has ranks (emulated hosts all run here) the copies in progress on a rank's channels
+/// share that rate ([`Overheads::shared_host`]).
 pub fn rows(
     record: &RunRecord,
     workloads: &[Workload],
     hosts: &str,
-    link_gbps: f64,
+    probe: Probe,
+    copy_gbps: Option<f64>,
 ) -> Option<Across> {
     let (h, n) = layout(hosts)?;
     let per_host = n / h.max(1);
-    let link = model_link(link_gbps);
-    let rate_bytes = link_gbps * 1e9 / 8.0;
+    let rate_bytes = probe.link_gbps * 1e9 / 8.0;
+    let overheads = Overheads {
+        copy_bps: copy_gbps.filter(|g| *g > 0.0).map(|g| g * 1e9),
+        // Fewer cores here than ranks in the job (emulated hosts all run on this machine):
+        // a rank's channels copying at once share its copy rate.
+        shared_host: record.host.cpus < n,
+        ..Overheads::default()
+    };
     let mut out = Vec::new();
     for r in &record.replay {
         let route = Route::of(&r.transport, per_host);
         let bytes_across = route.fraction(h, n) * r.bytes as f64;
         let backward_ms = r.backward.median;
         let bound_ms = (bytes_across / rate_bytes * 1e3 - backward_ms).max(0.0);
+        let (streams, reported) = row_streams(r, &probe);
+        let link = row_link(&probe, route, per_host, streams);
         let model_exposed_ms = workloads
             .iter()
             .find(|w| w.model == r.workload)
@@ -84,7 +157,7 @@ pub fn rows(
             .map(|(w, s)| {
                 let b = backward_ms / 1e3;
                 let p = route.model_ranks(h, n);
-                let m = sim::simulate_workload(w, b, p, &link, &s, &Overheads::default());
+                let m = sim::simulate_workload(w, b, p, &link, &s, &overheads);
                 (m.step_s - b).max(0.0) * 1e3
             });
         out.push(AcrossRow {
@@ -96,13 +169,18 @@ pub fn rows(
             bound_ms,
             exposed_ms: r.exposed.median,
             model_exposed_ms,
+            tcp_streams: r.tcp_streams.clone(),
+            model_streams: Some(streams).filter(|_| probe.flow_gbps.is_some()),
+            streams_reported: reported,
         });
     }
     Some(Across {
         hosts: h,
         ranks: n,
         layout: hosts.to_string(),
-        link_gbps,
+        link_gbps: probe.link_gbps,
+        flow_gbps: probe.flow_gbps,
+        copy_gbps,
         rows: out,
     })
 }
@@ -128,6 +206,98 @@ mod tests {
         for t in ["tcp", "gloo", "horovodrun"] {
             assert_eq!(Route::of(t, 2), Route::FlatRing, "{t}");
         }
+    }
+
+    #[test]
+    fn the_stream_choice_and_the_per_flow_model_reach_the_report() {
+        use crate::record::TcpStreams;
+        let mut r: RunRecord =
+            serde_json::from_str(include_str!("../tests/data/recorded-run.json")).unwrap();
+        let mut base = r
+            .replay
+            .iter()
+            .find(|x| x.schedule == "fasthorovod K=4")
+            .unwrap()
+            .clone();
+        // One channel: one group in flight at a time (K channels would each drive flows of
+        // their own).
+        base.schedule = "fasthorovod K=1".into();
+        let auto = TcpStreams {
+            streams: 4,
+            setting: "auto".into(),
+            one_stream_gbps: Some(0.48),
+            many_streams_gbps: Some(1.91),
+            probe_streams: Some(8),
+        };
+        let set = TcpStreams {
+            streams: 1,
+            setting: "1".into(),
+            one_stream_gbps: None,
+            many_streams_gbps: None,
+            probe_streams: None,
+        };
+        let row = |transport: &str, streams: Vec<TcpStreams>| {
+            let mut x = base.clone();
+            x.transport = transport.into();
+            x.tcp_streams = streams;
+            x
+        };
+        r.replay = vec![
+            row("hier", vec![auto.clone(); 3]),
+            row("tcp", vec![set.clone()]),
+            row("tcp", vec![]),
+        ];
+        let w = Workload::select(&crate::workload::default_dir(), &["resnet50".into()]).unwrap();
+        let probe = Probe {
+            link_gbps: 1.91,
+            flow_gbps: Some(0.48),
+        };
+        let a = rows(&r, &w, "h0:2,h1:2", probe, Some(2.0)).unwrap();
+        assert_eq!(a.flow_gbps, Some(0.48));
+        assert_eq!(a.rows[0].tcp_streams, vec![auto; 3]);
+        assert_eq!(
+            (a.rows[0].model_streams, a.rows[0].streams_reported),
+            (Some(4), true)
+        );
+        assert_eq!(
+            (a.rows[1].model_streams, a.rows[1].streams_reported),
+            (Some(1), true)
+        );
+        // No choice reported: the runtime's rule on the probe's rates (1.91 / 0.48 → 4).
+        assert_eq!(
+            (a.rows[2].model_streams, a.rows[2].streams_reported),
+            (Some(4), false)
+        );
+        // One stream per connection under a per-flow cap of a quarter of the link: the model
+        // moves the flat ring's 1.5 × 102.2 MB at one flow's rate (2.56 s, less the backward),
+        // four streams at the link's.
+        let one = a.rows[1].model_exposed_ms.unwrap();
+        let four = a.rows[2].model_exposed_ms.unwrap();
+        assert!((2455.0..2455.0 * 1.25).contains(&one), "{one} ms");
+        assert!(one > 3.0 * four, "{one} vs {four}");
+        // The report shows every row's choice (and which the model only assumed).
+        r.across = Some(a);
+        let md = crate::report::markdown(&r, &[], &[]);
+        for want in [
+            "| S=4 auto (1: 0.48, 8: 1.91 Gbit/s) |",
+            "| S=1 set |",
+            "| S=4* |",
+            "one TCP stream across it at 0.480 Gbit/s",
+        ] {
+            assert!(md.contains(want), "{want} missing: {md}");
+        }
+        // Runs that chose differently are each shown.
+        assert_eq!(
+            TcpStreams::summary(std::slice::from_ref(&set)).as_deref(),
+            Some("S=1 set")
+        );
+        let mut five = set.clone();
+        five.streams = 5;
+        assert_eq!(
+            TcpStreams::summary(&[set, five]).as_deref(),
+            Some("S=1/5 1")
+        );
+        assert_eq!(TcpStreams::summary(&[]), None);
     }
 
     #[test]

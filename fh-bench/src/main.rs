@@ -170,6 +170,11 @@ struct SuiteArgs {
     /// gives each row's bytes across the link, its link bound and the model calibrated on it.
     #[arg(long, value_parser = parse_gbps)]
     link_gbps: Option<f64>,
+    /// The rate one TCP stream reaches across a host's link, Gbit/s, as measured by the caller
+    /// (`cargo xtask bench --emulate` passes it): with --link-gbps, the model's per-flow cap
+    /// (each transfer reaches at most its connections' streams of this rate, up to the link).
+    #[arg(long, value_parser = parse_gbps)]
+    flow_gbps: Option<f64>,
     /// Replay only the shipped fasthorovod (K = 4) with the flight recorder on and off
     /// (FH_FLIGHT_RECORDS=0), interleaved: what always-on recording costs.
     #[arg(long)]
@@ -285,6 +290,9 @@ fn run_suite(a: SuiteArgs, only: Option<&str>) -> Result<(), String> {
     if a.link_gbps.is_some() && a.hosts.is_none() {
         return Err("--link-gbps is the link between hosts: give --hosts too".into());
     }
+    if a.flow_gbps.is_some() && a.link_gbps.is_none() {
+        return Err("--flow-gbps is one stream across the link: give --link-gbps too".into());
+    }
     let opts = suite::Options {
         quick: a.quick,
         np: a.np,
@@ -313,6 +321,7 @@ fn run_suite(a: SuiteArgs, only: Option<&str>) -> Result<(), String> {
         job_timeout: Duration::from_secs(a.job_timeout),
         peer_hosts,
         link_gbps: a.link_gbps,
+        flow_gbps: a.flow_gbps,
         flight_cost: a.flight_cost,
         rendezvous_host: a.rendezvous_host.clone().unwrap_or_else(|| {
             a.hosts

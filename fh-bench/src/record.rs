@@ -264,6 +264,71 @@ pub struct ReplayRow {
     /// order; empty for peers.
     #[serde(default)]
     pub channel_share: Vec<f64>,
+    /// The parallel TCP streams the runtime chose to each peer on another host, per run (rank
+    /// 0's transport, [`fh_transport::Transport::stream_choice`]); empty where nothing crosses
+    /// hosts over TCP, and for peers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tcp_streams: Vec<TcpStreams>,
+}
+
+/// The TCP streams a run's transport used to each peer on another host, and what it chose them
+/// from ([`fh_transport::backend::tcp::StreamChoice`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TcpStreams {
+    /// Streams to each peer on another host (S).
+    pub streams: usize,
+    /// The setting (`FH_TCP_STREAMS`): `auto` where the runtime measured, else the count set.
+    pub setting: String,
+    /// `auto`'s start-up measurement: one stream alone, Gbit/s.
+    #[serde(default)]
+    pub one_stream_gbps: Option<f64>,
+    /// `auto`'s start-up measurement: [`TcpStreams::probe_streams`] at once, Gbit/s.
+    #[serde(default)]
+    pub many_streams_gbps: Option<f64>,
+    /// Streams of that second measurement.
+    #[serde(default)]
+    pub probe_streams: Option<usize>,
+}
+
+impl From<fh_transport::backend::tcp::StreamChoice> for TcpStreams {
+    fn from(c: fh_transport::backend::tcp::StreamChoice) -> Self {
+        let gbps = |bps: f64| bps * 8.0 / 1e9;
+        TcpStreams {
+            streams: c.streams,
+            setting: c.setting.to_string(),
+            one_stream_gbps: c.measured.map(|m| gbps(m.one_stream_bps)),
+            many_streams_gbps: c.measured.map(|m| gbps(m.many_streams_bps)),
+            probe_streams: c.measured.map(|m| m.probe_streams),
+        }
+    }
+}
+
+impl TcpStreams {
+    /// `S=4 auto (1: 0.48, 8: 1.91 Gbit/s)`, or `S=3 set` where the count was set.
+    pub fn text(&self) -> String {
+        match (
+            self.one_stream_gbps,
+            self.many_streams_gbps,
+            self.probe_streams,
+        ) {
+            (Some(one), Some(many), Some(n)) => format!(
+                "S={} {} (1: {one:.2}, {n}: {many:.2} Gbit/s)",
+                self.streams, self.setting
+            ),
+            _ => format!("S={} set", self.streams),
+        }
+    }
+
+    /// The runs' choices in a few words: the one choice where every run made the same (with
+    /// the first run's rates), else each run's count (`S=4/4/5 auto`).
+    pub fn summary(runs: &[TcpStreams]) -> Option<String> {
+        let first = runs.first()?;
+        if runs.iter().all(|r| r.streams == first.streams) {
+            return Some(first.text());
+        }
+        let counts: Vec<String> = runs.iter().map(|r| r.streams.to_string()).collect();
+        Some(format!("S={} {}", counts.join("/"), first.setting))
+    }
 }
 
 impl ReplayRow {
@@ -437,8 +502,16 @@ pub struct Across {
     pub ranks: usize,
     /// `h0:2,h1:2`.
     pub layout: String,
-    /// One TCP stream across a host's link, Gbit/s (measured by the caller).
+    /// The rate TCP reaches across a host's link, Gbit/s (measured by the caller: the best
+    /// of 1 and many parallel streams).
     pub link_gbps: f64,
+    /// One TCP stream's rate across it, Gbit/s (measured by the caller; the per-flow cap where
+    /// one binds); `None`: not given.
+    #[serde(default)]
+    pub flow_gbps: Option<f64>,
+    /// The host copy rate the model charged, GB/s per pass per rank with every rank copying.
+    #[serde(default)]
+    pub copy_gbps: Option<f64>,
     /// One line per replay row.
     pub rows: Vec<AcrossRow>,
 }
@@ -462,6 +535,17 @@ pub struct AcrossRow {
     pub exposed_ms: f64,
     /// The model's exposed time on this link, ms (None: no model of this row).
     pub model_exposed_ms: Option<f64>,
+    /// The TCP streams the row's runtime chose, per run ([`ReplayRow::tcp_streams`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tcp_streams: Vec<TcpStreams>,
+    /// The streams per peer connection the model gave the row under a per-flow cap (`None`:
+    /// no per-flow rate measured).
+    #[serde(default)]
+    pub model_streams: Option<usize>,
+    /// Whether [`AcrossRow::model_streams`] is the runtime's reported choice (else the
+    /// runtime's rule applied to the probe's rates).
+    #[serde(default)]
+    pub streams_reported: bool,
 }
 
 impl AcrossRow {

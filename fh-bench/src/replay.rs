@@ -161,17 +161,24 @@ pub struct ReplayOutput {
     pub step_seconds: Vec<f64>,
     /// Bytes each data channel carried during the timed steps, in channel order.
     pub channel_bytes: Vec<u64>,
+    /// The parallel TCP streams this rank's transport chose to peers on other hosts (`None`
+    /// where nothing crosses hosts over TCP).
+    #[serde(default)]
+    pub tcp_streams: Option<crate::record::TcpStreams>,
 }
 
 /// Runs a replay job on this rank.
 pub fn run_replay(job: &ReplayJob, transport: Box<dyn Transport>) -> Result<ReplayOutput, String> {
+    // Chosen when the transport started (measured there under `auto`), before the engine.
+    let tcp_streams = transport.stream_choice().map(Into::into);
     let engine = Engine::start(transport, job.schedule.config()?)
         .map_err(|e| format!("starting the engine ({}): {e}", job.schedule.label()))?;
     let result = replay_steps(&engine, job);
     let stop = engine.shutdown();
-    let times = result?;
+    let mut out = result?;
     stop.map_err(|e| format!("engine shutdown: {e}"))?;
-    Ok(times)
+    out.tcp_streams = tcp_streams;
+    Ok(out)
 }
 
 fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<ReplayOutput, String> {
@@ -236,6 +243,7 @@ fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<ReplayOutput, String
     Ok(ReplayOutput {
         step_seconds: times,
         channel_bytes,
+        tcp_streams: None,
     })
 }
 

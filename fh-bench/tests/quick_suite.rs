@@ -44,6 +44,10 @@ fn quick_suite_end_to_end_on_two_ranks() {
             "--out",
         ])
         .arg(&out)
+        // Two streams between the TCP ranks although they share a host: the rows over TCP
+        // report the streams their transport used.
+        .env("FH_TCP_STREAMS", "2")
+        .env("FH_TCP_STRIPE_LOCAL", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -184,6 +188,20 @@ fn quick_suite_end_to_end_on_two_ranks() {
             "a step lasts at least the backward"
         );
         assert!(r["step_ratio_to_horovod"].as_f64().unwrap() > 0.0);
+        // The TCP streams each run's transport used (rank 0's), on the engine's rows over TCP.
+        let streams = r["tcp_streams"].as_array().map_or(0, Vec::len);
+        if r["transport"] == "tcp" && !peers.contains(&r["schedule"].as_str().unwrap()) {
+            assert_eq!(streams, 2, "one per run: {r:#}");
+            for s in r["tcp_streams"].as_array().unwrap() {
+                assert_eq!(
+                    (&s["streams"], &s["setting"]),
+                    (&2.into(), &"2".into()),
+                    "{r:#}"
+                );
+            }
+        } else if r["transport"] == "shm" {
+            assert_eq!(streams, 0, "{r:#}");
+        }
         // Each channel's share of the bytes, from the engine's per-channel counters.
         if let Some(k) = r["schedule"]
             .as_str()

@@ -83,6 +83,13 @@ pub trait Transport: Send {
     fn liveness(&self) -> Option<crate::liveness::Watch> {
         None
     }
+
+    /// The parallel TCP streams this world's data uses to each peer on another host, and what
+    /// they were chosen from ([`crate::backend::tcp::streams`]; the same on every rank), for
+    /// logs and reports; `None` where no data goes over TCP between hosts.
+    fn stream_choice(&self) -> Option<crate::backend::tcp::StreamChoice> {
+        None
+    }
 }
 
 /// Point-to-point messaging among a fixed group of ranks, and collectives on top of it.

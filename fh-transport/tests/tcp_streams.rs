@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use fh_core::ReduceOp;
 use fh_job::{JobToken, LaunchInfo};
 use fh_transport::backend::tcp::streams::{
-    stripe_range, StreamCount, StreamSettings, DEFAULT_STREAMS, PROBE_STREAMS,
+    choose, stripe_range, StreamChoice, StreamCount, StreamSettings, DEFAULT_STREAMS, PROBE_STREAMS,
 };
 use fh_transport::backend::tcp::{TcpComm, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
@@ -200,6 +200,17 @@ fn a_large_message_goes_over_every_stream() {
 }
 
 #[test]
+fn a_world_on_one_host_reports_no_streams() {
+    // Nothing crosses hosts: no stream choice to report (the bench shows none for such rows).
+    let w: Vec<TcpTransport> = join(2, 60, |_| StreamSettings::default())
+        .into_iter()
+        .map(|t| t.expect("connect"))
+        .collect();
+    let choices = on_every_rank(w, |t| t.stream_choice());
+    assert_eq!(choices, vec![None, None]);
+}
+
+#[test]
 fn one_stream_is_todays_single_connection() {
     let w = world(2, 1, MIN, 60);
     let sent = on_every_rank(w, move |mut t| {
@@ -328,8 +339,12 @@ fn an_interrupt_ends_a_striped_wait() {
 }
 
 /// Two "hosts" of two ranks each on this machine (named by their host ids): what each rank's
-/// communicator holds to every peer, after an allreduce that checks its values.
-fn streams_across_two_hosts(count: StreamCount, flow_cap: Option<u64>) -> Vec<Vec<usize>> {
+/// communicator holds to every peer, after an allreduce that checks its values; every rank's
+/// transport reports the same stream choice, which is returned beside.
+fn streams_across_two_hosts(
+    count: StreamCount,
+    flow_cap: Option<u64>,
+) -> (Vec<Vec<usize>>, StreamChoice) {
     let settings = move |_| {
         let mut s = StreamSettings::default();
         s.count = count;
@@ -341,20 +356,42 @@ fn streams_across_two_hosts(count: StreamCount, flow_cap: Option<u64>) -> Vec<Ve
         .into_iter()
         .map(|t| t.expect("connect"))
         .collect();
-    on_every_rank(w, |mut t| {
+    let out = on_every_rank(w, |mut t| {
         let mut c = t.open_tcp("across").unwrap();
         let mut v = vec![t.rank() as f32; (3 << 20) / 4 + 1];
         c.allreduce_typed(&mut v, ReduceOp::Sum).unwrap();
         assert!(v.iter().all(|&x| x == 6.0));
-        (0..4).map(|p| c.streams(p)).collect()
-    })
+        let held: Vec<usize> = (0..4).map(|p| c.streams(p)).collect();
+        (
+            held,
+            t.stream_choice()
+                .expect("a world across hosts reports its streams"),
+        )
+    });
+    let choice = out[0].1;
+    for (r, (_, c)) in out.iter().enumerate() {
+        assert_eq!(*c, choice, "rank {r} reports another stream choice");
+    }
+    assert_eq!(choice.setting, count);
+    (out.into_iter().map(|o| o.0).collect(), choice)
+}
+
+/// What `auto` reports: the streams every communicator holds, chosen by [`choose`] from the
+/// rates it says it measured.
+fn check_auto_choice(s: usize, choice: StreamChoice) {
+    let m = choice.measured.expect("auto reports what it measured");
+    assert_eq!(choice.streams, s);
+    assert_eq!(m.probe_streams, PROBE_STREAMS);
+    assert!(m.one_stream_bps > 0.0 && m.many_streams_bps > 0.0, "{m:?}");
+    assert_eq!(choose(m.one_stream_bps, m.many_streams_bps), s, "{m:?}");
 }
 
 #[test]
 fn auto_measures_and_every_rank_uses_the_same_streams() {
-    let held = streams_across_two_hosts(StreamCount::Auto, None);
+    let (held, choice) = streams_across_two_hosts(StreamCount::Auto, None);
     let s = held[0][2];
     assert!((1..=PROBE_STREAMS).contains(&s), "{held:?}");
+    check_auto_choice(s, choice);
     eprintln!("auto chose {s} stream(s) between the two hosts");
     // One stream within a host, the measured number across, on every rank alike.
     assert_eq!(
@@ -370,7 +407,9 @@ fn auto_measures_and_every_rank_uses_the_same_streams() {
 
 #[test]
 fn a_fixed_count_holds_across_hosts_only() {
-    let held = streams_across_two_hosts(StreamCount::Fixed(3), None);
+    let (held, choice) = streams_across_two_hosts(StreamCount::Fixed(3), None);
+    // Set, not measured: the report says so.
+    assert_eq!((choice.streams, choice.measured), (3, None));
     assert_eq!(
         held,
         vec![
@@ -388,8 +427,9 @@ fn auto_takes_several_streams_where_each_flow_is_capped() {
     // pacing) and nothing else: eight flows at once move about eight times what one does,
     // whatever the load of this machine (80 MB/s is little for loopback), so the measurement
     // must choose more streams than the fixed default would give.
-    let held = streams_across_two_hosts(StreamCount::Auto, Some(10_000_000));
+    let (held, choice) = streams_across_two_hosts(StreamCount::Auto, Some(10_000_000));
     let s = held[0][2];
+    check_auto_choice(s, choice);
     eprintln!("auto chose {s} stream(s) between the two hosts at 10 MB/s per flow");
     assert!(
         (DEFAULT_STREAMS + 1..=PROBE_STREAMS).contains(&s),

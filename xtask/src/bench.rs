@@ -141,6 +141,10 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
                 "--link-gbps",
                 &format!("{:.4}", link_bound_rate(rates) / 1e9),
             ]);
+            // One stream's rate: the model's per-flow cap.
+            if let Some((_, one)) = rates.iter().find(|r| r.0 == 1) {
+                cmd.args(["--flow-gbps", &format!("{:.4}", one / 1e9)]);
+            }
         }
         cmd.env("FH_BENCH_FHRUN", target_dir.join("release").join("fhrun"));
         match c.rsh_agent() {

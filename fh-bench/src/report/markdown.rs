@@ -313,35 +313,69 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
 /// The replay across hosts: layout, measured link, and per row the bytes across each host's
 /// link, the link bound and the model on that link.
 fn across_hosts(md: &mut String, a: &crate::record::Across, backward_ms: f64) {
+    let flow = match a.flow_gbps {
+        Some(f) => format!(
+            "; one TCP stream across it at {f:.3} Gbit/s (the per-flow cap where it is below \
+             the link's)"
+        ),
+        None => String::new(),
+    };
+    let copy = match a.copy_gbps {
+        Some(c) => format!("{c:.2} GB/s per pass and rank, every rank copying at once"),
+        None => "taken as free".into(),
+    };
     let _ = writeln!(
         md,
         "\n### Across the hosts' links\n\nLayout {} ({} hosts, {} ranks); a host's link measured \
          at {:.3} Gbit/s (by the caller: `cargo xtask bench --emulate` gives the best of 1 and 8 \
-         parallel TCP streams, the link's rate also where each flow is capped below it). Bytes across: what must leave each host per \
+         parallel TCP streams, the link's rate also where each flow is capped below it){flow}. \
+         Bytes across: what must leave each host per \
          step (and enter it) under the row's schedule: hierarchical 2(H−1)/H of the gradients, \
          a flat ring over every rank (tcp, DDP's Gloo ring) 2(N−1)/N. Link bound: those bytes \
-         at the measured rate minus the {backward_ms} ms backward. Model: `simulate` calibrated \
-         on this link (the measured rate; H ranks on it for hierarchical, N for a flat ring; \
-         work within a host taken as free).\n",
-        a.layout, a.hosts, a.ranks, a.link_gbps
+         at the measured rate minus the {backward_ms} ms backward. TCP streams: what the row's \
+         runtime chose to each peer on another host (S) and, under `auto`, the rates of 1 and \
+         8 streams it measured at start-up (rank 0's, per run). Model: `simulate` on this link, \
+         calibrated from the probe, not from the rows: the measured link rate; H ranks on it \
+         for hierarchical, N for a flat ring; under a per-flow cap each allreduce reaches at \
+         most lanes × S streams of the one-stream rate (lanes: ranks per host for \
+         hierarchical, 1 for a flat ring; S: the runtime's, or `auto`'s rule on the probe's \
+         rates where the row reports none, marked *; frames below the striping threshold on \
+         one stream), up to the link; hierarchical allreduce's shared-memory phases add {} \
+         passes over each group at the host copy rate ({copy}; a rank's channels copying at \
+         once share it where this machine has fewer cores than the job has ranks), one after \
+         another with its transfer.\n",
+        a.layout,
+        a.hosts,
+        a.ranks,
+        a.link_gbps,
+        crate::across::HIER_LOCAL_PASSES
     );
     let _ = writeln!(
         md,
-        "| workload | schedule (transport) | route | bytes across | link bound | exposed | exposed ÷ bound | model exposed | model ÷ measured |"
+        "| workload | schedule (transport) | route | TCP streams | bytes across | link bound | exposed | exposed ÷ bound | model exposed | model ÷ measured |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|");
     for x in &a.rows {
         let label = if x.transport.is_empty() {
             x.schedule.clone()
         } else {
             format!("{} ({})", x.schedule, x.transport)
         };
+        let streams = match (
+            crate::record::TcpStreams::summary(&x.tcp_streams),
+            x.model_streams,
+        ) {
+            (Some(t), _) => t,
+            (None, Some(s)) if !x.streams_reported => format!("S={s}*"),
+            _ => "–".into(),
+        };
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {:.0} ms | {:.0} ms | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {:.0} ms | {:.0} ms | {} | {} | {} |",
             x.workload,
             label,
             x.route.name(),
+            streams,
             fmt_bytes(x.bytes_across),
             x.bound_ms,
             x.exposed_ms,

@@ -16,6 +16,16 @@
 //!   the link classes; on a loopback check, what K allreduces at once measured against one, at
 //!   the sizes measured, taken at the mean size of the allreduces in flight: a fused group
 //!   staged on one host runs stage-sized pieces, so its pieces' size counts).
+//! - **Per-flow cap** (a cloud's TCP, [`Link::flows`]): one allreduce reaches at most
+//!   `lanes × stripes` flows of the one-stream rate, never more than the link
+//!   ([`Link::transfer_cap`]): stripes = the runtime's S where the frames the transport sends
+//!   (the ring's pieces of a block, recursive doubling's whole vector) reach its striping
+//!   threshold, else 1; lanes = the connections an allreduce drives across the link at once
+//!   (hierarchical allreduce: one per rank of a host). Transfers held below their share by
+//!   their cap leave the rest to the others (max-min fair).
+//! - **Work within a host** ([`Link::local_passes`]): hierarchical allreduce's shared-memory
+//!   reduce-scatter and allgather, charged as passes over the group at the copy rate, one after
+//!   another with its transfer.
 //! - **Negotiation round.** Costs `r + ⌈log₂ p⌉·α` (a small recursive-doubling allreduce of
 //!   the bit vector plus the software overhead `r`).
 //! - **`horovod`** (one background thread): a loop that starts at most every `cycle` seconds,
@@ -66,7 +76,7 @@ mod planner;
 mod tests;
 
 pub use calibrate::calibrate_link;
-pub use params::{round_time, Concurrency, Link, Overheads, Schedule, ScheduleKind};
+pub use params::{round_time, Concurrency, Flows, Link, Overheads, Schedule, ScheduleKind};
 pub use planner::ModelPlanner;
 
 /// Message steps of fh-transport's recursive doubling on `p > 1` ranks: `⌊log₂ p⌋`, plus two
@@ -104,6 +114,8 @@ struct Transfer {
     unit: usize,
     /// A staged fused group (its pieces packed, reduced and unpacked one after another).
     staged: bool,
+    /// Most this transfer moves alone, bytes per second ([`Link::transfer_cap`]).
+    cap: f64,
 }
 
 impl Transfer {
@@ -123,7 +135,13 @@ impl Transfer {
             bytes,
             unit,
             staged,
+            cap: f64::INFINITY,
         }
+    }
+
+    fn capped(mut self, cap: f64) -> Self {
+        self.cap = cap;
+        self
     }
 
     fn copying(&self) -> bool {
@@ -185,12 +203,20 @@ pub fn simulate_step(
             (b, false)
         }
     };
-    let group_copy = |b: usize, parts: usize| match in_place.then(|| o.in_place_copy_s(b, p)) {
-        Some(Some(s)) => s,
-        _ => o.copy_s(b, parts, staged),
+    // The transport's own passes within a host (hierarchical allreduce), on the channel too.
+    let local_s = |b: usize| match o.copy_bps {
+        Some(r) if r > 0.0 && link.local_passes > 0.0 => link.local_passes * b as f64 / r,
+        _ => 0.0,
+    };
+    let group_copy = |b: usize, parts: usize| {
+        local_s(b)
+            + match in_place.then(|| o.in_place_copy_s(b, p)) {
+                Some(Some(s)) => s,
+                _ => o.copy_s(b, parts, staged),
+            }
     };
     let k = planner.channels();
-    let cap = link.stream_cap_bps.unwrap_or(f64::INFINITY);
+    let cap = |b: usize| link.transfer_cap(b, p);
     // Per group: (latency part, wire bytes) of the algorithm the transport picks for it.
     let cost = |m: usize| -> (f64, f64) {
         if p <= 1 {
@@ -265,8 +291,10 @@ pub fn simulate_step(
                         let (latency, wire) = cost(b);
                         let copy = group_copy(b, g.parts.len());
                         let unit = unit_of(b, g.parts.len());
-                        active[c] =
-                            Some(Transfer::new(now, copy, agreement + latency, wire, b, unit));
+                        active[c] = Some(
+                            Transfer::new(now, copy, agreement + latency, wire, b, unit)
+                                .capped(cap(b)),
+                        );
                         inline_channel = Some(c);
                     }
                 }
@@ -288,7 +316,8 @@ pub fn simulate_step(
                     queued_bytes[c] -= g;
                     collectives += 1;
                     let (latency, wire) = cost(g);
-                    active[c] = Some(Transfer::new(now, copy, latency, wire, g, unit));
+                    active[c] =
+                        Some(Transfer::new(now, copy, latency, wire, g, unit).capped(cap(g)));
                 }
             }
         }
@@ -364,9 +393,17 @@ pub fn simulate_step(
             }
             _ => plain,
         };
-        // Each transfer sharing gets its share of the factor (only those on the wire use `rate`).
+        // Each transfer sharing gets its share of the factor (only those on the wire use their
+        // rate); one held below its share by its cap ([`Link::transfer_cap`]: a per-flow cap)
+        // leaves the rest to the others (max-min fair).
         let share = factor / n_sharing.max(1) as f64;
-        let rate = (link.bandwidth_bps * share).min(cap);
+        let rates = fair_rates(
+            &active
+                .iter()
+                .map(|t| t.as_ref().filter(|t| t.on_wire(now)).map(|t| t.cap))
+                .collect::<Vec<_>>(),
+            link.bandwidth_bps * share,
+        );
         let copy_speed = if host_shared {
             share
         } else if o.shared_host {
@@ -395,8 +432,8 @@ pub fn simulate_step(
                         next = next.min(finish[c]);
                     }
                     Some(e) if e > now + 1e-15 => next = next.min(e),
-                    Some(_) if rate > 0.0 => {
-                        finish[c] = now + t.remaining / rate;
+                    Some(_) if rates[c] > 0.0 => {
+                        finish[c] = now + t.remaining / rates[c];
                         next = next.min(finish[c]);
                     }
                     Some(_) => {
@@ -442,7 +479,7 @@ pub fn simulate_step(
                         inline_channel = None;
                     }
                 } else if t.on_wire(now) {
-                    t.remaining = (t.remaining - rate * dt).max(0.0);
+                    t.remaining = (t.remaining - rates[c] * dt).max(0.0);
                 }
             }
         }
@@ -453,6 +490,22 @@ pub fn simulate_step(
         rounds,
         collectives,
     }
+}
+
+/// Max-min fair rates of the transfers on the wire (`caps[c]`: `Some(cap)` for channel `c`'s
+/// transfer on the wire, `None` for none), each of `n` entitled to `per_transfer` (the link's
+/// rate shared `n` ways) and at most its cap; what a capped one leaves goes to the others.
+pub(crate) fn fair_rates(caps: &[Option<f64>], per_transfer: f64) -> Vec<f64> {
+    let mut order: Vec<usize> = (0..caps.len()).filter(|&c| caps[c].is_some()).collect();
+    order.sort_by(|&a, &b| caps[a].unwrap_or(0.0).total_cmp(&caps[b].unwrap_or(0.0)));
+    let mut left = per_transfer * order.len() as f64;
+    let mut rates = vec![0.0; caps.len()];
+    for (i, &c) in order.iter().enumerate() {
+        let fair = left / (order.len() - i) as f64;
+        rates[c] = caps[c].unwrap_or(0.0).min(fair).max(0.0);
+        left -= rates[c];
+    }
+    rates
 }
 
 /// A workload's step under a schedule, link and rank count.

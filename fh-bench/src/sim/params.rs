@@ -50,6 +50,52 @@ pub struct Link {
     /// unpacking ([`Config::fused_in_place`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub vectored_io: bool,
+    /// A cloud's per-flow cap and the TCP connections a transfer drives across it (`None`:
+    /// one transfer reaches the link's rate, or [`Link::stream_cap_bps`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flows: Option<Flows>,
+    /// Passes over a group's bytes at the host's copy rate ([`Overheads::copy_bps`]) that the
+    /// transport's work within a host adds to each allreduce, one after another with its
+    /// transfer across hosts (hierarchical allreduce: the shared-memory reduce-scatter and
+    /// allgather); 0: none (a flat ring, or within-host work taken as free).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub local_passes: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
+}
+
+/// How a transfer's bytes cross a link whose every TCP connection is capped (a cloud's
+/// per-flow cap): each of `lanes` connections to a peer on another host, its frames of at
+/// least `stripe_min` bytes striped over `streams` parallel streams (fh-transport's
+/// [`fh_transport::backend::tcp::streams`]), each stream at most `flow_bps`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Flows {
+    /// Most one TCP connection moves, bytes per second (the probe's one-stream rate).
+    pub flow_bps: f64,
+    /// Streams each large frame is striped over (the runtime's S; 1: none).
+    pub streams: usize,
+    /// Peer connections a transfer drives across the link at once (hierarchical allreduce:
+    /// one per lane, i.e. per rank of a host; a flat ring: one).
+    pub lanes: usize,
+    /// Smallest frame striped, bytes (the transport's `FH_TCP_STRIPE_MIN`).
+    pub stripe_min: usize,
+}
+
+impl Flows {
+    /// Most one transfer moves across a link of `link_bps` when its largest frame is `frame`
+    /// bytes: `lanes × stripes` flows of `flow_bps` each, stripes = `streams` for frames of at
+    /// least `stripe_min` bytes (else 1), never more than the link.
+    pub fn transfer_cap(&self, frame: usize, link_bps: f64) -> f64 {
+        let stripes = if self.streams > 1 && frame >= self.stripe_min.max(2) {
+            self.streams.min(frame)
+        } else {
+            1
+        };
+        let flows = (self.lanes.max(1) * stripes) as f64;
+        (flows * self.flow_bps).min(link_bps)
+    }
 }
 
 fn network() -> Wire {
@@ -104,6 +150,26 @@ impl Link {
         }
     }
 
+    /// Most one allreduce of `bytes` on `p` ranks moves across this link, bytes per second:
+    /// [`Link::stream_cap_bps`] (or the link's rate), and under a per-flow cap ([`Link::flows`])
+    /// what its connections reach with the frames the transport sends: each lane's share, the
+    /// ring's pieces of at most [`fh_transport::algorithms::RING_CHUNK_BYTES`] of a block of
+    /// `1/p` of it, recursive doubling's whole share.
+    pub fn transfer_cap(&self, bytes: usize, p: usize) -> f64 {
+        use fh_transport::algorithms::{AllreduceAlgorithm, RING_CHUNK_BYTES};
+        let cap = self.stream_cap_bps.unwrap_or(f64::INFINITY);
+        let Some(f) = &self.flows else {
+            return cap;
+        };
+        let p = p.max(1);
+        let lane = bytes / f.lanes.max(1);
+        let frame = match AllreduceAlgorithm::Auto.resolve(lane, lane / 4, p) {
+            AllreduceAlgorithm::Ring => lane.div_ceil(p).min(RING_CHUNK_BYTES),
+            _ => lane,
+        };
+        f.transfer_cap(frame, self.bandwidth_bps).min(cap)
+    }
+
     /// Aggregate bandwidth of `n` staged fused groups in flight ÷ that of one, from
     /// [`Link::staged_concurrency`] (linear between measured counts, the last one's beyond);
     /// `None` when it was not measured.
@@ -137,6 +203,8 @@ impl Link {
                 host_bound: false,
                 wire: Wire::Network,
                 vectored_io: true,
+                flows: None,
+                local_passes: 0.0,
             },
             Link {
                 name: "100 Gb/s".into(),
@@ -148,6 +216,8 @@ impl Link {
                 host_bound: false,
                 wire: Wire::Network,
                 vectored_io: true,
+                flows: None,
+                local_passes: 0.0,
             },
             Link {
                 name: "400 Gb/s".into(),
@@ -159,6 +229,8 @@ impl Link {
                 host_bound: false,
                 wire: Wire::Network,
                 vectored_io: true,
+                flows: None,
+                local_passes: 0.0,
             },
             Link {
                 name: "NVLink-class".into(),
@@ -170,6 +242,8 @@ impl Link {
                 host_bound: false,
                 wire: Wire::Memory,
                 vectored_io: false,
+                flows: None,
+                local_passes: 0.0,
             },
         ]
     }

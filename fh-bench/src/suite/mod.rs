@@ -73,6 +73,9 @@ pub struct Options {
     /// whoever measured it, e.g. `cargo xtask bench --emulate`): the replay's link bounds and
     /// the model calibrated on that link.
     pub link_gbps: Option<f64>,
+    /// The rate one TCP stream measured across a host's link, Gbit/s (`--flow-gbps`): the
+    /// model's per-flow cap.
+    pub flow_gbps: Option<f64>,
     /// Replay only the shipped `fasthorovod` with the flight recorder on and off, interleaved
     /// (`--flight-cost`): what always-on recording costs.
     pub flight_cost: bool,
@@ -321,7 +324,17 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
         bar.inc(1);
     }
     if let (Some(g), Launch::Mpirun { hosts: Some(h) }) = (opts.link_gbps, &opts.launch) {
-        record.across = crate::across::rows(&record, &workloads, h, g);
+        let probe = crate::across::Probe {
+            link_gbps: g,
+            flow_gbps: opts.flow_gbps,
+        };
+        // The model charges a rank's host copies at the rate each gets while every rank of
+        // this machine copies (all the emulated hosts share it): this run's, else measured now.
+        let copy = record
+            .host
+            .copy_gbps_shared
+            .or_else(|| host::measure_shared_copy_gbps(opts.np));
+        record.across = crate::across::rows(&record, &workloads, h, probe, copy);
     }
     bar.finish_and_clear();
     record.wall = Quantity::exact(started.elapsed().as_secs_f64(), "s");

@@ -73,10 +73,17 @@ pub(super) fn run(
         vec![vec![Vec::new(); configs.len()]; workloads.len()];
     // bytes[w][c][channel]: rank 0's bytes per data channel over every repeat.
     let mut bytes: Vec<Vec<Vec<u64>>> = vec![vec![Vec::new(); configs.len()]; workloads.len()];
+    // Per workload and configuration, rank 0's TCP stream choice in each run.
+    let mut streams: Vec<Vec<Vec<crate::record::TcpStreams>>> =
+        vec![vec![Vec::new(); configs.len()]; workloads.len()];
     // The model's check charges the loopback copies at the rate every rank gets copying at
     // once: sampled between the replay's rounds too, so that it comes from the same spells of
     // this host as the replays it is checked against.
     let mut copy_samples: Vec<f64> = record.host.copy_gbps_shared.into_iter().collect();
+    if copy_samples.is_empty() && opts.link_gbps.is_some() {
+        // Across hosts the model charges hierarchical allreduce's copies at this rate too.
+        copy_samples.extend(super::host::measure_shared_copy_gbps(opts.np));
+    }
     let mut staged_samples: Vec<f64> = record.host.copy_gbps_staged.into_iter().collect();
     // So are the allreduces the model's loopback links and the transports' bounds come from:
     // the sweep's smallest and largest sizes, on each replay transport.
@@ -159,6 +166,9 @@ pub(super) fn run(
                             Job::Replay(ReplayJob::new(w, backward, spec.clone(), 1, opts.steps));
                         runner.run(&name, &job).map(|outs| {
                             if let Some(RankOutput::Replay(r0)) = outs.first() {
+                                if let Some(s) = &r0.tcp_streams {
+                                    streams[wi][ci].push(s.clone());
+                                }
                                 let acc = &mut bytes[wi][ci];
                                 if acc.len() < r0.channel_bytes.len() {
                                     acc.resize(r0.channel_bytes.len(), 0);
@@ -260,6 +270,7 @@ pub(super) fn run(
                 reps,
             ) {
                 let mut row = row;
+                row.tcp_streams = std::mem::take(&mut streams[wi][ci]);
                 let total: u64 = bytes[wi][ci].iter().sum();
                 if total > 0 {
                     row.channel_share = bytes[wi][ci]
@@ -320,6 +331,7 @@ pub fn replay_row_labelled(
         exposed_vs_horovod_torch: None,
         exposed_vs_fasthorovod_torch: None,
         channel_share: Vec::new(),
+        tcp_streams: Vec::new(),
     }
 }
 

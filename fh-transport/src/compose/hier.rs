@@ -269,6 +269,10 @@ impl Transport for HierTransport {
     fn liveness(&self) -> Option<crate::liveness::Watch> {
         self.tcp.liveness()
     }
+
+    fn stream_choice(&self) -> Option<crate::backend::tcp::StreamChoice> {
+        self.tcp.stream_choice()
+    }
 }
 
 /// A communicator of the hierarchical backend (see the [module documentation](self)).

@@ -90,6 +90,10 @@ impl Transport for SplitTransport {
     fn liveness(&self) -> Option<crate::liveness::Watch> {
         self.data.liveness().or_else(|| self.control.liveness())
     }
+
+    fn stream_choice(&self) -> Option<crate::backend::tcp::StreamChoice> {
+        self.data.stream_choice()
+    }
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 use super::*;
 
 mod costs;
+mod flows;
 mod schedule;
 mod sharing;
 
@@ -21,6 +22,8 @@ fn link(alpha: f64, bw: f64, cap: Option<f64>) -> Link {
         host_bound: false,
         wire: fh_scheduler::Wire::Network,
         vectored_io: false,
+        flows: None,
+        local_passes: 0.0,
     }
 }
 

@@ -99,7 +99,7 @@ pub(crate) use fh_job::token::Key;
 use handshake::connect_handshake;
 pub(crate) use link::{AbortBoard, Link};
 use rendezvous::resolve;
-pub use streams::{StreamCount, StreamSettings};
+pub use streams::{MeasuredRates, StreamChoice, StreamCount, StreamSettings};
 use wire::{ConnKind, Hello};
 
 use crate::liveness::{self, Liveness, Watch};
@@ -240,6 +240,9 @@ pub struct TcpTransport {
     beat_socket: Option<UdpSocket>,
     /// The world's heartbeats, from the end of the rendezvous.
     liveness: Option<Liveness>,
+    /// The setting of the stream count before `auto` was resolved, and what `auto` measured.
+    stream_setting: StreamCount,
+    measured_streams: Option<streams::MeasuredRates>,
 }
 
 impl std::fmt::Debug for TcpTransport {
@@ -262,6 +265,7 @@ impl TcpTransport {
         opts.streams.check()?;
         let topology = info.topology();
         let me = Place::of(info);
+        let stream_setting = opts.streams.count;
         let mut t = TcpTransport {
             topology,
             opts,
@@ -279,6 +283,8 @@ impl TcpTransport {
             rendezvous: None,
             beat_socket: None,
             liveness: None,
+            stream_setting,
+            measured_streams: None,
         };
         if info.size == 1 {
             t.topology = Topology::single_host(0, 1);
@@ -350,8 +356,9 @@ impl TcpTransport {
         tracing::debug!(rank = info.rank, book = ?t.book, hosts = ?t.layout.hosts(), "TCP rendezvous complete");
         if t.layout.hosts().len() > 1 && t.opts.streams.count == StreamCount::Auto {
             // Every rank alike (the layout and the settings are the same everywhere).
-            let chosen = t.measure_streams()?;
+            let (chosen, measured) = t.measure_streams()?;
             t.opts.streams.count = StreamCount::Fixed(chosen);
+            t.measured_streams = measured;
         } else if info.rank == 0 && (t.layout.hosts().len() > 1 || t.opts.streams.every_peer) {
             let s = &t.opts.streams;
             tracing::info!(
@@ -564,6 +571,16 @@ impl Transport for TcpTransport {
 
     fn liveness(&self) -> Option<Watch> {
         self.liveness.as_ref().map(|l| l.watch().clone())
+    }
+
+    fn stream_choice(&self) -> Option<streams::StreamChoice> {
+        let s = &self.opts.streams;
+        let spans_hosts = self.layout.hosts().len() > 1;
+        (spans_hosts || s.every_peer).then(|| streams::StreamChoice {
+            streams: s.count.resolve(),
+            setting: self.stream_setting,
+            measured: self.measured_streams,
+        })
     }
 }
 

@@ -69,6 +69,54 @@ pub fn choose(one: f64, many: f64) -> usize {
     ((many / one).ceil() as usize).clamp(2, PROBE_STREAMS)
 }
 
+/// The streams a TCP world uses to each peer on another host, and what they were chosen
+/// from: the same on every rank ([`crate::Transport::stream_choice`]), for reports.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StreamChoice {
+    /// Connections a communicator holds to each peer on another host.
+    pub streams: usize,
+    /// The setting it came from ([`STREAMS_VAR`]): [`StreamCount::Auto`] where measured.
+    pub setting: StreamCount,
+    /// What `auto` measured at the start (`None` where the count was set, or nothing was
+    /// measured).
+    pub measured: Option<MeasuredRates>,
+}
+
+/// The rates `auto`'s start-up measurement saw between rank 0 and the first rank on another
+/// host, bytes per second.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MeasuredRates {
+    /// One stream alone.
+    pub one_stream_bps: f64,
+    /// [`MeasuredRates::probe_streams`] streams at once, together.
+    pub many_streams_bps: f64,
+    /// How many streams the second phase sent over ([`PROBE_STREAMS`]).
+    pub probe_streams: usize,
+}
+
+impl MeasuredRates {
+    /// The rates as rank 0 sends them to every rank with the choice (16 bytes).
+    fn encode(&self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&self.one_stream_bps.to_le_bytes());
+        b[8..].copy_from_slice(&self.many_streams_bps.to_le_bytes());
+        b
+    }
+
+    /// [`MeasuredRates::encode`]'s bytes back; `None` for rates that are not finite and
+    /// non-negative.
+    fn decode(b: &[u8; 16], probe_streams: usize) -> Option<Self> {
+        let one = f64::from_le_bytes(b[..8].try_into().ok()?);
+        let many = f64::from_le_bytes(b[8..].try_into().ok()?);
+        let ok = |x: f64| x.is_finite() && x >= 0.0;
+        (ok(one) && ok(many)).then_some(MeasuredRates {
+            one_stream_bps: one,
+            many_streams_bps: many,
+            probe_streams,
+        })
+    }
+}
+
 /// How many streams a communicator holds to each peer on another host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamCount {
@@ -350,12 +398,12 @@ impl TcpTransport {
     /// host measure the rate of one stream and of [`PROBE_STREAMS`] at once, each for
     /// [`PROBE_TIME`], over a communicator of their own (the world's first, opened by
     /// every rank), and rank 0 sends every rank the streams the ratio asks for
-    /// ([`choose`]). Returns that number, the same on every rank.
-    pub(super) fn measure_streams(&mut self) -> Result<usize> {
+    /// ([`choose`]) with the rates it measured. Returns both, the same on every rank.
+    pub(super) fn measure_streams(&mut self) -> Result<(usize, Option<MeasuredRates>)> {
         let (rank, size) = (self.topology.rank, self.topology.size);
         let host0 = self.layout.topology(0).cross_rank;
         let Some(q) = (1..size).find(|&r| self.layout.topology(r).cross_rank != host0) else {
-            return Ok(self.opts.streams.count.resolve());
+            return Ok((self.opts.streams.count.resolve(), None));
         };
         let seq = self.next_seq;
         self.next_seq += 1;
@@ -380,7 +428,8 @@ impl TcpTransport {
             self.link.clone(),
             Interrupt::new(),
         );
-        let mut chosen = [0u8; 8];
+        // The count, then the two rates (for reports: every rank knows what was chosen from).
+        let mut chosen = [0u8; 24];
         if rank == 0 || rank == q {
             let mut rates = [0.0f64; 2];
             for (phase, k) in [1, PROBE_STREAMS].into_iter().enumerate() {
@@ -425,18 +474,28 @@ impl TcpTransport {
                     stripe_min = self.opts.streams.stripe_min,
                     "TCP streams to each peer on another host, measured (FH_TCP_STREAMS=auto)"
                 );
-                chosen = (s as u64).to_le_bytes();
+                chosen[..8].copy_from_slice(&(s as u64).to_le_bytes());
+                let rates = MeasuredRates {
+                    one_stream_bps: rates[0],
+                    many_streams_bps: rates[1],
+                    probe_streams: PROBE_STREAMS,
+                };
+                chosen[8..].copy_from_slice(&rates.encode());
             }
         }
         c.broadcast(&mut chosen, 0)?;
-        let s = u64::from_le_bytes(chosen) as usize;
+        let mut count = [0u8; 8];
+        count.copy_from_slice(&chosen[..8]);
+        let s = u64::from_le_bytes(count) as usize;
+        let mut rates = [0u8; 16];
+        rates.copy_from_slice(&chosen[8..]);
         if !(1..=MAX_STREAMS).contains(&s) {
             return Err(TransportError::Protocol {
                 rank: 0,
                 detail: format!("rank 0 chose {s} TCP streams (at most {})", MAX_STREAMS),
             });
         }
-        Ok(s)
+        Ok((s, MeasuredRates::decode(&rates, PROBE_STREAMS)))
     }
 }
 
@@ -476,6 +535,19 @@ mod tests {
         assert_eq!(choose(100.0, 130.0), 2);
         // Never more than were tried.
         assert_eq!(choose(1.0, 100.0), PROBE_STREAMS);
+    }
+
+    #[test]
+    fn measured_rates_travel_with_the_choice() {
+        let r = MeasuredRates {
+            one_stream_bps: 59.75e6,
+            many_streams_bps: 238.7e6,
+            probe_streams: PROBE_STREAMS,
+        };
+        assert_eq!(MeasuredRates::decode(&r.encode(), PROBE_STREAMS), Some(r));
+        let mut bad = r.encode();
+        bad[..8].copy_from_slice(&f64::NAN.to_le_bytes());
+        assert_eq!(MeasuredRates::decode(&bad, PROBE_STREAMS), None);
     }
 
     #[test]
