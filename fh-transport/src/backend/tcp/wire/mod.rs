@@ -89,8 +89,9 @@ pub const PROOF_MAGIC: [u8; 4] = *b"FHTK";
 /// release after the protocol version, in a preamble every later version keeps; 6: the proofs
 /// are the job's one MAC construction, `fh_job::token::Key::mac`; 7: a rendezvous member
 /// sends its stream settings after its place, and a data connection's hello names its stream,
-/// [`super::streams`]).
-pub const PROTOCOL_VERSION: u16 = 7;
+/// [`super::streams`]; 8: the stream measurement's answer carries the measured rates with the
+/// count).
+pub const PROTOCOL_VERSION: u16 = 8;
 /// Bytes of the release in a hello ([`fh_core::RELEASE`], padded with zeros).
 pub const RELEASE_LEN: usize = 16;
 /// Bytes of a hello's preamble: magic, protocol version and release, in that place in every
