@@ -219,7 +219,8 @@ pub struct ReplayRow {
     /// `ddp-fasthorovod`, `horovod-torch`, `fasthorovod-torch`).
     pub schedule: String,
     /// What carried the bytes: `tcp`, `shm` (the engine's transports, also under
-    /// `fasthorovod-torch`), `gloo` (DDP), `horovodrun` (Horovod's own choice); empty in records
+    /// `fasthorovod-torch`), `gloo` (DDP; Horovod's Gloo controller), `mpi` / `mpi-busy` (Horovod's
+    /// MPI controller, Open MPI yielding or busy-polling), `horovodrun` (older records); empty in records
     /// written before the replay ran over several transports.
     #[serde(default)]
     pub transport: String,

@@ -168,6 +168,23 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         );
         cmd.env("FH_BENCH_PYTHON", &venv_python);
     }
+    // Horovod's rows run under target/hvd-venv when `cargo xtask horovod` has built it there;
+    // across emulated hosts over their `eth0`.
+    let hvd_python = crate::horovod::python(root);
+    if std::env::var_os("FH_BENCH_HOROVOD_PYTHON").is_none() {
+        if hvd_python.is_file() {
+            eprintln!(
+                "==> Horovod peer under {} (FH_BENCH_HOROVOD_PYTHON overrides)",
+                hvd_python.display()
+            );
+            cmd.env("FH_BENCH_HOROVOD_PYTHON", &hvd_python);
+        } else {
+            eprintln!("==> no target/hvd-venv: `cargo xtask horovod` builds Horovod for its rows");
+        }
+    }
+    if emulate.is_some() && std::env::var_os("FH_BENCH_HOROVOD_NICS").is_none() {
+        cmd.env("FH_BENCH_HOROVOD_NICS", "eth0");
+    }
     let status = cmd.status();
     if let (Some(e), Some(rates)) = (&emulate, &measured) {
         let text = link_table(root, args, e, rates);

@@ -18,6 +18,8 @@
 //!   its sdist (tools from the package registry, in `target/wheel/tools`).
 //! - `cargo xtask compat`: that wheel against several torch releases and Pythons (outside the
 //!   default test run).
+//! - `cargo xtask horovod [--force]`: real Horovod 0.28.1 built into `target/hvd-venv`, the
+//!   bench's Horovod peer (outside the default test run).
 //!
 //! Nearly dependency-free on purpose: `cargo xtask` must build in seconds on a fresh machine
 //! (`nfq` and `rustix`, both small, hold packets for the emulated cluster's round-trip time).
@@ -25,6 +27,7 @@
 mod bench;
 mod cluster;
 mod compat;
+mod horovod;
 mod multihost;
 mod nccl;
 mod python;
@@ -69,6 +72,11 @@ tasks:
   compat [--torch V1,V2,..] [--python PATH1,PATH2,..]
            the wheel against several torch releases and Pythons (ranks suite at np 2 each);
            the table into README.md (several GB of downloads, cached in target/compat)
+  horovod [--force]
+           real Horovod 0.28.1 (sdist from the package registry, C++ standard patched to 20,
+           CPU, Gloo and MPI) built into target/hvd-venv beside target/fh-venv's torch, checked
+           with horovodrun --check-build and 2-rank allreduces; `cargo xtask bench` then runs
+           the Horovod rows (about 5 minutes on 2 cores; a second run says it is built)
 ";
 
 fn main() -> ExitCode {
@@ -98,6 +106,7 @@ fn main() -> ExitCode {
         "nccl-bindings" => nccl::run(&root, &rest),
         "wheel" => wheel::run(&root, &rest),
         "compat" => compat::run(&root, &rest),
+        "horovod" => horovod::run(&root, &rest),
         "" | "help" | "-h" | "--help" => {
             eprint!("{USAGE}");
             if task.is_empty() {

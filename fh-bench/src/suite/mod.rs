@@ -240,8 +240,12 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
         for peer in list {
             let reason = if opts.no_peers {
                 Some("skipped: --no-peers".to_string())
-            } else if !torch_peer::imports(&python, peer.module, Duration::from_secs(120)) {
-                Some(peer.not_installed(&python))
+            } else if !torch_peer::imports(
+                &peer.python(&python),
+                peer.module,
+                Duration::from_secs(120),
+            ) {
+                Some(peer.not_installed(&peer.python(&python)))
             } else {
                 None
             };

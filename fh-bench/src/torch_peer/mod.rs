@@ -7,7 +7,10 @@
 //! DDP: N Python processes on 127.0.0.1 with the torchrun environment (`RANK`, `WORLD_SIZE`,
 //! `MASTER_ADDR`, `MASTER_PORT`, ...); on the `fasthorovod` backend also `FH_JOB_TOKEN`,
 //! `FH_TRANSPORT` and `FH_RENDEZVOUS_ADDR` (a port of its own, not torchrun's `MASTER_PORT + 1`).
-//! Horovod: `horovodrun -np N -H localhost:N`.
+//! Horovod: `horovodrun -np N -H localhost:N` with `--gloo`, or `--mpi` with Open MPI yielding
+//! or busy-polling (three rows), under `$FH_BENCH_HOROVOD_PYTHON` when set (`cargo xtask
+//! horovod` builds it into `target/hvd-venv`); across hosts `horovodrun -H h0:R,h1:R` with an
+//! `ssh` stand-in that goes through the rsh agent.
 //! `fasthorovod.torch`: N Python processes with fhrun's environment (`FH_RANK`, `FH_SIZE`,
 //! `FH_RENDEZVOUS_ADDR`, `FH_JOB_TOKEN`, `FH_TRANSPORT`, ...), over shared memory or TCP. Rank 0
 //! prints one JSON line with the slowest rank's time per step; every wait is bounded and every
@@ -45,8 +48,43 @@ pub struct Peer {
     pub transport: &'static str,
 }
 
+/// Horovod's rows: its Gloo controller, then its MPI controller with Open MPI yielding the
+/// core while it waits (`mpi_yield_when_idle 1`) and busy-polling (`0`, Open MPI's default when
+/// the host is not oversubscribed); the `transport` of the row names the mode.
+const HOROVOD: [Peer; 3] = [
+    Peer {
+        what: "Horovod over Gloo",
+        label: "horovod-torch",
+        module: "horovod.torch",
+        mode: "horovod",
+        install: HOROVOD_INSTALL,
+        transport: "gloo",
+    },
+    Peer {
+        what: "Horovod over MPI (yielding)",
+        label: "horovod-torch",
+        module: "horovod.torch",
+        mode: "horovod",
+        install: HOROVOD_INSTALL,
+        transport: "mpi",
+    },
+    Peer {
+        what: "Horovod over MPI (busy-polling)",
+        label: "horovod-torch",
+        module: "horovod.torch",
+        mode: "horovod",
+        install: HOROVOD_INSTALL,
+        transport: "mpi-busy",
+    },
+];
+
+/// How to get Horovod: `cargo xtask horovod` builds it into `target/hvd-venv`, which
+/// `cargo xtask bench` hands to the Horovod rows ([`HOROVOD_PYTHON_ENV`]).
+const HOROVOD_INSTALL: &str =
+    "cargo xtask horovod, or pip install horovod[pytorch] and name its interpreter in FH_BENCH_HOROVOD_PYTHON";
+
 /// The peers, in report order.
-pub const PEERS: [Peer; 6] = [
+pub const PEERS: [Peer; 8] = [
     Peer {
         what: "PyTorch DDP (Gloo)",
         label: "ddp-gloo",
@@ -71,14 +109,9 @@ pub const PEERS: [Peer; 6] = [
         install: "pip install ./fh-torch",
         transport: "tcp",
     },
-    Peer {
-        what: "Horovod",
-        label: "horovod-torch",
-        module: "horovod.torch",
-        mode: "horovod",
-        install: "pip install horovod[pytorch]",
-        transport: "horovodrun",
-    },
+    HOROVOD[0],
+    HOROVOD[1],
+    HOROVOD[2],
     Peer {
         what: "fasthorovod.torch over shared memory",
         label: "fasthorovod-torch",
@@ -100,9 +133,11 @@ pub const PEERS: [Peer; 6] = [
 /// The peers when the ranks span hosts, in report order: shared memory alone cannot span
 /// hosts, so `fasthorovod.torch` runs over `hier` (shared memory within a host, TCP between)
 /// and over TCP.
-pub const PEERS_ACROSS_HOSTS: [Peer; 4] = [
+pub const PEERS_ACROSS_HOSTS: [Peer; 6] = [
     PEERS[0],
-    PEERS[3],
+    HOROVOD[0],
+    HOROVOD[1],
+    HOROVOD[2],
     Peer {
         what: "fasthorovod.torch over hier",
         label: "fasthorovod-torch",
@@ -111,7 +146,7 @@ pub const PEERS_ACROSS_HOSTS: [Peer; 4] = [
         install: "pip install ./fh-torch",
         transport: "hier",
     },
-    PEERS[5],
+    PEERS[7],
 ];
 
 /// The `peer` that the adapter prints in each mode.
@@ -142,6 +177,81 @@ pub fn python() -> String {
         .filter(|s| !s.trim().is_empty())
         .unwrap_or_else(|| "python3".into())
 }
+
+/// Environment variable naming the interpreter of the Horovod rows (an environment where
+/// `horovod.torch` imports, such as `target/hvd-venv` of `cargo xtask horovod`); default: the
+/// other peers' ([`PYTHON_ENV`]).
+pub const HOROVOD_PYTHON_ENV: &str = "FH_BENCH_HOROVOD_PYTHON";
+
+impl Peer {
+    /// The interpreter this peer runs under: `$FH_BENCH_HOROVOD_PYTHON` for Horovod's rows when
+    /// set, else `python` (the other peers').
+    pub fn python(&self, python: &str) -> String {
+        let own = (self.mode == "horovod")
+            .then(|| std::env::var(HOROVOD_PYTHON_ENV).ok())
+            .flatten()
+            .filter(|s| !s.trim().is_empty());
+        own.unwrap_or_else(|| python.to_string())
+    }
+
+    /// `horovodrun`'s arguments before the command: `-np`, `-H` and the controller of the
+    /// row's mode (with Open MPI's yield setting for the MPI rows); across hosts
+    /// (`across`), `--network-interfaces` when `nics` names them (else Horovod finds the
+    /// common ones itself).
+    pub fn horovodrun_args(&self, np: usize, host_list: &str, nics: Option<&str>) -> Vec<String> {
+        let mut a = vec![
+            "-np".to_string(),
+            np.to_string(),
+            "-H".to_string(),
+            host_list.to_string(),
+        ];
+        match self.transport {
+            "gloo" => a.push("--gloo".into()),
+            "mpi" | "mpi-busy" => {
+                let yield_idle = u8::from(self.transport == "mpi");
+                a.push("--mpi".into());
+                a.push(format!("--mpi-args=--mca mpi_yield_when_idle {yield_idle}"));
+            }
+            _ => {}
+        }
+        if let Some(n) = nics.filter(|n| !n.trim().is_empty()) {
+            a.push("--network-interfaces".into());
+            a.push(n.to_string());
+        }
+        a
+    }
+}
+
+/// An `ssh` for `horovodrun` across emulated hosts: Horovod starts remote ranks (and checks
+/// the hosts) with `ssh -o ... HOST [-p P] [-i F] [-o ...] COMMAND`; this drops ssh's options
+/// and runs COMMAND on HOST through the cluster's rsh agent (`agent HOST COMMAND...`).
+pub fn ssh_shim(agent: &str) -> String {
+    format!(
+        "#!/bin/sh
+         # ssh for horovodrun on emulated hosts (fh-bench): options dropped, the rsh agent runs it
+         while [ $# -gt 0 ]; do case \"$1\" in -o|-p|-i|-l|-F) shift 2 ;; -*) shift ;; *) break ;; esac; done
+         host=\"${{1:?usage: ssh [OPTIONS] HOST COMMAND...}}\"; shift
+         while [ $# -gt 0 ]; do case \"$1\" in -o|-p|-i|-l|-F) shift 2 ;; *) break ;; esac; done
+         exec {} \"$host\" \"$@\"
+",
+        shell_word(agent)
+    )
+}
+
+/// Writes [`ssh_shim`] as `dir/ssh` (executable); returns `dir`.
+fn write_ssh_shim(dir: &Path, agent: &str) -> Result<PathBuf, String> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let p = dir.join("ssh");
+    std::fs::write(&p, ssh_shim(agent)).map_err(|e| format!("writing {}: {e}", p.display()))?;
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))
+        .map_err(|e| format!("making {} executable: {e}", p.display()))?;
+    Ok(dir.to_path_buf())
+}
+
+/// Environment variable naming the network interfaces Horovod uses across hosts (its
+/// `--network-interfaces`; `cargo xtask bench --emulate` sets the emulated hosts' `eth0`).
+pub const HOROVOD_NICS_ENV: &str = "FH_BENCH_HOROVOD_NICS";
 
 /// Whether `python -c "import module"` succeeds within `timeout` (killed and reaped if not).
 pub fn imports(python: &str, module: &str, timeout: Duration) -> bool {
@@ -425,10 +535,14 @@ impl PeerRun<'_> {
             }
             self.log_dir.join(format!("{name}.rank0.log"))
         } else if self.peer.mode == "horovod" {
-            let mut c = Command::new(horovodrun(self.python));
-            c.args(["-np", &self.np.to_string()])
-                .args(["-H", &format!("localhost:{}", self.np)])
-                .arg(self.python);
+            let python = self.peer.python(self.python);
+            let mut c = Command::new(horovodrun(&python));
+            c.args(
+                self.peer
+                    .horovodrun_args(self.np, &format!("localhost:{}", self.np), None),
+            )
+            .envs(MPI_AS_ROOT)
+            .arg(&python);
             args(&mut c);
             children.spawn(c, self.log_dir, name)?;
             self.log_dir.join(format!("{name}.log"))
@@ -521,11 +635,28 @@ impl PeerRun<'_> {
                 Ok(self.log_dir.join(format!("{name}.log")))
             }
             "horovod" => {
-                let mut c = Command::new(horovodrun(self.python));
-                c.args(["-np", &self.np.to_string(), "-H", &host_list])
-                    .arg(self.python)
-                    .args(self.adapter_words())
-                    .stdin(Stdio::null());
+                // Horovod starts its remote ranks with `ssh`: a stand-in first on PATH sends
+                // them through the rsh agent (mpirun also reads OMPI_MCA_plm_rsh_agent).
+                let shim = write_ssh_shim(&self.log_dir.join(format!("{name}.ssh")), &hosts.agent)?;
+                let path = std::env::var_os("PATH").unwrap_or_default();
+                let path =
+                    std::env::join_paths(std::iter::once(shim).chain(std::env::split_paths(&path)))
+                        .map_err(|e| format!("PATH: {e}"))?;
+                let nics = std::env::var(HOROVOD_NICS_ENV).ok();
+                let python = self.peer.python(self.python);
+                let mut c = Command::new(horovodrun(&python));
+                c.args(
+                    self.peer
+                        .horovodrun_args(self.np, &host_list, nics.as_deref()),
+                )
+                .env("PATH", path)
+                .env("OMPI_MCA_plm_rsh_agent", &hosts.agent)
+                .envs(MPI_AS_ROOT)
+                .env("OMP_NUM_THREADS", "1")
+                .env("PYTHONUNBUFFERED", "1")
+                .arg(&python)
+                .args(self.adapter_words())
+                .stdin(Stdio::null());
                 children.spawn(c, self.log_dir, name)?;
                 Ok(self.log_dir.join(format!("{name}.log")))
             }
@@ -558,6 +689,12 @@ impl PeerRun<'_> {
         }
     }
 }
+
+/// Open MPI refuses to start as root without these (CI runs as root); harmless otherwise.
+const MPI_AS_ROOT: [(&str, &str); 2] = [
+    ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+    ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+];
 
 /// Two distinct free ports on 127.0.0.1.
 fn two_free_ports() -> Result<(u16, u16), String> {

@@ -80,7 +80,8 @@ fn skip_reason_says_how_to_install() {
     );
     assert!(r.contains("import torch") && r.contains(PYTHON_ENV), "{r}");
     assert!(PEERS[3].not_installed("py").contains("horovod"));
-    assert!(PEERS[4]
+    assert!(PEERS[3].not_installed("py").contains("cargo xtask horovod"));
+    assert!(PEERS[6]
         .not_installed("py")
         .contains("import fasthorovod.torch"));
     assert!(PEERS[1]
@@ -163,7 +164,7 @@ fn across_hosts_the_slots_must_match_the_ranks() {
     let _ = std::fs::remove_dir_all(&dir);
     // Across hosts, fasthorovod.torch runs over hier and tcp, never shm.
     let t: Vec<&str> = PEERS_ACROSS_HOSTS.iter().map(|p| p.transport).collect();
-    assert_eq!(t, ["gloo", "horovodrun", "hier", "tcp"]);
+    assert_eq!(t, ["gloo", "gloo", "mpi", "mpi-busy", "hier", "tcp"]);
 }
 
 #[test]
@@ -189,5 +190,74 @@ fn the_adapter_is_valid_python() {
     } else {
         eprintln!("python3 not found: syntax check of torch_replay.py skipped");
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn horovod_runs_in_each_controller_mode() {
+    let hvd: Vec<_> = PEERS.iter().filter(|p| p.mode == "horovod").collect();
+    let args: Vec<Vec<String>> = hvd
+        .iter()
+        .map(|p| p.horovodrun_args(4, "h0:2,h1:2", Some("eth0")))
+        .collect();
+    let head = ["-np", "4", "-H", "h0:2,h1:2"];
+    assert_eq!(
+        args[0],
+        [&head[..], &["--gloo", "--network-interfaces", "eth0"]].concat()
+    );
+    assert_eq!(
+        args[1],
+        [
+            &head[..],
+            &[
+                "--mpi",
+                "--mpi-args=--mca mpi_yield_when_idle 1",
+                "--network-interfaces",
+                "eth0"
+            ]
+        ]
+        .concat()
+    );
+    assert_eq!(args[2][5], "--mpi-args=--mca mpi_yield_when_idle 0");
+    assert_eq!(hvd[0].horovodrun_args(2, "localhost:2", None).len(), 5);
+    // The Horovod rows run under FH_BENCH_HOROVOD_PYTHON only when it is set; the others never.
+    assert_eq!(PEERS[0].python("py"), "py");
+}
+
+#[test]
+fn the_ssh_shim_drops_options_and_calls_the_agent() {
+    let dir = std::env::temp_dir().join(format!("fh-bench-ssh-shim-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // An "agent" that prints what it was given, one word a line.
+    let agent = dir.join("agent");
+    std::fs::write(&agent, "#!/bin/sh\nfor a in \"$@\"; do echo \"$a\"; done\n").unwrap();
+    let shim = dir.join("ssh");
+    std::fs::write(&shim, super::ssh_shim(&agent.display().to_string())).unwrap();
+    for p in [&agent, &shim] {
+        Command::new("chmod").arg("+x").arg(p).status().unwrap();
+    }
+    // As horovod/runner/util/remote.py writes it (empty port and identity words vanish).
+    let out = Command::new(&shim)
+        .args([
+            "-o",
+            "PasswordAuthentication=no",
+            "-o",
+            "StrictHostKeyChecking=no",
+            "h1",
+            "-o",
+            "ConnectTimeout=10",
+            "cd /x > /dev/null 2>&1 ; env A=1 python y.py",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "h1\ncd /x > /dev/null 2>&1 ; env A=1 python y.py\n"
+    );
+    let out = Command::new(&shim)
+        .args(["-p", "22", "h0", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "h0\ntrue\n");
     std::fs::remove_dir_all(&dir).unwrap();
 }
