@@ -203,7 +203,7 @@ mod tests {
         assert_eq!(Route::of("hier", 2), Route::Hierarchical);
         assert_eq!(Route::of("auto", 2), Route::Hierarchical);
         assert_eq!(Route::of("auto", 1), Route::FlatRing);
-        for t in ["tcp", "gloo", "horovodrun"] {
+        for t in ["tcp", "gloo", "mpi", "mpi-busy"] {
             assert_eq!(Route::of(t, 2), Route::FlatRing, "{t}");
         }
     }

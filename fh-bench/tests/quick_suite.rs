@@ -131,7 +131,9 @@ fn quick_suite_end_to_end_on_two_ranks() {
     let peers = ["ddp-gloo", "horovod-torch", "fasthorovod-torch"];
     for (label, transport, what) in [
         ("ddp-gloo", "gloo", "PyTorch DDP (Gloo)"),
-        ("horovod-torch", "horovodrun", "Horovod"),
+        ("horovod-torch", "gloo", "Horovod over Gloo"),
+        ("horovod-torch", "mpi", "Horovod over MPI (yielding)"),
+        ("horovod-torch", "mpi-busy", "Horovod over MPI (busy-polling)"),
         (
             "fasthorovod-torch",
             "shm",
