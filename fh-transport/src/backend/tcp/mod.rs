@@ -376,6 +376,12 @@ impl TcpTransport {
         &self.places
     }
 
+    /// The world's stream settings, agreed at the rendezvous (with the stream count measured
+    /// under `auto`).
+    pub fn stream_settings(&self) -> &StreamSettings {
+        &self.opts.streams
+    }
+
     /// The host layout settled from [`TcpTransport::places`].
     pub fn layout(&self) -> &Layout {
         &self.layout

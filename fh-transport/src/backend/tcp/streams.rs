@@ -39,6 +39,16 @@ pub const STRIPE_LOCAL_VAR: &str = "FH_TCP_STRIPE_LOCAL";
 /// `SO_MAX_PACING_RATE`).
 pub const FLOW_CAP_VAR: &str = "FH_TCP_FLOW_CAP";
 
+/// The variable that sets the chunk of the hierarchical allreduce's pipeline
+/// ([`crate::compose::hier`]): a size in bytes (e.g. `4M`), `0` or `off` to run its phases one
+/// after another on the whole buffer, `auto` (the default) for [`DEFAULT_PIPELINE_CHUNK`]. It
+/// shapes the frames between hosts, so it travels and is checked with these settings.
+pub const PIPELINE_VAR: &str = "FH_HIER_PIPELINE";
+/// Default chunk of the hierarchical allreduce's pipeline ([`PIPELINE_VAR`]).
+pub const DEFAULT_PIPELINE_CHUNK: usize = 4 << 20;
+/// The smallest pipeline chunk [`PIPELINE_VAR`] accepts.
+pub const MIN_PIPELINE_CHUNK: usize = 64 << 10;
+
 /// The most streams to one peer.
 pub const MAX_STREAMS: usize = 16;
 /// Streams to a peer under `auto` where nothing was measured (striping forced between ranks of
@@ -111,6 +121,8 @@ pub struct StreamSettings {
     /// Cap every data connection's sending rate at this many bytes per second
     /// ([`FLOW_CAP_VAR`]; emulation, a rank's own business: not compared between ranks).
     pub flow_cap: Option<u64>,
+    /// The hierarchical allreduce's pipeline chunk in bytes, 0 for none ([`PIPELINE_VAR`]).
+    pub pipeline_chunk: usize,
     /// A variable that could not be read, with the reason (reported when the transport starts).
     invalid: Option<(String, String)>,
 }
@@ -122,6 +134,7 @@ impl Default for StreamSettings {
             stripe_min: DEFAULT_STRIPE_MIN,
             every_peer: false,
             flow_cap: None,
+            pipeline_chunk: DEFAULT_PIPELINE_CHUNK,
             invalid: None,
         }
     }
@@ -136,6 +149,7 @@ impl StreamSettings {
             stripe_min,
             every_peer: true,
             flow_cap: None,
+            pipeline_chunk: DEFAULT_PIPELINE_CHUNK,
             invalid: None,
         }
     }
@@ -190,6 +204,27 @@ impl StreamSettings {
                 }
             }
         }
+        if let Some(v) = get(PIPELINE_VAR) {
+            match v.trim() {
+                "" | "auto" => {}
+                "0" | "off" => s.pipeline_chunk = 0,
+                t => match fh_core::units::parse_size(t) {
+                    Ok(n) if n >= MIN_PIPELINE_CHUNK as u64 && n <= usize::MAX as u64 => {
+                        s.pipeline_chunk = n as usize
+                    }
+                    _ => {
+                        s.invalid = Some((
+                            PIPELINE_VAR.into(),
+                            format!(
+                                "{v:?}: give a chunk size in bytes of at least \
+                                 {MIN_PIPELINE_CHUNK} (e.g. 4M), 0 or off (no pipeline), or \
+                                 auto (the default)"
+                            ),
+                        ))
+                    }
+                },
+            }
+        }
         if let Some(v) = get(STRIPE_LOCAL_VAR) {
             match v.trim() {
                 "" | "0" => {}
@@ -237,7 +272,8 @@ impl StreamSettings {
     }
 
     /// The settings as a rendezvous member sends them to rank 0 ([`ENCODED_LEN`] bytes): the
-    /// count (0: auto), whether every peer is striped, the smallest striped frame.
+    /// count (0: auto), whether every peer is striped, the smallest striped frame, the
+    /// hierarchical pipeline's chunk.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(ENCODED_LEN);
         let count = match self.count {
@@ -247,6 +283,7 @@ impl StreamSettings {
         out.push(count);
         out.push(u8::from(self.every_peer));
         out.extend_from_slice(&(self.stripe_min as u64).to_le_bytes());
+        out.extend_from_slice(&(self.pipeline_chunk as u64).to_le_bytes());
         out
     }
 
@@ -257,6 +294,7 @@ impl StreamSettings {
         let count = r.u8()?;
         let every = r.u8()?;
         let min = r.u64()?;
+        let chunk = r.u64()?;
         let count = match count {
             0 => StreamCount::Auto,
             n if (n as usize) <= MAX_STREAMS => StreamCount::Fixed(n as usize),
@@ -276,11 +314,14 @@ impl StreamSettings {
                 "smallest striped frame {min}"
             )));
         }
+        let pipeline_chunk = usize::try_from(chunk)
+            .map_err(|_| DecodeError::Invalid(format!("pipeline chunk {chunk}")))?;
         let s = StreamSettings {
             count,
             stripe_min: min as usize,
             every_peer,
             flow_cap: None,
+            pipeline_chunk,
             invalid: None,
         };
         Ok((s, ENCODED_LEN))
@@ -301,6 +342,14 @@ impl StreamSettings {
                 format!(
                     "{} on rank 0 but {} on rank {rank}",
                     a.stripe_min, b.stripe_min
+                ),
+            )
+        } else if a.pipeline_chunk != b.pipeline_chunk {
+            (
+                PIPELINE_VAR,
+                format!(
+                    "{} bytes on rank 0 but {} on rank {rank}",
+                    a.pipeline_chunk, b.pipeline_chunk
                 ),
             )
         } else if a.every_peer != b.every_peer {
@@ -326,7 +375,7 @@ impl StreamSettings {
 }
 
 /// Bytes of [`StreamSettings::encode`].
-pub const ENCODED_LEN: usize = 10;
+pub const ENCODED_LEN: usize = 18;
 
 /// How many stripes a message of `len` bytes to a peer with `streams` connections takes: all of
 /// them from `stripe_min` bytes on (never more than there are bytes), else 1.
@@ -495,6 +544,15 @@ mod tests {
             "{why}"
         );
         assert_eq!(s.mismatch(1, &s.clone()), None);
+        let off = StreamSettings {
+            pipeline_chunk: 0,
+            ..s.clone()
+        };
+        let (d, _) = StreamSettings::decode(&off.encode()).unwrap();
+        assert_eq!(d.pipeline_chunk, 0);
+        let (var, why) = s.mismatch(2, &off).unwrap();
+        assert_eq!(var, PIPELINE_VAR);
+        assert!(why.contains("on rank 2"), "{why}");
     }
 
     #[test]
@@ -521,6 +579,9 @@ mod tests {
             DEFAULT_STREAMS
         );
         assert_eq!(env(&[("FH_TCP_STREAMS", "8")]).streams_to(true), 1);
+        assert_eq!(env(&[]).pipeline_chunk, DEFAULT_PIPELINE_CHUNK);
+        assert_eq!(env(&[("FH_HIER_PIPELINE", "0")]).pipeline_chunk, 0);
+        assert_eq!(env(&[("FH_HIER_PIPELINE", "8M")]).pipeline_chunk, 8 << 20);
         assert_eq!(
             env(&[("FH_TCP_STREAMS", "8"), ("FH_TCP_STRIPE_LOCAL", "1")]).streams_to(true),
             8
@@ -532,6 +593,8 @@ mod tests {
             &[("FH_TCP_STRIPE_MIN", "0")],
             &[("FH_TCP_STRIPE_LOCAL", "yes")],
             &[("FH_TCP_FLOW_CAP", "fast")],
+            &[("FH_HIER_PIPELINE", "1k")],
+            &[("FH_HIER_PIPELINE", "yes")],
         ] {
             let err = env(bad).check().unwrap_err().to_string();
             assert!(err.contains(bad[0].0), "{err}");
