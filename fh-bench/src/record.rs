@@ -264,6 +264,10 @@ pub struct ReplayRow {
     /// order; empty for peers.
     #[serde(default)]
     pub channel_share: Vec<f64>,
+    /// CPU time of all ranks together per timed step, ms (the engine's rows over a transport
+    /// of one process per rank; None for peers and in-process ranks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_ms_per_step: Option<f64>,
 }
 
 impl ReplayRow {
