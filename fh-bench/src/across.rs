@@ -123,6 +123,7 @@ mod tests {
             Route::FlatRing.fraction(3, 3)
         );
         assert_eq!(Route::of("hier", 2), Route::Hierarchical);
+        assert_eq!(Route::of("hier-serial", 2), Route::Hierarchical);
         assert_eq!(Route::of("auto", 2), Route::Hierarchical);
         assert_eq!(Route::of("auto", 1), Route::FlatRing);
         for t in ["tcp", "gloo", "horovodrun"] {

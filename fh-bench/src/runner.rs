@@ -147,6 +147,16 @@ pub struct Runner {
     pub transport: String,
 }
 
+/// A bench transport that is a backend with a setting of its own: `hier-serial`, the
+/// hierarchical backend with its allreduce pipeline off (`FH_HIER_PIPELINE=0`), to compare
+/// against `hier` in one interleaved run. Returns `FH_TRANSPORT` and the extra variable.
+pub fn transport_env(name: &str) -> (&str, Option<(&'static str, &'static str)>) {
+    match name {
+        "hier-serial" => ("hier", Some(("FH_HIER_PIPELINE", "0"))),
+        other => (other, None),
+    }
+}
+
 impl Runner {
     /// Runs `job` on every rank and returns the outputs in rank order.
     pub fn run(&self, name: &str, job: &Job) -> Result<Vec<RankOutput>, String> {
@@ -168,6 +178,7 @@ impl Runner {
         }
         let port = free_port()?;
         let token = random_token()?;
+        let (transport, setting) = transport_env(&self.transport);
         let worker_args = |c: &mut Command| {
             c.arg("worker")
                 .arg("--job")
@@ -175,8 +186,11 @@ impl Runner {
                 .arg("--out")
                 .arg(&prefix)
                 .env("FH_JOB_TOKEN", &token)
-                .env("FH_TRANSPORT", &self.transport)
+                .env("FH_TRANSPORT", transport)
                 .stdin(Stdio::null());
+            if let Some((var, value)) = setting {
+                c.env(var, value);
+            }
         };
         let mut children = Children::default();
         match &self.launch {
@@ -210,7 +224,10 @@ impl Runner {
                     "FH_TRANSPORT",
                     "FH_RENDEZVOUS_ADDR",
                     "FH_SIZE",
-                ] {
+                ]
+                .into_iter()
+                .chain(setting.map(|(var, _)| var))
+                {
                     c.args(["-x", v]);
                 }
                 c.arg(&self.exe);

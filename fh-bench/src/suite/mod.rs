@@ -175,8 +175,9 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     for t in &opts.transports {
         let launch = match t.as_str() {
             "local" => Launch::Threads,
-            // hier and auto: across hosts (--hosts; shared memory within a host, TCP between).
-            "tcp" | "shm" | "hier" | "auto" => {
+            // hier and auto: across hosts (--hosts; shared memory within a host, TCP between);
+            // hier-serial: hier with its allreduce pipeline off (`runner::transport_env`).
+            "tcp" | "shm" | "hier" | "hier-serial" | "auto" => {
                 if let Err(why) = world::tcp_available() {
                     record.skipped.push(Skipped {
                         suite: "all".into(),
@@ -191,7 +192,8 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 record.skipped.push(Skipped {
                     suite: "all".into(),
                     what: format!("{other} transport"),
-                    reason: "not supported by fh-bench yet (use tcp, shm, hier, auto or local)"
+                    reason: "not supported by fh-bench yet (use tcp, shm, hier, hier-serial, auto \
+                             or local)"
                         .into(),
                 });
                 continue;

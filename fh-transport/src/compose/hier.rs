@@ -11,7 +11,11 @@
 //!   host's sum on local rank `i`; the local ranks `i` of all hosts ("lane" `i`) allreduce
 //!   their block over TCP, all lanes at once; a shared-memory allgather reassembles the vector.
 //!   Every byte crosses the network once per host instead of once per rank, and every rank
-//!   drives a share of the traffic. When hosts differ in size, the host reduces over shared
+//!   drives a share of the traffic. A vector larger than the pipeline chunk
+//!   ([`crate::backend::tcp::streams::PIPELINE_VAR`], agreed at the rendezvous) is reduced chunk
+//!   by chunk, the three steps overlapping: the shared-memory steps on the calling thread, the
+//!   TCP allreduce of each chunk on a scoped thread, so that the link is kept busy while the
+//!   CPU reduces and copies within the host. When hosts differ in size, the host reduces over shared
 //!   memory, the host leaders (local rank 0) allreduce over TCP, and each leader broadcasts
 //!   the result over shared memory. Either way `Average` sums and divides by the world size
 //!   exactly once.
