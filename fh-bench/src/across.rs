@@ -124,6 +124,11 @@ mod tests {
         );
         assert_eq!(Route::of("hier", 2), Route::Hierarchical);
         assert_eq!(Route::of("hier-serial", 2), Route::Hierarchical);
+        assert_eq!(
+            Route::of("hier@FH_TCP_BUFFERS=kernel", 2),
+            Route::Hierarchical
+        );
+        assert_eq!(Route::of("tcp@FH_TCP_BUFFERS=kernel", 2), Route::FlatRing);
         assert_eq!(Route::of("auto", 2), Route::Hierarchical);
         assert_eq!(Route::of("auto", 1), Route::FlatRing);
         for t in ["tcp", "gloo", "horovodrun"] {

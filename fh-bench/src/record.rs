@@ -396,11 +396,11 @@ pub enum Route {
 }
 
 impl Route {
-    /// The route of a row's transport (`hier`, `hier-serial`, `auto`, `tcp`, `gloo`,
-    /// `horovodrun`) on `ranks_per_host` ranks per host.
+    /// The route of a row's transport (`hier`, `auto`, `tcp`, `gloo`, `horovodrun`,
+    /// each also as `NAME@VAR=VALUE`, and `hier-serial`) on `ranks_per_host` ranks per host.
     pub fn of(transport: &str, ranks_per_host: usize) -> Route {
-        match transport {
-            "hier" | "hier-serial" => Route::Hierarchical,
+        match crate::runner::transport_env(transport).0 {
+            "hier" => Route::Hierarchical,
             "auto" if ranks_per_host > 1 => Route::Hierarchical,
             _ => Route::FlatRing,
         }

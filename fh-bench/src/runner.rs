@@ -147,13 +147,20 @@ pub struct Runner {
     pub transport: String,
 }
 
-/// A bench transport that is a backend with a setting of its own: `hier-serial`, the
-/// hierarchical backend with its allreduce pipeline off (`FH_HIER_PIPELINE=0`), to compare
-/// against `hier` in one interleaved run. Returns `FH_TRANSPORT` and the extra variable.
-pub fn transport_env(name: &str) -> (&str, Option<(&'static str, &'static str)>) {
-    match name {
-        "hier-serial" => ("hier", Some(("FH_HIER_PIPELINE", "0"))),
-        other => (other, None),
+/// A bench transport with a setting of its own, `NAME@VAR=VALUE` (e.g.
+/// `hier@FH_HIER_PIPELINE=0`: the hierarchical backend with its allreduce pipeline off), to
+/// compare against `NAME` in one interleaved run; `hier-serial` is short for that one. Returns
+/// `FH_TRANSPORT` and the extra variable, if any.
+pub fn transport_env(name: &str) -> (&str, Option<(&str, &str)>) {
+    if name == "hier-serial" {
+        return ("hier", Some(("FH_HIER_PIPELINE", "0")));
+    }
+    match name
+        .split_once('@')
+        .and_then(|(t, kv)| Some((t, kv.split_once('=')?)))
+    {
+        Some((t, (var, value))) => (t, Some((var, value))),
+        None => (name, None),
     }
 }
 

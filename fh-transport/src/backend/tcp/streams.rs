@@ -49,6 +49,37 @@ pub const DEFAULT_PIPELINE_CHUNK: usize = 4 << 20;
 /// The smallest pipeline chunk [`PIPELINE_VAR`] accepts.
 pub const MIN_PIPELINE_CHUNK: usize = 64 << 10;
 
+/// The variable that sets the socket buffers of the data connections to peers on other hosts:
+/// `kernel` (the default: Linux's autotuning), `max` (per direction the kernel's unprivileged
+/// maximum where it exceeds what autotuning reaches, else autotuning; `sys::roomier_buffers`),
+/// or a size in bytes for both directions (the kernel caps it and doubles it). A rank's own
+/// business: not compared between ranks.
+pub const BUFFERS_VAR: &str = "FH_TCP_BUFFERS";
+
+/// How the data connections to peers on other hosts get their socket buffers ([`BUFFERS_VAR`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Buffers {
+    /// Linux's autotuning (the default: larger buffers showed no gain in the engine's replay,
+    /// only for a lone stream, see the README).
+    #[default]
+    Kernel,
+    /// The kernel's unprivileged maximum where autotuning reaches less, per direction.
+    Max,
+    /// This many bytes, both directions.
+    Fixed(usize),
+}
+
+impl Buffers {
+    /// The (send, receive) buffer sizes to set on a connection; `None`: leave it to the kernel.
+    pub fn sizes(self) -> (Option<usize>, Option<usize>) {
+        match self {
+            Buffers::Max => super::sys::roomier_buffers(),
+            Buffers::Kernel => (None, None),
+            Buffers::Fixed(n) => (Some(n), Some(n)),
+        }
+    }
+}
+
 /// The most streams to one peer.
 pub const MAX_STREAMS: usize = 16;
 /// Streams to a peer under `auto` where nothing was measured (striping forced between ranks of
@@ -121,6 +152,9 @@ pub struct StreamSettings {
     /// Cap every data connection's sending rate at this many bytes per second
     /// ([`FLOW_CAP_VAR`]; emulation, a rank's own business: not compared between ranks).
     pub flow_cap: Option<u64>,
+    /// Socket buffers of the data connections to other hosts ([`BUFFERS_VAR`]; a rank's own
+    /// business: not compared between ranks).
+    pub buffers: Buffers,
     /// The hierarchical allreduce's pipeline chunk in bytes, 0 for none ([`PIPELINE_VAR`]).
     pub pipeline_chunk: usize,
     /// A variable that could not be read, with the reason (reported when the transport starts).
@@ -134,6 +168,7 @@ impl Default for StreamSettings {
             stripe_min: DEFAULT_STRIPE_MIN,
             every_peer: false,
             flow_cap: None,
+            buffers: Buffers::Kernel,
             pipeline_chunk: DEFAULT_PIPELINE_CHUNK,
             invalid: None,
         }
@@ -149,6 +184,7 @@ impl StreamSettings {
             stripe_min,
             every_peer: true,
             flow_cap: None,
+            buffers: Buffers::Kernel,
             pipeline_chunk: DEFAULT_PIPELINE_CHUNK,
             invalid: None,
         }
@@ -219,6 +255,26 @@ impl StreamSettings {
                                 "{v:?}: give a chunk size in bytes of at least \
                                  {MIN_PIPELINE_CHUNK} (e.g. 4M), 0 or off (no pipeline), or \
                                  auto (the default)"
+                            ),
+                        ))
+                    }
+                },
+            }
+        }
+        if let Some(v) = get(BUFFERS_VAR) {
+            match v.trim() {
+                "" | "kernel" => {}
+                "max" => s.buffers = Buffers::Max,
+                t => match fh_core::units::parse_size(t) {
+                    Ok(n) if n >= 4096 && n <= usize::MAX as u64 => {
+                        s.buffers = Buffers::Fixed(n as usize)
+                    }
+                    _ => {
+                        s.invalid = Some((
+                            BUFFERS_VAR.into(),
+                            format!(
+                                "{v:?}: give kernel (autotuning, the default), max or a size in \
+                                 bytes of at least 4096 (e.g. 4M)"
                             ),
                         ))
                     }
@@ -321,6 +377,7 @@ impl StreamSettings {
             stripe_min: min as usize,
             every_peer,
             flow_cap: None,
+            buffers: Buffers::Kernel,
             pipeline_chunk,
             invalid: None,
         };
@@ -580,6 +637,13 @@ mod tests {
         );
         assert_eq!(env(&[("FH_TCP_STREAMS", "8")]).streams_to(true), 1);
         assert_eq!(env(&[]).pipeline_chunk, DEFAULT_PIPELINE_CHUNK);
+        assert_eq!(env(&[]).buffers, Buffers::Kernel);
+        assert_eq!(env(&[("FH_TCP_BUFFERS", "max")]).buffers, Buffers::Max);
+        assert_eq!(
+            env(&[("FH_TCP_BUFFERS", "4M")]).buffers,
+            Buffers::Fixed(4 << 20)
+        );
+        assert_eq!(Buffers::Kernel.sizes(), (None, None));
         assert_eq!(env(&[("FH_HIER_PIPELINE", "0")]).pipeline_chunk, 0);
         assert_eq!(env(&[("FH_HIER_PIPELINE", "8M")]).pipeline_chunk, 8 << 20);
         assert_eq!(
@@ -595,6 +659,7 @@ mod tests {
             &[("FH_TCP_FLOW_CAP", "fast")],
             &[("FH_HIER_PIPELINE", "1k")],
             &[("FH_HIER_PIPELINE", "yes")],
+            &[("FH_TCP_BUFFERS", "huge")],
         ] {
             let err = env(bad).check().unwrap_err().to_string();
             assert!(err.contains(bad[0].0), "{err}");
