@@ -201,6 +201,12 @@ mod tests {
             Route::FlatRing.fraction(3, 3)
         );
         assert_eq!(Route::of("hier", 2), Route::Hierarchical);
+        assert_eq!(Route::of("hier-serial", 2), Route::Hierarchical);
+        assert_eq!(
+            Route::of("hier@FH_TCP_BUFFERS=kernel", 2),
+            Route::Hierarchical
+        );
+        assert_eq!(Route::of("tcp@FH_TCP_BUFFERS=kernel", 2), Route::FlatRing);
         assert_eq!(Route::of("auto", 2), Route::Hierarchical);
         assert_eq!(Route::of("auto", 1), Route::FlatRing);
         for t in ["tcp", "gloo", "mpi", "mpi-busy"] {

@@ -265,6 +265,10 @@ pub struct ReplayRow {
     /// order; empty for peers.
     #[serde(default)]
     pub channel_share: Vec<f64>,
+    /// CPU time of all ranks together per timed step, ms (the engine's rows over a transport
+    /// of one process per rank; None for peers and in-process ranks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_ms_per_step: Option<f64>,
     /// The parallel TCP streams the runtime chose to each peer on another host, per run (rank
     /// 0's transport, [`fh_transport::Transport::stream_choice`]); empty where nothing crosses
     /// hosts over TCP, and for peers.
@@ -447,6 +451,23 @@ impl SimCheck {
     }
 }
 
+/// A bench transport with a setting of its own, `NAME@VAR=VALUE` (e.g.
+/// `hier@FH_HIER_PIPELINE=0`: the hierarchical backend with its allreduce pipeline off), to
+/// compare against `NAME` in one interleaved run; `hier-serial` is short for that one. Returns
+/// `FH_TRANSPORT` and the extra variable, if any.
+pub fn transport_env(name: &str) -> (&str, Option<(&str, &str)>) {
+    if name == "hier-serial" {
+        return ("hier", Some(("FH_HIER_PIPELINE", "0")));
+    }
+    match name
+        .split_once('@')
+        .and_then(|(t, kv)| Some((t, kv.split_once('=')?)))
+    {
+        Some((t, (var, value))) => (t, Some((var, value))),
+        None => (name, None),
+    }
+}
+
 /// How a row's gradients cross the hosts' links.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -458,10 +479,10 @@ pub enum Route {
 }
 
 impl Route {
-    /// The route of a row's transport (`hier`, `auto`, `tcp`, `gloo`, `horovodrun`) on
-    /// `ranks_per_host` ranks per host.
+    /// The route of a row's transport (`hier`, `auto`, `tcp`, `gloo`, `horovodrun`,
+    /// each also as `NAME@VAR=VALUE`, and `hier-serial`) on `ranks_per_host` ranks per host.
     pub fn of(transport: &str, ranks_per_host: usize) -> Route {
-        match transport {
+        match transport_env(transport).0 {
             "hier" => Route::Hierarchical,
             "auto" if ranks_per_host > 1 => Route::Hierarchical,
             _ => Route::FlatRing,

@@ -165,6 +165,23 @@ pub struct ReplayOutput {
     /// where nothing crosses hosts over TCP).
     #[serde(default)]
     pub tcp_streams: Option<crate::record::TcpStreams>,
+    /// CPU time this process (the rank, every thread of it) used over the timed steps,
+    /// seconds ([`process_cpu_seconds`]).
+    #[serde(default)]
+    pub cpu_seconds: f64,
+}
+
+/// CPU time (user and system, every thread) this process has used so far, seconds
+/// (`getrusage(RUSAGE_SELF)`); 0 where it cannot be read.
+pub fn process_cpu_seconds() -> f64 {
+    // SAFETY: an all-zero `rusage` is a valid value; getrusage only writes into it.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer to a `rusage` for the call's duration.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0.0;
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(ru.ru_utime) + secs(ru.ru_stime)
 }
 
 /// Runs a replay job on this rank.
@@ -190,10 +207,12 @@ fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<ReplayOutput, String
         .collect();
     let mut times = Vec::with_capacity(job.steps);
     let mut channel_start: Vec<u64> = Vec::new();
+    let mut cpu_start = 0.0;
     for step in 0..job.warmup + job.steps {
         engine.barrier().map_err(err)?.wait().map_err(err)?;
         if step == job.warmup {
             channel_start = engine.stats().channels.iter().map(|c| c.bytes).collect();
+            cpu_start = process_cpu_seconds();
         }
         let t0 = Instant::now();
         let mut handles = Vec::with_capacity(tensors.len());
@@ -220,6 +239,7 @@ fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<ReplayOutput, String
             times.push(elapsed);
         }
     }
+    let cpu_seconds = (process_cpu_seconds() - cpu_start).max(0.0);
     // The average of ones is one: check the first element of every gradient.
     for (i, t) in tensors.iter().enumerate() {
         let t = t.as_ref().ok_or("tensor missing after the replay")?;
@@ -244,6 +264,7 @@ fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<ReplayOutput, String
         step_seconds: times,
         channel_bytes,
         tcp_streams: None,
+        cpu_seconds,
     })
 }
 

@@ -168,6 +168,7 @@ impl Runner {
         }
         let port = free_port()?;
         let token = random_token()?;
+        let (transport, setting) = crate::record::transport_env(&self.transport);
         let worker_args = |c: &mut Command| {
             c.arg("worker")
                 .arg("--job")
@@ -175,8 +176,11 @@ impl Runner {
                 .arg("--out")
                 .arg(&prefix)
                 .env("FH_JOB_TOKEN", &token)
-                .env("FH_TRANSPORT", &self.transport)
+                .env("FH_TRANSPORT", transport)
                 .stdin(Stdio::null());
+            if let Some((var, value)) = setting {
+                c.env(var, value);
+            }
         };
         let mut children = Children::default();
         match &self.launch {
@@ -210,7 +214,10 @@ impl Runner {
                     "FH_TRANSPORT",
                     "FH_RENDEZVOUS_ADDR",
                     "FH_SIZE",
-                ] {
+                ]
+                .into_iter()
+                .chain(setting.map(|(var, _)| var))
+                {
                     c.args(["-x", v]);
                 }
                 // The TCP stream settings must be the same on every rank (the rendezvous checks

@@ -133,7 +133,11 @@ fn quick_suite_end_to_end_on_two_ranks() {
         ("ddp-gloo", "gloo", "PyTorch DDP (Gloo)"),
         ("horovod-torch", "gloo", "Horovod over Gloo"),
         ("horovod-torch", "mpi", "Horovod over MPI (yielding)"),
-        ("horovod-torch", "mpi-busy", "Horovod over MPI (busy-polling)"),
+        (
+            "horovod-torch",
+            "mpi-busy",
+            "Horovod over MPI (busy-polling)",
+        ),
         (
             "fasthorovod-torch",
             "shm",

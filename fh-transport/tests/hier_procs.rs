@@ -21,6 +21,10 @@ const ROLE: &str = "FH_HIER_TEST_ROLE";
 const VICTIM: &str = "FH_HIER_TEST_VICTIM";
 const HOSTS: &str = "FH_HIER_TEST_HOSTS";
 const DIR: &str = "FH_HIER_TEST_DIR";
+/// Set: the victim of a `kill` test dies in the middle of a pipelined allreduce.
+const DURING: &str = "FH_HIER_TEST_DURING";
+/// The hierarchical allreduce's pipeline chunk ([`fh_transport::backend::tcp::streams`]).
+const PIPELINE: &str = "FH_HIER_PIPELINE";
 
 /// `hosts[h]` lists the global ranks on simulated host `h`, by local rank.
 fn layout_string(hosts: &[Vec<usize>]) -> String {
@@ -206,6 +210,42 @@ fn child() {
             drop(sub);
             c.barrier().unwrap();
         }
+        "pipeline" => {
+            // Run with a small FH_HIER_PIPELINE chunk: the long vectors split into many
+            // chunks of uneven sizes.
+            let mut world = fh_transport::from_env().unwrap();
+            assert_eq!(world.backend(), "hier");
+            let mut c = world.open("pipeline").unwrap();
+            long_allreduces(&mut *c);
+            // Values whose sums round: every rank must still end with the same bits, close to
+            // the exact sum.
+            let (n, me) = (c.size(), c.rank());
+            let x = |r: usize, i: usize| ((i * 7 + r * 13) as f64 * 0.37).sin() * 1.1;
+            for (o, len) in [(ReduceOp::Sum, 300_007usize), (ReduceOp::Average, 70_001)] {
+                let mut buf: Vec<f32> = (0..len).map(|i| x(me, i) as f32).collect();
+                c.allreduce_typed(&mut buf, o).unwrap();
+                let bytes: Vec<u8> = buf.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let mut all = vec![0u8; bytes.len() * n];
+                c.allgather(&bytes, &mut all).unwrap();
+                assert!(
+                    all.chunks(bytes.len()).all(|b| b == bytes.as_slice()),
+                    "rank {me}: allreduce {o:?} of {len} f32 differs between ranks"
+                );
+                let div = if o == ReduceOp::Average {
+                    n as f64
+                } else {
+                    1.0
+                };
+                for (i, v) in buf.iter().enumerate() {
+                    let want = (0..n).map(|r| x(r, i) as f32 as f64).sum::<f64>() / div;
+                    assert!(
+                        (*v as f64 - want).abs() < 1e-4,
+                        "element {i}: {v} vs {want}"
+                    );
+                }
+            }
+            c.barrier().unwrap();
+        }
         "fallback" => {
             let mut world = fh_transport::from_env().unwrap();
             assert_eq!(world.backend(), "tcp", "one rank per host: no hierarchy");
@@ -231,9 +271,24 @@ fn child() {
             let victim: usize = std::env::var(VICTIM).unwrap().parse().unwrap();
             let mut world = fh_transport::from_env().unwrap();
             let mut c = world.open("victim").unwrap();
-            let mut buf = vec![1.0f32; 50_000];
+            let during = std::env::var(DURING).is_ok();
+            // While pipelined (a small FH_HIER_PIPELINE chunk): many chunks in flight.
+            let mut buf = vec![1.0f32; if during { 1 << 20 } else { 50_000 }];
             for _ in 0..5 {
+                buf.fill(1.0);
                 c.allreduce_typed(&mut buf, ReduceOp::Sum).unwrap();
+            }
+            if c.rank() == victim && during {
+                // Killed by a thread of its own in the middle of an allreduce.
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(30));
+                    // SAFETY: sending a signal to ourselves.
+                    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                });
+                loop {
+                    buf.fill(1.0);
+                    let _ = c.allreduce_typed(&mut buf, ReduceOp::Sum);
+                }
             }
             if c.rank() == victim {
                 // SAFETY: sending a signal to ourselves.
@@ -343,8 +398,14 @@ fn inconsistent_layout_is_a_config_error() {
 }
 
 fn kill_test(hosts: &[Vec<usize>], victim: usize) {
+    kill_test_with(hosts, victim, &[]);
+}
+
+fn kill_test_with(hosts: &[Vec<usize>], victim: usize, extra: &[(&str, String)]) {
     let tok = hier_token();
-    let mut kids = Children::spawn(hosts, "hier", "kill", &tok, &[(VICTIM, victim.to_string())]);
+    let mut env = vec![(VICTIM, victim.to_string())];
+    env.extend_from_slice(extra);
+    let mut kids = Children::spawn(hosts, "hier", "kill", &tok, &env);
     let st = kids.wait_all(Duration::from_secs(60));
     for (r, s) in st.iter().enumerate() {
         if r == victim {
@@ -366,6 +427,33 @@ fn killed_non_leader_is_named_by_every_survivor() {
 fn killed_leader_is_named_by_every_survivor() {
     let _s = serial();
     kill_test(&[vec![0, 1], vec![2, 3]], 2);
+}
+
+/// A rank killed while pipelined allreduces of many chunks are in flight is named by every
+/// survivor, on its host and across.
+#[test]
+fn killed_in_the_middle_of_a_pipeline_is_named_by_every_survivor() {
+    let _s = serial();
+    let extra = [(PIPELINE, "64K".to_string()), (DURING, "1".to_string())];
+    for victim in [1, 2] {
+        kill_test_with(&[vec![0, 1], vec![2, 3]], victim, &extra);
+    }
+}
+
+#[test]
+fn pipelined_allreduce_of_many_uneven_chunks() {
+    let _s = serial();
+    for hosts in [
+        vec![vec![0, 3], vec![1, 2]],
+        vec![vec![0, 1, 2], vec![3, 4, 5]],
+    ] {
+        let tok = hier_token();
+        let extra = [(PIPELINE, "64K".to_string())];
+        let mut kids = Children::spawn(&hosts, "hier", "pipeline", &tok, &extra);
+        let st = kids.wait_all(Duration::from_secs(120));
+        assert!(st.iter().all(ExitStatus::success), "{hosts:?}: {st:?}");
+        assert_eq!(host_leftovers(&tok, hosts.len()), Vec::<String>::new());
+    }
 }
 
 #[test]

@@ -79,6 +79,7 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
         transport_bounds(&mut md, r);
         if let Some(a) = &r.across {
             across_hosts(&mut md, a, c.backward_ms);
+            cpu_per_gb(&mut md, r, a);
         }
     }
 
@@ -385,6 +386,52 @@ fn across_hosts(md: &mut String, a: &crate::record::Across, backward_ms: f64) {
             x.model_vs_measured()
                 .map_or("–".into(), |v| format!("{v:.2}")),
         );
+    }
+    md.push('\n');
+}
+
+/// The CPU the ranks spent per GB that crossed the hosts' links: each engine row's CPU time of
+/// all ranks per step ÷ the bytes that left all hosts per step (bytes across × hosts), and how
+/// many cores that kept busy during the step on average.
+fn cpu_per_gb(md: &mut String, r: &RunRecord, a: &crate::record::Across) {
+    let mut lines = Vec::new();
+    for x in &a.rows {
+        let Some(row) = r.replay.iter().find(|y| {
+            y.workload == x.workload && y.schedule == x.schedule && y.transport == x.transport
+        }) else {
+            continue;
+        };
+        let (Some(cpu_ms), true) = (row.cpu_ms_per_step, x.bytes_across > 0.0) else {
+            continue;
+        };
+        let gb = x.bytes_across * a.hosts as f64 / 1e9;
+        lines.push(format!(
+            "| {} | {} ({}) | {:.0} ms | {:.2} | {:.2} |",
+            x.workload,
+            x.schedule,
+            x.transport,
+            cpu_ms,
+            cpu_ms / 1e3 / gb,
+            cpu_ms / row.step.median.max(f64::MIN_POSITIVE),
+        ));
+    }
+    if lines.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "CPU per GB across: the CPU time (user and system, `getrusage`) of all ranks over the \
+         timed steps, per step and per GB that left the hosts (bytes across × {} hosts); cores \
+         busy: that CPU time ÷ the median step.\n",
+        a.hosts
+    );
+    let _ = writeln!(
+        md,
+        "| workload | schedule (transport) | CPU per step | CPU s per GB across | cores busy |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|");
+    for l in lines {
+        let _ = writeln!(md, "{l}");
     }
     md.push('\n');
 }

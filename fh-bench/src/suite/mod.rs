@@ -176,9 +176,10 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     // The transports to run on, with their runners.
     let mut runners: Vec<(String, Runner)> = Vec::new();
     for t in &opts.transports {
-        let launch = match t.as_str() {
+        let launch = match crate::record::transport_env(t).0 {
             "local" => Launch::Threads,
-            // hier and auto: across hosts (--hosts; shared memory within a host, TCP between).
+            // hier and auto: across hosts (--hosts; shared memory within a host, TCP between);
+            // NAME@VAR=VALUE: NAME with a setting of its own (`record::transport_env`).
             "tcp" | "shm" | "hier" | "auto" => {
                 if let Err(why) = world::tcp_available() {
                     record.skipped.push(Skipped {
@@ -194,7 +195,8 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 record.skipped.push(Skipped {
                     suite: "all".into(),
                     what: format!("{other} transport"),
-                    reason: "not supported by fh-bench yet (use tcp, shm, hier, auto or local)"
+                    reason: "not supported by fh-bench yet (use tcp, shm, hier, auto or local, \
+                             each optionally NAME@VAR=VALUE, or hier-serial)"
                         .into(),
                 });
                 continue;

@@ -76,6 +76,8 @@ pub(super) fn run(
     // Per workload and configuration, rank 0's TCP stream choice in each run.
     let mut streams: Vec<Vec<Vec<crate::record::TcpStreams>>> =
         vec![vec![Vec::new(); configs.len()]; workloads.len()];
+    // cpu[w][c]: (CPU seconds of every rank, timed steps) over every repeat.
+    let mut cpu: Vec<Vec<(f64, usize)>> = vec![vec![(0.0, 0); configs.len()]; workloads.len()];
     // The model's check charges the loopback copies at the rate every rank gets copying at
     // once: sampled between the replay's rounds too, so that it comes from the same spells of
     // this host as the replays it is checked against.
@@ -165,6 +167,18 @@ pub(super) fn run(
                         let job =
                             Job::Replay(ReplayJob::new(w, backward, spec.clone(), 1, opts.steps));
                         runner.run(&name, &job).map(|outs| {
+                            // Every rank is a process of its own (not `local`): their CPU.
+                            if transport != "local" {
+                                let c = &mut cpu[wi][ci];
+                                c.0 += outs
+                                    .iter()
+                                    .map(|o| match o {
+                                        RankOutput::Replay(r) => r.cpu_seconds,
+                                        _ => 0.0,
+                                    })
+                                    .sum::<f64>();
+                                c.1 += opts.steps;
+                            }
                             if let Some(RankOutput::Replay(r0)) = outs.first() {
                                 if let Some(s) = &r0.tcp_streams {
                                     streams[wi][ci].push(s.clone());
@@ -272,6 +286,10 @@ pub(super) fn run(
                 let mut row = row;
                 row.tcp_streams = std::mem::take(&mut streams[wi][ci]);
                 let total: u64 = bytes[wi][ci].iter().sum();
+                let (cpu_s, steps) = cpu[wi][ci];
+                if steps > 0 && cpu_s > 0.0 {
+                    row.cpu_ms_per_step = Some(cpu_s * 1e3 / steps as f64);
+                }
                 if total > 0 {
                     row.channel_share = bytes[wi][ci]
                         .iter()
@@ -332,6 +350,7 @@ pub fn replay_row_labelled(
         exposed_vs_fasthorovod_torch: None,
         channel_share: Vec::new(),
         tcp_streams: Vec::new(),
+        cpu_ms_per_step: None,
     }
 }
 

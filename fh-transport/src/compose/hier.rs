@@ -11,7 +11,11 @@
 //!   host's sum on local rank `i`; the local ranks `i` of all hosts ("lane" `i`) allreduce
 //!   their block over TCP, all lanes at once; a shared-memory allgather reassembles the vector.
 //!   Every byte crosses the network once per host instead of once per rank, and every rank
-//!   drives a share of the traffic. When hosts differ in size, the host reduces over shared
+//!   drives a share of the traffic. A vector larger than the pipeline chunk
+//!   ([`crate::backend::tcp::streams::PIPELINE_VAR`], agreed at the rendezvous) is reduced chunk
+//!   by chunk, the three steps overlapping: the shared-memory steps on the calling thread, the
+//!   TCP allreduce of each chunk on a scoped thread, so that the link is kept busy while the
+//!   CPU reduces and copies within the host. When hosts differ in size, the host reduces over shared
 //!   memory, the host leaders (local rank 0) allreduce over TCP, and each leader broadcasts
 //!   the result over shared memory. Either way `Average` sums and divides by the world size
 //!   exactly once.
@@ -51,7 +55,7 @@
 //! other host that the peer waits for. So when a host becomes unreachable (its link cut),
 //! every rank names a rank across the cut.
 
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use fh_core::{kernels, CoreError, DType, ReduceOp};
@@ -64,6 +68,24 @@ use super::ranks::RankView;
 use crate::backend::shm::{OutsideWord, ShmComm, ShmOptions, ShmTransport};
 use crate::backend::tcp::{TcpComm, TcpOptions, TcpTransport};
 use crate::{algorithms, Communicator, Interrupt, Result, Topology, Transport, TransportError};
+
+/// Lane `i`'s share of `n` elements split over `l` lanes (the first `n % l` get one more).
+fn share(n: usize, l: usize, i: usize) -> usize {
+    n / l + usize::from(i < n % l)
+}
+
+/// The chunks (element counts, in order) of the allreduce pipeline for `elements` elements of
+/// `esz` bytes with chunks of about `chunk` bytes (0: no pipeline): one chunk when the buffer
+/// is no larger than a chunk, else `ceil(bytes / chunk)` chunks of nearly equal size. From
+/// sizes only, so the same on every rank.
+fn pipeline_chunks(elements: usize, esz: usize, chunk: usize) -> Vec<usize> {
+    let bytes = elements * esz;
+    if chunk == 0 || bytes <= chunk {
+        return vec![elements];
+    }
+    let n = bytes.div_ceil(chunk).min(elements);
+    (0..n).map(|i| share(elements, n, i)).collect()
+}
 
 /// Whether a hierarchy helps: several hosts, and some host with several ranks.
 fn worth_it(layout: &Layout) -> bool {
@@ -230,7 +252,6 @@ impl HierTransport {
         Ok(HierComm {
             label: label.to_owned(),
             tcp,
-            shm,
             layout: Arc::clone(&self.layout),
             topology: t,
             homogeneous,
@@ -245,6 +266,9 @@ impl HierTransport {
             broken: None,
             timeout: self.timeout,
             interrupt,
+            outside: shm.outside_word(),
+            pipeline_chunk: self.tcp.stream_settings().pipeline_chunk,
+            shm,
         })
     }
 }
@@ -299,6 +323,11 @@ pub struct HierComm {
     timeout: Duration,
     /// Shared by both halves (see [`HierTransport::open_hier`]).
     interrupt: Interrupt,
+    /// This rank's `outside` word in the shared-memory communicator (see [`Marks`]).
+    outside: OutsideWord,
+    /// The allreduce pipeline's chunk in bytes, 0 for none (agreed with the TCP stream
+    /// settings, [`crate::backend::tcp::streams::PIPELINE_VAR`]).
+    pipeline_chunk: usize,
 }
 
 /// The views of the TCP communicator that a [`HierComm`] runs steps on.
@@ -439,7 +468,8 @@ impl HierComm {
     }
 
     /// Lanes: shared-memory reduce-scatter, cross-host allreduce per lane, shared-memory
-    /// allgather.
+    /// allgather; pipelined over chunks when the buffer is larger than one
+    /// ([`HierComm::lanes_pipelined`]).
     fn allreduce_lanes(
         &mut self,
         buf: &mut [u8],
@@ -453,18 +483,135 @@ impl HierComm {
             return self.allreduce_across(buf, dtype, op);
         }
         let esz = dtype.size();
-        let counts: Vec<usize> = (0..l)
-            .map(|i| elements / l + usize::from(i < elements % l))
-            .collect();
-        let need = counts[me] * esz;
+        let chunks = pipeline_chunks(elements, esz, self.pipeline_chunk);
+        // This rank's block of every chunk, one after another.
+        let need = chunks.iter().map(|&c| share(c, l, me) * esz).sum::<usize>();
         let mut scratch = std::mem::take(&mut self.scratch);
         if scratch.len() < need {
             // Its contents are overwritten by the reduce-scatter: no need to clear it.
             scratch.resize(need, 0);
         }
-        let res = self.lanes_with(buf, &mut scratch[..need], &counts, dtype, op);
+        let res = if chunks.len() > 1 {
+            self.lanes_pipelined(buf, &mut scratch[..need], &chunks, dtype, op)
+        } else {
+            let counts: Vec<usize> = (0..l).map(|i| share(elements, l, i)).collect();
+            self.lanes_with(buf, &mut scratch[..need], &counts, dtype, op)
+        };
         self.scratch = scratch;
         res
+    }
+
+    /// [`HierComm::lanes_with`] as a pipeline over `chunks` (element counts, in order): the
+    /// calling thread runs the shared-memory steps, a scoped thread the cross-host allreduce of
+    /// each chunk's block, so that chunk `k`'s allreduce over TCP overlaps the reduce-scatter
+    /// of chunk `k + 1` and the allgather of chunk `k - 1`. Each communicator is used by one
+    /// thread; every rank runs the same steps in the same order (the chunking depends on sizes
+    /// only). A failure on either side ends the other: the TCP thread stops when the calling
+    /// thread stops feeding it, and the calling thread when the TCP thread stops answering (a
+    /// local peer waiting for it meanwhile sees it waiting across hosts, [`Marks`]); the TCP
+    /// side's error wins when both failed, as it would have come first without the pipeline.
+    fn lanes_pipelined(
+        &mut self,
+        buf: &mut [u8],
+        scratch: &mut [u8],
+        chunks: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Step<()> {
+        let (l, me) = (self.topology.local_size, self.topology.local_rank);
+        let esz = dtype.size();
+        let mut parts: Vec<&mut [u8]> = Vec::with_capacity(chunks.len());
+        let mut blocks: Vec<&mut [u8]> = Vec::with_capacity(chunks.len());
+        let (mut rest, mut rest_blocks) = (buf, scratch);
+        for &c in chunks {
+            let (part, tail) = std::mem::take(&mut rest).split_at_mut(c * esz);
+            let (block, tail_blocks) =
+                std::mem::take(&mut rest_blocks).split_at_mut(share(c, l, me) * esz);
+            parts.push(part);
+            blocks.push(block);
+            (rest, rest_blocks) = (tail, tail_blocks);
+        }
+        let size = self.topology.size;
+        let HierComm {
+            tcp,
+            shm,
+            group,
+            group_rank,
+            host_of,
+            topology,
+            outside,
+            ..
+        } = self;
+        let marks = Marks {
+            word: outside,
+            host_of,
+            host: topology.cross_rank,
+        };
+        let (to_tcp, tcp_in) = mpsc::channel::<&mut [u8]>();
+        let (tcp_out, from_tcp) = mpsc::channel::<&mut [u8]>();
+        let (shm_res, tcp_res) = std::thread::scope(|s| {
+            let across = s.spawn(move || -> Result<()> {
+                let mut g = Group {
+                    inner: tcp,
+                    members: group,
+                    rank: *group_rank,
+                    marks,
+                };
+                for block in tcp_in {
+                    let r = algorithms::allreduce(&mut g, block, dtype, op.combining());
+                    g.marks.clear();
+                    r?;
+                    if op == ReduceOp::Average {
+                        kernels::divide(dtype, block, size)?;
+                    }
+                    if tcp_out.send(block).is_err() {
+                        break;
+                    }
+                }
+                Ok(())
+            });
+            // `Ok(false)`: the TCP thread stopped answering (its error says why).
+            let shm_res = (|| -> Result<bool> {
+                let counts = |c: usize| -> Vec<usize> { (0..l).map(|i| share(c, l, i)).collect() };
+                let mut blocks = blocks.into_iter();
+                for k in 0..=chunks.len() {
+                    if let (Some(&c), Some(block)) = (chunks.get(k), blocks.next()) {
+                        shm.reduce_scatter(&*parts[k], block, &counts(c), dtype, op.combining())?;
+                        if to_tcp.send(block).is_err() {
+                            return Ok(false);
+                        }
+                    }
+                    if k > 0 {
+                        let j = k - 1;
+                        let Ok(block) = from_tcp.recv() else {
+                            return Ok(false);
+                        };
+                        let bytes: Vec<usize> = counts(chunks[j]).iter().map(|c| c * esz).collect();
+                        shm.allgatherv(block, &mut *parts[j], &bytes)?;
+                    }
+                }
+                Ok(true)
+            })();
+            // Stop feeding the TCP thread: it ends after the blocks it holds.
+            drop(to_tcp);
+            let tcp_res = across.join().unwrap_or_else(|_| {
+                Err(TransportError::Internal(
+                    "the hierarchical allreduce's TCP thread panicked".into(),
+                ))
+            });
+            (shm_res, tcp_res)
+        });
+        match (shm_res, tcp_res) {
+            (_, Err(e)) => Err((Side::Tcp, e)),
+            (Err(e), Ok(())) => Err((Side::Shm, e)),
+            (Ok(true), Ok(())) => Ok(()),
+            (Ok(false), Ok(())) => Err((
+                Side::Tcp,
+                TransportError::Internal(
+                    "the hierarchical allreduce's TCP thread stopped without an error".into(),
+                ),
+            )),
+        }
     }
 
     fn lanes_with(
@@ -521,7 +668,7 @@ impl HierComm {
             members,
             rank,
             marks: Marks {
-                word: self.shm.outside_word(),
+                word: &self.outside,
                 host_of: &self.host_of,
                 host: self.topology.cross_rank,
             },
@@ -539,7 +686,7 @@ impl HierComm {
         f: impl FnOnce(&mut TcpComm) -> Result<T>,
     ) -> Step<T> {
         Marks {
-            word: self.shm.outside_word(),
+            word: &self.outside,
             host_of: &self.host_of,
             host: self.topology.cross_rank,
         }
@@ -700,7 +847,7 @@ impl Communicator for HierComm {
 /// step. A local peer that times out waiting for this rank meanwhile then waits for this rank's
 /// verdict instead of blaming it.
 struct Marks<'a> {
-    word: OutsideWord<'a>,
+    word: &'a OutsideWord,
     host_of: &'a [usize],
     /// This rank's host.
     host: usize,
@@ -711,6 +858,11 @@ impl Marks<'_> {
     fn waiting_for(&self, peer: usize) {
         let far = matches!(self.host_of.get(peer), Some(&h) if h != self.host).then_some(peer);
         self.word.set(Some(far));
+    }
+
+    /// This rank no longer waits across hosts.
+    fn clear(&self) {
+        self.word.set(None);
     }
 }
 

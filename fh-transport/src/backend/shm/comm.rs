@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use fh_core::{kernels, CoreError, DType, ReduceOp};
 
-use super::segment::{Segment, ST_ABORTED, ST_ATTACHED, ST_CLOSED};
+use super::segment::{Segment, SharedWord, ST_ABORTED, ST_ATTACHED, ST_CLOSED};
 use super::sys;
 use super::ShmOptions;
 use crate::algorithms;
@@ -161,19 +161,25 @@ fn reduce_blocked(dtype: DType, op: ReduceOp, acc: &mut [u8], srcs: &[&[u8]]) ->
     Ok(())
 }
 
-/// A rank's `outside` word in its communicator's segment (see [`ShmComm::waiting_outside`]).
-#[derive(Clone, Copy)]
-pub(crate) struct OutsideWord<'a>(&'a AtomicU32);
+/// A rank's `outside` word in its communicator's segment (see [`ShmComm::waiting_outside`]),
+/// held with the segment's mapping: it may be written from another thread while the
+/// communicator is in use (the hierarchical backend's pipelined allreduce does).
+#[derive(Debug, Clone)]
+pub(crate) struct OutsideWord(SharedWord);
 
-impl OutsideWord<'_> {
+impl OutsideWord {
     /// As [`ShmComm::waiting_outside`].
-    pub(crate) fn set(self, far: Option<Option<usize>>) {
-        let word = match far {
-            None => 0,
-            Some(Some(r)) if (r as u32) < BLAME_RANK => OUTSIDE | (r as u32 + 1),
-            Some(_) => OUTSIDE,
-        };
-        self.0.store(word, Relaxed);
+    pub(crate) fn set(&self, far: Option<Option<usize>>) {
+        self.0.get().store(outside_value(far), Relaxed);
+    }
+}
+
+/// The `outside` word's value for [`ShmComm::waiting_outside`]'s argument.
+fn outside_value(far: Option<Option<usize>>) -> u32 {
+    match far {
+        None => 0,
+        Some(Some(r)) if (r as u32) < BLAME_RANK => OUTSIDE | (r as u32 + 1),
+        Some(_) => OUTSIDE,
     }
 }
 
@@ -440,13 +446,16 @@ impl ShmComm {
     /// meanwhile gives it a bounded grace ([`ShmComm::set_outside_grace`]) to publish whom it
     /// blames ([`ShmComm::give_up`]) instead of blaming it, and blames `far` if nothing comes.
     pub(crate) fn waiting_outside(&self, far: Option<Option<usize>>) {
-        self.outside_word().set(far);
+        self.seg
+            .info(self.rank)
+            .outside
+            .store(outside_value(far), Relaxed);
     }
 
     /// This rank's `outside` word, to set while the communicator is borrowed elsewhere (see
     /// [`ShmComm::waiting_outside`]).
-    pub(crate) fn outside_word(&self) -> OutsideWord<'_> {
-        OutsideWord(&self.seg.info(self.rank).outside)
+    pub(crate) fn outside_word(&self) -> OutsideWord {
+        OutsideWord(self.seg.outside_word(self.rank))
     }
 
     /// How much longer (default: one more timeout) a wait that timed out on a local peer waits

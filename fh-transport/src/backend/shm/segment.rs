@@ -3,6 +3,7 @@
 
 use std::io;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::sys::{self, Fd, Mapping};
@@ -168,10 +169,30 @@ impl Layout {
     }
 }
 
+/// A 32-bit word of a segment, held with the mapping it lies in (see
+/// [`Segment::outside_word`]).
+#[derive(Debug, Clone)]
+pub(crate) struct SharedWord {
+    map: Arc<Mapping>,
+    /// Offset of the word in the mapping (4-byte aligned, within it).
+    off: usize,
+}
+
+impl SharedWord {
+    pub(crate) fn get(&self) -> &AtomicU32 {
+        // SAFETY: `off` is the offset of an `AtomicU32` field of a `RankInfo` within the
+        // mapping (taken from a reference to it), which `map` keeps alive; atomics only.
+        unsafe { &*self.map.base().add(self.off).cast::<AtomicU32>() }
+    }
+}
+
 /// A mapped segment.
 #[derive(Debug)]
 pub(crate) struct Segment {
-    map: Mapping,
+    /// Shared with the [`super::comm::OutsideWord`]s handed out, which outlive borrows of the
+    /// communicator (the hierarchical backend's TCP thread writes one while the segment is in
+    /// use on another thread).
+    map: Arc<Mapping>,
     pub(crate) layout: Layout,
 }
 
@@ -180,6 +201,16 @@ impl Segment {
         // SAFETY: offset 0 of a page-aligned mapping of at least `layout.total` bytes holds a
         // `Header` made only of atomics (any bit pattern is valid), shared by design.
         unsafe { &*self.map.base().cast::<Header>() }
+    }
+
+    /// Rank `rank`'s `outside` word, as a handle that keeps the mapping alive: it can be
+    /// written from another thread while the communicator owning the segment is borrowed.
+    pub(crate) fn outside_word(&self, rank: usize) -> SharedWord {
+        let word: *const AtomicU32 = &self.info(rank).outside;
+        SharedWord {
+            off: word as usize - self.map.base() as usize,
+            map: Arc::clone(&self.map),
+        }
     }
 
     pub(crate) fn info(&self, rank: usize) -> &RankInfo {
@@ -298,7 +329,10 @@ impl Segment {
             fd.set_len(layout.total)
                 .map_err(|e| io_err(name, "ftruncate", e))?;
             let map = Mapping::new(&fd, layout.total, true).map_err(|e| io_err(name, "mmap", e))?;
-            let seg = Segment { map, layout };
+            let seg = Segment {
+                map: Arc::new(map),
+                layout,
+            };
             // Record the creator first, so that a creator killed during initialisation leaves a
             // segment that the next start recognises as stale.
             seg.record_self(0);
@@ -405,7 +439,7 @@ impl Segment {
             return Ok(None); // rank 0 has not sized it yet
         }
         let head = Segment {
-            map: Mapping::new(&fd, first, true).map_err(|e| io_err(name, "mmap", e))?,
+            map: Arc::new(Mapping::new(&fd, first, true).map_err(|e| io_err(name, "mmap", e))?),
             layout,
         };
         let h = head.header();
@@ -470,7 +504,9 @@ impl Segment {
             return Ok(None);
         }
         let seg = Segment {
-            map: Mapping::new(&fd, layout.total, true).map_err(|e| io_err(name, "mmap", e))?,
+            map: Arc::new(
+                Mapping::new(&fd, layout.total, true).map_err(|e| io_err(name, "mmap", e))?,
+            ),
             layout,
         };
         Ok(Some(seg))

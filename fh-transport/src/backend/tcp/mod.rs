@@ -30,7 +30,9 @@
 //! every rank the choice. Fault handling
 //! covers every stream: a closed or reset stream names its peer at once, an abort notice goes
 //! in band on every stream of a peer (out of band where a frame to it is half sent), and a
-//! rank that only sends watches the incoming side of each stream it does not read.
+//! rank that only sends watches the incoming side of each stream it does not read. The
+//! connections to other hosts keep Linux's autotuned socket buffers unless `FH_TCP_BUFFERS`
+//! asks for larger ones (`max`: what the kernel allows where autotuning stops short).
 //!
 //! **A closed door, both ways.** Every connection starts with a mutual challenge–response
 //! ([`wire`]): each side proves that it knows the job token with HMAC-SHA-256 over the other
@@ -383,6 +385,12 @@ impl TcpTransport {
         &self.places
     }
 
+    /// The world's stream settings, agreed at the rendezvous (with the stream count measured
+    /// under `auto`).
+    pub fn stream_settings(&self) -> &StreamSettings {
+        &self.opts.streams
+    }
+
     /// The host layout settled from [`TcpTransport::places`].
     pub fn layout(&self) -> &Layout {
         &self.layout
@@ -525,6 +533,8 @@ impl TcpTransport {
             .into_iter()
             .map(|slots| slots.into_iter().flatten().collect())
             .collect();
+        // Socket buffers asked for (FH_TCP_BUFFERS), to peers on other hosts only.
+        let (sndbuf, rcvbuf) = self.opts.streams.buffers.sizes();
         for (p, s) in peers
             .iter()
             .enumerate()
@@ -537,8 +547,19 @@ impl TcpTransport {
                 .map_err(|e| TransportError::io("configuring a data connection", e))?;
             // The emulated cap is the network's: connections within a host are not capped
             // (unless every peer counts as remote).
-            let remote = self.layout.topology(p).cross_rank != self.topology.cross_rank
-                || self.opts.streams.every_peer;
+            let other_host = self.layout.topology(p).cross_rank != self.topology.cross_rank;
+            if other_host {
+                sys::set_buffers(s, sndbuf, rcvbuf).map_err(|e| {
+                    TransportError::io(
+                        format!(
+                            "sizing a data connection's socket buffers ({})",
+                            streams::BUFFERS_VAR
+                        ),
+                        e,
+                    )
+                })?;
+            }
+            let remote = other_host || self.opts.streams.every_peer;
             if let (Some(cap), true) = (self.opts.streams.flow_cap, remote) {
                 sys::set_max_pacing_rate(s, cap).map_err(|e| {
                     TransportError::io(

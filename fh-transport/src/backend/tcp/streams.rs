@@ -39,6 +39,47 @@ pub const STRIPE_LOCAL_VAR: &str = "FH_TCP_STRIPE_LOCAL";
 /// `SO_MAX_PACING_RATE`).
 pub const FLOW_CAP_VAR: &str = "FH_TCP_FLOW_CAP";
 
+/// The variable that sets the chunk of the hierarchical allreduce's pipeline
+/// ([`crate::compose::hier`]): a size in bytes (e.g. `4M`), `0` or `off` to run its phases one
+/// after another on the whole buffer, `auto` (the default) for [`DEFAULT_PIPELINE_CHUNK`]. It
+/// shapes the frames between hosts, so it travels and is checked with these settings.
+pub const PIPELINE_VAR: &str = "FH_HIER_PIPELINE";
+/// Default chunk of the hierarchical allreduce's pipeline ([`PIPELINE_VAR`]).
+pub const DEFAULT_PIPELINE_CHUNK: usize = 4 << 20;
+/// The smallest pipeline chunk [`PIPELINE_VAR`] accepts.
+pub const MIN_PIPELINE_CHUNK: usize = 64 << 10;
+
+/// The variable that sets the socket buffers of the data connections to peers on other hosts:
+/// `kernel` (the default: Linux's autotuning), `max` (per direction the kernel's unprivileged
+/// maximum where it exceeds what autotuning reaches, else autotuning; `sys::roomier_buffers`),
+/// or a size in bytes for both directions (the kernel caps it and doubles it). A rank's own
+/// business: not compared between ranks.
+pub const BUFFERS_VAR: &str = "FH_TCP_BUFFERS";
+
+/// How the data connections to peers on other hosts get their socket buffers ([`BUFFERS_VAR`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Buffers {
+    /// Linux's autotuning (the default: larger buffers showed no gain in the engine's replay,
+    /// only for a lone stream, see the README).
+    #[default]
+    Kernel,
+    /// The kernel's unprivileged maximum where autotuning reaches less, per direction.
+    Max,
+    /// This many bytes, both directions.
+    Fixed(usize),
+}
+
+impl Buffers {
+    /// The (send, receive) buffer sizes to set on a connection; `None`: leave it to the kernel.
+    pub fn sizes(self) -> (Option<usize>, Option<usize>) {
+        match self {
+            Buffers::Max => super::sys::roomier_buffers(),
+            Buffers::Kernel => (None, None),
+            Buffers::Fixed(n) => (Some(n), Some(n)),
+        }
+    }
+}
+
 /// The most streams to one peer.
 pub const MAX_STREAMS: usize = 16;
 /// Streams to a peer under `auto` where nothing was measured (striping forced between ranks of
@@ -159,6 +200,11 @@ pub struct StreamSettings {
     /// Cap every data connection's sending rate at this many bytes per second
     /// ([`FLOW_CAP_VAR`]; emulation, a rank's own business: not compared between ranks).
     pub flow_cap: Option<u64>,
+    /// Socket buffers of the data connections to other hosts ([`BUFFERS_VAR`]; a rank's own
+    /// business: not compared between ranks).
+    pub buffers: Buffers,
+    /// The hierarchical allreduce's pipeline chunk in bytes, 0 for none ([`PIPELINE_VAR`]).
+    pub pipeline_chunk: usize,
     /// A variable that could not be read, with the reason (reported when the transport starts).
     invalid: Option<(String, String)>,
 }
@@ -170,6 +216,8 @@ impl Default for StreamSettings {
             stripe_min: DEFAULT_STRIPE_MIN,
             every_peer: false,
             flow_cap: None,
+            buffers: Buffers::Kernel,
+            pipeline_chunk: DEFAULT_PIPELINE_CHUNK,
             invalid: None,
         }
     }
@@ -184,6 +232,8 @@ impl StreamSettings {
             stripe_min,
             every_peer: true,
             flow_cap: None,
+            buffers: Buffers::Kernel,
+            pipeline_chunk: DEFAULT_PIPELINE_CHUNK,
             invalid: None,
         }
     }
@@ -238,6 +288,47 @@ impl StreamSettings {
                 }
             }
         }
+        if let Some(v) = get(PIPELINE_VAR) {
+            match v.trim() {
+                "" | "auto" => {}
+                "0" | "off" => s.pipeline_chunk = 0,
+                t => match fh_core::units::parse_size(t) {
+                    Ok(n) if n >= MIN_PIPELINE_CHUNK as u64 && n <= usize::MAX as u64 => {
+                        s.pipeline_chunk = n as usize
+                    }
+                    _ => {
+                        s.invalid = Some((
+                            PIPELINE_VAR.into(),
+                            format!(
+                                "{v:?}: give a chunk size in bytes of at least \
+                                 {MIN_PIPELINE_CHUNK} (e.g. 4M), 0 or off (no pipeline), or \
+                                 auto (the default)"
+                            ),
+                        ))
+                    }
+                },
+            }
+        }
+        if let Some(v) = get(BUFFERS_VAR) {
+            match v.trim() {
+                "" | "kernel" => {}
+                "max" => s.buffers = Buffers::Max,
+                t => match fh_core::units::parse_size(t) {
+                    Ok(n) if n >= 4096 && n <= usize::MAX as u64 => {
+                        s.buffers = Buffers::Fixed(n as usize)
+                    }
+                    _ => {
+                        s.invalid = Some((
+                            BUFFERS_VAR.into(),
+                            format!(
+                                "{v:?}: give kernel (autotuning, the default), max or a size in \
+                                 bytes of at least 4096 (e.g. 4M)"
+                            ),
+                        ))
+                    }
+                },
+            }
+        }
         if let Some(v) = get(STRIPE_LOCAL_VAR) {
             match v.trim() {
                 "" | "0" => {}
@@ -285,7 +376,8 @@ impl StreamSettings {
     }
 
     /// The settings as a rendezvous member sends them to rank 0 ([`ENCODED_LEN`] bytes): the
-    /// count (0: auto), whether every peer is striped, the smallest striped frame.
+    /// count (0: auto), whether every peer is striped, the smallest striped frame, the
+    /// hierarchical pipeline's chunk.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(ENCODED_LEN);
         let count = match self.count {
@@ -295,6 +387,7 @@ impl StreamSettings {
         out.push(count);
         out.push(u8::from(self.every_peer));
         out.extend_from_slice(&(self.stripe_min as u64).to_le_bytes());
+        out.extend_from_slice(&(self.pipeline_chunk as u64).to_le_bytes());
         out
     }
 
@@ -305,6 +398,7 @@ impl StreamSettings {
         let count = r.u8()?;
         let every = r.u8()?;
         let min = r.u64()?;
+        let chunk = r.u64()?;
         let count = match count {
             0 => StreamCount::Auto,
             n if (n as usize) <= MAX_STREAMS => StreamCount::Fixed(n as usize),
@@ -324,11 +418,15 @@ impl StreamSettings {
                 "smallest striped frame {min}"
             )));
         }
+        let pipeline_chunk = usize::try_from(chunk)
+            .map_err(|_| DecodeError::Invalid(format!("pipeline chunk {chunk}")))?;
         let s = StreamSettings {
             count,
             stripe_min: min as usize,
             every_peer,
             flow_cap: None,
+            buffers: Buffers::Kernel,
+            pipeline_chunk,
             invalid: None,
         };
         Ok((s, ENCODED_LEN))
@@ -349,6 +447,14 @@ impl StreamSettings {
                 format!(
                     "{} on rank 0 but {} on rank {rank}",
                     a.stripe_min, b.stripe_min
+                ),
+            )
+        } else if a.pipeline_chunk != b.pipeline_chunk {
+            (
+                PIPELINE_VAR,
+                format!(
+                    "{} bytes on rank 0 but {} on rank {rank}",
+                    a.pipeline_chunk, b.pipeline_chunk
                 ),
             )
         } else if a.every_peer != b.every_peer {
@@ -374,7 +480,7 @@ impl StreamSettings {
 }
 
 /// Bytes of [`StreamSettings::encode`].
-pub const ENCODED_LEN: usize = 10;
+pub const ENCODED_LEN: usize = 18;
 
 /// How many stripes a message of `len` bytes to a peer with `streams` connections takes: all of
 /// them from `stripe_min` bytes on (never more than there are bytes), else 1.
@@ -567,6 +673,15 @@ mod tests {
             "{why}"
         );
         assert_eq!(s.mismatch(1, &s.clone()), None);
+        let off = StreamSettings {
+            pipeline_chunk: 0,
+            ..s.clone()
+        };
+        let (d, _) = StreamSettings::decode(&off.encode()).unwrap();
+        assert_eq!(d.pipeline_chunk, 0);
+        let (var, why) = s.mismatch(2, &off).unwrap();
+        assert_eq!(var, PIPELINE_VAR);
+        assert!(why.contains("on rank 2"), "{why}");
     }
 
     #[test]
@@ -593,6 +708,16 @@ mod tests {
             DEFAULT_STREAMS
         );
         assert_eq!(env(&[("FH_TCP_STREAMS", "8")]).streams_to(true), 1);
+        assert_eq!(env(&[]).pipeline_chunk, DEFAULT_PIPELINE_CHUNK);
+        assert_eq!(env(&[]).buffers, Buffers::Kernel);
+        assert_eq!(env(&[("FH_TCP_BUFFERS", "max")]).buffers, Buffers::Max);
+        assert_eq!(
+            env(&[("FH_TCP_BUFFERS", "4M")]).buffers,
+            Buffers::Fixed(4 << 20)
+        );
+        assert_eq!(Buffers::Kernel.sizes(), (None, None));
+        assert_eq!(env(&[("FH_HIER_PIPELINE", "0")]).pipeline_chunk, 0);
+        assert_eq!(env(&[("FH_HIER_PIPELINE", "8M")]).pipeline_chunk, 8 << 20);
         assert_eq!(
             env(&[("FH_TCP_STREAMS", "8"), ("FH_TCP_STRIPE_LOCAL", "1")]).streams_to(true),
             8
@@ -604,6 +729,9 @@ mod tests {
             &[("FH_TCP_STRIPE_MIN", "0")],
             &[("FH_TCP_STRIPE_LOCAL", "yes")],
             &[("FH_TCP_FLOW_CAP", "fast")],
+            &[("FH_HIER_PIPELINE", "1k")],
+            &[("FH_HIER_PIPELINE", "yes")],
+            &[("FH_TCP_BUFFERS", "huge")],
         ] {
             let err = env(bad).check().unwrap_err().to_string();
             assert!(err.contains(bad[0].0), "{err}");

@@ -209,3 +209,45 @@ pub fn set_max_pacing_rate(stream: &std::net::TcpStream, bytes_per_sec: u64) -> 
 pub fn set_max_pacing_rate(_stream: &std::net::TcpStream, _bytes_per_sec: u64) -> io::Result<()> {
     Err(io::ErrorKind::Unsupported.into())
 }
+
+/// The socket buffers a data connection to another host gets under `FH_TCP_BUFFERS=max`
+/// ([`super::streams::BUFFERS_VAR`]): per direction, the largest the kernel lets an unprivileged process set
+/// (`net.core.wmem_max`, `rmem_max`; the kernel doubles it) where that exceeds what Linux's
+/// autotuning can reach (`net.ipv4.tcp_wmem`, `tcp_rmem`, their third field), so that a long
+/// fat link (a cloud's round trip of tens of ms at Gbit/s) is not held back by the autotuned
+/// window; `None` where autotuning reaches as far (a fixed size would then only stop it).
+pub fn roomier_buffers() -> (Option<usize>, Option<usize>) {
+    let read = |path: &str, field: usize| -> Option<usize> {
+        std::fs::read_to_string(path)
+            .ok()?
+            .split_whitespace()
+            .nth(field)?
+            .parse()
+            .ok()
+    };
+    let pick = |core: &str, tcp: &str| {
+        let max = read(core, 0)?;
+        let auto = read(tcp, 2)?;
+        (max.saturating_mul(2) > auto).then_some(max)
+    };
+    (
+        pick("/proc/sys/net/core/wmem_max", "/proc/sys/net/ipv4/tcp_wmem"),
+        pick("/proc/sys/net/core/rmem_max", "/proc/sys/net/ipv4/tcp_rmem"),
+    )
+}
+
+/// Set `stream`'s send and receive buffers (`SO_SNDBUF`, `SO_RCVBUF`), each where given.
+pub fn set_buffers(
+    stream: &std::net::TcpStream,
+    send: Option<usize>,
+    recv: Option<usize>,
+) -> io::Result<()> {
+    use rustix::net::sockopt;
+    if let Some(n) = send {
+        sockopt::set_socket_send_buffer_size(stream, n)?;
+    }
+    if let Some(n) = recv {
+        sockopt::set_socket_recv_buffer_size(stream, n)?;
+    }
+    Ok(())
+}
