@@ -226,7 +226,7 @@ fn every_cut_needs_more<T: std::fmt::Debug>(
 #[test]
 fn a_hello_is_laid_out_as_the_table_says() {
     let mut want = b"FHTP".to_vec();
-    want.extend_from_slice(&[7, 0]);
+    want.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     want.extend_from_slice(&RELEASE_FIELD);
     want.extend_from_slice(&[2, 0]);
     want.extend_from_slice(&[1, 2, 3, 4, 5, 6, 7, 8]);
