@@ -12,7 +12,8 @@
 //!   variables, `MASTER_ADDR` h0.
 //!
 //! Each run's total img/s is rank 0's JSON summary; the table gives per system the median over
-//! the rounds and the range.
+//! the rounds and the range; a run whose summary counts fewer ranks than the layout fails. The
+//! runs' logs stay in `target/synthetic/<pid>/`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
@@ -165,13 +166,18 @@ fn script_args(o: &Options) -> Vec<String> {
 }
 
 /// The total img/s of rank 0's JSON summary in `output` (its last `{"benchmark"` line; a
-/// launcher's tag before it is ignored).
-pub(crate) fn img_sec_total(output: &str) -> Option<f64> {
+/// launcher's tag before it is ignored) and the number of ranks it counts.
+pub(crate) fn summary(output: &str) -> Option<(f64, usize)> {
     let line = output
         .lines()
         .rev()
         .find_map(|l| l.find("{\"benchmark\"").map(|at| &l[at..]))?;
-    let key = "\"img_sec_total\":";
+    let ranks = number_after(line, "\"ranks\":")?;
+    Some((number_after(line, "\"img_sec_total\":")?, ranks as usize))
+}
+
+/// The number after `key` in `line`.
+fn number_after(line: &str, key: &str) -> Option<f64> {
     let at = line.find(key)? + key.len();
     let num: String = line[at..]
         .trim_start()
@@ -333,6 +339,19 @@ pub(crate) fn run(
         None
     };
     let limit = Duration::from_secs(o.timeout);
+    // The runs' logs outlive the cluster: target/synthetic/<pid>/.
+    let logs = root
+        .join("target")
+        .join("synthetic")
+        .join(std::process::id().to_string());
+    if let Err(e) = std::fs::create_dir_all(&logs) {
+        eprintln!(
+            "xtask bench synthetic: cannot create {}: {e}",
+            logs.display()
+        );
+        return ExitCode::FAILURE;
+    }
+    eprintln!("==> logs in {}", logs.display());
     for round in 0..o.rounds {
         for (i, &system) in o.systems.iter().enumerate() {
             if rows[i].skipped.is_some() {
@@ -351,7 +370,7 @@ pub(crate) fn run(
                         .env("FH_RSH_AGENT", &agent)
                         .env("OMP_NUM_THREADS", "1")
                         .env("PYTHONUNBUFFERED", "1");
-                    one_launcher(cmd, &log, limit)
+                    one_launcher(cmd, &log, limit, np)
                 }
                 System::HorovodMpi => {
                     let hvd = hvd_py.as_deref().unwrap_or(Path::new("python3"));
@@ -365,7 +384,7 @@ pub(crate) fn run(
                         .arg(&script)
                         .args(&args)
                         .args(["--hvd-module", "horovod.torch"]);
-                    one_launcher(cmd, &log, limit)
+                    one_launcher(cmd, &log, limit, np)
                 }
                 System::DdpGloo => ddp(c, &py, &script, &args, hosts, ranks, &log, limit),
             };
@@ -406,17 +425,22 @@ pub(crate) fn run(
 }
 
 /// One launcher (fhrun, mpirun) started on h0: rank 0's img/s, or why none.
-fn one_launcher(cmd: Command, log: &Path, limit: Duration) -> Result<f64, String> {
+fn one_launcher(cmd: Command, log: &Path, limit: Duration, np: usize) -> Result<f64, String> {
     let (status, out) = bounded(cmd, log, limit)?;
-    judge(status, &out, log)
+    judge(status, &out, log, np)
 }
 
 /// Rank 0's img/s when the run succeeded.
-fn judge(status: Option<ExitStatus>, out: &str, log: &Path) -> Result<f64, String> {
+fn judge(status: Option<ExitStatus>, out: &str, log: &Path, np: usize) -> Result<f64, String> {
     match status {
-        Some(s) if s.success() => {
-            img_sec_total(out).ok_or(format!("no JSON summary in {}", log.display()))
-        }
+        Some(s) if s.success() => match summary(out) {
+            Some((v, ranks)) if ranks == np => Ok(v),
+            Some((_, ranks)) => Err(format!(
+                "the job ran as {ranks} rank(s), not {np} ({})",
+                log.display()
+            )),
+            None => Err(format!("no JSON summary in {}", log.display())),
+        },
         other => Err(format!(
             "{} ({}); last lines:\n{}",
             other.map_or("timed out".to_string(), |s| s.to_string()),
@@ -500,9 +524,9 @@ fn ddp(
         .position(|s| !matches!(s, Some(s) if s.success()))
     {
         let out = std::fs::read_to_string(&children[bad].1).unwrap_or_default();
-        return judge(status[bad], &out, &children[bad].1);
+        return judge(status[bad], &out, &children[bad].1, np);
     }
-    judge(status[0], &out0, &children[0].1)
+    judge(status[0], &out0, &children[0].1, np)
 }
 
 #[cfg(test)]
@@ -557,12 +581,14 @@ mod tests {
         let out = "Iter #0: 3.0 img/sec per rank\n\
                    [0]<stdout>:{\"benchmark\": \"pytorch_synthetic\", \"img_sec_total\": 12.5, \
                    \"img_sec_total_conf\": 1.0}\n";
-        assert_eq!(img_sec_total(out), Some(12.5));
+        assert_eq!(summary(out), None, "no rank count");
+        let out = out.replace("\"img_sec_total\"", "\"ranks\": 4, \"img_sec_total\"");
+        assert_eq!(summary(&out), Some((12.5, 4)));
         assert_eq!(
-            img_sec_total("{\"benchmark\": 1, \"img_sec_total\": 3e-1}"),
-            Some(0.3)
+            summary("{\"benchmark\": 1, \"ranks\": 1, \"img_sec_total\": 3e-1}"),
+            Some((0.3, 1))
         );
-        assert_eq!(img_sec_total("Total img/sec on 4 rank(s): 9.0"), None);
+        assert_eq!(summary("Total img/sec on 4 rank(s): 9.0"), None);
     }
 
     #[test]
