@@ -8,6 +8,8 @@
 //!   `--hvd-module horovod.torch`) under `$FH_BENCH_HOROVOD_PYTHON` or `target/hvd-venv`
 //!   (`cargo xtask horovod`); skipped, saying so, when that interpreter cannot import
 //!   `horovod.torch` or there is no `mpirun`;
+//! - Horovod over Gloo (`horovodrun --gloo -H ... --network-interfaces eth0`, its `ssh` a
+//!   stand-in that goes through the rsh agent), beside the same interpreter, skipped alike;
 //! - PyTorch DDP on Gloo (`--use-ddp`), each rank started in its host with torchrun's
 //!   variables, `MASTER_ADDR` h0.
 //!
@@ -29,17 +31,25 @@ pub(crate) enum System {
     FastHorovod,
     /// Horovod (`horovod.torch`) over MPI, under mpirun.
     HorovodMpi,
+    /// Horovod (`horovod.torch`) over Gloo, under `horovodrun --gloo`.
+    HorovodGloo,
     /// PyTorch DistributedDataParallel on Gloo.
     DdpGloo,
 }
 
 impl System {
-    const ALL: [System; 3] = [System::FastHorovod, System::HorovodMpi, System::DdpGloo];
+    const ALL: [System; 4] = [
+        System::FastHorovod,
+        System::HorovodMpi,
+        System::HorovodGloo,
+        System::DdpGloo,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             System::FastHorovod => "fasthorovod.torch (fhrun)",
             System::HorovodMpi => "Horovod, MPI (mpirun)",
+            System::HorovodGloo => "Horovod, Gloo (horovodrun)",
             System::DdpGloo => "DDP, Gloo",
         }
     }
@@ -48,6 +58,7 @@ impl System {
         match self {
             System::FastHorovod => "fasthorovod",
             System::HorovodMpi => "horovod-mpi",
+            System::HorovodGloo => "horovod-gloo",
             System::DdpGloo => "ddp",
         }
     }
@@ -80,7 +91,7 @@ pub(crate) struct Options {
 pub(crate) const USAGE: &str = "cargo xtask bench --emulate HxR [--link RATE [--flow RATE]] \
      [--rtt TIME] synthetic [--model vgg16|resnet-like] [--batch-size N] [--image-size PX] \
      [--iters N] [--batches-per-iter N] [--warmup N] [--rounds R] \
-     [--systems fasthorovod,horovod-mpi,ddp] [--timeout SECONDS]";
+     [--systems fasthorovod,horovod-mpi,horovod-gloo,ddp] [--timeout SECONDS]";
 
 /// Parses the options after `synthetic`.
 pub(crate) fn parse(args: &[String]) -> Result<Options, String> {
@@ -132,7 +143,7 @@ pub(crate) fn parse(args: &[String]) -> Result<Options, String> {
                             .into_iter()
                             .find(|x| x.key() == s.trim())
                             .ok_or(format!(
-                                "--systems: unknown `{s}` (fasthorovod, horovod-mpi, ddp)"
+                                "--systems: unknown `{s}` (fasthorovod, horovod-mpi, horovod-gloo, ddp)"
                             ))
                     })
                     .collect::<Result<_, _>>()?;
@@ -259,32 +270,75 @@ fn horovod_python(root: &Path) -> Result<PathBuf, String> {
             py.display()
         ));
     }
-    let ok = Command::new("timeout")
-        .args(["120"])
+    let import = Command::new("timeout")
+        .arg("120")
         .arg(&py)
+        .args(["-c", "import horovod.torch"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    if !import.is_ok_and(|s| s.success()) {
+        return Err(format!(
+            "{} cannot import horovod.torch (build it with `cargo xtask horovod`)",
+            py.display()
+        ));
+    }
+    Ok(py)
+}
+
+/// Whether Horovod under `py` can run `system`: built with its controller, its launcher found.
+fn horovod_ready(py: &Path, system: System) -> Result<(), String> {
+    let (built, launcher) = match system {
+        System::HorovodMpi => ("mpi_built", "mpirun"),
+        _ => ("gloo_built", "horovodrun"),
+    };
+    let ok = Command::new("timeout")
+        .arg("120")
+        .arg(py)
         .args([
             "-c",
-            "import horovod.torch as h, sys; sys.exit(0 if h.mpi_built() else 3)",
+            &format!("import horovod.torch as h, sys; sys.exit(0 if h.{built}() else 3)"),
         ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status();
-    match ok {
-        Ok(s) if s.success() => {}
-        Ok(s) if s.code() == Some(3) => {
-            return Err(format!("{}: Horovod is built without MPI", py.display()))
-        }
-        _ => {
-            return Err(format!(
-                "{} cannot import horovod.torch (build it with `cargo xtask horovod`)",
-                py.display()
-            ))
-        }
+    if !ok.is_ok_and(|s| s.success()) {
+        return Err(format!("Horovod under {} is not {built}", py.display()));
     }
-    if crate::multihost::which("mpirun").is_none() {
-        return Err("no `mpirun` on PATH (install Debian's openmpi-bin)".into());
+    let found = match system {
+        System::HorovodMpi => crate::multihost::which("mpirun").is_some(),
+        _ => horovodrun(py).is_file(),
+    };
+    if !found {
+        return Err(format!("no `{launcher}` (for {})", system.name()));
     }
-    Ok(py)
+    Ok(())
+}
+
+/// `horovodrun` beside interpreter `py`.
+fn horovodrun(py: &Path) -> PathBuf {
+    py.with_file_name("horovodrun")
+}
+
+/// Writes an `ssh` for horovodrun on the emulated hosts into `dir` (its options dropped, the
+/// command run on the host through the cluster's rsh `agent`); returns `dir`.
+fn ssh_stand_in(dir: &Path, agent: &Path) -> Result<PathBuf, String> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let path = dir.join("ssh");
+    let text = format!(
+        "#!/bin/sh\n\
+         # ssh on emulated hosts for horovodrun: ssh [OPTIONS] HOST COMMAND...\n\
+         while [ $# -gt 0 ]; do case \"$1\" in -o|-p|-i|-l|-F) shift 2 ;; -*) shift ;; *) break ;; esac; done\n\
+         host=\"$1\"; shift\n\
+         while [ $# -gt 0 ]; do case \"$1\" in -o|-p|-i|-l|-F) shift 2 ;; *) break ;; esac; done\n\
+         exec '{}' \"$host\" \"$@\"\n",
+        agent.display()
+    );
+    std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(dir.to_path_buf())
 }
 
 /// Runs the experiment on cluster `c` (`hosts` × `ranks`); prints the table.
@@ -327,12 +381,21 @@ pub(crate) fn run(
             skipped: None,
         })
         .collect();
-    let hvd_py = if o.systems.contains(&System::HorovodMpi) {
+    let horovod = [System::HorovodMpi, System::HorovodGloo];
+    let hvd_py = if o.systems.iter().any(|s| horovod.contains(s)) {
         let h = horovod_python(root);
-        if let Err(why) = &h {
-            eprintln!("==> Horovod skipped: {why}");
-            let i = o.systems.iter().position(|&s| s == System::HorovodMpi);
-            rows[i.unwrap_or(0)].skipped = Some(why.clone());
+        for (i, &system) in o.systems.iter().enumerate() {
+            if !horovod.contains(&system) {
+                continue;
+            }
+            let ready = h
+                .as_ref()
+                .map_err(Clone::clone)
+                .and_then(|py| horovod_ready(py, system));
+            if let Err(why) = ready {
+                eprintln!("==> {} skipped: {why}", system.name());
+                rows[i].skipped = Some(why);
+            }
         }
         h.ok()
     } else {
@@ -357,7 +420,7 @@ pub(crate) fn run(
             if rows[i].skipped.is_some() {
                 continue;
             }
-            let log = c.dir().join(format!("round{round}-{}.log", system.key()));
+            let log = logs.join(format!("round{round}-{}.log", system.key()));
             let started = Instant::now();
             let result = match system {
                 System::FastHorovod => {
@@ -385,6 +448,32 @@ pub(crate) fn run(
                         .args(&args)
                         .args(["--hvd-module", "horovod.torch"]);
                     one_launcher(cmd, &log, limit, np)
+                }
+                System::HorovodGloo => {
+                    let hvd = hvd_py.as_deref().unwrap_or(Path::new("python3"));
+                    let path = std::env::var_os("PATH").unwrap_or_default();
+                    let path = ssh_stand_in(&logs.join("ssh"), &agent).and_then(|shim| {
+                        std::env::join_paths(
+                            std::iter::once(shim).chain(std::env::split_paths(&path)),
+                        )
+                        .map_err(|e| format!("PATH: {e}"))
+                    });
+                    match path {
+                        Err(e) => Err(e),
+                        Ok(path) => {
+                            let mut cmd = c.command(0, horovodrun(hvd));
+                            cmd.args(["-np", &np.to_string(), "-H", &host_list])
+                                .args(["--gloo", "--network-interfaces", "eth0"])
+                                .arg(hvd)
+                                .arg(&script)
+                                .args(&args)
+                                .args(["--hvd-module", "horovod.torch"])
+                                .env("PATH", path)
+                                .env("OMP_NUM_THREADS", "1")
+                                .env("PYTHONUNBUFFERED", "1");
+                            one_launcher(cmd, &log, limit, np)
+                        }
+                    }
                 }
                 System::DdpGloo => ddp(c, &py, &script, &args, hosts, ranks, &log, limit),
             };
