@@ -84,6 +84,9 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
         }
     };
     let args = &args[..];
+    if args.first().is_some_and(|a| a == "synthetic") {
+        return synthetic(root, emulate.as_ref(), &args[1..]);
+    }
     let target_dir: PathBuf = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("target"));
@@ -217,6 +220,52 @@ pub(crate) fn run(root: &Path, args: &[String]) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `synthetic [OPTIONS]` after `--emulate`: builds fhrun, brings up the cluster and runs
+/// [`crate::synthetic`] on it.
+fn synthetic(root: &Path, emulate: Option<&Emulate>, args: &[String]) -> ExitCode {
+    let (e, o) = match (emulate, crate::synthetic::parse(args)) {
+        (Some(e), Ok(o)) => (e, o),
+        (None, _) => {
+            eprintln!(
+                "xtask bench synthetic: runs across emulated hosts only: give --emulate HxR\n\
+                 usage: {}",
+                crate::synthetic::USAGE
+            );
+            return ExitCode::from(2);
+        }
+        (_, Err(why)) => {
+            eprintln!("xtask bench synthetic: {why}");
+            return ExitCode::from(2);
+        }
+    };
+    eprintln!("==> cargo build --release -p fh-launch");
+    let built = Command::new(cargo())
+        .current_dir(root)
+        .args(["build", "--release", "-p", "fh-launch"])
+        .status();
+    if !built.is_ok_and(|s| s.success()) {
+        eprintln!("xtask bench synthetic: building fhrun failed");
+        return ExitCode::FAILURE;
+    }
+    let fhrun = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"))
+        .join("release")
+        .join("fhrun");
+    let cluster = match emulated(e) {
+        Ok((c, _)) => c,
+        Err(why) => {
+            eprintln!("xtask bench synthetic: --emulate: {why}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = crate::synthetic::run(root, &cluster, &fhrun, e.hosts, e.ranks, &o);
+    if let Err(why) = cluster.down() {
+        eprintln!("xtask bench synthetic: {why}");
+    }
+    code
 }
 
 /// Brings up the emulated cluster and says what it is: the layout, the links' shaping and the

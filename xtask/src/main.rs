@@ -11,7 +11,9 @@
 //! - `cargo xtask tidy`: the repository's structural checks (also run as `#[test]`s).
 //! - `cargo xtask bench [--quick] [--np N] [--hosts H,..|--launcher mpirun|srun] [--out DIR]
 //!   [suite..]`: builds `fh-bench` in release mode and runs it; `--emulate HxR [--link RATE
-//!   [--flow RATE]] [--rtt TIME]` runs it on an emulated cluster (root only).
+//!   [--flow RATE]] [--rtt TIME]` runs it on an emulated cluster (root only); `... synthetic
+//!   [OPTIONS]` there runs Horovod's synthetic benchmark (VGG-16) on fasthorovod.torch, Horovod
+//!   and DDP, interleaved (`synthetic.rs`).
 //! - `cargo xtask nccl-bindings [--check]`: regenerates (or checks) the committed NCCL bindings
 //!   of `fh-nccl-sys` with bindgen (feature `nccl-bindings`, the only dependency of xtask).
 //! - `cargo xtask wheel [--test]`: the binary wheel of `fasthorovod` with `fhrun` inside, and
@@ -31,6 +33,7 @@ mod horovod;
 mod multihost;
 mod nccl;
 mod python;
+mod synthetic;
 mod test;
 mod tidy;
 mod wheel;

@@ -69,8 +69,7 @@ mod losses;
 mod training;
 
 use collectives::collectives;
-pub(crate) use common::torch_python;
-use common::which;
+pub(crate) use common::{bounded, last_lines, torch_python, which};
 use launchers::{
     fhrun_mpi, fhrun_remote, fhrun_remote_fails_fast, fhrun_remote_killed, fhrun_remote_signal,
     mpirun_map_by_node,
