@@ -1,7 +1,8 @@
 //! A cloud's per-flow cap: what one transfer reaches over its striped connections, how
 //! transfers share a link when some are held below their share, and the passes within a host.
 
-use super::*;
+use super::super::{fair_rates, simulate_step, Flows, Link, Overheads};
+use super::{close, fasthorovod_k1, link, NO_OVERHEAD};
 
 const FLOW: f64 = 62.5e6; // 500 Mbit/s per TCP connection
 const LINK: f64 = 250e6; // 2 Gbit/s link
