@@ -100,7 +100,7 @@ pub fn row_link(probe: &Probe, route: Route, per_host: usize, streams: usize) ->
         flow_bps: f * 1e9 / 8.0,
         streams: streams.max(1),
         lanes: if hier { per_host } else { 1 },
-        stripe_min: fh_transport::backend::tcp::streams::DEFAULT_STRIPE_MIN,
+        stripe_min: fh_transport::backend::tcp::settings::DEFAULT_STRIPE_MIN,
     });
     if hier {
         l.local_passes = HIER_LOCAL_PASSES;

@@ -223,8 +223,8 @@ impl Runner {
                 // The TCP stream settings must be the same on every rank (the rendezvous checks
                 // them): the caller's go to the ranks on other hosts too.
                 for v in [
-                    fh_transport::backend::tcp::streams::STREAMS_VAR,
-                    fh_transport::backend::tcp::streams::STRIPE_MIN_VAR,
+                    fh_transport::backend::tcp::settings::STREAMS_VAR,
+                    fh_transport::backend::tcp::settings::STRIPE_MIN_VAR,
                 ] {
                     if std::env::var_os(v).is_some() {
                         c.args(["-x", v]);

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
 use fh_job::{JobToken, LaunchInfo};
-use fh_transport::backend::tcp::streams::{StreamCount, StreamSettings};
+use fh_transport::backend::tcp::settings::{StreamCount, StreamSettings};
 use fh_transport::backend::tcp::{TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Communicator};
 

@@ -7,9 +7,8 @@ use std::time::{Duration, Instant};
 
 use fh_core::ReduceOp;
 use fh_job::{JobToken, LaunchInfo};
-use fh_transport::backend::tcp::streams::{
-    choose, stripe_range, StreamChoice, StreamCount, StreamSettings, DEFAULT_STREAMS, PROBE_STREAMS,
-};
+use fh_transport::backend::tcp::settings::{StreamCount, StreamSettings, DEFAULT_STREAMS};
+use fh_transport::backend::tcp::streams::{choose, stripe_range, StreamChoice, PROBE_STREAMS};
 use fh_transport::backend::tcp::{TcpComm, TcpOptions, TcpTransport};
 use fh_transport::{CollectivesExt, Communicator, Transport, TransportError};
 

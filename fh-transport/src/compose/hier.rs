@@ -12,7 +12,7 @@
 //!   their block over TCP, all lanes at once; a shared-memory allgather reassembles the vector.
 //!   Every byte crosses the network once per host instead of once per rank, and every rank
 //!   drives a share of the traffic. A vector larger than the pipeline chunk
-//!   ([`crate::backend::tcp::streams::PIPELINE_VAR`], agreed at the rendezvous) is reduced chunk
+//!   ([`crate::backend::tcp::settings::PIPELINE_VAR`], agreed at the rendezvous) is reduced chunk
 //!   by chunk, the three steps overlapping: the shared-memory steps on the calling thread, the
 //!   TCP allreduce of each chunk on a scoped thread, so that the link is kept busy while the
 //!   CPU reduces and copies within the host. When hosts differ in size, the host reduces over shared
@@ -326,7 +326,7 @@ pub struct HierComm {
     /// This rank's `outside` word in the shared-memory communicator (see [`Marks`]).
     outside: OutsideWord,
     /// The allreduce pipeline's chunk in bytes, 0 for none (agreed with the TCP stream
-    /// settings, [`crate::backend::tcp::streams::PIPELINE_VAR`]).
+    /// settings, [`crate::backend::tcp::settings::PIPELINE_VAR`]).
     pipeline_chunk: usize,
 }
 

@@ -86,6 +86,7 @@ mod frame;
 mod handshake;
 mod link;
 mod rendezvous;
+pub mod settings;
 pub mod streams;
 mod sys;
 pub mod wire;
@@ -101,7 +102,8 @@ pub(crate) use fh_job::token::Key;
 use handshake::connect_handshake;
 pub(crate) use link::{AbortBoard, Link};
 use rendezvous::resolve;
-pub use streams::{MeasuredRates, StreamChoice, StreamCount, StreamSettings};
+pub use settings::{StreamCount, StreamSettings};
+pub use streams::{MeasuredRates, StreamChoice};
 use wire::{ConnKind, Hello};
 
 use crate::liveness::{self, Liveness, Watch};
@@ -553,7 +555,7 @@ impl TcpTransport {
                     TransportError::io(
                         format!(
                             "sizing a data connection's socket buffers ({})",
-                            streams::BUFFERS_VAR
+                            settings::BUFFERS_VAR
                         ),
                         e,
                     )
@@ -563,7 +565,7 @@ impl TcpTransport {
             if let (Some(cap), true) = (self.opts.streams.flow_cap, remote) {
                 sys::set_max_pacing_rate(s, cap).map_err(|e| {
                     TransportError::io(
-                        format!("capping a data connection ({})", streams::FLOW_CAP_VAR),
+                        format!("capping a data connection ({})", settings::FLOW_CAP_VAR),
                         e,
                     )
                 })?;

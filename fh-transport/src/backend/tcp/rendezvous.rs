@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::accept::Acceptor;
 use super::handshake::{connect_handshake, read_msg, write_by, ReadFail};
-use super::streams::{self, StreamSettings};
+use super::settings::{self, StreamSettings};
 use super::wire::{self, ConnKind, Hello};
 use super::{bind_data, TcpTransport};
 use crate::{Result, TransportError};
@@ -179,7 +179,7 @@ impl TcpTransport {
             });
             // And its stream settings right after its place.
             let place = place.and_then(|(p, _)| {
-                read_msg(&mut stream, place_deadline, streams::ENCODED_LEN, |b| {
+                read_msg(&mut stream, place_deadline, settings::ENCODED_LEN, |b| {
                     StreamSettings::decode(b)
                 })
                 .map(|(s, _)| (p, s))
@@ -405,7 +405,7 @@ fn refuse(mut stream: TcpStream, reason: &str) {
     let _ = read_msg(&mut stream, deadline, hosts::MAX_PLACE_LEN, |b| {
         Place::decode(b)
     });
-    let _ = read_msg(&mut stream, deadline, streams::ENCODED_LEN, |b| {
+    let _ = read_msg(&mut stream, deadline, settings::ENCODED_LEN, |b| {
         StreamSettings::decode(b)
     });
     let _ = write_by(

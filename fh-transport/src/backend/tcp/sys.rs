@@ -180,7 +180,7 @@ pub fn poll(fds: &mut [PollFd], timeout: Duration) -> io::Result<usize> {
 
 /// Cap the rate at which the kernel sends on `stream` (`SO_MAX_PACING_RATE`, bytes per second;
 /// TCP paces itself since Linux 4.13): an emulated per-flow cap of a cloud
-/// ([`super::streams::FLOW_CAP_VAR`]).
+/// ([`super::settings::FLOW_CAP_VAR`]).
 #[cfg(any(target_os = "linux", target_os = "android"))]
 pub fn set_max_pacing_rate(stream: &std::net::TcpStream, bytes_per_sec: u64) -> io::Result<()> {
     use std::os::fd::AsRawFd;
@@ -211,7 +211,7 @@ pub fn set_max_pacing_rate(_stream: &std::net::TcpStream, _bytes_per_sec: u64) -
 }
 
 /// The socket buffers a data connection to another host gets under `FH_TCP_BUFFERS=max`
-/// ([`super::streams::BUFFERS_VAR`]): per direction, the largest the kernel lets an unprivileged process set
+/// ([`super::settings::BUFFERS_VAR`]): per direction, the largest the kernel lets an unprivileged process set
 /// (`net.core.wmem_max`, `rmem_max`; the kernel doubles it) where that exceeds what Linux's
 /// autotuning can reach (`net.ipv4.tcp_wmem`, `tcp_rmem`, their third field), so that a long
 /// fat link (a cloud's round trip of tens of ms at Gbit/s) is not held back by the autotuned

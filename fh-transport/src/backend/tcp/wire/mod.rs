@@ -51,7 +51,7 @@
 //!
 //! On an accepted rendezvous connection the member sends its host place
 //! ([`fh_job::hosts::Place::encode`]) and its stream settings
-//! ([`super::streams::StreamSettings::encode`], which rank 0 checks against its own); once every rank is in, rank 0 answers with the address
+//! ([`super::settings::StreamSettings::encode`], which rank 0 checks against its own); once every rank is in, rank 0 answers with the address
 //! book ([`encode_book`]) followed by every rank's place ([`fh_job::hosts::encode_places`]).
 //! Both decoders check every length against the world size before using it. Then rank 0 sends
 //! the job's world id ([`WORLD_ID_LEN`] random bytes, [`Hello::world`]), which every later
