@@ -21,9 +21,14 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fh_job::{JobToken, LaunchInfo, Topology};
-use serde::Deserialize;
 
 use crate::runner::{free_port, random_token, Children};
+
+mod horovod;
+mod output;
+
+use horovod::{horovodrun, write_ssh_shim};
+pub use output::{parse_output, PeerResult};
 
 /// The adapter's source, embedded so that the binary can write it wherever it runs.
 pub const SOURCE: &str = include_str!("../../peers/torch_replay.py");
@@ -183,72 +188,6 @@ pub fn python() -> String {
 /// other peers' ([`PYTHON_ENV`]).
 pub const HOROVOD_PYTHON_ENV: &str = "FH_BENCH_HOROVOD_PYTHON";
 
-impl Peer {
-    /// The interpreter this peer runs under: `$FH_BENCH_HOROVOD_PYTHON` for Horovod's rows when
-    /// set, else `python` (the other peers').
-    pub fn python(&self, python: &str) -> String {
-        let own = (self.mode == "horovod")
-            .then(|| std::env::var(HOROVOD_PYTHON_ENV).ok())
-            .flatten()
-            .filter(|s| !s.trim().is_empty());
-        own.unwrap_or_else(|| python.to_string())
-    }
-
-    /// `horovodrun`'s arguments before the command: `-np`, `-H` and the controller of the
-    /// row's mode (with Open MPI's yield setting for the MPI rows); across hosts
-    /// (`across`), `--network-interfaces` when `nics` names them (else Horovod finds the
-    /// common ones itself).
-    pub fn horovodrun_args(&self, np: usize, host_list: &str, nics: Option<&str>) -> Vec<String> {
-        let mut a = vec![
-            "-np".to_string(),
-            np.to_string(),
-            "-H".to_string(),
-            host_list.to_string(),
-        ];
-        match self.transport {
-            "gloo" => a.push("--gloo".into()),
-            "mpi" | "mpi-busy" => {
-                let yield_idle = u8::from(self.transport == "mpi");
-                a.push("--mpi".into());
-                a.push(format!("--mpi-args=--mca mpi_yield_when_idle {yield_idle}"));
-            }
-            _ => {}
-        }
-        if let Some(n) = nics.filter(|n| !n.trim().is_empty()) {
-            a.push("--network-interfaces".into());
-            a.push(n.to_string());
-        }
-        a
-    }
-}
-
-/// An `ssh` for `horovodrun` across emulated hosts: Horovod starts remote ranks (and checks
-/// the hosts) with `ssh -o ... HOST [-p P] [-i F] [-o ...] COMMAND`; this drops ssh's options
-/// and runs COMMAND on HOST through the cluster's rsh agent (`agent HOST COMMAND...`).
-pub fn ssh_shim(agent: &str) -> String {
-    format!(
-        "#!/bin/sh
-         # ssh for horovodrun on emulated hosts (fh-bench): options dropped, the rsh agent runs it
-         while [ $# -gt 0 ]; do case \"$1\" in -o|-p|-i|-l|-F) shift 2 ;; -*) shift ;; *) break ;; esac; done
-         host=\"${{1:?usage: ssh [OPTIONS] HOST COMMAND...}}\"; shift
-         while [ $# -gt 0 ]; do case \"$1\" in -o|-p|-i|-l|-F) shift 2 ;; *) break ;; esac; done
-         exec {} \"$host\" \"$@\"
-",
-        shell_word(agent)
-    )
-}
-
-/// Writes [`ssh_shim`] as `dir/ssh` (executable); returns `dir`.
-fn write_ssh_shim(dir: &Path, agent: &str) -> Result<PathBuf, String> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-    let p = dir.join("ssh");
-    std::fs::write(&p, ssh_shim(agent)).map_err(|e| format!("writing {}: {e}", p.display()))?;
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))
-        .map_err(|e| format!("making {} executable: {e}", p.display()))?;
-    Ok(dir.to_path_buf())
-}
-
 /// Environment variable naming the network interfaces Horovod uses across hosts (its
 /// `--network-interfaces`; `cargo xtask bench --emulate` sets the emulated hosts' `eth0`).
 pub const HOROVOD_NICS_ENV: &str = "FH_BENCH_HOROVOD_NICS";
@@ -276,104 +215,6 @@ pub fn imports(python: &str, module: &str, timeout: Duration) -> bool {
             }
         }
     }
-}
-
-/// `horovodrun` next to the interpreter (a virtual environment's `bin/`), else on `PATH`.
-fn horovodrun(python: &str) -> String {
-    let beside = Path::new(python).parent().map(|d| d.join("horovodrun"));
-    match beside {
-        Some(p) if p.is_file() => p.display().to_string(),
-        _ => "horovodrun".into(),
-    }
-}
-
-/// What the adapter's rank 0 prints.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct PeerResult {
-    /// `ddp-gloo`, `horovod` or `fasthorovod-torch`.
-    pub peer: String,
-    /// Workload (model).
-    pub workload: String,
-    /// Ranks.
-    pub np: usize,
-    /// Emulated backward, ms.
-    pub backward_ms: f64,
-    /// Timed steps.
-    pub steps: usize,
-    /// Slowest rank per timed step, seconds.
-    pub step_seconds: Vec<f64>,
-    /// Gradient tensors per step.
-    pub tensors: usize,
-    /// Gradient bytes per step.
-    pub bytes: u64,
-    /// `torch x.y[, horovod z]`.
-    pub version: String,
-    /// The averages were checked.
-    pub checked: bool,
-}
-
-/// A line without a launcher's output tag: `horovodrun`/`mpirun --tag-output` write
-/// `[1,0]<stdout>:` (job, rank) before each line, `fhrun` writes `[0]<stdout>:`; the tag may
-/// also name `stderr`. Untagged lines are returned as they are (leading blanks removed).
-pub fn strip_output_tag(line: &str) -> &str {
-    let l = line.trim_start();
-    let Some(rest) = l.strip_prefix('[') else {
-        return l;
-    };
-    let Some(close) = rest.find(']') else {
-        return l;
-    };
-    let inside = &rest[..close];
-    if inside.is_empty() || !inside.chars().all(|c| c.is_ascii_digit() || c == ',') {
-        return l;
-    }
-    let after = &rest[close + 1..];
-    for tag in ["<stdout>:", "<stderr>:"] {
-        if let Some(body) = after.strip_prefix(tag) {
-            return body.trim_start();
-        }
-    }
-    l
-}
-
-/// Finds and checks the adapter's result line in its output (other lines, such as warnings,
-/// are ignored; a launcher's output tag before the line is accepted, see [`strip_output_tag`]).
-pub fn parse_output(text: &str) -> Result<PeerResult, String> {
-    let line = text
-        .lines()
-        .rev()
-        .map(strip_output_tag)
-        .find(|l| l.starts_with("{\"peer\""))
-        .ok_or_else(|| {
-            let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-            let start = lines.len().saturating_sub(5);
-            format!(
-                "the peer printed no result line: {}",
-                lines[start..].join(" | ")
-            )
-        })?;
-    // The first JSON value of the line: mpirun's tagged output can glue the next line's tag
-    // behind it (`{...}[1,0]<stdout>:`) when the child's newline arrives in a later chunk.
-    let r: PeerResult = serde_json::Deserializer::from_str(line)
-        .into_iter::<PeerResult>()
-        .next()
-        .unwrap_or_else(|| Err(serde::de::Error::custom("empty line")))
-        .map_err(|e| format!("bad result line from the peer '{line}': {e}"))?;
-    if !r.checked {
-        return Err(format!("{}: the reduced values were not checked", r.peer));
-    }
-    if r.step_seconds.len() != r.steps || r.steps == 0 {
-        return Err(format!(
-            "{}: {} step times for {} steps",
-            r.peer,
-            r.step_seconds.len(),
-            r.steps
-        ));
-    }
-    if let Some(bad) = r.step_seconds.iter().find(|s| !s.is_finite() || **s <= 0.0) {
-        return Err(format!("{}: impossible step time {bad} s", r.peer));
-    }
-    Ok(r)
 }
 
 /// Where a peer's ranks run when they span hosts: the hosts with their slots (`--hosts

@@ -2,9 +2,11 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
+use super::horovod::ssh_shim;
+use super::output::strip_output_tag;
 use super::{
-    imports, parse_output, shell_word, strip_output_tag, write_script, Hosts, PeerRun, PEERS,
-    PEERS_ACROSS_HOSTS, PYTHON_ENV,
+    imports, parse_output, shell_word, write_script, Hosts, PeerRun, PEERS, PEERS_ACROSS_HOSTS,
+    PYTHON_ENV,
 };
 
 const LINE: &str = r#"{"peer": "ddp-gloo", "workload": "resnet50", "np": 4, "backward_ms": 100.0, "warmup": 1, "steps": 2, "step_seconds": [0.25, 0.2], "tensors": 161, "bytes": 102228128, "version": "torch 2.15.0", "checked": true}"#;
@@ -232,7 +234,7 @@ fn the_ssh_shim_drops_options_and_calls_the_agent() {
     let agent = dir.join("agent");
     std::fs::write(&agent, "#!/bin/sh\nfor a in \"$@\"; do echo \"$a\"; done\n").unwrap();
     let shim = dir.join("ssh");
-    std::fs::write(&shim, super::ssh_shim(&agent.display().to_string())).unwrap();
+    std::fs::write(&shim, ssh_shim(&agent.display().to_string())).unwrap();
     for p in [&agent, &shim] {
         Command::new("chmod").arg("+x").arg(p).status().unwrap();
     }
