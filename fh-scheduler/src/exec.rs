@@ -40,6 +40,9 @@ pub(crate) struct Executor {
     /// The channel's device twin (GPU path open): runs the groups of device tensors.
     #[cfg(feature = "cuda")]
     device: Option<fh_transport::backend::cuda::DeviceChannel>,
+    /// What the running group's agreeing allreduce answered ([`Job::agree`]); `None` until it
+    /// ran.
+    agreed: Option<bool>,
 }
 
 impl Executor {
@@ -58,6 +61,7 @@ impl Executor {
             phases: None,
             #[cfg(feature = "cuda")]
             device,
+            agreed: None,
         }
     }
 
@@ -95,7 +99,24 @@ impl Executor {
         let span = tracing::debug_span!("group", channel = self.channel, parts = job.parts.len());
         let _g = span.enter();
         self.phases = None;
-        let result = self.execute(&job);
+        self.agreed = None;
+        let mut result = self.execute(&job);
+        // A group that agrees whether every rank can run it (its round skipped the can-run
+        // step) is held, not delivered, when one cannot: the agreed fault stops the engine.
+        let held = match (job.agree, &result) {
+            (Some(_), Ok(())) => match self.agreed.take() {
+                Some(agreed) => !agreed,
+                None => {
+                    result = Err(TransportError::Internal(
+                        "a group that agrees whether every rank can run it ran no agreeing \
+                         allreduce"
+                            .into(),
+                    ));
+                    false
+                }
+            },
+            _ => false,
+        };
         let end = Instant::now();
         if let Some(tl) = self.inner.timeline() {
             if let Some((pack, reduce, unpack)) = self.phases {
@@ -159,6 +180,15 @@ impl Executor {
                 Some(se)
             }
         };
+        if held {
+            let resolvers: Vec<_> = job
+                .parts
+                .iter()
+                .filter_map(|(op, _, _)| op.lock().resolver.take())
+                .collect();
+            self.inner.hold(resolvers);
+            return;
+        }
         for (op, _, _) in &job.parts {
             op.part_done(err.clone());
         }
@@ -173,7 +203,8 @@ impl Executor {
     /// preset, the backend, the planned parts and the agreed sizes), so every rank runs the same
     /// collectives.
     fn in_place_ok(&self, job: &Job, sig: &Signature, bytes: usize) -> bool {
-        job.parts.len() > 1
+        job.agree.is_none()
+            && job.parts.len() > 1
             && self.on_ring_in_place(sig, bytes)
             && job.parts.iter().all(|(op, off, len)| {
                 *off == 0 && *len as u64 == op.sig().bytes() && op.chunks.get().is_none()
@@ -238,7 +269,8 @@ impl Executor {
     ) -> Result<(), TransportError> {
         let elem = sig.dtype.size().max(1);
         let stage = self.inner.config.stage_bytes as usize;
-        let piece = if stage == 0 || stage >= bytes {
+        // A group that agrees runs one allreduce (the agreement is in it): one piece.
+        let piece = if stage == 0 || stage >= bytes || job.agree.is_some() {
             bytes
         } else {
             (stage / elem).max(1) * elem
@@ -296,7 +328,14 @@ impl Executor {
                 }
             }
             let t1 = Instant::now();
-            reduce_unfinished(self.comm.as_mut(), &mut self.buf[..z - a], sig)?;
+            let agreed =
+                reduce_unfinished(self.comm.as_mut(), &mut self.buf[..z - a], sig, job.agree)?;
+            if job.agree.is_some() {
+                self.agreed = Some(agreed);
+                if !agreed {
+                    return Ok(());
+                }
+            }
             let t2 = Instant::now();
             for (op, src, dst) in overlapping(first_part, a, z) {
                 if let Some(t) = &mut op.lock().tensor {
@@ -341,7 +380,16 @@ impl Executor {
                         ))
                     })?;
                     let own = self.on_ring_in_place(sig, *len0);
-                    return reduce_in_place(self.comm.as_mut(), chunk, sig, job.divisor, own);
+                    let agreed = reduce_in_place(
+                        self.comm.as_mut(),
+                        chunk,
+                        sig,
+                        job.divisor,
+                        own,
+                        job.agree,
+                    )?;
+                    self.agreed = job.agree.map(|_| agreed);
+                    return Ok(());
                 }
                 let whole = job.parts.len() == 1
                     && *off0 == 0
@@ -352,12 +400,20 @@ impl Executor {
                     let r = match &mut t {
                         Some(t) => {
                             let own = self.on_ring_in_place(sig, *len0);
-                            reduce_in_place(self.comm.as_mut(), t.data_mut(), sig, job.divisor, own)
+                            reduce_in_place(
+                                self.comm.as_mut(),
+                                t.data_mut(),
+                                sig,
+                                job.divisor,
+                                own,
+                                job.agree,
+                            )
                         }
-                        None => Ok(()),
+                        None => Ok(true),
                     };
                     first.lock().tensor = t;
-                    return r;
+                    self.agreed = job.agree.map(|_| matches!(r, Ok(true)));
+                    return r.map(|_| ());
                 }
                 if self.in_place_ok(job, sig, bytes) {
                     return self.run_fused_in_place(job, sig);

@@ -129,4 +129,10 @@ pub(crate) struct Job {
     /// The `Average` divisor: every rank of the engine, joined ranks included (they contribute
     /// zeros), as Horovod divides by `size()`.
     pub divisor: usize,
+    /// `Some(mine)`: the group is its round's only one, an allreduce of host tensors run on
+    /// the negotiation thread's behalf, and its round skipped the can-run step; its one
+    /// allreduce also agrees whether every rank can run it (`mine`: whether this rank can,
+    /// [`fh_transport::Communicator::allreduce_agreeing`]). When one cannot, no rank delivers
+    /// the result: the operations are held until the agreed fault stops the engine.
+    pub agree: Option<bool>,
 }

@@ -42,6 +42,10 @@ pub(crate) struct Gate {
     /// reason when the gate closes ([`Inner::close`]); the control thread stops the engine
     /// as soon as it sees one (a lost result is an internal error, never a silent wait).
     pub(crate) orphans: Vec<(Arc<str>, Arc<Completion>)>,
+    /// The resolvers of groups whose ranks agreed, in the group's own allreduce, that one of
+    /// them cannot run it ([`crate::job::Job::agree`]): the agreed fault is on its way and
+    /// stops the engine; they resolve with its error when the gate closes.
+    pub(crate) held: Vec<Resolver>,
 }
 
 /// The engine's side of one submitted operation: whoever holds it owns the operation's
@@ -370,19 +374,39 @@ impl Inner {
     /// reason that names a lost rank interrupts every communicator of the engine at once
     /// ([`OnLoss`]).
     pub(crate) fn fail(&self, err: SchedulerError) {
-        let (orphans, first) = {
+        let (orphans, first, held) = {
             let mut g = lock(&self.gate);
             let first = g.closed.is_none().then(|| err.clone());
             if first.is_some() {
                 g.closed = Some(err);
             }
             let _ = g.tx.send(Msg::Wake);
-            (std::mem::take(&mut g.orphans), first)
+            (
+                std::mem::take(&mut g.orphans),
+                first,
+                std::mem::take(&mut g.held),
+            )
         };
         if let Some(err) = first {
             self.on_loss.fire(&err);
         }
         self.resolve_orphans(orphans);
+        // Outside the lock: each resolves its handle with the stop reason as it drops.
+        drop(held);
+    }
+
+    /// Keep `resolvers` until the engine stops (see [`Gate::held`]); at once resolved with the
+    /// stop reason when it has stopped already.
+    pub(crate) fn hold(&self, resolvers: impl IntoIterator<Item = Resolver>) {
+        let resolvers: Vec<Resolver> = resolvers.into_iter().collect();
+        let mut g = lock(&self.gate);
+        if g.closed.is_none() {
+            g.held.extend(resolvers);
+            return;
+        }
+        drop(g);
+        // Outside the lock: each resolves its handle with the stop reason as it drops.
+        drop(resolvers);
     }
 
     /// The first completion dropped unresolved while the engine runs, if any (the control
@@ -522,17 +546,23 @@ impl Inner {
     /// Close the gate (no more submissions) and resolve every completion parked as an
     /// orphan with the stop reason (the first reason wins).
     pub(crate) fn close(&self, err: SchedulerError) {
-        let (orphans, first) = {
+        let (orphans, first, held) = {
             let mut g = lock(&self.gate);
             let first = g.closed.is_none().then(|| err.clone());
             if first.is_some() {
                 g.closed = Some(err);
             }
-            (std::mem::take(&mut g.orphans), first)
+            (
+                std::mem::take(&mut g.orphans),
+                first,
+                std::mem::take(&mut g.held),
+            )
         };
         if let Some(err) = first {
             self.on_loss.fire(&err);
         }
         self.resolve_orphans(orphans);
+        // Outside the lock: each resolves its handle with the stop reason as it drops.
+        drop(held);
     }
 }

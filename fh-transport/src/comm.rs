@@ -164,6 +164,29 @@ pub trait Communicator: Send {
         algorithms::allreduce(self, buf, dtype, op)
     }
 
+    /// [`Communicator::allreduce`] that also ANDs one flag across the ranks: `Ok(true)` when
+    /// every rank passed `mine = true`, and only then is `buf` the reduction. A rank that
+    /// cannot contribute passes zeros of the same length and `false`; with `false` agreed,
+    /// `buf` holds nothing meaningful and the caller must not use it. The default agrees on
+    /// the flag first (a one-byte AND) and reduces only when every rank can; backends whose
+    /// allreduce runs over their point-to-point messages carry the flag inside the
+    /// reduction's own messages ([`algorithms::allreduce_agreeing`]), one collective for both.
+    fn allreduce_agreeing(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        mine: bool,
+    ) -> Result<bool> {
+        let mut flag = [u8::from(mine)];
+        self.allreduce(&mut flag, DType::U8, ReduceOp::BitAnd)?;
+        if flag[0] != 1 {
+            return Ok(false);
+        }
+        self.allreduce(buf, dtype, op)?;
+        Ok(true)
+    }
+
     /// Gather every rank's `send` into `recv`, rank by rank; `counts[r]` is rank r's length in
     /// bytes and `recv.len()` must be their sum.
     fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {

@@ -16,7 +16,7 @@ use fh_transport::algorithms::{
     allreduce_segments, allreduce_with, AllreduceAlgorithm, ALLREDUCE_RING_THRESHOLD_BYTES,
     BROADCAST_SCATTER_THRESHOLD_BYTES, RING_CHUNK_BYTES,
 };
-use fh_transport::CollectivesExt;
+use fh_transport::{CollectivesExt, Communicator};
 use proptest::prelude::*;
 
 mod local_world;
@@ -54,6 +54,92 @@ fn allreduce_every_dtype_op_size_and_algorithm() {
                 }
             }
         });
+    }
+}
+
+/// The allreduce that also ANDs a flag: with every rank able it equals the plain allreduce
+/// (below the ring threshold, where the flag rides in recursive doubling's messages, and
+/// above it, where a one-byte agreement comes first); when any one rank cannot (whichever
+/// rank, at every world size, odd ones included), every rank gets `false`. The default
+/// (two collectives) answers the same as the in-message form.
+#[test]
+fn allreduce_agreeing_reduces_only_when_every_rank_can() {
+    let lens = [0usize, 1, 7, 61, ALLREDUCE_RING_THRESHOLD_BYTES / 4 + 3];
+    for n in 1..=6 {
+        world(n, TIMEOUT, move |comm| {
+            let rank = comm.rank();
+            let mut seed = 500;
+            for (dtype, op) in [
+                (DType::F32, ReduceOp::Sum),
+                (DType::F32, ReduceOp::Average),
+                (DType::I32, ReduceOp::Max),
+                (DType::U8, ReduceOp::BitAnd),
+            ] {
+                for len in lens {
+                    seed += 1;
+                    let ins = inputs(dtype, op, len, n, seed);
+                    let want = reference(dtype, op, &ins);
+                    let mut buf = ins[rank].clone();
+                    let ok = fh_transport::algorithms::allreduce_agreeing(
+                        comm, &mut buf, dtype, op, true,
+                    )
+                    .unwrap();
+                    assert!(ok, "n={n} {dtype} {op} len={len}: every rank can");
+                    assert_eq!(buf, want, "n={n} rank={rank} {dtype} {op} len={len}");
+                    // The trait's default (a flag first, then the reduction) agrees.
+                    let mut buf = ins[rank].clone();
+                    let ok = Defaulted(&mut *comm)
+                        .allreduce_agreeing(&mut buf, dtype, op, true)
+                        .unwrap();
+                    assert!(ok);
+                    assert_eq!(buf, want, "default form, n={n} {dtype} {op} len={len}");
+                    for cannot in 0..n {
+                        let mut buf = ins[rank].clone();
+                        let mine = rank != cannot;
+                        let ok = fh_transport::algorithms::allreduce_agreeing(
+                            comm, &mut buf, dtype, op, mine,
+                        )
+                        .unwrap();
+                        assert!(!ok, "n={n} len={len}: rank {cannot} cannot");
+                        let ok = Defaulted(&mut *comm)
+                            .allreduce_agreeing(&mut buf, dtype, op, mine)
+                            .unwrap();
+                        assert!(!ok, "default form, n={n} len={len}: rank {cannot} cannot");
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// A communicator that forwards everything but keeps the trait's default
+/// `allreduce_agreeing` (the form backends with their own allreduce use).
+struct Defaulted<'a>(&'a mut dyn fh_transport::Communicator);
+
+impl fh_transport::Communicator for Defaulted<'_> {
+    fn backend(&self) -> &'static str {
+        self.0.backend()
+    }
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn send(&mut self, peer: usize, data: &[u8]) -> fh_transport::Result<()> {
+        self.0.send(peer, data)
+    }
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> fh_transport::Result<()> {
+        self.0.recv(peer, buf)
+    }
+    fn send_recv(
+        &mut self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv: &mut [u8],
+    ) -> fh_transport::Result<()> {
+        self.0.send_recv(to, send, from, recv)
     }
 }
 

@@ -154,8 +154,8 @@ impl Transfer {
 }
 
 /// A group queued on its channel: (bytes, seconds of host copies, (bytes of each allreduce it
-/// runs, whether it is staged)).
-type Queued = (usize, f64, (usize, bool));
+/// runs, whether it is staged), seconds of agreement before it).
+type Queued = (usize, f64, (usize, bool), f64);
 
 /// Simulates one step of `sizes` (bytes, in release order) released at `ready` (seconds).
 pub fn simulate_step(
@@ -173,12 +173,24 @@ pub fn simulate_step(
         ScheduleKind::FastHorovod => sched.config().inline_bytes,
         ScheduleKind::Horovod => 0, // its loop runs every group itself anyway
     };
-    // The one-byte agreement before a group runs on the negotiation thread: a recursive-doubling
-    // allreduce on the negotiation communicator.
+    // The agreement that every rank can run a round's groups before they run on the
+    // negotiation thread. As the engine does it: a round that is one allreduce group small
+    // enough for recursive doubling, over a transport whose allreduce runs over its own
+    // messages, carries the flag in that allreduce (`Communicator::allreduce_agreeing`: no
+    // cost); otherwise a one-byte recursive-doubling allreduce comes first. (Over shared
+    // memory the engine's one-byte step is cheaper than `alpha`; the model charges `alpha`.)
     let agreement = if p <= 1 {
         0.0
     } else {
         rd_steps(p) * link.alpha_s
+    };
+    let agreement_for = |groups: &[fh_core::fusion::Group]| match groups {
+        [g] if (g.bytes() as usize) < fh_transport::algorithms::ALLREDUCE_RING_THRESHOLD_BYTES
+            && !link.host_bound =>
+        {
+            0.0
+        }
+        _ => agreement,
     };
     let mut inline_channel: Option<usize> = None; // negotiation runs this channel's group
                                                   // Whether fused groups are staged, as the engine decides it on one host (the model is on
@@ -291,19 +303,25 @@ pub fn simulate_step(
                         let (latency, wire) = cost(b);
                         let copy = group_copy(b, g.parts.len());
                         let unit = unit_of(b, g.parts.len());
+                        let agree = agreement_for(&groups);
                         active[c] = Some(
-                            Transfer::new(now, copy, agreement + latency, wire, b, unit)
-                                .capped(cap(b)),
+                            Transfer::new(now, copy, agree + latency, wire, b, unit).capped(cap(b)),
                         );
                         inline_channel = Some(c);
                     }
                 }
                 if inline_channel.is_none() {
+                    // The horovod preset runs its groups on the negotiation thread: the
+                    // agreement comes before the first.
+                    let mut agree = match sched.kind {
+                        ScheduleKind::Horovod => agreement_for(&groups),
+                        ScheduleKind::FastHorovod => 0.0,
+                    };
                     for g in groups {
                         let (c, b) = (g.channel.min(k - 1), g.bytes() as usize);
                         let (copy, unit) =
                             (group_copy(b, g.parts.len()), unit_of(b, g.parts.len()));
-                        queues[c].push_back((b, copy, unit));
+                        queues[c].push_back((b, copy, unit, std::mem::take(&mut agree)));
                         queued_bytes[c] += b;
                     }
                 }
@@ -312,12 +330,13 @@ pub fn simulate_step(
         // Start transfers on idle channels.
         for c in 0..k {
             if active[c].is_none() {
-                if let Some((g, copy, unit)) = queues[c].pop_front() {
+                if let Some((g, copy, unit, agree)) = queues[c].pop_front() {
                     queued_bytes[c] -= g;
                     collectives += 1;
                     let (latency, wire) = cost(g);
-                    active[c] =
-                        Some(Transfer::new(now, copy, latency, wire, g, unit).capped(cap(g)));
+                    active[c] = Some(
+                        Transfer::new(now, copy, agree + latency, wire, g, unit).capped(cap(g)),
+                    );
                 }
             }
         }
@@ -355,13 +374,8 @@ pub fn simulate_step(
                 let idle = (0..k.min(64))
                     .filter(|&c| active[c].is_none() && queues[c].is_empty())
                     .fold(0u64, |m, c| m | 1 << c);
-                // The horovod preset runs its groups on the negotiation thread: like the engine,
-                // every rank first agrees that it can run them (one byte).
-                let agree = match sched.kind {
-                    ScheduleKind::Horovod => agreement,
-                    ScheduleKind::FastHorovod => 0.0,
-                };
-                negotiating = Some((now + round + agree, std::mem::take(&mut pending), idle));
+                // (The horovod preset's agreement comes with its groups, once planned.)
+                negotiating = Some((now + round, std::mem::take(&mut pending), idle));
             }
         }
         if done_tensors == total && channels_idle && negotiating.is_none() {

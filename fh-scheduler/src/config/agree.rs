@@ -45,7 +45,7 @@ pub(crate) fn planning_fields(
         ("FH_BACKPRESSURE_MAX_MS", millis(Some(c.backpressure_max))),
         ("FH_CUDA", i64::from(c.cuda)),
         // Whether a round's single group may run on the negotiation thread decides whether
-        // the round takes the can-run agreement step.
+        // the round agrees that every rank can run it (and how).
         (
             "FH_INLINE_BYTES",
             match c.preset {

@@ -177,8 +177,9 @@ pub struct Config {
     /// group's channel has nothing queued or running, saving the hand-off to the channel's
     /// thread (`0`: always hand groups to the channel threads). The group, its channel and
     /// the order of groups on that channel stay the
-    /// planner's. Agreed at start-up: such a round takes one more step on every rank (each
-    /// rank says whether it can run the group, so that none is left waiting in it).
+    /// planner's. Agreed at start-up: in such a round each rank says whether it can run the
+    /// group, so that none is left waiting in it (inside the group's allreduce, or a one-byte
+    /// step first for other kinds).
     pub inline_bytes: u64,
     /// FastHorovod, every rank on one host (`FH_STAGE_BYTES`; `0`: off): a fused group of
     /// host tensors goes through its channel's fusion buffer a piece of at most this many

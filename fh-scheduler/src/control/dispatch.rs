@@ -244,17 +244,30 @@ impl Control {
     /// this thread then cannot take part in the next round until the collective is done. So
     /// that a rank that cannot run it never leaves the others waiting in that collective,
     /// every rank first states whether it can (one byte, AND): when one cannot, no rank
-    /// dispatches anything and the next round agrees on the fault. The plan itself depends on
-    /// the agreed responses alone.
+    /// dispatches anything and the next round agrees on the fault. A plan that is one
+    /// allreduce group of host tensors skips that step: its allreduce carries the same AND
+    /// ([`Job::agree`]; over TCP in the reduction's own messages, so a small allreduce costs
+    /// one collective less), a rank that cannot run it joins with zeros, and when one could
+    /// not, no rank delivers the result and the next round agrees on the fault. The plan
+    /// itself depends on the agreed responses alone.
     pub(super) fn dispatch(&mut self, ready: Vec<Arc<Response>>) -> Result<(), SchedulerError> {
         let groups = self.plan_ready(&ready);
         let inline_plan = matches!(self.dispatch, Dispatch::Workers { .. })
             && runs_inline(&groups, self.inner.config.inline_bytes, |i| {
                 ready[i].sig.device == fh_core::message::Device::Cpu
             });
-        let Some(taken) = self.take_tensors(&ready, inline_plan)? else {
+        let runs_here = inline_plan || matches!(self.dispatch, Dispatch::Inline(_));
+        // From the agreed plan and responses only: the same on every rank.
+        let agreeing = runs_here
+            && groups.len() == 1
+            && ready.iter().all(|r| {
+                r.sig.kind == CollectiveKind::Allreduce
+                    && r.sig.device == fh_core::message::Device::Cpu
+            });
+        let Some((taken, mine)) = self.take_tensors(&ready, runs_here, agreeing)? else {
             return Ok(());
         };
+        let agree = agreeing.then_some(mine);
         let round = self
             .inner
             .counters
@@ -262,7 +275,7 @@ impl Control {
             .load(std::sync::atomic::Ordering::Relaxed);
         let ops = self.build_ops(ready, taken, &groups, round);
         for g in groups {
-            self.hand_over(g, &ops, round, inline_plan);
+            self.hand_over(g, &ops, round, inline_plan, agree);
         }
         Ok(())
     }
@@ -288,27 +301,53 @@ impl Control {
     }
 
     /// Step 2: every response's local tensor, the one submitted here or a joined rank's
-    /// zeros; `None` when this rank or another cannot run the round (what was taken is put
-    /// back; this rank's failure becomes the fault the next round raises on every rank).
-    /// Groups that run on this thread are agreed first (under the `horovod` preset, every
-    /// round's).
+    /// zeros, and whether this rank can run them all; `None` when this rank or another cannot
+    /// run the round (what was taken is put back; this rank's failure becomes the fault the
+    /// next round raises on every rank). Groups that run on this thread (`runs_here`; under
+    /// the `horovod` preset, every round's) are agreed first, unless the plan is `agreeing`:
+    /// then a tensor this rank cannot take is replaced by zeros, so that it joins the group's
+    /// allreduce and says there that it cannot.
     fn take_tensors(
         &mut self,
         ready: &[Arc<Response>],
-        inline_plan: bool,
-    ) -> Result<Option<Vec<Source>>, SchedulerError> {
+        runs_here: bool,
+        agreeing: bool,
+    ) -> Result<Option<(Vec<Source>, bool)>, SchedulerError> {
         let mut taken: Vec<Source> = Vec::with_capacity(ready.len());
         let mut failed = None;
         for r in ready {
             match self.take_tensor(r) {
                 Ok(src) => taken.push(src),
                 Err(what) => {
-                    failed = Some((r.name.to_string(), what));
-                    break;
+                    let rank = self.inner.world_rank(self.inner.rank);
+                    if agreeing {
+                        // Zeros in its place: the allreduce every rank runs says it failed.
+                        let zeros = try_zeros(&r.sig).map_err(|e| {
+                            SchedulerError::internal(format!(
+                                "rank {rank} cannot run '{}' ({what}) and cannot stand in \
+                                 for it: {e}",
+                                r.name
+                            ))
+                        })?;
+                        taken.push(Source::Zeros(zeros));
+                    }
+                    if failed.is_none() {
+                        failed = Some((r.name.to_string(), what));
+                    }
+                    if !agreeing {
+                        break;
+                    }
                 }
             }
         }
-        let runs_here = inline_plan || matches!(self.dispatch, Dispatch::Inline(_));
+        if agreeing {
+            let mine = failed.is_none();
+            if let Some((name, what)) = failed {
+                tracing::error!(rank = self.inner.rank, %name, %what, "cannot run a negotiated tensor; stopping the engine on every rank");
+                self.fault = Some((name, what));
+            }
+            return Ok(Some((taken, mine)));
+        }
         let everyone_can = if runs_here {
             self.agree_can_run(failed.is_none())?
         } else {
@@ -326,7 +365,7 @@ impl Control {
             self.put_back(taken);
             return Ok(None);
         }
-        Ok(Some(taken))
+        Ok(Some((taken, true)))
     }
 
     /// Step 3: the operations, one per response, each counting the groups it is part of; an
@@ -397,7 +436,14 @@ impl Control {
     /// Step 4: one fused group to its channel: run here when the round is small and the
     /// channel idle, else queued to the channel's worker; a worker that is gone fails the
     /// group's parts and raises the fault on every rank.
-    fn hand_over(&mut self, g: Group, ops: &[Arc<Op>], round: u64, inline_plan: bool) {
+    fn hand_over(
+        &mut self,
+        g: Group,
+        ops: &[Arc<Op>],
+        round: u64,
+        inline_plan: bool,
+        agree: Option<bool>,
+    ) {
         // Horovod's convention: an average divides by every rank, a joined one included.
         let divisor = self.inner.size;
         if self.inner.config.record_groups {
@@ -422,6 +468,7 @@ impl Control {
                 .map(|p| (Arc::clone(&ops[p.item]), p.offset as usize, p.len as usize))
                 .collect(),
             divisor,
+            agree,
         };
         let queue_anyway = self.queue_anyway(&job);
         let rank = self.inner.rank;

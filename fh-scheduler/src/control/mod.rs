@@ -12,8 +12,10 @@
 //! Back-pressure only delays when a rank enters its next round.
 //!
 //! The hot path of a small collective: a plan that is one small group of host tensors
-//! (`Config::inline_bytes`, agreed at start-up) takes one more step, a one-byte AND in which
-//! every rank says it can run the group, and then runs on this thread when its channel has
+//! (`Config::inline_bytes`, agreed at start-up) needs every rank to say it can run the group:
+//! an allreduce group carries that AND in its own allreduce (over TCP in the same messages,
+//! [`fh_transport::Communicator::allreduce_agreeing`]), any other kind takes a one-byte AND
+//! first. The group runs on this thread when its channel has
 //! nothing queued or running (otherwise on the channel's thread, after what is queued: the
 //! group, its channel and the order on the channel stay the planner's). After a round that
 //! completed work, this thread polls for the next submission briefly (`Config::control_spin`)

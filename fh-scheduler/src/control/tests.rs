@@ -10,9 +10,11 @@ use fh_transport::backend::local::LocalWorld;
 /// A rank that cannot run a negotiated tensor (here: an injected allocation failure on
 /// rank 1) stops the engine on every rank with the same error naming the rank and the
 /// tensor, within bounded time, instead of planning a different list than the others.
-/// With small rounds run on the control thread (the default) and without, and under the
+/// With small rounds run on the control thread (the default: the group's own allreduce then
+/// says that rank 1 cannot, in place of a separate agreement) and without, and under the
 /// `horovod` preset, which runs every group on the control thread: the other ranks are not
-/// left waiting in a collective the faulty rank never joins.
+/// left waiting in a collective the faulty rank never joins, and none delivers a result
+/// that lacks rank 1's part.
 #[test]
 fn a_local_fault_stops_every_rank_with_the_same_error() {
     let cases = [
@@ -23,44 +25,68 @@ fn a_local_fault_stops_every_rank_with_the_same_error() {
         (1, 0, Preset::Horovod),
     ];
     for (k, inline, preset) in cases {
-        let name = format!("faulty-{k}-{inline}-{preset:?}");
-        crate::inject::arm(1, crate::inject::Point::TakeTensor, &name);
-        let threads: Vec<_> = LocalWorld::with_timeout(3, Duration::from_secs(10))
-            .into_iter()
-            .map(|t| {
-                let name = name.clone();
-                std::thread::spawn(move || {
-                    let cfg = Config::preset(preset).channels(k).inline_bytes(inline);
-                    let e = Engine::start(Box::new(t), cfg).unwrap();
-                    let opts = AllreduceOptions::with_op(ReduceOp::Sum);
-                    let ok = e
-                        .allreduce("fine", Tensor::from_slice(&[1.0f32; 4]), opts)
-                        .unwrap()
-                        .wait_timeout(Duration::from_secs(20))
-                        .unwrap();
-                    let bad = e
-                        .allreduce(&name, Tensor::from_slice(&[1.0f32; 4]), opts)
-                        .unwrap()
-                        .wait_timeout(Duration::from_secs(20))
-                        .unwrap_err();
-                    let stopped = e.shutdown().unwrap_err();
-                    (ok.to_vec::<f32>().unwrap(), bad, stopped)
-                })
+        fault_on_rank_1(
+            &format!("faulty-{k}-{inline}-{preset:?}"),
+            k,
+            inline,
+            preset,
+        );
+    }
+}
+
+/// The same when ranks differ in where the faulty round's small group runs: rank 1 (the
+/// faulty one) and rank 0 hand it to the channel thread, rank 2 runs it on the control
+/// thread; the held result resolves with the agreed error on every thread.
+#[test]
+fn a_local_fault_in_a_group_run_on_a_channel_thread_stops_every_rank_alike() {
+    let name = "faulty-queued".to_string();
+    QUEUE_ANYWAY
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .extend([(0, name.clone()), (1, name.clone())]);
+    fault_on_rank_1(&name, 2, 1024, Preset::FastHorovod);
+}
+
+/// Three ranks allreduce `fine`, then `name`, which rank 1 cannot take (injected): `fine`
+/// is right everywhere, `name` and the shutdown fail with one error naming rank 1, the
+/// tensor and the cause.
+fn fault_on_rank_1(name: &str, k: usize, inline: u64, preset: Preset) {
+    crate::inject::arm(1, crate::inject::Point::TakeTensor, name);
+    let threads: Vec<_> = LocalWorld::with_timeout(3, Duration::from_secs(10))
+        .into_iter()
+        .map(|t| {
+            let name = name.to_string();
+            std::thread::spawn(move || {
+                let cfg = Config::preset(preset).channels(k).inline_bytes(inline);
+                let e = Engine::start(Box::new(t), cfg).unwrap();
+                let opts = AllreduceOptions::with_op(ReduceOp::Sum);
+                let ok = e
+                    .allreduce("fine", Tensor::from_slice(&[1.0f32; 4]), opts)
+                    .unwrap()
+                    .wait_timeout(Duration::from_secs(20))
+                    .unwrap();
+                let bad = e
+                    .allreduce(&name, Tensor::from_slice(&[1.0f32; 4]), opts)
+                    .unwrap()
+                    .wait_timeout(Duration::from_secs(20))
+                    .unwrap_err();
+                let stopped = e.shutdown().unwrap_err();
+                (ok.to_vec::<f32>().unwrap(), bad, stopped)
             })
-            .collect();
-        let out: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
-        for (ok, bad, stopped) in &out {
-            assert_eq!(ok, &[3.0; 4]);
-            assert_eq!(bad, &out[0].1, "same error on every rank");
-            assert_eq!(stopped, &out[0].1);
-            let text = bad.to_string();
-            assert!(
-                text.contains(&name)
-                    && text.contains("rank 1 could not run")
-                    && text.contains("injected allocation failure"),
-                "{text}"
-            );
-        }
+        })
+        .collect();
+    let out: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    for (ok, bad, stopped) in &out {
+        assert_eq!(ok, &[3.0; 4]);
+        assert_eq!(bad, &out[0].1, "{name}: same error on every rank");
+        assert_eq!(stopped, &out[0].1);
+        let text = bad.to_string();
+        assert!(
+            text.contains(name)
+                && text.contains("rank 1 could not run")
+                && text.contains("injected allocation failure"),
+            "{text}"
+        );
     }
 }
 

@@ -168,6 +168,7 @@ impl Engine {
                 closed: None,
                 tx,
                 orphans: Vec::new(),
+                held: Vec::new(),
             }),
             in_flight: Mutex::new(HashSet::new()),
             counters: Counters::default(),

@@ -9,20 +9,28 @@ use fh_transport::{algorithms, Communicator, TransportError};
 
 use crate::Tensor;
 
+/// Allreduce `buf` where it lies and finish it (the average's division, the postscale):
+/// on this rank's block of the ring when `own_block`, else after the whole allreduce.
+/// `agree`: `Some(mine)` when the allreduce also agrees whether every rank can run it
+/// ([`reduce_unfinished`]); `Ok(false)` when one cannot (`buf` then holds nothing meaningful).
 pub(super) fn reduce_in_place(
     comm: &mut dyn Communicator,
     buf: &mut [u8],
     sig: &Signature,
     divisor: usize,
     own_block: bool,
-) -> Result<(), TransportError> {
-    if own_block {
-        return reduce_segments(comm, &mut [buf], sig, divisor);
+    agree: Option<bool>,
+) -> Result<bool, TransportError> {
+    if own_block && agree.is_none() {
+        reduce_segments(comm, &mut [buf], sig, divisor)?;
+        return Ok(true);
     }
-    reduce_unfinished(comm, buf, sig)?;
+    if !reduce_unfinished(comm, buf, sig, agree)? {
+        return Ok(false);
+    }
     // The average's division (if any) and the postscale in one pass.
     kernels::divide_and_scale(sig.dtype, buf, finish_divisor(sig, divisor), sig.postscale)?;
-    Ok(())
+    Ok(true)
 }
 
 /// Prescale and allreduce the concatenation of `segs` where it lies, on the ring; the
@@ -44,15 +52,23 @@ pub(super) fn reduce_segments(
 }
 
 /// Prescale and allreduce `buf`, leaving the average's division and the postscale to the
-/// caller ([`finish_divisor`]).
+/// caller ([`finish_divisor`]). With `agree: Some(mine)` the same collective also ANDs
+/// whether every rank can run the group ([`Communicator::allreduce_agreeing`]); the answer
+/// is returned (`true` when no agreement was asked).
 pub(super) fn reduce_unfinished(
     comm: &mut dyn Communicator,
     buf: &mut [u8],
     sig: &Signature,
-) -> Result<(), TransportError> {
+    agree: Option<bool>,
+) -> Result<bool, TransportError> {
     kernels::scale(sig.dtype, buf, sig.prescale)?;
-    comm.allreduce(buf, sig.dtype, sig.op.combining())?;
-    Ok(())
+    match agree {
+        None => {
+            comm.allreduce(buf, sig.dtype, sig.op.combining())?;
+            Ok(true)
+        }
+        Some(mine) => comm.allreduce_agreeing(buf, sig.dtype, sig.op.combining(), mine),
+    }
 }
 
 /// The divisor the finalisation applies with the postscale: the engine's ranks for an average

@@ -123,16 +123,79 @@ pub fn allreduce_with<C: Communicator + ?Sized>(
     }
 }
 
-/// Recursive doubling. With `p` the largest power of two `<= n` and `extra = n - p`, ranks
-/// `0..2·extra` pair up first: each even one hands its buffer to the odd one above it and
-/// sits out. The remaining `p` ranks exchange and reduce full buffers with partners at
-/// distance 1, 2, 4, ... (in their compacted numbering), then the odd ranks hand the result
-/// back to their even partners.
+/// [`allreduce`] of `buf` that also ANDs one flag across the ranks: `Ok(true)` when every
+/// rank passed `mine = true`, and only then is `buf` the reduction (a rank that cannot
+/// contribute passes zeros of the same length and `false`; with `false` agreed, `buf` holds
+/// nothing meaningful). Below the ring threshold it is one collective: the flag travels as
+/// one more byte of every recursive-doubling message, so agreeing costs no extra message
+/// latency. A ring-sized buffer agrees on the flag first (one byte) and is reduced only when
+/// every rank can. Every rank must call it with the same length, dtype and op.
+pub fn allreduce_agreeing<C: Communicator + ?Sized>(
+    comm: &mut C,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    mine: bool,
+) -> Result<bool> {
+    let elements = check_reduction("allreduce", dtype, op, buf.len())?;
+    let size = comm.size();
+    if size <= 1 {
+        return Ok(mine);
+    }
+    let n = buf.len();
+    if AllreduceAlgorithm::Auto.resolve(n, elements, size) == AllreduceAlgorithm::Ring {
+        let mut flag = [u8::from(mine)];
+        recursive_doubling(comm, &mut flag, DType::U8, ReduceOp::BitAnd)?;
+        if flag[0] != 1 {
+            return Ok(false);
+        }
+        ring_allreduce(comm, buf, dtype, op, elements)?;
+        return Ok(true);
+    }
+    let mut msg = Vec::with_capacity(n + 1);
+    msg.extend_from_slice(buf);
+    msg.push(u8::from(mine));
+    let combining = op.combining();
+    recursive_doubling_by(comm, &mut msg, &mut |acc, inc| {
+        kernels::reduce(dtype, combining, &mut acc[..n], &inc[..n])?;
+        acc[n] &= inc[n];
+        Ok(())
+    })?;
+    let agreed = msg[n] == 1;
+    buf.copy_from_slice(&msg[..n]);
+    if agreed && op == ReduceOp::Average {
+        kernels::divide(dtype, buf, size)?;
+    }
+    Ok(agreed)
+}
+
+/// Folds a partner's buffer (second) into this rank's (first).
+type Fold<'a> = dyn FnMut(&mut [u8], &[u8]) -> Result<()> + 'a;
+
+/// Recursive doubling with the reduction `op` of `dtype` ([`recursive_doubling_by`]).
 fn recursive_doubling<C: Communicator + ?Sized>(
     comm: &mut C,
     buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
+) -> Result<()> {
+    recursive_doubling_by(comm, buf, &mut |acc, inc| {
+        kernels::reduce(dtype, op, acc, inc)?;
+        Ok(())
+    })
+}
+
+/// Recursive doubling. With `p` the largest power of two `<= n` and `extra = n - p`, ranks
+/// `0..2·extra` pair up first: each even one hands its buffer to the odd one above it and
+/// sits out. The remaining `p` ranks exchange and reduce full buffers with partners at
+/// distance 1, 2, 4, ... (in their compacted numbering), then the odd ranks hand the result
+/// back to their even partners. `reduce(acc, incoming)` folds a partner's buffer into this
+/// rank's; it must be commutative and associative, so that every rank ends with the same
+/// bytes.
+fn recursive_doubling_by<C: Communicator + ?Sized>(
+    comm: &mut C,
+    buf: &mut [u8],
+    reduce: &mut Fold<'_>,
 ) -> Result<()> {
     let (rank, n) = (comm.rank(), comm.size());
     let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
@@ -144,7 +207,7 @@ fn recursive_doubling<C: Communicator + ?Sized>(
                 None
             } else {
                 comm.recv(rank - 1, tmp)?;
-                kernels::reduce(dtype, op, buf, tmp)?;
+                reduce(buf, tmp)?;
                 Some(rank / 2)
             }
         } else {
@@ -156,7 +219,7 @@ fn recursive_doubling<C: Communicator + ?Sized>(
                 let pv = v ^ mask;
                 let peer = if pv < extra { 2 * pv + 1 } else { pv + extra };
                 comm.send_recv(peer, buf, peer, tmp)?;
-                kernels::reduce(dtype, op, buf, tmp)?;
+                reduce(buf, tmp)?;
                 mask <<= 1;
             }
         }

@@ -36,7 +36,8 @@ use fh_core::{kernels, DType, ReduceOp};
 use crate::{Communicator, Result, TransportError};
 
 pub use allreduce::{
-    allreduce, allreduce_with, AllreduceAlgorithm, ALLREDUCE_RING_THRESHOLD_BYTES, RING_CHUNK_BYTES,
+    allreduce, allreduce_agreeing, allreduce_with, AllreduceAlgorithm,
+    ALLREDUCE_RING_THRESHOLD_BYTES, RING_CHUNK_BYTES,
 };
 pub use broadcast::{broadcast, BROADCAST_SCATTER_THRESHOLD_BYTES};
 pub use ring::{allgatherv, reduce_scatter};

@@ -206,6 +206,17 @@ impl LocalComm {
 }
 
 impl Communicator for LocalComm {
+    fn allreduce_agreeing(
+        &mut self,
+        buf: &mut [u8],
+        dtype: fh_core::DType,
+        op: fh_core::ReduceOp,
+        mine: bool,
+    ) -> Result<bool> {
+        // The allreduce runs over this communicator's own messages: the flag rides in them.
+        crate::algorithms::allreduce_agreeing(self, buf, dtype, op, mine)
+    }
+
     fn backend(&self) -> &'static str {
         "local"
     }

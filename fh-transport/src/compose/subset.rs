@@ -273,6 +273,17 @@ impl SubsetComm {
 }
 
 impl Communicator for SubsetComm {
+    fn allreduce_agreeing(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        mine: bool,
+    ) -> Result<bool> {
+        // The allreduce runs over this communicator's own messages: the flag rides in them.
+        crate::algorithms::allreduce_agreeing(self, buf, dtype, op, mine)
+    }
+
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
@@ -341,6 +352,17 @@ impl GroupComm {
 }
 
 impl Communicator for GroupComm {
+    fn allreduce_agreeing(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        mine: bool,
+    ) -> Result<bool> {
+        // The allreduce runs over this communicator's own messages: the flag rides in them.
+        crate::algorithms::allreduce_agreeing(self, buf, dtype, op, mine)
+    }
+
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }

@@ -64,14 +64,19 @@ fn horovod_waits_for_its_cycle_and_its_own_execution() {
 #[test]
 fn a_group_run_on_the_negotiation_thread_holds_the_next_round() {
     // Two 1 KB tensors on 2 ranks, the second ready 1 µs after the first: the first round's
-    // single small group runs inline (agreement α, then α + 1 KB), and the second round
-    // starts only when it is done. Round = α each.
-    let l = link(1e-5, 1e9, None);
+    // single small group runs inline (α + 1 KB; that every rank can run it rides in the
+    // allreduce itself), and the second round starts only when it is done. Round = α each.
+    let mut l = link(1e-5, 1e9, None);
     let s = Schedule::fasthorovod(2);
     let m = simulate_step(&[1000, 1000], &[0.0, 1e-6], 2, &l, &s, &NO_OVERHEAD);
-    let one = 1e-5 + 1e-5 + (1e-5 + 1e3 / 1e9);
+    let one = 1e-5 + (1e-5 + 1e3 / 1e9);
     assert!(close(m.step_s, 2.0 * one), "{m:?}");
     assert_eq!((m.rounds, m.collectives), (2, 2));
+    // Where the transfers are the host's own copies (shared memory), the agreement is a
+    // one-byte allreduce of its own first (α).
+    l.host_bound = true;
+    let m = simulate_step(&[1000, 1000], &[0.0, 1e-6], 2, &l, &s, &NO_OVERHEAD);
+    assert!(close(m.step_s, 2.0 * (one + 1e-5)), "{m:?}");
 }
 
 #[test]

@@ -97,7 +97,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use accept::{AcceptRules, Acceptor, RefusalLog, WorldCell};
-pub use comm::TcpComm;
+pub use comm::{TcpComm, SPIN_MAX_BYTES};
 pub(crate) use fh_job::token::Key;
 use handshake::connect_handshake;
 pub(crate) use link::{AbortBoard, Link};
@@ -125,6 +125,10 @@ pub fn max_pending_handshakes(size: usize) -> usize {
 /// Descriptors kept free beyond what a mesh needs (logs, libraries, the user's files).
 const FD_MARGIN: u64 = 64;
 
+/// The default [`TcpOptions::spin`]: on this project's 2-core, 4-rank loopback measurement
+/// an 8-byte named allreduce took about a quarter less with 40 µs than with none.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(40);
+
 /// Tunables of the TCP backend.
 #[derive(Debug, Clone)]
 pub struct TcpOptions {
@@ -141,6 +145,11 @@ pub struct TcpOptions {
     pub liveness: Option<liveness::Settings>,
     /// Parallel streams to peers on other hosts ([`streams`]); the same on every rank.
     pub streams: StreamSettings,
+    /// How long a wait for a small message (at most [`SPIN_MAX_BYTES`] each way) keeps
+    /// trying its sockets, yielding the core between tries, before it sleeps in poll(2); a
+    /// peer that answers meanwhile costs no sleep and wake-up. Zero sleeps at once. Local:
+    /// it changes no result and need not match across ranks.
+    pub spin: Duration,
 }
 
 impl Default for TcpOptions {
@@ -151,6 +160,7 @@ impl Default for TcpOptions {
             max_frame: DEFAULT_MAX_FRAME,
             liveness: Some(liveness::Settings::default()),
             streams: StreamSettings::default(),
+            spin: DEFAULT_SPIN,
         }
     }
 }
