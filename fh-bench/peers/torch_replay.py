@@ -228,6 +228,10 @@ def run_horovod(args, model_name, tensors, due):
     return rank, world, slowest, f"torch {torch.__version__}, horovod {horovod.__version__}"
 
 
+# Facts a run adds to rank 0's result line besides the step times.
+EXTRA = {}
+
+
 def run_fasthorovod(args, model_name, tensors, due):
     import torch
     import fasthorovod
@@ -266,6 +270,8 @@ def run_fasthorovod(args, model_name, tensors, due):
     every = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="fh.times")
     slowest = every.max(dim=0).values.tolist()
     rank, world = hvd.rank(), hvd.size()
+    # The streams the runtime itself chose to peers on other hosts (None: nothing crosses).
+    EXTRA["tcp_streams"] = hvd.tcp_streams()
     hvd.shutdown()
     version = getattr(fasthorovod, "__version__", "?")
     return rank, world, slowest, f"torch {torch.__version__}, fasthorovod {version}"
@@ -311,6 +317,7 @@ def main(argv=None):
             "bytes": 4 * sum(n for _, _, n, _ in tensors),
             "version": version,
             "checked": True,
+            **EXTRA,
         }), flush=True)
     return 0
 

@@ -209,7 +209,12 @@ pub(super) fn run(
                             hosts: opts.peer_hosts.as_ref(),
                         }
                         .run(&name)
-                        .map(|r| r.step_seconds),
+                        .map(|r| {
+                            if let Some(s) = r.tcp_streams {
+                                streams[wi][ci].push(s);
+                            }
+                            r.step_seconds
+                        }),
                         None => Err("no adapter script".into()),
                     },
                 };

@@ -25,6 +25,11 @@ pub struct PeerResult {
     pub version: String,
     /// The averages were checked.
     pub checked: bool,
+    /// The TCP streams the runtime chose to each peer on another host, as it reports them
+    /// (`fasthorovod.torch`'s `tcp_streams()`); `None` where nothing crosses hosts or the peer
+    /// does not say.
+    #[serde(default)]
+    pub tcp_streams: Option<crate::record::TcpStreams>,
 }
 
 /// A line without a launcher's output tag: `horovodrun`/`mpirun --tag-output` write

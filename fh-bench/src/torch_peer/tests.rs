@@ -21,6 +21,28 @@ fn parses_the_result_among_warnings() {
 }
 
 #[test]
+fn reads_the_streams_the_runtime_reports() {
+    // fasthorovod.torch's line carries hvd.tcp_streams(): what the runtime chose and measured.
+    let line = LINE.replace(
+        r#""checked": true}"#,
+        r#""checked": true, "tcp_streams": {"streams": 5, "setting": "auto", "one_stream_gbps": 0.46, "many_streams_gbps": 1.92, "probe_streams": 8}}"#,
+    );
+    let s = parse_output(&line).unwrap().tcp_streams.unwrap();
+    assert_eq!((s.streams, s.setting.as_str()), (5, "auto"));
+    assert_eq!(
+        (s.one_stream_gbps, s.many_streams_gbps, s.probe_streams),
+        (Some(0.46), Some(1.92), Some(8))
+    );
+    // Nothing crosses hosts (None), or a peer that does not say: no streams.
+    let none = LINE.replace(
+        r#""checked": true}"#,
+        r#""checked": true, "tcp_streams": null}"#,
+    );
+    assert_eq!(parse_output(&none).unwrap().tcp_streams, None);
+    assert_eq!(parse_output(LINE).unwrap().tcp_streams, None);
+}
+
+#[test]
 fn parses_the_result_behind_a_launcher_tag() {
     // horovodrun (mpirun --tag-output): [job,rank]<stdout>:
     let hvd = format!(

@@ -291,6 +291,15 @@ impl Engine {
         self.backend
     }
 
+    /// The TCP streams the engine's world uses to each peer on another host, and what they
+    /// were chosen from ([`fh_transport::Transport::stream_choice`]; the same on every rank).
+    /// `None` when nothing crosses hosts over TCP, or once the engine has shut down.
+    pub fn stream_choice(&self) -> Option<fh_transport::backend::tcp::StreamChoice> {
+        lock(&self.transport)
+            .as_ref()
+            .and_then(|t| t.stream_choice())
+    }
+
     /// Start writing a Chrome-trace timeline to `path` (rank 0 writes; other ranks accept
     /// the call and do nothing; a path holding `{rank}` names a file per rank, and every
     /// rank writes its own), replacing any timeline being written. Every rank should call it,

@@ -8,6 +8,7 @@ use fh_scheduler::elastic::{Elastic, ElasticStart};
 use fh_scheduler::{Engine, SchedulerError};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::config;
 
@@ -205,6 +206,35 @@ pub(super) fn backend() -> PyResult<&'static str> {
         State::Running(w) => Ok(w.backend),
         _ => Err(not_initialized()),
     }
+}
+
+/// The TCP streams to each peer on another host and what they were chosen from, as a dict
+/// (`streams`, `setting`, and what `auto` measured at start-up: `one_stream_gbps`,
+/// `many_streams_gbps`, `probe_streams`, `None` where nothing was measured); `None` when
+/// nothing crosses hosts over TCP.
+#[pyfunction]
+pub(super) fn tcp_streams(py: Python<'_>) -> PyResult<Option<Py<PyDict>>> {
+    let choice = match &*state() {
+        State::Running(w) => w.engine.stream_choice(),
+        _ => return Err(not_initialized()),
+    };
+    let Some(c) = choice else {
+        return Ok(None);
+    };
+    let gbps = |bps: f64| bps * 8.0 / 1e9;
+    let d = PyDict::new(py);
+    d.set_item("streams", c.streams)?;
+    d.set_item("setting", c.setting.to_string())?;
+    d.set_item(
+        "one_stream_gbps",
+        c.measured.map(|m| gbps(m.one_stream_bps)),
+    )?;
+    d.set_item(
+        "many_streams_gbps",
+        c.measured.map(|m| gbps(m.many_streams_bps)),
+    )?;
+    d.set_item("probe_streams", c.measured.map(|m| m.probe_streams))?;
+    Ok(Some(d.unbind()))
 }
 
 /// Whether the MPI transport was compiled in.

@@ -1,5 +1,6 @@
 """Launching jobs: a single process, fhrun, torchrun; a killed rank; the training examples."""
 
+import json
 import os
 import secrets
 import signal
@@ -311,3 +312,48 @@ def test_an_uncaught_exception_is_noticed_only_when_the_rank_is_its_cause(tmp_pa
         assert said == "3 raised KeyError: 'x'\n", (said, p.stderr)
     else:
         assert said == "", said
+
+
+STREAMS_SCRIPT = textwrap.dedent("""
+    import json, torch
+    import fasthorovod.torch as hvd
+    hvd.init()
+    x = hvd.allreduce(torch.ones(1 << 16), name="across", op=hvd.Sum)
+    assert torch.equal(x, torch.full((1 << 16,), float(hvd.size()))), x
+    print("streams", hvd.rank(), json.dumps(hvd.tcp_streams()), flush=True)
+    hvd.shutdown()
+""")
+
+
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_tcp_streams_says_what_crosses_hosts(tmp_path, hosts):
+    """``hvd.tcp_streams()`` is the runtime's own choice of streams to peers on other hosts,
+    the same on every rank: two ranks that say they are on two hosts (``FH_HOST_ID``) with
+    ``FH_TCP_STREAMS=2`` report 2 streams, set (no rates); on one host, nothing crosses."""
+    script = tmp_path / "streams.py"
+    script.write_text(STREAMS_SCRIPT)
+    port, token = free_port(), secrets.token_hex(16)
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, FH_RANK=str(r), FH_SIZE="2",
+                   FH_RENDEZVOUS_ADDR=f"127.0.0.1:{port}", FH_JOB_TOKEN=token,
+                   FH_TRANSPORT="tcp", FH_TCP_STREAMS="2", FH_TIMEOUT_SECONDS="20",
+                   FH_HOST_ID=f"fh-test-host-{r if hosts == 2 else 0}")
+        procs.append(subprocess.Popen([PYTHON, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    want = None if hosts == 1 else {"streams": 2, "setting": "2", "one_stream_gbps": None,
+                                     "many_streams_gbps": None, "probe_streams": None}
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out
+        line = next(l for l in out.splitlines() if l.startswith(f"streams {r} "))
+        assert json.loads(line.split(" ", 2)[2]) == want, out

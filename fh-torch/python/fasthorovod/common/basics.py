@@ -169,6 +169,16 @@ class Basics:
         _core.topology()  # raises when not initialized
         return bool(self._homogeneous)
 
+    def tcp_streams(self):
+        """FastHorovod only: the parallel TCP streams each rank uses to every peer on another
+        host, and what they were chosen from (the same on every rank), as a dict:
+        ``streams``; ``setting`` (``FH_TCP_STREAMS``: ``"auto"`` where the runtime measured,
+        else the number set); and what ``auto`` measured at start-up between rank 0 and the
+        first rank on another host, ``one_stream_gbps``, ``many_streams_gbps`` (Gbit/s) and
+        ``probe_streams`` (``None`` where nothing was measured). ``None`` when no TCP
+        connection crosses hosts (one host, shared memory only, MPI)."""
+        return _core.tcp_streams()
+
     # -- build queries --------------------------------------------------------------------
 
     def mpi_built(self):

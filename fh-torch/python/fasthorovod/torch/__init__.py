@@ -35,7 +35,7 @@ from fasthorovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum,
                                        mpi_enabled, mpi_threads_supported, nccl_built, poll,
                                        rank, reducescatter, reducescatter_async, rocm_built,
                                        shutdown, size, start_timeline, stop_timeline,
-                                       synchronize)
+                                       synchronize, tcp_streams)
 from fasthorovod.torch.optimizer import DistributedOptimizer
 from fasthorovod.torch.sparse import sparse_allreduce_async
 from fasthorovod.torch.sync_batch_norm import SyncBatchNorm

@@ -58,6 +58,7 @@ rank = _basics.rank
 local_rank = _basics.local_rank
 cross_rank = _basics.cross_rank
 is_homogeneous = _basics.is_homogeneous
+tcp_streams = _basics.tcp_streams
 mpi_threads_supported = _basics.mpi_threads_supported
 mpi_enabled = _basics.mpi_enabled
 mpi_built = _basics.mpi_built
