@@ -56,9 +56,27 @@ impl Completion {
     pub(crate) fn is_done(&self) -> bool {
         !matches!(*self.lock(), State::Pending(_))
     }
+
+    /// Poll for completion for at most `limit`, yielding the core between looks: a result
+    /// that arrives meanwhile costs no sleep and wake-up on the condition variable.
+    fn settle(&self, limit: Duration) {
+        if limit.is_zero() {
+            return;
+        }
+        let t0 = Instant::now();
+        while !self.is_done() && t0.elapsed() < limit {
+            std::thread::yield_now();
+        }
+    }
 }
 
-/// A pending operation. Obtain its result with [`Handle::wait`] (blocking, without spinning),
+/// How long a wait polls before it sleeps ([`Completion::settle`]): on this project's 2-core,
+/// 4-rank loopback measurement a step of 16 or 256 small named allreduces took about a fifth
+/// less with 20 µs than with none.
+const WAIT_SPIN: Duration = Duration::from_micros(20);
+
+/// A pending operation. Obtain its result with [`Handle::wait`] (blocking, after polling for up to
+/// 20 µs with the core yielded between looks),
 /// [`Handle::wait_timeout`], or [`Handle::on_complete`]; check it with [`Handle::poll`].
 ///
 /// Dropping a handle does not cancel the operation (the other ranks rely on it); its result is
@@ -96,6 +114,7 @@ impl Handle {
     /// Block until the operation completes; return the result tensor (the submitted buffer,
     /// now holding the result) or the error.
     pub fn wait(self) -> OpResult {
+        self.cell.settle(WAIT_SPIN);
         let mut st = self.cell.lock();
         loop {
             match std::mem::replace(&mut *st, State::Taken) {
@@ -160,6 +179,7 @@ impl Handle {
     /// returns whether it completed.
     pub fn wait_for(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
+        self.cell.settle(WAIT_SPIN.min(timeout));
         let mut st = self.cell.lock();
         while matches!(*st, State::Pending(_)) {
             let now = Instant::now();
