@@ -35,6 +35,12 @@
 //! records the rank that peer waits for, for the enclosing communicator to name
 //! ([`ShmComm::outside_blame`]); otherwise it blames the rank it waits for.
 //!
+//! Reduce-scatter and allgatherv run in rounds of a slot each: a rank publishes what the others
+//! need (the input outside its own block; its own block), and reduces its block from the peers'
+//! slots (copies the peers' blocks out). Their in-place forms, for the hierarchical allreduce,
+//! run the same rounds on a buffer cut around the rank's block, so its block is never copied
+//! locally.
+//!
 //! Point-to-point messages go through one single-producer single-consumer ring per directed
 //! pair, each message framed by its 8-byte length.
 
@@ -456,6 +462,60 @@ impl ShmComm {
     /// [`ShmComm::waiting_outside`]).
     pub(crate) fn outside_word(&self) -> OutsideWord {
         OutsideWord(self.seg.outside_word(self.rank))
+    }
+
+    /// Reduce-scatter in place (the hierarchical allreduce's first step): `before ++ own ++
+    /// after` is this rank's input, `own` its block (`counts[rank]` elements, after the blocks
+    /// of the ranks below it); on return `own` holds the reduction of that block over every
+    /// rank. The same rounds as [`Communicator::reduce_scatter`] (ranks may mix the two), but
+    /// the block is reduced where it lies: no copy of it to a separate output.
+    pub(crate) fn reduce_scatter_in_place(
+        &mut self,
+        before: &[u8],
+        own: &mut [u8],
+        after: &[u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let len = before.len() + own.len() + after.len();
+        let (offs, _) = algorithms::check_reduce_scatter(len, own.len(), counts, me, n, dtype, op)?;
+        if before.len() != offs[me] * dtype.size() {
+            return Err(invalid(format!(
+                "reduce_scatter: rank {me}'s block starts at byte {} but {} bytes precede it",
+                offs[me] * dtype.size(),
+                before.len()
+            )));
+        }
+        if n == 1 || len == 0 {
+            return Ok(());
+        }
+        self.guarded(|c| c.reduce_scatter_parts((before, None, after), own, counts, dtype, op))
+    }
+
+    /// Allgatherv in place (the hierarchical allreduce's last step): `own` is this rank's
+    /// block (`counts[rank]` bytes), `before` and `after` receive the blocks of the ranks below
+    /// and above it. The same rounds as [`Communicator::allgatherv`] (ranks may mix the two),
+    /// without the copy of this rank's block into the output.
+    pub(crate) fn allgatherv_in_place(
+        &mut self,
+        before: &mut [u8],
+        own: &[u8],
+        after: &mut [u8],
+        counts: &[usize],
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let len = before.len() + own.len() + after.len();
+        let (offs, _) = algorithms::check_allgatherv(own.len(), len, counts, me, n)?;
+        if before.len() != offs[me] {
+            return Err(invalid(format!(
+                "allgatherv: rank {me}'s block starts at byte {} but {} bytes precede it",
+                offs[me],
+                before.len()
+            )));
+        }
+        self.guarded(|c| c.allgatherv_parts(before, own, after, counts))
     }
 
     /// How much longer (default: one more timeout) a wait that timed out on a local peer waits

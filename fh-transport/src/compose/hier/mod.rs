@@ -11,7 +11,10 @@
 //!   host's sum on local rank `i`; the local ranks `i` of all hosts ("lane" `i`) allreduce
 //!   their block over TCP, all lanes at once; a shared-memory allgather reassembles the vector.
 //!   Every byte crosses the network once per host instead of once per rank, and every rank
-//!   drives a share of the traffic. A vector larger than the pipeline chunk
+//!   drives a share of the traffic. All three steps work in the caller's buffer: the
+//!   reduce-scatter reduces the rank's block where it lies (only the rest goes through the
+//!   shared-memory slots), the TCP allreduce runs on that block in place, and the allgather
+//!   writes the other ranks' blocks around it — no block is copied to a buffer of its own. A vector larger than the pipeline chunk
 //!   ([`crate::backend::tcp::settings::PIPELINE_VAR`], agreed at the rendezvous) is reduced chunk
 //!   by chunk, the three steps overlapping: the shared-memory steps on the calling thread, the
 //!   TCP allreduce of each chunk on a scoped thread, so that the link is kept busy while the
@@ -78,6 +81,25 @@ fn share(n: usize, l: usize, i: usize) -> usize {
     n / l + usize::from(i < n % l)
 }
 
+/// `chunk` cut around local rank `me`'s block of `counts` (elements of `esz` bytes, blocks in
+/// rank order): the bytes before the block, the block, the bytes after it.
+fn around<'a>(
+    chunk: &'a mut [u8],
+    counts: &[usize],
+    me: usize,
+    esz: usize,
+) -> (&'a mut [u8], &'a mut [u8], &'a mut [u8]) {
+    let lo = counts[..me].iter().sum::<usize>() * esz;
+    let (before, rest) = chunk.split_at_mut(lo);
+    let (own, after) = rest.split_at_mut(counts[me] * esz);
+    (before, own, after)
+}
+
+/// `FH_HIER_STAGED=1`: the lanes' allreduce copies each block out of the buffer for the TCP
+/// step and back in, as it did before its steps worked in place: kept only to compare the two in
+/// one benchmark run. The rounds on the wire are the same either way, so ranks need not agree.
+const STAGED_VAR: &str = "FH_HIER_STAGED";
+
 /// Whether a hierarchy helps: several hosts, and some host with several ranks.
 fn worth_it(layout: &Layout) -> bool {
     layout.hosts().len() > 1 && layout.hosts().iter().any(|h| h.len() > 1)
@@ -133,6 +155,8 @@ pub struct HierTransport {
     layout: Arc<Layout>,
     topology: Topology,
     timeout: Duration,
+    /// [`STAGED_VAR`].
+    staged: bool,
 }
 
 impl HierTransport {
@@ -206,6 +230,7 @@ impl HierTransport {
             layout: Arc::new(layout),
             topology,
             timeout: info.timeout,
+            staged: std::env::var(STAGED_VAR).is_ok_and(|v| v == "1"),
         })))
     }
 
@@ -253,7 +278,8 @@ impl HierTransport {
                 .map(|r| self.layout.topology(r).cross_rank)
                 .collect(),
             all: (0..t.size).collect(),
-            scratch: Vec::new(),
+            staging: Vec::new(),
+            staged: self.staged,
             broken: None,
             timeout: self.timeout,
             interrupt,
@@ -309,7 +335,9 @@ pub struct HierComm {
     host_of: Vec<usize>,
     /// Every global rank (the full world's view, `0..size`).
     all: Vec<usize>,
-    scratch: Vec<u8>,
+    /// [`STAGED_VAR`], and the blocks' copies then.
+    staged: bool,
+    staging: Vec<u8>,
     broken: Option<String>,
     timeout: Duration,
     /// Shared by both halves (see [`HierTransport::open_hier`]).
@@ -459,8 +487,8 @@ impl HierComm {
     }
 
     /// Lanes: shared-memory reduce-scatter, cross-host allreduce per lane, shared-memory
-    /// allgather; pipelined over chunks when the buffer is larger than one
-    /// ([`HierComm::lanes_pipelined`]).
+    /// allgather, all three in place in `buf`; pipelined over chunks when the buffer is larger
+    /// than one ([`HierComm::lanes_pipelined`]).
     fn allreduce_lanes(
         &mut self,
         buf: &mut [u8],
@@ -475,38 +503,55 @@ impl HierComm {
         }
         let esz = dtype.size();
         let chunks = pipeline_chunks(elements, esz, self.pipeline_chunk);
-        // This rank's block of every chunk, one after another.
-        let need = chunks.iter().map(|&c| share(c, l, me) * esz).sum::<usize>();
-        let mut scratch = std::mem::take(&mut self.scratch);
-        if scratch.len() < need {
-            // Its contents are overwritten by the reduce-scatter: no need to clear it.
-            scratch.resize(need, 0);
+        let need = if self.staged {
+            // This rank's block of every chunk, one after another.
+            chunks.iter().map(|&c| share(c, l, me) * esz).sum::<usize>()
+        } else {
+            0
+        };
+        let mut staging = std::mem::take(&mut self.staging);
+        if staging.len() < need {
+            // Its contents are overwritten before they are read: no need to clear it.
+            staging.resize(need, 0);
         }
         let res = if chunks.len() > 1 {
-            self.lanes_pipelined(buf, &mut scratch[..need], &chunks, dtype, op)
+            self.lanes_pipelined(buf, &mut staging[..need], &chunks, dtype, op)
         } else {
             let counts: Vec<usize> = (0..l).map(|i| share(elements, l, i)).collect();
-            self.lanes_with(buf, &mut scratch[..need], &counts, dtype, op)
+            self.lanes_with(buf, &mut staging[..need], &counts, dtype, op)
         };
-        self.scratch = scratch;
+        self.staging = staging;
         res
     }
 
+    /// The lanes' three steps on the whole of `buf`, in place (through `staging` for the TCP
+    /// step when [`STAGED_VAR`] says so).
     fn lanes_with(
         &mut self,
         buf: &mut [u8],
-        block: &mut [u8],
+        staging: &mut [u8],
         counts: &[usize],
         dtype: DType,
         op: ReduceOp,
     ) -> Step<()> {
-        on_shm(
-            self.shm
-                .reduce_scatter(buf, block, counts, dtype, op.combining()),
-        )?;
-        self.allreduce_across(block, dtype, op)?;
+        let (before, own, after) = around(buf, counts, self.topology.local_rank, dtype.size());
+        on_shm(self.shm.reduce_scatter_in_place(
+            before,
+            own,
+            after,
+            counts,
+            dtype,
+            op.combining(),
+        ))?;
+        if self.staged {
+            staging.copy_from_slice(own);
+            self.allreduce_across(staging, dtype, op)?;
+            own.copy_from_slice(staging);
+        } else {
+            self.allreduce_across(own, dtype, op)?;
+        }
         let bytes: Vec<usize> = counts.iter().map(|c| c * dtype.size()).collect();
-        on_shm(self.shm.allgatherv(block, buf, &bytes))
+        on_shm(self.shm.allgatherv_in_place(before, own, after, &bytes))
     }
 
     /// Allreduce `buf` with this rank's cross-host group (its lane, or the leaders) over TCP,

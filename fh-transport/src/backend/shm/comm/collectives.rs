@@ -145,23 +145,47 @@ impl ShmComm {
         recv: &mut [u8],
         counts: &[usize],
     ) -> Result<()> {
+        let (offs, _) = offsets(counts, self.size, "allgatherv")?;
+        let me = self.rank;
+        let (before, rest) = recv.split_at_mut(offs[me]);
+        let (mine, after) = rest.split_at_mut(counts[me]);
+        mine.copy_from_slice(send);
+        self.allgatherv_parts(before, send, after, counts)
+    }
+
+    /// The allgatherv's rounds, the received blocks written straight where they belong:
+    /// `before` receives the blocks of the ranks below this one, `after` those above it, and
+    /// `own` (this rank's block) is published, never copied locally. The caller has checked that
+    /// `before` and `after` have the lengths `counts` give them.
+    pub(super) fn allgatherv_parts(
+        &mut self,
+        before: &mut [u8],
+        own: &[u8],
+        after: &mut [u8],
+        counts: &[usize],
+    ) -> Result<()> {
         let (offs, total) = offsets(counts, self.size, "allgatherv")?;
         let me = self.rank;
-        recv[offs[me]..offs[me] + counts[me]].copy_from_slice(send);
+        let hi = offs[me] + counts[me];
         let c = self.seg.layout.slot_bytes;
         let rounds = counts.iter().map(|&x| x.div_ceil(c)).max().unwrap_or(0);
         for i in 0..rounds {
             let (k, b) = self.begin_round("allgatherv")?;
-            let (a, len) = piece(send.len(), i, c);
+            let (a, len) = piece(own.len(), i, c);
             // SAFETY: our own slot, free for round k.
-            unsafe { put(self.seg.slot(me, b), &send[a..a + len]) };
+            unsafe { put(self.seg.slot(me, b), &own[a..a + len]) };
             self.post(k, b, &[TAG_ALLGATHER, total as u64, len as u64]);
             self.for_each_posted("allgatherv", k, |j| {
                 let (a, len) = piece(counts[j], i, c);
                 self.check_meta(j, b, &[TAG_ALLGATHER, total as u64, len as u64])?;
                 let at = offs[j] + a;
+                let dst = if j < me {
+                    &mut before[at..at + len]
+                } else {
+                    &mut after[at - hi..at - hi + len]
+                };
                 // SAFETY: rank j posted round k; its slot is stable until we consume it.
-                unsafe { get(&mut recv[at..at + len], self.seg.slot(j, b)) };
+                unsafe { get(dst, self.seg.slot(j, b)) };
                 Ok(())
             })?;
             self.finish_round(k);
@@ -236,11 +260,34 @@ impl ShmComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
+        let (offs, _) = offsets(counts, self.size, "reduce_scatter")?;
+        let e = dtype.size();
+        let me = self.rank;
+        let (lo, hi) = (offs[me] * e, (offs[me] + counts[me]) * e);
+        let parts = (&send[..lo], Some(&send[lo..hi]), &send[hi..]);
+        self.reduce_scatter_parts(parts, recv, counts, dtype, op)
+    }
+
+    /// The reduce-scatter's rounds over the input `before ++ block ++ after`, where `block` is
+    /// this rank's block (`counts[rank]` elements after the blocks of the ranks below it): its
+    /// reduction is written to `own`, read from `block` when given (each round's piece copied
+    /// into `own` as it is reduced, while it is in cache) or else from `own` itself (in place:
+    /// the block is never copied). Only `before` and `after` are published. The caller has
+    /// checked the lengths against `counts`.
+    pub(super) fn reduce_scatter_parts(
+        &mut self,
+        (before, block, after): (&[u8], Option<&[u8]>, &[u8]),
+        own: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
         let (n, me) = (self.size, self.rank);
         let (offs, _) = offsets(counts, n, "reduce_scatter")?;
         let e = dtype.size();
         let (lo, hi) = (offs[me] * e, (offs[me] + counts[me]) * e);
-        let total = send.len();
+        debug_assert!(before.len() == lo && own.len() == hi - lo);
+        let total = hi + after.len();
         let c = self.seg.layout.slot_bytes;
         let tag = reduce_tag(TAG_REDUCE_SCATTER, dtype, op);
         for i in 0..total.div_ceil(c) {
@@ -248,19 +295,28 @@ impl ShmComm {
             let (a, len) = piece(total, i, c);
             let z = a + len;
             let slot = self.seg.slot(me, b);
-            // Our own block is reduced from private memory; publish only the rest.
+            // Our own block is reduced from private memory; publish only the rest, each part
+            // at its offset in the round.
             let (mlo, mhi) = (lo.clamp(a, z), hi.clamp(a, z));
-            // SAFETY: our own slot, free for round k; offsets are within `len <= slot_bytes`.
-            unsafe {
-                put(slot, &send[a..mlo]);
-                put(slot.add(mhi - a), &send[mhi..z]);
+            let (blo, bhi) = (a.min(lo), z.min(lo));
+            let (alo, ahi) = (a.max(hi), z.max(hi));
+            if bhi > blo {
+                // SAFETY: our own slot, free for round k; each part lies in `a..z`, so at
+                // offsets within `len <= slot_bytes`.
+                unsafe { put(slot.add(blo - a), &before[blo..bhi]) };
+            }
+            if ahi > alo {
+                // SAFETY: as above.
+                unsafe { put(slot.add(alo - a), &after[alo - hi..ahi - hi]) };
             }
             let meta = [tag, total as u64, len as u64];
             self.post(k, b, &meta);
             if mhi > mlo {
                 self.for_each_posted("reduce_scatter", k, |j| self.check_meta(j, b, &meta))?;
-                let dst = &mut recv[mlo - lo..mhi - lo];
-                dst.copy_from_slice(&send[mlo..mhi]);
+                let dst = &mut own[mlo - lo..mhi - lo];
+                if let Some(src) = block {
+                    dst.copy_from_slice(&src[mlo - lo..mhi - lo]);
+                }
                 let srcs: Vec<&[u8]> = (0..n)
                     .filter(|&j| j != me)
                     // SAFETY: posted; [mlo, mhi) of peers' slots is not written in round k.
@@ -271,7 +327,7 @@ impl ShmComm {
             self.finish_round(k);
         }
         if op == ReduceOp::Average {
-            kernels::divide(dtype, recv, n)?;
+            kernels::divide(dtype, own, n)?;
         }
         Ok(())
     }

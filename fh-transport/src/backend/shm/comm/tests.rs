@@ -223,3 +223,114 @@ fn a_corrupted_ring_tail_is_an_error_naming_the_reader() {
         "{err}"
     );
 }
+
+/// The in-place reduce-scatter and allgatherv (the hierarchical allreduce's steps) give what
+/// the ordinary ones give, with blocks cut by the slot's rounds at odd places (one of them
+/// empty), and run the same rounds: rank 0 calls the ordinary collectives while the others
+/// call the in-place ones.
+#[test]
+fn in_place_steps_match_the_ordinary_ones_and_mix_with_them() {
+    use fh_core::{DType, ReduceOp};
+    let n = 3;
+    let tok = token("in-place");
+    let opts = || ShmOptions {
+        slot_bytes: 4096,
+        ..opts()
+    };
+    // Elements of 4 bytes; a slot round holds 1024 of them.
+    let cases: [[usize; 3]; 3] = [[1001, 3333, 7], [0, 2049, 4097], [1500, 1, 1500]];
+    let value = |r: usize, i: usize| (r * 7919 + i * 31) as i32 % 1000 - 500;
+    let ranks: Vec<_> = (0..n)
+        .map(|r| {
+            let tok = tok.clone();
+            std::thread::spawn(move || {
+                let mut t = ShmTransport::join(&tok, r, n, opts()).unwrap();
+                let mut c = t.open_shm("c").unwrap();
+                for counts in cases {
+                    let total: usize = counts.iter().sum();
+                    let lo: usize = counts[..r].iter().sum();
+                    let hi = lo + counts[r];
+                    let bytes = |v: &[i32]| bytemuck::cast_slice::<i32, u8>(v).to_vec();
+                    let input: Vec<i32> = (0..total).map(|i| value(r, i)).collect();
+                    let sum: Vec<i32> = (0..total)
+                        .map(|i| (0..n).map(|q| value(q, i)).sum())
+                        .collect();
+                    // Reduce-scatter.
+                    let mut buf = bytes(&input);
+                    if r == 0 {
+                        let mut recv = vec![0u8; counts[r] * 4];
+                        c.reduce_scatter(&buf, &mut recv, &counts, DType::I32, ReduceOp::Sum)
+                            .unwrap();
+                        buf[lo * 4..hi * 4].copy_from_slice(&recv);
+                    } else {
+                        let (before, rest) = buf.split_at_mut(lo * 4);
+                        let (own, after) = rest.split_at_mut(counts[r] * 4);
+                        c.reduce_scatter_in_place(
+                            before,
+                            own,
+                            after,
+                            &counts,
+                            DType::I32,
+                            ReduceOp::Sum,
+                        )
+                        .unwrap();
+                        // The rest of the input is left as it was.
+                        assert_eq!(before, &bytes(&input[..lo])[..]);
+                        assert_eq!(after, &bytes(&input[hi..])[..]);
+                    }
+                    assert_eq!(&buf[lo * 4..hi * 4], &bytes(&sum[lo..hi])[..], "{counts:?}");
+                    // Allgather of the reduced blocks into a buffer holding garbage elsewhere.
+                    let block = buf[lo * 4..hi * 4].to_vec();
+                    let mut out = vec![0xa5u8; total * 4];
+                    let byte_counts: Vec<usize> = counts.iter().map(|c| c * 4).collect();
+                    if r == 0 {
+                        c.allgatherv(&block, &mut out, &byte_counts).unwrap();
+                    } else {
+                        out[lo * 4..hi * 4].copy_from_slice(&block);
+                        let (before, rest) = out.split_at_mut(lo * 4);
+                        let (own, after) = rest.split_at_mut(counts[r] * 4);
+                        c.allgatherv_in_place(before, own, after, &byte_counts)
+                            .unwrap();
+                    }
+                    assert_eq!(out, bytes(&sum), "{counts:?}");
+                }
+            })
+        })
+        .collect();
+    for h in ranks {
+        h.join().unwrap();
+    }
+}
+
+#[test]
+fn in_place_steps_reject_a_block_out_of_place() {
+    use fh_core::{DType, ReduceOp};
+    let tok = token("in-place-args");
+    let tok1 = tok.clone();
+    // Rank 1 never calls a collective: the arguments are refused before any round starts.
+    let h = std::thread::spawn(move || {
+        let mut t = ShmTransport::join(&tok1, 1, 2, opts()).unwrap();
+        let _c = t.open_shm("c").unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+    });
+    let mut t = ShmTransport::join(&tok, 0, 2, opts()).unwrap();
+    let mut c = t.open_shm("c").unwrap();
+    // Rank 0's block comes first: nothing may precede it.
+    let err = c
+        .reduce_scatter_in_place(
+            &[0; 4],
+            &mut [0; 8],
+            &[0; 4],
+            &[2, 2],
+            DType::F32,
+            ReduceOp::Sum,
+        )
+        .unwrap_err();
+    assert!(matches!(err, TransportError::InvalidArgument(_)), "{err}");
+    assert!(err.to_string().contains("precede"), "{err}");
+    let err = c
+        .allgatherv_in_place(&mut [0; 4], &[0; 4], &mut [], &[4, 4])
+        .unwrap_err();
+    assert!(err.to_string().contains("precede"), "{err}");
+    h.join().unwrap();
+}
