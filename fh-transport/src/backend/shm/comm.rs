@@ -115,6 +115,11 @@ fn reached(v: u32, target: u32) -> bool {
     (v.wrapping_sub(target) as i32) >= 0
 }
 
+/// Total length of a list of slices.
+fn pieces_len<S: AsRef<[u8]>>(pieces: &[S]) -> usize {
+    pieces.iter().map(|s| s.as_ref().len()).sum()
+}
+
 fn invalid(msg: String) -> TransportError {
     TransportError::InvalidArgument(msg)
 }
@@ -464,28 +469,29 @@ impl ShmComm {
         OutsideWord(self.seg.outside_word(self.rank))
     }
 
-    /// Reduce-scatter in place (the hierarchical allreduce's first step): `before ++ own ++
-    /// after` is this rank's input, `own` its block (`counts[rank]` elements, after the blocks
-    /// of the ranks below it); on return `own` holds the reduction of that block over every
-    /// rank. The same rounds as [`Communicator::reduce_scatter`] (ranks may mix the two), but
-    /// the block is reduced where it lies: no copy of it to a separate output.
+    /// Reduce-scatter in place (the hierarchical allreduce's first step): the concatenation of
+    /// `before`, `own` and `after` (each in slices) is this rank's input, `own` its block
+    /// (`counts[rank]` elements, after the blocks of the ranks below it); on return `own` holds
+    /// the reduction of that block over every rank. The same rounds as
+    /// [`Communicator::reduce_scatter`] (ranks may mix the two), but the block is reduced where
+    /// it lies: no copy of it to a separate output.
     pub(crate) fn reduce_scatter_in_place(
         &mut self,
-        before: &[u8],
-        own: &mut [u8],
-        after: &[u8],
+        before: &[&[u8]],
+        own: &mut [&mut [u8]],
+        after: &[&[u8]],
         counts: &[usize],
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
         let (n, me) = (self.size, self.rank);
-        let len = before.len() + own.len() + after.len();
-        let (offs, _) = algorithms::check_reduce_scatter(len, own.len(), counts, me, n, dtype, op)?;
-        if before.len() != offs[me] * dtype.size() {
+        let (lens, own_len) = (pieces_len(before), pieces_len(own));
+        let len = lens + own_len + pieces_len(after);
+        let (offs, _) = algorithms::check_reduce_scatter(len, own_len, counts, me, n, dtype, op)?;
+        if lens != offs[me] * dtype.size() {
             return Err(invalid(format!(
-                "reduce_scatter: rank {me}'s block starts at byte {} but {} bytes precede it",
+                "reduce_scatter: rank {me}'s block starts at byte {} but {lens} bytes precede it",
                 offs[me] * dtype.size(),
-                before.len()
             )));
         }
         if n == 1 || len == 0 {
@@ -495,24 +501,25 @@ impl ShmComm {
     }
 
     /// Allgatherv in place (the hierarchical allreduce's last step): `own` is this rank's
-    /// block (`counts[rank]` bytes), `before` and `after` receive the blocks of the ranks below
-    /// and above it. The same rounds as [`Communicator::allgatherv`] (ranks may mix the two),
-    /// without the copy of this rank's block into the output.
+    /// block (`counts[rank]` bytes, in slices), the concatenations of `before` and `after`
+    /// receive the blocks of the ranks below and above it. The same rounds as
+    /// [`Communicator::allgatherv`] (ranks may mix the two), without the copy of this rank's
+    /// block into the output.
     pub(crate) fn allgatherv_in_place(
         &mut self,
-        before: &mut [u8],
-        own: &[u8],
-        after: &mut [u8],
+        before: &mut [&mut [u8]],
+        own: &[&[u8]],
+        after: &mut [&mut [u8]],
         counts: &[usize],
     ) -> Result<()> {
         let (n, me) = (self.size, self.rank);
-        let len = before.len() + own.len() + after.len();
-        let (offs, _) = algorithms::check_allgatherv(own.len(), len, counts, me, n)?;
-        if before.len() != offs[me] {
+        let lens = pieces_len(before);
+        let len = lens + pieces_len(own) + pieces_len(after);
+        let (offs, _) = algorithms::check_allgatherv(pieces_len(own), len, counts, me, n)?;
+        if lens != offs[me] {
             return Err(invalid(format!(
-                "allgatherv: rank {me}'s block starts at byte {} but {} bytes precede it",
+                "allgatherv: rank {me}'s block starts at byte {} but {lens} bytes precede it",
                 offs[me],
-                before.len()
             )));
         }
         self.guarded(|c| c.allgatherv_parts(before, own, after, counts))

@@ -224,10 +224,29 @@ fn a_corrupted_ring_tail_is_an_error_naming_the_reader() {
     );
 }
 
-/// The in-place reduce-scatter and allgatherv (the hierarchical allreduce's steps) give what
-/// the ordinary ones give, with blocks cut by the slot's rounds at odd places (one of them
-/// empty), and run the same rounds: rank 0 calls the ordinary collectives while the others
-/// call the in-place ones.
+/// `buf` in slices of `piece` bytes (the last shorter), cut at bytes `lo` and `hi`: the slices
+/// before `lo`, from `lo` to `hi`, and after `hi`.
+fn sliced(buf: &mut [u8], piece: usize, lo: usize, hi: usize) -> [Vec<&mut [u8]>; 3] {
+    let mut out: [Vec<&mut [u8]>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+    let mut off = 0;
+    for s in buf.chunks_mut(piece) {
+        let end = off + s.len();
+        let (s, rest) = s.split_at_mut(lo.clamp(off, end) - off);
+        let (m, t) = rest.split_at_mut(hi.clamp(off, end) - lo.clamp(off, end));
+        for (i, part) in [s, m, t].into_iter().enumerate() {
+            if !part.is_empty() {
+                out[i].push(part);
+            }
+        }
+        off = end;
+    }
+    out
+}
+
+/// The in-place reduce-scatter and allgatherv (the hierarchical allreduce's steps, on a
+/// buffer in slices) give what the ordinary ones give, with blocks and slices cut by the
+/// slot's rounds at odd places (one block empty), and run the same rounds: rank 0 calls the
+/// ordinary collectives while the others call the in-place ones.
 #[test]
 fn in_place_steps_match_the_ordinary_ones_and_mix_with_them() {
     use fh_core::{DType, ReduceOp};
@@ -246,7 +265,9 @@ fn in_place_steps_match_the_ordinary_ones_and_mix_with_them() {
             std::thread::spawn(move || {
                 let mut t = ShmTransport::join(&tok, r, n, opts()).unwrap();
                 let mut c = t.open_shm("c").unwrap();
-                for counts in cases {
+                for (case, counts) in cases.into_iter().enumerate() {
+                    // Slices of 1 element, of 700 (not a divisor of a round) or whole.
+                    let piece = [4, 2800, usize::MAX][case];
                     let total: usize = counts.iter().sum();
                     let lo: usize = counts[..r].iter().sum();
                     let hi = lo + counts[r];
@@ -263,20 +284,23 @@ fn in_place_steps_match_the_ordinary_ones_and_mix_with_them() {
                             .unwrap();
                         buf[lo * 4..hi * 4].copy_from_slice(&recv);
                     } else {
-                        let (before, rest) = buf.split_at_mut(lo * 4);
-                        let (own, after) = rest.split_at_mut(counts[r] * 4);
+                        let [before, mut own, after] = sliced(&mut buf, piece, lo * 4, hi * 4);
+                        let (b, a): (Vec<&[u8]>, Vec<&[u8]>) = (
+                            before.iter().map(|s| &**s).collect(),
+                            after.iter().map(|s| &**s).collect(),
+                        );
                         c.reduce_scatter_in_place(
-                            before,
-                            own,
-                            after,
+                            &b,
+                            &mut own,
+                            &a,
                             &counts,
                             DType::I32,
                             ReduceOp::Sum,
                         )
                         .unwrap();
                         // The rest of the input is left as it was.
-                        assert_eq!(before, &bytes(&input[..lo])[..]);
-                        assert_eq!(after, &bytes(&input[hi..])[..]);
+                        assert_eq!(before.concat(), bytes(&input[..lo]));
+                        assert_eq!(after.concat(), bytes(&input[hi..]));
                     }
                     assert_eq!(&buf[lo * 4..hi * 4], &bytes(&sum[lo..hi])[..], "{counts:?}");
                     // Allgather of the reduced blocks into a buffer holding garbage elsewhere.
@@ -287,9 +311,9 @@ fn in_place_steps_match_the_ordinary_ones_and_mix_with_them() {
                         c.allgatherv(&block, &mut out, &byte_counts).unwrap();
                     } else {
                         out[lo * 4..hi * 4].copy_from_slice(&block);
-                        let (before, rest) = out.split_at_mut(lo * 4);
-                        let (own, after) = rest.split_at_mut(counts[r] * 4);
-                        c.allgatherv_in_place(before, own, after, &byte_counts)
+                        let [mut before, own, mut after] = sliced(&mut out, piece, lo * 4, hi * 4);
+                        let own: Vec<&[u8]> = own.iter().map(|s| &**s).collect();
+                        c.allgatherv_in_place(&mut before, &own, &mut after, &byte_counts)
                             .unwrap();
                     }
                     assert_eq!(out, bytes(&sum), "{counts:?}");
@@ -318,9 +342,9 @@ fn in_place_steps_reject_a_block_out_of_place() {
     // Rank 0's block comes first: nothing may precede it.
     let err = c
         .reduce_scatter_in_place(
-            &[0; 4],
-            &mut [0; 8],
-            &[0; 4],
+            &[&[0; 4]],
+            &mut [&mut [0; 8]],
+            &[&[0; 4]],
             &[2, 2],
             DType::F32,
             ReduceOp::Sum,
@@ -329,7 +353,7 @@ fn in_place_steps_reject_a_block_out_of_place() {
     assert!(matches!(err, TransportError::InvalidArgument(_)), "{err}");
     assert!(err.to_string().contains("precede"), "{err}");
     let err = c
-        .allgatherv_in_place(&mut [0; 4], &[0; 4], &mut [], &[4, 4])
+        .allgatherv_in_place(&mut [&mut [0; 4]], &[&[0; 4]], &mut [], &[4, 4])
         .unwrap_err();
     assert!(err.to_string().contains("precede"), "{err}");
     h.join().unwrap();
