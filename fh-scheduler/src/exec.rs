@@ -196,8 +196,8 @@ impl Executor {
 
     /// Whether a fused group is reduced where its tensors lie ([`Executor::run_fused_in_place`])
     /// rather than through the fusion buffer ([`crate::Config::fused_in_place`]: under
-    /// `fasthorovod`, on a transport with scatter-gather I/O, [`Communicator::vectored_io`];
-    /// over the others it would copy more, not less), when every part is a whole tensor that
+    /// `fasthorovod`, on a transport that reduces slices in place for less,
+    /// [`Communicator::segments_in_place`]; over the others it would copy more, not less), when every part is a whole tensor that
     /// is not split across channels and the group is large enough for the ring (smaller ones
     /// would be packed anyway, for recursive doubling). Decided from agreed facts only (the
     /// preset, the backend, the planned parts and the agreed sizes), so every rank runs the same
@@ -217,7 +217,9 @@ impl Executor {
     /// rank.
     fn on_ring_in_place(&self, sig: &Signature, bytes: usize) -> bool {
         let elements = bytes / sig.dtype.size().max(1);
-        self.inner.config.fused_in_place(self.comm.vectored_io())
+        self.inner
+            .config
+            .fused_in_place(self.comm.segments_in_place())
             && algorithms::AllreduceAlgorithm::Auto.resolve(bytes, elements, self.comm.size())
                 == algorithms::AllreduceAlgorithm::Ring
     }

@@ -187,6 +187,30 @@ pub trait Communicator: Send {
         Ok(true)
     }
 
+    /// Whether [`Communicator::allreduce_segments`] reduces a fused group where its slices lie
+    /// for less than packing it into one buffer and calling [`Communicator::allreduce`] costs:
+    /// by default where [`Communicator::vectored_io`] says so (the ring moves the slices
+    /// straight to and from the wire); a backend with its own in-place allreduce of slices says
+    /// so too.
+    fn segments_in_place(&self) -> bool {
+        self.vectored_io()
+    }
+
+    /// Allreduce the concatenation of `segs` in place, combining with `op` (`Average` combines
+    /// as `Sum`: nothing here divides), and apply `finish` exactly once to every byte of the
+    /// result (the caller's division and postscale), as
+    /// [`algorithms::allreduce_segments`] does, which is the default. Only the total length
+    /// must agree across ranks.
+    fn allreduce_segments(
+        &mut self,
+        segs: &mut [&mut [u8]],
+        dtype: DType,
+        op: ReduceOp,
+        finish: &mut (dyn FnMut(&mut [u8]) -> Result<()> + Send),
+    ) -> Result<()> {
+        algorithms::allreduce_segments(self, segs, dtype, op, finish)
+    }
+
     /// Gather every rank's `send` into `recv`, rank by rank; `counts[r]` is rank r's length in
     /// bytes and `recv.len()` must be their sum.
     fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {

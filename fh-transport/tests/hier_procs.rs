@@ -150,6 +150,41 @@ fn long_allreduces(c: &mut dyn Communicator) {
     }
 }
 
+/// Allreduces of a vector in slices of uneven sizes (some empty) where they lie
+/// (`Communicator::allreduce_segments`), `finish` dividing by the world size: each byte must be
+/// finished exactly once, and every slice end with the reference.
+fn segmented_allreduces(c: &mut dyn Communicator) {
+    let (n, me) = (c.size(), c.rank());
+    let lens = [0usize, 3, 100_000, 1, 70_007, 0, 250_001];
+    let x = |r: usize, i: usize| ((i * 7 + r * 13) % 1001) as f64 - 500.0;
+    let mut vecs: Vec<Vec<f64>> = Vec::new();
+    let mut at = 0;
+    for &len in &lens {
+        vecs.push((at..at + len).map(|i| x(me, i)).collect());
+        at += len;
+    }
+    let mut segs: Vec<&mut [u8]> = vecs
+        .iter_mut()
+        .map(|v| bytemuck::cast_slice_mut::<f64, u8>(v))
+        .collect();
+    c.allreduce_segments(&mut segs, DType::F64, ReduceOp::Sum, &mut |b| {
+        for e in b.chunks_exact_mut(8) {
+            let v = f64::from_ne_bytes(e.try_into().unwrap()) / n as f64;
+            e.copy_from_slice(&v.to_ne_bytes());
+        }
+        Ok(())
+    })
+    .unwrap();
+    let mut i = 0;
+    for v in &vecs {
+        for &got in v {
+            let want = (0..n).map(|r| x(r, i)).sum::<f64>() / n as f64;
+            assert_eq!(got, want, "rank {me}: element {i} of the sliced allreduce");
+            i += 1;
+        }
+    }
+}
+
 /// The body of a rank; does nothing when run as an ordinary test.
 #[test]
 fn child() {
@@ -169,6 +204,7 @@ fn child() {
             let mut d = world.open("second").unwrap();
             suite_allreduce(&mut *c, 4242 + size as u64);
             long_allreduces(&mut *c);
+            segmented_allreduces(&mut *c);
             suite_others(&mut *c, 17);
             suite_p2p(&mut *c, 18);
             // Rejected arguments leave the communicator usable.
@@ -217,6 +253,7 @@ fn child() {
             assert_eq!(world.backend(), "hier");
             let mut c = world.open("pipeline").unwrap();
             long_allreduces(&mut *c);
+            segmented_allreduces(&mut *c);
             // Values whose sums round: every rank must still end with the same bits, close to
             // the exact sum.
             let (n, me) = (c.size(), c.rank());

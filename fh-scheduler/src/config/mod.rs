@@ -366,12 +366,13 @@ impl Config {
     /// Whether a fused group of several whole host tensors is reduced where its tensors lie
     /// (no fusion buffer: the transport sends from and receives into the tensors, and the
     /// average's division and the postscale run on this rank's block of the ring) over a
-    /// transport whose communicators do scatter-gather I/O (`vectored_io`:
-    /// `fh_transport::Communicator::vectored_io`, TCP). Only under `fasthorovod`: the `horovod`
+    /// transport whose communicators reduce slices where they lie for less than packing them
+    /// (`in_place`: `fh_transport::Communicator::segments_in_place`: TCP, with scatter-gather
+    /// I/O, and the hierarchical backend's lanes). Only under `fasthorovod`: the `horovod`
     /// preset packs into its fusion buffer, as Horovod does. The engine and the scale model
     /// both decide by this.
-    pub fn fused_in_place(&self, vectored_io: bool) -> bool {
-        self.preset == Preset::FastHorovod && vectored_io
+    pub fn fused_in_place(&self, in_place: bool) -> bool {
+        self.preset == Preset::FastHorovod && in_place
     }
 
     /// Number of data channels the engine opens (one under the `horovod` preset).

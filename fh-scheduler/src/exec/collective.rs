@@ -5,7 +5,7 @@ use fh_core::bytes::{DecodeError, Reader};
 use fh_core::kernels;
 use fh_core::message::Signature;
 use fh_core::ReduceOp;
-use fh_transport::{algorithms, Communicator, TransportError};
+use fh_transport::{Communicator, TransportError};
 
 use crate::Tensor;
 
@@ -35,7 +35,7 @@ pub(super) fn reduce_in_place(
 
 /// Prescale and allreduce the concatenation of `segs` where it lies, on the ring; the
 /// average's division and the postscale run on this rank's block only, before the ring's
-/// allgather copies it round ([`algorithms::allreduce_segments`]).
+/// allgather copies it round ([`Communicator::allreduce_segments`]).
 pub(super) fn reduce_segments(
     comm: &mut dyn Communicator,
     segs: &mut [&mut [u8]],
@@ -46,7 +46,7 @@ pub(super) fn reduce_segments(
     for s in segs.iter_mut() {
         kernels::scale(dtype, s, sig.prescale)?;
     }
-    algorithms::allreduce_segments(comm, segs, dtype, sig.op.combining(), &mut |b| {
+    comm.allreduce_segments(segs, dtype, sig.op.combining(), &mut |b| {
         Ok(kernels::divide_and_scale(dtype, b, n, post)?)
     })
 }

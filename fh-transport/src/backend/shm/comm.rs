@@ -35,6 +35,12 @@
 //! records the rank that peer waits for, for the enclosing communicator to name
 //! ([`ShmComm::outside_blame`]); otherwise it blames the rank it waits for.
 //!
+//! Reduce-scatter and allgatherv run in rounds of a slot each: a rank publishes what the others
+//! need (the input outside its own block; its own block), and reduces its block from the peers'
+//! slots (copies the peers' blocks out). Their in-place forms, for the hierarchical allreduce,
+//! run the same rounds on a buffer cut around the rank's block, so its block is never copied
+//! locally.
+//!
 //! Point-to-point messages go through one single-producer single-consumer ring per directed
 //! pair, each message framed by its 8-byte length.
 
@@ -107,6 +113,11 @@ fn first_blocker(ranks: &[usize], done: impl Fn(usize) -> Result<bool>) -> Resul
 /// `v` has reached `target` (wrapping 32-bit counters).
 fn reached(v: u32, target: u32) -> bool {
     (v.wrapping_sub(target) as i32) >= 0
+}
+
+/// Total length of a list of slices.
+fn pieces_len<S: AsRef<[u8]>>(pieces: &[S]) -> usize {
+    pieces.iter().map(|s| s.as_ref().len()).sum()
 }
 
 fn invalid(msg: String) -> TransportError {
@@ -456,6 +467,62 @@ impl ShmComm {
     /// [`ShmComm::waiting_outside`]).
     pub(crate) fn outside_word(&self) -> OutsideWord {
         OutsideWord(self.seg.outside_word(self.rank))
+    }
+
+    /// Reduce-scatter in place (the hierarchical allreduce's first step): the concatenation of
+    /// `before`, `own` and `after` (each in slices) is this rank's input, `own` its block
+    /// (`counts[rank]` elements, after the blocks of the ranks below it); on return `own` holds
+    /// the reduction of that block over every rank. The same rounds as
+    /// [`Communicator::reduce_scatter`] (ranks may mix the two), but the block is reduced where
+    /// it lies: no copy of it to a separate output.
+    pub(crate) fn reduce_scatter_in_place(
+        &mut self,
+        before: &[&[u8]],
+        own: &mut [&mut [u8]],
+        after: &[&[u8]],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let (lens, own_len) = (pieces_len(before), pieces_len(own));
+        let len = lens + own_len + pieces_len(after);
+        let (offs, _) = algorithms::check_reduce_scatter(len, own_len, counts, me, n, dtype, op)?;
+        if lens != offs[me] * dtype.size() {
+            return Err(invalid(format!(
+                "reduce_scatter: rank {me}'s block starts at byte {} but {lens} bytes precede it",
+                offs[me] * dtype.size(),
+            )));
+        }
+        if n == 1 || len == 0 {
+            return Ok(());
+        }
+        self.guarded(|c| c.reduce_scatter_parts((before, None, after), own, counts, dtype, op))
+    }
+
+    /// Allgatherv in place (the hierarchical allreduce's last step): `own` is this rank's
+    /// block (`counts[rank]` bytes, in slices), the concatenations of `before` and `after`
+    /// receive the blocks of the ranks below and above it. The same rounds as
+    /// [`Communicator::allgatherv`] (ranks may mix the two), without the copy of this rank's
+    /// block into the output.
+    pub(crate) fn allgatherv_in_place(
+        &mut self,
+        before: &mut [&mut [u8]],
+        own: &[&[u8]],
+        after: &mut [&mut [u8]],
+        counts: &[usize],
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let lens = pieces_len(before);
+        let len = lens + pieces_len(own) + pieces_len(after);
+        let (offs, _) = algorithms::check_allgatherv(pieces_len(own), len, counts, me, n)?;
+        if lens != offs[me] {
+            return Err(invalid(format!(
+                "allgatherv: rank {me}'s block starts at byte {} but {lens} bytes precede it",
+                offs[me],
+            )));
+        }
+        self.guarded(|c| c.allgatherv_parts(before, own, after, counts))
     }
 
     /// How much longer (default: one more timeout) a wait that timed out on a local peer waits

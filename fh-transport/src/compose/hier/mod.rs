@@ -11,7 +11,10 @@
 //!   host's sum on local rank `i`; the local ranks `i` of all hosts ("lane" `i`) allreduce
 //!   their block over TCP, all lanes at once; a shared-memory allgather reassembles the vector.
 //!   Every byte crosses the network once per host instead of once per rank, and every rank
-//!   drives a share of the traffic. A vector larger than the pipeline chunk
+//!   drives a share of the traffic. All three steps work in the caller's buffer: the
+//!   reduce-scatter reduces the rank's block where it lies (only the rest goes through the
+//!   shared-memory slots), the TCP allreduce runs on that block in place, and the allgather
+//!   writes the other ranks' blocks around it — no block is copied to a buffer of its own. A vector larger than the pipeline chunk
 //!   ([`crate::backend::tcp::settings::PIPELINE_VAR`], agreed at the rendezvous) is reduced chunk
 //!   by chunk, the three steps overlapping: the shared-memory steps on the calling thread, the
 //!   TCP allreduce of each chunk on a scoped thread, so that the link is kept busy while the
@@ -78,6 +81,54 @@ fn share(n: usize, l: usize, i: usize) -> usize {
     n / l + usize::from(i < n % l)
 }
 
+/// Cut `segs` at byte `at` of their concatenation: the slices before it and those from it on.
+fn cut_at(segs: Vec<&mut [u8]>, at: usize) -> (Vec<&mut [u8]>, Vec<&mut [u8]>) {
+    let (mut head, mut tail) = (Vec::new(), Vec::new());
+    let mut off = 0;
+    for s in segs {
+        let len = s.len();
+        if off + len <= at {
+            head.push(s);
+        } else if off >= at {
+            tail.push(s);
+        } else {
+            let (h, t) = s.split_at_mut(at - off);
+            head.push(h);
+            tail.push(t);
+        }
+        off += len;
+    }
+    (head, tail)
+}
+
+/// Read-only views of `segs`.
+fn shared<'a>(segs: &'a [&mut [u8]]) -> Vec<&'a [u8]> {
+    segs.iter().map(|s| &**s).collect()
+}
+
+/// A chunk of the buffer (in slices) cut around this rank's block.
+struct Around<'a> {
+    before: Vec<&'a mut [u8]>,
+    own: Vec<&'a mut [u8]>,
+    after: Vec<&'a mut [u8]>,
+}
+
+/// `chunk` cut around local rank `me`'s block of `counts` (elements of `esz` bytes, blocks in
+/// rank order).
+fn around<'a>(chunk: Vec<&'a mut [u8]>, counts: &[usize], me: usize, esz: usize) -> Around<'a> {
+    let lo = counts[..me].iter().sum::<usize>() * esz;
+    let (before, rest) = cut_at(chunk, lo);
+    let (own, after) = cut_at(rest, counts[me] * esz);
+    Around { before, own, after }
+}
+
+/// `FH_HIER_STAGED=1`: the communicators do not offer to reduce a fused group where it lies
+/// (the engine packs it into its fusion buffer, [`Communicator::segments_in_place`]), and the
+/// lanes' allreduce copies each block out of the buffer for the TCP step and back in, as before
+/// the steps worked in place: kept only to compare the two in one benchmark run. The rounds on
+/// the wire are the same either way, and the engine agrees on nothing that depends on it.
+const STAGED_VAR: &str = "FH_HIER_STAGED";
+
 /// Whether a hierarchy helps: several hosts, and some host with several ranks.
 fn worth_it(layout: &Layout) -> bool {
     layout.hosts().len() > 1 && layout.hosts().iter().any(|h| h.len() > 1)
@@ -133,6 +184,8 @@ pub struct HierTransport {
     layout: Arc<Layout>,
     topology: Topology,
     timeout: Duration,
+    /// [`STAGED_VAR`].
+    staged: bool,
 }
 
 impl HierTransport {
@@ -206,6 +259,7 @@ impl HierTransport {
             layout: Arc::new(layout),
             topology,
             timeout: info.timeout,
+            staged: std::env::var(STAGED_VAR).is_ok_and(|v| v == "1"),
         })))
     }
 
@@ -253,7 +307,8 @@ impl HierTransport {
                 .map(|r| self.layout.topology(r).cross_rank)
                 .collect(),
             all: (0..t.size).collect(),
-            scratch: Vec::new(),
+            staging: Vec::new(),
+            staged: self.staged,
             broken: None,
             timeout: self.timeout,
             interrupt,
@@ -309,7 +364,9 @@ pub struct HierComm {
     host_of: Vec<usize>,
     /// Every global rank (the full world's view, `0..size`).
     all: Vec<usize>,
-    scratch: Vec<u8>,
+    /// [`STAGED_VAR`], and the blocks' copies then.
+    staged: bool,
+    staging: Vec<u8>,
     broken: Option<String>,
     timeout: Duration,
     /// Shared by both halves (see [`HierTransport::open_hier`]).
@@ -459,54 +516,73 @@ impl HierComm {
     }
 
     /// Lanes: shared-memory reduce-scatter, cross-host allreduce per lane, shared-memory
-    /// allgather; pipelined over chunks when the buffer is larger than one
-    /// ([`HierComm::lanes_pipelined`]).
+    /// allgather, all three in place in the slices `segs` (their concatenation is the vector,
+    /// `op` a combining op); `finish` is applied once to every byte of the result, by the lane
+    /// rank that owns it in the cross-host step. Pipelined over chunks when the vector is larger
+    /// than one ([`HierComm::lanes_pipelined`]).
     fn allreduce_lanes(
         &mut self,
-        buf: &mut [u8],
+        segs: Vec<&mut [u8]>,
         dtype: DType,
         op: ReduceOp,
-        elements: usize,
+        finish: &mut (dyn FnMut(&mut [u8]) -> Result<()> + Send),
     ) -> Step<()> {
         let (l, me) = (self.topology.local_size, self.topology.local_rank);
+        let mut segs = segs;
         if l == 1 {
             // One rank per host: nothing to do in shared memory.
-            return self.allreduce_across(buf, dtype, op);
+            return self.allreduce_across_segments(&mut segs, dtype, op, finish);
         }
         let esz = dtype.size();
+        let elements = segs.iter().map(|s| s.len()).sum::<usize>() / esz;
         let chunks = pipeline_chunks(elements, esz, self.pipeline_chunk);
-        // This rank's block of every chunk, one after another.
-        let need = chunks.iter().map(|&c| share(c, l, me) * esz).sum::<usize>();
-        let mut scratch = std::mem::take(&mut self.scratch);
-        if scratch.len() < need {
-            // Its contents are overwritten by the reduce-scatter: no need to clear it.
-            scratch.resize(need, 0);
+        if chunks.len() > 1 {
+            return self.lanes_pipelined(segs, &chunks, dtype, op, finish);
         }
-        let res = if chunks.len() > 1 {
-            self.lanes_pipelined(buf, &mut scratch[..need], &chunks, dtype, op)
+        let counts: Vec<usize> = (0..l).map(|i| share(elements, l, i)).collect();
+        let mut p = around(segs, &counts, me, esz);
+        on_shm(self.shm.reduce_scatter_in_place(
+            &shared(&p.before),
+            &mut p.own,
+            &shared(&p.after),
+            &counts,
+            dtype,
+            op,
+        ))?;
+        if self.staged {
+            let mut staging = std::mem::take(&mut self.staging);
+            staging.clear();
+            p.own.iter().for_each(|s| staging.extend_from_slice(s));
+            let res = self.allreduce_across_segments(&mut [&mut staging], dtype, op, finish);
+            let mut at = 0;
+            for s in p.own.iter_mut() {
+                s.copy_from_slice(&staging[at..at + s.len()]);
+                at += s.len();
+            }
+            self.staging = staging;
+            res?;
         } else {
-            let counts: Vec<usize> = (0..l).map(|i| share(elements, l, i)).collect();
-            self.lanes_with(buf, &mut scratch[..need], &counts, dtype, op)
-        };
-        self.scratch = scratch;
-        res
-    }
-
-    fn lanes_with(
-        &mut self,
-        buf: &mut [u8],
-        block: &mut [u8],
-        counts: &[usize],
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Step<()> {
+            self.allreduce_across_segments(&mut p.own, dtype, op, finish)?;
+        }
+        let bytes: Vec<usize> = counts.iter().map(|c| c * esz).collect();
         on_shm(
             self.shm
-                .reduce_scatter(buf, block, counts, dtype, op.combining()),
-        )?;
-        self.allreduce_across(block, dtype, op)?;
-        let bytes: Vec<usize> = counts.iter().map(|c| c * dtype.size()).collect();
-        on_shm(self.shm.allgatherv(block, buf, &bytes))
+                .allgatherv_in_place(&mut p.before, &shared(&p.own), &mut p.after, &bytes),
+        )
+    }
+
+    /// Allreduce the concatenation of `segs` in place with this rank's cross-host group over
+    /// TCP (combining with `op`), `finish` applied once to every byte of the result.
+    fn allreduce_across_segments(
+        &mut self,
+        segs: &mut [&mut [u8]],
+        dtype: DType,
+        op: ReduceOp,
+        finish: &mut (dyn FnMut(&mut [u8]) -> Result<()> + Send),
+    ) -> Step<()> {
+        self.on_view(View::Across, |g| {
+            algorithms::allreduce_segments(g, segs, dtype, op, finish)
+        })
     }
 
     /// Allreduce `buf` with this rank's cross-host group (its lane, or the leaders) over TCP,
@@ -642,16 +718,56 @@ impl Communicator for HierComm {
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         // Check everything up front: past this point an argument error on one rank would
         // leave the others waiting.
-        let elements = algorithms::check_reduction("allreduce", dtype, op, buf.len())?;
+        algorithms::check_reduction("allreduce", dtype, op, buf.len())?;
         if self.topology.size == 1 || buf.is_empty() {
             return Ok(());
         }
+        let size = self.topology.size;
+        let mut finish = |b: &mut [u8]| -> Result<()> {
+            if op == ReduceOp::Average {
+                kernels::divide(dtype, b, size)?;
+            }
+            Ok(())
+        };
         self.guarded(|c| {
             if c.homogeneous {
-                c.allreduce_lanes(buf, dtype, op, elements)
+                c.allreduce_lanes(vec![buf], dtype, op.combining(), &mut finish)
             } else {
                 c.allreduce_leaders(buf, dtype, op)
             }
+        })
+    }
+
+    fn segments_in_place(&self) -> bool {
+        self.homogeneous && !self.staged
+    }
+
+    fn allreduce_segments(
+        &mut self,
+        segs: &mut [&mut [u8]],
+        dtype: DType,
+        op: ReduceOp,
+        finish: &mut (dyn FnMut(&mut [u8]) -> Result<()> + Send),
+    ) -> Result<()> {
+        let mut total = 0;
+        for s in segs.iter() {
+            total += algorithms::check_reduction("allreduce", dtype, op, s.len())?;
+        }
+        if self.topology.size == 1 || total == 0 || !self.homogeneous {
+            // Packed, as the engine would have, where the lanes do not apply.
+            let mut buf = segs.concat();
+            self.allreduce(&mut buf, dtype, op.combining())?;
+            finish(&mut buf)?;
+            let mut at = 0;
+            for s in segs.iter_mut() {
+                s.copy_from_slice(&buf[at..at + s.len()]);
+                at += s.len();
+            }
+            return Ok(());
+        }
+        self.guarded(|c| {
+            let segs = segs.iter_mut().map(|s| &mut **s).collect();
+            c.allreduce_lanes(segs, dtype, op.combining(), finish)
         })
     }
 

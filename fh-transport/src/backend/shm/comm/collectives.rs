@@ -1,6 +1,7 @@
 //! The shared-memory communicator's native collectives, in rounds through the ranks' slots
 //! (see *Protocol* in the parent module).
 
+use std::ops::Range;
 use std::sync::atomic::Ordering::{Relaxed, Release};
 
 use fh_core::{kernels, DType, ReduceOp};
@@ -11,6 +12,47 @@ use super::{
 };
 use crate::algorithms::offsets;
 use crate::{Result, TransportError};
+
+/// A reduce-scatter's input around this rank's block: the slices before it, the block (`None`:
+/// it is the output, reduced in place) and the slices after it.
+pub(super) type Input<'a> = (&'a [&'a [u8]], Option<&'a [u8]>, &'a [&'a [u8]]);
+
+/// Calls `f(at, part)` for every part of the bytes `r` of the concatenation of `segs`, `at`
+/// being the part's offset from `r.start`.
+fn each_in(segs: &[&[u8]], r: Range<usize>, mut f: impl FnMut(usize, &[u8])) {
+    let mut off = 0;
+    for s in segs {
+        let (a, z) = (r.start.max(off), r.end.min(off + s.len()));
+        if a < z {
+            f(a - r.start, &s[a - off..z - off]);
+        }
+        off += s.len();
+        if off >= r.end {
+            break;
+        }
+    }
+}
+
+/// As [`each_in`], mutable, stopping at the first error.
+fn each_in_mut(
+    segs: &mut [&mut [u8]],
+    r: Range<usize>,
+    mut f: impl FnMut(usize, &mut [u8]) -> Result<()>,
+) -> Result<()> {
+    let mut off = 0;
+    for s in segs.iter_mut() {
+        let len = s.len();
+        let (a, z) = (r.start.max(off), r.end.min(off + len));
+        if a < z {
+            f(a - r.start, &mut s[a - off..z - off])?;
+        }
+        off += len;
+        if off >= r.end {
+            break;
+        }
+    }
+    Ok(())
+}
 
 impl ShmComm {
     pub(super) fn allreduce_inner(
@@ -145,24 +187,53 @@ impl ShmComm {
         recv: &mut [u8],
         counts: &[usize],
     ) -> Result<()> {
+        let (offs, _) = offsets(counts, self.size, "allgatherv")?;
+        let me = self.rank;
+        let (before, rest) = recv.split_at_mut(offs[me]);
+        let (mine, after) = rest.split_at_mut(counts[me]);
+        mine.copy_from_slice(send);
+        self.allgatherv_parts(&mut [before], &[send], &mut [after], counts)
+    }
+
+    /// The allgatherv's rounds, the received blocks written straight where they belong: the
+    /// concatenation of `before` receives the blocks of the ranks below this one, that of
+    /// `after` those above it, and `own` (this rank's block, in slices) is published, never
+    /// copied locally. The caller has checked the lengths against `counts`.
+    pub(super) fn allgatherv_parts(
+        &mut self,
+        before: &mut [&mut [u8]],
+        own: &[&[u8]],
+        after: &mut [&mut [u8]],
+        counts: &[usize],
+    ) -> Result<()> {
         let (offs, total) = offsets(counts, self.size, "allgatherv")?;
         let me = self.rank;
-        recv[offs[me]..offs[me] + counts[me]].copy_from_slice(send);
+        let hi = offs[me] + counts[me];
         let c = self.seg.layout.slot_bytes;
         let rounds = counts.iter().map(|&x| x.div_ceil(c)).max().unwrap_or(0);
         for i in 0..rounds {
             let (k, b) = self.begin_round("allgatherv")?;
-            let (a, len) = piece(send.len(), i, c);
-            // SAFETY: our own slot, free for round k.
-            unsafe { put(self.seg.slot(me, b), &send[a..a + len]) };
+            let (a, len) = piece(counts[me], i, c);
+            let slot = self.seg.slot(me, b);
+            // SAFETY: our own slot, free for round k; the parts lie at offsets within `len`.
+            each_in(own, a..a + len, |q, part| unsafe { put(slot.add(q), part) });
             self.post(k, b, &[TAG_ALLGATHER, total as u64, len as u64]);
             self.for_each_posted("allgatherv", k, |j| {
                 let (a, len) = piece(counts[j], i, c);
                 self.check_meta(j, b, &[TAG_ALLGATHER, total as u64, len as u64])?;
                 let at = offs[j] + a;
-                // SAFETY: rank j posted round k; its slot is stable until we consume it.
-                unsafe { get(&mut recv[at..at + len], self.seg.slot(j, b)) };
-                Ok(())
+                let src = self.seg.slot(j, b);
+                let take = |q: usize, part: &mut [u8]| {
+                    // SAFETY: rank j posted round k; its slot is stable until we consume it, and
+                    // the parts lie at offsets within `len`.
+                    unsafe { get(part, src.add(q)) };
+                    Ok(())
+                };
+                if j < me {
+                    each_in_mut(before, at..at + len, take)
+                } else {
+                    each_in_mut(after, at - hi..at - hi + len, take)
+                }
             })?;
             self.finish_round(k);
         }
@@ -236,11 +307,33 @@ impl ShmComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        let (n, me) = (self.size, self.rank);
-        let (offs, _) = offsets(counts, n, "reduce_scatter")?;
+        let (offs, _) = offsets(counts, self.size, "reduce_scatter")?;
         let e = dtype.size();
+        let me = self.rank;
         let (lo, hi) = (offs[me] * e, (offs[me] + counts[me]) * e);
-        let total = send.len();
+        let parts = (&[&send[..lo]][..], Some(&send[lo..hi]), &[&send[hi..]][..]);
+        self.reduce_scatter_parts(parts, &mut [recv], counts, dtype, op)
+    }
+
+    /// The reduce-scatter's rounds over the input `before ++ block ++ after` (`before` and
+    /// `after` in slices), where `block` is this rank's block (`counts[rank]` elements after
+    /// the blocks of the ranks below it): its reduction is written to the slices of `own`,
+    /// read from `block` when given (each round's piece copied into `own` as it is reduced,
+    /// while it is in cache) or else from `own` itself (in place: the block is never copied).
+    /// Only `before` and `after` are published. The caller has checked the lengths against
+    /// `counts`.
+    pub(super) fn reduce_scatter_parts(
+        &mut self,
+        (before, block, after): Input<'_>,
+        own: &mut [&mut [u8]],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let (offs, total) = offsets(counts, n, "reduce_scatter")?;
+        let e = dtype.size();
+        let (lo, hi, total) = (offs[me] * e, (offs[me] + counts[me]) * e, total * e);
         let c = self.seg.layout.slot_bytes;
         let tag = reduce_tag(TAG_REDUCE_SCATTER, dtype, op);
         for i in 0..total.div_ceil(c) {
@@ -248,30 +341,45 @@ impl ShmComm {
             let (a, len) = piece(total, i, c);
             let z = a + len;
             let slot = self.seg.slot(me, b);
-            // Our own block is reduced from private memory; publish only the rest.
-            let (mlo, mhi) = (lo.clamp(a, z), hi.clamp(a, z));
-            // SAFETY: our own slot, free for round k; offsets are within `len <= slot_bytes`.
-            unsafe {
-                put(slot, &send[a..mlo]);
-                put(slot.add(mhi - a), &send[mhi..z]);
+            // Our own block is reduced from private memory; publish only the rest, each part
+            // at its offset in the round.
+            if a < lo {
+                // SAFETY: our own slot, free for round k; the parts lie in `a..z`, at offsets
+                // within `len <= slot_bytes`.
+                each_in(before, a..z.min(lo), |q, part| unsafe {
+                    put(slot.add(q), part)
+                });
+            }
+            if z > hi {
+                let from = a.max(hi);
+                // SAFETY: as above.
+                each_in(after, from - hi..z - hi, |q, part| unsafe {
+                    put(slot.add(from - a + q), part)
+                });
             }
             let meta = [tag, total as u64, len as u64];
             self.post(k, b, &meta);
+            let (mlo, mhi) = (lo.clamp(a, z), hi.clamp(a, z));
             if mhi > mlo {
                 self.for_each_posted("reduce_scatter", k, |j| self.check_meta(j, b, &meta))?;
-                let dst = &mut recv[mlo - lo..mhi - lo];
-                dst.copy_from_slice(&send[mlo..mhi]);
-                let srcs: Vec<&[u8]> = (0..n)
-                    .filter(|&j| j != me)
-                    // SAFETY: posted; [mlo, mhi) of peers' slots is not written in round k.
-                    .map(|j| unsafe { view(self.seg.slot(j, b).add(mlo - a), mhi - mlo) })
-                    .collect();
-                reduce_blocked(dtype, op.combining(), dst, &srcs)?;
+                each_in_mut(own, mlo - lo..mhi - lo, |q, dst| {
+                    if let Some(src) = block {
+                        dst.copy_from_slice(&src[mlo - lo + q..][..dst.len()]);
+                    }
+                    let srcs: Vec<&[u8]> = (0..n)
+                        .filter(|&j| j != me)
+                        // SAFETY: posted; [mlo, mhi) of peers' slots is not written in round k.
+                        .map(|j| unsafe { view(self.seg.slot(j, b).add(mlo - a + q), dst.len()) })
+                        .collect();
+                    reduce_blocked(dtype, op.combining(), dst, &srcs)
+                })?;
             }
             self.finish_round(k);
         }
         if op == ReduceOp::Average {
-            kernels::divide(dtype, recv, n)?;
+            for part in own.iter_mut() {
+                kernels::divide(dtype, part, n)?;
+            }
         }
         Ok(())
     }

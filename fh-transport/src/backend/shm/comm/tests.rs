@@ -223,3 +223,138 @@ fn a_corrupted_ring_tail_is_an_error_naming_the_reader() {
         "{err}"
     );
 }
+
+/// `buf` in slices of `piece` bytes (the last shorter), cut at bytes `lo` and `hi`: the slices
+/// before `lo`, from `lo` to `hi`, and after `hi`.
+fn sliced(buf: &mut [u8], piece: usize, lo: usize, hi: usize) -> [Vec<&mut [u8]>; 3] {
+    let mut out: [Vec<&mut [u8]>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+    let mut off = 0;
+    for s in buf.chunks_mut(piece) {
+        let end = off + s.len();
+        let (s, rest) = s.split_at_mut(lo.clamp(off, end) - off);
+        let (m, t) = rest.split_at_mut(hi.clamp(off, end) - lo.clamp(off, end));
+        for (i, part) in [s, m, t].into_iter().enumerate() {
+            if !part.is_empty() {
+                out[i].push(part);
+            }
+        }
+        off = end;
+    }
+    out
+}
+
+/// The in-place reduce-scatter and allgatherv (the hierarchical allreduce's steps, on a
+/// buffer in slices) give what the ordinary ones give, with blocks and slices cut by the
+/// slot's rounds at odd places (one block empty), and run the same rounds: rank 0 calls the
+/// ordinary collectives while the others call the in-place ones.
+#[test]
+fn in_place_steps_match_the_ordinary_ones_and_mix_with_them() {
+    use fh_core::{DType, ReduceOp};
+    let n = 3;
+    let tok = token("in-place");
+    let opts = || ShmOptions {
+        slot_bytes: 4096,
+        ..opts()
+    };
+    // Elements of 4 bytes; a slot round holds 1024 of them.
+    let cases: [[usize; 3]; 3] = [[1001, 3333, 7], [0, 2049, 4097], [1500, 1, 1500]];
+    let value = |r: usize, i: usize| (r * 7919 + i * 31) as i32 % 1000 - 500;
+    let ranks: Vec<_> = (0..n)
+        .map(|r| {
+            let tok = tok.clone();
+            std::thread::spawn(move || {
+                let mut t = ShmTransport::join(&tok, r, n, opts()).unwrap();
+                let mut c = t.open_shm("c").unwrap();
+                for (case, counts) in cases.into_iter().enumerate() {
+                    // Slices of 1 element, of 700 (not a divisor of a round) or whole.
+                    let piece = [4, 2800, usize::MAX][case];
+                    let total: usize = counts.iter().sum();
+                    let lo: usize = counts[..r].iter().sum();
+                    let hi = lo + counts[r];
+                    let bytes = |v: &[i32]| bytemuck::cast_slice::<i32, u8>(v).to_vec();
+                    let input: Vec<i32> = (0..total).map(|i| value(r, i)).collect();
+                    let sum: Vec<i32> = (0..total)
+                        .map(|i| (0..n).map(|q| value(q, i)).sum())
+                        .collect();
+                    // Reduce-scatter.
+                    let mut buf = bytes(&input);
+                    if r == 0 {
+                        let mut recv = vec![0u8; counts[r] * 4];
+                        c.reduce_scatter(&buf, &mut recv, &counts, DType::I32, ReduceOp::Sum)
+                            .unwrap();
+                        buf[lo * 4..hi * 4].copy_from_slice(&recv);
+                    } else {
+                        let [before, mut own, after] = sliced(&mut buf, piece, lo * 4, hi * 4);
+                        let (b, a): (Vec<&[u8]>, Vec<&[u8]>) = (
+                            before.iter().map(|s| &**s).collect(),
+                            after.iter().map(|s| &**s).collect(),
+                        );
+                        c.reduce_scatter_in_place(
+                            &b,
+                            &mut own,
+                            &a,
+                            &counts,
+                            DType::I32,
+                            ReduceOp::Sum,
+                        )
+                        .unwrap();
+                        // The rest of the input is left as it was.
+                        assert_eq!(before.concat(), bytes(&input[..lo]));
+                        assert_eq!(after.concat(), bytes(&input[hi..]));
+                    }
+                    assert_eq!(&buf[lo * 4..hi * 4], &bytes(&sum[lo..hi])[..], "{counts:?}");
+                    // Allgather of the reduced blocks into a buffer holding garbage elsewhere.
+                    let block = buf[lo * 4..hi * 4].to_vec();
+                    let mut out = vec![0xa5u8; total * 4];
+                    let byte_counts: Vec<usize> = counts.iter().map(|c| c * 4).collect();
+                    if r == 0 {
+                        c.allgatherv(&block, &mut out, &byte_counts).unwrap();
+                    } else {
+                        out[lo * 4..hi * 4].copy_from_slice(&block);
+                        let [mut before, own, mut after] = sliced(&mut out, piece, lo * 4, hi * 4);
+                        let own: Vec<&[u8]> = own.iter().map(|s| &**s).collect();
+                        c.allgatherv_in_place(&mut before, &own, &mut after, &byte_counts)
+                            .unwrap();
+                    }
+                    assert_eq!(out, bytes(&sum), "{counts:?}");
+                }
+            })
+        })
+        .collect();
+    for h in ranks {
+        h.join().unwrap();
+    }
+}
+
+#[test]
+fn in_place_steps_reject_a_block_out_of_place() {
+    use fh_core::{DType, ReduceOp};
+    let tok = token("in-place-args");
+    let tok1 = tok.clone();
+    // Rank 1 never calls a collective: the arguments are refused before any round starts.
+    let h = std::thread::spawn(move || {
+        let mut t = ShmTransport::join(&tok1, 1, 2, opts()).unwrap();
+        let _c = t.open_shm("c").unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+    });
+    let mut t = ShmTransport::join(&tok, 0, 2, opts()).unwrap();
+    let mut c = t.open_shm("c").unwrap();
+    // Rank 0's block comes first: nothing may precede it.
+    let err = c
+        .reduce_scatter_in_place(
+            &[&[0; 4]],
+            &mut [&mut [0; 8]],
+            &[&[0; 4]],
+            &[2, 2],
+            DType::F32,
+            ReduceOp::Sum,
+        )
+        .unwrap_err();
+    assert!(matches!(err, TransportError::InvalidArgument(_)), "{err}");
+    assert!(err.to_string().contains("precede"), "{err}");
+    let err = c
+        .allgatherv_in_place(&mut [&mut [0; 4]], &[&[0; 4]], &mut [], &[4, 4])
+        .unwrap_err();
+    assert!(err.to_string().contains("precede"), "{err}");
+    h.join().unwrap();
+}
