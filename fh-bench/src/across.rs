@@ -19,14 +19,15 @@
 //! under a per-flow cap (one stream's measured rate below the link's) an allreduce reaches at
 //! most its connections' streams ([`row_link`]: one connection per lane for hierarchical
 //! allreduce, each striped over the S the row's runtime reported, [`row_streams`]); a
-//! hierarchical row adds its shared-memory passes ([`HIER_LOCAL_PASSES`]) at the copy rate.
+//! hierarchical row adds its shared-memory passes ([`hier_local_passes`]) at the copy rate,
+//! of which a pipelined row ([`hier_pipeline_chunk`]) exposes one chunk's.
 //! The transport's CPU cost per byte (TCP, and the emulation's own packet handling) is not
 //! modelled. DDP and Horovod rows have no model.
 //!
 //! The lines are part of the run's record: their types ([`Across`], [`AcrossRow`], [`Route`])
 //! live in [`crate::record`].
 
-use crate::record::{Across, AcrossRow, Route, RunRecord};
+use crate::record::{transport_env, Across, AcrossRow, Route, RunRecord};
 use crate::sim::{self, Flows, Link, Overheads, Schedule};
 use crate::workload::Workload;
 
@@ -55,10 +56,32 @@ pub fn model_link(link_gbps: f64) -> Link {
 }
 
 /// Passes over a group at the host's copy rate that hierarchical allreduce adds within a host
-/// (fh-transport's `compose::hier`, lanes): the shared-memory reduce-scatter copies the rank's
-/// vector in and reduces its block from every local rank's (two), the allgather copies the
-/// reduced vector out (one); run one after another with the lane's transfer across hosts.
-pub const HIER_LOCAL_PASSES: f64 = 3.0;
+/// (fh-transport's `compose::hier`, lanes) with `per_host` ranks on each host, each rank
+/// working where its buffer lies: the shared-memory reduce-scatter copies the parts of the
+/// vector that other ranks reduce into its slots and reduces its own block from theirs, the
+/// allgather publishes its block and copies the others' in, each a share (L−1)/L of the
+/// vector: 4(L−1)/L. With `FH_HIER_STAGED=1` (the engine packs the group, the block goes
+/// through a buffer of its own) 3 passes.
+pub fn hier_local_passes(per_host: usize, staged: bool) -> f64 {
+    if staged {
+        return 3.0;
+    }
+    let l = per_host.max(1) as f64;
+    4.0 * (l - 1.0) / l
+}
+
+/// The chunk a hierarchical row's allreduce is pipelined in (its shared-memory phases overlap
+/// the transfer across hosts but for one chunk's), from the row's transport (`hier-serial`,
+/// `hier@FH_HIER_PIPELINE=…`) read by the runtime's own parser; `None`: not pipelined.
+pub fn hier_pipeline_chunk(transport: &str) -> Option<usize> {
+    let var = transport_env(transport).1;
+    let chunk = fh_transport::backend::tcp::settings::StreamSettings::from_lookup(|k| {
+        var.filter(|(v, _)| *v == k)
+            .map(|(_, value)| value.to_string())
+    })
+    .pipeline_chunk;
+    (chunk > 0).then_some(chunk)
+}
 
 /// The streams a row's runtime uses to each peer on another host: the count its transport
 /// reported (the median over the runs), else the count the runtime's rule would choose from
@@ -88,12 +111,20 @@ pub struct Probe {
     pub flow_gbps: Option<f64>,
 }
 
-/// The model's link for a row on `route` with `per_host` ranks per host and `streams` streams
-/// per peer connection: the probe's link rate; under a per-flow cap (the probe's one-stream
-/// rate below the link's) each transfer reaches at most its connections' flows (one per lane
-/// for hierarchical allreduce, each striped over `streams`; [`Link::transfer_cap`]); and for
-/// hierarchical allreduce the passes within a host ([`HIER_LOCAL_PASSES`]).
-pub fn row_link(probe: &Probe, route: Route, per_host: usize, streams: usize) -> Link {
+/// The model's link for a row over `transport` on `route` with `per_host` ranks per host and
+/// `streams` streams per peer connection: the probe's link rate; under a per-flow cap (the
+/// probe's one-stream rate below the link's) each transfer reaches at most its connections'
+/// flows (one per lane for hierarchical allreduce, each striped over `streams`;
+/// [`Link::transfer_cap`]); and for hierarchical allreduce the passes within a host
+/// ([`hier_local_passes`]), of which only one pipeline chunk's stay outside the transfer
+/// ([`hier_pipeline_chunk`]).
+pub fn row_link(
+    probe: &Probe,
+    transport: &str,
+    route: Route,
+    per_host: usize,
+    streams: usize,
+) -> Link {
     let mut l = model_link(probe.link_gbps);
     let hier = route == Route::Hierarchical && per_host > 1;
     l.flows = probe.flow_gbps.map(|f| Flows {
@@ -103,7 +134,18 @@ pub fn row_link(probe: &Probe, route: Route, per_host: usize, streams: usize) ->
         stripe_min: fh_transport::backend::tcp::settings::DEFAULT_STRIPE_MIN,
     });
     if hier {
-        l.local_passes = HIER_LOCAL_PASSES;
+        let staged = transport_env(transport).1 == Some(("FH_HIER_STAGED", "1"));
+        l.local_passes = hier_local_passes(per_host, staged);
+        l.local_chunk = if staged {
+            None
+        } else {
+            hier_pipeline_chunk(transport)
+        };
+        // As the engine decides it (`Communicator::segments_in_place`): a staged hierarchical
+        // world does not reduce fused groups where they lie; the engine packs them.
+        if staged {
+            l.vectored_io = false;
+        }
     }
     l
 }
@@ -149,7 +191,7 @@ pub fn rows(
         let backward_ms = r.backward.median;
         let bound_ms = (bytes_across / rate_bytes * 1e3 - backward_ms).max(0.0);
         let (streams, reported) = row_streams(r, &probe);
-        let link = row_link(&probe, route, per_host, streams);
+        let link = row_link(&probe, &r.transport, route, per_host, streams);
         let model_exposed_ms = workloads
             .iter()
             .find(|w| w.model == r.workload)
@@ -188,6 +230,32 @@ pub fn rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hierarchical_rows_model_the_runtimes_passes_and_pipeline() {
+        // In place: 4(L−1)/L passes (2 for two ranks a host); staged: 3.
+        assert_eq!(hier_local_passes(2, false), 2.0);
+        assert_eq!(hier_local_passes(4, false), 3.0);
+        assert_eq!(hier_local_passes(1, false), 0.0);
+        assert_eq!(hier_local_passes(2, true), 3.0);
+        // The pipeline chunk as the runtime reads its variable.
+        let default = fh_transport::backend::tcp::settings::DEFAULT_PIPELINE_CHUNK;
+        assert_eq!(hier_pipeline_chunk("hier"), Some(default));
+        assert_eq!(hier_pipeline_chunk("hier-serial"), None);
+        assert_eq!(hier_pipeline_chunk("hier@FH_HIER_PIPELINE=1M"), Some(1 << 20));
+        assert_eq!(hier_pipeline_chunk("hier@FH_HIER_PIPELINE=off"), None);
+        let probe = Probe {
+            link_gbps: 4.0,
+            flow_gbps: None,
+        };
+        let l = row_link(&probe, "hier", Route::Hierarchical, 2, 1);
+        assert_eq!((l.local_passes, l.local_chunk), (2.0, Some(default)));
+        assert!(l.vectored_io);
+        let l = row_link(&probe, "hier@FH_HIER_STAGED=1", Route::Hierarchical, 2, 1);
+        assert_eq!((l.local_passes, l.local_chunk, l.vectored_io), (3.0, None, false));
+        let l = row_link(&probe, "tcp", Route::FlatRing, 2, 1);
+        assert_eq!((l.local_passes, l.local_chunk), (0.0, None));
+    }
 
     #[test]
     fn two_hosts_of_two_send_the_gradients_once_or_one_and_a_half_times() {

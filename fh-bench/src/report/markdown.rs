@@ -343,13 +343,14 @@ fn across_hosts(md: &mut String, a: &crate::record::Across, backward_ms: f64) {
          rates where the row reports none, marked *; frames below the striping threshold on \
          one stream), up to the link; hierarchical allreduce's shared-memory phases add {} \
          passes over each group at the host copy rate ({copy}; a rank's channels copying at \
-         once share it where this machine has fewer cores than the job has ranks), one after \
-         another with its transfer.\n",
+         once share it where this machine has fewer cores than the job has ranks), of which \
+         only the first pipeline chunk's stay outside the transfer across hosts (all of them \
+         under `hier-serial`; 3 passes, one after another, under `FH_HIER_STAGED=1`).\n",
         a.layout,
         a.hosts,
         a.ranks,
         a.link_gbps,
-        crate::across::HIER_LOCAL_PASSES
+        crate::across::hier_local_passes(a.ranks / a.hosts.max(1), false)
     );
     let _ = writeln!(
         md,

@@ -43,5 +43,6 @@ pub fn calibrate_link(name: &str, p: usize, points: &[(f64, f64)]) -> Option<Lin
         vectored_io: false,
         flows: None,
         local_passes: 0.0,
+        local_chunk: None,
     })
 }

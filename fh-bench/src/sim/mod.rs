@@ -216,8 +216,13 @@ pub fn simulate_step(
         }
     };
     // The transport's own passes within a host (hierarchical allreduce), on the channel too.
+    // Pipelined (`Link::local_chunk`), one chunk's passes are exposed, the rest overlap the
+    // transfer.
     let local_s = |b: usize| match o.copy_bps {
-        Some(r) if r > 0.0 && link.local_passes > 0.0 => link.local_passes * b as f64 / r,
+        Some(r) if r > 0.0 && link.local_passes > 0.0 => {
+            let exposed = link.local_chunk.map_or(b, |c| b.min(c.max(1)));
+            link.local_passes * exposed as f64 / r
+        }
         _ => 0.0,
     };
     let group_copy = |b: usize, parts: usize| {

@@ -60,6 +60,11 @@ pub struct Link {
     /// allgather); 0: none (a flat ring, or within-host work taken as free).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub local_passes: f64,
+    /// The transport pipelines that work with the transfer in chunks of this many bytes
+    /// (hierarchical allreduce, `FH_HIER_PIPELINE`): only one chunk's passes stay outside the
+    /// transfer, the rest overlap it. `None`: one after another.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_chunk: Option<usize>,
 }
 
 fn is_zero(x: &f64) -> bool {
@@ -205,6 +210,7 @@ impl Link {
                 vectored_io: true,
                 flows: None,
                 local_passes: 0.0,
+                local_chunk: None,
             },
             Link {
                 name: "100 Gb/s".into(),
@@ -218,6 +224,7 @@ impl Link {
                 vectored_io: true,
                 flows: None,
                 local_passes: 0.0,
+                local_chunk: None,
             },
             Link {
                 name: "400 Gb/s".into(),
@@ -231,6 +238,7 @@ impl Link {
                 vectored_io: true,
                 flows: None,
                 local_passes: 0.0,
+                local_chunk: None,
             },
             Link {
                 name: "NVLink-class".into(),
@@ -244,6 +252,7 @@ impl Link {
                 vectored_io: false,
                 flows: None,
                 local_passes: 0.0,
+                local_chunk: None,
             },
         ]
     }

@@ -189,3 +189,25 @@ fn efficiency_definition() {
     assert_eq!(efficiency(0.1, 0.1), 1.0);
     assert!(close(efficiency(0.1, 0.2), 0.15 / 0.25));
 }
+
+#[test]
+fn pipelined_local_passes_expose_one_chunk() {
+    // A lone 1 MB tensor on 2 ranks at 1 GB/s copies: 2 local passes over it add 2 ms one
+    // after another with the transfer; pipelined in 250 kB chunks only one chunk's passes
+    // (0.5 ms) stay outside it; a group no larger than a chunk exposes all of them.
+    let mut l = link(1e-5, 1e9, None);
+    l.local_passes = 2.0;
+    let o = Overheads {
+        copy_bps: Some(1e9),
+        ..NO_OVERHEAD
+    };
+    let f = fasthorovod_k1();
+    let serial = simulate_step(&[1_000_000], &[0.0], 2, &l, &f, &o);
+    assert!(close(serial.step_s, 1e-5 + 2e-3 + 1e-3 + 2e-5 + 1e-3), "{serial:?}");
+    l.local_chunk = Some(250_000);
+    let piped = simulate_step(&[1_000_000], &[0.0], 2, &l, &f, &o);
+    assert!(close(piped.step_s, 1e-5 + 0.5e-3 + 1e-3 + 2e-5 + 1e-3), "{piped:?}");
+    l.local_chunk = Some(4_000_000);
+    let one_chunk = simulate_step(&[1_000_000], &[0.0], 2, &l, &f, &o);
+    assert_eq!(one_chunk, serial);
+}

@@ -24,6 +24,7 @@ fn link(alpha: f64, bw: f64, cap: Option<f64>) -> Link {
         vectored_io: false,
         flows: None,
         local_passes: 0.0,
+        local_chunk: None,
     }
 }
 
