@@ -141,6 +141,9 @@ pub fn row_link(
         } else {
             hier_pipeline_chunk(transport)
         };
+        // Its channels' tiny allreduces are collectives of shared memory and TCP: the
+        // negotiation thread's one-byte agreement stays a step of its own.
+        l.agrees_in_band = false;
         // As the engine decides it (`Communicator::segments_in_place`): a staged hierarchical
         // world does not reduce fused groups where they lie; the engine packs them.
         if staged {
@@ -242,7 +245,10 @@ mod tests {
         let default = fh_transport::backend::tcp::settings::DEFAULT_PIPELINE_CHUNK;
         assert_eq!(hier_pipeline_chunk("hier"), Some(default));
         assert_eq!(hier_pipeline_chunk("hier-serial"), None);
-        assert_eq!(hier_pipeline_chunk("hier@FH_HIER_PIPELINE=1M"), Some(1 << 20));
+        assert_eq!(
+            hier_pipeline_chunk("hier@FH_HIER_PIPELINE=1M"),
+            Some(1 << 20)
+        );
         assert_eq!(hier_pipeline_chunk("hier@FH_HIER_PIPELINE=off"), None);
         let probe = Probe {
             link_gbps: 4.0,
@@ -252,7 +258,10 @@ mod tests {
         assert_eq!((l.local_passes, l.local_chunk), (2.0, Some(default)));
         assert!(l.vectored_io);
         let l = row_link(&probe, "hier@FH_HIER_STAGED=1", Route::Hierarchical, 2, 1);
-        assert_eq!((l.local_passes, l.local_chunk, l.vectored_io), (3.0, None, false));
+        assert_eq!(
+            (l.local_passes, l.local_chunk, l.vectored_io),
+            (3.0, None, false)
+        );
         let l = row_link(&probe, "tcp", Route::FlatRing, 2, 1);
         assert_eq!((l.local_passes, l.local_chunk), (0.0, None));
     }

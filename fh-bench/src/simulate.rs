@@ -110,6 +110,8 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
             // TCP's communicators do scatter-gather I/O: `fasthorovod` reduces fused groups in
             // place over it.
             l.vectored_io = transport == "tcp";
+            // Its small allreduces carry the can-run flag in their own messages.
+            l.agrees_in_band = transport == "tcp";
             if l.host_bound {
                 notes.push(format!(
                     "{transport}: its transfers are the ranks' own memory copies: in the \

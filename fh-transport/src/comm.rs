@@ -187,6 +187,14 @@ pub trait Communicator: Send {
         Ok(true)
     }
 
+    /// Whether [`Communicator::allreduce_agreeing`] carries the flag inside the reduction's
+    /// own messages (below the ring threshold), so that agreeing costs no extra collective.
+    /// `false` by default (the flag is a collective of its own first, which a caller may
+    /// rather run where it is cheapest).
+    fn agrees_in_band(&self) -> bool {
+        false
+    }
+
     /// Whether [`Communicator::allreduce_segments`] reduces a fused group where its slices lie
     /// for less than packing it into one buffer and calling [`Communicator::allreduce`] costs:
     /// by default where [`Communicator::vectored_io`] says so (the ring moves the slices

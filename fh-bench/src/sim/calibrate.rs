@@ -41,6 +41,7 @@ pub fn calibrate_link(name: &str, p: usize, points: &[(f64, f64)]) -> Option<Lin
         host_bound: false,
         wire: fh_scheduler::Wire::Network,
         vectored_io: false,
+        agrees_in_band: false,
         flows: None,
         local_passes: 0.0,
         local_chunk: None,

@@ -175,10 +175,9 @@ pub fn simulate_step(
     };
     // The agreement that every rank can run a round's groups before they run on the
     // negotiation thread. As the engine does it: a round that is one allreduce group small
-    // enough for recursive doubling, over a transport whose allreduce runs over its own
-    // messages, carries the flag in that allreduce (`Communicator::allreduce_agreeing`: no
-    // cost); otherwise a one-byte recursive-doubling allreduce comes first. (Over shared
-    // memory the engine's one-byte step is cheaper than `alpha`; the model charges `alpha`.)
+    // enough for recursive doubling, over channels that carry the flag in that allreduce's own
+    // messages ([`Link::agrees_in_band`]: TCP), costs nothing more; otherwise a one-byte
+    // recursive-doubling allreduce on the negotiation communicator comes first.
     let agreement = if p <= 1 {
         0.0
     } else {
@@ -186,7 +185,7 @@ pub fn simulate_step(
     };
     let agreement_for = |groups: &[fh_core::fusion::Group]| match groups {
         [g] if (g.bytes() as usize) < fh_transport::algorithms::ALLREDUCE_RING_THRESHOLD_BYTES
-            && !link.host_bound =>
+            && link.agrees_in_band =>
         {
             0.0
         }

@@ -50,6 +50,12 @@ pub struct Link {
     /// unpacking ([`Config::fused_in_place`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub vectored_io: bool,
+    /// The channels carry the flag that every rank can run a small allreduce group inside
+    /// that allreduce's own messages (TCP's point-to-point allreduce,
+    /// `Communicator::agrees_in_band`): a round of one small group run on the negotiation
+    /// thread takes no one-byte agreement step of its own.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub agrees_in_band: bool,
     /// A cloud's per-flow cap and the TCP connections a transfer drives across it (`None`:
     /// one transfer reaches the link's rate, or [`Link::stream_cap_bps`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -208,6 +214,7 @@ impl Link {
                 host_bound: false,
                 wire: Wire::Network,
                 vectored_io: true,
+                agrees_in_band: true,
                 flows: None,
                 local_passes: 0.0,
                 local_chunk: None,
@@ -222,6 +229,7 @@ impl Link {
                 host_bound: false,
                 wire: Wire::Network,
                 vectored_io: true,
+                agrees_in_band: true,
                 flows: None,
                 local_passes: 0.0,
                 local_chunk: None,
@@ -236,6 +244,7 @@ impl Link {
                 host_bound: false,
                 wire: Wire::Network,
                 vectored_io: true,
+                agrees_in_band: true,
                 flows: None,
                 local_passes: 0.0,
                 local_chunk: None,
@@ -250,6 +259,7 @@ impl Link {
                 host_bound: false,
                 wire: Wire::Memory,
                 vectored_io: false,
+                agrees_in_band: false,
                 flows: None,
                 local_passes: 0.0,
                 local_chunk: None,

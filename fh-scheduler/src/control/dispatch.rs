@@ -245,11 +245,12 @@ impl Control {
     /// that a rank that cannot run it never leaves the others waiting in that collective,
     /// every rank first states whether it can (one byte, AND): when one cannot, no rank
     /// dispatches anything and the next round agrees on the fault. A plan that is one
-    /// allreduce group of host tensors skips that step: its allreduce carries the same AND
-    /// ([`Job::agree`]; over TCP in the reduction's own messages, so a small allreduce costs
-    /// one collective less), a rank that cannot run it joins with zeros, and when one could
-    /// not, no rank delivers the result and the next round agrees on the fault. The plan
-    /// itself depends on the agreed responses alone.
+    /// allreduce group of host tensors over channels that carry a flag in the reduction's own
+    /// messages (TCP, [`fh_transport::Communicator::agrees_in_band`]) skips that step: its
+    /// allreduce carries the same AND ([`Job::agree`]; a small allreduce costs one collective
+    /// less), a rank that cannot run it joins with zeros, and when one could not, no rank
+    /// delivers the result and the next round agrees on the fault. The plan itself depends on
+    /// the agreed responses alone.
     pub(super) fn dispatch(&mut self, ready: Vec<Arc<Response>>) -> Result<(), SchedulerError> {
         let groups = self.plan_ready(&ready);
         let inline_plan = matches!(self.dispatch, Dispatch::Workers { .. })
@@ -257,8 +258,11 @@ impl Control {
                 ready[i].sig.device == fh_core::message::Device::Cpu
             });
         let runs_here = inline_plan || matches!(self.dispatch, Dispatch::Inline(_));
-        // From the agreed plan and responses only: the same on every rank.
+        // From the agreed plan, responses and backend only: the same on every rank. Where
+        // the flag would be a collective of its own anyway (shared memory, hierarchical, MPI),
+        // the one-byte step on the negotiation communicator is the cheaper place for it.
         let agreeing = runs_here
+            && self.agree_in_band
             && groups.len() == 1
             && ready.iter().all(|r| {
                 r.sig.kind == CollectiveKind::Allreduce

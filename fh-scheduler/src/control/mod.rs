@@ -102,6 +102,11 @@ pub(crate) struct Control {
     /// A local inconsistency met while dispatching (tensor name, what went wrong): raised in
     /// the next round so that every rank stops with the same error.
     fault: Option<(String, String)>,
+    /// The data channels carry a flag inside a small allreduce's own messages
+    /// ([`fh_transport::Communicator::agrees_in_band`]): a round of one small allreduce group
+    /// run on this thread's behalf agrees there that every rank can run it, not in a one-byte
+    /// step of its own.
+    agree_in_band: bool,
     /// Rank 0 while writing a timeline: for each tensor not yet agreed, when each rank had it
     /// ready (from the readiness reports). Empty when no timeline is written.
     ready_times: ReadyTimes,
@@ -169,6 +174,8 @@ impl Control {
     ) -> Result<Self, SchedulerError> {
         let cfg = inner.config.clone();
         inner.counters.init_channels(data.len());
+        // Every rank opened its channels on the same backend: an agreed fact.
+        let agree_in_band = !data.is_empty() && data.iter().all(|c| c.agrees_in_band());
         let dispatch = Dispatch::start(cfg.preset, &inner, data, devices)?;
         let plan_opts = cfg.plan_options();
         let now = Instant::now();
@@ -182,6 +189,7 @@ impl Control {
             },
             ready_times: ReadyTimes::new(inner.size),
             incarnation,
+            agree_in_band,
             inner,
             comm,
             rx,

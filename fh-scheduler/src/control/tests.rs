@@ -30,8 +30,13 @@ fn a_local_fault_stops_every_rank_with_the_same_error() {
             k,
             inline,
             preset,
+            true,
         );
     }
+    // Channels that cannot carry the flag in the allreduce (as over shared memory): the
+    // one-byte step on the negotiation communicator.
+    fault_on_rank_1("faulty-not-in-band", 1, 1024, Preset::FastHorovod, false);
+    fault_on_rank_1("faulty-not-in-band-hvd", 1, 0, Preset::Horovod, false);
 }
 
 /// The same when ranks differ in where the faulty round's small group runs: rank 1 (the
@@ -44,13 +49,13 @@ fn a_local_fault_in_a_group_run_on_a_channel_thread_stops_every_rank_alike() {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .extend([(0, name.clone()), (1, name.clone())]);
-    fault_on_rank_1(&name, 2, 1024, Preset::FastHorovod);
+    fault_on_rank_1(&name, 2, 1024, Preset::FastHorovod, true);
 }
 
 /// Three ranks allreduce `fine`, then `name`, which rank 1 cannot take (injected): `fine`
 /// is right everywhere, `name` and the shutdown fail with one error naming rank 1, the
-/// tensor and the cause.
-fn fault_on_rank_1(name: &str, k: usize, inline: u64, preset: Preset) {
+/// tensor and the cause. `in_band`: whether the channels carry the flag in the allreduce.
+fn fault_on_rank_1(name: &str, k: usize, inline: u64, preset: Preset, in_band: bool) {
     crate::inject::arm(1, crate::inject::Point::TakeTensor, name);
     let threads: Vec<_> = LocalWorld::with_timeout(3, Duration::from_secs(10))
         .into_iter()
@@ -58,7 +63,12 @@ fn fault_on_rank_1(name: &str, k: usize, inline: u64, preset: Preset) {
             let name = name.to_string();
             std::thread::spawn(move || {
                 let cfg = Config::preset(preset).channels(k).inline_bytes(inline);
-                let e = Engine::start(Box::new(t), cfg).unwrap();
+                let world: Box<dyn fh_transport::Transport> = if in_band {
+                    Box::new(t)
+                } else {
+                    Box::new(NotInBand(t))
+                };
+                let e = Engine::start(world, cfg).unwrap();
                 let opts = AllreduceOptions::with_op(ReduceOp::Sum);
                 let ok = e
                     .allreduce("fine", Tensor::from_slice(&[1.0f32; 4]), opts)
@@ -163,4 +173,59 @@ fn zero_tensors_that_cannot_exist_are_errors() {
     assert_eq!(try_zeros(&sig).unwrap().data().len(), 24);
     sig.shape = vec![u64::MAX, 2];
     assert!(try_zeros(&sig).unwrap_err().contains("does not fit"));
+}
+
+/// A world whose communicators keep the trait's default `allreduce_agreeing` (a flag first, as
+/// shared memory, hierarchical and MPI do), over the in-process one.
+struct NotInBand(fh_transport::backend::local::LocalTransport);
+
+impl fh_transport::Transport for NotInBand {
+    fn backend(&self) -> &'static str {
+        self.0.backend()
+    }
+    fn topology(&self) -> fh_transport::Topology {
+        self.0.topology()
+    }
+    fn wire(&self) -> fh_transport::WireKind {
+        self.0.wire()
+    }
+    fn open(&mut self, label: &str) -> fh_transport::Result<Box<dyn fh_transport::Communicator>> {
+        Ok(Box::new(Plain(self.0.open(label)?)))
+    }
+}
+
+/// A communicator that forwards everything but `allreduce_agreeing` and `agrees_in_band`.
+struct Plain(Box<dyn fh_transport::Communicator>);
+
+impl fh_transport::Communicator for Plain {
+    fn backend(&self) -> &'static str {
+        self.0.backend()
+    }
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn send(&mut self, peer: usize, data: &[u8]) -> fh_transport::Result<()> {
+        self.0.send(peer, data)
+    }
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> fh_transport::Result<()> {
+        self.0.recv(peer, buf)
+    }
+    fn send_recv(
+        &mut self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv: &mut [u8],
+    ) -> fh_transport::Result<()> {
+        self.0.send_recv(to, send, from, recv)
+    }
+    fn abort(&mut self, lost: usize) {
+        self.0.abort(lost)
+    }
+    fn interrupter(&self) -> Option<fh_transport::Interrupt> {
+        self.0.interrupter()
+    }
 }

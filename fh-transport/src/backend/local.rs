@@ -217,6 +217,10 @@ impl Communicator for LocalComm {
         crate::algorithms::allreduce_agreeing(self, buf, dtype, op, mine)
     }
 
+    fn agrees_in_band(&self) -> bool {
+        true
+    }
+
     fn backend(&self) -> &'static str {
         "local"
     }

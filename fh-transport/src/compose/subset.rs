@@ -284,6 +284,10 @@ impl Communicator for SubsetComm {
         crate::algorithms::allreduce_agreeing(self, buf, dtype, op, mine)
     }
 
+    fn agrees_in_band(&self) -> bool {
+        true
+    }
+
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
@@ -361,6 +365,10 @@ impl Communicator for GroupComm {
     ) -> Result<bool> {
         // The allreduce runs over this communicator's own messages: the flag rides in them.
         crate::algorithms::allreduce_agreeing(self, buf, dtype, op, mine)
+    }
+
+    fn agrees_in_band(&self) -> bool {
+        true
     }
 
     fn backend(&self) -> &'static str {

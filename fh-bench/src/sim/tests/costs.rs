@@ -203,10 +203,16 @@ fn pipelined_local_passes_expose_one_chunk() {
     };
     let f = fasthorovod_k1();
     let serial = simulate_step(&[1_000_000], &[0.0], 2, &l, &f, &o);
-    assert!(close(serial.step_s, 1e-5 + 2e-3 + 1e-3 + 2e-5 + 1e-3), "{serial:?}");
+    assert!(
+        close(serial.step_s, 1e-5 + 2e-3 + 1e-3 + 2e-5 + 1e-3),
+        "{serial:?}"
+    );
     l.local_chunk = Some(250_000);
     let piped = simulate_step(&[1_000_000], &[0.0], 2, &l, &f, &o);
-    assert!(close(piped.step_s, 1e-5 + 0.5e-3 + 1e-3 + 2e-5 + 1e-3), "{piped:?}");
+    assert!(
+        close(piped.step_s, 1e-5 + 0.5e-3 + 1e-3 + 2e-5 + 1e-3),
+        "{piped:?}"
+    );
     l.local_chunk = Some(4_000_000);
     let one_chunk = simulate_step(&[1_000_000], &[0.0], 2, &l, &f, &o);
     assert_eq!(one_chunk, serial);

@@ -22,6 +22,7 @@ fn link(alpha: f64, bw: f64, cap: Option<f64>) -> Link {
         host_bound: false,
         wire: fh_scheduler::Wire::Network,
         vectored_io: false,
+        agrees_in_band: true,
         flows: None,
         local_passes: 0.0,
         local_chunk: None,

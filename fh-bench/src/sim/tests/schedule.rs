@@ -72,9 +72,9 @@ fn a_group_run_on_the_negotiation_thread_holds_the_next_round() {
     let one = 1e-5 + (1e-5 + 1e3 / 1e9);
     assert!(close(m.step_s, 2.0 * one), "{m:?}");
     assert_eq!((m.rounds, m.collectives), (2, 2));
-    // Where the transfers are the host's own copies (shared memory), the agreement is a
-    // one-byte allreduce of its own first (α).
-    l.host_bound = true;
+    // Over channels that cannot carry the flag in the allreduce (shared memory,
+    // hierarchical), the agreement is a one-byte allreduce of its own first (α).
+    l.agrees_in_band = false;
     let m = simulate_step(&[1000, 1000], &[0.0, 1e-6], 2, &l, &s, &NO_OVERHEAD);
     assert!(close(m.step_s, 2.0 * (one + 1e-5)), "{m:?}");
 }

@@ -672,6 +672,10 @@ impl Communicator for TcpComm {
         crate::algorithms::allreduce_agreeing(self, buf, dtype, op, mine)
     }
 
+    fn agrees_in_band(&self) -> bool {
+        true
+    }
+
     fn backend(&self) -> &'static str {
         "tcp"
     }
