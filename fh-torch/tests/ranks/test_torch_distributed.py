@@ -6,8 +6,10 @@ and the refusals. The default group shares the engine that the suite's ``hvd.ini
 """
 
 import functools
+import gc
 import os
 import threading
+import weakref
 
 import pytest
 import torch
@@ -342,6 +344,23 @@ def test_a_step_of_equal_buckets_is_never_held_up_by_its_names():
         name, holder = names.claim(("all_reduce", 7))
         assert holder is None, f"bucket {i} would wait for an earlier bucket of its step"
         names.hold(name, threading.Event())  # in flight: never set here
+
+
+def test_the_group_keeps_no_tensor_of_a_completed_collective(groups):
+    """Under an agreed period the group keeps, per name that will come back, what tells that
+    its last collective completed -- never the collective's tensors (an all_gather's outputs
+    would otherwise live on until the name comes back)."""
+    n = dist.get_world_size()
+    for _ in range(40):
+        dist.all_gather([torch.empty(3) for _ in range(n)], torch.ones(3))
+    assert dist.group.WORLD._get_backend(torch.device("cpu")).period > 0
+    out = [torch.empty(3) for _ in range(n)]
+    kept = weakref.ref(out[0])
+    dist.all_gather(out, torch.ones(3))
+    dist.barrier()  # torch itself keeps a group's last Work until the next collective
+    del out
+    gc.collect()
+    assert kept() is None, "a completed all_gather's output is still referenced"
 
 
 def test_repeating_steps_are_negotiated_through_the_cache(groups):
