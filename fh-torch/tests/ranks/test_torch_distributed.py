@@ -6,7 +6,10 @@ and the refusals. The default group shares the engine that the suite's ``hvd.ini
 """
 
 import functools
+import gc
 import os
+import threading
+import weakref
 
 import pytest
 import torch
@@ -310,12 +313,54 @@ def test_the_period_is_the_whole_step_not_a_run_of_equal_buckets():
     assert namer.period_of(list("abcabcab")) == 3
     assert namer.period_of(list("abcd")) == 0
     assert namer.period_of(["x"] * 40) == 1
-    # Names over an agreed period 1 (as the agreement would set it): DEPTH apart.
+    # Names over an agreed period 1: RUN apart; over a longer one, at least DEPTH apart.
+    for period, apart in ((1, namer.RUN), (2, namer.DEPTH), (15, 15)):
+        names = _agreed_namer(period)
+        got = [names.claim(("x",))[0] for _ in range(apart + 1)]
+        assert len(set(got[:apart])) == apart and got[apart] == got[0], (period, got)
+
+
+def _agreed_namer(period):
+    """A namer that has applied the agreed ``period`` at its first collective and agrees no
+    more (no engine operation)."""
     names = fhd._names._Namer(0)
-    names._period, names._base, names._n = 1, 0, 1
-    names._span = max(namer.DEPTH, 1)
-    got = [names.claim(("x",))[0] for _ in range(namer.DEPTH + 1)]
-    assert len(set(got[:namer.DEPTH])) == namer.DEPTH and got[namer.DEPTH] == got[0], got
+    names.CHECK = 1 << 62
+    names._apply(period, 0)
+    return names
+
+
+def test_a_step_of_equal_buckets_is_never_held_up_by_its_names():
+    """In DDP's first steps the longest repetition in the history is a step's run of equal
+    buckets, so period 1 is agreed until a whole step repeats. The names must not come back
+    while the step's earlier buckets are in flight: DDP submits every bucket of a backward
+    before it waits for any, and a name that comes back waits for its last collective (with
+    names 4 apart, the thread running DDP's hooks waited at each bucket for the one 4 before
+    it). A step of 48 buckets (BERT-large in DDP's 25 MiB buckets) goes through unheld."""
+    namer = fhd._names._Namer
+    step = [("barrier",), ("all_reduce", 5)] + [("all_reduce", 7)] * 12 + [("all_reduce", 9)]
+    assert namer.period_of([("init",)] + step + step[:10]) == 1
+    names = _agreed_namer(1)
+    for i in range(48):
+        name, holder = names.claim(("all_reduce", 7))
+        assert holder is None, f"bucket {i} would wait for an earlier bucket of its step"
+        names.hold(name, threading.Event())  # in flight: never set here
+
+
+def test_the_group_keeps_no_tensor_of_a_completed_collective(groups):
+    """Under an agreed period the group keeps, per name that will come back, what tells that
+    its last collective completed -- never the collective's tensors (an all_gather's outputs
+    would otherwise live on until the name comes back)."""
+    n = dist.get_world_size()
+    for _ in range(40):
+        dist.all_gather([torch.empty(3) for _ in range(n)], torch.ones(3))
+    assert dist.group.WORLD._get_backend(torch.device("cpu")).period > 0
+    out = [torch.empty(3) for _ in range(n)]
+    kept = weakref.ref(out[0])
+    dist.all_gather(out, torch.ones(3))
+    dist.barrier()  # torch itself keeps a group's last Work until the next collective
+    del out
+    gc.collect()
+    assert kept() is None, "a completed all_gather's output is still referenced"
 
 
 def test_repeating_steps_are_negotiated_through_the_cache(groups):

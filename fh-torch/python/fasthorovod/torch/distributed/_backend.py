@@ -152,10 +152,10 @@ class ProcessGroupFastHorovod(_C10dBackend):
                                "down (destroy_process_group)")
         name, holder = self._namer.claim(sig)
         if holder is not None:
-            holder.source.wait()  # the name's last collective is complete (the GIL released)
+            holder.wait()  # the name's last collective is complete (the GIL released)
         handles = submit(name)
         op = _Op(what, handles if isinstance(handles, list) else [handles], finish)
-        self._namer.hold(name, op)
+        self._namer.hold(name, op.done)
         self._completer.add(op)
         return _Work(op)
 

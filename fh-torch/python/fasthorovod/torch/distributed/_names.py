@@ -45,18 +45,28 @@ class _Namer:
     buckets, a transformer's layers) does not pass for the period of the whole step; the period
     is taken when every member found the same one. From then on the ``n``-th collective is
     ``tdist.<base>+<P>.<(n - base) mod S>``, ``S`` the smallest multiple of ``P`` of at least
-    ``DEPTH``: the names of a training step come back at the next step with the same
+    ``DEPTH`` (``RUN`` for ``P`` = 1, below): the names of a training step come back at the next step with the same
     signatures, and the engine negotiates them through its bit-vector cache. A name is a
     function of ``n`` and the agreed period alone, so members that disagree on a collective
     still meet under one name and fail with the engine's error naming them; a sequence that
     stops repeating costs the cache a changed slot, and the next agreement applied falls back
     to names used once. A name is reused only after the collective that last had it has completed on
     this rank (``S`` names apart: at least ``DEPTH`` collectives may be in flight however short
-    the period; and a period agreed anew, at ``base``, starts names of its own)."""
+    the period; and a period agreed anew, at ``base``, starts names of its own).
+
+    Period 1 is a run of one collective: a loop of the same collective, or -- in DDP's first
+    steps, before a whole step is in the history -- a step's run of equal buckets (a
+    transformer's), which is agreed until the next agreement finds the step's period. Its
+    names are ``RUN`` apart, not ``DEPTH``: DDP submits every bucket of a backward before it
+    waits for any, and with names 4 apart the thread that runs DDP's hooks waited at each
+    bucket for the one 4 before it to complete (10-50 ms each, 4 ranks on 2 cores). Longer
+    periods keep ``S`` small, so that a step's names come back -- and hit the cache -- at the
+    next step."""
 
     CHECK = 8
     LONGEST = 256
     DEPTH = 4
+    RUN = 64
 
     def __init__(self, process_set_id):
         self._ps = process_set_id
@@ -65,7 +75,7 @@ class _Namer:
         self._span = 0
         self._base = 0
         self._history = collections.deque(maxlen=2 * self.LONGEST)
-        self._holders = {}  # reused name -> the _Op that has it now
+        self._holders = {}  # reused name -> the ``done`` event of the op that has it now
         self._pending = None  # the last agreement issued: (handle, its tensor)
         self._lock = threading.Lock()
 
@@ -75,8 +85,8 @@ class _Namer:
         return self._period
 
     def claim(self, sig):
-        """The next name, for a collective of signature ``sig``, and the ``_Op`` that had that
-        name last (to be complete before the name is submitted again), or None."""
+        """The next name, for a collective of signature ``sig``, and the ``done`` event of the
+        op that had that name last (to be set before the name is submitted again), or None."""
         with self._lock:
             n = self._n
             if n and n % self.CHECK == 0:
@@ -88,12 +98,13 @@ class _Namer:
             name = f"tdist.{self._base}+{self._period}.{(n - self._base) % self._span}"
             return name, self._holders.get(name)
 
-    def hold(self, name, op):
-        """``op`` has ``name`` now (names used once are not kept)."""
+    def hold(self, name, done):
+        """The op whose ``done`` event this is has ``name`` now (names used once are not
+        kept)."""
         if "+" not in name:
             return
         with self._lock:
-            self._holders[name] = op
+            self._holders[name] = done
 
     @classmethod
     def period_of(cls, history):
@@ -122,13 +133,23 @@ class _Namer:
             self._pending = None
             handle.wait()  # issued CHECK collectives ago: done by now, as a rule
             most, least = int(both[0]), -int(both[1])
-            agreed = most if most == least else 0
-            if agreed != self._period:
-                self._period, self._base = agreed, n
-                self._span = agreed * -(-self.DEPTH // agreed) if agreed else 0
-                self._holders.clear()
+            self._apply(most if most == least else 0, n)
         mine = self.period_of(self._history)
         both = torch.tensor([mine, -mine], dtype=torch.int64)
         handle = _core.allreduce(both, name=f"tdist.agree.{n}", op="max",
                                  process_set_id=self._ps)
         self._pending = (handle, both)
+
+    def _apply(self, agreed, n):
+        """Name the collectives from the ``n``-th on by the period ``agreed`` (0: none)."""
+        if agreed != self._period:
+            self._period, self._base = agreed, n
+            self._span = self.span_of(agreed)
+            self._holders.clear()
+
+    @classmethod
+    def span_of(cls, period):
+        """``S``: how many names apart a name comes back under ``period`` (0: none)."""
+        if period == 1:
+            return cls.RUN
+        return period * -(-cls.DEPTH // period) if period else 0

@@ -35,7 +35,7 @@ class _Op:
     and its futures: ``source``, completed once by the completer thread, and ``future``
     (chained on it), which the Work hands out."""
 
-    __slots__ = ("what", "handles", "finish", "source", "future", "error")
+    __slots__ = ("what", "handles", "finish", "source", "future", "error", "done")
 
     def __init__(self, what, handles, finish):
         self.what = what
@@ -44,9 +44,18 @@ class _Op:
         self.error = None
         self.source = torch.futures.Future()
         self.future = self.source.then(_unwrap)
+        # Set once the op is complete: what the group keeps while the op's name may come back
+        # (``_Namer.hold``), so that it keeps no tensor of the op alive.
+        self.done = threading.Event()
 
     def complete(self):
         """Wait for every handle (the GIL released), then complete the source future once."""
+        try:
+            self._complete()
+        finally:
+            self.done.set()
+
+    def _complete(self):
         results, error = [], None
         for h in self.handles:
             try:
