@@ -326,14 +326,18 @@ impl Control {
                     let rank = self.inner.world_rank(self.inner.rank);
                     if agreeing {
                         // Zeros in its place: the allreduce every rank runs says it failed.
-                        let zeros = try_zeros(&r.sig).map_err(|e| {
-                            SchedulerError::internal(format!(
-                                "rank {rank} cannot run '{}' ({what}) and cannot stand in \
-                                 for it: {e}",
-                                r.name
-                            ))
-                        })?;
-                        taken.push(Source::Zeros(zeros));
+                        match try_zeros(&r.sig) {
+                            Ok(zeros) => taken.push(Source::Zeros(zeros)),
+                            Err(e) => {
+                                // What was taken stays pending: the stop resolves it.
+                                self.put_back(taken);
+                                return Err(SchedulerError::internal(format!(
+                                    "rank {rank} cannot run '{}' ({what}) and cannot stand \
+                                     in for it: {e}",
+                                    r.name
+                                )));
+                            }
+                        }
                     }
                     if failed.is_none() {
                         failed = Some((r.name.to_string(), what));
