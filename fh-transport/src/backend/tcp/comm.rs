@@ -10,11 +10,12 @@ use std::time::{Duration, Instant};
 
 use super::frame::{RecvState, SendState};
 use super::link::{NOTICE_TIMEOUT, PROBE_MARGIN, PROBE_TIMEOUT};
-use super::streams::{stripe_count, stripe_range};
+use super::streams::{split_stripes, stripe_count, stripe_range, stripe_slices};
 use super::wire::{self, Header};
 use super::{sys, Link, TcpOptions};
-use crate::{Communicator, Interrupt, Result, TransportError};
+use crate::{Interrupt, Result, TransportError};
 
+mod api;
 mod blame;
 
 /// A communicator of the TCP backend (see [`Transport::open`](crate::Transport::open) on a [`super::TcpTransport`]).
@@ -617,111 +618,4 @@ fn half_open(tx: &[(usize, i32, SendState<'_>)]) -> Option<usize> {
     tx.iter()
         .find(|l| l.2.done > 0 && !l.2.finished())
         .map(|l| l.2.peer)
-}
-
-/// The parts of `data` (slices in order) that hold the message's bytes `range`.
-fn stripe_slices<'a>(data: &[&'a [u8]], range: std::ops::Range<usize>) -> Vec<&'a [u8]> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    for s in data {
-        let (start, end) = (at, at + s.len());
-        at = end;
-        if end <= range.start || s.is_empty() {
-            continue;
-        }
-        if start >= range.end {
-            break;
-        }
-        let lo = range.start.max(start) - start;
-        let hi = range.end.min(end) - start;
-        out.push(&s[lo..hi]);
-    }
-    out
-}
-
-/// `bufs` (a message of `len` bytes in order) split into the buffers of its `n` stripes.
-fn split_stripes<'s>(bufs: &'s mut [&mut [u8]], len: usize, n: usize) -> Vec<Vec<&'s mut [u8]>> {
-    let mut out: Vec<Vec<&'s mut [u8]>> = (0..n).map(|_| Vec::new()).collect();
-    let mut stripe = 0;
-    let mut at = 0;
-    for b in bufs.iter_mut() {
-        let mut rest: &'s mut [u8] = b;
-        while !rest.is_empty() {
-            while stripe + 1 < n && at >= stripe_range(len, n, stripe).end {
-                stripe += 1;
-            }
-            let take = (stripe_range(len, n, stripe).end - at).min(rest.len());
-            let (head, tail) = std::mem::take(&mut rest).split_at_mut(take);
-            out[stripe].push(head);
-            rest = tail;
-            at += take;
-        }
-    }
-    out
-}
-
-impl Communicator for TcpComm {
-    fn allreduce_agreeing(
-        &mut self,
-        buf: &mut [u8],
-        dtype: fh_core::DType,
-        op: fh_core::ReduceOp,
-        mine: bool,
-    ) -> Result<bool> {
-        // The allreduce runs over this communicator's own messages: the flag rides in them.
-        crate::algorithms::allreduce_agreeing(self, buf, dtype, op, mine)
-    }
-
-    fn agrees_in_band(&self) -> bool {
-        true
-    }
-
-    fn backend(&self) -> &'static str {
-        "tcp"
-    }
-
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.size
-    }
-
-    fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
-        self.transfer("send", Some((peer, &[data])), None)
-    }
-
-    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
-        self.transfer("recv", None, Some((peer, &mut [buf])))
-    }
-
-    fn send_recv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
-        self.transfer("send_recv", Some((to, &[send])), Some((from, &mut [recv])))
-    }
-
-    fn vectored_io(&self) -> bool {
-        true
-    }
-
-    fn send_recv_vectored(
-        &mut self,
-        to: usize,
-        send: &[&[u8]],
-        from: usize,
-        recv: &mut [&mut [u8]],
-    ) -> Result<()> {
-        self.transfer("send_recv", Some((to, send)), Some((from, recv)))
-    }
-
-    fn abort(&mut self, lost: usize) {
-        self.give_up(&TransportError::PeerLost {
-            rank: lost,
-            detail: format!("this rank gave up on communicator '{}'", self.label),
-        });
-    }
-
-    fn interrupter(&self) -> Option<Interrupt> {
-        Some(self.interrupt.clone())
-    }
 }

@@ -85,6 +85,8 @@ mod comm;
 mod frame;
 mod handshake;
 mod link;
+mod mesh;
+mod options;
 mod rendezvous;
 pub mod settings;
 pub mod streams;
@@ -92,29 +94,24 @@ mod sys;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::net::{SocketAddr, TcpStream, UdpSocket};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use accept::{AcceptRules, Acceptor, RefusalLog, WorldCell};
 pub use comm::{TcpComm, SPIN_MAX_BYTES};
 pub(crate) use fh_job::token::Key;
-use handshake::connect_handshake;
 pub(crate) use link::{AbortBoard, Link};
+pub use options::{TcpOptions, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_FRAME, DEFAULT_SPIN};
 use rendezvous::resolve;
 pub use settings::{StreamCount, StreamSettings};
 pub use streams::{MeasuredRates, StreamChoice};
-use wire::{ConnKind, Hello};
+use wire::ConnKind;
 
 use crate::liveness::{self, Liveness, Watch};
-use crate::{Communicator, Interrupt, Result, Topology, Transport, TransportError};
+use crate::{Communicator, Result, Topology, Transport, TransportError};
 use fh_job::hosts::{self, Layout, Place};
 use fh_job::launch::LaunchInfo;
 
-/// Default largest message the backend sends or accepts (16 GiB).
-pub const DEFAULT_MAX_FRAME: usize = 16 << 30;
-/// Default time a connecting stranger has to complete its whole handshake.
-pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Handshakes in progress at once on a listener of a world of `size` ranks: room for every
 /// rank to connect at once, twice over, plus a margin. Beyond it the listener evicts a silent
 /// connection (a stranger's) for each new one, so strangers never keep a member out (see
@@ -124,60 +121,6 @@ pub fn max_pending_handshakes(size: usize) -> usize {
 }
 /// Descriptors kept free beyond what a mesh needs (logs, libraries, the user's files).
 const FD_MARGIN: u64 = 64;
-
-/// The default [`TcpOptions::spin`]: on this project's 2-core, 4-rank loopback measurement
-/// an 8-byte named allreduce took about a quarter less with 40 µs than with none.
-pub const DEFAULT_SPIN: Duration = Duration::from_micros(40);
-
-/// Tunables of the TCP backend.
-#[derive(Debug, Clone)]
-pub struct TcpOptions {
-    /// Longest wait without progress for a peer (`FH_TIMEOUT_SECONDS`): connecting, the
-    /// rendezvous, opening a communicator, and every send/receive.
-    pub timeout: Duration,
-    /// How long one handshake may take in all (a stranger's, or one attempt of this rank's;
-    /// this rank retries failed attempts until [`TcpOptions::timeout`]).
-    pub handshake_timeout: Duration,
-    /// Largest single message, in bytes.
-    pub max_frame: usize,
-    /// The heartbeats ([`crate::liveness`]) the world runs from the end of its rendezvous;
-    /// `None`: none.
-    pub liveness: Option<liveness::Settings>,
-    /// Parallel streams to peers on other hosts ([`streams`]); the same on every rank.
-    pub streams: StreamSettings,
-    /// How long a wait for a small message (at most [`SPIN_MAX_BYTES`] each way) keeps
-    /// trying its sockets, yielding the core between tries, before it sleeps in poll(2); a
-    /// peer that answers meanwhile costs no sleep and wake-up. Zero sleeps at once. Local:
-    /// it changes no result and need not match across ranks.
-    pub spin: Duration,
-}
-
-impl Default for TcpOptions {
-    fn default() -> Self {
-        TcpOptions {
-            timeout: fh_job::launch::DEFAULT_TIMEOUT,
-            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
-            max_frame: DEFAULT_MAX_FRAME,
-            liveness: Some(liveness::Settings::default()),
-            streams: StreamSettings::default(),
-            spin: DEFAULT_SPIN,
-        }
-    }
-}
-
-impl TcpOptions {
-    /// Options with the launch's timeout, the stream settings of the environment
-    /// ([`StreamSettings::from_env`]) and default everything else.
-    pub fn from_info(info: &LaunchInfo) -> Self {
-        TcpOptions {
-            timeout: info.timeout,
-            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT.min(info.timeout),
-            liveness: info.liveness,
-            streams: StreamSettings::from_env(),
-            ..TcpOptions::default()
-        }
-    }
-}
 
 /// Make room for `extra` more descriptors than this process has open now: raise the soft
 /// `RLIMIT_NOFILE` (up to the hard limit) if needed, or fail naming the limit and the fix.
@@ -446,143 +389,6 @@ impl TcpTransport {
         let same_host = self.layout.topology(peer).cross_rank == self.topology.cross_rank;
         self.opts.streams.streams_to(same_host)
     }
-
-    /// A full mesh for communicator `seq`, `want[p]` connections to peer `p` (0 to itself).
-    fn open_mesh(&mut self, label: &str, seq: u64, want: &[usize]) -> Result<Vec<Vec<TcpStream>>> {
-        let (rank, size) = (self.topology.rank, self.topology.size);
-        let deadline = Instant::now() + self.opts.timeout;
-        let mut peers: Vec<Vec<Option<TcpStream>>> = want
-            .iter()
-            .map(|&n| (0..n).map(|_| None).collect())
-            .collect();
-        ensure_descriptors(want.iter().sum(), &format!("communicator '{label}'"))?;
-        // Connect to every lower rank, each of its streams in order.
-        for (r, slots) in peers.iter_mut().enumerate().take(rank) {
-            for (stream, slot) in slots.iter_mut().enumerate() {
-                let what = if want[r] > 1 {
-                    format!("rank {r} (communicator '{label}', stream {stream})")
-                } else {
-                    format!("rank {r} (communicator '{label}')")
-                };
-                let hello = Hello {
-                    version: wire::PROTOCOL_VERSION,
-                    kind: ConnKind::Data,
-                    size: size as u32,
-                    rank: rank as u32,
-                    seq,
-                    port: stream as u16,
-                    lost: 0,
-                    world: self.world,
-                    nonce: [0; wire::NONCE_LEN],
-                };
-                // Every data listener has been up since the rendezvous: a refused connection
-                // means that rank's process is gone, not that it is late.
-                let s = connect_handshake(
-                    &[self.book[r]],
-                    |_| Ok(hello.clone()),
-                    &self.key,
-                    &what,
-                    deadline,
-                    self.attempt_timeout(),
-                    Some(r),
-                    &|| self.verdict_error(),
-                )?;
-                *slot = Some(s);
-            }
-        }
-        // Accept every higher rank (possibly stashed while an earlier communicator was opened).
-        let acceptor = self
-            .acceptor
-            .as_mut()
-            .ok_or_else(|| TransportError::Closed("the TCP transport has no listener".into()))?;
-        for (r, slots) in peers.iter_mut().enumerate().skip(rank + 1) {
-            for (stream, slot) in slots.iter_mut().enumerate() {
-                if let Some(s) = self.stash.remove(&(seq, r, stream)) {
-                    *slot = Some(s);
-                }
-            }
-        }
-        let watch = self.liveness.as_ref().map(|l| l.watch().clone());
-        let lost = || watch.as_ref().is_some_and(|w| w.verdict().is_some());
-        while let Some(missing) = (rank + 1..size).find(|&r| peers[r].iter().any(Option::is_none)) {
-            let Some((hello, stream, from)) = acceptor.next_unless(deadline, VERDICT_POLL, &lost)
-            else {
-                if let Some(v) = watch.as_ref().and_then(Watch::verdict) {
-                    return Err(v.error());
-                }
-                return Err(TransportError::Handshake {
-                    peer: format!("rank {missing}"),
-                    reason: format!(
-                        "it did not connect for communicator '{label}' (#{seq}) within {:?}{}",
-                        self.opts.timeout,
-                        acceptor.refusal_note()
-                    ),
-                });
-            };
-            let (r, index) = (hello.rank as usize, hello.port as usize);
-            // (A later communicator's connection may name a stream this one does not have:
-            // the measurement's communicator holds fewer streams than the next.)
-            if hello.seq == seq && index >= want[r] {
-                // Streams are agreed at the rendezvous: a rank that opens more is broken.
-                return Err(TransportError::Protocol {
-                    rank: r,
-                    detail: format!(
-                        "it opened stream {index} of communicator '{label}' (#{seq}), but the \
-                         world agreed on {} stream(s) between these ranks",
-                        want[r]
-                    ),
-                });
-            }
-            if hello.seq < seq || (hello.seq == seq && peers[r][index].is_some()) {
-                tracing::warn!(rank = r, seq = hello.seq, stream = index, %from, "dropping a stale or duplicate connection");
-            } else if hello.seq == seq {
-                peers[r][index] = Some(stream);
-            } else {
-                self.stash.insert((hello.seq, r, index), stream);
-            }
-        }
-        let peers: Vec<Vec<TcpStream>> = peers
-            .into_iter()
-            .map(|slots| slots.into_iter().flatten().collect())
-            .collect();
-        // Socket buffers asked for (FH_TCP_BUFFERS), to peers on other hosts only.
-        let (sndbuf, rcvbuf) = self.opts.streams.buffers.sizes();
-        for (p, s) in peers
-            .iter()
-            .enumerate()
-            .flat_map(|(p, streams)| streams.iter().map(move |s| (p, s)))
-        {
-            s.set_nodelay(true)
-                .and_then(|_| s.set_nonblocking(true))
-                .and_then(|_| s.set_read_timeout(None))
-                .and_then(|_| s.set_write_timeout(None))
-                .map_err(|e| TransportError::io("configuring a data connection", e))?;
-            // The emulated cap is the network's: connections within a host are not capped
-            // (unless every peer counts as remote).
-            let other_host = self.layout.topology(p).cross_rank != self.topology.cross_rank;
-            if other_host {
-                sys::set_buffers(s, sndbuf, rcvbuf).map_err(|e| {
-                    TransportError::io(
-                        format!(
-                            "sizing a data connection's socket buffers ({})",
-                            settings::BUFFERS_VAR
-                        ),
-                        e,
-                    )
-                })?;
-            }
-            let remote = other_host || self.opts.streams.every_peer;
-            if let (Some(cap), true) = (self.opts.streams.flow_cap, remote) {
-                sys::set_max_pacing_rate(s, cap).map_err(|e| {
-                    TransportError::io(
-                        format!("capping a data connection ({})", settings::FLOW_CAP_VAR),
-                        e,
-                    )
-                })?;
-            }
-        }
-        Ok(peers)
-    }
 }
 
 impl Transport for TcpTransport {
@@ -614,112 +420,5 @@ impl Transport for TcpTransport {
             setting: self.stream_setting,
             measured: self.measured_streams,
         })
-    }
-}
-
-/// How often a wait of the world's formation (accepting a peer's connection) looks at the
-/// liveness verdict.
-const VERDICT_POLL: Duration = Duration::from_millis(50);
-
-/// Bind this rank's data listener on `ip` and, with heartbeats (`beats`), a UDP socket on the
-/// same port number: the address book then gives every rank's heartbeat address too. Tries
-/// other ports while the UDP socket's port is taken for TCP.
-fn bind_data(ip: IpAddr, beats: bool) -> Result<(TcpListener, Option<UdpSocket>)> {
-    let what = || format!("binding a data listener on {ip}");
-    if !beats {
-        let l =
-            TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| TransportError::io(what(), e))?;
-        return Ok((l, None));
-    }
-    let mut last = None;
-    for _ in 0..64 {
-        let udp = UdpSocket::bind(SocketAddr::new(ip, 0))
-            .map_err(|e| TransportError::io(format!("binding a heartbeat socket on {ip}"), e))?;
-        let port = udp
-            .local_addr()
-            .map_err(|e| TransportError::io("reading the heartbeat socket's address", e))?
-            .port();
-        match TcpListener::bind(SocketAddr::new(ip, port)) {
-            Ok(l) => return Ok((l, Some(udp))),
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(TransportError::io(
-        format!("{} (no port free for both TCP and UDP in 64 tries)", what()),
-        last.unwrap_or_else(|| std::io::ErrorKind::AddrInUse.into()),
-    ))
-}
-
-impl TcpTransport {
-    /// The liveness verdict as an error, if a rank was declared lost.
-    fn verdict_error(&self) -> Option<TransportError> {
-        self.liveness
-            .as_ref()
-            .and_then(|l| l.watch().verdict())
-            .map(|v| v.error())
-    }
-
-    /// How long one handshake attempt with a peer of the world may take: with heartbeats, a
-    /// short attempt (retried) so that a verdict on a frozen peer is seen between attempts.
-    fn attempt_timeout(&self) -> Duration {
-        match self.opts.liveness {
-            Some(s) => self
-                .opts
-                .handshake_timeout
-                .min(s.silence.max(Duration::from_secs(1))),
-            None => self.opts.handshake_timeout,
-        }
-    }
-
-    /// This rank could not open communicator `seq` because a peer is lost (`err` names it):
-    /// tell every other peer out of band, before this rank drops its connections and its
-    /// listener, so that a peer whose half of the communicator is open already blames the rank
-    /// really lost, not this one hanging up on it. Returns `err`.
-    fn tell_formation_failed(&self, err: TransportError, seq: u64) -> TransportError {
-        let rank = self.topology.rank;
-        let (Some(lost), Some(link)) = (err.blamed_rank(), self.link.as_ref()) else {
-            return err;
-        };
-        if lost == rank || lost >= self.topology.size {
-            return err;
-        }
-        let peers = (0..self.topology.size)
-            .filter(|&p| p != rank && p != lost)
-            .collect();
-        link.send_aborts_to_heard(rank, peers, seq, lost);
-        err
-    }
-
-    /// Open the next communicator, as [`Transport::open`] does, returning the concrete type.
-    pub fn open_tcp(&mut self, label: &str) -> Result<TcpComm> {
-        self.open_tcp_with(label, Interrupt::new())
-    }
-
-    /// [`TcpTransport::open_tcp`] with the interrupt the communicator is to watch (shared with
-    /// a communicator that encloses it).
-    pub(crate) fn open_tcp_with(&mut self, label: &str, interrupt: Interrupt) -> Result<TcpComm> {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let (rank, size) = (self.topology.rank, self.topology.size);
-        let want: Vec<usize> = (0..size)
-            .map(|p| if p == rank { 0 } else { self.streams_to(p) })
-            .collect();
-        let peers = if size == 1 {
-            vec![Vec::new()]
-        } else {
-            self.open_mesh(label, seq, &want)
-                .map_err(|e| self.tell_formation_failed(e, seq))?
-        };
-        tracing::debug!(rank, seq, label, "TCP communicator open");
-        Ok(TcpComm::new(
-            label.to_owned(),
-            seq,
-            rank,
-            size,
-            peers,
-            &self.opts,
-            self.link.clone(),
-            interrupt,
-        ))
     }
 }

@@ -2,7 +2,7 @@
 //! identity and its launcher's claims, [`fh_job::hosts`]) at the rendezvous address
 //! (`FH_RENDEZVOUS_ADDR`) and sends back the address book and every rank's place.
 
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,7 +10,7 @@ use super::accept::Acceptor;
 use super::handshake::{connect_handshake, read_msg, write_by, ReadFail};
 use super::settings::{self, StreamSettings};
 use super::wire::{self, ConnKind, Hello};
-use super::{bind_data, TcpTransport};
+use super::TcpTransport;
 use crate::{Result, TransportError};
 use fh_job::hosts::{self, Place};
 
@@ -441,4 +441,33 @@ pub(super) fn resolve(addr: &str) -> Result<Vec<SocketAddr>> {
         });
     }
     Ok(addrs)
+}
+
+/// Bind this rank's data listener on `ip` and, with heartbeats (`beats`), a UDP socket on the
+/// same port number: the address book then gives every rank's heartbeat address too. Tries
+/// other ports while the UDP socket's port is taken for TCP.
+fn bind_data(ip: IpAddr, beats: bool) -> Result<(TcpListener, Option<UdpSocket>)> {
+    let what = || format!("binding a data listener on {ip}");
+    if !beats {
+        let l =
+            TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| TransportError::io(what(), e))?;
+        return Ok((l, None));
+    }
+    let mut last = None;
+    for _ in 0..64 {
+        let udp = UdpSocket::bind(SocketAddr::new(ip, 0))
+            .map_err(|e| TransportError::io(format!("binding a heartbeat socket on {ip}"), e))?;
+        let port = udp
+            .local_addr()
+            .map_err(|e| TransportError::io("reading the heartbeat socket's address", e))?
+            .port();
+        match TcpListener::bind(SocketAddr::new(ip, port)) {
+            Ok(l) => return Ok((l, Some(udp))),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(TransportError::io(
+        format!("{} (no port free for both TCP and UDP in 64 tries)", what()),
+        last.unwrap_or_else(|| std::io::ErrorKind::AddrInUse.into()),
+    ))
 }

@@ -214,6 +214,51 @@ impl TcpTransport {
     }
 }
 
+/// The parts of `data` (slices in order) that hold the message's bytes `range`.
+pub(super) fn stripe_slices<'a>(data: &[&'a [u8]], range: std::ops::Range<usize>) -> Vec<&'a [u8]> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for s in data {
+        let (start, end) = (at, at + s.len());
+        at = end;
+        if end <= range.start || s.is_empty() {
+            continue;
+        }
+        if start >= range.end {
+            break;
+        }
+        let lo = range.start.max(start) - start;
+        let hi = range.end.min(end) - start;
+        out.push(&s[lo..hi]);
+    }
+    out
+}
+
+/// `bufs` (a message of `len` bytes in order) split into the buffers of its `n` stripes.
+pub(super) fn split_stripes<'s>(
+    bufs: &'s mut [&mut [u8]],
+    len: usize,
+    n: usize,
+) -> Vec<Vec<&'s mut [u8]>> {
+    let mut out: Vec<Vec<&'s mut [u8]>> = (0..n).map(|_| Vec::new()).collect();
+    let mut stripe = 0;
+    let mut at = 0;
+    for b in bufs.iter_mut() {
+        let mut rest: &'s mut [u8] = b;
+        while !rest.is_empty() {
+            while stripe + 1 < n && at >= stripe_range(len, n, stripe).end {
+                stripe += 1;
+            }
+            let take = (stripe_range(len, n, stripe).end - at).min(rest.len());
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(take);
+            out[stripe].push(head);
+            rest = tail;
+            at += take;
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,10 +7,10 @@ use std::sync::atomic::Ordering::{Relaxed, Release};
 use fh_core::{kernels, DType, ReduceOp};
 
 use super::{
-    first_blocker, get, piece, put, reduce_blocked, reduce_tag, view, ShmComm, TAG_ALLGATHER,
-    TAG_ALLREDUCE, TAG_ALLTOALL, TAG_BARRIER, TAG_BROADCAST, TAG_REDUCE_SCATTER,
+    first_blocker, get, invalid, piece, pieces_len, put, reduce_blocked, reduce_tag, view, ShmComm,
+    TAG_ALLGATHER, TAG_ALLREDUCE, TAG_ALLTOALL, TAG_BARRIER, TAG_BROADCAST, TAG_REDUCE_SCATTER,
 };
-use crate::algorithms::offsets;
+use crate::algorithms::{self, offsets};
 use crate::{Result, TransportError};
 
 /// A reduce-scatter's input around this rank's block: the slices before it, the block (`None`:
@@ -390,5 +390,63 @@ impl ShmComm {
         self.for_each_posted("barrier", k, |j| self.check_meta(j, b, &[TAG_BARRIER]))?;
         self.finish_round(k);
         Ok(())
+    }
+}
+
+impl ShmComm {
+    /// Reduce-scatter in place (the hierarchical allreduce's first step): the concatenation of
+    /// `before`, `own` and `after` (each in slices) is this rank's input, `own` its block
+    /// (`counts[rank]` elements, after the blocks of the ranks below it); on return `own` holds
+    /// the reduction of that block over every rank. The same rounds as
+    /// [`Communicator::reduce_scatter`] (ranks may mix the two), but the block is reduced where
+    /// it lies: no copy of it to a separate output.
+    pub(crate) fn reduce_scatter_in_place(
+        &mut self,
+        before: &[&[u8]],
+        own: &mut [&mut [u8]],
+        after: &[&[u8]],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let (lens, own_len) = (pieces_len(before), pieces_len(own));
+        let len = lens + own_len + pieces_len(after);
+        let (offs, _) = algorithms::check_reduce_scatter(len, own_len, counts, me, n, dtype, op)?;
+        if lens != offs[me] * dtype.size() {
+            return Err(invalid(format!(
+                "reduce_scatter: rank {me}'s block starts at byte {} but {lens} bytes precede it",
+                offs[me] * dtype.size(),
+            )));
+        }
+        if n == 1 || len == 0 {
+            return Ok(());
+        }
+        self.guarded(|c| c.reduce_scatter_parts((before, None, after), own, counts, dtype, op))
+    }
+
+    /// Allgatherv in place (the hierarchical allreduce's last step): `own` is this rank's
+    /// block (`counts[rank]` bytes, in slices), the concatenations of `before` and `after`
+    /// receive the blocks of the ranks below and above it. The same rounds as
+    /// [`Communicator::allgatherv`] (ranks may mix the two), without the copy of this rank's
+    /// block into the output.
+    pub(crate) fn allgatherv_in_place(
+        &mut self,
+        before: &mut [&mut [u8]],
+        own: &[&[u8]],
+        after: &mut [&mut [u8]],
+        counts: &[usize],
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let lens = pieces_len(before);
+        let len = lens + pieces_len(own) + pieces_len(after);
+        let (offs, _) = algorithms::check_allgatherv(pieces_len(own), len, counts, me, n)?;
+        if lens != offs[me] {
+            return Err(invalid(format!(
+                "allgatherv: rank {me}'s block starts at byte {} but {lens} bytes precede it",
+                offs[me],
+            )));
+        }
+        self.guarded(|c| c.allgatherv_parts(before, own, after, counts))
     }
 }
