@@ -33,8 +33,10 @@ Modes:
 Both measure, per step, the time from the start of the backward to the last gradient reduced
 on this rank; then the slowest rank per step (all-reduce MAX / allgather). The forward pass and
 a barrier come before each step and are not timed. One or more warm-up steps are not timed
-either. After the last step every gradient must be the average of ones (one), else the script
-fails.
+either. Each rank also sums the CPU time its process (every thread: the framework's and the
+communication library's) used inside the timed steps (``time.process_time``); rank 0 reports
+the sum over the ranks. After the last step every gradient must be the average of ones (one),
+else the script fails.
 
 FH_REPLAY_TRACE=1 makes the fasthorovod mode print, per step and rank, when it left the barrier
 (wall clock, to see the skew between ranks), how long the backward (the deadlines plus the
@@ -47,7 +49,8 @@ FH_JOB_TOKEN, FH_TRANSPORT, ...) for fasthorovod. Rank 0 prints one JSON line to
 
   {"peer": "ddp-gloo", "workload": ..., "np": ..., "backward_ms": ..., "warmup": ...,
    "steps": ..., "step_seconds": [slowest rank per timed step, seconds], "tensors": ...,
-   "bytes": ..., "version": "torch x.y", "checked": true}
+   "bytes": ..., "version": "torch x.y", "checked": true,
+   "cpu_seconds": [CPU time of all ranks together over the timed steps, seconds]}
 
 Only the standard library, torch and (for the horovod and fasthorovod modes) horovod.torch
 or fasthorovod.torch are used.
@@ -174,19 +177,24 @@ def run_ddp(args, model_name, tensors, due, backend="gloo"):
     model, by_index, pending, clock = emulated_model(tensors, due)
     ddp = DistributedDataParallel(model)
     x = torch.zeros(1)
-    times = []
+    times, cpu = [], 0.0
     for step in range(args.warmup + args.steps):
         hand_back(tensors, by_index, pending)
         loss = ddp(x).sum()
         dist.barrier()
+        cpu0 = time.process_time()
         clock.t0 = time.perf_counter()
         loss.backward()
         elapsed = time.perf_counter() - clock.t0
         if step >= args.warmup:
             times.append(elapsed)
+            cpu += time.process_time() - cpu0
     check_ones(tensors, by_index)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    every_cpu = torch.tensor([cpu], dtype=torch.float64)
+    dist.all_reduce(every_cpu, op=dist.ReduceOp.SUM)
+    EXTRA["cpu_seconds"] = every_cpu.item()
     dist.barrier()
     dist.destroy_process_group()
     version = f"torch {torch.__version__}"
@@ -205,9 +213,10 @@ def run_horovod(args, model_name, tensors, due):
     grads = [torch.ones(shape) for _, shape, _, _ in tensors]
     names = [f"grad.{name}" for name, _, _, _ in tensors]
     average = {"op": hvd.Average} if hasattr(hvd, "Average") else {"average": True}
-    times = []
+    times, cpu = [], 0.0
     for step in range(args.warmup + args.steps):
         hvd.allreduce(torch.zeros(1), name=f"fh.barrier.{step % 2}")
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         handles = []
         for i, g in enumerate(grads):
@@ -218,11 +227,11 @@ def run_horovod(args, model_name, tensors, due):
         elapsed = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(elapsed)
+            cpu += time.process_time() - cpu0
     for i, g in enumerate(grads):
         if not torch.all(g == 1.0):
             raise SystemExit(f"wrong result for {tensors[i][0]}: the average of ones is not one")
-    every = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="fh.times")
-    slowest = every.max(dim=0).values.tolist()
+    slowest = gather_times(hvd, times, cpu)
     rank, world = hvd.rank(), hvd.size()
     hvd.shutdown()
     return rank, world, slowest, f"torch {torch.__version__}, horovod {horovod.__version__}"
@@ -230,6 +239,16 @@ def run_horovod(args, model_name, tensors, due):
 
 # Facts a run adds to rank 0's result line besides the step times.
 EXTRA = {}
+
+
+def gather_times(hvd, times, cpu):
+    """Through a Horovod-style API: the slowest rank per timed step, and (into EXTRA) the CPU
+    seconds of all ranks together, from one allgather of every rank's [times..., cpu]."""
+    import torch
+
+    every = hvd.allgather(torch.tensor([times + [cpu]], dtype=torch.float64), name="fh.times")
+    EXTRA["cpu_seconds"] = every[:, -1].sum().item()
+    return every[:, :-1].max(dim=0).values.tolist()
 
 
 def run_fasthorovod(args, model_name, tensors, due):
@@ -243,17 +262,19 @@ def run_fasthorovod(args, model_name, tensors, due):
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                    named_parameters=model.named_parameters())
     x = torch.zeros(1)
-    times = []
+    times, cpu = [], 0.0
     for step in range(args.warmup + args.steps):
         hand_back(tensors, by_index, pending)
         loss = model(x).sum()
         hvd.barrier()
+        cpu0 = time.process_time()
         clock.t0 = time.perf_counter()
         wall_t0 = time.time()
         loss.backward()
         backward_done = time.perf_counter()
         opt.synchronize()
         elapsed = time.perf_counter() - clock.t0
+        step_cpu = time.process_time() - cpu0
         if trace:
             # Where the step goes: the backward (deadlines + hooks) and the wait after it.
             bw = backward_done - clock.t0
@@ -263,12 +284,12 @@ def run_fasthorovod(args, model_name, tensors, due):
                   file=sys.stderr, flush=True)
         if step >= args.warmup:
             times.append(elapsed)
+            cpu += step_cpu
         if step + 1 < args.warmup + args.steps:
             with opt.skip_synchronize():
                 opt.step()
     check_ones(tensors, by_index)
-    every = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="fh.times")
-    slowest = every.max(dim=0).values.tolist()
+    slowest = gather_times(hvd, times, cpu)
     rank, world = hvd.rank(), hvd.size()
     # The streams the runtime itself chose to peers on other hosts (None: nothing crosses).
     EXTRA["tcp_streams"] = hvd.tcp_streams()

@@ -126,11 +126,27 @@ fn quick_suite_end_to_end_on_two_ranks() {
     // to `horovod`.
     let replay = run["replay"].as_array().unwrap();
     assert_eq!(run["config"]["replay_repeats"], 2);
-    // The Python peers (DDP, Horovod, fasthorovod.torch over shm and tcp) add rows when
-    // importable, else they are listed as skipped: one or the other, never both or neither.
-    let peers = ["ddp-gloo", "horovod-torch", "fasthorovod-torch"];
+    // The Python peers (DDP on Gloo and on the fasthorovod backend, Horovod, fasthorovod.torch
+    // over shm and tcp) add rows when importable, else they are listed as skipped: one or the
+    // other, never both or neither.
+    let peers = [
+        "ddp-gloo",
+        "ddp-fasthorovod",
+        "horovod-torch",
+        "fasthorovod-torch",
+    ];
     for (label, transport, what) in [
         ("ddp-gloo", "gloo", "PyTorch DDP (Gloo)"),
+        (
+            "ddp-fasthorovod",
+            "shm",
+            "PyTorch DDP on the fasthorovod backend over shared memory",
+        ),
+        (
+            "ddp-fasthorovod",
+            "tcp",
+            "PyTorch DDP on the fasthorovod backend over TCP",
+        ),
         ("horovod-torch", "gloo", "Horovod over Gloo"),
         ("horovod-torch", "mpi", "Horovod over MPI (yielding)"),
         (
@@ -208,6 +224,12 @@ fn quick_suite_end_to_end_on_two_ranks() {
         } else if r["transport"] == "shm" {
             assert_eq!(streams, 0, "{r:#}");
         }
+        // The CPU time of all ranks per step: every row here runs one process per rank (the
+        // engine's rows over TCP and shared memory, and the peers, whose adapter sums it).
+        assert!(
+            r["cpu_ms_per_step"].as_f64().is_some_and(|c| c > 0.0),
+            "no CPU time: {r:#}"
+        );
         // Each channel's share of the bytes, from the engine's per-channel counters.
         if let Some(k) = r["schedule"]
             .as_str()
@@ -260,6 +282,14 @@ fn quick_suite_end_to_end_on_two_ranks() {
     // Each replay beside its transport's own bound (bytes ÷ measured allreduce bandwidth).
     assert!(md.contains("The transport's own bound"), "{md}");
     assert!(md.contains("| resnet50 | tcp |"), "{md}");
+    // On one host, the CPU of every row per step.
+    assert!(
+        md.contains(
+            "| workload | schedule (transport) | CPU per step | CPU s per GB of gradients |"
+        ),
+        "{md}"
+    );
+    assert!(md.contains("| resnet50 | fasthorovod K=4 (shm) |"), "{md}");
 
     // The simulation projects every schedule, link and rank count, and says it is a model.
     let sim = &run["simulation"];

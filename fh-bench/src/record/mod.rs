@@ -270,7 +270,8 @@ pub struct ReplayRow {
     #[serde(default)]
     pub channel_share: Vec<f64>,
     /// CPU time of all ranks together per timed step, ms (the engine's rows over a transport
-    /// of one process per rank; None for peers and in-process ranks).
+    /// of one process per rank, and the peers, whose adapter sums its ranks' process CPU
+    /// time; None for in-process ranks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_ms_per_step: Option<f64>,
     /// The parallel TCP streams the runtime chose to each peer on another host, per run (rank

@@ -80,6 +80,8 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
         if let Some(a) = &r.across {
             across_hosts(&mut md, a, c.backward_ms);
             cpu_per_gb(&mut md, r, a);
+        } else {
+            cpu_per_step(&mut md, r);
         }
     }
 
@@ -433,6 +435,49 @@ fn cpu_per_gb(md: &mut String, r: &RunRecord, a: &crate::record::Across) {
     let _ = writeln!(md, "|---|---|---|---|---|");
     for l in lines {
         let _ = writeln!(md, "{l}");
+    }
+    md.push('\n');
+}
+
+/// On one host: each row's CPU time of all ranks per step (the engine's rows over process
+/// transports, and the peers), per GB of gradients reduced, and how many cores that kept busy
+/// during the step on average.
+fn cpu_per_step(md: &mut String, r: &RunRecord) {
+    let rows: Vec<_> = r
+        .replay
+        .iter()
+        .filter_map(|x| x.cpu_ms_per_step.map(|c| (x, c)))
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "CPU: the CPU time (user and system, every thread) of all ranks over the timed steps, \
+         per step and per GB of gradients (each rank's); cores busy: that CPU time ÷ the \
+         median step.\n"
+    );
+    let _ = writeln!(
+        md,
+        "| workload | schedule (transport) | CPU per step | CPU s per GB of gradients | cores busy |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|");
+    for (x, cpu_ms) in rows {
+        let gb = x.bytes as f64 / 1e9;
+        let _ = writeln!(
+            md,
+            "| {} | {} ({}) | {:.0} ms | {} | {:.2} |",
+            x.workload,
+            x.schedule,
+            x.transport,
+            cpu_ms,
+            if gb > 0.0 {
+                format!("{:.2}", cpu_ms / 1e3 / gb)
+            } else {
+                "–".into()
+            },
+            cpu_ms / x.step.median.max(f64::MIN_POSITIVE),
+        );
     }
     md.push('\n');
 }

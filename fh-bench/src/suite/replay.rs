@@ -213,6 +213,13 @@ pub(super) fn run(
                             if let Some(s) = r.tcp_streams {
                                 streams[wi][ci].push(s);
                             }
+                            // Every rank is a process of its own: their CPU, as the adapter
+                            // summed it.
+                            if let Some(c) = r.cpu_seconds {
+                                let acc = &mut cpu[wi][ci];
+                                acc.0 += c;
+                                acc.1 += opts.steps;
+                            }
                             r.step_seconds
                         }),
                         None => Err("no adapter script".into()),

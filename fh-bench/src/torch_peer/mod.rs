@@ -13,8 +13,8 @@
 //! `ssh` stand-in that goes through the rsh agent.
 //! `fasthorovod.torch`: N Python processes with fhrun's environment (`FH_RANK`, `FH_SIZE`,
 //! `FH_RENDEZVOUS_ADDR`, `FH_JOB_TOKEN`, `FH_TRANSPORT`, ...), over shared memory or TCP. Rank 0
-//! prints one JSON line with the slowest rank's time per step; every wait is bounded and every
-//! child is killed and reaped on failure.
+//! prints one JSON line with the slowest rank's time per step and the CPU time of all ranks over
+//! the timed steps; every wait is bounded and every child is killed and reaped on failure.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

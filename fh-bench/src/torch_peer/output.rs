@@ -30,6 +30,10 @@ pub struct PeerResult {
     /// does not say.
     #[serde(default)]
     pub tcp_streams: Option<crate::record::TcpStreams>,
+    /// CPU time (user and system, every thread of each process) of all ranks together over
+    /// the timed steps, seconds; `None` from an adapter that does not say.
+    #[serde(default)]
+    pub cpu_seconds: Option<f64>,
 }
 
 /// A line without a launcher's output tag: `horovodrun`/`mpirun --tag-output` write
@@ -92,6 +96,9 @@ pub fn parse_output(text: &str) -> Result<PeerResult, String> {
     }
     if let Some(bad) = r.step_seconds.iter().find(|s| !s.is_finite() || **s <= 0.0) {
         return Err(format!("{}: impossible step time {bad} s", r.peer));
+    }
+    if let Some(bad) = r.cpu_seconds.filter(|c| !c.is_finite() || *c < 0.0) {
+        return Err(format!("{}: impossible CPU time {bad} s", r.peer));
     }
     Ok(r)
 }

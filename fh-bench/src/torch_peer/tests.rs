@@ -93,6 +93,25 @@ fn rejects_missing_or_inconsistent_results() {
     assert!(parse_output(&unchecked)
         .unwrap_err()
         .contains("not checked"));
+    let negative_cpu = LINE.replace(
+        r#""checked": true}"#,
+        r#""checked": true, "cpu_seconds": -1.5}"#,
+    );
+    assert!(parse_output(&negative_cpu)
+        .unwrap_err()
+        .contains("impossible CPU time -1.5"));
+}
+
+#[test]
+fn reads_the_cpu_time_of_all_ranks() {
+    // The adapter sums every rank's process CPU time over the timed steps.
+    let line = LINE.replace(
+        r#""checked": true}"#,
+        r#""checked": true, "cpu_seconds": 0.75}"#,
+    );
+    assert_eq!(parse_output(&line).unwrap().cpu_seconds, Some(0.75));
+    // An adapter that does not say: unknown, not zero.
+    assert_eq!(parse_output(LINE).unwrap().cpu_seconds, None);
 }
 
 #[test]
