@@ -268,11 +268,18 @@ fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<ReplayOutput, String
     })
 }
 
+/// The negotiation mode with riding off (`Config::eager_bytes` 0).
+pub const RIDING_OFF: &str = "bit-vector, riding off";
+
+/// What a back-to-back measurement adds to its mode's name.
+pub const BACK_TO_BACK: &str = ", 8 B back to back";
+
 /// One negotiation measurement, as sent to every rank.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NegotiationJob {
-    /// `coordinator` (cache capacity 0: the coordinator every round) or `bit-vector` (a cache
-    /// with room for every name).
+    /// `coordinator` (cache capacity 0: the coordinator every round), `bit-vector` (a cache
+    /// with room for every name; small cached allreduces ride in the round, as by default) or
+    /// [`RIDING_OFF`] (the same without riding: a round, then the collective).
     pub mode: String,
     /// Tensors per step (one f32 each).
     pub tensors: usize,
@@ -280,6 +287,11 @@ pub struct NegotiationJob {
     pub warmup: usize,
     /// Timed steps.
     pub steps: usize,
+    /// When non-zero, each step is this many 8-byte allreduces of one name, each submitted
+    /// when the last completed (a training loop's metric, or the latency of a small named
+    /// allreduce), and every figure of the step is per allreduce.
+    #[serde(default)]
+    pub back_to_back: usize,
 }
 
 /// What a rank measured per timed step.
@@ -307,7 +319,12 @@ pub fn run_negotiation(
         config.cache_capacity(0)
     } else {
         let slots = config.cache_capacity.max(job.tensors + 16);
-        config.cache_capacity(slots)
+        let config = config.cache_capacity(slots);
+        if job.mode.starts_with(RIDING_OFF) {
+            config.eager_bytes(0)
+        } else {
+            config
+        }
     };
     let engine =
         Engine::start(transport, config).map_err(|e| format!("starting the engine: {e}"))?;
@@ -325,10 +342,38 @@ fn negotiation_steps(
     let err = |e: fh_scheduler::SchedulerError| e.to_string();
     let names: Vec<String> = (0..job.tensors).map(|i| format!("neg.{i}")).collect();
     let mut out = Vec::with_capacity(job.steps);
+    let sum = AllreduceOptions::with_op(ReduceOp::Sum);
     for step in 0..job.warmup + job.steps {
         engine.barrier().map_err(err)?.wait().map_err(err)?;
         let s0 = engine.stats();
         let t0 = Instant::now();
+        if job.back_to_back > 0 {
+            for _ in 0..job.back_to_back {
+                let x = Tensor::from_slice(&[1.0f32; 2]);
+                engine
+                    .allreduce("neg.b2b", x, sum)
+                    .map_err(err)?
+                    .wait()
+                    .map_err(err)?;
+            }
+            if step >= job.warmup {
+                let per = |x: f64| x / job.back_to_back as f64;
+                let s1 = engine.stats();
+                out.push(NegotiationStep {
+                    seconds: per(t0.elapsed().as_secs_f64()),
+                    rounds: s1.rounds.saturating_sub(s0.rounds) / job.back_to_back as u64,
+                    bytes: s1
+                        .negotiation_bytes_sent
+                        .saturating_sub(s0.negotiation_bytes_sent)
+                        / job.back_to_back as u64,
+                    negotiation_s: per(s1
+                        .negotiation_time
+                        .saturating_sub(s0.negotiation_time)
+                        .as_secs_f64()),
+                });
+            }
+            continue;
+        }
         let handles = names
             .iter()
             .map(|n| {

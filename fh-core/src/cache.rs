@@ -37,6 +37,7 @@ pub struct ResponseCache {
     slots: Vec<Option<Entry>>,
     by_name: HashMap<Arc<str>, usize>,
     clock: u64,
+    generation: u64,
 }
 
 impl ResponseCache {
@@ -46,7 +47,15 @@ impl ResponseCache {
             slots: vec![None; capacity],
             by_name: HashMap::new(),
             clock: 0,
+            generation: 0,
         }
+    }
+
+    /// A number that changes whenever a slot's response changes (an insertion or an
+    /// eviction; not a use): what is derived from the cached responses (the same on every
+    /// rank, like the cache) needs computing again only when it moves.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Number of slots.
@@ -101,6 +110,7 @@ impl ResponseCache {
     /// Drop a slot.
     pub fn evict(&mut self, slot: usize) -> Option<Arc<Response>> {
         let e = self.slots.get_mut(slot)?.take()?;
+        self.generation += 1;
         self.by_name.remove(&*e.response.name);
         Some(e.response)
     }
@@ -115,6 +125,7 @@ impl ResponseCache {
             return None;
         }
         self.clock += 1;
+        self.generation += 1;
         let name = Arc::clone(&response.name);
         let entry = Entry {
             response,
@@ -192,10 +203,13 @@ mod tests {
             let mut a = ResponseCache::new(cap);
             let mut b = ResponseCache::new(cap);
             for op in &ops {
+                let before = a.generation();
                 match *op {
                     Op::Insert(n, l) => {
                         let r = resp(&format!("t{n}"), l as u64);
                         let sa = a.insert(Arc::clone(&r));
+                        // An insertion moves the generation; a disabled cache stays put.
+                        prop_assert_eq!(a.generation() != before, sa.is_some());
                         prop_assert_eq!(sa.clone(), b.insert(Arc::clone(&r)));
                         if let Some((slot, _)) = sa {
                             prop_assert!(slot < cap);
@@ -208,8 +222,16 @@ mod tests {
                             prop_assert_eq!(cap, 0);
                         }
                     }
-                    Op::Touch(s) => { a.touch(s as usize); b.touch(s as usize); }
-                    Op::Evict(s) => { prop_assert_eq!(a.evict(s as usize), b.evict(s as usize)); }
+                    Op::Touch(s) => {
+                        a.touch(s as usize);
+                        b.touch(s as usize);
+                        prop_assert_eq!(a.generation(), before, "a use is no change");
+                    }
+                    Op::Evict(s) => {
+                        let out = a.evict(s as usize);
+                        prop_assert_eq!(a.generation() != before, out.is_some());
+                        prop_assert_eq!(out, b.evict(s as usize));
+                    }
                 }
                 prop_assert!(a.len() <= cap);
                 // Every named slot holds that name.

@@ -55,6 +55,11 @@ pub struct EngineStats {
     /// Fused groups the negotiation thread ran itself (small single-group rounds whose channel
     /// was idle; see `Config::inline_bytes`), counted in `fused_groups` and their channel too.
     pub inline_groups: u64,
+    /// Small allreduces completed inside their negotiation round, with no collective of their
+    /// own (see `Config::eager_bytes`); counted in `completed` too.
+    pub eager_tensors: u64,
+    /// Their payload bytes (each tensor's once).
+    pub eager_bytes: u64,
     /// Fused groups reduced where their tensors lie, without the fusion buffer (over a
     /// transport with scatter-gather I/O; see `Config::fused_in_place`), counted in
     /// `fused_groups` too.
@@ -124,6 +129,8 @@ pub(crate) struct Counters {
     pub data_bytes: AtomicU64,
     pub stall_warnings: AtomicU64,
     pub inline_groups: AtomicU64,
+    pub eager_tensors: AtomicU64,
+    pub eager_bytes: AtomicU64,
     pub in_place_groups: AtomicU64,
     /// Set once, when the channels are created.
     pub channels: OnceLock<Vec<ChannelCounters>>,
@@ -154,6 +161,8 @@ impl Counters {
             data_bytes: self.data_bytes.load(Relaxed),
             stall_warnings: self.stall_warnings.load(Relaxed),
             inline_groups: self.inline_groups.load(Relaxed),
+            eager_tensors: self.eager_tensors.load(Relaxed),
+            eager_bytes: self.eager_bytes.load(Relaxed),
             in_place_groups: self.in_place_groups.load(Relaxed),
             group_sizes: self.group_sizes.iter().map(|c| c.load(Relaxed)).collect(),
             steps: self.steps.load(Relaxed),

@@ -11,7 +11,11 @@ fn sum() -> AllreduceOptions {
 
 #[test]
 fn load_is_carried_across_rounds_and_counted_per_channel() {
-    let cfg = Config::default().channels(4).record_groups(true);
+    // 1 KiB tensors: none rides in the negotiation round, every one is a group.
+    let cfg = Config::default()
+        .channels(4)
+        .eager_bytes(0)
+        .record_groups(true);
     let out = run_world(2, cfg, |e, r| {
         // One tensor per round (each waits for the previous): with the load restarting at
         // zero in every round, every group would land on channel 0.

@@ -335,7 +335,7 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
         let mut control = t1.open("fh-control").unwrap();
         // The start-up agreement's fields (fh_scheduler::config::planning_fields, then the
         // heartbeats' silence and interval: none on the in-process transport).
-        let vals: [i64; 15] = [
+        let vals: [i64; 16] = [
             0,
             2,
             c2.cache_capacity as i64,
@@ -348,6 +348,7 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
             c2.backpressure_max.as_millis() as i64,
             i64::from(c2.cuda),
             c2.inline_bytes as i64,
+            c2.eager_bytes as i64,
             c2.effective_stage_bytes(1) as i64,
             0,
             0,

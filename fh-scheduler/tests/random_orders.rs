@@ -26,7 +26,7 @@ fn run_case(
     seed: u64,
     steps: usize,
     max_delay_us: u64,
-) {
+) -> fh_scheduler::EngineStats {
     let (label, cfg) = configs().swap_remove(cfg_idx);
     let cfg = cfg.record_groups(true);
     let specs2 = specs.clone();
@@ -106,19 +106,32 @@ fn run_case(
             "{label}: rank {rank} formed other groups than rank 0"
         );
     }
-    // Every tensor of every step went through exactly the bytes it has.
-    let total: u64 = log0
-        .iter()
-        .flat_map(|g| g.parts.iter())
-        .filter(|p| p.0.starts_with('t'))
-        .map(|p| p.2)
-        .sum();
+    // Every tensor of every step went through exactly the bytes it has: in a group, or riding
+    // in its negotiation round (as many bytes on every rank).
+    let rode = out[0].2.eager_bytes;
+    for (rank, (_, _, stats)) in out.iter().enumerate() {
+        assert_eq!(stats.eager_bytes, rode, "{label}: rank {rank}");
+        if label == "horovod" {
+            assert_eq!(
+                stats.eager_tensors, 0,
+                "{label}: Horovod's schedule never rides"
+            );
+        }
+    }
+    let total: u64 = rode
+        + log0
+            .iter()
+            .flat_map(|g| g.parts.iter())
+            .filter(|p| p.0.starts_with('t'))
+            .map(|p| p.2)
+            .sum::<u64>();
     let want: u64 = specs
         .iter()
         .map(|s| (s.len * s.dtype.size()) as u64)
         .sum::<u64>()
         * steps as u64;
     assert_eq!(total, want, "{label}");
+    out[0].2.clone()
 }
 
 proptest! {
@@ -145,7 +158,11 @@ fn every_preset_and_channel_count_with_repeated_steps() {
         })
         .collect();
     for cfg_idx in 0..7 {
-        run_case(4, cfg_idx, specs.clone(), 42 + cfg_idx as u64, 3, 0);
+        let stats = run_case(4, cfg_idx, specs.clone(), 42 + cfg_idx as u64, 3, 0);
+        // Cached small allreduces (1, 33 and 256 elements) ride from the second step on.
+        if cfg_idx > 0 {
+            assert!(stats.eager_tensors > 0, "config {cfg_idx}: {stats:?}");
+        }
     }
 }
 

@@ -70,6 +70,20 @@ fn fused_groups_reduced_in_place_over_tcp() {
     }
 }
 
+/// Small cached allreduces ride in the negotiation round over TCP (its allreduce carries the
+/// bits and the data in one recursive doubling): right results for every op at 3 and 4 ranks,
+/// and the same with riding off.
+#[test]
+fn small_allreduces_ride_in_the_round_over_tcp() {
+    for (size, eager) in [(3, "1024"), (4, "1024"), (4, "0")] {
+        let out = run(size, "riding", &[("FH_EAGER_BYTES", eager)]);
+        for (ok, text) in &out {
+            assert!(ok, "a rank failed:\n{text}");
+            assert_eq!(result_line(text), "ok", "{size} ranks, {eager}:\n{text}");
+        }
+    }
+}
+
 #[test]
 fn mismatch_over_tcp_fails_the_name_on_every_rank() {
     let out = run(2, "mismatch", &[]);
@@ -216,6 +230,20 @@ fn child_rank() {
                 "ok".to_string()
             } else {
                 "wrong result".to_string()
+            }
+        }
+        "riding" => {
+            let want = match std::env::var("FH_EAGER_BYTES").as_deref() {
+                Ok("0") => 0,
+                _ => common::riding::RIDERS_PER_STEP * 3,
+            };
+            match common::riding::steps(&engine, 4) {
+                Ok(_) if engine.stats().eager_tensors == want => "ok".to_string(),
+                Ok(_) => format!(
+                    "{} allreduces rode in their rounds, expected {want}",
+                    engine.stats().eager_tensors
+                ),
+                Err(e) => e,
             }
         }
         "mismatch" => {

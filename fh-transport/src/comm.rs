@@ -195,6 +195,27 @@ pub trait Communicator: Send {
         false
     }
 
+    /// Allreduce `buf` as consecutive `parts`, each with its own dtype and op (every rank
+    /// passes the same parts). Where the allreduce runs over this communicator's own messages
+    /// ([`Communicator::agrees_in_band`]) a small buffer is one collective
+    /// ([`algorithms::allreduce_parts`]); elsewhere, by default, each part is an allreduce of
+    /// its own (a backend with its own small allreduce may do better:
+    /// [`Communicator::parts_in_band`]).
+    fn allreduce_parts(&mut self, buf: &mut [u8], parts: &[algorithms::ReducePart]) -> Result<()> {
+        if self.agrees_in_band() {
+            algorithms::allreduce_parts(self, buf, parts)
+        } else {
+            algorithms::allreduce_each_part(self, buf, parts)
+        }
+    }
+
+    /// Whether [`Communicator::allreduce_parts`] of a buffer below the ring threshold costs one
+    /// collective, whatever the number of parts (by default where
+    /// [`Communicator::agrees_in_band`] says so).
+    fn parts_in_band(&self) -> bool {
+        self.agrees_in_band()
+    }
+
     /// Whether [`Communicator::allreduce_segments`] reduces a fused group where its slices lie
     /// for less than packing it into one buffer and calling [`Communicator::allreduce`] costs:
     /// by default where [`Communicator::vectored_io`] says so (the ring moves the slices

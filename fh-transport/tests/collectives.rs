@@ -112,6 +112,71 @@ fn allreduce_agreeing_reduces_only_when_every_rank_can() {
     }
 }
 
+/// One buffer of parts with their own dtype and op (bit masks, sums, averages, maxima, odd
+/// lengths) equals the parts reduced one by one, at every world size, below the ring
+/// threshold (one recursive doubling) and above it (one allreduce per part); the trait's
+/// default form (one allreduce per part) answers the same; parts that do not tile the buffer
+/// are refused before anything is sent.
+#[test]
+fn allreduce_parts_equals_each_part_reduced_alone() {
+    let big = ALLREDUCE_RING_THRESHOLD_BYTES / 4 + 5;
+    let shapes: Vec<Vec<(DType, ReduceOp, usize)>> = vec![
+        vec![
+            (DType::U8, ReduceOp::BitAnd, 19),
+            (DType::F32, ReduceOp::Sum, 1),
+            (DType::F64, ReduceOp::Average, 3),
+            (DType::I32, ReduceOp::Max, 5),
+            (DType::F16, ReduceOp::Min, 7),
+        ],
+        vec![(DType::F32, ReduceOp::Average, 2)],
+        vec![
+            (DType::U8, ReduceOp::BitOr, 3),
+            (DType::F32, ReduceOp::Sum, big),
+        ],
+    ];
+    for n in 1..=6 {
+        let shapes = shapes.clone();
+        world(n, TIMEOUT, move |comm| {
+            let rank = comm.rank();
+            let mut seed = 900;
+            for shape in &shapes {
+                let mut mine = Vec::new();
+                let mut want = Vec::new();
+                let mut parts = Vec::new();
+                for &(dtype, op, len) in shape {
+                    seed += 1;
+                    let ins = inputs(dtype, op, len, n, seed);
+                    mine.extend_from_slice(&ins[rank]);
+                    want.extend_from_slice(&reference(dtype, op, &ins));
+                    parts.push(fh_transport::algorithms::ReducePart {
+                        len: len * dtype.size(),
+                        dtype,
+                        op,
+                    });
+                }
+                let mut buf = mine.clone();
+                fh_transport::algorithms::allreduce_parts(comm, &mut buf, &parts).unwrap();
+                assert_eq!(buf, want, "n={n} rank={rank} {shape:?}");
+                let mut buf = mine.clone();
+                comm.allreduce_parts(&mut buf, &parts).unwrap();
+                assert_eq!(buf, want, "trait method, n={n} {shape:?}");
+                let mut buf = mine.clone();
+                Defaulted(&mut *comm)
+                    .allreduce_parts(&mut buf, &parts)
+                    .unwrap();
+                assert_eq!(buf, want, "default form, n={n} {shape:?}");
+            }
+            let short = [fh_transport::algorithms::ReducePart {
+                len: 4,
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+            }];
+            let err = comm.allreduce_parts(&mut [0u8; 8], &short).unwrap_err();
+            assert!(err.to_string().contains("cover 4 bytes"), "{err}");
+        });
+    }
+}
+
 /// A communicator that forwards everything but keeps the trait's default
 /// `allreduce_agreeing` (the form backends with their own allreduce use).
 struct Defaulted<'a>(&'a mut dyn fh_transport::Communicator);

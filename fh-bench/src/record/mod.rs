@@ -310,7 +310,9 @@ impl ReplayRow {
 /// One negotiation configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NegRow {
-    /// `coordinator` (cache capacity 0) or `bit-vector`.
+    /// `coordinator` (cache capacity 0), `bit-vector` (small cached allreduces ride in the
+    /// round) or `bit-vector, riding off`; with `, 8 B back to back` added, one 8-byte named
+    /// allreduce at a time and every figure per allreduce.
     pub mode: String,
     /// Ranks.
     pub np: usize,

@@ -269,7 +269,8 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
                 + peers.len())) as u64;
     }
     if wants("negotiation") {
-        total += (neg_nps.len() * 2 * opts.tensor_counts.len()) as u64;
+        // Three modes per tensor count, and two back-to-back measurements, at each rank count.
+        total += (neg_nps.len() * (negotiation::MODES.len() * opts.tensor_counts.len() + 2)) as u64;
     }
     let bar = ProgressBar::new(total.max(1));
     bar.set_style(

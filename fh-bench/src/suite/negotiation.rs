@@ -4,9 +4,12 @@ use indicatif::ProgressBar;
 
 use super::Options;
 use crate::record::{NegRow, RunRecord, Skipped};
-use crate::replay::NegotiationJob;
+use crate::replay::{NegotiationJob, BACK_TO_BACK, RIDING_OFF};
 use crate::runner::{Job, RankOutput, Runner};
 use crate::stats::Quantity;
+
+/// The modes measured at every tensor count.
+pub(super) const MODES: [&str; 3] = ["coordinator", "bit-vector", RIDING_OFF];
 
 /// Run the measurement over `runner` (transport `tname`) at each of `neg_nps` rank counts.
 pub(super) fn run(
@@ -21,7 +24,7 @@ pub(super) fn run(
     for &np in neg_nps {
         let mut runner = runner.clone();
         runner.np = np;
-        for mode in ["coordinator", "bit-vector"] {
+        for mode in MODES {
             for &tensors in &opts.tensor_counts {
                 bar.set_message(format!(
                     "negotiation: {mode}, {tensors} tensors, np {np} over {tname}"
@@ -31,6 +34,7 @@ pub(super) fn run(
                     tensors,
                     warmup: 1,
                     steps,
+                    back_to_back: 0,
                 });
                 match runner.run(&format!("negotiation-{mode}-{tensors}-np{np}"), &job) {
                     Ok(outs) => record
@@ -44,6 +48,30 @@ pub(super) fn run(
                 }
                 bar.inc(1);
             }
+        }
+        // The latency of one small named allreduce, back to back (riding in the round, and
+        // not): what a training loop's metric or loss costs.
+        for mode in ["bit-vector", RIDING_OFF] {
+            let label = format!("{mode}{BACK_TO_BACK}");
+            bar.set_message(format!("negotiation: {label}, np {np} over {tname}"));
+            let job = Job::Negotiation(NegotiationJob {
+                mode: label.clone(),
+                tensors: 1,
+                warmup: 1,
+                steps,
+                back_to_back: if opts.quick { 300 } else { 1000 },
+            });
+            match runner.run(&format!("negotiation-b2b-{mode}-np{np}"), &job) {
+                Ok(outs) => record
+                    .negotiation
+                    .push(negotiation_row(&label, np, 1, &outs)),
+                Err(e) => record.skipped.push(Skipped::failed(
+                    "negotiation",
+                    format!("{label}, np {np}"),
+                    e,
+                )),
+            }
+            bar.inc(1);
         }
     }
 }

@@ -53,6 +53,14 @@ pub(crate) fn planning_fields(
                 Preset::Horovod => 0,
             },
         ),
+        // Which small allreduces ride in the rounds shapes every round's message.
+        (
+            "FH_EAGER_BYTES",
+            match c.preset {
+                Preset::FastHorovod => clamp(c.eager_bytes),
+                Preset::Horovod => 0,
+            },
+        ),
         // The pieces a fused group is reduced in are the collectives every rank runs.
         ("FH_STAGE_BYTES", clamp(c.stage_bytes)),
     ]

@@ -81,6 +81,13 @@ impl Config {
         self
     }
 
+    /// Let small cached allreduces of at most `bytes` in all ride inside the negotiation round
+    /// ([`Config::eager_bytes`](Config#structfield.eager_bytes); `0`: off).
+    pub fn eager_bytes(mut self, bytes: u64) -> Self {
+        self.eager_bytes = bytes;
+        self
+    }
+
     /// Stage fused host groups through the fusion buffer `bytes` at a time
     /// ([`Config::stage_bytes`](Config#structfield.stage_bytes); `0`: whole groups).
     pub fn stage_bytes(mut self, bytes: u64) -> Self {

@@ -6,7 +6,9 @@ use std::time::Duration;
 use crate::SchedulerError;
 
 use super::parse::{parse_bytes, parse_seconds, parse_seconds_at_most, parse_switch, parse_u64};
-use super::{Config, Preset, MAX_CACHE_CAPACITY, MAX_CONTROL_SPIN, MAX_FLIGHT_RECORDS};
+use super::{
+    Config, Preset, MAX_CACHE_CAPACITY, MAX_CONTROL_SPIN, MAX_EAGER_BYTES, MAX_FLIGHT_RECORDS,
+};
 
 /// The variables [`Config::from_env`] reads, and the logging variables read where a log
 /// subscriber is installed (`FH_LOG_LEVEL`, `FH_LOG_COLOR`: [`super::log_colour`]).
@@ -22,6 +24,7 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_BACKPRESSURE_BYTES",
     "FH_BACKPRESSURE_MAX_MS",
     "FH_INLINE_BYTES",
+    "FH_EAGER_BYTES",
     "FH_STAGE_BYTES",
     "FH_CONTROL_SPIN_US",
     "FH_CUDA",
@@ -219,6 +222,16 @@ impl Config {
         }
         if let Some(v) = get("FH_INLINE_BYTES") {
             c.inline_bytes = parse_bytes("FH_INLINE_BYTES", &v)?;
+        }
+        if let Some(v) = get("FH_EAGER_BYTES") {
+            let n = parse_bytes("FH_EAGER_BYTES", &v)?;
+            if n > MAX_EAGER_BYTES {
+                return Err(SchedulerError::config(
+                    "FH_EAGER_BYTES",
+                    format!("'{v}' is out of range; accepted values: 0 (off) to {MAX_EAGER_BYTES}"),
+                ));
+            }
+            c.eager_bytes = n;
         }
         if let Some(v) = get("FH_STAGE_BYTES") {
             c.stage_bytes = parse_bytes("FH_STAGE_BYTES", &v)?;

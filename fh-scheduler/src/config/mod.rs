@@ -181,6 +181,16 @@ pub struct Config {
     /// group, so that none is left waiting in it (inside the group's allreduce, or a one-byte
     /// step first for other kinds).
     pub inline_bytes: u64,
+    /// FastHorovod (`FH_EAGER_BYTES`, at most [`MAX_EAGER_BYTES`]; `0`: off): allreduces of
+    /// host tensors small enough to share this many bytes ride inside the negotiation round
+    /// once their response is cached: each rank puts its data beside its bit vector, the one
+    /// collective of the round reduces both, and a tensor ready on every rank completes in that
+    /// round — one collective's latency for a small allreduce instead of two. Which cached
+    /// tensors ride is a function of the cache (the same on every rank, smallest slots first
+    /// until the bytes are spent), and only where the negotiation communicator reduces a
+    /// message of mixed parts in one collective (TCP; shared memory, hierarchical and MPI
+    /// worlds negotiate without it). Agreed at start-up.
+    pub eager_bytes: u64,
     /// FastHorovod, every rank on one host (`FH_STAGE_BYTES`; `0`: off): a fused group of
     /// host tensors goes through its channel's fusion buffer a piece of at most this many
     /// bytes at a time, each piece packed, reduced and unpacked before the next, so that the
@@ -222,6 +232,10 @@ pub const MAX_CONTROL_SPIN: Duration = Duration::from_millis(1);
 /// carries one bit per slot: 64 Ki slots make 8 KiB per round).
 pub const MAX_CACHE_CAPACITY: usize = 1 << 16;
 
+/// Most bytes of small allreduces `FH_EAGER_BYTES` lets ride in every negotiation round (the
+/// round's message grows by what the cached ones take, whether or not they are ready).
+pub const MAX_EAGER_BYTES: u64 = 64 * 1024;
+
 impl Default for Config {
     fn default() -> Self {
         Config::preset(Preset::FastHorovod)
@@ -254,6 +268,7 @@ impl Config {
             backpressure_max: Duration::from_millis(50),
             cuda: false,
             inline_bytes: 64 * 1024,
+            eager_bytes: 1024,
             stage_bytes: DEFAULT_STAGE_BYTES,
             control_spin: Duration::from_micros(30),
             flight_records: crate::flight::DEFAULT_RECORDS,
@@ -270,6 +285,8 @@ impl Config {
                 backpressure: Some(false),
                 // Horovod packs a whole fused group into its fusion buffer at once.
                 stage_bytes: 0,
+                // Horovod negotiates, then runs the collective.
+                eager_bytes: 0,
                 ..base
             },
         }
@@ -298,6 +315,15 @@ impl Config {
                 format!(
                     "{} is out of range; accepted values: 0 to {MAX_CACHE_CAPACITY}",
                     self.cache_capacity
+                ),
+            ));
+        }
+        if self.eager_bytes > MAX_EAGER_BYTES {
+            return Err(SchedulerError::config(
+                "eager_bytes",
+                format!(
+                    "{} is out of range; accepted values: 0 (off) to {MAX_EAGER_BYTES}",
+                    self.eager_bytes
                 ),
             ));
         }

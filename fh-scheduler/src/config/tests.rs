@@ -153,6 +153,7 @@ fn bad_values_name_the_variable_and_accepted_values() {
         ("FH_BACKPRESSURE_MAX_MS", "5000", "0 to 1000"),
         ("FH_CUDA", "maybe", "0, 1, true, false"),
         ("FH_INLINE_BYTES", "lots", "byte size"),
+        ("FH_EAGER_BYTES", "1MiB", "0 (off) to 65536"),
         ("FH_CONTROL_SPIN_US", "5000", "0 to 1000"),
         ("FH_FLIGHT_RECORDS", "100000000", "0 (off) to 1048576"),
         ("FH_METRICS_ADDR", "localhost:x", "PORT, :PORT or IP:PORT"),

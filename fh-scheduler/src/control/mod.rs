@@ -3,7 +3,8 @@
 //!
 //! Every rank runs the same sequence of negotiation rounds on the control communicator. A
 //! round is: one bitwise-AND allreduce of the negotiation vector (status flags + cached slots
-//! pending here), then, only when a flag asks for it, the optional steps in a fixed order —
+//! pending here; the data of the small cached allreduces that ride travels in the same
+//! collective), then, only when a flag asks for it, the optional steps in a fixed order —
 //! agreed fault (stop), readiness report (gather to rank 0, while rank 0 writes a timeline),
 //! joined-rank exchange, slot invalidation, coordinator step (gather to rank 0, broadcast),
 //! stall report — and finally the agreed ready list is planned (channel load carried from
@@ -11,7 +12,11 @@
 //! the rounds' collective results, every rank takes the same steps and forms the same groups.
 //! Back-pressure only delays when a rank enters its next round.
 //!
-//! The hot path of a small collective: a plan that is one small group of host tensors
+//! The hot path of a small cached allreduce: it rides in the round itself ([`eager`],
+//! `Config::eager_bytes`): its data travels beside the bit vector in the round's one
+//! collective, and completes there when every rank had it ready.
+//!
+//! The hot path of another small collective: a plan that is one small group of host tensors
 //! (`Config::inline_bytes`, agreed at start-up) needs every rank to say it can run the group:
 //! an allreduce group carries that AND in its own allreduce (over TCP in the same messages,
 //! [`fh_transport::Communicator::allreduce_agreeing`]), any other kind takes a one-byte AND
@@ -25,7 +30,7 @@
 //! One gradient walks the modules of this directory in order: `mod.rs` is the thin loop
 //! (accept submissions, decide when to run the next round, back-pressure); [`round`] runs one
 //! negotiation round (the bit-vector AND and the optional steps, drawing on
-//! [`crate::negotiate`]), of which the stall inspector's is in [`stall_check`]; [`groups`] holds grouped submissions back until every member is
+//! [`crate::negotiate`]; [`eager`]: the small allreduces riding in it), of which the stall inspector's is in [`stall_check`]; [`groups`] holds grouped submissions back until every member is
 //! ready and fails them together; [`dispatch`] plans the agreed list (fh-core's planner) and
 //! hands the groups to the channels (`crate::exec`), or runs a small one itself.
 
@@ -44,6 +49,7 @@ use crate::shared::{Inner, Msg};
 use crate::SchedulerError;
 
 mod dispatch;
+mod eager;
 mod groups;
 mod round;
 mod stall_check;
@@ -107,6 +113,9 @@ pub(crate) struct Control {
     /// run on this thread's behalf agrees there that every rank can run it, not in a one-byte
     /// step of its own.
     agree_in_band: bool,
+    /// The small cached allreduces that ride in the rounds (`Config::eager_bytes`; none where
+    /// the negotiation communicator cannot reduce a message of mixed parts in one collective).
+    eager: eager::EagerLayout,
     /// Rank 0 while writing a timeline: for each tensor not yet agreed, when each rank had it
     /// ready (from the readiness reports). Empty when no timeline is written.
     ready_times: ReadyTimes,
@@ -176,6 +185,13 @@ impl Control {
         inner.counters.init_channels(data.len());
         // Every rank opened its channels on the same backend: an agreed fact.
         let agree_in_band = !data.is_empty() && data.iter().all(|c| c.agrees_in_band());
+        // Agreed facts too: the setting (start-up agreement) and the negotiation backend.
+        let eager_budget = match cfg.preset {
+            crate::config::Preset::FastHorovod if comm.parts_in_band() => {
+                usize::try_from(cfg.eager_bytes).unwrap_or(usize::MAX)
+            }
+            _ => 0,
+        };
         let dispatch = Dispatch::start(cfg.preset, &inner, data, devices)?;
         let plan_opts = cfg.plan_options();
         let now = Instant::now();
@@ -188,6 +204,7 @@ impl Control {
                 last: None,
             },
             ready_times: ReadyTimes::new(inner.size),
+            eager: eager::EagerLayout::new(eager_budget),
             incarnation,
             agree_in_band,
             inner,

@@ -16,6 +16,7 @@ use crate::negotiate::{collect, fault, shutdown};
 use crate::stats::Counters;
 use crate::{SchedulerError, Tensor};
 
+use super::eager::Riding;
 use super::waiting::Announce;
 use super::Control;
 
@@ -26,6 +27,9 @@ struct LocalBits {
     invalid: Vec<usize>,
     cap: usize,
     channel_bits: usize,
+    /// The small allreduces riding in the round: this rank's data where its bit is set
+    /// (zeros elsewhere); after the round, the reduced bytes.
+    eager: Vec<u8>,
 }
 
 /// The shortest time between two flight records written for disagreeing tensors.
@@ -54,8 +58,8 @@ impl Control {
         let span = tracing::trace_span!("round", rank = self.inner.rank);
         let _g = span.enter();
 
-        let local = self.classify_pending(start);
-        let agreed = self.agree_on_bits(&local)?;
+        let mut local = self.classify_pending(start)?;
+        let agreed = self.agree_on_bits(&mut local)?;
         if agreed.status(Status::Fault) {
             return Err(self.stop_on_agreed_fault()?);
         }
@@ -69,6 +73,9 @@ impl Control {
         let all_joined = self.join.set.iter().all(|&j| j);
         let evicted = self.evict_invalidated(&agreed, &local.invalid)?;
         let mut ready = self.ready_from_cache(&agreed, &evicted, all_joined);
+        // Before the coordinator inserts anything: riders are the responses cached as the
+        // round began.
+        let riders = self.take_riders(&mut ready, &local.eager);
         let coordinate = agreed.status(Status::Uncached) || !evicted.is_empty() || joined_changed;
         if coordinate {
             self.coordinate_uncached(&mut ready, start)?;
@@ -82,9 +89,11 @@ impl Control {
         if all_joined {
             self.complete_join();
         }
-        self.record_negotiation(start, &ready, coordinate);
+        self.record_negotiation(start, &ready, &riders, coordinate);
+        let rode = !riders.is_empty();
+        self.complete_riders(riders, &local.eager);
         // Grouped members wait for the rest of their group; plan and dispatch.
-        self.pacing.last_progress = !ready.is_empty();
+        self.pacing.last_progress = rode || !ready.is_empty();
         let ready = self.release_groups(ready);
         if !ready.is_empty() {
             self.dispatch(ready)?;
@@ -94,10 +103,12 @@ impl Control {
 
     /// Step 1: classify what is pending here into this rank's vector: cache slots ready,
     /// slots whose signature changed, channels idle, and the status flags.
-    fn classify_pending(&mut self, start: Instant) -> LocalBits {
+    fn classify_pending(&mut self, start: Instant) -> Result<LocalBits, SchedulerError> {
         let cap = self.cache.capacity();
         let channel_bits = self.channel_bits();
         let mut vec = NegotiationVec::with_channels(cap, channel_bits);
+        self.eager.refresh(&self.cache);
+        let mut eager = vec![0u8; self.eager.len()];
         for (c, ch) in self.inner.counters.channels().iter().enumerate() {
             vec.set_idle(c, ch.queued.load(Ordering::Relaxed) == 0);
         }
@@ -114,7 +125,10 @@ impl Control {
                 &p.entry.req.sig,
                 p.entry.req.group.as_ref(),
             ) {
-                Lookup::Hit(slot) => vec.set_slot(slot, true),
+                Lookup::Hit(slot) => {
+                    vec.set_slot(slot, true);
+                    self.eager.fill(&mut eager, slot, p.entry.tensor.data())?;
+                }
                 Lookup::Changed(slot) => invalid.push(slot),
                 Lookup::Miss => uncached |= p.state == Announce::New,
             }
@@ -140,24 +154,33 @@ impl Control {
         vec.set_status(Status::Pending, !self.work.pending.is_empty());
         vec.set_status(Status::Fault, self.fault.is_some());
         vec.set_status(Status::Trace, self.tracing());
-        LocalBits {
+        Ok(LocalBits {
             vec,
             invalid,
             cap,
             channel_bits,
-        }
+            eager,
+        })
     }
 
-    /// Step 2: the bit-vector AND of every rank's vector; notes which channels are idle on
+    /// Step 2: the bit-vector AND of every rank's vector, in the same collective as the
+    /// riders' data (reduced in place in `local.eager`); notes which channels are idle on
     /// every rank.
-    fn agree_on_bits(&mut self, local: &LocalBits) -> Result<NegotiationVec, SchedulerError> {
+    fn agree_on_bits(&mut self, local: &mut LocalBits) -> Result<NegotiationVec, SchedulerError> {
         let mut bytes = local.vec.to_bytes();
-        self.add_bytes(bytes.len() + 16);
-        collect::reduce_bits(
+        self.add_bytes(bytes.len() + 16 + local.eager.len());
+        let parts = if local.eager.is_empty() {
+            Vec::new()
+        } else {
+            self.eager.parts()
+        };
+        collect::reduce_bits_with(
             self.comm.as_mut(),
             &mut bytes,
             ReduceOp::BitAnd,
             self.incarnation,
+            &mut local.eager,
+            &parts,
         )?;
         let agreed =
             NegotiationVec::from_bytes_with_channels(&bytes, local.cap, local.channel_bits)
@@ -358,17 +381,23 @@ impl Control {
 
     /// The round's negotiation time in the counters, and in the timeline: the round, and each
     /// tensor agreed in it from the first rank's ready time.
-    fn record_negotiation(&mut self, start: Instant, ready: &[Arc<Response>], coordinate: bool) {
+    fn record_negotiation(
+        &mut self,
+        start: Instant,
+        ready: &[Arc<Response>],
+        riders: &[Riding],
+        coordinate: bool,
+    ) {
         let neg_end = Instant::now();
         Counters::add(
             &self.inner.counters.negotiation_nanos,
             neg_end.duration_since(start).as_nanos() as u64,
         );
         if let Some(tl) = self.inner.timeline() {
-            if !ready.is_empty() || coordinate {
-                tl.round(coordinate, ready.len(), start, neg_end);
+            if !ready.is_empty() || !riders.is_empty() || coordinate {
+                tl.round(coordinate, ready.len() + riders.len(), start, neg_end);
             }
-            for r in ready {
+            for r in ready.iter().chain(riders.iter().map(|(r, _)| r)) {
                 if let Some(times) = self.ready_times.take(&r.name) {
                     tl.negotiated(r.name.to_string(), times, neg_end);
                 }

@@ -115,9 +115,11 @@ fn ranks_running_a_group_inline_or_on_its_channel_agree() {
         .map(|t| {
             let names = names.clone();
             std::thread::spawn(move || {
+                // Every step's groups run (none rides in the negotiation round).
                 let cfg = Config::default()
                     .channels(2)
                     .inline_bytes(1024)
+                    .eager_bytes(0)
                     .record_groups(true);
                 let e = Engine::start(Box::new(t), cfg).unwrap();
                 let r = e.rank() as f32;

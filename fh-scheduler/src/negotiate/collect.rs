@@ -8,6 +8,7 @@
 
 use fh_core::bytes::{DecodeError, Reader};
 use fh_core::{DType, ReduceOp};
+use fh_transport::algorithms::ReducePart;
 use fh_transport::{CollectivesExt, Communicator, TransportError};
 
 use crate::SchedulerError;
@@ -130,6 +131,43 @@ pub(crate) fn reduce_bits(
     bits.extend_from_slice(&(!tag).to_le_bytes());
     comm.allreduce(bits, DType::U8, op)?;
     let (t, c) = read_tag_words(bits, n)?;
+    bits.truncate(n);
+    if t != tag || c != !tag {
+        return Err(stale(None, t, tag));
+    }
+    Ok(())
+}
+
+/// [`reduce_bits`] with `extra` bytes reduced in the same collective as `extra_parts` (each
+/// with its own dtype and op: the small allreduces that ride in a round), after the vector and
+/// its incarnation words, padded to 8 bytes. With no extra bytes it is [`reduce_bits`].
+pub(crate) fn reduce_bits_with(
+    comm: &mut dyn Communicator,
+    bits: &mut Vec<u8>,
+    op: ReduceOp,
+    tag: u64,
+    extra: &mut [u8],
+    extra_parts: &[ReducePart],
+) -> Result<(), SchedulerError> {
+    if extra.is_empty() {
+        return reduce_bits(comm, bits, op, tag);
+    }
+    let n = bits.len();
+    bits.extend_from_slice(&tag.to_le_bytes());
+    bits.extend_from_slice(&(!tag).to_le_bytes());
+    bits.resize(bits.len().div_ceil(8) * 8, 0);
+    let head = bits.len();
+    bits.extend_from_slice(extra);
+    let mut parts = Vec::with_capacity(extra_parts.len() + 1);
+    parts.push(ReducePart {
+        len: head,
+        dtype: DType::U8,
+        op,
+    });
+    parts.extend_from_slice(extra_parts);
+    comm.allreduce_parts(bits, &parts)?;
+    extra.copy_from_slice(&bits[head..]);
+    let (t, c) = read_tag_words(&bits[..n + 16], n)?;
     bits.truncate(n);
     if t != tag || c != !tag {
         return Err(stale(None, t, tag));

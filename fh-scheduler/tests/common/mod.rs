@@ -3,6 +3,7 @@
 
 pub mod cases;
 pub mod procs;
+pub mod riding;
 
 use std::sync::mpsc;
 use std::time::Duration;

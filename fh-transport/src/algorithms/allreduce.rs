@@ -169,6 +169,88 @@ pub fn allreduce_agreeing<C: Communicator + ?Sized>(
     Ok(agreed)
 }
 
+/// One part of a buffer reduced by [`allreduce_parts`]: `len` bytes of `dtype`, combined with
+/// `op` (`Average` sums, then divides by the number of ranks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReducePart {
+    /// Bytes in the part (whole elements of `dtype`).
+    pub len: usize,
+    /// The part's element type.
+    pub dtype: DType,
+    /// How the part's elements combine.
+    pub op: ReduceOp,
+}
+
+/// Check that `parts` tile a buffer of `len` bytes and that each is a valid reduction.
+pub(crate) fn check_parts(len: usize, parts: &[ReducePart]) -> Result<()> {
+    let mut total = 0usize;
+    for p in parts {
+        check_reduction("allreduce_parts", p.dtype, p.op, p.len)?;
+        total = total
+            .checked_add(p.len)
+            .ok_or_else(|| invalid("allreduce_parts: part lengths overflow usize".into()))?;
+    }
+    if total != len {
+        return Err(invalid(format!(
+            "allreduce_parts: the parts cover {total} bytes but the buffer has {len}"
+        )));
+    }
+    Ok(())
+}
+
+/// Allreduce `buf` as consecutive `parts`, each with its own dtype and op: below the ring
+/// threshold in one recursive doubling whose messages carry every part (one collective's
+/// latency for all of them), above it one [`Communicator::allreduce`] per part. Every rank must
+/// pass the same parts.
+pub fn allreduce_parts<C: Communicator + ?Sized>(
+    comm: &mut C,
+    buf: &mut [u8],
+    parts: &[ReducePart],
+) -> Result<()> {
+    check_parts(buf.len(), parts)?;
+    let size = comm.size();
+    if size <= 1 || buf.is_empty() {
+        return Ok(());
+    }
+    if buf.len() >= ALLREDUCE_RING_THRESHOLD_BYTES {
+        return allreduce_each_part(comm, buf, parts);
+    }
+    recursive_doubling_by(comm, buf, &mut |acc, inc| {
+        let mut at = 0;
+        for p in parts {
+            let r = at..at + p.len;
+            kernels::reduce(p.dtype, p.op.combining(), &mut acc[r.clone()], &inc[r])?;
+            at += p.len;
+        }
+        Ok(())
+    })?;
+    let mut at = 0;
+    for p in parts {
+        if p.op == ReduceOp::Average {
+            kernels::divide(p.dtype, &mut buf[at..at + p.len], size)?;
+        }
+        at += p.len;
+    }
+    Ok(())
+}
+
+/// [`allreduce_parts`] as one [`Communicator::allreduce`] per part (the default of backends
+/// whose allreduce is not built on their own point-to-point messages).
+pub fn allreduce_each_part<C: Communicator + ?Sized>(
+    comm: &mut C,
+    buf: &mut [u8],
+    parts: &[ReducePart],
+) -> Result<()> {
+    check_parts(buf.len(), parts)?;
+    let mut rest = buf;
+    for p in parts {
+        let (head, tail) = rest.split_at_mut(p.len);
+        comm.allreduce(head, p.dtype, p.op)?;
+        rest = tail;
+    }
+    Ok(())
+}
+
 /// Folds a partner's buffer (second) into this rank's (first).
 type Fold<'a> = dyn FnMut(&mut [u8], &[u8]) -> Result<()> + 'a;
 

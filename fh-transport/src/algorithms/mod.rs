@@ -8,6 +8,7 @@
 //! | collective | algorithm |
 //! |---|---|
 //! | [`allreduce`] | recursive doubling below [`ALLREDUCE_RING_THRESHOLD_BYTES`] (extra ranks of a non-power-of-two world fold into a partner first), ring reduce-scatter + ring allgather above it, in pieces of at most [`RING_CHUNK_BYTES`]; [`allreduce_with`] forces one |
+//! | [`allreduce_parts`] | one buffer of parts with their own dtype and op: one recursive doubling for all below the ring threshold, one allreduce per part above it |
 //! | [`allreduce_segments`] | as [`allreduce`], over several slices in place (scatter-gather sends and receives); the result's finishing pass runs on this rank's block only |
 //! | [`reduce_scatter`] | ring, uneven blocks, in pieces of at most [`RING_CHUNK_BYTES`] |
 //! | [`allgatherv`] | ring, uneven and zero counts |
@@ -35,9 +36,10 @@ use fh_core::{kernels, DType, ReduceOp};
 
 use crate::{Communicator, Result, TransportError};
 
+pub(crate) use allreduce::check_parts;
 pub use allreduce::{
-    allreduce, allreduce_agreeing, allreduce_with, AllreduceAlgorithm,
-    ALLREDUCE_RING_THRESHOLD_BYTES, RING_CHUNK_BYTES,
+    allreduce, allreduce_agreeing, allreduce_each_part, allreduce_parts, allreduce_with,
+    AllreduceAlgorithm, ReducePart, ALLREDUCE_RING_THRESHOLD_BYTES, RING_CHUNK_BYTES,
 };
 pub use broadcast::{broadcast, BROADCAST_SCATTER_THRESHOLD_BYTES};
 pub use ring::{allgatherv, reduce_scatter};

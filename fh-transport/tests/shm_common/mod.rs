@@ -304,8 +304,39 @@ pub fn suite_p2p(c: &mut dyn Communicator, seed: u64) {
 }
 
 /// Everything.
+/// One buffer of parts with their own dtype and op equals each part reduced alone: small (one
+/// synchronisation) and past the direct threshold (one allreduce per part).
+pub fn suite_parts(c: &mut dyn Communicator, seed: u64) {
+    let (n, me) = (c.size(), c.rank());
+    let all = pairs();
+    for (case, lens) in [vec![3usize, 1, 8, 2, 5], vec![1, 20_000]]
+        .into_iter()
+        .enumerate()
+    {
+        let mut mine = Vec::new();
+        let mut want = Vec::new();
+        let mut parts = Vec::new();
+        for (i, &len) in lens.iter().enumerate() {
+            let (d, o) = all[(case * 7 + i * 13 + seed as usize) % all.len()];
+            let id = (case * 100 + i) as u64 + 50_000;
+            let inputs: Vec<_> = (0..n).map(|r| values(d, seed, id, r, len)).collect();
+            mine.extend_from_slice(&inputs[me]);
+            want.extend_from_slice(&reference(d, o, &inputs));
+            parts.push(fh_transport::algorithms::ReducePart {
+                len: len * d.size(),
+                dtype: d,
+                op: o,
+            });
+        }
+        c.allreduce_parts(&mut mine, &parts).unwrap();
+        check(&format!("allreduce_parts {parts:?}"), &mine, &want);
+    }
+    assert!(c.parts_in_band());
+}
+
 pub fn suite(c: &mut dyn Communicator, seed: u64) {
     suite_allreduce(c, seed);
+    suite_parts(c, seed);
     suite_others(c, seed);
     suite_p2p(c, seed);
     c.barrier().unwrap();

@@ -46,6 +46,23 @@ impl Communicator for ShmComm {
         self.guarded(|c| c.allreduce_inner(buf, dtype, op))
     }
 
+    fn allreduce_parts(&mut self, buf: &mut [u8], parts: &[algorithms::ReducePart]) -> Result<()> {
+        // One synchronisation when the whole buffer fits one slot and the direct threshold
+        // (what the parts are for: a few small pieces); one allreduce per part otherwise.
+        if buf.len() > self.small || buf.len() > self.seg.layout.slot_bytes {
+            return algorithms::allreduce_each_part(self, buf, parts);
+        }
+        algorithms::check_parts(buf.len(), parts)?;
+        if self.size == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        self.guarded(|c| c.allreduce_parts_inner(buf, parts))
+    }
+
+    fn parts_in_band(&self) -> bool {
+        true
+    }
+
     fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
         algorithms::check_allgatherv(send.len(), recv.len(), counts, self.rank, self.size)?;
         self.guarded(|c| c.allgatherv_inner(send, recv, counts))

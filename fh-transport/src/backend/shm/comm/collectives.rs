@@ -64,42 +64,34 @@ impl ShmComm {
         let (n, me) = (self.size, self.rank);
         let combine = op.combining();
         let total = buf.len();
-        let direct = total <= self.small;
         // The algorithm is part of the tag: ranks configured with different thresholds must
         // fail, not read each other's half-reduced slots.
-        let tag = reduce_tag(TAG_ALLREDUCE, dtype, op) | (u64::from(direct) << 24);
-        for chunk in buf.chunks_mut(self.seg.layout.slot_bytes) {
-            let s = chunk.len();
-            // Share r of the chunk is reduced by rank r (reduce-scatter mode).
-            let e = dtype.size();
-            let share = ((s / e).div_ceil(n) * e).div_ceil(64) * 64;
-            let range = |r: usize| ((r * share).min(s), ((r + 1) * share).min(s));
-            let (lo, hi) = if direct { (0, 0) } else { range(me) };
-            let (k, b) = self.begin_round("allreduce")?;
-            let slot = self.seg.slot(me, b);
-            // Publish the input, except our own share, which we reduce from private memory.
-            // SAFETY: our own slot, not read by anyone before we post round k (begin_round
-            // ensured everyone finished with this buffer); `s <= slot_bytes`.
-            unsafe {
-                put(slot, &chunk[..lo]);
-                put(slot.add(hi), &chunk[hi..]);
-            }
-            let meta = [tag, total as u64, s as u64];
-            self.post(k, b, &meta);
-            self.for_each_posted("allreduce", k, |j| self.check_meta(j, b, &meta))?;
-            if direct {
-                // Every rank folds every slot in rank order, so all get identical bits.
-                if me != 0 {
-                    // SAFETY: all slots of round k are posted and nobody writes them until
-                    // everyone (including us) has consumed round k.
-                    unsafe { get(chunk, self.seg.slot(0, b)) };
+        let tag = reduce_tag(TAG_ALLREDUCE, dtype, op);
+        if total <= self.small {
+            self.allreduce_direct(buf, tag | (1 << 24), |acc, srcs| {
+                reduce_blocked(dtype, combine, acc, srcs)
+            })?;
+        } else {
+            for chunk in buf.chunks_mut(self.seg.layout.slot_bytes) {
+                let s = chunk.len();
+                // Share r of the chunk is reduced by rank r (reduce-scatter mode).
+                let e = dtype.size();
+                let share = ((s / e).div_ceil(n) * e).div_ceil(64) * 64;
+                let range = |r: usize| ((r * share).min(s), ((r + 1) * share).min(s));
+                let (lo, hi) = range(me);
+                let (k, b) = self.begin_round("allreduce")?;
+                let slot = self.seg.slot(me, b);
+                // Publish the input, except our own share, which we reduce from private
+                // memory.
+                // SAFETY: our own slot, not read by anyone before we post round k (begin_round
+                // ensured everyone finished with this buffer); `s <= slot_bytes`.
+                unsafe {
+                    put(slot, &chunk[..lo]);
+                    put(slot.add(hi), &chunk[hi..]);
                 }
-                let srcs: Vec<&[u8]> = (1..n)
-                    // SAFETY: as above.
-                    .map(|j| unsafe { view(self.seg.slot(j, b), s) })
-                    .collect();
-                reduce_blocked(dtype, combine, chunk, &srcs)?;
-            } else {
+                let meta = [tag, total as u64, s as u64];
+                self.post(k, b, &meta);
+                self.for_each_posted("allreduce", k, |j| self.check_meta(j, b, &meta))?;
                 if hi > lo {
                     let srcs: Vec<&[u8]> = (0..n)
                         .filter(|&j| j != me)
@@ -143,11 +135,84 @@ impl ShmComm {
                         first_blocker(&pending, |r| self.is_reduced(r, k))
                     })?;
                 }
+                self.finish_round(k);
             }
-            self.finish_round(k);
         }
         if op == ReduceOp::Average {
             kernels::divide(dtype, buf, n)?;
+        }
+        Ok(())
+    }
+
+    /// The small allreduce of parts with their own dtype and op (the caller checked that
+    /// `buf` fits one slot and the direct threshold): one synchronisation, as a small
+    /// allreduce. The parts' shape is in the tag, so that ranks passing other parts fail.
+    pub(super) fn allreduce_parts_inner(
+        &mut self,
+        buf: &mut [u8],
+        parts: &[algorithms::ReducePart],
+    ) -> Result<()> {
+        let shape: Vec<u8> = parts
+            .iter()
+            .flat_map(|p| {
+                let mut b = (p.len as u64).to_le_bytes().to_vec();
+                b.extend_from_slice(&[p.dtype.code(), p.op.code()]);
+                b
+            })
+            .collect();
+        let tag =
+            TAG_ALLREDUCE | (3 << 24) | ((fh_core::hash::fnv1a(0, &shape) & 0xffff_ffff) << 32);
+        self.allreduce_direct(buf, tag, |acc, srcs| {
+            let mut at = 0;
+            for p in parts {
+                let r = at..at + p.len;
+                let part_srcs: Vec<&[u8]> = srcs.iter().map(|s| &s[r.clone()]).collect();
+                reduce_blocked(p.dtype, p.op.combining(), &mut acc[r], &part_srcs)?;
+                at += p.len;
+            }
+            Ok(())
+        })?;
+        let mut at = 0;
+        for p in parts {
+            if p.op == ReduceOp::Average {
+                kernels::divide(p.dtype, &mut buf[at..at + p.len], self.size)?;
+            }
+            at += p.len;
+        }
+        Ok(())
+    }
+
+    /// Every rank publishes its input and folds all slots in rank order with `fold(acc,
+    /// peers)` (`acc` starts as rank 0's input): one synchronisation per slot-sized chunk,
+    /// identical bits everywhere.
+    fn allreduce_direct(
+        &mut self,
+        buf: &mut [u8],
+        tag: u64,
+        fold: impl Fn(&mut [u8], &[&[u8]]) -> Result<()>,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let total = buf.len();
+        for chunk in buf.chunks_mut(self.seg.layout.slot_bytes) {
+            let s = chunk.len();
+            let (k, b) = self.begin_round("allreduce")?;
+            // SAFETY: our own slot, not read by anyone before we post round k (begin_round
+            // ensured everyone finished with this buffer); `s <= slot_bytes`.
+            unsafe { put(self.seg.slot(me, b), chunk) };
+            let meta = [tag, total as u64, s as u64];
+            self.post(k, b, &meta);
+            self.for_each_posted("allreduce", k, |j| self.check_meta(j, b, &meta))?;
+            if me != 0 {
+                // SAFETY: all slots of round k are posted and nobody writes them until
+                // everyone (including us) has consumed round k.
+                unsafe { get(chunk, self.seg.slot(0, b)) };
+            }
+            let srcs: Vec<&[u8]> = (1..n)
+                // SAFETY: as above.
+                .map(|j| unsafe { view(self.seg.slot(j, b), s) })
+                .collect();
+            fold(chunk, &srcs)?;
+            self.finish_round(k);
         }
         Ok(())
     }
