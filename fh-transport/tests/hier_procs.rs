@@ -203,6 +203,7 @@ fn child() {
             let mut c = world.open("suite").unwrap();
             let mut d = world.open("second").unwrap();
             suite_allreduce(&mut *c, 4242 + size as u64);
+            suite_parts(&mut *c, 31);
             long_allreduces(&mut *c);
             segmented_allreduces(&mut *c);
             suite_others(&mut *c, 17);
@@ -240,6 +241,7 @@ fn child() {
                 assert_eq!(st.cross_size, hosts_left);
                 let mut s = sub.open("x").unwrap();
                 suite_allreduce(&mut *s, 7 + size as u64);
+                suite_parts(&mut *s, 9);
                 suite_others(&mut *s, 8);
                 s.barrier().unwrap();
             }

@@ -523,6 +523,47 @@ impl Communicator for HierComm {
         })
     }
 
+    fn allreduce_parts(&mut self, buf: &mut [u8], parts: &[algorithms::ReducePart]) -> Result<()> {
+        algorithms::check_parts(buf.len(), parts)?;
+        if self.topology.size == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        if buf.len() >= algorithms::ALLREDUCE_RING_THRESHOLD_BYTES {
+            return algorithms::allreduce_each_part(self, buf, parts);
+        }
+        // A few small pieces (the negotiation's): through the leaders, each step one
+        // collective for all the parts — the host's ranks in shared memory, the leaders over
+        // TCP, the leader's result back in shared memory.
+        let combining: Vec<algorithms::ReducePart> = parts
+            .iter()
+            .map(|p| algorithms::ReducePart {
+                op: p.op.combining(),
+                ..*p
+            })
+            .collect();
+        self.guarded(|c| {
+            on_shm(c.shm.allreduce_parts(buf, &combining))?;
+            if c.topology.local_rank == 0 {
+                c.on_view(View::Leaders, |g| {
+                    algorithms::allreduce_parts(g, buf, &combining)
+                })?;
+            }
+            on_shm(c.shm.broadcast(buf, 0))
+        })?;
+        let mut at = 0;
+        for p in parts {
+            if p.op == ReduceOp::Average {
+                kernels::divide(p.dtype, &mut buf[at..at + p.len], self.topology.size)?;
+            }
+            at += p.len;
+        }
+        Ok(())
+    }
+
+    fn parts_in_band(&self) -> bool {
+        true
+    }
+
     fn segments_in_place(&self) -> bool {
         self.homogeneous && !self.staged
     }
