@@ -188,8 +188,8 @@ pub struct Config {
     /// round — one collective's latency for a small allreduce instead of two. Which cached
     /// tensors ride is a function of the cache (the same on every rank, smallest slots first
     /// until the bytes are spent), and only where the negotiation communicator reduces a
-    /// message of mixed parts in one collective (TCP; shared memory, hierarchical and MPI
-    /// worlds negotiate without it). Agreed at start-up.
+    /// message of mixed parts in one collective (TCP, shared memory, hierarchical; not MPI:
+    /// `Communicator::parts_in_band`). Agreed at start-up.
     pub eager_bytes: u64,
     /// FastHorovod, every rank on one host (`FH_STAGE_BYTES`; `0`: off): a fused group of
     /// host tensors goes through its channel's fusion buffer a piece of at most this many
