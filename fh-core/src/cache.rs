@@ -98,6 +98,12 @@ impl ResponseCache {
         self.slots.get(slot)?.as_ref().map(|e| &e.response)
     }
 
+    /// When a slot was last used or filled, on the cache's own clock (larger: more recent; the
+    /// same on every rank, like the cache); `None` for an empty slot.
+    pub fn last_used(&self, slot: usize) -> Option<u64> {
+        self.slots.get(slot)?.as_ref().map(|e| e.last_used)
+    }
+
     /// Record that a slot was used in a round (for least-recently-used eviction).
     pub fn touch(&mut self, slot: usize) {
         self.clock += 1;

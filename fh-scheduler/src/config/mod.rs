@@ -186,8 +186,8 @@ pub struct Config {
     /// once their response is cached: each rank puts its data beside its bit vector, the one
     /// collective of the round reduces both, and a tensor ready on every rank completes in that
     /// round — one collective's latency for a small allreduce instead of two. Which cached
-    /// tensors ride is a function of the cache (the same on every rank, smallest slots first
-    /// until the bytes are spent), and only where the negotiation communicator reduces a
+    /// tensors ride is a function of the cache (the same on every rank: the most recently used
+    /// while the bytes last, chosen again every 64 rounds), and only where the negotiation communicator reduces a
     /// message of mixed parts in one collective (TCP, shared memory, hierarchical; not MPI:
     /// `Communicator::parts_in_band`). Agreed at start-up.
     pub eager_bytes: u64,

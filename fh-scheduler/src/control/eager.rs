@@ -10,8 +10,10 @@
 //! agreed carried partial data, which nobody reads; the tensor rides again in a later round.
 //!
 //! Which slots ride, and where their bytes lie, is [`EagerLayout`]: a function of the cached
-//! responses alone (slots in order, each that qualifies while the bytes last), hence the same
-//! on every rank, as the cache is. A joined rank contributes zeros (the section starts
+//! responses and their last use alone (the most recently used that qualify, while the bytes
+//! last), hence the same on every rank, as the cache is. It is made again when the cache's
+//! responses change and every [`RECHOOSE_ROUNDS`] rounds (every rank runs the same rounds), so
+//! that names a job stopped using give their bytes to the ones it uses now. A joined rank contributes zeros (the section starts
 //! zeroed), as it does to any allreduce it sits out; the ops zeros are wrong for are refused
 //! while a rank is joined before anything rides (`ready_from_cache`).
 
@@ -33,6 +35,9 @@ use super::Control;
 /// round's section.
 pub(super) type Riding = (Arc<Response>, Range<usize>);
 
+/// Rounds after which the riders are chosen again by their last use.
+pub(super) const RECHOOSE_ROUNDS: u32 = 64;
+
 /// Every slot's bytes start at a multiple of this in the section (and take a multiple of it),
 /// so that each part holds whole elements of any dtype.
 const ALIGN: usize = 8;
@@ -53,6 +58,8 @@ pub(super) struct EagerLayout {
     budget: usize,
     /// The cache generation the riders were computed for (`None`: not yet).
     generation: Option<u64>,
+    /// Rounds since they were computed.
+    age: u32,
     riders: Vec<Rider>,
     /// Rider index by slot (`None`: the slot does not ride).
     by_slot: Vec<Option<u32>>,
@@ -85,29 +92,50 @@ impl EagerLayout {
         EagerLayout {
             budget,
             generation: None,
+            age: 0,
             riders: Vec::new(),
             by_slot: Vec::new(),
             len: 0,
         }
     }
 
-    /// Bring the layout up to date with `cache` (only when its responses changed).
+    /// Bring the layout up to date with `cache` at the start of a round: made again when the
+    /// cache's responses changed, or every [`RECHOOSE_ROUNDS`] rounds.
     pub(super) fn refresh(&mut self, cache: &ResponseCache) {
-        if self.budget == 0 || self.generation == Some(cache.generation()) {
+        if self.budget == 0 {
+            return;
+        }
+        self.age += 1;
+        if self.generation == Some(cache.generation()) && self.age < RECHOOSE_ROUNDS {
             return;
         }
         self.generation = Some(cache.generation());
+        self.age = 0;
+        // The most recently used first (the slot breaks ties): what qualifies, while the
+        // bytes last.
+        let mut candidates: Vec<(u64, usize, usize)> = (0..cache.capacity())
+            .filter_map(|slot| {
+                let bytes = rides(cache.get(slot)?)?;
+                Some((cache.last_used(slot)?, slot, bytes))
+            })
+            .collect();
+        candidates.sort_unstable_by_key(|&(used, slot, _)| (std::cmp::Reverse(used), slot));
+        let mut chosen = Vec::new();
+        let mut room_left = self.budget;
+        for (_, slot, bytes) in candidates {
+            let room = bytes.div_ceil(ALIGN) * ALIGN;
+            if room <= room_left {
+                room_left -= room;
+                chosen.push((slot, bytes));
+            }
+        }
+        chosen.sort_unstable();
         self.riders.clear();
         self.by_slot.clear();
         self.by_slot.resize(cache.capacity(), None);
         self.len = 0;
-        for slot in 0..cache.capacity() {
+        for (slot, bytes) in chosen {
             let Some(r) = cache.get(slot) else { continue };
-            let Some(bytes) = rides(r) else { continue };
-            let room = bytes.div_ceil(ALIGN) * ALIGN;
-            if self.len + room > self.budget {
-                continue;
-            }
             self.by_slot[slot] = Some(self.riders.len() as u32);
             self.riders.push(Rider {
                 resp: Arc::clone(r),
@@ -115,7 +143,7 @@ impl EagerLayout {
                 at: self.len,
                 bytes,
             });
-            self.len += room;
+            self.len += bytes.div_ceil(ALIGN) * ALIGN;
         }
     }
 
@@ -399,6 +427,29 @@ mod tests {
         b.chunks_exact(4)
             .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
+    }
+
+    /// With room for one of two, the most recently used rides; a name used again takes the
+    /// room back at the next choice (every `RECHOOSE_ROUNDS` rounds), not before.
+    #[test]
+    fn the_most_recently_used_ride() {
+        let mut cache = ResponseCache::new(4);
+        let old = resp("old", DType::F32, 2, ReduceOp::Sum);
+        let new = resp("new", DType::F32, 2, ReduceOp::Sum);
+        cache.insert(Arc::clone(&old));
+        cache.insert(Arc::clone(&new));
+        let mut l = EagerLayout::new(8);
+        l.refresh(&cache);
+        assert_eq!(l.range_of(&new, 1), Some(0..8));
+        assert_eq!(l.range_of(&old, 0), None);
+        cache.touch(0);
+        for _ in 1..RECHOOSE_ROUNDS {
+            l.refresh(&cache);
+            assert_eq!(l.range_of(&new, 1), Some(0..8), "chosen again too early");
+        }
+        l.refresh(&cache);
+        assert_eq!(l.range_of(&old, 0), Some(0..8));
+        assert_eq!(l.range_of(&new, 1), None);
     }
 
     #[test]

@@ -280,6 +280,8 @@ pub(super) fn stats(process_set_id: u32) -> PyResult<Vec<(String, u64)>> {
         ("rounds".into(), s.rounds),
         ("fused_groups".into(), s.fused_groups),
         ("data_bytes".into(), s.data_bytes),
+        ("eager_tensors".into(), s.eager_tensors),
+        ("eager_bytes".into(), s.eager_bytes),
     ])
 }
 

@@ -280,3 +280,29 @@ def test_join_returns_the_last_rank():
         assert torch.allclose(avg, torch.full((3,), 6.0 / n)), f"rank {r}: {avg}"
     last = hvd.join()
     assert last == n - 1
+
+
+def test_small_named_allreduces_ride_in_the_negotiation_round():
+    """A small named allreduce in a loop (a metric, a loss) is cached after its first step and
+    then rides in the negotiation round itself (FH_EAGER_BYTES): the same results, in place and
+    not, every op and a scale factor."""
+    from fasthorovod import _core
+    n = hvd.size()
+    before = dict(_core.stats())
+    for step in range(6):
+        loss = torch.tensor([float(hvd.rank() + step), 1.0])
+        got = hvd.allreduce(loss, name="ride.loss", op=hvd.Average)
+        assert_same(got, torch.tensor([(n - 1) / 2 + step, 1.0]))
+        count = torch.tensor([hvd.rank() + step], dtype=torch.int64)
+        hvd.allreduce_(count, name="ride.count", op=hvd.Sum)
+        assert count.tolist() == [n * (n - 1) // 2 + n * step]
+        worst = hvd.allreduce(torch.tensor([float(-hvd.rank())]), name="ride.min", op=hvd.Min)
+        assert worst.tolist() == [float(-(n - 1))]
+        scaled = hvd.allreduce(torch.ones(3, dtype=torch.float64), name="ride.scaled",
+                               op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
+        assert scaled.tolist() == [n * 0.5] * 3
+    rode = dict(_core.stats())["eager_tensors"] - before["eager_tensors"]
+    riding = os.environ.get("FH_TRANSPORT", "auto").split("+")[0] in ("auto", "tcp", "shm", "hier")
+    if n > 1 and riding and os.environ.get("FH_EAGER_BYTES", "") != "0":
+        # Steps 1-5 of the four names, at the least: every cached one rides.
+        assert rode >= 4 * 5, rode

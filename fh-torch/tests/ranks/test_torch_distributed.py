@@ -299,7 +299,9 @@ def test_ddp_buckets_are_engine_operations(groups):
     grad_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert after["completed"] - before["completed"] >= steps
     if dist.get_world_size() > 1:
-        assert after["data_bytes"] - before["data_bytes"] >= steps * grad_bytes
+        # Through the channels, or riding in the negotiation round (small cached buckets).
+        moved = lambda s: s["data_bytes"] + s["eager_bytes"]  # noqa: E731
+        assert moved(after) - moved(before) >= steps * grad_bytes
 
 
 def test_the_period_is_the_whole_step_not_a_run_of_equal_buckets():
