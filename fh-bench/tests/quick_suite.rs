@@ -242,9 +242,21 @@ fn quick_suite_end_to_end_on_two_ranks() {
             assert!((total - 1.0).abs() < 1e-6, "{r:#}");
         }
     }
-    // Negotiation: both modes, with rounds and bytes from the engine's counters.
+    // Negotiation: the three modes at the one tensor count, then the 8-byte allreduce back to
+    // back with riding on and off, with rounds and bytes from the engine's counters.
     let neg = run["negotiation"].as_array().unwrap();
-    assert_eq!(neg.len(), 2, "{neg:#?}");
+    let modes: Vec<&str> = neg.iter().map(|r| r["mode"].as_str().unwrap()).collect();
+    assert_eq!(
+        modes,
+        [
+            "coordinator",
+            "bit-vector",
+            "bit-vector, riding off",
+            "bit-vector, 8 B back to back",
+            "bit-vector, riding off, 8 B back to back",
+        ],
+        "{neg:#?}"
+    );
     for r in neg {
         assert!(
             r["rounds_per_step"]["median"].as_f64().unwrap() >= 1.0,
