@@ -65,6 +65,8 @@ pub(super) struct EagerLayout {
     by_slot: Vec<Option<u32>>,
     /// The section's length in bytes.
     len: usize,
+    /// The section's parts, one per rider (made with the riders, not every round).
+    parts: Vec<ReducePart>,
 }
 
 /// The bytes of a response that may ride: an allreduce of host tensors outside any group,
@@ -96,6 +98,7 @@ impl EagerLayout {
             riders: Vec::new(),
             by_slot: Vec::new(),
             len: 0,
+            parts: Vec::new(),
         }
     }
 
@@ -131,11 +134,13 @@ impl EagerLayout {
         }
         chosen.sort_unstable();
         self.riders.clear();
+        self.parts.clear();
         self.by_slot.clear();
         self.by_slot.resize(cache.capacity(), None);
         self.len = 0;
         for (slot, bytes) in chosen {
             let Some(r) = cache.get(slot) else { continue };
+            let room = bytes.div_ceil(ALIGN) * ALIGN;
             self.by_slot[slot] = Some(self.riders.len() as u32);
             self.riders.push(Rider {
                 resp: Arc::clone(r),
@@ -143,7 +148,12 @@ impl EagerLayout {
                 at: self.len,
                 bytes,
             });
-            self.len += bytes.div_ceil(ALIGN) * ALIGN;
+            self.parts.push(ReducePart {
+                len: room,
+                dtype: r.sig.dtype,
+                op: r.sig.op.combining(),
+            });
+            self.len += room;
         }
     }
 
@@ -154,19 +164,8 @@ impl EagerLayout {
 
     /// The section's parts for the round's reduction: each rider's op (an average sums; the
     /// division comes with the postscale, [`EagerLayout::finish`]).
-    pub(super) fn parts(&self) -> Vec<ReducePart> {
-        self.riders
-            .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let end = self.riders.get(i + 1).map_or(self.len, |n| n.at);
-                ReducePart {
-                    len: end - r.at,
-                    dtype: r.resp.sig.dtype,
-                    op: r.resp.sig.op.combining(),
-                }
-            })
-            .collect()
+    pub(super) fn parts(&self) -> &[ReducePart] {
+        &self.parts
     }
 
     fn rider(&self, slot: usize) -> Option<&Rider> {

@@ -169,18 +169,13 @@ impl Control {
     fn agree_on_bits(&mut self, local: &mut LocalBits) -> Result<NegotiationVec, SchedulerError> {
         let mut bytes = local.vec.to_bytes();
         self.add_bytes(bytes.len() + 16 + local.eager.len());
-        let parts = if local.eager.is_empty() {
-            Vec::new()
-        } else {
-            self.eager.parts()
-        };
         collect::reduce_bits_with(
             self.comm.as_mut(),
             &mut bytes,
             ReduceOp::BitAnd,
             self.incarnation,
             &mut local.eager,
-            &parts,
+            self.eager.parts(),
         )?;
         let agreed =
             NegotiationVec::from_bytes_with_channels(&bytes, local.cap, local.channel_bits)

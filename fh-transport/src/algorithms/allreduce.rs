@@ -215,15 +215,35 @@ pub fn allreduce_parts<C: Communicator + ?Sized>(
     if buf.len() >= ALLREDUCE_RING_THRESHOLD_BYTES {
         return allreduce_each_part(comm, buf, parts);
     }
-    recursive_doubling_by(comm, buf, &mut |acc, inc| {
-        let mut at = 0;
-        for p in parts {
-            let r = at..at + p.len;
-            kernels::reduce(p.dtype, p.op.combining(), &mut acc[r.clone()], &inc[r])?;
-            at += p.len;
+    recursive_doubling_by(comm, buf, &mut |acc, inc| fold_parts(parts, acc, &[inc]))?;
+    divide_average_parts(parts, buf, size)
+}
+
+/// `acc = acc (op) src_j` for every `j` in order, part by part, each part with its own dtype
+/// and combining op (an average sums).
+pub(crate) fn fold_parts(parts: &[ReducePart], acc: &mut [u8], srcs: &[&[u8]]) -> Result<()> {
+    let mut at = 0;
+    for p in parts {
+        let r = at..at + p.len;
+        for s in srcs {
+            kernels::reduce(
+                p.dtype,
+                p.op.combining(),
+                &mut acc[r.clone()],
+                &s[r.clone()],
+            )?;
         }
-        Ok(())
-    })?;
+        at += p.len;
+    }
+    Ok(())
+}
+
+/// Divide the `Average` parts of a reduced `buf` by the `size` ranks that contributed.
+pub(crate) fn divide_average_parts(
+    parts: &[ReducePart],
+    buf: &mut [u8],
+    size: usize,
+) -> Result<()> {
     let mut at = 0;
     for p in parts {
         if p.op == ReduceOp::Average {

@@ -36,11 +36,11 @@ use fh_core::{kernels, DType, ReduceOp};
 
 use crate::{Communicator, Result, TransportError};
 
-pub(crate) use allreduce::check_parts;
 pub use allreduce::{
     allreduce, allreduce_agreeing, allreduce_each_part, allreduce_parts, allreduce_with,
     AllreduceAlgorithm, ReducePart, ALLREDUCE_RING_THRESHOLD_BYTES, RING_CHUNK_BYTES,
 };
+pub(crate) use allreduce::{check_parts, divide_average_parts, fold_parts};
 pub use broadcast::{broadcast, BROADCAST_SCATTER_THRESHOLD_BYTES};
 pub use ring::{allgatherv, reduce_scatter};
 pub use segmented::allreduce_segments;

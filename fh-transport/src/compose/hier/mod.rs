@@ -66,6 +66,7 @@ use fh_core::{kernels, CoreError, DType, ReduceOp};
 use fh_job::hosts::Layout;
 
 mod group;
+mod parts;
 mod pipeline;
 mod transport;
 
@@ -524,40 +525,7 @@ impl Communicator for HierComm {
     }
 
     fn allreduce_parts(&mut self, buf: &mut [u8], parts: &[algorithms::ReducePart]) -> Result<()> {
-        algorithms::check_parts(buf.len(), parts)?;
-        if self.topology.size == 1 || buf.is_empty() {
-            return Ok(());
-        }
-        if buf.len() >= algorithms::ALLREDUCE_RING_THRESHOLD_BYTES {
-            return algorithms::allreduce_each_part(self, buf, parts);
-        }
-        // A few small pieces (the negotiation's): through the leaders, each step one
-        // collective for all the parts — the host's ranks in shared memory, the leaders over
-        // TCP, the leader's result back in shared memory.
-        let combining: Vec<algorithms::ReducePart> = parts
-            .iter()
-            .map(|p| algorithms::ReducePart {
-                op: p.op.combining(),
-                ..*p
-            })
-            .collect();
-        self.guarded(|c| {
-            on_shm(c.shm.allreduce_parts(buf, &combining))?;
-            if c.topology.local_rank == 0 {
-                c.on_view(View::Leaders, |g| {
-                    algorithms::allreduce_parts(g, buf, &combining)
-                })?;
-            }
-            on_shm(c.shm.broadcast(buf, 0))
-        })?;
-        let mut at = 0;
-        for p in parts {
-            if p.op == ReduceOp::Average {
-                kernels::divide(p.dtype, &mut buf[at..at + p.len], self.topology.size)?;
-            }
-            at += p.len;
-        }
-        Ok(())
+        self.allreduce_parts_via_leaders(buf, parts)
     }
 
     fn parts_in_band(&self) -> bool {

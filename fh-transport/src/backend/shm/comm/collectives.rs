@@ -163,23 +163,9 @@ impl ShmComm {
         let tag =
             TAG_ALLREDUCE | (3 << 24) | ((fh_core::hash::fnv1a(0, &shape) & 0xffff_ffff) << 32);
         self.allreduce_direct(buf, tag, |acc, srcs| {
-            let mut at = 0;
-            for p in parts {
-                let r = at..at + p.len;
-                let part_srcs: Vec<&[u8]> = srcs.iter().map(|s| &s[r.clone()]).collect();
-                reduce_blocked(p.dtype, p.op.combining(), &mut acc[r], &part_srcs)?;
-                at += p.len;
-            }
-            Ok(())
+            algorithms::fold_parts(parts, acc, srcs)
         })?;
-        let mut at = 0;
-        for p in parts {
-            if p.op == ReduceOp::Average {
-                kernels::divide(p.dtype, &mut buf[at..at + p.len], self.size)?;
-            }
-            at += p.len;
-        }
-        Ok(())
+        algorithms::divide_average_parts(parts, buf, self.size)
     }
 
     /// Every rank publishes its input and folds all slots in rank order with `fold(acc,
