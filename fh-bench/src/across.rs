@@ -154,10 +154,12 @@ pub fn row_link(
 }
 
 /// The model's schedule of a replay row: the engine's preset of that label, the shipped
-/// preset for the `fasthorovod.torch` peer, None for the other peers.
-fn model_schedule(label: &str) -> Option<Schedule> {
+/// preset for the `fasthorovod.torch` peer (with the channels its engine opens with
+/// `per_host` ranks on each host, all on this machine's cores), None for the other peers.
+fn model_schedule(label: &str, per_host: usize) -> Option<Schedule> {
     if label == "fasthorovod-torch" {
-        let k = fh_scheduler::Config::default().channels;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let k = fh_scheduler::Config::default().channels_for(cores, per_host);
         return Some(Schedule::fasthorovod(k));
     }
     crate::simulate::replayed_schedules()
@@ -198,7 +200,7 @@ pub fn rows(
         let model_exposed_ms = workloads
             .iter()
             .find(|w| w.model == r.workload)
-            .zip(model_schedule(&r.schedule))
+            .zip(model_schedule(&r.schedule, per_host))
             .map(|(w, s)| {
                 let b = backward_ms / 1e3;
                 let p = route.model_ranks(h, n);
@@ -414,10 +416,10 @@ mod tests {
             (717.0..717.8 * 1.2).contains(&exposed_ms),
             "{exposed_ms} ms"
         );
-        assert!(model_schedule("fasthorovod-torch").is_some());
-        assert!(model_schedule("ddp-gloo").is_none());
+        assert!(model_schedule("fasthorovod-torch", 2).is_some());
+        assert!(model_schedule("ddp-gloo", 2).is_none());
         assert_eq!(
-            model_schedule("fasthorovod K=2 -bp").map(|s| s.label()),
+            model_schedule("fasthorovod K=2 -bp", 2).map(|s| s.label()),
             Some("fasthorovod K=2 -bp".to_string())
         );
     }

@@ -190,8 +190,9 @@ pub struct Knobs {
     #[arg(long, value_enum)]
     pub schedule: Option<Schedule>,
 
-    /// Number of data channels, 1 = sequential dispatch (FH_CHANNELS).
-    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..=1024))]
+    /// Number of data channels, 1 = sequential dispatch (FH_CHANNELS; unset: fitted to the
+    /// cores, 4, or 2 where a host's ranks have fewer than 2 cores each).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub channels: Option<u32>,
 
     /// Bytes per fused group, in MiB; 0 disables fusion (FH_FUSION_THRESHOLD, in bytes).

@@ -304,3 +304,41 @@ fn an_idle_engine_does_not_poll_but_the_horovod_preset_does() {
         }
     }
 }
+
+/// Under `FH_CHANNELS=auto` (the default) the engine opens the channels its cores allow for the
+/// ranks of its host, runs on exactly those, and reports the count in effect (which a process
+/// set then opens too); the work is correct whatever the count.
+#[test]
+fn the_default_channel_count_is_fitted_to_the_cores_and_reported() {
+    use fh_scheduler::{Config, ProcessSets};
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let out = run_world(4, Config::default(), |e, r| {
+        let cfg = e.config().clone();
+        let mut h = e
+            .allreduce(
+                "fit",
+                Tensor::from_slice(&[r as f32; 6]),
+                AllreduceOptions::with_op(ReduceOp::Sum),
+            )
+            .unwrap();
+        let sum = h.wait_timeout(LIMIT).unwrap().to_vec::<f32>().unwrap();
+        let sets = ProcessSets::default();
+        let id = sets.add(e, &[0, 1], &cfg).unwrap();
+        let in_set = sets.engine(id).ok().map(|s| s.stats().channels.len());
+        sets.remove(e, id).unwrap();
+        (
+            cfg.channels,
+            cfg.channels_auto,
+            e.stats().channels.len(),
+            e.local_size(),
+            sum,
+            in_set,
+        )
+    });
+    for (r, (k, auto, open, local, sum, in_set)) in out.into_iter().enumerate() {
+        let want = Config::default().channels_for(cores, local);
+        assert_eq!((k, auto, open), (want, false, want), "rank {r}");
+        assert_eq!(sum, vec![6.0; 6], "rank {r}");
+        assert_eq!(in_set, (r < 2).then_some(want), "rank {r}");
+    }
+}

@@ -334,8 +334,9 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
     let ghost = std::thread::spawn(move || {
         let mut control = t1.open("fh-control").unwrap();
         // The start-up agreement's fields (fh_scheduler::config::planning_fields, then the
-        // heartbeats' silence and interval: none on the in-process transport).
-        let vals: [i64; 16] = [
+        // heartbeats' silence and interval: none on the in-process transport), then the
+        // channels this rank asks for.
+        let vals: [i64; 17] = [
             0,
             2,
             c2.cache_capacity as i64,
@@ -352,6 +353,7 @@ fn a_lost_rank_fails_pending_handles_naming_it() {
             c2.effective_stage_bytes(1) as i64,
             0,
             0,
+            2,
         ];
         let mut b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         control

@@ -104,6 +104,7 @@ fn bad_knob_values_are_rejected() {
     for bad in [
         &["--channels", "0"][..],
         &["--channels", "two"],
+        &["--channels", "65"],
         &["--cycle-time-ms", "-1"],
         &["--cycle-time-ms", "nan"],
         &["--schedule", "fast"],

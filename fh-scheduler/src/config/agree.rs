@@ -25,7 +25,16 @@ pub(crate) fn planning_fields(
                 Preset::Horovod => 1,
             },
         ),
-        ("FH_CHANNELS", c.effective_channels() as i64),
+        // A fixed count as it is; `auto` as minus the most it may open (the count itself is
+        // agreed apart: [`agree`]).
+        (
+            "FH_CHANNELS",
+            if c.channels_auto && c.preset == Preset::FastHorovod {
+                -(c.effective_channels() as i64)
+            } else {
+                c.effective_channels() as i64
+            },
+        ),
         ("FH_CACHE_CAPACITY", clamp(c.cache_capacity as u64)),
         ("FH_FUSION_THRESHOLD", clamp(c.fusion_threshold)),
         ("FH_PARTITION_BYTES", clamp(c.partition_bytes)),
@@ -66,10 +75,19 @@ pub(crate) fn planning_fields(
     ]
 }
 
+/// What the start-up agreement settles beyond checking the settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Agreed {
+    /// The data channels every rank opens: the smallest count any rank asked for
+    /// (`channels`, [`Config::channels_for`]); under a fixed count, that count.
+    pub(crate) channels: usize,
+}
+
 /// The start-up agreement: every rank checks that the others run with the same
 /// [`planning_fields`], so that a difference is a clear configuration error naming the
 /// variable on every rank instead of diverging rounds later. Collective over `comm`; `wire` is
-/// the data channels' ([`Wire::of`] their transport).
+/// the data channels' ([`Wire::of`] their transport). `channels`: the count this rank asks
+/// for ([`Config::channels_for`]); the smallest over the ranks is the one in effect.
 ///
 /// The world's heartbeat settings (`liveness`, from its transport) are agreed too: a rank that
 /// beats less often than another tolerates would be declared lost while alive.
@@ -78,7 +96,8 @@ pub(crate) fn agree(
     c: &Config,
     wire: Wire,
     liveness: Option<fh_transport::liveness::Settings>,
-) -> Result<(), SchedulerError> {
+    channels: usize,
+) -> Result<Agreed, SchedulerError> {
     use fh_core::{DType, ReduceOp};
     let mut fields = planning_fields(c, comm.size(), wire);
     let ms = |d: Duration| d.as_millis().min(i64::MAX as u128) as i64;
@@ -90,25 +109,49 @@ pub(crate) fn agree(
         fh_transport::liveness::INTERVAL_VAR,
         liveness.map_or(0, |l| ms(l.interval)),
     ));
-    let vals: Vec<i64> = fields.iter().map(|f| f.1).collect();
+    // The values checked for equality, then the requests agreed by their smallest (carried
+    // in the same two collectives).
+    let mut vals: Vec<i64> = fields.iter().map(|f| f.1).collect();
+    vals.push(channels as i64);
     let mut lo: Vec<u8> = bytemuck::cast_slice(&vals).to_vec();
     let mut hi = lo.clone();
     comm.allreduce(&mut lo, DType::I64, ReduceOp::Min)?;
     comm.allreduce(&mut hi, DType::I64, ReduceOp::Max)?;
-    let lo = read_fields(&lo, fields.len(), "the smallest planning fields")?;
-    let hi = read_fields(&hi, fields.len(), "the largest planning fields")?;
+    let lo = read_fields(&lo, vals.len(), "the smallest planning fields")?;
+    let hi = read_fields(&hi, vals.len(), "the largest planning fields")?;
     for (i, (var, _)) in fields.iter().enumerate() {
         if lo[i] != hi[i] {
             return Err(SchedulerError::config(
                 var,
                 format!(
                     "ranks disagree (one has {}, another {}); every rank must use the same setting",
-                    lo[i], hi[i]
+                    render(var, lo[i]),
+                    render(var, hi[i])
                 ),
             ));
         }
     }
-    Ok(())
+    let smallest = lo[fields.len()];
+    let channels = usize::try_from(smallest)
+        .ok()
+        .filter(|&k| (1..=64).contains(&k))
+        .ok_or_else(|| {
+            SchedulerError::Internal(format!(
+                "the start-up agreement found a channel count of {smallest}; every rank asks \
+                 for 1 to 64"
+            ))
+        })?;
+    Ok(Agreed { channels })
+}
+
+/// A planning field's value as a user sets it (`FH_CHANNELS`: `auto` is carried as minus the
+/// most it may open).
+fn render(var: &str, v: i64) -> String {
+    if var == "FH_CHANNELS" && v < 0 {
+        format!("auto (at most {})", -v)
+    } else {
+        v.to_string()
+    }
 }
 
 /// Broadcasts of rank 0's clock in [`measure_clock`].

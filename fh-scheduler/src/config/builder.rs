@@ -6,9 +6,16 @@ use std::time::Duration;
 use super::{Config, Priority, MAX_CONTROL_SPIN};
 
 impl Config {
-    /// Set the number of data channels.
+    /// Set the number of data channels (fixed: [`Config::channels_auto`] off).
     pub fn channels(mut self, k: usize) -> Self {
         self.channels = k;
+        self.channels_auto = false;
+        self
+    }
+    /// Fit the channel count to the cores, at most [`Config::channels`] (on), or open exactly
+    /// [`Config::channels`] (off): see [`Config::channels_auto`].
+    pub fn channels_auto(mut self, on: bool) -> Self {
+        self.channels_auto = on;
         self
     }
     /// Set the fusion threshold in bytes.

@@ -162,15 +162,28 @@ impl Config {
             _ => Preset::FastHorovod,
         };
         let mut c = Config::preset(preset);
-        if let Some(v) = get("FH_CHANNELS") {
-            let n = parse_u64("FH_CHANNELS", &v)?;
-            if !(1..=64).contains(&n) {
-                return Err(SchedulerError::config(
-                    "FH_CHANNELS",
-                    format!("'{v}' is out of range; accepted values: 1 to 64"),
-                ));
+        match get("FH_CHANNELS") {
+            Some(v) if v.trim().eq_ignore_ascii_case("auto") || v.trim().is_empty() => {}
+            Some(v) => {
+                let n = parse_u64("FH_CHANNELS", &v).map_err(|_| {
+                    SchedulerError::config(
+                        "FH_CHANNELS",
+                        format!(
+                            "'{v}' is not an integer channel count; accepted values: 1 to \
+                             64, or auto"
+                        ),
+                    )
+                })?;
+                if !(1..=64).contains(&n) {
+                    return Err(SchedulerError::config(
+                        "FH_CHANNELS",
+                        format!("'{v}' is out of range; accepted values: 1 to 64, or auto"),
+                    ));
+                }
+                c.channels = n as usize;
+                c.channels_auto = false;
             }
-            c.channels = n as usize;
+            None => {}
         }
         if let Some(v) = get("FH_FUSION_THRESHOLD") {
             c.fusion_threshold = parse_bytes("FH_FUSION_THRESHOLD", &v)?;

@@ -323,3 +323,94 @@ fn control_values_are_read_exactly_or_are_an_internal_error() {
         &["the engine's incarnation (3 bytes)"],
     );
 }
+
+#[test]
+fn the_channel_count_fits_the_cores_unless_it_is_set() {
+    let auto = Config::from_lookup(env(&[])).unwrap();
+    assert!(auto.channels_auto);
+    // Two cores or more for each of the host's ranks: every channel; fewer: two.
+    assert_eq!(auto.channels_for(16, 8), 4);
+    assert_eq!(auto.channels_for(8, 4), 4);
+    assert_eq!(auto.channels_for(1, 1), 2);
+    assert_eq!(auto.channels_for(2, 4), 2);
+    assert_eq!(auto.channels_for(7, 4), 2);
+    assert_eq!(auto.channels_for(2, 0), 4);
+    for v in ["auto", "AUTO", " auto "] {
+        assert_eq!(
+            Config::from_lookup(env(&[("FH_CHANNELS", v)])).unwrap(),
+            auto,
+            "{v}"
+        );
+    }
+    // A count set, in code or by the variable, is the count, whatever the cores.
+    let set = Config::from_lookup(env(&[("FH_CHANNELS", "4")])).unwrap();
+    assert!(!set.channels_auto);
+    assert_eq!(set.channels_for(2, 4), 4);
+    assert_eq!(Config::default().channels(3).channels_for(1, 8), 3);
+    assert_eq!(
+        Config::default().channels(3).channels_auto(true).channels_for(1, 8),
+        2
+    );
+    // `auto` with at most one channel opens one; `horovod` always one.
+    assert_eq!(
+        Config::default().channels(1).channels_auto(true).channels_for(1, 8),
+        1
+    );
+    let h = Config::preset(Preset::Horovod);
+    assert!(!h.channels_auto);
+    assert_eq!(h.channels_for(64, 1), 1);
+    assert_eq!(h.channels_auto(true).channels_for(64, 1), 1);
+    // In the agreed fields: `auto` as minus its most, a set count as itself, so that a rank
+    // with `auto` and one with a count refuse to start together.
+    let field = |c: &Config| {
+        agree::planning_fields(c, 2, Wire::Memory)
+            .into_iter()
+            .find(|f| f.0 == "FH_CHANNELS")
+            .unwrap()
+            .1
+    };
+    assert_eq!(field(&auto), -4);
+    assert_eq!(field(&set), 4);
+    assert_eq!(field(&Config::preset(Preset::Horovod)), 1);
+}
+
+#[test]
+fn the_ranks_open_the_smallest_channel_count_any_asks_for() {
+    use fh_transport::backend::local::LocalWorld;
+    use fh_transport::Transport;
+    // Ranks on hosts with other cores ask for other counts under `auto`: they agree on the
+    // smallest. A rank with a set count and one with `auto` refuse to start, naming both.
+    let run = |configs: Vec<(Config, usize)>| {
+        let n = configs.len();
+        let threads: Vec<_> = LocalWorld::new(n)
+            .into_iter()
+            .zip(configs)
+            .map(|(mut t, (c, asked))| {
+                std::thread::spawn(move || {
+                    let mut comm = t.open("agree").unwrap();
+                    agree::agree(comm.as_mut(), &c, Wire::Memory, None, asked)
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let auto = Config::default();
+    let out = run(vec![(auto.clone(), 4), (auto.clone(), 2), (auto.clone(), 4)]);
+    for o in out {
+        assert_eq!(o.unwrap().channels, 2);
+    }
+    let set = Config::default().channels(4);
+    for o in run(vec![(set.clone(), 4), (auto, 2)]) {
+        let e = o.unwrap_err().to_string();
+        assert!(
+            e.contains("FH_CHANNELS") && e.contains("auto (at most 4)") && e.contains("disagree"),
+            "{e}"
+        );
+    }
+    for o in run(vec![(set.clone(), 4), (set, 4)]) {
+        assert_eq!(o.unwrap().channels, 4);
+    }
+}

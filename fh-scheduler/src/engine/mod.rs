@@ -104,13 +104,19 @@ impl Engine {
         };
         let wire = Wire::of(transport.wire(), topo.cross_size);
         let mut control = transport.open_as(fh_transport::Role::Control, "fh-control")?;
-        let k = config.effective_channels();
+        // The channels this rank asks for (under `auto`, fitted to the cores its host's ranks
+        // share); the smallest request is agreed below.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let asked = config.channels_for(cores, topo.local_size);
+        let mut k = asked;
         let mut data = Vec::with_capacity(k);
         let mut incarnation = 0;
         let watch = transport.liveness();
         let beats = watch.as_ref().map(|w| w.settings());
         let mut clock_offset_us = 0;
-        let opened = crate::config::agree(control.as_mut(), &config, wire, beats).and_then(|()| {
+        let agreed = crate::config::agree(control.as_mut(), &config, wire, beats, asked);
+        let opened = agreed.and_then(|agreed| {
+            k = agreed.channels;
             incarnation = crate::config::agree_incarnation(control.as_mut())?;
             clock_offset_us = crate::config::measure_clock(control.as_mut(), topo)?;
             for c in 0..k {
@@ -130,6 +136,22 @@ impl Engine {
                 }
                 return Err(e);
             }
+        };
+        if config.channels_auto && k != config.effective_channels() && topo.rank == 0 {
+            tracing::info!(
+                channels = k,
+                cores,
+                local_ranks = topo.local_size,
+                "FH_CHANNELS=auto: {k} data channels, since a host's ranks have fewer than {} \
+                 cores each (FH_CHANNELS=K sets the count)",
+                crate::config::AUTO_CORES_PER_RANK
+            );
+        }
+        // From here on the count in effect is the configuration (process sets open as many).
+        let config = Config {
+            channels: k,
+            channels_auto: false,
+            ..config
         };
         // Every rank writes its own timeline when the path names a file per rank, else rank 0
         // alone; a process set's engine writes none (its ranks' world engines do).
