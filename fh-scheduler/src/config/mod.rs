@@ -61,9 +61,12 @@ impl std::str::FromStr for Preset {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Wire {
-    /// Through a network stack: TCP (over loopback too), or any transport between hosts. Every
-    /// collective pays system calls and protocol latency on every message.
+    /// Between hosts: TCP, or any transport whose ranks span hosts. Every collective pays
+    /// system calls and the network's latency on every message.
     Network,
+    /// Through a network stack within one host: TCP over loopback. Every message pays system
+    /// calls and the kernel's copies, not a network's latency.
+    Loopback,
     /// Through one host's memory: shared memory, threads, or MPI and the hierarchical
     /// transport when every rank is on one host.
     Memory,
@@ -76,7 +79,7 @@ impl Wire {
     pub fn of(kind: fh_transport::WireKind, hosts: usize) -> Wire {
         match kind {
             _ if hosts > 1 => Wire::Network,
-            fh_transport::WireKind::Network => Wire::Network,
+            fh_transport::WireKind::Network => Wire::Loopback,
             fh_transport::WireKind::Memory => Wire::Memory,
         }
     }
@@ -165,14 +168,15 @@ pub struct Config {
     /// [`Config::backpressure_max`]) so that more gradients fuse into it; a round's groups could
     /// only queue behind that work anyway. It changes only *when* a rank enters a round, never
     /// what a round decides. `None` (`auto`, the `fasthorovod` default): on where the data
-    /// crosses a network stack ([`Wire::Network`]: TCP, or any transport between hosts) and in
-    /// worlds of at least [`BACKPRESSURE_AUTO_RANKS`] ranks, where every collective pays a
-    /// long latency and fewer, larger ones win; off where the ranks share one host's memory
-    /// ([`Wire::Memory`]) in smaller worlds, where the copies themselves are the wire and
-    /// waiting only idles it. (Replayed at np 4 on a 2-core VM, interleaved: over TCP it cut
-    /// ResNet-50's exposed time in 12 of 13 runs and left BERT-base's within noise; over shared
-    /// memory it slowed BERT-base in every run.) `horovod`: off (its fixed cycle paces it, as
-    /// Horovod's does). See [`Config::backpressure_on`].
+    /// crosses hosts ([`Wire::Network`]) and in worlds of at least [`BACKPRESSURE_AUTO_RANKS`]
+    /// ranks, where every collective pays a long latency and fewer, larger ones win; off within
+    /// one host in smaller worlds (shared memory, [`Wire::Memory`], or TCP over loopback,
+    /// [`Wire::Loopback`]), where the copies themselves are the wire and waiting only idles
+    /// it. (Replayed at np 4 on a 2-core VM, interleaved: over shared memory it slowed
+    /// BERT-base in every run; over loopback TCP, once small allreduces rode in the rounds and
+    /// two channels were the default there, off exposed less on ResNet-50 in each of three
+    /// runs at K=2 and on BERT-base in three of four.) `horovod`: off (its fixed cycle paces
+    /// it, as Horovod's does). See [`Config::backpressure_on`].
     pub backpressure: Option<bool>,
     /// Back-pressure defers only while the channels together hold at least this many
     /// unfinished bytes (`FH_BACKPRESSURE_BYTES`; 0: any amount).

@@ -61,19 +61,22 @@ fn variables_are_read() {
     assert_eq!(c.timeline, Some(PathBuf::from("/tmp/t.json")));
     assert_eq!(c.stall_check, None);
     assert_eq!(c.stall_shutdown, Some(Duration::from_secs(5)));
-    // Auto: on over a network stack and from BACKPRESSURE_AUTO_RANKS ranks; never under
-    // horovod; a forced value holds whatever the wire and the world.
+    // Auto: on between hosts and from BACKPRESSURE_AUTO_RANKS ranks; never under horovod; a
+    // forced value holds whatever the wire and the world.
     let auto = Config::default();
     assert_eq!(auto.backpressure, None);
     assert!(!auto.backpressure_on(BACKPRESSURE_AUTO_RANKS - 1, Wire::Memory));
+    assert!(!auto.backpressure_on(BACKPRESSURE_AUTO_RANKS - 1, Wire::Loopback));
     assert!(auto.pacing(BACKPRESSURE_AUTO_RANKS, Wire::Memory).enabled);
+    assert!(auto.pacing(BACKPRESSURE_AUTO_RANKS, Wire::Loopback).enabled);
     assert!(auto.backpressure_on(2, Wire::Network));
-    // TCP is a network stack even on one host; between hosts every transport is.
+    // TCP on one host goes through loopback; between hosts every transport is a network.
     use fh_transport::WireKind;
-    assert_eq!(Wire::of(WireKind::Network, 1), Wire::Network);
+    assert_eq!(Wire::of(WireKind::Network, 1), Wire::Loopback);
+    assert_eq!(Wire::of(WireKind::Network, 2), Wire::Network);
     assert_eq!(Wire::of(WireKind::Memory, 2), Wire::Network);
     assert_eq!(Wire::of(WireKind::Memory, 1), Wire::Memory);
-    for wire in [Wire::Memory, Wire::Network] {
+    for wire in [Wire::Memory, Wire::Loopback, Wire::Network] {
         assert!(!Config::preset(Preset::Horovod).backpressure_on(4096, wire));
         let off = Config::from_lookup(env(&[("FH_BACKPRESSURE", "off")])).unwrap();
         assert!(!off.pacing(4096, wire).enabled);
@@ -348,12 +351,18 @@ fn the_channel_count_fits_the_cores_unless_it_is_set() {
     assert_eq!(set.channels_for(2, 4), 4);
     assert_eq!(Config::default().channels(3).channels_for(1, 8), 3);
     assert_eq!(
-        Config::default().channels(3).channels_auto(true).channels_for(1, 8),
+        Config::default()
+            .channels(3)
+            .channels_auto(true)
+            .channels_for(1, 8),
         2
     );
     // `auto` with at most one channel opens one; `horovod` always one.
     assert_eq!(
-        Config::default().channels(1).channels_auto(true).channels_for(1, 8),
+        Config::default()
+            .channels(1)
+            .channels_auto(true)
+            .channels_for(1, 8),
         1
     );
     let h = Config::preset(Preset::Horovod);
@@ -398,7 +407,11 @@ fn the_ranks_open_the_smallest_channel_count_any_asks_for() {
             .collect::<Vec<_>>()
     };
     let auto = Config::default();
-    let out = run(vec![(auto.clone(), 4), (auto.clone(), 2), (auto.clone(), 4)]);
+    let out = run(vec![
+        (auto.clone(), 4),
+        (auto.clone(), 2),
+        (auto.clone(), 4),
+    ]);
     for o in out {
         assert_eq!(o.unwrap().channels, 2);
     }
