@@ -117,6 +117,29 @@ pub enum Launch {
 }
 
 impl Launch {
+    /// How many hosts the ranks span: the distinct names of `mpirun`'s `--host` list, Slurm's
+    /// node count (`SLURM_JOB_NUM_NODES`, else `SLURM_NNODES`) under `srun`, else one.
+    pub fn hosts(&self) -> usize {
+        match self {
+            Launch::Mpirun { hosts: Some(list) } => {
+                let mut names: Vec<&str> = list
+                    .split(',')
+                    .map(|h| h.split(':').next().unwrap_or(h).trim())
+                    .filter(|h| !h.is_empty())
+                    .collect();
+                names.sort_unstable();
+                names.dedup();
+                names.len().max(1)
+            }
+            Launch::Srun => ["SLURM_JOB_NUM_NODES", "SLURM_NNODES"]
+                .iter()
+                .find_map(|v| std::env::var(v).ok()?.trim().parse::<usize>().ok())
+                .unwrap_or(1)
+                .max(1),
+            _ => 1,
+        }
+    }
+
     /// Name for reports.
     pub fn name(&self) -> &'static str {
         match self {
@@ -438,6 +461,31 @@ pub(crate) fn random_token() -> Result<String, String> {
 mod tests {
     use super::*;
     use crate::collectives::Collective;
+
+    #[test]
+    fn the_hosts_a_launch_spans() {
+        let mpirun = |h: &str| Launch::Mpirun {
+            hosts: Some(h.into()),
+        };
+        assert_eq!(mpirun("h0:2,h1:2").hosts(), 2);
+        assert_eq!(mpirun("h0:2, h0:1,h1").hosts(), 2);
+        assert_eq!(mpirun("node1").hosts(), 1);
+        assert_eq!(Launch::Mpirun { hosts: None }.hosts(), 1);
+        assert_eq!(Launch::Local.hosts(), 1);
+        assert_eq!(Launch::Threads.hosts(), 1);
+        // The schedules "the other way" follow: back-pressure forced off across hosts, on
+        // within one.
+        use crate::replay::ScheduleSpec;
+        let labels = |hosts| {
+            let wire = fh_scheduler::Wire::of(fh_transport::wire_of_choice("hier"), hosts);
+            ScheduleSpec::all_for(4, wire)
+                .iter()
+                .map(ScheduleSpec::label)
+                .collect::<Vec<_>>()
+        };
+        assert!(labels(2).contains(&"fasthorovod K=2 -bp".to_string()));
+        assert!(labels(1).contains(&"fasthorovod K=2 +bp".to_string()));
+    }
 
     #[test]
     fn threads_run_a_job() {

@@ -264,7 +264,9 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
             * workloads.len()
             * (replay_transports(&runners)
                 .iter()
-                .map(|(t, _)| replay::schedules_over(t, opts.np, opts.flight_cost).len())
+                .map(|(t, _)| {
+                    replay::schedules_over(t, opts.np, opts.launch.hosts(), opts.flight_cost).len()
+                })
                 .sum::<usize>()
                 + peers.len())) as u64;
     }

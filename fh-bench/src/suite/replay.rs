@@ -56,7 +56,7 @@ pub(super) fn run(
     // Every configuration: the engine's presets over each transport, then the peers.
     let mut configs: Vec<ReplayConfig> = Vec::new();
     for (tname, runner) in &replay_runners {
-        for s in schedules_over(tname, opts.np, opts.flight_cost) {
+        for s in schedules_over(tname, opts.np, opts.launch.hosts(), opts.flight_cost) {
             configs.push(ReplayConfig::Engine {
                 spec: s,
                 transport: tname.clone(),
@@ -395,16 +395,21 @@ impl ReplayConfig {
     }
 }
 
-/// The schedules replayed over the transport named `transport` ([`ScheduleSpec::all_for`]).
-/// Its wire by name on one host: a replay transport that can span hosts is TCP, a network
-/// stack anywhere.
-pub(super) fn schedules_over(transport: &str, np: usize, flight_cost: bool) -> Vec<ScheduleSpec> {
+/// The schedules replayed over the transport named `transport` on ranks spanning `hosts`
+/// hosts ([`ScheduleSpec::all_for`]), with the wire the engine will see there, so that the
+/// rows "as shipped" and "the other way" are what their labels say.
+pub(super) fn schedules_over(
+    transport: &str,
+    np: usize,
+    hosts: usize,
+    flight_cost: bool,
+) -> Vec<ScheduleSpec> {
     if flight_cost {
         return ScheduleSpec::flight_cost();
     }
     ScheduleSpec::all_for(
         np,
-        fh_scheduler::Wire::of(fh_transport::wire_of_choice(transport), 1),
+        fh_scheduler::Wire::of(fh_transport::wire_of_choice(transport), hosts),
     )
 }
 
