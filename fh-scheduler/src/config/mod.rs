@@ -127,7 +127,11 @@ pub struct Config {
     /// FastHorovod (`FH_CHANNELS` unset or `auto`, the default): the engine fits the channel
     /// count to the cores it finds. Each channel is a thread per rank running collectives;
     /// where a host's ranks have fewer than [`AUTO_CORES_PER_RANK`] cores each, the engine
-    /// opens at most [`AUTO_FEW_CORES_CHANNELS`] channels, else [`Config::channels`]. The
+    /// opens at most [`AUTO_FEW_CORES_CHANNELS`] channels, else [`Config::channels`]. A rank
+    /// counts the cores it may run on (its affinity and CPU quota,
+    /// `std::thread::available_parallelism`) and divides them by its host's ranks: where each
+    /// rank is bound to cores of its own (`mpirun --bind-to core`, Slurm's `--cpu-bind`) it
+    /// sees only those, and may open 2 where 4 would fit: set `FH_CHANNELS` there. The
     /// count in effect is agreed at start-up (the smallest any rank asks for), logged, and is
     /// what [`Engine::config`](crate::Engine::config) reports. Setting
     /// [`Config::channels`] through its builder or `FH_CHANNELS=K` fixes the count (every
