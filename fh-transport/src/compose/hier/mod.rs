@@ -66,63 +66,18 @@ use fh_core::{kernels, CoreError, DType, ReduceOp};
 use fh_job::hosts::Layout;
 
 mod group;
+mod lanes;
 mod parts;
 mod pipeline;
+mod slices;
 mod transport;
 
 use crate::backend::shm::{OutsideWord, ShmComm};
 use crate::backend::tcp::TcpComm;
 use crate::{algorithms, Communicator, Interrupt, Result, Topology, TransportError};
 use group::{Group, Marks};
-use pipeline::pipeline_chunks;
 pub(crate) use transport::connect_auto_over;
 pub use transport::{connect_auto, host_token, suits, HierTransport};
-
-/// Lane `i`'s share of `n` elements split over `l` lanes (the first `n % l` get one more).
-fn share(n: usize, l: usize, i: usize) -> usize {
-    n / l + usize::from(i < n % l)
-}
-
-/// Cut `segs` at byte `at` of their concatenation: the slices before it and those from it on.
-fn cut_at(segs: Vec<&mut [u8]>, at: usize) -> (Vec<&mut [u8]>, Vec<&mut [u8]>) {
-    let (mut head, mut tail) = (Vec::new(), Vec::new());
-    let mut off = 0;
-    for s in segs {
-        let len = s.len();
-        if off + len <= at {
-            head.push(s);
-        } else if off >= at {
-            tail.push(s);
-        } else {
-            let (h, t) = s.split_at_mut(at - off);
-            head.push(h);
-            tail.push(t);
-        }
-        off += len;
-    }
-    (head, tail)
-}
-
-/// Read-only views of `segs`.
-fn shared<'a>(segs: &'a [&mut [u8]]) -> Vec<&'a [u8]> {
-    segs.iter().map(|s| &**s).collect()
-}
-
-/// A chunk of the buffer (in slices) cut around this rank's block.
-struct Around<'a> {
-    before: Vec<&'a mut [u8]>,
-    own: Vec<&'a mut [u8]>,
-    after: Vec<&'a mut [u8]>,
-}
-
-/// `chunk` cut around local rank `me`'s block of `counts` (elements of `esz` bytes, blocks in
-/// rank order).
-fn around<'a>(chunk: Vec<&'a mut [u8]>, counts: &[usize], me: usize, esz: usize) -> Around<'a> {
-    let lo = counts[..me].iter().sum::<usize>() * esz;
-    let (before, rest) = cut_at(chunk, lo);
-    let (own, after) = cut_at(rest, counts[me] * esz);
-    Around { before, own, after }
-}
 
 /// `FH_HIER_STAGED=1`: the communicators do not offer to reduce a fused group where it lies
 /// (the engine packs it into its fusion buffer, [`Communicator::segments_in_place`]), and the
@@ -299,98 +254,6 @@ impl HierComm {
             },
             other => other,
         }
-    }
-
-    /// Lanes: shared-memory reduce-scatter, cross-host allreduce per lane, shared-memory
-    /// allgather, all three in place in the slices `segs` (their concatenation is the vector,
-    /// `op` a combining op); `finish` is applied once to every byte of the result, by the lane
-    /// rank that owns it in the cross-host step. Pipelined over chunks when the vector is larger
-    /// than one ([`HierComm::lanes_pipelined`]).
-    fn allreduce_lanes(
-        &mut self,
-        segs: Vec<&mut [u8]>,
-        dtype: DType,
-        op: ReduceOp,
-        finish: &mut (dyn FnMut(&mut [u8]) -> Result<()> + Send),
-    ) -> Step<()> {
-        let (l, me) = (self.topology.local_size, self.topology.local_rank);
-        let mut segs = segs;
-        if l == 1 {
-            // One rank per host: nothing to do in shared memory.
-            return self.allreduce_across_segments(&mut segs, dtype, op, finish);
-        }
-        let esz = dtype.size();
-        let elements = segs.iter().map(|s| s.len()).sum::<usize>() / esz;
-        let chunks = pipeline_chunks(elements, esz, self.pipeline_chunk);
-        if chunks.len() > 1 {
-            return self.lanes_pipelined(segs, &chunks, dtype, op, finish);
-        }
-        let counts: Vec<usize> = (0..l).map(|i| share(elements, l, i)).collect();
-        let mut p = around(segs, &counts, me, esz);
-        on_shm(self.shm.reduce_scatter_in_place(
-            &shared(&p.before),
-            &mut p.own,
-            &shared(&p.after),
-            &counts,
-            dtype,
-            op,
-        ))?;
-        if self.staged {
-            let mut staging = std::mem::take(&mut self.staging);
-            staging.clear();
-            p.own.iter().for_each(|s| staging.extend_from_slice(s));
-            let res = self.allreduce_across_segments(&mut [&mut staging], dtype, op, finish);
-            let mut at = 0;
-            for s in p.own.iter_mut() {
-                s.copy_from_slice(&staging[at..at + s.len()]);
-                at += s.len();
-            }
-            self.staging = staging;
-            res?;
-        } else {
-            self.allreduce_across_segments(&mut p.own, dtype, op, finish)?;
-        }
-        let bytes: Vec<usize> = counts.iter().map(|c| c * esz).collect();
-        on_shm(
-            self.shm
-                .allgatherv_in_place(&mut p.before, &shared(&p.own), &mut p.after, &bytes),
-        )
-    }
-
-    /// Allreduce the concatenation of `segs` in place with this rank's cross-host group over
-    /// TCP (combining with `op`), `finish` applied once to every byte of the result.
-    fn allreduce_across_segments(
-        &mut self,
-        segs: &mut [&mut [u8]],
-        dtype: DType,
-        op: ReduceOp,
-        finish: &mut (dyn FnMut(&mut [u8]) -> Result<()> + Send),
-    ) -> Step<()> {
-        self.on_view(View::Across, |g| {
-            algorithms::allreduce_segments(g, segs, dtype, op, finish)
-        })
-    }
-
-    /// Allreduce `buf` with this rank's cross-host group (its lane, or the leaders) over TCP,
-    /// dividing by the world size for `Average`.
-    fn allreduce_across(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Step<()> {
-        self.on_view(View::Across, |g| {
-            algorithms::allreduce(g, buf, dtype, op.combining())
-        })?;
-        if op == ReduceOp::Average {
-            on_tcp(kernels::divide(dtype, buf, self.topology.size).map_err(Into::into))?;
-        }
-        Ok(())
-    }
-
-    /// Leaders: shared-memory allreduce, cross-host allreduce among the leaders, shared-memory
-    /// broadcast from the leader.
-    fn allreduce_leaders(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Step<()> {
-        on_shm(self.shm.allreduce(buf, dtype, op.combining()))?;
-        if self.topology.local_rank == 0 {
-            self.allreduce_across(buf, dtype, op)?;
-        }
-        on_shm(self.shm.broadcast(buf, 0))
     }
 }
 

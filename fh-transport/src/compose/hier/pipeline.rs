@@ -6,7 +6,8 @@ use std::sync::mpsc;
 
 use fh_core::{DType, ReduceOp};
 
-use super::{around, cut_at, share, shared, Group, HierComm, Marks, Side, Step};
+use super::slices::{around, cut_at, share, shared};
+use super::{Group, HierComm, Marks, Side, Step};
 use crate::{algorithms, Result, TransportError};
 
 /// The chunks (element counts, in order) of the allreduce pipeline for `elements` elements of
