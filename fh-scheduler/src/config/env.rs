@@ -162,28 +162,23 @@ impl Config {
             _ => Preset::FastHorovod,
         };
         let mut c = Config::preset(preset);
-        match get("FH_CHANNELS") {
-            Some(v) if v.trim().eq_ignore_ascii_case("auto") || v.trim().is_empty() => {}
-            Some(v) => {
-                let n = parse_u64("FH_CHANNELS", &v).map_err(|_| {
+        // Unset, empty or `auto`: fitted to the cores (`Config::channels_auto`).
+        let fixed = get("FH_CHANNELS")
+            .filter(|v| !v.trim().is_empty() && !v.trim().eq_ignore_ascii_case("auto"));
+        if let Some(v) = fixed {
+            let n = v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=64).contains(n))
+                .ok_or_else(|| {
                     SchedulerError::config(
                         "FH_CHANNELS",
-                        format!(
-                            "'{v}' is not an integer channel count; accepted values: 1 to \
-                             64, or auto"
-                        ),
+                        format!("'{v}' is not an integer from 1 to 64; accepted values: 1 to 64, or auto"),
                     )
                 })?;
-                if !(1..=64).contains(&n) {
-                    return Err(SchedulerError::config(
-                        "FH_CHANNELS",
-                        format!("'{v}' is out of range; accepted values: 1 to 64, or auto"),
-                    ));
-                }
-                c.channels = n as usize;
-                c.channels_auto = false;
-            }
-            None => {}
+            c.channels = n;
+            c.channels_auto = false;
         }
         if let Some(v) = get("FH_FUSION_THRESHOLD") {
             c.fusion_threshold = parse_bytes("FH_FUSION_THRESHOLD", &v)?;
