@@ -294,6 +294,19 @@ impl Executor {
                 "a fused group's parts do not add up to its size".into(),
             ));
         }
+        if bytes == 0 {
+            // Nothing to reduce (every part empty), but a group that agrees still carries the
+            // agreement: every rank takes part in it, as for any other size.
+            if job.agree.is_some() {
+                self.agreed = Some(reduce_unfinished(
+                    self.comm.as_mut(),
+                    &mut [],
+                    sig,
+                    job.agree,
+                )?);
+            }
+            return Ok(());
+        }
         if self.buf.len() < piece {
             self.buf.resize(piece, 0);
         }

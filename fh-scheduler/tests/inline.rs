@@ -178,3 +178,28 @@ fn small_rounds_run_inline_with_the_same_results_and_groups_as_the_channels() {
         assert_eq!(big, STEPS, "{label}");
     }
 }
+
+/// A small single-group round whose group holds only empty tensors still takes part in the
+/// agreement it carries (over the in-process transport the allreduce carries it): every
+/// member completes, empty, on every rank, also the next time round (found by the
+/// random-order test once rounds got smaller).
+#[test]
+fn a_group_of_empty_tensors_agrees_and_completes() {
+    let out = common::run_world(3, Config::default(), |e, _| {
+        (0..3)
+            .map(|step| {
+                let empty = || Tensor::from_vec::<f32>(vec![0], Vec::new()).unwrap();
+                e.grouped_allreduce(&format!("empty{step}"), vec![empty(), empty()], sum())
+                    .unwrap()
+                    .wait_timeout(LIMIT)
+                    .map(|ts| ts.iter().map(|t| t.shape().to_vec()).collect::<Vec<_>>())
+                    .map_err(|e| e.to_string())
+            })
+            .collect::<Vec<_>>()
+    });
+    for (rank, steps) in out.iter().enumerate() {
+        for (step, got) in steps.iter().enumerate() {
+            assert_eq!(got, &Ok(vec![vec![0], vec![0]]), "rank {rank}, step {step}");
+        }
+    }
+}
