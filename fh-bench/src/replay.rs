@@ -271,6 +271,10 @@ fn replay_steps(engine: &Engine, job: &ReplayJob) -> Result<ReplayOutput, String
 /// The negotiation mode with riding off (`Config::eager_bytes` 0).
 pub const RIDING_OFF: &str = "bit-vector, riding off";
 
+/// The back-to-back measurement with caller rounds off (`Config::caller_rounds`): every round
+/// on the negotiation thread, two thread hand-offs per allreduce.
+pub const CALLER_ROUNDS_OFF: &str = "bit-vector, caller rounds off";
+
 /// What a back-to-back measurement adds to its mode's name.
 pub const BACK_TO_BACK: &str = ", 8 B back to back";
 
@@ -279,7 +283,8 @@ pub const BACK_TO_BACK: &str = ", 8 B back to back";
 pub struct NegotiationJob {
     /// `coordinator` (cache capacity 0: the coordinator every round), `bit-vector` (a cache
     /// with room for every name; small cached allreduces ride in the round, as by default) or
-    /// [`RIDING_OFF`] (the same without riding: a round, then the collective).
+    /// [`RIDING_OFF`] (the same without riding: a round, then the collective); back to back
+    /// also [`CALLER_ROUNDS_OFF`] (riding, every round on the negotiation thread).
     pub mode: String,
     /// Tensors per step (one f32 each).
     pub tensors: usize,
@@ -322,6 +327,8 @@ pub fn run_negotiation(
         let config = config.cache_capacity(slots);
         if job.mode.starts_with(RIDING_OFF) {
             config.eager_bytes(0)
+        } else if job.mode.starts_with(CALLER_ROUNDS_OFF) {
+            config.caller_rounds(false)
         } else {
             config
         }

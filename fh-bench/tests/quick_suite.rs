@@ -243,7 +243,8 @@ fn quick_suite_end_to_end_on_two_ranks() {
         }
     }
     // Negotiation: the three modes at the one tensor count, then the 8-byte allreduce back to
-    // back with riding on and off, with rounds and bytes from the engine's counters.
+    // back with riding on (callers running the rounds, as shipped, and not) and off, with
+    // rounds and bytes from the engine's counters.
     let neg = run["negotiation"].as_array().unwrap();
     let modes: Vec<&str> = neg.iter().map(|r| r["mode"].as_str().unwrap()).collect();
     assert_eq!(
@@ -253,6 +254,7 @@ fn quick_suite_end_to_end_on_two_ranks() {
             "bit-vector",
             "bit-vector, riding off",
             "bit-vector, 8 B back to back",
+            "bit-vector, caller rounds off, 8 B back to back",
             "bit-vector, riding off, 8 B back to back",
         ],
         "{neg:#?}"

@@ -3,6 +3,7 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::shared::Assist;
 use crate::{SchedulerError, Tensor};
 
 /// The result an operation completes with.
@@ -75,9 +76,19 @@ impl Completion {
 /// less with 20 µs than with none.
 const WAIT_SPIN: Duration = Duration::from_micros(20);
 
+/// The shortest bounded wait ([`Handle::wait_for`], [`Handle::wait_timeout`]) that may run a
+/// negotiation round on the caller's thread: such a round ends when every rank has entered it,
+/// at the latest at the others' idle heartbeat, which a short wait should not sit through.
+const CALLER_ROUND_MIN_WAIT: Duration = Duration::from_millis(100);
+
 /// A pending operation. Obtain its result with [`Handle::wait`] (blocking, after polling for up to
 /// 20 µs with the core yielded between looks),
 /// [`Handle::wait_timeout`], or [`Handle::on_complete`]; check it with [`Handle::poll`].
+///
+/// A wait on an operation not yet dispatched may run the engine's next negotiation round on the
+/// waiting thread while the engine's own thread idles (`Config::caller_rounds`): the same round,
+/// without two thread hand-offs. [`Handle::on_complete`] callbacks of other operations that
+/// round completes then run on the waiting thread.
 ///
 /// Dropping a handle does not cancel the operation (the other ranks rely on it); its result is
 /// dropped when it completes.
@@ -85,6 +96,9 @@ const WAIT_SPIN: Duration = Duration::from_micros(20);
 pub struct Handle {
     name: std::sync::Arc<str>,
     cell: Arc<Completion>,
+    /// The engine's control thread, for a wait that may run the round itself
+    /// (`Config::caller_rounds`).
+    assist: Option<Arc<dyn Assist>>,
 }
 
 impl std::fmt::Debug for Handle {
@@ -97,8 +111,22 @@ impl std::fmt::Debug for Handle {
 }
 
 impl Handle {
-    pub(crate) fn new(name: Arc<str>, cell: Arc<Completion>) -> Self {
-        Handle { name, cell }
+    pub(crate) fn new(
+        name: Arc<str>,
+        cell: Arc<Completion>,
+        assist: Option<Arc<dyn Assist>>,
+    ) -> Self {
+        Handle { name, cell, assist }
+    }
+
+    /// While the operation is pending and still undispatched, and the control thread idles,
+    /// run the next negotiation round on this thread (`Config::caller_rounds`).
+    fn help(&self) {
+        if let Some(a) = &self.assist {
+            if !self.cell.is_done() {
+                a.help(&self.name);
+            }
+        }
     }
 
     /// The operation's name.
@@ -112,8 +140,10 @@ impl Handle {
     }
 
     /// Block until the operation completes; return the result tensor (the submitted buffer,
-    /// now holding the result) or the error.
+    /// now holding the result) or the error. May run a negotiation round on this thread (see
+    /// [`Handle`]).
     pub fn wait(self) -> OpResult {
+        self.help();
         self.cell.settle(WAIT_SPIN);
         let mut st = self.cell.lock();
         loop {
@@ -136,7 +166,10 @@ impl Handle {
     /// Block until the operation completes or `timeout` passes. On completion the result is
     /// taken (a later call returns an error saying so); on timeout
     /// [`SchedulerError::WaitTimeout`] is returned and the handle stays pending: the operation
-    /// goes on in the background and its tensor is given back by a later wait.
+    /// goes on in the background and its tensor is given back by a later wait. A `timeout` of
+    /// 100 ms or more may run a negotiation round on this thread (see [`Handle`]); such a round
+    /// ends when every rank has entered it, at the latest at the others' idle heartbeat, so the
+    /// wait may then outlast `timeout` by that much.
     pub fn wait_timeout(&mut self, timeout: Duration) -> OpResult {
         if self.wait_for(timeout) {
             self.take()
@@ -176,9 +209,12 @@ impl Handle {
     }
 
     /// Block until the operation completes or `timeout` passes, without taking the result;
-    /// returns whether it completed.
+    /// returns whether it completed. Runs rounds as [`Handle::wait_timeout`] does.
     pub fn wait_for(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
+        if timeout >= CALLER_ROUND_MIN_WAIT {
+            self.help();
+        }
         self.cell.settle(WAIT_SPIN.min(timeout));
         let mut st = self.cell.lock();
         while matches!(*st, State::Pending(_)) {

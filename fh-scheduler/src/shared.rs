@@ -35,6 +35,20 @@ pub(crate) enum Msg {
     Wake,
 }
 
+/// The control thread's side of a caller that waits ([`crate::Handle::wait`]): the control
+/// module's parking place (`control::helper`), seen from here through this trait so that this
+/// module imports none of the engine's.
+pub(crate) trait Assist: Send + Sync {
+    /// A message is on its way to the control thread: wake it if it idles.
+    fn ring(&self);
+    /// A submission is on its way to the control thread: wake it if it idles, unless callers
+    /// run the rounds (it then looks for submissions on a short tick).
+    fn ring_submitted(&self);
+    /// A caller waits for the operation `name`: run a negotiation round on this thread when
+    /// the control thread idles and the operation is still undispatched; else nothing.
+    fn help(&self, name: &str);
+}
+
 pub(crate) struct Gate {
     pub(crate) closed: Option<SchedulerError>,
     pub(crate) tx: Sender<Msg>,
@@ -181,6 +195,7 @@ impl Drop for Resolver {
                 // the close resolves it with the stop reason.
                 g.orphans.push((Arc::clone(&self.name), cell));
                 let _ = g.tx.send(Msg::Wake);
+                inner.assist.ring();
             }
         }
     }
@@ -219,6 +234,9 @@ pub(crate) struct Inner {
     pub(crate) flight_told: AtomicBool,
     /// This rank and its clock's offset from rank 0's, for the timelines it writes.
     pub(crate) clock: crate::timeline::Identity,
+    /// Where the control thread idles, so that a waiting caller may run its round
+    /// (`control::helper`); rung after every message sent to the control thread.
+    pub(crate) assist: Arc<dyn Assist>,
 }
 
 /// What the engine does the moment it stops because a rank was lost, from whichever thread
@@ -381,6 +399,7 @@ impl Inner {
                 g.closed = Some(err);
             }
             let _ = g.tx.send(Msg::Wake);
+            self.assist.ring();
             (
                 std::mem::take(&mut g.orphans),
                 first,
@@ -435,6 +454,7 @@ impl Inner {
         std::sync::atomic::fence(Ordering::SeqCst);
         if self.pacing_wait.swap(false, Ordering::SeqCst) {
             let _ = lock(&self.gate).tx.send(Msg::Wake);
+            self.assist.ring();
         }
     }
 
@@ -502,6 +522,7 @@ impl Inner {
             }
             sent.push(name);
         }
+        self.assist.ring_submitted();
         Ok(())
     }
 
@@ -529,6 +550,7 @@ impl Inner {
             return Err(e.clone());
         }
         let failed = g.tx.send(msg).err();
+        self.assist.ring();
         // A message that holds a resolver is dropped only after the gate's lock (its drop
         // takes the lock).
         drop(g);

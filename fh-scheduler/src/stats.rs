@@ -58,6 +58,9 @@ pub struct EngineStats {
     /// Small allreduces completed inside their negotiation round, with no collective of their
     /// own (see `Config::eager_bytes`); counted in `completed` too.
     pub eager_tensors: u64,
+    /// Negotiation rounds a caller waiting for its own operation ran on its thread while the
+    /// negotiation thread idled (see `Config::caller_rounds`); counted in `rounds` too.
+    pub caller_rounds: u64,
     /// Their payload bytes (each tensor's once).
     pub eager_bytes: u64,
     /// Fused groups reduced where their tensors lie, without the fusion buffer (over a
@@ -130,6 +133,7 @@ pub(crate) struct Counters {
     pub stall_warnings: AtomicU64,
     pub inline_groups: AtomicU64,
     pub eager_tensors: AtomicU64,
+    pub caller_rounds: AtomicU64,
     pub eager_bytes: AtomicU64,
     pub in_place_groups: AtomicU64,
     /// Set once, when the channels are created.
@@ -162,6 +166,7 @@ impl Counters {
             stall_warnings: self.stall_warnings.load(Relaxed),
             inline_groups: self.inline_groups.load(Relaxed),
             eager_tensors: self.eager_tensors.load(Relaxed),
+            caller_rounds: self.caller_rounds.load(Relaxed),
             eager_bytes: self.eager_bytes.load(Relaxed),
             in_place_groups: self.in_place_groups.load(Relaxed),
             group_sizes: self.group_sizes.iter().map(|c| c.load(Relaxed)).collect(),

@@ -312,7 +312,8 @@ impl ReplayRow {
 pub struct NegRow {
     /// `coordinator` (cache capacity 0), `bit-vector` (small cached allreduces ride in the
     /// round) or `bit-vector, riding off`; with `, 8 B back to back` added, one 8-byte named
-    /// allreduce at a time and every figure per allreduce.
+    /// allreduce at a time and every figure per allreduce (then also `bit-vector, caller rounds
+    /// off`: every round on the negotiation thread).
     pub mode: String,
     /// Ranks.
     pub np: usize,

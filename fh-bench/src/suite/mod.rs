@@ -272,7 +272,9 @@ pub fn run(opts: &Options, exe: PathBuf) -> Result<RunRecord, String> {
     }
     if wants("negotiation") {
         // Three modes per tensor count, and two back-to-back measurements, at each rank count.
-        total += (neg_nps.len() * (negotiation::MODES.len() * opts.tensor_counts.len() + 2)) as u64;
+        total += (neg_nps.len()
+            * (negotiation::MODES.len() * opts.tensor_counts.len()
+                + negotiation::BACK_TO_BACK_MODES.len())) as u64;
     }
     let bar = ProgressBar::new(total.max(1));
     bar.set_style(

@@ -4,12 +4,15 @@ use indicatif::ProgressBar;
 
 use super::Options;
 use crate::record::{NegRow, RunRecord, Skipped};
-use crate::replay::{NegotiationJob, BACK_TO_BACK, RIDING_OFF};
+use crate::replay::{NegotiationJob, BACK_TO_BACK, CALLER_ROUNDS_OFF, RIDING_OFF};
 use crate::runner::{Job, RankOutput, Runner};
 use crate::stats::Quantity;
 
 /// The modes measured at every tensor count.
 pub(super) const MODES: [&str; 3] = ["coordinator", "bit-vector", RIDING_OFF];
+
+/// The modes of the 8-byte allreduce back to back.
+pub(super) const BACK_TO_BACK_MODES: [&str; 3] = ["bit-vector", CALLER_ROUNDS_OFF, RIDING_OFF];
 
 /// Run the measurement over `runner` (transport `tname`) at each of `neg_nps` rank counts.
 pub(super) fn run(
@@ -49,9 +52,10 @@ pub(super) fn run(
                 bar.inc(1);
             }
         }
-        // The latency of one small named allreduce, back to back (riding in the round, and
-        // not): what a training loop's metric or loss costs.
-        for mode in ["bit-vector", RIDING_OFF] {
+        // The latency of one small named allreduce, back to back (riding in the round, with
+        // the caller running the rounds and without, and not riding): what a training loop's
+        // metric or loss costs.
+        for mode in BACK_TO_BACK_MODES {
             let label = format!("{mode}{BACK_TO_BACK}");
             bar.set_message(format!("negotiation: {label}, np {np} over {tname}"));
             let job = Job::Negotiation(NegotiationJob {

@@ -113,6 +113,12 @@ impl Config {
         self.idle_heartbeat = d;
         self
     }
+    /// Let a waiting caller run the negotiation round while the control thread idles (see
+    /// [`Config::caller_rounds`](Config#structfield.caller_rounds)).
+    pub fn caller_rounds(mut self, on: bool) -> Self {
+        self.caller_rounds = on;
+        self
+    }
     /// Open the GPU path at start-up (see [`Config::cuda`](Config#structfield.cuda)).
     pub fn cuda(mut self, on: bool) -> Self {
         self.cuda = on;

@@ -27,6 +27,7 @@ pub const ENV_VARIABLES: &[&str] = &[
     "FH_EAGER_BYTES",
     "FH_STAGE_BYTES",
     "FH_CONTROL_SPIN_US",
+    "FH_CALLER_ROUNDS",
     "FH_CUDA",
     "FH_PRIORITY",
     "FH_TIMELINE",
@@ -247,6 +248,9 @@ impl Config {
         if let Some(v) = get("FH_CONTROL_SPIN_US") {
             c.control_spin =
                 parse_seconds_at_most("FH_CONTROL_SPIN_US", &v, 1e-6, MAX_CONTROL_SPIN)?;
+        }
+        if let Some(v) = get("FH_CALLER_ROUNDS") {
+            c.caller_rounds = parse_switch("FH_CALLER_ROUNDS", &v)?;
         }
         if let Some(v) = get("FH_CUDA") {
             c.cuda = parse_switch("FH_CUDA", &v)?;

@@ -222,8 +222,19 @@ pub struct Config {
     /// How long the negotiation thread keeps polling for the next submission (yielding the
     /// core between polls) after a round that completed work, before it sleeps
     /// (`FH_CONTROL_SPIN_US`, at most 1000 µs; zero: sleep at once). Back-to-back small
-    /// collectives then skip a thread wake-up. A local choice, never agreed.
+    /// collectives then skip a thread wake-up. Where callers run the rounds
+    /// ([`Config::caller_rounds`]) the thread parks at once instead. A local choice, never
+    /// agreed.
     pub control_spin: Duration,
+    /// Whether a caller blocked in [`crate::Handle::wait`] on an operation not yet dispatched
+    /// runs the negotiation round itself while the control thread idles
+    /// (`FH_CALLER_ROUNDS`, default on): a small synchronous collective then costs no thread
+    /// hand-off. A bounded wait runs one only when it may last 100 ms or more (the round ends
+    /// when every rank has entered it). Only under the `fasthorovod` preset where the rounds'
+    /// timing is the negotiation thread's alone (no cycle time, batching window or
+    /// back-pressure), without GPU channels, and not over MPI; a local choice, never agreed
+    /// (every rank runs the same rounds whichever of its threads runs them).
+    pub caller_rounds: bool,
     /// Operations the flight recorder keeps (`FH_FLIGHT_RECORDS`; 0: off): see
     /// [`crate::flight`]. A local choice, never agreed.
     pub flight_records: usize,
@@ -300,6 +311,7 @@ impl Config {
             eager_bytes: 1024,
             stage_bytes: DEFAULT_STAGE_BYTES,
             control_spin: Duration::from_micros(30),
+            caller_rounds: true,
             flight_records: crate::flight::DEFAULT_RECORDS,
             flight_dir: None,
             metrics_addr: None,

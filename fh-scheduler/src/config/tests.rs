@@ -107,6 +107,14 @@ fn variables_are_read() {
     .unwrap();
     assert_eq!(hot.inline_bytes, 4096);
     assert_eq!(hot.control_spin, Duration::from_micros(20));
+    assert!(
+        Config::default().caller_rounds,
+        "callers run rounds by default"
+    );
+    for (v, on) in [("0", false), ("off", false), ("1", true), ("true", true)] {
+        let c = Config::from_lookup(env(&[("FH_CALLER_ROUNDS", v)])).unwrap();
+        assert_eq!(c.caller_rounds, on, "FH_CALLER_ROUNDS={v}");
+    }
     assert_eq!(
         Config::default()
             .control_spin(Duration::from_secs(1))
@@ -158,6 +166,7 @@ fn bad_values_name_the_variable_and_accepted_values() {
         ("FH_INLINE_BYTES", "lots", "byte size"),
         ("FH_EAGER_BYTES", "1MiB", "0 (off) to 65536"),
         ("FH_CONTROL_SPIN_US", "5000", "0 to 1000"),
+        ("FH_CALLER_ROUNDS", "often", "0, 1, true, false"),
         ("FH_FLIGHT_RECORDS", "100000000", "0 (off) to 1048576"),
         ("FH_METRICS_ADDR", "localhost:x", "PORT, :PORT or IP:PORT"),
         ("FH_SUMMARY", "sometimes", "0, 1, true, false"),

@@ -51,6 +51,7 @@ use crate::SchedulerError;
 mod dispatch;
 mod eager;
 mod groups;
+mod helper;
 mod round;
 mod stall_check;
 #[cfg(test)]
@@ -60,6 +61,8 @@ mod waiting;
 use dispatch::Dispatch;
 #[cfg(test)]
 pub(crate) use dispatch::QUEUE_ANYWAY;
+pub(crate) use helper::Helper;
+use helper::Unparked;
 use waiting::Waiting;
 
 /// Longest back-off between rounds while every rank waits on another.
@@ -125,6 +128,11 @@ pub(crate) struct Control {
     culprit_of: Option<Vec<String>>,
     /// When the flight record was last written for tensors the ranks disagreed on.
     last_mismatch_record: Option<Instant>,
+    /// Where this state waits while the control thread idles, for a waiting caller to run a
+    /// round with it ([`helper`]).
+    helper: Arc<Helper>,
+    /// Whether callers may run rounds (`Config::caller_rounds`, where this engine allows it).
+    caller_rounds: bool,
 }
 
 /// This rank's request to shut down (raised in the next round's vector).
@@ -180,6 +188,7 @@ impl Control {
         devices: Vec<crate::gpu::DeviceChannelSlot>,
         rx: Receiver<Msg>,
         incarnation: u64,
+        helper: Arc<Helper>,
     ) -> Result<Self, SchedulerError> {
         let cfg = inner.config.clone();
         inner.counters.init_channels(data.len());
@@ -192,6 +201,17 @@ impl Control {
             }
             _ => 0,
         };
+        // Callers run rounds only where the rounds' timing is this thread's alone to choose
+        // (no cycle, batching window or back-pressure), no GPU channel needs this thread, and
+        // the negotiation communicator is one of this process's own (not MPI's, whose calls
+        // stay on the thread that made them).
+        let caller_rounds = cfg.caller_rounds
+            && cfg.preset == crate::config::Preset::FastHorovod
+            && comm.parts_in_band()
+            && cfg.cycle_time.is_zero()
+            && cfg.batching_window.is_zero()
+            && !inner.pacing.enabled
+            && devices.is_empty();
         let dispatch = Dispatch::start(cfg.preset, &inner, data, devices)?;
         let plan_opts = cfg.plan_options();
         let now = Instant::now();
@@ -232,16 +252,32 @@ impl Control {
             fault: None,
             culprit_of: None,
             last_mismatch_record: None,
+            helper,
+            caller_rounds,
         })
     }
 
     /// The thread body.
-    pub(crate) fn run(mut self) {
-        // Dropped before `self` (locals go before parameters), also when the loop panics: the
-        // gate is closed first, so that every resolver `self` still holds resolves its handle
-        // with the stop reason as it drops.
-        let _close = CloseOnExit(Arc::clone(&self.inner));
-        let outcome = self.main_loop();
+    pub(crate) fn run(self) {
+        // The state lives here, beside the loop, except while it is parked ([`helper`]).
+        let mut state = Some(Box::new(self));
+        let this = state.as_ref().expect("just made");
+        // Dropped before `state` (declared after it), also when the loop panics: the gate is
+        // closed first, so that every resolver the state still holds resolves its handle with
+        // the stop reason as it drops.
+        let _close = CloseOnExit(Arc::clone(&this.inner));
+        if this.caller_rounds {
+            this.helper.enable();
+        }
+        let outcome = Self::main_loop(&mut state);
+        state
+            .as_mut()
+            .expect("the loop ends holding the state")
+            .stop(outcome);
+    }
+
+    /// The exit path, with the outcome that ended the loop.
+    fn stop(&mut self, outcome: Result<String, SchedulerError>) {
         let err = match outcome {
             Ok(reason) => SchedulerError::ShutDown { reason },
             Err(e) => {
@@ -338,20 +374,72 @@ impl Control {
         fh_job::notice::notify_launcher(lost, &reason);
     }
 
-    fn main_loop(&mut self) -> Result<String, SchedulerError> {
+    /// Rounds until one ends the engine. The state goes to the [`helper`] while the thread
+    /// idles (where callers may run rounds), hence the `Option`; it is back whenever this
+    /// returns.
+    fn main_loop(state: &mut Option<Box<Self>>) -> Result<String, SchedulerError> {
+        const HERE: &str = "the control state is back whenever the thread runs";
         loop {
-            if let Some(e) = self.inner.failure() {
+            let this = state.as_mut().expect(HERE);
+            if let Some(e) = this.inner.failure() {
                 return Err(e);
             }
-            self.check_orphans();
-            self.wait();
-            if let Some(e) = self.inner.failure() {
+            this.check_orphans();
+            if let Some(deadline) = this.wait() {
+                let parked = state.take().expect(HERE);
+                let helper = Arc::clone(&parked.helper);
+                let (back, why) = helper.park(parked, deadline);
+                let this = state.insert(back);
+                match why {
+                    // The heartbeat is due.
+                    Unparked::Deadline => {}
+                    // Look again at what there is to do (a caller may have done it).
+                    Unparked::Kicked => {
+                        this.drain();
+                        continue;
+                    }
+                    Unparked::Exit(outcome) => return outcome,
+                }
+            }
+            let this = state.as_mut().expect(HERE);
+            if let Some(e) = this.inner.failure() {
                 return Err(e);
             }
-            if let Some(reason) = self.round()? {
+            if let Some(reason) = this.round()? {
                 return Ok(reason);
             }
         }
+    }
+
+    /// Whether a caller waiting for `name` may run the next round ([`helper`]): the operation
+    /// is still undispatched here and nothing but rounds is pending (no fault, shutdown or
+    /// join to raise first).
+    fn can_help(&self, name: &str) -> bool {
+        self.fault.is_none()
+            && !self.shutdown.asked
+            && !self.join.active
+            && self.work.by_name.contains_key(name)
+            && self.inner.failure().is_none()
+    }
+
+    /// One round on a caller's thread ([`helper`]): what the loop does between its waits.
+    fn help_round(&mut self) -> Result<Option<String>, SchedulerError> {
+        self.check_orphans();
+        self.round()
+    }
+
+    /// Whether the control thread must act after a caller's round: work left, or anything
+    /// only it handles.
+    fn needs_control_thread(&self) -> bool {
+        !self.work.pending.is_empty()
+            || !self.work.held.is_empty()
+            || !self.work.join_cells.is_empty()
+            || self.join.active
+            || self.shutdown.asked
+            || self.fault.is_some()
+            || self.pacing.fresh
+            || self.inner.failure().is_some()
+            || self.inner.orphaned().is_some()
     }
 
     /// A completion dropped unresolved while the engine runs (a result lost: a bug) stops the
@@ -418,11 +506,15 @@ impl Control {
 
     /// Decide when to run the next round: when there is work (or a heartbeat is due), then,
     /// under back-pressure, not while every channel still holds unfinished work (bounded).
-    fn wait(&mut self) {
-        self.wait_for_work();
+    /// `Some(deadline)`: idle, nothing to do before `deadline` (the heartbeat) unless something
+    /// arrives; the caller parks the state ([`helper`]) meanwhile.
+    fn wait(&mut self) -> Option<Instant> {
+        if let Some(deadline) = self.wait_for_work() {
+            return Some(deadline);
+        }
         let pacing = self.inner.pacing;
         if !pacing.enabled {
-            return;
+            return None;
         }
         let channels = self.inner.counters.channels().len();
         let start = Instant::now();
@@ -442,10 +534,12 @@ impl Control {
             self.recv_until(step);
         }
         self.inner.pacing_wait.store(false, Ordering::Release);
+        None
     }
 
-    /// Wait until there is something to negotiate (or a heartbeat is due).
-    fn wait_for_work(&mut self) {
+    /// Wait until there is something to negotiate (or a heartbeat is due); `Some(deadline)`:
+    /// idle until then, where callers may run rounds ([`helper`]) and this thread parks.
+    fn wait_for_work(&mut self) -> Option<Instant> {
         let cfg = &self.inner.config;
         let cycle = cfg.cycle_time;
         let window = cfg.batching_window;
@@ -460,14 +554,14 @@ impl Control {
                     break;
                 }
             }
-            return;
+            return None;
         }
         if self.pacing.fresh {
             if !window.is_zero() {
                 let deadline = Instant::now() + window;
                 while Instant::now() < deadline && self.recv_until(deadline) {}
             }
-            return;
+            return None;
         }
         if !self.work.pending.is_empty() || self.join.active {
             // Announced work is pending here. Sit in the next round (a blocking collective)
@@ -475,21 +569,27 @@ impl Control {
             // rounds make no progress, so ranks waiting on each other do not spin.
             if self.pacing.last_progress {
                 self.pacing.backoff = Duration::from_micros(10);
-                return;
+                return None;
             }
             let deadline = Instant::now() + self.pacing.backoff;
             self.pacing.backoff = (self.pacing.backoff * 2).min(MAX_BACKOFF);
             self.recv_until(deadline);
-            return;
+            return None;
         }
-        // Idle. Right after a round that completed work the next submission is usually close
-        // (the caller's next collective): poll for it briefly, then sleep until a submission,
-        // or the heartbeat.
+        // Idle. Where callers run rounds, park at once: the caller that waits for the next
+        // submission runs its round itself.
+        if self.caller_rounds {
+            return Some(Instant::now() + heartbeat);
+        }
+        // Right after a round that completed work the next submission is usually close (the
+        // caller's next collective): poll for it briefly, then sleep until a submission, or the
+        // heartbeat.
         if self.pacing.last_progress && !spin.is_zero() && self.poll_for_work(spin) {
-            return;
+            return None;
         }
         let deadline = Instant::now() + heartbeat;
         self.recv_until(deadline);
+        None
     }
 
     /// Poll the submission queue for at most `limit` (yielding the core between short bursts,

@@ -180,6 +180,7 @@ impl Engine {
             watch: if world_ranks.is_none() { watch } else { None },
         };
         let (tx, rx) = unbounded();
+        let helper = Arc::new(crate::control::Helper::new());
         let inner = Arc::new(Inner {
             rank: topo.rank,
             size: topo.size,
@@ -205,6 +206,7 @@ impl Engine {
             flight: Recorder::new(config.flight_records),
             flight_told: AtomicBool::new(false),
             clock: who,
+            assist: Arc::clone(&helper) as Arc<dyn crate::shared::Assist>,
         });
         let _ = inner.counters.started.set(Instant::now());
         // The heartbeats' verdict stops the engine at once, also while it idles.
@@ -216,7 +218,15 @@ impl Engine {
                 }
             });
         }
-        let ctl = Control::new(Arc::clone(&inner), control, data, devices, rx, incarnation)?;
+        let ctl = Control::new(
+            Arc::clone(&inner),
+            control,
+            data,
+            devices,
+            rx,
+            incarnation,
+            helper,
+        )?;
         let handle = std::thread::Builder::new()
             .name(format!("fh-control-{}", topo.rank))
             .spawn(move || ctl.run())

@@ -125,7 +125,8 @@ impl Engine {
             cell: Resolver::new(&self.inner, Arc::clone(&name), Arc::clone(&cell)),
             submitted: Instant::now(),
         };
-        Ok((entry, Handle::new(name, cell)))
+        let assist = Some(Arc::clone(&self.inner.assist));
+        Ok((entry, Handle::new(name, cell, assist)))
     }
 
     /// Allreduce `tensor` across all ranks under `name`; the handle gives back the tensor
@@ -349,6 +350,6 @@ impl Engine {
         let mut resolver = Resolver::untracked(&self.inner, "__join".into(), Arc::clone(&cell));
         resolver.arm();
         self.inner.send(Msg::Join(resolver))?;
-        Ok(Handle::new("__join".into(), cell))
+        Ok(Handle::new("__join".into(), cell, None))
     }
 }

@@ -1,0 +1,121 @@
+//! A caller blocked on its own undispatched operation runs the negotiation round on its thread
+//! while the negotiation thread idles (`Config::caller_rounds`): the same results as with every
+//! round on the negotiation thread, whichever wait is used; a submission nobody waits for still
+//! runs while callers run the rounds; a short bounded wait never runs one. A rank lost while a
+//! caller runs the round: `errors.rs` (`a_lost_rank_fails_pending_handles_naming_it` waits with
+//! a bound long enough to run it).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{run_world, LIMIT};
+use fh_scheduler::{AllreduceOptions, Config, Engine, ReduceOp, Tensor};
+
+fn sum() -> AllreduceOptions {
+    AllreduceOptions::with_op(ReduceOp::Sum)
+}
+
+/// `steps` allreduces of one name, each submitted when the last completed, waited for with
+/// `Handle::wait` and `Handle::wait_timeout` in turn; the sums they gave.
+fn back_to_back(e: &Engine, r: usize, steps: usize) -> Vec<f64> {
+    (0..steps)
+        .map(|s| {
+            let x = Tensor::from_slice(&[r as f64 + s as f64, 1.0]);
+            let h = e.allreduce("metric", x, sum()).unwrap();
+            let t = if s % 2 == 0 {
+                h.wait().unwrap()
+            } else {
+                let mut h = h;
+                h.wait_timeout(LIMIT).unwrap()
+            };
+            t.to_vec::<f64>().unwrap()[0]
+        })
+        .collect()
+}
+
+#[test]
+fn waiting_callers_run_the_rounds_with_the_results_of_the_negotiation_thread() {
+    const STEPS: usize = 60;
+    for n in 2..=4 {
+        for on in [true, false] {
+            let cfg = Config::default().caller_rounds(on);
+            let out = run_world(n, cfg, |e, r| (back_to_back(e, r, STEPS), e.stats()));
+            let ranks: f64 = (0..n).map(|r| r as f64).sum();
+            let want: Vec<f64> = (0..STEPS).map(|s| ranks + (n * s) as f64).collect();
+            for (rank, (got, stats)) in out.iter().enumerate() {
+                assert_eq!(got, &want, "caller rounds {on}, {n} ranks, rank {rank}");
+                if on {
+                    // The negotiation thread idles between the allreduces: their callers ran
+                    // rounds (not necessarily every one: the thread may look first).
+                    assert!(
+                        stats.caller_rounds > 0 && stats.caller_rounds <= stats.rounds,
+                        "{n} ranks, rank {rank}: {stats:?}"
+                    );
+                } else {
+                    assert_eq!(stats.caller_rounds, 0, "{n} ranks, rank {rank}: {stats:?}");
+                }
+            }
+        }
+    }
+}
+
+/// After a run of synchronous allreduces (callers run the rounds, and the negotiation thread
+/// no longer wakes for each submission), a submission that nobody waits for, only polls,
+/// still completes: the negotiation thread looks for it on its own.
+#[test]
+fn a_submission_nobody_waits_for_runs_while_callers_run_the_rounds() {
+    let out = run_world(3, Config::default(), |e, r| {
+        back_to_back(e, r, 20);
+        let helped = e.stats().caller_rounds;
+        std::thread::sleep(Duration::from_millis(3 * r as u64));
+        let mut h = e
+            .allreduce("polled", Tensor::from_slice(&[1.0f32 + r as f32]), sum())
+            .unwrap();
+        let start = Instant::now();
+        while !h.poll() {
+            assert!(
+                start.elapsed() < LIMIT,
+                "rank {r}: 'polled' never completed"
+            );
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        let got = h.try_take().unwrap().unwrap().to_vec::<f32>().unwrap();
+        (got, helped, e.stats().caller_rounds)
+    });
+    for (rank, (got, helped, after)) in out.iter().enumerate() {
+        assert_eq!(got, &[6.0], "rank {rank}");
+        assert!(*helped > 0, "rank {rank}: no caller ran a round");
+        assert_eq!(after, helped, "rank {rank}: a poll ran a round");
+    }
+}
+
+/// A bounded wait shorter than 100 ms never runs a round (the round ends when every rank has
+/// entered it, which such a wait should not sit through).
+#[test]
+fn a_short_bounded_wait_leaves_the_rounds_to_the_negotiation_thread() {
+    let out = run_world(3, Config::default(), |e, r| {
+        let got: Vec<f32> = (0..20)
+            .map(|s| {
+                let x = Tensor::from_slice(&[(r + s) as f32]);
+                let mut h = e.allreduce("short", x, sum()).unwrap();
+                let start = Instant::now();
+                loop {
+                    match h.wait_timeout(Duration::from_millis(20)) {
+                        Ok(t) => break t.to_vec::<f32>().unwrap()[0],
+                        Err(fh_scheduler::SchedulerError::WaitTimeout { .. }) => {
+                            assert!(start.elapsed() < LIMIT, "rank {r}: step {s} hangs");
+                        }
+                        Err(e) => panic!("rank {r}: {e}"),
+                    }
+                }
+            })
+            .collect();
+        (got, e.stats().caller_rounds)
+    });
+    for (rank, (got, helped)) in out.iter().enumerate() {
+        let want: Vec<f32> = (0..20).map(|s| (3 + 3 * s) as f32).collect();
+        assert_eq!(got, &want, "rank {rank}");
+        assert_eq!(*helped, 0, "rank {rank}");
+    }
+}
