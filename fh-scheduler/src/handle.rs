@@ -3,7 +3,6 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::shared::Assist;
 use crate::{SchedulerError, Tensor};
 
 /// The result an operation completes with.
@@ -69,6 +68,20 @@ impl Completion {
             std::thread::yield_now();
         }
     }
+}
+
+/// The control thread's side of a caller that waits ([`Handle::wait`]): the control module's
+/// parking place (`control::helper`), seen from here through this trait so that this module
+/// imports none of the engine's.
+pub(crate) trait Assist: Send + Sync {
+    /// A message is on its way to the control thread: wake it if it idles.
+    fn ring(&self);
+    /// A submission is on its way to the control thread: wake it if it idles, unless callers
+    /// run the rounds (it then looks for submissions on a short tick).
+    fn ring_submitted(&self);
+    /// A caller waits for the operation `name`: run a negotiation round on this thread when
+    /// the control thread idles and the operation is still undispatched; else nothing.
+    fn help(&self, name: &str);
 }
 
 /// How long a wait polls before it sleeps ([`Completion::settle`]): on this project's 2-core,

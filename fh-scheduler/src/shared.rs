@@ -13,7 +13,7 @@ use fh_core::message::Request;
 
 use crate::flight::dump::{self, Dump, StallDump};
 use crate::flight::Recorder;
-use crate::handle::{Completion, OpResult};
+use crate::handle::{Assist, Completion, OpResult};
 use crate::stats::{Counters, GroupRecord, StallReport};
 use crate::timeline::Timeline;
 use crate::{Config, SchedulerError, Tensor};
@@ -33,20 +33,6 @@ pub(crate) enum Msg {
     /// Shut down, with the reason the others are told (`None`: none given).
     Shutdown(Option<String>),
     Wake,
-}
-
-/// The control thread's side of a caller that waits ([`crate::Handle::wait`]): the control
-/// module's parking place (`control::helper`), seen from here through this trait so that this
-/// module imports none of the engine's.
-pub(crate) trait Assist: Send + Sync {
-    /// A message is on its way to the control thread: wake it if it idles.
-    fn ring(&self);
-    /// A submission is on its way to the control thread: wake it if it idles, unless callers
-    /// run the rounds (it then looks for submissions on a short tick).
-    fn ring_submitted(&self);
-    /// A caller waits for the operation `name`: run a negotiation round on this thread when
-    /// the control thread idles and the operation is still undispatched; else nothing.
-    fn help(&self, name: &str);
 }
 
 pub(crate) struct Gate {

@@ -31,7 +31,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::Control;
-use crate::shared::Assist;
+use crate::handle::Assist;
 use crate::stats::Counters;
 use crate::SchedulerError;
 

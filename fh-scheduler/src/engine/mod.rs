@@ -206,7 +206,7 @@ impl Engine {
             flight: Recorder::new(config.flight_records),
             flight_told: AtomicBool::new(false),
             clock: who,
-            assist: Arc::clone(&helper) as Arc<dyn crate::shared::Assist>,
+            assist: Arc::clone(&helper) as Arc<dyn crate::handle::Assist>,
         });
         let _ = inner.counters.started.set(Instant::now());
         // The heartbeats' verdict stops the engine at once, also while it idles.
