@@ -5,8 +5,8 @@
 //! hand-offs besides its round: the submission wakes the control thread, and the round's end
 //! wakes the caller. Where ranks share cores (several ranks on one host) those wake-ups are
 //! most of the CPU such a collective costs, and the CPU is what its latency waits for: at 4
-//! ranks on 2 cores, an 8-byte named allreduce took about 35 µs of CPU per rank with the
-//! hand-offs and 20 µs without them. So while the control thread idles it leaves its state
+//! ranks on 2 cores, an 8-byte named allreduce took 35–48 µs of CPU per rank with the
+//! hand-offs and 21–25 µs without them. So while the control thread idles it leaves its state
 //! ([`Control`]) here, *parked*; a caller blocked in [`crate::Handle::wait`] whose operation is
 //! still undispatched borrows it, runs one round on its own thread (the same code and the same
 //! collectives in the same order: a rank's rounds are serialised by the borrow) and gives it
@@ -205,6 +205,40 @@ impl Assist for Helper {
             Err(e) => Some(Err(e)),
         };
         lent.give_back(exit);
+    }
+}
+
+/// The control state as this module sees it.
+impl Control {
+    /// Whether a caller waiting for `name` may run the next round (this module): the operation
+    /// is still undispatched here and nothing but rounds is pending (no fault, shutdown or
+    /// join to raise first).
+    fn can_help(&self, name: &str) -> bool {
+        self.fault.is_none()
+            && !self.shutdown.asked
+            && !self.join.active
+            && self.work.by_name.contains_key(name)
+            && self.inner.failure().is_none()
+    }
+
+    /// One round on a caller's thread (this module): what the loop does between its waits.
+    fn help_round(&mut self) -> Result<Option<String>, SchedulerError> {
+        self.check_orphans();
+        self.round()
+    }
+
+    /// Whether the control thread must act after a caller's round: work left, or anything
+    /// only it handles.
+    fn needs_control_thread(&self) -> bool {
+        !self.work.pending.is_empty()
+            || !self.work.held.is_empty()
+            || !self.work.join_cells.is_empty()
+            || self.join.active
+            || self.shutdown.asked
+            || self.fault.is_some()
+            || self.pacing.fresh
+            || self.inner.failure().is_some()
+            || self.inner.orphaned().is_some()
     }
 }
 

@@ -411,37 +411,6 @@ impl Control {
         }
     }
 
-    /// Whether a caller waiting for `name` may run the next round ([`helper`]): the operation
-    /// is still undispatched here and nothing but rounds is pending (no fault, shutdown or
-    /// join to raise first).
-    fn can_help(&self, name: &str) -> bool {
-        self.fault.is_none()
-            && !self.shutdown.asked
-            && !self.join.active
-            && self.work.by_name.contains_key(name)
-            && self.inner.failure().is_none()
-    }
-
-    /// One round on a caller's thread ([`helper`]): what the loop does between its waits.
-    fn help_round(&mut self) -> Result<Option<String>, SchedulerError> {
-        self.check_orphans();
-        self.round()
-    }
-
-    /// Whether the control thread must act after a caller's round: work left, or anything
-    /// only it handles.
-    fn needs_control_thread(&self) -> bool {
-        !self.work.pending.is_empty()
-            || !self.work.held.is_empty()
-            || !self.work.join_cells.is_empty()
-            || self.join.active
-            || self.shutdown.asked
-            || self.fault.is_some()
-            || self.pacing.fresh
-            || self.inner.failure().is_some()
-            || self.inner.orphaned().is_some()
-    }
-
     /// A completion dropped unresolved while the engine runs (a result lost: a bug) stops the
     /// engine on every rank through the agreed fault, naming this rank and the tensor; the
     /// close then resolves the orphan's handle with that error.
