@@ -184,6 +184,29 @@ pub fn process_cpu_seconds() -> f64 {
     secs(ru.ru_utime) + secs(ru.ru_stime)
 }
 
+/// CPU time the threads of this process now alive have used so far, seconds, to the
+/// nanosecond (the scheduler's own count, `/proc/self/task/*/schedstat`): for spans much
+/// shorter than a clock tick, where [`process_cpu_seconds`] is too coarse. Threads that ended
+/// are not counted, so only a span whose threads all outlive it may be measured with it;
+/// [`process_cpu_seconds`] where `/proc` cannot be read.
+pub fn threads_cpu_seconds() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return process_cpu_seconds();
+    };
+    let mut ns = 0u64;
+    for t in tasks.flatten() {
+        let Ok(text) = std::fs::read_to_string(t.path().join("schedstat")) else {
+            continue;
+        };
+        ns += text
+            .split_whitespace()
+            .next()
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    ns as f64 * 1e-9
+}
+
 /// Runs a replay job on this rank.
 pub fn run_replay(job: &ReplayJob, transport: Box<dyn Transport>) -> Result<ReplayOutput, String> {
     // Chosen when the transport started (measured there under `auto`), before the engine.
@@ -310,6 +333,10 @@ pub struct NegotiationStep {
     pub bytes: u64,
     /// Time spent in negotiation rounds during the step, seconds.
     pub negotiation_s: f64,
+    /// CPU time this rank's threads used during the step, every thread (user and system),
+    /// seconds ([`threads_cpu_seconds`]); per allreduce back to back, like the other figures.
+    #[serde(default)]
+    pub cpu_s: f64,
 }
 
 /// Runs a negotiation job on this rank.
@@ -353,6 +380,7 @@ fn negotiation_steps(
     for step in 0..job.warmup + job.steps {
         engine.barrier().map_err(err)?.wait().map_err(err)?;
         let s0 = engine.stats();
+        let cpu0 = threads_cpu_seconds();
         let t0 = Instant::now();
         if job.back_to_back > 0 {
             for _ in 0..job.back_to_back {
@@ -377,6 +405,7 @@ fn negotiation_steps(
                         .negotiation_time
                         .saturating_sub(s0.negotiation_time)
                         .as_secs_f64()),
+                    cpu_s: per(threads_cpu_seconds() - cpu0),
                 });
             }
             continue;
@@ -408,6 +437,7 @@ fn negotiation_steps(
                     .negotiation_time
                     .saturating_sub(s0.negotiation_time)
                     .as_secs_f64(),
+                cpu_s: threads_cpu_seconds() - cpu0,
             });
         }
     }

@@ -1,5 +1,6 @@
 //! Handles: the caller's side of a submitted operation.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,12 @@ enum State {
 pub(crate) struct Completion {
     state: Mutex<State>,
     cv: Condvar,
+    /// Threads asleep on `cv`, counted under `state`'s lock (a sleeper counts itself before
+    /// the wait releases the lock and uncounts itself once it holds it again), so that
+    /// [`Completion::complete`] only wakes where somebody sleeps: a wake-up is a system call
+    /// even with nobody to wake, and the common case — the waiter ran the round itself or
+    /// was still polling — has nobody.
+    sleepers: AtomicUsize,
 }
 
 impl Completion {
@@ -27,6 +34,7 @@ impl Completion {
         Arc::new(Completion {
             state: Mutex::new(State::Pending(None)),
             cv: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
         })
     }
 
@@ -46,8 +54,12 @@ impl Completion {
             }
             State::Pending(None) => {
                 *st = State::Done(result);
+                // Read under the lock: a sleeper counted itself under it before sleeping.
+                let wake = self.sleepers.load(Ordering::Relaxed) > 0;
                 drop(st);
-                self.cv.notify_all();
+                if wake {
+                    self.cv.notify_all();
+                }
             }
             other => *st = other,
         }
@@ -67,6 +79,30 @@ impl Completion {
         while !self.is_done() && t0.elapsed() < limit {
             std::thread::yield_now();
         }
+    }
+
+    /// Sleep on the condition variable until woken (`st`: this cell's lock, held).
+    fn sleep<'a>(&'a self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.sleepers.fetch_add(1, Ordering::Relaxed);
+        let st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        self.sleepers.fetch_sub(1, Ordering::Relaxed);
+        st
+    }
+
+    /// [`Completion::sleep`] for at most `limit`.
+    fn sleep_for<'a>(
+        &'a self,
+        st: MutexGuard<'a, State>,
+        limit: Duration,
+    ) -> MutexGuard<'a, State> {
+        self.sleepers.fetch_add(1, Ordering::Relaxed);
+        let st = self
+            .cv
+            .wait_timeout(st, limit)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+        self.sleepers.fetch_sub(1, Ordering::Relaxed);
+        st
     }
 }
 
@@ -164,7 +200,7 @@ impl Handle {
                 State::Done(r) => return r,
                 pending @ State::Pending(_) => {
                     *st = pending;
-                    st = self.cell.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                    st = self.cell.sleep(st);
                 }
                 State::Taken => {
                     return Err(SchedulerError::InvalidArgument(format!(
@@ -235,12 +271,7 @@ impl Handle {
             if now >= deadline {
                 return false;
             }
-            st = self
-                .cell
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            st = self.cell.sleep_for(st, deadline - now);
         }
         true
     }
@@ -303,5 +334,78 @@ impl GroupHandle {
     /// The member handles.
     pub fn into_handles(self) -> Vec<Handle> {
         self.handles
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handle(cell: &Arc<Completion>) -> Handle {
+        Handle::new(Arc::from("t"), Arc::clone(cell), None)
+    }
+
+    fn done() -> OpResult {
+        Ok(Tensor::from_slice(&[7.0f32]))
+    }
+
+    #[test]
+    fn a_sleeping_wait_is_woken_by_the_completion() {
+        let cell = Completion::new();
+        let h = handle(&cell);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(h.wait()));
+        // Until the waiter sleeps on the condition variable (past its 20 µs of polling).
+        let t0 = Instant::now();
+        while cell.sleepers.load(Ordering::Relaxed) == 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the waiter never slept"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        cell.complete(done());
+        // Bounded: a lost wake-up fails here instead of hanging the test.
+        let got = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the waiter was not woken")
+            .unwrap();
+        assert_eq!(got.to_vec::<f32>().unwrap(), [7.0]);
+        assert_eq!(cell.sleepers.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_bounded_wait_is_woken_by_the_completion_and_times_out_without_it() {
+        let cell = Completion::new();
+        let mut h = handle(&cell);
+        assert!(matches!(
+            h.wait_timeout(Duration::from_millis(20)),
+            Err(SchedulerError::WaitTimeout { .. })
+        ));
+        assert_eq!(cell.sleepers.load(Ordering::Relaxed), 0);
+        let waiter = std::thread::spawn(move || h.wait_timeout(Duration::from_secs(20)));
+        let t0 = Instant::now();
+        while cell.sleepers.load(Ordering::Relaxed) == 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the waiter never slept"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        cell.complete(done());
+        assert!(waiter.join().unwrap().is_ok());
+        // Woken by the completion, not at its 20 s deadline (which also returns the result).
+        assert!(t0.elapsed() < Duration::from_secs(15), "woken only by the deadline");
+    }
+
+    #[test]
+    fn a_completion_nobody_waits_for_is_kept_for_the_wait() {
+        let cell = Completion::new();
+        cell.complete(done());
+        assert!(handle(&cell).poll());
+        assert!(handle(&cell).wait().is_ok());
+        // Taken once: a second wait says so.
+        let err = handle(&cell).wait().unwrap_err().to_string();
+        assert!(err.contains("already taken"), "{err}");
     }
 }

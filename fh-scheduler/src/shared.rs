@@ -180,8 +180,7 @@ impl Drop for Resolver {
                 // The engine still runs: park it; the control thread stops the engine and
                 // the close resolves it with the stop reason.
                 g.orphans.push((Arc::clone(&self.name), cell));
-                let _ = g.tx.send(Msg::Wake);
-                inner.assist.ring();
+                inner.wake(&g);
             }
         }
     }
@@ -262,6 +261,14 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Inner {
+    /// Wake the control thread (`g`: this engine's gate, locked): a [`Msg::Wake`] on its queue
+    /// for a thread asleep on it, and the helper's bell for one parked there while callers run
+    /// the rounds (`control::helper`).
+    fn wake(&self, g: &Gate) {
+        let _ = g.tx.send(Msg::Wake);
+        self.assist.ring();
+    }
+
     /// The job's (world) rank of this engine's rank `r`: itself, except in a process set's
     /// engine, whose ranks are its members numbered `0..n`. Messages name world ranks.
     pub(crate) fn world_rank(&self, r: usize) -> usize {
@@ -384,8 +391,7 @@ impl Inner {
             if first.is_some() {
                 g.closed = Some(err);
             }
-            let _ = g.tx.send(Msg::Wake);
-            self.assist.ring();
+            self.wake(&g);
             (
                 std::mem::take(&mut g.orphans),
                 first,
@@ -439,8 +445,7 @@ impl Inner {
         // channel's drained counter, or this sees its announcement and wakes it.
         std::sync::atomic::fence(Ordering::SeqCst);
         if self.pacing_wait.swap(false, Ordering::SeqCst) {
-            let _ = lock(&self.gate).tx.send(Msg::Wake);
-            self.assist.ring();
+            self.wake(&lock(&self.gate));
         }
     }
 

@@ -327,6 +327,11 @@ pub struct NegRow {
     pub round_latency: Quantity,
     /// Negotiation bytes sent per round by one rank, B.
     pub bytes_per_round: Quantity,
+    /// CPU time per step of every rank's process together (every thread, user and system),
+    /// µs: on a machine with fewer cores than busy threads, the latency follows it. `None` in
+    /// runs recorded before it was measured.
+    #[serde(default)]
+    pub cpu_per_step: Option<Quantity>,
 }
 
 /// The scale simulation's output.

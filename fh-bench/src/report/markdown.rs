@@ -183,20 +183,21 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
         let _ = writeln!(md, "## Negotiation\n");
         let _ = writeln!(
             md,
-            "| mode | np | tensors | step latency | rounds/step | latency/round | bytes/round |"
+            "| mode | np | tensors | step latency | rounds/step | latency/round | bytes/round | CPU/step, all ranks |"
         );
-        let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
         for x in &r.negotiation {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
                 x.mode,
                 x.np,
                 x.tensors,
                 x.step_latency.display(1),
                 x.rounds_per_step.display(1),
                 x.round_latency.display(1),
-                x.bytes_per_round.display(0)
+                x.bytes_per_round.display(0),
+                x.cpu_per_step.as_ref().map_or("–".into(), |q| q.display(1))
             );
         }
         link_images(&mut md, plots, "negotiation");

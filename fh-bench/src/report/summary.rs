@@ -76,12 +76,24 @@ pub fn summary(r: &RunRecord) -> String {
         }
     }
     if !r.negotiation.is_empty() {
-        let _ = writeln!(s, "\nnegotiation: latency and bytes per round");
+        let _ = writeln!(
+            s,
+            "\nnegotiation: latency per step (submit all, wait all) and per round, bytes per round, CPU per step of all ranks"
+        );
         for x in &r.negotiation {
+            let cpu = x
+                .cpu_per_step
+                .as_ref()
+                .map_or(String::new(), |q| format!(" {:>8.1} us CPU/step", q.median));
             let _ = writeln!(
                 s,
-                "  {:<12} np {:<3} {:>5} tensors {:>10.1} us/round {:>8.0} B/round",
-                x.mode, x.np, x.tensors, x.round_latency.median, x.bytes_per_round.median
+                "  {:<12} np {:<3} {:>5} tensors {:>8.1} us/step {:>8.1} us/round {:>6.0} B/round{cpu}",
+                x.mode,
+                x.np,
+                x.tensors,
+                x.step_latency.median,
+                x.round_latency.median,
+                x.bytes_per_round.median
             );
         }
     }

@@ -63,7 +63,7 @@ pub(super) fn run(
                 tensors: 1,
                 warmup: 1,
                 steps,
-                back_to_back: if opts.quick { 300 } else { 1000 },
+                back_to_back: 1000,
             });
             match runner.run(&format!("negotiation-b2b-{mode}-np{np}"), &job) {
                 Ok(outs) => record
@@ -95,10 +95,12 @@ pub fn negotiation_row(mode: &str, np: usize, tensors: usize, outs: &[RankOutput
     let mut rounds = Vec::new();
     let mut per_round = Vec::new();
     let mut bytes = Vec::new();
+    let mut cpu = Vec::new();
     for i in 0..steps {
         let at: Vec<&crate::replay::NegotiationStep> =
             per_rank.iter().filter_map(|v| v.get(i)).collect();
         lat.push(at.iter().map(|s| s.seconds).fold(0.0, f64::max) * 1e6);
+        cpu.push(at.iter().map(|s| s.cpu_s).sum::<f64>() * 1e6);
         if let Some(top) = at.iter().max_by_key(|s| s.bytes) {
             let r = top.rounds.max(1) as f64;
             rounds.push(top.rounds as f64);
@@ -114,5 +116,6 @@ pub fn negotiation_row(mode: &str, np: usize, tensors: usize, outs: &[RankOutput
         rounds_per_step: Quantity::from_samples(&rounds, "rounds"),
         round_latency: Quantity::from_samples(&per_round, "us"),
         bytes_per_round: Quantity::from_samples(&bytes, "B"),
+        cpu_per_step: Some(Quantity::from_samples(&cpu, "us")),
     }
 }
