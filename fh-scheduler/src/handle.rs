@@ -395,7 +395,10 @@ mod tests {
         cell.complete(done());
         assert!(waiter.join().unwrap().is_ok());
         // Woken by the completion, not at its 20 s deadline (which also returns the result).
-        assert!(t0.elapsed() < Duration::from_secs(15), "woken only by the deadline");
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "woken only by the deadline"
+        );
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! Allreduce bus bandwidth and small-message latency over the transport chosen by the
-//! environment (TCP by default).
+//! environment (`FH_TRANSPORT`). Launching itself (`--np`), it runs TCP where that is unset;
+//! under a launcher, set it (`FH_TRANSPORT=tcp fhrun …`): the default there, `auto`, picks
+//! shared memory for ranks on one host.
 //!
 //! Either start it under a launcher (`fhrun -np 4 …`, or any launcher `LaunchInfo` reads), or
 //! let it launch itself on this host:
@@ -43,7 +45,11 @@ fn launch_self(np: usize, rest: &[String]) -> std::io::Result<bool> {
                 JobToken::new(token.clone()),
             )
         };
-        let child = Command::new(&exe)
+        let mut cmd = Command::new(&exe);
+        if std::env::var_os("FH_TRANSPORT").is_none() {
+            cmd.env("FH_TRANSPORT", "tcp");
+        }
+        let child = cmd
             .args(rest)
             .envs(launch.to_vars())
             .stdin(Stdio::null())
