@@ -70,7 +70,10 @@ fn waiting_callers_run_the_rounds_with_the_results_of_the_negotiation_thread() {
 /// still completes: the negotiation thread looks for it on its own.
 #[test]
 fn a_submission_nobody_waits_for_runs_while_callers_run_the_rounds() {
-    let out = run_world(3, Config::default(), |e, r| {
+    // Without the negotiation thread's poll after a round, which could take every round (see
+    // above): the callers must have run some for this test to mean anything.
+    let cfg = Config::default().control_spin(Duration::ZERO);
+    let out = run_world(3, cfg, |e, r| {
         back_to_back(e, r, 20);
         let helped = e.stats().caller_rounds;
         std::thread::sleep(Duration::from_millis(3 * r as u64));
