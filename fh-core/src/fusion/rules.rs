@@ -57,15 +57,24 @@ pub(super) fn plan_fast(
 ) -> Vec<Group> {
     // With several eligible channels, cap groups near an equal share of the round so that each
     // of them gets work, but never above the threshold nor below 64 KiB (tiny groups cost
-    // latency).
-    let total: u64 = order.iter().map(|&i| items[i].bytes).sum();
+    // latency). The share counts only the bytes that go into fused groups: a tensor split into
+    // chunks already spreads over every channel, and counting it made the rest one group on
+    // one channel (BERT-base's last round: its 94 MB embedding in chunks over both channels,
+    // then its other 17 gradients, 30 MB, as one group that ran alone on one channel for
+    // ~60 ms while the other idled).
+    let partition = opts.partition_bytes.max(1);
+    let total: u64 = order
+        .iter()
+        .map(|&i| &items[i])
+        .filter(|it| !(it.fusable() && it.bytes > partition))
+        .map(|it| it.bytes)
+        .sum();
     let cap = if eligible > 1 {
         opts.fusion_threshold
             .min(total.div_ceil(eligible as u64).max(64 * 1024))
     } else {
         opts.fusion_threshold
     };
-    let partition = opts.partition_bytes.max(1);
     let mut groups: Vec<Group> = Vec::new();
     let mut open: Vec<(FusionKey, usize, u64)> = Vec::new(); // key, group index, bytes
     let mut done = vec![false; items.len()];

@@ -362,3 +362,24 @@ fn fast_splits_large_tensors_over_channels() {
     chans.sort();
     assert_eq!(chans, [0, 1, 2, 3]);
 }
+
+#[test]
+fn the_small_tensors_beside_a_partitioned_one_are_shared_by_the_channels_too() {
+    // BERT-base's last round in little: one tensor split into chunks over every channel and
+    // a run of small ones. The small ones (4 × 64 KiB) must not become one group on one
+    // channel because the chunks' bytes made the round look large: a group each for 2 of the
+    // 4 channels at least, every channel's bytes within one small group of each other.
+    let mut items = vec![f32_item(1 << 20)];
+    items.extend(vec![f32_item(64 << 10); 4]);
+    let mut opts = fast4(256 << 10);
+    opts.fusion_threshold = 4 << 20;
+    let g = plan(&items, &opts);
+    let fused: Vec<&Group> = g.iter().filter(|g| g.parts[0].item != 0).collect();
+    assert!(fused.len() >= 2, "{g:?}");
+    let mut per = [0u64; 4];
+    for x in &g {
+        per[x.channel] += x.bytes();
+    }
+    let (lo, hi) = (per.iter().min().unwrap(), per.iter().max().unwrap());
+    assert!(hi - lo <= 128 << 10, "unbalanced: {per:?}");
+}
