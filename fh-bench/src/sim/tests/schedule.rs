@@ -105,13 +105,18 @@ fn fusion_and_partition_through_the_engines_planner() {
     let bytes = |g: Vec<Group>| g.iter().map(Group::bytes).collect::<Vec<_>>();
     let f = Schedule::fasthorovod(4);
     // 40 MiB splits into 4 chunks of 10 MiB (16 MiB partitions would give 3; a multiple
-    // of K), each its own group; small tensors around it fuse with each other.
+    // of K), each its own group; the small tensors around it (4 MiB) are sized for a share of
+    // the 4 channels each (1 MiB: the chunks do not count), so the two after the chunks do
+    // not fuse into one group for one channel.
     let mut p = ModelPlanner::new(&f);
     let g = p.round(&[1 << 20, 40 << 20, 1 << 20, 2 << 20], 0);
     assert_eq!(
         bytes(g.clone()),
-        [1 << 20, 10 << 20, 10 << 20, 10 << 20, 10 << 20, 3 << 20]
+        [1 << 20, 10 << 20, 10 << 20, 10 << 20, 10 << 20, 1 << 20, 2 << 20]
     );
+    // Small tensors alone still fuse up to the share of the channels: 8 × 1 MiB in 4 groups.
+    let small = ModelPlanner::new(&f).round(&[1 << 20; 8], 0);
+    assert_eq!(bytes(small), [2 << 20; 4]);
     // Every channel carries a chunk of the large tensor.
     let mut chans: Vec<usize> = g[1..5].iter().map(|g| g.channel).collect();
     chans.sort();
