@@ -18,6 +18,7 @@ fn sum() -> AllreduceOptions {
 
 /// `steps` allreduces of one name, each submitted when the last completed, waited for with
 /// `Handle::wait` and `Handle::wait_timeout` in turn; the sums they gave.
+///
 fn back_to_back(e: &Engine, r: usize, steps: usize) -> Vec<f64> {
     (0..steps)
         .map(|s| {
@@ -39,27 +40,32 @@ fn waiting_callers_run_the_rounds_with_the_results_of_the_negotiation_thread() {
     const STEPS: usize = 60;
     for n in 2..=4 {
         for on in [true, false] {
-            // No poll for the next submission after a round: a negotiation thread that polls
-            // can take every round where the rounds are as quick as in-process ones (seen
-            // once in a full run), and this test is about the callers'.
-            let cfg = Config::default()
-                .caller_rounds(on)
-                .control_spin(Duration::ZERO);
+            let cfg = Config::default().caller_rounds(on);
             let out = run_world(n, cfg, |e, r| (back_to_back(e, r, STEPS), e.stats()));
             let ranks: f64 = (0..n).map(|r| r as f64).sum();
             let want: Vec<f64> = (0..STEPS).map(|s| ranks + (n * s) as f64).collect();
             for (rank, (got, stats)) in out.iter().enumerate() {
                 assert_eq!(got, &want, "caller rounds {on}, {n} ranks, rank {rank}");
                 if on {
-                    // The negotiation thread idles between the allreduces: their callers ran
-                    // rounds (not necessarily every one: the thread may look first).
                     assert!(
-                        stats.caller_rounds > 0 && stats.caller_rounds <= stats.rounds,
+                        stats.caller_rounds <= stats.rounds,
                         "{n} ranks, rank {rank}: {stats:?}"
                     );
                 } else {
                     assert_eq!(stats.caller_rounds, 0, "{n} ranks, rank {rank}: {stats:?}");
                 }
+            }
+            if on {
+                // The negotiation threads idle between the allreduces: callers ran rounds. Not
+                // necessarily on every rank: a negotiation thread that holds announced work
+                // sits in rounds until every rank has it, and where the callers' timing keeps
+                // a rank's thread there, its callers never find it idle (rank 1 in 4 of 12
+                // in-process runs here; the results are the same either way).
+                let helped: u64 = out.iter().map(|(_, s)| s.caller_rounds).sum();
+                assert!(
+                    helped > 0,
+                    "caller rounds on, {n} ranks: no caller ran a round"
+                );
             }
         }
     }
@@ -70,10 +76,7 @@ fn waiting_callers_run_the_rounds_with_the_results_of_the_negotiation_thread() {
 /// still completes: the negotiation thread looks for it on its own.
 #[test]
 fn a_submission_nobody_waits_for_runs_while_callers_run_the_rounds() {
-    // Without the negotiation thread's poll after a round, which could take every round (see
-    // above): the callers must have run some for this test to mean anything.
-    let cfg = Config::default().control_spin(Duration::ZERO);
-    let out = run_world(3, cfg, |e, r| {
+    let out = run_world(3, Config::default(), |e, r| {
         back_to_back(e, r, 20);
         let helped = e.stats().caller_rounds;
         std::thread::sleep(Duration::from_millis(3 * r as u64));
@@ -93,9 +96,14 @@ fn a_submission_nobody_waits_for_runs_while_callers_run_the_rounds() {
     });
     for (rank, (got, helped, after)) in out.iter().enumerate() {
         assert_eq!(got, &[6.0], "rank {rank}");
-        assert!(*helped > 0, "rank {rank}: no caller ran a round");
         assert_eq!(after, helped, "rank {rank}: a poll ran a round");
     }
+    // Callers ran rounds (on some rank at least; see above), so some negotiation thread was
+    // no longer woken by submissions when 'polled' came, and found it on its own.
+    assert!(
+        out.iter().any(|(_, helped, _)| *helped > 0),
+        "no caller ran a round"
+    );
 }
 
 /// A bounded wait shorter than 100 ms never runs a round (the round ends when every rank has

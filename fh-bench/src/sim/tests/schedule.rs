@@ -112,7 +112,15 @@ fn fusion_and_partition_through_the_engines_planner() {
     let g = p.round(&[1 << 20, 40 << 20, 1 << 20, 2 << 20], 0);
     assert_eq!(
         bytes(g.clone()),
-        [1 << 20, 10 << 20, 10 << 20, 10 << 20, 10 << 20, 1 << 20, 2 << 20]
+        [
+            1 << 20,
+            10 << 20,
+            10 << 20,
+            10 << 20,
+            10 << 20,
+            1 << 20,
+            2 << 20
+        ]
     );
     // Small tensors alone still fuse up to the share of the channels: 8 × 1 MiB in 4 groups.
     let small = ModelPlanner::new(&f).round(&[1 << 20; 8], 0);
