@@ -81,26 +81,23 @@ impl Completion {
         }
     }
 
-    /// Sleep on the condition variable until woken (`st`: this cell's lock, held).
-    fn sleep<'a>(&'a self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
-        self.sleepers.fetch_add(1, Ordering::Relaxed);
-        let st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
-        self.sleepers.fetch_sub(1, Ordering::Relaxed);
-        st
-    }
-
-    /// [`Completion::sleep`] for at most `limit`.
-    fn sleep_for<'a>(
+    /// Sleep on the condition variable until woken, or for at most `limit` (`st`: this
+    /// cell's lock, held), counted in `sleepers` meanwhile.
+    fn sleep<'a>(
         &'a self,
         st: MutexGuard<'a, State>,
-        limit: Duration,
+        limit: Option<Duration>,
     ) -> MutexGuard<'a, State> {
         self.sleepers.fetch_add(1, Ordering::Relaxed);
-        let st = self
-            .cv
-            .wait_timeout(st, limit)
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
+        let st = match limit {
+            None => self.cv.wait(st).unwrap_or_else(|p| p.into_inner()),
+            Some(d) => {
+                self.cv
+                    .wait_timeout(st, d)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0
+            }
+        };
         self.sleepers.fetch_sub(1, Ordering::Relaxed);
         st
     }
@@ -200,7 +197,7 @@ impl Handle {
                 State::Done(r) => return r,
                 pending @ State::Pending(_) => {
                     *st = pending;
-                    st = self.cell.sleep(st);
+                    st = self.cell.sleep(st, None);
                 }
                 State::Taken => {
                     return Err(SchedulerError::InvalidArgument(format!(
@@ -271,7 +268,7 @@ impl Handle {
             if now >= deadline {
                 return false;
             }
-            st = self.cell.sleep_for(st, deadline - now);
+            st = self.cell.sleep(st, Some(deadline - now));
         }
         true
     }
@@ -345,6 +342,18 @@ mod tests {
         Handle::new(Arc::from("t"), Arc::clone(cell), None)
     }
 
+    /// Until a waiter sleeps on `cell`'s condition variable (past its 20 µs of polling).
+    fn until_asleep(cell: &Completion) {
+        let t0 = Instant::now();
+        while cell.sleepers.load(Ordering::Relaxed) == 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the waiter never slept"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     fn done() -> OpResult {
         Ok(Tensor::from_slice(&[7.0f32]))
     }
@@ -355,15 +364,7 @@ mod tests {
         let h = handle(&cell);
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || tx.send(h.wait()));
-        // Until the waiter sleeps on the condition variable (past its 20 µs of polling).
-        let t0 = Instant::now();
-        while cell.sleepers.load(Ordering::Relaxed) == 0 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "the waiter never slept"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        until_asleep(&cell);
         cell.complete(done());
         // Bounded: a lost wake-up fails here instead of hanging the test.
         let got = rx
@@ -385,13 +386,7 @@ mod tests {
         assert_eq!(cell.sleepers.load(Ordering::Relaxed), 0);
         let waiter = std::thread::spawn(move || h.wait_timeout(Duration::from_secs(20)));
         let t0 = Instant::now();
-        while cell.sleepers.load(Ordering::Relaxed) == 0 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "the waiter never slept"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        until_asleep(&cell);
         cell.complete(done());
         assert!(waiter.join().unwrap().is_ok());
         // Woken by the completion, not at its 20 s deadline (which also returns the result).
