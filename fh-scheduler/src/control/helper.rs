@@ -180,11 +180,15 @@ impl Helper {
     }
 
     /// Note that a message is on its way; wake the control thread when `now` or while it runs
-    /// the rounds itself.
+    /// the rounds itself, and only where it sleeps here with its state parked: a running
+    /// control thread takes the message from its queue (whose send wakes it where it waits
+    /// there), and a borrower's give-back wakes it where the message is left for it. (A
+    /// condition variable's notify is a system call even with nobody asleep: once per
+    /// gradient of a backward pass, where the control thread runs.)
     fn kick(&self, now: bool) {
         let mut s = self.lock();
         s.kicked = true;
-        let wake = now || !s.lazy;
+        let wake = (now || !s.lazy) && s.parked.is_some();
         drop(s);
         if wake {
             self.cv.notify_all();

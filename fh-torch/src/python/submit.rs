@@ -100,28 +100,27 @@ impl TensorView {
             )));
         }
         let address: usize = tensor.call_method0("data_ptr")?.extract()?;
-        let numel: usize = tensor.call_method0("numel")?.extract()?;
-        let element: usize = tensor.call_method0("element_size")?.extract()?;
-        let nbytes = numel.checked_mul(element).ok_or_else(|| {
-            PyValueError::new_err(format!("{what}: the tensor's byte length overflows"))
-        })?;
+        // `nbytes` is numel × element size (of a contiguous tensor: its memory).
+        let nbytes: usize = tensor.getattr("nbytes")?.extract()?;
         let dtype_name = tensor.getattr("dtype")?.str()?.to_string();
         let dtype = names::dtype(&dtype_name).map_err(PyValueError::new_err)?;
         let shape: Vec<usize> = tensor.getattr("shape")?.extract()?;
-        let device = tensor.getattr("device")?;
-        let kind = device.getattr("type")?.str()?.to_string();
-        let device = match kind.as_str() {
-            "cpu" => -1,
-            "cuda" => device
+        // The flags first: building the tensor's `device` costs more than the rest together.
+        let device = if tensor.getattr("is_cpu")?.extract::<bool>()? {
+            -1
+        } else {
+            let device = tensor.getattr("device")?;
+            let kind = device.getattr("type")?.str()?.to_string();
+            if kind != "cuda" {
+                return Err(pyo3::exceptions::PyNotImplementedError::new_err(format!(
+                    "{what}: {kind} tensors are not supported by FastHorovod (CPU and CUDA \
+                     tensors only): move the tensor to the CPU with .cpu()"
+                )));
+            }
+            device
                 .getattr("index")?
                 .extract::<Option<i64>>()?
-                .unwrap_or(0),
-            other => {
-                return Err(pyo3::exceptions::PyNotImplementedError::new_err(format!(
-                    "{what}: {other} tensors are not supported by FastHorovod (CPU and CUDA \
-                     tensors only): move the tensor to the CPU with .cpu()"
-                )))
-            }
+                .unwrap_or(0)
         };
         Ok(TensorView {
             owner: tensor.clone().unbind(),

@@ -271,10 +271,11 @@ def test_step_after_synchronize_warns_with_horovods_words():
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Records the optimizer's submissions: ("grouped", n tensors) or ("single", 1)."""
+    """Records the optimizer's submissions: ("grouped", n tensors) or ("single", 1) through the
+    public API, ("direct", 1) straight to the engine (a lone dense gradient)."""
     calls = []
-    real_grouped, real_single = fh_optimizer.grouped_allreduce_async_, \
-        fh_optimizer.allreduce_async_
+    real_grouped, real_single, real_direct = fh_optimizer.grouped_allreduce_async_, \
+        fh_optimizer.allreduce_async_, fh_optimizer._ops._allreduce
 
     def grouped(tensors, *args, **kwargs):
         calls.append(("grouped", len(tensors)))
@@ -284,8 +285,14 @@ def recorded(monkeypatch):
         calls.append(("single", 1))
         return real_single(tensor, *args, **kwargs)
 
+    def direct(tensor, *args, **kwargs):
+        calls.append(("direct", 1))
+        return real_direct(tensor, *args, **kwargs)
+
     monkeypatch.setattr(fh_optimizer, "grouped_allreduce_async_", grouped)
     monkeypatch.setattr(fh_optimizer, "allreduce_async_", single)
+    # The optimizer's own path; the public API calls the one it imported (not this).
+    monkeypatch.setattr(fh_optimizer._ops, "_allreduce", direct)
     return calls
 
 
@@ -316,8 +323,51 @@ def test_groups_int_fuses_each_group(recorded):
 
 def test_groups_list_fuses_listed_parameters(recorded):
     _train_once(groups="list")
-    assert sorted(recorded) == [("grouped", 2), ("single", 1), ("single", 1)], \
+    assert sorted(recorded) == [("direct", 1), ("direct", 1), ("grouped", 2)], \
         f"rank {hvd.rank()}: {recorded}"
+
+
+def _lone_parameter_step(grad):
+    """One synchronize() of a lone parameter whose gradient this rank sets to ``grad``; the
+    gradient tensor the optimizer left in place."""
+    w = torch.nn.Parameter(torch.zeros(grad.shape))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), named_parameters=[("w", w)])
+    w.grad = grad
+    opt.synchronize()
+    return w.grad
+
+
+def test_a_lone_dense_gradient_is_reduced_straight_in_its_memory(recorded):
+    n, me = hvd.size(), hvd.rank()
+    grad = torch.arange(6, dtype=torch.float32).reshape(3, 2) * (me + 1)
+    where = grad.data_ptr()
+    out = _lone_parameter_step(grad)
+    assert recorded == [("direct", 1)], f"rank {me}: {recorded}"
+    assert out is grad and out.data_ptr() == where
+    mean = sum(r + 1 for r in range(n)) / n
+    assert_close(out, torch.arange(6, dtype=torch.float32).reshape(3, 2) * mean, "w.grad")
+
+
+def test_a_non_contiguous_gradient_takes_the_general_path(recorded):
+    n, me = hvd.size(), hvd.rank()
+    grad = (torch.arange(6, dtype=torch.float32).reshape(2, 3) * (me + 1)).t()
+    assert not grad.is_contiguous()
+    out = _lone_parameter_step(grad)
+    assert recorded == [("single", 1)], f"rank {me}: {recorded}"
+    mean = sum(r + 1 for r in range(n)) / n
+    assert out is grad
+    assert_close(out, torch.arange(6, dtype=torch.float32).reshape(2, 3).t() * mean, "w.grad")
+
+
+def test_a_compressed_gradient_takes_the_general_path(recorded):
+    n, me = hvd.size(), hvd.rank()
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), named_parameters=[("w", w)],
+                                   compression=hvd.Compression.fp16)
+    w.grad = torch.full((4,), float(me + 1))
+    opt.synchronize()
+    assert recorded == [("single", 1)], f"rank {me}: {recorded}"
+    assert_close(w.grad, torch.full((4,), sum(r + 1 for r in range(n)) / n), "w.grad")
 
 
 def test_num_groups_is_deprecated_for_groups(recorded):

@@ -129,7 +129,7 @@ def _contiguous(tensor):
 def _stream(tensor):
     """The raw current stream of a CUDA tensor's device, 0 for a CPU tensor: the engine records
     the tensor's readiness on that stream (the work enqueued so far)."""
-    if tensor.device.type != "cuda":
+    if not tensor.is_cuda:  # a flag: cheaper than building the tensor's device
         return 0
     index = tensor.device.index if tensor.device.index is not None else \
         torch.cuda.current_device()
@@ -222,6 +222,12 @@ def synchronize(handle):
     if entry is None:
         raise ValueError(f"unknown handle {handle!r} (already synchronized?)")
     core_handles, finish = entry
+    return finish(_wait_cores(core_handles))
+
+
+def _wait_cores(core_handles):
+    """Wait for every core handle (the GIL released; for CUDA the current stream waits) and
+    return their results; the first error is raised once every one has ended."""
     results = []
     error = None
     t0 = time.monotonic_ns() if _tracing else 0
@@ -236,7 +242,7 @@ def synchronize(handle):
         _span("synchronize", core_handles[0].name if core_handles else "", t0)
     if error is not None:
         raise error
-    return finish(results)
+    return results
 
 
 def _check_group(tensors, what):

@@ -69,11 +69,19 @@ class _Bucket:
 class _InFlight:
     """A submitted bucket: the engine's handle, and per member what was sent."""
 
-    __slots__ = ("handle", "members")
+    __slots__ = ("handle", "members", "core")
 
-    def __init__(self, handle, members):
-        self.handle = handle
+    def __init__(self, handle, members, core=None):
+        self.handle = handle  # a Horovod-style handle for ``synchronize`` (None with ``core``)
         self.members = members  # [(parameter, kind, sent tensor, compression context)]
+        self.core = core  # or the engine's own handle of a gradient reduced in its memory
+
+    def wait(self):
+        """Wait for the reduction; its output (what ``_write_back`` takes)."""
+        if self.core is not None:
+            _ops._wait_cores([self.core])
+            return self.members[0][2]
+        return synchronize(self.handle)
 
 
 def _split(items, n):
@@ -303,6 +311,8 @@ class _DistributedOptimizer:
 
     def _submit(self, bucket):
         self._submitted.add(bucket)
+        if len(bucket.params) == 1 and self._submit_in_place(bucket):
+            return
         grads = [self._gradient_of(p) for p in bucket.params]
         if len(bucket.params) == 1 and not self.sparse_as_dense and \
                 self._layout.get(bucket.params[0]) == _SPARSE_GRAD:
@@ -334,6 +344,26 @@ class _DistributedOptimizer:
                                               postscale_factor=postscale,
                                               process_set=self.process_set)
         self._in_flight.append(_InFlight(handle, members))
+
+    def _submit_in_place(self, bucket):
+        """The common case, submitted straight to the engine: a lone parameter's gradient,
+        dense, contiguous and on the CPU, sent as it is (no compression) and reduced in its
+        own memory. The public API's checks hold here by construction, and they cost as much
+        as the submission (a gradient is submitted from the backward pass, on its critical
+        path). False: not that case (the general path submits it)."""
+        p = bucket.params[0]
+        grad = p.grad
+        if grad is None or self._compression is not Compression.none or \
+                grad.layout is not torch.strided or not grad.is_cpu or \
+                not grad.is_contiguous() or \
+                (not self.sparse_as_dense and self._layout.get(p) == _SPARSE_GRAD):
+            return False
+        prescale, postscale = self._scales()
+        ps = _check_process_set(self.process_set)
+        core = _ops._allreduce(grad, _ops._op_name("allreduce", bucket.name, ps), self.op,
+                               prescale, postscale, self._priority.get(p, 0), ps)
+        self._in_flight.append(_InFlight(None, [(p, _DENSE, grad, None)], core))
+        return True
 
     def _write_back(self, flight, output):
         outputs = output if isinstance(output, list) else [output]
@@ -379,7 +409,7 @@ class _DistributedOptimizer:
             error = None
             for flight in flights:  # wait for every one, even after a failure
                 try:
-                    self._write_back(flight, synchronize(flight.handle))
+                    self._write_back(flight, flight.wait())
                 except BaseException as e:  # noqa: BLE001 - re-raised below
                     if error is None:
                         error = e
@@ -467,7 +497,7 @@ class _DistributedOptimizer:
         self._reset_step()
         for flight in flights:
             try:
-                synchronize(flight.handle)
+                flight.wait()
             except Exception:  # noqa: BLE001 - dropped: its result and its error go unused
                 pass
 
