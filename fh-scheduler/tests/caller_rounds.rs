@@ -135,3 +135,33 @@ fn a_short_bounded_wait_leaves_the_rounds_to_the_negotiation_thread() {
         assert_eq!(*helped, 0, "rank {rank}");
     }
 }
+
+/// On an idle engine (no caller ran a round) the negotiation thread sleeps parked until its
+/// heartbeat; a submission that nobody waits for wakes it at once, not at the heartbeat.
+#[test]
+fn a_submission_wakes_the_parked_negotiation_thread_at_once() {
+    const HEARTBEAT: Duration = Duration::from_secs(30);
+    let cfg = Config::default().idle_heartbeat(HEARTBEAT);
+    let out = run_world(3, cfg, |e, r| {
+        // Long enough for every negotiation thread to have parked.
+        std::thread::sleep(Duration::from_millis(200));
+        let start = Instant::now();
+        let mut h = e
+            .allreduce("unwaited", Tensor::from_slice(&[1.0f32 + r as f32]), sum())
+            .unwrap();
+        while !h.poll() {
+            assert!(
+                start.elapsed() < HEARTBEAT / 3,
+                "rank {r}: 'unwaited' was not negotiated before the heartbeat"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let got = h.try_take().unwrap().unwrap().to_vec::<f32>().unwrap();
+        (got, start.elapsed(), e.stats().caller_rounds)
+    });
+    for (rank, (got, took, helped)) in out.iter().enumerate() {
+        assert_eq!(got, &[6.0], "rank {rank}");
+        assert_eq!(*helped, 0, "rank {rank}: a poll ran a round");
+        assert!(*took < HEARTBEAT / 3, "rank {rank}: took {took:?}");
+    }
+}
