@@ -16,12 +16,15 @@ fn sum() -> AllreduceOptions {
     AllreduceOptions::with_op(ReduceOp::Sum)
 }
 
-/// `steps` allreduces of one name, each submitted when the last completed, waited for with
-/// `Handle::wait` and `Handle::wait_timeout` in turn; the sums they gave.
-///
+/// `steps` allreduces of one name, each submitted a moment (200 µs, a step's compute) after the
+/// last completed, waited for with `Handle::wait` and `Handle::wait_timeout` in turn; the sums
+/// they gave. (Submitted at once instead, the next allreduce can reach a negotiation thread
+/// before it idles, on every rank and every step: it then runs every round itself and no
+/// caller gets to — 1 in about 100 runs of the first test here.)
 fn back_to_back(e: &Engine, r: usize, steps: usize) -> Vec<f64> {
     (0..steps)
         .map(|s| {
+            std::thread::sleep(Duration::from_micros(200));
             let x = Tensor::from_slice(&[r as f64 + s as f64, 1.0]);
             let h = e.allreduce("metric", x, sum()).unwrap();
             let t = if s % 2 == 0 {
