@@ -9,8 +9,9 @@
 //! `rounds` times after a warm-up round; the engine's configuration comes from the
 //! environment (`Config::from_env`: `FH_CALLER_ROUNDS`, `FH_SCHEDULE`, ...). Rank 0 prints, per
 //! round, the slowest rank's time per allreduce and the CPU time every rank's threads used
-//! per allreduce (summed over the ranks, from `/proc/self/task/*/schedstat`), then the
-//! medians. Where ranks outnumber cores, the latency follows the CPU: this is the figure
+//! per allreduce (summed over the ranks, from `/proc/self/task/*/schedstat`) and, per rank,
+//! the share of the allreduces whose negotiation round the waiting caller ran itself
+//! (`Config::caller_rounds`), then the medians. Where ranks outnumber cores, the latency follows the CPU: this is the figure
 //! to look at under `perf record`. `fh-bench negotiation` measures the same in its
 //! `8 B back to back` rows, beside the engine with its rounds on one thread.
 
@@ -49,6 +50,7 @@ fn run(ops: usize, rounds: usize) -> Result<(), String> {
     for round in 0..=rounds {
         engine.barrier().map_err(err)?.wait().map_err(err)?;
         let cpu0 = threads_cpu_ns();
+        let helped0 = engine.stats().caller_rounds;
         let t0 = Instant::now();
         for _ in 0..ops {
             let out = engine
@@ -63,21 +65,34 @@ fn run(ops: usize, rounds: usize) -> Result<(), String> {
         }
         let per_op_us = t0.elapsed().as_secs_f64() * 1e6 / ops as f64;
         let cpu_us = (threads_cpu_ns() - cpu0) as f64 * 1e-3 / ops as f64;
-        // The slowest rank's latency and every rank's CPU, both per allreduce.
+        // The share of the allreduces whose round the caller ran itself.
+        let helped = (engine.stats().caller_rounds - helped0) as f64 / ops as f64;
+        // The slowest rank's latency, every rank's CPU, both per allreduce, and the shares.
         let figures = engine
-            .allgather("small.figures", Tensor::from_slice(&[per_op_us, cpu_us]))
+            .allgather(
+                "small.figures",
+                Tensor::from_slice(&[per_op_us, cpu_us, helped]),
+            )
             .map_err(err)?
             .wait_timeout(Duration::from_secs(30))
             .map_err(err)?
             .to_vec::<f64>()
             .map_err(err)?;
-        let slowest = figures.chunks(2).map(|c| c[0]).fold(0.0, f64::max);
-        let all_cpu: f64 = figures.chunks(2).map(|c| c[1]).sum();
+        let slowest = figures.chunks(3).map(|c| c[0]).fold(0.0, f64::max);
+        let all_cpu: f64 = figures.chunks(3).map(|c| c[1]).sum();
+        let shares: Vec<String> = figures
+            .chunks(3)
+            .map(|c| format!("{:.0} %", 100.0 * c[2]))
+            .collect();
         if round > 0 {
             lat.push(slowest);
             cpu.push(all_cpu);
             if rank == 0 {
-                println!("round {round}: {slowest:.1} us per allreduce, {all_cpu:.1} us CPU of all ranks");
+                println!(
+                    "round {round}: {slowest:.1} us per allreduce, {all_cpu:.1} us CPU of all \
+                     ranks; rounds run by the caller, per rank: {}",
+                    shares.join(", ")
+                );
             }
         }
     }
