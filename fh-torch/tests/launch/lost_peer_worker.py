@@ -66,7 +66,7 @@ def half_way(grad):
         with open(os.path.join(SIGNAL_DIR, worker.replace(":", "_")), "w"):
             pass
         wait("the engine did not fail the reductions",
-             lambda: all(hvd.poll(f.handle) for f in flights))
+             lambda: all(f.poll() for f in flights))
     return grad
 
 

@@ -76,6 +76,12 @@ class _InFlight:
         self.members = members  # [(parameter, kind, sent tensor, compression context)]
         self.core = core  # or the engine's own handle of a gradient reduced in its memory
 
+    def poll(self):
+        """Whether the reduction has ended (``wait`` will not block)."""
+        if self.core is not None:
+            return self.core.poll()
+        return _ops.poll(self.handle)
+
     def wait(self):
         """Wait for the reduction; its output (what ``_write_back`` takes)."""
         if self.core is not None:
