@@ -18,6 +18,13 @@ Modes:
            the same DDP run, with its process group on FastHorovod's torch.distributed
            backend: ``import fasthorovod.torch.distributed`` and init_process_group("fasthorovod")
            (the one string changed), FH_TRANSPORT choosing shared memory or TCP.
+  ddp-floor
+           the ddp run with nothing communicated: a DDP communication hook that hands each
+           bucket back as it is (a completed future, no collective, no division), so the step
+           is DDP's own work alone — copying each gradient into its bucket during the backward
+           and each bucket back into .grad after it. No backend can expose less than this row
+           under DDP: it is the floor of the ddp rows (the gradients stay ones, so the check
+           holds).
   horovod  horovod.torch: at each deadline hvd.allreduce_async_(grad_i, name, Average), then
            hvd.synchronize on every handle.
   fasthorovod
@@ -34,23 +41,25 @@ Both measure, per step, the time from the start of the backward to the last grad
 on this rank; then the slowest rank per step (all-reduce MAX / allgather). The forward pass and
 a barrier come before each step and are not timed. One or more warm-up steps are not timed
 either. Each rank also sums the CPU time its process (every thread: the framework's and the
-communication library's) used inside the timed steps (``time.process_time``); rank 0 reports
-the sum over the ranks. After the last step every gradient must be the average of ones (one),
+communication library's) used inside the timed steps (``time.process_time``), and of it its
+main thread's (``time.thread_time``: the training loop — the backward with the framework's hooks
+and submissions, DDP's bucket copies, the wait); rank 0 reports the sums over the ranks. After the last step every gradient must be the average of ones (one),
 else the script fails.
 
 FH_REPLAY_TRACE=1 makes the fasthorovod mode print, per step and rank, when it left the barrier
 (wall clock, to see the skew between ranks), how long the backward (the deadlines plus the
 optimizer's hooks) and the synchronize after it took (stderr).
 
-Ranks: torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for ddp and
-ddp-fasthorovod (with FH_JOB_TOKEN, FH_TRANSPORT and FH_RENDEZVOUS_ADDR for the latter);
-horovodrun's environment for horovod; fhrun's (FH_RANK, FH_SIZE, FH_RENDEZVOUS_ADDR,
+Ranks: torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for ddp,
+ddp-floor and ddp-fasthorovod (with FH_JOB_TOKEN, FH_TRANSPORT and FH_RENDEZVOUS_ADDR for
+the latter); horovodrun's environment for horovod; fhrun's (FH_RANK, FH_SIZE, FH_RENDEZVOUS_ADDR,
 FH_JOB_TOKEN, FH_TRANSPORT, ...) for fasthorovod. Rank 0 prints one JSON line to stdout:
 
   {"peer": "ddp-gloo", "workload": ..., "np": ..., "backward_ms": ..., "warmup": ...,
    "steps": ..., "step_seconds": [slowest rank per timed step, seconds], "tensors": ...,
    "bytes": ..., "version": "torch x.y", "checked": true,
-   "cpu_seconds": [CPU time of all ranks together over the timed steps, seconds]}
+   "cpu_seconds": [CPU time of all ranks together over the timed steps, seconds],
+   "main_thread_cpu_seconds": [of it, their main threads', seconds]}
 
 Only the standard library, torch and (for the horovod and fasthorovod modes) horovod.torch
 or fasthorovod.torch are used.
@@ -162,7 +171,7 @@ def check_ones(tensors, by_index):
             raise SystemExit(f"wrong result for {tensors[i][0]}: the average of ones is not one")
 
 
-def run_ddp(args, model_name, tensors, due, backend="gloo"):
+def run_ddp(args, model_name, tensors, due, backend="gloo", floor=False):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -176,25 +185,34 @@ def run_ddp(args, model_name, tensors, due, backend="gloo"):
 
     model, by_index, pending, clock = emulated_model(tensors, due)
     ddp = DistributedDataParallel(model)
+    if floor:
+        def nothing_communicated(_state, bucket):
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, nothing_communicated)
     x = torch.zeros(1)
-    times, cpu = [], 0.0
+    times, cpu, main = [], 0.0, 0.0
     for step in range(args.warmup + args.steps):
         hand_back(tensors, by_index, pending)
         loss = ddp(x).sum()
         dist.barrier()
-        cpu0 = time.process_time()
+        cpu0, main0 = time.process_time(), time.thread_time()
         clock.t0 = time.perf_counter()
         loss.backward()
         elapsed = time.perf_counter() - clock.t0
         if step >= args.warmup:
             times.append(elapsed)
             cpu += time.process_time() - cpu0
+            main += time.thread_time() - main0
     check_ones(tensors, by_index)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    every_cpu = torch.tensor([cpu], dtype=torch.float64)
+    every_cpu = torch.tensor([cpu, main], dtype=torch.float64)
     dist.all_reduce(every_cpu, op=dist.ReduceOp.SUM)
-    EXTRA["cpu_seconds"] = every_cpu.item()
+    EXTRA["cpu_seconds"] = every_cpu[0].item()
+    EXTRA["main_thread_cpu_seconds"] = every_cpu[1].item()
     dist.barrier()
     dist.destroy_process_group()
     version = f"torch {torch.__version__}"
@@ -213,10 +231,10 @@ def run_horovod(args, model_name, tensors, due):
     grads = [torch.ones(shape) for _, shape, _, _ in tensors]
     names = [f"grad.{name}" for name, _, _, _ in tensors]
     average = {"op": hvd.Average} if hasattr(hvd, "Average") else {"average": True}
-    times, cpu = [], 0.0
+    times, cpu, main = [], 0.0, 0.0
     for step in range(args.warmup + args.steps):
         hvd.allreduce(torch.zeros(1), name=f"fh.barrier.{step % 2}")
-        cpu0 = time.process_time()
+        cpu0, main0 = time.process_time(), time.thread_time()
         t0 = time.perf_counter()
         handles = []
         for i, g in enumerate(grads):
@@ -228,10 +246,11 @@ def run_horovod(args, model_name, tensors, due):
         if step >= args.warmup:
             times.append(elapsed)
             cpu += time.process_time() - cpu0
+            main += time.thread_time() - main0
     for i, g in enumerate(grads):
         if not torch.all(g == 1.0):
             raise SystemExit(f"wrong result for {tensors[i][0]}: the average of ones is not one")
-    slowest = gather_times(hvd, times, cpu)
+    slowest = gather_times(hvd, times, cpu, main)
     rank, world = hvd.rank(), hvd.size()
     hvd.shutdown()
     return rank, world, slowest, f"torch {torch.__version__}, horovod {horovod.__version__}"
@@ -241,14 +260,17 @@ def run_horovod(args, model_name, tensors, due):
 EXTRA = {}
 
 
-def gather_times(hvd, times, cpu):
+def gather_times(hvd, times, cpu, main):
     """Through a Horovod-style API: the slowest rank per timed step, and (into EXTRA) the CPU
-    seconds of all ranks together, from one allgather of every rank's [times..., cpu]."""
+    seconds of all ranks together, of the processes and of their main threads, from one
+    allgather of every rank's [times..., cpu, main]."""
     import torch
 
-    every = hvd.allgather(torch.tensor([times + [cpu]], dtype=torch.float64), name="fh.times")
-    EXTRA["cpu_seconds"] = every[:, -1].sum().item()
-    return every[:, :-1].max(dim=0).values.tolist()
+    every = hvd.allgather(torch.tensor([times + [cpu, main]], dtype=torch.float64),
+                          name="fh.times")
+    EXTRA["cpu_seconds"] = every[:, -2].sum().item()
+    EXTRA["main_thread_cpu_seconds"] = every[:, -1].sum().item()
+    return every[:, :-2].max(dim=0).values.tolist()
 
 
 def run_fasthorovod(args, model_name, tensors, due):
@@ -262,12 +284,12 @@ def run_fasthorovod(args, model_name, tensors, due):
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                    named_parameters=model.named_parameters())
     x = torch.zeros(1)
-    times, cpu = [], 0.0
+    times, cpu, main = [], 0.0, 0.0
     for step in range(args.warmup + args.steps):
         hand_back(tensors, by_index, pending)
         loss = model(x).sum()
         hvd.barrier()
-        cpu0 = time.process_time()
+        cpu0, main0 = time.process_time(), time.thread_time()
         clock.t0 = time.perf_counter()
         wall_t0 = time.time()
         loss.backward()
@@ -275,6 +297,7 @@ def run_fasthorovod(args, model_name, tensors, due):
         opt.synchronize()
         elapsed = time.perf_counter() - clock.t0
         step_cpu = time.process_time() - cpu0
+        step_main = time.thread_time() - main0
         if trace:
             # Where the step goes: the backward (deadlines + hooks) and the wait after it.
             bw = backward_done - clock.t0
@@ -285,11 +308,12 @@ def run_fasthorovod(args, model_name, tensors, due):
         if step >= args.warmup:
             times.append(elapsed)
             cpu += step_cpu
+            main += step_main
         if step + 1 < args.warmup + args.steps:
             with opt.skip_synchronize():
                 opt.step()
     check_ones(tensors, by_index)
-    slowest = gather_times(hvd, times, cpu)
+    slowest = gather_times(hvd, times, cpu, main)
     rank, world = hvd.rank(), hvd.size()
     # The streams the runtime itself chose to peers on other hosts (None: nothing crosses).
     EXTRA["tcp_streams"] = hvd.tcp_streams()
@@ -304,7 +328,8 @@ def main(argv=None):
     ap.add_argument("--backward-ms", type=float, default=100.0)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--mode", choices=["ddp", "ddp-fasthorovod", "horovod", "fasthorovod"],
+    ap.add_argument("--mode", choices=["ddp", "ddp-fasthorovod", "ddp-floor", "horovod",
+                                       "fasthorovod"],
                     required=True)
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="seconds a collective may wait for a peer (ddp)")
@@ -319,6 +344,9 @@ def main(argv=None):
     elif args.mode == "ddp-fasthorovod":
         rank, world, slowest, version = run_ddp(args, model, tensors, due, "fasthorovod")
         peer = "ddp-fasthorovod"
+    elif args.mode == "ddp-floor":
+        rank, world, slowest, version = run_ddp(args, model, tensors, due, floor=True)
+        peer = "ddp-floor"
     elif args.mode == "horovod":
         rank, world, slowest, version = run_horovod(args, model, tensors, due)
         peer = "horovod"

@@ -127,13 +127,14 @@ fn quick_suite_end_to_end_on_two_ranks() {
     let replay = run["replay"].as_array().unwrap();
     assert_eq!(run["config"]["replay_repeats"], 2);
     // The Python peers (DDP on Gloo and on the fasthorovod backend, Horovod, fasthorovod.torch
-    // over shm and tcp) add rows when importable, else they are listed as skipped: one or the
-    // other, never both or neither.
+    // over shm and tcp, DDP's floor) add rows when importable, else they are listed as
+    // skipped: one or the other, never both or neither.
     let peers = [
         "ddp-gloo",
         "ddp-fasthorovod",
         "horovod-torch",
         "fasthorovod-torch",
+        "ddp-floor",
     ];
     for (label, transport, what) in [
         ("ddp-gloo", "gloo", "PyTorch DDP (Gloo)"),
@@ -160,6 +161,11 @@ fn quick_suite_end_to_end_on_two_ranks() {
             "fasthorovod.torch over shared memory",
         ),
         ("fasthorovod-torch", "tcp", "fasthorovod.torch over TCP"),
+        (
+            "ddp-floor",
+            "none",
+            "PyTorch DDP communicating nothing (the floor of the DDP rows)",
+        ),
     ] {
         let measured = replay
             .iter()
@@ -230,6 +236,13 @@ fn quick_suite_end_to_end_on_two_ranks() {
             r["cpu_ms_per_step"].as_f64().is_some_and(|c| c > 0.0),
             "no CPU time: {r:#}"
         );
+        // Of it, the ranks' main threads (the training loops): part of it, never more.
+        let main = r["main_thread_cpu_ms_per_step"].as_f64();
+        let total = r["cpu_ms_per_step"].as_f64().unwrap();
+        assert!(
+            main.is_some_and(|m| m > 0.0 && m <= total * 1.01 + 1.0),
+            "main-thread CPU {main:?} of {total} ms: {r:#}"
+        );
         // Each channel's share of the bytes, from the engine's per-channel counters.
         if let Some(k) = r["schedule"]
             .as_str()
@@ -299,7 +312,7 @@ fn quick_suite_end_to_end_on_two_ranks() {
     // On one host, the CPU of every row per step.
     assert!(
         md.contains(
-            "| workload | schedule (transport) | CPU per step | CPU s per GB of gradients |"
+            "| workload | schedule (transport) | CPU per step | of it, main threads | CPU s per GB of gradients |"
         ),
         "{md}"
     );

@@ -274,6 +274,12 @@ pub struct ReplayRow {
     /// time; None for in-process ranks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_ms_per_step: Option<f64>,
+    /// Of [`ReplayRow::cpu_ms_per_step`], the ranks' main threads: the training loop (the
+    /// engine's rows: the thread that submits each gradient at its deadline and waits; the
+    /// peers: the Python thread that runs the backward, the framework's hooks and the wait),
+    /// all ranks together per timed step, ms. The rest is the communication library's threads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub main_thread_cpu_ms_per_step: Option<f64>,
     /// The parallel TCP streams the runtime chose to each peer on another host, per run (rank
     /// 0's transport, [`fh_transport::Transport::stream_choice`]); empty where nothing crosses
     /// hosts over TCP, and for peers.

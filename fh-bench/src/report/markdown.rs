@@ -44,7 +44,9 @@ pub fn markdown(r: &RunRecord, plots: &[String], plot_errors: &[String]) -> Stri
              ÷ horovod-torch and ÷ fasthorovod-torch (its row over the same transport): the \
              exposed ratio within each round, median [min–max] over the rounds; ÷ horovod: \
              medians against the engine's `horovod` preset. `ddp-fasthorovod`: DDP with its \
-             process group on FastHorovod's torch.distributed backend.\n",
+             process group on FastHorovod's torch.distributed backend; `ddp-floor`: the same \
+             DDP communicating nothing (a hook that hands each bucket back), its own bucket \
+             copies alone — no backend can expose less under DDP.\n",
             c.backward_ms, c.replay_repeats, c.steps
         );
         let _ = writeln!(md, "| workload | schedule (transport) | step | exposed | exposed per run | throughput | step ÷ horovod | exposed ÷ horovod | exposed ÷ ddp-gloo | exposed ÷ horovod-torch | exposed ÷ fasthorovod-torch | bytes per channel |");
@@ -410,11 +412,12 @@ fn cpu_per_gb(md: &mut String, r: &RunRecord, a: &crate::record::Across) {
         };
         let gb = x.bytes_across * a.hosts as f64 / 1e9;
         lines.push(format!(
-            "| {} | {} ({}) | {:.0} ms | {:.2} | {:.2} |",
+            "| {} | {} ({}) | {:.0} ms | {} | {:.2} | {:.2} |",
             x.workload,
             x.schedule,
             x.transport,
             cpu_ms,
+            main_thread_cell(row),
             cpu_ms / 1e3 / gb,
             cpu_ms / row.step.median.max(f64::MIN_POSITIVE),
         ));
@@ -425,19 +428,31 @@ fn cpu_per_gb(md: &mut String, r: &RunRecord, a: &crate::record::Across) {
     let _ = writeln!(
         md,
         "CPU per GB across: the CPU time (user and system, `getrusage`) of all ranks over the \
-         timed steps, per step and per GB that left the hosts (bytes across × {} hosts); cores \
-         busy: that CPU time ÷ the median step.\n",
+         timed steps, per step and per GB that left the hosts (bytes across × {} hosts); {MAIN_THREADS}; \
+         cores busy: that CPU time ÷ the median step.\n",
         a.hosts
     );
     let _ = writeln!(
         md,
-        "| workload | schedule (transport) | CPU per step | CPU s per GB across | cores busy |"
+        "| workload | schedule (transport) | CPU per step | of it, main threads | CPU s per GB across | cores busy |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|");
     for l in lines {
         let _ = writeln!(md, "{l}");
     }
     md.push('\n');
+}
+
+/// What the CPU tables' "of it, main threads" column holds.
+const MAIN_THREADS: &str = "of it, main threads: the ranks' training loops (the thread that \
+     runs the backward — for the peers, the framework's hooks and submissions in it, and DDP's \
+     bucket copies — and waits for the results; the engine's rows: the thread that submits each \
+     gradient at its deadline and waits), the rest being the communication library's threads";
+
+/// A row's main-thread CPU per step (`–` where not measured).
+fn main_thread_cell(x: &crate::record::ReplayRow) -> String {
+    x.main_thread_cpu_ms_per_step
+        .map_or_else(|| "–".into(), |m| format!("{m:.0} ms"))
 }
 
 /// On one host: each row's CPU time of all ranks per step (the engine's rows over process
@@ -455,23 +470,24 @@ fn cpu_per_step(md: &mut String, r: &RunRecord) {
     let _ = writeln!(
         md,
         "CPU: the CPU time (user and system, every thread) of all ranks over the timed steps, \
-         per step and per GB of gradients (each rank's); cores busy: that CPU time ÷ the \
-         median step.\n"
+         per step and per GB of gradients (each rank's); {MAIN_THREADS}; cores busy: that CPU \
+         time ÷ the median step.\n"
     );
     let _ = writeln!(
         md,
-        "| workload | schedule (transport) | CPU per step | CPU s per GB of gradients | cores busy |"
+        "| workload | schedule (transport) | CPU per step | of it, main threads | CPU s per GB of gradients | cores busy |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|");
     for (x, cpu_ms) in rows {
         let gb = x.bytes as f64 / 1e9;
         let _ = writeln!(
             md,
-            "| {} | {} ({}) | {:.0} ms | {} | {:.2} |",
+            "| {} | {} ({}) | {:.0} ms | {} | {} | {:.2} |",
             x.workload,
             x.schedule,
             x.transport,
             cpu_ms,
+            main_thread_cell(x),
             if gb > 0.0 {
                 format!("{:.2}", cpu_ms / 1e3 / gb)
             } else {

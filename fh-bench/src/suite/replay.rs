@@ -76,8 +76,10 @@ pub(super) fn run(
     // Per workload and configuration, rank 0's TCP stream choice in each run.
     let mut streams: Vec<Vec<Vec<crate::record::TcpStreams>>> =
         vec![vec![Vec::new(); configs.len()]; workloads.len()];
-    // cpu[w][c]: (CPU seconds of every rank, timed steps) over every repeat.
-    let mut cpu: Vec<Vec<(f64, usize)>> = vec![vec![(0.0, 0); configs.len()]; workloads.len()];
+    // cpu[w][c]: (CPU seconds of every rank, of their main threads, timed steps) over every
+    // repeat.
+    let mut cpu: Vec<Vec<(f64, f64, usize)>> =
+        vec![vec![(0.0, 0.0, 0); configs.len()]; workloads.len()];
     // The model's check charges the loopback copies at the rate every rank gets copying at
     // once: sampled between the replay's rounds too, so that it comes from the same spells of
     // this host as the replays it is checked against.
@@ -170,14 +172,13 @@ pub(super) fn run(
                             // Every rank is a process of its own (not `local`): their CPU.
                             if transport != "local" {
                                 let c = &mut cpu[wi][ci];
-                                c.0 += outs
-                                    .iter()
-                                    .map(|o| match o {
-                                        RankOutput::Replay(r) => r.cpu_seconds,
-                                        _ => 0.0,
-                                    })
-                                    .sum::<f64>();
-                                c.1 += opts.steps;
+                                for o in &outs {
+                                    if let RankOutput::Replay(r) = o {
+                                        c.0 += r.cpu_seconds;
+                                        c.1 += r.main_thread_cpu_seconds;
+                                    }
+                                }
+                                c.2 += opts.steps;
                             }
                             if let Some(RankOutput::Replay(r0)) = outs.first() {
                                 if let Some(s) = &r0.tcp_streams {
@@ -218,7 +219,8 @@ pub(super) fn run(
                             if let Some(c) = r.cpu_seconds {
                                 let acc = &mut cpu[wi][ci];
                                 acc.0 += c;
-                                acc.1 += opts.steps;
+                                acc.1 += r.main_thread_cpu_seconds.unwrap_or(0.0);
+                                acc.2 += opts.steps;
                             }
                             r.step_seconds
                         }),
@@ -298,9 +300,11 @@ pub(super) fn run(
                 let mut row = row;
                 row.tcp_streams = std::mem::take(&mut streams[wi][ci]);
                 let total: u64 = bytes[wi][ci].iter().sum();
-                let (cpu_s, steps) = cpu[wi][ci];
+                let (cpu_s, main_s, steps) = cpu[wi][ci];
                 if steps > 0 && cpu_s > 0.0 {
                     row.cpu_ms_per_step = Some(cpu_s * 1e3 / steps as f64);
+                    row.main_thread_cpu_ms_per_step =
+                        (main_s > 0.0).then(|| main_s * 1e3 / steps as f64);
                 }
                 if total > 0 {
                     row.channel_share = bytes[wi][ci]
@@ -363,6 +367,7 @@ pub fn replay_row_labelled(
         channel_share: Vec::new(),
         tcp_streams: Vec::new(),
         cpu_ms_per_step: None,
+        main_thread_cpu_ms_per_step: None,
     }
 }
 

@@ -4,6 +4,9 @@
 //! (`peers/torch_replay.py`, written next to the run at bench time and run with
 //! `$FH_BENCH_PYTHON`, else `python3`).
 //!
+//! The `ddp-floor` row is the DDP run with a communication hook that communicates nothing:
+//! what DDP itself costs (its bucket copies), the least any backend can expose under DDP.
+//!
 //! DDP: N Python processes on 127.0.0.1 with the torchrun environment (`RANK`, `WORLD_SIZE`,
 //! `MASTER_ADDR`, `MASTER_PORT`, ...); on the `fasthorovod` backend also `FH_JOB_TOKEN`,
 //! `FH_TRANSPORT` and `FH_RENDEZVOUS_ADDR` (a port of its own, not torchrun's `MASTER_PORT + 1`).
@@ -89,7 +92,7 @@ const HOROVOD_INSTALL: &str =
     "cargo xtask horovod, or pip install horovod[pytorch] and name its interpreter in FH_BENCH_HOROVOD_PYTHON";
 
 /// The peers, in report order.
-pub const PEERS: [Peer; 8] = [
+pub const PEERS: [Peer; 9] = [
     Peer {
         what: "PyTorch DDP (Gloo)",
         label: "ddp-gloo",
@@ -133,6 +136,14 @@ pub const PEERS: [Peer; 8] = [
         install: "pip install ./fh-torch",
         transport: "tcp",
     },
+    Peer {
+        what: "PyTorch DDP communicating nothing (the floor of the DDP rows)",
+        label: "ddp-floor",
+        module: "torch",
+        mode: "ddp-floor",
+        install: "pip install torch",
+        transport: "none",
+    },
 ];
 
 /// The peers when the ranks span hosts, in report order: shared memory alone cannot span
@@ -159,6 +170,7 @@ fn printed_name(mode: &str) -> &'static str {
     match mode {
         "ddp" => "ddp-gloo",
         "ddp-fasthorovod" => "ddp-fasthorovod",
+        "ddp-floor" => "ddp-floor",
         "horovod" => "horovod",
         _ => "fasthorovod-torch",
     }

@@ -34,6 +34,11 @@ pub struct PeerResult {
     /// the timed steps, seconds; `None` from an adapter that does not say.
     #[serde(default)]
     pub cpu_seconds: Option<f64>,
+    /// CPU time of each rank's main thread (the training loop: the backward, the framework's
+    /// hooks and submissions, the wait for the results) over the timed steps, all ranks
+    /// together, seconds; `None` from an adapter that does not say.
+    #[serde(default)]
+    pub main_thread_cpu_seconds: Option<f64>,
 }
 
 /// A line without a launcher's output tag: `horovodrun`/`mpirun --tag-output` write
@@ -99,6 +104,15 @@ pub fn parse_output(text: &str) -> Result<PeerResult, String> {
     }
     if let Some(bad) = r.cpu_seconds.filter(|c| !c.is_finite() || *c < 0.0) {
         return Err(format!("{}: impossible CPU time {bad} s", r.peer));
+    }
+    if let Some(bad) = r
+        .main_thread_cpu_seconds
+        .filter(|c| !c.is_finite() || *c < 0.0)
+    {
+        return Err(format!(
+            "{}: impossible main-thread CPU time {bad} s",
+            r.peer
+        ));
     }
     Ok(r)
 }

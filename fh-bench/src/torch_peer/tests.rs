@@ -100,6 +100,13 @@ fn rejects_missing_or_inconsistent_results() {
     assert!(parse_output(&negative_cpu)
         .unwrap_err()
         .contains("impossible CPU time -1.5"));
+    let negative_main = LINE.replace(
+        r#""checked": true}"#,
+        r#""checked": true, "cpu_seconds": 1.0, "main_thread_cpu_seconds": -0.5}"#,
+    );
+    assert!(parse_output(&negative_main)
+        .unwrap_err()
+        .contains("impossible main-thread CPU time -0.5"));
 }
 
 #[test]
@@ -112,6 +119,17 @@ fn reads_the_cpu_time_of_all_ranks() {
     assert_eq!(parse_output(&line).unwrap().cpu_seconds, Some(0.75));
     // An adapter that does not say: unknown, not zero.
     assert_eq!(parse_output(LINE).unwrap().cpu_seconds, None);
+    // And of it, the ranks' main threads (the training loops).
+    let line = LINE.replace(
+        r#""checked": true}"#,
+        r#""checked": true, "cpu_seconds": 0.75, "main_thread_cpu_seconds": 0.25}"#,
+    );
+    let r = parse_output(&line).unwrap();
+    assert_eq!(
+        (r.cpu_seconds, r.main_thread_cpu_seconds),
+        (Some(0.75), Some(0.25))
+    );
+    assert_eq!(parse_output(LINE).unwrap().main_thread_cpu_seconds, None);
 }
 
 #[test]
