@@ -42,9 +42,10 @@ on this rank; then the slowest rank per step (all-reduce MAX / allgather). The f
 a barrier come before each step and are not timed. One or more warm-up steps are not timed
 either. Each rank also sums the CPU time its process (every thread: the framework's and the
 communication library's) used inside the timed steps (``time.process_time``), and of it its
-main thread's (``time.thread_time``: the training loop — the backward with the framework's hooks
-and submissions, DDP's bucket copies, the wait); rank 0 reports the sums over the ranks. After the last step every gradient must be the average of ones (one),
-else the script fails.
+main thread's (``time.thread_time``: the training loop — the backward with the framework's
+hooks and submissions, DDP's bucket copies, the wait); rank 0 reports the sums over the
+ranks. After the last step every gradient must be the average of ones (one), else the script
+fails.
 
 FH_REPLAY_TRACE=1 makes the fasthorovod mode print, per step and rank, when it left the barrier
 (wall clock, to see the skew between ranks), how long the backward (the deadlines plus the
@@ -52,8 +53,8 @@ optimizer's hooks) and the synchronize after it took (stderr).
 
 Ranks: torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for ddp,
 ddp-floor and ddp-fasthorovod (with FH_JOB_TOKEN, FH_TRANSPORT and FH_RENDEZVOUS_ADDR for
-the latter); horovodrun's environment for horovod; fhrun's (FH_RANK, FH_SIZE, FH_RENDEZVOUS_ADDR,
-FH_JOB_TOKEN, FH_TRANSPORT, ...) for fasthorovod. Rank 0 prints one JSON line to stdout:
+the latter); horovodrun's environment for horovod; fhrun's (FH_RANK, FH_SIZE,
+FH_RENDEZVOUS_ADDR, FH_JOB_TOKEN, FH_TRANSPORT, ...) for fasthorovod. Rank 0 prints one JSON line to stdout:
 
   {"peer": "ddp-gloo", "workload": ..., "np": ..., "backward_ms": ..., "warmup": ...,
    "steps": ..., "step_seconds": [slowest rank per timed step, seconds], "tensors": ...,
