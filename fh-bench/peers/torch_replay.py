@@ -54,7 +54,8 @@ optimizer's hooks) and the synchronize after it took (stderr).
 Ranks: torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for ddp,
 ddp-floor and ddp-fasthorovod (with FH_JOB_TOKEN, FH_TRANSPORT and FH_RENDEZVOUS_ADDR for
 the latter); horovodrun's environment for horovod; fhrun's (FH_RANK, FH_SIZE,
-FH_RENDEZVOUS_ADDR, FH_JOB_TOKEN, FH_TRANSPORT, ...) for fasthorovod. Rank 0 prints one JSON line to stdout:
+FH_RENDEZVOUS_ADDR, FH_JOB_TOKEN, FH_TRANSPORT, ...) for fasthorovod. Rank 0 prints one JSON
+line to stdout:
 
   {"peer": "ddp-gloo", "workload": ..., "np": ..., "backward_ms": ..., "warmup": ...,
    "steps": ..., "step_seconds": [slowest rank per timed step, seconds], "tensors": ...,
