@@ -179,23 +179,22 @@ pub struct ReplayOutput {
 /// CPU time (user and system, every thread) this process has used so far, seconds
 /// (`getrusage(RUSAGE_SELF)`); 0 where it cannot be read.
 pub fn process_cpu_seconds() -> f64 {
-    // SAFETY: an all-zero `rusage` is a valid value; getrusage only writes into it.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid pointer to a `rusage` for the call's duration.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
-        return 0.0;
-    }
-    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    secs(ru.ru_utime) + secs(ru.ru_stime)
+    rusage_seconds(libc::RUSAGE_SELF)
 }
 
 /// CPU time (user and system) the calling thread has used so far, seconds
 /// (`getrusage(RUSAGE_THREAD)`); 0 where it cannot be read.
 pub fn thread_cpu_seconds() -> f64 {
+    rusage_seconds(libc::RUSAGE_THREAD)
+}
+
+/// User plus system CPU time of `who` (`RUSAGE_SELF`, `RUSAGE_THREAD`), seconds; 0 where it
+/// cannot be read.
+fn rusage_seconds(who: libc::c_int) -> f64 {
     // SAFETY: an all-zero `rusage` is a valid value; getrusage only writes into it.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: a valid pointer to a `rusage` for the call's duration.
-    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) } != 0 {
+    if unsafe { libc::getrusage(who, &mut ru) } != 0 {
         return 0.0;
     }
     let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;

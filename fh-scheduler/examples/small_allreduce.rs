@@ -11,9 +11,10 @@
 //! round, the slowest rank's time per allreduce and the CPU time every rank's threads used
 //! per allreduce (summed over the ranks, from `/proc/self/task/*/schedstat`) and, per rank,
 //! the share of the allreduces whose negotiation round the waiting caller ran itself
-//! (`Config::caller_rounds`), then the medians. Where ranks outnumber cores, the latency follows the CPU: this is the figure
-//! to look at under `perf record`. `fh-bench negotiation` measures the same in its
-//! `8 B back to back` rows, beside the engine with its rounds on one thread.
+//! (`Config::caller_rounds`), then the medians. Where ranks outnumber cores, the latency
+//! follows the CPU: this is the figure to look at under `perf record`. `fh-bench negotiation`
+//! measures the same in its `8 B back to back` rows, beside the engine with its rounds on one
+//! thread.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
