@@ -107,9 +107,10 @@ pub fn calibrate(record: &RunRecord, source: &str) -> (Vec<(Link, usize)>, Overh
             }
             // What the engine's `auto` back-pressure goes by on this transport, on one host.
             l.wire = fh_scheduler::Wire::of(fh_transport::wire_of_choice(transport), 1);
-            // TCP's communicators do scatter-gather I/O: `fasthorovod` reduces fused groups in
-            // place over it.
-            l.vectored_io = transport == "tcp";
+            // TCP's communicators do scatter-gather I/O and shared memory's reduce slices where
+            // they lie (`Communicator::segments_in_place`): `fasthorovod` reduces fused groups
+            // in place over both.
+            l.vectored_io = matches!(transport, "tcp" | "shm");
             // Its small allreduces carry the can-run flag in their own messages.
             l.agrees_in_band = transport == "tcp";
             if l.host_bound {

@@ -430,6 +430,65 @@ proptest! {
     }
 
     #[test]
+    fn allreduce_segments_match_reference_and_finish_each_byte_once(
+        n in 1usize..=4,
+        (d, o) in dtype_op(),
+        len in 0usize..6000,
+        slot in prop_oneof![Just(4096usize), Just(8192), Just(65536)],
+        small in prop_oneof![Just(0usize), Just(1024), Just(1 << 20)],
+        cuts in proptest::collection::vec(0usize..1000, 0..6),
+        seed in any::<u64>(),
+    ) {
+        // The native in-place allreduce over slices (a fused group where its tensors lie) gives
+        // the contiguous allreduce's bits for any cut of the buffer, finishes every byte
+        // exactly once (the average's division there, on the share's owner), and leaves the
+        // communicator in step for an ordinary allreduce after it.
+        let opts = ShmOptions { slot_bytes: slot, small_allreduce_bytes: small, ..small_opts() };
+        let out = world(n, opts, move |r, mut t| {
+            let mut c = t.open("p").unwrap();
+            let inputs: Vec<_> = (0..n).map(|q| values(d, seed, 2, q, len)).collect();
+            let want = reference(d, o, &inputs);
+            let esz = d.size();
+            let mut at: Vec<usize> = cuts.iter().map(|x| x * len / 1000 * esz).collect();
+            at.sort_unstable();
+            let mut buf = inputs[r].clone();
+            let mut finished = 0usize;
+            {
+                let mut segs: Vec<&mut [u8]> = Vec::new();
+                let (mut rest, mut prev) = (&mut buf[..], 0);
+                for x in at {
+                    let (a, b) = rest.split_at_mut(x - prev);
+                    segs.push(a);
+                    rest = b;
+                    prev = x;
+                }
+                segs.push(rest);
+                c.allreduce_segments(&mut segs, d, o, &mut |b| {
+                    finished += b.len();
+                    if o == ReduceOp::Average {
+                        fh_core::kernels::divide(d, b, n)?;
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            }
+            // Still in step: an ordinary allreduce after it.
+            let mut after = values(d, seed, 3, r, 3);
+            let others: Vec<_> = (0..n).map(|q| values(d, seed, 3, q, 3)).collect();
+            let after_want = reference(d, o, &others);
+            c.allreduce(&mut after, d, o).unwrap();
+            (buf == want && after == after_want, finished)
+        });
+        prop_assert!(out.iter().all(|(ok, _)| *ok));
+        let finished: usize = out.iter().map(|(_, f)| f).sum();
+        let total = len * d.size();
+        // Below the direct threshold (and on one rank) every rank finishes the whole buffer
+        // itself; above it the shares split the buffer between the ranks.
+        let whole = n == 1 || total <= small;
+        prop_assert_eq!(finished, if whole { total * n } else { total });
+    }
+
+    #[test]
     fn reduce_scatter_and_alltoallv_match_reference(
         n in 1usize..=4,
         counts in proptest::collection::vec(0usize..3000, 4),

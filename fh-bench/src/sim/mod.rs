@@ -48,9 +48,10 @@
 //!   is reduced in place and scaled in one pass): those passes run at the host's measured copy
 //!   rate on the channel, before and after its transfer ([`Overheads::copy_bps`]); where the
 //!   engine stages fused groups through a cache-sized piece (one host), at the staged rate
-//!   measured for that pattern ([`Overheads::staged_copy_bps`]). Over a transport with
-//!   scatter-gather I/O ([`Link::vectored_io`]: TCP) `fasthorovod` reduces a fused group
-//!   where its tensors lie, as the engine decides it ([`fh_scheduler::Config::fused_in_place`]):
+//!   measured for that pattern ([`Overheads::staged_copy_bps`]). Over a transport that
+//!   reduces slices where they lie ([`Link::vectored_io`]: TCP, shared memory) `fasthorovod`
+//!   reduces a fused group where its tensors lie, as the engine decides it
+//!   ([`fh_scheduler::Config::fused_in_place`]):
 //!   a group on the ring, fused or not, costs only the ring's finishing pass over this rank's
 //!   block ([`Overheads::in_place_copy_s`]). In the projections each
 //!   channel copies on a core of its own. In the loopback check every rank shares one small

@@ -45,7 +45,8 @@ pub struct Link {
     /// one host's memory (shared memory, threads, NVLink-class).
     #[serde(default = "network")]
     pub wire: Wire,
-    /// The transport does scatter-gather I/O (TCP: the Ethernet classes and TCP loopback), so
+    /// The transport reduces slices where they lie (`Communicator::segments_in_place`: TCP's
+    /// scatter-gather I/O — the Ethernet classes and TCP loopback — and shared memory), so
     /// `fasthorovod` reduces fused groups where their tensors lie, without packing and
     /// unpacking ([`Config::fused_in_place`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -63,6 +63,45 @@ impl Communicator for ShmComm {
         true
     }
 
+    /// Native: a fused group (or a lone tensor) is reduced where it lies, finished on this
+    /// rank's shares only (see *Protocol* in the communicator's module).
+    fn segments_in_place(&self) -> bool {
+        true
+    }
+
+    fn allreduce_segments(
+        &mut self,
+        segs: &mut [&mut [u8]],
+        dtype: DType,
+        op: ReduceOp,
+        finish: &mut (dyn FnMut(&mut [u8]) -> Result<()> + Send),
+    ) -> Result<()> {
+        let mut total = 0usize;
+        for s in segs.iter() {
+            algorithms::check_reduction("allreduce", dtype, op, s.len())?;
+            total += s.len();
+        }
+        if self.size == 1 || total == 0 {
+            for s in segs.iter_mut() {
+                finish(s)?;
+            }
+            return Ok(());
+        }
+        if total <= self.small {
+            // One synchronisation for the whole buffer: packed, as a small allreduce.
+            let mut buf = segs.concat();
+            self.allreduce(&mut buf, dtype, op.combining())?;
+            finish(&mut buf)?;
+            let mut at = 0;
+            for s in segs.iter_mut() {
+                s.copy_from_slice(&buf[at..at + s.len()]);
+                at += s.len();
+            }
+            return Ok(());
+        }
+        self.guarded(|c| c.allreduce_segments_inner(segs, dtype, op.combining(), finish))
+    }
+
     fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
         algorithms::check_allgatherv(send.len(), recv.len(), counts, self.rank, self.size)?;
         self.guarded(|c| c.allgatherv_inner(send, recv, counts))

@@ -144,6 +144,109 @@ impl ShmComm {
         Ok(())
     }
 
+    /// The allreduce of the concatenation of `segs` where they lie (the caller checked that
+    /// every slice holds whole elements and that the total is above the direct threshold):
+    /// as [`Self::allreduce_inner`]'s reduce-scatter mode, the slices published into the slot
+    /// and the reduced shares gathered straight into them, so a fused group needs no packing;
+    /// `finish` (the caller's division and postscale) runs once, on this rank's share of each
+    /// chunk, before the share is published, so every byte is finished exactly once and the
+    /// peers copy it finished. `combine` is `op.combining()`: nothing here divides.
+    pub(super) fn allreduce_segments_inner(
+        &mut self,
+        segs: &mut [&mut [u8]],
+        dtype: DType,
+        combine: ReduceOp,
+        finish: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let total: usize = segs.iter().map(|s| s.len()).sum();
+        // Its own kind of allreduce: a rank that finishes the whole buffer after an ordinary
+        // allreduce must not mix with ranks that finish shares.
+        let tag = reduce_tag(TAG_ALLREDUCE, dtype, combine) | (2 << 24);
+        let e = dtype.size();
+        let mut c0 = 0usize;
+        while c0 < total {
+            let s = self.seg.layout.slot_bytes.min(total - c0);
+            let share = ((s / e).div_ceil(n) * e).div_ceil(64) * 64;
+            let range = |r: usize| ((r * share).min(s), ((r + 1) * share).min(s));
+            let (lo, hi) = range(me);
+            let (k, b) = self.begin_round("allreduce")?;
+            let slot = self.seg.slot(me, b);
+            {
+                let shared: Vec<&[u8]> = segs.iter().map(|x| &**x).collect();
+                // SAFETY: our own slot, not read by anyone before we post round k
+                // (begin_round ensured everyone finished with this buffer); every part lies
+                // within [0, s) of it and `s <= slot_bytes`.
+                each_in(&shared, c0..c0 + lo, |at, part| unsafe {
+                    put(slot.add(at), part)
+                });
+                each_in(&shared, c0 + hi..c0 + s, |at, part| unsafe {
+                    put(slot.add(hi + at), part)
+                });
+            }
+            let meta = [tag, total as u64, s as u64];
+            self.post(k, b, &meta);
+            self.for_each_posted("allreduce", k, |j| self.check_meta(j, b, &meta))?;
+            if hi > lo {
+                let peers: Vec<*mut u8> = (0..n)
+                    .filter(|&j| j != me)
+                    .map(|j| self.seg.slot(j, b))
+                    .collect();
+                each_in_mut(segs, c0 + lo..c0 + hi, |at, acc| {
+                    let srcs: Vec<&[u8]> = peers
+                        .iter()
+                        // SAFETY: peers' slots are posted; nobody writes [lo, hi) of them in
+                        // round k (each rank writes only its own share of its own slot).
+                        .map(|&p| unsafe { view(p.add(lo + at), acc.len()) })
+                        .collect();
+                    reduce_blocked(dtype, combine, acc, &srcs)?;
+                    finish(acc)?;
+                    // SAFETY: [lo, hi) of our own slot is written only by us, and read by
+                    // peers only after we publish `reduced`.
+                    unsafe { put(slot.add(lo + at), acc) };
+                    Ok(())
+                })?;
+            }
+            self.seg
+                .ctl(me)
+                .reduced
+                .word
+                .store(k.wrapping_add(1), Release);
+            self.notify_others();
+            // Gather the reduced shares, each as soon as it is ready.
+            let mut pending: Vec<usize> = (0..n)
+                .filter(|&r| r != me && range(r).1 > range(r).0)
+                .collect();
+            loop {
+                let mut i = 0;
+                while i < pending.len() {
+                    let r = pending[i];
+                    if self.is_reduced(r, k)? {
+                        let (a, z) = range(r);
+                        let from = self.seg.slot(r, b);
+                        each_in_mut(segs, c0 + a..c0 + z, |at, part| {
+                            // SAFETY: share r of rank r's slot is final for round k.
+                            unsafe { get(part, from.add(a + at)) };
+                            Ok(())
+                        })?;
+                        pending.swap_remove(i);
+                    } else {
+                        i += 1;
+                    }
+                }
+                if pending.is_empty() {
+                    break;
+                }
+                self.wait("allreduce", || {
+                    first_blocker(&pending, |r| self.is_reduced(r, k))
+                })?;
+            }
+            self.finish_round(k);
+            c0 += s;
+        }
+        Ok(())
+    }
+
     /// The small allreduce of parts with their own dtype and op (the caller checked that
     /// `buf` fits one slot and the direct threshold): one synchronisation, as a small
     /// allreduce. The parts' shape is in the tag, so that ranks passing other parts fail.
