@@ -436,9 +436,9 @@ impl Config {
     /// average's division and the postscale run on this rank's block of the ring) over a
     /// transport whose communicators reduce slices where they lie for less than packing them
     /// (`in_place`: `fh_transport::Communicator::segments_in_place`: TCP, with scatter-gather
-    /// I/O, shared memory, through its slots, and the hierarchical backend's lanes). Only under `fasthorovod`: the `horovod`
-    /// preset packs into its fusion buffer, as Horovod does. The engine and the scale model
-    /// both decide by this.
+    /// I/O, shared memory, through its slots, and the hierarchical backend's lanes). Only under
+    /// `fasthorovod`: the `horovod` preset packs into its fusion buffer, as Horovod does. The
+    /// engine and the scale model both decide by this.
     pub fn fused_in_place(&self, in_place: bool) -> bool {
         self.preset == Preset::FastHorovod && in_place
     }

@@ -17,14 +17,14 @@
 //! Allreduce of up to `small_allreduce_bytes`: every rank publishes its input, then folds all
 //! slots in rank order (one synchronisation; identical bits everywhere). Larger: each round is
 //! split into `n` shares; rank `r` publishes its input except share `r`, reduces share `r` from
-//! its private buffer and the peers' slots (in cache-sized blocks), publishes the result in its
-//! slot and bumps `reduced`; every rank copies the other shares out as each becomes ready. Per
-//! input byte a rank thus copies `(n-1)/n` in, reduces `1/n` from `n` sources, publishes `1/n`
-//! and copies `(n-1)/n` out. Each share is computed once, so all ranks get identical bits.
-//! The same over slices ([`crate::Communicator::allreduce_segments`]: a fused group where its
-//! tensors lie) publishes from and copies out into the slices, and finishes (the caller's
-//! division and postscale) each share on its owner before publishing it: no packing, and a
-//! finishing pass over `1/n` of the buffer instead of all of it.
+//! its private buffer and the peers' slots (in cache-sized blocks), finishes it (an average's
+//! division), publishes the result in its slot and bumps `reduced`; every rank copies the other
+//! shares out as each becomes ready. Per input byte a rank thus copies `(n-1)/n` in, reduces
+//! `1/n` from `n` sources, finishes and publishes `1/n` and copies `(n-1)/n` out. Each share is
+//! computed once, so all ranks get identical bits. The same over slices
+//! ([`crate::Communicator::allreduce_segments`]: a fused group where its tensors lie) publishes
+//! from and copies out into the slices, and finishes each share with the caller's division and
+//! postscale: no packing, and a finishing pass over `1/n` of the buffer instead of all of it.
 //!
 //! Counters are published with release stores and read with acquire loads, which orders the
 //! plain copies into and out of the slots. Waiting is a short poll (yielding the core between

@@ -61,96 +61,36 @@ impl ShmComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        let (n, me) = (self.size, self.rank);
+        let n = self.size;
         let combine = op.combining();
-        let total = buf.len();
+        let average = op == ReduceOp::Average;
         // The algorithm is part of the tag: ranks configured with different thresholds must
         // fail, not read each other's half-reduced slots.
         let tag = reduce_tag(TAG_ALLREDUCE, dtype, op);
-        if total <= self.small {
-            self.allreduce_direct(buf, tag | (1 << 24), |acc, srcs| {
-                reduce_blocked(dtype, combine, acc, srcs)
-            })?;
-        } else {
-            for chunk in buf.chunks_mut(self.seg.layout.slot_bytes) {
-                let s = chunk.len();
-                // Share r of the chunk is reduced by rank r (reduce-scatter mode).
-                let e = dtype.size();
-                let share = ((s / e).div_ceil(n) * e).div_ceil(64) * 64;
-                let range = |r: usize| ((r * share).min(s), ((r + 1) * share).min(s));
-                let (lo, hi) = range(me);
-                let (k, b) = self.begin_round("allreduce")?;
-                let slot = self.seg.slot(me, b);
-                // Publish the input, except our own share, which we reduce from private
-                // memory.
-                // SAFETY: our own slot, not read by anyone before we post round k (begin_round
-                // ensured everyone finished with this buffer); `s <= slot_bytes`.
-                unsafe {
-                    put(slot, &chunk[..lo]);
-                    put(slot.add(hi), &chunk[hi..]);
+        if buf.len() > self.small {
+            // The average divided on each share's owner, before the others copy it.
+            return self.allreduce_shares(&mut [&mut *buf], dtype, combine, tag, &mut |b| {
+                if average {
+                    kernels::divide(dtype, b, n)?;
                 }
-                let meta = [tag, total as u64, s as u64];
-                self.post(k, b, &meta);
-                self.for_each_posted("allreduce", k, |j| self.check_meta(j, b, &meta))?;
-                if hi > lo {
-                    let srcs: Vec<&[u8]> = (0..n)
-                        .filter(|&j| j != me)
-                        // SAFETY: peers' slots are posted; nobody writes [lo, hi) of them in
-                        // round k (each rank writes only its own share of its own slot).
-                        .map(|j| unsafe { view(self.seg.slot(j, b).add(lo), hi - lo) })
-                        .collect();
-                    let acc = &mut chunk[lo..hi];
-                    reduce_blocked(dtype, combine, acc, &srcs)?;
-                    // SAFETY: [lo, hi) of our own slot is written only by us, and read by peers
-                    // only after we publish `reduced`.
-                    unsafe { put(slot.add(lo), acc) };
-                }
-                self.seg
-                    .ctl(me)
-                    .reduced
-                    .word
-                    .store(k.wrapping_add(1), Release);
-                self.notify_others();
-                // Gather the reduced shares, each as soon as it is ready.
-                let mut pending: Vec<usize> = (0..n)
-                    .filter(|&r| r != me && range(r).1 > range(r).0)
-                    .collect();
-                loop {
-                    let mut i = 0;
-                    while i < pending.len() {
-                        let r = pending[i];
-                        if self.is_reduced(r, k)? {
-                            let (a, z) = range(r);
-                            // SAFETY: share r of rank r's slot is final for round k.
-                            unsafe { get(&mut chunk[a..z], self.seg.slot(r, b).add(a)) };
-                            pending.swap_remove(i);
-                        } else {
-                            i += 1;
-                        }
-                    }
-                    if pending.is_empty() {
-                        break;
-                    }
-                    self.wait("allreduce", || {
-                        first_blocker(&pending, |r| self.is_reduced(r, k))
-                    })?;
-                }
-                self.finish_round(k);
-            }
+                Ok(())
+            });
         }
-        if op == ReduceOp::Average {
+        self.allreduce_direct(buf, tag | (1 << 24), |acc, srcs| {
+            reduce_blocked(dtype, combine, acc, srcs)
+        })?;
+        if average {
             kernels::divide(dtype, buf, n)?;
         }
         Ok(())
     }
 
     /// The allreduce of the concatenation of `segs` where they lie (the caller checked that
-    /// every slice holds whole elements and that the total is above the direct threshold):
-    /// as [`Self::allreduce_inner`]'s reduce-scatter mode, the slices published into the slot
-    /// and the reduced shares gathered straight into them, so a fused group needs no packing;
-    /// `finish` (the caller's division and postscale) runs once, on this rank's share of each
-    /// chunk, before the share is published, so every byte is finished exactly once and the
-    /// peers copy it finished. `combine` is `op.combining()`: nothing here divides.
+    /// every slice holds whole elements and that the total is above the direct threshold): the
+    /// slices are published from and the reduced shares copied straight back into them, so a
+    /// fused group needs no packing; `finish` (the caller's division and postscale) runs on
+    /// this rank's shares only ([`Self::allreduce_shares`]). `combine` is `op.combining()`:
+    /// nothing here divides.
     pub(super) fn allreduce_segments_inner(
         &mut self,
         segs: &mut [&mut [u8]],
@@ -158,15 +98,32 @@ impl ShmComm {
         combine: ReduceOp,
         finish: &mut dyn FnMut(&mut [u8]) -> Result<()>,
     ) -> Result<()> {
-        let (n, me) = (self.size, self.rank);
-        let total: usize = segs.iter().map(|s| s.len()).sum();
         // Its own kind of allreduce: a rank that finishes the whole buffer after an ordinary
         // allreduce must not mix with ranks that finish shares.
         let tag = reduce_tag(TAG_ALLREDUCE, dtype, combine) | (2 << 24);
+        self.allreduce_shares(segs, dtype, combine, tag, finish)
+    }
+
+    /// The reduce-scatter mode of the allreduce (see *Protocol* in the parent module) over the
+    /// concatenation of `segs`, one slot-sized chunk a round: share r of each chunk is reduced
+    /// by rank r from its own slices and the peers' slots, then `finish`ed there (once per
+    /// byte over all ranks) and published; every rank copies the other shares straight into
+    /// its slices as each becomes ready.
+    fn allreduce_shares(
+        &mut self,
+        segs: &mut [&mut [u8]],
+        dtype: DType,
+        combine: ReduceOp,
+        tag: u64,
+        finish: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let total: usize = segs.iter().map(|s| s.len()).sum();
         let e = dtype.size();
         let mut c0 = 0usize;
         while c0 < total {
             let s = self.seg.layout.slot_bytes.min(total - c0);
+            // Share r of the chunk is reduced by rank r.
             let share = ((s / e).div_ceil(n) * e).div_ceil(64) * 64;
             let range = |r: usize| ((r * share).min(s), ((r + 1) * share).min(s));
             let (lo, hi) = range(me);
