@@ -215,9 +215,10 @@ pub struct Config {
     /// host tensors goes through its channel's fusion buffer a piece of at most this many
     /// bytes at a time, each piece packed, reduced and unpacked before the next, so that the
     /// buffer stays in cache instead of every fused byte making two extra trips through
-    /// memory (on one host the ranks' memory is the wire). Across hosts groups go whole: each
-    /// piece would pay the network's full collective latency. The engine agrees the
-    /// effective value at start-up, since it sets the collectives every rank runs.
+    /// memory (on one host the ranks' memory is the wire). Groups that the transport reduces
+    /// where they lie ([`Config::fused_in_place`]) skip the buffer. Across hosts groups go
+    /// whole: each piece would pay the network's full collective latency. The engine agrees
+    /// the effective value at start-up, since it sets the collectives every rank runs.
     pub stage_bytes: u64,
     /// How long the negotiation thread keeps polling for the next submission (yielding the
     /// core between polls) after a round that completed work, before it sleeps
