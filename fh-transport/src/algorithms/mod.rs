@@ -43,7 +43,7 @@ pub use allreduce::{
 pub(crate) use allreduce::{check_parts, divide_average_parts, fold_parts};
 pub use broadcast::{broadcast, BROADCAST_SCATTER_THRESHOLD_BYTES};
 pub use ring::{allgatherv, reduce_scatter};
-pub use segmented::allreduce_segments;
+pub use segmented::{allreduce_segments, allreduce_segments_packed};
 
 fn invalid(msg: String) -> TransportError {
     TransportError::InvalidArgument(msg)

@@ -117,17 +117,31 @@ pub fn allreduce_segments<C: Communicator + ?Sized>(
         return Ok(());
     }
     if AllreduceAlgorithm::Auto.resolve(total, elements, n) != AllreduceAlgorithm::Ring {
-        let mut buf = segs.concat();
-        comm.allreduce(&mut buf, dtype, combining)?;
-        finish(&mut buf)?;
-        let mut at = 0;
-        for s in segs.iter_mut() {
-            s.copy_from_slice(&buf[at..at + s.len()]);
-            at += s.len();
-        }
-        return Ok(());
+        return allreduce_segments_packed(comm, segs, dtype, op, finish);
     }
     ring(comm, segs, dtype, combining, elements, finish)
+}
+
+/// [`allreduce_segments`] through one packed buffer: the slices copied into it, allreduced
+/// ([`Communicator::allreduce`], combining with `op.combining()`), finished whole and copied
+/// back. For where reducing in place does not pay: a buffer small enough for one collective,
+/// or a world whose in-place form does not apply.
+pub fn allreduce_segments_packed<C: Communicator + ?Sized>(
+    comm: &mut C,
+    segs: &mut [&mut [u8]],
+    dtype: DType,
+    op: ReduceOp,
+    finish: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+) -> Result<()> {
+    let mut buf = segs.concat();
+    comm.allreduce(&mut buf, dtype, op.combining())?;
+    finish(&mut buf)?;
+    let mut at = 0;
+    for s in segs.iter_mut() {
+        s.copy_from_slice(&buf[at..at + s.len()]);
+        at += s.len();
+    }
+    Ok(())
 }
 
 /// The ring allreduce over the concatenation of `segs` (`elements` of `dtype` in all, at least

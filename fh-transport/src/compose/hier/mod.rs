@@ -412,15 +412,7 @@ impl Communicator for HierComm {
         }
         if self.topology.size == 1 || total == 0 || !self.homogeneous {
             // Packed, as the engine would have, where the lanes do not apply.
-            let mut buf = segs.concat();
-            self.allreduce(&mut buf, dtype, op.combining())?;
-            finish(&mut buf)?;
-            let mut at = 0;
-            for s in segs.iter_mut() {
-                s.copy_from_slice(&buf[at..at + s.len()]);
-                at += s.len();
-            }
-            return Ok(());
+            return algorithms::allreduce_segments_packed(self, segs, dtype, op, finish);
         }
         self.guarded(|c| {
             let segs = segs.iter_mut().map(|s| &mut **s).collect();

@@ -89,15 +89,7 @@ impl Communicator for ShmComm {
         }
         if total <= self.small {
             // One synchronisation for the whole buffer: packed, as a small allreduce.
-            let mut buf = segs.concat();
-            self.allreduce(&mut buf, dtype, op.combining())?;
-            finish(&mut buf)?;
-            let mut at = 0;
-            for s in segs.iter_mut() {
-                s.copy_from_slice(&buf[at..at + s.len()]);
-                at += s.len();
-            }
-            return Ok(());
+            return algorithms::allreduce_segments_packed(self, segs, dtype, op, finish);
         }
         self.guarded(|c| c.allreduce_segments_inner(segs, dtype, op.combining(), finish))
     }
