@@ -141,9 +141,34 @@ fn free_port() -> u16 {
     fh_job::launch::free_local_port().expect("an ephemeral port")
 }
 
+/// A port on 127.0.0.1, free a moment ago, below the kernel's ephemeral range
+/// (`ip_local_port_range`): the stranger below connects before rank 0 listens, and each of its
+/// connections takes a source port from the ephemeral range; one landing on the rendezvous
+/// port would connect to itself (TCP's self-connect) and hold the port, and so would any
+/// other test's connection in the meantime, failing rank 0's bind ("Address already in use").
+fn free_port_below_ephemeral() -> u16 {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let start = 10_000u16;
+    if low <= start + 100 {
+        return free_port(); // An unusual range: take what the kernel gives.
+    }
+    let span = low - start;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let seed = std::process::id() as u16 ^ nanos as u16;
+    (0..span)
+        .map(|i| start + seed.wrapping_add(i) % span)
+        .find(|&p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        .unwrap_or_else(free_port)
+}
+
 #[test]
 fn strangers_on_the_rendezvous_port_do_not_break_the_job() {
-    let port = free_port();
+    let port = free_port_below_ephemeral();
     let addr = format!("127.0.0.1:{port}");
     let stop = Arc::new(AtomicBool::new(false));
     let garbage_sent = Arc::new(AtomicUsize::new(0));
