@@ -19,9 +19,9 @@ pub(super) type Input<'a> = (&'a [&'a [u8]], Option<&'a [u8]>, &'a [&'a [u8]]);
 
 /// Calls `f(at, part)` for every part of the bytes `r` of the concatenation of `segs`, `at`
 /// being the part's offset from `r.start`.
-fn each_in(segs: &[&[u8]], r: Range<usize>, mut f: impl FnMut(usize, &[u8])) {
+fn each_in<S: AsRef<[u8]>>(segs: &[S], r: Range<usize>, mut f: impl FnMut(usize, &[u8])) {
     let mut off = 0;
-    for s in segs {
+    for s in segs.iter().map(AsRef::as_ref) {
         let (a, z) = (r.start.max(off), r.end.min(off + s.len()));
         if a < z {
             f(a - r.start, &s[a - off..z - off]);
@@ -129,18 +129,15 @@ impl ShmComm {
             let (lo, hi) = range(me);
             let (k, b) = self.begin_round("allreduce")?;
             let slot = self.seg.slot(me, b);
-            {
-                let shared: Vec<&[u8]> = segs.iter().map(|x| &**x).collect();
-                // SAFETY: our own slot, not read by anyone before we post round k
-                // (begin_round ensured everyone finished with this buffer); every part lies
-                // within [0, s) of it and `s <= slot_bytes`.
-                each_in(&shared, c0..c0 + lo, |at, part| unsafe {
-                    put(slot.add(at), part)
-                });
-                each_in(&shared, c0 + hi..c0 + s, |at, part| unsafe {
-                    put(slot.add(hi + at), part)
-                });
-            }
+            // SAFETY: our own slot, not read by anyone before we post round k (begin_round
+            // ensured everyone finished with this buffer); every part lies within [0, s) of it
+            // and `s <= slot_bytes`.
+            each_in(segs, c0..c0 + lo, |at, part| unsafe {
+                put(slot.add(at), part)
+            });
+            each_in(segs, c0 + hi..c0 + s, |at, part| unsafe {
+                put(slot.add(hi + at), part)
+            });
             let meta = [tag, total as u64, s as u64];
             self.post(k, b, &meta);
             self.for_each_posted("allreduce", k, |j| self.check_meta(j, b, &meta))?;
